@@ -1,0 +1,288 @@
+"""ServingSettings: the single source of truth for configuration.
+
+Precedence, highest first: explicit arguments / CLI flags > environment (``PYPTO_SERVING_*``, nested
+with ``__``) > the TOML or YAML file named by ``config_file`` (``--config``) > defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+__all__ = ["ServingSettings", "SettingsError", "SpeculativeConfig", "add_settings_arguments"]
+
+ENV_PREFIX = "PYPTO_SERVING_"
+
+
+class SettingsError(ValueError):
+    """Invalid configuration: the message names the field, the value, its source and what is allowed."""
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding, as vLLM spells it: ``{"method": "mtp", "num_speculative_tokens": 2}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["mtp", "fake"] = Field(
+        "mtp", description="Drafting method: 'mtp' uses the checkpoint's multi-token-prediction layers."
+    )
+    num_speculative_tokens: int = Field(
+        1, ge=1, le=8, description="Draft tokens k per decode step (1..8)."
+    )
+    policy: str = Field(
+        "greedy",
+        description="Speculative-token policy plugin deciding k per request and step ('greedy', 'none').",
+    )
+
+
+class _FileSettingsSource(PydanticBaseSettingsSource):
+    """Reads the TOML/YAML file whose path came in through the higher-priority sources."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path | None) -> None:
+        super().__init__(settings_cls)
+        self.path = path
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        if self.path is None:
+            return {}
+        return read_config_file(self.path)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise SettingsError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise SettingsError(f"config file {str(path)!r}: use a .toml, .yaml or .yml file")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise SettingsError(f"config file {str(path)!r} is not valid: {e}") from e
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {str(path)!r} must hold a table of settings")
+    unknown = sorted(set(data) - set(ServingSettings.model_fields))
+    if unknown:
+        raise SettingsError(
+            f"config file {str(path)!r}: unknown setting(s) {', '.join(unknown)}; "
+            f"run 'pypto-serving config show' for the list"
+        )
+    return data
+
+
+class ServingSettings(BaseSettings):
+    """Every knob of the engine, server and plugins. See docs/configuration.md."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+        protected_namespaces=(),
+    )
+
+    config_file: Path | None = Field(None, description="TOML or YAML file with settings (lowest precedence).")
+
+    # -- model & plugins
+    model: str | None = Field(None, description="Local Hugging Face model directory to serve.")
+    served_model_name: str | None = Field(
+        None, description="Model name reported by the API (default: the model directory's name)."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model directory).")
+    executor: str = Field("auto", description="Executor plugin name; 'auto' picks by config.json architectures.")
+    scheduler: str = Field("auto", description="Scheduling strategy plugin: 'auto', 'sync', 'async' or a third-party name.")
+    async_scheduling: bool | None = Field(
+        None,
+        description="Alias of scheduler: true = 'async', false = 'sync', unset = async where the executor supports it.",
+    )
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="Speculative decoding, e.g. {method = 'mtp', num_speculative_tokens = 2}; unset = off."
+    )
+    executor_options: dict[str, Any] = Field(default_factory=dict, description="Options for the executor plugin.")
+    scheduler_options: dict[str, Any] = Field(default_factory=dict, description="Options for the scheduler plugin.")
+
+    # -- capacity & batching
+    max_model_len: int | None = Field(
+        None, gt=0, description="Longest prompt + output in tokens (default: the checkpoint's limit)."
+    )
+    max_num_seqs: int = Field(64, gt=0, description="Most requests running in one step.")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="Most tokens computed in one step.")
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="Cap on one request's prefill chunk per step (0 = no cap beyond the budget)."
+    )
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts over several steps.")
+    block_size: int = Field(16, gt=0, description="Tokens per KV cache block.")
+    num_kv_blocks: int | None = Field(
+        None, gt=0, description="KV cache blocks per cache group (overrides kv_cache_memory)."
+    )
+    kv_cache_memory: int = Field(
+        512 * 1024**2, gt=0, description="Bytes of device memory for the KV cache when num_kv_blocks is unset."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+
+    # -- device & worker
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight/activation dtype; 'auto' follows torch_dtype in config.json."
+    )
+    device: str = Field("auto", description="'auto' (npu > cuda > cpu), 'cpu', 'cuda', 'cuda:N' or 'npu'.")
+    tensor_parallel_size: int = Field(1, ge=1, le=1, description="Tensor-parallel ranks (only 1 is built so far).")
+    worker_mode: Literal["process", "inproc"] = Field(
+        "process", description="Run the executor in its own spawned process, or in-process for debugging."
+    )
+    step_timeout: float = Field(600.0, gt=0, description="Seconds one step may take before the worker is declared hung.")
+    seed: int = Field(0, description="Seed for model initialisation and unseeded sampling.")
+
+    # -- server
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port).")
+    api_key: list[str] = Field(default_factory=list, description="Accepted Bearer keys; empty = no auth.")
+    protect_metrics: bool = Field(False, description="Require the API key for /metrics too.")
+    max_request_body_bytes: int = Field(1024**2, gt=0, description="Largest accepted HTTP body.")
+    max_waiting_requests: int = Field(1024, gt=0, description="Waiting-queue length beyond which requests get 503.")
+    shutdown_timeout: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level.")
+
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [k for k in v.split(",") if k]
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _FileSettingsSource(settings_cls, _config_path(init_settings, env_settings))
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> ServingSettings:
+        """Build settings from every source, raising :class:`SettingsError` with the culprit's origin."""
+        if config_file is not None:
+            overrides["config_file"] = Path(config_file)
+        init = InitSettingsSource(cls, init_kwargs=overrides)
+        env = EnvSettingsSource(cls)
+        layers = [
+            ("explicit argument", init()),
+            ("environment", env()),
+            (f"config file {_config_path(init, env)}", _FileSettingsSource(cls, _config_path(init, env))()),
+        ]
+        try:
+            settings = cls(**overrides)
+        except ValidationError as e:
+            raise SettingsError(_explain(e, layers)) from None
+        settings._sources = {
+            name: next((src for src, data in layers if name in data), "default") for name in cls.model_fields
+        }
+        return settings
+
+    def source_of(self, name: str) -> str:
+        """Where the effective value of a setting came from (filled by :meth:`load`)."""
+        return self._sources.get(name, "explicit argument" if name in self.model_fields_set else "default")
+
+    def effective_scheduler(self) -> str:
+        """Resolve the ``async_scheduling`` alias against ``scheduler``."""
+        if self.async_scheduling is None:
+            return self.scheduler
+        wanted = "async" if self.async_scheduling else "sync"
+        if self.scheduler not in ("auto", wanted):
+            raise SettingsError(
+                f"scheduler={self.scheduler!r} contradicts async_scheduling={self.async_scheduling}; set one of them"
+            )
+        return wanted
+
+
+def _config_path(init: PydanticBaseSettingsSource, env: PydanticBaseSettingsSource) -> Path | None:
+    for source in (init, env):
+        value = source().get("config_file")
+        if value:
+            return Path(value)
+    return None
+
+
+def _explain(error: ValidationError, layers: list[tuple[str, dict[str, Any]]]) -> str:
+    lines = []
+    for err in error.errors():
+        loc = [str(p) for p in err["loc"]]
+        field = loc[0] if loc else "?"
+        source = next((src for src, data in layers if field in data), "default")
+        if source == "environment":
+            source = f"environment variable {ENV_PREFIX}{field.upper()}"
+        shown = err.get("input")
+        allowed = err["msg"]
+        info = ServingSettings.model_fields.get(field)
+        hint = f" ({info.description})" if info is not None and info.description else ""
+        if err["type"] == "extra_forbidden":
+            allowed = "unknown setting; run 'pypto-serving config show' for the list"
+            hint = ""
+        lines.append(f"invalid setting {'.'.join(loc)}={shown!r} from {source}: {allowed}{hint}")
+    return "\n".join(lines)
+
+
+def _flag_type(annotation: Any) -> str:
+    text = str(annotation)
+    if "dict" in text or "SpeculativeConfig" in text:
+        return "json"
+    if text in ("bool", "<class 'bool'>") or "bool" in text:
+        return "bool"
+    return "str"
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every setting as a ``--kebab-case`` flag; values stay strings for pydantic to validate."""
+    group = parser.add_argument_group("settings (each also PYPTO_SERVING_<NAME> or a config-file key)")
+    for name, info in ServingSettings.model_fields.items():
+        if name == "config_file":
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind = _flag_type(info.annotation)
+        help_text = (info.description or "") + (" (JSON)" if kind == "json" else "")
+        if name == "model":
+            continue  # added by the subcommands that take a model, positionally or as --model
+        group.add_argument(flag, dest=f"setting_{name}", default=None, metavar=kind.upper(), help=help_text)
+
+
+def settings_from_args(args: argparse.Namespace) -> ServingSettings:
+    """Collect ``--flag`` values (only those given) and load settings with them as the top layer."""
+    overrides: dict[str, Any] = {}
+    for name, info in ServingSettings.model_fields.items():
+        value = getattr(args, f"setting_{name}", None)
+        if value is None:
+            continue
+        if _flag_type(info.annotation) == "json":
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise SettingsError(f"invalid setting {name}={value!r} from command-line flag: not JSON ({e})") from None
+        overrides[name] = value
+    model = getattr(args, "model", None)
+    if model is not None:
+        overrides["model"] = model
+    return ServingSettings.load(config_file=getattr(args, "config", None), **overrides)

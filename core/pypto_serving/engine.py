@@ -1,0 +1,402 @@
+"""EngineCore (one step loop driven by a scheduling strategy plugin) and LLM (the offline API)."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import random
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import ServingSettings, SettingsError
+from .executor import StepResult, WorkerClient, WorkerDiedError
+from .kv_cache import KVCacheManager
+from .plugins import PluginError, PluginManager
+from .request import CompletionOutput, Request, RequestOutput, SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+__all__ = ["LLM", "EngineCore", "EngineDeadError"]
+
+logger = logging.getLogger(__name__)
+PromptType = str | list[int]
+
+
+class EngineDeadError(RuntimeError):
+    """The worker died or the engine failed; no more requests can be served."""
+
+
+@dataclass(slots=True)
+class _UserRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    reported_finished: bool = False
+    created: float = field(default_factory=time.time)
+
+    def output(self) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=i,
+                token_ids=list(c.output_token_ids),
+                text=c.detokenizer.text if c.detokenizer is not None else "",
+                finish_reason=c.finish_reason,
+                stop_reason=c.detokenizer.stopped_at if c.detokenizer is not None and c.detokenizer.stopped_at
+                else c.stop_reason,
+                logprobs=list(c.output_logprobs) if c.sampling_params.logprobs is not None else None,
+            )
+            for i, c in enumerate(self.children)
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outs,
+            finished=all(c.is_finished for c in self.children),
+            num_cached_tokens=self.children[0].num_cached_tokens,
+            metrics=self.children[0].metrics,
+        )
+
+
+def read_architecture(model: str | None) -> str | None:
+    if model is None:
+        return None
+    cfg = Path(model) / "config.json"
+    if not Path(model).is_dir():
+        raise SettingsError(f"model directory {model!r} does not exist")
+    if not cfg.is_file():
+        raise SettingsError(f"model directory {model!r} has no config.json")
+    archs = json.loads(cfg.read_text()).get("architectures") or []
+    return archs[0] if archs else None
+
+
+class EngineCore:
+    """Owns the scheduler, the KV accounting and the worker; a strategy plugin drives the steps."""
+
+    def __init__(self, settings: ServingSettings, plugins: PluginManager | None = None) -> None:
+        self.settings = settings
+        self.plugins = plugins or PluginManager()
+        self.plugins.check_healthy()
+        exec_spec = self.plugins.select_executor(settings.executor, read_architecture(settings.model))
+        sched_name = settings.effective_scheduler()
+        if sched_name != "auto":
+            self.plugins.select_scheduler(sched_name)  # fail early, before loading a model
+        if settings.speculative_config is not None:
+            self.plugins.select_spec_policy(settings.speculative_config.policy)
+        self.plugins.configure(settings)
+        self.dead_reason: str | None = None
+        self.worker = WorkerClient(exec_spec.factory, settings, mode=settings.worker_mode, timeout=settings.step_timeout)
+        try:
+            self._setup(exec_spec.name, sched_name)
+        except BaseException:
+            self.worker.close()
+            raise
+
+    def _setup(self, executor_name: str, sched_name: str) -> None:
+        settings = self.settings
+        info = self.info = self.worker.info
+        if sched_name == "auto":
+            sched_name = "async" if info.supports_pipelining and "async" in self.plugins.schedulers.specs else "sync"
+        sched_spec = self.plugins.select_scheduler(sched_name)
+        if sched_spec.pipelined and not info.supports_pipelining:
+            raise PluginError(
+                f"scheduler {sched_name!r} pipelines steps, but executor {executor_name!r} cannot; "
+                "set async_scheduling = false"
+            )
+        self.scheduler_name = sched_name
+        spec_cfg = settings.speculative_config
+        if spec_cfg is not None:
+            if info.max_draft_tokens < 1:
+                raise PluginError(f"executor {executor_name!r} cannot draft tokens; unset speculative_config")
+            policy = self.plugins.select_spec_policy(spec_cfg.policy).factory(settings)
+        else:
+            policy = self.plugins.select_spec_policy("none").factory(settings)
+            info.max_draft_tokens = 0
+        num_blocks = {}
+        for g in info.cache_groups:
+            n = settings.num_kv_blocks or settings.kv_cache_memory // max(1, sum(x.bytes_per_block for x in info.cache_groups))
+            num_blocks[g.name] = max(1, int(n))
+        self.worker.init_kv_cache(num_blocks)
+        self.kv = KVCacheManager(info.cache_groups, num_blocks, enable_prefix_caching=settings.enable_prefix_caching)
+        self.max_model_len = min(settings.max_model_len or info.max_model_len, info.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                settings.max_num_seqs,
+                settings.max_num_batched_tokens,
+                self.max_model_len,
+                settings.long_prefill_token_threshold,
+                settings.enable_chunked_prefill,
+            ),
+            self.kv,
+            info,
+            policy,
+            on_token=_detok_on_token,
+        )
+        self.tokenizer: Tokenizer | None = load_tokenizer(settings.tokenizer or settings.model)
+        self.eos_token_ids = tuple(info.eos_token_ids) or (
+            (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
+        )
+        self._users: dict[str, _UserRequest] = {}
+        self._child_to_user: dict[str, str] = {}
+        self._rng = random.Random(settings.seed)
+        self._touched: set[str] = set()
+        self.strategy = sched_spec.factory(self)
+        logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_name, num_blocks)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self._users:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text: str | None = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer.json in the model directory; pass token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.info.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer.json in the model directory")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
+            )
+        children = []
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            if i and params.seed is not None:
+                seed = (seed * 0x9E3779B1 + i) % 2**63
+            req = Request(child_id, ids, params, self.eos_token_ids, sample_seed=seed)
+            if self.tokenizer is not None:
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+            children.append(req)
+        for req in children:
+            self.scheduler.add_request(req)  # validates; nothing is admitted until the next step
+        self._users[request_id] = _UserRequest(request_id, text, ids, children)
+        for req in children:
+            self._child_to_user[req.request_id] = request_id
+
+    def abort(self, request_id: str) -> None:
+        user = self._users.get(request_id)
+        if user is None:
+            return
+        self.scheduler.abort([c.request_id for c in user.children])
+        self._touched.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._users)
+
+    # ------------------------------------------------------------------ steps (used by strategies)
+    def step(self) -> list[RequestOutput]:
+        """One strategy step; returns the outputs of user requests that changed."""
+        if self.dead_reason is None:
+            try:
+                self.strategy.step()
+            except WorkerDiedError as e:
+                self._die(str(e))
+        return self._collect()
+
+    def schedule(self) -> SchedulerOutput | None:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self.scheduler.finished_ids[:0] = out.command.finished_ids  # tell the worker next time
+            return None
+        return out
+
+    def submit(self, out: SchedulerOutput) -> None:
+        self.worker.submit(out.command)
+
+    def wait_result(self) -> StepResult:
+        return self.worker.get_result()
+
+    def apply(self, out: SchedulerOutput, result: StepResult) -> None:
+        """Apply a step result; a failed step fails the requests it carried."""
+        if result.error is not None:
+            failed = self.scheduler.fail([i.request.request_id for i in out.items], f"step failed: {result.error}")
+            logger.error("step %d failed: %s", result.step_id, result.error)
+            self._touch(failed)
+            return
+        touched = self.scheduler.update(out, result)
+        now = time.monotonic()
+        for req in touched:
+            if req.output_token_ids:
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                req.metrics.last_token_time = now
+        self._touch(touched)
+
+    def fail_requests(self, out: SchedulerOutput, error: str) -> None:
+        self._touch(self.scheduler.fail([i.request.request_id for i in out.items], error))
+
+    def _touch(self, reqs: Sequence[Request]) -> None:
+        for r in reqs:
+            uid = self._child_to_user.get(r.request_id)
+            if uid is not None:
+                self._touched.add(uid)
+
+    def _die(self, reason: str) -> None:
+        logger.error("engine failed: %s", reason)
+        self.dead_reason = reason
+        live = [r.request_id for r in self.scheduler.live_requests()]
+        self._touch(self.scheduler.fail(live, reason))
+
+    def _collect(self) -> list[RequestOutput]:
+        outs = []
+        for uid in sorted(self._touched, key=lambda u: self._users[u].created if u in self._users else 0):
+            user = self._users.get(uid)
+            if user is None:
+                continue
+            out = user.output()
+            outs.append(out)
+            if out.finished:
+                del self._users[uid]
+                for c in user.children:
+                    self._child_to_user.pop(c.request_id, None)
+        self._touched.clear()
+        return outs
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": s.num_preemptions,
+            "kv_usage": self.kv.usage,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "spec_drafted": s.num_drafted,
+            "spec_accepted": s.num_accepted,
+            "spec_accepted_per_pos": list(s.accepted_per_pos),
+            "num_steps": s.num_steps,
+        }
+
+    def shutdown(self) -> None:
+        drain = getattr(self.strategy, "drain", None) if hasattr(self, "strategy") else None
+        if drain is not None and self.dead_reason is None:
+            try:
+                drain()
+            except Exception:  # shutting down anyway
+                pass
+        self.worker.close()
+
+
+def _detok_on_token(req: Request, token: int) -> bool:
+    return bool(req.detokenizer.append(token)) if req.detokenizer is not None else False
+
+
+class LLM:
+    """Offline generation: ``LLM(model=dir, **settings).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str | None = None, *, plugins: PluginManager | None = None, **settings: Any) -> None:
+        if model is not None:
+            settings["model"] = str(model)
+        self.settings = ServingSettings.load(**settings)
+        self.engine: EngineCore | None = EngineCore(self.settings, plugins)
+        self._ids = 0
+        self_ref = weakref.ref(self)
+        self._atexit = lambda: (lambda s: s.shutdown() if s is not None else None)(self_ref())
+        atexit.register(self._atexit)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._engine().tokenizer
+
+    def _engine(self) -> EngineCore:
+        if self.engine is None:
+            raise EngineDeadError("this LLM was shut down")
+        return self.engine
+
+    def default_sampling_params(self) -> SamplingParams:
+        d = self._engine().info.generation_defaults
+        return SamplingParams(**{k: v for k, v in d.items() if k in ("temperature", "top_p", "top_k", "min_p")})
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order."""
+        engine = self._engine()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        params = (
+            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params) != len(prompt_list):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompt_list)} prompts")
+        ids = []
+        for p, sp in zip(prompt_list, params):
+            rid = f"gen-{self._ids}"
+            self._ids += 1
+            engine.add_request(rid, p, sp)
+            ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if engine.dead_reason is not None and len(results) < len(ids):
+                    raise EngineDeadError(engine.dead_reason)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the checkpoint's chat template and generate."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer.json with a chat template in the model directory")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptType] = [
+            tok.encode(tok.apply_chat_template(c, add_generation_prompt=True, **template_kwargs))  # type: ignore[arg-type]
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def shutdown(self) -> None:
+        """Stop the worker process and free its memory (also on context exit and interpreter exit)."""
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
+        atexit.unregister(self._atexit)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+

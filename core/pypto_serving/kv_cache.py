@@ -1,0 +1,193 @@
+"""Paged KV cache accounting: block pools per cache group, ref counts, LRU reuse and prefix caching.
+
+Only bookkeeping lives here; the tensors live in the worker. A block whose ref count drops to zero
+goes to the tail of its pool's free queue but keeps its hash, so a later request with the same
+prefix can take it back (a prefix-cache hit) until the block is handed out again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .executor import CacheGroupSpec
+from .request import Request
+
+__all__ = ["BlockPool", "KVCacheManager", "NoFreeBlocksError"]
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class BlockPool:
+    """One group's blocks. ``free`` is ordered least recently freed first (evicted first)."""
+
+    num_blocks: int
+    ref_cnt: list[int] = field(init=False)
+    block_hash: list[int | None] = field(init=False)
+    free: OrderedDict[int, None] = field(init=False)
+    cached: dict[int, int] = field(default_factory=dict)  # hash -> block id
+
+    def __post_init__(self) -> None:
+        self.ref_cnt = [0] * self.num_blocks
+        self.block_hash = [None] * self.num_blocks
+        self.free = OrderedDict.fromkeys(range(self.num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise NoFreeBlocksError(f"need {n} blocks, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            block, _ = self.free.popitem(last=False)
+            h = self.block_hash[block]
+            if h is not None:  # evict its cached content
+                del self.cached[h]
+                self.block_hash[block] = None
+            self.ref_cnt[block] = 1
+            out.append(block)
+        return out
+
+    def take_cached(self, block: int) -> None:
+        """A prefix hit: share a cached block (reviving it from the free queue if unreferenced)."""
+        if self.ref_cnt[block] == 0:
+            del self.free[block]
+        self.ref_cnt[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        # Release tail-first so a request's last blocks are evicted before its shared prefix.
+        for block in reversed(blocks):
+            self.ref_cnt[block] -= 1
+            assert self.ref_cnt[block] >= 0, f"block {block} released twice"
+            if self.ref_cnt[block] == 0:
+                self.free[block] = None
+
+    def publish(self, block: int, h: int) -> None:
+        if h in self.cached or self.block_hash[block] is not None:
+            return  # an identical block is already cached, or this one already is
+        self.block_hash[block] = h
+        self.cached[h] = block
+
+
+class KVCacheManager:
+    """Block accounting for every cache group of the executor."""
+
+    def __init__(
+        self, groups: Sequence[CacheGroupSpec], num_blocks: dict[str, int], *, enable_prefix_caching: bool = True
+    ) -> None:
+        self.groups = list(groups)
+        self.pools = {g.name: BlockPool(num_blocks[g.name]) for g in self.groups}
+        # A hit must be restorable in every group, so one group without exact caching disables it.
+        self.prefix_caching = enable_prefix_caching and all(g.prefix_caching for g in self.groups)
+        self._hash_unit = math.lcm(*(g.tokens_per_block for g in self.groups))
+        self._hashes: dict[str, dict[str, list[int]]] = {}  # request -> group -> block hashes
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, found cached
+
+    # -- capacity
+    def blocks_needed(self, group: CacheGroupSpec, num_tokens: int) -> int:
+        return math.ceil(math.ceil(num_tokens / group.tokens_per_entry) / group.block_size)
+
+    @property
+    def usage(self) -> float:
+        total = sum(p.num_blocks for p in self.pools.values())
+        return 1.0 - sum(p.num_free for p in self.pools.values()) / total if total else 0.0
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return all(self.blocks_needed(g, num_tokens) <= self.pools[g.name].num_blocks for g in self.groups)
+
+    # -- prefix cache
+    def _chain_hashes(self, request: Request, group: CacheGroupSpec, num_tokens: int) -> list[int]:
+        """Chained hashes of the request's full blocks covering its first ``num_tokens`` tokens."""
+        known = self._hashes.setdefault(request.request_id, {}).setdefault(group.name, [])
+        tpb = group.tokens_per_block
+        tokens = request.all_token_ids
+        parent = known[-1] if known else hash((group.name,))
+        for i in range(len(known), num_tokens // tpb):
+            parent = hash((parent, tuple(tokens[i * tpb : (i + 1) * tpb])))
+            known.append(parent)
+        return known
+
+    def find_cached_prefix(self, request: Request) -> int:
+        """Take the longest cached prefix for a fresh request; returns the tokens it covers.
+
+        The hit never covers the last prompt token, so the first output is always computed."""
+        if not self.prefix_caching or any(request.block_ids.get(g.name) for g in self.groups):
+            return 0
+        limit = (request.num_tokens - 1) // self._hash_unit * self._hash_unit
+        self.prefix_queries += request.num_prompt_tokens
+        hit = limit
+        found: dict[str, list[int]] = {}
+        for g in self.groups:
+            pool = self.pools[g.name]
+            blocks = []
+            for h in self._chain_hashes(request, g, limit):
+                b = pool.cached.get(h)
+                if b is None:
+                    break
+                blocks.append(b)
+            found[g.name] = blocks
+            hit = min(hit, len(blocks) * g.tokens_per_block // self._hash_unit * self._hash_unit)
+        if hit == 0:
+            return 0
+        for g in self.groups:
+            blocks = found[g.name][: hit // g.tokens_per_block]
+            for b in blocks:
+                self.pools[g.name].take_cached(b)
+            request.block_ids[g.name] = list(blocks)
+        self.prefix_hits += hit
+        return hit
+
+    def publish(self, request: Request, num_tokens: int) -> None:
+        """Make the full blocks among the request's first ``num_tokens`` (confirmed) tokens reusable."""
+        if not self.prefix_caching:
+            return
+        num_tokens = min(num_tokens, request.num_tokens)
+        for g in self.groups:
+            blocks = request.block_ids.get(g.name, [])
+            pool = self.pools[g.name]
+            for block, h in zip(blocks, self._chain_hashes(request, g, num_tokens)):
+                pool.publish(block, h)
+
+    # -- allocation
+    def allocate(self, request: Request, num_tokens: int) -> bool:
+        """Grow the request's blocks so it can hold ``num_tokens`` tokens; all groups or none."""
+        need = {}
+        for g in self.groups:
+            have = len(request.block_ids.get(g.name, []))
+            need[g.name] = max(0, self.blocks_needed(g, num_tokens) - have)
+            if need[g.name] > self.pools[g.name].num_free:
+                return False
+        for g in self.groups:
+            if need[g.name]:
+                request.block_ids.setdefault(g.name, []).extend(self.pools[g.name].allocate(need[g.name]))
+        return True
+
+    def free(self, request: Request) -> None:
+        for g in self.groups:
+            self.pools[g.name].release(request.block_ids.get(g.name, []))
+        request.block_ids = {}
+        self._hashes.pop(request.request_id, None)
+
+    # -- invariants
+    def check_invariants(self, live: Sequence[Request]) -> None:
+        """free + in use == total; ref counts equal owners; no freed block owned."""
+        for g in self.groups:
+            pool = self.pools[g.name]
+            owners = [0] * pool.num_blocks
+            for r in live:
+                for b in r.block_ids.get(g.name, []):
+                    owners[b] += 1
+            assert owners == pool.ref_cnt, f"group {g.name}: ref counts {pool.ref_cnt} != owners {owners}"
+            in_use = sum(1 for c in pool.ref_cnt if c > 0)
+            assert in_use + pool.num_free == pool.num_blocks, f"group {g.name}: free + in use != total"
+            assert all(pool.ref_cnt[b] == 0 for b in pool.free), f"group {g.name}: a free block is owned"
+            for h, b in pool.cached.items():
+                assert pool.block_hash[b] == h, f"group {g.name}: cache map out of sync at block {b}"

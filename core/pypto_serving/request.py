@@ -1,0 +1,192 @@
+"""Requests: sampling parameters, per-request state the scheduler owns, and the outputs users get."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CompletionOutput",
+    "FinishReason",
+    "Request",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Invalid values raise ``ValueError`` naming the field."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(self.top_k >= 0, "top_k", self.top_k, "-1, 0 (off) or a positive integer")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        _check(0 < self.repetition_penalty <= 2, "repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            "<= max_tokens",
+        )
+        _check(self.n >= 1, "n", self.n, ">= 1")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "in [0, 20]")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "token ids >= 0")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "in [0, 2**63)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_EOS = "finished_eos"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_STOP = "finished_stop"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+FinishReason = str  # "stop" | "length" | "abort" | "error" (OpenAI's vocabulary)
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_EOS: "stop",
+    RequestStatus.FINISHED_STOP: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Scheduler-side state of one sequence (one of the ``n`` choices of a user request)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_index: int = 0  # FCFS order; preemption picks the highest
+    sample_seed: int = 0  # the user's seed, or one the engine drew: sampling is a function of it
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Tokens sampled in steps still in flight (async scheduling) that are not yet appended.
+    num_output_placeholders: int = 0
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+    stop_reason: str | int | None = None
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Set by the engine: an incremental detokenizer used for stop strings and text output.
+    detokenizer: Any = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self.status)
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        mt = self.sampling_params.max_tokens
+        return None if mt is None else self.num_prompt_tokens + mt
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What a user request produced so far (vLLM-shaped)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

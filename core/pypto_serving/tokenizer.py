@@ -1,0 +1,114 @@
+"""Tokenizer loading (tokenizer.json via the ``tokenizers`` library), chat templates rendered in a
+sandboxed jinja environment, and an incremental detokenizer for streaming and stop strings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "load_tokenizer"]
+
+
+class Tokenizer:
+    """A Hugging Face ``tokenizer.json`` plus the bits of ``tokenizer_config.json`` serving needs."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"tokenizer file {file} not found")
+        self._tok = _HFTokenizer.from_file(str(file))
+        cfg: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").is_file():
+            cfg = json.loads((path / "tokenizer_config.json").read_text())
+        self.chat_template: str | None = cfg.get("chat_template")
+        if self.chat_template is None and (path / "chat_template.jinja").is_file():
+            self.chat_template = (path / "chat_template.jinja").read_text()
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.special_ids = {
+            i for i, t in self._tok.get_added_tokens_decoder().items() if getattr(t, "special", False)
+        }
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kw,
+        )
+
+
+def _raise(msg: str) -> None:
+    raise ValueError(f"chat template error: {msg}")
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer | None:
+    """The tokenizer of a model directory, or None when it ships no tokenizer.json."""
+    if path is None or not (Path(path) / "tokenizer.json").is_file():
+        return None
+    return Tokenizer(Path(path))
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list in O(total length): each step decodes only a short window
+    (from ``prefix`` to the end) and emits the text past what the window already produced. Text that
+    ends in an incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True
+    ) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_ids[-6:])  # a little context so the first word decodes with its spacing
+        self.prefix = 0
+        self.read = len(self.ids)
+        self.text = ""
+        self.stop = stop
+        self.max_stop = max((len(s) for s in stop), default=0)
+        self.stopped_at: str | None = None
+
+    def append(self, token: int) -> bool:
+        """Add one token; returns True when a stop string now appears (the text is cut before it)."""
+        self.ids.append(token)
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
+        full = self.tok.decode(self.ids[self.prefix :], self.skip)
+        if len(full) <= len(prefix_text) or full.endswith("\ufffd"):
+            return False
+        new = full[len(prefix_text) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        start = max(0, len(self.text) - self.max_stop + 1)
+        self.text += new
+        if self.stop:
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) != -1]
+            if hits:
+                i, s = min(hits)
+                self.text = self.text[:i]
+                self.stopped_at = s
+                return True
+        return False

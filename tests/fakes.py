@@ -1,0 +1,142 @@
+"""A deterministic fake executor, registered through the real hook by the tests.
+
+Its "KV cache" stores the token id written at every slot, and the next token is a function of the
+whole sequence *read back from the cache through the block table*. Any scheduling bug (wrong
+positions, block tables, slot mappings, prefix reuse, a lost chunk) therefore changes the output.
+
+Options (``executor_options``): ``vocab``, ``eos``, ``max_model_len``, ``max_draft`` (drafting depth),
+``draft_error_rate`` (fraction of wrong drafts, seeded by context), ``fail_on_token`` (raise in a
+step whose input holds it), ``crash_on_token`` (kill the worker process), ``nan_on_token`` (NaN
+logits for the request whose last input is it), ``pipelining`` (supports async), ``barrier``,
+``uniform`` (all-prefill or all-decode steps), ``step_sleep`` (seconds per step).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from typing import Any
+
+import torch
+
+from pypto_serving import (
+    BatchInput,
+    CacheGroupSpec,
+    Executor,
+    ExecutorInfo,
+    ExecutorSpec,
+    hookimpl,
+)
+
+
+def next_token(ctx: list[int], vocab: int) -> int:
+    acc = len(ctx)
+    for i, t in enumerate(ctx):
+        acc = (acc * 31 + t * (i + 7)) % 1_000_003
+    return acc % vocab
+
+
+class FakeExecutor(Executor):
+    def __init__(self, settings: Any) -> None:
+        self.opts = dict(settings.executor_options)
+        self.vocab = int(self.opts.get("vocab", 97))
+        self.block_size = settings.block_size
+        self.device = "cpu"
+
+    def load(self) -> ExecutorInfo:
+        o = self.opts
+        return ExecutorInfo(
+            cache_groups=[CacheGroupSpec("kv", self.block_size, bytes_per_block=self.block_size * 8)],
+            vocab_size=self.vocab,
+            max_model_len=int(o.get("max_model_len", 512)),
+            eos_token_ids=[int(o["eos"])] if "eos" in o else [],
+            architecture="FakeForCausalLM",
+            supports_pipelining=bool(o.get("pipelining", True)),
+            uniform_batches=bool(o.get("uniform", False)),
+            max_draft_tokens=int(o.get("max_draft", 0)),
+            prefill_barrier=bool(o.get("barrier", False)),
+        )
+
+    def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
+        self.cache = torch.full((num_blocks["kv"] * self.block_size,), -1, dtype=torch.long)
+
+    def _context(self, table: torch.Tensor, upto: int) -> list[int]:
+        pos = torch.arange(upto)
+        slots = table.long()[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.cache[slots].tolist()
+
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        o = self.opts
+        ids = batch.input_ids.tolist()
+        if "crash_on_token" in o and int(o["crash_on_token"]) in ids:
+            os._exit(17)
+        if "fail_on_token" in o and int(o["fail_on_token"]) in ids:
+            raise RuntimeError("fake executor asked to fail")
+        if o.get("step_sleep"):
+            time.sleep(float(o["step_sleep"]))
+        self.cache[batch.slot_mapping["kv"]] = batch.input_ids
+        rows = []
+        qsl = batch.query_start_loc.tolist()
+        pos = batch.positions.tolist()
+        for r in range(len(batch.request_ids)):
+            n = batch.num_logits[r]
+            for t in range(qsl[r + 1] - n, qsl[r + 1]):
+                ctx = self._context(batch.block_tables["kv"][r], pos[t] + 1)
+                row = torch.tensor([((v * 7919 + len(ctx)) % 101) / 50.0 for v in range(self.vocab)])
+                row[next_token(ctx, self.vocab)] = 10.0
+                if "nan_on_token" in o and ids[t] == int(o["nan_on_token"]):
+                    row[0] = float("nan")
+                rows.append(row)
+        return torch.stack(rows) if rows else torch.empty(0, self.vocab)
+
+    def propose_drafts(self, batch: BatchInput, accepted: list[list[int]]) -> list[list[int]]:
+        k = int(self.opts.get("max_draft", 0))
+        err = float(self.opts.get("draft_error_rate", 0.0))
+        out: list[list[int]] = []
+        qsl = batch.query_start_loc.tolist()
+        pos = batch.positions.tolist()
+        for r, acc in enumerate(accepted):
+            if not acc or k == 0:
+                out.append([])
+                continue
+            n = batch.num_logits[r]
+            first = qsl[r + 1] - n  # row of the last sampled token's input
+            ctx = self._context(batch.block_tables["kv"][r], pos[first] + len(acc)) + [acc[-1]]
+            rng = random.Random(hash(tuple(ctx)))
+            drafts = []
+            for _ in range(k):
+                t = next_token(ctx, self.vocab)
+                if rng.random() < err:
+                    t = (t + 1) % self.vocab
+                drafts.append(t)
+                ctx = [*ctx, t]
+            out.append(drafts)
+        return out
+
+
+def make_fake_executor(settings: Any) -> FakeExecutor:
+    return FakeExecutor(settings)
+
+
+def reference_tokens(prompt: list[int], max_tokens: int, vocab: int = 97, eos: int | None = None,
+                     stop_token_ids: tuple[int, ...] = ()) -> tuple[list[int], str]:
+    """What greedy decoding of the fake model must give for a request run alone."""
+    ctx = list(prompt)
+    out: list[int] = []
+    while len(out) < max_tokens:
+        t = next_token(ctx, vocab)
+        out.append(t)
+        ctx.append(t)
+        if t == eos or t in stop_token_ids:
+            return out, "stop"
+    return out, "length"
+
+
+class FakePlugin:
+    """Registered with ``PluginManager(extra_plugins=[FakePlugin])`` by the tests."""
+
+    @staticmethod
+    @hookimpl
+    def pypto_serving_register_executors() -> list[ExecutorSpec]:
+        return [ExecutorSpec("fake", make_fake_executor, ("FakeForCausalLM",), "deterministic test executor")]
