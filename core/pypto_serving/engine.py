@@ -211,6 +211,9 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput | None:
         out = self.scheduler.schedule()
+        if self.scheduler.failed_while_scheduling:
+            self._touch(self.scheduler.failed_while_scheduling)
+            self.scheduler.failed_while_scheduling = []
         if out.is_empty:
             self.scheduler.finished_ids[:0] = out.command.finished_ids  # tell the worker next time
             return None

@@ -85,6 +85,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_ids: list[str] = []  # to tell the worker on the next step
+        self.failed_while_scheduling: list[Request] = []  # for the engine to report
         self._sent_to_worker: set[str] = set()
         self._epoch: dict[str, int] = {}
         self._rejected: dict[str, int] = {}  # reclaimed draft positions per request
@@ -222,7 +223,9 @@ class Scheduler:
                 k = self.spec_policy(req, True, self._max_k(req, budget - num_new))
             while not self.kv.allocate(req, req.num_computed_tokens + num_new + k):
                 if self.running == [req]:
-                    self.fail([req.request_id], "the KV cache is too small for this request alone")
+                    self.failed_while_scheduling += self.fail(
+                        [req.request_id], "the KV cache is too small for this request alone"
+                    )
                     i -= 1
                     break
                 victim = max(self.running, key=lambda r: r.arrival_index)
@@ -251,6 +254,9 @@ class Scheduler:
                 self._confirmed[req.request_id] = hit
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget, False)
             if num_new == 0 or not self.kv.allocate(req, req.num_computed_tokens + num_new):
+                if req.block_ids:  # give back the prefix hit; it is looked up again next time
+                    self.kv.free(req)
+                    req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

@@ -1,0 +1,56 @@
+"""pypto-kernels: LLM serving kernels with batched torch references and device fast paths.
+
+Public functions dispatch on the device of their first tensor argument through
+:mod:`pypto_kernels.registry`; importing this package never imports ``torch_npu``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# torch >= 2.5 imports installed device extensions (torch_npu) on `import torch` unless this is 0.
+# Effective only when pypto_kernels is imported before torch; NPU support is loaded explicitly
+# (and guarded) by device.npu_available() instead.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+from .activation import silu_and_mul
+from .attention import paged_attention, varlen_attention, write_kv_cache
+from .device import npu_available, select_device
+from .moe import moe_experts, topk_routing
+from .norm import add_rms_norm, rms_norm
+from .registry import (
+    KERNEL_NAMES,
+    available_kernels,
+    dispatch,
+    get_kernel,
+    load_backends,
+    reference_kernel,
+    register_kernel,
+)
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KERNEL_NAMES",
+    "__version__",
+    "add_rms_norm",
+    "apply_rope",
+    "available_kernels",
+    "dispatch",
+    "get_kernel",
+    "load_backends",
+    "moe_experts",
+    "npu_available",
+    "paged_attention",
+    "reference_kernel",
+    "register_kernel",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "select_device",
+    "silu_and_mul",
+    "topk_routing",
+    "varlen_attention",
+    "write_kv_cache",
+]

@@ -1,0 +1,88 @@
+"""Device discovery and selection, guarded so that a missing or broken ``torch_npu`` never raises."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("pypto_kernels")
+
+_SUPPORTED_TYPES = ("cpu", "cuda", "npu")
+
+
+@functools.cache
+def _probe_npu() -> tuple[bool, str]:
+    """Import ``torch_npu`` once and report (available, reason); cached because the import is slow."""
+    # Turn off torch's entry-point autoload of device extensions so torch_npu is only ever
+    # imported here, explicitly and under our exception guard.
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    try:
+        import torch_npu  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as exc:
+        return False, f"torch_npu not importable ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # vendor stacks fail in creative ways; never raise from a probe
+        return False, f"torch_npu import failed ({type(exc).__name__}: {exc})"
+    try:
+        npu = getattr(torch, "npu", None)
+        if npu is None or not npu.is_available():
+            return False, "torch_npu imported but torch.npu.is_available() is False"
+        return True, f"torch_npu found {npu.device_count()} NPU device(s)"
+    except Exception as exc:
+        return False, f"torch.npu query failed ({type(exc).__name__}: {exc})"
+
+
+def npu_available() -> bool:
+    """True when ``torch_npu`` imports and reports at least one NPU; never raises."""
+    return _probe_npu()[0]
+
+
+def _parse(preference: str) -> tuple[str, int | None]:
+    kind, sep, index = preference.strip().lower().partition(":")
+    if kind not in _SUPPORTED_TYPES:
+        raise ValueError(f"unsupported device {preference!r}; expected 'auto' or one of {_SUPPORTED_TYPES}")
+    if not sep:
+        return kind, None
+    if not index.isdigit():
+        raise ValueError(f"bad device index in {preference!r}; expected e.g. '{kind}:0'")
+    return kind, int(index)
+
+
+def select_device(preference: str = "auto") -> torch.device:
+    """Resolve a device preference ("auto", "cpu", "cuda", "npu", "cuda:1", ...) to a usable device.
+
+    Explicit requests fail loudly (ValueError) instead of silently falling back, so a
+    misconfigured server does not end up serving on CPU.
+    """
+    if preference.strip().lower() == "auto":
+        has_npu, npu_reason = _probe_npu()
+        if has_npu:
+            logger.info("select_device(auto): using npu (%s)", npu_reason)
+            return torch.device("npu")
+        if torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            logger.info("select_device(auto): using cuda (%d device(s); no NPU: %s)", count, npu_reason)
+            return torch.device("cuda")
+        logger.info("select_device(auto): using cpu (no NPU: %s; CUDA is not available)", npu_reason)
+        return torch.device("cpu")
+
+    kind, index = _parse(preference)
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {preference!r} requested but CUDA is not available on this host/build")
+        count = torch.cuda.device_count()
+    else:
+        has_npu, npu_reason = _probe_npu()
+        if not has_npu:
+            raise ValueError(
+                f"device {preference!r} requested but no NPU is usable: {npu_reason}; "
+                "install the 'npu' extra (torch-npu) on an Ascend host"
+            )
+        count = torch.npu.device_count()  # type: ignore[attr-defined]
+    if index is not None and index >= count:
+        raise ValueError(f"device {preference!r} requested but only {count} {kind} device(s) are visible")
+    return torch.device(kind) if index is None else torch.device(kind, index)

@@ -1,0 +1,167 @@
+"""Kernel registry: maps a kernel name and a device type to an implementation.
+
+Every kernel has a pure-torch *reference* implementation that runs on any device. Device
+specific *fast paths* (NPU, CUDA) are registered per backend and are picked by
+:func:`get_kernel` for tensors living on that device type. Built-in fast paths are loaded
+lazily, the first time a device type is seen, so importing this package never imports
+vendor extensions such as ``torch_npu``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+logger = logging.getLogger("pypto_kernels")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Every kernel name the registry knows about. Fixed so that typos fail loudly.
+KERNEL_NAMES: frozenset[str] = frozenset(
+    {
+        "rms_norm",
+        "add_rms_norm",
+        "rope_cos_sin",
+        "apply_rope",
+        "silu_and_mul",
+        "write_kv_cache",
+        "paged_attention",
+        "varlen_attention",
+        "topk_routing",
+        "moe_experts",
+    }
+)
+
+#: Device types that may carry fast paths.
+BACKENDS: frozenset[str] = frozenset({"npu", "cuda"})
+
+_REFERENCES: dict[str, Callable[..., Any]] = {}
+_FAST_PATHS: dict[str, dict[str, Callable[..., Any]]] = {}
+_LOADED_DEVICE_TYPES: set[str] = set()
+_LOAD_LOCK = threading.Lock()
+
+
+def _check_name(name: str) -> None:
+    if name not in KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {name!r}; known kernels: {', '.join(sorted(KERNEL_NAMES))}")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; fast paths may be registered for: {sorted(BACKENDS)}")
+
+
+def _device_type(device: torch.device | str) -> str:
+    # Parse strings by hand: torch.device("npu") fails until torch_npu is imported.
+    return device.type if isinstance(device, torch.device) else device.split(":", 1)[0]
+
+
+def register_kernel(name: str, backend: str, fn: Callable[..., Any]) -> None:
+    """Register ``fn`` as the fast path of ``name`` on ``backend``; replaces any earlier one."""
+    _check_name(name)
+    _check_backend(backend)
+    if not callable(fn):
+        raise TypeError(f"fast path for {name!r} must be callable, got {type(fn).__name__}")
+    _FAST_PATHS.setdefault(name, {})[backend] = fn
+
+
+def _register_builtin(name: str, backend: str, fn: Callable[..., Any]) -> None:
+    """Register a built-in fast path without overriding one the user registered first."""
+    _check_name(name)
+    _check_backend(backend)
+    _FAST_PATHS.setdefault(name, {}).setdefault(backend, fn)
+
+
+def load_backends(device: torch.device | str) -> None:
+    """Import and register built-in fast paths for ``device``'s type, once; failures fall back to references.
+
+    Called by :func:`get_kernel` the first time a device type is seen, so vendor extensions
+    are only imported once a tensor actually lives on that device.
+    """
+    device_type = _device_type(device)
+    if device_type in _LOADED_DEVICE_TYPES:
+        return
+    with _LOAD_LOCK:
+        if device_type in _LOADED_DEVICE_TYPES:
+            return
+        _LOADED_DEVICE_TYPES.add(device_type)
+        if device_type not in BACKENDS:
+            return
+        if device_type == "npu":
+            from .device import npu_available
+
+            if not npu_available():
+                logger.info("NPU fast paths not loaded: torch_npu unavailable; using references")
+                return
+        try:
+            module = importlib.import_module(f"{__package__}.backends.{device_type}")
+            module.register(_register_builtin)
+        except Exception as exc:  # a broken vendor stack must not break the reference path
+            logger.warning("could not load %s fast paths (%s); using reference kernels", device_type, exc)
+        else:
+            logger.debug("loaded %s fast paths: %s", device_type, available_kernels())
+
+
+def get_kernel(name: str, device: torch.device | str) -> Callable[..., Any]:
+    """Return the fast path registered for ``device``'s type if any, else the reference."""
+    _check_name(name)
+    device_type = _device_type(device)
+    if device_type not in _LOADED_DEVICE_TYPES:
+        load_backends(device_type)
+    fast = _FAST_PATHS.get(name, {}).get(device_type)
+    if fast is not None:
+        return fast
+    try:
+        return _REFERENCES[name]
+    except KeyError:
+        raise ValueError(f"kernel {name!r} has no reference implementation registered") from None
+
+
+def reference_kernel(name: str) -> Callable[..., Any]:
+    """Return the reference implementation of ``name`` (fast paths use it as their fallback)."""
+    _check_name(name)
+    return _REFERENCES[name]
+
+
+def available_kernels() -> dict[str, list[str]]:
+    """Map each kernel to the backends that currently have a fast path (loaded backends only)."""
+    return {name: sorted(_FAST_PATHS.get(name, {})) for name in sorted(KERNEL_NAMES)}
+
+
+def _first_tensor_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
+def dispatch(name: str) -> Callable[[F], F]:
+    """Decorator: register the function as ``name``'s reference and dispatch calls by device.
+
+    The returned wrapper looks at the device of the first tensor argument and calls
+    :func:`get_kernel` for it; the undecorated reference stays reachable as ``.reference``.
+    """
+    _check_name(name)
+
+    def decorator(ref: F) -> F:
+        if name in _REFERENCES:
+            raise ValueError(f"kernel {name!r} already has a reference implementation")
+        _REFERENCES[name] = ref
+
+        @functools.wraps(ref)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            device = _first_tensor_device(args, kwargs)
+            if device is None or device.type == "cpu":
+                return ref(*args, **kwargs)
+            return get_kernel(name, device)(*args, **kwargs)
+
+        wrapper.reference = ref  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorator

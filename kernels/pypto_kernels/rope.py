@@ -1,0 +1,128 @@
+"""Rotary position embeddings (HF "rotate_half" / neox layout), incl. linear and YaRN scaling."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .registry import dispatch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def _default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
+    # Dimension index whose wavelength completes ``num_rotations`` turns over ``max_pos`` tokens.
+    return (dim * math.log(max_pos / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def _yarn_inv_freq(
+    rotary_dim: int, base: float, scaling: Mapping[str, Any], max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    original_max = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    factor = scaling.get("factor")
+    if factor is None:  # DeepSeek-style configs derive the factor from the context extension
+        factor = max_position_embeddings / original_max
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    low = _yarn_correction_dim(beta_fast, rotary_dim, base, original_max)
+    high = _yarn_correction_dim(beta_slow, rotary_dim, base, original_max)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).to(torch.float32) / rotary_dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def rope_inv_freq(
+    rotary_dim: int, base: float, scaling: Mapping[str, Any] | None, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (float32, [rotary_dim // 2]) and the cos/sin attention scaling.
+
+    ``scaling`` is the HF ``rope_scaling`` / ``rope_parameters`` dict; the numbers match
+    ``transformers.modeling_rope_utils`` so checkpoints reproduce HF logits. ``base`` always
+    wins over a ``rope_theta`` inside ``scaling``.
+    """
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    rope_type = "default"
+    if scaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if rope_type == "default":
+        return _default_inv_freq(rotary_dim, base), 1.0
+    assert scaling is not None
+    if rope_type == "linear":
+        return _default_inv_freq(rotary_dim, base) / scaling["factor"], 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, base, scaling, max_position_embeddings)
+    if rope_type == "dynamic":
+        raise NotImplementedError(
+            "rope_type 'dynamic' (dynamic NTK) depends on the running sequence length and is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+@dispatch("rope_cos_sin")
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [T, rotary_dim] for ``positions``, computed in float32 then cast (as HF does)."""
+    freqs = positions[:, None].to(torch.float32) * inv_freq.to(device=positions.device, dtype=torch.float32)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * attention_scaling
+    sin = emb.sin() * attention_scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return (x * cos) + (_rotate_half(x) * sin)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat(((x_rot * cos) + (_rotate_half(x_rot) * sin), x_pass), dim=-1)
+
+
+@dispatch("apply_rope")
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] by cos/sin [T, rotary_dim]; dims past rotary_dim pass through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim > q.shape[-1] or rotary_dim > k.shape[-1] or rotary_dim % 2:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head dims {q.shape[-1]}/{k.shape[-1]}")
+    cos_q, sin_q = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
+    cos_k, sin_k = cos[:, None, :].to(k.dtype), sin[:, None, :].to(k.dtype)
+    return _rotate(q, cos_q, sin_q), _rotate(k, cos_k, sin_k)

@@ -1,0 +1,118 @@
+"""QwenExecutor: the pypto-serving :class:`Executor` for Qwen2 / Qwen3 / Qwen3-MoE checkpoints."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pypto_kernels as K
+import torch
+from pypto_serving.executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
+
+from .loader import QwenConfig, load_weights, read_config, read_generation_config, resolve_dtype
+from .model import AttentionMetadata, KVCache, QwenForCausalLM
+
+__all__ = ["KV_GROUP", "QwenExecutor"]
+
+logger = logging.getLogger(__name__)
+
+KV_GROUP = "kv"  # the single cache group: one K and one V entry per token per layer
+
+
+class QwenExecutor(Executor):
+    """Loads a local HF checkpoint into :class:`QwenForCausalLM` and runs one forward per step."""
+
+    def __init__(self, settings: Any) -> None:
+        if not settings.model:
+            raise ValueError("the qwen executor needs settings.model (a local Hugging Face model directory)")
+        self.settings = settings
+        self.config: QwenConfig | None = None
+        self.model: QwenForCausalLM | None = None
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.kv_caches: list[KVCache] = []
+
+    def load(self) -> ExecutorInfo:
+        s = self.settings
+        cfg = read_config(s.model)
+        self.device = K.select_device(s.device)
+        self.dtype = resolve_dtype(s.dtype, cfg)
+        # Seeded so anything random during start-up (none today, but kernels may warm up) is reproducible.
+        torch.manual_seed(s.seed)
+        model = QwenForCausalLM(cfg, self.device, self.dtype)
+        targets, required = model.weight_targets()
+        load_weights(s.model, targets, required)
+        model.eval()
+        self.config, self.model = cfg, model
+
+        gen_eos, generation_defaults = read_generation_config(s.model)
+        eos = list(dict.fromkeys([*gen_eos, *cfg.eos_token_ids]))  # generation_config first, no duplicates
+        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        bytes_per_block = 2 * cfg.num_layers * s.block_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+        logger.info(
+            "loaded %s from %s on %s as %s (%d layers%s)",
+            cfg.architecture,
+            s.model,
+            self.device,
+            self.dtype,
+            cfg.num_layers,
+            f", {cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.num_experts else "",
+        )
+        return ExecutorInfo(
+            cache_groups=[CacheGroupSpec(KV_GROUP, block_size=s.block_size, bytes_per_block=bytes_per_block)],
+            vocab_size=cfg.vocab_size,
+            max_model_len=s.max_model_len or cfg.max_position_embeddings,
+            eos_token_ids=eos,
+            architecture=cfg.architecture,
+            supports_pipelining=True,
+            generation_defaults=generation_defaults,
+        )
+
+    def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
+        cfg = self._loaded_config()
+        if KV_GROUP not in num_blocks:
+            raise ValueError(
+                f"init_kv_cache needs blocks for cache group {KV_GROUP!r}, got {sorted(num_blocks)}"
+            )
+        shape = (num_blocks[KV_GROUP], self.settings.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeros rather than empty: unwritten slots are never read, but zeros keep NaN out of debugging dumps.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, device=self.device, dtype=self.dtype),
+                torch.zeros(shape, device=self.device, dtype=self.dtype),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        if self.model is None:
+            raise RuntimeError("execute() before load()")
+        if not self.kv_caches:
+            raise RuntimeError("execute() before init_kv_cache()")
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=batch.slot_mapping[KV_GROUP].to(dev),
+            block_tables=batch.block_tables[KV_GROUP].to(dev),
+            query_start_loc=batch.query_start_loc.to(dev),
+            seq_lens=batch.seq_lens.to(dev),
+        )
+        with torch.inference_mode():
+            logits: torch.Tensor = self.model(
+                batch.input_ids.to(dev),
+                batch.positions.to(dev),
+                meta,
+                self.kv_caches,
+                batch.logits_indices.to(dev),
+            )
+        return logits
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _loaded_config(self) -> QwenConfig:
+        if self.config is None:
+            raise RuntimeError("init_kv_cache() before load()")
+        return self.config

@@ -1,0 +1,349 @@
+"""Reading a local Hugging Face Qwen checkpoint: config.json, generation_config.json and safetensors.
+
+Nothing here imports transformers: the config is parsed from JSON into :class:`QwenConfig`, and the
+weights are streamed one tensor at a time (shard by shard) straight into the pre-built parameters,
+so peak host memory stays at one tensor, never the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CheckpointError",
+    "QwenConfig",
+    "WeightTarget",
+    "load_weights",
+    "read_config",
+    "read_generation_config",
+    "resolve_dtype",
+]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+# Checkpoint entries that are derived state, not weights (older exports saved RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The model directory cannot be served: the message names the file, tensor or field at fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class QwenConfig:
+    """The subset of config.json the Qwen executor needs, normalised across Qwen2/Qwen3/Qwen3-MoE and
+    across the legacy (``rope_theta`` + ``rope_scaling``) and transformers-5 (``rope_parameters``) layouts."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    rotary_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    layer_windows: tuple[int | None, ...]  # sliding window per layer, None = full attention
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        # Same rule as HF Qwen3-MoE: experts unless listed in mlp_only_layers or off the sparse step.
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % max(self.decoder_sparse_step, 1) == 0
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
+
+
+def _model_dir(model: str | Path) -> Path:
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(
+            f"model directory {str(path)!r} does not exist or is not a directory "
+            "(pypto-serving serves local Hugging Face checkpoints only)"
+        )
+    return path
+
+
+def _eos_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)
+    raise CheckpointError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+
+
+def _check_architecture(raw: Mapping[str, Any], path: Path) -> str:
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    archs = raw.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    auto_map = raw.get("auto_map") or {}
+    # auto_map that names a model class means the checkpoint's forward pass lives in its own Python
+    # files; we never execute checkpoint code (no trust_remote_code), whatever the architecture says.
+    custom_classes = (
+        sorted(k for k in auto_map if str(k).startswith("AutoModel")) if isinstance(auto_map, dict) else []
+    )
+    if custom_classes:
+        raise CheckpointError(
+            f"{path} has auto_map ({', '.join(f'{k}={auto_map[k]}' for k in custom_classes)}): the model "
+            "needs remote code from the checkpoint, which pypto-serving never runs (no trust_remote_code); "
+            f"architecture {arch!r} is not served natively. Supported architectures: {supported}"
+        )
+    if arch is None:
+        raise CheckpointError(f"{path} names no 'architectures'; the Qwen executor serves: {supported}")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(f"architecture {arch!r} from {path} is not supported; supported: {supported}")
+    return str(arch)
+
+
+def _layer_windows(raw: Mapping[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding window with HF's semantics: a window only when ``use_sliding_window`` is on,
+    then per ``layer_types`` if given, else layers >= ``max_window_layers`` (Qwen2/Qwen3) or every
+    layer (Qwen3-MoE, whose HF attention applies ``sliding_window`` uniformly)."""
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    if not window:
+        return (None,) * num_layers
+    layer_types = raw.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) == num_layers:
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    if arch == "Qwen3MoeForCausalLM":
+        return (int(window),) * num_layers
+    max_window_layers = int(raw.get("max_window_layers", 28))
+    return tuple(int(window) if i >= max_window_layers else None for i in range(num_layers))
+
+
+def read_config(model: str | Path) -> QwenConfig:
+    """Parse and validate ``config.json`` of a local checkpoint directory."""
+    path = _model_dir(model) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"config.json not found in {str(path.parent)!r}; is this a Hugging Face model directory?"
+        )
+    raw = _read_json(path)
+    arch = _check_architecture(raw, path)
+
+    def need(key: str) -> Any:
+        if raw.get(key) is None:
+            raise CheckpointError(f"{path} lacks the required field {key!r} for {arch}")
+        return raw[key]
+
+    hidden = int(need("hidden_size"))
+    num_heads = int(need("num_attention_heads"))
+    num_layers = int(need("num_hidden_layers"))
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    if num_heads % num_kv_heads:
+        raise CheckpointError(
+            f"{path}: num_attention_heads ({num_heads}) is not a multiple of "
+            f"num_key_value_heads ({num_kv_heads})"
+        )
+
+    # transformers 5 writes rope_parameters (theta inside); older configs use rope_theta + rope_scaling.
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{path}: rope_parameters/rope_scaling must be an object, got {rope!r}")
+    rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope_type != "default" else None
+    partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial)
+
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    attention_bias = bool(raw.get("attention_bias", False))
+    is_moe = arch == "Qwen3MoeForCausalLM"
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)) or 0) if is_moe else 0
+    torch_dtype = raw.get("torch_dtype") or raw.get("dtype")
+
+    return QwenConfig(
+        architecture=arch,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=scaling,
+        rotary_dim=rotary_dim,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # HF Qwen2 hard-codes q/k/v biases and a bias-free o_proj; Qwen3 uses attention_bias for all four.
+        qkv_bias=True if is_qwen2 else attention_bias,
+        o_bias=False if is_qwen2 else attention_bias,
+        qk_norm=not is_qwen2,
+        layer_windows=_layer_windows(raw, arch, num_layers),
+        num_experts=num_experts,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 0) or 0) if is_moe else 0,
+        moe_intermediate_size=int(raw.get("moe_intermediate_size", 0) or 0) if is_moe else 0,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step", 1) or 1),
+        mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        torch_dtype=str(torch_dtype).removeprefix("torch.") if torch_dtype else None,
+        eos_token_ids=tuple(_eos_list(raw.get("eos_token_id"))),
+        raw=raw,
+    )
+
+
+def read_generation_config(model: str | Path) -> tuple[list[int], dict[str, Any]]:
+    """(eos token ids, sampling defaults) from ``generation_config.json``; empty when the file is absent."""
+    path = _model_dir(model) / "generation_config.json"
+    if not path.is_file():
+        return [], {}
+    raw = _read_json(path)
+    defaults = {k: raw[k] for k in ("temperature", "top_p", "top_k") if raw.get(k) is not None}
+    return _eos_list(raw.get("eos_token_id")), defaults
+
+
+def resolve_dtype(setting: str, config: QwenConfig) -> torch.dtype:
+    """``settings.dtype``; 'auto' follows the checkpoint's torch_dtype (float32 when it names none)."""
+    name = config.torch_dtype if setting == "auto" else setting
+    if name is None:
+        return torch.float32
+    if name not in _DTYPES:
+        raise CheckpointError(
+            f"unsupported dtype {name!r} (from config.json torch_dtype); use one of "
+            "float32, bfloat16, float16 via the dtype setting"
+        )
+    return _DTYPES[name]
+
+
+# --------------------------------------------------------------------------- weights
+
+
+@dataclass(frozen=True, slots=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: ``dest`` is a view into a parameter (a slice of a fused
+    matrix, or the whole parameter) and ``fills`` the required checkpoint names it satisfies; a
+    stacked expert tensor fills the per-expert names it replaces, so either layout counts as present."""
+
+    dest: torch.Tensor
+    fills: tuple[str, ...]
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        shards = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for shard in shards:
+            if not shard.is_file():
+                raise CheckpointError(
+                    f"shard {shard.name!r} listed in {INDEX_FILE} is missing from {str(model_dir)!r}"
+                )
+        return shards
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+    hint = f" (found {', '.join(others)}; only safetensors checkpoints are loaded)" if others else ""
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {str(model_dir)!r}{hint}")
+
+
+def _iter_tensors(shards: list[Path]) -> Iterator[tuple[str, Path, Any]]:
+    """Yield (name, shard, lazy slice handle): tensors are materialised one at a time by the caller."""
+    for shard in shards:
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, shard, f
+
+
+def _shape_error(name: str, shard: Path, got: tuple[int, ...], want: tuple[int, ...]) -> CheckpointError:
+    return CheckpointError(
+        f"weight {name!r} in {shard.name} has shape {list(got)} but the model built from config.json "
+        f"expects {list(want)}; the checkpoint and its config.json disagree"
+    )
+
+
+def load_weights(
+    model_dir: str | Path, targets: Mapping[str, list[WeightTarget]], required: set[str]
+) -> None:
+    """Stream every safetensors tensor into its targets (cast to the parameter dtype and device).
+
+    Raises :class:`CheckpointError` on a shape mismatch (naming the tensor and both shapes) and
+    when required weights are absent (naming them).
+    """
+    path = _model_dir(model_dir)
+    shards = _shard_files(path)
+    filled: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, shard, handle in _iter_tensors(shards):
+            dests = targets.get(name)
+            if not dests:  # [] marks a tensor deliberately skipped (e.g. lm_head of a tied model)
+                if dests is None and not name.endswith(_IGNORED_SUFFIXES):
+                    unexpected.append(name)
+                continue
+            # Check shapes before reading the data so a mismatch costs no I/O.
+            shape = tuple(handle.get_slice(name).get_shape())
+            for target in dests:
+                if shape != tuple(target.dest.shape):
+                    raise _shape_error(name, shard, shape, tuple(target.dest.shape))
+            tensor = handle.get_tensor(name)
+            for target in dests:
+                target.dest.copy_(tensor)
+                filled.update(target.fills)
+            del tensor
+    missing = sorted(required - filled)
+    if missing:
+        shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+        raise CheckpointError(f"checkpoint {str(path)!r} is missing {len(missing)} weight(s): {shown}")
+    if unexpected:
+        logger.warning(
+            "ignored %d checkpoint tensor(s) the Qwen model does not use, e.g. %s",
+            len(unexpected),
+            ", ".join(unexpected[:5]),
+        )

@@ -1,0 +1,16 @@
+"""Registers the Qwen test fixtures (defined in :mod:`qwen_fixtures`) for this folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Explicit so the helpers import the same way under any pytest import mode.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from qwen_fixtures import (  # noqa: F401 - re-exported as fixtures
+    _single_torch_thread,
+    batch_builder,
+    hf_reference,
+    qwen_checkpoints,
+)

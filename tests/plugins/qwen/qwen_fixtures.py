@@ -1,0 +1,268 @@
+"""Fixtures and helpers for the Qwen executor tests: tiny random-weight HF checkpoints and a paged-batch
+builder. A uniquely named module (not conftest) so test files can import the helpers without
+clashing with other folders' conftest modules; ``conftest.py`` here re-exports the fixtures.
+
+Checkpoints are written once per session with transformers (float32, safetensors) and are small
+enough (hidden 64, 2-3 layers) that building all of them takes a few seconds. Weights are re-drawn
+with a larger spread than HF's init so logits differ by O(1) and greedy decoding has clear winners.
+
+Reusable from other test folders: put ``tests/plugins/qwen`` on ``sys.path`` and
+``from qwen_fixtures import qwen_checkpoints, hf_reference, PagedBatchBuilder, make_qwen_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# The plugin and core are importable from the source tree even before they are pip-installed.
+_ROOT = Path(__file__).resolve().parents[3]
+for _p in (_ROOT / "plugins" / "qwen", _ROOT / "core", _ROOT / "kernels"):
+    if _p.is_dir() and str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from pypto_serving.executor import BatchInput  # noqa: E402
+
+SEED = 1234
+TINY: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Redraw every parameter: norms around 1, everything else (incl. biases) N(0, 0.08)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def make_qwen_checkpoint(
+    path: Path,
+    kind: str,
+    *,
+    seed: int = SEED,
+    max_shard_size: str | None = None,
+    generation_config: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random ``kind`` in {"qwen2", "qwen3", "qwen3_moe"} checkpoint to ``path``."""
+    from transformers import (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    kwargs = {**TINY, "dtype": "float32", "eos_token_id": 2, "bos_token_id": 1}
+    if kind == "qwen2":
+        kwargs.update(overrides)
+        config: Any = Qwen2Config(**kwargs)
+        model: torch.nn.Module = Qwen2ForCausalLM(config)
+    elif kind == "qwen3":
+        kwargs.update(head_dim=16, attention_bias=False)
+        kwargs.update(overrides)
+        config = Qwen3Config(**kwargs)
+        model = Qwen3ForCausalLM(config)
+    elif kind == "qwen3_moe":
+        kwargs.update(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
+        kwargs.update(overrides)
+        config = Qwen3MoeConfig(**kwargs)
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    _randomize(model, seed)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(str(path), **save_kwargs)
+    gen = {"eos_token_id": [2, 3], "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    gen.update(generation_config or {})
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path
+
+
+# name -> (kind, options); every entry becomes a checkpoint directory in the session's tmp folder.
+CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2": ("qwen2", {}),
+    "qwen2_tied": ("qwen2", {"tie_word_embeddings": True, "num_hidden_layers": 2}),
+    "qwen3": ("qwen3", {}),
+    "qwen3_sharded": ("qwen3", {"max_shard_size": "60KB"}),
+    "qwen3_yarn": (
+        "qwen3",
+        {
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "qwen3_sliding": (
+        "qwen3",
+        {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+    ),
+    "qwen3_moe": ("qwen3_moe", {}),
+}
+
+
+@pytest.fixture(scope="session")
+def qwen_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``get(name) -> Path`` of a checkpoint from :data:`CHECKPOINTS`, built lazily and cached."""
+    root = tmp_path_factory.mktemp("qwen_ckpts")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            kind, opts = CHECKPOINTS[name]
+            built[name] = make_qwen_checkpoint(root / name, kind, **opts)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> Callable[[Path], Any]:
+    """``load(dir) -> transformers model`` in float32 eval mode, cached per directory."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[Path, Any] = {}
+
+    def load(path: Path) -> Any:
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        return cache[path]
+
+    return load
+
+
+def qwen_settings(model: Path, **overrides: Any) -> Any:
+    """ServingSettings for a model-level test (CPU, float32 unless overridden, tiny blocks)."""
+    from pypto_serving.config import ServingSettings
+
+    values: dict[str, Any] = {"model": str(model), "device": "cpu", "dtype": "float32", "block_size": 4}
+    values.update(overrides)
+    return ServingSettings(**values)
+
+
+@dataclass
+class _Req:
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+
+
+class PagedBatchBuilder:
+    """Lays requests out in a paged KV cache the way the engine would and builds :class:`BatchInput`s.
+
+    Blocks are handed out from a shuffled free list so block tables are non-contiguous and
+    interleaved between requests, which is what exposes indexing bugs.
+    """
+
+    def __init__(self, block_size: int, num_blocks: int, seed: int = 0) -> None:
+        self.block_size = block_size
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.free = [b for b in order if b != 0]  # keep block 0 unused: tables are padded with 0
+        self.reqs: dict[str, _Req] = {}
+
+    def computed(self, request_id: str) -> int:
+        return self.reqs[request_id].computed
+
+    def release(self, request_id: str) -> None:
+        self.free.extend(self.reqs.pop(request_id).blocks)
+
+    def step(self, chunks: Sequence[tuple[str, Sequence[int]]], all_logits: bool = True) -> BatchInput:
+        """One step computing ``tokens`` after each request's cached prefix. ``all_logits`` asks for a
+        logits row per token (for parity checks); otherwise only each request's last row."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        num_logits: list[int] = []
+        is_prefill: list[bool] = []
+        for rid, tokens in chunks:
+            req = self.reqs.setdefault(rid, _Req())
+            start, end = req.computed, req.computed + len(tokens)
+            while len(req.blocks) * self.block_size < end:
+                req.blocks.append(self.free.pop())
+            for pos, tok in zip(range(start, end), tokens, strict=True):
+                ids.append(int(tok))
+                positions.append(pos)
+                slots.append(req.blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+            rows = list(range(qsl[-1], qsl[-1] + len(tokens)))
+            picked = rows if all_logits else rows[-1:]
+            logits_rows += picked
+            num_logits.append(len(picked))
+            is_prefill.append(len(tokens) > 1 or start == 0)
+            qsl.append(qsl[-1] + len(tokens))
+            seq_lens.append(end)
+            req.computed = end
+        max_blocks = max(len(self.reqs[rid].blocks) for rid, _ in chunks)
+        table = torch.zeros((len(chunks), max_blocks), dtype=torch.int32)
+        for r, (rid, _) in enumerate(chunks):
+            blocks = self.reqs[rid].blocks
+            table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        return BatchInput(
+            request_ids=[rid for rid, _ in chunks],
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables={"kv": table},
+            slot_mapping={"kv": torch.tensor(slots, dtype=torch.int64)},
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            query_lens=[len(t) for _, t in chunks],
+            seq_lens_list=seq_lens,
+            num_logits=num_logits,
+            is_prefill=is_prefill,
+        )
+
+
+@pytest.fixture
+def batch_builder() -> Callable[..., PagedBatchBuilder]:
+    return PagedBatchBuilder
+
+
+@pytest.fixture(autouse=True)
+def _single_torch_thread() -> Iterator[None]:
+    """These models are tiny: intra-op threads only add OpenMP wake-up stalls (tens of ms per op on a
+    busy 2-core runner), so each test here runs single-threaded and restores the setting after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

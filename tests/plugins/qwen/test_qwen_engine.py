@@ -1,0 +1,144 @@
+"""End-to-end greedy generation through the engine vs transformers' greedy ``generate``.
+
+Skipped until the engine (``pypto_serving.LLM``) and the scheduler plugins are available.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pypto_serving = pytest.importorskip("pypto_serving")
+if not hasattr(pypto_serving, "LLM"):
+    pytest.skip("pypto_serving.LLM is not built yet", allow_module_level=True)
+
+from pypto_serving import LLM, SamplingParams  # noqa: E402
+
+MAX_TOKENS = 32
+PROMPT_LENGTHS = [3, 5, 8, 11, 16, 21, 27, 34]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _shared_prefix_prompts(vocab: int) -> list[list[int]]:
+    """Eight prompts over one 16-token prefix (four whole blocks of 4) plus distinct tails."""
+    prefix = _prompts(vocab, [16], seed=11)[0]
+    return [prefix + tail for tail in _prompts(vocab, [1, 2, 3, 4, 5, 7, 9, 12], seed=12)]
+
+
+def _hf_greedy(hf: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers greedy decoding of exactly MAX_TOKENS tokens per prompt through HF's own KV cache.
+
+    A hand loop rather than ``generate``: generate() refills ``eos_token_id=None`` from the model's
+    generation config, and ignore_eos needs eos fully off."""
+    outs = []
+    for p in prompts:  # one at a time: no padding, so the reference is exactly the unbatched model
+        tokens: list[int] = []
+        with torch.no_grad():
+            out = hf(input_ids=torch.tensor([p]), use_cache=True)
+            for _ in range(MAX_TOKENS):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = hf(input_ids=torch.tensor([tokens[-1:]]), cache=out.cache, use_cache=True)
+        outs.append(tokens)
+    return outs
+
+
+def _plugin_manager() -> Any:
+    """Entry-point plugins, plus this plugin in-process when it is not pip-installed yet."""
+    if "qwen" in {ep.name for ep in metadata.entry_points(group="pypto_serving")}:
+        return None
+    from pypto_serving.plugins import PluginManager
+    from pypto_serving_qwen import plugin
+
+    return PluginManager(extra_plugins=[plugin])
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., Any]]:
+    made: list[Any] = []
+
+    def make(path: Path, **settings: Any) -> Any:
+        values: dict[str, Any] = dict(
+            device="cpu", dtype="float32", block_size=4, max_model_len=128, worker_mode="inproc", seed=0
+        )
+        values.update(settings)
+        try:
+            llm = LLM(model=str(path), plugins=_plugin_manager(), **values)
+        except Exception as e:
+            if "scheduler" in str(e) and "unknown" in str(e):
+                pytest.skip(f"scheduler plugins are not installed: {e}")
+            raise
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.shutdown()
+
+
+def _generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert len(outputs) == len(prompts)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_moe"])
+def test_greedy_matches_transformers(
+    name: str,
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    make_llm: Callable[..., Any],
+) -> None:
+    path = qwen_checkpoints(name)
+    prompts = _prompts(320, PROMPT_LENGTHS, seed=10)
+    assert _generate(make_llm(path), prompts) == _hf_greedy(hf_reference(path), prompts)
+
+
+def test_chunked_prefill(
+    qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any], make_llm: Callable[..., Any]
+) -> None:
+    """A budget of 8 tokens per step splits every longer prompt into chunks mixed with decodes."""
+    path = qwen_checkpoints("qwen3")
+    prompts = _prompts(320, PROMPT_LENGTHS, seed=13)
+    llm = make_llm(path, max_num_batched_tokens=8, max_num_seqs=4, enable_chunked_prefill=True)
+    assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
+
+
+def test_prefix_caching_shared_prefix(
+    qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any], make_llm: Callable[..., Any]
+) -> None:
+    path = qwen_checkpoints("qwen2")
+    prompts = _shared_prefix_prompts(320)
+    llm = make_llm(path, enable_prefix_caching=True)
+    expected = _hf_greedy(hf_reference(path), prompts)
+    assert _generate(llm, prompts[:1]) == expected[:1]  # warm the cache with the prefix
+    assert _generate(llm, prompts) == expected  # the rest reuse its blocks
+
+
+def test_kv_pressure_preemption(
+    qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any], make_llm: Callable[..., Any]
+) -> None:
+    """24 blocks of 4 tokens hold one longest request (34 + 32 tokens = 17 blocks) but nowhere near
+    all eight, so requests are preempted and recomputed; outputs must not change."""
+    path = qwen_checkpoints("qwen3_moe")
+    prompts = _prompts(320, PROMPT_LENGTHS, seed=14)
+    llm = make_llm(path, num_kv_blocks=24, enable_prefix_caching=False)
+    assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
+
+
+def test_worker_process_mode(
+    qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any], make_llm: Callable[..., Any]
+) -> None:
+    path = qwen_checkpoints("qwen3_sharded")
+    prompts = _prompts(320, PROMPT_LENGTHS, seed=15)
+    llm = make_llm(path, worker_mode="process", max_num_batched_tokens=16)
+    assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
