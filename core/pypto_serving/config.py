@@ -183,14 +183,16 @@ class ServingSettings(BaseSettings):
         return init_settings, env_settings, _FileSettingsSource(settings_cls, _config_path(init_settings, env_settings))
 
     @classmethod
-    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> ServingSettings:
+    def load(
+        cls, config_file: str | Path | None = None, *, origin: str = "explicit argument", **overrides: Any
+    ) -> ServingSettings:
         """Build settings from every source, raising :class:`SettingsError` with the culprit's origin."""
         if config_file is not None:
             overrides["config_file"] = Path(config_file)
         init = InitSettingsSource(cls, init_kwargs=overrides)
         env = EnvSettingsSource(cls)
         layers = [
-            ("explicit argument", init()),
+            (origin, init()),
             ("environment", env()),
             (f"config file {_config_path(init, env)}", _FileSettingsSource(cls, _config_path(init, env))()),
         ]
@@ -285,4 +287,4 @@ def settings_from_args(args: argparse.Namespace) -> ServingSettings:
     model = getattr(args, "model", None)
     if model is not None:
         overrides["model"] = model
-    return ServingSettings.load(config_file=getattr(args, "config", None), **overrides)
+    return ServingSettings.load(config_file=getattr(args, "config", None), origin="command-line flag", **overrides)

@@ -303,10 +303,19 @@ def _detok_on_token(req: Request, token: int) -> bool:
 class LLM:
     """Offline generation: ``LLM(model=dir, **settings).generate(prompts, SamplingParams(...))``."""
 
-    def __init__(self, model: str | None = None, *, plugins: PluginManager | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        settings: ServingSettings | None = None,
+        plugins: PluginManager | None = None,
+        **overrides: Any,
+    ) -> None:
         if model is not None:
-            settings["model"] = str(model)
-        self.settings = ServingSettings.load(**settings)
+            overrides["model"] = str(model)
+        if settings is not None and overrides:
+            settings = settings.model_copy(update=overrides)
+        self.settings = settings if settings is not None else ServingSettings.load(**overrides)
         self.engine: EngineCore | None = EngineCore(self.settings, plugins)
         self._ids = 0
         self_ref = weakref.ref(self)

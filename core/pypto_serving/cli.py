@@ -1,0 +1,145 @@
+"""The ``pypto-serving`` command: plugins, config, generate (serve and bench come with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import SettingsError, add_settings_arguments, settings_from_args
+from .plugins import PluginError, PluginManager
+
+__all__ = ["main"]
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    pm = PluginManager()
+    rows = []
+    for p in pm.plugins:
+        kinds = ", ".join(f"{k} {n}" for k, n in p.provides) or "-"
+        rows.append((p.name, kinds, p.distribution, p.version, p.status))
+    if args.json:
+        print(json.dumps([dict(zip(("name", "provides", "distribution", "version", "status"), r)) for r in rows]))
+        return 0
+    header = ("plugin", "provides", "distribution", "version", "status")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
+    for r in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    data = settings.model_dump(mode="json")
+    if args.json:
+        print(json.dumps({k: {"value": v, "source": settings.source_of(k)} for k, v in data.items()}, indent=2))
+        return 0
+    width = max(len(k) for k in data)
+    for name, value in data.items():
+        print(f"{name.ljust(width)}  {json.dumps(value)}  ({settings.source_of(name)})")
+    return 0
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    prompts: list[str | list[int]] = list(args.prompt)
+    if args.input:
+        for n, line in enumerate(Path(args.input).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if isinstance(item, dict):
+                item = item.get("prompt", item.get("prompt_token_ids"))
+            if not isinstance(item, str | list):
+                raise SettingsError(f"{args.input}:{n}: expected a string, a token-id list or {{\"prompt\": ...}}")
+            prompts.append(item)
+    if not prompts:
+        raise SettingsError("give prompts as arguments or with --input FILE.jsonl")
+    return prompts
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import LLM
+    from .request import SamplingParams
+
+    prompts = _read_prompts(args)
+    settings = settings_from_args(args)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed_sampling
+    )
+    with LLM(settings=settings) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and sys.stderr.isatty())
+    lines = []
+    for prompt, out in zip(prompts, outputs):
+        c = out.outputs[0]
+        lines.append({"prompt": prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason})
+    if args.output:
+        Path(args.output).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    else:
+        for line in lines:
+            print(line["text"] if not args.json else json.dumps(line))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pypto-serving", description="LLM serving engine with pluggable executors.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list installed plugins: name, what they provide, distribution, version, status")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_plugins)
+
+    c = sub.add_parser("config", help="inspect settings")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="effective settings with the source of each value")
+    show.add_argument("--config", help="TOML or YAML settings file")
+    show.add_argument("--model", help="model directory")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    add_settings_arguments(show)
+    show.set_defaults(func=_cmd_config_show)
+
+    g = sub.add_parser("generate", help="offline generation for prompts given as arguments or a JSONL file")
+    g.add_argument("prompt", nargs="*", help="prompt texts")
+    g.add_argument("--model", help="model directory")
+    g.add_argument("--config", help="TOML or YAML settings file")
+    g.add_argument("--input", help="JSONL file: one prompt per line (string, token ids, or {\"prompt\": ...})")
+    g.add_argument("--output", help="write JSONL results here instead of printing")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    add_settings_arguments(g)
+    g.set_defaults(func=_cmd_generate)
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub: Any) -> None:
+    """Commands whose modules live elsewhere in the core (the server) register here."""
+    try:
+        from .server.cli import add_serve_command
+    except ImportError:
+        return
+    add_serve_command(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (SettingsError, PluginError) as e:
+        print(f"pypto-serving: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"pypto-serving: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
