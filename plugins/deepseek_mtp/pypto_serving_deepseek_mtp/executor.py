@@ -1,0 +1,438 @@
+"""The DeepSeek-V4 executor: paged hybrid-attention caches plus MTP drafting."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pypto_kernels import select_device
+from pypto_serving.executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
+
+from . import ops
+from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
+from .model import FP32_SUFFIXES, CompressorRing, DeepseekV4Model, Segments, _layer_params
+from .weights import load_weights, mtp_depths
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "DeepseekV4ForCausalLM"
+MAX_DRAFT_TOKENS = 8
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GEN_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class MtpConfigError(ValueError):
+    """Speculative decoding was asked for in a way this checkpoint cannot serve."""
+
+
+@dataclass
+class MtpState:
+    """Per-request drafting state; see docs/deepseek_mtp.md ("MTP state") for the invariants.
+
+    Depth ``d`` at position ``i`` consumes the depth ``d-1`` output (the main model's streams for
+    ``d = 0``) at ``i`` and the token ``i + d + 1``. Its KV at ``i`` is *canonical* once that token is
+    committed; ``frontier[d]`` is the first position that is not canonical yet, so each step only
+    (re)computes ``[frontier[d], n - 1]`` and draft-token entries are overwritten later.
+    """
+
+    depth: int
+    hv: int = 0  # main-model hidden states are known for positions < hv: the next step starts here
+    n: int = -1  # position of the last known token
+    tokens: dict[int, int] = field(default_factory=dict)
+    frontier: list[int] = field(default_factory=list)
+    hin: list[dict[int, torch.Tensor]] = field(default_factory=list)  # canonical inputs per depth
+
+    def __post_init__(self) -> None:
+        self.frontier = [0] * self.depth
+        self.hin = [{} for _ in range(self.depth)]
+
+
+class DeepseekMTPExecutor(Executor):
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+        self.model: DeepseekV4Model | None = None
+        self.mtp_layers: list[dict[str, torch.Tensor]] = []
+        self.num_draft = 0
+        self.slots: dict[str, int] = {}
+        self.free_slots: list[int] = []
+        self.num_slots = 0
+        self.mtp_state: dict[str, MtpState] = {}
+        self._last: tuple[BatchInput, Segments, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ load
+
+    def load(self) -> ExecutorInfo:
+        s = self.settings
+        if not s.model:
+            raise DeepseekConfigError("settings.model must name a DeepSeek-V4 checkpoint directory")
+        model_dir = Path(s.model)
+        cfg = load_config(model_dir)
+        raw = json.loads((model_dir / "config.json").read_text())
+        archs = raw.get("architectures") or []
+        if archs and archs[0] != ARCHITECTURE:
+            raise DeepseekConfigError(f"{model_dir} is a {archs[0]} checkpoint, not {ARCHITECTURE}")
+        device = select_device(s.device)
+        dtype = _DTYPES.get(cfg.torch_dtype, torch.bfloat16) if s.dtype == "auto" else _DTYPES[s.dtype]
+        weights = load_weights(model_dir, device, dtype, FP32_SUFFIXES)
+
+        spec = s.speculative_config
+        n_mtp = mtp_depths(weights)
+        if spec is not None:
+            k = int(spec.num_speculative_tokens)
+            if not 1 <= k <= MAX_DRAFT_TOKENS:
+                raise MtpConfigError(
+                    f"speculative_config.num_speculative_tokens={k} is out of range: "
+                    f"use 1..{MAX_DRAFT_TOKENS}"
+                )
+            if spec.method == "mtp" and n_mtp == 0:
+                raise MtpConfigError(
+                    f"speculative_config.method='mtp' needs the checkpoint's MTP layers, but {model_dir} "
+                    f"has no mtp.0.* tensors (num_nextn_predict_layers={cfg.num_nextn_predict_layers}); "
+                    "use a checkpoint with MTP weights or turn speculative decoding off"
+                )
+            self.num_draft = k
+        self.use_mtp = spec is not None and spec.method == "mtp"
+        if self.use_mtp:
+            for d in range(n_mtp):
+                self.mtp_layers.append(self._mtp_params(weights, d, cfg))
+
+        block_size = int(s.block_size)
+        self.model = DeepseekV4Model(cfg, weights, device, dtype, block_size)
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.groups = self._cache_groups(cfg, block_size, dtype)
+        gen = _read_json(model_dir / "generation_config.json")
+        eos = list(cfg.eos_token_ids)
+        gen_eos = gen.get("eos_token_id")
+        for e in [gen_eos] if isinstance(gen_eos, int) else (gen_eos or []):
+            if e not in eos:
+                eos.append(int(e))
+        return ExecutorInfo(
+            cache_groups=self.groups,
+            vocab_size=cfg.vocab_size,
+            max_model_len=int(s.max_model_len or cfg.max_position_embeddings),
+            eos_token_ids=eos,
+            architecture=ARCHITECTURE,
+            supports_pipelining=True,
+            uniform_batches=False,
+            max_draft_tokens=self.num_draft,
+            prefill_barrier=False,
+            generation_defaults={k: gen[k] for k in _GEN_KEYS if k in gen},
+        )
+
+    def _mtp_params(
+        self, weights: dict[str, torch.Tensor], d: int, cfg: DeepseekV4Config
+    ) -> dict[str, torch.Tensor]:
+        prefix = f"mtp.{d}."
+        if any(k.startswith(prefix + "attn.compressor.") for k in weights):
+            raise MtpConfigError(
+                f"{prefix}* has a compressed-attention block; only sliding-window MTP is supported"
+            )
+        try:
+            p = _layer_params(weights, prefix, cfg)
+        except ValueError as e:
+            raise MtpConfigError(f"MTP layer {d}: {e}") from None
+        needed = [
+            "e_proj.weight",
+            "h_proj.weight",
+            "enorm.weight",
+            "hnorm.weight",
+            "norm.weight",
+            "hc_head_fn",
+            "hc_head_base",
+            "hc_head_scale",
+            "attn.wq_a.weight",
+            "attn.wkv.weight",
+            "attn_norm.weight",
+        ]
+        missing = [prefix + n for n in needed if n not in p]
+        if missing:
+            raise MtpConfigError(f"MTP layer {d} is incomplete; missing {missing}")
+        return p
+
+    def _cache_groups(
+        self, cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype
+    ) -> list[CacheGroupSpec]:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        n_csa = cfg.layer_types.count(CSA)
+        n_hca = cfg.layer_types.count(HCA)
+        has_compressed = bool(n_csa or n_hca)
+        no_prefix = ""
+        if has_compressed:
+            no_prefix = (
+                "compressor running state (the last source tokens' projections) is per-request executor "
+                "state that a prefix-cache hit would skip, so reused blocks would not be exact"
+            )
+        elif self.use_mtp:
+            no_prefix = (
+                "MTP drafting state (per-depth hidden carry) is per-request executor state that a "
+                "prefix-cache hit would skip"
+            )
+        # All groups share one switch: a hit is only exact when every kind of state is reused together.
+        pc = not no_prefix
+
+        def group(name: str, layers: int, width: int, tpe: int = 1) -> CacheGroupSpec:
+            return CacheGroupSpec(
+                name=name,
+                block_size=block_size,
+                bytes_per_block=layers * block_size * width * elem,
+                tokens_per_entry=tpe,
+                prefix_caching=pc,
+                no_prefix_caching_reason=no_prefix,
+            )
+
+        groups = [group("swa", cfg.num_hidden_layers, cfg.head_dim)]
+        if n_csa:
+            groups.append(group("csa_kv", n_csa, cfg.head_dim, cfg.csa_rate))
+            groups.append(group("csa_index", n_csa, cfg.index_head_dim, cfg.csa_rate))
+        if n_hca:
+            groups.append(group("hca_kv", n_hca, cfg.head_dim, cfg.hca_rate))
+        if self.use_mtp:
+            groups += [group(f"mtp{d}", 1, cfg.head_dim) for d in range(self.num_draft)]
+        return groups
+
+    # ------------------------------------------------------------------ caches and slots
+
+    def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
+        assert self.model is not None
+        cfg, bs = self.cfg, self.model.block_size
+        layers = {
+            "swa": cfg.num_hidden_layers,
+            "csa_kv": cfg.layer_types.count(CSA),
+            "csa_index": cfg.layer_types.count(CSA),
+            "hca_kv": cfg.layer_types.count(HCA),
+        }
+        for g in self.groups:
+            width = cfg.index_head_dim if g.name == "csa_index" else cfg.head_dim
+            n_layers = layers.get(g.name, 1)
+            self.model.caches[g.name] = torch.zeros(
+                (n_layers, num_blocks[g.name], bs, width), device=self.device, dtype=self.dtype
+            )
+        self.num_slots = max(1, int(getattr(self.settings, "max_num_seqs", 8)))
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == SLIDING:
+                continue
+            rate = cfg.compress_rates[kind]
+            # 2*m - 1 older source tokens may still be needed, plus up to num_draft clobbered positions.
+            ring_len = 2 * rate + self.num_draft + 1
+            width = 2 * cfg.head_dim if kind == CSA else cfg.head_dim
+            self.model.rings[(i, "kv")] = CompressorRing(
+                self.num_slots, ring_len, width, self.device, self.dtype
+            )
+            if kind == CSA:
+                self.model.rings[(i, "index")] = CompressorRing(
+                    self.num_slots, ring_len, 2 * cfg.index_head_dim, self.device, self.dtype
+                )
+
+    def _slot(self, request_id: str, first_pos: int) -> int:
+        slot = self.slots.get(request_id)
+        if slot is not None:
+            return slot
+        if first_pos != 0 and self.model is not None and self.model.rings:
+            raise RuntimeError(
+                f"request {request_id!r} starts at position {first_pos} without compressor state; this "
+                "executor needs every request computed from position 0 (prefix caching is off for its groups)"
+            )
+        if not self.free_slots:  # more live requests than max_num_seqs (e.g. preempted ones): grow
+            old, self.num_slots = self.num_slots, self.num_slots * 2
+            self.free_slots = list(range(self.num_slots - 1, old - 1, -1))
+            assert self.model is not None
+            for ring in self.model.rings.values():
+                ring.grow(self.num_slots)
+        slot = self.free_slots.pop()
+        self.slots[request_id] = slot
+        return slot
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            slot = self.slots.pop(rid, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+            self.mtp_state.pop(rid, None)
+
+    def shutdown(self) -> None:
+        if self.model is not None:
+            self.model.caches.clear()
+            self.model.rings.clear()
+        self.model = None
+        self._last = None
+
+    # ------------------------------------------------------------------ execute
+
+    @torch.inference_mode()
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        assert self.model is not None
+        starts = [int(x) for x in batch.query_start_loc.tolist()]
+        positions = batch.positions.to(self.device).long()
+        pos0 = [
+            int(positions[starts[r]]) if starts[r] < starts[r + 1] else 0
+            for r in range(len(batch.request_ids))
+        ]
+        for r, rid in enumerate(batch.request_ids):
+            if pos0[r] == 0 and starts[r] < starts[r + 1]:
+                # A request (re)starting from scratch: drop anything left from an earlier life.
+                self.mtp_state.pop(rid, None)
+        slots = [self._slot(rid, pos0[r]) for r, rid in enumerate(batch.request_ids)]
+        seg = Segments(
+            starts=starts,
+            pos0=pos0,
+            positions=positions,
+            input_ids=batch.input_ids.to(self.device).long(),
+            block_tables={k: v.to(self.device).long() for k, v in batch.block_tables.items()},
+            ring_slots=slots,
+        )
+        streams = self.model.forward(seg)
+        self._last = (batch, seg, streams)
+        return self.model.logits(streams[batch.logits_indices.to(self.device).long()])
+
+    # ------------------------------------------------------------------ MTP
+
+    @torch.inference_mode()
+    def propose_drafts(self, batch: BatchInput, accepted: list[list[int]]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in batch.request_ids]
+        if not self.use_mtp or self._last is None or self._last[0] is not batch:
+            return drafts
+        _, seg, streams = self._last
+        k = self.num_draft
+        work: dict[int, tuple[MtpState, bool]] = {}
+        ids = seg.input_ids.tolist()
+        for r, rid in enumerate(batch.request_ids):
+            a, b = seg.rows(r)
+            if a == b:
+                continue
+            s = seg.pos0[r]
+            st = self.mtp_state.get(rid)
+            if s == 0:
+                st = MtpState(k)
+            elif st is None or st.hv != s:
+                # State lost or out of step (should not happen): stop drafting for this request rather
+                # than risk drafts from stale state; verification keeps the output exact regardless.
+                self.mtp_state.pop(rid, None)
+                continue
+            acc = accepted[r] if r < len(accepted) else []
+            sampling = batch.num_logits[r] > 0
+            if sampling and not acc:
+                self.mtp_state.pop(rid, None)
+                continue
+            valid = (b - a) - (batch.num_logits[r] - len(acc)) if sampling else b - a
+            for j in range(valid):
+                st.tokens[s + j] = ids[a + j]
+                st.hin[0][s + j] = streams[a + j]
+            st.hv = s + valid
+            if sampling:
+                st.n = s + valid
+                st.tokens[st.n] = int(acc[-1])
+            else:
+                st.n = s + valid - 1
+            self.mtp_state[rid] = st
+            work[r] = (st, sampling)
+
+        tmp: dict[tuple[int, int, int], torch.Tensor] = {}  # (r, depth, pos) -> non-canonical input
+        for d in range(k):
+            rows: list[tuple[int, int, int]] = []  # (r, first, last)
+            hidden, toks, pos = [], [], []
+            for r, (st, sampling) in work.items():
+                c = st.frontier[d]
+                last = st.n - 1 if sampling else st.n - 1 - d
+                if last < c:
+                    continue
+                rh: list[torch.Tensor] = []
+                rt: list[int] = []
+                for i in range(c, last + 1):
+                    h = st.hin[d].get(i, tmp.get((r, d, i)))
+                    t = i + d + 1
+                    j = t - st.n - 1  # index into this step's drafts when token t is not committed yet
+                    tok = st.tokens.get(t) if t <= st.n else (drafts[r][j] if j < len(drafts[r]) else None)
+                    if h is None or tok is None:
+                        break
+                    rh.append(h)
+                    rt.append(tok)
+                if len(rh) != last - c + 1:
+                    # Inconsistent bookkeeping (should not happen): stop drafting for this request
+                    # rather than guess; verification keeps the output exact regardless.
+                    work[r] = (st, False)
+                    drafts[r] = []
+                    self.mtp_state.pop(batch.request_ids[r], None)
+                    continue
+                hidden += rh
+                toks += rt
+                pos += range(c, last + 1)
+                rows.append((r, c, last))
+            if not rows:
+                break
+            out, logits = self._run_mtp(d, rows, torch.stack(hidden), toks, pos, seg)
+            off = 0
+            for r, c, last in rows:
+                st, sampling = work[r]
+                for i in range(c, last + 1):
+                    if d + 1 < k:
+                        if i <= st.n - 1 - d:
+                            st.hin[d + 1][i] = out[off + i - c]
+                        else:
+                            tmp[(r, d + 1, i)] = out[off + i - c]
+                if sampling:
+                    drafts[r].append(int(logits[off + last - c].argmax()))
+                off += last - c + 1
+                st.frontier[d] = max(c, st.n - d, 0)
+            # Inputs below the new frontier are never read again.
+            for r, _, _ in rows:
+                st = work[r][0]
+                st.hin[d] = {i: h for i, h in st.hin[d].items() if i >= st.frontier[d]}
+        for st, _ in work.values():
+            low = min(st.frontier) if st.frontier else st.n
+            st.tokens = {i: t for i, t in st.tokens.items() if i >= low}
+        return [dr if work.get(r, (None, False))[1] else [] for r, dr in enumerate(drafts)]
+
+    def _run_mtp(
+        self,
+        d: int,
+        rows: list[tuple[int, int, int]],
+        hidden: torch.Tensor,
+        toks: list[int],
+        pos: list[int],
+        seg: Segments,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP depth over the flat rows; returns its output streams and logits per row."""
+        assert self.model is not None
+        m, cfg = self.model, self.cfg
+        p = self.mtp_layers[min(d, len(self.mtp_layers) - 1)]
+        group = f"mtp{d}"
+        tok = torch.tensor(toks, device=self.device, dtype=torch.long)
+        positions = torch.tensor(pos, device=self.device, dtype=torch.long)
+        starts = [0]
+        for _, c, last in rows:
+            starts.append(starts[-1] + last - c + 1)
+        bt = seg.block_tables[group][[r for r, _, _ in rows]]
+        mseg = Segments(
+            starts=starts,
+            pos0=[c for _, c, _ in rows],
+            positions=positions,
+            input_ids=tok,
+            block_tables={group: bt},
+        )
+        e = ops.rms_norm(F.embedding(tok, m.embed), p["enorm.weight"], cfg.rms_norm_eps)
+        h = ops.rms_norm(hidden, p["hnorm.weight"], cfg.rms_norm_eps)
+        x = F.linear(e, p["e_proj.weight"]).unsqueeze(1) + F.linear(h, p["h_proj.weight"])
+        rope = m._rope_tables(positions)
+        x = m.decoder_layer(p, x, mseg, rope, layer=-1, kind=SLIDING, swa=m.caches[group][0], swa_group=group)
+        logits = m.logits(
+            x, hc=(p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"]), norm=p["norm.weight"]
+        )
+        return x, logits
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def make_executor(settings: Any) -> DeepseekMTPExecutor:
+    return DeepseekMTPExecutor(settings)

@@ -1,0 +1,448 @@
+"""DeepSeek-V4 forward pass over a flat, paged token batch.
+
+Every kind of attention state is position-keyed so that results never depend on how a sequence was
+split into steps:
+
+* ``swa``: the per-token shared K=V vector of every layer (paged, one entry per token). Sliding
+  attention reads the last ``sliding_window`` positions of it.
+* ``csa_kv`` / ``hca_kv``: compressed entries, entry ``w`` covers source tokens ``[w*m, (w+1)*m)``
+  (paged, ``tokens_per_entry = m``). ``csa_index``: the lightning indexer's compressed keys.
+* compressor running state: the projected (kv, gate) rows of the last few source tokens, in a
+  per-request ring indexed by ``position % ring_len`` (executor-owned; see :class:`CompressorRing`).
+
+A compressed entry is (re)computed whenever the batch contains the last token of its window, from
+the ring (earlier tokens) and the batch (this step's tokens), so entries written for rejected draft
+tokens are simply overwritten when the real tokens arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from pypto_kernels import moe_experts, rope_inv_freq, topk_routing
+
+from . import ops
+from .config import CSA, HCA, SLIDING, DeepseekV4Config
+
+# Parameters the reference keeps in float32 whatever the checkpoint dtype (mixing and norm weights).
+FP32_SUFFIXES = (
+    "attn_sink",
+    "ape",
+    "hc_attn_fn",
+    "hc_attn_base",
+    "hc_attn_scale",
+    "hc_ffn_fn",
+    "hc_ffn_base",
+    "hc_ffn_scale",
+    "hc_head_fn",
+    "hc_head_base",
+    "hc_head_scale",
+    "gate.bias",
+    "norm.weight",
+)
+
+
+@dataclass
+class Segments:
+    """How the flat tokens of one forward split into requests."""
+
+    starts: list[int]  # R + 1 row offsets
+    pos0: list[int]  # absolute position of each request's first row
+    positions: torch.Tensor  # [T]
+    input_ids: torch.Tensor  # [T] token ids (hash routing)
+    block_tables: dict[str, torch.Tensor]  # group -> [R, max_blocks]
+    ring_slots: list[int] | None = None  # compressor ring slot per request (main model only)
+
+    def rows(self, r: int) -> tuple[int, int]:
+        return self.starts[r], self.starts[r + 1]
+
+
+class CompressorRing:
+    """Per-request ring of projected compressor inputs (kv and gate rows) for one layer.
+
+    ``ring_len`` must cover the ``2*m - 1`` source tokens an entry may still need from earlier steps
+    plus the ``max_draft`` positions a rejected draft may have clobbered beyond the accepted ones;
+    we write a step's rows only after reading the older ones, so in-step overwrites cannot hurt.
+    """
+
+    def __init__(
+        self, slots: int, ring_len: int, width: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.ring_len = ring_len
+        self.kv = torch.zeros((slots, ring_len, width), device=device, dtype=dtype)
+        self.gate = torch.zeros((slots, ring_len, width), device=device, dtype=torch.float32)
+
+    def grow(self, slots: int) -> None:
+        extra = slots - self.kv.shape[0]
+        if extra > 0:
+            self.kv = torch.cat([self.kv, self.kv.new_zeros((extra, *self.kv.shape[1:]))])
+            self.gate = torch.cat([self.gate, self.gate.new_zeros((extra, *self.gate.shape[1:]))])
+
+    def read(self, slot: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.arange(lo, hi, device=self.kv.device) % self.ring_len
+        return self.kv[slot, idx], self.gate[slot, idx]
+
+    def write(self, slot: int, lo: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        keep = min(kv.shape[0], self.ring_len)
+        start = lo + kv.shape[0] - keep
+        idx = torch.arange(start, start + keep, device=self.kv.device) % self.ring_len
+        self.kv[slot, idx] = kv[-keep:].to(self.kv.dtype)
+        self.gate[slot, idx] = gate[-keep:].float()
+
+
+def paged_slots(block_table: torch.Tensor, idx: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slots of entry indices ``idx`` for one request's block table row."""
+    return block_table[idx // block_size].long() * block_size + idx % block_size
+
+
+class DeepseekV4Model:
+    """Weights plus the batched forward; caches are attached by the executor."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        weights: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+    ) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.embed = weights["embed.weight"]
+        self.head = weights.get("head.weight", self.embed)
+        self.norm = weights["norm.weight"]
+        self.hc_head = (weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"])
+        self.layers = [_layer_params(weights, f"layers.{i}.", cfg) for i in range(cfg.num_hidden_layers)]
+        self.inv_freq: dict[str, tuple[torch.Tensor, float]] = {}
+        for name, params in (("main", cfg.rope_main), ("compress", cfg.rope_compress)):
+            inv, scaling = rope_inv_freq(
+                cfg.rope_head_dim,
+                float(params.get("rope_theta", 10000.0)),
+                params,
+                cfg.max_position_embeddings,
+            )
+            self.inv_freq[name] = (inv.to(device), scaling)
+        # Index of each compressed layer inside its cache group's stacked tensor.
+        self.group_index: dict[int, int] = {}
+        counts = {CSA: 0, HCA: 0}
+        for i, kind in enumerate(cfg.layer_types):
+            if kind != SLIDING:
+                self.group_index[i] = counts[kind]
+                counts[kind] += 1
+        self.caches: dict[str, torch.Tensor] = {}
+        self.rings: dict[tuple[int, str], CompressorRing] = {}
+
+    # ------------------------------------------------------------------ public entry points
+
+    def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)
+        return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def forward(self, seg: Segments) -> torch.Tensor:
+        """Run all decoder layers; returns the hyper-connection streams ``[T, hc, D]``."""
+        x = self.embed_streams(seg.input_ids)
+        rope = self._rope_tables(seg.positions)
+        for i, p in enumerate(self.layers):
+            x = self.decoder_layer(
+                p,
+                x,
+                seg,
+                rope,
+                layer=i,
+                kind=self.cfg.layer_types[i],
+                swa=self.caches["swa"][i],
+                swa_group="swa",
+            )
+        return x
+
+    def logits(
+        self,
+        streams: torch.Tensor,
+        hc: tuple[torch.Tensor, ...] | None = None,
+        norm: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        fn, base, scale = hc if hc is not None else self.hc_head
+        h = ops.hc_head(streams, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps)
+        h = ops.rms_norm(h, self.norm if norm is None else norm, self.cfg.rms_norm_eps)
+        return F.linear(h, self.head).float()
+
+    # ------------------------------------------------------------------ blocks
+
+    def _rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {k: ops.rope_cos_sin(positions, inv, sc) for k, (inv, sc) in self.inv_freq.items()}
+
+    def decoder_layer(
+        self,
+        p: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        seg: Segments,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        layer: int,
+        kind: str,
+        swa: torch.Tensor,
+        swa_group: str,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        post, comb, collapsed = ops.hc_weights(
+            x,
+            p["hc_attn_fn"],
+            p["hc_attn_base"],
+            p["hc_attn_scale"],
+            cfg.hc_sinkhorn_iters,
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+        )
+        h = ops.rms_norm(collapsed, p["attn_norm.weight"], cfg.rms_norm_eps)
+        x = ops.hc_merge(x, self.attention(p, h, seg, rope, layer, kind, swa, swa_group), post, comb)
+        post, comb, collapsed = ops.hc_weights(
+            x,
+            p["hc_ffn_fn"],
+            p["hc_ffn_base"],
+            p["hc_ffn_scale"],
+            cfg.hc_sinkhorn_iters,
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+        )
+        h = ops.rms_norm(collapsed, p["ffn_norm.weight"], cfg.rms_norm_eps)
+        return ops.hc_merge(x, self.moe(p, h, seg.input_ids), post, comb)
+
+    def moe(self, p: dict[str, torch.Tensor], h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        logits = F.linear(h, p["ffn.gate.weight"])
+        if "ffn.gate.tid2eid" in p:  # hash routing: a frozen token -> experts table picks the experts
+            ids = p["ffn.gate.tid2eid"][input_ids].long()
+            weights = ops.router_scores(logits, cfg.scoring_func).gather(1, ids)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        else:
+            # V4 always renormalises the picked scores, whatever norm_topk_prob says.
+            weights, ids = topk_routing(
+                logits,
+                cfg.num_experts_per_tok,
+                True,
+                cfg.scoring_func,
+                p.get("ffn.gate.bias"),
+                cfg.routed_scaling_factor,
+            )
+        limit = cfg.swiglu_limit
+        routed = moe_experts(
+            h,
+            p["experts.gate_up"],
+            p["experts.down"],
+            weights,
+            ids,
+            activation=lambda gu: ops.clamped_swiglu(gu, limit),
+        )
+        shared = F.linear(
+            ops.clamped_swiglu(F.linear(h, p["shared.gate_up"]), limit), p["ffn.shared_experts.w2.weight"]
+        )
+        return routed + shared
+
+    def attention(
+        self,
+        p: dict[str, torch.Tensor],
+        h: torch.Tensor,
+        seg: Segments,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        layer: int,
+        kind: str,
+        swa: torch.Tensor,
+        swa_group: str,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        t = h.shape[0]
+        cos, sin = rope["main" if kind == SLIDING else "compress"]
+        q_res = ops.rms_norm(F.linear(h, p["attn.wq_a.weight"]), p["attn.q_norm.weight"], cfg.rms_norm_eps)
+        q = F.linear(q_res, p["attn.wq_b.weight"]).view(t, cfg.num_attention_heads, cfg.head_dim)
+        q = ops.apply_rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
+        kv = ops.rms_norm(F.linear(h, p["attn.wkv.weight"]), p["attn.norm.weight"], cfg.rms_norm_eps)
+        kv = ops.apply_rope(kv, cos, sin)
+
+        bs = self.block_size
+        flat_swa = swa.view(-1, cfg.head_dim)
+        for r in range(len(seg.pos0)):
+            a, b = seg.rows(r)
+            idx = seg.positions[a:b]
+            flat_swa[paged_slots(seg.block_tables[swa_group][r], idx, bs)] = kv[a:b].to(flat_swa.dtype)
+
+        iq = iw = None
+        if kind == CSA:
+            iq = F.linear(q_res, p["attn.indexer.wq_b.weight"]).view(t, cfg.index_n_heads, cfg.index_head_dim)
+            iq = ops.apply_rope(iq, cos, sin)
+            iw = F.linear(h, p["attn.indexer.weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
+
+        out = torch.empty_like(q)
+        window = cfg.sliding_window
+        for r in range(len(seg.pos0)):
+            a, b = seg.rows(r)
+            if a == b:
+                continue
+            p0, p1 = seg.pos0[r], seg.pos0[r] + (b - a) - 1
+            qpos = seg.positions[a:b]
+            k0 = max(0, p0 - window + 1)
+            kpos = torch.arange(k0, p1 + 1, device=h.device)
+            keys = flat_swa[paged_slots(seg.block_tables[swa_group][r], kpos, bs)]
+            diff = qpos[:, None] - kpos[None, :]
+            mask = (diff >= 0) & (diff < window)
+            if kind != SLIDING:
+                entries = self._compress_step(p, h[a:b], seg, r, layer, kind, p0, p1)
+                rate = cfg.compress_rates[kind]
+                visible = (
+                    torch.arange(entries.shape[0], device=h.device)[None, :] < ((qpos + 1) // rate)[:, None]
+                )
+                if kind == CSA and entries.shape[0] > 0:
+                    visible = self._index_select(p, seg, r, layer, iq[a:b], iw[a:b], qpos, visible)
+                keys = torch.cat([keys, entries.to(keys.dtype)], dim=0)
+                mask = torch.cat([mask, visible], dim=1)
+            out[a:b] = ops.sink_attention(q[a:b], keys, mask, p["attn.attn_sink"], cfg.head_dim**-0.5)
+
+        # K == V carries RoPE on its trailing channels; rotate back by the query position.
+        out = ops.apply_rope(out, cos, -sin)
+        grouped = out.reshape(t, cfg.o_groups, -1)
+        return F.linear(
+            ops.grouped_linear(grouped, p["attn.wo_a.weight"], cfg.o_groups), p["attn.wo_b.weight"]
+        )
+
+    # ------------------------------------------------------------------ compressors
+
+    def _compress_step(
+        self,
+        p: dict[str, torch.Tensor],
+        h: torch.Tensor,
+        seg: Segments,
+        r: int,
+        layer: int,
+        kind: str,
+        p0: int,
+        p1: int,
+    ) -> torch.Tensor:
+        """Emit the entries whose windows close inside ``[p0, p1]`` and return all visible entries."""
+        cfg = self.cfg
+        rate = cfg.compress_rates[kind]
+        gi = self.group_index[layer]
+        group = "csa_kv" if kind == CSA else "hca_kv"
+        bt = seg.block_tables[group][r]
+        self._compress_into(
+            p,
+            "attn.compressor.",
+            h,
+            seg,
+            r,
+            layer,
+            "kv",
+            rate,
+            kind == CSA,
+            p0,
+            p1,
+            self.caches[group][gi],
+            bt,
+        )
+        if kind == CSA:
+            self._compress_into(
+                p,
+                "attn.indexer.compressor.",
+                h,
+                seg,
+                r,
+                layer,
+                "index",
+                rate,
+                True,
+                p0,
+                p1,
+                self.caches["csa_index"][gi],
+                seg.block_tables["csa_index"][r],
+            )
+        n_entries = (p1 + 1) // rate
+        flat = self.caches[group][gi].view(-1, cfg.head_dim)
+        return flat[paged_slots(bt, torch.arange(n_entries, device=h.device), self.block_size)]
+
+    def _compress_into(
+        self,
+        p: dict[str, torch.Tensor],
+        prefix: str,
+        h: torch.Tensor,
+        seg: Segments,
+        r: int,
+        layer: int,
+        ring_name: str,
+        rate: int,
+        overlap: bool,
+        p0: int,
+        p1: int,
+        cache: torch.Tensor,
+        bt: torch.Tensor,
+    ) -> None:
+        kv = F.linear(h, p[prefix + "wkv.weight"])
+        gate = F.linear(h, p[prefix + "wgate.weight"]).float()
+        ring = self.rings[(layer, ring_name)]
+        assert seg.ring_slots is not None
+        slot = seg.ring_slots[r]
+        w_lo, w_hi = p0 // rate, (p1 + 1) // rate - 1
+        if w_hi >= w_lo:
+            lo = max(0, w_lo * rate - (rate if overlap else 0))
+            old_kv, old_gate = ring.read(slot, lo, p0)
+            all_kv = torch.cat([old_kv.to(kv.dtype), kv], dim=0)
+            all_gate = torch.cat([old_gate, gate], dim=0)
+            pooled = ops.pool_windows(all_kv, all_gate, p[prefix + "ape"], rate, w_lo, overlap)
+            pooled = ops.rms_norm(pooled, p[prefix + "norm.weight"], self.cfg.rms_norm_eps)
+            wpos = torch.arange(w_lo, w_hi + 1, device=h.device)
+            cos, sin = ops.rope_cos_sin(wpos * rate, *self.inv_freq["compress"])
+            pooled = ops.apply_rope(pooled, cos, sin)
+            flat = cache.view(-1, cache.shape[-1])
+            flat[paged_slots(bt, wpos, self.block_size)] = pooled.to(flat.dtype)
+        ring.write(slot, p0, kv, gate)
+
+    def _index_select(
+        self,
+        p: dict[str, torch.Tensor],
+        seg: Segments,
+        r: int,
+        layer: int,
+        iq: torch.Tensor,
+        iw: torch.Tensor,
+        qpos: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """Lightning indexer: keep, per query, the ``index_topk`` best-scoring visible entries."""
+        cfg = self.cfg
+        n_entries = visible.shape[1]
+        flat = self.caches["csa_index"][self.group_index[layer]].view(-1, cfg.index_head_dim)
+        keys = flat[
+            paged_slots(
+                seg.block_tables["csa_index"][r], torch.arange(n_entries, device=iq.device), self.block_size
+            )
+        ]
+        scores = F.relu(torch.einsum("shd,ld->shl", iq.float(), keys.float())) * cfg.index_head_dim**-0.5
+        scores = (scores * iw.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
+        k = min(cfg.index_topk, n_entries)
+        # ReLU scores tie (at 0) easily; a stable sort breaks ties towards earlier entries whatever the
+        # query count, so chunking and speculation cannot change which entries are picked.
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        chosen = torch.zeros_like(visible).scatter_(1, top, True)
+        return chosen & visible
+
+
+def _layer_params(
+    weights: dict[str, torch.Tensor], prefix: str, cfg: DeepseekV4Config
+) -> dict[str, torch.Tensor]:
+    """Collect one block's tensors (prefix stripped) and pre-pack the expert weights."""
+    p = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    n_exp = cfg.n_routed_experts
+    try:
+        w1 = [p.pop(f"ffn.experts.{e}.w1.weight") for e in range(n_exp)]
+        w3 = [p.pop(f"ffn.experts.{e}.w3.weight") for e in range(n_exp)]
+        w2 = [p.pop(f"ffn.experts.{e}.w2.weight") for e in range(n_exp)]
+    except KeyError as e:
+        raise ValueError(f"checkpoint is missing expert weight {prefix}{e.args[0]}") from None
+    # moe_experts wants [E, 2I, D] gate/up stacked (gate first) and [E, D, I] down.
+    p["experts.gate_up"] = torch.stack([torch.cat([a, b], dim=0) for a, b in zip(w1, w3)])
+    p["experts.down"] = torch.stack(w2)
+    p["shared.gate_up"] = torch.cat(
+        [p["ffn.shared_experts.w1.weight"], p.pop("ffn.shared_experts.w3.weight")]
+    )
+    del p["ffn.shared_experts.w1.weight"]
+    return p
