@@ -88,6 +88,8 @@ class KVCacheManager:
         self.prefix_caching = enable_prefix_caching and all(g.prefix_caching for g in self.groups)
         self._hash_unit = math.lcm(*(g.tokens_per_block for g in self.groups))
         self._hashes: dict[str, dict[str, list[int]]] = {}  # request -> group -> block hashes
+        self._min_tpb = min(g.tokens_per_block for g in self.groups)
+        self._published: dict[str, int] = {}  # request -> full blocks (of the smallest kind) published
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found cached
 
@@ -150,6 +152,9 @@ class KVCacheManager:
         if not self.prefix_caching:
             return
         num_tokens = min(num_tokens, request.num_tokens)
+        if num_tokens // self._min_tpb <= self._published.get(request.request_id, 0):
+            return  # no new full block since the last call: the common decode step
+        self._published[request.request_id] = num_tokens // self._min_tpb
         for g in self.groups:
             blocks = request.block_ids.get(g.name, [])
             pool = self.pools[g.name]
@@ -159,6 +164,11 @@ class KVCacheManager:
     # -- allocation
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Grow the request's blocks so it can hold ``num_tokens`` tokens; all groups or none."""
+        if len(self.groups) == 1:  # fast path: most steps need no new block
+            g = self.groups[0]
+            have_blocks = request.block_ids.get(g.name)
+            if have_blocks is not None and self.blocks_needed(g, num_tokens) <= len(have_blocks):
+                return True
         need = {}
         for g in self.groups:
             have = len(request.block_ids.get(g.name, []))
@@ -175,6 +185,7 @@ class KVCacheManager:
             self.pools[g.name].release(request.block_ids.get(g.name, []))
         request.block_ids = {}
         self._hashes.pop(request.request_id, None)
+        self._published.pop(request.request_id, None)
 
     # -- invariants
     def check_invariants(self, live: Sequence[Request]) -> None:

@@ -184,7 +184,7 @@ class Scheduler:
                     k,
                     req.num_computed_tokens,
                     self._rejected.get(req.request_id, 0),
-                    {g: list(b) for g, b in req.block_ids.items()},
+                    req.block_ids,  # encoded (process) or consumed (inproc) at submit, before any change
                     sample,
                 )
             )
