@@ -130,14 +130,16 @@ class PluginManager:
 
     def _collect(self) -> None:
         # Walk the hook implementations one by one so every descriptor is attributed to its plugin.
-        for hook, registry in (
+        registries: tuple[tuple[Any, _Registry[Any]], ...] = (
             (self.pm.hook.pypto_serving_register_executors, self.executors),
             (self.pm.hook.pypto_serving_register_schedulers, self.schedulers),
             (self.pm.hook.pypto_serving_register_spec_policies, self.spec_policies),
-        ):
+        )
+        for hook, registry in registries:
             for impl in reversed(hook.get_hookimpls()):  # registration order
                 info = self._info_for(impl.plugin)
-                for spec in impl.function() or []:
+                specs: list[Any] = impl.function() or []
+                for spec in specs:
                     registry.add(spec, info)
 
     def _info_for(self, obj: Any) -> PluginInfo:

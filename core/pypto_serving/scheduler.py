@@ -13,11 +13,11 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .executor import ExecutorInfo, NewRequestData, ScheduledEntry, StepCommand, StepResult
 from .kv_cache import KVCacheManager
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, SamplingParams
 from .speculative import SpecPolicy
 
 __all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SchedulerStats"]
@@ -397,9 +397,7 @@ class Scheduler:
         del self.requests[rid]
 
 
-def _sampling_dict(sp: object, eos: tuple[int, ...]) -> dict[str, object]:
-    from dataclasses import asdict
-
-    d = asdict(sp)  # type: ignore[call-overload]
+def _sampling_dict(sp: SamplingParams, eos: tuple[int, ...]) -> dict[str, object]:
+    d: dict[str, object] = asdict(sp)
     d["eos_token_ids"] = list(eos)
     return d

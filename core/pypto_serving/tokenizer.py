@@ -64,8 +64,8 @@ def _raise(msg: str) -> None:
 
 def _token_str(value: Any) -> str | None:
     if isinstance(value, dict):
-        return value.get("content")
-    return value
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer | None:

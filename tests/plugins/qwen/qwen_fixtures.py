@@ -22,11 +22,6 @@ from typing import Any
 import pytest
 import torch
 
-# The plugin and core are importable from the source tree even before they are pip-installed.
-_ROOT = Path(__file__).resolve().parents[3]
-for _p in (_ROOT / "plugins" / "qwen", _ROOT / "core", _ROOT / "kernels"):
-    if _p.is_dir() and str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
 from pypto_serving.executor import BatchInput  # noqa: E402
 
