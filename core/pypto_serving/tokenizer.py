@@ -48,6 +48,7 @@ class Tokenizer:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
         template = env.from_string(self.chat_template)
         return template.render(
             messages=messages,
@@ -60,6 +61,13 @@ class Tokenizer:
 
 def _raise(msg: str) -> None:
     raise ValueError(f"chat template error: {msg}")
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    """transformers' ``tojson``: jinja's own sorts keys and HTML-escapes ``<>&'``, changing prompts."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _token_str(value: Any) -> str | None:

@@ -16,5 +16,9 @@ from qwen_fixtures import (  # noqa: F401 - re-exported as fixtures
     _single_torch_thread,
     batch_builder,
     hf_reference,
+    qwen_chat_checkpoint,
+    qwen_chat_llm,
     qwen_checkpoints,
+    qwen_tiktoken_reference,
+    qwen_tokenizer_dir,
 )

