@@ -44,12 +44,11 @@ class AsyncStrategy:
         except BaseException:
             self.in_flight.clear()  # the worker is gone; the engine fails every live request
             raise
+        # A failed step fails the requests it carried (``apply``); their entries in the later step,
+        # built on this step's optimistic state, are discarded when that result is applied, since
+        # those requests are finished by then. Requests only in the later step did not depend on
+        # this one and keep their result.
         self.core.apply(out, result)
-        if result.error is not None:
-            # The later step was built on this one's optimistic state: fail its requests too and
-            # let its result be drained without effect (their requests are finished by then).
-            for later in self.in_flight:
-                self.core.fail_requests(later, f"step failed: {result.error}")
 
     def drain(self) -> None:
         """Apply every in-flight result (used at shutdown)."""
@@ -61,6 +60,9 @@ class AsyncStrategy:
 def pypto_serving_register_schedulers() -> list[SchedulerSpec]:
     return [
         SchedulerSpec(
-            "async", AsyncStrategy, pipelined=True, description="depth-2 pipelined scheduling with placeholders"
+            "async",
+            AsyncStrategy,
+            pipelined=True,
+            description="depth-2 pipelined scheduling with placeholders",
         )
     ]
