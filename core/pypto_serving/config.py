@@ -10,7 +10,7 @@ import argparse
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
@@ -19,6 +19,7 @@ from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
     InitSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
@@ -155,7 +156,7 @@ class ServingSettings(BaseSettings):
     # -- server
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port).")
-    api_key: list[str] = Field(default_factory=list, description="Accepted Bearer keys; empty = no auth.")
+    api_key: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Accepted Bearer keys; empty = no auth.")
     protect_metrics: bool = Field(False, description="Require the API key for /metrics too.")
     max_request_body_bytes: int = Field(1024**2, gt=0, description="Largest accepted HTTP body.")
     max_waiting_requests: int = Field(1024, gt=0, description="Waiting-queue length beyond which requests get 503.")
@@ -167,7 +168,9 @@ class ServingSettings(BaseSettings):
     @field_validator("api_key", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
-        if isinstance(v, str):
+        if isinstance(v, str):  # "a,b" or a JSON list, from the environment or a flag
+            if v.lstrip().startswith("["):
+                return json.loads(v)
             return [k for k in v.split(",") if k]
         return v
 
@@ -236,7 +239,8 @@ def _explain(error: ValidationError, layers: list[tuple[str, dict[str, Any]]]) -
         field = loc[0] if loc else "?"
         source = next((src for src, data in layers if field in data), "default")
         if source == "environment":
-            source = f"environment variable {ENV_PREFIX}{field.upper()}"
+            names = [p for p in loc if not p.isdigit()]
+            source = f"environment variable {ENV_PREFIX}{'__'.join(names).upper()}"
         shown = err.get("input")
         allowed = err["msg"]
         info = ServingSettings.model_fields.get(field)

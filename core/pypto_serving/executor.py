@@ -341,20 +341,24 @@ class WorkerClient:
         while not self._conn.poll(min(0.5, timeout - waited)):
             waited += 0.5
             if not self._proc.is_alive():
+                self._proc.join(timeout=1)  # reap it, so the exit code is known
                 self._die(f"the worker process died (exit code {self._proc.exitcode}) while {what}")
             if waited >= timeout:
                 self._die(f"the worker did not answer within {timeout:.0f}s while {what} (step_timeout)")
         try:
             return self._conn.recv_bytes()
         except (EOFError, OSError):
+            self._proc.join(timeout=1)
             self._die(f"the worker process died (exit code {self._proc.exitcode}) while {what}")
             raise  # unreachable
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
         self._in_flight = 0
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(timeout=5)  # no zombie left behind
         raise WorkerDiedError(reason)
 
     @property

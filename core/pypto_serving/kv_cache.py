@@ -115,7 +115,9 @@ class KVCacheManager:
         for i in range(len(known), num_tokens // tpb):
             parent = hash((parent, tuple(tokens[i * tpb : (i + 1) * tpb])))
             known.append(parent)
-        return known
+        # ``known`` may hold more (a prefix lookup hashes the whole prompt): only full blocks
+        # within ``num_tokens`` may be returned, or publish() would cache unwritten blocks.
+        return known[: num_tokens // tpb]
 
     def find_cached_prefix(self, request: Request) -> int:
         """Take the longest cached prefix for a fresh request; returns the tokens it covers.
@@ -146,6 +148,13 @@ class KVCacheManager:
             request.block_ids[g.name] = list(blocks)
         self.prefix_hits += hit
         return hit
+
+    def cancel_prefix_hit(self, request: Request, hit: int) -> None:
+        """Undo :meth:`find_cached_prefix` for a request that could not be admitted after all, so
+        the retry neither holds blocks meanwhile nor counts twice in the hit-rate statistics."""
+        self.free(request)
+        self.prefix_queries -= request.num_prompt_tokens
+        self.prefix_hits -= hit
 
     def publish(self, request: Request, num_tokens: int) -> None:
         """Make the full blocks among the request's first ``num_tokens`` (confirmed) tokens reusable."""

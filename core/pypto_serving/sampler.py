@@ -49,8 +49,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], params: list[RowPara
     for r in rows:  # rows with penalties only; the histories differ in length per request
         p = params[r]
         hist = torch.tensor(p.history, dtype=torch.long)
+        out = hist[p.num_prompt :]  # split before dropping out-of-range ids, or the boundary shifts
         hist = hist[(hist >= 0) & (hist < vocab)]
-        out = hist[p.num_prompt :] if p.num_prompt <= len(hist) else hist[:0]
+        out = out[(out >= 0) & (out < vocab)]
         row = logits[r]
         if p.repetition_penalty != 1.0 and len(hist):
             seen = torch.unique(hist)

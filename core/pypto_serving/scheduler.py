@@ -255,7 +255,7 @@ class Scheduler:
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget, False)
             if num_new == 0 or not self.kv.allocate(req, req.num_computed_tokens + num_new):
                 if req.block_ids:  # give back the prefix hit; it is looked up again next time
-                    self.kv.free(req)
+                    self.kv.cancel_prefix_hit(req, req.num_cached_tokens)
                     req.num_computed_tokens = 0
                 break
             self.waiting.popleft()

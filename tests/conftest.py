@@ -1,0 +1,69 @@
+"""Shared fixtures: the fake executor plugin, an engine factory that always shuts down, and the
+``requires_plugin(name)`` marker."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from typing import Any
+
+import pytest
+
+# Plugin entry-point names and the module each one lives in (either installed counts).
+_PLUGIN_MODULES = {
+    "sync_sched": "pypto_serving_sync_sched",
+    "async_sched": "pypto_serving_async_sched",
+    "qwen": "pypto_serving_qwen",
+    "deepseek_mtp": "pypto_serving_deepseek_mtp",
+}
+
+
+def plugin_installed(name: str) -> bool:
+    """True when an entry point ``name`` of group ``pypto_serving`` or the module behind it exists."""
+    if any(ep.name == name for ep in metadata.entry_points(group="pypto_serving")):
+        return True
+    module = _PLUGIN_MODULES.get(name, name)
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers(name="requires_plugin"):
+        for name in mark.args:
+            if not plugin_installed(name):
+                pytest.skip(f"plugin {name} not installed")
+
+
+@pytest.fixture
+def fake_pm() -> Any:
+    """A PluginManager with the deterministic fake executor registered through the real hook."""
+    from pypto_serving import PluginManager
+    from tests.fakes import FakePlugin
+
+    return PluginManager(extra_plugins=[FakePlugin])
+
+
+@pytest.fixture
+def make_llm(fake_pm: Any) -> Iterator[Callable[..., Any]]:
+    """``make_llm(**settings)`` builds an ``LLM`` on the fake executor (in-process, sync scheduling
+    unless overridden); every engine built is shut down at teardown."""
+    pytest.importorskip("pypto_serving_sync_sched")
+    from pypto_serving import LLM
+
+    built: list[Any] = []
+
+    def factory(**kw: Any) -> Any:
+        kw.setdefault("executor", "fake")
+        kw.setdefault("worker_mode", "inproc")
+        kw.setdefault("scheduler", "sync")
+        plugins = kw.pop("plugins", fake_pm)
+        llm = LLM(plugins=plugins, **kw)
+        built.append(llm)
+        return llm
+
+    yield factory
+    for llm in built:
+        llm.shutdown()

@@ -1,0 +1,334 @@
+"""BlockPool and KVCacheManager: allocation, ref counts, LRU reuse, prefix caching, cache groups."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from pypto_serving.executor import CacheGroupSpec
+from pypto_serving.kv_cache import BlockPool, KVCacheManager, NoFreeBlocksError
+from pypto_serving.request import Request, SamplingParams
+
+MakeReq = Callable[..., Request]
+
+
+@pytest.fixture
+def make_req() -> MakeReq:
+    counter = iter(range(10**6))
+
+    def make(tokens: list[int], rid: str | None = None) -> Request:
+        return Request(rid or f"r{next(counter)}", list(tokens), SamplingParams(max_tokens=4))
+
+    return make
+
+
+@pytest.fixture
+def kv() -> KVCacheManager:
+    """One plain KV group, 4 tokens per block, 8 blocks."""
+    return KVCacheManager([CacheGroupSpec("kv", 4, 64)], {"kv": 8})
+
+
+# ----------------------------------------------------------------------------- BlockPool
+
+
+def test_pool_allocate_and_release_counts() -> None:
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    assert sorted(a) == [0, 1, 2] and pool.num_free == 1
+    assert all(pool.ref_cnt[b] == 1 for b in a)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(2)
+    assert pool.num_free == 1  # a failed allocation takes nothing
+    pool.release(a)
+    assert pool.num_free == 4 and pool.ref_cnt == [0, 0, 0, 0]
+
+
+def test_pool_shared_block_is_freed_at_last_release() -> None:
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.publish(b, 123)
+    pool.take_cached(b)
+    assert pool.ref_cnt[b] == 2
+    pool.release([b])
+    assert pool.ref_cnt[b] == 1 and b not in pool.free
+    pool.release([b])
+    assert pool.ref_cnt[b] == 0 and b in pool.free
+    with pytest.raises(AssertionError, match="released twice"):
+        pool.release([b])
+
+
+def test_pool_lru_order_and_eviction_of_hashes() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(4)
+    for i, b in enumerate(blocks):
+        pool.publish(b, 100 + i)
+    # release() walks each list tail-first; the free queue is least recently freed first.
+    pool.release([blocks[0], blocks[1]])
+    pool.release([blocks[3]])
+    pool.release([blocks[2]])
+    assert list(pool.free) == [blocks[1], blocks[0], blocks[3], blocks[2]]
+    (first,) = pool.allocate(1)
+    assert first == blocks[1]
+    assert 101 not in pool.cached and pool.block_hash[first] is None  # its content is evicted
+    assert pool.cached == {100: blocks[0], 102: blocks[2], 103: blocks[3]}
+
+
+def test_pool_revives_cached_free_block() -> None:
+    pool = BlockPool(3)
+    (b,) = pool.allocate(1)
+    pool.publish(b, 7)
+    pool.release([b])
+    assert pool.num_free == 3
+    pool.take_cached(b)
+    assert pool.num_free == 2 and pool.ref_cnt[b] == 1 and b not in pool.free
+    assert pool.cached[7] == b
+
+
+def test_pool_publish_keeps_the_first_copy() -> None:
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.publish(a, 5)
+    pool.publish(b, 5)  # identical content elsewhere: not cached twice
+    assert pool.cached == {5: a} and pool.block_hash[b] is None
+    pool.publish(a, 6)  # already published: unchanged
+    assert pool.cached == {5: a}
+
+
+# ----------------------------------------------------------------------------- KVCacheManager
+
+
+def test_allocate_grows_and_free_returns_everything(kv: KVCacheManager, make_req: MakeReq) -> None:
+    r = make_req(list(range(10)))
+    assert kv.allocate(r, 10)
+    assert len(r.block_ids["kv"]) == 3
+    assert kv.allocate(r, 12)
+    assert len(r.block_ids["kv"]) == 3  # still fits
+    assert kv.allocate(r, 13)
+    assert len(r.block_ids["kv"]) == 4
+    kv.check_invariants([r])
+    other = make_req(list(range(20)))
+    assert not kv.allocate(other, 20)  # 5 blocks needed, 4 free: nothing taken
+    assert "kv" not in other.block_ids
+    kv.check_invariants([r, other])
+    kv.free(r)
+    assert r.block_ids == {} and kv.pools["kv"].num_free == 8
+    kv.check_invariants([])
+    assert kv.usage == 0.0
+
+
+def test_can_ever_fit(kv: KVCacheManager) -> None:
+    assert kv.can_ever_fit(32)
+    assert not kv.can_ever_fit(33)
+
+
+def test_prefix_hit_via_chained_hashes(kv: KVCacheManager, make_req: MakeReq) -> None:
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks
+    a = make_req(prompt)
+    assert kv.find_cached_prefix(a) == 0
+    assert kv.allocate(a, 13)
+    kv.publish(a, 13)
+    b = make_req(prompt)
+    assert kv.find_cached_prefix(b) == 12
+    assert b.block_ids["kv"] == a.block_ids["kv"][:3]
+    assert kv.prefix_hits == 12
+    kv.check_invariants([a, b])
+    assert all(kv.pools["kv"].ref_cnt[x] == 2 for x in b.block_ids["kv"])
+    # Same second block but a different first block: the chain breaks at block 0.
+    c = make_req([99, *prompt[1:]])
+    assert kv.find_cached_prefix(c) == 0
+    # Same first block, different second block: only the first block hits.
+    d = make_req([*prompt[:4], 50, *prompt[5:]])
+    assert kv.find_cached_prefix(d) == 4
+    kv.check_invariants([a, b, c, d])
+    for r in (a, b, c, d):
+        kv.free(r)
+    kv.check_invariants([])
+    assert kv.pools["kv"].num_free == 8
+
+
+@pytest.mark.parametrize("length", [4, 8, 12])
+def test_hit_never_covers_the_last_prompt_token(kv: KVCacheManager, make_req: MakeReq, length: int) -> None:
+    prompt = list(range(length))
+    a = make_req(prompt)
+    kv.allocate(a, length)
+    kv.publish(a, length)
+    b = make_req(prompt)
+    hit = kv.find_cached_prefix(b)
+    assert hit == length - 4  # block-aligned and strictly below the prompt length
+    assert hit < b.num_prompt_tokens
+    kv.free(a)
+    kv.free(b)
+    kv.check_invariants([])
+
+
+def test_hit_after_owner_finished_revives_freed_blocks(kv: KVCacheManager, make_req: MakeReq) -> None:
+    prompt = list(range(9))
+    a = make_req(prompt)
+    kv.allocate(a, 9)
+    kv.publish(a, 9)
+    blocks = list(a.block_ids["kv"])
+    kv.free(a)
+    assert kv.pools["kv"].num_free == 8
+    b = make_req(prompt)
+    assert kv.find_cached_prefix(b) == 8
+    assert b.block_ids["kv"] == blocks[:2]
+    assert kv.pools["kv"].num_free == 6
+    kv.check_invariants([b])
+    kv.free(b)
+
+
+def test_eviction_drops_prefix_entries(make_req: MakeReq) -> None:
+    kv = KVCacheManager([CacheGroupSpec("kv", 4, 64)], {"kv": 3})
+    a = make_req(list(range(9)))
+    kv.allocate(a, 9)
+    kv.publish(a, 9)
+    kv.free(a)
+    # Taking every block evicts every cached prefix block.
+    filler = make_req([70] * 12)
+    assert kv.allocate(filler, 12)
+    assert kv.pools["kv"].cached == {}
+    kv.free(filler)
+    b = make_req(list(range(9)))
+    assert kv.find_cached_prefix(b) == 0
+    kv.check_invariants([])
+
+
+def test_partial_eviction_keeps_the_shared_prefix_longest(make_req: MakeReq) -> None:
+    kv = KVCacheManager([CacheGroupSpec("kv", 4, 64)], {"kv": 4})
+    a = make_req(list(range(13)))
+    kv.allocate(a, 13)
+    kv.publish(a, 13)
+    kv.free(a)  # 4 blocks free, released tail-first: block 3, 2, 1, 0
+    x = make_req([80, 81, 82])
+    assert kv.allocate(x, 3)  # evicts a's last block (unpublished) first
+    y = make_req([90, 91, 92])
+    assert kv.allocate(y, 3)  # then a's third block
+    b = make_req(list(range(13)))
+    assert kv.find_cached_prefix(b) == 8  # the first two blocks survived
+    kv.check_invariants([x, y, b])
+    for r in (x, y, b):
+        kv.free(r)
+    kv.check_invariants([])
+
+
+def test_publish_only_covers_confirmed_full_blocks(kv: KVCacheManager, make_req: MakeReq) -> None:
+    a = make_req(list(range(10)))
+    kv.allocate(a, 10)
+    kv.publish(a, 6)  # only one full block confirmed
+    assert len(kv.pools["kv"].cached) == 1
+    kv.publish(a, 10)
+    assert len(kv.pools["kv"].cached) == 2
+    kv.free(a)
+
+
+def test_prefix_caching_can_be_disabled(make_req: MakeReq) -> None:
+    kv = KVCacheManager([CacheGroupSpec("kv", 4, 64)], {"kv": 8}, enable_prefix_caching=False)
+    a = make_req(list(range(9)))
+    kv.allocate(a, 9)
+    kv.publish(a, 9)
+    assert kv.pools["kv"].cached == {}
+    assert kv.find_cached_prefix(make_req(list(range(9)))) == 0
+    kv.free(a)
+    kv.check_invariants([])
+
+
+# ----------------------------------------------------------------------------- several groups
+
+
+@pytest.fixture
+def multi() -> KVCacheManager:
+    """Plain KV (4 tokens/block) + compressed KV (2 entries/block, 4 tokens/entry = 8 tokens/block)."""
+    return KVCacheManager(
+        [CacheGroupSpec("kv", 4, 64), CacheGroupSpec("ckv", 2, 32, tokens_per_entry=4)],
+        {"kv": 10, "ckv": 4},
+    )
+
+
+def test_multi_group_blocks_needed(multi: KVCacheManager, make_req: MakeReq) -> None:
+    kv_g, c_g = multi.groups
+    assert multi.blocks_needed(kv_g, 9) == 3
+    assert multi.blocks_needed(c_g, 9) == 2  # ceil(9/4)=3 entries -> 2 blocks
+    assert multi.blocks_needed(c_g, 8) == 1
+    r = make_req(list(range(17)))
+    assert multi.allocate(r, 17)
+    assert len(r.block_ids["kv"]) == 5 and len(r.block_ids["ckv"]) == 3
+    multi.check_invariants([r])
+    multi.free(r)
+    multi.check_invariants([])
+
+
+def test_multi_group_allocation_is_all_or_nothing(multi: KVCacheManager, make_req: MakeReq) -> None:
+    r = make_req(list(range(30)))
+    # kv needs 8 of 10 (fits), ckv needs 4 of 4 (fits)
+    assert multi.allocate(r, 30)
+    s = make_req(list(range(5)))
+    # kv has 2 free (needs 2, fits) but ckv has 0 free: nothing is taken from kv either
+    assert not multi.allocate(s, 5)
+    assert s.block_ids == {}
+    assert multi.pools["kv"].num_free == 2
+    multi.check_invariants([r, s])
+    multi.free(r)
+
+
+def test_multi_group_prefix_hit_aligned_to_lcm(multi: KVCacheManager, make_req: MakeReq) -> None:
+    prompt = list(range(21))  # hash unit lcm(4, 8) = 8
+    a = make_req(prompt)
+    multi.allocate(a, 21)
+    multi.publish(a, 21)
+    b = make_req(prompt)
+    hit = multi.find_cached_prefix(b)
+    assert hit == 16
+    assert b.block_ids["kv"] == a.block_ids["kv"][:4]
+    assert b.block_ids["ckv"] == a.block_ids["ckv"][:2]
+    multi.check_invariants([a, b])
+    multi.free(a)
+    multi.free(b)
+    multi.check_invariants([])
+
+
+def test_group_without_prefix_caching_disables_it(make_req: MakeReq) -> None:
+    kv = KVCacheManager(
+        [CacheGroupSpec("kv", 4, 64), CacheGroupSpec("state", 1, 8, prefix_caching=False)],
+        {"kv": 8, "state": 4},
+    )
+    assert not kv.prefix_caching
+    a = make_req(list(range(9)))
+    kv.allocate(a, 9)
+    kv.publish(a, 9)
+    assert all(p.cached == {} for p in kv.pools.values())
+    assert kv.find_cached_prefix(make_req(list(range(9)))) == 0
+    kv.free(a)
+    kv.check_invariants([])
+
+
+def test_check_invariants_detects_corruption(kv: KVCacheManager, make_req: MakeReq) -> None:
+    r = make_req(list(range(5)))
+    kv.allocate(r, 5)
+    kv.check_invariants([r])
+    with pytest.raises(AssertionError, match="ref counts"):
+        kv.check_invariants([])  # the owner is missing
+    kv.pools["kv"].ref_cnt[r.block_ids["kv"][0]] += 1
+    with pytest.raises(AssertionError):
+        kv.check_invariants([r])
+    kv.pools["kv"].ref_cnt[r.block_ids["kv"][0]] -= 1
+    kv.free(r)
+    kv.check_invariants([])
+
+
+def test_publish_after_a_missed_lookup_only_covers_confirmed_blocks(
+    kv: KVCacheManager, make_req: MakeReq
+) -> None:
+    """The lookup hashes every full prompt block; publishing must still stop at the confirmed ones
+    (else a later request would hit a block whose KV was never written)."""
+    prompt = list(range(13))
+    a = make_req(prompt)
+    assert kv.find_cached_prefix(a) == 0  # hashes 3 blocks of the prompt
+    kv.allocate(a, 13)
+    kv.publish(a, 5)  # one full block computed so far
+    assert len(kv.pools["kv"].cached) == 1
+    b = make_req(prompt)
+    assert kv.find_cached_prefix(b) == 4
+    kv.free(a)
+    kv.free(b)
+    kv.check_invariants([])

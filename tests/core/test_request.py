@@ -1,0 +1,75 @@
+"""SamplingParams validation: every rule raises ValueError naming the offending field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pypto_serving import SamplingParams
+
+INVALID = [
+    ("temperature", {"temperature": -0.1}),
+    ("temperature", {"temperature": math.nan}),
+    ("temperature", {"temperature": math.inf}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.01}),
+    ("top_k", {"top_k": -2}),
+    ("min_p", {"min_p": -0.01}),
+    ("min_p", {"min_p": 1.5}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("presence_penalty", {"presence_penalty": -2.5}),
+    ("frequency_penalty", {"frequency_penalty": 3.0}),
+    ("frequency_penalty", {"frequency_penalty": -2.01}),
+    ("repetition_penalty", {"repetition_penalty": 0.0}),
+    ("repetition_penalty", {"repetition_penalty": 2.5}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("min_tokens", {"min_tokens": -1}),
+    ("min_tokens", {"min_tokens": 5, "max_tokens": 4}),
+    ("n", {"n": 0}),
+    ("logprobs", {"logprobs": -1}),
+    ("logprobs", {"logprobs": 21}),
+    ("stop", {"stop": [""]}),
+    ("stop", {"stop": ["ok", 3]}),
+    ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ("seed", {"seed": -1}),
+    ("seed", {"seed": 2**63}),
+]
+
+
+@pytest.mark.parametrize(("field", "kwargs"), INVALID, ids=[f"{f}-{i}" for i, (f, _) in enumerate(INVALID)])
+def test_invalid_value_names_field(field: str, kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}=") as info:
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+    assert "must be" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 0.0},
+        {"top_p": 1.0, "top_k": 1, "min_p": 1.0},
+        {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 2},
+        {"max_tokens": None, "min_tokens": 100},
+        {"max_tokens": 3, "min_tokens": 3},
+        {"logprobs": 0},
+        {"logprobs": 20},
+        {"seed": 0},
+        {"seed": 2**63 - 1},
+        {"stop_token_ids": [0]},
+    ],
+)
+def test_boundary_values_are_accepted(kwargs: dict[str, object]) -> None:
+    SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_normalisation() -> None:
+    sp = SamplingParams(top_k=-1, stop="END", stop_token_ids=(3, 4))  # type: ignore[arg-type]
+    assert sp.top_k == 0
+    assert sp.stop == ["END"]
+    assert sp.stop_token_ids == [3, 4]
+    assert SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=0.5).greedy
+    assert not SamplingParams().has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert SamplingParams(presence_penalty=0.5).has_penalties

@@ -1,0 +1,399 @@
+"""Scheduler unit tests, driven with synthetic step results on the fake executor's info."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pypto_serving import ServingSettings
+from pypto_serving.executor import StepResult
+from pypto_serving.kv_cache import KVCacheManager
+from pypto_serving.request import Request, RequestStatus, SamplingParams
+from pypto_serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pypto_serving.speculative import no_speculation
+from tests.fakes import FakeExecutor
+
+BLOCK = 4
+
+
+def _policy_max(request: Request, is_decode: bool, max_k: int) -> int:
+    return max_k if is_decode else 0
+
+
+@pytest.fixture
+def make_sched() -> Callable[..., Scheduler]:
+    """``make_sched(num_blocks=.., executor_options=.., policy=.., **SchedulerConfig fields)``."""
+
+    def make(
+        num_blocks: int = 32,
+        executor_options: dict[str, Any] | None = None,
+        policy: Any = None,
+        **cfg: Any,
+    ) -> Scheduler:
+        settings = ServingSettings(block_size=BLOCK, executor_options=executor_options or {})
+        info = FakeExecutor(settings).load()
+        kv = KVCacheManager(info.cache_groups, {"kv": num_blocks})
+        cfg.setdefault("max_model_len", info.max_model_len)
+        return Scheduler(SchedulerConfig(**cfg), kv, info, policy or no_speculation(settings))
+
+    return make
+
+
+def req(rid: str, n_prompt: int, max_tokens: int = 8, base: int = 1, **sp: Any) -> Request:
+    return Request(
+        rid, [(base + i) % 90 for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens, **sp)
+    )
+
+
+def step(s: Scheduler, token: int = 5, extra: dict[str, list[int]] | None = None) -> SchedulerOutput:
+    """schedule -> a result sampling ``token`` (or ``extra[rid]``) for every sampling entry -> update."""
+    out = s.schedule()
+    extra = extra or {}
+    sampled = {i.request.request_id: extra.get(i.request.request_id, [token]) for i in out.items if i.sample}
+    s.update(out, StepResult(out.command.step_id, sampled=sampled))
+    s.kv.check_invariants(s.live_requests())
+    return out
+
+
+def entry_ids(out: SchedulerOutput) -> list[str]:
+    return [e.request_id for e in out.command.entries]
+
+
+def n_tokens(out: SchedulerOutput) -> dict[str, int]:
+    return {e.request_id: len(e.token_ids) + e.num_draft for e in out.command.entries}
+
+
+def run_to_end(s: Scheduler, limit: int = 500) -> list[SchedulerOutput]:
+    outs = []
+    while s.has_unfinished():
+        outs.append(step(s))
+        assert len(outs) < limit, "the scheduler does not make progress"
+    assert all(p.num_free == p.num_blocks for p in s.kv.pools.values())
+    return outs
+
+
+# ----------------------------------------------------------------------------- budget & order
+
+
+def test_token_budget_is_respected_and_filled(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(max_num_batched_tokens=16)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 10))
+    out = step(s)
+    assert n_tokens(out) == {"r0": 10, "r1": 6}  # FCFS, the second one chunked to the rest
+    assert out.num_batched_tokens == 16
+    for out in run_to_end(s):
+        assert out.num_batched_tokens <= 16
+        assert sum(n_tokens(out).values()) == out.num_batched_tokens
+
+
+def test_max_num_seqs(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 3, max_tokens=2))
+    out = step(s)
+    assert entry_ids(out) == ["r0", "r1"]
+    assert s.num_waiting == 2
+    for out in run_to_end(s):
+        assert len(out.command.entries) <= 2
+
+
+def test_fcfs_order(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(max_num_batched_tokens=4)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 4, max_tokens=1))
+    firsts: dict[str, int] = {}
+    for n, out in enumerate(run_to_end(s)):
+        for rid in entry_ids(out):
+            firsts.setdefault(rid, n)
+    assert firsts["r0"] < firsts["r1"] < firsts["r2"]
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+
+
+def test_long_prefill_threshold_chunks(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(long_prefill_token_threshold=4)
+    s.add_request(req("a", 10, max_tokens=2))
+    outs = [step(s) for _ in range(3)]
+    assert [n_tokens(o)["a"] for o in outs] == [4, 4, 2]
+    assert [o.command.entries[0].start_pos for o in outs] == [0, 4, 8]
+    assert [o.command.entries[0].sample for o in outs] == [False, False, True]
+    r = s.requests["a"]
+    assert r.output_token_ids == [5] and r.num_computed_tokens == 10
+    out = step(s)  # decode is not subject to the threshold cap; produces the last token
+    assert n_tokens(out) == {"a": 1}
+    assert not s.has_unfinished()
+
+
+def test_threshold_lets_others_share_the_step(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(long_prefill_token_threshold=4, max_num_batched_tokens=100)
+    s.add_request(req("long", 20))
+    s.add_request(req("short", 3))
+    out = step(s)
+    assert n_tokens(out) == {"long": 4, "short": 3}
+
+
+def test_chunked_prefill_disabled_waits_for_room(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(enable_chunked_prefill=False, max_num_batched_tokens=16)
+    s.add_request(req("a", 10, max_tokens=3))
+    s.add_request(req("b", 10, max_tokens=3))
+    out = step(s)
+    assert n_tokens(out) == {"a": 10}  # b is not split; it waits for a full-size slot
+    for out in run_to_end(s):
+        for e in out.command.entries:
+            if e.start_pos == 0:
+                assert len(e.token_ids) == 10
+
+
+def test_chunked_prefill_disabled_rejects_prompt_over_budget(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(enable_chunked_prefill=False, max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8"):
+        s.add_request(req("a", 9))
+    s.add_request(req("b", 8))  # exactly the budget is fine
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+def test_preemption_picks_latest_arrival_and_resumes_it_first(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(num_blocks=6)
+    s.add_request(req("a", 8, max_tokens=10, base=1))
+    s.add_request(req("b", 8, max_tokens=10, base=40))
+    step(s)  # both prefilled: 2 blocks each
+    while s.stats.num_preemptions == 0:
+        step(s)
+        assert s.requests["a"].status is RequestStatus.RUNNING
+    b = s.requests["b"]
+    assert b.status is RequestStatus.PREEMPTED
+    assert s.waiting[0] is b and b.block_ids == {} and b.num_computed_tokens == 0
+    assert b.metrics.num_preemptions == 1
+    produced_before = list(b.output_token_ids)
+    assert produced_before
+    s.add_request(req("c", 4, max_tokens=2, base=70))  # arrives after the preemption
+    firsts: dict[str, int] = {}
+    resumed_entry = None
+    for n, out in enumerate(run_to_end(s)):
+        ids = entry_ids(out)
+        if "b" in ids and "c" in ids and n == firsts.get("b", n) == firsts.get("c", n):
+            assert ids.index("b") < ids.index("c")
+        for e in out.command.entries:
+            firsts.setdefault(e.request_id, n)
+            if e.request_id == "b" and resumed_entry is None:
+                resumed_entry = e
+                news = {nr.request_id: nr for nr in out.command.new_requests}
+                assert news["b"].output_token_ids == produced_before  # the worker gets the history
+    assert firsts["b"] <= firsts["c"]
+    # Recompute covers prompt + the outputs it had (minus a prefix-cache hit on its prompt).
+    assert resumed_entry is not None
+    assert resumed_entry.start_pos == b.num_cached_tokens < b.num_prompt_tokens
+    assert resumed_entry.token_ids == (b.prompt_token_ids + produced_before)[resumed_entry.start_pos :]
+
+
+def test_preemption_victim_is_the_newest_even_if_it_is_scheduled_first(
+    make_sched: Callable[..., Scheduler],
+) -> None:
+    s = make_sched(num_blocks=5)
+    reqs = [req(f"r{i}", 4, max_tokens=12, base=10 * i) for i in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    step(s)
+    while s.stats.num_preemptions == 0:
+        step(s)
+    assert reqs[2].status is RequestStatus.PREEMPTED
+    assert reqs[0].status is RequestStatus.RUNNING
+    run_to_end(s)
+    assert all(len(r.output_token_ids) == 12 for r in reqs)
+
+
+def test_request_too_big_for_the_whole_cache_fails_alone(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(num_blocks=2)
+    r = req("a", 6, max_tokens=8)
+    s.add_request(r)
+    run_to_end(s)
+    assert r.status is RequestStatus.FINISHED_ERROR
+    assert "too small" in (r.error or "")
+
+
+# ----------------------------------------------------------------------------- abort
+
+
+def _all_free(s: Scheduler) -> bool:
+    return all(p.num_free == p.num_blocks for p in s.kv.pools.values())
+
+
+def test_abort_waiting(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched()
+    s.add_request(req("a", 5))
+    assert [r.request_id for r in s.abort(["a"])] == ["a"]
+    assert not s.has_unfinished() and "a" not in s.requests
+    assert s.schedule().is_empty
+    assert s.abort(["a", "unknown"]) == []  # idempotent
+
+
+def test_abort_running_frees_and_tells_the_worker(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched()
+    a, b = req("a", 5, max_tokens=20), req("b", 5, max_tokens=3, base=30)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)
+    step(s)
+    s.abort(["a"])
+    assert a.status is RequestStatus.FINISHED_ABORTED and a.finish_reason == "abort"
+    assert a.block_ids == {}
+    s.kv.check_invariants(s.live_requests())
+    out = step(s)
+    assert "a" in out.command.finished_ids and entry_ids(out) == ["b"]
+    run_to_end(s)
+
+
+def test_abort_mid_prefill_discards_the_in_flight_result(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(long_prefill_token_threshold=4)
+    a = req("a", 12)
+    s.add_request(a)
+    step(s)
+    out = s.schedule()  # second chunk in flight
+    s.abort(["a"])
+    touched = s.update(out, StepResult(out.command.step_id))
+    assert touched == [] and a.output_token_ids == []
+    assert _all_free(s)
+    s.kv.check_invariants(s.live_requests())
+
+
+def test_abort_with_sample_in_flight(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched()
+    a = req("a", 4)
+    s.add_request(a)
+    out = s.schedule()
+    s.abort(["a"])
+    assert s.update(out, StepResult(out.command.step_id, sampled={"a": [9]})) == []
+    assert a.output_token_ids == [] and _all_free(s)
+
+
+# ----------------------------------------------------------------------------- uniform batches
+
+
+def _kinds(out: SchedulerOutput) -> set[str]:
+    kinds = set()
+    for item, e in zip(out.items, out.command.entries):
+        n = len(e.token_ids) or 1
+        decode = n == 1 and e.start_pos >= item.request.num_prompt_tokens
+        kinds.add("decode" if decode else "prefill")
+    return kinds
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_uniform_batches(make_sched: Callable[..., Scheduler], uniform: bool) -> None:
+    s = make_sched(executor_options={"uniform": uniform}, max_num_batched_tokens=8)
+    s.add_request(req("a", 6, max_tokens=6))
+    step(s)
+    s.add_request(req("b", 12, max_tokens=3, base=20))
+    s.add_request(req("c", 3, max_tokens=3, base=50))
+    mixed = False
+    for out in run_to_end(s):
+        mixed |= len(_kinds(out)) > 1
+    assert mixed is not uniform
+
+
+# ----------------------------------------------------------------------------- speculative capacity
+
+
+def test_spec_policy_reserves_draft_capacity(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(executor_options={"max_draft": 3}, policy=_policy_max)
+    a = req("a", 6, max_tokens=20)
+    s.add_request(a)
+    first = step(s)
+    assert first.command.entries[0].num_draft == 0  # no drafts for a prefill
+    before = a.num_computed_tokens
+    out = s.schedule()
+    (e,) = out.command.entries
+    assert e.num_draft == 3
+    assert a.num_output_placeholders == 4
+    assert len(a.block_ids["kv"]) == math.ceil((before + 1 + 3) / BLOCK)
+    assert out.num_batched_tokens == 4
+    # one draft accepted (two tokens back): two rejected positions are given back
+    s.update(out, StepResult(out.command.step_id, sampled={"a": [11, 12]}))
+    assert a.output_token_ids[-2:] == [11, 12]
+    assert a.num_computed_tokens == before + 2
+    assert a.num_output_placeholders == 0
+    s.kv.check_invariants(s.live_requests())
+    out = s.schedule()
+    assert out.command.entries[0].rejected_seen == 2
+
+
+def test_spec_capacity_capped_by_max_tokens(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(executor_options={"max_draft": 3}, policy=_policy_max)
+    a = req("a", 6, max_tokens=3)
+    s.add_request(a)
+    step(s)  # one output
+    out = s.schedule()
+    assert out.command.entries[0].num_draft == 1  # 2 tokens left: the bonus token + 1 draft
+    s.update(out, StepResult(out.command.step_id, sampled={"a": [1, 2]}))
+    assert a.status is RequestStatus.FINISHED_LENGTH and len(a.output_token_ids) == 3
+
+
+def test_spec_capacity_capped_by_budget(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(executor_options={"max_draft": 3}, policy=_policy_max, max_num_batched_tokens=6)
+    a = req("a", 6, max_tokens=10)
+    s.add_request(a)
+    step(s)
+    s.add_request(req("b", 4, max_tokens=2, base=30))
+    out = s.schedule()
+    # a's decode takes 1 + 3; b gets the remaining 2 (chunked)
+    assert n_tokens(out) == {"a": 4, "b": 2}
+    s2 = make_sched(executor_options={"max_draft": 3}, policy=_policy_max, max_num_batched_tokens=2)
+    a2 = req("a", 2, max_tokens=10)
+    s2.add_request(a2)
+    step(s2)
+    out = s2.schedule()
+    assert out.command.entries[0].num_draft == 1
+
+
+def test_no_drafts_without_executor_support(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(policy=_policy_max)
+    s.add_request(req("a", 4, max_tokens=5))
+    for out in run_to_end(s):
+        assert all(e.num_draft == 0 for e in out.command.entries)
+
+
+# ----------------------------------------------------------------------------- admission errors
+
+
+def test_prompt_too_long(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(max_model_len=16)
+    with pytest.raises(ValueError, match="max_model_len is 16"):
+        s.add_request(req("a", 16))
+    s.add_request(req("ok", 15))
+
+
+def test_prompt_larger_than_cache(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched(num_blocks=2)
+    with pytest.raises(ValueError, match="does not fit in the whole KV cache"):
+        s.add_request(req("a", 8))  # 8 prompt + 1 output > 2 blocks of 4
+
+
+def test_duplicate_request_id(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched()
+    s.add_request(req("a", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(req("a", 3))
+
+
+def test_stop_conditions(make_sched: Callable[..., Scheduler]) -> None:
+    s = make_sched()
+    eos = Request("eos", [1, 2], SamplingParams(max_tokens=5), eos_token_ids=(7,))
+    stop = req("stop", 2, max_tokens=5, stop_token_ids=[8])
+    ignore = Request("ign", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True), eos_token_ids=(7,))
+    mint = Request("min", [1, 2], SamplingParams(max_tokens=5, min_tokens=2), eos_token_ids=(7,))
+    for r in (eos, stop, ignore, mint):
+        s.add_request(r)
+    step(s, extra={"eos": [7], "stop": [8], "ign": [7], "min": [7]})
+    assert eos.status is RequestStatus.FINISHED_EOS and eos.finish_reason == "stop"
+    assert stop.status is RequestStatus.FINISHED_STOP and stop.stop_reason == 8
+    assert not ignore.is_finished and not mint.is_finished
+    step(s, extra={"ign": [7], "min": [7]})
+    assert ignore.status is RequestStatus.FINISHED_LENGTH
+    assert mint.status is RequestStatus.FINISHED_EOS and len(mint.output_token_ids) == 2
