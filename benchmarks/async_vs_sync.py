@@ -40,9 +40,7 @@ def run_once(model: Path, scheduler: str, args: argparse.Namespace) -> dict[str,
     from pypto_serving import LLM, SamplingParams
 
     gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(4, 320, (args.prompt_len,), generator=gen).tolist() for _ in range(args.requests)
-    ]
+    prompts = [torch.randint(4, 320, (args.prompt_len,), generator=gen).tolist() for _ in range(args.requests)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm = LLM(
         model=str(model),

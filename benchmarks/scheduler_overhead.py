@@ -21,8 +21,12 @@ from pypto_serving.speculative import no_speculation
 def measure(n: int, steps: int) -> tuple[float, float]:
     info = ExecutorInfo([CacheGroupSpec("kv", 16, 1)], vocab_size=32000, max_model_len=8192)
     kv = KVCacheManager(info.cache_groups, {"kv": n * 40}, enable_prefix_caching=True)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=n * 64, max_model_len=8192), kv, info,
-                      no_speculation(None))  # type: ignore[arg-type]
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=n * 64, max_model_len=8192),
+        kv,
+        info,
+        no_speculation(None),
+    )  # type: ignore[arg-type]
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     for i in range(n):
         sched.add_request(Request(f"r{i}", [i % 100 + 1] * 32, params))

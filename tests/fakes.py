@@ -102,7 +102,7 @@ class FakeExecutor(Executor):
                 continue
             n = batch.num_logits[r]
             first = qsl[r + 1] - n  # row of the last sampled token's input
-            ctx = self._context(batch.block_tables["kv"][r], pos[first] + len(acc)) + [acc[-1]]
+            ctx = [*self._context(batch.block_tables["kv"][r], pos[first] + len(acc)), acc[-1]]
             rng = random.Random(hash(tuple(ctx)))
             drafts = []
             for _ in range(k):
@@ -119,8 +119,13 @@ def make_fake_executor(settings: Any) -> FakeExecutor:
     return FakeExecutor(settings)
 
 
-def reference_tokens(prompt: list[int], max_tokens: int, vocab: int = 97, eos: int | None = None,
-                     stop_token_ids: tuple[int, ...] = ()) -> tuple[list[int], str]:
+def reference_tokens(
+    prompt: list[int],
+    max_tokens: int,
+    vocab: int = 97,
+    eos: int | None = None,
+    stop_token_ids: tuple[int, ...] = (),
+) -> tuple[list[int], str]:
     """What greedy decoding of the fake model must give for a request run alone."""
     ctx = list(prompt)
     out: list[int] = []

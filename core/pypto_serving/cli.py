@@ -53,7 +53,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
             if isinstance(item, dict):
                 item = item.get("prompt", item.get("prompt_token_ids"))
             if not isinstance(item, str | list):
-                raise SettingsError(f"{args.input}:{n}: expected a string, a token-id list or {{\"prompt\": ...}}")
+                raise SettingsError(f'{args.input}:{n}: expected a string, a token-id list or {{"prompt": ...}}')
             prompts.append(item)
     if not prompts:
         raise SettingsError("give prompts as arguments or with --input FILE.jsonl")
@@ -67,7 +67,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     settings = settings_from_args(args)
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed_sampling
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed_sampling,
     )
     with LLM(settings=settings) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and sys.stderr.isatty())
@@ -104,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="*", help="prompt texts")
     g.add_argument("--model", help="model directory")
     g.add_argument("--config", help="TOML or YAML settings file")
-    g.add_argument("--input", help="JSONL file: one prompt per line (string, token ids, or {\"prompt\": ...})")
+    g.add_argument("--input", help='JSONL file: one prompt per line (string, token ids, or {"prompt": ...})')
     g.add_argument("--output", help="write JSONL results here instead of printing")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g.add_argument("--max-tokens", type=int, default=32)
@@ -142,4 +146,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

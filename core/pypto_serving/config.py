@@ -41,9 +41,7 @@ class SpeculativeConfig(BaseModel):
     method: Literal["mtp", "fake"] = Field(
         "mtp", description="Drafting method: 'mtp' uses the checkpoint's multi-token-prediction layers."
     )
-    num_speculative_tokens: int = Field(
-        1, ge=1, le=8, description="Draft tokens k per decode step (1..8)."
-    )
+    num_speculative_tokens: int = Field(1, ge=1, le=8, description="Draft tokens k per decode step (1..8).")
     policy: str = Field(
         "greedy",
         description="Speculative-token policy plugin deciding k per request and step ('greedy', 'none').",
@@ -111,13 +109,16 @@ class ServingSettings(BaseSettings):
     )
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model directory).")
     executor: str = Field("auto", description="Executor plugin name; 'auto' picks by config.json architectures.")
-    scheduler: str = Field("auto", description="Scheduling strategy plugin: 'auto', 'sync', 'async' or a third-party name.")
+    scheduler: str = Field(
+        "auto", description="Scheduling strategy plugin: 'auto', 'sync', 'async' or a third-party name."
+    )
     async_scheduling: bool | None = Field(
         None,
         description="Alias of scheduler: true = 'async', false = 'sync', unset = async where the executor supports it.",
     )
     speculative_config: SpeculativeConfig | None = Field(
-        None, description="Speculative decoding, e.g. {method = 'mtp', num_speculative_tokens = 2}; unset = off."
+        None,
+        description="Speculative decoding, e.g. {method = 'mtp', num_speculative_tokens = 2}; unset = off.",
     )
     executor_options: dict[str, Any] = Field(default_factory=dict, description="Options for the executor plugin.")
     scheduler_options: dict[str, Any] = Field(default_factory=dict, description="Options for the scheduler plugin.")
@@ -137,7 +138,9 @@ class ServingSettings(BaseSettings):
         None, gt=0, description="KV cache blocks per cache group (overrides kv_cache_memory)."
     )
     kv_cache_memory: int = Field(
-        512 * 1024**2, gt=0, description="Bytes of device memory for the KV cache when num_kv_blocks is unset."
+        512 * 1024**2,
+        gt=0,
+        description="Bytes of device memory for the KV cache when num_kv_blocks is unset.",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
 
@@ -150,13 +153,17 @@ class ServingSettings(BaseSettings):
     worker_mode: Literal["process", "inproc"] = Field(
         "process", description="Run the executor in its own spawned process, or in-process for debugging."
     )
-    step_timeout: float = Field(600.0, gt=0, description="Seconds one step may take before the worker is declared hung.")
+    step_timeout: float = Field(
+        600.0, gt=0, description="Seconds one step may take before the worker is declared hung."
+    )
     seed: int = Field(0, description="Seed for model initialisation and unseeded sampling.")
 
     # -- server
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port).")
-    api_key: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Accepted Bearer keys; empty = no auth.")
+    api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Accepted Bearer keys; empty = no auth."
+    )
     protect_metrics: bool = Field(False, description="Require the API key for /metrics too.")
     max_request_body_bytes: int = Field(1024**2, gt=0, description="Largest accepted HTTP body.")
     max_waiting_requests: int = Field(1024, gt=0, description="Waiting-queue length beyond which requests get 503.")
@@ -183,7 +190,11 @@ class ServingSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _FileSettingsSource(settings_cls, _config_path(init_settings, env_settings))
+        return (
+            init_settings,
+            env_settings,
+            _FileSettingsSource(settings_cls, _config_path(init_settings, env_settings)),
+        )
 
     @classmethod
     def load(
@@ -286,7 +297,9 @@ def settings_from_args(args: argparse.Namespace) -> ServingSettings:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                raise SettingsError(f"invalid setting {name}={value!r} from command-line flag: not JSON ({e})") from None
+                raise SettingsError(
+                    f"invalid setting {name}={value!r} from command-line flag: not JSON ({e})"
+                ) from None
         overrides[name] = value
     model = getattr(args, "model", None)
     if model is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import random
@@ -47,7 +48,8 @@ class _UserRequest:
                 token_ids=list(c.output_token_ids),
                 text=c.detokenizer.text if c.detokenizer is not None else "",
                 finish_reason=c.finish_reason,
-                stop_reason=c.detokenizer.stopped_at if c.detokenizer is not None and c.detokenizer.stopped_at
+                stop_reason=c.detokenizer.stopped_at
+                if c.detokenizer is not None and c.detokenizer.stopped_at
                 else c.stop_reason,
                 logprobs=list(c.output_logprobs) if c.sampling_params.logprobs is not None else None,
             )
@@ -91,7 +93,9 @@ class EngineCore:
             self.plugins.select_spec_policy(settings.speculative_config.policy)
         self.plugins.configure(settings)
         self.dead_reason: str | None = None
-        self.worker = WorkerClient(exec_spec.factory, settings, mode=settings.worker_mode, timeout=settings.step_timeout)
+        self.worker = WorkerClient(
+            exec_spec.factory, settings, mode=settings.worker_mode, timeout=settings.step_timeout
+        )
         try:
             self._setup(exec_spec.name, sched_name)
         except BaseException:
@@ -120,7 +124,9 @@ class EngineCore:
             info.max_draft_tokens = 0
         num_blocks = {}
         for g in info.cache_groups:
-            n = settings.num_kv_blocks or settings.kv_cache_memory // max(1, sum(x.bytes_per_block for x in info.cache_groups))
+            n = settings.num_kv_blocks or settings.kv_cache_memory // max(
+                1, sum(x.bytes_per_block for x in info.cache_groups)
+            )
             num_blocks[g.name] = max(1, int(n))
         self.worker.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(info.cache_groups, num_blocks, enable_prefix_caching=settings.enable_prefix_caching)
@@ -171,7 +177,8 @@ class EngineCore:
             raise ValueError("stop strings need a tokenizer.json in the model directory")
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({self.max_model_len})"
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
             )
         children = []
         for i in range(params.n):
@@ -289,10 +296,8 @@ class EngineCore:
     def shutdown(self) -> None:
         drain = getattr(self.strategy, "drain", None) if hasattr(self, "strategy") else None
         if drain is not None and self.dead_reason is None:
-            try:
+            with contextlib.suppress(Exception):  # shutting down anyway
                 drain()
-            except Exception:  # shutting down anyway
-                pass
         self.worker.close()
 
 
@@ -350,7 +355,9 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         params = (
-            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
         )
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(params)} sampling params for {len(prompt_list)} prompts")
@@ -411,4 +418,3 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-

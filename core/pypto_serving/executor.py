@@ -8,6 +8,7 @@ back. No activation ever crosses the pipe.
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import multiprocessing as mp
 import threading
@@ -268,7 +269,12 @@ class WorkerClient:
     """
 
     def __init__(
-        self, factory: Callable[[Any], Executor], settings: Any, *, mode: str = "process", timeout: float = 600.0
+        self,
+        factory: Callable[[Any], Executor],
+        settings: Any,
+        *,
+        mode: str = "process",
+        timeout: float = 600.0,
     ) -> None:
         self.mode = mode
         self.timeout = timeout
@@ -287,7 +293,10 @@ class WorkerClient:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_worker_main, args=(child, factory, settings.model_dump_json()), daemon=True, name="pypto-worker"
+            target=_worker_main,
+            args=(child, factory, settings.model_dump_json()),
+            daemon=True,
+            name="pypto-worker",
         )
         self._proc.start()
         child.close()
@@ -373,10 +382,8 @@ class WorkerClient:
         if self._proc is None:
             return
         if self._proc.is_alive():
-            try:
+            with contextlib.suppress(OSError):  # it may be exiting already
                 self._conn.send_bytes(_encoder.encode(_Shutdown()))
-            except OSError:
-                pass
             self._proc.join(timeout=10)
             if self._proc.is_alive():
                 self._proc.kill()

@@ -80,7 +80,11 @@ class KVCacheManager:
     """Block accounting for every cache group of the executor."""
 
     def __init__(
-        self, groups: Sequence[CacheGroupSpec], num_blocks: dict[str, int], *, enable_prefix_caching: bool = True
+        self,
+        groups: Sequence[CacheGroupSpec],
+        num_blocks: dict[str, int],
+        *,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.groups = list(groups)
         self.pools = {g.name: BlockPool(num_blocks[g.name]) for g in self.groups}

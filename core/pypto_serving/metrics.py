@@ -71,9 +71,7 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.running = Gauge(
-            f"{_PREFIX}_num_requests_running", "Sequences running in the engine.", labels, registry=r
-        )
+        self.running = Gauge(f"{_PREFIX}_num_requests_running", "Sequences running in the engine.", labels, registry=r)
         self.waiting = Gauge(
             f"{_PREFIX}_num_requests_waiting", "Sequences waiting to be scheduled.", labels, registry=r
         )

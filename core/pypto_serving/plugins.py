@@ -156,7 +156,7 @@ class PluginManager:
         if self.broken:
             p = self.broken[0]
             raise PluginError(
-                f"plugin {p.name!r} (distribution {p.distribution}) failed to load: {p.status[len('broken: '):]}. "
+                f"plugin {p.name!r} (distribution {p.distribution}) failed to load: {p.status[len('broken: ') :]}. "
                 f"Fix or uninstall it, or exclude it with PYPTO_SERVING_PLUGINS=<names to load>"
             )
 

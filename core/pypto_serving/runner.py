@@ -68,7 +68,10 @@ class ModelRunner:
             for nr in cmd.new_requests:
                 outs = list(nr.output_token_ids)
                 self.states[nr.request_id] = _ReqState(
-                    dict(nr.sampling), nr.seed, len(nr.prompt_token_ids), [*nr.prompt_token_ids, *outs],
+                    dict(nr.sampling),
+                    nr.seed,
+                    len(nr.prompt_token_ids),
+                    [*nr.prompt_token_ids, *outs],
                     outs[-1] if outs else None,
                 )
             if not cmd.entries:
@@ -171,9 +174,19 @@ class ModelRunner:
                     banned = tuple(sp["stop_token_ids"]) + (() if sp["ignore_eos"] else tuple(sp["eos_token_ids"]))
                 params.append(
                     RowParams(
-                        sp["temperature"], sp["top_k"], sp["top_p"], sp["min_p"], sp["presence_penalty"],
-                        sp["frequency_penalty"], sp["repetition_penalty"], st.seed, n_out, sp["logprobs"],
-                        banned, st.history + drafts_used[i][:j], st.num_prompt,
+                        sp["temperature"],
+                        sp["top_k"],
+                        sp["top_p"],
+                        sp["min_p"],
+                        sp["presence_penalty"],
+                        sp["frequency_penalty"],
+                        sp["repetition_penalty"],
+                        st.seed,
+                        n_out,
+                        sp["logprobs"],
+                        banned,
+                        st.history + drafts_used[i][:j],
+                        st.num_prompt,
                     )
                 )
                 owners.append(i)

@@ -130,7 +130,9 @@ def _filter(logits: torch.Tensor, params: list[RowParams]) -> torch.Tensor:
         before = probs.cumsum(-1) - probs  # mass strictly above this token
         mask |= before > top_p.unsqueeze(1)
         mask[:, 0] = False  # always keep the best token
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(mask, float("-inf")))
+        logits = torch.full_like(logits, float("-inf")).scatter(
+            1, order, sorted_logits.masked_fill(mask, float("-inf"))
+        )
     if (min_p > 0).any():
         probs = torch.softmax(logits, dim=-1)
         keep = probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values

@@ -20,7 +20,7 @@ from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus, SamplingParams
 from .speculative import SpecPolicy
 
-__all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
 
 
 @dataclass(slots=True)
@@ -240,9 +240,7 @@ class Scheduler:
             take(req, num_new, k)
 
         # 2. waiting requests, first come first served (preempted ones are at the front)
-        while (
-            self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted
-        ):
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             req = self.waiting[0]
             if self.info.uniform_batches and kind is False:
                 break

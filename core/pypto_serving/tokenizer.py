@@ -32,9 +32,7 @@ class Tokenizer:
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.special_ids = {
-            i for i, t in self._tok.get_added_tokens_decoder().items() if getattr(t, "special", False)
-        }
+        self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if getattr(t, "special", False)}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

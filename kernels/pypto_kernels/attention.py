@@ -32,9 +32,7 @@ def write_kv_cache(
     value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
 
 
-def _pad_queries(
-    query: torch.Tensor, query_start_loc: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pad_queries(query: torch.Tensor, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gather flat rows [T, ...] into [R, Q_max, ...]; plus q_lens [R] and valid mask [R, Q_max]."""
     starts = query_start_loc[:-1]
     q_lens = query_start_loc[1:] - starts
@@ -146,9 +144,7 @@ def paged_attention(
     kv_max = int(seq_lens.max().item())
     num_blocks = max(-(-kv_max // block_size), 1)
     if num_blocks > block_tables.shape[1]:
-        raise ValueError(
-            f"seq_lens need {num_blocks} blocks but block_tables has {block_tables.shape[1]} columns"
-        )
+        raise ValueError(f"seq_lens need {num_blocks} blocks but block_tables has {block_tables.shape[1]} columns")
     # Unused table entries may be padding (-1, stale ids); clamp so the gather stays in bounds.
     tables = block_tables[:, :num_blocks].to(device=device, dtype=torch.int64)
     tables = tables.clamp(0, key_cache.shape[0] - 1)

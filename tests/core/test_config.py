@@ -37,9 +37,7 @@ def test_defaults() -> None:
     assert s.max_num_seqs == 64 and s.source_of("max_num_seqs") == "default"
 
 
-@pytest.mark.parametrize(
-    ("name", "text"), [("c.toml", "max_num_seqs = 3\n"), ("c.yaml", "max_num_seqs: 3\n")]
-)
+@pytest.mark.parametrize(("name", "text"), [("c.toml", "max_num_seqs = 3\n"), ("c.yaml", "max_num_seqs: 3\n")])
 def test_file_over_defaults(write: WriteFile, name: str, text: str) -> None:
     path = write(name, text)
     s = ServingSettings.load(config_file=path)

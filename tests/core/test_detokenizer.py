@@ -52,9 +52,7 @@ def tok(tok_dir: Path) -> Tokenizer:
     return t
 
 
-def stream(
-    tok: Tokenizer, prompt: list[int], out: list[int], **kw: Any
-) -> tuple[IncrementalDetokenizer, list[str]]:
+def stream(tok: Tokenizer, prompt: list[int], out: list[int], **kw: Any) -> tuple[IncrementalDetokenizer, list[str]]:
     d = IncrementalDetokenizer(tok, prompt, kw.pop("stop", []), **kw)
     seen = []
     for t in out:
@@ -72,9 +70,7 @@ def test_fixture_splits_characters_across_tokens(tok: Tokenizer) -> None:
 
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("prompt_text", ["", "hello ", "é🙂"])
-def test_streaming_never_shows_replacement_chars_and_ends_equal(
-    tok: Tokenizer, text: str, prompt_text: str
-) -> None:
+def test_streaming_never_shows_replacement_chars_and_ends_equal(tok: Tokenizer, text: str, prompt_text: str) -> None:
     prompt = tok.encode(prompt_text)
     ids = tok.encode(text)
     d, seen = stream(tok, prompt, ids)

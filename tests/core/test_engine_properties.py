@@ -81,9 +81,7 @@ def run(llm: LLM, jobs: list[Job], params: Callable[[Job], SamplingParams] | Non
     engine = llm.engine
     assert engine is not None
     params = params or (
-        lambda j: SamplingParams(
-            temperature=0, max_tokens=j.max_tokens, stop_token_ids=list(j.stop_token_ids)
-        )
+        lambda j: SamplingParams(temperature=0, max_tokens=j.max_tokens, stop_token_ids=list(j.stop_token_ids))
     )
     done: dict[int, Any] = {}
     added: set[int] = set()
@@ -206,9 +204,7 @@ def test_prefix_cache_hits_give_same_output_with_less_compute(
     rest = [Job(tuple([*shared, 10 + i, 20 + i]), 6, arrive_at=0) for i in range(3)]
     results = {}
     for caching in (True, False):
-        llm = engine_factory(
-            scheduler=scheduler, block_size=4, num_kv_blocks=64, enable_prefix_caching=caching
-        )
+        llm = engine_factory(scheduler=scheduler, block_size=4, num_kv_blocks=64, enable_prefix_caching=caching)
         computed = _count_computed(llm)
         a = run(llm, [first])
         b = run(llm, rest)

@@ -316,9 +316,7 @@ def test_check_invariants_detects_corruption(kv: KVCacheManager, make_req: MakeR
     kv.check_invariants([])
 
 
-def test_publish_after_a_missed_lookup_only_covers_confirmed_blocks(
-    kv: KVCacheManager, make_req: MakeReq
-) -> None:
+def test_publish_after_a_missed_lookup_only_covers_confirmed_blocks(kv: KVCacheManager, make_req: MakeReq) -> None:
     """The lookup hashes every full prompt block; publishing must still stop at the confirmed ones
     (else a later request would hit a block whose KV was never written)."""
     prompt = list(range(13))

@@ -64,9 +64,7 @@ def test_unknown_executor_lists_installed(core_only: PluginManager) -> None:
         ("scheduler", "async", "pypto-serving-async-sched"),
     ],
 )
-def test_missing_builtin_names_its_distribution(
-    core_only: PluginManager, kind: str, name: str, dist: str
-) -> None:
+def test_missing_builtin_names_its_distribution(core_only: PluginManager, kind: str, name: str, dist: str) -> None:
     select = core_only.select_executor if kind == "executor" else core_only.select_scheduler
     args = (name, None) if kind == "executor" else (name,)
     with pytest.raises(PluginError) as e:
@@ -137,9 +135,7 @@ def test_auto_picks_by_architecture(core_only: PluginManager, model_dir: Callabl
 def test_auto_end_to_end(fake_pm: PluginManager, model_dir: Callable[[str], Path]) -> None:
     from pypto_serving import LLM
 
-    with LLM(
-        str(model_dir("FakeForCausalLM")), plugins=fake_pm, worker_mode="inproc", scheduler="sync"
-    ) as llm:
+    with LLM(str(model_dir("FakeForCausalLM")), plugins=fake_pm, worker_mode="inproc", scheduler="sync") as llm:
         out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert out[0].outputs[0].token_ids == reference_tokens([1, 2, 3], 4)[0]
 

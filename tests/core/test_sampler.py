@@ -71,16 +71,12 @@ def test_top_k(row: Row) -> None:
     assert set(draw_many(row, top_k=1)) == {0}
 
 
-@pytest.mark.parametrize(
-    ("top_p", "kept"), [(0.4, {0}), (0.75, {0, 1}), (0.9, {0, 1, 2}), (1.0, {0, 1, 2, 3})]
-)
+@pytest.mark.parametrize(("top_p", "kept"), [(0.4, {0}), (0.75, {0, 1}), (0.9, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
 def test_top_p(row: Row, top_p: float, kept: set[int]) -> None:
     assert set(draw_many(row, top_p=top_p)) == kept
 
 
-@pytest.mark.parametrize(
-    ("min_p", "kept"), [(0.05, {0, 1, 2, 3}), (0.2, {0, 1, 2}), (0.5, {0, 1}), (1.0, {0})]
-)
+@pytest.mark.parametrize(("min_p", "kept"), [(0.05, {0, 1, 2, 3}), (0.2, {0, 1, 2}), (0.5, {0, 1}), (1.0, {0})])
 def test_min_p(row: Row, min_p: float, kept: set[int]) -> None:
     assert set(draw_many(row, min_p=min_p)) == kept
 
@@ -91,9 +87,7 @@ def test_filters_are_per_row(row: Row) -> None:
         out = sample(logits, [row(top_k=1, seed=i), row(seed=i)]).tokens
         assert out[0] == 0
     free = Counter(
-        sample(
-            LOGITS.expand(400, -1), [row(top_k=1, seed=i) if i % 2 else row(seed=i) for i in range(400)]
-        ).tokens[::2]
+        sample(LOGITS.expand(400, -1), [row(top_k=1, seed=i) if i % 2 else row(seed=i) for i in range(400)]).tokens[::2]
     )
     assert len(free) > 1
 
@@ -115,12 +109,8 @@ def test_frequency_and_presence_penalties_count_outputs_only(row: Row) -> None:
 def test_penalties_change_the_greedy_choice(row: Row) -> None:
     logits = torch.tensor([[2.0, 1.9, 0.0]])
     assert sample(logits, [row(temperature=0.0, history=[5, 0], num_prompt=1)]).tokens == [0]
-    assert sample(
-        logits, [row(temperature=0.0, presence_penalty=0.5, history=[5, 0], num_prompt=1)]
-    ).tokens == [1]
-    assert sample(
-        logits, [row(temperature=0.0, repetition_penalty=1.2, history=[0], num_prompt=1)]
-    ).tokens == [1]
+    assert sample(logits, [row(temperature=0.0, presence_penalty=0.5, history=[5, 0], num_prompt=1)]).tokens == [1]
+    assert sample(logits, [row(temperature=0.0, repetition_penalty=1.2, history=[0], num_prompt=1)]).tokens == [1]
 
 
 def test_banned_tokens(row: Row) -> None:
@@ -148,9 +138,7 @@ def test_logprobs_top_n(row: Row) -> None:
 def test_logprobs_are_before_penalties(row: Row) -> None:
     logits = torch.tensor([[1.0, 3.0]])
     ref = torch.log_softmax(logits, -1)[0]
-    out = sample(
-        logits, [row(temperature=0.0, num_logprobs=1, frequency_penalty=2.0, history=[1], num_prompt=0)]
-    )
+    out = sample(logits, [row(temperature=0.0, num_logprobs=1, frequency_penalty=2.0, history=[1], num_prompt=0)])
     assert out.tokens == [0]
     assert out.logprobs[0] == pytest.approx({0: float(ref[0]), 1: float(ref[1])})
 

@@ -43,9 +43,7 @@ def make_sched() -> Callable[..., Scheduler]:
 
 
 def req(rid: str, n_prompt: int, max_tokens: int = 8, base: int = 1, **sp: Any) -> Request:
-    return Request(
-        rid, [(base + i) % 90 for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens, **sp)
-    )
+    return Request(rid, [(base + i) % 90 for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens, **sp))
 
 
 def step(s: Scheduler, token: int = 5, extra: dict[str, list[int]] | None = None) -> SchedulerOutput:

@@ -78,9 +78,7 @@ def test_installed_plugin_is_selected_by_name(example_plugin: None) -> None:
     assert res.stdout.strip() == "[5, 6, 7, 8, 9]"
 
 
-def test_broken_plugin_is_listed_as_broken_and_others_still_load(
-    broken_plugin: None, example_plugin: None
-) -> None:
+def test_broken_plugin_is_listed_as_broken_and_others_still_load(broken_plugin: None, example_plugin: None) -> None:
     res = _cli("plugins", "--json")
     assert res.returncode == 0, res.stderr
     rows = {r["name"]: r for r in json.loads(res.stdout)}

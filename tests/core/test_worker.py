@@ -77,9 +77,7 @@ def tokens(outs: list[Any]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize(
-    "scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))]
-)
+@pytest.mark.parametrize("scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
 def test_process_equals_inproc(make_llm: Callable[..., Any], scheduler: str) -> None:
     prompts = [[(i * 5 + k) % VOCAB for k in range(3 + 4 * i)] for i in range(5)]
     kw = dict(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, scheduler=scheduler)
@@ -94,9 +92,7 @@ def test_worker_crash_fails_requests_and_kills_the_engine(make_llm: Callable[...
     crash = 96
     bad = prompt_hitting(crash, at=3)
     others = prompts_avoiding(crash, 2)
-    llm = make_llm(
-        worker_mode="process", block_size=4, num_kv_blocks=32, executor_options={"crash_on_token": crash}
-    )
+    llm = make_llm(worker_mode="process", block_size=4, num_kv_blocks=32, executor_options={"crash_on_token": crash})
     pid = llm.engine.worker.pid
     try:
         outs = bounded(lambda: llm.generate([bad, *others], GREEDY, use_tqdm=False))
@@ -118,9 +114,7 @@ def test_worker_crash_fails_requests_and_kills_the_engine(make_llm: Callable[...
 
 
 @pytest.mark.parametrize("mode", ["inproc", "process"])
-def test_executor_exception_fails_the_batch_and_serving_continues(
-    make_llm: Callable[..., Any], mode: str
-) -> None:
+def test_executor_exception_fails_the_batch_and_serving_continues(make_llm: Callable[..., Any], mode: str) -> None:
     fail = 95
     bad = [1, 2, fail, 3]
     good = prompts_avoiding(fail, 2)
@@ -185,14 +179,10 @@ def test_context_manager_exit_stops_the_worker(fake_pm: Any) -> None:
     pytest.importorskip("pypto_serving_sync_sched")
     from pypto_serving import LLM
 
-    with LLM(
-        executor="fake", plugins=fake_pm, worker_mode="process", scheduler="sync", num_kv_blocks=8
-    ) as llm:
+    with LLM(executor="fake", plugins=fake_pm, worker_mode="process", scheduler="sync", num_kv_blocks=8) as llm:
         pid = llm.engine.worker.pid
         first = next_token([5, 6], VOCAB)
-        out = bounded(
-            lambda: llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        )
+        out = bounded(lambda: llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False))
         assert out[0].outputs[0].token_ids == [first]
     assert llm.engine is None
     assert not pid_alive(pid)

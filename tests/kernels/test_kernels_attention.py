@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pypto_kernels import paged_attention, varlen_attention, write_kv_cache
 
 # (q_len, seq_len): plain prefill, chunk over a 9-token cached prefix, two decodes, an idle request.
@@ -93,9 +94,7 @@ def expected_paged(data: dict, scale: float, window: int | None, sinks: torch.Te
     for r, seq in enumerate(data["seq_lens"].tolist()):
         q = data["query"][qsl[r] : qsl[r + 1]]
         outs.append(
-            naive_attention(
-                q, data["keys"][r], data["values"][r], seq - q.shape[0], scale, True, window, sinks
-            )
+            naive_attention(q, data["keys"][r], data["values"][r], seq - q.shape[0], scale, True, window, sinks)
         )
     return torch.cat(outs)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from pypto_kernels import moe_experts, topk_routing
 
 E, H, INTER, TOP_K = 8, 32, 16, 3
@@ -37,9 +38,7 @@ def test_moe_experts_matches_naive_loop(norm: bool) -> None:
     weights, ids = topk_routing(x @ router.T, TOP_K, norm)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (11, TOP_K)
     out = moe_experts(x, gate_up, down, weights, ids)
-    torch.testing.assert_close(
-        out.double(), naive_experts(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(out.double(), naive_experts(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-5)
 
 
 def test_moe_experts_empty_and_unused_experts() -> None:
@@ -47,9 +46,7 @@ def test_moe_experts_empty_and_unused_experts() -> None:
     ids = torch.tensor([[2, 5], [5, 2], [2, 7], [7, 5]])
     weights = torch.rand(4, 2)
     out = moe_experts(x, gate_up, down, weights, ids)
-    torch.testing.assert_close(
-        out.double(), naive_experts(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(out.double(), naive_experts(x, gate_up, down, weights, ids), atol=1e-5, rtol=1e-5)
     empty = moe_experts(x[:0], gate_up, down, weights[:0], ids[:0])
     assert empty.shape == (0, H)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pypto_kernels import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_and_mul
 
 transformers = pytest.importorskip("transformers")
@@ -142,9 +143,7 @@ def test_apply_rope_partial_rotary(dtype: torch.dtype) -> None:
     cos, sin = rope_cos_sin(positions, inv_freq, scaling, dtype)
     q = torch.randn(6, 4, 64, generator=gen).to(dtype)
     k = torch.randn(6, 2, 64, generator=gen).to(dtype)
-    hf_q, hf_k = partial_apply_rotary_pos_emb(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None]
-    )
+    hf_q, hf_k = partial_apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
     out_q, out_k = apply_rope(q, k, cos, sin)
     assert torch.equal(out_q, hf_q[0].transpose(0, 1)) and torch.equal(out_k, hf_k[0].transpose(0, 1))
     assert torch.equal(out_q[..., 16:], q[..., 16:])

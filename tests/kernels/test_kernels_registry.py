@@ -9,9 +9,10 @@ import sys
 import types
 from collections.abc import Iterator
 
-import pypto_kernels
 import pytest
 import torch
+
+import pypto_kernels
 from pypto_kernels import registry
 from pypto_kernels.backends import cuda as cuda_backend
 
@@ -38,9 +39,7 @@ def test_fake_cuda_fast_path_only_for_cuda(clean_registry: None) -> None:
     assert pypto_kernels.get_kernel("rms_norm", "cuda") is fake_rms_norm
     assert pypto_kernels.get_kernel("rms_norm", torch.device("cuda", 1)) is fake_rms_norm
     assert pypto_kernels.get_kernel("rms_norm", "cpu") is pypto_kernels.rms_norm.reference
-    assert pypto_kernels.get_kernel("rms_norm", torch.device("cpu")) is pypto_kernels.reference_kernel(
-        "rms_norm"
-    )
+    assert pypto_kernels.get_kernel("rms_norm", torch.device("cpu")) is pypto_kernels.reference_kernel("rms_norm")
     # The built-in CUDA fast path loaded lazily by get_kernel must not override the user's registration.
     assert pypto_kernels.get_kernel("rms_norm", "cuda") is fake_rms_norm
     assert pypto_kernels.available_kernels()["rms_norm"] == ["cuda"]
@@ -48,9 +47,7 @@ def test_fake_cuda_fast_path_only_for_cuda(clean_registry: None) -> None:
     assert pypto_kernels.get_kernel("moe_experts", "cuda") is pypto_kernels.moe_experts.reference
 
 
-def test_public_function_dispatches_by_tensor_device(
-    clean_registry: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_public_function_dispatches_by_tensor_device(clean_registry: None, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
 
     def fake(x: torch.Tensor) -> torch.Tensor:
@@ -88,9 +85,7 @@ def test_cuda_fast_paths_match_reference() -> None:
     x = torch.randn(7, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, device="cuda", dtype=torch.bfloat16)
     assert pypto_kernels.get_kernel("rms_norm", x.device) is cuda_backend.rms_norm
-    torch.testing.assert_close(
-        pypto_kernels.rms_norm(x, w, 1e-6), pypto_kernels.rms_norm.reference(x, w, 1e-6)
-    )
+    torch.testing.assert_close(pypto_kernels.rms_norm(x, w, 1e-6), pypto_kernels.rms_norm.reference(x, w, 1e-6))
 
 
 @pytest.mark.skipif(not pypto_kernels.npu_available(), reason="needs an Ascend NPU with torch_npu")
@@ -108,9 +103,7 @@ def test_npu_fast_paths_match_reference() -> None:
     inv_freq, scaling = pypto_kernels.rope_inv_freq(64, 10000.0, None, 4096)
     cos, sin = pypto_kernels.rope_cos_sin(torch.arange(7, device=device), inv_freq, scaling, torch.bfloat16)
     k = torch.randn(7, 1, 128, device=device, dtype=torch.bfloat16)
-    for fast, ref in zip(
-        pypto_kernels.apply_rope(x, k, cos, sin), pypto_kernels.apply_rope.reference(x, k, cos, sin)
-    ):
+    for fast, ref in zip(pypto_kernels.apply_rope(x, k, cos, sin), pypto_kernels.apply_rope.reference(x, k, cos, sin)):
         torch.testing.assert_close(fast, ref, atol=2e-2, rtol=2e-2)
 
 
@@ -166,9 +159,7 @@ def _fake_torch_npu() -> types.ModuleType:
     """Stand-in implementing the documented semantics of the torch_npu ops the NPU backend uses."""
     fake = types.ModuleType("torch_npu")
 
-    def npu_rms_norm(
-        x: torch.Tensor, gamma: torch.Tensor, epsilon: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
         rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
         return gamma * (x.float() * rstd).to(x.dtype), rstd
 
@@ -209,7 +200,5 @@ def test_npu_backend_glue_with_stub_ops(clean_registry: None, monkeypatch: pytes
     for rotary_dim in (64, 32):
         inv_freq, scaling = pypto_kernels.rope_inv_freq(rotary_dim, 10000.0, None, 4096)
         cos, sin = pypto_kernels.rope_cos_sin(torch.arange(5) * 7, inv_freq, scaling, torch.float32)
-        for fast, ref in zip(
-            npu_backend.apply_rope(x, k, cos, sin), pypto_kernels.apply_rope(x, k, cos, sin)
-        ):
+        for fast, ref in zip(npu_backend.apply_rope(x, k, cos, sin), pypto_kernels.apply_rope(x, k, cos, sin)):
             torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-6)

@@ -124,16 +124,12 @@ class _Guard:
             await self.app(scope, replay, tracked_send)
         except Exception:
             error_id = f"err-{uuid.uuid4().hex}"
-            logger.exception(
-                "internal error %s while serving %s %s", error_id, scope.get("method"), scope["path"]
-            )
+            logger.exception("internal error %s while serving %s %s", error_id, scope.get("method"), scope["path"])
             if not started:
                 await _send_json(
                     send,
                     500,
-                    error_body(
-                        f"internal server error (error id {error_id})", "server_error", None, "internal_error"
-                    ),
+                    error_body(f"internal server error (error id {error_id})", "server_error", None, "internal_error"),
                     {"x-error-id": error_id},
                 )
 
@@ -168,9 +164,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def _send_json(
-    send: Send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
-) -> None:
+async def _send_json(send: Send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
     data = json.dumps(body).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -206,9 +200,7 @@ class _Ctx:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def build_app(
-    llm: AsyncLLM, settings: ServingSettings | None = None, *, manage_engine: bool = True
-) -> FastAPI:
+def build_app(llm: AsyncLLM, settings: ServingSettings | None = None, *, manage_engine: bool = True) -> FastAPI:
     """The FastAPI app serving ``llm``. With ``manage_engine`` the app's lifespan starts the engine
     (loading in the background; /health says 503 until ready) and shuts it down on exit."""
     settings = settings or llm.settings
@@ -238,9 +230,7 @@ def build_app(
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.message, exc.type, exc.param, exc.code), exc.status, headers=exc.headers
-        )
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -354,9 +344,7 @@ def _check_model(ctx: _Ctx, model: str | None) -> None:
 
 def _check_ready(ctx: _Ctx) -> None:
     if ctx.llm.dead_reason is not None:
-        raise APIError(
-            503, f"the engine failed: {ctx.llm.dead_reason}", type="server_error", code="engine_dead"
-        )
+        raise APIError(503, f"the engine failed: {ctx.llm.dead_reason}", type="server_error", code="engine_dead")
     if not ctx.llm.ready:
         raise APIError(
             503,
@@ -446,9 +434,7 @@ def _chat_prompt(ctx: _Ctx, req: ChatCompletionRequest) -> _Prompt:
     except (ValueError, TypeError) as e:
         raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
     except Exception as e:  # template errors (jinja undefined, security) are the request's fault too
-        raise APIError(
-            400, f"cannot render the chat template: {type(e).__name__}: {e}", param="messages"
-        ) from None
+        raise APIError(400, f"cannot render the chat template: {type(e).__name__}: {e}", param="messages") from None
     return _validate_ids(ctx, tok.encode(text), text, param="messages")
 
 
@@ -462,9 +448,7 @@ def _sampling_params(
     max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
     defaults = ctx.llm.engine.info.generation_defaults if ctx.llm.engine is not None else {}
-    kw: dict[str, Any] = {
-        k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k", "min_p")
-    }
+    kw: dict[str, Any] = {k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k", "min_p")}
     for name in _SAMPLING_FIELDS:
         value = getattr(req, name)
         if value is not None:
@@ -623,8 +607,7 @@ def _chat_logprobs(ctx: _Ctx, c: CompletionOutput, start: int, end: int, top_n: 
                 "logprob": d.get(t, float("-inf")),
                 "bytes": list(s.encode()),
                 "top_logprobs": [
-                    {"token": (ts := _token_str(ctx, k)), "logprob": v, "bytes": list(ts.encode())}
-                    for k, v in ranked
+                    {"token": (ts := _token_str(ctx, k)), "logprob": v, "bytes": list(ts.encode())} for k, v in ranked
                 ],
             }
         )
@@ -665,9 +648,7 @@ def _completion_body(
     }
 
 
-def _chat_body(
-    ctx: _Ctx, rid: str, req: ChatCompletionRequest, prompt: _Prompt, out: RequestOutput
-) -> dict[str, Any]:
+def _chat_body(ctx: _Ctx, rid: str, req: ChatCompletionRequest, prompt: _Prompt, out: RequestOutput) -> dict[str, Any]:
     top_n = req.top_logprobs or 0
     choices = [
         {
@@ -832,9 +813,7 @@ class _StreamRunner:
             async with contextlib.aclosing(self._items()) as items:
                 async for pi, c, st, start, end, done in items:
                     if c.finish_reason == "error":
-                        yield _error_event(
-                            f"generation failed: {self.ctx.llm.dead_reason or 'a step failed'}"
-                        )
+                        yield _error_event(f"generation failed: {self.ctx.llm.dead_reason or 'a step failed'}")
                         yield _DONE
                         return
                     prefix = ""
@@ -850,9 +829,7 @@ class _StreamRunner:
                     choice = {
                         "index": pi * req.n + c.index,
                         "text": text,
-                        "logprobs": _completion_logprobs(
-                            self.ctx, c, start, end, st.text_sent - len(text), echo_ids
-                        ),
+                        "logprobs": _completion_logprobs(self.ctx, c, start, end, st.text_sent - len(text), echo_ids),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason if done else None,
                     }
@@ -894,9 +871,7 @@ class _StreamRunner:
             async with contextlib.aclosing(self._items()) as items:
                 async for _pi, c, st, start, end, done in items:
                     if c.finish_reason == "error":
-                        yield _error_event(
-                            f"generation failed: {self.ctx.llm.dead_reason or 'a step failed'}"
-                        )
+                        yield _error_event(f"generation failed: {self.ctx.llm.dead_reason or 'a step failed'}")
                         yield _DONE
                         return
                     if not st.started:

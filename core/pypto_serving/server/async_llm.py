@@ -265,11 +265,7 @@ class AsyncLLM:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             with self._lock:
-                stream = (
-                    self._streams.pop(out.request_id, None)
-                    if out.finished
-                    else self._streams.get(out.request_id)
-                )
+                stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if out.finished and self.metrics is not None:
                 self.metrics.observe_finished(out)
             if stream is None:

@@ -99,9 +99,7 @@ def run_server(settings: Any, plugins: Any = None) -> int:
 
     _Server = _server_class()
 
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sock = _bind(settings.host, settings.port)
     except OSError as e:

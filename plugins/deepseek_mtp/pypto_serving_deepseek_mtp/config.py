@@ -125,9 +125,7 @@ def parse_config(raw: dict[str, Any]) -> DeepseekV4Config:
         partial = (qk_rope / head_dim) if qk_rope is not None else 64 / 512
     rope_dim = int(head_dim * partial)
     if rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
-        raise DeepseekConfigError(
-            f"rotary dim {rope_dim} (head_dim * partial_rotary_factor) must be even and > 0"
-        )
+        raise DeepseekConfigError(f"rotary dim {rope_dim} (head_dim * partial_rotary_factor) must be even and > 0")
 
     rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):

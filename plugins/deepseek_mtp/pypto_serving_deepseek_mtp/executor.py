@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from pypto_kernels import select_device
 from pypto_serving.executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
 
@@ -86,8 +87,7 @@ class DeepseekMTPExecutor(Executor):
             k = int(spec.num_speculative_tokens)
             if not 1 <= k <= MAX_DRAFT_TOKENS:
                 raise MtpConfigError(
-                    f"speculative_config.num_speculative_tokens={k} is out of range: "
-                    f"use 1..{MAX_DRAFT_TOKENS}"
+                    f"speculative_config.num_speculative_tokens={k} is out of range: use 1..{MAX_DRAFT_TOKENS}"
                 )
             if spec.method == "mtp" and n_mtp == 0:
                 raise MtpConfigError(
@@ -124,14 +124,10 @@ class DeepseekMTPExecutor(Executor):
             generation_defaults={k: gen[k] for k in _GEN_KEYS if k in gen},
         )
 
-    def _mtp_params(
-        self, weights: dict[str, torch.Tensor], d: int, cfg: DeepseekV4Config
-    ) -> dict[str, torch.Tensor]:
+    def _mtp_params(self, weights: dict[str, torch.Tensor], d: int, cfg: DeepseekV4Config) -> dict[str, torch.Tensor]:
         prefix = f"mtp.{d}."
         if any(k.startswith(prefix + "attn.compressor.") for k in weights):
-            raise MtpConfigError(
-                f"{prefix}* has a compressed-attention block; only sliding-window MTP is supported"
-            )
+            raise MtpConfigError(f"{prefix}* has a compressed-attention block; only sliding-window MTP is supported")
         try:
             p = _layer_params(weights, prefix, cfg)
         except ValueError as e:
@@ -154,9 +150,7 @@ class DeepseekMTPExecutor(Executor):
             raise MtpConfigError(f"MTP layer {d} is incomplete; missing {missing}")
         return p
 
-    def _cache_groups(
-        self, cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype
-    ) -> list[CacheGroupSpec]:
+    def _cache_groups(self, cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> list[CacheGroupSpec]:
         elem = torch.tensor([], dtype=dtype).element_size()
         n_csa = cfg.layer_types.count(CSA)
         n_hca = cfg.layer_types.count(HCA)
@@ -221,9 +215,7 @@ class DeepseekMTPExecutor(Executor):
             # 2*m - 1 older source tokens may still be needed, plus up to num_draft clobbered positions.
             ring_len = 2 * rate + self.num_draft + 1
             width = 2 * cfg.head_dim if kind == CSA else cfg.head_dim
-            self.model.rings[(i, "kv")] = CompressorRing(
-                self.num_slots, ring_len, width, self.device, self.dtype
-            )
+            self.model.rings[(i, "kv")] = CompressorRing(self.num_slots, ring_len, width, self.device, self.dtype)
             if kind == CSA:
                 self.model.rings[(i, "index")] = CompressorRing(
                     self.num_slots, ring_len, 2 * cfg.index_head_dim, self.device, self.dtype
@@ -269,10 +261,7 @@ class DeepseekMTPExecutor(Executor):
         assert self.model is not None
         starts = [int(x) for x in batch.query_start_loc.tolist()]
         positions = batch.positions.to(self.device).long()
-        pos0 = [
-            int(positions[starts[r]]) if starts[r] < starts[r + 1] else 0
-            for r in range(len(batch.request_ids))
-        ]
+        pos0 = [int(positions[starts[r]]) if starts[r] < starts[r + 1] else 0 for r in range(len(batch.request_ids))]
         for r, rid in enumerate(batch.request_ids):
             if pos0[r] == 0 and starts[r] < starts[r + 1]:
                 # A request (re)starting from scratch: drop anything left from an earlier life.
@@ -420,9 +409,7 @@ class DeepseekMTPExecutor(Executor):
         x = F.linear(e, p["e_proj.weight"]).unsqueeze(1) + F.linear(h, p["h_proj.weight"])
         rope = m._rope_tables(positions)
         x = m.decoder_layer(p, x, mseg, rope, layer=-1, kind=SLIDING, swa=m.caches[group][0], swa_group=group)
-        logits = m.logits(
-            x, hc=(p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"]), norm=p["norm.weight"]
-        )
+        logits = m.logits(x, hc=(p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"]), norm=p["norm.weight"])
         return x, logits
 
 

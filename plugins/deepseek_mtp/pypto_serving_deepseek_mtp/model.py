@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from pypto_kernels import moe_experts, rope_inv_freq, topk_routing
 
 from . import ops
@@ -67,9 +68,7 @@ class CompressorRing:
     we write a step's rows only after reading the older ones, so in-step overwrites cannot hurt.
     """
 
-    def __init__(
-        self, slots: int, ring_len: int, width: int, device: torch.device, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, slots: int, ring_len: int, width: int, device: torch.device, dtype: torch.dtype) -> None:
         self.ring_len = ring_len
         self.kv = torch.zeros((slots, ring_len, width), device=device, dtype=dtype)
         self.gate = torch.zeros((slots, ring_len, width), device=device, dtype=torch.float32)
@@ -290,9 +289,7 @@ class DeepseekV4Model:
             if kind != SLIDING:
                 entries = self._compress_step(p, h[a:b], seg, r, layer, kind, p0, p1)
                 rate = cfg.compress_rates[kind]
-                visible = (
-                    torch.arange(entries.shape[0], device=h.device)[None, :] < ((qpos + 1) // rate)[:, None]
-                )
+                visible = torch.arange(entries.shape[0], device=h.device)[None, :] < ((qpos + 1) // rate)[:, None]
                 if kind == CSA and entries.shape[0] > 0:
                     visible = self._index_select(p, seg, r, layer, iq[a:b], iw[a:b], qpos, visible)
                 keys = torch.cat([keys, entries.to(keys.dtype)], dim=0)
@@ -302,9 +299,7 @@ class DeepseekV4Model:
         # K == V carries RoPE on its trailing channels; rotate back by the query position.
         out = ops.apply_rope(out, cos, -sin)
         grouped = out.reshape(t, cfg.o_groups, -1)
-        return F.linear(
-            ops.grouped_linear(grouped, p["attn.wo_a.weight"], cfg.o_groups), p["attn.wo_b.weight"]
-        )
+        return F.linear(ops.grouped_linear(grouped, p["attn.wo_a.weight"], cfg.o_groups), p["attn.wo_b.weight"])
 
     # ------------------------------------------------------------------ compressors
 
@@ -412,9 +407,7 @@ class DeepseekV4Model:
         n_entries = visible.shape[1]
         flat = self.caches["csa_index"][self.group_index[layer]].view(-1, cfg.index_head_dim)
         keys = flat[
-            paged_slots(
-                seg.block_tables["csa_index"][r], torch.arange(n_entries, device=iq.device), self.block_size
-            )
+            paged_slots(seg.block_tables["csa_index"][r], torch.arange(n_entries, device=iq.device), self.block_size)
         ]
         scores = F.relu(torch.einsum("shd,ld->shl", iq.float(), keys.float())) * cfg.index_head_dim**-0.5
         scores = (scores * iw.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
@@ -426,9 +419,7 @@ class DeepseekV4Model:
         return chosen & visible
 
 
-def _layer_params(
-    weights: dict[str, torch.Tensor], prefix: str, cfg: DeepseekV4Config
-) -> dict[str, torch.Tensor]:
+def _layer_params(weights: dict[str, torch.Tensor], prefix: str, cfg: DeepseekV4Config) -> dict[str, torch.Tensor]:
     """Collect one block's tensors (prefix stripped) and pre-pack the expert weights."""
     p = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
     n_exp = cfg.n_routed_experts
@@ -441,8 +432,6 @@ def _layer_params(
     # moe_experts wants [E, 2I, D] gate/up stacked (gate first) and [E, D, I] down.
     p["experts.gate_up"] = torch.stack([torch.cat([a, b], dim=0) for a, b in zip(w1, w3)])
     p["experts.down"] = torch.stack(w2)
-    p["shared.gate_up"] = torch.cat(
-        [p["ffn.shared_experts.w1.weight"], p.pop("ffn.shared_experts.w3.weight")]
-    )
+    p["shared.gate_up"] = torch.cat([p["ffn.shared_experts.w1.weight"], p.pop("ffn.shared_experts.w3.weight")])
     del p["ffn.shared_experts.w1.weight"]
     return p

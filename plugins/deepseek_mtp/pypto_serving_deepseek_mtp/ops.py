@@ -74,9 +74,7 @@ def hc_weights(
     return post, comb, collapsed
 
 
-def hc_merge(
-    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-) -> torch.Tensor:
+def hc_merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Expand a block output back to N streams and add the Sinkhorn-mixed residual (comb^T @ streams)."""
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import pypto_kernels as K
 import torch
+
+import pypto_kernels as K
 from pypto_serving.executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
 
 from .loader import QwenConfig, load_weights, read_config, read_generation_config, resolve_dtype
@@ -71,9 +72,7 @@ class QwenExecutor(Executor):
     def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
         cfg = self._loaded_config()
         if KV_GROUP not in num_blocks:
-            raise ValueError(
-                f"init_kv_cache needs blocks for cache group {KV_GROUP!r}, got {sorted(num_blocks)}"
-            )
+            raise ValueError(f"init_kv_cache needs blocks for cache group {KV_GROUP!r}, got {sorted(num_blocks)}")
         shape = (num_blocks[KV_GROUP], self.settings.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros rather than empty: unwritten slots are never read, but zeros keep NaN out of debugging dumps.
         self.kv_caches = [

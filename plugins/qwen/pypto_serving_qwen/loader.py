@@ -130,9 +130,7 @@ def _check_architecture(raw: Mapping[str, Any], path: Path) -> str:
     auto_map = raw.get("auto_map") or {}
     # auto_map that names a model class means the checkpoint's forward pass lives in its own Python
     # files; we never execute checkpoint code (no trust_remote_code), whatever the architecture says.
-    custom_classes = (
-        sorted(k for k in auto_map if str(k).startswith("AutoModel")) if isinstance(auto_map, dict) else []
-    )
+    custom_classes = sorted(k for k in auto_map if str(k).startswith("AutoModel")) if isinstance(auto_map, dict) else []
     if custom_classes:
         raise CheckpointError(
             f"{path} has auto_map ({', '.join(f'{k}={auto_map[k]}' for k in custom_classes)}): the model "
@@ -166,9 +164,7 @@ def read_config(model: str | Path) -> QwenConfig:
     """Parse and validate ``config.json`` of a local checkpoint directory."""
     path = _model_dir(model) / "config.json"
     if not path.is_file():
-        raise CheckpointError(
-            f"config.json not found in {str(path.parent)!r}; is this a Hugging Face model directory?"
-        )
+        raise CheckpointError(f"config.json not found in {str(path.parent)!r}; is this a Hugging Face model directory?")
     raw = _read_json(path)
     arch = _check_architecture(raw, path)
 
@@ -184,8 +180,7 @@ def read_config(model: str | Path) -> QwenConfig:
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
     if num_heads % num_kv_heads:
         raise CheckpointError(
-            f"{path}: num_attention_heads ({num_heads}) is not a multiple of "
-            f"num_key_value_heads ({num_kv_heads})"
+            f"{path}: num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})"
         )
 
     # transformers 5 writes rope_parameters (theta inside); older configs use rope_theta + rope_scaling.
@@ -281,9 +276,7 @@ def _shard_files(model_dir: Path) -> list[Path]:
         shards = [model_dir / name for name in sorted(set(weight_map.values()))]
         for shard in shards:
             if not shard.is_file():
-                raise CheckpointError(
-                    f"shard {shard.name!r} listed in {INDEX_FILE} is missing from {str(model_dir)!r}"
-                )
+                raise CheckpointError(f"shard {shard.name!r} listed in {INDEX_FILE} is missing from {str(model_dir)!r}")
         return shards
     single = model_dir / SINGLE_FILE
     if single.is_file():
@@ -308,9 +301,7 @@ def _shape_error(name: str, shard: Path, got: tuple[int, ...], want: tuple[int, 
     )
 
 
-def load_weights(
-    model_dir: str | Path, targets: Mapping[str, list[WeightTarget]], required: set[str]
-) -> None:
+def load_weights(model_dir: str | Path, targets: Mapping[str, list[WeightTarget]], required: set[str]) -> None:
     """Stream every safetensors tensor into its targets (cast to the parameter dtype and device).
 
     Raises :class:`CheckpointError` on a shape mismatch (naming the tensor and both shapes) and

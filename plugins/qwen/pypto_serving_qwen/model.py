@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pypto_kernels as K
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import pypto_kernels as K
 
 from .loader import QwenConfig, WeightTarget
 
@@ -221,9 +222,7 @@ class QwenForCausalLM(nn.Module):
         self.norm = _param((cfg.hidden_size,), device, dtype)
         # Tied models share one matrix for input embedding and output projection.
         self.lm_head = (
-            self.embed
-            if cfg.tie_word_embeddings
-            else _param((cfg.vocab_size, cfg.hidden_size), device, dtype)
+            self.embed if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size), device, dtype)
         )
         inv_freq, attention_scaling = K.rope_inv_freq(
             cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
@@ -249,9 +248,7 @@ class QwenForCausalLM(nn.Module):
             out.update(layer_targets)
             if isinstance(layer.mlp, QwenSparseMoe):
                 # Only the per-expert names are required; the stacked aliases fill them when used.
-                required |= {n for n in layer_targets if ".mlp." not in n} | layer.mlp.required(
-                    f"{prefix}.mlp"
-                )
+                required |= {n for n in layer_targets if ".mlp." not in n} | layer.mlp.required(f"{prefix}.mlp")
             else:
                 required |= set(layer_targets)
         return out, required
@@ -272,7 +269,5 @@ class QwenForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, cache, meta)
         assert residual is not None
         # Only the sampled rows need the final norm and the (vocab-sized) output projection.
-        hidden, _ = K.add_rms_norm(
-            hidden[logits_indices], residual[logits_indices], self.norm, self.cfg.rms_norm_eps
-        )
+        hidden, _ = K.add_rms_norm(hidden[logits_indices], residual[logits_indices], self.norm, self.cfg.rms_norm_eps)
         return F.linear(hidden, self.lm_head).float()

@@ -77,9 +77,7 @@ def test_completion_prompt_forms_and_n(shared_client: Any) -> None:
     assert r.json()["usage"]["prompt_tokens"] == 5
     r = client.post("/v1/completions", json={"prompt": p1, "max_tokens": 4, "temperature": 0})
     assert r.json()["choices"][0]["text"] == ref_text(llm, p1, 4)[0]
-    r = client.post(
-        "/v1/completions", json={"prompt": ["the cat", "a dog"], "max_tokens": 3, "temperature": 0}
-    )
+    r = client.post("/v1/completions", json={"prompt": ["the cat", "a dog"], "max_tokens": 3, "temperature": 0})
     texts = [c["text"] for c in r.json()["choices"]]
     assert texts == [ref_text(llm, llm.tokenizer.encode(p), 3)[0] for p in ("the cat", "a dog")]
 
@@ -107,9 +105,7 @@ def test_completion_stop_string_and_stop_token_ids(shared_client: Any) -> None:
     ids = [11, 12, 13]
     text, toks, _ = ref_text(llm, ids, 12)
     stop = next(
-        text[i : i + 2]
-        for i in range(2, len(text) - 2)
-        if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
+        text[i : i + 2] for i in range(2, len(text) - 2) if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
     )
     r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0, "stop": stop})
     c = r.json()["choices"][0]
@@ -164,9 +160,7 @@ def test_completion_streaming_matches_non_streaming(shared_client: Any) -> None:
     client, _ = shared_client
     body = {"prompt": ["the quick", "hello"], "max_tokens": 10, "temperature": 0, "n": 2, "logprobs": 1}
     full = client.post("/v1/completions", json=body).json()
-    r = client.post(
-        "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
-    )
+    r = client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events, done = parse_sse(r.text)
     assert done
@@ -215,9 +209,7 @@ def test_chat_matches_reference_and_logprobs(shared_client: Any) -> None:
         assert bytes(entry["bytes"]).decode() == entry["token"]
     assert body["usage"]["prompt_tokens"] == len(ids)
     # content parts are joined into text
-    parts = [
-        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
-    ]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}]
     r2 = client.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 5, "temperature": 0})
     assert (
         r2.json()["choices"][0]["message"]["content"]
@@ -234,9 +226,7 @@ def test_chat_streaming(shared_client: Any) -> None:
         "n": 2,
     }
     full = client.post("/v1/chat/completions", json=body).json()
-    r = client.post(
-        "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
-    )
+    r = client.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
     events, done = parse_sse(r.text)
     assert done
     text = {0: "", 1: ""}
@@ -351,16 +341,11 @@ def test_unknown_model_is_404(shared_client: Any) -> None:
     e = err(client.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404, "model")
     assert e["code"] == "model_not_found"
     err(
-        client.post(
-            "/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "a"}]}
-        ),
+        client.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "a"}]}),
         404,
     )
     assert (
-        client.post(
-            "/v1/completions", json={"model": "tiny-fake", "prompt": "hi", "max_tokens": 1}
-        ).status_code
-        == 200
+        client.post("/v1/completions", json={"model": "tiny-fake", "prompt": "hi", "max_tokens": 1}).status_code == 200
     )
 
 
@@ -408,10 +393,7 @@ def test_api_key(make_client: Any) -> None:
     err(client.post("/v1/completions", json=body), 401)
     err(client.post("/v1/completions", json=body, headers={"authorization": "Bearer wrong"}), 401)
     err(client.get("/v1/models", headers={"authorization": "Basic sekrit"}), 401)
-    assert (
-        client.post("/v1/completions", json=body, headers={"authorization": "Bearer sekrit"}).status_code
-        == 200
-    )
+    assert client.post("/v1/completions", json=body, headers={"authorization": "Bearer sekrit"}).status_code == 200
     assert client.get("/v1/models", headers={"authorization": "Bearer k1"}).status_code == 200
     assert client.get("/health").status_code == 200
     assert client.get("/metrics").status_code == 200
@@ -442,9 +424,7 @@ def test_backpressure_503_retry_after(make_client: Any) -> None:
     results: list[int] = []
 
     def send() -> threading.Thread:
-        t = threading.Thread(
-            target=lambda: results.append(client.post("/v1/completions", json=body).status_code)
-        )
+        t = threading.Thread(target=lambda: results.append(client.post("/v1/completions", json=body).status_code))
         t.start()
         return t
 

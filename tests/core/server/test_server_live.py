@@ -40,9 +40,7 @@ async def wait_idle(client: httpx.AsyncClient, within: float) -> str:
         await asyncio.sleep(0.02)
 
 
-async def stream(
-    client: httpx.AsyncClient, body: dict[str, Any], leave_after: int | None = None
-) -> str | None:
+async def stream(client: httpx.AsyncClient, body: dict[str, Any], leave_after: int | None = None) -> str | None:
     """Stream a completion; with ``leave_after`` drop the connection after that many events."""
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
@@ -112,16 +110,12 @@ def test_fifty_concurrent_streams_with_random_disconnects(live_server: Any) -> N
 
 
 def test_engine_death_ends_streams_with_error_and_health_503(live_server: Any) -> None:
-    server, _ = live_server(
-        worker_mode="process", executor_options={"crash_on_token": 299, "step_sleep": 0.01}
-    )
+    server, _ = live_server(worker_mode="process", executor_options={"crash_on_token": 299, "step_sleep": 0.01})
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
             assert (await client.get("/health")).status_code == 200
-            long = asyncio.ensure_future(
-                stream(client, {"prompt": [5, 6], "max_tokens": 100, "ignore_eos": True})
-            )
+            long = asyncio.ensure_future(stream(client, {"prompt": [5, 6], "max_tokens": 100, "ignore_eos": True}))
             await asyncio.sleep(0.3)
             crash = await asyncio.wait_for(stream(client, {"prompt": [299], "max_tokens": 5}), 20)
             raw = await asyncio.wait_for(long, 20)

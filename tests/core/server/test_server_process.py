@@ -124,9 +124,7 @@ def test_openai_client_matches_llm_generate(qwen_dir: Path, serve: Any) -> None:
     ) as llm:
         prompts = ["hello world", "the quick brown fox"]
         ref = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        ref_lp = llm.generate(
-            prompts[0], SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False
-        )[0]
+        ref_lp = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False)[0]
         messages = [{"role": "user", "content": "count: one two"}]
         ref_chat = llm.chat(messages, greedy, use_tqdm=False)[0].outputs[0]
     proc.wait_healthy()
@@ -139,9 +137,7 @@ def test_openai_client_matches_llm_generate(qwen_dir: Path, serve: Any) -> None:
     assert [c.finish_reason for c in out.choices][::2] == [r.finish_reason for r in ref]
     assert out.usage is not None and out.usage.completion_tokens == 2 * sum(len(r.token_ids) for r in ref)
 
-    lp = client.completions.create(
-        model="tiny-qwen", prompt=prompts[0], max_tokens=8, temperature=0, logprobs=2
-    )
+    lp = client.completions.create(model="tiny-qwen", prompt=prompts[0], max_tokens=8, temperature=0, logprobs=2)
     assert lp.choices[0].logprobs is not None
     got = lp.choices[0].logprobs.token_logprobs
     assert got == pytest.approx(
@@ -243,9 +239,7 @@ def test_startup_errors_are_one_line_and_nonzero(qwen_dir: Path, args: list[str]
     else:
         args += ["--port", str(free_port())]
     try:
-        r = subprocess.run(
-            [*SERVE, *args, *COMMON], capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT
-        )
+        r = subprocess.run([*SERVE, *args, *COMMON], capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
     finally:
         if blocker is not None:
             blocker.close()

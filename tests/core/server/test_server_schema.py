@@ -9,9 +9,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("pypto_serving_sync_sched")
-schemathesis = pytest.importorskip(
-    "schemathesis", reason="schemathesis is not installed (pip install schemathesis)"
-)
+schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install schemathesis)")
 
 from conftest import start_llm  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -35,6 +33,4 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_server_errors(case: Any) -> None:
     response = case.call()
-    assert response.status_code < 500, (
-        f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"
-    )
+    assert response.status_code < 500, f"{case.method} {case.path} -> {response.status_code}: {response.text[:500]}"

@@ -152,11 +152,7 @@ def test_rejected_drafts_leave_no_desync(llms: Any, k: int, err: float) -> None:
 
     def on_apply(out: Any, result: Any) -> None:
         nonlocal corrected
-        later = (
-            {e.request_id for e in eng.strategy.in_flight[0].command.entries}
-            if eng.strategy.in_flight
-            else set()
-        )
+        later = {e.request_id for e in eng.strategy.in_flight[0].command.entries} if eng.strategy.in_flight else set()
         for e in out.command.entries:
             got = result.sampled.get(e.request_id)
             if got is not None and len(got) - 1 < e.num_draft and e.request_id in later:
@@ -176,10 +172,7 @@ def test_rejected_drafts_leave_no_desync(llms: Any, k: int, err: float) -> None:
             st = runner.states[req.request_id]
             assert st.history == req.all_token_ids
             assert st.last_sampled == req.output_token_ids[-1]
-            assert (
-                cache_tokens(eng, req, req.num_computed_tokens)
-                == req.all_token_ids[: req.num_computed_tokens]
-            )
+            assert cache_tokens(eng, req, req.num_computed_tokens) == req.all_token_ids[: req.num_computed_tokens]
 
     Spy(eng, on_apply=on_apply)
     res = run(eng, reqs, before_step=reconcile)
@@ -194,10 +187,7 @@ def test_rejected_drafts_leave_no_desync(llms: Any, k: int, err: float) -> None:
 def test_eos_mid_pair_drops_the_trailing_token(llms: Any, k: int) -> None:
     eos = 5
     p = find_prompt(
-        lambda p: (
-            reference_tokens(p, 40, eos=eos)[1] == "stop"
-            and 5 <= len(reference_tokens(p, 40, eos=eos)[0]) <= 12
-        )
+        lambda p: reference_tokens(p, 40, eos=eos)[1] == "stop" and 5 <= len(reference_tokens(p, 40, eos=eos)[0]) <= 12
     )
     ref = reference_tokens(p, 40, eos=eos)
     eng = llms("async", k=k, err=0.0, options={"eos": eos}).engine
@@ -234,9 +224,7 @@ def test_completing_prefill_is_not_scheduled_twice(llms: Any, k: int) -> None:
     for rid, p in ps.items():
         mine = [(d, e) for d in spy.dispatched for e in d.out.command.entries if e.request_id == rid]
         sent_prompt = [t for _, e in mine if not e.use_last_sampled for t in e.token_ids]
-        assert sent_prompt[: len(p)] == p and all(
-            e.use_last_sampled for _, e in mine if e.start_pos >= len(p)
-        )
+        assert sent_prompt[: len(p)] == p and all(e.use_last_sampled for _, e in mine if e.start_pos >= len(p))
         pos = 0
         for d, e in mine:
             assert e.start_pos == pos
@@ -380,9 +368,7 @@ def test_step_error_spares_requests_only_in_the_later_step(llms: Any) -> None:
     assert added
     failed = next(o.command.step_id for o, r in spy.applied if r.error is not None)
     c_first = next(
-        d.out.command.step_id
-        for d in spy.dispatched
-        if any(e.request_id == "c" for e in d.out.command.entries)
+        d.out.command.step_id for d in spy.dispatched if any(e.request_id == "c" for e in d.out.command.entries)
     )
     assert c_first == failed + 1
     assert tokens(res) == {"a": (ref_a[: j + 1], "error"), "c": reference_tokens(pc, 8)}

@@ -105,18 +105,14 @@ def test_use_last_sampled_resolves_the_workers_token(runner: ModelRunner) -> Non
     assert r1.error is None and r1.sampled["x"] == [next_token([*prompt, *first], VOCAB)]
     # A resumed request (preempted, outputs known) may also use its last output right away.
     runner.step(StepCommand(2, [_new("y", prompt, first)], [], ["x"]))
-    r3 = runner.step(
-        StepCommand(3, [], [ScheduledEntry("y", [*prompt, *first], False, 0, 0, 0, blocks, True)], [])
-    )
+    r3 = runner.step(StepCommand(3, [], [ScheduledEntry("y", [*prompt, *first], False, 0, 0, 0, blocks, True)], []))
     assert r3.sampled["y"] == r1.sampled["x"]
 
 
 def test_finished_request_state_is_forgotten(runner: ModelRunner) -> None:
     prompt = [1, 2]
     blocks = {"kv": [0]}
-    runner.step(
-        StepCommand(0, [_new("x", prompt)], [ScheduledEntry("x", prompt, False, 0, 0, 0, blocks, True)], [])
-    )
+    runner.step(StepCommand(0, [_new("x", prompt)], [ScheduledEntry("x", prompt, False, 0, 0, 0, blocks, True)], []))
     runner.step(StepCommand(1, [], [], ["x"]))
     res = runner.step(StepCommand(2, [], [ScheduledEntry("x", [], True, 0, 2, 0, blocks, True)], []))
     assert res.error is not None and "no state for request 'x'" in res.error

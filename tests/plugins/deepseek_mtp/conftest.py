@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip(
-    "pypto_serving_deepseek_mtp", reason="plugin deepseek_mtp (pip install pypto-serving-deepseek-mtp) not installed"
+    "pypto_serving_deepseek_mtp",
+    reason="plugin deepseek_mtp (pip install pypto-serving-deepseek-mtp) not installed",
 )
 pytest.importorskip("transformers.models.deepseek_v4")
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,9 +20,7 @@ MTP_EXTRA = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight")
 class Checkpoint:
     path: Path
     hf: Any  # transformers DeepseekV4ForCausalLM (main model)
-    mtp: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # per depth: {"hf": one-layer model, extra tensors}
+    mtp: list[dict[str, Any]] = field(default_factory=list)  # per depth: {"hf": one-layer model, extra tensors}
 
 
 def _randomise(model: Any, vocab: int, n_experts: int, top_k: int, gen: torch.Generator) -> None:
@@ -263,3 +264,77 @@ def greedy_generate(
             if len(out[rid]) >= max_new:
                 core.ex.release([rid])
     return out
+
+
+def make_predictable(path: Path, layer_scale: float = 0.3) -> None:
+    """Rewrite a checkpoint built with MTP layers so that the drafts are often right.
+
+    Random MTP weights accept almost nothing, which leaves multi-token commits (and a stop token or
+    ``max_tokens`` landing inside an accepted run) untested end to end. Here every block's output
+    projections are scaled by ``layer_scale``, so the greedy next token is mostly a function of the
+    current token (still context-dependent), and each MTP depth is made to mirror that function:
+    ``e_proj`` = identity, a small ``h_proj``, unit ``enorm`` and the main model's hyper head and
+    norm. Drafts then match often but not always, exercising both acceptance and rejection."""
+    files = list(path.glob("*.safetensors"))
+    assert len(files) == 1
+    t = load_file(str(files[0]))
+    for k in list(t):
+        if k.endswith(("attn.wo_b.weight", ".w2.weight")):
+            t[k] = t[k] * layer_scale
+    depths = sorted({int(k.split(".")[1]) for k in t if k.startswith("mtp.")})
+    for d in depths:
+        p = f"mtp.{d}."
+        h = t[p + "e_proj.weight"].shape[0]
+        t[p + "e_proj.weight"] = torch.eye(h)
+        t[p + "h_proj.weight"] = t[p + "h_proj.weight"] * 0.05
+        t[p + "enorm.weight"] = torch.ones(h)
+        t[p + "norm.weight"] = t["model.norm.weight"].clone()
+        for a in ("fn", "base", "scale"):
+            t[p + f"hc_head_{a}"] = t[f"model.hc_head.hc_{a}"].clone()
+    save_file({k: v.contiguous() for k, v in t.items()}, str(files[0]), metadata={"format": "pt"})
+
+
+def plugin_manager() -> Any:
+    """This executor plus whichever scheduler plugins are installed, registered explicitly: other
+    entry points in the environment (e.g. a deliberately broken plugin another test installs) must
+    not decide whether these tests run."""
+    import importlib
+
+    from pypto_serving.plugins import PluginManager
+
+    mods = [importlib.import_module("pypto_serving_deepseek_mtp.plugin")]
+    for name in ("pypto_serving_sync_sched", "pypto_serving_async_sched"):
+        with suppress(ImportError):
+            mods.append(importlib.import_module(name))
+    return PluginManager(load_entry_points=False, extra_plugins=mods)
+
+
+def alias_checkpoint(src: Path, dst: Path, eos_token_id: int | None = None) -> Path:
+    """A second model directory sharing ``src``'s files (symlinks), optionally with an EOS token in
+    its generation_config.json."""
+    import json
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "generation_config.json":
+            (dst / f.name).symlink_to(f.resolve())
+    if eos_token_id is not None:
+        (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))
+    return dst
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the tiny test models: on a loaded 2-core box extra threads only spin
+    (measured ~1000x slower per op). A worker spawned meanwhile reads OMP_NUM_THREADS at import."""
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from .helpers import one_thread, plugin_manager
+
 try:
     from pypto_serving import LLM, SamplingParams
-    from pypto_serving.plugins import PluginManager
 except ImportError:  # the engine lands separately; the executor tests above do not need it
     LLM = None
 
@@ -18,11 +19,14 @@ MAX_TOKENS = 48
 
 
 def _generate(path, prompts, **settings):
-    import pypto_serving_deepseek_mtp.plugin as plugin
+    with one_thread():
+        return _generate_inner(path, prompts, **settings)
 
+
+def _generate_inner(path, prompts, **settings):
     llm = LLM(
         model=str(path),
-        plugins=PluginManager(extra_plugins=[plugin]),
+        plugins=plugin_manager(),
         dtype="float32",
         device="cpu",
         worker_mode="inproc",

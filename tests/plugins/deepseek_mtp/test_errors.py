@@ -7,6 +7,7 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
+
 from pypto_serving_deepseek_mtp import DeepseekConfigError, DeepseekMTPExecutor, MtpConfigError, parse_config
 
 from .helpers import make_executor

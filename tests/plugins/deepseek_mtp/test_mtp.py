@@ -70,9 +70,7 @@ def test_drafts_match_full_recompute(checkpoints, variant, k):
                 checked.append(rid)
 
     prompts = {"a": _prompt(1, 11), "b": _prompt(2, 6)}
-    greedy_generate(
-        FakeCore(ex, info), prompts, 12, k=k, chunk=4, on_step=check, accept=lambda n: rng.randint(0, n)
-    )
+    greedy_generate(FakeCore(ex, info), prompts, 12, k=k, chunk=4, on_step=check, accept=lambda n: rng.randint(0, n))
     assert len(checked) >= 10
 
 

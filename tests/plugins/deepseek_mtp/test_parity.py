@@ -68,9 +68,7 @@ def test_mixed_batch_of_requests(checkpoints):
     a, b = _prompt(4), _prompt(5, 13)
     first = ex.execute(core.batch([("a", a[:10], 0, 10)]))
     both = ex.execute(core.batch([("a", a[10:], 10, len(a) - 10), ("b", b, 0, len(b))]))
-    torch.testing.assert_close(
-        torch.cat([first, both[: len(a) - 10]]), _hf_logits(ckpt, a), atol=ATOL, rtol=1e-4
-    )
+    torch.testing.assert_close(torch.cat([first, both[: len(a) - 10]]), _hf_logits(ckpt, a), atol=ATOL, rtol=1e-4)
     torch.testing.assert_close(both[len(a) - 10 :], _hf_logits(ckpt, b), atol=ATOL, rtol=1e-4)
 
 
@@ -79,9 +77,7 @@ def test_greedy_generation_matches_transformers(checkpoints, variant):
     ckpt = checkpoints[variant]
     prompt = _prompt(6, 9)
     with torch.no_grad():
-        ref = ckpt.hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[
-            0, len(prompt) :
-        ].tolist()
+        ref = ckpt.hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
     ex, info = make_executor(ckpt.path)
     out = greedy_generate(FakeCore(ex, info), {"a": prompt}, 24, chunk=4)
     assert out["a"] == ref

@@ -13,7 +13,6 @@ Reusable from other test folders: put ``tests/plugins/qwen`` on ``sys.path`` and
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-
-from pypto_serving.executor import BatchInput  # noqa: E402
+from pypto_serving.executor import BatchInput
 
 SEED = 1234
 TINY: dict[str, Any] = dict(
@@ -400,8 +398,6 @@ def qwen_chat_llm(qwen_chat_checkpoint: Path) -> Iterator[Any]:
     """One in-process CPU float32 engine over :func:`qwen_chat_checkpoint`, shared by the session."""
     from pypto_serving import LLM
 
-    llm = LLM(
-        model=str(qwen_chat_checkpoint), worker_mode="inproc", num_kv_blocks=64, device="cpu", dtype="float32"
-    )
+    llm = LLM(model=str(qwen_chat_checkpoint), worker_mode="inproc", num_kv_blocks=64, device="cpu", dtype="float32")
     yield llm
     llm.shutdown()

@@ -71,9 +71,7 @@ def test_generate_json(qwen_chat_checkpoint: Path, qwen_chat_llm: Any) -> None:
     assert all(line["finish_reason"] == "length" and len(line["token_ids"]) == 4 for line in lines)
 
 
-def test_generate_jsonl_input_and_output(
-    qwen_chat_checkpoint: Path, qwen_chat_llm: Any, tmp_path: Path
-) -> None:
+def test_generate_jsonl_input_and_output(qwen_chat_checkpoint: Path, qwen_chat_llm: Any, tmp_path: Path) -> None:
     tok = qwen_chat_llm.tokenizer
     src = tmp_path / "prompts.jsonl"
     src.write_text(
@@ -128,9 +126,7 @@ def test_generate_missing_model_dir(tmp_path: Path) -> None:
     ("bad", "message"),
     [("42", r"bad\.jsonl:2: expected a string, a token-id list"), ("{", "Expecting property name")],
 )
-def test_generate_bad_input_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str, message: str
-) -> None:
+def test_generate_bad_input_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str, message: str) -> None:
     """A broken JSONL line is one error line (exit 2), raised before any model is loaded; in-process
     through ``main`` since no engine starts."""
     from pypto_serving.cli import main

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from pypto_serving_qwen.executor import QwenExecutor
-from pypto_serving_qwen.loader import CheckpointError, read_config, read_generation_config
 from qwen_fixtures import qwen_settings
 from safetensors.torch import load_file, save_file
+
+from pypto_serving_qwen.executor import QwenExecutor
+from pypto_serving_qwen.loader import CheckpointError, read_config, read_generation_config
 
 
 @pytest.fixture
@@ -144,9 +145,7 @@ def test_untied_model_needs_lm_head(copy_ckpt: Callable[[str], Path]) -> None:
         _load(path)
 
 
-def test_stacked_expert_layout_loads(
-    copy_ckpt: Callable[[str], Path], qwen_checkpoints: Callable[[str], Path]
-) -> None:
+def test_stacked_expert_layout_loads(copy_ckpt: Callable[[str], Path], qwen_checkpoints: Callable[[str], Path]) -> None:
     """transformers' fused in-memory expert layout ([E, 2I, H] / [E, H, I]) loads to the same model."""
     path = copy_ckpt("qwen3_moe")
     tensors = load_file(str(path / "model.safetensors"))
@@ -166,9 +165,7 @@ def test_stacked_expert_layout_loads(
     original = QwenExecutor(qwen_settings(qwen_checkpoints("qwen3_moe")))
     original.load()
     assert stacked.model is not None and original.model is not None
-    for (name, a), (_, b) in zip(
-        stacked.model.named_parameters(), original.model.named_parameters(), strict=True
-    ):
+    for (name, a), (_, b) in zip(stacked.model.named_parameters(), original.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -186,9 +183,7 @@ def test_tied_checkpoint_with_lm_head_copy(copy_ckpt: Callable[[str], Path]) -> 
 
 def test_generation_config_eos_int_and_defaults(copy_ckpt: Callable[[str], Path]) -> None:
     path = copy_ckpt("qwen3")
-    (path / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": 7, "top_k": 5, "temperature": None})
-    )
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7, "top_k": 5, "temperature": None}))
     assert read_generation_config(path) == ([7], {"top_k": 5})
     info = _load(path)
     assert info.eos_token_ids == [7, 2]  # generation_config first, then config.json's eos_token_id

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from pypto_serving_qwen.executor import QwenExecutor
 from qwen_fixtures import PagedBatchBuilder, qwen_settings
+
+from pypto_serving_qwen.executor import QwenExecutor
 
 ALL_CHECKPOINTS = [
     "qwen2",

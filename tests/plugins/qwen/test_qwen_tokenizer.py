@@ -36,9 +36,7 @@ def tok(qwen_tokenizer_dir: Path) -> Tokenizer:
     return Tokenizer(qwen_tokenizer_dir)
 
 
-def _stream(
-    tok: Tokenizer, ids: list[int], prompt_ids: list[int], stop: list[str] | None = None
-) -> list[str]:
+def _stream(tok: Tokenizer, ids: list[int], prompt_ids: list[int], stop: list[str] | None = None) -> list[str]:
     """Feed ``ids`` one by one; the text each append added (possibly empty)."""
     det = IncrementalDetokenizer(tok, prompt_ids, stop or [])
     deltas = []
@@ -62,9 +60,7 @@ def test_vocabulary_and_special_tokens(tok: Tokenizer) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(TEXTS))
-def test_encode_matches_qwen_tiktoken_and_round_trips(
-    tok: Tokenizer, qwen_tiktoken_reference: Any, name: str
-) -> None:
+def test_encode_matches_qwen_tiktoken_and_round_trips(tok: Tokenizer, qwen_tiktoken_reference: Any, name: str) -> None:
     text = TEXTS[name]
     assert unicodedata.normalize("NFC", text) == text  # the tokenizer NFC-normalizes, like Qwen's
     ids = tok.encode(text)
@@ -213,9 +209,7 @@ TOOLS = [
     ],
     ids=["user", "system", "tools", "system+tools"],
 )
-def test_chat_template_matches_transformers(
-    tok: Tokenizer, messages: list[dict[str, Any]], kwargs: Any
-) -> None:
+def test_chat_template_matches_transformers(tok: Tokenizer, messages: list[dict[str, Any]], kwargs: Any) -> None:
     """Same template, same inputs: the rendering transformers would feed the model (its ``tojson`` keeps
     key order and non-ASCII text and does not HTML-escape)."""
     from transformers.utils.chat_template_utils import render_jinja_template

@@ -1,0 +1,206 @@
+"""DeepSeek-V4 MTP: decode throughput and acceptance for k = 0..3, and the cost of verification.
+
+Builds a small random DeepSeek-V4 checkpoint with one MTP layer (hidden 256, 4 layers: sliding, CSA,
+HCA, sliding) in a temp dir with the test helpers, then
+
+1. runs ``LLM.generate`` at temperature 0 with MTP k = 0, 1, 2, 3 at concurrency 1 and 16 and reports
+   decode throughput (output tokens after the first, over the time from the first token to the last
+   finish) and the mean accepted length (accepted drafts / request-steps that carried drafts);
+2. times ``DeepseekMTPExecutor.execute()`` directly on prepared batches at concurrency 1: a 2-token
+   verification step (last token + 1 draft) against a plain 1-token decode step, at the same
+   position, plus the full k=1 step (verification + ``propose_drafts``).
+
+Random weights: the drafts are essentially never right, so acceptance (and hence the throughput of
+k > 0) says nothing about a real checkpoint; it only shows the machinery and its overhead.
+
+    python benchmarks/mtp.py [--threads 1] [--max-tokens 32] [--reps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.plugins.deepseek_mtp.helpers
+
+from tests.plugins.deepseek_mtp.helpers import FakeCore, build_checkpoint, make_executor, plugin_manager
+
+VOCAB = 1024
+PROMPT_LEN = 48
+
+
+def build(tmp: Path) -> Path:
+    return build_checkpoint(
+        tmp,
+        n_mtp=1,
+        vocab_size=VOCAB,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        head_dim=64,
+        q_lora_rank=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "sliding_attention",
+        ],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        sliding_window=64,
+        o_groups=4,
+        o_lora_rank=64,
+        index_n_heads=8,
+        index_head_dim=32,
+        index_topk=8,
+        max_position_embeddings=1024,
+        initializer_range=0.05,
+    ).path
+
+
+def run_engine(path: Path, k: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    from pypto_serving import LLM, SamplingParams
+
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    llm = LLM(
+        model=str(path),
+        plugins=plugin_manager(),
+        dtype="float32",
+        device="cpu",
+        worker_mode="inproc",
+        block_size=16,
+        max_num_batched_tokens=1024,
+        max_num_seqs=concurrency,
+        speculative_config=spec,
+    )
+    try:
+        core = llm.engine
+        entries: list[Any] = []
+        submit = core.submit
+
+        def spy(out: Any) -> None:
+            entries.extend(out.command.entries)
+            submit(out)
+
+        core.submit = spy  # type: ignore[method-assign]
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,), generator=g).tolist() for _ in range(concurrency)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+        entries.clear()
+        base = core.stats()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = core.stats()
+    finally:
+        llm.shutdown()
+    first = min(o.metrics.first_token_time for o in outs)
+    last = max(o.metrics.finished_time for o in outs)
+    decoded = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    with_drafts = sum(1 for e in entries if e.num_draft)
+    accepted = stats["spec_accepted"] - base["spec_accepted"]
+    drafted = stats["spec_drafted"] - base["spec_drafted"]
+    return {
+        "tok_s": decoded / (last - first),
+        "mean_acc": accepted / with_drafts if with_drafts else 0.0,
+        "acc_rate": accepted / drafted if drafted else 0.0,
+        "steps": stats["num_steps"] - base["num_steps"],
+    }
+
+
+def time_verification(path: Path, reps: int) -> dict[str, float]:
+    """Median seconds per decode step at concurrency 1, over the same ``reps`` positions: plain
+    1-token execute(), 2-token execute() (last token + 1 draft, the draft rejected), and the latter
+    plus propose_drafts() (a full k=1 step)."""
+    ex, info = make_executor(path, k=1, block_size=16, max_num_seqs=1)
+    core = FakeCore(ex, info, num_blocks=128)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (PROMPT_LEN + 64,), generator=g).tolist()
+    stream = torch.randint(0, VOCAB, (reps + 1,), generator=g).tolist()
+
+    def measure(rid: str, n_tokens: int, draft: bool) -> float:
+        pre = core.batch([(rid, prompt, 0, 1)])
+        ex.execute(pre)
+        ex.propose_drafts(pre, [[stream[0]]])
+        ts = []
+        for i in range(reps):
+            toks = [stream[i], 7][:n_tokens]
+            batch = core.batch([(rid, toks, len(prompt) + i, n_tokens)])
+            t0 = time.perf_counter()
+            ex.execute(batch)
+            if draft:
+                ex.propose_drafts(batch, [[stream[i + 1]]])  # the draft rejected: one token committed
+            ts.append(time.perf_counter() - t0)
+            if not draft:
+                ex.propose_drafts(batch, [[stream[i + 1]]])  # keep the MTP state in step, untimed
+        ex.release([rid])
+        core.free_request(rid)
+        return statistics.median(ts[3:])
+
+    out: dict[str, float] = {}
+    for rnd in range(2):  # interleaved, best of two, to even out load drift on a shared box
+        for name, n, draft in (("one", 1, False), ("two", 2, False), ("full", 2, True)):
+            out[name] = min(out.get(name, 1e9), measure(f"{name}{rnd}", n, draft))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=40)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build(Path(tmp))
+        print(
+            f"DeepSeek-V4 random checkpoint: hidden 256, 4 layers (sliding/CSA/HCA/sliding), 1 MTP layer, "
+            f"vocab {VOCAB}, fp32 CPU, {args.threads} thread(s); prompts {PROMPT_LEN} tokens, "
+            f"max_tokens {args.max_tokens}, temperature 0"
+        )
+        print()
+        print("| k | concurrency | decode tok/s | vs k=0 | mean accepted length | acceptance rate | steps |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        base: dict[int, float] = {}
+        for conc in (1, 16):
+            for k in (0, 1, 2, 3):
+                r = run_engine(path, k, conc, args.max_tokens)
+                base.setdefault(conc, r["tok_s"])
+                print(
+                    f"| {k} | {conc} | {r['tok_s']:.1f} | {r['tok_s'] / base[conc]:.2f}x | "
+                    f"{r['mean_acc']:.2f} | {r['acc_rate']:.1%} | {r['steps']} |"
+                )
+        print()
+        print(
+            "NOTE: random weights, so acceptance is meaningless (drafts are ~never right); k > 0 "
+            "throughput here shows pure drafting overhead, not the speed-up of a trained MTP head."
+        )
+        v = time_verification(path, args.reps)
+        print()
+        print("| concurrency 1, same positions | median ms | vs 1-token step |")
+        print("|---|---:|---:|")
+        print(f"| execute(), 1 token (plain decode) | {v['one'] * 1e3:.2f} | 1.00x |")
+        print(f"| execute(), 2 tokens (verify 1 draft) | {v['two'] * 1e3:.2f} | {v['two'] / v['one']:.2f}x |")
+        print(
+            f"| execute() 2 tokens + propose_drafts (full k=1 step) | {v['full'] * 1e3:.2f} | "
+            f"{v['full'] / v['one']:.2f}x |"
+        )
+        ratio = v["two"] / v["one"]
+        print()
+        verdict = "met" if ratio < 1.3 else "NOT met"
+        print(f"2-token verification / 1-token step = {ratio:.2f}x (goal < 1.3x: {verdict})")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
