@@ -156,6 +156,9 @@ class ServingSettings(BaseSettings):
     step_timeout: float = Field(
         600.0, gt=0, description="Seconds one step may take before the worker is declared hung."
     )
+    worker_threads: int | None = Field(
+        None, gt=0, description="CPU threads of the worker process's torch ops (unset: torch's default)."
+    )
     seed: int = Field(0, description="Seed for model initialisation and unseeded sampling.")
 
     # -- server

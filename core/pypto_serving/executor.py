@@ -230,9 +230,10 @@ def _worker_main(conn: Connection, factory: Callable[[Any], Executor], settings_
     from .config import ServingSettings
     from .runner import ModelRunner
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     try:
         settings = ServingSettings.model_validate_json(settings_json)
+        if settings.worker_threads:
+            torch.set_num_threads(settings.worker_threads)
         runner = ModelRunner(factory(settings), settings)
         info = runner.load()
         conn.send_bytes(_encoder.encode(_Loaded(_encode_info(info))))

@@ -91,6 +91,7 @@ class Scheduler:
         self._rejected: dict[str, int] = {}  # reclaimed draft positions per request
         self._confirmed: dict[str, int] = {}  # tokens whose KV a finished step confirmed
         self._awaiting_prefill: set[str] = set()  # terminal prefill in flight (barrier)
+        self._has_sampled: set[str] = set()  # sampled since (re)admission: the worker may hold drafts
         self._step_ids = itertools.count()
         self._arrivals = itertools.count()
         self.stats = SchedulerStats(accepted_per_pos=[0] * max(1, executor_info.max_draft_tokens))
@@ -193,6 +194,7 @@ class Scheduler:
                 req.metrics.first_scheduled_time = time.monotonic()
             req.num_computed_tokens += num_new + k
             if sample:
+                self._has_sampled.add(req.request_id)
                 req.num_output_placeholders += 1 + k
                 if num_new > 1 or req.num_computed_tokens - k <= req.num_prompt_tokens:
                     self._awaiting_prefill.add(req.request_id)
@@ -219,7 +221,9 @@ class Scheduler:
             if num_new == 0:
                 continue
             k = 0
-            if is_decode and self.info.max_draft_tokens:
+            # Drafts exist only after a step of this request sampled (not for the last token of a
+            # recompute after preemption), so only then is reserving k slots of use.
+            if is_decode and self.info.max_draft_tokens and req.request_id in self._has_sampled:
                 k = self.spec_policy(req, True, self._max_k(req, budget - num_new))
             while not self.kv.allocate(req, req.num_computed_tokens + num_new + k):
                 if self.running == [req]:
@@ -303,6 +307,7 @@ class Scheduler:
         self._rejected[req.request_id] = 0
         self._confirmed[req.request_id] = 0
         self._awaiting_prefill.discard(req.request_id)
+        self._has_sampled.discard(req.request_id)
         self._forget_worker_state(req.request_id)
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -392,6 +397,7 @@ class Scheduler:
         for d in (self._epoch, self._rejected, self._confirmed):
             d.pop(rid, None)
         self._awaiting_prefill.discard(rid)
+        self._has_sampled.discard(rid)
         del self.requests[rid]
 
 
