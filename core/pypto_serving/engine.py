@@ -290,6 +290,8 @@ class EngineCore:
             "spec_drafted": s.num_drafted,
             "spec_accepted": s.num_accepted,
             "spec_accepted_per_pos": list(s.accepted_per_pos),
+            "spec_verify_steps": s.num_verify_steps,
+            "spec_mean_accepted_length": s.num_accepted / s.num_verify_steps if s.num_verify_steps else 0.0,
             "num_steps": s.num_steps,
         }
 

@@ -179,6 +179,7 @@ class StepResult(msgspec.Struct):
     request_errors: dict[str, str] = {}
     error: str | None = None
     num_drafted: int = 0
+    num_verify_steps: int = 0  # request-steps that verified at least one draft
     num_accepted_per_pos: list[int] = []
     execute_seconds: float = 0.0
 

@@ -99,6 +99,18 @@ class ServerMetrics:
             labels,
             registry=r,
         )
+        self.spec_mean_accepted = Gauge(
+            f"{_PREFIX}_spec_decode_mean_accepted_length",
+            "Accepted drafts per verifying request-step (0..k).",
+            labels,
+            registry=r,
+        )
+        self.spec_accepted_per_pos = Gauge(
+            f"{_PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafts by draft position.",
+            [*labels, "position"],
+            registry=r,
+        )
         self.engine_dead = Gauge(f"{_PREFIX}_engine_dead", "1 when the engine failed.", labels, registry=r)
 
     def observe_finished(self, out: RequestOutput) -> None:
@@ -133,6 +145,9 @@ class ServerMetrics:
         self.spec_drafted.labels(m).set(drafted)
         self.spec_accepted.labels(m).set(accepted)
         self.spec_acceptance.labels(m).set(accepted / drafted if drafted else 0.0)
+        self.spec_mean_accepted.labels(m).set(stats.get("spec_mean_accepted_length", 0.0))
+        for pos, n in enumerate(stats.get("spec_accepted_per_pos", [])):
+            self.spec_accepted_per_pos.labels(m, str(pos)).set(n)
         self.engine_dead.labels(m).set(1 if dead else 0)
 
     def render(self) -> bytes:

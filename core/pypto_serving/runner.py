@@ -215,6 +215,7 @@ class ModelRunner:
                 kept.append(targets[j + 1])
                 accepted_per_pos[j] += 1
             drafted += len(drafts)
+            result.num_verify_steps += bool(drafts)
             st = self.states[e.request_id]
             st.history += kept
             st.last_sampled = kept[-1]

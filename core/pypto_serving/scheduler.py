@@ -58,6 +58,7 @@ class SchedulerOutput:
 class SchedulerStats:
     num_preemptions: int = 0
     num_drafted: int = 0
+    num_verify_steps: int = 0
     num_accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     num_steps: int = 0
@@ -322,6 +323,7 @@ class Scheduler:
         """Apply one step's result; returns the requests that produced tokens or finished."""
         touched: list[Request] = []
         self.stats.num_drafted += result.num_drafted
+        self.stats.num_verify_steps += result.num_verify_steps
         for pos, n in enumerate(result.num_accepted_per_pos):
             if pos < len(self.stats.accepted_per_pos):
                 self.stats.accepted_per_pos[pos] += n

@@ -316,5 +316,8 @@ def test_speculation_drafts_and_accepts(engine_factory: Callable[..., LLM]) -> N
     stats = llm.engine.stats()
     assert 0 < stats["spec_accepted"] < stats["spec_drafted"]
     assert len(stats["spec_accepted_per_pos"]) == 2
+    assert 0 < stats["spec_verify_steps"] <= stats["spec_drafted"]
+    assert stats["spec_mean_accepted_length"] == stats["spec_accepted"] / stats["spec_verify_steps"]
+    assert 0 < stats["spec_mean_accepted_length"] < 2
     # fewer steps than tokens: accepted drafts saved steps
     assert stats["num_steps"] < sum(j.max_tokens for j in jobs) + len(jobs)

@@ -510,3 +510,25 @@ def test_step_failure_is_500_and_error_chunk(make_client: Any) -> None:
     assert done and "error" in events[-1]
     assert client.get("/health").status_code == 200  # one failed step does not kill the engine
     assert client.post("/v1/completions", json={"prompt": [8, 9], "max_tokens": 2}).status_code == 200
+
+
+def test_speculative_metrics(make_client: Any) -> None:
+    client, _ = make_client(
+        speculative_config={"method": "fake", "num_speculative_tokens": 2},
+        executor_options={"max_draft": 2, "draft_error_rate": 0.3},
+    )
+    r = client.post("/v1/completions", json={"prompt": list(range(3, 12)), "max_tokens": 24, "temperature": 0})
+    assert r.status_code == 200
+    lines = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in client.get("/metrics").text.splitlines()
+        if line.startswith("pypto_serving_spec_decode")
+    }
+    drafted = lines['pypto_serving_spec_decode_num_draft_tokens{model_name="tiny-fake"}']
+    accepted = lines['pypto_serving_spec_decode_num_accepted_tokens{model_name="tiny-fake"}']
+    assert 0 < accepted < drafted
+    mean = lines['pypto_serving_spec_decode_mean_accepted_length{model_name="tiny-fake"}']
+    assert 0 < mean < 2
+    pos0 = lines['pypto_serving_spec_decode_num_accepted_tokens_per_pos{model_name="tiny-fake",position="0"}']
+    pos1 = lines['pypto_serving_spec_decode_num_accepted_tokens_per_pos{model_name="tiny-fake",position="1"}']
+    assert pos0 >= pos1 and pos0 + pos1 == accepted

@@ -152,6 +152,8 @@ def _check_acceptance(run: Run, k: int) -> None:
     assert per_pos[0] <= len(with_drafts)
     mean_len = accepted / len(with_drafts)
     assert 0 <= mean_len <= k
+    assert s["spec_verify_steps"] <= len(with_drafts)
+    assert s["spec_mean_accepted_length"] == accepted / s["spec_verify_steps"]
     # The predictable checkpoint accepts often, at every position: multi-token commits happened.
     assert per_pos[-1] > 0 and mean_len > 0.5, (per_pos, mean_len)
     # Every result the engine applied carries at most 1 + k tokens per request.
