@@ -30,6 +30,25 @@ def plugin_installed(name: str) -> bool:
         return False
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> Iterator[None]:
+    """The test models are tiny: intra-op threads only add OpenMP wake-up stalls (measured tens of ms
+    per op on a busy 2-core runner). Worker processes spawned meanwhile read OMP_NUM_THREADS."""
+    import os
+
+    import torch
+
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(threads)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers(name="requires_plugin"):
         for name in mark.args:

@@ -13,7 +13,6 @@ pytest.importorskip("pypto_serving_qwen", reason="plugin qwen (pip install pypto
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen_fixtures import (  # noqa: F401 - re-exported as fixtures
-    _single_torch_thread,
     batch_builder,
     hf_reference,
     qwen_chat_checkpoint,

