@@ -165,7 +165,8 @@ class Scheduler:
             nonlocal budget
             sample = req.num_computed_tokens + num_new == req.num_tokens + req.num_output_placeholders
             use_last = req.num_output_placeholders > 0
-            tokens = [] if use_last else req.all_token_ids[req.num_computed_tokens : req.num_computed_tokens + num_new]
+            start = req.num_computed_tokens
+            tokens = [] if use_last else req.token_slice(start, start + num_new)
             if req.request_id not in self._sent_to_worker:
                 self._sent_to_worker.add(req.request_id)
                 sp = req.sampling_params

@@ -73,3 +73,12 @@ def test_normalisation() -> None:
     assert not SamplingParams().has_penalties
     assert SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(presence_penalty=0.5).has_penalties
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 3), (1, 4), (3, 5), (4, 6), (0, 6), (2, 2), (5, 6)])
+def test_token_slice_equals_slicing_all_tokens(start: int, end: int) -> None:
+    from pypto_serving.request import Request
+
+    req = Request("r", [1, 2, 3, 4], SamplingParams())
+    req.output_token_ids = [5, 6]
+    assert req.token_slice(start, end) == req.all_token_ids[start:end]
