@@ -267,11 +267,13 @@ def _explain(error: ValidationError, layers: list[tuple[str, dict[str, Any]]]) -
 
 
 def _flag_type(annotation: Any) -> str:
+    """How a flag's string value is read ("json") and shown in --help (the metavar)."""
     text = str(annotation)
     if "dict" in text or "SpeculativeConfig" in text:
         return "json"
-    if text in ("bool", "<class 'bool'>") or "bool" in text:
-        return "bool"
+    for kind in ("Literal", "bool", "int", "float", "list"):
+        if kind in text:
+            return {"Literal": "choice", "list": "str[,str]"}.get(kind, kind)
     return "str"
 
 
