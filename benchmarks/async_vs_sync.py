@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_ROOT / "tests" / "plugins" / "qwen"))
+sys.path.insert(0, str(_ROOT))  # for tests.plugins.qwen.qwen_fixtures
 
 
 def _plugins() -> Any:
@@ -105,7 +105,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from qwen_fixtures import make_qwen_checkpoint
+    from tests.plugins.qwen.qwen_fixtures import make_qwen_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_qwen_checkpoint(Path(tmp) / "qwen3", "qwen3", max_position_embeddings=1024)

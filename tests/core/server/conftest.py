@@ -3,7 +3,6 @@ factories (in-process via TestClient, or a real uvicorn on a loopback port in a 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,9 +11,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from server_helpers import free_port, write_fake_model
+from tests.core.server.server_helpers import free_port, write_fake_model
 
 VOCAB = 320
 

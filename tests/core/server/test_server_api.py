@@ -10,8 +10,7 @@ import pytest
 
 pytest.importorskip("pypto_serving_sync_sched")
 
-from server_helpers import parse_sse
-
+from tests.core.server.server_helpers import parse_sse
 from tests.fakes import reference_tokens
 
 VOCAB, EOS = 320, 2
@@ -447,11 +446,11 @@ def test_backpressure_503_retry_after(make_client: Any) -> None:
 
 
 def test_health_503_while_loading(fake_model_dir: Any) -> None:
-    from conftest import fake_settings
     from fastapi.testclient import TestClient
 
     from pypto_serving import EngineCore, PluginManager
     from pypto_serving.server import AsyncLLM, build_app
+    from tests.core.server.conftest import fake_settings
     from tests.fakes import FakePlugin
 
     gate = threading.Event()
@@ -473,11 +472,11 @@ def test_health_503_while_loading(fake_model_dir: Any) -> None:
 
 
 def test_plugin_routes_and_500_with_error_id(fake_model_dir: Any) -> None:
-    from conftest import fake_settings
     from fastapi.testclient import TestClient
 
     from pypto_serving import PluginManager, hookimpl
     from pypto_serving.server import AsyncLLM, build_app
+    from tests.core.server.conftest import fake_settings
     from tests.fakes import FakePlugin
 
     class RoutesPlugin:

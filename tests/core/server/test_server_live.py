@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("pypto_serving_sync_sched")
 
-from server_helpers import parse_sse
+from tests.core.server.server_helpers import parse_sse
 
 TIMEOUT = httpx.Timeout(30.0)
 

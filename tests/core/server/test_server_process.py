@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("pypto_serving_sync_sched")
 
-from server_helpers import free_port, parse_sse, write_tokenizer
+from tests.core.server.server_helpers import free_port, parse_sse, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVE = [sys.executable, "-m", "pypto_serving.cli", "serve"]
@@ -53,8 +53,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("pypto_serving_qwen")
-    sys.path.insert(0, str(ROOT / "tests" / "plugins" / "qwen"))
-    from qwen_fixtures import make_qwen_checkpoint
+    from tests.plugins.qwen.qwen_fixtures import make_qwen_checkpoint
 
     path = make_qwen_checkpoint(tmp_path_factory.mktemp("qwen") / "tiny-qwen", "qwen3", num_hidden_layers=2)
     write_tokenizer(path, 320)  # TINY vocab_size is 320

@@ -11,8 +11,9 @@ import pytest
 pytest.importorskip("pypto_serving_sync_sched")
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not installed (pip install schemathesis)")
 
-from conftest import start_llm  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+from tests.core.server.conftest import start_llm  # noqa: E402
 
 
 @pytest.fixture(scope="module")

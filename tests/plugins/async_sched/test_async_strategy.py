@@ -10,7 +10,6 @@ import pytest
 import torch
 
 pytest.importorskip("pypto_serving_async_sched")
-pytest.importorskip("pypto_serving_sync_sched")
 
 from pypto_serving import SamplingParams
 from tests.fakes import reference_tokens

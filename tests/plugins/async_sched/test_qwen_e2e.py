@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -18,12 +17,7 @@ import torch
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.plugins import PluginManager
-
-_QWEN_TESTS = Path(__file__).resolve().parents[1] / "qwen"
-if str(_QWEN_TESTS) not in sys.path:
-    sys.path.insert(0, str(_QWEN_TESTS))
-
-from qwen_fixtures import make_qwen_checkpoint  # noqa: E402
+from tests.plugins.qwen.qwen_fixtures import make_qwen_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import msgspec
 import pytest
 
 pytest.importorskip("pypto_serving_async_sched")
-pytest.importorskip("pypto_serving_sync_sched")
 
 from pypto_serving import SamplingParams
 from pypto_serving.config import ServingSettings

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("pypto_serving_qwen", reason="plugin qwen (pip install pypto-serving-qwen) not installed")
 
-# Explicit so the helpers import the same way under any pytest import mode.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from qwen_fixtures import (  # noqa: F401 - re-exported as fixtures
+from tests.plugins.qwen.qwen_fixtures import (  # noqa: F401 - re-exported as fixtures
     batch_builder,
     hf_reference,
     qwen_chat_checkpoint,

@@ -6,8 +6,8 @@ Checkpoints are written once per session with transformers (float32, safetensors
 enough (hidden 64, 2-3 layers) that building all of them takes a few seconds. Weights are re-drawn
 with a larger spread than HF's init so logits differ by O(1) and greedy decoding has clear winners.
 
-Reusable from other test folders: put ``tests/plugins/qwen`` on ``sys.path`` and
-``from qwen_fixtures import qwen_checkpoints, hf_reference, PagedBatchBuilder, make_qwen_checkpoint``.
+Reusable from other test folders:
+``from tests.plugins.qwen.qwen_fixtures import make_qwen_checkpoint, PagedBatchBuilder`` (and the fixtures).
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from qwen_fixtures import qwen_settings
 from safetensors.torch import load_file, save_file
 
 from pypto_serving_qwen.executor import QwenExecutor
 from pypto_serving_qwen.loader import CheckpointError, read_config, read_generation_config
+from tests.plugins.qwen.qwen_fixtures import qwen_settings
 
 
 @pytest.fixture

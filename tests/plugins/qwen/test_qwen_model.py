@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from qwen_fixtures import PagedBatchBuilder, qwen_settings
 
 from pypto_serving_qwen.executor import QwenExecutor
+from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 
 ALL_CHECKPOINTS = [
     "qwen2",

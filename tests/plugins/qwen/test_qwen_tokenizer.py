@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 from jinja2.sandbox import SecurityError
-from qwen_fixtures import CHATML_TEMPLATE, QWEN_VOCAB_SIZE
 
 from pypto_serving import SamplingParams
 from pypto_serving.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.plugins.qwen.qwen_fixtures import CHATML_TEMPLATE, QWEN_VOCAB_SIZE
 
 ENDOFTEXT, IM_START, IM_END = 151643, 151644, 151645
 
