@@ -15,7 +15,10 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from .activation import silu_and_mul
 from .attention import paged_attention, varlen_attention, write_kv_cache
+from .compressed_attention import compressor_pool, indexer_topk, sink_attention
+from .deepseek import apply_interleaved_rope, grouped_linear, interleaved_rope_cos_sin
 from .device import npu_available, select_device
+from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
 from .norm import add_rms_norm, rms_norm
 from .registry import (
@@ -35,10 +38,18 @@ __all__ = [
     "KERNEL_NAMES",
     "__version__",
     "add_rms_norm",
+    "apply_interleaved_rope",
     "apply_rope",
     "available_kernels",
+    "compressor_pool",
     "dispatch",
     "get_kernel",
+    "grouped_linear",
+    "hc_head",
+    "hc_merge",
+    "hc_sinkhorn_mix",
+    "indexer_topk",
+    "interleaved_rope_cos_sin",
     "load_backends",
     "moe_experts",
     "npu_available",
@@ -50,6 +61,7 @@ __all__ = [
     "rope_inv_freq",
     "select_device",
     "silu_and_mul",
+    "sink_attention",
     "topk_routing",
     "varlen_attention",
     "write_kv_cache",

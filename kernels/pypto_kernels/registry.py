@@ -35,6 +35,15 @@ KERNEL_NAMES: frozenset[str] = frozenset(
         "varlen_attention",
         "topk_routing",
         "moe_experts",
+        "interleaved_rope_cos_sin",
+        "apply_interleaved_rope",
+        "grouped_linear",
+        "hc_sinkhorn_mix",
+        "hc_merge",
+        "hc_head",
+        "compressor_pool",
+        "indexer_topk",
+        "sink_attention",
     }
 )
 

@@ -22,7 +22,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pypto_kernels import moe_experts, rope_inv_freq, topk_routing
+from pypto_kernels import (
+    apply_interleaved_rope,
+    compressor_pool,
+    grouped_linear,
+    hc_head,
+    hc_merge,
+    hc_sinkhorn_mix,
+    indexer_topk,
+    interleaved_rope_cos_sin,
+    moe_experts,
+    rope_inv_freq,
+    sink_attention,
+    topk_routing,
+)
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -96,6 +109,43 @@ def paged_slots(block_table: torch.Tensor, idx: torch.Tensor, block_size: int) -
     return block_table[idx // block_size].long() * block_size + idx % block_size
 
 
+def _slots(
+    block_tables: torch.Tensor,
+    rows: torch.Tensor,
+    idx: torch.Tensor,
+    block_size: int,
+    num_slots: int,
+    *,
+    for_write: bool = False,
+) -> torch.Tensor:
+    """Flat cache slots of entry indices ``idx`` of requests ``rows`` (same shape), for a whole batch.
+
+    Out-of-table reads (only ever made for padding that the caller masks) are clamped in bounds; a
+    write is never clamped, so a position past the block table raises instead of landing elsewhere.
+    """
+    if for_write:
+        return block_tables[rows, idx // block_size].long() * block_size + idx % block_size
+    col = (idx // block_size).clamp(max=block_tables.shape[1] - 1)
+    slots = block_tables[rows, col].long() * block_size + idx % block_size
+    return slots.clamp(0, num_slots - 1)
+
+
+def _gather_entries(
+    cache: torch.Tensor, block_tables: torch.Tensor, counts: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Entries ``0 .. counts[r] - 1`` of every request from a paged cache, padded to ``[R, max(counts), D]``.
+
+    Padded rows repeat entry 0's slot; callers mask them out.
+    """
+    flat = cache.view(-1, cache.shape[-1])
+    num_req = counts.shape[0]
+    n_max = int(counts.max().item()) if num_req else 0
+    idx = torch.arange(n_max, device=counts.device)[None, :].expand(num_req, -1)
+    idx = torch.where(idx < counts[:, None], idx, 0)
+    rows = torch.arange(num_req, device=counts.device)[:, None].expand(-1, n_max)
+    return flat[_slots(block_tables, rows, idx, block_size, flat.shape[0])]
+
+
 class DeepseekV4Model:
     """Weights plus the batched forward; caches are attached by the executor."""
 
@@ -165,14 +215,14 @@ class DeepseekV4Model:
         norm: torch.Tensor | None = None,
     ) -> torch.Tensor:
         fn, base, scale = hc if hc is not None else self.hc_head
-        h = ops.hc_head(streams, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps)
+        h = hc_head(streams, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps)
         h = ops.rms_norm(h, self.norm if norm is None else norm, self.cfg.rms_norm_eps)
         return F.linear(h, self.head).float()
 
     # ------------------------------------------------------------------ blocks
 
     def _rope_tables(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {k: ops.rope_cos_sin(positions, inv, sc) for k, (inv, sc) in self.inv_freq.items()}
+        return {k: interleaved_rope_cos_sin(positions, inv, sc) for k, (inv, sc) in self.inv_freq.items()}
 
     def decoder_layer(
         self,
@@ -186,7 +236,7 @@ class DeepseekV4Model:
         swa_group: str,
     ) -> torch.Tensor:
         cfg = self.cfg
-        post, comb, collapsed = ops.hc_weights(
+        post, comb, collapsed = hc_sinkhorn_mix(
             x,
             p["hc_attn_fn"],
             p["hc_attn_base"],
@@ -196,8 +246,8 @@ class DeepseekV4Model:
             cfg.rms_norm_eps,
         )
         h = ops.rms_norm(collapsed, p["attn_norm.weight"], cfg.rms_norm_eps)
-        x = ops.hc_merge(x, self.attention(p, h, seg, rope, layer, kind, swa, swa_group), post, comb)
-        post, comb, collapsed = ops.hc_weights(
+        x = hc_merge(x, self.attention(p, h, seg, rope, layer, kind, swa, swa_group), post, comb)
+        post, comb, collapsed = hc_sinkhorn_mix(
             x,
             p["hc_ffn_fn"],
             p["hc_ffn_base"],
@@ -207,7 +257,7 @@ class DeepseekV4Model:
             cfg.rms_norm_eps,
         )
         h = ops.rms_norm(collapsed, p["ffn_norm.weight"], cfg.rms_norm_eps)
-        return ops.hc_merge(x, self.moe(p, h, seg.input_ids), post, comb)
+        return hc_merge(x, self.moe(p, h, seg.input_ids), post, comb)
 
     def moe(self, p: dict[str, torch.Tensor], h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -256,50 +306,68 @@ class DeepseekV4Model:
         cos, sin = rope["main" if kind == SLIDING else "compress"]
         q_res = ops.rms_norm(F.linear(h, p["attn.wq_a.weight"]), p["attn.q_norm.weight"], cfg.rms_norm_eps)
         q = F.linear(q_res, p["attn.wq_b.weight"]).view(t, cfg.num_attention_heads, cfg.head_dim)
-        q = ops.apply_rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
+        q = apply_interleaved_rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
         kv = ops.rms_norm(F.linear(h, p["attn.wkv.weight"]), p["attn.norm.weight"], cfg.rms_norm_eps)
-        kv = ops.apply_rope(kv, cos, sin)
+        kv = apply_interleaved_rope(kv, cos, sin)
 
         bs = self.block_size
+        dev = h.device
         flat_swa = swa.view(-1, cfg.head_dim)
-        for r in range(len(seg.pos0)):
-            a, b = seg.rows(r)
-            idx = seg.positions[a:b]
-            flat_swa[paged_slots(seg.block_tables[swa_group][r], idx, bs)] = kv[a:b].to(flat_swa.dtype)
+        num_req = len(seg.pos0)
+        n_tok = seg.starts[-1]
+        qsl = torch.tensor(seg.starts, device=dev)
+        q_lens = qsl[1:] - qsl[:-1]
+        req = torch.repeat_interleave(torch.arange(num_req, device=dev), q_lens)  # [n_tok] request of each row
+        qpos = seg.positions[:n_tok]
+        swa_bt = seg.block_tables[swa_group]
+        flat_swa[_slots(swa_bt, req, qpos, bs, flat_swa.shape[0], for_write=True)] = kv[:n_tok].to(flat_swa.dtype)
 
         iq = iw = None
         if kind == CSA:
             iq = F.linear(q_res, p["attn.indexer.wq_b.weight"]).view(t, cfg.index_n_heads, cfg.index_head_dim)
-            iq = ops.apply_rope(iq, cos, sin)
+            iq = apply_interleaved_rope(iq, cos, sin)
             iw = F.linear(h, p["attn.indexer.weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
 
-        out = torch.empty_like(q)
+        # Sliding keys of request r: positions [max(0, pos0 - window + 1), last], padded to [R, Lw].
         window = cfg.sliding_window
-        for r in range(len(seg.pos0)):
-            a, b = seg.rows(r)
-            if a == b:
-                continue
-            p0, p1 = seg.pos0[r], seg.pos0[r] + (b - a) - 1
-            qpos = seg.positions[a:b]
-            k0 = max(0, p0 - window + 1)
-            kpos = torch.arange(k0, p1 + 1, device=h.device)
-            keys = flat_swa[paged_slots(seg.block_tables[swa_group][r], kpos, bs)]
-            diff = qpos[:, None] - kpos[None, :]
-            mask = (diff >= 0) & (diff < window)
-            if kind != SLIDING:
-                entries = self._compress_step(p, h[a:b], seg, r, layer, kind, p0, p1)
-                rate = cfg.compress_rates[kind]
-                visible = torch.arange(entries.shape[0], device=h.device)[None, :] < ((qpos + 1) // rate)[:, None]
-                if kind == CSA and entries.shape[0] > 0:
-                    visible = self._index_select(p, seg, r, layer, iq[a:b], iw[a:b], qpos, visible)
-                keys = torch.cat([keys, entries.to(keys.dtype)], dim=0)
-                mask = torch.cat([mask, visible], dim=1)
-            out[a:b] = ops.sink_attention(q[a:b], keys, mask, p["attn.attn_sink"], cfg.head_dim**-0.5)
+        pos0 = torch.tensor(seg.pos0, device=dev)
+        last = pos0 + q_lens - 1
+        k0 = (pos0 - window + 1).clamp(min=0)
+        k_lens = (last - k0 + 1).clamp(min=0)
+        lw = int(k_lens.max().item()) if num_req else 0
+        kpos = k0[:, None] + torch.arange(lw, device=dev)[None, :]
+        k_valid = kpos <= last[:, None]
+        rows = torch.arange(num_req, device=dev)[:, None].expand(-1, lw)
+        keys = flat_swa[_slots(swa_bt, rows, torch.where(k_valid, kpos, k0[:, None]), bs, flat_swa.shape[0])]
+        diff = qpos[:, None] - kpos[req]
+        mask = (diff >= 0) & (diff < window) & k_valid[req]
+        if kind != SLIDING:
+            group = "csa_kv" if kind == CSA else "hca_kv"
+            gi = self.group_index[layer]
+            rate = cfg.compress_rates[kind]
+            # Compressor state is a per-request ring, so entry emission stays a loop over requests.
+            for r in range(num_req):
+                a, b = seg.rows(r)
+                if a < b:
+                    self._compress_step(p, h[a:b], seg, r, layer, kind, seg.pos0[r], seg.pos0[r] + (b - a) - 1)
+            n_entries = torch.where(q_lens > 0, (last + 1) // rate, 0)
+            entries = _gather_entries(self.caches[group][gi], seg.block_tables[group], n_entries, bs)
+            visible = torch.arange(entries.shape[1], device=dev)[None, :] < ((qpos + 1) // rate)[:, None]
+            if kind == CSA and entries.shape[1] > 0:
+                assert iq is not None and iw is not None
+                index_keys = _gather_entries(self.caches["csa_index"][gi], seg.block_tables["csa_index"], n_entries, bs)
+                visible = indexer_topk(
+                    iq[:n_tok], iw[:n_tok], index_keys, visible, qsl, cfg.index_topk, cfg.index_head_dim**-0.5
+                )
+            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+            mask = torch.cat([mask, visible], dim=1)
+        out = torch.zeros_like(q)
+        out[:n_tok] = sink_attention(q[:n_tok], keys, mask, qsl, p["attn.attn_sink"], cfg.head_dim**-0.5)
 
         # K == V carries RoPE on its trailing channels; rotate back by the query position.
-        out = ops.apply_rope(out, cos, -sin)
+        out = apply_interleaved_rope(out, cos, -sin)
         grouped = out.reshape(t, cfg.o_groups, -1)
-        return F.linear(ops.grouped_linear(grouped, p["attn.wo_a.weight"], cfg.o_groups), p["attn.wo_b.weight"])
+        return F.linear(grouped_linear(grouped, p["attn.wo_a.weight"], cfg.o_groups), p["attn.wo_b.weight"])
 
     # ------------------------------------------------------------------ compressors
 
@@ -313,10 +381,9 @@ class DeepseekV4Model:
         kind: str,
         p0: int,
         p1: int,
-    ) -> torch.Tensor:
-        """Emit the entries whose windows close inside ``[p0, p1]`` and return all visible entries."""
-        cfg = self.cfg
-        rate = cfg.compress_rates[kind]
+    ) -> None:
+        """(Re)write the compressed entries whose windows close inside ``[p0, p1]`` for request ``r``."""
+        rate = self.cfg.compress_rates[kind]
         gi = self.group_index[layer]
         group = "csa_kv" if kind == CSA else "hca_kv"
         bt = seg.block_tables[group][r]
@@ -351,9 +418,6 @@ class DeepseekV4Model:
                 self.caches["csa_index"][gi],
                 seg.block_tables["csa_index"][r],
             )
-        n_entries = (p1 + 1) // rate
-        flat = self.caches[group][gi].view(-1, cfg.head_dim)
-        return flat[paged_slots(bt, torch.arange(n_entries, device=h.device), self.block_size)]
 
     def _compress_into(
         self,
@@ -382,41 +446,14 @@ class DeepseekV4Model:
             old_kv, old_gate = ring.read(slot, lo, p0)
             all_kv = torch.cat([old_kv.to(kv.dtype), kv], dim=0)
             all_gate = torch.cat([old_gate, gate], dim=0)
-            pooled = ops.pool_windows(all_kv, all_gate, p[prefix + "ape"], rate, w_lo, overlap)
+            pooled = compressor_pool(all_kv, all_gate, p[prefix + "ape"], rate, w_lo, overlap)
             pooled = ops.rms_norm(pooled, p[prefix + "norm.weight"], self.cfg.rms_norm_eps)
             wpos = torch.arange(w_lo, w_hi + 1, device=h.device)
-            cos, sin = ops.rope_cos_sin(wpos * rate, *self.inv_freq["compress"])
-            pooled = ops.apply_rope(pooled, cos, sin)
+            cos, sin = interleaved_rope_cos_sin(wpos * rate, *self.inv_freq["compress"])
+            pooled = apply_interleaved_rope(pooled, cos, sin)
             flat = cache.view(-1, cache.shape[-1])
             flat[paged_slots(bt, wpos, self.block_size)] = pooled.to(flat.dtype)
         ring.write(slot, p0, kv, gate)
-
-    def _index_select(
-        self,
-        p: dict[str, torch.Tensor],
-        seg: Segments,
-        r: int,
-        layer: int,
-        iq: torch.Tensor,
-        iw: torch.Tensor,
-        qpos: torch.Tensor,
-        visible: torch.Tensor,
-    ) -> torch.Tensor:
-        """Lightning indexer: keep, per query, the ``index_topk`` best-scoring visible entries."""
-        cfg = self.cfg
-        n_entries = visible.shape[1]
-        flat = self.caches["csa_index"][self.group_index[layer]].view(-1, cfg.index_head_dim)
-        keys = flat[
-            paged_slots(seg.block_tables["csa_index"][r], torch.arange(n_entries, device=iq.device), self.block_size)
-        ]
-        scores = F.relu(torch.einsum("shd,ld->shl", iq.float(), keys.float())) * cfg.index_head_dim**-0.5
-        scores = (scores * iw.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
-        k = min(cfg.index_topk, n_entries)
-        # ReLU scores tie (at 0) easily; a stable sort breaks ties towards earlier entries whatever the
-        # query count, so chunking and speculation cannot change which entries are picked.
-        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
-        chosen = torch.zeros_like(visible).scatter_(1, top, True)
-        return chosen & visible
 
 
 def _layer_params(weights: dict[str, torch.Tensor], prefix: str, cfg: DeepseekV4Config) -> dict[str, torch.Tensor]:
