@@ -38,8 +38,11 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["mtp", "fake"] = Field(
-        "mtp", description="Drafting method: 'mtp' uses the checkpoint's multi-token-prediction layers."
+    method: str = Field(
+        "mtp",
+        min_length=1,
+        description="Drafting method, implemented and checked by the executor ('mtp': the checkpoint's "
+        "multi-token-prediction layers).",
     )
     num_speculative_tokens: int = Field(1, ge=1, le=8, description="Draft tokens k per decode step (1..8).")
     policy: str = Field(

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pypto_serving import LLM, SamplingParams
+from pypto_serving import LLM, PluginError, SamplingParams
 from tests.conftest import plugin_installed
 from tests.fakes import reference_tokens
 
@@ -321,3 +321,8 @@ def test_speculation_drafts_and_accepts(engine_factory: Callable[..., LLM]) -> N
     assert 0 < stats["spec_mean_accepted_length"] < 2
     # fewer steps than tokens: accepted drafts saved steps
     assert stats["num_steps"] < sum(j.max_tokens for j in jobs) + len(jobs)
+
+
+def test_speculation_with_an_executor_that_cannot_draft(engine_factory: Callable[..., LLM]) -> None:
+    with pytest.raises(PluginError, match="executor 'fake' cannot draft tokens; unset speculative_config"):
+        engine_factory(speculative_config={"method": "mtp", "num_speculative_tokens": 2})

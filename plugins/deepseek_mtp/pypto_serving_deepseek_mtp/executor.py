@@ -89,7 +89,11 @@ class DeepseekMTPExecutor(Executor):
                 raise MtpConfigError(
                     f"speculative_config.num_speculative_tokens={k} is out of range: use 1..{MAX_DRAFT_TOKENS}"
                 )
-            if spec.method == "mtp" and n_mtp == 0:
+            if spec.method != "mtp":
+                raise MtpConfigError(
+                    f"speculative_config.method={spec.method!r} is not supported by the deepseek_mtp executor: use 'mtp'"
+                )
+            if n_mtp == 0:
                 raise MtpConfigError(
                     f"speculative_config.method='mtp' needs the checkpoint's MTP layers, but {model_dir} "
                     f"has no mtp.0.* tensors (num_nextn_predict_layers={cfg.num_nextn_predict_layers}); "

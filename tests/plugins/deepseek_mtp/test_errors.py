@@ -37,6 +37,11 @@ def test_num_speculative_tokens_out_of_range(checkpoints, k):
         DeepseekMTPExecutor(_settings(checkpoints["mixed_yarn"].path, k=k)).load()
 
 
+def test_unknown_speculative_method(checkpoints):
+    with pytest.raises(MtpConfigError, match=r"method='ngram' is not supported by the deepseek_mtp executor"):
+        DeepseekMTPExecutor(_settings(checkpoints["mixed_yarn"].path, k=1, method="ngram")).load()
+
+
 def test_unknown_layer_type(checkpoints, tmp_path):
     src = checkpoints["sliding_only"].path
     for f in src.iterdir():
