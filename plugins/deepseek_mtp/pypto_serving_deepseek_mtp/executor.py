@@ -91,7 +91,8 @@ class DeepseekMTPExecutor(Executor):
                 )
             if spec.method != "mtp":
                 raise MtpConfigError(
-                    f"speculative_config.method={spec.method!r} is not supported by the deepseek_mtp executor: use 'mtp'"
+                    f"speculative_config.method={spec.method!r} is not supported by the deepseek_mtp executor: "
+                    "use 'mtp'"
                 )
             if n_mtp == 0:
                 raise MtpConfigError(
