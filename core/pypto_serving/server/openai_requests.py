@@ -1,0 +1,221 @@
+"""Turning an OpenAI request into engine work: the shared app context, the model/readiness/capacity
+checks, prompt encoding and validation, chat templating, the SamplingParams mapping, and the mapping
+of engine add-time errors to OpenAI errors."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ServingSettings
+from ..engine import EngineDeadError
+from ..metrics import ServerMetrics
+from ..request import SamplingParams
+from .async_llm import AsyncLLM, EngineFailure
+from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+)
+_PARAM_RE = re.compile(r"^(\w+)=")
+
+
+@dataclass(slots=True)
+class _Prompt:
+    """A validated prompt: its token ids, and its text when the client sent text."""
+
+    ids: list[int]
+    text: str | None
+
+
+@dataclass(slots=True)
+class _Ctx:
+    """What every handler shares: the settings, the engine, the metrics and the served model's name."""
+
+    settings: ServingSettings
+    llm: AsyncLLM
+    metrics: ServerMetrics
+    model_name: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _check_model(ctx: _Ctx, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_ready(ctx: _Ctx) -> None:
+    if ctx.llm.dead_reason is not None:
+        raise APIError(503, f"the engine failed: {ctx.llm.dead_reason}", type="server_error", code="engine_dead")
+    if not ctx.llm.ready:
+        raise APIError(
+            503,
+            "the model is still loading",
+            type="server_error",
+            code="loading",
+            headers={"retry-after": "5"},
+        )
+
+
+def _check_capacity(ctx: _Ctx, new: int) -> None:
+    if ctx.llm.num_waiting() + new > ctx.settings.max_waiting_requests:
+        raise APIError(
+            503,
+            f"the server is overloaded (more than max_waiting_requests={ctx.settings.max_waiting_requests} "
+            "requests waiting); retry later",
+            type="server_error",
+            code="overloaded",
+            headers={"retry-after": "1"},
+        )
+
+
+def _completion_prompts(ctx: _Ctx, prompt: str | list[str] | list[int] | list[list[int]]) -> list[_Prompt]:
+    items: list[str | list[int]]
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        items = list(prompt)  # type: ignore[arg-type]
+    if not items:
+        raise APIError(400, "prompt is empty", param="prompt")
+    return [_encode(ctx, p) for p in items]
+
+
+def _encode(ctx: _Ctx, prompt: str | list[int]) -> _Prompt:
+    tok = ctx.llm.tokenizer
+    if isinstance(prompt, str):
+        if tok is None:
+            raise APIError(
+                400,
+                "text prompts need a tokenizer.json in the model directory; send token ids",
+                param="prompt",
+            )
+        ids, text = tok.encode(prompt), prompt
+    else:
+        ids, text = list(prompt), None
+    return _validate_ids(ctx, ids, text)
+
+
+def _validate_ids(ctx: _Ctx, ids: list[int], text: str | None, param: str = "prompt") -> _Prompt:
+    if not ids:
+        raise APIError(400, "the prompt is empty", param=param)
+    vocab = ctx.llm.vocab_size
+    if any(t < 0 or t >= vocab for t in ids):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", param=param)
+    if len(ids) >= ctx.llm.max_model_len:
+        raise APIError(
+            400,
+            f"the prompt has {len(ids)} tokens; the context length max_model_len is {ctx.llm.max_model_len} "
+            "and at least one token must be generated",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return _Prompt(ids, text)
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    d = m.model_dump(exclude_none=True)
+    if isinstance(m.content, list):  # text parts joined; other part types have no meaning for a text model
+        if any(p.type != "text" for p in m.content):
+            raise APIError(400, "only text content parts are supported", param="messages")
+        d["content"] = "".join(p.text or "" for p in m.content)
+    d.setdefault("content", "")
+    return d
+
+
+def _chat_prompt(ctx: _Ctx, req: ChatCompletionRequest) -> _Prompt:
+    tok = ctx.llm.tokenizer
+    if tok is None or not tok.chat_template:
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    messages = [_message_dict(m) for m in req.messages]
+    try:
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
+        )
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
+    except Exception as e:  # template errors (jinja undefined, security) are the request's fault too
+        raise APIError(400, f"cannot render the chat template: {type(e).__name__}: {e}", param="messages") from None
+    return _validate_ids(ctx, tok.encode(text), text, param="messages")
+
+
+def _sampling_params(
+    ctx: _Ctx,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompt: _Prompt,
+    max_tokens: int | None,
+    logprobs: int | None,
+    *,
+    max_tokens_param: str = "max_tokens",
+) -> SamplingParams:
+    defaults = ctx.llm.engine.info.generation_defaults if ctx.llm.engine is not None else {}
+    kw: dict[str, Any] = {k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k", "min_p")}
+    for name in _SAMPLING_FIELDS:
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    stop = req.stop if req.stop is not None else []
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            n=req.n,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            **kw,
+        )
+    except (ValueError, TypeError) as e:
+        m = _PARAM_RE.match(str(e))
+        param = m.group(1) if m else None
+        if param == "max_tokens":
+            param = max_tokens_param
+        elif param == "logprobs" and isinstance(req, ChatCompletionRequest):
+            param = "top_logprobs"
+        raise APIError(400, str(e), param=param) from None
+    if params.stop and ctx.llm.tokenizer is None:
+        raise APIError(400, "stop strings need a tokenizer.json in the model directory", param="stop")
+    if max_tokens is not None and len(prompt.ids) + max_tokens > ctx.llm.max_model_len:
+        raise APIError(
+            400,
+            f"{max_tokens_param}={max_tokens} plus the prompt's {len(prompt.ids)} tokens exceeds the context "
+            f"length max_model_len={ctx.llm.max_model_len}",
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
+    return params
+
+
+def _request_ids(rid: str, n: int) -> list[str]:
+    """The engine request ids of a response's ``n`` prompts: ``rid`` itself for one, ``rid-i`` for several."""
+    return [rid if n == 1 else f"{rid}-{i}" for i in range(n)]
+
+
+def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, EngineDeadError | EngineFailure):
+        return APIError(503, f"the engine is unavailable: {e}", type="server_error", code="engine_dead")
+    return APIError(400, str(e), param=_guess_param(str(e)))
+
+
+def _guess_param(message: str) -> str | None:
+    m = _PARAM_RE.match(message)
+    if m:
+        return m.group(1)
+    return "prompt" if "prompt" in message else None

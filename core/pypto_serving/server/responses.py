@@ -1,0 +1,185 @@
+"""Non-streamed generation and the OpenAI response bodies: running a request's prompts to the end
+(aborting them all on a disconnect or failure), usage, logprobs and the completion/chat bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import Request
+
+from ..engine import EngineDeadError
+from ..request import CompletionOutput, RequestOutput, SamplingParams
+from .async_llm import EngineFailure
+from .openai_requests import _Ctx, _engine_error, _Prompt, _request_ids
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+
+async def _collect(ctx: _Ctx, rid: str, prompt: _Prompt, params: SamplingParams) -> RequestOutput:
+    last: RequestOutput | None = None
+    async for out in ctx.llm.generate(rid, prompt.ids, params):
+        last = out
+    assert last is not None
+    return last
+
+
+async def _run_all(
+    ctx: _Ctx, rid: str, prompts: list[_Prompt], params: list[SamplingParams], raw: Request
+) -> list[RequestOutput]:
+    """Run every prompt as its own engine request; a client disconnect or any failure aborts them all."""
+    ids = _request_ids(rid, len(prompts))
+    tasks = [asyncio.ensure_future(_collect(ctx, i, p, sp)) for i, p, sp in zip(ids, prompts, params)]
+    watcher = asyncio.ensure_future(_watch_disconnect(raw, tasks))
+    try:
+        outs = await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        raise
+    except (ValueError, EngineDeadError, EngineFailure) as e:
+        raise _engine_error(e) from None
+    finally:
+        watcher.cancel()
+        for t in tasks:
+            t.cancel()  # generate()'s cleanup aborts whatever is unfinished
+    for out in outs:
+        if any(c.finish_reason == "error" for c in out.outputs):
+            reason = ctx.llm.dead_reason or "a step failed for this request"
+            raise APIError(500, f"generation failed: {reason}", type="server_error", code="generation_failed")
+    return list(outs)
+
+
+async def _watch_disconnect(raw: Request, tasks: Sequence[asyncio.Future[RequestOutput]]) -> None:
+    # Non-streamed responses are not cancelled by the server when the client leaves; poll instead.
+    with contextlib.suppress(Exception):
+        while not all(t.done() for t in tasks):
+            if await raw.is_disconnected():
+                for t in tasks:
+                    t.cancel()
+                return
+            await asyncio.sleep(0.25)
+
+
+def _usage(prompts: list[_Prompt], outs: list[RequestOutput]) -> dict[str, Any]:
+    prompt_tokens = sum(len(p.ids) for p in prompts)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _token_str(ctx: _Ctx, token: int) -> str:
+    """A token's text for logprobs. Tokens that are only part of a UTF-8 character decode to U+FFFD,
+    which would make different tokens collide as dict keys, so those are named ``token_id:N``."""
+    tok = ctx.llm.tokenizer
+    if tok is None:
+        return f"token_id:{token}"
+    text = tok.decode([token], skip_special_tokens=False)
+    return f"token_id:{token}" if "\ufffd" in text else text
+
+
+def _completion_logprobs(
+    ctx: _Ctx, c: CompletionOutput, start: int, end: int, offset: int, echo_ids: list[int] | None = None
+) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for t in echo_ids or []:  # prompt tokens: the engine computes no prompt logprobs, so they are null
+        s = _token_str(ctx, t)
+        tokens.append(s)
+        token_lps.append(None)
+        tops.append(None)
+        offsets.append(offset)
+        offset += len(s)
+    for t, d in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        s = _token_str(ctx, t)
+        tokens.append(s)
+        token_lps.append(d.get(t))
+        tops.append({_token_str(ctx, k): v for k, v in sorted(d.items(), key=lambda kv: -kv[1])})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(ctx: _Ctx, c: CompletionOutput, start: int, end: int, top_n: int) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for t, d in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        s = _token_str(ctx, t)
+        ranked = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append(
+            {
+                "token": s,
+                "logprob": d.get(t, float("-inf")),
+                "bytes": list(s.encode()),
+                "top_logprobs": [
+                    {"token": (ts := _token_str(ctx, k)), "logprob": v, "bytes": list(ts.encode())} for k, v in ranked
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _prompt_text(ctx: _Ctx, p: _Prompt) -> str:
+    if p.text is not None:
+        return p.text
+    tok = ctx.llm.tokenizer
+    return tok.decode(p.ids, skip_special_tokens=False) if tok is not None else ""
+
+
+def _completion_body(
+    ctx: _Ctx, rid: str, req: CompletionRequest, prompts: list[_Prompt], outs: list[RequestOutput]
+) -> dict[str, Any]:
+    choices = []
+    for pi, (p, out) in enumerate(zip(prompts, outs)):
+        echo = _prompt_text(ctx, p) if req.echo else ""
+        for c in out.outputs:
+            lp = _completion_logprobs(ctx, c, 0, len(c.token_ids), 0, p.ids if req.echo else None)
+            choices.append(
+                {
+                    "index": pi * req.n + c.index,
+                    "text": echo + c.text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": _usage(prompts, outs),
+    }
+
+
+def _chat_body(ctx: _Ctx, rid: str, req: ChatCompletionRequest, prompt: _Prompt, out: RequestOutput) -> dict[str, Any]:
+    top_n = req.top_logprobs or 0
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": _chat_logprobs(ctx, c, 0, len(c.token_ids), top_n),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        for c in out.outputs
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+        "choices": choices,
+        "usage": _usage([prompt], [out]),
+    }

@@ -1,0 +1,271 @@
+"""Streamed responses: Server-Sent Events over the merged outputs of a request's prompts, with
+add-time errors raised before the first byte and cumulative outputs turned into OpenAI chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from ..engine import EngineDeadError
+from ..request import CompletionOutput, RequestOutput, SamplingParams
+from .async_llm import EngineFailure
+from .openai_requests import _Ctx, _engine_error, _Prompt, _request_ids
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .responses import _chat_logprobs, _completion_logprobs, _prompt_text, _usage
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    """What one streamed choice has sent so far (outputs are cumulative snapshots)."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+async def _merged(
+    ctx: _Ctx, rid: str, prompts: list[_Prompt], params: list[SamplingParams]
+) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    """Outputs of all prompts' requests as they come, tagged with the prompt index. Adds happen
+    before the first yield so validation errors surface before any byte is sent."""
+    streams = []
+    ids = _request_ids(rid, len(prompts))
+    added: list[str] = []
+    try:
+        for i, p, sp in zip(ids, prompts, params):
+            streams.append(await ctx.llm.add_request(i, p.ids, sp))
+            added.append(i)
+    except BaseException:
+        for i in added:
+            ctx.llm.abort(i)
+        raise
+    merged: asyncio.Queue[tuple[int, RequestOutput | EngineFailure]] = asyncio.Queue()
+
+    async def pump(idx: int) -> None:
+        while True:
+            item = await streams[idx].queue.get()
+            await merged.put((idx, item))
+            if isinstance(item, EngineFailure) or item.finished:
+                return
+
+    pumps = [asyncio.ensure_future(pump(k)) for k in range(len(streams))]
+    done: set[int] = set()
+    try:
+        while len(done) < len(streams):
+            idx, item = await merged.get()
+            if isinstance(item, EngineFailure):
+                raise item
+            if item.finished:
+                done.add(idx)
+            yield idx, item
+    finally:
+        for t in pumps:
+            t.cancel()
+        for k, rid_k in enumerate(ids):
+            if k not in done:
+                ctx.llm.abort(rid_k)  # disconnect or failure: free the blocks now
+
+
+async def _prepare(gen: AsyncGenerator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput] | None:
+    """Pull the first item before streaming starts so add-time errors become plain HTTP errors."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+    except (ValueError, EngineDeadError, EngineFailure) as e:
+        raise _engine_error(e) from None
+
+
+def _hold_back(params: SamplingParams) -> int:
+    # A stop string may start in text we would already have streamed; keep its length - 1 back.
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
+def _error_event(message: str) -> str:
+    return _event(error_body(message, "server_error", None, "generation_failed"))
+
+
+async def _with_first(
+    first: tuple[int, RequestOutput] | None, gen: AsyncGenerator[tuple[int, RequestOutput]]
+) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    # Close the source explicitly: a disconnect closes only the outermost generator.
+    async with contextlib.aclosing(gen):
+        if first is not None:
+            yield first
+            async for item in gen:
+                yield item
+
+
+async def _start_stream(ctx: _Ctx, rid: str, prompts: list[_Prompt], params: list[SamplingParams]) -> _StreamRunner:
+    """Add the prompts' requests and wait for the first output (so add-time errors become plain HTTP
+    errors), then hand the outputs to a runner whose ``completion``/``chat`` yields the SSE chunks."""
+    source = _merged(ctx, rid, prompts, params)
+    first = await _prepare(source)
+    return _StreamRunner(ctx, rid, prompts, params, _with_first(first, source))
+
+
+class _StreamRunner:
+    """Turns cumulative outputs into OpenAI SSE chunks (text deltas, logprobs, finish, usage)."""
+
+    def __init__(
+        self,
+        ctx: _Ctx,
+        rid: str,
+        prompts: list[_Prompt],
+        params: list[SamplingParams],
+        source: AsyncGenerator[tuple[int, RequestOutput]],
+    ) -> None:
+        self.ctx, self.rid, self.prompts, self.params, self.source = ctx, rid, prompts, params, source
+        self.created = int(time.time())
+        self.finals: dict[int, RequestOutput] = {}
+
+    async def _items(self) -> AsyncGenerator[tuple[int, CompletionOutput, _ChoiceState, int, int, bool]]:
+        """(prompt index, choice, state, token start, token end, finished now) for every change."""
+        states: dict[tuple[int, int], _ChoiceState] = {}
+        async with contextlib.aclosing(self.source):
+            async for pi, out in self.source:
+                if out.finished:
+                    self.finals[pi] = out
+                for c in out.outputs:
+                    st = states.setdefault((pi, c.index), _ChoiceState())
+                    if st.finished:
+                        continue
+                    done = c.finish_reason is not None
+                    yield pi, c, st, st.tokens_sent, len(c.token_ids), done
+                    st.tokens_sent = len(c.token_ids)
+                    st.finished = done
+
+    def _delta_text(self, pi: int, c: CompletionOutput, st: _ChoiceState, done: bool) -> str:
+        upto = len(c.text) if done else max(st.text_sent, len(c.text) - _hold_back(self.params[pi]))
+        delta = c.text[st.text_sent : upto]
+        st.text_sent = max(st.text_sent, upto)
+        return delta
+
+    def _usage_chunk(self, obj: str) -> str:
+        outs = [self.finals[i] for i in sorted(self.finals)]
+        return _event(
+            {
+                "id": self.rid,
+                "object": obj,
+                "created": self.created,
+                "model": self.ctx.model_name,
+                "choices": [],
+                "usage": _usage(self.prompts, outs),
+            }
+        )
+
+    async def completion(self, req: CompletionRequest) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        try:
+            async with contextlib.aclosing(self._items()) as items:
+                async for pi, c, st, start, end, done in items:
+                    if c.finish_reason == "error":
+                        yield _error_event(f"generation failed: {self.ctx.llm.dead_reason or 'a step failed'}")
+                        yield _DONE
+                        return
+                    prefix = ""
+                    echo_ids = None
+                    if not st.started:
+                        st.started = True
+                        if req.echo:
+                            prefix = _prompt_text(self.ctx, self.prompts[pi])
+                            echo_ids = self.prompts[pi].ids
+                    text = prefix + self._delta_text(pi, c, st, done)
+                    if not text and not done and echo_ids is None and (c.logprobs is None or start == end):
+                        continue
+                    choice = {
+                        "index": pi * req.n + c.index,
+                        "text": text,
+                        "logprobs": _completion_logprobs(self.ctx, c, start, end, st.text_sent - len(text), echo_ids),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason if done else None,
+                    }
+                    yield _event(
+                        {
+                            "id": self.rid,
+                            "object": "text_completion",
+                            "created": self.created,
+                            "model": self.ctx.model_name,
+                            "choices": [choice],
+                            **({"usage": None} if include_usage else {}),
+                        }
+                    )
+        except (EngineFailure, EngineDeadError, ValueError) as e:
+            yield _error_event(f"generation failed: {e}")
+            yield _DONE
+            return
+        if include_usage:
+            yield self._usage_chunk("text_completion")
+        yield _DONE
+
+    async def chat(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        top_n = req.top_logprobs or 0
+
+        def chunk(choice: dict[str, Any]) -> str:
+            return _event(
+                {
+                    "id": self.rid,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.ctx.model_name,
+                    "choices": [choice],
+                    **({"usage": None} if include_usage else {}),
+                }
+            )
+
+        try:
+            async with contextlib.aclosing(self._items()) as items:
+                async for _pi, c, st, start, end, done in items:
+                    if c.finish_reason == "error":
+                        yield _error_event(f"generation failed: {self.ctx.llm.dead_reason or 'a step failed'}")
+                        yield _DONE
+                        return
+                    if not st.started:
+                        st.started = True
+                        yield chunk(
+                            {
+                                "index": c.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        )
+                    text = self._delta_text(0, c, st, done)
+                    if not text and not done and (c.logprobs is None or start == end):
+                        continue
+                    yield chunk(
+                        {
+                            "index": c.index,
+                            "delta": {"content": text} if text else {},
+                            "logprobs": _chat_logprobs(self.ctx, c, start, end, top_n),
+                            "finish_reason": c.finish_reason,
+                            **({"stop_reason": c.stop_reason} if done else {}),
+                        }
+                    )
+        except (EngineFailure, EngineDeadError, ValueError) as e:
+            yield _error_event(f"generation failed: {e}")
+            yield _DONE
+            return
+        if include_usage:
+            yield self._usage_chunk("chat.completion.chunk")
+        yield _DONE
