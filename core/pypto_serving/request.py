@@ -94,8 +94,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value.startswith("finished")
+        return self in _FINISHED  # checked per request per step: a set lookup, not a string test
 
+
+_FINISHED = frozenset(s for s in RequestStatus if s.value.startswith("finished"))
 
 FinishReason = str  # "stop" | "length" | "abort" | "error" (OpenAI's vocabulary)
 
