@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ServingSettings, SettingsError
-from .executor import StepResult, WorkerClient, WorkerDiedError
+from .executor import CacheGroupSpec, StepResult, WorkerClient, WorkerDiedError
 from .kv_cache import KVCacheManager
 from .plugins import PluginError, PluginManager
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams
@@ -64,6 +64,17 @@ class _UserRequest:
             num_cached_tokens=self.children[0].num_cached_tokens,
             metrics=self.children[0].metrics,
         )
+
+
+def plan_kv_blocks(groups: Sequence[CacheGroupSpec], num_kv_blocks: int | None, memory: int) -> dict[str, int]:
+    """Blocks per cache group: ``num_kv_blocks`` each if set, else split ``memory`` so that every
+    group can hold the same number of sequence tokens (a compressed group, whose block covers more
+    tokens, gets proportionally fewer blocks)."""
+    if num_kv_blocks is not None:
+        return {g.name: num_kv_blocks for g in groups}
+    bytes_per_token = sum(g.bytes_per_block / g.tokens_per_block for g in groups)
+    tokens = memory / max(bytes_per_token, 1e-9)
+    return {g.name: max(1, int(tokens // g.tokens_per_block)) for g in groups}
 
 
 def read_architecture(model: str | None) -> str | None:
@@ -122,12 +133,7 @@ class EngineCore:
         else:
             policy = self.plugins.select_spec_policy("none").factory(settings)
             info.max_draft_tokens = 0
-        num_blocks = {}
-        for g in info.cache_groups:
-            n = settings.num_kv_blocks or settings.kv_cache_memory // max(
-                1, sum(x.bytes_per_block for x in info.cache_groups)
-            )
-            num_blocks[g.name] = max(1, int(n))
+        num_blocks = plan_kv_blocks(info.cache_groups, settings.num_kv_blocks, settings.kv_cache_memory)
         self.worker.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(info.cache_groups, num_blocks, enable_prefix_caching=settings.enable_prefix_caching)
         self.max_model_len = min(settings.max_model_len or info.max_model_len, info.max_model_len)

@@ -330,3 +330,16 @@ def test_publish_after_a_missed_lookup_only_covers_confirmed_blocks(kv: KVCacheM
     kv.free(a)
     kv.free(b)
     kv.check_invariants([])
+
+
+def test_plan_kv_blocks_gives_every_group_the_same_token_capacity() -> None:
+    from pypto_serving.engine import plan_kv_blocks
+
+    groups = [
+        CacheGroupSpec("kv", block_size=4, bytes_per_block=400),  # 100 bytes per token
+        CacheGroupSpec("compressed", block_size=4, bytes_per_block=200, tokens_per_entry=4),  # 12.5 per token
+    ]
+    plan = plan_kv_blocks(groups, None, memory=112_500)  # 1000 tokens at 112.5 bytes per token
+    assert plan == {"kv": 250, "compressed": 62}
+    assert sum(plan[g.name] * g.bytes_per_block for g in groups) <= 112_500
+    assert plan_kv_blocks(groups, 7, memory=1) == {"kv": 7, "compressed": 7}
