@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import SettingsError, add_settings_arguments, settings_from_args
+from .config import ServingSettings, SettingsError, add_settings_arguments, settings_from_args
 from .plugins import PluginError, PluginManager
 
 __all__ = ["main"]
@@ -87,6 +87,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings_table() -> str:
+    fields = ServingSettings.model_fields
+    width = max(len(n) for n in fields)
+    return "settings:\n" + "\n".join(f"  {n.ljust(width)}  {f.description}" for n, f in fields.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pypto-serving", description="LLM serving engine with pluggable executors.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,7 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_plugins)
 
-    c = sub.add_parser("config", help="inspect settings")
+    c = sub.add_parser(
+        "config",
+        help="inspect settings",
+        description="Settings, highest precedence first: flags > PYPTO_SERVING_<NAME> > --config file > defaults.",
+        epilog=_settings_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     csub = c.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="effective settings with the source of each value")
     show.add_argument("--config", help="TOML or YAML settings file")

@@ -190,3 +190,14 @@ def test_config_show_reports_invalid_values(capsys: pytest.CaptureFixture[str]) 
     assert main(["config", "show", "--max-num-seqs", "0"]) == 2
     err = capsys.readouterr().err
     assert "max_num_seqs='0'" in err and "command-line flag" in err
+
+
+def test_config_help_lists_every_setting_with_its_description(capsys: pytest.CaptureFixture[str]) -> None:
+    from pypto_serving.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["config", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name, field in ServingSettings.model_fields.items():
+        assert f"{name} {' '.join((field.description or '').split())}" in out, name
