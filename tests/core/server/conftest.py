@@ -89,12 +89,15 @@ def shared_client(fake_model_dir: Path) -> Iterator[tuple[Any, Any]]:
 class LiveServer:
     """uvicorn serving the app on 127.0.0.1 in a background thread (real sockets, real disconnects)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, graceful_shutdown: int | None = None) -> None:
         import uvicorn
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=graceful_shutdown
+        )
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20

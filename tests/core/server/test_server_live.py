@@ -130,3 +130,41 @@ def test_engine_death_ends_streams_with_error_and_health_503(live_server: Any) -
             assert "pypto_serving_engine_dead{" in (await client.get("/metrics")).text
 
     asyncio.run(main())
+
+
+def test_shutdown_timeout_expiry_aborts_what_is_still_running(fake_model_dir: Any) -> None:
+    """Graceful shutdown waits ``shutdown_timeout`` (1 s here) for in-flight requests, then aborts
+    the rest: a request needing ~10 s more must not keep the server up, and the engine ends empty."""
+    import threading
+
+    from pypto_serving.server import build_app
+    from tests.core.server.conftest import LiveServer, start_llm
+
+    llm = start_llm(fake_model_dir, executor_options={"step_sleep": 0.1}, shutdown_timeout=1.0)
+    server = LiveServer(build_app(llm, manage_engine=True), graceful_shutdown=1)
+    seen: dict[str, Any] = {}
+
+    def client() -> None:
+        body = {"prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+                for chunk in r.iter_text():
+                    seen["first"] = True
+                    seen["raw"] = seen.get("raw", "") + chunk
+        except httpx.HTTPError as e:  # the server may cut the connection when it gives up waiting
+            seen["error"] = e
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.monotonic() + 20
+    while "first" not in seen:
+        assert time.monotonic() < deadline, "no first chunk"
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    server.stop()
+    t.join(15)
+    took = time.monotonic() - t0
+    assert not server.thread.is_alive() and not t.is_alive()
+    assert took < 6.0, f"shutdown took {took:.1f}s; the request alone needed ~10 s more"
+    assert '"finish_reason":"length"' not in seen.get("raw", "").replace(" ", "")
+    assert llm.engine is not None and not llm.engine.has_unfinished()
