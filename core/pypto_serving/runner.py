@@ -163,10 +163,12 @@ class ModelRunner:
         self, cmd: StepCommand, batch: BatchInput, logits: torch.Tensor, drafts_used: list[list[int]]
     ) -> StepResult:
         params: list[RowParams] = []
-        owners: list[int] = []
         for i, (e, n) in enumerate(zip(cmd.entries, batch.num_logits)):
             st = self.states[e.request_id]
             sp = st.sampling
+            # The token history only matters to penalties; copying it for every row would make
+            # each step O(sequence length) per request for nothing.
+            penalized = bool(sp["presence_penalty"] or sp["frequency_penalty"] or sp["repetition_penalty"] != 1.0)
             for j in range(n):
                 n_out = st.num_outputs + j
                 banned = ()
@@ -185,11 +187,10 @@ class ModelRunner:
                         n_out,
                         sp["logprobs"],
                         banned,
-                        st.history + drafts_used[i][:j],
+                        st.history + drafts_used[i][:j] if penalized else [],
                         st.num_prompt,
                     )
                 )
-                owners.append(i)
         result = StepResult(cmd.step_id)
         if not params:
             return result

@@ -29,7 +29,7 @@ class RowParams:
     draw_index: int
     num_logprobs: int | None
     banned: tuple[int, ...]  # eos/stop ids while min_tokens is not reached
-    history: list[int]  # prompt + outputs, for penalties
+    history: list[int]  # prompt + outputs, for penalties (left empty when no penalty applies)
     num_prompt: int
 
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,20 +319,3 @@ def alias_checkpoint(src: Path, dst: Path, eos_token_id: int | None = None) -> P
     if eos_token_id is not None:
         (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id}))
     return dst
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """One intra-op thread for the tiny test models: on a loaded 2-core box extra threads only spin
-    (measured ~1000x slower per op). A worker spawned meanwhile reads OMP_NUM_THREADS at import."""
-    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(1)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        if env is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .helpers import one_thread, plugin_manager
+from .helpers import plugin_manager
 
 try:
     from pypto_serving import LLM, SamplingParams
@@ -19,11 +19,6 @@ MAX_TOKENS = 48
 
 
 def _generate(path, prompts, **settings):
-    with one_thread():
-        return _generate_inner(path, prompts, **settings)
-
-
-def _generate_inner(path, prompts, **settings):
     llm = LLM(
         model=str(path),
         plugins=plugin_manager(),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from .conftest import VARIANTS
-from .helpers import alias_checkpoint, build_checkpoint, make_predictable, one_thread, plugin_manager
+from .helpers import alias_checkpoint, build_checkpoint, make_predictable, plugin_manager
 
 try:
     from pypto_serving import LLM, SamplingParams
@@ -43,39 +43,38 @@ class Run:
     def __init__(self, path: Path, k: int, scheduler: str | None, mode: str, params: Any, **settings: Any) -> None:
         spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
         extra = {"scheduler": scheduler} if scheduler else {}
-        with one_thread():
-            llm = LLM(
-                model=str(path),
-                plugins=plugin_manager(),
-                dtype="float32",
-                device="cpu",
-                worker_mode=mode,
-                block_size=4,
-                max_num_batched_tokens=16,
-                speculative_config=spec,
-                **extra,
-                **settings,
-            )
-            try:
-                core = llm.engine
-                self.scheduler = core.scheduler_name
-                self.entries: list[Any] = []  # every ScheduledEntry sent to the worker
-                self.results: list[tuple[Any, Any]] = []  # (SchedulerOutput, StepResult) as applied
-                submit, apply = core.submit, core.apply
+        llm = LLM(
+            model=str(path),
+            plugins=plugin_manager(),
+            dtype="float32",
+            device="cpu",
+            worker_mode=mode,
+            block_size=4,
+            max_num_batched_tokens=16,
+            speculative_config=spec,
+            **extra,
+            **settings,
+        )
+        try:
+            core = llm.engine
+            self.scheduler = core.scheduler_name
+            self.entries: list[Any] = []  # every ScheduledEntry sent to the worker
+            self.results: list[tuple[Any, Any]] = []  # (SchedulerOutput, StepResult) as applied
+            submit, apply = core.submit, core.apply
 
-                def spy_submit(out):
-                    self.entries += out.command.entries
-                    submit(out)
+            def spy_submit(out):
+                self.entries += out.command.entries
+                submit(out)
 
-                def spy_apply(out, result):
-                    self.results.append((out, result))
-                    apply(out, result)
+            def spy_apply(out, result):
+                self.results.append((out, result))
+                apply(out, result)
 
-                core.submit, core.apply = spy_submit, spy_apply
-                outs = llm.generate(_prompts(), params, use_tqdm=False)
-                self.stats = core.stats()
-            finally:
-                llm.shutdown()
+            core.submit, core.apply = spy_submit, spy_apply
+            outs = llm.generate(_prompts(), params, use_tqdm=False)
+            self.stats = core.stats()
+        finally:
+            llm.shutdown()
         self.tokens = [o.outputs[0].token_ids for o in outs]
         self.finish = [o.outputs[0].finish_reason for o in outs]
 
