@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +14,9 @@ from .config import ServingSettings, SettingsError, add_settings_arguments, sett
 from .plugins import PluginError, PluginManager
 
 __all__ = ["main"]
+
+# The same log line format as ``pypto-serving serve``.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
@@ -31,9 +35,15 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+# Settings whose values are credentials: `config show` prints one "***" per entry instead.
+SECRET_SETTINGS = ("api_key",)
+
+
 def _cmd_config_show(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     data = settings.model_dump(mode="json")
+    for name in SECRET_SETTINGS:
+        data[name] = ["***"] * len(data[name])
     if args.json:
         print(json.dumps({k: {"value": v, "source": settings.source_of(k)} for k, v in data.items()}, indent=2))
         return 0
@@ -61,11 +71,15 @@ def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .engine import LLM
+    from .engine import LLM, EngineDeadError
+    from .executor import WorkerError
     from .request import SamplingParams
 
     prompts = _read_prompts(args)
     settings = settings_from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    if settings.model is None and settings.executor == "auto":
+        raise SettingsError("generate needs a model: pass --model DIR or set model in the config file")
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -73,8 +87,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed_sampling,
     )
-    with LLM(settings=settings) as llm:
-        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and sys.stderr.isatty())
+    try:
+        with LLM(settings=settings) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and sys.stderr.isatty())
+    except (WorkerError, EngineDeadError) as e:
+        # The first line names the cause (e.g. "the executor failed to load: ..."); the rest is the
+        # worker's traceback, which a user of the command does not need.
+        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     lines = []
     for prompt, out in zip(prompts, outputs):
         c = out.outputs[0]
@@ -110,28 +129,52 @@ def build_parser() -> argparse.ArgumentParser:
     )
     csub = c.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="effective settings with the source of each value")
-    show.add_argument("--config", help="TOML or YAML settings file")
-    show.add_argument("--model", help="model directory")
+    show.add_argument("--config", metavar="FILE", help="TOML or YAML settings file")
+    show.add_argument("--model", metavar="DIR", help="model directory")
     show.add_argument("--json", action="store_true", help="print JSON")
     add_settings_arguments(show)
     show.set_defaults(func=_cmd_config_show)
 
     g = sub.add_parser("generate", help="offline generation for prompts given as arguments or a JSONL file")
     g.add_argument("prompt", nargs="*", help="prompt texts")
-    g.add_argument("--model", help="model directory")
-    g.add_argument("--config", help="TOML or YAML settings file")
-    g.add_argument("--input", help='JSONL file: one prompt per line (string, token ids, or {"prompt": ...})')
-    g.add_argument("--output", help="write JSONL results here instead of printing")
+    g.add_argument("--model", metavar="DIR", help="model directory")
+    g.add_argument("--config", metavar="FILE", help="TOML or YAML settings file")
+    g.add_argument("--input", metavar="FILE", help='JSONL: one prompt per line (string, token ids, or {"prompt": ...})')
+    g.add_argument("--output", metavar="FILE", help="write JSONL results here instead of printing")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
-    add_settings_arguments(g)
+    _add_sampling_arguments(g)
+    add_settings_arguments(g, server=False)  # no server runs, so host, port, api_key, ... would do nothing
     g.set_defaults(func=_cmd_generate)
     _add_optional_commands(sub)
     return parser
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sampling parameters every prompt of one ``generate`` run shares."""
+    group = parser.add_argument_group("sampling (the same for every prompt)")
+    group.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        metavar="N",
+        help="most tokens generated per prompt (default: %(default)s)",
+    )
+    group.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy decoding (default: %(default)s)"
+    )
+    group.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass; 1 = off (default: %(default)s)"
+    )
+    group.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest; 0 = off (default: %(default)s)"
+    )
+    group.add_argument(
+        "--seed-sampling",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="per-request sampling seed, for reproducible sampling (default: unset, drawn from the engine's --seed)",
+    )
 
 
 def _add_optional_commands(sub: Any) -> None:
@@ -143,17 +186,18 @@ def _add_optional_commands(sub: Any) -> None:
     add_serve_command(sub)
 
 
+def _fail(message: str) -> int:
+    print(f"pypto-serving: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (SettingsError, PluginError) as e:
-        print(f"pypto-serving: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:
-        print(f"pypto-serving: error: {e}", file=sys.stderr)
-        return 2
+    except (SettingsError, PluginError, ValueError, OSError) as e:  # SettingsError is a ValueError
+        return _fail(str(e))
 
 
 if __name__ == "__main__":

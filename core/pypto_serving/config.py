@@ -10,7 +10,7 @@ import argparse
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
@@ -269,6 +269,29 @@ def _explain(error: ValidationError, layers: list[tuple[str, dict[str, Any]]]) -
     return "\n".join(lines)
 
 
+# Settings that only the HTTP server reads; commands without a server (generate) leave their flags out.
+# Every setting named ``http_*`` counts as server-only too (see :func:`is_server_only`).
+SERVER_ONLY = frozenset(
+    {
+        "served_model_name",
+        "host",
+        "port",
+        "api_key",
+        "protect_metrics",
+        "max_request_body_bytes",
+        "max_waiting_requests",
+        "shutdown_timeout",
+        "max_worker_restarts",
+        "worker_restart_window",
+    }
+)
+
+
+def is_server_only(name: str) -> bool:
+    """Whether only ``pypto-serving serve`` reads the setting ``name``."""
+    return name in SERVER_ONLY or name.startswith("http_")
+
+
 def _flag_type(annotation: Any) -> str:
     """How a flag's string value is read ("json") and shown in --help (the metavar)."""
     text = str(annotation)
@@ -280,18 +303,42 @@ def _flag_type(annotation: Any) -> str:
     return "str"
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every setting as a ``--kebab-case`` flag; values stay strings for pydantic to validate."""
+def _metavar(info: FieldInfo) -> str:
+    """The value placeholder of --help: the allowed values of a choice, else the kind of value."""
+    if get_origin(info.annotation) is Literal:
+        return "{" + ",".join(str(c) for c in get_args(info.annotation)) + "}"
+    kind = _flag_type(info.annotation)
+    return "{true,false}" if kind == "bool" else kind.upper()
+
+
+def _default_text(info: FieldInfo) -> str:
+    """`` (default: X)`` for --help; empty when the default is unset and the description explains it."""
+    default = info.get_default(call_default_factory=True)
+    description = (info.description or "").lower()
+    if default is None:
+        return "" if "default" in description or "unset" in description else " (default: unset)"
+    shown = default if isinstance(default, str) else json.dumps(default)
+    return f" (default: {shown})"
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, *, server: bool = True) -> None:
+    """Add every setting as a ``--kebab-case`` flag; values stay strings for pydantic to validate.
+
+    ``server=False`` leaves out the settings only the HTTP server reads (:func:`is_server_only`).
+    The argparse default stays None so :func:`settings_from_args` sees which flags were given; the
+    help text shows the setting's own default instead."""
     group = parser.add_argument_group("settings (each also PYPTO_SERVING_<NAME> or a config-file key)")
     for name, info in ServingSettings.model_fields.items():
-        if name == "config_file":
+        if name in ("config_file", "model"):
+            continue  # --config and --model are added by the subcommands that take them
+        if not server and is_server_only(name):
             continue
         flag = "--" + name.replace("_", "-")
         kind = _flag_type(info.annotation)
-        help_text = (info.description or "") + (" (JSON)" if kind == "json" else "")
-        if name == "model":
-            continue  # added by the subcommands that take a model, positionally or as --model
-        group.add_argument(flag, dest=f"setting_{name}", default=None, metavar=kind.upper(), help=help_text)
+        help_text = (info.description or "") + (" (JSON)" if kind == "json" else "") + _default_text(info)
+        group.add_argument(
+            flag, dest=f"setting_{name}", default=None, metavar=_metavar(info), help=help_text.replace("%", "%%")
+        )
 
 
 def settings_from_args(args: argparse.Namespace) -> ServingSettings:
