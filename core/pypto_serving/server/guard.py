@@ -1,10 +1,11 @@
-"""The ASGI guard wrapped around the whole app: body-size limit, Bearer auth, last-resort 500."""
+"""The ASGI guard wrapped around the whole app: body-size limit, Bearer auth, last-resort 500, access log."""
 
 from __future__ import annotations
 
 import hmac
 import json
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -13,6 +14,8 @@ from ..config import ServingSettings
 from .protocol import error_body
 
 logger = logging.getLogger("pypto_serving.server")
+# One line per HTTP request at info; its own name so deployments can route or silence it.
+access_logger = logging.getLogger("pypto_serving.access")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -21,9 +24,49 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+class _Exchange:
+    """One HTTP request's response as its client sees it: the status sent, whether the body ended,
+    and the ``x-request-id`` header added to the response start. Everything the guard and the app
+    send goes through :meth:`send`, so the access line reports what was actually sent."""
+
+    def __init__(self, send: Send, request_id: str) -> None:
+        self._send = send
+        self.request_id = request_id
+        self.status: int | None = None
+        self.complete = False
+        self.failed = False
+
+    async def send(self, msg: Message) -> None:
+        if msg["type"] == "http.response.start":
+            self.status = int(msg["status"])
+            msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", self.request_id.encode())]}
+        elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+            self.complete = True
+        await self._send(msg)
+
+    def log(self, scope: Scope, seconds: float) -> None:
+        """The one access line of this request (never headers, keys or bodies)."""
+        status = 499 if self.status is None else self.status  # 499: the client closed before any response
+        note = ""
+        if self.failed and self.status is not None:
+            note = " (failed mid-response)"
+        elif not self.complete:
+            note = " (client closed)"
+        access_logger.info(
+            "%s %s %d %.1fms %s%s",
+            scope.get("method"),
+            _printable(scope["path"]),
+            status,
+            seconds * 1000,
+            self.request_id,
+            note,
+        )
+
+
 class _Guard:
     """Outermost checks, as plain ASGI so streaming and disconnects pass through untouched:
-    the body-size limit (413), Bearer auth (401) and a last-resort 500 that carries an error id."""
+    the body-size limit (413), Bearer auth (401), a last-resort 500 that carries an error id, and
+    the access log: one line per HTTP request, under an id the app finds in ``request.state``."""
 
     def __init__(self, app: ASGIApp, settings: ServingSettings) -> None:
         self.app = app
@@ -35,6 +78,18 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # An id an outer layer already assigned is kept, so every log line of the request agrees.
+        state = scope.setdefault("state", {})
+        state.setdefault("request_id", f"req-{uuid.uuid4().hex}")
+        exchange = _Exchange(send, str(state["request_id"]))
+        started_at = time.perf_counter()
+        try:
+            await self._guarded(scope, receive, exchange)
+        finally:  # also when the server cancels the request: every request gets its line
+            exchange.log(scope, time.perf_counter() - started_at)
+
+    async def _guarded(self, scope: Scope, receive: Receive, exchange: _Exchange) -> None:
+        send = exchange.send
         if self.keys and scope["path"] not in self.open_paths and not self._authorized(scope):
             await _send_json(
                 send,
@@ -43,26 +98,9 @@ class _Guard:
                 {"www-authenticate": "Bearer"},
             )
             return
-        declared = _header(scope, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            await self._too_large(send)
+        body = await self._read_body(scope, receive, send)
+        if body is None:
             return
-        # Read the body here (bounded) so chunked uploads cannot exceed the limit either, then
-        # replay it; later receive() calls go to the server so disconnects still arrive.
-        chunks: list[bytes] = []
-        size = 0
-        more = True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # client left before sending its body
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                await self._too_large(send)
-                return
-            more = bool(msg.get("more_body", False))
-        body = b"".join(chunks)
         replayed = False
 
         async def replay() -> Message:
@@ -72,26 +110,42 @@ class _Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        started = False
-
-        async def tracked_send(msg: Message) -> None:
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
         try:
-            await self.app(scope, replay, tracked_send)
+            await self.app(scope, replay, send)
         except Exception:
+            exchange.failed = True
             error_id = f"err-{uuid.uuid4().hex}"
             logger.exception("internal error %s while serving %s %s", error_id, scope.get("method"), scope["path"])
-            if not started:
+            if exchange.status is None:
                 await _send_json(
                     send,
                     500,
                     error_body(f"internal server error (error id {error_id})", "server_error", None, "internal_error"),
                     {"x-error-id": error_id},
                 )
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole request body, or None when a response (413) went out or the client left.
+
+        Read here (bounded) so chunked uploads cannot exceed the limit either; the app gets it replayed."""
+        declared = _header(scope, b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await self._too_large(send)
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return None  # client left before sending its body
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._too_large(send)
+                return None
+            more = bool(msg.get("more_body", False))
+        return b"".join(chunks)
 
     def _authorized(self, scope: Scope) -> bool:
         value = _header(scope, b"authorization") or ""
@@ -115,6 +169,11 @@ class _Guard:
                 "request_too_large",
             ),
         )
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped, so a crafted path cannot forge log lines."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
