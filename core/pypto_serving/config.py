@@ -163,6 +163,15 @@ class ServingSettings(BaseSettings):
         None, gt=0, description="CPU threads of the worker process's torch ops (unset: torch's default)."
     )
     seed: int = Field(0, description="Seed for model initialisation and unseeded sampling.")
+    max_worker_restarts: int = Field(
+        3,
+        ge=0,
+        description="Worker restarts allowed within worker_restart_window before the server exits non-zero "
+        "(0 = never restart).",
+    )
+    worker_restart_window: float = Field(
+        600.0, gt=0, description="Seconds over which max_worker_restarts is counted."
+    )
 
     # -- server
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
@@ -174,6 +183,18 @@ class ServingSettings(BaseSettings):
     max_request_body_bytes: int = Field(1024**2, gt=0, description="Largest accepted HTTP body.")
     max_waiting_requests: int = Field(1024, gt=0, description="Waiting-queue length beyond which requests get 503.")
     shutdown_timeout: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
+    http_header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a connection may take to send complete request headers before it is closed."
+    )
+    http_body_timeout: float = Field(
+        30.0, gt=0, description="Seconds a request may take to send its whole body before it is closed."
+    )
+    http_keep_alive_timeout: float = Field(
+        5.0, gt=0, description="Seconds an idle keep-alive connection stays open."
+    )
+    http_max_connections: int | None = Field(
+        None, gt=0, description="Most open connections; beyond it new requests get 503 (unset: no limit)."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level.")
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)

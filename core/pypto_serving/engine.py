@@ -10,9 +10,11 @@ import random
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from .config import ServingSettings, SettingsError
 from .executor import CacheGroupSpec, StepResult, WorkerClient, WorkerDiedError
@@ -186,6 +188,7 @@ class EngineCore:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
+        _check_encodable(ids, params)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
@@ -214,12 +217,26 @@ class EngineCore:
 
     # ------------------------------------------------------------------ steps (used by strategies)
     def step(self) -> list[RequestOutput]:
-        """One strategy step; returns the outputs of user requests that changed."""
+        """One strategy step; returns the outputs of user requests that changed. A dead worker or an
+        unexpected error inside the step marks the engine dead (``dead_reason``) and fails every live
+        request instead of raising: the owner replaces a dead engine with a fresh one."""
         if self.dead_reason is None:
             try:
                 self.strategy.step()
             except WorkerDiedError as e:
                 self._die(str(e))
+            except Exception as e:
+                logger.exception("engine step failed")
+                self._die(f"engine step failed: {type(e).__name__}: {e}")
+        return self._collect()
+
+    def check_worker(self) -> list[RequestOutput]:
+        """Notice a worker that died while no step was running; returns the outputs of the requests
+        this fails (none while the worker lives)."""
+        if self.dead_reason is None:
+            reason = self.worker.check_alive()
+            if reason is not None:
+                self._die(reason)
         return self._collect()
 
     def schedule(self) -> SchedulerOutput | None:
@@ -309,6 +326,18 @@ class EngineCore:
         self.worker.close()
 
 
+def _check_encodable(ids: list[int], params: SamplingParams) -> None:
+    """A request whose values cannot cross the process boundary fails here, alone, rather than in
+    the step that would carry it (and every request batched with it)."""
+    try:
+        _wire_check.encode((ids, asdict(params)))
+    except (OverflowError, TypeError, ValueError, UnicodeError, msgspec.EncodeError) as e:
+        raise ValueError(f"the request cannot be sent to the worker: {e}") from None
+
+
+_wire_check = msgspec.msgpack.Encoder()
+
+
 def _detok_on_token(req: Request, token: int) -> bool:
     return bool(req.detokenizer.append(token)) if req.detokenizer is not None else False
 
@@ -329,6 +358,7 @@ class LLM:
         if settings is not None and overrides:
             settings = settings.model_copy(update=overrides)
         self.settings = settings if settings is not None else ServingSettings.load(**overrides)
+        self._plugins = plugins
         self.engine: EngineCore | None = EngineCore(self.settings, plugins)
         self._ids = 0
         self_ref = weakref.ref(self)
@@ -344,6 +374,17 @@ class LLM:
             raise EngineDeadError("this LLM was shut down")
         return self.engine
 
+    def _live_engine(self) -> EngineCore:
+        """The engine, replaced by a fresh one (new worker, model reloaded) if its worker died."""
+        engine = self._engine()
+        if engine.dead_reason is None:
+            return engine
+        logger.warning("starting a new worker; the previous one failed: %s", engine.dead_reason)
+        self.engine = None
+        engine.shutdown()
+        self.engine = EngineCore(self.settings, self._plugins)
+        return self.engine
+
     def default_sampling_params(self) -> SamplingParams:
         d = self._engine().info.generation_defaults
         return SamplingParams(**{k: v for k, v in d.items() if k in ("temperature", "top_p", "top_k", "min_p")})
@@ -355,8 +396,10 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order."""
-        engine = self._engine()
+        """Generate for every prompt (text or token ids); outputs come back in input order.
+
+        Raises :class:`EngineDeadError` if the worker dies meanwhile; the next call starts a new one."""
+        engine = self._live_engine()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -369,12 +412,7 @@ class LLM:
         )
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(params)} sampling params for {len(prompt_list)} prompts")
-        ids = []
-        for p, sp in zip(prompt_list, params):
-            rid = f"gen-{self._ids}"
-            self._ids += 1
-            engine.add_request(rid, p, sp)
-            ids.append(rid)
+        ids = self._add_all(engine, prompt_list, params)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
@@ -388,12 +426,30 @@ class LLM:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
-                if engine.dead_reason is not None and len(results) < len(ids):
-                    raise EngineDeadError(engine.dead_reason)
+                if engine.dead_reason is not None:
+                    raise EngineDeadError(f"{engine.dead_reason}; the next generate() starts a new worker")
         finally:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+    def _add_all(self, engine: EngineCore, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        """Add every prompt, or none: a prompt that fails validation takes back the ones added before
+        it, so no orphan request runs into the next ``generate``."""
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                rid = f"gen-{self._ids}"
+                self._ids += 1
+                engine.add_request(rid, p, sp)
+                ids.append(rid)
+        except BaseException:
+            for rid in ids:
+                engine.abort(rid)
+            while engine.has_unfinished() and engine.dead_reason is None:
+                engine.step()
+            raise
+        return ids
 
     def chat(
         self,

@@ -11,6 +11,8 @@ import abc
 import contextlib
 import logging
 import multiprocessing as mp
+import os
+import sys
 import threading
 import traceback
 from collections import deque
@@ -215,6 +217,26 @@ class WorkerDiedError(WorkerError):
     """The worker process is gone or stopped answering."""
 
 
+# Exit code of a spawned child that tried to start a worker while importing the main script: the
+# script creates an LLM at import time, outside ``if __name__ == "__main__":``.
+_UNGUARDED_MAIN_EXIT = 86
+_UNGUARDED_MAIN_HELP = (
+    "the worker process could not start because the script that creates the LLM has no "
+    "'if __name__ == \"__main__\":' guard: the worker is spawned and imports the main script again, "
+    "which must not create an LLM or start a server at import time. Put that code under "
+    "'if __name__ == \"__main__\":' (or use worker_mode='inproc')"
+)
+
+
+def _refuse_spawn_while_bootstrapping() -> None:
+    """In a spawned child that is still importing the parent's main script, creating a worker would
+    recurse; multiprocessing raises an opaque RuntimeError there. Exit with a code the parent
+    recognises instead, after saying why on stderr."""
+    if mp.parent_process() is not None and getattr(mp.current_process(), "_inheriting", False):
+        print(f"pypto-serving: error: {_UNGUARDED_MAIN_HELP}", file=sys.stderr, flush=True)
+        os._exit(_UNGUARDED_MAIN_EXIT)
+
+
 def _encode_info(info: ExecutorInfo) -> bytes:
     return _encoder.encode(info)
 
@@ -292,6 +314,7 @@ class WorkerClient:
             self._proc = None
             return
         self._runner = None
+        _refuse_spawn_while_bootstrapping()
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
@@ -302,7 +325,13 @@ class WorkerClient:
         )
         self._proc.start()
         child.close()
-        loaded = msgspec.msgpack.decode(self._recv(timeout=max(timeout, 600.0), what="loading the model"), type=_Loaded)
+        try:
+            raw = self._recv(timeout=max(timeout, 600.0), what="loading the model")
+        except WorkerDiedError:
+            if self._proc.exitcode == _UNGUARDED_MAIN_EXIT:
+                raise WorkerError(_UNGUARDED_MAIN_HELP) from None
+            raise
+        loaded = msgspec.msgpack.decode(raw, type=_Loaded)
         if loaded.error is not None or loaded.info is None:
             self.close()
             raise WorkerError(f"the executor failed to load: {loaded.error}")
@@ -371,6 +400,18 @@ class WorkerClient:
                 self._proc.kill()
             self._proc.join(timeout=5)  # no zombie left behind
         raise WorkerDiedError(reason)
+
+    def check_alive(self) -> str | None:
+        """Why the worker is gone, or None while it runs. Cheap (a non-blocking ``waitpid``), so
+        the engine calls it while idle to notice a dead worker before the next request needs it."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        if self._proc is None or self._proc.is_alive():
+            return None
+        self._proc.join(timeout=1)
+        self.dead_reason = f"the worker process died (exit code {self._proc.exitcode}) while idle"
+        self._in_flight = 0
+        return self.dead_reason
 
     @property
     def pid(self) -> int | None:

@@ -111,7 +111,12 @@ class ServerMetrics:
             [*labels, "position"],
             registry=r,
         )
-        self.engine_dead = Gauge(f"{_PREFIX}_engine_dead", "1 when the engine failed.", labels, registry=r)
+        self.engine_dead = Gauge(
+            f"{_PREFIX}_engine_dead", "1 when the engine is down for good (restarts exhausted).", labels, registry=r
+        )
+        self.worker_restarts = Counter(
+            f"{_PREFIX}_worker_restarts", "Times a dead worker was replaced by a fresh one.", labels, registry=r
+        )
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record one finished user request (called from the engine thread; prometheus-client locks)."""
@@ -132,6 +137,9 @@ class ServerMetrics:
         end = t.finished_time or t.last_token_time
         if end is not None:
             self.e2e.labels(m).observe(max(0.0, end - t.arrival_time))
+
+    def observe_restart(self) -> None:
+        self.worker_restarts.labels(self._model).inc()
 
     def update_engine(self, stats: Mapping[str, Any], dead: bool) -> None:
         m = self._model

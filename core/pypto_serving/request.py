@@ -49,23 +49,29 @@ class SamplingParams:
             self.top_k = 0
         _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature, ">= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _check(self.top_k >= 0, "top_k", self.top_k, "-1, 0 (off) or a positive integer")
+        _check(0 <= self.top_k < _INT64, "top_k", self.top_k, "-1, 0 (off) or a positive integer below 2**63")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
         _check(0 < self.repetition_penalty <= 2, "repetition_penalty", self.repetition_penalty, "in (0, 2]")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
-        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        _check(self.max_tokens is None or 1 <= self.max_tokens < _INT64, "max_tokens", self.max_tokens, "in [1, 2**63)")
+        _check(0 <= self.min_tokens < _INT64, "min_tokens", self.min_tokens, "in [0, 2**63)")
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
             self.min_tokens,
             "<= max_tokens",
         )
-        _check(self.n >= 1, "n", self.n, ">= 1")
+        _check(1 <= self.n < _INT64, "n", self.n, "in [1, 2**63)")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "in [0, 20]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "token ids >= 0")
+        _check(all(_is_utf8(s) for s in self.stop), "stop", self.stop, "valid Unicode (no unpaired surrogates)")
+        _check(
+            all(0 <= t < _INT64 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "token ids in [0, 2**63)",
+        )
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "in [0, 2**63)")
 
     @property
@@ -75,6 +81,19 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+# Every integer crosses the process boundary and reaches int64 tensors: larger values are refused here,
+# for the one request, instead of failing the step (or the encoder) of every request batched with it.
+_INT64 = 2**63
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:

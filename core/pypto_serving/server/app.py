@@ -30,7 +30,7 @@ from .openai_requests import (
     _Ctx,
     _sampling_params,
 )
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, validation_api_error
 from .responses import _chat_body, _completion_body, _run_all
 from .streaming import _sse, _start_stream
 
@@ -77,17 +77,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ())]
-        # The top-level field: deeper parts are pydantic's union branch names, not client-facing fields.
-        param = loc[1] if len(loc) > 1 and loc[0] == "body" else None
-        if first.get("type") == "json_invalid":
-            param = None
-        msg = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errors[:3]
-        )
-        return JSONResponse(error_body(msg, "invalid_request_error", param, "invalid_value"), 400)
+        e = validation_api_error(exc.errors(), exc.body)
+        return JSONResponse(error_body(e.message, e.type, e.param, e.code), e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -106,8 +97,11 @@ def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
     async def health() -> JSONResponse:
         if llm.healthy:
             return JSONResponse({"status": "ok"})
-        reason = llm.dead_reason or ("shutting down" if llm.ready else "loading")
-        return JSONResponse({"status": "unavailable", "reason": reason}, 503, headers={"retry-after": "5"})
+        if llm.restarting is not None and llm.dead_reason is None:
+            body = {"status": "restarting", "reason": llm.restarting}
+        else:
+            body = {"status": "unavailable", "reason": llm.dead_reason or ("shutting down" if llm.ready else "loading")}
+        return JSONResponse(body, 503, headers={"retry-after": "5"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -134,13 +128,9 @@ def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         _check_model(ctx, req.model)
         _check_ready(ctx)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         prompts = _completion_prompts(ctx, req.prompt)
         params = [_sampling_params(ctx, req, p, req.max_tokens, req.logprobs) for p in prompts]
-        _check_capacity(ctx, len(prompts))
+        _check_capacity(ctx, len(prompts), req.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse((await _start_stream(ctx, rid, prompts, params)).completion(req))
@@ -151,8 +141,6 @@ def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(ctx, req.model)
         _check_ready(ctx)
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         prompt = _chat_prompt(ctx, req)
@@ -160,7 +148,7 @@ def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = _sampling_params(ctx, req, prompt, max_tokens, num_logprobs, max_tokens_param=param_name)
-        _check_capacity(ctx, 1)
+        _check_capacity(ctx, 1, req.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse((await _start_stream(ctx, rid, [prompt], [params])).chat(req))

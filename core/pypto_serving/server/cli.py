@@ -8,14 +8,9 @@ then does uvicorn start accepting on the already-bound socket.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import math
-import signal
 import socket
 import sys
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 from ..config import SettingsError, add_settings_arguments, settings_from_args
@@ -29,8 +24,8 @@ logger = logging.getLogger("pypto_serving.server")
 
 def add_serve_command(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--config", help="TOML or YAML settings file (see examples/serve.toml)")
-    p.add_argument("--model", help="model directory")
+    p.add_argument("--config", metavar="FILE", help="TOML or YAML settings file (see examples/serve.toml)")
+    p.add_argument("--model", metavar="DIR", help="model directory")
     add_settings_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -54,29 +49,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _server_class() -> Any:
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which makes the process die
-        by the signal (exit -15). A drained shutdown is a success, so we handle the signals ourselves:
-        stop accepting, let uvicorn wait for in-flight responses, and return normally (exit 0)."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return Server
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
@@ -89,22 +61,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def run_server(settings: Any, plugins: Any = None) -> int:
-    """Bind, load, serve until SIGINT/SIGTERM; returns the process exit code."""
-    import uvicorn
-
+    """Bind, load, serve until SIGINT/SIGTERM; returns the process exit code: 0 after a drained
+    shutdown, 1 when the worker kept dying past the restart budget (so a supervisor restarts us)."""
     from ..engine import EngineDeadError
     from ..executor import WorkerError
     from .app import build_app
     from .async_llm import AsyncLLM
-
-    _Server = _server_class()
+    from .transport import ServingServer, uvicorn_config
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sock = _bind(settings.host, settings.port)
     except OSError as e:
         return _fail(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}")
-    llm = AsyncLLM(settings, plugins)
+    fatal: list[str] = []
+    server: ServingServer | None = None
+
+    def give_up(reason: str) -> None:  # the engine thread is out of restarts: stop serving, exit 1
+        fatal.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    llm = AsyncLLM(settings, plugins, on_fatal=give_up)
     try:
         llm.wait_ready()
     except (SettingsError, PluginError, WorkerError, EngineDeadError, ValueError, OSError) as e:
@@ -114,17 +92,15 @@ def run_server(settings: Any, plugins: Any = None) -> int:
     host, port = sock.getsockname()[:2]
     # Printed (not only logged) so wrappers and tests can find the port when port = 0.
     print(f"pypto-serving: serving {settings.model} on http://{host}:{port}", flush=True)
-    config = uvicorn.Config(
-        app,
-        log_level=settings.log_level,
-        # uvicorn treats 0 as "wait forever", so the shortest real wait is one second.
-        timeout_graceful_shutdown=max(1, math.ceil(settings.shutdown_timeout)),
-        access_log=settings.log_level == "debug",
-    )
-    server = _Server(config)
+    server = ServingServer(uvicorn_config(app, settings), llm, settings.shutdown_timeout)
+    server.should_exit = bool(fatal)  # restarts ran out while the server was being built
+
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
         llm.shutdown(max(5.0, settings.shutdown_timeout))
+    if fatal:
+        print(f"pypto-serving: error: {fatal[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -61,6 +61,14 @@ def _check_model(ctx: _Ctx, model: str | None) -> None:
 def _check_ready(ctx: _Ctx) -> None:
     if ctx.llm.dead_reason is not None:
         raise APIError(503, f"the engine failed: {ctx.llm.dead_reason}", type="server_error", code="engine_dead")
+    if ctx.llm.restarting is not None:
+        raise APIError(
+            503,
+            f"the worker is restarting after a failure ({ctx.llm.restarting}); retry shortly",
+            type="server_error",
+            code="restarting",
+            headers={"retry-after": "5"},
+        )
     if not ctx.llm.ready:
         raise APIError(
             503,
@@ -71,12 +79,24 @@ def _check_ready(ctx: _Ctx) -> None:
         )
 
 
-def _check_capacity(ctx: _Ctx, new: int) -> None:
-    if ctx.llm.num_waiting() + new > ctx.settings.max_waiting_requests:
+def _check_capacity(ctx: _Ctx, num_prompts: int, n: int) -> None:
+    """Back-pressure counted in sequences: every prompt's every choice waits as its own sequence. A
+    request that alone needs more than the waiting limit can never be admitted, so it is the client's
+    error (400), not a reason to retry (503)."""
+    limit = ctx.settings.max_waiting_requests
+    new = num_prompts * n
+    if new > limit:
+        raise APIError(
+            400,
+            f"this request needs {new} sequences ({num_prompts} prompt(s) x n={n}) but at most "
+            f"max_waiting_requests={limit} may wait; lower n or send fewer prompts per request",
+            param="n" if n > 1 else "prompt",
+            code="too_many_sequences",
+        )
+    if ctx.llm.num_waiting() + new > limit:
         raise APIError(
             503,
-            f"the server is overloaded (more than max_waiting_requests={ctx.settings.max_waiting_requests} "
-            "requests waiting); retry later",
+            f"the server is overloaded (more than max_waiting_requests={limit} sequences waiting); retry later",
             type="server_error",
             code="overloaded",
             headers={"retry-after": "1"},
@@ -183,13 +203,8 @@ def _sampling_params(
             **kw,
         )
     except (ValueError, TypeError) as e:
-        m = _PARAM_RE.match(str(e))
-        param = m.group(1) if m else None
-        if param == "max_tokens":
-            param = max_tokens_param
-        elif param == "logprobs" and isinstance(req, ChatCompletionRequest):
-            param = "top_logprobs"
-        raise APIError(400, str(e), param=param) from None
+        raise _sampling_error(str(e), isinstance(req, ChatCompletionRequest), max_tokens_param) from None
+    _check_model_bounds(ctx, req)
     if params.stop and ctx.llm.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer.json in the model directory", param="stop")
     if max_tokens is not None and len(prompt.ids) + max_tokens > ctx.llm.max_model_len:
@@ -201,6 +216,36 @@ def _sampling_params(
             code="context_length_exceeded",
         )
     return params
+
+
+def _sampling_error(message: str, chat: bool, max_tokens_param: str) -> APIError:
+    """A ``SamplingParams`` error in the client's words: chat's ``max_completion_tokens`` and
+    ``top_logprobs`` are ``max_tokens`` and ``logprobs`` to the engine."""
+    if max_tokens_param != "max_tokens":
+        message = re.sub(r"\bmax_tokens\b", max_tokens_param, message)
+    if chat and message.startswith("logprobs="):
+        message = "top_" + message
+    m = _PARAM_RE.match(message)
+    return APIError(400, message, param=m.group(1) if m else None)
+
+
+def _check_model_bounds(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) -> None:
+    """The bounds that depend on the served model, which the request models cannot know."""
+    vocab, max_len = ctx.llm.vocab_size, ctx.llm.max_model_len
+    if req.top_k is not None and req.top_k > vocab:
+        raise APIError(
+            400,
+            f"top_k={req.top_k} is invalid: must be -1, 0 (off) or at most the vocabulary size {vocab}",
+            param="top_k",
+        )
+    if any(t >= vocab for t in req.stop_token_ids or ()):
+        raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
+    if req.min_tokens > max_len:
+        raise APIError(
+            400,
+            f"min_tokens={req.min_tokens} is invalid: must be at most the context length max_model_len={max_len}",
+            param="min_tokens",
+        )
 
 
 def _request_ids(rid: str, n: int) -> list[str]:

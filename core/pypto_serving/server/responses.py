@@ -36,7 +36,11 @@ async def _run_all(
     try:
         outs = await asyncio.gather(*tasks)
     except asyncio.CancelledError:
-        raise
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise  # the server cancels this handler (shutdown): not ours to swallow
+        # The watcher cancelled the work because the client left: an ordinary end, not an error.
+        raise APIError(499, "the client closed the request", code="client_closed") from None
     except (ValueError, EngineDeadError, EngineFailure) as e:
         raise _engine_error(e) from None
     finally:
@@ -45,7 +49,7 @@ async def _run_all(
             t.cancel()  # generate()'s cleanup aborts whatever is unfinished
     for out in outs:
         if any(c.finish_reason == "error" for c in out.outputs):
-            reason = ctx.llm.dead_reason or "a step failed for this request"
+            reason = ctx.llm.dead_reason or ctx.llm.restarting or "a step failed for this request"
             raise APIError(500, f"generation failed: {reason}", type="server_error", code="generation_failed")
     return list(outs)
 

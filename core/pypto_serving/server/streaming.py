@@ -160,6 +160,10 @@ class _StreamRunner:
         st.text_sent = max(st.text_sent, upto)
         return delta
 
+    def _failed_event(self) -> str:
+        llm = self.ctx.llm
+        return _error_event(f"generation failed: {llm.dead_reason or llm.restarting or 'a step failed'}")
+
     def _usage_chunk(self, obj: str) -> str:
         outs = [self.finals[i] for i in sorted(self.finals)]
         return _event(
@@ -179,7 +183,7 @@ class _StreamRunner:
             async with contextlib.aclosing(self._items()) as items:
                 async for pi, c, st, start, end, done in items:
                     if c.finish_reason == "error":
-                        yield _error_event(f"generation failed: {self.ctx.llm.dead_reason or 'a step failed'}")
+                        yield self._failed_event()
                         yield _DONE
                         return
                     prefix = ""
@@ -237,7 +241,7 @@ class _StreamRunner:
             async with contextlib.aclosing(self._items()) as items:
                 async for _pi, c, st, start, end, done in items:
                     if c.finish_reason == "error":
-                        yield _error_event(f"generation failed: {self.ctx.llm.dead_reason or 'a step failed'}")
+                        yield self._failed_event()
                         yield _DONE
                         return
                     if not st.started:

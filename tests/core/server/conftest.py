@@ -89,15 +89,20 @@ def shared_client(fake_model_dir: Path) -> Iterator[tuple[Any, Any]]:
 class LiveServer:
     """uvicorn serving the app on 127.0.0.1 in a background thread (real sockets, real disconnects)."""
 
-    def __init__(self, app: Any, graceful_shutdown: int | None = None) -> None:
+    def __init__(self, app: Any, llm: Any = None) -> None:
+        """With ``llm``, the transport ``serve`` uses (timeouts, shutdown cut) from its settings."""
         import uvicorn
+
+        from pypto_serving.server.transport import ServingServer, uvicorn_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=graceful_shutdown
-        )
-        self.server = uvicorn.Server(config)
+        if llm is None:
+            self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        else:
+            config = uvicorn_config(app, llm.settings)
+            config.host, config.port = "127.0.0.1", self.port
+            self.server = ServingServer(config, llm, llm.settings.shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -119,7 +124,7 @@ def live_server(fake_model_dir: Path) -> Iterator[Callable[..., tuple[LiveServer
 
     def factory(**overrides: Any) -> tuple[LiveServer, Any]:
         llm = start_llm(fake_model_dir, **overrides)
-        server = LiveServer(build_app(llm, manage_engine=False))
+        server = LiveServer(build_app(llm, manage_engine=False), llm=llm)
         made.append((server, llm))
         return server, llm
 

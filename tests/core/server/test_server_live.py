@@ -43,7 +43,7 @@ async def wait_idle(client: httpx.AsyncClient, within: float) -> str:
 async def stream(client: httpx.AsyncClient, body: dict[str, Any], leave_after: int | None = None) -> str | None:
     """Stream a completion; with ``leave_after`` drop the connection after that many events."""
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, await r.aread()
         seen, raw = 0, ""
         async for chunk in r.aiter_text():
             raw += chunk
@@ -109,50 +109,165 @@ def test_fifty_concurrent_streams_with_random_disconnects(live_server: Any) -> N
     asyncio.run(main())
 
 
-def test_engine_death_ends_streams_with_error_and_health_503(live_server: Any) -> None:
-    server, _ = live_server(worker_mode="process", executor_options={"crash_on_token": 299, "step_sleep": 0.01})
+async def wait_health(client: httpx.AsyncClient, status: int, within: float) -> dict[str, Any]:
+    deadline = time.monotonic() + within
+    while True:
+        r = await client.get("/health")
+        if r.status_code == status:
+            return dict(r.json())
+        assert time.monotonic() < deadline, f"/health still {r.status_code} {r.text} after {within}s"
+        await asyncio.sleep(0.05)
+
+
+async def greedy_text(client: httpx.AsyncClient, llm: Any, prompt: list[int], max_tokens: int = 6) -> str:
+    """A greedy completion, checked against the fake model's reference decoding."""
+    from tests.core.server.conftest import VOCAB
+    from tests.fakes import reference_tokens
+
+    r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    # The detokenizer holds back a trailing partial UTF-8 character, which decode() shows as U+FFFD.
+    assert text == llm.tokenizer.decode(reference_tokens(prompt, max_tokens, VOCAB)[0]).rstrip("\ufffd")
+    return str(text)
+
+
+def test_worker_death_fails_in_flight_then_the_worker_is_replaced(live_server: Any) -> None:
+    server, llm = live_server(worker_mode="process", executor_options={"crash_on_token": 299, "step_sleep": 0.01})
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
             assert (await client.get("/health")).status_code == 200
-            long = asyncio.ensure_future(stream(client, {"prompt": [5, 6], "max_tokens": 100, "ignore_eos": True}))
+            before = await greedy_text(client, llm, [5, 6], 8)
+            body = {"prompt": [5, 6], "max_tokens": 100, "ignore_eos": True, "temperature": 0}  # never samples 299
+            long = asyncio.ensure_future(stream(client, body))
             await asyncio.sleep(0.3)
             crash = await asyncio.wait_for(stream(client, {"prompt": [299], "max_tokens": 5}), 20)
             raw = await asyncio.wait_for(long, 20)
             for body in (crash, raw):
                 assert body is not None
                 events, done = parse_sse(body)
-                assert done and "error" in events[-1], body[-300:]
-            r = await client.get("/health")
-            assert r.status_code == 503 and "worker" in r.json()["reason"]
-            r = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
-            assert "pypto_serving_engine_dead{" in (await client.get("/metrics")).text
+                assert done and "error" in events[-1] and "worker" in events[-1]["error"]["message"], body[-300:]
+            health = await wait_health(client, 200, within=60)  # a fresh worker, without a person
+            assert health == {"status": "ok"}
+            assert await greedy_text(client, llm, [5, 6], 8) == before
+            text = (await client.get("/metrics")).text
+            assert metric(text, "pypto_serving_worker_restarts_total") == 1
+            assert metric(text, "pypto_serving_engine_dead") == 0
+            await wait_idle(client, within=5)
+        assert llm.num_restarts == 1 and llm.engine is not None and llm.engine.worker.pid is not None
 
     asyncio.run(main())
 
 
-def test_shutdown_timeout_expiry_aborts_what_is_still_running(fake_model_dir: Any) -> None:
-    """Graceful shutdown waits ``shutdown_timeout`` (1 s here) for in-flight requests, then aborts
-    the rest: a request needing ~10 s more must not keep the server up, and the engine ends empty."""
+def test_worker_killed_while_idle_is_noticed_within_a_second(live_server: Any) -> None:
+    import os
+    import signal
+
+    server, llm = live_server(worker_mode="process")
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
+            ref = await greedy_text(client, llm, [7, 8, 9])
+            old_pid = llm.engine.worker.pid
+            os.kill(old_pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            while llm.restarting is None and llm.engine.worker.pid == old_pid:
+                assert time.monotonic() - t0 < 1.0, "a worker killed while idle went unnoticed for 1 s"
+                await asyncio.sleep(0.01)
+            r = await client.get("/health")
+            if r.status_code == 503:  # unless the restart is already done
+                assert r.json()["status"] == "restarting" and "exit code -9" in r.json()["reason"]
+            await wait_health(client, 200, within=60)
+            assert await greedy_text(client, llm, [7, 8, 9]) == ref
+            assert llm.engine.worker.pid != old_pid
+
+    asyncio.run(main())
+
+
+def test_restart_budget_exhausted_is_final(live_server: Any) -> None:
+    fatal: list[str] = []
+    server, llm = live_server(
+        worker_mode="process", max_worker_restarts=0, executor_options={"crash_on_token": 299}
+    )
+    llm.on_fatal = fatal.append
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
+            crash = await asyncio.wait_for(stream(client, {"prompt": [299], "max_tokens": 5}), 20)
+            assert crash is not None and "error" in parse_sse(crash)[0][-1]
+            health = await wait_health(client, 503, within=5)
+            assert health["status"] == "unavailable" and "max_worker_restarts=0" in health["reason"]
+            r = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            assert metric((await client.get("/metrics")).text, "pypto_serving_engine_dead") == 1
+        assert len(fatal) == 1 and "exit code 17" in fatal[0]
+
+    asyncio.run(main())
+
+
+def test_client_timeouts_under_load_do_not_kill_the_engine(live_server: Any, caplog: Any, capfd: Any) -> None:
+    """Non-streamed clients that give up while their request waits to be added (the engine busy in a
+    step) used to crash the engine thread (set_result on a cancelled future), and every such
+    disconnect logged an ASGI traceback."""
+    # Steps longer than the handler's disconnect poll (0.25 s), so clients leave while their add is queued.
+    server, llm = live_server(num_kv_blocks=128, executor_options={"step_sleep": 0.6})
+    rng = random.Random(3)
+
+    async def impatient(client: httpx.AsyncClient, i: int) -> int | None:
+        body = {"prompt": [3 + i % 200, 4], "max_tokens": 20, "ignore_eos": True}
+        try:
+            r = await client.post("/v1/completions", json=body, timeout=rng.uniform(0.05, 0.4))
+            return r.status_code
+        except httpx.TimeoutException:
+            return None
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT, limits=limits) as client:
+            load = [
+                asyncio.ensure_future(stream(client, {"prompt": [9, i], "max_tokens": 4, "ignore_eos": True}))
+                for i in range(24)
+            ]
+            await asyncio.sleep(0.2)
+            codes = await asyncio.gather(*(impatient(client, i) for i in range(40)))
+            assert codes.count(None) > 10, codes  # most gave up
+            assert all(c in (None, 200) for c in codes), codes
+            for raw in await asyncio.wait_for(asyncio.gather(*load), 60):
+                assert raw is not None and parse_sse(raw)[1]
+            assert (await client.get("/health")).status_code == 200
+            await greedy_text(client, llm, [5, 6, 7])
+            await wait_idle(client, within=5)
+        assert llm.engine is not None
+        llm.engine.kv.check_invariants([])
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(main())
+    assert llm.failure is None and llm.num_restarts == 0
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text[-2000:]
+    stderr = capfd.readouterr().err
+    assert "Exception in ASGI application" not in stderr and "CancelledError" not in stderr, stderr[-2000:]
+
+
+def test_shutdown_timeout_expiry_ends_streams_with_an_error_event(fake_model_dir: Any, caplog: Any) -> None:
+    """Graceful shutdown waits ``shutdown_timeout`` (1 s here) for in-flight requests, then ends the
+    rest itself: the stream gets an error event and [DONE] (not a cut connection), a request needing
+    ~10 s more does not keep the server up, the engine ends empty, and no traceback is logged."""
     import threading
 
     from pypto_serving.server import build_app
     from tests.core.server.conftest import LiveServer, start_llm
 
     llm = start_llm(fake_model_dir, executor_options={"step_sleep": 0.1}, shutdown_timeout=1.0)
-    server = LiveServer(build_app(llm, manage_engine=True), graceful_shutdown=1)
+    server = LiveServer(build_app(llm, manage_engine=True), llm=llm)
     seen: dict[str, Any] = {}
 
     def client() -> None:
         body = {"prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
-                for chunk in r.iter_text():
-                    seen["first"] = True
-                    seen["raw"] = seen.get("raw", "") + chunk
-        except httpx.HTTPError as e:  # the server may cut the connection when it gives up waiting
-            seen["error"] = e
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            for chunk in r.iter_text():
+                seen["first"] = True
+                seen["raw"] = seen.get("raw", "") + chunk
 
     t = threading.Thread(target=client)
     t.start()
@@ -161,10 +276,15 @@ def test_shutdown_timeout_expiry_aborts_what_is_still_running(fake_model_dir: An
         assert time.monotonic() < deadline, "no first chunk"
         time.sleep(0.01)
     t0 = time.monotonic()
-    server.stop()
-    t.join(15)
+    with caplog.at_level("INFO"):
+        server.stop()
+        t.join(15)
     took = time.monotonic() - t0
     assert not server.thread.is_alive() and not t.is_alive()
     assert took < 6.0, f"shutdown took {took:.1f}s; the request alone needed ~10 s more"
-    assert '"finish_reason":"length"' not in seen.get("raw", "").replace(" ", "")
+    events, done = parse_sse(seen["raw"])
+    assert done, seen["raw"][-300:]
+    assert "shutdown_timeout" in events[-1]["error"]["message"]
     assert llm.engine is not None and not llm.engine.has_unfinished()
+    assert "Traceback" not in caplog.text and "CancelledError" not in caplog.text
+    assert len([r for r in caplog.records if "shutdown_timeout expired" in r.getMessage()]) == 1

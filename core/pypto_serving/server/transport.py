@@ -1,0 +1,145 @@
+"""The HTTP transport under the app: uvicorn with our connection limits and shutdown behaviour.
+
+Two things uvicorn does not do by itself:
+
+* **Stalled connections.** uvicorn closes idle keep-alive connections, but a client that sends half
+  its headers (or half its body) and stops holds a connection and a task forever. :func:`timed_h11`
+  gives each request a deadline for its headers (``http_header_timeout``, counted from the first
+  byte or from the connection) and for its body (``http_body_timeout``); past it the connection gets
+  ``408`` and is closed.
+* **Shutdown.** After ``shutdown_timeout`` uvicorn cancels the handlers still running, which cuts
+  streams without an error event and logs a traceback per stream. :class:`ServingServer` instead
+  ends every open request itself when the grace period runs out (streams get an error event and
+  ``[DONE]``), and gives uvicorn a few more seconds to flush them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ..config import ServingSettings
+from .async_llm import AsyncLLM
+
+__all__ = ["ServingServer", "timed_h11", "uvicorn_config"]
+
+logger = logging.getLogger("pypto_serving.server")
+
+# Seconds uvicorn waits after our own cut for the ended streams to flush before it cancels them.
+_FLUSH_GRACE = 5
+_TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+def timed_h11(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a per-request deadline for the headers and for the body."""
+
+    class TimedH11(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+        _phase = ""
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm("headers", header_timeout)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            state = self.conn.their_state
+            if state is h11.IDLE:
+                self._arm("headers", header_timeout)  # a new request began (or keeps coming in slowly)
+            elif state is h11.SEND_BODY:
+                self._arm("body", body_timeout)
+            else:  # the whole request is in (DONE), or the connection is closing
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self, phase: str, seconds: float) -> None:
+            if self._phase == phase:
+                return  # a deadline counts from the phase's start, not from the latest byte
+            self._disarm()
+            self._phase = phase
+            self._deadline = self.loop.call_later(seconds, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline, self._phase = None, ""
+
+        def _expire(self) -> None:
+            phase = self._phase
+            self._deadline, self._phase = None, ""
+            if self.transport.is_closing():
+                return
+            if phase == "headers" and self.cycle is not None and not self.cycle.response_complete:
+                return  # a pipelined request waits behind a response still being produced
+            logger.info("closing a connection from %s: request %s not received in time", self.client, phase)
+            self.transport.write(_TIMEOUT_RESPONSE)
+            self.transport.close()
+
+    return TimedH11
+
+
+def uvicorn_config(app: Any, settings: ServingSettings) -> uvicorn.Config:
+    """uvicorn settings from ours: timeouts, connection limit, log level."""
+    return uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        http=timed_h11(settings.http_header_timeout, settings.http_body_timeout),
+        timeout_keep_alive=max(1, math.ceil(settings.http_keep_alive_timeout)),
+        limit_concurrency=settings.http_max_connections,
+        # Our cut comes at shutdown_timeout; uvicorn's own cancellation only backs it up.
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout) + _FLUSH_GRACE,
+        access_log=False,  # the guard logs one access line per request
+    )
+
+
+class ServingServer(uvicorn.Server):
+    """uvicorn that drains like a serving engine should.
+
+    uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which makes the process die by the
+    signal (exit -15); a drained shutdown is a success, so the signals are handled here: stop
+    accepting, let in-flight responses finish for ``shutdown_timeout`` seconds, then end the rest
+    with an error (streams get an error event and ``[DONE]``) and return normally.
+    """
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.llm = llm
+        self.shutdown_timeout = shutdown_timeout
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        cut = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._end_open_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+
+    def _end_open_requests(self) -> None:
+        n = self.llm.fail_streams(f"the server is shutting down (shutdown_timeout={self.shutdown_timeout:g}s expired)")
+        if n:
+            logger.warning("shutdown_timeout expired: ended %d request(s) still running", n)
