@@ -1,6 +1,7 @@
 """``pypto-serving generate`` end to end in a subprocess on a tiny random Qwen3 with the real Qwen
 tokenizer: the printed completion equals ``LLM.generate`` for the same greedy request, ``--json`` and
-``--input``/``--output`` JSONL work, and a missing model directory fails with one error line."""
+``--input``/``--output`` JSONL work, ``--log-level`` sets what is logged to stderr, and a missing model
+directory or a checkpoint without weights fails with one error line."""
 
 from __future__ import annotations
 
@@ -43,9 +44,11 @@ def test_generate_prints_the_greedy_completion(qwen_chat_checkpoint: Path, qwen_
     """The documented command line (default worker mode: a separate worker process)."""
     (ref,) = _reference(qwen_chat_llm, ["Hello"], max_tokens=5)
     assert ref.text and ref.text == qwen_chat_llm.tokenizer.decode(ref.token_ids)
-    proc = _cli("--model", qwen_chat_checkpoint, "Hello", "--max-tokens", "5", *COMMON)
+    proc = _cli("--model", qwen_chat_checkpoint, "Hello", "--max-tokens", "5", "--log-level", "info", *COMMON)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ref.text + "\n"
+    # Logged like serve does, so a user sees the model load finish.
+    assert re.search(r"^\S+ \S+ INFO pypto_serving\.engine: engine ready", proc.stderr, re.M), proc.stderr
 
 
 def test_generate_json(qwen_chat_checkpoint: Path, qwen_chat_llm: Any) -> None:
@@ -60,9 +63,12 @@ def test_generate_json(qwen_chat_checkpoint: Path, qwen_chat_llm: Any) -> None:
         "--json",
         "--worker-mode",
         "inproc",
+        "--log-level",
+        "warning",
         *COMMON,
     )
     assert proc.returncode == 0, proc.stderr
+    assert " INFO " not in proc.stderr  # --log-level warning hides the info lines
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert lines == [
         {"prompt": p, "text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason}
@@ -120,6 +126,23 @@ def test_generate_missing_model_dir(tmp_path: Path) -> None:
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("pypto-serving: error:")
     assert str(missing) in lines[0] and "does not exist" in lines[0]
+
+
+def test_generate_checkpoint_without_weights(qwen_chat_checkpoint: Path, tmp_path: Path) -> None:
+    """A valid config.json and tokenizer but no safetensors: the worker process fails to load, and
+    the command says why in one line (exit 2), as serve does, instead of a traceback."""
+    import shutil
+
+    model = tmp_path / "no_weights"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(qwen_chat_checkpoint / name, model / name)
+    proc = _cli("--model", model, "Hello", "--max-tokens", "2", *COMMON, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("pypto-serving: error: the executor failed to load") and "safetensors" in line
 
 
 @pytest.mark.parametrize(
