@@ -1,28 +1,73 @@
-"""Request bodies of the OpenAI API (plus the vLLM sampling extras) and the OpenAI error shape.
+"""Request bodies of the OpenAI API (plus the vLLM sampling extras), the OpenAI error shape, and the
+translation of request-validation errors into OpenAI errors.
 
-Only the fields we honour are declared; unknown fields are ignored like OpenAI and vLLM do, so
-newer clients that send extra options keep working. Range checks live in ``SamplingParams`` (one
-source of truth); these models only check types and the few bounds that protect the server itself.
+The models are strict: JSON types must match (no ``"yes"`` for a bool, no ``true`` for an integer;
+floats accept integers), every integer fits in int64, and every string is valid Unicode (a lone UTF-16
+surrogate such as ``"\\ud800"`` cannot be tokenized or sent to the worker). Unknown fields are refused,
+so a client never silently loses an option it relies on; only ``IGNORED_FIELDS`` are accepted and
+ignored, and ``UNSUPPORTED_FIELDS`` are refused with a message saying so unless they hold a value that
+asks for nothing (``null``, ``tools: []``, ``tool_choice: "none"``, ``best_of`` = ``n``...). Value ranges
+are checked once, by ``SamplingParams``; bounds that depend on the model (vocabulary size, context
+length) are checked in ``openai_requests``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic_core import PydanticCustomError
 
 __all__ = [
+    "IGNORED_FIELDS",
+    "UNSUPPORTED_FIELDS",
     "APIError",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
     "StreamOptions",
     "error_body",
+    "validation_api_error",
 ]
 
 # Bounds that keep one request from exhausting memory before SamplingParams sees it.
 MAX_N = 128
 MAX_STOP = 16
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+# Every integer reaches the worker's msgpack wire and int64 tensors.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Accepted and ignored: metadata about the caller or the account that changes nothing we generate.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+
+# Refused with "X is not supported" unless the value asks for nothing (null always does).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "best_of": (),  # accepted when equal to n: see _is_neutral
+    "prompt_logprobs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "structured_outputs": (),
+    "logits_processors": (),
+    "reasoning_effort": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+}
 
 
 class APIError(Exception):
@@ -51,67 +96,266 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# --------------------------------------------------------------------------- field types
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates escaped, safe to put in a UTF-8 response."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_SURROGATE = "contains an unpaired UTF-16 surrogate; send valid Unicode text"
+
+
+def _unicode_text(text: str) -> str:
+    if not _is_unicode(text):
+        raise PydanticCustomError("unpaired_surrogate", _SURROGATE)
+    return text
+
+
+def _unicode_json(value: Any) -> Any:
+    """Refuses a JSON value any of whose strings (keys included) holds a lone surrogate. Iterative, so
+    deep nesting cannot exhaust the stack."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        children: list[tuple[str, Any]] = []
+        if isinstance(item, str):
+            bad = not _is_unicode(item)
+        elif isinstance(item, dict):
+            bad = any(isinstance(k, str) and not _is_unicode(k) for k in item)
+            children = [(f"{path}.{k}" if path else str(k), v) for k, v in item.items()]
+        else:
+            bad = False
+            if isinstance(item, list):
+                children = [(f"{path}.{i}" if path else str(i), v) for i, v in enumerate(item)]
+        if bad:
+            where = f" at {_printable(path)}" if path else ""
+            raise PydanticCustomError(
+                "unpaired_surrogate",
+                "contains an unpaired UTF-16 surrogate{where}; send valid Unicode text",
+                {"where": where},
+            )
+        stack.extend(reversed(children))
+    return value
+
+
+Text = Annotated[str, Strict(), AfterValidator(_unicode_text)]
+StopString = Annotated[str, Strict(), Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode_text)]
+Int64 = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]
+Float = Annotated[float, Strict(), AllowInfNan(False)]
+Bool = Annotated[bool, Strict()]
+JSONObject = Annotated[dict[str, Any], AfterValidator(_unicode_json)]
+
+
+# --------------------------------------------------------------------------- request models
+
+
 class StreamOptions(BaseModel):
+    # Nested options are benign (e.g. include_obfuscation): unknown ones are ignored.
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
+    include_usage: Bool = False
+
+
+def _is_neutral(name: str, value: Any, body: Mapping[str, Any]) -> bool:
+    """Whether an unsupported field's value asks for nothing this server would do differently."""
+    if value is None:
+        return True
+    if name == "best_of":
+        return type(value) is int and value == body.get("n", 1)
+    return any(type(value) is type(v) and value == v for v in UNSUPPORTED_FIELDS[name])
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints; ``None`` means "the checkpoint's generation default"."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
-    model: str | None = Field(None, description="Served model name; omitted = the only model.")
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    model: Text | None = Field(None, description="Served model name; omitted = the only model.")
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int64 | None = None
+    min_p: Float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    seed: Int64 | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = Field(None, max_length=256)
-    skip_special_tokens: bool = True
+    ignore_eos: Bool = False
+    min_tokens: Int64 = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    skip_special_tokens: Bool = True
+    # IGNORED_FIELDS: typed so that they, too, carry nothing that could not be logged or echoed.
+    user: Text | None = None
+    metadata: dict[Text, Text] | None = None
+    store: Bool | None = None
+    service_tier: Text | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral_unsupported(cls, data: Any) -> Any:
+        # What remains of UNSUPPORTED_FIELDS is refused by extra="forbid" and named by validation_api_error.
+        if not isinstance(data, dict) or not any(k in UNSUPPORTED_FIELDS for k in data):
+            return data
+        return {k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and _is_neutral(k, v, data))}
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
+    echo: Bool = False
 
 
 class ContentPart(BaseModel):
+    # Part types other than text are refused when the prompt is built; their other keys do not matter.
     model_config = ConfigDict(extra="ignore")
 
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
-    # Extra keys (name, tool_calls, ...) pass through to the chat template untouched.
+    # Extra keys pass through to the chat template, which may read any of them; their strings are checked.
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[JSONObject] | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
+
+    @model_validator(mode="after")
+    def _extra_keys_are_unicode(self) -> ChatMessage:
+        if self.model_extra:
+            _unicode_json(self.model_extra)
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: Bool = False
+    top_logprobs: Int64 | None = None
+    add_generation_prompt: Bool = True
+    chat_template_kwargs: JSONObject | None = None
+
+
+def _field_names(*models: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for m in models for name in m.model_fields)
+
+
+# Names that may appear in an error's location; anything else there is pydantic's name of a union branch.
+_FIELD_NAMES = _field_names(CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions)
+
+
+# --------------------------------------------------------------------------- validation errors
+
+
+def validation_api_error(errors: Sequence[Any], body: Any) -> APIError:
+    """The OpenAI error for FastAPI's request-validation ``errors`` of a request ``body``: ``param`` is
+    the top-level field the client sent, and the message names fields the way the client wrote them."""
+    unknown = next((e for e in errors if e.get("type") == "extra_forbidden"), None)
+    if unknown is not None:
+        return _unknown_field_error(str(unknown["loc"][-1]))
+    first = errors[0] if errors else {}
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return _json_error(first, body)
+    if len(loc) < 2:
+        if first.get("type") == "string_unicode" and isinstance(first.get("input"), str):
+            return _unknown_field_error(first["input"])  # a key with a lone surrogate: never a field of ours
+        return _body_error(first)
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[1:2] == loc[1:2]]
+    return APIError(400, _field_message(same_field), param=_printable(str(loc[1])), code="invalid_value")
+
+
+def _unknown_field_error(name: str) -> APIError:
+    shown = _printable(name)
+    if name not in UNSUPPORTED_FIELDS:
+        return APIError(400, f"unknown field '{shown}'", param=shown, code="unknown_parameter")
+    hint = " (only best_of equal to n is accepted)" if name == "best_of" else ""
+    return APIError(400, f"{name} is not supported by this server{hint}", param=name, code="unsupported_parameter")
+
+
+def _json_error(error: Mapping[str, Any], body: Any) -> APIError:
+    loc = tuple(error.get("loc", ()))
+    pos = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
+    reason = str(error.get("ctx", {}).get("error", "invalid JSON"))
+    if isinstance(body, str) and pos is not None:
+        where = str(json.JSONDecodeError(reason, body, pos))  # adds "line L column C (char N)"
+    else:
+        where = reason if pos is None else f"{reason} (char {pos})"
+    return APIError(400, f"could not parse the JSON body of the request: {where}", code="invalid_json")
+
+
+def _body_error(error: Mapping[str, Any]) -> APIError:
+    value = error.get("input")
+    if error.get("type") == "missing":
+        message = "the request body is empty (or null); send a JSON object"
+    elif isinstance(value, bytes | bytearray):
+        message = "the request body must be a JSON object sent with content-type: application/json"
+    else:
+        message = f"the request body must be a JSON object, not {_json_type(value)}"
+    return APIError(400, message, code="invalid_json")
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "null" if value is None else type(value).__name__
+
+
+def _field_message(errors: Sequence[Any]) -> str:
+    """One field's errors as ``path: message`` parts. A union reports one error per branch: a branch
+    whose type matched and whose value failed explains the problem best; when every branch failed on
+    the type, the deepest ones say what was expected where."""
+    chosen = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    if not chosen:
+        deepest = max(len(_client_path(e)) for e in errors)
+        chosen = [e for e in errors if len(_client_path(e)) == deepest]
+    by_path: dict[str, list[str]] = {}
+    for e in chosen:
+        messages = by_path.setdefault(".".join(_client_path(e)), [])
+        # A length-constrained string meets the surrogate before our validator does.
+        msg = _SURROGATE if e.get("type") == "string_unicode" else str(e.get("msg"))
+        if msg not in messages:
+            messages.append(msg)
+    parts = [f"{path}: {_either(msgs)}" for path, msgs in list(by_path.items())[:3]]
+    return "; ".join(parts)
+
+
+def _client_path(error: Mapping[str, Any]) -> list[str]:
+    """The error's location as the client wrote it: field names and list indices, without the
+    ``body`` prefix and without pydantic's union branch names."""
+    loc = tuple(error.get("loc", ()))[1:]
+    return [str(loc[0])] + [str(p) for p in loc[1:] if isinstance(p, int) or p in _FIELD_NAMES]
+
+
+def _either(messages: list[str]) -> str:
+    prefix = "Input should be "
+    rest = [m.removeprefix(prefix) for m in messages[1:]]
+    return " or ".join([messages[0], *rest])

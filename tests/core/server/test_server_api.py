@@ -146,7 +146,8 @@ def test_sampling_fields_accepted_and_seed_reproducible(shared_client: Any) -> N
         "ignore_eos": True,
         "min_tokens": 2,
         "skip_special_tokens": False,
-        "unknown_field": 1,
+        "metadata": {"team": "a"},  # accepted and ignored; unknown fields are refused (test_server_validation)
+        "service_tier": "auto",
     }
     a = client.post("/v1/completions", json=body)
     b = client.post("/v1/completions", json=body)
