@@ -232,7 +232,7 @@ def _refuse_spawn_while_bootstrapping() -> None:
     """In a spawned child that is still importing the parent's main script, creating a worker would
     recurse; multiprocessing raises an opaque RuntimeError there. Exit with a code the parent
     recognises instead, after saying why on stderr."""
-    if mp.parent_process() is not None and getattr(mp.current_process(), "_inheriting", False):
+    if getattr(mp.current_process(), "_inheriting", False):  # set by spawn while the child prepares
         print(f"pypto-serving: error: {_UNGUARDED_MAIN_HELP}", file=sys.stderr, flush=True)
         os._exit(_UNGUARDED_MAIN_EXIT)
 

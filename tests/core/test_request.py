@@ -34,6 +34,15 @@ INVALID = [
     ("stop_token_ids", {"stop_token_ids": [-1]}),
     ("seed", {"seed": -1}),
     ("seed", {"seed": 2**63}),
+    # Integers past int64 would crash the worker's wire encoder or its int64 tensors for the whole batch.
+    ("top_k", {"top_k": 2**63}),
+    ("top_k", {"top_k": 2**64}),
+    ("max_tokens", {"max_tokens": 2**64}),
+    ("min_tokens", {"min_tokens": 2**64, "max_tokens": None}),
+    ("n", {"n": 2**63}),
+    ("stop_token_ids", {"stop_token_ids": [2**64]}),
+    ("stop", {"stop": ["\ud800"]}),
+    ("stop", {"stop": ["ok", "a\udfffb"]}),
 ]
 
 
@@ -57,6 +66,8 @@ def test_invalid_value_names_field(field: str, kwargs: dict[str, object]) -> Non
         {"seed": 0},
         {"seed": 2**63 - 1},
         {"stop_token_ids": [0]},
+        {"top_k": 2**63 - 1, "stop_token_ids": [2**63 - 1], "max_tokens": 2**63 - 1, "min_tokens": 2**63 - 1},
+        {"stop": ["\U0001f600 paired surrogates are fine"]},
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict[str, object]) -> None:

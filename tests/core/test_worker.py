@@ -88,29 +88,78 @@ def test_process_equals_inproc(make_llm: Callable[..., Any], scheduler: str) -> 
     assert tokens(got) == tokens(want) == [reference_tokens(p, 8)[0] for p in prompts]
 
 
-def test_worker_crash_fails_requests_and_kills_the_engine(make_llm: Callable[..., Any]) -> None:
+def test_worker_crash_raises_and_the_next_generate_starts_a_new_worker(make_llm: Callable[..., Any]) -> None:
     crash = 96
     bad = prompt_hitting(crash, at=3)
     others = prompts_avoiding(crash, 2)
     llm = make_llm(worker_mode="process", block_size=4, num_kv_blocks=32, executor_options={"crash_on_token": crash})
     pid = llm.engine.worker.pid
-    try:
-        outs = bounded(lambda: llm.generate([bad, *others], GREEDY, use_tqdm=False))
-    except EngineDeadError as e:
-        assert "died" in str(e)
-    else:
-        for o in outs:
-            c = o.outputs[0]
-            assert c.finish_reason == "error" and o.finished
-        # the 4th output is the crash token: the step that feeds it back kills the worker
-        assert outs[0].outputs[0].token_ids == reference_tokens(bad, 8)[0][:4]
-        dead = llm.engine.dead_reason
-        # (the exit code itself is racy: executor.py reads it before the process is reaped)
-        assert dead is not None and "worker process died" in dead
+    with pytest.raises(EngineDeadError, match=r"worker process died .*the next generate\(\) starts a new worker"):
+        bounded(lambda: llm.generate([bad, *others], GREEDY, use_tqdm=False))
     assert not pid_alive(pid)
-    with pytest.raises(EngineDeadError):
-        llm.generate(others, GREEDY, use_tqdm=False)
+    later = bounded(lambda: llm.generate(others, GREEDY, use_tqdm=False))
+    assert tokens(later) == [reference_tokens(p, 8)[0] for p in others]
+    new_pid = llm.engine.worker.pid
+    assert new_pid is not None and new_pid != pid and pid_alive(new_pid)
+    assert all(p.num_free == p.num_blocks for p in llm.engine.kv.pools.values())
     bounded(llm.shutdown, 20)
+    assert not pid_alive(new_pid)
+
+
+def test_a_rejected_prompt_takes_back_the_prompts_added_before_it(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(block_size=4, num_kv_blocks=32)
+    good = prompts_avoiding(-1, 2)
+    with pytest.raises(ValueError, match="prompt token ids"):
+        llm.generate([good[0], [VOCAB + 5]], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    outs = bounded(lambda: llm.generate(good, GREEDY, use_tqdm=False))
+    assert [o.request_id for o in outs] == [f"gen-{i}" for i in (2, 3)]
+    assert tokens(outs) == [reference_tokens(p, 8)[0] for p in good]
+
+
+def test_a_value_the_wire_cannot_carry_fails_only_its_request(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(block_size=4, num_kv_blocks=32)
+    poisoned = SamplingParams(temperature=0, max_tokens=8)
+    poisoned.top_k = 2**64  # mutated past validation: the engine still refuses it at add time
+    with pytest.raises(ValueError, match="cannot be sent to the worker"):
+        llm.generate([[1, 2, 3]], poisoned, use_tqdm=False)
+    good = prompts_avoiding(-1, 1)
+    assert tokens(bounded(lambda: llm.generate(good, GREEDY, use_tqdm=False))) == [reference_tokens(good[0], 8)[0]]
+
+
+UNGUARDED_SCRIPT = """
+from pypto_serving import LLM, PluginManager
+from tests.fakes import FakePlugin
+
+llm = LLM(executor="fake", scheduler="sync", block_size=4, num_kv_blocks=8, executor_options={{"vocab": 97}},
+          plugins=PluginManager(extra_plugins=[FakePlugin]))
+print("loaded", llm.generate([[1, 2, 3]], use_tqdm=False)[0].finished)
+llm.shutdown()
+"""
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_without_a_main_guard_gets_an_error_that_says_so(tmp_path: Any, guarded: bool) -> None:
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    body = UNGUARDED_SCRIPT.format()
+    if guarded:
+        head, _, rest = body.partition("\nllm = ")
+        body = head + '\nif __name__ == "__main__":\n' + textwrap.indent("llm = " + rest, "    ")
+    script = tmp_path / "offline.py"
+    script.write_text(body)
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    if guarded:
+        assert r.returncode == 0 and "loaded True" in r.stdout, r.stderr[-2000:]
+        return
+    assert r.returncode != 0
+    assert "WorkerError" in r.stderr and 'if __name__ == "__main__":' in r.stderr, r.stderr[-2000:]
+    assert "bootstrapping phase" not in r.stderr  # multiprocessing's own opaque error is not what the user sees
 
 
 @pytest.mark.parametrize("mode", ["inproc", "process"])

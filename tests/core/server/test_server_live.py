@@ -187,9 +187,7 @@ def test_worker_killed_while_idle_is_noticed_within_a_second(live_server: Any) -
 
 def test_restart_budget_exhausted_is_final(live_server: Any) -> None:
     fatal: list[str] = []
-    server, llm = live_server(
-        worker_mode="process", max_worker_restarts=0, executor_options={"crash_on_token": 299}
-    )
+    server, llm = live_server(worker_mode="process", max_worker_restarts=0, executor_options={"crash_on_token": 299})
     llm.on_fatal = fatal.append
 
     async def main() -> None:
