@@ -4,8 +4,11 @@ conftest) so test files import it the same way under any pytest import mode."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +81,96 @@ def parse_sse(text: str) -> tuple[list[dict[str, Any]], bool]:
             continue
         events.append(json.loads(data))
     return events, done
+
+
+# --------------------------------------------------------------------------- real server processes
+
+
+def child_pids(pid: int) -> list[int]:
+    """The child processes of ``pid``, whichever of its threads started them (``/proc/<pid>/task/<pid>/children``
+    lists only the main thread's; the worker is spawned by the engine thread)."""
+    out: list[int] = []
+    task_dir = Path(f"/proc/{pid}/task")
+    for task in task_dir.iterdir() if task_dir.exists() else ():
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            out += [int(x) for x in (task / "children").read_text().split()]
+    return sorted(out)
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The live engine workers of a ``serve`` process: its children started by multiprocessing's spawn
+    (not its resource tracker)."""
+    workers = []
+    for child in child_pids(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and is_running(child):
+            workers.append(child)
+    return workers
+
+
+def open_fds(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the unlabelled-or-single-series Prometheus sample ``name`` in ``text`` (0 if absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def json_bytes(body: dict[str, Any]) -> bytes:
+    """``body`` as ASCII JSON: lone surrogates go out as ``\\ud800`` escapes (httpx's ``json=`` cannot send them)."""
+    return json.dumps(body).encode()
+
+
+def poison_requests() -> list[tuple[str, str, dict[str, Any], str]]:
+    """(case id, path, body, the ``param`` the 400 must name): values that once reached the engine unchecked."""
+    big = 2**64
+    chat = "/v1/chat/completions"
+    cmpl = "/v1/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    return [
+        ("top_k-2**64", cmpl, {"prompt": "hi", "top_k": big}, "top_k"),
+        ("seed-2**64", cmpl, {"prompt": "hi", "seed": big}, "seed"),
+        ("seed--2**64", cmpl, {"prompt": "hi", "seed": -big}, "seed"),
+        ("stop_token_ids-2**64", cmpl, {"prompt": "hi", "stop_token_ids": [big]}, "stop_token_ids"),
+        ("min_tokens-2**64", cmpl, {"prompt": "hi", "min_tokens": big}, "min_tokens"),
+        ("max_tokens-2**64", cmpl, {"prompt": "hi", "max_tokens": big}, "max_tokens"),
+        ("logprobs-2**64", cmpl, {"prompt": "hi", "logprobs": big}, "logprobs"),
+        ("prompt-ids-2**64", cmpl, {"prompt": [big]}, "prompt"),
+        ("stop-surrogate", cmpl, {"prompt": "hi", "stop": "\ud800"}, "stop"),
+        ("stop-list-surrogate", cmpl, {"prompt": "hi", "stop": ["a", "\ud800"]}, "stop"),
+        ("prompt-surrogate", cmpl, {"prompt": "\ud800"}, "prompt"),
+        ("prompt-list-surrogate", cmpl, {"prompt": ["ok", "\ud800"]}, "prompt"),
+        ("chat-content-surrogate", chat, {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        ("chat-seed-2**64", chat, {"messages": msgs, "seed": big}, "seed"),
+        ("chat-stop-surrogate", chat, {"messages": msgs, "stop": "\ud800"}, "stop"),
+        ("chat-top_k-2**64", chat, {"messages": msgs, "top_k": big}, "top_k"),
+    ]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something truthy (and return that);
+    after ``timeout`` an AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
