@@ -169,9 +169,7 @@ class ServingSettings(BaseSettings):
         description="Worker restarts allowed within worker_restart_window before the server exits non-zero "
         "(0 = never restart).",
     )
-    worker_restart_window: float = Field(
-        600.0, gt=0, description="Seconds over which max_worker_restarts is counted."
-    )
+    worker_restart_window: float = Field(600.0, gt=0, description="Seconds over which max_worker_restarts is counted.")
 
     # -- server
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
@@ -189,9 +187,7 @@ class ServingSettings(BaseSettings):
     http_body_timeout: float = Field(
         30.0, gt=0, description="Seconds a request may take to send its whole body before it is closed."
     )
-    http_keep_alive_timeout: float = Field(
-        5.0, gt=0, description="Seconds an idle keep-alive connection stays open."
-    )
+    http_keep_alive_timeout: float = Field(5.0, gt=0, description="Seconds an idle keep-alive connection stays open.")
     http_max_connections: int | None = Field(
         None, gt=0, description="Most open connections; beyond it new requests get 503 (unset: no limit)."
     )
