@@ -17,12 +17,17 @@ from typing import Any
 import msgspec
 
 from .config import ServingSettings, SettingsError
-from .executor import CacheGroupSpec, StepResult, WorkerClient, WorkerDiedError
+from .executor import CacheGroupSpec
+from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
+from .messages import StepResult
 from .plugins import PluginError, PluginManager
-from .request import CompletionOutput, Request, RequestOutput, SamplingParams
+from .request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .speculative import SpecPolicy
+from .strategy import StepStrategy
 from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from .worker import WorkerClient, WorkerDiedError
 
 __all__ = ["LLM", "EngineCore", "EngineDeadError"]
 
@@ -54,29 +59,61 @@ class _UserRequest:
                 if c.detokenizer is not None and c.detokenizer.stopped_at
                 else c.stop_reason,
                 logprobs=list(c.output_logprobs) if c.sampling_params.logprobs is not None else None,
+                error=c.error,
             )
             for i, c in enumerate(self.children)
         ]
+        finished = all(c.is_finished for c in self.children)
+        if finished and not self.reported_finished:
+            # Logged with the final output, once: the engine drops the request after it, and an offline
+            # caller has no other record of why it failed.
+            self.reported_finished = True
+            for c in self.children:
+                if c.error is not None:
+                    logger.error("request %s failed: %s", c.request_id, c.error)
         return RequestOutput(
             self.request_id,
             self.prompt,
             self.prompt_token_ids,
             outs,
-            finished=all(c.is_finished for c in self.children),
+            finished=finished,
             num_cached_tokens=self.children[0].num_cached_tokens,
             metrics=self.children[0].metrics,
         )
 
 
+MAX_KV_BLOCKS_PER_GROUP = 2**20
+"""The most blocks the planner gives one cache group. The engine keeps per-block Python state (free
+list, reference counts, prefix hashes), and 2**20 blocks of 16 tokens already hold 16M tokens: a
+larger plan comes from a mistake (an executor declaring a tiny ``bytes_per_block``, a huge
+``num_kv_blocks``), so it is refused rather than built."""
+
+
 def plan_kv_blocks(groups: Sequence[CacheGroupSpec], num_kv_blocks: int | None, memory: int) -> dict[str, int]:
     """Blocks per cache group: ``num_kv_blocks`` each if set, else split ``memory`` so that every
     group can hold the same number of sequence tokens (a compressed group, whose block covers more
-    tokens, gets proportionally fewer blocks)."""
+    tokens, gets proportionally fewer blocks).
+
+    :raises SettingsError: a group would get more than :data:`MAX_KV_BLOCKS_PER_GROUP` blocks.
+    """
     if num_kv_blocks is not None:
-        return {g.name: num_kv_blocks for g in groups}
-    bytes_per_token = sum(g.bytes_per_block / g.tokens_per_block for g in groups)
-    tokens = memory / max(bytes_per_token, 1e-9)
-    return {g.name: max(1, int(tokens // g.tokens_per_block)) for g in groups}
+        plan = {g.name: num_kv_blocks for g in groups}
+    else:
+        bytes_per_token = sum(g.bytes_per_block / g.tokens_per_block for g in groups)
+        tokens = memory / max(bytes_per_token, 1e-9)
+        plan = {g.name: max(1, int(tokens // g.tokens_per_block)) for g in groups}
+    for g in groups:
+        if plan[g.name] > MAX_KV_BLOCKS_PER_GROUP:
+            if num_kv_blocks is not None:
+                why, fix = f"num_kv_blocks={num_kv_blocks} asks for that", "lower num_kv_blocks"
+            else:
+                why = f"kv_cache_memory={memory} bytes at the executor's bytes_per_block={g.bytes_per_block}"
+                fix = "lower kv_cache_memory or set num_kv_blocks (and check the executor's bytes_per_block)"
+            raise SettingsError(
+                f"KV cache group {g.name!r} would get {plan[g.name]:,} blocks ({why}), more than the "
+                f"{MAX_KV_BLOCKS_PER_GROUP:,} per group the engine accepts: {fix}"
+            )
+    return plan
 
 
 def read_architecture(model: str | None) -> str | None:
@@ -99,9 +136,9 @@ class EngineCore:
         self.plugins = plugins or PluginManager()
         self.plugins.check_healthy()
         exec_spec = self.plugins.select_executor(settings.executor, read_architecture(settings.model))
-        sched_name = settings.effective_scheduler()
-        if sched_name != "auto":
-            self.plugins.select_scheduler(sched_name)  # fail early, before loading a model
+        # Fails before a model loads when the settings alone rule out every installed strategy; the
+        # choice itself needs the loaded executor's supports_pipelining (``_setup``).
+        self.plugins.select_scheduler(settings.scheduler, pipelined=settings.async_scheduling)
         if settings.speculative_config is not None:
             self.plugins.select_spec_policy(settings.speculative_config.policy)
         self.plugins.configure(settings)
@@ -110,47 +147,37 @@ class EngineCore:
             exec_spec.factory, settings, mode=settings.worker_mode, timeout=settings.step_timeout
         )
         try:
-            self._setup(exec_spec.name, sched_name)
+            self._setup(exec_spec.name)
         except BaseException:
             self.worker.close()
             raise
 
-    def _setup(self, executor_name: str, sched_name: str) -> None:
+    def _setup(self, executor_name: str) -> None:
         settings = self.settings
         info = self.info = self.worker.info
-        if sched_name == "auto":
-            sched_name = "async" if info.supports_pipelining and "async" in self.plugins.schedulers.specs else "sync"
-        sched_spec = self.plugins.select_scheduler(sched_name)
-        if sched_spec.pipelined and not info.supports_pipelining:
-            raise PluginError(
-                f"scheduler {sched_name!r} pipelines steps, but executor {executor_name!r} cannot; "
-                "set async_scheduling = false"
-            )
-        self.scheduler_name = sched_name
-        spec_cfg = settings.speculative_config
-        if spec_cfg is not None:
-            if info.max_draft_tokens < 1:
-                raise PluginError(f"executor {executor_name!r} cannot draft tokens; unset speculative_config")
-            policy = self.plugins.select_spec_policy(spec_cfg.policy).factory(settings)
-        else:
-            policy = self.plugins.select_spec_policy("none").factory(settings)
-            info.max_draft_tokens = 0
+        sched_spec = self._choose_strategy(executor_name)
+        self.scheduler_name = sched_spec.name
+        policy = self._choose_policy(executor_name)
         num_blocks = plan_kv_blocks(info.cache_groups, settings.num_kv_blocks, settings.kv_cache_memory)
         self.worker.init_kv_cache(num_blocks)
-        self.kv = KVCacheManager(info.cache_groups, num_blocks, enable_prefix_caching=settings.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            info.cache_groups,
+            num_blocks,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            prefix_cache_hash=settings.prefix_cache_hash,
+        )
         self.max_model_len = min(settings.max_model_len or info.max_model_len, info.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                settings.max_num_seqs,
-                settings.max_num_batched_tokens,
-                self.max_model_len,
-                settings.long_prefill_token_threshold,
-                settings.enable_chunked_prefill,
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                long_prefill_token_threshold=settings.long_prefill_token_threshold,
+                enable_chunked_prefill=settings.enable_chunked_prefill,
             ),
             self.kv,
             info,
             policy,
-            on_token=_detok_on_token,
         )
         self.tokenizer: Tokenizer | None = load_tokenizer(settings.tokenizer or settings.model)
         self.eos_token_ids = tuple(info.eos_token_ids) or (
@@ -160,8 +187,29 @@ class EngineCore:
         self._child_to_user: dict[str, str] = {}
         self._rng = random.Random(settings.seed)
         self._touched: set[str] = set()
-        self.strategy = sched_spec.factory(self)
-        logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_name, num_blocks)
+        self.strategy: StepStrategy = sched_spec.factory(self)
+        logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_spec.name, num_blocks)
+
+    def _choose_strategy(self, executor_name: str) -> SchedulerSpec:
+        pipelines = self.info.supports_pipelining
+        spec = self.plugins.select_scheduler(
+            self.settings.scheduler, pipelined=self.settings.async_scheduling, executor_pipelines=pipelines
+        )
+        if spec.pipelined and not pipelines:
+            raise PluginError(
+                f"scheduler {spec.name!r} pipelines steps, but executor {executor_name!r} cannot; "
+                "choose a non-pipelined scheduler (async_scheduling = false)"
+            )
+        return spec
+
+    def _choose_policy(self, executor_name: str) -> SpecPolicy:
+        spec_cfg = self.settings.speculative_config
+        if spec_cfg is None:
+            self.info.max_draft_tokens = 0
+            return self.plugins.select_spec_policy("none").factory(self.settings)
+        if self.info.max_draft_tokens < 1:
+            raise PluginError(f"executor {executor_name!r} cannot draft tokens; unset speculative_config")
+        return self.plugins.select_spec_policy(spec_cfg.policy).factory(self.settings)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
@@ -265,14 +313,26 @@ class EngineCore:
         touched = self.scheduler.update(out, result)
         now = time.monotonic()
         for req in touched:
+            self._detokenize(req)
             if req.output_token_ids:
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
                 req.metrics.last_token_time = now
         self._touch(touched)
 
-    def fail_requests(self, out: SchedulerOutput, error: str) -> None:
-        self._touch(self.scheduler.fail([i.request.request_id for i in out.items], error))
+    def _detokenize(self, req: Request) -> None:
+        """Feed the new output tokens to the request's detokenizer and finish the request at the first
+        stop string that ends once ``min_tokens`` tokens exist (stop strings are text: the engine
+        checks them, the scheduler only knows token ids)."""
+        detok = req.detokenizer
+        if detok is None or req.status is RequestStatus.FINISHED_ERROR:
+            return
+        min_tokens = req.sampling_params.min_tokens
+        while detok.num_outputs < len(req.output_token_ids):
+            n = detok.num_outputs + 1
+            if detok.append(req.output_token_ids[n - 1], check_stop=n >= min_tokens):
+                self.scheduler.stop(req, n, detok.stopped_at)
+                return
 
     def _touch(self, reqs: Sequence[Request]) -> None:
         for r in reqs:
@@ -319,10 +379,9 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
-        drain = getattr(self.strategy, "drain", None) if hasattr(self, "strategy") else None
-        if drain is not None and self.dead_reason is None:
+        if self.dead_reason is None:
             with contextlib.suppress(Exception):  # shutting down anyway
-                drain()
+                self.strategy.drain()
         self.worker.close()
 
 
@@ -336,10 +395,6 @@ def _check_encodable(ids: list[int], params: SamplingParams) -> None:
 
 
 _wire_check = msgspec.msgpack.Encoder()
-
-
-def _detok_on_token(req: Request, token: int) -> bool:
-    return bool(req.detokenizer.append(token)) if req.detokenizer is not None else False
 
 
 class LLM:
@@ -356,7 +411,7 @@ class LLM:
         if model is not None:
             overrides["model"] = str(model)
         if settings is not None and overrides:
-            settings = settings.model_copy(update=overrides)
+            settings = settings.with_overrides(**overrides)
         self.settings = settings if settings is not None else ServingSettings.load(**overrides)
         self._plugins = plugins
         self.engine: EngineCore | None = EngineCore(self.settings, plugins)

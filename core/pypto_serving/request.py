@@ -173,6 +173,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_produced(self) -> int:
+        """Output tokens counting those sampled by steps still in flight (async scheduling)."""
+        return len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
@@ -193,11 +198,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return _FINISH_REASON.get(self.status)
 
-    @property
-    def max_total_tokens(self) -> int | None:
-        mt = self.sampling_params.max_tokens
-        return None if mt is None else self.num_prompt_tokens + mt
-
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -207,6 +207,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    error: str | None = None  # why the sequence failed, when ``finish_reason`` is "error"
 
 
 @dataclass(slots=True)

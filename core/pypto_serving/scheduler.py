@@ -12,15 +12,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
 
-from .executor import ExecutorInfo, NewRequestData, ScheduledEntry, StepCommand, StepResult
+from .executor import ExecutorInfo
 from .kv_cache import KVCacheManager
-from .request import Request, RequestStatus, SamplingParams
+from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, wire_sampling
+from .request import Request, RequestStatus
 from .speculative import SpecPolicy
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "StepKind"]
 
 
 @dataclass(slots=True)
@@ -32,6 +34,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
+StepKind = Literal["prefill", "decode"]
+
+
 @dataclass(slots=True)
 class _Scheduled:
     """Scheduler-side memo of one entry, used when its result comes back."""
@@ -41,6 +46,23 @@ class _Scheduled:
     num_new: int
     num_draft: int
     sample: bool
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """The scheduler's own per-request state. Preemption resets it; finishing drops it."""
+
+    epoch: int = 0  # bumped by preemption: results of steps in flight before it are stale
+    rejected: int = 0  # draft positions given back so far (the worker corrects positions by it)
+    confirmed: int = 0  # tokens whose KV a finished step confirmed (publishable to the prefix cache)
+    awaiting_prefill: bool = False  # a terminal prefill is in flight (for executors with a barrier)
+    has_sampled: bool = False  # sampled since (re)admission: only then can the worker hold drafts
+    sent_to_worker: bool = False  # the worker holds state for it (to be released on finish/preempt)
+
+    def reset_for_recompute(self) -> None:
+        self.epoch += 1
+        self.rejected = self.confirmed = 0
+        self.awaiting_prefill = self.has_sampled = False
 
 
 @dataclass(slots=True)
@@ -64,8 +86,46 @@ class SchedulerStats:
     num_steps: int = 0
 
 
+@dataclass(slots=True)
+class _StepBuilder:
+    """Collects one step's entries while the scheduler walks its queues."""
+
+    budget: int
+    uniform: bool  # the executor needs all-prefill or all-decode steps
+    kind: StepKind | None = None
+    preempted: bool = False
+    items: list[_Scheduled] = field(default_factory=list)
+    entries: list[ScheduledEntry] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+
+    def admits(self, kind: StepKind) -> bool:
+        """Whether an entry of ``kind`` may join (and, for uniform batches, fix the step's kind)."""
+        if not self.uniform:
+            return True
+        if self.kind is None:
+            self.kind = kind
+        return self.kind == kind
+
+    def drop(self, request_id: str) -> None:
+        """Take a request back out of this step (it was preempted after being scheduled), so no
+        entry writes KV into blocks that another entry of the same step now owns."""
+        for i, item in enumerate(self.items):
+            if item.request.request_id == request_id:
+                self.budget += item.num_new + item.num_draft
+                del self.items[i], self.entries[i]
+                break
+        self.new_requests = [nr for nr in self.new_requests if nr.request_id != request_id]
+
+
 class Scheduler:
-    """Owns every live request and the KV block accounting."""
+    """Owns every live request and the KV block accounting.
+
+    Each step: running requests first, oldest admission first (their next token, or the next chunk
+    of their prefill, plus draft slots); then waiting requests, first come first served, while the
+    token budget and ``max_num_seqs`` allow. When the KV cache runs out for a running request, the
+    latest-arrived running request is preempted (its blocks freed, recomputed later) until it fits;
+    a step that preempted admits nobody new.
+    """
 
     def __init__(
         self,
@@ -73,26 +133,17 @@ class Scheduler:
         kv: KVCacheManager,
         executor_info: ExecutorInfo,
         spec_policy: SpecPolicy,
-        *,
-        on_token: Callable[[Request, int], bool] | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.info = executor_info
         self.spec_policy = spec_policy
-        # on_token(request, token) -> True when a stop string matched (set by the engine's detokenizer)
-        self.on_token = on_token
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_ids: list[str] = []  # to tell the worker on the next step
         self.failed_while_scheduling: list[Request] = []  # for the engine to report
-        self._sent_to_worker: set[str] = set()
-        self._epoch: dict[str, int] = {}
-        self._rejected: dict[str, int] = {}  # reclaimed draft positions per request
-        self._confirmed: dict[str, int] = {}  # tokens whose KV a finished step confirmed
-        self._awaiting_prefill: set[str] = set()  # terminal prefill in flight (barrier)
-        self._has_sampled: set[str] = set()  # sampled since (re)admission: the worker may hold drafts
+        self._tracked: dict[str, _Tracked] = {}
         self._step_ids = itertools.count()
         self._arrivals = itertools.count()
         self.stats = SchedulerStats(accepted_per_pos=[0] * max(1, executor_info.max_draft_tokens))
@@ -117,7 +168,7 @@ class Scheduler:
         request.arrival_index = next(self._arrivals)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._epoch[request.request_id] = 0
+        self._tracked[request.request_id] = _Tracked()
         self.waiting.append(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
@@ -141,6 +192,18 @@ class Scheduler:
             out.append(req)
         return out
 
+    def stop(self, req: Request, num_output_tokens: int, stop_reason: str) -> None:
+        """Finish ``req`` because a stop string ended at output token ``num_output_tokens`` (found by
+        the engine's detokenizer): later tokens of the same step are dropped, and a stop string
+        wins over an EOS or length finish that came later in the same step."""
+        del req.output_token_ids[num_output_tokens:]
+        del req.output_logprobs[num_output_tokens:]
+        req.stop_reason = stop_reason
+        if req.is_finished:
+            req.status = RequestStatus.FINISHED_STOP
+        else:
+            self._finish(req, RequestStatus.FINISHED_STOP)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -153,125 +216,119 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        items: list[_Scheduled] = []
-        entries: list[ScheduledEntry] = []
-        new_reqs: list[NewRequestData] = []
-        kind: bool | None = None  # uniform batches: True = prefill step, False = decode step
-        preempted = False
+        step = _StepBuilder(budget=self.config.max_num_batched_tokens, uniform=self.info.uniform_batches)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        cmd = StepCommand(next(self._step_ids), step.new_requests, step.entries, self.finished_ids)
+        self.finished_ids = []
+        self.stats.num_steps += 1
+        return SchedulerOutput(cmd, step.items, self.config.max_num_batched_tokens - step.budget)
 
-        def take(req: Request, num_new: int, k: int) -> None:
-            nonlocal budget
-            sample = req.num_computed_tokens + num_new == req.num_tokens + req.num_output_placeholders
-            use_last = req.num_output_placeholders > 0
-            start = req.num_computed_tokens
-            tokens = [] if use_last else req.token_slice(start, start + num_new)
-            if req.request_id not in self._sent_to_worker:
-                self._sent_to_worker.add(req.request_id)
-                sp = req.sampling_params
-                new_reqs.append(
-                    NewRequestData(
-                        req.request_id,
-                        req.prompt_token_ids,
-                        list(req.output_token_ids),
-                        _sampling_dict(sp, req.eos_token_ids),
-                        req.sample_seed,
-                    )
-                )
-            entries.append(
-                ScheduledEntry(
-                    req.request_id,
-                    tokens,
-                    use_last,
-                    k,
-                    req.num_computed_tokens,
-                    self._rejected.get(req.request_id, 0),
-                    req.block_ids,  # encoded (process) or consumed (inproc) at submit, before any change
-                    sample,
-                )
-            )
-            items.append(_Scheduled(req, self._epoch[req.request_id], num_new, k, sample))
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = time.monotonic()
-            req.num_computed_tokens += num_new + k
-            if sample:
-                self._has_sampled.add(req.request_id)
-                req.num_output_placeholders += 1 + k
-                if num_new > 1 or req.num_computed_tokens - k <= req.num_prompt_tokens:
-                    self._awaiting_prefill.add(req.request_id)
-            budget -= num_new + k
-
-        # 1. running requests, oldest first
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            i += 1
-            pending = req.num_tokens + req.num_output_placeholders
-            num_new = pending - req.num_computed_tokens
-            if num_new <= 0 or self._at_limit(req):
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        for req in list(self.running):
+            if step.budget <= 0:
+                return
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            st = self._tracked[req.request_id]
+            num_new = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+            if num_new <= 0 or self._at_limit(req) or (self.info.prefill_barrier and st.awaiting_prefill):
                 continue
-            if self.info.prefill_barrier and req.request_id in self._awaiting_prefill:
+            is_decode = num_new == 1 and req.num_produced > 0
+            if not step.admits("decode" if is_decode else "prefill"):
                 continue
-            is_decode = num_new == 1 and req.num_output_placeholders + len(req.output_token_ids) > 0
-            if self.info.uniform_batches:
-                if kind is None:
-                    kind = not is_decode
-                elif kind == is_decode:
-                    continue
-            num_new = self._chunk(num_new, budget, is_decode)
+            num_new = self._chunk(num_new, step.budget, is_decode)
             if num_new == 0:
                 continue
             k = 0
             # Drafts exist only after a step of this request sampled (not for the last token of a
             # recompute after preemption), so only then is reserving k slots of use.
-            if is_decode and self.info.max_draft_tokens and req.request_id in self._has_sampled:
-                k = self.spec_policy(req, True, self._max_k(req, budget - num_new))
-            while not self.kv.allocate(req, req.num_computed_tokens + num_new + k):
-                if self.running == [req]:
-                    self.failed_while_scheduling += self.fail(
-                        [req.request_id], "the KV cache is too small for this request alone"
-                    )
-                    i -= 1
-                    break
-                victim = max(self.running, key=lambda r: r.arrival_index)
-                if self.running.index(victim) < i:
-                    i -= 1  # keep pointing after the current request
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                continue
-            take(req, num_new, k)
+            if is_decode and self.info.max_draft_tokens and st.has_sampled:
+                k = self.spec_policy(req, self._max_k(req, step.budget - num_new))
+            if self._allocate_running(req, req.num_computed_tokens + num_new + k, step):
+                self._take(step, req, num_new, k)
 
-        # 2. waiting requests, first come first served (preempted ones are at the front)
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
+    def _allocate_running(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
+        """Blocks for ``num_tokens``, preempting the latest arrival until they fit. False when
+        ``req`` itself was preempted, or failed because the cache cannot hold it alone."""
+        while not self.kv.allocate(req, num_tokens):
+            if self.running == [req]:
+                self.failed_while_scheduling += self.fail(
+                    [req.request_id], "the KV cache is too small for this request alone"
+                )
+                return False
+            victim = max(self.running, key=lambda r: r.arrival_index)
+            self._preempt(victim)
+            step.drop(victim.request_id)
+            step.preempted = True
+            if victim is req:
+                return False
+        return True
+
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if self.info.uniform_batches and kind is False:
-                break
+            if step.uniform and step.kind == "decode":
+                return
+            st = self._tracked[req.request_id]
             if req.num_computed_tokens == 0 and not req.block_ids:
                 hit = self.kv.find_cached_prefix(req)
-                req.num_computed_tokens = hit
-                req.num_cached_tokens = hit
-                req.metrics.num_cached_tokens = hit
-                self._confirmed[req.request_id] = hit
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget, False)
+                req.num_computed_tokens = req.num_cached_tokens = req.metrics.num_cached_tokens = hit
+                st.confirmed = hit
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget, False)
             if num_new == 0 or not self.kv.allocate(req, req.num_computed_tokens + num_new):
                 if req.block_ids:  # give back the prefix hit; it is looked up again next time
                     self.kv.cancel_prefix_hit(req, req.num_cached_tokens)
                     req.num_computed_tokens = 0
-                break
+                return
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            kind = True if self.info.uniform_batches else kind
-            take(req, num_new, 0)
+            step.admits("prefill")
+            self._take(step, req, num_new, 0)
 
-        cmd = StepCommand(next(self._step_ids), new_reqs, entries, self.finished_ids)
-        self.finished_ids = []
-        self.stats.num_steps += 1
-        return SchedulerOutput(cmd, items, cfg.max_num_batched_tokens - budget)
+    def _take(self, step: _StepBuilder, req: Request, num_new: int, k: int) -> None:
+        """Put ``num_new`` tokens (and ``k`` draft slots) of ``req`` into the step and advance the
+        request optimistically: a sampling entry reserves ``1 + k`` output placeholders."""
+        st = self._tracked[req.request_id]
+        start = req.num_computed_tokens
+        sample = start + num_new == req.num_tokens + req.num_output_placeholders
+        use_last = req.num_output_placeholders > 0
+        if not st.sent_to_worker:
+            st.sent_to_worker = True
+            sp = req.sampling_params
+            step.new_requests.append(
+                NewRequestData(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=list(req.output_token_ids),
+                    sampling=wire_sampling(sp, req.eos_token_ids),
+                    seed=req.sample_seed,
+                )
+            )
+        step.entries.append(
+            ScheduledEntry(
+                request_id=req.request_id,
+                token_ids=[] if use_last else req.token_slice(start, start + num_new),
+                use_last_sampled=use_last,
+                num_draft=k,
+                start_pos=start,
+                rejected_seen=st.rejected,
+                block_ids=req.block_ids,  # encoded (process) or consumed (inproc) at submit, before any change
+                sample=sample,
+            )
+        )
+        step.items.append(_Scheduled(req, st.epoch, num_new, k, sample))
+        step.budget -= num_new + k
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
+        req.num_computed_tokens += num_new + k
+        if sample:
+            st.has_sampled = True
+            req.num_output_placeholders += 1 + k
+            if num_new > 1 or req.num_computed_tokens - k <= req.num_prompt_tokens:
+                st.awaiting_prefill = True
 
     def _chunk(self, num_new: int, budget: int, is_decode: bool) -> int:
         if is_decode:
@@ -285,17 +342,15 @@ class Scheduler:
 
     def _at_limit(self, req: Request) -> bool:
         """No more tokens can be produced once pending results are applied."""
-        produced = len(req.output_token_ids) + req.num_output_placeholders
         sp = req.sampling_params
-        if sp.max_tokens is not None and produced >= sp.max_tokens:
+        if sp.max_tokens is not None and req.num_produced >= sp.max_tokens:
             return True
         return req.num_tokens + req.num_output_placeholders >= self.config.max_model_len
 
     def _max_k(self, req: Request, budget_left: int) -> int:
-        produced = len(req.output_token_ids) + req.num_output_placeholders
         room = self.config.max_model_len - (req.num_tokens + req.num_output_placeholders)
         if req.sampling_params.max_tokens is not None:
-            room = min(room, req.sampling_params.max_tokens - produced)
+            room = min(room, req.sampling_params.max_tokens - req.num_produced)
         return max(0, min(self.info.max_draft_tokens, budget_left, room - 1))
 
     def _preempt(self, req: Request) -> None:
@@ -305,68 +360,71 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
         req.metrics.num_preemptions += 1
-        self._epoch[req.request_id] += 1  # results of steps in flight are now stale
-        self._rejected[req.request_id] = 0
-        self._confirmed[req.request_id] = 0
-        self._awaiting_prefill.discard(req.request_id)
-        self._has_sampled.discard(req.request_id)
-        self._forget_worker_state(req.request_id)
+        st = self._tracked[req.request_id]
+        st.reset_for_recompute()
+        self._release_worker_state(req.request_id, st)
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _forget_worker_state(self, rid: str) -> None:
-        if rid in self._sent_to_worker:
-            self._sent_to_worker.discard(rid)
+    def _release_worker_state(self, rid: str, st: _Tracked) -> None:
+        if st.sent_to_worker:
+            st.sent_to_worker = False
             self.finished_ids.append(rid)
 
     # ------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
-        """Apply one step's result; returns the requests that produced tokens or finished."""
+        """Apply one step's result; returns the requests that produced tokens or finished. Finishes
+        on EOS, stop token ids and length; stop strings are the engine's (text is not ours)."""
+        self._count_drafts(result)
         touched: list[Request] = []
+        for item in out.items:
+            req = item.request
+            st = self._tracked.get(req.request_id)
+            if req.is_finished or st is None or st.epoch != item.epoch:
+                continue  # aborted, failed or preempted while in flight: discard
+            error = result.request_errors.get(req.request_id)
+            if error is not None:
+                req.error = error
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                touched.append(req)
+            elif not item.sample:
+                self._confirm(req, st, item.num_new)
+            else:
+                self._apply_sampled(req, st, item, result)
+                touched.append(req)
+        return touched
+
+    def _count_drafts(self, result: StepResult) -> None:
         self.stats.num_drafted += result.num_drafted
         self.stats.num_verify_steps += result.num_verify_steps
         for pos, n in enumerate(result.num_accepted_per_pos):
             if pos < len(self.stats.accepted_per_pos):
                 self.stats.accepted_per_pos[pos] += n
             self.stats.num_accepted += n
-        for item in out.items:
-            req = item.request
-            rid = req.request_id
-            if req.is_finished or self._epoch.get(rid) != item.epoch:
-                continue  # aborted, failed or preempted while in flight: discard
-            if rid in result.request_errors:
-                req.error = result.request_errors[rid]
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-                touched.append(req)
-                continue
-            if not item.sample:
-                self._confirm(req, item.num_new)
-                continue
-            self._awaiting_prefill.discard(rid)
-            tokens = result.sampled.get(rid, [])
-            req.num_output_placeholders -= 1 + item.num_draft
-            accepted = max(0, len(tokens) - 1)
-            rejected = item.num_draft - accepted
-            if rejected:
-                req.num_computed_tokens -= rejected
-                self._rejected[rid] = self._rejected.get(rid, 0) + rejected
-            self._confirm(req, item.num_new + accepted)
-            lps = result.logprobs.get(rid)
-            for j, tok in enumerate(tokens):
-                req.output_token_ids.append(tok)
-                if lps is not None and j < len(lps):
-                    req.output_logprobs.append(lps[j])
-                status = self._stop_status(req, tok)
-                if status is not None:
-                    self._finish(req, status)
-                    break
-            touched.append(req)
-        return touched
 
-    def _confirm(self, req: Request, n: int) -> None:
-        rid = req.request_id
-        self._confirmed[rid] = self._confirmed.get(rid, 0) + n
-        self.kv.publish(req, self._confirmed[rid])
+    def _apply_sampled(self, req: Request, st: _Tracked, item: _Scheduled, result: StepResult) -> None:
+        st.awaiting_prefill = False
+        tokens = result.sampled.get(req.request_id, [])
+        req.num_output_placeholders -= 1 + item.num_draft
+        accepted = max(0, len(tokens) - 1)
+        rejected = item.num_draft - accepted
+        if rejected:
+            req.num_computed_tokens -= rejected
+            st.rejected += rejected
+        self._confirm(req, st, item.num_new + accepted)
+        lps = result.logprobs.get(req.request_id)
+        for j, tok in enumerate(tokens):
+            req.output_token_ids.append(tok)
+            if lps is not None and j < len(lps):
+                req.output_logprobs.append(lps[j])
+            status = self._stop_status(req, tok)
+            if status is not None:
+                self._finish(req, status)
+                return
+
+    def _confirm(self, req: Request, st: _Tracked, n: int) -> None:
+        st.confirmed += n
+        self.kv.publish(req, st.confirmed)
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params
@@ -378,8 +436,6 @@ class Scheduler:
             if tok in sp.stop_token_ids:
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOP
-        if self.on_token is not None and self.on_token(req, tok) and n_out >= sp.min_tokens:
-            return RequestStatus.FINISHED_STOP
         if sp.max_tokens is not None and n_out >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if req.num_tokens >= self.config.max_model_len:
@@ -395,16 +451,6 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.num_output_placeholders = 0
-        rid = req.request_id
-        self._forget_worker_state(rid)
-        for d in (self._epoch, self._rejected, self._confirmed):
-            d.pop(rid, None)
-        self._awaiting_prefill.discard(rid)
-        self._has_sampled.discard(rid)
-        del self.requests[rid]
-
-
-def _sampling_dict(sp: SamplingParams, eos: tuple[int, ...]) -> dict[str, object]:
-    d: dict[str, object] = asdict(sp)
-    d["eos_token_ids"] = list(eos)
-    return d
+        st = self._tracked.pop(req.request_id)
+        self._release_worker_state(req.request_id, st)
+        del self.requests[req.request_id]

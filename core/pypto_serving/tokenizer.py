@@ -98,9 +98,13 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.max_stop = max((len(s) for s in stop), default=0)
         self.stopped_at: str | None = None
+        self.num_outputs = 0  # output tokens appended so far
 
-    def append(self, token: int) -> bool:
-        """Add one token; returns True when a stop string now appears (the text is cut before it)."""
+    def append(self, token: int, check_stop: bool = True) -> bool:
+        """Add one output token; returns True when a stop string ends in the text it added (the text
+        is then cut before it). With ``check_stop`` false (before ``min_tokens``) nothing matches,
+        and a stop string that ended in that text never matches later either."""
+        self.num_outputs += 1
         self.ids.append(token)
         prefix_text = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
         full = self.tok.decode(self.ids[self.prefix :], self.skip)
@@ -110,7 +114,7 @@ class IncrementalDetokenizer:
         self.prefix, self.read = self.read, len(self.ids)
         start = max(0, len(self.text) - self.max_stop + 1)
         self.text += new
-        if self.stop:
+        if self.stop and check_stop:
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) != -1]
             if hits:
                 i, s = min(hits)

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from pypto_serving import ServingSettings
-from pypto_serving.executor import StepResult
 from pypto_serving.kv_cache import KVCacheManager
+from pypto_serving.messages import StepResult
 from pypto_serving.request import Request, RequestStatus, SamplingParams
 from pypto_serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pypto_serving.speculative import no_speculation
@@ -19,8 +19,8 @@ from tests.fakes import FakeExecutor
 BLOCK = 4
 
 
-def _policy_max(request: Request, is_decode: bool, max_k: int) -> int:
-    return max_k if is_decode else 0
+def _policy_max(request: Request, max_k: int) -> int:
+    return max_k
 
 
 @pytest.fixture
@@ -204,6 +204,31 @@ def test_preemption_victim_is_the_newest_even_if_it_is_scheduled_first(
     assert reqs[2].status is RequestStatus.PREEMPTED
     assert reqs[0].status is RequestStatus.RUNNING
     run_to_end(s)
+    assert all(len(r.output_token_ids) == 12 for r in reqs)
+
+
+def test_a_victim_scheduled_earlier_in_the_step_leaves_the_step(make_sched: Callable[..., Scheduler]) -> None:
+    """The newest request can be scheduled before an older one that then needs its blocks: it is
+    preempted, and its entry must leave the step, or two entries would write KV into one block."""
+    s = make_sched(num_blocks=5)
+    reqs = [req(f"r{i}", 4, max_tokens=12, base=10 * i) for i in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    step(s)
+    s.running.insert(0, s.running.pop())  # the newest first: it is scheduled before the others
+    saw_victim_step = False
+    while s.has_unfinished():
+        before = s.stats.num_preemptions
+        out = step(s)
+        owners: dict[int, str] = {}
+        for e in out.command.entries:
+            for b in e.block_ids.get("kv", []):
+                assert owners.setdefault(b, e.request_id) == e.request_id, f"block {b} in two entries"
+        preempted = [r.request_id for r in reqs if r.status is RequestStatus.PREEMPTED]
+        assert not set(preempted) & set(entry_ids(out))
+        assert out.num_batched_tokens == sum(i.num_new + i.num_draft for i in out.items)
+        saw_victim_step |= s.stats.num_preemptions > before and "r2" in preempted
+    assert saw_victim_step
     assert all(len(r.output_token_ids) == 12 for r in reqs)
 
 

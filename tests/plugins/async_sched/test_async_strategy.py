@@ -314,7 +314,8 @@ def test_preemption_discards_stale_results(llms: Any, k: int) -> None:
         nonlocal stale
         for item in out.items:
             rid = item.request.request_id
-            if rid in result.sampled and eng.scheduler._epoch.get(rid, item.epoch) != item.epoch:
+            tracked = eng.scheduler._tracked.get(rid)
+            if rid in result.sampled and tracked is not None and tracked.epoch != item.epoch:
                 stale += 1
 
     Spy(eng, on_apply=on_apply)
