@@ -91,6 +91,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
+    _add_info_routes(app, ctx)
+    _add_generation_routes(app, ctx)
+
+
+def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:
+    """/health, /version, /metrics and /v1/models: cheap reads that never touch the engine thread."""
     llm = ctx.llm
 
     @app.get("/health")
@@ -123,6 +129,10 @@ def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
         if llm.ready and llm.engine is not None:
             card["max_model_len"] = llm.max_model_len
         return {"object": "list", "data": [card]}
+
+
+def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
+    """/v1/completions and /v1/chat/completions: validate, add to the engine, stream or collect."""
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, raw: Request) -> Response:

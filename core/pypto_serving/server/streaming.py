@@ -18,7 +18,7 @@ from ..request import CompletionOutput, RequestOutput, SamplingParams
 from .async_llm import EngineFailure
 from .openai_requests import _Ctx, _engine_error, _Prompt, _request_ids
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
-from .responses import _chat_logprobs, _completion_logprobs, _prompt_text, _usage
+from .responses import _chat_logprobs, _completion_logprobs, _failure_message, _prompt_text, _usage
 
 
 @dataclass(slots=True)
@@ -160,9 +160,8 @@ class _StreamRunner:
         st.text_sent = max(st.text_sent, upto)
         return delta
 
-    def _failed_event(self) -> str:
-        llm = self.ctx.llm
-        return _error_event(f"generation failed: {llm.dead_reason or llm.restarting or 'a step failed'}")
+    def _failed_event(self, c: CompletionOutput) -> str:
+        return _error_event(_failure_message(self.ctx, c))
 
     def _usage_chunk(self, obj: str) -> str:
         outs = [self.finals[i] for i in sorted(self.finals)]
@@ -183,7 +182,7 @@ class _StreamRunner:
             async with contextlib.aclosing(self._items()) as items:
                 async for pi, c, st, start, end, done in items:
                     if c.finish_reason == "error":
-                        yield self._failed_event()
+                        yield self._failed_event(c)
                         yield _DONE
                         return
                     prefix = ""
@@ -221,27 +220,30 @@ class _StreamRunner:
             yield self._usage_chunk("text_completion")
         yield _DONE
 
+    def _chat_chunk(self, choice: dict[str, Any], include_usage: bool) -> str:
+        return _event(
+            {
+                "id": self.rid,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.ctx.model_name,
+                "choices": [choice],
+                **({"usage": None} if include_usage else {}),
+            }
+        )
+
     async def chat(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         top_n = req.top_logprobs or 0
 
         def chunk(choice: dict[str, Any]) -> str:
-            return _event(
-                {
-                    "id": self.rid,
-                    "object": "chat.completion.chunk",
-                    "created": self.created,
-                    "model": self.ctx.model_name,
-                    "choices": [choice],
-                    **({"usage": None} if include_usage else {}),
-                }
-            )
+            return self._chat_chunk(choice, include_usage)
 
         try:
             async with contextlib.aclosing(self._items()) as items:
                 async for _pi, c, st, start, end, done in items:
                     if c.finish_reason == "error":
-                        yield self._failed_event()
+                        yield self._failed_event(c)
                         yield _DONE
                         return
                     if not st.started:
