@@ -13,6 +13,7 @@ length) are checked in ``openai_requests``.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
@@ -176,6 +177,16 @@ def _is_neutral(name: str, value: Any, body: Mapping[str, Any]) -> bool:
     return any(type(value) is type(v) and value == v for v in UNSUPPORTED_FIELDS[name])
 
 
+@functools.cache
+def _defaulted_not_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """Fields with a default whose type does not admit None: a null for them means "the default"."""
+    return frozenset(
+        name
+        for name, f in model.model_fields.items()
+        if not f.is_required() and f.default is not None and "None" not in str(f.annotation)
+    )
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints; ``None`` means "the checkpoint's generation default"."""
 
@@ -210,7 +221,11 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _drop_neutral_unsupported(cls, data: Any) -> Any:
         # What remains of UNSUPPORTED_FIELDS is refused by extra="forbid" and named by validation_api_error.
-        if not isinstance(data, dict) or not any(k in UNSUPPORTED_FIELDS for k in data):
+        if not isinstance(data, dict):
+            return data
+        # OpenAI's schema lets a client send null for a field it leaves at its default (n, stream...).
+        data = {k: v for k, v in data.items() if not (v is None and k in _defaulted_not_nullable(cls))}
+        if not any(k in UNSUPPORTED_FIELDS for k in data):
             return data
         return {k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and _is_neutral(k, v, data))}
 

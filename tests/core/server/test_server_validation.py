@@ -272,6 +272,20 @@ def test_floats_accept_json_integers(shared_client: Any) -> None:
     assert r.status_code == 200, r.text
 
 
+def test_null_means_the_default(shared_client: Any) -> None:
+    """OpenAI's schema allows null for defaulted fields (some clients send every key)."""
+    client, _ = shared_client
+    nulls = {"n": None, "stream": None, "echo": None, "ignore_eos": None, "min_tokens": None}
+    r = post(client, COMPLETION, _completion(temperature=0, max_tokens=4, **nulls))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and body["usage"]["completion_tokens"] == 4
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    r = post(client, "/v1/chat/completions", {**chat, "n": None, "logprobs": None, "add_generation_prompt": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+
+
 # --------------------------------------------------------------------------- chat's own names
 
 
