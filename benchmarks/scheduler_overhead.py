@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from pypto_serving.executor import CacheGroupSpec, ExecutorInfo, StepResult
+from pypto_serving.executor import CacheGroupSpec, ExecutorInfo
 from pypto_serving.kv_cache import KVCacheManager
+from pypto_serving.messages import StepResult
 from pypto_serving.request import Request, SamplingParams
 from pypto_serving.scheduler import Scheduler, SchedulerConfig
 from pypto_serving.speculative import no_speculation

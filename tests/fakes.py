@@ -42,10 +42,10 @@ class FakeExecutor(Executor):
         self.opts = dict(settings.executor_options)
         self.vocab = int(self.opts.get("vocab", 97))
         self.block_size = settings.block_size
-        self.device = "cpu"
 
     def load(self) -> ExecutorInfo:
         o = self.opts
+        self.device = torch.device("cpu")
         return ExecutorInfo(
             cache_groups=[CacheGroupSpec("kv", self.block_size, bytes_per_block=self.block_size * 8)],
             vocab_size=self.vocab,

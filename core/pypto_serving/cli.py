@@ -72,8 +72,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .engine import LLM, EngineDeadError
-    from .executor import WorkerError
     from .request import SamplingParams
+    from .worker import WorkerError
 
     prompts = _read_prompts(args)
     settings = settings_from_args(args)

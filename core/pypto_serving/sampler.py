@@ -16,8 +16,10 @@ __all__ = ["RowParams", "SampleOutput", "sample"]
 _MIX = 0x9E3779B97F4A7C15
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RowParams:
+    """How to sample one logits row."""
+
     temperature: float
     top_k: int
     top_p: float
@@ -26,10 +28,10 @@ class RowParams:
     frequency_penalty: float
     repetition_penalty: float
     seed: int
-    draw_index: int
+    draw_index: int  # the request's output index this row samples; with ``seed``, it fixes the draw
     num_logprobs: int | None
     banned: tuple[int, ...]  # eos/stop ids while min_tokens is not reached
-    history: list[int]  # prompt + outputs, for penalties (left empty when no penalty applies)
+    history: list[int] | None  # prompt + outputs for the penalties; None: the request has no penalties
     num_prompt: int
 
 
@@ -48,6 +50,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[int], params: list[RowPara
     vocab = logits.shape[1]
     for r in rows:  # rows with penalties only; the histories differ in length per request
         p = params[r]
+        assert p.history is not None, "a row with penalties carries its history"
         hist = torch.tensor(p.history, dtype=torch.long)
         out = hist[p.num_prompt :]  # split before dropping out-of-range ids, or the boundary shifts
         hist = hist[(hist >= 0) & (hist < vocab)]
@@ -74,7 +77,7 @@ def sample(logits: torch.Tensor, params: list[RowParams]) -> SampleOutput:
     raw_logprobs = None
     if any(p.num_logprobs is not None for p in params):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    _apply_penalties(logits, [i for i, p in enumerate(params) if _has_penalty(p)], params)
+    _apply_penalties(logits, [i for i, p in enumerate(params) if p.history is not None], params)
     for i, p in enumerate(params):
         if p.banned:
             logits[i, [t for t in p.banned if 0 <= t < vocab]] = float("-inf")
@@ -109,10 +112,6 @@ def sample(logits: torch.Tensor, params: list[RowParams]) -> SampleOutput:
                 entry.update(zip(ids.tolist(), vals.tolist()))
             logprobs[i] = entry
     return SampleOutput(token_list, logprobs, errors)
-
-
-def _has_penalty(p: RowParams) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
 def _filter(logits: torch.Tensor, params: list[RowParams]) -> torch.Tensor:

@@ -64,7 +64,7 @@ def run_server(settings: Any, plugins: Any = None) -> int:
     """Bind, load, serve until SIGINT/SIGTERM; returns the process exit code: 0 after a drained
     shutdown, 1 when the worker kept dying past the restart budget (so a supervisor restarts us)."""
     from ..engine import EngineDeadError
-    from ..executor import WorkerError
+    from ..worker import WorkerError
     from .app import build_app
     from .async_llm import AsyncLLM
     from .transport import ServingServer, uvicorn_config

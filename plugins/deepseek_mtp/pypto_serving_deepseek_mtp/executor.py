@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pypto_kernels import select_device
-from pypto_serving.executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
+from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
@@ -265,7 +265,7 @@ class DeepseekMTPExecutor(Executor):
     def execute(self, batch: BatchInput) -> torch.Tensor:
         assert self.model is not None
         starts = [int(x) for x in batch.query_start_loc.tolist()]
-        positions = batch.positions.to(self.device).long()
+        positions = batch.positions
         pos0 = [int(positions[starts[r]]) if starts[r] < starts[r + 1] else 0 for r in range(len(batch.request_ids))]
         for r, rid in enumerate(batch.request_ids):
             if pos0[r] == 0 and starts[r] < starts[r + 1]:
@@ -276,13 +276,13 @@ class DeepseekMTPExecutor(Executor):
             starts=starts,
             pos0=pos0,
             positions=positions,
-            input_ids=batch.input_ids.to(self.device).long(),
-            block_tables={k: v.to(self.device).long() for k, v in batch.block_tables.items()},
+            input_ids=batch.input_ids,
+            block_tables={k: v.long() for k, v in batch.block_tables.items()},
             ring_slots=slots,
         )
         streams = self.model.forward(seg)
         self._last = (batch, seg, streams)
-        return self.model.logits(streams[batch.logits_indices.to(self.device).long()])
+        return self.model.logits(streams[batch.logits_indices])
 
     # ------------------------------------------------------------------ MTP
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import pypto_kernels as K
-from pypto_serving.executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
+from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
 
 from .loader import QwenConfig, load_weights, read_config, read_generation_config, resolve_dtype
 from .model import AttentionMetadata, KVCache, QwenForCausalLM
@@ -88,20 +88,15 @@ class QwenExecutor(Executor):
             raise RuntimeError("execute() before load()")
         if not self.kv_caches:
             raise RuntimeError("execute() before init_kv_cache()")
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=batch.slot_mapping[KV_GROUP].to(dev),
-            block_tables=batch.block_tables[KV_GROUP].to(dev),
-            query_start_loc=batch.query_start_loc.to(dev),
-            seq_lens=batch.seq_lens.to(dev),
+            slot_mapping=batch.slot_mapping[KV_GROUP],
+            block_tables=batch.block_tables[KV_GROUP],
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
         )
         with torch.inference_mode():
             logits: torch.Tensor = self.model(
-                batch.input_ids.to(dev),
-                batch.positions.to(dev),
-                meta,
-                self.kv_caches,
-                batch.logits_indices.to(dev),
+                batch.input_ids, batch.positions, meta, self.kv_caches, batch.logits_indices
             )
         return logits
 

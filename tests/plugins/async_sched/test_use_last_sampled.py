@@ -12,9 +12,8 @@ pytest.importorskip("pypto_serving_async_sched")
 
 from pypto_serving import SamplingParams
 from pypto_serving.config import ServingSettings
-from pypto_serving.executor import NewRequestData, ScheduledEntry, StepCommand
+from pypto_serving.messages import NewRequestData, ScheduledEntry, StepCommand, wire_sampling
 from pypto_serving.runner import MissingSampledTokenError, ModelRunner
-from pypto_serving.scheduler import _sampling_dict
 from tests.fakes import FakeExecutor, next_token
 
 from .helpers import VOCAB, Spy, make_llm, run
@@ -24,7 +23,16 @@ def test_entry_field_is_a_bool() -> None:
     hints = typing.get_type_hints(ScheduledEntry)
     assert hints["use_last_sampled"] is bool
     assert hints["token_ids"] == list[int]
-    e = ScheduledEntry("r", [], True, 2, 7, 1, {"kv": [3, 4]}, True)
+    e = ScheduledEntry(
+        request_id="r",
+        token_ids=[],
+        use_last_sampled=True,
+        num_draft=2,
+        start_pos=7,
+        rejected_seen=1,
+        block_ids={"kv": [3, 4]},
+        sample=True,
+    )
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(e), type=ScheduledEntry)
     assert back == e and back.use_last_sampled is True and back.token_ids == []
 
@@ -70,15 +78,36 @@ def runner() -> ModelRunner:
 
 
 def _new(rid: str, prompt: list[int], outputs: list[int] | None = None) -> NewRequestData:
-    sp = _sampling_dict(SamplingParams(temperature=0.0), ())
-    return NewRequestData(rid, prompt, list(outputs or []), sp, 0)
+    return NewRequestData(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        output_token_ids=list(outputs or []),
+        sampling=wire_sampling(SamplingParams(temperature=0.0), ()),
+        seed=0,
+    )
+
+
+def _entry(
+    rid: str, tokens: list[int], use_last: bool, start: int, blocks: dict[str, list[int]], sample: bool = True
+) -> ScheduledEntry:
+    """An entry without drafts."""
+    return ScheduledEntry(
+        request_id=rid,
+        token_ids=tokens,
+        use_last_sampled=use_last,
+        num_draft=0,
+        start_pos=start,
+        rejected_seen=0,
+        block_ids=blocks,
+        sample=sample,
+    )
 
 
 def test_use_last_sampled_without_a_sampled_token_is_a_clear_error(runner: ModelRunner) -> None:
     prompt = [5, 6, 7]
     blocks = {"kv": [0, 1]}
     # The prefill has not sampled anything yet, so a decode cannot use "the last sampled token".
-    bad = ScheduledEntry("x", [], True, 0, 3, 0, blocks, True)
+    bad = _entry("x", [], True, 3, blocks)
     assert runner.step(StepCommand(0, [_new("x", prompt)], [], [])).error is None
     with pytest.raises(MissingSampledTokenError, match=r"'x'.*last sampled token"):
         runner._build_batch([bad])
@@ -86,7 +115,7 @@ def test_use_last_sampled_without_a_sampled_token_is_a_clear_error(runner: Model
     res = runner.step(StepCommand(1, [], [bad], []))
     assert res.error is not None and res.error.startswith("MissingSampledTokenError") and "'x'" in res.error
     # A non-sampling prefill chunk still leaves nothing to use.
-    chunk = ScheduledEntry("x", prompt[:2], False, 0, 0, 0, blocks, False)
+    chunk = _entry("x", prompt[:2], False, 0, blocks, sample=False)
     assert runner.step(StepCommand(2, [], [chunk], [])).error is None
     assert runner.step(StepCommand(3, [], [bad], [])).error.startswith("MissingSampledTokenError")
 
@@ -95,23 +124,21 @@ def test_use_last_sampled_resolves_the_workers_token(runner: ModelRunner) -> Non
     """The pipelined pair (prefill, then a decode using the in-flight token) equals the explicit one."""
     prompt = [5, 6, 7]
     blocks = {"kv": [0, 1]}
-    r0 = runner.step(
-        StepCommand(0, [_new("x", prompt)], [ScheduledEntry("x", prompt, False, 0, 0, 0, blocks, True)], [])
-    )
+    r0 = runner.step(StepCommand(0, [_new("x", prompt)], [_entry("x", prompt, False, 0, blocks)], []))
     first = r0.sampled["x"]
     assert first == [next_token(prompt, VOCAB)]
-    r1 = runner.step(StepCommand(1, [], [ScheduledEntry("x", [], True, 0, 3, 0, blocks, True)], []))
+    r1 = runner.step(StepCommand(1, [], [_entry("x", [], True, 3, blocks)], []))
     assert r1.error is None and r1.sampled["x"] == [next_token([*prompt, *first], VOCAB)]
     # A resumed request (preempted, outputs known) may also use its last output right away.
     runner.step(StepCommand(2, [_new("y", prompt, first)], [], ["x"]))
-    r3 = runner.step(StepCommand(3, [], [ScheduledEntry("y", [*prompt, *first], False, 0, 0, 0, blocks, True)], []))
+    r3 = runner.step(StepCommand(3, [], [_entry("y", [*prompt, *first], False, 0, blocks)], []))
     assert r3.sampled["y"] == r1.sampled["x"]
 
 
 def test_finished_request_state_is_forgotten(runner: ModelRunner) -> None:
     prompt = [1, 2]
     blocks = {"kv": [0]}
-    runner.step(StepCommand(0, [_new("x", prompt)], [ScheduledEntry("x", prompt, False, 0, 0, 0, blocks, True)], []))
+    runner.step(StepCommand(0, [_new("x", prompt)], [_entry("x", prompt, False, 0, blocks)], []))
     runner.step(StepCommand(1, [], [], ["x"]))
-    res = runner.step(StepCommand(2, [], [ScheduledEntry("x", [], True, 0, 2, 0, blocks, True)], []))
+    res = runner.step(StepCommand(2, [], [_entry("x", [], True, 2, blocks)], []))
     assert res.error is not None and "no state for request 'x'" in res.error

@@ -146,7 +146,7 @@ class FakeCore:
 
     def batch(self, entries: list[tuple[str, list[int], int, int]]) -> Any:
         """``entries``: (request id, token ids, first position, logits rows from the end)."""
-        from pypto_serving.executor import BatchInput
+        from pypto_serving import BatchInput
 
         ids, pos, qsl, seq_lens, logits_idx, nlog = [], [], [0], [], [], []
         for rid, toks, start, n_logits in entries:
@@ -173,17 +173,14 @@ class FakeCore:
                 slots[name] = torch.tensor(sm, dtype=torch.int64)
         return BatchInput(
             request_ids=[e[0] for e in entries],
-            input_ids=torch.tensor(ids),
-            positions=torch.tensor(pos),
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=tables,
             slot_mapping=slots,
-            logits_indices=torch.tensor(logits_idx),
-            query_lens=[len(e[1]) for e in entries],
-            seq_lens_list=seq_lens,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
             num_logits=nlog,
-            is_prefill=[e[3] <= 1 and len(e[1]) > 1 for e in entries],
         )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from pypto_serving.executor import BatchInput
+from pypto_serving import BatchInput
 
 SEED = 1234
 TINY: dict[str, Any] = dict(
@@ -207,7 +207,6 @@ class PagedBatchBuilder:
         seq_lens: list[int] = []
         logits_rows: list[int] = []
         num_logits: list[int] = []
-        is_prefill: list[bool] = []
         for rid, tokens in chunks:
             req = self.reqs.setdefault(rid, _Req())
             start, end = req.computed, req.computed + len(tokens)
@@ -221,7 +220,6 @@ class PagedBatchBuilder:
             picked = rows if all_logits else rows[-1:]
             logits_rows += picked
             num_logits.append(len(picked))
-            is_prefill.append(len(tokens) > 1 or start == 0)
             qsl.append(qsl[-1] + len(tokens))
             seq_lens.append(end)
             req.computed = end
@@ -239,10 +237,7 @@ class PagedBatchBuilder:
             block_tables={"kv": table},
             slot_mapping={"kv": torch.tensor(slots, dtype=torch.int64)},
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
-            query_lens=[len(t) for _, t in chunks],
-            seq_lens_list=seq_lens,
             num_logits=num_logits,
-            is_prefill=is_prefill,
         )
 
 

@@ -73,7 +73,7 @@ def _run_schedule(
         assert logits.dtype == torch.float32
         assert logits.shape == (len(batch.logits_indices), ex.info.vocab_size)  # type: ignore[attr-defined]
         row = 0
-        for (rid, _), count, seq_len in zip(chunks, batch.num_logits, batch.seq_lens_list, strict=True):
+        for (rid, _), count, seq_len in zip(chunks, batch.num_logits, batch.seq_lens.tolist(), strict=True):
             ref = refs[rid][seq_len - count : seq_len]
             _assert_close(logits[row : row + count], ref, tol, f"step {step} request {rid}")
             row += count

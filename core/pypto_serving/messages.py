@@ -1,0 +1,136 @@
+"""The step messages between the engine (scheduler side) and the worker.
+
+The engine owns request state and block accounting; the worker owns tensors. Per step the engine
+sends one :class:`StepCommand` and gets one :class:`StepResult` back, both small msgspec structs
+encoded as msgpack: no activation and no pickled object ever crosses the pipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from .executor import ExecutorInfo
+from .request import SamplingParams
+
+__all__ = [
+    "NewRequestData",
+    "ScheduledEntry",
+    "StepCommand",
+    "StepResult",
+    "WireSampling",
+    "wire_sampling",
+]
+
+
+class WireSampling(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's sampling parameters, as far as the worker's sampler needs them."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    has_penalties: bool  # SamplingParams.has_penalties: the only rows whose token history the sampler reads
+    min_tokens: int
+    min_tokens_banned: tuple[int, ...]  # masked until min_tokens outputs exist: stop ids, and EOS unless ignore_eos
+    logprobs: int | None
+
+
+def wire_sampling(sp: SamplingParams, eos_token_ids: Sequence[int]) -> WireSampling:
+    """What the worker needs of ``sp`` for a request whose model stops at ``eos_token_ids``."""
+    banned = [*sp.stop_token_ids, *(() if sp.ignore_eos else eos_token_ids)]
+    return WireSampling(
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        has_penalties=sp.has_penalties,
+        min_tokens=sp.min_tokens,
+        min_tokens_banned=tuple(banned),
+        logprobs=sp.logprobs,
+    )
+
+
+class NewRequestData(msgspec.Struct, frozen=True, kw_only=True):
+    """Sent once when a request (re)enters the worker: sampling state and token history."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resuming after preemption
+    sampling: WireSampling
+    seed: int
+
+
+class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """What to compute for one request in one step.
+
+    ``token_ids`` are the known input tokens. When ``use_last_sampled`` is true the single input
+    token is the worker's own last sampled token for this request (async scheduling), never a
+    placeholder value. ``num_draft`` draft tokens from the worker's draft cache follow it.
+    ``start_pos`` is the request's computed-token count at schedule time; ``rejected_seen`` is how
+    many rejected draft positions the scheduler had reclaimed by then, so the worker can correct
+    positions for rejections the scheduler had not yet seen.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    use_last_sampled: bool
+    num_draft: int
+    start_pos: int
+    rejected_seen: int
+    block_ids: dict[str, list[int]]
+    sample: bool
+
+
+class StepCommand(msgspec.Struct, frozen=True, tag=True):
+    """One step: requests entering the worker, what to compute, and requests to forget first."""
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    entries: list[ScheduledEntry]
+    finished_ids: list[str]
+
+
+class StepResult(msgspec.Struct):
+    """What one step produced, keyed by request id; ``error`` fails the whole step."""
+
+    step_id: int
+    sampled: dict[str, list[int]] = {}
+    logprobs: dict[str, list[dict[int, float]]] = {}
+    request_errors: dict[str, str] = {}
+    error: str | None = None
+    num_drafted: int = 0
+    num_verify_steps: int = 0  # request-steps that verified at least one draft
+    num_accepted_per_pos: list[int] = []
+    execute_seconds: float = 0.0
+
+
+# Worker lifecycle messages, private to the engine <-> worker pipe (see worker.py).
+
+
+class InitCache(msgspec.Struct, frozen=True, tag=True):
+    num_blocks: dict[str, int]
+
+
+class InitDone(msgspec.Struct, frozen=True):
+    ok: bool
+    error: str | None = None
+
+
+class Loaded(msgspec.Struct, frozen=True):
+    info: ExecutorInfo | None
+    error: str | None = None
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+WorkerCommand = StepCommand | InitCache | Shutdown
