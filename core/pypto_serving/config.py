@@ -124,7 +124,6 @@ class ServingSettings(BaseSettings):
         description="Speculative decoding, e.g. {method = 'mtp', num_speculative_tokens = 2}; unset = off.",
     )
     executor_options: dict[str, Any] = Field(default_factory=dict, description="Options for the executor plugin.")
-    scheduler_options: dict[str, Any] = Field(default_factory=dict, description="Options for the scheduler plugin.")
 
     # -- capacity & batching
     max_model_len: int | None = Field(
@@ -146,6 +145,10 @@ class ServingSettings(BaseSettings):
         description="Bytes of device memory for the KV cache when num_kv_blocks is unset.",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    prefix_cache_hash: Literal["sha256", "blake2b"] = Field(
+        "sha256",
+        description="Digest keying prefix-cache blocks (over the parent block's key and the block's token ids).",
+    )
 
     # -- device & worker
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -241,6 +244,20 @@ class ServingSettings(BaseSettings):
             name: next((src for src, data in layers if name in data), "default") for name in cls.model_fields
         }
         return settings
+
+    def with_overrides(self, *, origin: str = "explicit argument", **overrides: Any) -> ServingSettings:
+        """A validated copy with ``overrides`` applied, raising :class:`SettingsError` like :meth:`load`.
+
+        Each value is assigned (``validate_assignment``) instead of rebuilding the settings, which
+        would read the environment and the config file again over the caller's values."""
+        copy = self.model_copy()
+        try:
+            for name, value in overrides.items():
+                setattr(copy, name, value)
+        except ValidationError as e:
+            raise SettingsError(_explain(e, [(origin, overrides)])) from None
+        copy._sources = {**self._sources, **dict.fromkeys(overrides, origin)}
+        return copy
 
     def source_of(self, name: str) -> str:
         """Where the effective value of a setting came from (filled by :meth:`load`)."""

@@ -3,19 +3,42 @@
 Only bookkeeping lives here; the tensors live in the worker. A block whose ref count drops to zero
 goes to the tail of its pool's free queue but keeps its hash, so a later request with the same
 prefix can take it back (a prefix-cache hit) until the block is handed out again.
+
+A block's key is a cryptographic digest of its parent block's key and its own token ids, so a hit is
+taken without comparing tokens: two different prefixes sharing a key (and so KV) would need a hash
+collision. The digest is the same in every process (no ``PYTHONHASHSEED`` dependence).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .executor import CacheGroupSpec
 from .request import Request
 
-__all__ = ["BlockPool", "KVCacheManager", "NoFreeBlocksError"]
+__all__ = ["BLOCK_HASHES", "BlockPool", "KVCacheManager", "NoFreeBlocksError", "block_key", "root_key"]
+
+# The prefix_cache_hash setting's choices: collision-resistant digests from the standard library.
+BLOCK_HASHES: dict[str, Callable[[bytes], bytes]] = {
+    "sha256": lambda data: hashlib.sha256(data).digest(),
+    "blake2b": lambda data: hashlib.blake2b(data).digest(),
+}
+
+
+def root_key(hash_name: str, group: str) -> bytes:
+    """The parent key of a cache group's first block: groups never share keys."""
+    return BLOCK_HASHES[hash_name](group.encode())
+
+
+def block_key(hash_name: str, parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a full block: a digest of its parent's key and its token ids (little-endian int64,
+    the range every token id is checked against), so equal keys mean equal prefixes."""
+    return BLOCK_HASHES[hash_name](parent + struct.pack(f"<{len(tokens)}q", *tokens))
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -28,9 +51,9 @@ class BlockPool:
 
     num_blocks: int
     ref_cnt: list[int] = field(init=False)
-    block_hash: list[int | None] = field(init=False)
+    block_hash: list[bytes | None] = field(init=False)
     free: OrderedDict[int, None] = field(init=False)
-    cached: dict[int, int] = field(default_factory=dict)  # hash -> block id
+    cached: dict[bytes, int] = field(default_factory=dict)  # block key -> block id
 
     def __post_init__(self) -> None:
         self.ref_cnt = [0] * self.num_blocks
@@ -69,7 +92,7 @@ class BlockPool:
             if self.ref_cnt[block] == 0:
                 self.free[block] = None
 
-    def publish(self, block: int, h: int) -> None:
+    def publish(self, block: int, h: bytes) -> None:
         if h in self.cached or self.block_hash[block] is not None:
             return  # an identical block is already cached, or this one already is
         self.block_hash[block] = h
@@ -85,13 +108,17 @@ class KVCacheManager:
         num_blocks: dict[str, int],
         *,
         enable_prefix_caching: bool = True,
+        prefix_cache_hash: str = "sha256",
     ) -> None:
+        if prefix_cache_hash not in BLOCK_HASHES:
+            raise ValueError(f"prefix_cache_hash={prefix_cache_hash!r}: use one of {', '.join(BLOCK_HASHES)}")
+        self.hash_name = prefix_cache_hash
         self.groups = list(groups)
         self.pools = {g.name: BlockPool(num_blocks[g.name]) for g in self.groups}
         # A hit must be restorable in every group, so one group without exact caching disables it.
         self.prefix_caching = enable_prefix_caching and all(g.prefix_caching for g in self.groups)
         self._hash_unit = math.lcm(*(g.tokens_per_block for g in self.groups))
-        self._hashes: dict[str, dict[str, list[int]]] = {}  # request -> group -> block hashes
+        self._hashes: dict[str, dict[str, list[bytes]]] = {}  # request -> group -> block keys
         self._min_tpb = min(g.tokens_per_block for g in self.groups)
         self._published: dict[str, int] = {}  # request -> full blocks (of the smallest kind) published
         self.prefix_queries = 0  # prompt tokens looked up
@@ -110,15 +137,17 @@ class KVCacheManager:
         return all(self.blocks_needed(g, num_tokens) <= self.pools[g.name].num_blocks for g in self.groups)
 
     # -- prefix cache
-    def _chain_hashes(self, request: Request, group: CacheGroupSpec, num_tokens: int) -> list[int]:
-        """Chained hashes of the request's full blocks covering its first ``num_tokens`` tokens."""
+    def _chain_hashes(self, request: Request, group: CacheGroupSpec, num_tokens: int) -> list[bytes]:
+        """Chained keys of the request's full blocks covering its first ``num_tokens`` tokens."""
         known = self._hashes.setdefault(request.request_id, {}).setdefault(group.name, [])
         tpb = group.tokens_per_block
-        tokens = request.all_token_ids
-        parent = known[-1] if known else hash((group.name,))
-        for i in range(len(known), num_tokens // tpb):
-            parent = hash((parent, tuple(tokens[i * tpb : (i + 1) * tpb])))
-            known.append(parent)
+        full = num_tokens // tpb
+        if len(known) < full:
+            tokens = request.token_slice(len(known) * tpb, full * tpb)
+            parent = known[-1] if known else root_key(self.hash_name, group.name)
+            for i in range(0, len(tokens), tpb):
+                parent = block_key(self.hash_name, parent, tokens[i : i + tpb])
+                known.append(parent)
         # ``known`` may hold more (a prefix lookup hashes the whole prompt): only full blocks
         # within ``num_tokens`` may be returned, or publish() would cache unwritten blocks.
         return known[: num_tokens // tpb]

@@ -2,14 +2,17 @@
 
 Every :class:`ServerMetrics` owns its own ``CollectorRegistry``: two apps in one process (tests, or a
 plugin embedding the server) must not share or collide on the global default registry.
-Per-request histograms are fed when a request finishes; engine gauges are refreshed from the latest
-``EngineCore.stats()`` snapshot at scrape time, so scraping never touches the engine thread.
+Per-request histograms are fed when a request finishes; engine gauges and counters are refreshed from
+the latest ``EngineCore.stats()`` snapshot at scrape time, so scraping never touches the engine thread.
+The engine's running totals become Prometheus counters through :class:`_TotalsTracker`.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -17,6 +20,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .request import RequestOutput
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+K = TypeVar("K")
 
 _PREFIX = "pypto_serving"
 # Latency buckets cover sub-millisecond CPU fakes up to minute-long generations.
@@ -75,9 +80,7 @@ class ServerMetrics:
         self.waiting = Gauge(
             f"{_PREFIX}_num_requests_waiting", "Sequences waiting to be scheduled.", labels, registry=r
         )
-        self.preemptions = Gauge(
-            f"{_PREFIX}_num_preemptions", "Preemptions since start (engine counter).", labels, registry=r
-        )
+        self.preemptions = Counter(f"{_PREFIX}_num_preemptions", "Preemptions since start.", labels, registry=r)
         self.kv_usage = Gauge(
             f"{_PREFIX}_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", labels, registry=r
         )
@@ -87,10 +90,10 @@ class ServerMetrics:
             labels,
             registry=r,
         )
-        self.spec_drafted = Gauge(
+        self.spec_drafted = Counter(
             f"{_PREFIX}_spec_decode_num_draft_tokens", "Draft tokens proposed.", labels, registry=r
         )
-        self.spec_accepted = Gauge(
+        self.spec_accepted = Counter(
             f"{_PREFIX}_spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels, registry=r
         )
         self.spec_acceptance = Gauge(
@@ -105,7 +108,7 @@ class ServerMetrics:
             labels,
             registry=r,
         )
-        self.spec_accepted_per_pos = Gauge(
+        self.spec_accepted_per_pos = Counter(
             f"{_PREFIX}_spec_decode_num_accepted_tokens_per_pos",
             "Accepted drafts by draft position.",
             [*labels, "position"],
@@ -117,6 +120,7 @@ class ServerMetrics:
         self.worker_restarts = Counter(
             f"{_PREFIX}_worker_restarts", "Times a dead worker was replaced by a fresh one.", labels, registry=r
         )
+        self._totals: _TotalsTracker[tuple[Counter, tuple[str, ...]]] = _TotalsTracker()
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record one finished user request (called from the engine thread; prometheus-client locks)."""
@@ -140,23 +144,63 @@ class ServerMetrics:
 
     def observe_restart(self) -> None:
         self.worker_restarts.labels(self._model).inc()
+        self._totals.restart()
 
     def update_engine(self, stats: Mapping[str, Any], dead: bool) -> None:
+        """Refresh from an engine snapshot (the engine thread after each step, and every scrape)."""
         m = self._model
         self.running.labels(m).set(stats.get("num_running", 0))
         self.waiting.labels(m).set(stats.get("num_waiting", 0))
-        self.preemptions.labels(m).set(stats.get("num_preemptions", 0))
         self.kv_usage.labels(m).set(stats.get("kv_usage", 0.0))
         queries = stats.get("prefix_cache_queries", 0)
         self.prefix_hit_rate.labels(m).set(stats.get("prefix_cache_hits", 0) / queries if queries else 0.0)
         drafted, accepted = stats.get("spec_drafted", 0), stats.get("spec_accepted", 0)
-        self.spec_drafted.labels(m).set(drafted)
-        self.spec_accepted.labels(m).set(accepted)
         self.spec_acceptance.labels(m).set(accepted / drafted if drafted else 0.0)
         self.spec_mean_accepted.labels(m).set(stats.get("spec_mean_accepted_length", 0.0))
-        for pos, n in enumerate(stats.get("spec_accepted_per_pos", [])):
-            self.spec_accepted_per_pos.labels(m, str(pos)).set(n)
         self.engine_dead.labels(m).set(1 if dead else 0)
+        totals: dict[tuple[Counter, tuple[str, ...]], float] = {
+            (self.preemptions, ()): stats.get("num_preemptions", 0),
+            (self.spec_drafted, ()): drafted,
+            (self.spec_accepted, ()): accepted,
+        }
+        for pos, n in enumerate(stats.get("spec_accepted_per_pos", [])):
+            totals[self.spec_accepted_per_pos, (str(pos),)] = n
+        for (counter, extra), inc in self._totals.advance(stats.get("num_steps", 0), totals).items():
+            counter.labels(m, *extra).inc(inc)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class _TotalsTracker(Generic[K]):
+    """Turns an engine's running totals into counter increments, so counters never go down.
+
+    Snapshots come from the engine thread after every step and from scrapes, which may pass a
+    snapshot older than one already seen: a snapshot whose totals or step count went down is stale
+    and ignored. After a worker restart the new engine counts from 0: until its first snapshot
+    arrives, scrapes still pass the dead engine's last one (identical to the last seen, ignored);
+    the first that differs is the new engine's, and its totals count whole."""
+
+    last: dict[K, float] = field(default_factory=dict)
+    last_steps: int = 0
+    restart_pending: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def restart(self) -> None:
+        with self.lock:
+            self.restart_pending = True
+
+    def advance(self, steps: int, totals: Mapping[K, float]) -> dict[K, float]:
+        """The increments that bring the counters up to ``totals`` (only the positive ones)."""
+        with self.lock:
+            if self.restart_pending:
+                if steps == self.last_steps and all(v == self.last.get(k, 0) for k, v in totals.items()):
+                    return {}  # still the dead engine's last snapshot
+                self.restart_pending, self.last = False, {}
+            elif steps < self.last_steps or any(v < self.last.get(k, 0) for k, v in totals.items()):
+                return {}
+            increments = {k: v - self.last.get(k, 0) for k, v in totals.items() if v > self.last.get(k, 0)}
+            self.last_steps = steps
+            self.last.update(totals)
+            return increments

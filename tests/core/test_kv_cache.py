@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import struct
+import subprocess
+import sys
 from collections.abc import Callable
+from typing import Any, get_args
 
 import pytest
 
@@ -343,3 +349,82 @@ def test_plan_kv_blocks_gives_every_group_the_same_token_capacity() -> None:
     assert plan == {"kv": 250, "compressed": 62}
     assert sum(plan[g.name] * g.bytes_per_block for g in groups) <= 112_500
     assert plan_kv_blocks(groups, 7, memory=1) == {"kv": 7, "compressed": 7}
+
+
+# ----------------------------------------------------------------------------- block keys
+
+_KEYS_SCRIPT = """
+from pypto_serving import CacheGroupSpec
+from pypto_serving.kv_cache import KVCacheManager
+from pypto_serving.request import Request, SamplingParams
+kv = KVCacheManager([CacheGroupSpec("kv", 4, 64)], {"kv": 8})
+req = Request("r", list(range(100, 113)), SamplingParams())
+print([k.hex() if isinstance(k, bytes) else k for k in kv._chain_hashes(req, kv.groups[0], 12)])
+"""
+
+
+def _keys(kv: KVCacheManager, tokens: list[int], rid: str = "k") -> list[Any]:
+    return kv._chain_hashes(Request(rid, tokens, SamplingParams()), kv.groups[0], len(tokens))
+
+
+@pytest.mark.parametrize("name", ["sha256", "blake2b"])
+def test_block_keys_are_a_digest_of_the_parent_key_and_the_tokens(name: str) -> None:
+    """Written from the definition, not from the code: key(block i) = H(key(block i-1) + its token ids
+    as little-endian int64), with H(group name) before the first block."""
+    digest = {"sha256": hashlib.sha256, "blake2b": hashlib.blake2b}[name]
+    kv = KVCacheManager([CacheGroupSpec("kv", 4, 64)], {"kv": 8}, prefix_cache_hash=name)
+    tokens = [7, 2**40, 0, 5, 9, 9, 9, 9, 1]
+    parent = digest(b"kv").digest()
+    expected = []
+    for i in range(2):
+        parent = digest(parent + struct.pack("<4q", *tokens[4 * i : 4 * i + 4])).digest()
+        expected.append(parent)
+    assert _keys(kv, tokens) == expected
+
+
+def test_block_keys_depend_on_the_whole_chain_and_nothing_else(kv: KVCacheManager) -> None:
+    base = list(range(1, 13))
+    keys = _keys(kv, base, "a")
+    assert _keys(kv, list(base), "b") == keys  # same prefix, same keys
+    changed_last = _keys(kv, [*base[:11], 99], "c")
+    assert changed_last[:2] == keys[:2] and changed_last[2] != keys[2]
+    changed_first = _keys(kv, [99, *base[1:]], "d")
+    assert all(x != y for x, y in zip(changed_first, keys))  # every later key has a new parent
+    moved = _keys(kv, [*base[4:8], *base[4:8]], "e")
+    assert moved[0] != keys[1] and moved[1] != keys[1]  # the same tokens under another parent
+    other_group = KVCacheManager([CacheGroupSpec("other", 4, 64)], {"other": 8})
+    assert set(_keys(other_group, base, "f")).isdisjoint(keys)
+    assert len(set(keys)) == len(keys)
+
+
+def test_block_keys_are_the_same_in_every_process(kv: KVCacheManager) -> None:
+    """Keys hash no Python ``hash()`` (seeded per process for strings): another interpreter with
+    another hash seed computes the same keys for the same prefix."""
+    here = [k.hex() if isinstance(k, bytes) else k for k in _keys(kv, list(range(100, 113)), "r")[:3]]
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", _KEYS_SCRIPT], env=env, capture_output=True, text=True, check=True, timeout=120
+        )
+        assert out.stdout.strip() == str(here), out.stderr
+
+
+def test_prefix_cache_hash_setting_selects_the_digest(make_llm: Callable[..., Any]) -> None:
+    from pypto_serving import ServingSettings
+    from pypto_serving.config import SettingsError
+    from pypto_serving.kv_cache import BLOCK_HASHES
+
+    assert get_args(ServingSettings.model_fields["prefix_cache_hash"].annotation) == tuple(BLOCK_HASHES)
+    assert ServingSettings().prefix_cache_hash == "sha256"
+    with pytest.raises(SettingsError, match="prefix_cache_hash"):
+        ServingSettings.load(prefix_cache_hash="md5")
+    with pytest.raises(ValueError, match="prefix_cache_hash"):
+        KVCacheManager([CacheGroupSpec("kv", 4, 64)], {"kv": 8}, prefix_cache_hash="md5")
+    llm = make_llm(block_size=4, num_kv_blocks=32, prefix_cache_hash="blake2b")
+    assert llm.engine.kv.hash_name == "blake2b"
+    params = SamplingParams(max_tokens=3, temperature=0)
+    first = llm.generate(list(range(1, 10)), params, use_tqdm=False)[0]
+    again = llm.generate(list(range(1, 10)), params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 8 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    expected = hashlib.blake2b(hashlib.blake2b(b"kv").digest() + struct.pack("<4q", 1, 2, 3, 4)).digest()
+    assert expected in llm.engine.kv.pools["kv"].cached

@@ -48,10 +48,17 @@ async def _run_all(
         for t in tasks:
             t.cancel()  # generate()'s cleanup aborts whatever is unfinished
     for out in outs:
-        if any(c.finish_reason == "error" for c in out.outputs):
-            reason = ctx.llm.dead_reason or ctx.llm.restarting or "a step failed for this request"
-            raise APIError(500, f"generation failed: {reason}", type="server_error", code="generation_failed")
+        failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(500, _failure_message(ctx, failed), type="server_error", code="generation_failed")
     return list(outs)
+
+
+def _failure_message(ctx: _Ctx, c: CompletionOutput) -> str:
+    """What a client is told about a failed choice: the request's own error, else the engine's state.
+    Only the error's first line goes out; the traceback tail after it stays in the server log."""
+    reason = c.error.partition("\n")[0] if c.error else None
+    return f"generation failed: {reason or ctx.llm.dead_reason or ctx.llm.restarting or 'a step failed'}"
 
 
 async def _watch_disconnect(raw: Request, tasks: Sequence[asyncio.Future[RequestOutput]]) -> None:

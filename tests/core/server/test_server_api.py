@@ -371,7 +371,7 @@ def test_metrics(shared_client: Any) -> None:
         "pypto_serving_e2e_request_latency_seconds_count",
         "pypto_serving_num_requests_running",
         "pypto_serving_num_requests_waiting",
-        "pypto_serving_num_preemptions",
+        "pypto_serving_num_preemptions_total",
         "pypto_serving_kv_cache_usage_perc",
         "pypto_serving_prefix_cache_hit_rate",
         "pypto_serving_spec_decode_acceptance_rate",
@@ -524,11 +524,11 @@ def test_speculative_metrics(make_client: Any) -> None:
         for line in client.get("/metrics").text.splitlines()
         if line.startswith("pypto_serving_spec_decode")
     }
-    drafted = lines['pypto_serving_spec_decode_num_draft_tokens{model_name="tiny-fake"}']
-    accepted = lines['pypto_serving_spec_decode_num_accepted_tokens{model_name="tiny-fake"}']
+    drafted = lines['pypto_serving_spec_decode_num_draft_tokens_total{model_name="tiny-fake"}']
+    accepted = lines['pypto_serving_spec_decode_num_accepted_tokens_total{model_name="tiny-fake"}']
     assert 0 < accepted < drafted
     mean = lines['pypto_serving_spec_decode_mean_accepted_length{model_name="tiny-fake"}']
     assert 0 < mean < 2
-    pos0 = lines['pypto_serving_spec_decode_num_accepted_tokens_per_pos{model_name="tiny-fake",position="0"}']
-    pos1 = lines['pypto_serving_spec_decode_num_accepted_tokens_per_pos{model_name="tiny-fake",position="1"}']
+    pos0 = lines['pypto_serving_spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny-fake",position="0"}']
+    pos1 = lines['pypto_serving_spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny-fake",position="1"}']
     assert pos0 >= pos1 and pos0 + pos1 == accepted

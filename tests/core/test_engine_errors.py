@@ -1,0 +1,79 @@
+"""Offline errors are visible: a failed request carries its error message and logs it once, and
+``LLM(settings=..., **overrides)`` validates the overrides."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pypto_serving import LLM, SamplingParams, ServingSettings
+from pypto_serving.config import SettingsError
+
+pytestmark = pytest.mark.requires_plugin("sync_sched")
+
+_FAILURE_LOG = "pypto_serving.engine"
+
+
+def _failure_records(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == _FAILURE_LOG and " failed: " in r.getMessage()]
+
+
+@pytest.mark.parametrize("mode", ["inproc", "process"])
+def test_failed_step_carries_its_error_and_logs_it_once(
+    make_llm: Callable[..., Any], caplog: pytest.LogCaptureFixture, mode: str
+) -> None:
+    llm = make_llm(worker_mode=mode, block_size=4, num_kv_blocks=32, executor_options={"fail_on_token": 5})
+    caplog.set_level(logging.ERROR, logger=_FAILURE_LOG)
+    params = SamplingParams(max_tokens=4, temperature=0, n=2)
+    (bad,) = llm.generate([5, 6, 7], params, use_tqdm=False)
+    for c in bad.outputs:
+        assert c.finish_reason == "error" and c.text == ""
+        assert c.error is not None and "fake executor asked to fail" in c.error
+    (good,) = llm.generate([8, 9], params, use_tqdm=False)  # the engine goes on; no error on success
+    assert all(c.error is None and c.finish_reason == "length" for c in good.outputs)
+    logged = [m for m in _failure_records(caplog) if m.startswith("request ")]
+    assert sorted(m.split(" ")[1] for m in logged) == [f"{bad.request_id}-0", f"{bad.request_id}-1"], logged
+    assert all("fake executor asked to fail" in m for m in logged)
+
+
+def test_non_finite_logits_name_the_request_error(make_llm: Callable[..., Any]) -> None:
+    llm = make_llm(block_size=4, num_kv_blocks=32, executor_options={"nan_on_token": 94})
+    out = llm.generate([3, 94], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error" and out.error is not None and "non-finite" in out.error
+
+
+def test_the_failure_log_is_not_repeated_by_later_snapshots(
+    make_llm: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A finished request's output can be built again (a retry, a debugger); the log line is not."""
+    llm = make_llm(block_size=4, num_kv_blocks=32, executor_options={"fail_on_token": 5})
+    caplog.set_level(logging.ERROR, logger=_FAILURE_LOG)
+    engine = llm.engine
+    engine.add_request("r", [5, 6], SamplingParams(max_tokens=2))
+    user = engine._users["r"]
+    while engine.has_unfinished():
+        engine.step()
+    assert user.output().finished and user.output().outputs[0].error is not None
+    assert len([m for m in _failure_records(caplog) if m.startswith("request r ")]) == 1
+
+
+def test_overrides_of_given_settings_are_validated(fake_pm: Any) -> None:
+    settings = ServingSettings(executor="fake", worker_mode="inproc", scheduler="sync")
+    with pytest.raises(SettingsError, match="max_num_seqs"):
+        LLM(settings=settings, plugins=fake_pm, max_num_seqs=-1)
+    with pytest.raises(SettingsError, match="no_such_setting"):
+        LLM(settings=settings, plugins=fake_pm, no_such_setting=1)
+    with pytest.raises(SettingsError, match="dtype"):
+        LLM(settings=settings, plugins=fake_pm, dtype="float8")
+
+
+def test_valid_overrides_keep_the_given_settings(fake_pm: Any) -> None:
+    settings = ServingSettings(executor="fake", worker_mode="inproc", scheduler="sync", block_size=4, num_kv_blocks=64)
+    with LLM(settings=settings, plugins=fake_pm, max_num_seqs=3, executor_options={"vocab": 50}) as llm:
+        assert llm.settings.max_num_seqs == 3 and llm.settings.block_size == 4
+        assert llm.settings.num_kv_blocks == 64 and llm.settings.executor_options == {"vocab": 50}
+        assert llm.engine is not None and llm.engine.info.vocab_size == 50
+    assert settings.max_num_seqs == 64  # the caller's object is left alone
