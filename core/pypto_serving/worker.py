@@ -8,11 +8,9 @@ runner in the engine's own thread (``mode="inproc"``), for debugging and the sim
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing as mp
 import os
 import sys
-import threading
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -28,8 +26,6 @@ from .messages import InitCache, InitDone, Loaded, Shutdown, StepCommand, StepRe
 from .runner import ModelRunner
 
 __all__ = ["WorkerClient", "WorkerDiedError", "WorkerError"]
-
-logger = logging.getLogger(__name__)
 
 _encoder = msgspec.msgpack.Encoder()
 _cmd_decoder = msgspec.msgpack.Decoder(WorkerCommand)  # type: ignore[arg-type]
@@ -116,7 +112,6 @@ class WorkerClient:
         self.timeout = timeout
         self._pending: deque[StepResult] = deque()
         self._in_flight = 0
-        self._lock = threading.Lock()
         self.dead_reason: str | None = None
         if mode == "inproc":
             self._runner: ModelRunner | None = ModelRunner(factory(settings), settings)

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 import pypto_kernels as K
-from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
+from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
 
-from .loader import QwenConfig, load_weights, read_config, read_generation_config, resolve_dtype
+from .loader import QwenConfig, load_weights, read_config, resolve_dtype
 from .model import AttentionMetadata, KVCache, QwenForCausalLM
 
 __all__ = ["KV_GROUP", "QwenExecutor"]
@@ -38,7 +38,7 @@ class QwenExecutor(Executor):
         cfg = read_config(s.model)
         self.device = K.select_device(s.device)
         self.dtype = resolve_dtype(s.dtype, cfg)
-        # Seeded so anything random during start-up (none today, but kernels may warm up) is reproducible.
+        # Seeded so that anything random during start-up, such as a kernel warm-up, is reproducible.
         torch.manual_seed(s.seed)
         model = QwenForCausalLM(cfg, self.device, self.dtype)
         targets, required = model.weight_targets()

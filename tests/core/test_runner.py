@@ -1,0 +1,120 @@
+"""The worker-side runner against the contract: where and as what it hands the executor its batch, and
+the typed sampling parameters it receives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, SamplingParams, ServingSettings
+from pypto_serving.messages import NewRequestData, ScheduledEntry, StepCommand, wire_sampling
+from pypto_serving.runner import ModelRunner
+
+VOCAB = 11
+GROUPS = [CacheGroupSpec("kv", 4, bytes_per_block=64), CacheGroupSpec("compressed", 2, 64, tokens_per_entry=4)]
+
+
+class RecordingExecutor(Executor):
+    """Keeps each batch and returns flat logits on the CPU; its device is ``meta``, which holds no data,
+    so only the runner's own placement can put the batch there."""
+
+    def __init__(self, set_device: bool = True) -> None:
+        self.set_device = set_device
+        self.batches: list[BatchInput] = []
+
+    def load(self) -> ExecutorInfo:
+        if self.set_device:
+            self.device = torch.device("meta")
+        return ExecutorInfo(cache_groups=GROUPS, vocab_size=VOCAB, max_model_len=64)
+
+    def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
+        pass
+
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        self.batches.append(batch)
+        return torch.zeros(len(batch.logits_indices), VOCAB)
+
+
+def _settings() -> Any:
+    return ServingSettings.load(executor="fake", block_size=4, executor_options={})
+
+
+def _new(rid: str, prompt: list[int]) -> NewRequestData:
+    return NewRequestData(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        output_token_ids=[],
+        sampling=wire_sampling(SamplingParams(temperature=0.0), ()),
+        seed=0,
+    )
+
+
+def _entry(rid: str, tokens: list[int], blocks: dict[str, list[int]]) -> ScheduledEntry:
+    return ScheduledEntry(
+        request_id=rid,
+        token_ids=tokens,
+        use_last_sampled=False,
+        num_draft=0,
+        start_pos=0,
+        rejected_seen=0,
+        block_ids=blocks,
+        sample=True,
+    )
+
+
+def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
+    ex = RecordingExecutor()
+    runner = ModelRunner(ex, _settings())
+    runner.load()
+    cmd = StepCommand(
+        step_id=0,
+        new_requests=[_new("a", [1, 2, 3, 4, 5]), _new("b", [6])],
+        entries=[_entry("a", [1, 2, 3, 4, 5], {"kv": [3, 1], "compressed": [0]}), _entry("b", [6], {"kv": [2]})],
+        finished_ids=[],
+    )
+    result = runner.step(cmd)
+    assert result.error is None, result.error
+    (batch,) = ex.batches
+    int64, int32 = torch.int64, torch.int32
+    expected = {
+        "input_ids": (batch.input_ids, int64, (6,)),
+        "positions": (batch.positions, int64, (6,)),
+        "query_start_loc": (batch.query_start_loc, int32, (3,)),
+        "seq_lens": (batch.seq_lens, int32, (2,)),
+        "logits_indices": (batch.logits_indices, int64, (2,)),
+        "block_tables[kv]": (batch.block_tables["kv"], int32, (2, 2)),
+        "block_tables[compressed]": (batch.block_tables["compressed"], int32, (2, 1)),
+        "slot_mapping[kv]": (batch.slot_mapping["kv"], int64, (6,)),
+    }
+    for name, (tensor, dtype, shape) in expected.items():
+        assert (tensor.device.type, tensor.dtype, tuple(tensor.shape)) == ("meta", dtype, shape), name
+    # Only groups whose entries are single tokens get a slot per token.
+    assert set(batch.slot_mapping) == {"kv"}
+    assert batch.request_ids == ["a", "b"] and batch.num_logits == [1, 1]
+    assert set(BatchInput.__dataclass_fields__) == {*(f.split("[")[0] for f in expected), "request_ids", "num_logits"}
+
+
+def test_an_executor_that_sets_no_device_is_refused_at_load() -> None:
+    runner = ModelRunner(RecordingExecutor(set_device=False), _settings())
+    with pytest.raises(TypeError, match=r"RecordingExecutor\.load\(\) must set self\.device"):
+        runner.load()
+
+
+def test_sampling_crosses_the_pipe_as_a_typed_struct() -> None:
+    sp = SamplingParams(temperature=0.5, repetition_penalty=1.1, min_tokens=3, stop_token_ids=[5], logprobs=2)
+    wire = wire_sampling(sp, (2, 9))
+    assert wire.has_penalties is sp.has_penalties is True
+    assert wire.min_tokens_banned == (5, 2, 9) and wire.min_tokens == 3 and wire.logprobs == 2
+    assert wire_sampling(SamplingParams(stop_token_ids=[5], ignore_eos=True), (2,)).min_tokens_banned == (5,)
+    assert not wire_sampling(SamplingParams(), ()).has_penalties
+    new = NewRequestData(request_id="r", prompt_token_ids=[1], output_token_ids=[], sampling=wire, seed=7)
+    data = msgspec.msgpack.encode(new)
+    assert msgspec.msgpack.decode(data, type=NewRequestData) == new
+    # The decoder checks every field's type: a malformed message fails at the boundary, not in the sampler.
+    raw = msgspec.msgpack.decode(data)
+    raw["sampling"]["temperature"] = "hot"
+    with pytest.raises(msgspec.ValidationError, match=r"sampling\.temperature"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=NewRequestData)
