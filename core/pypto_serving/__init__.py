@@ -9,6 +9,7 @@ from .config import ServingSettings, SettingsError
 from .engine import LLM, EngineCore, EngineDeadError
 from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
 from .hookspecs import ExecutorSpec, SchedulerSpec, SpecPolicySpec, hookimpl
+from .model_files import read_generation_config
 from .plugins import PluginError, PluginManager
 from .request import CompletionOutput, RequestOutput, SamplingParams
 
@@ -34,4 +35,5 @@ __all__ = [
     "SpecPolicySpec",
     "__version__",
     "hookimpl",
+    "read_generation_config",
 ]

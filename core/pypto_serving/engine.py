@@ -21,6 +21,7 @@ from .executor import CacheGroupSpec
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
 from .messages import StepResult
+from .model_files import sampling_defaults
 from .plugins import PluginError, PluginManager
 from .request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -441,8 +442,8 @@ class LLM:
         return self.engine
 
     def default_sampling_params(self) -> SamplingParams:
-        d = self._engine().info.generation_defaults
-        return SamplingParams(**{k: v for k, v in d.items() if k in ("temperature", "top_p", "top_k", "min_p")})
+        """``SamplingParams()`` with the checkpoint's ``generation_config.json`` defaults applied."""
+        return SamplingParams(**sampling_defaults(self._engine().info.generation_defaults))
 
     def generate(
         self,

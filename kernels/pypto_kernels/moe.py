@@ -13,7 +13,8 @@ from .registry import dispatch
 SCORING_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
-def _scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+def router_scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Per-expert router scores in float32 by ``scoring`` (one of :data:`SCORING_FUNCTIONS`)."""
     logits = router_logits.to(torch.float32)
     if scoring == "softmax":
         return torch.softmax(logits, dim=-1)
@@ -39,7 +40,7 @@ def topk_routing(
     load-balancing correction) only influences which experts are selected; the weights
     are the unbiased scores, optionally renormalised, then scaled by ``routed_scaling_factor``.
     """
-    scores = _scores(router_logits, scoring)
+    scores = router_scores(router_logits, scoring)
     if bias is None:
         weights, ids = torch.topk(scores, top_k, dim=-1)
     else:

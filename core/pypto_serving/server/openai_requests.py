@@ -12,6 +12,7 @@ from typing import Any
 from ..config import ServingSettings
 from ..engine import EngineDeadError
 from ..metrics import ServerMetrics
+from ..model_files import sampling_defaults
 from ..request import SamplingParams
 from .async_llm import AsyncLLM, EngineFailure
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -184,7 +185,7 @@ def _sampling_params(
     max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
     defaults = ctx.llm.engine.info.generation_defaults if ctx.llm.engine is not None else {}
-    kw: dict[str, Any] = {k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k", "min_p")}
+    kw: dict[str, Any] = sampling_defaults(defaults)
     for name in _SAMPLING_FIELDS:
         value = getattr(req, name)
         if value is not None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pypto_kernels import select_device
-from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
+from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 ARCHITECTURE = "DeepseekV4ForCausalLM"
 MAX_DRAFT_TOKENS = 8
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_GEN_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class MtpConfigError(ValueError):
@@ -110,12 +109,8 @@ class DeepseekMTPExecutor(Executor):
         self.model = DeepseekV4Model(cfg, weights, device, dtype, block_size)
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.groups = self._cache_groups(cfg, block_size, dtype)
-        gen = _read_json(model_dir / "generation_config.json")
-        eos = list(cfg.eos_token_ids)
-        gen_eos = gen.get("eos_token_id")
-        for e in [gen_eos] if isinstance(gen_eos, int) else (gen_eos or []):
-            if e not in eos:
-                eos.append(int(e))
+        gen_eos, generation_defaults = read_generation_config(model_dir)
+        eos = list(dict.fromkeys([*cfg.eos_token_ids, *gen_eos]))  # config.json first, no duplicates
         return ExecutorInfo(
             cache_groups=self.groups,
             vocab_size=cfg.vocab_size,
@@ -126,7 +121,7 @@ class DeepseekMTPExecutor(Executor):
             uniform_batches=False,
             max_draft_tokens=self.num_draft,
             prefill_barrier=False,
-            generation_defaults={k: gen[k] for k in _GEN_KEYS if k in gen},
+            generation_defaults=generation_defaults,
         )
 
     def _mtp_params(self, weights: dict[str, torch.Tensor], d: int, cfg: DeepseekV4Config) -> dict[str, torch.Tensor]:
@@ -416,14 +411,6 @@ class DeepseekMTPExecutor(Executor):
         x = m.decoder_layer(p, x, mseg, rope, layer=-1, kind=SLIDING, swa=m.caches[group][0], swa_group=group)
         logits = m.logits(x, hc=(p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"]), norm=p["norm.weight"])
         return x, logits
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def make_executor(settings: Any) -> DeepseekMTPExecutor:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Hash-routed layers score the experts a table picked the same way top-k routing does.
+from pypto_kernels.moe import router_scores as router_scores
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm in float32; V4 keeps norm weights in float32, so scale before casting back once."""
@@ -25,12 +28,3 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     """SiLU(gate) * up with V4's clamps (gate from above, up both sides) against activation spikes."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
-def router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
-    logits = logits.float()
-    if scoring == "softmax":
-        return torch.softmax(logits, dim=-1)
-    if scoring == "sigmoid":
-        return torch.sigmoid(logits)
-    return torch.sqrt(F.softplus(logits))

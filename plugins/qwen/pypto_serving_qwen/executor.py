@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 import pypto_kernels as K
-from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
+from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
 
-from .loader import QwenConfig, load_weights, read_config, read_generation_config, resolve_dtype
+from .loader import QwenConfig, load_weights, read_config, resolve_dtype
 from .model import AttentionMetadata, KVCache, QwenForCausalLM
 
 __all__ = ["KV_GROUP", "QwenExecutor"]

@@ -1,4 +1,5 @@
-"""Reading a local Hugging Face Qwen checkpoint: config.json, generation_config.json and safetensors.
+"""Reading a local Hugging Face Qwen checkpoint: config.json and safetensors (generation_config.json is
+read by the core's :func:`pypto_serving.read_generation_config`, the same for every executor).
 
 Nothing here imports transformers: the config is parsed from JSON into :class:`QwenConfig`, and the
 weights are streamed one tensor at a time (shard by shard) straight into the pre-built parameters,
@@ -24,7 +25,6 @@ __all__ = [
     "WeightTarget",
     "load_weights",
     "read_config",
-    "read_generation_config",
     "resolve_dtype",
 ]
 
@@ -229,16 +229,6 @@ def read_config(model: str | Path) -> QwenConfig:
         eos_token_ids=tuple(_eos_list(raw.get("eos_token_id"))),
         raw=raw,
     )
-
-
-def read_generation_config(model: str | Path) -> tuple[list[int], dict[str, Any]]:
-    """(eos token ids, sampling defaults) from ``generation_config.json``; empty when the file is absent."""
-    path = _model_dir(model) / "generation_config.json"
-    if not path.is_file():
-        return [], {}
-    raw = _read_json(path)
-    defaults = {k: raw[k] for k in ("temperature", "top_p", "top_k") if raw.get(k) is not None}
-    return _eos_list(raw.get("eos_token_id")), defaults
 
 
 def resolve_dtype(setting: str, config: QwenConfig) -> torch.dtype:

@@ -5,6 +5,8 @@ Skipped until the engine (``pypto_serving.LLM``) and the scheduler plugins are a
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
@@ -142,3 +144,68 @@ def test_worker_process_mode(
     prompts = _prompts(320, PROMPT_LENGTHS, seed=15)
     llm = make_llm(path, worker_mode="process", max_num_batched_tokens=16)
     assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
+
+
+# ----------------------------------------------------------------------------- generation_config.json
+
+GEN_DEFAULTS = {"temperature": 0.0, "min_p": 0.2, "repetition_penalty": 1.8, "presence_penalty": 1.5}
+
+
+@pytest.fixture
+def qwen_with_defaults(qwen_checkpoints: Callable[[str], Path], tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A copy of the qwen3 checkpoint whose generation_config.json also sets min_p and penalties;
+    returns it with every sampling default the file now holds."""
+    path = tmp_path / "qwen3_defaults"
+    shutil.copytree(qwen_checkpoints("qwen3"), path)
+    gen = {**json.loads((path / "generation_config.json").read_text()), **GEN_DEFAULTS}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path, {k: gen[k] for k in ("temperature", "top_p", "top_k", *GEN_DEFAULTS)}
+
+
+def test_generation_config_defaults_are_all_applied(
+    qwen_with_defaults: tuple[Path, dict[str, Any]], make_llm: Callable[..., Any]
+) -> None:
+    path, expected = qwen_with_defaults
+    llm = make_llm(path)
+    assert llm.engine.info.generation_defaults == expected
+    defaults = llm.default_sampling_params()
+    assert (defaults.min_p, defaults.repetition_penalty, defaults.presence_penalty) == (0.2, 1.8, 1.5)
+    prompt = _prompts(320, [9], seed=16)[0]
+
+    def tokens(params: SamplingParams | None) -> list[int]:
+        return list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    explicit = SamplingParams(**expected)  # and SamplingParams()'s max_tokens, as the defaults have
+    assert tokens(None) == tokens(explicit)
+    assert tokens(explicit) != tokens(SamplingParams(temperature=0.0))  # the penalties change the output
+
+
+def test_server_applies_every_generation_config_default(
+    qwen_with_defaults: tuple[Path, dict[str, Any]], make_llm: Callable[..., Any]
+) -> None:
+    """A completion that sets no sampling field samples as the checkpoint's defaults say."""
+    from fastapi.testclient import TestClient
+
+    from pypto_serving import ServingSettings
+    from pypto_serving.server import AsyncLLM, build_app
+
+    path, expected = qwen_with_defaults
+    prompt = _prompts(320, [9], seed=16)[0]
+    params = SamplingParams(**{**expected, "max_tokens": 12})
+    llm = make_llm(path)
+    offline = list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    assert offline != list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    settings = ServingSettings(
+        model=str(path), device="cpu", dtype="float32", block_size=4, max_model_len=128, worker_mode="inproc"
+    )
+    server = AsyncLLM(settings, _plugin_manager())
+    try:
+        server.wait_ready(120)
+        with TestClient(build_app(server, manage_engine=False)) as client:
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        served = [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+    finally:
+        server.shutdown(10)
+    assert served == offline

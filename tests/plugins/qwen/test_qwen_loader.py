@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pypto_serving import read_generation_config
 from pypto_serving_qwen.executor import QwenExecutor
-from pypto_serving_qwen.loader import CheckpointError, read_config, read_generation_config
+from pypto_serving_qwen.loader import CheckpointError, read_config
 from tests.plugins.qwen.qwen_fixtures import qwen_settings
 
 
