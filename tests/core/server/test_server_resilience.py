@@ -10,6 +10,7 @@ kills come last), so the file costs two server start-ups."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import select
@@ -166,7 +167,7 @@ async def _stream(client: httpx.AsyncClient, i: int, started: list[int]) -> dict
 
 
 async def _impatient(url: str, i: int, timeout: float) -> str:
-    body = {"prompt": f"impatient {i}", "max_tokens": 64, "ignore_eos": True}
+    body = {"prompt": f"impatient {i}", "max_tokens": 256, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=url) as client:
         try:
             r = await client.post("/v1/completions", json=body, timeout=timeout)
@@ -199,7 +200,7 @@ def test_client_timeouts_under_load_leave_the_server_clean(server: Proc, referen
     assert [f["usage"]["completion_tokens"] for f in finals] == [64] * 24
     timeouts = outcomes.count("timeout")
     assert set(outcomes) <= {"timeout", "200"}, outcomes
-    assert timeouts >= 20, outcomes  # 64 tokens beside 24 streams take longer than 0.4 s
+    assert timeouts >= 20, outcomes  # 256 tokens beside 24 streams take longer than 0.4 s
     _wait_idle(server.url)  # the abandoned requests were aborted, their blocks freed
     assert _health(server.url).status_code == 200
     assert _greedy(server.url) == reference
@@ -307,8 +308,20 @@ def test_worker_killed_while_idle_is_replaced(server: Proc, reference: str) -> N
     print(f"idle worker kill: /health 200 again after {recovered:.2f}s")
 
 
+def _has_content(sse: str) -> bool:
+    """Whether the complete events of a partial SSE body carry generated text (completion or chat)."""
+    for block in sse.split("\n\n")[:-1]:
+        data = block.strip().removeprefix("data: ")
+        if data and data != "[DONE]":
+            choices = json.loads(data).get("choices", [])
+            if any(c.get("text") or c.get("delta", {}).get("content") for c in choices):
+                return True
+    return False
+
+
 async def _busy_kill(proc: Proc, old: int) -> tuple[list[str], list[httpx.Response]]:
     long = {"max_tokens": 400, "ignore_eos": True}
+    decoding: set[int] = set()  # streams that got generated text
     async with httpx.AsyncClient(base_url=proc.url, timeout=120) as client:
 
         async def stream(i: int) -> str:
@@ -318,7 +331,12 @@ async def _busy_kill(proc: Proc, old: int) -> tuple[list[str], list[httpx.Respon
                 path, body = "/v1/completions", {"prompt": f"busy stream {i}"}
             async with client.stream("POST", path, json={**body, "stream": True, **long}) as r:
                 assert r.status_code == 200
-                return "".join([c async for c in r.aiter_text()])
+                text = ""
+                async for chunk in r.aiter_text():
+                    text += chunk
+                    if _has_content(text):
+                        decoding.add(i)
+                return text
 
         plain = [
             asyncio.create_task(client.post("/v1/completions", json={"prompt": f"busy {i}", **long})) for i in range(2)
@@ -329,7 +347,9 @@ async def _busy_kill(proc: Proc, old: int) -> tuple[list[str], list[httpx.Respon
         streams = [asyncio.create_task(stream(i)) for i in range(4)]
 
         async def all_running() -> None:
-            while metric((await client.get("/metrics")).text, "pypto_serving_num_requests_running") < 7:
+            running = 0.0
+            while running < 7 or len(decoding) < len(streams):
+                running = metric((await client.get("/metrics")).text, "pypto_serving_num_requests_running")
                 assert not any(t.done() for t in [*plain, chat, *streams]), "a request ended before the kill"
                 await asyncio.sleep(0.02)
 
