@@ -4,8 +4,9 @@ worker killed with SIGKILL while idle or busy, and a worker that keeps dying pas
 budget. After each, the server must be healthy again by itself, give the same greedy text as before,
 hold no request or KV block, and have logged no traceback.
 
-One server serves every test here but the restart-budget one (tests run in file order; the worker
-kills come last), so the file costs two server start-ups."""
+One server (``--http-header-timeout 1 --http-body-timeout 1``) serves every test here but the
+restart-budget one; tests run in file order, so the worker kills come after the rest and the
+server's own SIGKILL last. The file costs two server start-ups."""
 
 from __future__ import annotations
 
