@@ -47,7 +47,9 @@ class FakeExecutor(Executor):
         o = self.opts
         self.device = torch.device("cpu")
         return ExecutorInfo(
-            cache_groups=[CacheGroupSpec("kv", self.block_size, bytes_per_block=self.block_size * 8)],
+            # Declared as a small model's KV (1 KiB per token), so that the default kv_cache_memory
+            # plans a realistic block count; the fake's own cache holds one int64 per token.
+            cache_groups=[CacheGroupSpec("kv", self.block_size, bytes_per_block=self.block_size * 1024)],
             vocab_size=self.vocab,
             max_model_len=int(o.get("max_model_len", 512)),
             eos_token_ids=[int(o["eos"])] if "eos" in o else [],

@@ -1,17 +1,22 @@
 """pypto-serving: an LLM serving engine with a pluggy plugin contract.
 
 Public API: :class:`LLM` (offline generation), :class:`SamplingParams`, :class:`RequestOutput`,
-:class:`ServingSettings`, and the plugin surface (:data:`hookimpl`, the ``*Spec`` descriptors and the
-:class:`Executor` contract).
+:class:`ServingSettings`, and the plugin surface (:data:`hookimpl`, the ``*Spec`` descriptors, the
+:class:`Executor` contract, the :class:`StrategyHost` / :class:`StepStrategy` seam with the
+:class:`SchedulerOutput` and :class:`StepResult` a strategy passes along, and :data:`SpecPolicy`).
 """
 
 from .config import ServingSettings, SettingsError
 from .engine import LLM, EngineCore, EngineDeadError
 from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
 from .hookspecs import ExecutorSpec, SchedulerSpec, SpecPolicySpec, hookimpl
+from .messages import StepResult
 from .model_files import read_generation_config
 from .plugins import PluginError, PluginManager
-from .request import CompletionOutput, RequestOutput, SamplingParams
+from .request import CompletionOutput, Request, RequestOutput, SamplingParams
+from .scheduler import SchedulerOutput
+from .speculative import SpecPolicy
+from .strategy import StepStrategy, StrategyHost
 
 __version__ = "0.1.0"
 
@@ -27,12 +32,18 @@ __all__ = [
     "ExecutorSpec",
     "PluginError",
     "PluginManager",
+    "Request",
     "RequestOutput",
     "SamplingParams",
+    "SchedulerOutput",
     "SchedulerSpec",
     "ServingSettings",
     "SettingsError",
+    "SpecPolicy",
     "SpecPolicySpec",
+    "StepResult",
+    "StepStrategy",
+    "StrategyHost",
     "__version__",
     "hookimpl",
     "read_generation_config",

@@ -113,11 +113,12 @@ class ServingSettings(BaseSettings):
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model directory).")
     executor: str = Field("auto", description="Executor plugin name; 'auto' picks by config.json architectures.")
     scheduler: str = Field(
-        "auto", description="Scheduling strategy plugin: 'auto', 'sync', 'async' or a third-party name."
+        "auto",
+        description="Scheduling strategy plugin by name, or 'auto': a pipelined one where the executor supports it.",
     )
     async_scheduling: bool | None = Field(
         None,
-        description="Alias of scheduler: true = 'async', false = 'sync', unset = async where the executor supports it.",
+        description="true = a pipelined scheduling strategy, false = a non-pipelined one, unset = either.",
     )
     speculative_config: SpeculativeConfig | None = Field(
         None,
@@ -262,17 +263,6 @@ class ServingSettings(BaseSettings):
     def source_of(self, name: str) -> str:
         """Where the effective value of a setting came from (filled by :meth:`load`)."""
         return self._sources.get(name, "explicit argument" if name in self.model_fields_set else "default")
-
-    def effective_scheduler(self) -> str:
-        """Resolve the ``async_scheduling`` alias against ``scheduler``."""
-        if self.async_scheduling is None:
-            return self.scheduler
-        wanted = "async" if self.async_scheduling else "sync"
-        if self.scheduler not in ("auto", wanted):
-            raise SettingsError(
-                f"scheduler={self.scheduler!r} contradicts async_scheduling={self.async_scheduling}; set one of them"
-            )
-        return wanted
 
 
 def _config_path(init: PydanticBaseSettingsSource, env: PydanticBaseSettingsSource) -> Path | None:

@@ -10,7 +10,15 @@ settings give. A plugin module typically looks like::
     def pypto_serving_register_executors():
         return [ExecutorSpec(name="mine", factory=make_executor, architectures=("MyForCausalLM",))]
 
-The docstrings of the hook specs below are the contract: the core relies on nothing else.
+Every hook is called through pluggy: implementations run last registered first, ``tryfirst`` /
+``trylast`` reorder them and wrappers (``hookwrapper=True`` or ``wrapper=True``) wrap them. The
+``register`` hooks are called once per implementing plugin, so that each descriptor is attributed to
+its plugin: a wrapper of a ``register`` hook sees one plugin's list at a time.
+
+The core calls plugins only through these hooks and the descriptors' factories, and uses what the
+factories return only through their contracts: :class:`pypto_serving.Executor`,
+:class:`pypto_serving.StepStrategy` (driving a :class:`pypto_serving.StrategyHost`) and
+:data:`pypto_serving.SpecPolicy`.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ import pluggy
 
 if TYPE_CHECKING:
     from .config import ServingSettings
+    from .executor import Executor
+    from .speculative import SpecPolicy
+    from .strategy import StepStrategy, StrategyHost
 
 __all__ = [
     "PROJECT_NAME",
@@ -43,38 +54,55 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 class ExecutorSpec:
     """An executor a plugin offers.
 
-    ``factory(settings)`` is called *inside the worker process* and returns an object implementing
-    :class:`pypto_serving.executor.Executor`; it must therefore be importable by reference (a
-    module-level function, not a lambda). ``architectures`` lists the Hugging Face
-    ``config.json`` ``architectures`` values it serves; ``executor = "auto"`` matches the first entry
-    of the checkpoint's list against it.
+    ``factory`` runs in the worker process, which imports it by reference: a module-level function.
+    ``executor = "auto"`` matches the checkpoint's first ``config.json`` architecture against
+    ``architectures``, in the order the ``register`` hooks were called.
+
+    :param name: the name ``settings.executor`` selects it by; unique across installed plugins.
+    :param factory: ``factory(settings) -> Executor``, called once inside the worker process.
+    :param architectures: the ``config.json`` ``architectures`` values it serves.
+    :param description: one line for ``pypto-serving plugins``.
     """
 
     name: str
-    factory: Callable[[ServingSettings], Any]
+    factory: Callable[[ServingSettings], Executor]
     architectures: tuple[str, ...] = ()
     description: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerSpec:
-    """A scheduling strategy: ``factory(engine_core)`` returns an object with ``step() -> list[RequestOutput]``
-    and ``has_unfinished() -> bool`` that drives the engine's scheduler and worker.
-    ``pipelined`` says the strategy keeps more than one step in flight (needs executor support)."""
+    """A scheduling strategy a plugin offers.
+
+    A pipelined strategy keeps more than one step in flight, which needs
+    ``ExecutorInfo.supports_pipelining``; ``async_scheduling`` and ``scheduler = "auto"`` choose by it.
+
+    :param name: the name ``settings.scheduler`` selects it by; unique across installed plugins.
+    :param factory: ``factory(host) -> StepStrategy``, called once in the engine process.
+    :param pipelined: whether the strategy keeps more than one step in flight.
+    :param description: one line for ``pypto-serving plugins``.
+    """
 
     name: str
-    factory: Callable[[Any], Any]
+    factory: Callable[[StrategyHost], StepStrategy]
     pipelined: bool = False
     description: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class SpecPolicySpec:
-    """A speculative-token policy: ``factory(settings)`` returns a callable
-    ``(request, num_new_tokens, token_budget_left) -> int`` giving ``k`` for one request and step."""
+    """A speculative-token policy a plugin offers.
+
+    The policy is called as ``policy(request, max_k) -> k`` for each decode of a step on an executor
+    that drafts, and must return ``0 <= k <= max_k`` (see :data:`pypto_serving.SpecPolicy`).
+
+    :param name: the name ``speculative_config.policy`` selects it by; unique across installed plugins.
+    :param factory: ``factory(settings) -> SpecPolicy``, called once in the engine process.
+    :param description: one line for ``pypto-serving plugins``.
+    """
 
     name: str
-    factory: Callable[[ServingSettings], Any]
+    factory: Callable[[ServingSettings], SpecPolicy]
     description: str = ""
 
 
@@ -82,33 +110,52 @@ class SpecPolicySpec:
 def pypto_serving_register_executors() -> list[ExecutorSpec]:  # type: ignore[empty-body]
     """Return the executors this plugin provides.
 
-    Called once at start-up in the engine process. Names must be unique across all installed
-    plugins: a duplicate is a start-up error naming both distributions.
+    Called once at start-up in the engine process. A name registered twice is a start-up error
+    naming both plugins.
+
+    :return: the plugin's executor descriptors.
     """
 
 
 @hookspec
 def pypto_serving_register_schedulers() -> list[SchedulerSpec]:  # type: ignore[empty-body]
-    """Return the scheduling strategies this plugin provides (the built-in ones are ``sync`` and
-    ``async``). Selected by ``settings.scheduler`` / ``settings.async_scheduling``."""
+    """Return the scheduling strategies this plugin provides.
+
+    Called once at start-up in the engine process. ``settings.scheduler`` selects one by name;
+    ``scheduler = "auto"`` picks by :attr:`SchedulerSpec.pipelined` among the installed ones.
+
+    :return: the plugin's scheduler descriptors.
+    """
 
 
 @hookspec
 def pypto_serving_register_spec_policies() -> list[SpecPolicySpec]:  # type: ignore[empty-body]
-    """Return speculative-token policies. A policy decides, per request and step, how many draft
-    tokens ``k`` the scheduler reserves KV capacity for. The core ships ``none`` and ``greedy``."""
+    """Return speculative-token policies.
+
+    A policy decides, per request and step, how many draft tokens ``k`` the scheduler reserves KV
+    capacity for. The core registers ``none`` and ``greedy`` through this hook as well.
+
+    :return: the plugin's policy descriptors.
+    """
 
 
 @hookspec
 def pypto_serving_configure(settings: ServingSettings) -> None:
-    """Validate or adjust settings before the engine starts.
+    """Validate or adjust settings before the worker starts.
 
-    Raise ``ValueError`` with a message naming the offending field to refuse the configuration;
-    mutate ``settings`` (e.g. ``settings.executor_options``) to fill plugin defaults. Called for every
-    plugin, in registration order, after the executor and scheduler have been chosen.
+    Called once per engine start, after the executor is chosen and the scheduler and speculative
+    policy names are checked, and before the worker process loads the executor (which reads the
+    settings as this hook leaves them). With ``scheduler = "auto"`` the strategy is not chosen yet:
+    that needs the loaded executor's ``supports_pipelining``.
+
+    :param settings: the engine's settings; mutate them (e.g. ``settings.executor_options``) to fill plugin defaults.
+    :raises ValueError: to refuse the configuration, with a message naming the offending field.
     """
 
 
 @hookspec
 def pypto_serving_add_routes(app: Any) -> None:
-    """Add HTTP routes to the OpenAI-compatible FastAPI ``app`` before the server starts."""
+    """Add HTTP routes to the OpenAI-compatible server, once, after its own routes.
+
+    :param app: the server's ``fastapi.FastAPI`` application.
+    """

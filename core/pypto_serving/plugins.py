@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Generic, TypeVar
@@ -14,24 +14,13 @@ from typing import Any, Generic, TypeVar
 import pluggy
 
 from . import hookspecs
+from .config import SettingsError
 from .hookspecs import PROJECT_NAME, ExecutorSpec, SchedulerSpec, SpecPolicySpec
 
-__all__ = ["BUILTIN_DISTRIBUTIONS", "PluginError", "PluginInfo", "PluginManager"]
+__all__ = ["PluginError", "PluginInfo", "PluginManager"]
 
 ENTRY_POINT_GROUP = "pypto_serving"
 logger = logging.getLogger(__name__)
-
-# Names our own plugin distributions provide, so a missing one gets an install hint.
-BUILTIN_DISTRIBUTIONS: dict[str, dict[str, str]] = {
-    "executor": {"qwen": "pypto-serving-qwen", "deepseek_mtp": "pypto-serving-deepseek-mtp"},
-    "scheduler": {"sync": "pypto-serving-sync-sched", "async": "pypto-serving-async-sched"},
-    "architecture": {
-        "Qwen2ForCausalLM": "pypto-serving-qwen",
-        "Qwen3ForCausalLM": "pypto-serving-qwen",
-        "Qwen3MoeForCausalLM": "pypto-serving-qwen",
-        "DeepseekV4ForCausalLM": "pypto-serving-deepseek-mtp",
-    },
-}
 
 
 class PluginError(RuntimeError):
@@ -56,9 +45,16 @@ S = TypeVar("S", ExecutorSpec, SchedulerSpec, SpecPolicySpec)
 @dataclass(slots=True)
 class _Registry(Generic[S]):
     kind: str
+    spec_type: type[S]
     specs: dict[str, tuple[S, PluginInfo]] = field(default_factory=dict)
+    hint: str = ""  # appended to "unknown name" errors: entry points PYPTO_SERVING_PLUGINS left out
 
-    def add(self, spec: S, plugin: PluginInfo) -> None:
+    def add(self, spec: object, plugin: PluginInfo) -> None:
+        if not isinstance(spec, self.spec_type):
+            raise PluginError(
+                f"plugin {plugin.name!r} (distribution {plugin.distribution}) registered {spec!r} as a {self.kind}; "
+                f"expected a {self.spec_type.__name__}"
+            )
         if spec.name in self.specs:
             _, other = self.specs[spec.name]
             raise PluginError(
@@ -72,12 +68,10 @@ class _Registry(Generic[S]):
     def get(self, name: str) -> S:
         if name in self.specs:
             return self.specs[name][0]
-        installed = ", ".join(sorted(self.specs)) or "none"
-        msg = f"unknown {self.kind} {name!r}; installed {self.kind}s: {installed}"
-        dist = BUILTIN_DISTRIBUTIONS.get(self.kind, {}).get(name)
-        if dist:
-            msg += f". {name!r} is provided by the distribution {dist}: pip install {dist}"
-        raise PluginError(msg)
+        raise PluginError(f"unknown {self.kind} {name!r}; installed {self.kind}s: {self.installed()}{self.hint}")
+
+    def installed(self) -> str:
+        return ", ".join(sorted(self.specs)) or "none"
 
 
 class PluginManager:
@@ -87,6 +81,7 @@ class PluginManager:
         self.pm = pluggy.PluginManager(PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: list[PluginInfo] = []
+        self.excluded: list[str] = []  # entry points PYPTO_SERVING_PLUGINS leaves out
         from . import speculative  # built-in policies
 
         self._register(speculative, PluginInfo("core", "pypto-serving", _version("pypto-serving")))
@@ -94,9 +89,9 @@ class PluginManager:
             self._register(plugin, PluginInfo(getattr(plugin, "__name__", f"extra{i}"), "(in-process)", ""))
         if load_entry_points:
             self._load_entry_points()
-        self.executors: _Registry[ExecutorSpec] = _Registry("executor")
-        self.schedulers: _Registry[SchedulerSpec] = _Registry("scheduler")
-        self.spec_policies: _Registry[SpecPolicySpec] = _Registry("speculative policy")
+        self.executors = _Registry("executor", ExecutorSpec)
+        self.schedulers = _Registry("scheduler", SchedulerSpec)
+        self.spec_policies = _Registry("speculative policy", SpecPolicySpec)
         self._collect()
 
     # -- loading
@@ -108,6 +103,7 @@ class PluginManager:
         allowed = _allowed_names()
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
             if allowed is not None and ep.name not in allowed:
+                self.excluded.append(ep.name)
                 continue
             dist = ep.dist.name if ep.dist is not None else "?"
             version = ep.dist.version if ep.dist is not None else "?"
@@ -129,20 +125,34 @@ class PluginManager:
             self._register(obj, info)
 
     def _collect(self) -> None:
-        # Walk the hook implementations one by one so every descriptor is attributed to its plugin.
-        registries: tuple[tuple[Any, _Registry[Any]], ...] = (
-            (self.pm.hook.pypto_serving_register_executors, self.executors),
-            (self.pm.hook.pypto_serving_register_schedulers, self.schedulers),
-            (self.pm.hook.pypto_serving_register_spec_policies, self.spec_policies),
+        # A plain ``hook()`` call returns every plugin's list without saying whose each one is, which
+        # the duplicate-name error and ``pypto-serving plugins`` need. So each implementing plugin is
+        # called on its own, still through pluggy (a subset caller): wrappers, tryfirst/trylast and
+        # the call order apply as for any hook, and each call's result belongs to one plugin.
+        left_out = ", ".join(self.excluded)
+        hint = f"; PYPTO_SERVING_PLUGINS leaves out the installed plugins {left_out}" if left_out else ""
+        registries: tuple[tuple[str, _Registry[Any]], ...] = (
+            ("pypto_serving_register_executors", self.executors),
+            ("pypto_serving_register_schedulers", self.schedulers),
+            ("pypto_serving_register_spec_policies", self.spec_policies),
         )
-        for hook, registry in registries:
-            for impl in reversed(hook.get_hookimpls()):  # registration order
-                info = self._info_for(impl.plugin)
-                specs: list[Any] = impl.function() or []
+        for hook_name, registry in registries:
+            registry.hint = hint
+            for plugin, specs in self._call_each(hook_name):
+                info = self._info_for(plugin)
                 for spec in specs:
                     registry.add(spec, info)
 
-    def _info_for(self, obj: Any) -> PluginInfo:
+    def _call_each(self, hook_name: str) -> Iterator[tuple[object, list[object]]]:
+        """``(plugin, what its implementation returned)`` in pluggy's call order: ``tryfirst`` ones,
+        then the last registered first, then ``trylast`` ones."""
+        impls = getattr(self.pm.hook, hook_name).get_hookimpls()
+        plain = [i.plugin for i in reversed(impls) if not (i.hookwrapper or i.wrapper)]
+        for plugin in plain:
+            caller = self.pm.subset_hook_caller(hook_name, remove_plugins=[p for p in plain if p is not plugin])
+            yield plugin, [spec for result in caller() for spec in (result or ())]
+
+    def _info_for(self, obj: object) -> PluginInfo:
         name = self.pm.get_name(obj)
         return next(p for p in self.plugins if p.name == name)
 
@@ -161,6 +171,7 @@ class PluginManager:
             )
 
     def select_executor(self, name: str, architecture: str | None) -> ExecutorSpec:
+        """The executor named ``name``; ``auto``: the first serving ``architecture``, in hook call order."""
         if name != "auto":
             return self.executors.get(name)
         if architecture is None:
@@ -168,16 +179,62 @@ class PluginManager:
         for spec, _ in self.executors.specs.values():
             if architecture in spec.architectures:
                 return spec
-        served = {a: n for n, (s, _) in self.executors.specs.items() for a in s.architectures}
-        msg = f"no installed executor serves the architecture {architecture!r}"
-        msg += f"; installed executors serve: {', '.join(sorted(served)) or 'nothing'}"
-        dist = BUILTIN_DISTRIBUTIONS["architecture"].get(architecture)
-        if dist:
-            msg += f". {architecture} is served by the distribution {dist}: pip install {dist}"
-        raise PluginError(msg)
+        served = sorted({a for s, _ in self.executors.specs.values() for a in s.architectures})
+        raise PluginError(
+            f"no installed executor serves the architecture {architecture!r}; "
+            f"installed executors serve: {', '.join(served) or 'nothing'}{self.executors.hint}"
+        )
 
-    def select_scheduler(self, name: str) -> SchedulerSpec:
-        return self.schedulers.get(name)
+    def select_scheduler(
+        self, name: str, *, pipelined: bool | None = None, executor_pipelines: bool = True
+    ) -> SchedulerSpec:
+        """The strategy the settings ask for (``auto``: see :meth:`_auto_scheduler`).
+
+        :param name: ``settings.scheduler``: a registered name, or ``auto``.
+        :param pipelined: ``settings.async_scheduling``: True asks for a pipelined strategy, False for
+            a non-pipelined one, None for either.
+        :param executor_pipelines: whether the executor supports pipelining; before it is loaded, True
+            (the most permissive guess), so that what the settings alone decide fails early.
+        :return: the chosen strategy's descriptor.
+        :raises SettingsError: the named strategy contradicts ``pipelined``.
+        :raises PluginError: no strategy fits.
+        """
+        if name == "auto":
+            return self._auto_scheduler(pipelined, executor_pipelines)
+        spec = self.schedulers.get(name)
+        if pipelined is not None and spec.pipelined != pipelined:
+            does = "pipelines" if spec.pipelined else "does not pipeline"
+            raise SettingsError(
+                f"scheduler={name!r} {does} steps, which contradicts async_scheduling={pipelined}; set one of them"
+            )
+        return spec
+
+    def _auto_scheduler(self, pipelined: bool | None, executor_pipelines: bool) -> SchedulerSpec:
+        """A pipelined strategy if ``pipelined`` is True, or is None and the executor pipelines; else a
+        non-pipelined one. With ``pipelined`` None and no pipelined strategy installed, a non-pipelined
+        one. Among several that fit, the first by name, so the choice does not depend on install order."""
+        want = executor_pipelines if pipelined is None else pipelined
+        fits = sorted(n for n, (s, _) in self.schedulers.specs.items() if s.pipelined == want)
+        if not fits and want and pipelined is None:
+            fits = sorted(self.schedulers.specs)  # all of them are non-pipelined
+        if fits:
+            return self.schedulers.get(fits[0])
+        if not self.schedulers.specs:
+            raise PluginError(f"no scheduling strategy is installed{self.schedulers.hint}")
+        kind = "a pipelined" if want else "a non-pipelined"
+        why = (
+            f"async_scheduling={pipelined} asks for"
+            if pipelined is not None
+            else "the executor cannot pipeline: it needs"
+        )
+        installed = ", ".join(
+            f"{n} ({'pipelined' if s.pipelined else 'not pipelined'})"
+            for n, (s, _) in sorted(self.schedulers.specs.items())
+        )
+        raise PluginError(
+            f"scheduler='auto': {why} {kind} strategy and none is installed; "
+            f"installed schedulers: {installed}{self.schedulers.hint}"
+        )
 
     def select_spec_policy(self, name: str) -> SpecPolicySpec:
         return self.spec_policies.get(name)

@@ -156,13 +156,6 @@ def test_missing_file(tmp_path: Path) -> None:
         ServingSettings.load(config_file=tmp_path / "nope.toml")
 
 
-def test_scheduler_alias() -> None:
-    assert ServingSettings.load(async_scheduling=False).effective_scheduler() == "sync"
-    assert ServingSettings.load(scheduler="async", async_scheduling=True).effective_scheduler() == "async"
-    with pytest.raises(SettingsError, match="contradicts"):
-        ServingSettings.load(scheduler="async", async_scheduling=False).effective_scheduler()
-
-
 def test_config_show_lists_sources(
     write: WriteFile, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -10,9 +10,8 @@ requests aborted or preempted in the meantime are discarded by their epoch.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
-from pypto_serving import SchedulerSpec, hookimpl
+from pypto_serving import SchedulerOutput, SchedulerSpec, StrategyHost, hookimpl
 
 __all__ = ["AsyncStrategy"]
 
@@ -22,16 +21,16 @@ DEPTH = 2
 class AsyncStrategy:
     """At most ``DEPTH`` steps in flight; each call dispatches one and applies the oldest."""
 
-    def __init__(self, core: Any) -> None:
-        self.core = core
-        self.in_flight: deque[Any] = deque()
+    def __init__(self, host: StrategyHost) -> None:
+        self.host = host
+        self.in_flight: deque[SchedulerOutput] = deque()
 
     def step(self) -> None:
         dispatched = False
         if len(self.in_flight) < DEPTH:
-            out = self.core.schedule()
+            out = self.host.schedule()
             if out is not None:
-                self.core.submit(out)
+                self.host.submit(out)
                 self.in_flight.append(out)
                 dispatched = True
         if self.in_flight and (len(self.in_flight) == DEPTH or not dispatched):
@@ -40,7 +39,7 @@ class AsyncStrategy:
     def _apply_oldest(self) -> None:
         out = self.in_flight.popleft()
         try:
-            result = self.core.wait_result()
+            result = self.host.wait_result()
         except BaseException:
             self.in_flight.clear()  # the worker is gone; the engine fails every live request
             raise
@@ -48,10 +47,10 @@ class AsyncStrategy:
         # built on this step's optimistic state, are discarded when that result is applied, since
         # those requests are finished by then. Requests only in the later step did not depend on
         # this one and keep their result.
-        self.core.apply(out, result)
+        self.host.apply(out, result)
 
     def drain(self) -> None:
-        """Apply every in-flight result (used at shutdown)."""
+        """Apply every in-flight result (the engine calls it before shutting down)."""
         while self.in_flight:
             self._apply_oldest()
 
@@ -60,8 +59,8 @@ class AsyncStrategy:
 def pypto_serving_register_schedulers() -> list[SchedulerSpec]:
     return [
         SchedulerSpec(
-            "async",
-            AsyncStrategy,
+            name="async",
+            factory=AsyncStrategy,
             pipelined=True,
             description="depth-2 pipelined scheduling with placeholders",
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pypto_serving.hookspecs import ExecutorSpec, hookimpl
+from pypto_serving import ExecutorSpec, hookimpl
 
 from .executor import ARCHITECTURE, make_executor
 

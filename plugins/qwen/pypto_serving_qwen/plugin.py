@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from pypto_serving.hookspecs import ExecutorSpec, hookimpl
+from pypto_serving import Executor, ExecutorSpec, ServingSettings, hookimpl
 
 from .loader import SUPPORTED_ARCHITECTURES
 
 __all__ = ["make_executor", "pypto_serving_register_executors"]
 
 
-def make_executor(settings: Any) -> Any:
+def make_executor(settings: ServingSettings) -> Executor:
     """Executor factory; module level so the spawned worker process can import it by reference."""
     # Imported lazily: the engine process only needs the descriptor, the worker builds the model.
     from .executor import QwenExecutor
@@ -23,9 +21,9 @@ def make_executor(settings: Any) -> Any:
 def pypto_serving_register_executors() -> list[ExecutorSpec]:
     return [
         ExecutorSpec(
-            "qwen",
-            make_executor,
-            SUPPORTED_ARCHITECTURES,
+            name="qwen",
+            factory=make_executor,
+            architectures=SUPPORTED_ARCHITECTURES,
             description="Qwen2 / Qwen3 / Qwen3-MoE on pypto-kernels (paged KV, mixed prefill+decode)",
         )
     ]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from pypto_serving import SchedulerSpec, hookimpl
+from pypto_serving import SchedulerSpec, StrategyHost, hookimpl
 
 __all__ = ["SyncStrategy"]
 
@@ -12,17 +10,22 @@ __all__ = ["SyncStrategy"]
 class SyncStrategy:
     """One step in flight: the simplest strategy, and the reference the async one must equal."""
 
-    def __init__(self, core: Any) -> None:
-        self.core = core
+    def __init__(self, host: StrategyHost) -> None:
+        self.host = host
 
     def step(self) -> None:
-        out = self.core.schedule()
+        out = self.host.schedule()
         if out is None:
             return
-        self.core.submit(out)
-        self.core.apply(out, self.core.wait_result())
+        self.host.submit(out)
+        self.host.apply(out, self.host.wait_result())
+
+    def drain(self) -> None:
+        """Nothing to do: every step is applied within the ``step()`` that submitted it."""
 
 
 @hookimpl
 def pypto_serving_register_schedulers() -> list[SchedulerSpec]:
-    return [SchedulerSpec("sync", SyncStrategy, pipelined=False, description="schedule -> execute -> update")]
+    return [
+        SchedulerSpec(name="sync", factory=SyncStrategy, pipelined=False, description="schedule -> execute -> update")
+    ]
