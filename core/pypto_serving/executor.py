@@ -22,8 +22,16 @@ __all__ = ["BatchInput", "CacheGroupSpec", "Executor", "ExecutorInfo"]
 
 @dataclass(frozen=True, slots=True)
 class CacheGroupSpec:
-    """One kind of paged state. A block holds ``block_size`` entries; an entry covers
-    ``tokens_per_entry`` sequence tokens (1 for plain KV, the compression rate for compressed KV)."""
+    """One kind of paged state, with its own block pool.
+
+    :param name: the group's key in ``init_kv_cache``'s ``num_blocks`` and in ``BatchInput``'s tables.
+    :param block_size: entries per block.
+    :param bytes_per_block: device memory of one block over all layers; sizes the pool from ``kv_cache_memory``.
+    :param tokens_per_entry: sequence tokens one entry covers: 1 for plain KV, the compression rate for compressed KV.
+    :param prefix_caching: whether requests with a common prefix may share this group's blocks; the engine
+        caches prefixes only when every group allows it.
+    :param no_prefix_caching_reason: why ``prefix_caching`` is off, for people reading the executor's info.
+    """
 
     name: str
     block_size: int
@@ -39,18 +47,30 @@ class CacheGroupSpec:
 
 @dataclass(slots=True)
 class ExecutorInfo:
-    """What an executor tells the engine after loading."""
+    """What an executor tells the engine after loading.
+
+    :param cache_groups: the kinds of paged state it keeps, each with its own block pool.
+    :param vocab_size: the width of the logits rows ``execute`` returns.
+    :param max_model_len: the longest sequence (prompt and output) it can hold.
+    :param eos_token_ids: tokens that end a request unless ``ignore_eos`` is set.
+    :param architecture: the architecture it loaded, e.g. ``Qwen3ForCausalLM`` (informational only).
+    :param supports_pipelining: it can run under the async (depth-2) strategy.
+    :param uniform_batches: its kernels need each step all-prefill or all-decode.
+    :param max_draft_tokens: drafting depth it can verify per step (0: no speculation).
+    :param prefill_barrier: a request's first decode waits for the result of its last prefill step.
+    :param generation_defaults: the checkpoint's sampling defaults (from ``generation_config.json``).
+    """
 
     cache_groups: list[CacheGroupSpec]
     vocab_size: int
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = ""
-    supports_pipelining: bool = True  # can run under the async (depth-2) strategy
-    uniform_batches: bool = False  # kernels need each step all-prefill or all-decode
-    max_draft_tokens: int = 0  # drafting depth it can verify per step (0: no speculation)
-    prefill_barrier: bool = False  # first decode after a terminal prefill waits for its result
-    generation_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+    supports_pipelining: bool = True
+    uniform_batches: bool = False
+    max_draft_tokens: int = 0
+    prefill_barrier: bool = False
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True, kw_only=True)
