@@ -324,7 +324,9 @@ class DeepseekMTPExecutor(Executor):
         tmp: dict[tuple[int, int, int], torch.Tensor] = {}  # (r, depth, pos) -> non-canonical input
         for d in range(k):
             rows: list[tuple[int, int, int]] = []  # (r, first, last)
-            hidden, toks, pos = [], [], []
+            hidden: list[torch.Tensor] = []
+            toks: list[int] = []
+            pos: list[int] = []
             for r, (st, sampling) in work.items():
                 c = st.frontier[d]
                 last = st.n - 1 if sampling else st.n - 1 - d
