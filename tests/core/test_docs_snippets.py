@@ -15,6 +15,7 @@ by the doc's own ``python -c`` usage line, whose printed result must match the d
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -130,12 +131,19 @@ def _skip_unrunnable(block: Block) -> None:
     for marker, reason in SKIPS.items():
         if marker in block.code:
             pytest.skip(reason)
+    _skip_without_strategy(block.code)
     device = re.search(r"""device\s*=\s*["'](npu|cuda)""", block.code)
     if device is not None:
         import torch
 
         if not (hasattr(torch, device.group(1)) and getattr(torch, device.group(1)).is_available()):
             pytest.skip(f"needs a {device.group(1)} device")
+
+
+def _skip_without_strategy(code: str) -> None:
+    strategies = ("pypto_serving_sync_sched", "pypto_serving_async_sched")
+    if "LLM(" in code and not any(importlib.util.find_spec(m) for m in strategies):
+        pytest.skip("no scheduling strategy plugin (pypto-serving-sync-sched or -async-sched) installed")
 
 
 def _run(args: list[str], cwd: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -183,6 +191,7 @@ def test_plugin_block_installs_and_runs(block: Block, tmp_path: Path) -> None:
     usage = re.search(r'python -c "(.*?)"\n# (.+)', shell, re.S)
     assert usage is not None, f"{block.doc.name}: no python -c usage line followed by '# <expected output>'"
     _skip_unrunnable(block)  # only here: installing and listing the plugin work regardless
+    _skip_without_strategy(usage.group(1))
     proc = _run([sys.executable, "-c", usage.group(1)], tmp_path, tmp_path / "site")
     _assert_ran(proc, f"{block.name} usage")
     assert proc.stdout.strip() == usage.group(2).strip()
