@@ -27,7 +27,6 @@ def llm(checkpoints: dict[str, Checkpoint], tmp_path: Path) -> Any:
         device="cpu",
         worker_mode="inproc",
         block_size=4,
-        scheduler="sync",
     )
     yield llm
     llm.shutdown()
