@@ -1,16 +1,34 @@
 """Paged KV-cache writes and attention over a flat batch of variable-length requests.
 
-The references are batched: every request's queries and keys are gathered into padded
-[R, Q_max, ...] / [R, L_max, ...] tensors and one masked softmax covers prefill chunks,
-plain prefill and decode together. Memory is O(R * Q_max * L_max * Hq), which suits tests
-and CPU serving of small models; devices register fused fast paths.
+The attention references work request by request, so their cost follows the real (query, key)
+pairs of a step and their memory its tokens: nothing is padded to the longest request or query.
+A request's keys are gathered block by block from the cache in the cache dtype (one copy of that
+request's K/V, never a float32 copy of the cache). Query heads are viewed as ``[Hkv, group]`` so
+grouped-query attention never repeats K/V. A decode row (one query) is two small matmuls over all
+heads; longer query runs go through ``scaled_dot_product_attention`` (or, with sinks, an explicit
+float32 softmax) in query tiles whose score and mask size is bounded by ``_TILE_ELEMENTS``. Keeping
+every temporary request-sized also matters on the CPU: large fresh temporaries cost a page fault
+per 4 KiB on every layer, small ones are reused by the allocator.
+
+The loops need each request's query and key lengths on the host. They are read from
+``query_start_loc``/``seq_lens`` (one host read per call) unless the caller already holds them and
+passes ``query_lens_host``/``seq_lens_host``; the device tensors stay the source of truth and the
+lists must agree with them. Devices register fused fast paths.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import pairwise
+
 import torch
+import torch.nn.functional as F
 
 from .registry import dispatch
+
+#: Upper bound on the elements of one query tile's scores (heads x queries x keys): bounds memory
+#: by the step's tokens whatever the prompt length, while tiles stay large enough for fast matmuls.
+_TILE_ELEMENTS = 1 << 21
 
 
 @dispatch("write_kv_cache")
@@ -42,6 +60,204 @@ def _pad_queries(query: torch.Tensor, query_start_loc: torch.Tensor) -> tuple[to
     valid = offsets[None, :] < q_lens[:, None]
     safe_rows = torch.where(valid, rows, 0).clamp_(max=max(query.shape[0] - 1, 0))
     return query[safe_rows], q_lens, valid
+
+
+def _query_lens(query_start_loc: torch.Tensor, query_lens_host: Sequence[int] | None) -> list[int]:
+    if query_lens_host is not None:
+        return [int(n) for n in query_lens_host]
+    starts = [int(s) for s in query_start_loc.tolist()]
+    return [end - start for start, end in pairwise(starts)]
+
+
+def _split_heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[n, Hq, D] -> [Hkv, group * n, D]: each KV head's query heads become rows of one matmul."""
+    n, num_q_heads, head_dim = q.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    group = num_q_heads // num_kv_heads
+    return q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+
+
+def _softmax_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """q [n, Hq, D] over k/v [L, Hkv, D] (cache dtype, matmuls on strided views); float32 softmax; [n, Hq, Dv]."""
+    n, num_q_heads = q.shape[:2]
+    num_keys, num_kv_heads = k.shape[:2]
+    group = num_q_heads // num_kv_heads
+    qh = _split_heads(q.to(k.dtype), num_kv_heads)
+    scores = torch.matmul(qh, k.permute(1, 2, 0)).float().mul_(scale).view(num_kv_heads, group, n, num_keys)
+    if visible is not None:
+        scores.masked_fill_(~visible, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        # A sink is one extra logit per head that takes probability mass but contributes no value.
+        sink = sinks.to(device=q.device, dtype=torch.float32).view(num_kv_heads, group, 1, 1)
+        norm = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)
+        probs = scores.sub_(norm).exp_()
+    out = torch.matmul(probs.view(num_kv_heads, group * n, num_keys).to(v.dtype), v.permute(1, 0, 2))
+    return out.view(num_kv_heads, group, n, -1).permute(2, 0, 1, 3).reshape(n, num_q_heads, -1)
+
+
+def _sdpa_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Same contract as :func:`_softmax_attend` without sinks, through torch's fused (flash on CPU) kernel."""
+    out = F.scaled_dot_product_attention(
+        q.to(k.dtype).transpose(0, 1).unsqueeze(0),
+        k.permute(1, 0, 2).unsqueeze(0),
+        v.permute(1, 0, 2).unsqueeze(0),
+        attn_mask=visible,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _tile_visibility(
+    first: int, count: int, num_keys: int, causal: bool, window: int | None, device: torch.device
+) -> tuple[int, int, torch.Tensor | None]:
+    """Key range [lo, hi) that queries at positions first..first+count-1 may see, and their mask (None: all)."""
+    last = first + count - 1
+    hi = min(num_keys, last + 1) if causal else num_keys
+    lo = max(0, first - window + 1) if window is not None else 0
+    if (not causal or hi - 1 <= first) and (window is None or lo > last - window):
+        return lo, hi, None
+    key_pos = torch.arange(lo, hi, device=device)[None, :]
+    query_pos = torch.arange(first, last + 1, device=device)[:, None]
+    visible = key_pos <= query_pos if causal else torch.ones_like(key_pos, dtype=torch.bool)
+    if window is not None:
+        visible = visible & (key_pos > query_pos - window)
+    return lo, hi, visible
+
+
+def _attend_request(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    first_pos: int,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """One request: q [n, Hq, D] at key positions first_pos.. over k/v [L, Hkv, D]; writes ``out`` [n, Hq, Dv].
+
+    Queries are processed in tiles of at most ``_TILE_ELEMENTS`` scores, each over the key range
+    it can see, so a long prompt never materialises a [Hq, n, L] tensor.
+    """
+    n, num_q_heads = q.shape[:2]
+    tile = max(1, _TILE_ELEMENTS // max(1, num_q_heads * k.shape[0]))
+    for start in range(0, n, tile):
+        count = min(tile, n - start)
+        lo, hi, visible = _tile_visibility(first_pos + start, count, k.shape[0], causal, window, q.device)
+        q_tile, k_tile, v_tile = q[start : start + count], k[lo:hi], v[lo:hi]
+        # Single queries (decode rows) are cheaper as two plain matmuls than through SDPA's dispatch.
+        if sinks is None and count > 1:
+            res = _sdpa_attend(q_tile, k_tile, v_tile, visible, scale)
+        else:
+            res = _softmax_attend(q_tile, k_tile, v_tile, visible, scale, sinks)
+        out[start : start + count] = res
+
+
+def _gather_keys(cache: torch.Tensor, table_row: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Keys lo..hi-1 of one request as [hi - lo, Hkv, D] in the cache dtype: whole blocks, then a view."""
+    block_size = cache.shape[1]
+    first_block, end_block = lo // block_size, -(-hi // block_size)
+    blocks = cache.index_select(0, table_row[first_block:end_block]).flatten(0, 1)
+    offset = first_block * block_size
+    return blocks[lo - offset : hi - offset]
+
+
+@dispatch("paged_attention")
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    *,
+    query_lens_host: Sequence[int] | None = None,
+    seq_lens_host: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flat mixed batch (prefill, chunked prefill, decode) over a paged KV cache.
+
+    Request r owns query rows ``query_start_loc[r]:query_start_loc[r+1]``; its last query sits at
+    position ``seq_lens[r] - 1`` and the cache already holds all ``seq_lens[r]`` tokens. Returns
+    [T, Hq, Dv] in the query dtype (rows past the last request are zero); softmax runs in float32.
+    ``query_lens_host`` / ``seq_lens_host`` are optional host copies of the per-request query and
+    sequence lengths that spare the host read of the device tensors; they must match them.
+    """
+    num_tokens = query.shape[0]
+    out = query.new_zeros((num_tokens, query.shape[1], value_cache.shape[-1]))
+    if num_tokens == 0 or seq_lens.numel() == 0:
+        return out
+    q_lens = _query_lens(query_start_loc, query_lens_host)
+    kv_lens = [int(s) for s in (seq_lens_host if seq_lens_host is not None else seq_lens.tolist())]
+    block_size = key_cache.shape[1]
+    needed = -(-max(kv_lens) // block_size)
+    if needed > block_tables.shape[1]:
+        raise ValueError(f"seq_lens need {needed} blocks but block_tables has {block_tables.shape[1]} columns")
+    tables = block_tables.to(device=query.device, dtype=torch.int64)
+    row = 0
+    for r, (n, seq) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if n == 0:
+            continue
+        first_pos = seq - n
+        # A sliding window never looks further back than window - 1 keys before the first query.
+        lo = max(0, first_pos - sliding_window + 1) if sliding_window is not None else 0
+        k = _gather_keys(key_cache, tables[r], lo, seq)
+        v = _gather_keys(value_cache, tables[r], lo, seq)
+        rows = slice(row, row + n)
+        _attend_request(query[rows], k, v, first_pos - lo, scale, True, sliding_window, sinks, out[rows])
+        row += n
+    return out
+
+
+@dispatch("varlen_attention")
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    *,
+    query_lens_host: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Prefill-only attention with flat per-token K/V [T, Hkv, D] sharing the query's start locations.
+
+    ``query_lens_host`` optionally carries the per-request lengths on the host (see paged_attention).
+    """
+    num_tokens = query.shape[0]
+    out = query.new_zeros((num_tokens, query.shape[1], value.shape[-1]))
+    if num_tokens == 0 or query_start_loc.numel() < 2:
+        return out
+    if sliding_window is not None and not causal:
+        raise ValueError("sliding_window is only defined for causal attention")
+    row = 0
+    for n in _query_lens(query_start_loc, query_lens_host):
+        rows = slice(row, row + n)
+        if n:
+            _attend_request(query[rows], key[rows], value[rows], 0, scale, causal, sliding_window, sinks, out[rows])
+        row += n
+    return out
+
+
+# The former padded path: the reference the tests and benchmarks/attention.py measure against.
 
 
 def _unpad_output(out_padded: torch.Tensor, query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -111,8 +327,7 @@ def _masked_attention(
     return out.reshape(num_req, q_max, num_q_heads, v.shape[-1])
 
 
-@dispatch("paged_attention")
-def paged_attention(
+def _reference_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -123,7 +338,9 @@ def paged_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a flat mixed batch (prefill, chunked prefill, decode) over a paged KV cache.
+    """The former padded implementation, kept as the reference the tests and benchmark compare against.
+
+    It pads every request to the longest query and sequence: O(R * Q_max * L_max * Hq) memory.
 
     Request r owns query rows ``query_start_loc[r]:query_start_loc[r+1]``; its last query sits at
     position ``seq_lens[r] - 1`` and the cache already holds all ``seq_lens[r]`` tokens. Returns
@@ -152,31 +369,4 @@ def paged_attention(
     v_pad = value_cache[tables].flatten(1, 2)[:, :kv_max]
 
     out = _masked_attention(q_pad, k_pad, v_pad, q_pos, q_valid, seq_lens, scale, True, sliding_window, sinks)
-    return _unpad_output(out, query_start_loc, num_tokens).to(query.dtype)
-
-
-@dispatch("varlen_attention")
-def varlen_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Prefill-only attention with flat per-token K/V [T, Hkv, D] sharing the query's start locations."""
-    num_tokens = query.shape[0]
-    out_shape = (num_tokens, query.shape[1], value.shape[-1])
-    if num_tokens == 0 or query_start_loc.numel() < 2:
-        return query.new_zeros(out_shape)
-    if sliding_window is not None and not causal:
-        raise ValueError("sliding_window is only defined for causal attention")
-    query_start_loc = query_start_loc.to(device=query.device, dtype=torch.int64)
-    q_pad, q_lens, q_valid = _pad_queries(query, query_start_loc)
-    k_pad, _, _ = _pad_queries(key, query_start_loc)
-    v_pad, _, _ = _pad_queries(value, query_start_loc)
-    q_pos = torch.arange(q_pad.shape[1], device=query.device)[None, :].expand(q_pad.shape[0], -1)
-    out = _masked_attention(q_pad, k_pad, v_pad, q_pos, q_valid, q_lens, scale, causal, sliding_window, sinks)
     return _unpad_output(out, query_start_loc, num_tokens).to(query.dtype)

@@ -1,11 +1,21 @@
-"""paged_attention / varlen_attention / write_kv_cache against naive per-request, per-token loops."""
+"""paged_attention / varlen_attention / write_kv_cache against naive per-request, per-token loops.
+
+The per-request paths are also checked against the former padded implementation
+(``_reference_paged_attention``) on ragged batches, and their memory against the step's size.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+import pypto_kernels.attention as attention_module
 from pypto_kernels import paged_attention, varlen_attention, write_kv_cache
+from pypto_kernels.attention import _reference_paged_attention
 
 # (q_len, seq_len): plain prefill, chunk over a 9-token cached prefix, two decodes, an idle request.
 MIXED_BATCH = [(7, 7), (5, 14), (1, 20), (1, 3), (0, 6)]
@@ -239,3 +249,142 @@ def test_paged_attention_trailing_padding_rows_are_zero() -> None:
     out = paged_attention(padded_query, *args, 0.3)
     torch.testing.assert_close(out[:4], paged_attention(data["query"], *args, 0.3))
     assert out.shape == (6, 2, 8) and (out[4:] == 0).all()
+
+
+PAGED_ARGS = ("query", "key_cache", "value_cache", "block_tables", "query_start_loc", "seq_lens")
+
+# Ragged batches as (q_len, seq_len): prefill only, chunked prefill over cached prefixes, decode only,
+# and everything mixed with an idle request.
+RAGGED_BATCHES = {
+    "prefill": [(13, 13), (1, 1), (30, 30), (6, 6)],
+    "chunked": [(8, 40), (17, 20), (3, 33)],
+    "decode": [(1, 1), (1, 37), (1, 16), (1, 64), (1, 5)],
+    "mixed": [(21, 21), (1, 50), (9, 29), (0, 12), (1, 2), (16, 48), (1, 17)],
+}
+
+
+def _paged(data: dict[str, Any], scale: float, **kwargs: Any) -> torch.Tensor:
+    return paged_attention(*(data[name] for name in PAGED_ARGS), scale, **kwargs)
+
+
+@pytest.mark.parametrize("kind", sorted(RAGGED_BATCHES))
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 1)])
+def test_paged_attention_matches_padded_reference_and_per_request_loop(
+    kind: str, block_size: int, num_q_heads: int, num_kv_heads: int
+) -> None:
+    batch = RAGGED_BATCHES[kind]
+    gen = torch.Generator().manual_seed(block_size * 31 + num_q_heads * 7 + len(kind))
+    data = build_paged_batch(batch, block_size, num_q_heads, num_kv_heads, 16, 16, torch.float32, gen)
+    out = _paged(data, 0.25)
+    reference = _reference_paged_attention(*(data[name] for name in PAGED_ARGS), 0.25)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expected_paged(data, 0.25, None, None), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3, 11])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_paged_attention_query_tiles_match_reference(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, with_sinks: bool
+) -> None:
+    """A tiny tile budget splits every prompt into many query tiles, each over its own key range."""
+    monkeypatch.setattr(attention_module, "_TILE_ELEMENTS", 200)
+    gen = torch.Generator().manual_seed(17 + (window or 0) + with_sinks)
+    data = build_paged_batch(RAGGED_BATCHES["mixed"], 4, 6, 3, 16, 16, torch.float32, gen)
+    sinks = torch.randn(6, generator=gen) if with_sinks else None
+    out = _paged(data, 0.3, sliding_window=window, sinks=sinks)
+    reference = _reference_paged_attention(*(data[name] for name in PAGED_ARGS), 0.3, window, sinks)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_host_lengths_match_device_tensors() -> None:
+    gen = torch.Generator().manual_seed(23)
+    batch = RAGGED_BATCHES["mixed"]
+    data = build_paged_batch(batch, 16, 8, 2, 16, 16, torch.float32, gen)
+    hosted = _paged(data, 0.2, query_lens_host=[q for q, _ in batch], seq_lens_host=[s for _, s in batch])
+    torch.testing.assert_close(hosted, _paged(data, 0.2), atol=0, rtol=0)
+
+
+def test_varlen_attention_host_lengths_and_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_module, "_TILE_ELEMENTS", 64)
+    gen = torch.Generator().manual_seed(29)
+    q, k, v = torch.randn(20, 4, 8, generator=gen), torch.randn(20, 2, 8, generator=gen), torch.randn(20, 2, 8)
+    qsl = torch.tensor([0, 12, 13, 20])
+    out = varlen_attention(q, k, v, qsl, 0.4, sliding_window=5, query_lens_host=[12, 1, 7])
+    expected = torch.cat(
+        [naive_attention(q[s:e], k[s:e], v[s:e], 0, 0.4, True, 5, None) for s, e in ((0, 12), (12, 13), (13, 20))]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+class _LargestNewTensor(TorchDispatchMode):
+    """Records the largest tensor any op returns, ignoring views of the inputs (the cache itself)."""
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.input_storages = {t.untyped_storage().data_ptr() for t in inputs}
+        self.largest = 0
+        self.largest_op = ""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        for value in tree_flatten(result)[0]:
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self.input_storages:
+                nbytes = value.numel() * value.element_size()
+                if nbytes > self.largest:
+                    self.largest, self.largest_op = nbytes, f"{func} {tuple(value.shape)}"
+        return result
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_paged_attention_memory_is_bounded_by_the_step_tokens(with_sinks: bool) -> None:
+    """A 2048-token chunk (over a 2048-token cached prefix) beside 63 decodes at 2k context.
+
+    The padded path would build float32 scores of R x Hq x Q_max x L_max = 64 x 2 x 2048 x 4096
+    (4 GiB); the per-request path's largest intermediate must stay within one query tile's scores
+    plus a few times the step's query and key rows.
+    """
+    num_q_heads, num_kv_heads, head_dim, block_size = 2, 1, 8, 16
+    batch = [(2048, 4096)] + [(1, 2048)] * 63
+    gen = torch.Generator().manual_seed(31)
+    data = build_paged_batch(batch, block_size, num_q_heads, num_kv_heads, head_dim, head_dim, torch.float32, gen)
+    sinks = torch.randn(num_q_heads, generator=gen) if with_sinks else None
+    mode = _LargestNewTensor([data[name] for name in PAGED_ARGS])
+    with mode:
+        out = _paged(data, head_dim**-0.5, sinks=sinks)
+    num_tokens, max_seq = sum(q for q, _ in batch), max(s for _, s in batch)
+    padded_scores = len(batch) * num_q_heads * 2048 * max_seq * 4
+    bound = attention_module._TILE_ELEMENTS * 4 + 4 * (num_tokens + max_seq) * num_q_heads * head_dim * 4
+    assert mode.largest <= bound, mode.largest_op
+    assert padded_scores > 200 * bound
+    assert out.shape == (num_tokens, num_q_heads, head_dim) and torch.isfinite(out).all()
+    # Spot-check one decode row and the chunk's last rows against the per-token loop.
+    for r in (0, 40):
+        start = int(data["query_start_loc"][r])
+        q = data["query"][start : start + batch[r][0]][-4:]
+        first = batch[r][1] - q.shape[0]
+        expected = naive_attention(q, data["keys"][r], data["values"][r], first, head_dim**-0.5, True, None, sinks)
+        torch.testing.assert_close(out[start : start + batch[r][0]][-4:], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_reads_a_bf16_cache_without_float32_copies() -> None:
+    """Scores and softmax are float32, K/V stay bf16: no float32 tensor as large as one request's keys."""
+    num_q_heads, num_kv_heads, head_dim = 8, 2, 32
+    batch = [(1, 512), (4, 300)]
+    gen = torch.Generator().manual_seed(37)
+    data = build_paged_batch(batch, 16, num_q_heads, num_kv_heads, head_dim, head_dim, torch.bfloat16, gen)
+    largest_f32 = 0
+
+    class _Float32Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            nonlocal largest_f32
+            result = func(*args, **(kwargs or {}))
+            for value in tree_flatten(result)[0]:
+                if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                    largest_f32 = max(largest_f32, value.numel())
+            return result
+
+    with _Float32Sizes():
+        out = _paged(data, 0.2)
+    assert largest_f32 < 300 * num_kv_heads * head_dim
+    torch.testing.assert_close(out.float(), expected_paged(data, 0.2, None, None), atol=2e-2, rtol=2e-2)
