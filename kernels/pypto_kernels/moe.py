@@ -53,8 +53,28 @@ def topk_routing(
     return weights, ids
 
 
-@dispatch("moe_experts")
-def moe_experts(
+#: Dtypes ``torch._grouped_mm`` computes on the CPU (it rejects float64).
+_GROUPED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether :func:`grouped_moe_experts` runs for these operands.
+
+    On the CPU ``_grouped_mm`` takes float32/bf16/fp16 and reads the offsets from host memory
+    (no sync). On CUDA only bf16 with 16-byte aligned rows is taken: its CUTLASS kernel (sm90+)
+    reads the offsets on the device and rejects unaligned strides, while other dtypes go through
+    an aten fallback that copies the offsets to the host, a sync no better than the loop's;
+    torch's meta kernel (fake tensors, compile) accepts bf16 only too.
+    """
+    if not hasattr(torch, "_grouped_mm") or not x.dtype == gate_up.dtype == down.dtype:
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in _GROUPED_CPU_DTYPES
+    aligned = all(dim * x.element_size() % 16 == 0 for dim in down.shape[1:])
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and aligned
+
+
+def looped_moe_experts(
     x: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
@@ -62,11 +82,10 @@ def moe_experts(
     ids: torch.Tensor,
     activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
-    """Sum over k of weight * down_e(act(gate_up_e x)) for each token's selected experts.
+    """Per-expert Python loop: one matmul pair per expert that has tokens.
 
-    Tokens are grouped by expert (one matmul pair per expert that has tokens) and
-    accumulated with ``index_add_``; weights are cast to ``x.dtype`` and multiplied after
-    the down projection, the same order HF uses, so bf16 results track HF closely.
+    Reads the per-expert token counts to the host (one ``.tolist()`` sync); kept for the
+    dtypes and devices :func:`grouped_mm_supported` rejects and as the tests' reference.
     """
     num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
@@ -87,3 +106,61 @@ def moe_experts(
         out.index_add_(0, tokens, hidden.to(out.dtype))
         start += count
     return out
+
+
+def grouped_moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+) -> torch.Tensor:
+    """The loop's result from two grouped matmuls over the (token, slot) rows sorted by expert.
+
+    Every step is a tensor op with a shape known without reading data: a stable argsort
+    groups the rows by expert, ``searchsorted`` turns the sorted ids into each expert's end
+    offset, and ``_grouped_mm`` multiplies each segment by its expert's weights in place.
+    The alternatives cost more: gathering each row's expert weights for a ``bmm`` copies
+    ``N*k`` weight matrices, and a padded ``[E, C, H]`` layout either reads the capacity ``C``
+    from the host (a sync) or bounds it statically by ``N*k``, E times the rows and memory.
+    Here the temporaries are ``N*k`` rows of ``H + 3I`` values, bounded by the step's tokens.
+    Rows keep the loop's order, so each token sums its experts in the same order as the loop
+    (bit-identical to it on the CPU in the tests and benchmarks).
+    """
+    num_tokens, top_k = ids.shape
+    out = torch.zeros_like(x)
+    if num_tokens == 0:
+        return out
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    experts = torch.arange(gate_up.shape[0], device=ids.device, dtype=flat_ids.dtype)
+    # offs[e] is the end of expert e's segment: the number of sorted ids <= e.
+    offs = torch.searchsorted(flat_ids.index_select(0, order), experts, right=True).to(torch.int32)
+    token_of = order // top_k
+    flat_weights = weights.reshape(-1).index_select(0, order).to(x.dtype)
+    # [E, N, K] weights transposed to [E, K, N] are the column-major operand _grouped_mm wants.
+    hidden = activation(torch._grouped_mm(x.index_select(0, token_of), gate_up.transpose(1, 2), offs=offs))
+    hidden = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offs) * flat_weights.unsqueeze(1)
+    return out.index_add_(0, token_of, hidden.to(out.dtype))
+
+
+@dispatch("moe_experts")
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+) -> torch.Tensor:
+    """Sum over k of weight * down_e(act(gate_up_e x)) for each token's selected experts.
+
+    ``gate_up`` is ``[E, 2I, H]`` and ``down`` ``[E, H, I]``; weights are cast to ``x.dtype``
+    and multiplied after the down projection, the same order HF uses, so bf16 results track
+    HF closely. Runs :func:`grouped_moe_experts` (no host sync) where ``_grouped_mm`` takes the
+    operands, else :func:`looped_moe_experts`.
+    """
+    if grouped_mm_supported(x, gate_up, down):
+        return grouped_moe_experts(x, gate_up, down, weights, ids, activation)
+    return looped_moe_experts(x, gate_up, down, weights, ids, activation)

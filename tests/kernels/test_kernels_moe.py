@@ -1,12 +1,20 @@
-"""topk_routing and moe_experts against naive loops and transformers' Qwen3MoeSparseMoeBlock."""
+"""topk_routing and moe_experts against naive loops and transformers' Qwen3MoeSparseMoeBlock.
+
+The grouped path (``grouped_moe_experts``) is checked against the per-expert loop it replaces
+(``looped_moe_experts``, kept as the reference) on random and adversarial routings.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from pypto_kernels import moe_experts, topk_routing
+from pypto_kernels.moe import grouped_mm_supported, grouped_moe_experts, looped_moe_experts
 
 E, H, INTER, TOP_K = 8, 32, 16, 3
 
@@ -117,3 +125,97 @@ def test_matches_qwen3_moe_sparse_block(dtype: torch.dtype, norm: bool) -> None:
         torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
     else:
         torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float = 0.5) -> torch.Tensor:
+    """A DeepSeek-V4-style clamped SwiGLU: any row-wise activation must pass through unchanged."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def routing(kind: str, tokens: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) of one routing pattern; ids are distinct per token as top-k makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        ids = torch.rand(tokens, E, generator=gen).argsort(dim=-1)[:, :top_k]
+    elif kind == "few_experts":  # experts 0, 1, 4, 6 and 7 get no tokens
+        pool = torch.tensor([5, 2, 3])
+        ids = pool[torch.rand(tokens, 3, generator=gen).argsort(dim=-1)[:, :top_k]]
+    else:  # "one_expert": every token's first choice is the last expert
+        ids = torch.rand(tokens, E - 1, generator=gen).argsort(dim=-1)[:, : top_k - 1]
+        ids = torch.cat([torch.full((tokens, 1), E - 1), ids], dim=1)
+    return torch.rand(tokens, top_k, generator=gen), ids
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": lambda gu: F.silu(gu.chunk(2, dim=-1)[0]) * gu.chunk(2, dim=-1)[1],
+    "clamped": clamped_swiglu,
+}
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("kind", ["random", "few_experts", "one_expert"])
+@pytest.mark.parametrize("top_k", [1, TOP_K])
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_grouped_matches_loop(tokens: int, top_k: int, kind: str, activation: str) -> None:
+    x, gate_up, down, _ = random_moe(torch.float32, tokens=tokens, seed=tokens)
+    weights, ids = routing(kind, tokens, top_k, seed=top_k)
+    act = ACTIVATIONS[activation]
+    inputs = [t.clone() for t in (x, gate_up, down, weights, ids)]
+    expected = looped_moe_experts(x, gate_up, down, weights, ids, act)
+    got = grouped_moe_experts(x, gate_up, down, weights, ids, act)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe_experts(x, gate_up, down, weights, ids, act), expected, atol=1e-5, rtol=1e-5)
+    for before, after in zip(inputs, (x, gate_up, down, weights, ids)):
+        assert torch.equal(before, after)  # the weights (shared with other layers' calls) stay untouched
+    assert grouped_moe_experts(x[:0], gate_up, down, weights[:0], ids[:0], act).shape == (0, H)
+
+
+def test_grouped_bf16_tracks_loop() -> None:
+    x, gate_up, down, router = random_moe(torch.bfloat16, tokens=33, seed=5)
+    weights, ids = topk_routing(F.linear(x, router), TOP_K, True)
+    expected = looped_moe_experts(x, gate_up, down, weights, ids)
+    got = grouped_moe_experts(x, gate_up, down, weights, ids)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+
+
+def test_dtypes_grouped_mm_rejects_take_the_loop() -> None:
+    x, gate_up, down, router = random_moe(torch.float64, tokens=9, seed=6)
+    assert not grouped_mm_supported(x, gate_up, down)
+    assert grouped_mm_supported(x.float(), gate_up.float(), down.float())
+    weights, ids = topk_routing(F.linear(x, router), TOP_K, True)
+    out = moe_experts(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(out, naive_experts(x, gate_up, down, weights, ids), atol=1e-9, rtol=1e-9)
+
+
+def test_grouped_makes_no_host_sync_on_a_fake_cuda_device() -> None:
+    """Fake tensors hold no data: any host read of a value (.tolist, .item, bincount's size) raises."""
+    x, gate_up, down, router = random_moe(torch.bfloat16, tokens=6, seed=7)
+    weights, ids = topk_routing(F.linear(x, router), TOP_K, True)
+    with FakeTensorMode():
+        # Made inside the mode: a CPU-only torch cannot move a (fake) tensor to CUDA.
+        fake = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in (x, gate_up, down, weights, ids)]
+        assert grouped_mm_supported(*fake[:3])
+        assert not grouped_mm_supported(*(t.float() for t in fake[:3]))  # CUDA float32: aten's fallback syncs
+        unaligned = torch.empty(E, H, INTER + 1, dtype=torch.bfloat16, device="cuda")
+        assert not grouped_mm_supported(fake[0], fake[1], unaligned)  # the CUTLASS kernel wants 16-byte rows
+        out = moe_experts(*fake, activation=clamped_swiglu)
+        assert out.shape == x.shape and out.device.type == "cuda" and out.dtype == torch.bfloat16
+        # The loop's bincount (size read from the data) and .tolist() are caught: the check above has teeth.
+        with pytest.raises((DataDependentOutputException, DynamicOutputShapeException)):
+            looped_moe_experts(*fake)
+
+
+def test_moe_experts_runs_grouped_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugins call moe_experts: on the CPU in float32/bf16 it must never fall back to the loop."""
+    import pypto_kernels.moe as moe
+
+    def no_loop(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("moe_experts fell back to the per-expert loop")
+
+    monkeypatch.setattr(moe, "looped_moe_experts", no_loop)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, gate_up, down, router = random_moe(dtype, tokens=5, seed=8)
+        weights, ids = topk_routing(F.linear(x, router), TOP_K, True)
+        assert moe_experts(x, gate_up, down, weights, ids).shape == x.shape

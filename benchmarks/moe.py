@@ -1,0 +1,103 @@
+"""Grouped MoE (``grouped_moe_experts``) against the per-expert loop (``looped_moe_experts``) in one run.
+
+Random float32 experts and softmax top-k routing at decode (few tokens) and prefill (hundreds of
+tokens) token counts on three shapes: the plugin tests' tiny Qwen3-MoE, a small many-expert one and
+a mid one (64 experts, top-8, hidden 1024, intermediate 768). Each repeat times both kernels back to
+back, alternating which goes first, so load from other jobs hits both alike; the table shows medians.
+
+    python3 benchmarks/moe.py                    # all shapes, markdown table
+    python3 benchmarks/moe.py --repeats 5 --shapes tiny mid --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pypto_kernels import topk_routing
+from pypto_kernels.moe import grouped_moe_experts, looped_moe_experts
+
+
+@dataclass(frozen=True)
+class Shape:
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+
+
+SHAPES = {
+    "tiny": Shape(experts=4, top_k=2, hidden=64, intermediate=32),
+    "small": Shape(experts=128, top_k=8, hidden=256, intermediate=128),
+    "mid": Shape(experts=64, top_k=8, hidden=1024, intermediate=768),
+}
+TOKENS = {"decode": (1, 8, 64), "prefill": (256, 512)}
+
+
+def _operands(shape: Shape, tokens: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, generator=gen)
+    gate_up = torch.randn(shape.experts, 2 * shape.intermediate, shape.hidden, generator=gen) * 0.02
+    down = torch.randn(shape.experts, shape.hidden, shape.intermediate, generator=gen) * 0.02
+    weights, ids = topk_routing(torch.randn(tokens, shape.experts, generator=gen), shape.top_k, True)
+    return x, gate_up, down, weights, ids
+
+
+def _seconds(fn: Callable[[], torch.Tensor], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def measure(shape: Shape, tokens: int, repeats: int) -> tuple[float, float]:
+    """Median seconds per call of (loop, grouped); asserts both give the same result first."""
+    x, gate_up, down, weights, ids = _operands(shape, tokens)
+
+    def loop() -> torch.Tensor:
+        return looped_moe_experts(x, gate_up, down, weights, ids)
+
+    def grouped() -> torch.Tensor:
+        return grouped_moe_experts(x, gate_up, down, weights, ids)
+
+    torch.testing.assert_close(grouped(), loop(), atol=1e-5, rtol=1e-5)
+    calls = max(1, int(0.2 / max(_seconds(loop, 1), 1e-6)))  # about 0.2 s per timing
+    loops: list[float] = []
+    groups: list[float] = []
+    for r in range(repeats):
+        pair = [(loop, loops), (grouped, groups)]
+        for fn, sink in pair if r % 2 == 0 else pair[::-1]:
+            sink.append(_seconds(fn, calls))
+    return statistics.median(loops), statistics.median(groups)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print("| shape (E, top-k, H, I) | phase | tokens | loop ms | grouped ms | loop / grouped |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for name in args.shapes:
+        shape = SHAPES[name]
+        dims = f"{name} ({shape.experts}, {shape.top_k}, {shape.hidden}, {shape.intermediate})"
+        for phase, counts in TOKENS.items():
+            for tokens in counts:
+                loop, grouped = measure(shape, tokens, args.repeats)
+                times = f"{loop * 1e3:.3f} | {grouped * 1e3:.3f} | {loop / grouped:.2f}x"
+                print(f"| {dims} | {phase} | {tokens} | {times} |")
+
+
+if __name__ == "__main__":
+    main()
