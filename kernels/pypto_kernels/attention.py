@@ -2,13 +2,13 @@
 
 The attention references work request by request, so their cost follows the real (query, key)
 pairs of a step and their memory its tokens: nothing is padded to the longest request or query.
-A request's keys are gathered block by block from the cache in the cache dtype (one copy of that
-request's K/V, never a float32 copy of the cache). Query heads are viewed as ``[Hkv, group]`` so
-grouped-query attention never repeats K/V. A decode row (one query) is two small matmuls over all
-heads; longer query runs go through ``scaled_dot_product_attention`` (or, with sinks, an explicit
-float32 softmax) in query tiles whose score and mask size is bounded by ``_TILE_ELEMENTS``. Keeping
-every temporary request-sized also matters on the CPU: large fresh temporaries cost a page fault
-per 4 KiB on every layer, small ones are reused by the allocator.
+Keys are gathered block by block from the cache in the cache dtype (never a float32 copy of the
+cache), a few MiB of consecutive requests per ``index_select``. Query heads are viewed as
+``[Hkv, group]`` so grouped-query attention never repeats K/V. A decode row (one query) is two
+small matmuls over all heads; longer query runs go through ``scaled_dot_product_attention`` (or,
+with sinks, an explicit float32 softmax) in query tiles whose score and mask size is bounded by
+``_TILE_ELEMENTS``. Small temporaries also matter on the CPU: large fresh ones cost a page fault
+per 4 KiB on every layer, small ones are reused by the allocator and stay in cache.
 
 The loops need each request's query and key lengths on the host. They are read from
 ``query_start_loc``/``seq_lens`` (one host read per call) unless the caller already holds them and
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import pairwise
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,11 @@ from .registry import dispatch
 #: Upper bound on the elements of one query tile's scores (heads x queries x keys): bounds memory
 #: by the step's tokens whatever the prompt length, while tiles stay large enough for fast matmuls.
 _TILE_ELEMENTS = 1 << 21
+
+#: Bytes of K (and as many of V) gathered by one index_select: a batch of decodes costs a few large
+#: copies instead of one per request (each a parallel region, slow when the cores are shared), while
+#: the copy stays small enough to be cache-resident and reused by the allocator.
+_GATHER_BYTES = 2 << 20
 
 
 @dispatch("write_kv_cache")
@@ -167,13 +173,47 @@ def _attend_request(
         out[start : start + count] = res
 
 
-def _gather_keys(cache: torch.Tensor, table_row: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Keys lo..hi-1 of one request as [hi - lo, Hkv, D] in the cache dtype: whole blocks, then a view."""
-    block_size = cache.shape[1]
-    first_block, end_block = lo // block_size, -(-hi // block_size)
-    blocks = cache.index_select(0, table_row[first_block:end_block]).flatten(0, 1)
-    offset = first_block * block_size
-    return blocks[lo - offset : hi - offset]
+class _Span(NamedTuple):
+    """One request of a paged step: its query rows, the key range [lo, hi) it reads and the blocks holding it."""
+
+    request: int
+    row: int
+    num_queries: int
+    lo: int
+    hi: int
+    first_block: int
+    end_block: int
+
+
+def _spans(q_lens: list[int], kv_lens: list[int], block_size: int, window: int | None) -> list[_Span]:
+    spans, row = [], 0
+    for r, (n, seq) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        # A sliding window never looks further back than window - 1 keys before the first query.
+        lo = max(0, seq - n - window + 1) if window is not None else 0
+        if n:
+            spans.append(_Span(r, row, n, lo, seq, lo // block_size, -(-seq // block_size)))
+        row += n
+    return spans
+
+
+def _gather_chunks(spans: list[_Span], block_bytes: int) -> list[list[_Span]]:
+    """Consecutive requests whose blocks fit in ``_GATHER_BYTES`` (at least one request per chunk)."""
+    chunks: list[list[_Span]] = []
+    size = 0
+    for span in spans:
+        nbytes = (span.end_block - span.first_block) * block_bytes
+        if not chunks or size + nbytes > _GATHER_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(span)
+        size += nbytes
+    return chunks
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, chunk: list[_Span]) -> torch.Tensor:
+    """The chunk's blocks, request after request, as [tokens, Hkv, D] in the cache dtype (one index_select)."""
+    ids = [tables[s.request, s.first_block : s.end_block] for s in chunk]
+    return cache.index_select(0, ids[0] if len(ids) == 1 else torch.cat(ids)).flatten(0, 1)
 
 
 @dispatch("paged_attention")
@@ -210,18 +250,17 @@ def paged_attention(
     if needed > block_tables.shape[1]:
         raise ValueError(f"seq_lens need {needed} blocks but block_tables has {block_tables.shape[1]} columns")
     tables = block_tables.to(device=query.device, dtype=torch.int64)
-    row = 0
-    for r, (n, seq) in enumerate(zip(q_lens, kv_lens, strict=True)):
-        if n == 0:
-            continue
-        first_pos = seq - n
-        # A sliding window never looks further back than window - 1 keys before the first query.
-        lo = max(0, first_pos - sliding_window + 1) if sliding_window is not None else 0
-        k = _gather_keys(key_cache, tables[r], lo, seq)
-        v = _gather_keys(value_cache, tables[r], lo, seq)
-        rows = slice(row, row + n)
-        _attend_request(query[rows], k, v, first_pos - lo, scale, True, sliding_window, sinks, out[rows])
-        row += n
+    block_bytes = key_cache[0].numel() * key_cache.element_size()
+    for chunk in _gather_chunks(_spans(q_lens, kv_lens, block_size, sliding_window), block_bytes):
+        keys, values = _gather_blocks(key_cache, tables, chunk), _gather_blocks(value_cache, tables, chunk)
+        base = 0
+        for span in chunk:
+            start = base + span.lo - span.first_block * block_size
+            keys_r, values_r = keys[start : start + span.hi - span.lo], values[start : start + span.hi - span.lo]
+            rows = slice(span.row, span.row + span.num_queries)
+            first = span.hi - span.num_queries - span.lo
+            _attend_request(query[rows], keys_r, values_r, first, scale, True, sliding_window, sinks, out[rows])
+            base += (span.end_block - span.first_block) * block_size
     return out
 
 

@@ -270,9 +270,17 @@ def _paged(data: dict[str, Any], scale: float, **kwargs: Any) -> torch.Tensor:
 @pytest.mark.parametrize("kind", sorted(RAGGED_BATCHES))
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("gather_bytes", [1, 1 << 12, None], ids=["chunk-per-request", "few-per-chunk", "default"])
 def test_paged_attention_matches_padded_reference_and_per_request_loop(
-    kind: str, block_size: int, num_q_heads: int, num_kv_heads: int
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    block_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    gather_bytes: int | None,
 ) -> None:
+    if gather_bytes is not None:
+        monkeypatch.setattr(attention_module, "_GATHER_BYTES", gather_bytes)
     batch = RAGGED_BATCHES[kind]
     gen = torch.Generator().manual_seed(block_size * 31 + num_q_heads * 7 + len(kind))
     data = build_paged_batch(batch, block_size, num_q_heads, num_kv_heads, 16, 16, torch.float32, gen)
@@ -342,7 +350,7 @@ def test_paged_attention_memory_is_bounded_by_the_step_tokens(with_sinks: bool) 
 
     The padded path would build float32 scores of R x Hq x Q_max x L_max = 64 x 2 x 2048 x 4096
     (4 GiB); the per-request path's largest intermediate must stay within one query tile's scores
-    plus a few times the step's query and key rows.
+    and one gather chunk plus a few times the step's query and key rows.
     """
     num_q_heads, num_kv_heads, head_dim, block_size = 2, 1, 8, 16
     batch = [(2048, 4096)] + [(1, 2048)] * 63
@@ -354,7 +362,8 @@ def test_paged_attention_memory_is_bounded_by_the_step_tokens(with_sinks: bool) 
         out = _paged(data, head_dim**-0.5, sinks=sinks)
     num_tokens, max_seq = sum(q for q, _ in batch), max(s for _, s in batch)
     padded_scores = len(batch) * num_q_heads * 2048 * max_seq * 4
-    bound = attention_module._TILE_ELEMENTS * 4 + 4 * (num_tokens + max_seq) * num_q_heads * head_dim * 4
+    tile_bytes = attention_module._TILE_ELEMENTS * 4 + attention_module._GATHER_BYTES
+    bound = tile_bytes + 4 * (num_tokens + max_seq) * num_q_heads * head_dim * 4
     assert mode.largest <= bound, mode.largest_op
     assert padded_scores > 200 * bound
     assert out.shape == (num_tokens, num_q_heads, head_dim) and torch.isfinite(out).all()
