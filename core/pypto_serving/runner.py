@@ -16,7 +16,7 @@ import torch
 
 from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, WireSampling
-from .sampler import RowParams, SampleOutput, sample
+from .sampler import RowParams, SampleOutput, TokenCounts, sample
 
 __all__ = ["MissingSampledTokenError", "ModelRunner"]
 
@@ -32,6 +32,7 @@ class _ReqState:
     num_prompt: int
     history: list[int]  # prompt + outputs sampled here
     last_sampled: int | None
+    counts: TokenCounts | None  # the penalties' token counts, on the device; None without penalties
     drafts: list[int] = field(default_factory=list)
     rejected: int = 0  # draft positions given back so far
 
@@ -107,6 +108,7 @@ class ModelRunner:
             num_prompt=len(nr.prompt_token_ids),
             history=[*nr.prompt_token_ids, *outs],
             last_sampled=outs[-1] if outs else None,
+            counts=TokenCounts(prompt=list(nr.prompt_token_ids), outputs=outs) if nr.sampling.has_penalties else None,
         )
 
     # ------------------------------------------------------------------ batch
@@ -227,6 +229,8 @@ class ModelRunner:
             result.num_verify_steps += bool(drafts)
             st = self.states[e.request_id]
             st.history += kept
+            if st.counts is not None:
+                st.counts.extend(kept)
             st.last_sampled = kept[-1]
             st.rejected += e.num_draft - (len(kept) - 1)
             result.sampled[e.request_id] = kept
@@ -258,10 +262,9 @@ def _row(st: _ReqState, draw_index: int, drafts: list[int]) -> RowParams:
         draw_index=draw_index,
         num_logprobs=sp.logprobs,
         banned=sp.min_tokens_banned if draw_index < sp.min_tokens else (),
-        # Only penalties read the history: copying it for other rows would make every step
-        # O(sequence length) per request.
-        history=st.history + drafts if sp.has_penalties else None,
-        num_prompt=st.num_prompt,
+        # Penalties read the request's device counts plus this row's drafts: no history copy per step.
+        counts=st.counts,
+        drafts=tuple(drafts) if st.counts is not None else (),
     )
 
 

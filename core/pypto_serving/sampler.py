@@ -1,19 +1,92 @@
-"""Sampler: turns logits rows into tokens, batched over rows.
+"""Sampler: turns logits rows into tokens, batched over rows, on the logits' device.
 
-Randomness is a pure function of ``(request seed, output index)``: each draw uses a generator
-seeded from both, so a seeded request samples the same tokens in any batch, after preemption, and
-under sync and async scheduling alike.
+Every tensor lives on ``logits.device`` and the step reads the host once, at the end (one
+``tolist()`` of the tokens, error flags and logprobs); a second read happens only when a row needs
+the full-vocabulary fallback described below.
+
+Greedy rows take one ``argmax``. Sampled rows draw from a candidate set taken by ``topk``, never by
+sorting the vocabulary: the row's own top-k when it sets one (exact), otherwise the best
+``CANDIDATES`` tokens when it sets top-p or min-p. That bounded set is exact when the tokens past it
+are filtered out anyway (the candidates hold more than top-p of the mass, or the last candidate is
+below min-p); the sampler checks this on the device and re-samples a row that fails it over the
+sorted full vocabulary, so results never depend on the bound. Rows without any filter draw over
+the whole (unsorted) vocabulary.
+
+Randomness is a pure function of ``(request seed, output index)``: a counter-based integer hash of
+the two gives one uniform per row, and the row takes the token where that uniform falls in the
+cumulative distribution of its kept candidates (inverse CDF). Every operation is row-wise and a
+row's path depends only on its own parameters and logits, so a seeded request samples the same
+tokens in any batch, after preemption, and under sync and async scheduling alike.
+
+Penalties read a per-request :class:`TokenCounts` kept on the device: the prompt's tokens and the
+outputs' counts, updated with the few tokens each step adds, never rebuilt from the history.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RowParams", "SampleOutput", "sample"]
+__all__ = [
+    "CANDIDATES",
+    "DeviceSample",
+    "RowParams",
+    "SampleOutput",
+    "TokenCounts",
+    "packed",
+    "sample",
+    "sample_on_device",
+    "uniforms",
+]
 
-_MIX = 0x9E3779B97F4A7C15
+CANDIDATES = 256  # bounded candidate set of rows with top-p or min-p and no top-k
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64 constants as signed int64 (tensor arithmetic wraps)
+_MUL1 = 0xBF58476D1CE4E5B9 - 2**64
+_MUL2 = 0x94D049BB133111EB - 2**64
+
+
+class TokenCounts:
+    """A request's token statistics for the penalties, kept on the device across steps: which
+    tokens the prompt or outputs hold (repetition penalty), how often each output token occurs, and
+    the amount the frequency and presence penalties subtract. Tokens the runner adds wait on the
+    host until the next sample folds them in, touching only their own entries."""
+
+    __slots__ = ("_counts", "_pending", "_prompt", "_seen", "_subtract")
+
+    def __init__(self, *, prompt: list[int], outputs: list[int]) -> None:
+        self._prompt: list[int] | None = prompt
+        self._pending = list(outputs)
+        self._seen = self._counts = self._subtract = torch.empty(0)
+
+    def extend(self, tokens: list[int]) -> None:
+        self._pending += tokens
+
+    def tensors(self, vocab: int, device: torch.device, p: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seen bool [V], subtract float [V])`` with every added token folded in; ``subtract`` is
+        ``frequency_penalty * count + presence_penalty * (count > 0)`` of the outputs."""
+        if self._prompt is not None:
+            prompt = torch.tensor([t for t in self._prompt if 0 <= t < vocab], dtype=torch.long, device=device)
+            self._seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill(0, prompt, True)
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self._subtract = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self._prompt = None
+        pending = [t for t in self._pending if 0 <= t < vocab]
+        if pending:
+            idx = torch.tensor(pending, dtype=torch.long, device=device)
+            self._counts.index_add_(0, idx, torch.ones(len(pending), device=device))
+            self._seen.index_fill_(0, idx, True)
+            self._subtract.index_copy_(0, idx, _subtract(self._counts.index_select(0, idx), p))
+        self._pending = []
+        return self._seen, self._subtract
+
+    def counts_at(self, idx: torch.Tensor) -> torch.Tensor:
+        return self._counts.index_select(0, idx)
+
+
+def _subtract(counts: torch.Tensor, p: RowParams) -> torch.Tensor:
+    return p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(counts.dtype)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -31,8 +104,8 @@ class RowParams:
     draw_index: int  # the request's output index this row samples; with ``seed``, it fixes the draw
     num_logprobs: int | None
     banned: tuple[int, ...]  # eos/stop ids while min_tokens is not reached
-    history: list[int] | None  # prompt + outputs for the penalties; None: the request has no penalties
-    num_prompt: int
+    counts: TokenCounts | None  # the request's token counts; None: the request has no penalties
+    drafts: tuple[int, ...] = ()  # outputs this row follows that ``counts`` does not hold yet
 
 
 @dataclass(slots=True)
@@ -42,98 +115,254 @@ class SampleOutput:
     errors: dict[int, str]  # row -> message (non-finite logits)
 
 
-def _draw_seed(seed: int, index: int) -> int:
-    return ((seed * _MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) & 0x7FFF_FFFF_FFFF_FFFF
+@dataclass(slots=True, kw_only=True)
+class DeviceSample:
+    """A step's sample before the host read: every tensor on the logits' device."""
+
+    tokens: torch.Tensor  # [N] long
+    bad: torch.Tensor  # [N] bool: NaN or +inf logits
+    needs_full: torch.Tensor  # [N] bool: the bounded candidates cannot hold the row's kept set
+    logits: torch.Tensor  # [N, V] float32 after penalties and bans, for the fallback
+    lp_rows: list[int] = field(default_factory=list)  # rows that want logprobs
+    raw: torch.Tensor | None = None  # [L, V] log-softmax of those rows, before penalties
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, K] values and ids of the top logprobs
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[int], params: list[RowParams]) -> None:
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors; the masks make the right shifts logical."""
+    z = z ^ ((z >> 30) & ((1 << 34) - 1))
+    z = z * _MUL1
+    z = z ^ ((z >> 27) & ((1 << 37) - 1))
+    z = z * _MUL2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per (seed, index), a pure function of the pair (32 bits)."""
+    z = _mix(_mix(seeds) + (indices + 1) * _GOLDEN)
+    return ((z >> 32) & 0xFFFF_FFFF).double() * 2.0**-32
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[int], params: list[RowParams]) -> torch.Tensor:
+    """``logits`` with the penalties of ``rows`` applied (a new tensor; the input is untouched)."""
     vocab = logits.shape[1]
-    for r in rows:  # rows with penalties only; the histories differ in length per request
+    dev = logits.device
+    # Row by row into one new tensor: stacking the requests' [V] tensors would allocate and copy
+    # [rows, V] twice more per step, and fresh allocations that size dominate the CPU step.
+    out = torch.empty_like(logits) if rows == list(range(logits.shape[0])) else logits.clone()
+    for r in rows:
         p = params[r]
-        assert p.history is not None, "a row with penalties carries its history"
-        hist = torch.tensor(p.history, dtype=torch.long)
-        out = hist[p.num_prompt :]  # split before dropping out-of-range ids, or the boundary shifts
-        hist = hist[(hist >= 0) & (hist < vocab)]
-        out = out[(out >= 0) & (out < vocab)]
-        row = logits[r]
-        if p.repetition_penalty != 1.0 and len(hist):
-            seen = torch.unique(hist)
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and len(out):
-            counts = torch.bincount(out, minlength=vocab).to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        seen, minus = _counts(p).tensors(vocab, dev, p)
+        drafts = [t for t in p.drafts if 0 <= t < vocab]
+        if drafts:  # out of place: the drafts stay out of the request's own tensors
+            at = torch.tensor(drafts, dtype=torch.long, device=dev)
+            minus = minus.index_put((at,), _draft_subtract(p, drafts, at))
+            seen = seen.index_fill(0, at, True)
+        row = logits.select(0, r)
+        if p.repetition_penalty != 1.0:
+            rep = p.repetition_penalty
+            row = torch.where(seen, torch.where(row > 0, row / rep, row * rep), row)
+        torch.sub(row, minus, out=out.select(0, r))
+    return out
+
+
+def _counts(p: RowParams) -> TokenCounts:
+    assert p.counts is not None, "a row with penalties carries its request's counts"
+    return p.counts
+
+
+def _draft_subtract(p: RowParams, drafts: list[int], at: torch.Tensor) -> torch.Tensor:
+    """What the frequency and presence penalties subtract at each draft token: the request's output
+    count plus every copy of the token among the row's drafts."""
+    extra = torch.tensor([float(drafts.count(t)) for t in drafts], dtype=torch.float32, device=at.device)
+    return p.frequency_penalty * (_counts(p).counts_at(at) + extra) + p.presence_penalty
+
+
+def _ban(logits: torch.Tensor, params: list[RowParams]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    pairs = [(i, t) for i, p in enumerate(params) for t in p.banned if 0 <= t < vocab]
+    if not pairs:
+        return logits
+    return logits.index_put(_pairs(pairs, logits.device), torch.tensor(float("-inf"), device=logits.device))
+
+
+def _pairs(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index tensors of ``pairs`` for ``index_put``."""
+    # select/narrow/index_select rather than ``t[...]``: they are what the fake-device test can trace.
+    at = torch.tensor(pairs, dtype=torch.long, device=device)
+    return at.select(1, 0), at.select(1, 1)
+
+
+def _kind(p: RowParams, vocab: int) -> tuple[str, int]:
+    """The candidate set a sampled row draws from; it depends on the row alone (batch invariance)."""
+    if 0 < p.top_k < vocab:
+        return "top", p.top_k
+    if p.top_p < 1.0 or p.min_p > 0.0:
+        return ("bounded", CANDIDATES) if vocab > CANDIDATES else ("sorted", vocab)
+    return "all", vocab
+
+
+def _fallback_kind(p: RowParams, vocab: int) -> tuple[str, int]:
+    return ("sorted", vocab) if p.top_p < 1.0 else ("all", vocab)
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _row_mass(x: torch.Tensor, top: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
+    """``logsumexp(x / temp)`` per row given the row maxima ``top``, in one temporary: the full-row
+    exp pass is most of a bounded row's cost, and ``logsumexp`` makes several."""
+    t = x - top
+    t.div_(temp).exp_()
+    return top / temp + t.sum(dim=-1, keepdim=True).log()
+
+
+def _draw(
+    x: torch.Tensor, kind: str, k: int, params: list[RowParams], u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``[S]`` of rows ``x [S, V]`` sharing one candidate kind, and whether each row's kept
+    set lies inside its candidates (always, except for the ``bounded`` kind)."""
+    temp = _column([p.temperature for p in params], x)
+    if kind == "all":
+        vals, ids = x, torch.arange(x.shape[1], device=x.device).expand_as(x)
+    elif kind == "sorted":
+        vals, ids = x.sort(dim=-1, descending=True)
+    else:
+        vals, ids = x.topk(k, dim=-1)
+    v = vals / temp
+    # Top-p weighs the candidates against the whole row's mass unless top-k has cut the row first.
+    norm = _row_mass(x, vals.narrow(1, 0, 1), temp) if kind == "bounded" else torch.logsumexp(v, -1, keepdim=True)
+    probs = torch.exp(v - norm)
+    min_p = _column([p.min_p for p in params], x)
+    drop = v < v.amax(dim=-1, keepdim=True) + torch.log(min_p)  # log(0) = -inf drops nothing
+    fits = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    if kind != "all":
+        top_p = _column([p.top_p for p in params], x)
+        cum = probs.cumsum(dim=-1)
+        past = ((cum - probs) > top_p) & (top_p < 1.0)  # the mass strictly above the token exceeds top-p
+        drop |= past & (torch.arange(k, device=x.device) > 0)  # the best token always stays
+        if kind == "bounded":
+            fits = ((cum.narrow(1, k - 1, 1) > top_p) & (top_p < 1.0)).squeeze(1) | drop.select(1, k - 1)
+    cdf = probs.masked_fill(drop, 0.0).double().cumsum(dim=-1)
+    # u < 1 has 32 bits, so u * total stays below total and lands on a kept (positive) weight.
+    at = torch.searchsorted(cdf, u.unsqueeze(1) * cdf.narrow(1, k - 1, 1), right=True)
+    return ids.gather(1, at.clamp(max=ids.shape[1] - 1)).squeeze(1), fits
+
+
+def _draw_rows(
+    x: torch.Tensor, params: list[RowParams], rows: list[int], tokens: torch.Tensor, fallback: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` with ``rows`` sampled, grouped by candidate kind; and ``needs_full [N]``."""
+    n, vocab = x.shape
+    dev = x.device
+    seeds = torch.tensor([params[r].seed for r in rows], dtype=torch.long, device=dev)
+    index = torch.tensor([params[r].draw_index for r in rows], dtype=torch.long, device=dev)
+    u_all = uniforms(seeds, index)
+    groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for j, r in enumerate(rows):
+        groups[(_fallback_kind if fallback else _kind)(params[r], vocab)].append(j)
+    needs_full = torch.zeros(n, dtype=torch.bool, device=dev)
+    for (kind, k), js in groups.items():
+        group = [rows[j] for j in js]
+        rows_t = torch.tensor(group, dtype=torch.long, device=dev)
+        sub = x if group == list(range(n)) else x.index_select(0, rows_t)
+        u = u_all if len(js) == len(rows) else u_all.index_select(0, torch.tensor(js, dtype=torch.long, device=dev))
+        drawn, fits = _draw(sub, kind, k, [params[r] for r in group], u)
+        tokens = tokens.index_copy(0, rows_t, drawn)
+        needs_full = needs_full.index_copy(0, rows_t, torch.logical_not(fits))
+    return tokens, needs_full
+
+
+def sample_on_device(logits: torch.Tensor, params: list[RowParams]) -> DeviceSample:
+    """Sample one token per row of ``logits [N, V]`` without reading the host."""
+    x = logits.float()
+    n = x.shape[0]
+    dev = x.device
+    bad = torch.logical_not(x.amax(dim=-1) < float("inf"))  # amax propagates NaN: this flags NaN and +inf
+    out = DeviceSample(tokens=torch.zeros(n, dtype=torch.long, device=dev), bad=bad, needs_full=bad, logits=x)
+    out.lp_rows = [i for i, p in enumerate(params) if p.num_logprobs is not None]
+    if out.lp_rows:
+        out.raw = torch.log_softmax(x.index_select(0, torch.tensor(out.lp_rows, device=dev)), dim=-1)
+        k = max(params[i].num_logprobs or 0 for i in out.lp_rows)
+        out.top = out.raw.topk(k, dim=-1) if k else None
+    pen = [i for i, p in enumerate(params) if p.counts is not None]
+    if pen:
+        x = _apply_penalties(x, pen, params)
+    x = _ban(x, params)
+    out.logits = x
+    if any(p.temperature == 0.0 for p in params):
+        out.tokens = x.argmax(dim=-1)
+    rand = [i for i, p in enumerate(params) if p.temperature != 0.0]
+    if rand:
+        out.tokens, needs_full = _draw_rows(x, params, rand, out.tokens, fallback=False)
+        out.needs_full = needs_full & torch.logical_not(bad)
+    else:
+        out.needs_full = torch.zeros_like(bad)
+    return out
+
+
+def _chosen(dev: DeviceSample, rows: list[int]) -> torch.Tensor:
+    """The logprob of each of ``rows``' tokens (rows that want logprobs)."""
+    assert dev.raw is not None
+    where = {r: i for i, r in enumerate(dev.lp_rows)}
+    at = torch.tensor([where[r] for r in rows], dtype=torch.long, device=dev.tokens.device)
+    tokens = dev.tokens.index_select(0, torch.tensor(rows, dtype=torch.long, device=at.device))
+    return dev.raw.index_select(0, at).gather(1, tokens.unsqueeze(1))
+
+
+def packed(dev: DeviceSample) -> torch.Tensor:
+    """Everything the host reads of a step, in one float64 vector (exact for float32 values and
+    token ids): tokens, error flags, fallback flags, chosen logprobs, top logprob values and ids."""
+    parts = [dev.tokens.double(), dev.bad.double(), dev.needs_full.double()]
+    if dev.lp_rows:
+        parts.append(_chosen(dev, dev.lp_rows).double().flatten())
+    if dev.top is not None:
+        parts += [dev.top[0].double().flatten(), dev.top[1].double().flatten()]
+    return torch.cat(parts)
 
 
 def sample(logits: torch.Tensor, params: list[RowParams]) -> SampleOutput:
     """Sample one token per row of float ``logits [N, V]`` according to ``params[row]``."""
-    logits = logits.float().clone()
-    n, vocab = logits.shape
-    errors: dict[int, str] = {}
-    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
-    for r in torch.nonzero(bad).flatten().tolist():
-        errors[r] = "the model produced non-finite logits (NaN or +inf) for this request"
-        logits[r] = 0.0
-    raw_logprobs = None
-    if any(p.num_logprobs is not None for p in params):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-    _apply_penalties(logits, [i for i, p in enumerate(params) if p.history is not None], params)
-    for i, p in enumerate(params):
-        if p.banned:
-            logits[i, [t for t in p.banned if 0 <= t < vocab]] = float("-inf")
-
-    tokens = torch.empty(n, dtype=torch.long)
-    greedy = torch.tensor([p.temperature == 0.0 for p in params], dtype=torch.bool)
-    if greedy.any():
-        tokens[greedy] = logits[greedy].argmax(-1)
-    rand_rows = torch.nonzero(~greedy).flatten()
-    if len(rand_rows):
-        sub = logits[rand_rows] / torch.tensor([params[r].temperature for r in rand_rows.tolist()]).unsqueeze(1)
-        sub = _filter(sub, [params[r] for r in rand_rows.tolist()])
-        probs = torch.softmax(sub, dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; E comes from the
-        # request's own generator so the draw does not depend on the batch.
-        noise = torch.empty_like(probs)
-        gen = torch.Generator()
-        for j, r in enumerate(rand_rows.tolist()):
-            gen.manual_seed(_draw_seed(params[r].seed, params[r].draw_index))
-            noise[j].exponential_(generator=gen)
-        tokens[rand_rows] = (probs / noise).argmax(-1)
-
-    token_list = tokens.tolist()
-    logprobs: list[dict[int, float] | None] = [None] * n
-    if raw_logprobs is not None:
-        for i, p in enumerate(params):
-            if p.num_logprobs is None:
-                continue
-            entry = {token_list[i]: float(raw_logprobs[i, token_list[i]])}
-            if p.num_logprobs > 0:
-                vals, ids = raw_logprobs[i].topk(p.num_logprobs)
-                entry.update(zip(ids.tolist(), vals.tolist()))
-            logprobs[i] = entry
-    return SampleOutput(token_list, logprobs, errors)
+    dev = sample_on_device(logits, params)
+    n = len(params)
+    flat = packed(dev).tolist()  # the step's one host read
+    tokens = [int(t) for t in flat[:n]]
+    errors = {r: "the model produced non-finite logits (NaN or +inf) for this request" for r in range(n) if flat[n + r]}
+    chosen = flat[3 * n : 3 * n + len(dev.lp_rows)]
+    full = [r for r in range(n) if flat[2 * n + r]]
+    if full:
+        chosen = _resample_full(dev, params, full, tokens, chosen)
+    return SampleOutput(tokens, _logprobs(dev, params, tokens, chosen, flat[3 * n + len(dev.lp_rows) :]), errors)
 
 
-def _filter(logits: torch.Tensor, params: list[RowParams]) -> torch.Tensor:
-    """top-k, top-p and min-p, batched; masked entries become -inf."""
-    vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
-    if (top_k < vocab).any() or (top_p < 1).any():
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab).expand_as(sorted_logits)
-        mask = ranks >= top_k.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = probs.cumsum(-1) - probs  # mass strictly above this token
-        mask |= before > top_p.unsqueeze(1)
-        mask[:, 0] = False  # always keep the best token
-        logits = torch.full_like(logits, float("-inf")).scatter(
-            1, order, sorted_logits.masked_fill(mask, float("-inf"))
-        )
-    if (min_p > 0).any():
-        probs = torch.softmax(logits, dim=-1)
-        keep = probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
-        logits = logits.masked_fill(~keep, float("-inf"))
-    return logits
+def _resample_full(
+    dev: DeviceSample, params: list[RowParams], rows: list[int], tokens: list[int], chosen: list[float]
+) -> list[float]:
+    """Re-sample ``rows`` over the sorted full vocabulary (their kept set reaches past the bounded
+    candidates), updating ``tokens`` in place; returns the chosen logprobs, refreshed."""
+    dev.tokens, _ = _draw_rows(dev.logits, params, rows, dev.tokens, fallback=True)
+    wants = set(dev.lp_rows)
+    lp = [r for r in rows if r in wants]
+    parts = [dev.tokens.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev.tokens.device)).double()]
+    if lp:
+        parts.append(_chosen(dev, lp).double().flatten())
+    flat = torch.cat(parts).tolist()
+    for r, t in zip(rows, flat):
+        tokens[r] = int(t)
+    fresh = dict(zip(lp, flat[len(rows) :]))
+    return [fresh.get(r, c) for r, c in zip(dev.lp_rows, chosen)]
+
+
+def _logprobs(
+    dev: DeviceSample, params: list[RowParams], tokens: list[int], chosen: list[float], top: list[float]
+) -> list[dict[int, float] | None]:
+    out: list[dict[int, float] | None] = [None] * len(params)
+    k = dev.top[0].shape[1] if dev.top is not None else 0
+    half = len(dev.lp_rows) * k
+    for i, r in enumerate(dev.lp_rows):
+        entry = {tokens[r]: chosen[i]}
+        want = params[r].num_logprobs or 0
+        entry.update(zip((int(t) for t in top[half + i * k : half + i * k + want]), top[i * k : i * k + want]))
+        out[r] = entry
+    return out

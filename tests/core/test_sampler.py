@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -9,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from pypto_serving.sampler import RowParams, _apply_penalties, sample
+import pypto_serving.sampler as sampler_mod
+from pypto_serving.sampler import RowParams, TokenCounts, _apply_penalties, sample, uniforms
 
 Row = Callable[..., RowParams]
 DRAWS = 4000
@@ -30,9 +32,12 @@ def row() -> Row:
             draw_index=0,
             num_logprobs=None,
             banned=(),
-            history=[],
-            num_prompt=0,
+            counts=None,
         )
+        history = kw.pop("history", None)
+        num_prompt = kw.pop("num_prompt", 0)
+        if history is not None:  # a request with penalties: its prompt and outputs, as the runner keeps them
+            base["counts"] = TokenCounts(prompt=history[:num_prompt], outputs=history[num_prompt:])
         base.update(kw)
         return RowParams(**base)
 
@@ -94,14 +99,14 @@ def test_filters_are_per_row(row: Row) -> None:
 
 def test_repetition_penalty(row: Row) -> None:
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    _apply_penalties(logits, [0], [row(repetition_penalty=2.0, history=[0, 1, 1], num_prompt=2)])
+    logits = _apply_penalties(logits, [0], [row(repetition_penalty=2.0, history=[0, 1, 1], num_prompt=2)])
     assert logits.tolist() == [[1.0, -4.0, 1.0, 0.5]]  # prompt and output tokens, once each
 
 
 def test_frequency_and_presence_penalties_count_outputs_only(row: Row) -> None:
     logits = torch.zeros(1, 4)
     p = row(frequency_penalty=0.5, presence_penalty=0.25, history=[3, 3, 0, 0, 0, 2], num_prompt=2)
-    _apply_penalties(logits, [0], [p])
+    logits = _apply_penalties(logits, [0], [p])
     # outputs: 0 x3, 2 x1; token 3 only in the prompt
     assert logits.tolist() == [[-(0.5 * 3 + 0.25), 0.0, -(0.5 + 0.25), 0.0]]
 
@@ -172,3 +177,165 @@ def test_seeded_row_is_independent_of_batch(row: Row) -> None:
     # and the seed matters
     draws = {sample(target.unsqueeze(0), [row(seed=s, temperature=1.0)]).tokens[0] for s in range(40)}
     assert len(draws) > 3
+
+
+# ---------------------------------------------------------------- against a brute-force reference
+
+
+def penalised(logits: list[float], p: RowParams, prompt: list[int], outputs: list[int]) -> list[float]:
+    vals = list(logits)
+    for t in set(prompt + outputs):
+        if p.repetition_penalty != 1.0:
+            vals[t] = vals[t] / p.repetition_penalty if vals[t] > 0 else vals[t] * p.repetition_penalty
+    for t, c in Counter(outputs).items():
+        vals[t] -= p.frequency_penalty * c + p.presence_penalty
+    return vals
+
+
+def reference(logits: list[float], p: RowParams, prompt: list[int], outputs: list[int]) -> list[float]:
+    """The exact filtered distribution of one row, computed independently in plain Python."""
+    vals = penalised(logits, p, prompt, outputs)
+    for t in p.banned:
+        vals[t] = -math.inf
+    order = sorted(range(len(vals)), key=lambda i: -vals[i])
+    if 0 < p.top_k < len(vals):
+        order = order[: p.top_k]
+    top = max(vals[i] for i in order) / p.temperature
+    weights = {i: math.exp(vals[i] / p.temperature - top) for i in order}
+    total = sum(weights.values())
+    kept, above = [], 0.0
+    for i in order:
+        if kept and p.top_p < 1.0 and above > p.top_p:
+            break
+        kept.append(i)
+        above += weights[i] / total
+    kept = [i for i in kept if weights[i] >= p.min_p]  # weights are relative to the best token
+    z = sum(weights[i] for i in kept)
+    return [weights[i] / z if i in kept else 0.0 for i in range(len(vals))]
+
+
+def total_variation(counts: Counter[int], probs: list[float], draws: int) -> float:
+    return 0.5 * sum(abs(counts[t] / draws - q) for t, q in enumerate(probs))
+
+
+CASES: list[dict[str, Any]] = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.3, top_p=0.6),
+    dict(temperature=1.0, top_k=8, top_p=0.8),
+    dict(temperature=0.9, min_p=0.1),
+    dict(temperature=1.0, top_p=0.9, min_p=0.05, banned=(3,)),
+    dict(temperature=1.0, top_k=10, repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2),
+]
+
+
+@pytest.mark.parametrize("candidates", [4, 256])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_sampled_frequencies_match_the_reference(
+    row: Row, case: int, candidates: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over many seeds and draw indices, the sampled frequencies are the exact filtered distribution
+    (total variation within sampling noise), and no token outside it is ever drawn. With 4
+    candidates most top-p/min-p rows reach past the bounded set and take the fallback."""
+    monkeypatch.setattr(sampler_mod, "CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(case)
+    logits = torch.randn(24, generator=gen) * 1.5
+    prompt, outputs = [1, 2, 5], [5, 7, 7, 0]
+    kw = dict(CASES[case])
+    if "frequency_penalty" in kw:
+        kw.update(history=prompt + outputs, num_prompt=len(prompt))
+    params = [row(seed=1000 + i, draw_index=i % 7, **kw) for i in range(DRAWS)]
+    probs = reference(logits.tolist(), params[0], *((prompt, outputs) if "history" in kw else ([], [])))
+    counts = Counter(sample(logits.expand(DRAWS, -1), params).tokens)
+    assert all(probs[t] > 0 for t in counts), "a filtered-out token was drawn"
+    assert total_variation(counts, probs, DRAWS) < 0.05
+
+
+def test_the_candidate_bound_never_changes_a_token(row: Row, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose top-p/min-p kept set fits the bounded candidates and rows that fall back to the full
+    vocabulary give the tokens an unbounded run gives, draw for draw."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.cat([torch.randn(2, 300, generator=gen) * 6, torch.randn(2, 300, generator=gen) * 0.3])
+    params = [row(seed=s, draw_index=s, top_p=0.85, min_p=0.01 * (s % 3), num_logprobs=1) for s in range(4)]
+    monkeypatch.setattr(sampler_mod, "CANDIDATES", 16)  # peaked rows fit, flat rows fall back
+    dev = sampler_mod.sample_on_device(logits, params)
+    assert dev.needs_full.tolist() == [False, False, True, True]
+    for s in range(50):
+        params = [row(seed=s, draw_index=s + i, top_p=0.85, min_p=0.01 * (i % 3), num_logprobs=1) for i in range(4)]
+        monkeypatch.setattr(sampler_mod, "CANDIDATES", 16)
+        bounded = sample(logits, params)
+        monkeypatch.setattr(sampler_mod, "CANDIDATES", 10_000)
+        assert sample(logits, params) == bounded
+        for r, t in enumerate(bounded.tokens):  # the chosen logprob follows a re-sampled token
+            assert (bounded.logprobs[r] or {})[t] == pytest.approx(float(torch.log_softmax(logits[r], -1)[t]))
+
+
+def test_uniforms_are_a_pure_function_of_seed_and_index() -> None:
+    seeds = torch.arange(20_000, dtype=torch.long) * 7919 + 2**62
+    index = torch.arange(20_000, dtype=torch.long) % 97
+    u = uniforms(seeds, index)
+    assert u.dtype == torch.float64 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    one = [float(uniforms(seeds[i : i + 1], index[i : i + 1])) for i in range(0, 20_000, 997)]
+    assert one == u[::997].tolist()  # the same value alone as in any batch
+    hist = torch.histc(u.float(), bins=10, min=0.0, max=1.0) / len(u)
+    assert float((hist - 0.1).abs().max()) < 0.01
+    assert len(set(uniforms(torch.full((100,), 5), torch.arange(100)).tolist())) == 100
+
+
+def test_seeded_rows_of_every_kind_are_independent_of_batch(row: Row, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampler_mod, "CANDIDATES", 8)
+    gen = torch.Generator().manual_seed(3)
+    kinds: list[dict[str, Any]] = [
+        dict(top_k=5),
+        dict(top_p=0.9),
+        dict(min_p=0.2),
+        dict(),
+        dict(top_k=3, frequency_penalty=0.5, history=[1, 2, 3], num_prompt=1),
+    ]
+    for seed in range(30):
+        target = torch.randn(1, 60, generator=gen) * (seed % 3)
+        p = row(seed=seed, draw_index=seed % 5, **kinds[seed % len(kinds)])
+        alone = sample(target, [p]).tokens[0]
+        others = [row(seed=seed + i, temperature=[0.0, 0.8][i % 2], **kinds[i % len(kinds)]) for i in range(6)]
+        pos = seed % 7
+        batch = torch.cat([torch.randn(pos, 60, generator=gen), target, torch.randn(6 - pos, 60, generator=gen)])
+        assert sample(batch, [*others[:pos], p, *others[pos:]]).tokens[pos] == alone
+
+
+def test_counts_fold_in_added_tokens_and_drafts_stay_per_row(row: Row) -> None:
+    counts = TokenCounts(prompt=[0, 9], outputs=[1])
+    logits = torch.zeros(3, 4)
+    params = [
+        row(temperature=0.0, frequency_penalty=1.0, counts=counts),
+        row(temperature=0.0, frequency_penalty=1.0, counts=counts, drafts=(2,)),
+        row(temperature=0.0, frequency_penalty=1.0, counts=counts, drafts=(2, 2)),
+    ]
+    assert _apply_penalties(logits, [0, 1, 2], params).tolist() == [
+        [0.0, -1.0, 0.0, 0.0],
+        [0.0, -1.0, -1.0, 0.0],
+        [0.0, -1.0, -2.0, 0.0],
+    ]
+    counts.extend([1, 3])
+    seen, minus = counts.tensors(4, logits.device, params[0])
+    assert minus.tolist() == [0.0, 2.0, 0.0, 1.0]  # the drafts did not stay
+    assert seen.tolist() == [True, True, False, True]  # 9 is out of range
+
+
+def test_counts_kept_across_steps_penalise_like_the_whole_history(row: Row) -> None:
+    """The runner's per-step use: counts built once, extended with each step's kept tokens, read with
+    the row's drafts; the penalties equal those of the full history, recomputed from scratch."""
+    gen = torch.Generator().manual_seed(11)
+    vocab = 32
+    prompt = torch.randint(0, vocab, (20,), generator=gen).tolist()
+    outputs: list[int] = []
+    counts = TokenCounts(prompt=prompt, outputs=[])
+    kw = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    for _ in range(12):
+        logits = torch.randn(1, vocab, generator=gen) * 3
+        drafts = torch.randint(0, vocab, (int(torch.randint(0, 3, ()).item()),), generator=gen).tolist()
+        p = row(counts=counts, drafts=tuple(drafts), **kw)
+        got = _apply_penalties(logits, [0], [p])[0].tolist()
+        assert got == pytest.approx(penalised(logits[0].tolist(), p, prompt, outputs + drafts), rel=1e-6, abs=1e-6)
+        kept = torch.randint(0, vocab, (int(torch.randint(1, 4, ()).item()),), generator=gen).tolist()
+        counts.extend(kept)
+        outputs += kept

@@ -1,0 +1,92 @@
+"""The sampler on a fake CUDA device: every tensor it makes lives on the logits' device and it reads
+nothing back before the step's single host read.
+
+``FakeTensorMode`` traces tensors by shape, dtype and device only, so a CPU-only torch can run the
+sampler with ``cuda`` logits: mixing in a CPU tensor raises ``FakeTensorDeviceMismatchError`` and
+a host read of device data (``.tolist()``, ``.item()``, ``nonzero``, boolean-mask indexing) raises
+too, since a fake tensor has no values to read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import pypto_serving.sampler as sampler_mod
+from pypto_serving.sampler import RowParams, TokenCounts, packed, sample_on_device
+
+VOCAB = 1000
+
+
+def row(**kw: Any) -> RowParams:
+    base: dict[str, Any] = dict(
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        seed=3,
+        draw_index=5,
+        num_logprobs=None,
+        banned=(),
+        counts=None,
+    )
+    base.update(kw)
+    return RowParams(**base)
+
+
+def rows() -> list[RowParams]:
+    """One row of every kind the sampler has a path for."""
+    counts = TokenCounts(prompt=[1, 2, 3], outputs=[4, 4])
+    return [
+        row(temperature=0.0),  # greedy
+        row(temperature=0.0, num_logprobs=3, banned=(7,)),
+        row(top_k=20, top_p=0.8),  # sampled, Qwen3's defaults
+        row(top_p=0.9, seed=2**62),  # bounded candidates
+        row(min_p=0.1, num_logprobs=0),
+        row(temperature=0.7),  # the whole vocabulary
+        row(top_k=5, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.1, counts=counts),
+        row(temperature=0.0, presence_penalty=0.3, counts=counts, drafts=(9, 10)),
+    ]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeTensorMode]:
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        yield mode
+
+
+def test_fake_cuda_catches_device_mixing_and_host_reads(fake: FakeTensorMode) -> None:
+    logits = torch.empty(2, VOCAB, device="cuda")
+    with pytest.raises(Exception, match="device"):
+        _ = logits + torch.ones(VOCAB, device="cpu")
+    with pytest.raises(Exception):  # noqa: B017 - the exception class differs between torch versions
+        logits.argmax(-1).tolist()
+
+
+def test_every_row_kind_samples_on_the_device_up_to_the_single_read(fake: FakeTensorMode) -> None:
+    logits = torch.empty(8, VOCAB, device="cuda")
+    dev = sample_on_device(logits, rows())
+    tensors = [dev.tokens, dev.bad, dev.needs_full, dev.logits, packed(dev)]
+    assert dev.raw is not None and dev.top is not None
+    tensors += [dev.raw, *dev.top]
+    assert all(t.device.type == "cuda" for t in tensors)
+    assert dev.tokens.shape == (8,) and dev.tokens.dtype == torch.long
+
+
+def test_bfloat16_logits_and_the_full_vocabulary_fallback(
+    fake: FakeTensorMode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sampler_mod, "CANDIDATES", 16)
+    params = rows()
+    dev = sample_on_device(torch.empty(8, VOCAB, device="cuda", dtype=torch.bfloat16), params)
+    # What ``sample`` runs for rows whose kept set reaches past the bounded candidates.
+    tokens, _ = sampler_mod._draw_rows(dev.logits, params, [3, 4], dev.tokens, fallback=True)
+    assert tokens.device.type == "cuda"
+    assert sampler_mod._chosen(dev, [1, 4]).device.type == "cuda"
