@@ -91,20 +91,20 @@ def _subtract(counts: torch.Tensor, p: RowParams) -> torch.Tensor:
 
 @dataclass(slots=True, kw_only=True)
 class RowParams:
-    """How to sample one logits row."""
+    """How to sample one logits row. Filters and penalties default to off."""
 
     temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
     seed: int
     draw_index: int  # the request's output index this row samples; with ``seed``, it fixes the draw
-    num_logprobs: int | None
-    banned: tuple[int, ...]  # eos/stop ids while min_tokens is not reached
-    counts: TokenCounts | None  # the request's token counts; None: the request has no penalties
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    num_logprobs: int | None = None
+    banned: tuple[int, ...] = ()  # eos/stop ids while min_tokens is not reached
+    counts: TokenCounts | None = None  # the request's token counts; None: the request has no penalties
     drafts: tuple[int, ...] = ()  # outputs this row follows that ``counts`` does not hold yet
 
 

@@ -20,20 +20,7 @@ DRAWS = 4000
 @pytest.fixture
 def row() -> Row:
     def make(**kw: Any) -> RowParams:
-        base: dict[str, Any] = dict(
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            min_p=0.0,
-            presence_penalty=0.0,
-            frequency_penalty=0.0,
-            repetition_penalty=1.0,
-            seed=0,
-            draw_index=0,
-            num_logprobs=None,
-            banned=(),
-            counts=None,
-        )
+        base: dict[str, Any] = {"temperature": 1.0, "seed": 0, "draw_index": 0}
         history = kw.pop("history", None)
         num_prompt = kw.pop("num_prompt", 0)
         if history is not None:  # a request with penalties: its prompt and outputs, as the runner keeps them

@@ -23,22 +23,7 @@ VOCAB = 1000
 
 
 def row(**kw: Any) -> RowParams:
-    base: dict[str, Any] = dict(
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        min_p=0.0,
-        presence_penalty=0.0,
-        frequency_penalty=0.0,
-        repetition_penalty=1.0,
-        seed=3,
-        draw_index=5,
-        num_logprobs=None,
-        banned=(),
-        counts=None,
-    )
-    base.update(kw)
-    return RowParams(**base)
+    return RowParams(**{"temperature": 1.0, "seed": 3, "draw_index": 5, **kw})
 
 
 def rows() -> list[RowParams]:
