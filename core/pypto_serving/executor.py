@@ -92,6 +92,11 @@ class BatchInput:
         each token, on ``device``.
     :param logits_indices: ``[sum(num_logits)]`` int64 rows to return logits for, on ``device``.
     :param num_logits: logits rows per request: 0, 1 or 1 + drafts (host list).
+    :param query_start_loc_host: ``query_start_loc`` as a host list, so per-request loops and shapes
+        need no read of the device tensor (a host sync on an accelerator).
+    :param seq_lens_host: ``seq_lens`` as a host list, for the same reason.
+    :param input_ids_host: ``input_ids`` as a host list, for executors that keep per-request token
+        state on the host (e.g. drafting bookkeeping).
     """
 
     request_ids: list[str]
@@ -103,6 +108,9 @@ class BatchInput:
     slot_mapping: dict[str, torch.Tensor]
     logits_indices: torch.Tensor
     num_logits: list[int]
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+    input_ids_host: list[int]
 
 
 class Executor(abc.ABC):

@@ -145,6 +145,9 @@ class ModelRunner:
             slot_mapping=slot_mapping,
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
             num_logits=num_logits,
+            query_start_loc_host=qsl,
+            seq_lens_host=seq_lens,
+            input_ids_host=ids,
         )
         return batch, drafts_used
 

@@ -94,7 +94,11 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
     # Only groups whose entries are single tokens get a slot per token.
     assert set(batch.slot_mapping) == {"kv"}
     assert batch.request_ids == ["a", "b"] and batch.num_logits == [1, 1]
-    assert set(BatchInput.__dataclass_fields__) == {*(f.split("[")[0] for f in expected), "request_ids", "num_logits"}
+    # The host copies agree with what the tensors hold (the tensors are on "meta", so from the step).
+    assert batch.query_start_loc_host == [0, 5, 6] and batch.seq_lens_host == [5, 1]
+    assert batch.input_ids_host == [1, 2, 3, 4, 5, 6]
+    host = {"request_ids", "num_logits", "query_start_loc_host", "seq_lens_host", "input_ids_host"}
+    assert set(BatchInput.__dataclass_fields__) == {*(f.split("[")[0] for f in expected), *host}
 
 
 def test_an_executor_that_sets_no_device_is_refused_at_load() -> None:

@@ -181,6 +181,9 @@ class FakeCore:
             slot_mapping=slots,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
             num_logits=nlog,
+            query_start_loc_host=qsl,
+            seq_lens_host=seq_lens,
+            input_ids_host=ids,
         )
 
 

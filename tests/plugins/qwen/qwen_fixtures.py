@@ -238,6 +238,9 @@ class PagedBatchBuilder:
             slot_mapping={"kv": torch.tensor(slots, dtype=torch.int64)},
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
             num_logits=num_logits,
+            query_start_loc_host=qsl,
+            seq_lens_host=seq_lens,
+            input_ids_host=ids,
         )
 
 
