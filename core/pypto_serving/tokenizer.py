@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "load_tokenizer"]
@@ -34,6 +35,7 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if getattr(t, "special", False)}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._template: Template | None = None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -44,17 +46,23 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = _tojson
-        template = env.from_string(self.chat_template)
-        return template.render(
+        return self._compiled_template().render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kw,
         )
+
+    def _compiled_template(self) -> Template:
+        """The chat template compiled once: compiling costs milliseconds, rendering microseconds."""
+        if self._template is None:
+            assert self.chat_template is not None
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = _tojson
+            self._template = env.from_string(self.chat_template)
+        return self._template
 
 
 def _raise(msg: str) -> None:

@@ -138,7 +138,8 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         _check_model(ctx, req.model)
         _check_ready(ctx)
-        prompts = _completion_prompts(ctx, req.prompt)
+        # Tokenization runs off the event loop, so a long prompt never stalls other clients' streams.
+        prompts = await asyncio.to_thread(_completion_prompts, ctx, req.prompt)
         params = [_sampling_params(ctx, req, p, req.max_tokens, req.logprobs) for p in prompts]
         _check_capacity(ctx, len(prompts), req.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -153,7 +154,7 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         _check_ready(ctx)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        prompt = _chat_prompt(ctx, req)
+        prompt = await asyncio.to_thread(_chat_prompt, ctx, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -291,3 +291,33 @@ def test_shutdown_timeout_expiry_ends_streams_with_an_error_event(fake_model_dir
     assert llm.engine is not None and not llm.engine.has_unfinished()
     assert "Traceback" not in caplog.text and "CancelledError" not in caplog.text
     assert len([r for r in caplog.records if "shutdown_timeout expired" in r.getMessage()]) == 1
+
+
+def test_a_slow_tokenization_does_not_stall_the_event_loop(live_server: Any, monkeypatch: Any) -> None:
+    """Prompts are tokenized (and chat templates rendered) off the event loop: while one request's
+    tokenization takes a second, /health still answers at once."""
+    server, llm = live_server()
+    tok = llm.tokenizer
+    encode = tok.encode
+
+    def slow_encode(text: str, add_special_tokens: bool = False) -> list[int]:
+        if "slow" in text:
+            time.sleep(1.0)
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tok, "encode", slow_encode)
+
+    async def main() -> tuple[float, int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
+            body = {"model": "tiny-fake", "prompt": "a slow prompt", "max_tokens": 2}
+            slow = asyncio.create_task(client.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)  # the slow request is inside encode now
+            t0 = time.monotonic()
+            health = await client.get("/health")
+            took = time.monotonic() - t0
+            assert (await slow).status_code == 200
+            return took, health.status_code
+
+    took, status = asyncio.run(main())
+    assert status == 200
+    assert took < 0.5, f"/health took {took:.2f}s while a prompt was being tokenized"
