@@ -24,6 +24,7 @@ from .norm import add_rms_norm, rms_norm
 from .registry import (
     KERNEL_NAMES,
     available_kernels,
+    describe_kernel,
     dispatch,
     get_kernel,
     load_backends,
@@ -42,6 +43,7 @@ __all__ = [
     "apply_rope",
     "available_kernels",
     "compressor_pool",
+    "describe_kernel",
     "dispatch",
     "get_kernel",
     "grouped_linear",

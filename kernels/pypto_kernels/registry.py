@@ -5,6 +5,12 @@ specific *fast paths* (NPU, CUDA) are registered per backend and are picked by
 :func:`get_kernel` for tensors living on that device type. Built-in fast paths are loaded
 lazily, the first time a device type is seen, so importing this package never imports
 vendor extensions such as ``torch_npu``.
+
+A fast path may declare what it supports with a ``supports(*args, **kwargs) -> bool`` predicate
+(same arguments as the kernel): calls it declines run the reference, so a library's limits (block
+sizes, sinks, sliding windows, missing host lengths) never change results. An optional
+``explain(**features) -> str | None`` gives the reason a described call would fall back, which
+:func:`describe_kernel` reports so executors can log which implementation each layer kind runs.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import importlib
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -50,8 +57,21 @@ KERNEL_NAMES: frozenset[str] = frozenset(
 #: Device types that may carry fast paths.
 BACKENDS: frozenset[str] = frozenset({"npu", "cuda"})
 
+
+@dataclass(frozen=True)
+class FastPath:
+    """One registered fast path: ``call`` is what :func:`get_kernel` returns (``fn`` itself when
+    every call is supported, else a guard that runs the reference for calls ``supports`` declines)."""
+
+    fn: Callable[..., Any]
+    call: Callable[..., Any]
+    label: str
+    supports: Callable[..., bool] | None = None
+    explain: Callable[..., str | None] | None = None
+
+
 _REFERENCES: dict[str, Callable[..., Any]] = {}
-_FAST_PATHS: dict[str, dict[str, Callable[..., Any]]] = {}
+_FAST_PATHS: dict[str, dict[str, FastPath]] = {}
 _LOADED_DEVICE_TYPES: set[str] = set()
 _LOAD_LOCK = threading.Lock()
 
@@ -71,20 +91,69 @@ def _device_type(device: torch.device | str) -> str:
     return device.type if isinstance(device, torch.device) else device.split(":", 1)[0]
 
 
-def register_kernel(name: str, backend: str, fn: Callable[..., Any]) -> None:
-    """Register ``fn`` as the fast path of ``name`` on ``backend``; replaces any earlier one."""
+def _guard(name: str, fn: Callable[..., Any], supports: Callable[..., bool]) -> Callable[..., Any]:
+    """``fn`` for calls ``supports`` accepts, the reference (looked up per call) for the others."""
+
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if supports(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return _REFERENCES[name](*args, **kwargs)
+
+    guarded.fast = fn  # type: ignore[attr-defined]
+    guarded.supports = supports  # type: ignore[attr-defined]
+    return guarded
+
+
+def _make_fast_path(
+    name: str,
+    backend: str,
+    fn: Callable[..., Any],
+    supports: Callable[..., bool] | None,
+    label: str | None,
+    explain: Callable[..., str | None] | None,
+) -> FastPath:
     _check_name(name)
     _check_backend(backend)
-    if not callable(fn):
-        raise TypeError(f"fast path for {name!r} must be callable, got {type(fn).__name__}")
-    _FAST_PATHS.setdefault(name, {})[backend] = fn
+    for what, value in (("fast path", fn), ("supports", supports), ("explain", explain)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{what} for {name!r} must be callable, got {type(value).__name__}")
+    call = fn if supports is None else _guard(name, fn, supports)
+    text = label if label is not None else f"{backend}: {getattr(fn, '__qualname__', repr(fn))}"
+    return FastPath(fn=fn, call=call, label=text, supports=supports, explain=explain)
 
 
-def _register_builtin(name: str, backend: str, fn: Callable[..., Any]) -> None:
+def register_kernel(
+    name: str,
+    backend: str,
+    fn: Callable[..., Any],
+    supports: Callable[..., bool] | None = None,
+    *,
+    label: str | None = None,
+    explain: Callable[..., str | None] | None = None,
+) -> None:
+    """Register ``fn`` as the fast path of ``name`` on ``backend``; replaces any earlier one.
+
+    ``supports(*args, **kwargs)`` (optional) says whether ``fn`` handles a call; declined calls run
+    the reference. ``label`` names the implementation in :func:`describe_kernel` (default: backend
+    and function name); ``explain(**features)`` returns why calls with those features fall back
+    (None: they run ``fn``).
+    """
+    _FAST_PATHS.setdefault(name, {})[backend] = _make_fast_path(name, backend, fn, supports, label, explain)
+
+
+def _register_builtin(
+    name: str,
+    backend: str,
+    fn: Callable[..., Any],
+    supports: Callable[..., bool] | None = None,
+    *,
+    label: str | None = None,
+    explain: Callable[..., str | None] | None = None,
+) -> None:
     """Register a built-in fast path without overriding one the user registered first."""
-    _check_name(name)
-    _check_backend(backend)
-    _FAST_PATHS.setdefault(name, {}).setdefault(backend, fn)
+    fast = _make_fast_path(name, backend, fn, supports, label, explain)
+    _FAST_PATHS.setdefault(name, {}).setdefault(backend, fast)
 
 
 def load_backends(device: torch.device | str) -> None:
@@ -118,14 +187,17 @@ def load_backends(device: torch.device | str) -> None:
 
 
 def get_kernel(name: str, device: torch.device | str) -> Callable[..., Any]:
-    """Return the fast path registered for ``device``'s type if any, else the reference."""
+    """Return the fast path registered for ``device``'s type if any, else the reference.
+
+    A fast path registered with ``supports`` comes back guarded: calls it declines run the reference.
+    """
     _check_name(name)
     device_type = _device_type(device)
     if device_type not in _LOADED_DEVICE_TYPES:
         load_backends(device_type)
     fast = _FAST_PATHS.get(name, {}).get(device_type)
     if fast is not None:
-        return fast
+        return fast.call
     try:
         return _REFERENCES[name]
     except KeyError:
@@ -136,6 +208,31 @@ def reference_kernel(name: str) -> Callable[..., Any]:
     """Return the reference implementation of ``name`` (fast paths use it as their fallback)."""
     _check_name(name)
     return _REFERENCES[name]
+
+
+def describe_kernel(name: str, device: torch.device | str, **features: Any) -> str:
+    """Which implementation runs ``name`` on ``device``, for logging: the fast path's label, or
+    ``"reference"`` with the reason the fast path declines.
+
+    ``features`` describe the call (kernel-specific, e.g. ``sliding_window=128``, ``sinks=True``,
+    ``block_size=16``, ``dtype=torch.bfloat16``); features left out are assumed supported. A fast
+    path with a ``supports`` check but no ``explain`` is reported as running where supported.
+    """
+    _check_name(name)
+    device_type = _device_type(device)
+    if device_type not in _LOADED_DEVICE_TYPES:
+        load_backends(device_type)
+    fast = _FAST_PATHS.get(name, {}).get(device_type)
+    if fast is None:
+        return "reference"
+    if fast.explain is not None:
+        reason = fast.explain(**features)
+        if reason is not None:
+            return f"reference ({fast.label} declines: {reason})"
+        return fast.label
+    if fast.supports is not None:
+        return f"{fast.label} where supported, else reference"
+    return fast.label
 
 
 def available_kernels() -> dict[str, list[str]]:

@@ -63,6 +63,51 @@ def test_public_function_dispatches_by_tensor_device(clean_registry: None, monke
     assert cpu_out.shape == (2, 4) and calls == ["fast"]
 
 
+def test_supports_routes_declined_calls_to_the_reference(clean_registry: None) -> None:
+    calls: list[str] = []
+
+    def fast(x: torch.Tensor) -> torch.Tensor:
+        calls.append("fast")
+        return x[..., : x.shape[-1] // 2]
+
+    def supports(x: torch.Tensor) -> bool:
+        return x.shape[-1] % 4 == 0
+
+    pypto_kernels.register_kernel("silu_and_mul", "cuda", fast, supports)
+    guarded = pypto_kernels.get_kernel("silu_and_mul", "cuda")
+    assert guarded is not fast and guarded.fast is fast and guarded.supports is supports  # type: ignore[attr-defined]
+    assert pypto_kernels.get_kernel("silu_and_mul", "cuda:1") is guarded  # built once, at registration
+    x = torch.randn(3, 8)
+    assert torch.equal(guarded(x), x[:, :4]) and calls == ["fast"]
+    odd = torch.randn(3, 6)  # declined: the reference runs, whatever the fast path would have done
+    assert torch.equal(guarded(odd), pypto_kernels.silu_and_mul.reference(odd)) and calls == ["fast"]
+    assert pypto_kernels.available_kernels()["silu_and_mul"] == ["cuda"]
+    with pytest.raises(TypeError, match="supports for 'silu_and_mul' must be callable"):
+        pypto_kernels.register_kernel("silu_and_mul", "cuda", fast, True)  # type: ignore[arg-type]
+
+
+def test_describe_kernel_reports_labels_and_fallbacks(clean_registry: None) -> None:
+    def fast(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def explain(**features: int) -> str | None:
+        return "odd width" if features.get("width", 4) % 2 else None
+
+    assert pypto_kernels.describe_kernel("silu_and_mul", "cpu") == "reference"
+    assert pypto_kernels.describe_kernel("silu_and_mul", "cuda") == "reference"
+    pypto_kernels.register_kernel("silu_and_mul", "cuda", fast)
+    assert pypto_kernels.describe_kernel("silu_and_mul", "cuda").startswith("cuda: ")
+    pypto_kernels.register_kernel("silu_and_mul", "cuda", fast, lambda x: True, label="cuda: fused")
+    assert pypto_kernels.describe_kernel("silu_and_mul", "cuda") == "cuda: fused where supported, else reference"
+    pypto_kernels.register_kernel("silu_and_mul", "cuda", fast, lambda x: True, label="cuda: fused", explain=explain)
+    assert pypto_kernels.describe_kernel("silu_and_mul", "cuda", width=8) == "cuda: fused"
+    assert (
+        pypto_kernels.describe_kernel("silu_and_mul", "cuda", width=7) == "reference (cuda: fused declines: odd width)"
+    )
+    with pytest.raises(ValueError, match="unknown kernel"):
+        pypto_kernels.describe_kernel("flash", "cuda")
+
+
 def test_unknown_names_raise() -> None:
     with pytest.raises(ValueError, match="unknown kernel 'rms_nrom'"):
         pypto_kernels.register_kernel("rms_nrom", "cuda", lambda x: x)
@@ -146,7 +191,9 @@ def test_import_does_not_import_torch_npu() -> None:
         "x = torch.ones(2, 4)\n"
         "pypto_kernels.rms_norm(x, torch.ones(4), 1e-6)\n"
         "pypto_kernels.get_kernel('rms_norm', 'cuda')\n"
+        "pypto_kernels.get_kernel('paged_attention', 'cuda')\n"
         "assert 'torch_npu' not in sys.modules, 'torch_npu imported eagerly'\n"
+        "assert 'flash_attn' not in sys.modules, 'flash_attn imported by loading the cuda backend'\n"
         "assert 'pypto_kernels.backends.npu' not in sys.modules\n"
         "print('ok')\n"
     )

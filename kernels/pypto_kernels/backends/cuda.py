@@ -1,16 +1,46 @@
 """CUDA fast paths.
 
-Deliberately small: the batched references already run on GPU, so only kernels with a
-fused torch primitive that keeps HF numerics are swapped in here.
+Small on purpose: the batched references already run on GPU, so only kernels with a fused
+primitive that keeps their numerics are swapped in here.
+
+Paged attention goes through FlashAttention-2's ``flash_attn_varlen_func`` with a block table,
+as documented in ``flash_attn/flash_attn_interface.py`` (Dao-AILab/flash-attention, 2.x)::
+
+    flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           ..., block_table=None)
+
+``q`` is ``(total_q, nheads, headdim)``; with ``block_table`` (``(batch, max_blocks)`` int32), ``k``
+and ``v`` are the paged caches ``(num_blocks, page_block_size, nheads_k, headdim)``; ``cu_seqlens_*``
+are int32 ``(batch + 1,)`` cumulative lengths (for paged K/V, of each request's cached keys). The
+causal mask is aligned to the bottom right (query ``i`` of a request sees keys up to
+``i + seqlen_k - seqlen_q``) and a window ``(left, right)`` keeps keys in
+``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``: the reference's window ``w``
+(keys ``> pos - w``) is ``(w - 1, 0)``. ``csrc/flash_attn/flash_api.cpp`` (``mha_varlen_fwd``)
+checks that the paged block size is divisible by 256, that q/k/v are float16 or bfloat16 of one
+dtype, head dims at most 256, query heads a multiple of KV heads, and an Ampere or newer GPU.
+Sinks have no counterpart there. Calls outside these limits run the reference (``supports``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import importlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from . import paged_attention_features, write_kv_cache_features
+
+#: FlashAttention-2 paged KV: "Paged KV cache block size must be divisible by 256" (mha_varlen_fwd).
+FLASH_ATTN_BLOCK_MULTIPLE = 256
+_FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_ATTN_MAX_HEAD_DIM = 256
+
+PAGED_ATTENTION_LABEL = "cuda: flash-attn varlen (block table)"
+WRITE_KV_CACHE_LABEL = "cuda: index_copy_ scatter by slot"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,6 +49,160 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-def register(add: Callable[[str, str, Callable[..., Any]], None]) -> None:
+@functools.cache
+def _flash_attn_module() -> Any | None:
+    """``flash_attn`` if it imports (cached, so a missing package costs one failed import)."""
+    try:
+        return importlib.import_module("flash_attn")
+    except Exception:  # not installed, or built for another torch/CUDA
+        return None
+
+
+def flash_attn_varlen() -> Callable[..., Any] | None:
+    """``flash_attn.flash_attn_varlen_func`` if importable, else None."""
+    fn: Callable[..., Any] | None = getattr(_flash_attn_module(), "flash_attn_varlen_func", None)
+    return fn
+
+
+def _explain_dtypes_and_shapes(f: dict[str, Any]) -> str | None:
+    dtypes = {f[k] for k in ("dtype", "cache_dtype", "value_dtype") if f.get(k) is not None}
+    if len(dtypes) > 1 or not dtypes <= set(_FLASH_ATTN_DTYPES):
+        return "needs float16 or bfloat16 query and caches of one dtype"
+    block = f.get("block_size")
+    if block is not None and block % FLASH_ATTN_BLOCK_MULTIPLE:
+        return f"block size {block} is not a multiple of {FLASH_ATTN_BLOCK_MULTIPLE}"
+    head_dim, value_dim = f.get("head_dim"), f.get("value_head_dim")
+    if head_dim is not None and (head_dim > _FLASH_ATTN_MAX_HEAD_DIM or head_dim % 8):
+        return f"head dim {head_dim} is not a multiple of 8 up to {_FLASH_ATTN_MAX_HEAD_DIM}"
+    if value_dim is not None and head_dim is not None and value_dim != head_dim:
+        return "needs equal key and value head dims"
+    heads, kv_heads = f.get("num_heads"), f.get("num_kv_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        return "query heads must be a multiple of KV heads"
+    if f.get("contiguous_cache") is False:
+        return "needs contiguous caches"
+    return None
+
+
+def explain_paged_attention(**features: Any) -> str | None:
+    """Why a ``paged_attention`` call with these features runs the reference (None: flash-attn runs it)."""
+    if flash_attn_varlen() is None:
+        return "flash_attn is not importable"
+    if features.get("sinks"):
+        return "sinks are not supported"
+    if features.get("host_lengths") is False:
+        return "needs query_lens_host and seq_lens_host for the max lengths"
+    window = features.get("sliding_window")
+    if window is not None and window < 1:
+        return f"sliding window {window} < 1"
+    reason = _explain_dtypes_and_shapes(features)
+    if reason is not None:
+        return reason
+    device = features.get("device")
+    if isinstance(device, torch.device) and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs an Ampere (sm80) or newer GPU"
+    return None
+
+
+def supports_paged_attention(*args: Any, **kwargs: Any) -> bool:
+    """Registry predicate: the call is one flash-attn's paged varlen kernel computes exactly."""
+    return explain_paged_attention(**paged_attention_features(*args, **kwargs)) is None
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    *,
+    query_lens_host: Sequence[int] | None = None,
+    seq_lens_host: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The reference's contract through one ``flash_attn_varlen_func`` call over the paged caches.
+
+    Needs the host lengths (for ``max_seqlen_q``/``max_seqlen_k``, no device read) and no sinks;
+    the registry only routes such calls here. Rows past the last request are zero, as in the reference.
+    """
+    if sinks is not None or query_lens_host is None or seq_lens_host is None:
+        raise ValueError("flash-attn paged_attention needs host lengths and no sinks; call it via the registry")
+    varlen = flash_attn_varlen()
+    if varlen is None:
+        raise RuntimeError("flash_attn is not importable")
+    q_lens, kv_lens = [int(n) for n in query_lens_host], [int(n) for n in seq_lens_host]
+    num_tokens = sum(q_lens)
+    out_shape = (query.shape[0], query.shape[1], value_cache.shape[-1])
+    if num_tokens == 0 or not kv_lens:
+        return query.new_zeros(out_shape)
+    cu_seqlens_k = F.pad(seq_lens.to(torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    attn: torch.Tensor = varlen(
+        query[:num_tokens],
+        key_cache,
+        value_cache,
+        query_start_loc.to(torch.int32).contiguous(),
+        cu_seqlens_k,
+        max(q_lens),
+        max(kv_lens),
+        softmax_scale=scale,
+        causal=True,
+        window_size=(sliding_window - 1, 0) if sliding_window is not None else (-1, -1),
+        block_table=block_tables.to(torch.int32).contiguous(),
+    )
+    if num_tokens == query.shape[0]:
+        return attn
+    out = query.new_zeros(out_shape)
+    out[:num_tokens] = attn
+    return out
+
+
+def explain_write_kv_cache(**features: Any) -> str | None:
+    """Why a ``write_kv_cache`` call with these features runs the reference (None: the scatter runs it)."""
+    if features.get("contiguous_cache") is False:
+        return "needs contiguous caches"
+    return None
+
+
+def supports_write_kv_cache(*args: Any, **kwargs: Any) -> bool:
+    """Registry predicate: both caches are contiguous, so a flat [blocks * block_size, ...] view exists."""
+    return explain_write_kv_cache(**write_kv_cache_features(*args, **kwargs)) is None
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Row ``t`` of K/V [T, Hkv, D] to flat slot ``slot_mapping[t]`` by ``index_copy_``: no host sync.
+
+    The reference's contract: every slot is real (no padding rows) and distinct.
+    """
+    slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
+    for rows, cache in ((key, key_cache), (value, value_cache)):
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
+
+
+def register(add: Callable[..., None]) -> None:
     """Register the CUDA fast paths."""
-    add("rms_norm", "cuda", rms_norm)
+    add("rms_norm", "cuda", rms_norm, label="cuda: torch rms_norm (float32)")
+    add(
+        "paged_attention",
+        "cuda",
+        paged_attention,
+        supports_paged_attention,
+        label=PAGED_ATTENTION_LABEL,
+        explain=explain_paged_attention,
+    )
+    add(
+        "write_kv_cache",
+        "cuda",
+        write_kv_cache,
+        supports_write_kv_cache,
+        label=WRITE_KV_CACHE_LABEL,
+        explain=explain_write_kv_cache,
+    )
