@@ -174,7 +174,8 @@ class ModelRunner:
         """Block tables of every cache group and slot mappings of the single-token groups, on the device."""
         assert self.info is not None
         query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(entries))])
-        req_of_token = torch.repeat_interleave(torch.arange(len(entries)), query_lens)
+        # output_size is known here: the op needs no read of its (host) repeats to size its result.
+        req_of_token = torch.repeat_interleave(torch.arange(len(entries)), query_lens, output_size=qsl[-1])
         block_tables: dict[str, torch.Tensor] = {}
         slot_mapping: dict[str, torch.Tensor] = {}
         for g in self.info.cache_groups:

@@ -13,7 +13,9 @@ per 4 KiB on every layer, small ones are reused by the allocator and stay in cac
 The loops need each request's query and key lengths on the host. They are read from
 ``query_start_loc``/``seq_lens`` (one host read per call) unless the caller already holds them and
 passes ``query_lens_host``/``seq_lens_host``; the device tensors stay the source of truth and the
-lists must agree with them. Devices register fused fast paths.
+lists must agree with them. With both lists given, :func:`paged_attention` (like
+:func:`write_kv_cache`) reads nothing back from the device: no host sync on an accelerator.
+Devices register fused fast paths.
 """
 
 from __future__ import annotations
@@ -45,15 +47,31 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter this step's K/V [T, Hkv, D] into the paged caches in place; slots < 0 are padding."""
-    block_size = key_cache.shape[1]
-    slot_mapping = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    # Index by (block, offset) rather than a flattened view so non-contiguous caches are updated too.
-    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+    """Scatter this step's K/V [T, Hkv, D] into the paged caches in place.
+
+    Token ``t`` goes to slot ``slot_mapping[t]``: block ``slot // block_size``, offset
+    ``slot % block_size``. Every slot must be a real one (``0 <= slot < blocks * block_size``) and
+    distinct: there are no padding rows (slot -1), so the write has no data-dependent shape and
+    reads nothing back to the host. A caller with padding rows slices them off first (by a count
+    it holds on the host). Out-of-range slots raise IndexError on the CPU; on an accelerator they
+    are undefined behaviour, as for any out-of-bounds index.
+    """
+    slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
+    _scatter_rows(key_cache, slots, key)
+    _scatter_rows(value_cache, slots, value)
+
+
+def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``cache`` [blocks, block_size, ...] at flat ``slots`` <- ``rows`` (cast to the cache dtype)."""
+    rows = rows.to(cache.dtype)
+    try:
+        # A view shares storage, so this writes a non-contiguous cache too when blocks and offsets merge.
+        flat = cache.view(-1, *cache.shape[2:])
+    except RuntimeError:  # they do not merge: index by (block, offset) instead
+        block_size = cache.shape[1]
+        cache.index_put_((slots // block_size, slots % block_size), rows)
+        return
+    flat.index_copy_(0, slots, rows)
 
 
 def _pad_queries(query: torch.Tensor, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

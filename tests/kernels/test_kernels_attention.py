@@ -210,21 +210,28 @@ def test_varlen_matches_torch_sdpa() -> None:
         torch.testing.assert_close(out[s:e], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_write_kv_cache_round_trip_skips_padding() -> None:
+def test_write_kv_cache_round_trip_touches_only_its_slots() -> None:
     gen = torch.Generator().manual_seed(1)
     key_cache = torch.zeros(4, 4, 2, 8)
     value_cache = torch.zeros(4, 4, 2, 6)
-    key = torch.randn(5, 2, 8, generator=gen)
-    value = torch.randn(5, 2, 6, generator=gen)
-    slots = torch.tensor([13, -1, 2, 7, -1])
+    key = torch.randn(3, 2, 8, generator=gen)
+    value = torch.randn(3, 2, 6, generator=gen)
+    slots = torch.tensor([13, 2, 7])
     write_kv_cache(key, value, key_cache, value_cache, slots)
     flat_k, flat_v = key_cache.view(16, 2, 8), value_cache.view(16, 2, 6)
     for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            assert torch.equal(flat_k[slot], key[t]) and torch.equal(flat_v[slot], value[t])
+        assert torch.equal(flat_k[slot], key[t]) and torch.equal(flat_v[slot], value[t])
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[[13, 2, 7]] = False
     assert (flat_k[untouched] == 0).all() and (flat_v[untouched] == 0).all()
+
+
+@pytest.mark.parametrize("slot", [-1, 16])
+def test_write_kv_cache_refuses_padding_and_out_of_range_slots_on_the_cpu(slot: int) -> None:
+    """No padding rows (slot -1): the write has no data-dependent shape, so it cannot skip any."""
+    key_cache, value_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    with pytest.raises(IndexError):
+        write_kv_cache(torch.ones(2, 2, 8), torch.ones(2, 2, 8), key_cache, value_cache, torch.tensor([3, slot]))
 
 
 def test_write_kv_cache_non_contiguous_cache_and_dtype_cast() -> None:
@@ -238,6 +245,16 @@ def test_write_kv_cache_non_contiguous_cache_and_dtype_cast() -> None:
     kv[1, 1].zero_()
     kv[0, 0].zero_()
     assert torch.count_nonzero(kv) == 0
+
+
+def test_write_kv_cache_cache_whose_blocks_and_offsets_do_not_merge() -> None:
+    """A cache viewed [block_size, blocks, ...] -> [blocks, block_size, ...] has no flat view: (block, offset) path."""
+    storage = torch.zeros(4, 3, 2, 8)  # [block_size, blocks, heads, dim]
+    key_cache, value_cache = storage.transpose(0, 1), torch.zeros(3, 4, 2, 8)
+    key = torch.randn(2, 2, 8)
+    write_kv_cache(key, key * 2, key_cache, value_cache, torch.tensor([5, 0]))
+    assert torch.equal(storage[1, 1], key[0]) and torch.equal(storage[0, 0], key[1])
+    assert torch.equal(value_cache[1, 1], key[0] * 2) and torch.count_nonzero(storage) == 2 * key[0].numel()
 
 
 def test_paged_attention_trailing_padding_rows_are_zero() -> None:
@@ -397,3 +414,31 @@ def test_paged_attention_reads_a_bf16_cache_without_float32_copies() -> None:
         out = _paged(data, 0.2)
     assert largest_f32 < 300 * num_kv_heads * head_dim
     torch.testing.assert_close(out.float(), expected_paged(data, 0.2, None, None), atol=2e-2, rtol=2e-2)
+
+
+def test_write_and_paged_attention_read_nothing_back_on_a_fake_cuda_device() -> None:
+    """Fake tensors hold no values: any host read (.tolist, .item, boolean-mask indexing) raises, and
+    mixing in a CPU tensor raises a device mismatch. Given the host lengths, the references do neither."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from tests.plugins.qwen.fake_cuda import fake_cuda
+
+    q_lens, seq_lens = [5, 1, 1], [12, 4, 9]
+    with fake_cuda():
+        cuda = torch.device("cuda", 0)
+        key_cache, value_cache = torch.empty(10, 4, 2, 16, device=cuda), torch.empty(10, 4, 2, 16, device=cuda)
+        query = torch.empty(sum(q_lens), 8, 16, device=cuda)
+        kv = torch.empty(sum(q_lens), 2, 16, device=cuda)
+        slots = torch.empty(sum(q_lens), dtype=torch.int64, device=cuda)
+        write_kv_cache.reference(kv, kv, key_cache, value_cache, slots)  # type: ignore[attr-defined]
+        tables = torch.empty(3, 3, dtype=torch.int32, device=cuda)
+        qsl = torch.empty(4, dtype=torch.int32, device=cuda)
+        lens = torch.empty(3, dtype=torch.int32, device=cuda)
+        args = (query, key_cache, value_cache, tables, qsl, lens, 0.25)
+        for window in (None, 3):
+            out = paged_attention.reference(  # type: ignore[attr-defined]
+                *args, sliding_window=window, query_lens_host=q_lens, seq_lens_host=seq_lens
+            )
+            assert out.device == cuda and out.shape == (7, 8, 16)
+        with pytest.raises(DataDependentOutputException):  # without them it reads qsl/seq_lens back
+            paged_attention.reference(*args)  # type: ignore[attr-defined]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -74,11 +75,13 @@ class QwenExecutor(Executor):
         if KV_GROUP not in num_blocks:
             raise ValueError(f"init_kv_cache needs blocks for cache group {KV_GROUP!r}, got {sorted(num_blocks)}")
         shape = (num_blocks[KV_GROUP], self.settings.block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeros rather than empty: unwritten slots are never read, but zeros keep NaN out of debugging dumps.
+        # Uninitialised on purpose: zero-filling gigabytes of cache would dominate start-up, and no
+        # slot is read before it is written (attention reads exactly seq_len keys of each request,
+        # all written by this or an earlier step; tests fill the caches with NaN to prove it).
         self.kv_caches = [
             (
-                torch.zeros(shape, device=self.device, dtype=self.dtype),
-                torch.zeros(shape, device=self.device, dtype=self.dtype),
+                torch.empty(shape, device=self.device, dtype=self.dtype),
+                torch.empty(shape, device=self.device, dtype=self.dtype),
             )
             for _ in range(cfg.num_layers)
         ]
@@ -88,11 +91,14 @@ class QwenExecutor(Executor):
             raise RuntimeError("execute() before load()")
         if not self.kv_caches:
             raise RuntimeError("execute() before init_kv_cache()")
+        qsl = batch.query_start_loc_host
         meta = AttentionMetadata(
             slot_mapping=batch.slot_mapping[KV_GROUP],
             block_tables=batch.block_tables[KV_GROUP],
             query_start_loc=batch.query_start_loc,
             seq_lens=batch.seq_lens,
+            query_lens_host=[end - start for start, end in pairwise(qsl)],
+            seq_lens_host=batch.seq_lens_host,
         )
         with torch.inference_mode():
             logits: torch.Tensor = self.model(

@@ -26,12 +26,18 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [b
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """The per-step tensors every attention layer shares (one cache group, ``"kv"``)."""
+    """The per-step tensors every attention layer shares (one cache group, ``"kv"``).
+
+    The tensors live on the model's device; ``query_lens_host`` / ``seq_lens_host`` are the same
+    per-request lengths on the host, so no layer reads a length back from the device (a host sync).
+    """
 
     slot_mapping: torch.Tensor  # [T]
     block_tables: torch.Tensor  # [R, max_blocks]
     query_start_loc: torch.Tensor  # [R + 1]
     seq_lens: torch.Tensor  # [R]
+    query_lens_host: list[int]  # [R] query rows of each request
+    seq_lens_host: list[int]  # [R] equal to seq_lens
 
 
 def _param(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -97,6 +103,8 @@ class QwenAttention(nn.Module):
             meta.seq_lens,
             self.scale,
             sliding_window=self.sliding_window,
+            query_lens_host=meta.query_lens_host,
+            seq_lens_host=meta.seq_lens_host,
         )
         return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
 

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+import pypto_kernels
+from pypto_kernels.attention import _reference_paged_attention
 from pypto_serving_qwen.executor import QwenExecutor
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 
@@ -135,6 +137,47 @@ def test_sliding_window_changes_logits(
     full = _reference_logits(hf_reference(qwen_checkpoints("qwen3")), tokens)
     assert torch.allclose(logits[:6], full[:6], atol=1e-4)
     assert float((logits[-1] - full[-1]).abs().max()) > 1e-2
+
+
+def _padded_reference(*args: Any, query_lens_host: Any = None, seq_lens_host: Any = None, **kw: Any) -> torch.Tensor:
+    return _reference_paged_attention(*args, **kw)  # it reads the lengths from the tensors
+
+
+@pytest.mark.parametrize("kernel", ["per-request", "padded reference"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen3_sliding"])
+def test_uninitialised_cache_slots_are_never_read(
+    name: str,
+    kernel: str,
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """init_kv_cache allocates without filling (torch.empty); with every slot NaN beforehand, the
+    outputs still match transformers: no step reads a slot that no step wrote."""
+    path = qwen_checkpoints(name)
+    ex = _executor(path)
+    for key_cache, value_cache in ex.kv_caches:
+        key_cache.fill_(float("nan"))
+        value_cache.fill_(float("nan"))
+    if kernel != "per-request":
+        monkeypatch.setattr(pypto_kernels, "paged_attention", _padded_reference)
+    seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [13, 20, 9], seed=5), strict=True))  # type: ignore[attr-defined]
+    schedule = [
+        [("a", 9), ("b", 6)],
+        [("a", 1), ("b", 8), ("c", 5)],
+        [("b", 5), ("a", 1), ("c", 1)],
+        [("a", 2), ("b", 1), ("c", 3)],
+    ]
+    assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 13 + 20 + 9
+
+
+def test_init_kv_cache_does_not_fill(qwen_checkpoints: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caches come from torch.empty: no zero fill of gigabytes at start-up."""
+    ex = QwenExecutor(qwen_settings(qwen_checkpoints("qwen3")))
+    ex.load()
+    monkeypatch.setattr(torch, "zeros", None)  # any fill through torch.zeros would fail
+    ex.init_kv_cache({"kv": 3})
+    assert len(ex.kv_caches) == 3 and ex.kv_caches[0][1].shape == (3, 4, 2, 16)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
