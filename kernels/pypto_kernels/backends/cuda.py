@@ -99,9 +99,15 @@ def explain_paged_attention(**features: Any) -> str | None:
     if reason is not None:
         return reason
     device = features.get("device")
-    if isinstance(device, torch.device) and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+    if isinstance(device, torch.device) and device.type == "cuda" and _capability(device.index) < (8, 0):
         return "needs an Ampere (sm80) or newer GPU"
     return None
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    """Compute capability of a CUDA device (cached: ``supports`` runs on every call)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def supports_paged_attention(*args: Any, **kwargs: Any) -> bool:
