@@ -207,6 +207,23 @@ def test_grouped_makes_no_host_sync_on_a_fake_cuda_device() -> None:
             looped_moe_experts(*fake)
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_topk_routing_makes_no_host_sync_on_a_fake_cuda_device(scoring: str, with_bias: bool) -> None:
+    """Routing is scores, topk, gather and a renormalisation: shapes known without reading data."""
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        logits = torch.empty(6, E, dtype=torch.bfloat16, device="cuda")
+        bias = torch.empty(E, device="cuda") if with_bias else None
+        weights, ids = topk_routing(logits, TOP_K, True, scoring, bias, routed_scaling_factor=2.5)
+        assert weights.device.type == ids.device.type == "cuda"
+        assert (weights.shape, weights.dtype, ids.shape, ids.dtype) == (
+            (6, TOP_K),
+            torch.float32,
+            (6, TOP_K),
+            torch.int64,
+        )
+
+
 def test_moe_experts_runs_grouped_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plugins call moe_experts: on the CPU in float32/bf16 it must never fall back to the loop."""
     import pypto_kernels.moe as moe
