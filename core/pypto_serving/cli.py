@@ -1,4 +1,4 @@
-"""The ``pypto-serving`` command: plugins, config, generate (serve and bench come with their issues)."""
+"""The ``pypto-serving`` command: plugins, config, generate, and the optional serve and bench commands."""
 
 from __future__ import annotations
 
@@ -178,12 +178,16 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_optional_commands(sub: Any) -> None:
-    """Commands whose modules live elsewhere in the core (the server) register here."""
+    """Commands whose modules live elsewhere in the core (the server, the benchmarks) register here."""
     try:
         from .server.cli import add_serve_command
     except ImportError:
-        return
-    add_serve_command(sub)
+        pass
+    else:
+        add_serve_command(sub)
+    from .bench.cli import add_bench_command
+
+    add_bench_command(sub)
 
 
 def _fail(message: str) -> int:

@@ -1,0 +1,217 @@
+"""``pypto-serving bench throughput|serve``: argument parsing, the printed table and ``--json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..config import add_settings_arguments, settings_from_args
+
+__all__ = ["add_bench_command", "format_table"]
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def add_bench_command(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmarks: offline throughput, online serving latency")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    t = bsub.add_parser(
+        "throughput",
+        help="offline: N random prompts x M new tokens through the engine, requests/s and tokens/s",
+        description="All prompts are submitted at once to the offline LLM API; the timer runs from "
+        "submission to the last output (model loading and a 2-token warm-up request excluded).",
+    )
+    t.add_argument("--model", metavar="DIR", help="model directory")
+    t.add_argument("--config", metavar="FILE", help="TOML or YAML settings file")
+    _add_workload_arguments(t)
+    add_settings_arguments(t, server=False)
+    t.add_argument("--no-warmup", action="store_true", help="time the first request too")
+    t.set_defaults(func=_cmd_throughput)
+    s = bsub.add_parser(
+        "serve",
+        help="online: streamed completions against a server, TTFT/TPOT/ITL/latency",
+        description="Without --base-url, starts `pypto-serving serve` with the given settings (on a free "
+        "port unless --port is given) and stops it afterwards.",
+    )
+    s.add_argument(
+        "--model", metavar="DIR", help="model directory (the served one; also the tokenizer of the workload)"
+    )
+    s.add_argument("--config", metavar="FILE", help="TOML or YAML settings file (for the server started here)")
+    _add_serve_arguments(s)
+    _add_workload_arguments(s)
+    add_settings_arguments(s)
+    s.set_defaults(func=_cmd_serve)
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-prompts", type=int, default=64, metavar="N", help="requests (default: %(default)s)")
+    g.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=[32, 256],
+        metavar=("MIN", "MAX"),
+        help="prompt lengths in tokens, drawn uniformly (default: 32 256)",
+    )
+    g.add_argument(
+        "--max-tokens", type=int, default=128, metavar="M", help="new tokens per request (default: %(default)s)"
+    )
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS: every request makes M tokens")
+    g.add_argument("--workload-seed", type=int, default=0, metavar="SEED", help="seed of the prompts (default: 0)")
+    g.add_argument("--vocab-size", type=int, metavar="V", help="draw prompt ids from [0, V) (default: the tokenizer's)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass; 1 = off (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off (default: %(default)s)")
+    g.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
+
+
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("client")
+    g.add_argument("--base-url", metavar="URL", help="a running OpenAI-compatible server (default: start one)")
+    g.add_argument("--concurrency", type=int, metavar="C", help="most requests in flight (default: unbounded)")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        metavar="R",
+        help="Poisson arrivals, requests/s (default: inf = all at once)",
+    )
+    g.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="send token ids (default) or their decoded text (for servers without id prompts)",
+    )
+    g.add_argument("--model-name", metavar="NAME", help="the model field of requests (default: the server's first)")
+    g.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="request logprobs=0 so every token streams as its own chunk even when its text is held back "
+        "(ITL per token; costs the server a log-softmax per token)",
+    )
+    g.add_argument("--no-warmup", action="store_true", help="no untimed 2-token request before the run")
+    g.add_argument("--bearer", metavar="KEY", help="API key to send (default: none)")
+    g.add_argument(
+        "--server-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds to wait for a started server to listen (default: %(default)s)",
+    )
+
+
+def _throughput_config(args: argparse.Namespace) -> Any:
+    from .throughput import ThroughputConfig
+
+    return ThroughputConfig(
+        num_prompts=args.num_prompts,
+        min_len=args.input_len[0],
+        max_len=args.input_len[1],
+        max_tokens=args.max_tokens,
+        seed=args.workload_seed,
+        vocab_size=args.vocab_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        ignore_eos=args.ignore_eos,
+        warmup=not getattr(args, "no_warmup", False),
+    )
+
+
+def _cmd_throughput(args: argparse.Namespace) -> int:
+    from ..engine import EngineDeadError
+    from ..worker import WorkerError
+    from .throughput import run_throughput
+
+    settings = settings_from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    try:
+        result = run_throughput(settings, _throughput_config(args))
+    except (WorkerError, EngineDeadError) as e:
+        print(f"pypto-serving: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    return _report(result, args.json)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .launch import started_server
+
+    if args.base_url:
+        return _report(_serve_against(args, args.base_url), args.json)
+    with started_server(args) as url:
+        result = _serve_against(args, url)
+    return _report(result, args.json)
+
+
+def _serve_against(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    from .serve import ServeConfig, run_serve
+    from .workload import make_prompts, prompt_vocab_size
+
+    model = args.model or getattr(args, "setting_tokenizer", None)
+    vocab = args.vocab_size or prompt_vocab_size(model)
+    ids = make_prompts(args.num_prompts, args.input_len[0], args.input_len[1], vocab, args.workload_seed)
+    prompts: list[list[int] | str] = list(ids) if args.prompt_format == "ids" else list(_decode_all(model, ids))
+    config = ServeConfig(
+        base_url=url,
+        prompts=prompts,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        seed=args.workload_seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        ignore_eos=args.ignore_eos,
+        model_name=args.model_name,
+        api_key=args.bearer,
+        logprobs=args.logprobs,
+        warmup=not args.no_warmup,
+    )
+    result = run_serve(config)
+    result["prompt_format"] = args.prompt_format
+    return result
+
+
+def _decode_all(model: str | None, prompts: list[list[int]]) -> list[str]:
+    from tokenizers import Tokenizer
+
+    if model is None or not (Path(model) / "tokenizer.json").is_file():
+        raise ValueError("--prompt-format text needs --model DIR with a tokenizer.json")
+    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    return [tok.decode(p, skip_special_tokens=False) for p in prompts]
+
+
+def _report(result: dict[str, Any], json_path: str | None) -> int:
+    print(format_table(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if not result.get("failed") else 1
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:,.2f}"
+    return str(value)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A two-column table; latency summaries become one row per statistic (``ttft_ms mean`` ...)."""
+    rows: list[tuple[str, str]] = []
+    for key, value in result.items():
+        if key in ("outputs", "errors") and not value:
+            continue
+        if isinstance(value, dict):
+            rows.extend((f"{key} {stat}", _fmt(v)) for stat, v in value.items() if stat in ("mean", "p50", "p99"))
+        else:
+            rows.append((key, _fmt(value) if not isinstance(value, list) else json.dumps(value)[:80]))
+    width = max(len(k) for k, _ in rows)
+    vwidth = max(len(v) for _, v in rows)
+    line = "-" * (width + vwidth + 3)
+    body = "\n".join(f"{k.ljust(width)} | {v.rjust(vwidth)}" for k, v in rows)
+    return f"{'metric'.ljust(width)} | {'value'.rjust(vwidth)}\n{line}\n{body}"

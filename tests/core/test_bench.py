@@ -1,0 +1,253 @@
+"""``pypto-serving bench``: the statistics against hand-computed values, the seeded workload, and both
+benchmarks end to end on the fake executor (throughput through ``LLM``, serve against a live uvicorn)
+plus the CLI path on a tiny real Qwen3 where that plugin is installed."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pypto_serving.bench import make_prompts, percentile, summarize
+from pypto_serving.bench.progress import Progress
+from pypto_serving.bench.serve import RequestRecord, ServeConfig, arrival_delays, serve_figures
+from pypto_serving.cli import main
+from tests.core.server.server_helpers import free_port, write_fake_model
+
+VOCAB = 320
+
+
+# ---------------------------------------------------------------- statistics
+def test_percentile_interpolates_linearly_between_ranks() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]  # sorted: 1 2 3 4, positions (n - 1) * q / 100
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 2.5  # between 2 and 3
+    assert percentile(values, 99) == pytest.approx(3.97)  # position 2.97: 3 + 0.97 * (4 - 3)
+    assert percentile(values, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError, match="percentile"):
+        percentile(values, 101)
+
+
+def test_summarize_scales_and_reports_mean_p50_p99() -> None:
+    s = summarize([0.010, 0.020, 0.030, 0.040, 0.100], scale=1000)
+    assert s["mean"] == pytest.approx(40.0)
+    assert s["p50"] == pytest.approx(30.0)
+    assert s["p99"] == pytest.approx(40 + 0.96 * 60)  # position 3.96
+    assert (s["min"], s["max"]) == pytest.approx((10.0, 100.0))
+    assert all(math.isnan(v) for v in summarize([]).values())
+
+
+def test_tpot_excludes_the_first_token() -> None:
+    rec = RequestRecord(output_tokens=5, ttft=0.1, e2e=0.5)
+    assert rec.tpot == pytest.approx(0.1)  # (0.5 - 0.1) / 4
+    assert RequestRecord(output_tokens=1, ttft=0.1, e2e=0.1).tpot is None
+
+
+def test_serve_figures_count_only_finished_requests() -> None:
+    config = ServeConfig(base_url="http://x", prompts=[[1], [2], [3]], max_tokens=3, concurrency=2)
+    ok = [
+        RequestRecord(prompt_tokens=4, output_tokens=3, ttft=0.1, e2e=0.3, chunk_gaps=[0.1, 0.1]),
+        RequestRecord(prompt_tokens=6, output_tokens=3, ttft=0.3, e2e=0.7, chunk_gaps=[0.2, 0.2]),
+    ]
+    fig = serve_figures(config, [*ok, RequestRecord(error="HTTP 500: boom")], duration=2.0)
+    assert (fig["completed"], fig["failed"], fig["errors"]) == (2, 1, ["HTTP 500: boom"])
+    assert (fig["output_tokens"], fig["prompt_tokens"]) == (6, 10)
+    assert fig["output_tok_s"] == pytest.approx(3.0)
+    assert fig["total_tok_s"] == pytest.approx(8.0)
+    assert fig["requests_per_s"] == pytest.approx(1.0)
+    assert fig["ttft_ms"]["mean"] == pytest.approx(200.0)
+    assert fig["tpot_ms"]["mean"] == pytest.approx((100.0 + 200.0) / 2)
+    assert fig["itl_ms"]["p50"] == pytest.approx(150.0)
+    assert fig["e2e_ms"]["p99"] == pytest.approx(300 + 0.99 * 400)
+
+
+# ---------------------------------------------------------------- workload
+def test_workload_is_seeded_and_within_bounds() -> None:
+    a = make_prompts(50, 3, 9, vocab_size=11, seed=7)
+    assert a == make_prompts(50, 3, 9, vocab_size=11, seed=7)
+    assert a != make_prompts(50, 3, 9, vocab_size=11, seed=8)
+    assert all(3 <= len(p) <= 9 for p in a)
+    assert {len(p) for p in a} == set(range(3, 10))  # 50 draws reach every length
+    assert all(0 <= t < 11 for p in a for t in p)
+    # Pinned: the generator is the stdlib's Mersenne Twister, the same in every peer's environment.
+    assert make_prompts(1, 4, 4, vocab_size=1000, seed=0) == [[776, 911, 430, 41]]
+    with pytest.raises(ValueError, match="prompt lengths"):
+        make_prompts(1, 5, 4, vocab_size=10)
+
+
+def test_poisson_arrivals_are_seeded_with_the_requested_mean() -> None:
+    assert arrival_delays(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+    gaps = arrival_delays(4000, rate=20.0, seed=1)
+    assert gaps == arrival_delays(4000, rate=20.0, seed=1)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.05)
+
+
+def test_progress_writes_quarters_off_a_terminal() -> None:
+    out = io.StringIO()
+    p = Progress("bench", 8, stream=out)
+    for _ in range(8):
+        p.advance()
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == [f"bench: {n}/8 requests" for n in (2, 4, 6, 8)]
+
+
+def test_bench_commands_have_help(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("throughput", "serve"):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", command, "--help"])
+        assert e.value.code == 0
+        text = capsys.readouterr().out
+        for flag in ("--num-prompts", "--input-len", "--max-tokens", "--ignore-eos", "--json", "--max-num-seqs"):
+            assert flag in text
+
+
+# ---------------------------------------------------------------- end to end (fake executor)
+def _fake_settings(model_dir: Path, **overrides: Any) -> Any:
+    from pypto_serving import ServingSettings
+
+    values: dict[str, Any] = dict(
+        model=str(model_dir),
+        executor="fake",
+        worker_mode="inproc",
+        scheduler="sync",
+        block_size=4,
+        num_kv_blocks=256,
+        executor_options={"vocab": VOCAB, "max_model_len": 128},
+    )
+    values.update(overrides)
+    return ServingSettings(**values)
+
+
+@pytest.fixture(scope="module")
+def fake_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_fake_model(tmp_path_factory.mktemp("bench_model") / "tiny-fake", VOCAB)
+
+
+def _fake_plugins() -> Any:
+    from pypto_serving import PluginManager
+    from tests.fakes import FakePlugin
+
+    return PluginManager(extra_plugins=[FakePlugin])
+
+
+def test_throughput_counts_every_token(fake_model: Path) -> None:
+    pytest.importorskip("pypto_serving_sync_sched")
+    from pypto_serving.bench import ThroughputConfig, run_throughput
+
+    config = ThroughputConfig(num_prompts=6, min_len=3, max_len=12, max_tokens=5, ignore_eos=True)
+    fig = run_throughput(_fake_settings(fake_model), config, plugins=_fake_plugins(), keep_outputs=True)
+    prompts = make_prompts(6, 3, 12, VOCAB, seed=0)  # the tokenizer's vocabulary is the fake model's
+    assert fig["num_requests"] == 6
+    assert fig["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert fig["output_tokens"] == 6 * 5 == sum(len(o) for o in fig["outputs"])
+    assert fig["wall_s"] > 0
+    assert fig["requests_per_s"] == pytest.approx(6 / fig["wall_s"])
+    assert fig["output_tok_s"] == pytest.approx(30 / fig["wall_s"])
+    assert fig["total_tok_s"] == pytest.approx((30 + fig["prompt_tokens"]) / fig["wall_s"])
+    assert fig["scheduler"] == "sync" and fig["num_steps"] >= 5
+
+
+class _LiveServer:
+    """The app on uvicorn in a thread (as the server tests' live_server fixture does)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import uvicorn
+
+        from pypto_serving.server import AsyncLLM, build_app
+
+        self.llm = AsyncLLM(_fake_settings(model_dir), _fake_plugins())
+        self.llm.wait_ready(60)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(build_app(self.llm, manage_engine=False), host="127.0.0.1", port=port)
+        config.log_level = "warning"
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.llm.shutdown(10)
+
+
+@pytest.fixture(scope="module")
+def live_url(fake_model: Path) -> Iterator[str]:
+    pytest.importorskip("pypto_serving_sync_sched")
+    pytest.importorskip("httpx")
+    server = _LiveServer(fake_model)
+    yield server.url
+    server.stop()
+
+
+@pytest.mark.parametrize("mode", [{"concurrency": 3}, {"request_rate": 200.0}])
+def test_serve_latencies_are_consistent(live_url: str, mode: dict[str, Any]) -> None:
+    from pypto_serving.bench import run_serve
+
+    prompts: list[list[int] | str] = list(make_prompts(8, 2, 10, VOCAB, seed=3))
+    fig = run_serve(ServeConfig(base_url=live_url, prompts=prompts, max_tokens=6, logprobs=True, **mode))
+    assert (fig["completed"], fig["failed"]) == (8, 0), fig["errors"]
+    assert fig["output_tokens"] == 8 * 6
+    assert fig["prompt_tokens"] == sum(len(p) for p in prompts)
+    for stat in ("mean", "p50", "p99"):
+        assert 0 < fig["ttft_ms"][stat] <= fig["e2e_ms"][stat]
+        assert fig["tpot_ms"][stat] >= 0 and fig["itl_ms"][stat] >= 0
+    assert fig["e2e_ms"]["max"] <= fig["duration_s"] * 1000
+    assert fig["output_tok_s"] == pytest.approx(48 / fig["duration_s"])
+
+
+def test_serve_command_against_a_running_server(live_url: str, tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--base-url", live_url, "--vocab-size", str(VOCAB), "--num-prompts", "4"]
+    argv += ["--input-len", "2", "6", "--max-tokens", "4", "--ignore-eos", "--concurrency", "2", "--json", str(out)]
+    assert main(argv) == 0
+    fig = json.loads(out.read_text())
+    assert (fig["completed"], fig["output_tokens"]) == (4, 16)
+    assert fig["ttft_ms"]["p50"] <= fig["e2e_ms"]["p50"]
+    assert "ttft_ms p99" in capsys.readouterr().out
+
+
+def test_serve_reports_failed_requests(live_url: str) -> None:
+    from pypto_serving.bench import run_serve
+
+    config = ServeConfig(base_url=live_url, prompts=[[1, 2]], max_tokens=2, model_name="no-such-model", warmup=False)
+    fig = run_serve(config)
+    assert (fig["completed"], fig["failed"]) == (0, 1)
+    assert fig["errors"][0].startswith("HTTP 404")
+
+
+# ---------------------------------------------------------------- CLI on a real tiny Qwen3
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    from tests.plugins.qwen.qwen_fixtures import make_qwen_checkpoint
+
+    return make_qwen_checkpoint(tmp_path_factory.mktemp("bench_qwen") / "qwen3", "qwen3", num_hidden_layers=2)
+
+
+@pytest.mark.requires_plugin("qwen", "sync_sched")
+def test_throughput_command_on_a_tiny_qwen(tiny_qwen: Path, tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "t.json"
+    argv = ["bench", "throughput", "--model", str(tiny_qwen), "--num-prompts", "5", "--input-len", "4", "16"]
+    argv += ["--max-tokens", "7", "--ignore-eos", "--scheduler", "sync", "--worker-mode", "inproc", "--json", str(out)]
+    assert main(argv) == 0
+    fig = json.loads(out.read_text())
+    assert (fig["num_requests"], fig["output_tokens"], fig["scheduler"]) == (5, 35, "sync")
+    assert fig["prompt_tokens"] == sum(len(p) for p in make_prompts(5, 4, 16, 320, seed=0))
+    assert fig["output_tok_s"] > 0 and fig["total_tok_s"] > fig["output_tok_s"]
+    table = capsys.readouterr().out
+    assert "output_tok_s" in table and "requests_per_s" in table
