@@ -215,8 +215,10 @@ def describe_kernel(name: str, device: torch.device | str, **features: Any) -> s
     ``"reference"`` with the reason the fast path declines.
 
     ``features`` describe the call (kernel-specific, e.g. ``sliding_window=128``, ``sinks=True``,
-    ``block_size=16``, ``dtype=torch.bfloat16``); features left out are assumed supported. A fast
-    path with a ``supports`` check but no ``explain`` is reported as running where supported.
+    ``block_size=16``, ``dtype=torch.bfloat16``; the built-in backends read the keys that
+    :mod:`pypto_kernels.backends` derives from a real call); features left out are assumed
+    supported. A fast path with a ``supports`` check but no ``explain`` is reported as running
+    where supported.
     """
     _check_name(name)
     device_type = _device_type(device)

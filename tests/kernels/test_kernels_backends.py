@@ -16,7 +16,7 @@ import importlib
 import sys
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -187,6 +187,27 @@ def npu_env(clean_registry: None, monkeypatch: pytest.MonkeyPatch) -> tuple[type
     return npu_backend, calls
 
 
+class PagedArgs(NamedTuple):
+    """The positional arguments of a paged_attention call, up to ``scale``."""
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: float
+
+    def cpu(self) -> PagedArgs:
+        return self.to("cpu")
+
+    def to(self, device: torch.device | str) -> PagedArgs:
+        q, k, v, tables, qsl, seq_lens, scale = self
+        return PagedArgs(
+            q.to(device), k.to(device), v.to(device), tables.to(device), qsl.to(device), seq_lens.to(device), scale
+        )
+
+
 def build_batch(
     batch: list[tuple[int, int]],
     block_size: int,
@@ -195,7 +216,7 @@ def build_batch(
     head_dim: int = 64,
     pad_rows: int = 3,
     device: torch.device | str = "cpu",
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+) -> tuple[PagedArgs, dict[str, Any]]:
     """Positional args (query .. scale) and host-length kwargs of a paged_attention call; shuffled blocks."""
     gen = torch.Generator().manual_seed(len(batch) * 1000 + block_size)
     blocks_per = [-(-seq // block_size) for _, seq in batch]
@@ -211,12 +232,11 @@ def build_batch(
     q_lens, kv_lens = [q for q, _ in batch], [s for _, s in batch]
     query = torch.randn(sum(q_lens) + pad_rows, heads[0], head_dim, generator=gen).to(dtype)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    tensors = (query, key_cache, value_cache, tables, qsl, torch.tensor(kv_lens, dtype=torch.int32))
-    args = (*(t.to(device) for t in tensors), SCALE)
-    return args, {"query_lens_host": q_lens, "seq_lens_host": kv_lens}
+    args = PagedArgs(query, key_cache, value_cache, tables, qsl, torch.tensor(kv_lens, dtype=torch.int32), SCALE)
+    return args.to(device), {"query_lens_host": q_lens, "seq_lens_host": kv_lens}
 
 
-def _assert_matches_reference(out: torch.Tensor, args: tuple[Any, ...], window: int | None = None) -> None:
+def _assert_matches_reference(out: torch.Tensor, args: PagedArgs, window: int | None = None) -> None:
     expected = _reference_paged_attention(*args, sliding_window=window)
     assert out.shape == expected.shape and out.dtype == expected.dtype
     assert not out.isnan().any()
@@ -260,7 +280,7 @@ def test_cuda_write_kv_cache_matches_reference() -> None:
     slots = torch.randperm(6 * 16, generator=gen)[:11]
     key, value = torch.randn(11, 2, 8, generator=gen), torch.randn(11, 2, 8, generator=gen)  # float32: cast on write
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    pypto_kernels.write_kv_cache.reference(key, value, expected_k, expected_v, slots)
+    pypto_kernels.reference_kernel("write_kv_cache")(key, value, expected_k, expected_v, slots)
     assert cuda_backend.supports_write_kv_cache(key, value, key_cache, value_cache, slots)
     cuda_backend.write_kv_cache(key, value, key_cache, value_cache, slots.to(torch.int32))
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
@@ -274,13 +294,16 @@ def test_cuda_routing_declines_to_the_reference(clean_registry: None, flash_attn
     args, hosts = build_batch(CUDA_BATCH, block_size=256)
     sinks = torch.randn(4)
     out = fast(*args, None, sinks, **hosts)  # sinks: flash-attn has none
-    torch.testing.assert_close(out, pypto_kernels.paged_attention.reference(*args, None, sinks, **hosts))
+    torch.testing.assert_close(out, pypto_kernels.reference_kernel("paged_attention")(*args, None, sinks, **hosts))
     fast(*args)  # no host lengths: no max lengths without a device read
     small, small_hosts = build_batch(CUDA_BATCH, block_size=16)
     fast(*small, **small_hosts)  # block size 16: not a multiple of 256
     fp32, fp32_hosts = build_batch(CUDA_BATCH[:2], block_size=256, dtype=torch.float32)
     fast(*fp32, **fp32_hosts)
     assert flash_attn_calls == []
+    # A keyword option the fast path does not implement (one the reference may gain) declines the call.
+    assert not cuda_backend.supports_paged_attention(*args, **hosts, future_option=1)
+    assert "future_option" in str(cuda_backend.explain_paged_attention(options=["future_option"]))
     _assert_matches_reference(fast(*args, **hosts), args)
     assert len(flash_attn_calls) == 1
 
@@ -335,7 +358,7 @@ def test_npu_write_kv_cache_matches_reference(npu_env: tuple[types.ModuleType, l
     slots = torch.randperm(4 * 128, generator=gen)[:9]
     key, value = torch.randn(9, 2, 16, generator=gen), torch.randn(9, 2, 16, generator=gen)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    pypto_kernels.write_kv_cache.reference(key, value, expected_k, expected_v, slots)
+    pypto_kernels.reference_kernel("write_kv_cache")(key, value, expected_k, expected_v, slots)
     assert npu_backend.supports_write_kv_cache(key, value, key_cache, value_cache, slots)
     npu_backend.write_kv_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
@@ -383,13 +406,13 @@ def test_cuda_device_paged_attention_matches_reference(window: int | None) -> No
     described = pypto_kernels.describe_kernel("paged_attention", args[0].device, **features)
     assert described == expected_label or (expected_label is None and described.startswith("reference"))
     out = pypto_kernels.paged_attention(*args, sliding_window=window, **hosts)
-    _assert_matches_reference(out.cpu(), tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args), window)
+    _assert_matches_reference(out.cpu(), args.cpu(), window)
     key, value = torch.randn(5, 2, 64, device="cuda"), torch.randn(5, 2, 64, device="cuda")
     slots = torch.tensor([3, 700, 256, 1, 9], device="cuda")
     k_cache, v_cache = args[1].clone(), args[2].clone()
     pypto_kernels.write_kv_cache(key, value, k_cache, v_cache, slots)
     expected_k, expected_v = args[1].clone(), args[2].clone()
-    pypto_kernels.write_kv_cache.reference(key, value, expected_k, expected_v, slots)
+    pypto_kernels.reference_kernel("write_kv_cache")(key, value, expected_k, expected_v, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
@@ -400,11 +423,11 @@ def test_npu_device_paged_attention_matches_reference() -> None:
     args, hosts = build_batch(NPU_BATCH, block_size=128, head_dim=128, device=device)
     assert pypto_kernels.describe_kernel("paged_attention", device, block_size=128, head_dim=128).startswith("npu")
     out = pypto_kernels.paged_attention(*args, **hosts)
-    _assert_matches_reference(out.cpu(), tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    _assert_matches_reference(out.cpu(), args.cpu())
     key, value = torch.randn(5, 2, 128).to(device), torch.randn(5, 2, 128).to(device)
     slots = torch.tensor([3, 700, 256, 1, 9]).to(device)
     k_cache, v_cache = args[1].clone(), args[2].clone()
     pypto_kernels.write_kv_cache(key, value, k_cache, v_cache, slots)
     expected_k, expected_v = args[1].clone(), args[2].clone()
-    pypto_kernels.write_kv_cache.reference(key, value, expected_k, expected_v, slots)
+    pypto_kernels.reference_kernel("write_kv_cache")(key, value, expected_k, expected_v, slots)
     assert torch.equal(k_cache.cpu(), expected_k.cpu()) and torch.equal(v_cache.cpu(), expected_v.cpu())

@@ -5,6 +5,8 @@ explain=None)`` registers one fast path (see :func:`pypto_kernels.registry.regis
 
 The helpers below turn a kernel call into the *features* a backend's ``explain`` judges, so that
 the per-call ``supports`` check and :func:`pypto_kernels.describe_kernel` apply the same rules.
+Keyword options the reference may gain later are collected as ``options``: a fast path that does
+not know them declines the call (see :func:`unknown_options`), so it never ignores one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def paged_attention_features(
     *,
     query_lens_host: Sequence[int] | None = None,
     seq_lens_host: Sequence[int] | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """The features of a ``paged_attention`` call (same signature as the reference)."""
     return {
@@ -44,6 +47,7 @@ def paged_attention_features(
         "sliding_window": sliding_window,
         "sinks": sinks is not None,
         "host_lengths": query_lens_host is not None and seq_lens_host is not None,
+        "options": sorted(options),
     }
 
 
@@ -53,6 +57,7 @@ def write_kv_cache_features(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    **options: Any,
 ) -> dict[str, Any]:
     """The features of a ``write_kv_cache`` call (same signature as the reference)."""
     return {
@@ -61,4 +66,11 @@ def write_kv_cache_features(
         "cache_dtype": key_cache.dtype,
         "value_dtype": value_cache.dtype,
         "contiguous_cache": key_cache.is_contiguous() and value_cache.is_contiguous(),
+        "options": sorted(options),
     }
+
+
+def unknown_options(features: dict[str, Any]) -> str | None:
+    """The reason to decline a call that passes keyword options a fast path does not implement."""
+    options = features.get("options")
+    return f"options it does not implement: {', '.join(options)}" if options else None

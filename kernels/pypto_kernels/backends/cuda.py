@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import paged_attention_features, write_kv_cache_features
+from . import paged_attention_features, unknown_options, write_kv_cache_features
 
 #: FlashAttention-2 paged KV: "Paged KV cache block size must be divisible by 256" (mha_varlen_fwd).
 FLASH_ATTN_BLOCK_MULTIPLE = 256
@@ -88,6 +88,8 @@ def explain_paged_attention(**features: Any) -> str | None:
     """Why a ``paged_attention`` call with these features runs the reference (None: flash-attn runs it)."""
     if flash_attn_varlen() is None:
         return "flash_attn is not importable"
+    if unknown_options(features):
+        return unknown_options(features)
     if features.get("sinks"):
         return "sinks are not supported"
     if features.get("host_lengths") is False:
@@ -167,6 +169,8 @@ def paged_attention(
 
 def explain_write_kv_cache(**features: Any) -> str | None:
     """Why a ``write_kv_cache`` call with these features runs the reference (None: the scatter runs it)."""
+    if unknown_options(features):
+        return unknown_options(features)
     if features.get("contiguous_cache") is False:
         return "needs contiguous caches"
     return None

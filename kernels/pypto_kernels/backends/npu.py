@@ -35,7 +35,7 @@ import torch
 import torch_npu
 
 from ..registry import reference_kernel
-from . import paged_attention_features, write_kv_cache_features
+from . import paged_attention_features, unknown_options, write_kv_cache_features
 
 _NPU_DTYPES = (torch.float16, torch.bfloat16)
 #: Page attention block sizes: a multiple of 128, from 128 to 512.
@@ -117,6 +117,8 @@ def explain_paged_attention(**features: Any) -> str | None:
     """Why a ``paged_attention`` call with these features runs the reference (None: the fused op runs it)."""
     if not hasattr(torch_npu, "npu_fused_infer_attention_score"):
         return "torch_npu has no npu_fused_infer_attention_score"
+    if unknown_options(features):
+        return unknown_options(features)
     if features.get("sinks"):
         return "sinks are not supported"
     if features.get("sliding_window") is not None:
@@ -181,6 +183,8 @@ def explain_write_kv_cache(**features: Any) -> str | None:
     """Why a ``write_kv_cache`` call with these features runs the reference (None: the NPU op runs it)."""
     if not hasattr(torch_npu, "_npu_reshape_and_cache"):
         return "torch_npu has no _npu_reshape_and_cache"
+    if unknown_options(features):
+        return unknown_options(features)
     cache_dtypes = {features.get("cache_dtype"), features.get("value_dtype")} - {None}
     if len(cache_dtypes) > 1 or not cache_dtypes <= set(_NPU_DTYPES):
         return "needs float16 or bfloat16 caches of one dtype"
