@@ -112,9 +112,9 @@ def flash_attn_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str,
     """Install the fake flash_attn; yields the list of recorded calls."""
     calls: list[dict[str, Any]] = []
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn(calls))
-    cuda_backend._flash_attn_module.cache_clear()
+    cuda_backend._load_flash_attn_varlen.cache_clear()
     yield calls
-    cuda_backend._flash_attn_module.cache_clear()
+    cuda_backend._load_flash_attn_varlen.cache_clear()
 
 
 def _check_npu_call(query: torch.Tensor, key: torch.Tensor, kw: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -323,16 +323,16 @@ def test_cuda_describe_kernel(clean_registry: None, flash_attn_calls: list[dict[
 
 def test_cuda_without_flash_attn_uses_the_reference(clean_registry: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes `import flash_attn` raise ImportError
-    cuda_backend._flash_attn_module.cache_clear()
+    cuda_backend._load_flash_attn_varlen.cache_clear()
     try:
         text = pypto_kernels.describe_kernel("paged_attention", "cuda")
-        assert text.startswith("reference") and "flash_attn is not importable" in text
+        assert text.startswith("reference") and "flash_attn" in text and "not importable" in text
         args, hosts = build_batch(CUDA_BATCH[:3], block_size=256)
         assert not cuda_backend.supports_paged_attention(*args, **hosts)
         out = pypto_kernels.get_kernel("paged_attention", "cuda")(*args, **hosts)
         _assert_matches_reference(out, args)
     finally:
-        cuda_backend._flash_attn_module.cache_clear()
+        cuda_backend._load_flash_attn_varlen.cache_clear()
 
 
 # ----------------------------------------------------------------------------------------------- NPU
@@ -392,7 +392,7 @@ def test_npu_routing_and_describe(npu_env: tuple[types.ModuleType, list[dict[str
 
 
 def _flash_attn_importable() -> bool:
-    cuda_backend._flash_attn_module.cache_clear()
+    cuda_backend._load_flash_attn_varlen.cache_clear()
     return cuda_backend.flash_attn_varlen() is not None
 
 
@@ -431,3 +431,15 @@ def test_npu_device_paged_attention_matches_reference() -> None:
     expected_k, expected_v = args[1].clone(), args[2].clone()
     pypto_kernels.reference_kernel("write_kv_cache")(key, value, expected_k, expected_v, slots)
     assert torch.equal(k_cache.cpu(), expected_k.cpu()) and torch.equal(v_cache.cpu(), expected_v.cpu())
+
+
+def test_cuda_flash_attn_without_block_table_uses_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    old = types.ModuleType("flash_attn")  # flash-attn < 2.6: varlen without paged KV
+    old.flash_attn_varlen_func = lambda q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: q  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn", old)
+    cuda_backend._load_flash_attn_varlen.cache_clear()
+    try:
+        assert cuda_backend.flash_attn_varlen() is None
+        assert "not importable" in str(cuda_backend.explain_paged_attention(block_size=256))
+    finally:
+        cuda_backend._load_flash_attn_varlen.cache_clear()

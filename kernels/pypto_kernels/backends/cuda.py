@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,18 +51,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @functools.cache
-def _flash_attn_module() -> Any | None:
-    """``flash_attn`` if it imports (cached, so a missing package costs one failed import)."""
+def _load_flash_attn_varlen() -> Callable[..., Any] | None:
+    """``flash_attn.flash_attn_varlen_func`` if it imports and takes ``block_table`` (flash-attn >= 2.6);
+    cached, so a missing package costs one failed import."""
     try:
-        return importlib.import_module("flash_attn")
-    except Exception:  # not installed, or built for another torch/CUDA
+        fn = importlib.import_module("flash_attn").flash_attn_varlen_func
+        takes_block_table = "block_table" in inspect.signature(fn).parameters
+    except Exception:  # not installed, built for another torch/CUDA, or an older API
         return None
+    return fn if takes_block_table else None  # type: ignore[no-any-return]
 
 
 def flash_attn_varlen() -> Callable[..., Any] | None:
-    """``flash_attn.flash_attn_varlen_func`` if importable, else None."""
-    fn: Callable[..., Any] | None = getattr(_flash_attn_module(), "flash_attn_varlen_func", None)
-    return fn
+    """``flash_attn.flash_attn_varlen_func`` with paged-KV support, else None."""
+    return _load_flash_attn_varlen()
 
 
 def _explain_dtypes_and_shapes(f: dict[str, Any]) -> str | None:
@@ -87,7 +90,7 @@ def _explain_dtypes_and_shapes(f: dict[str, Any]) -> str | None:
 def explain_paged_attention(**features: Any) -> str | None:
     """Why a ``paged_attention`` call with these features runs the reference (None: flash-attn runs it)."""
     if flash_attn_varlen() is None:
-        return "flash_attn is not importable"
+        return "flash_attn (>= 2.6, with block_table) is not importable"
     if unknown_options(features):
         return unknown_options(features)
     if features.get("sinks"):
