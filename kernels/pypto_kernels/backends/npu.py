@@ -12,8 +12,10 @@ with ``block_size``; ``actual_seq_lengths`` the cumulative query ends (B entries
 ``scale``; the causal mask as ``sparse_mode=3`` (rightDownCausal: the last query of a request sees
 its last key) with the compressed 2048 x 2048 upper-triangular ``atten_mask`` (1 = masked; int8 as
 vllm-ascend's ``AttentionMaskBuilder.get_splitfuse_attn_mask`` builds it). Constraints from the
-torch_npu API reference for this op (``torch_npu.npu_fused_infer_attention_score``, parameter
-``scale``): float16/bfloat16 inputs with D 16-aligned and at most 512; page attention needs
+torch_npu API reference for this op (``torch_npu.npu_fused_infer_attention_score``; releases whose
+signature names the scale ``scale``, as vllm-ascend calls it; the 6.0.RC3 / 6.0.0 references still
+call it ``scale_value``, where the keyword should be rejected, not ignored): float16/bfloat16
+inputs with D 16-aligned and at most 512; page attention needs
 ``actual_seq_lengths_kv``, a block size that is a multiple of 128 between 128 and 512, and, in the
 ``(blocknum, blocksize, H)`` layout, ``KV_N * D <= 65535``; ``num_heads / num_key_value_heads <= 64``;
 under TND only ``sparse_mode`` 0 (no mask) or 3 (with mask). Sinks need the ``_v2`` op and sliding
