@@ -9,18 +9,36 @@ The attention and indexer references take a flat query batch ``[T, ...]`` split 
 ``query_start_loc [R + 1]`` plus per-request keys padded to ``[R, L, D]`` and a per-token mask
 ``[T, L]``; they pad the queries to ``[R, Q_max, ...]`` and run one masked einsum for the whole
 batch (no per-request loop). Padded key slots must be masked out by the caller.
+
+The padded shape needs each request's query length on the host: pass ``query_lens_host`` (what
+the caller already holds, e.g. ``BatchInput.query_start_loc_host``) and nothing is read back from the
+device; without it ``query_start_loc`` is read once per call (a host sync on an accelerator).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from .attention import _pad_queries
+from .attention import _query_lens
 from .registry import dispatch
 
 
+def _pad_rows(rows: torch.Tensor, query_start_loc: torch.Tensor, q_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather flat rows ``[T, ...]`` into ``[R, q_max, ...]`` (``q_max`` from the host, no device read);
+    plus the valid mask ``[R, q_max]``. Padding repeats a real row; callers mask it."""
+    starts = query_start_loc[:-1]
+    q_lens = query_start_loc[1:] - starts
+    offsets = torch.arange(q_max, device=rows.device)
+    idx = starts[:, None] + offsets[None, :]
+    valid = offsets[None, :] < q_lens[:, None]
+    safe = torch.where(valid, idx, 0).clamp_(max=max(rows.shape[0] - 1, 0))
+    return rows[safe], valid
+
+
 def _unpad_rows(padded: torch.Tensor, query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Inverse of ``_pad_queries``: [R, Q_max, ...] -> flat [T, ...]; rows past the last request are zero."""
+    """Inverse of ``_pad_rows``: [R, Q_max, ...] -> flat [T, ...]; rows past the last request are zero."""
     tokens = torch.arange(num_tokens, device=padded.device)
     num_req = query_start_loc.numel() - 1
     request = torch.searchsorted(query_start_loc[1:], tokens, right=True).clamp_(max=num_req - 1)
@@ -31,13 +49,17 @@ def _unpad_rows(padded: torch.Tensor, query_start_loc: torch.Tensor, num_tokens:
     return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def _check_batch(name: str, num_tokens: int, query_start_loc: torch.Tensor, keys: torch.Tensor) -> None:
-    if query_start_loc.numel() - 1 != keys.shape[0]:
+def _check_batch(
+    name: str, num_tokens: int, query_start_loc: torch.Tensor, keys: torch.Tensor, q_lens: list[int]
+) -> None:
+    """Shape checks from host values only (``q_lens``: the host query lengths)."""
+    if query_start_loc.numel() - 1 != keys.shape[0] or len(q_lens) != keys.shape[0]:
         raise ValueError(
             f"{name}: keys hold {keys.shape[0]} requests but query_start_loc describes {query_start_loc.numel() - 1}"
+            f" (query_lens_host {len(q_lens)})"
         )
-    if num_tokens and int(query_start_loc[-1]) > num_tokens:
-        raise ValueError(f"{name}: query_start_loc ends at {int(query_start_loc[-1])} > {num_tokens} tokens")
+    if sum(q_lens) > num_tokens:
+        raise ValueError(f"{name}: query_start_loc ends at {sum(q_lens)} > {num_tokens} tokens")
 
 
 @dispatch("compressor_pool")
@@ -90,6 +112,7 @@ def indexer_topk(
     query_start_loc: torch.Tensor,
     topk: int,
     scale: float,
+    query_lens_host: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Lightning indexer: per query, keep the ``topk`` best-scoring visible compressed entries.
 
@@ -98,17 +121,20 @@ def indexer_topk(
     ``t`` is ``sum_h weights[t, h] * relu(index_q[t, h] . index_keys[r, e]) * scale`` (float32).
     Returns the selected mask ``[T, E]`` (a subset of ``visible``). Ties are broken towards earlier
     entries (stable sort), so the choice does not depend on how queries are batched.
+    ``query_lens_host``: each request's query length on the host (else read from ``query_start_loc``).
     """
     num_tokens = index_q.shape[0]
     if num_tokens == 0 or index_keys.shape[1] == 0 or query_start_loc.numel() < 2:
         return torch.zeros_like(visible, dtype=torch.bool)
     query_start_loc = query_start_loc.to(device=index_q.device, dtype=torch.int64)
-    _check_batch("indexer_topk", num_tokens, query_start_loc, index_keys)
-    q_pad, _, q_valid = _pad_queries(index_q, query_start_loc)  # [R, S, Hi, Di]
-    if q_pad.shape[1] == 0:
+    q_lens = _query_lens(query_start_loc, query_lens_host)
+    _check_batch("indexer_topk", num_tokens, query_start_loc, index_keys, q_lens)
+    q_max = max(q_lens, default=0)
+    if q_max == 0:
         return torch.zeros_like(visible, dtype=torch.bool)
-    w_pad, _, _ = _pad_queries(weights, query_start_loc)  # [R, S, Hi]
-    vis_pad, _, _ = _pad_queries(visible, query_start_loc)  # [R, S, E]
+    q_pad, q_valid = _pad_rows(index_q, query_start_loc, q_max)  # [R, S, Hi, Di]
+    w_pad, _ = _pad_rows(weights, query_start_loc, q_max)  # [R, S, Hi]
+    vis_pad, _ = _pad_rows(visible, query_start_loc, q_max)  # [R, S, E]
     vis_pad = vis_pad & q_valid[:, :, None]
     scores = torch.relu(torch.einsum("rshd,red->rshe", q_pad.float(), index_keys.float())) * scale
     scores = (scores * w_pad.float().unsqueeze(-1)).sum(dim=2).masked_fill(~vis_pad, float("-inf"))
@@ -128,6 +154,7 @@ def sink_attention(
     query_start_loc: torch.Tensor,
     sinks: torch.Tensor,
     scale: float,
+    query_lens_host: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Single-KV-head attention (K == V) with a learned per-head sink logit, over a flat batch.
 
@@ -135,16 +162,19 @@ def sink_attention(
     padded); ``mask [T, L]`` bool, True where token t may attend key l of its request; ``sinks [H]``.
     The sink joins each head's softmax (float32) and is then dropped, so a head may attend to
     "nothing" (a row with no visible key returns zeros). Returns ``[T, H, D]`` in ``query.dtype``.
+    ``query_lens_host``: each request's query length on the host (else read from ``query_start_loc``).
     """
     num_tokens = query.shape[0]
     if num_tokens == 0 or query_start_loc.numel() < 2:
         return query.new_zeros((num_tokens, query.shape[1], keys.shape[-1]))
     query_start_loc = query_start_loc.to(device=query.device, dtype=torch.int64)
-    _check_batch("sink_attention", num_tokens, query_start_loc, keys)
-    q_pad, _, q_valid = _pad_queries(query, query_start_loc)  # [R, S, H, D]
-    if q_pad.shape[1] == 0:
+    q_lens = _query_lens(query_start_loc, query_lens_host)
+    _check_batch("sink_attention", num_tokens, query_start_loc, keys, q_lens)
+    q_max = max(q_lens, default=0)
+    if q_max == 0:
         return query.new_zeros((num_tokens, query.shape[1], keys.shape[-1]))
-    m_pad, _, _ = _pad_queries(mask, query_start_loc)  # [R, S, L]
+    q_pad, q_valid = _pad_rows(query, query_start_loc, q_max)  # [R, S, H, D]
+    m_pad, _ = _pad_rows(mask, query_start_loc, q_max)  # [R, S, L]
     m_pad = m_pad & q_valid[:, :, None]
     num_req, q_max = q_pad.shape[:2]
     # Key slots no query reads (padding, unwritten cache) may hold garbage; zero them so 0 * NaN

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,67 @@ class MtpState:
     def __post_init__(self) -> None:
         self.frontier = [0] * self.depth
         self.hin = [{} for _ in range(self.depth)]
+
+
+def read_drafts(drafts: torch.Tensor) -> list[int]:
+    """The one host read of MTP drafting: a step's drafts, flat ``[N]`` on the device, as a list."""
+    return [int(t) for t in drafts.tolist()]
+
+
+@dataclass
+class _Drafting:
+    """One ``propose_drafts`` call: host bookkeeping plus the drafts so far, which stay on the device."""
+
+    work: dict[int, tuple[MtpState, bool]]  # batch row -> (state, whether it sampled this step)
+    refs: dict[int, list[int]] = field(default_factory=dict)  # batch row -> its drafts' offsets in drafted
+    tmp: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)  # (r, depth, pos) -> input
+    pieces: list[torch.Tensor] = field(default_factory=list)  # per depth: the argmax tokens it drafted
+    count: int = 0  # drafts in ``pieces``
+
+    def __post_init__(self) -> None:
+        self.refs = {r: [] for r in self.work}
+
+    def add(self, tokens: torch.Tensor) -> None:
+        self.pieces.append(tokens)
+        self.count += tokens.shape[0]
+
+    def drafted(self) -> torch.Tensor:
+        return self.pieces[0] if len(self.pieces) == 1 else torch.cat(self.pieces)
+
+    def result(self, num_requests: int, device: torch.device) -> list[list[int]]:
+        """Each sampling request's drafts, read to the host in one go."""
+        keep = [r for r in range(num_requests) if r in self.work and self.work[r][1]]
+        order = [o for r in keep for o in self.refs[r]]
+        out: list[list[int]] = [[] for _ in range(num_requests)]
+        if not order:
+            return out
+        drafted = self.drafted()
+        if order != list(range(self.count)):
+            drafted = drafted.index_select(0, torch.tensor(order, device=device))
+        values = iter(read_drafts(drafted))
+        for r in keep:
+            out[r] = [next(values) for _ in self.refs[r]]
+        return out
+
+
+@dataclass
+class _DepthInputs:
+    """What one MTP depth runs over: spans ``(r, first, last)`` of positions, their input streams,
+    positions and tokens (``(value, -1)`` for committed ones, ``(-1, offset)`` for this step's drafts)."""
+
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    toks: list[tuple[int, int]] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+
+    def tokens(self, step: _Drafting, device: torch.device) -> torch.Tensor:
+        """The input tokens on the device: committed ones from the host, drafts gathered from ``step``."""
+        tok = torch.tensor([v for v, _ in self.toks], device=device, dtype=torch.long)
+        at = [i for i, (_, ref) in enumerate(self.toks) if ref >= 0]
+        if at:
+            refs = torch.tensor([self.toks[i][1] for i in at], device=device)
+            tok = tok.index_copy(0, torch.tensor(at, device=device), step.drafted().index_select(0, refs))
+        return tok
 
 
 class DeepseekMTPExecutor(Executor):
@@ -258,10 +320,11 @@ class DeepseekMTPExecutor(Executor):
 
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> torch.Tensor:
+        """One forward step. Per-request shapes come from the batch's host lists: no device read."""
         assert self.model is not None
-        starts = [int(x) for x in batch.query_start_loc.tolist()]
-        positions = batch.positions
-        pos0 = [int(positions[starts[r]]) if starts[r] < starts[r + 1] else 0 for r in range(len(batch.request_ids))]
+        starts = [int(x) for x in batch.query_start_loc_host]
+        # A request's first row sits at its cached length minus this step's rows.
+        pos0 = [int(batch.seq_lens_host[r]) - (b - a) if a < b else 0 for r, (a, b) in enumerate(pairwise(starts))]
         for r, rid in enumerate(batch.request_ids):
             if pos0[r] == 0 and starts[r] < starts[r + 1]:
                 # A request (re)starting from scratch: drop anything left from an earlier life.
@@ -270,7 +333,7 @@ class DeepseekMTPExecutor(Executor):
         seg = Segments(
             starts=starts,
             pos0=pos0,
-            positions=positions,
+            positions=batch.positions,
             input_ids=batch.input_ids,
             block_tables={k: v.long() for k, v in batch.block_tables.items()},
             ring_slots=slots,
@@ -283,13 +346,28 @@ class DeepseekMTPExecutor(Executor):
 
     @torch.inference_mode()
     def propose_drafts(self, batch: BatchInput, accepted: list[list[int]]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in batch.request_ids]
+        """Up to ``num_draft`` drafts per sampling request. Every depth's tokens stay on the device;
+        the host reads them once, at the end (:func:`read_drafts`)."""
         if not self.use_mtp or self._last is None or self._last[0] is not batch:
-            return drafts
+            return [[] for _ in batch.request_ids]
         _, seg, streams = self._last
+        step = _Drafting(self._commit(batch, seg, streams, accepted))
+        for d in range(self.num_draft):
+            if not self._draft_depth(d, step, batch, seg):
+                break
+        for st, _ in step.work.values():
+            low = min(st.frontier) if st.frontier else st.n
+            st.tokens = {i: t for i, t in st.tokens.items() if i >= low}
+        return step.result(len(batch.request_ids), self.device)
+
+    def _commit(
+        self, batch: BatchInput, seg: Segments, streams: torch.Tensor, accepted: list[list[int]]
+    ) -> dict[int, tuple[MtpState, bool]]:
+        """Record this step's committed tokens and main-model streams; returns the requests to draft
+        for (batch row -> (state, whether it sampled this step))."""
         k = self.num_draft
         work: dict[int, tuple[MtpState, bool]] = {}
-        ids = seg.input_ids.tolist()
+        ids = batch.input_ids_host
         for r, rid in enumerate(batch.request_ids):
             a, b = seg.rows(r)
             if a == b:
@@ -310,7 +388,7 @@ class DeepseekMTPExecutor(Executor):
                 continue
             valid = (b - a) - (batch.num_logits[r] - len(acc)) if sampling else b - a
             for j in range(valid):
-                st.tokens[s + j] = ids[a + j]
+                st.tokens[s + j] = int(ids[a + j])
                 st.hin[0][s + j] = streams[a + j]
             st.hv = s + valid
             if sampling:
@@ -320,85 +398,93 @@ class DeepseekMTPExecutor(Executor):
                 st.n = s + valid - 1
             self.mtp_state[rid] = st
             work[r] = (st, sampling)
+        return work
 
-        tmp: dict[tuple[int, int, int], torch.Tensor] = {}  # (r, depth, pos) -> non-canonical input
-        for d in range(k):
-            rows: list[tuple[int, int, int]] = []  # (r, first, last)
-            hidden: list[torch.Tensor] = []
-            toks: list[int] = []
-            pos: list[int] = []
-            for r, (st, sampling) in work.items():
-                c = st.frontier[d]
-                last = st.n - 1 if sampling else st.n - 1 - d
-                if last < c:
-                    continue
-                rh: list[torch.Tensor] = []
-                rt: list[int] = []
-                for i in range(c, last + 1):
-                    h = st.hin[d].get(i, tmp.get((r, d, i)))
-                    t = i + d + 1
-                    j = t - st.n - 1  # index into this step's drafts when token t is not committed yet
-                    tok = st.tokens.get(t) if t <= st.n else (drafts[r][j] if j < len(drafts[r]) else None)
-                    if h is None or tok is None:
-                        break
-                    rh.append(h)
-                    rt.append(tok)
-                if len(rh) != last - c + 1:
-                    # Inconsistent bookkeeping (should not happen): stop drafting for this request
-                    # rather than guess; verification keeps the output exact regardless.
-                    work[r] = (st, False)
-                    drafts[r] = []
-                    self.mtp_state.pop(batch.request_ids[r], None)
-                    continue
-                hidden += rh
-                toks += rt
-                pos += range(c, last + 1)
-                rows.append((r, c, last))
-            if not rows:
-                break
-            out, logits = self._run_mtp(d, rows, torch.stack(hidden), toks, pos, seg)
-            off = 0
-            for r, c, last in rows:
-                st, sampling = work[r]
-                for i in range(c, last + 1):
-                    if d + 1 < k:
-                        if i <= st.n - 1 - d:
-                            st.hin[d + 1][i] = out[off + i - c]
-                        else:
-                            tmp[(r, d + 1, i)] = out[off + i - c]
-                if sampling:
-                    drafts[r].append(int(logits[off + last - c].argmax()))
-                off += last - c + 1
-                st.frontier[d] = max(c, st.n - d, 0)
-            # Inputs below the new frontier are never read again.
-            for r, _, _ in rows:
-                st = work[r][0]
-                st.hin[d] = {i: h for i, h in st.hin[d].items() if i >= st.frontier[d]}
-        for st, _ in work.values():
-            low = min(st.frontier) if st.frontier else st.n
-            st.tokens = {i: t for i, t in st.tokens.items() if i >= low}
-        return [dr if work.get(r, (None, False))[1] else [] for r, dr in enumerate(drafts)]
+    def _draft_depth(self, d: int, step: _Drafting, batch: BatchInput, seg: Segments) -> bool:
+        """Run MTP depth ``d`` over every request's pending positions; False when none has any."""
+        rows = self._depth_inputs(d, step, batch)
+        if not rows.spans:
+            return False
+        tok = rows.tokens(step, self.device)
+        out, logits = self._run_mtp(d, rows.spans, torch.stack(rows.hidden), tok, rows.pos, seg)
+        off = 0
+        picks: list[int] = []  # logits rows whose argmax is a draft
+        for r, c, last in rows.spans:
+            st, sampling = step.work[r]
+            for i in range(c, last + 1):
+                if d + 1 < self.num_draft:
+                    if i <= st.n - 1 - d:
+                        st.hin[d + 1][i] = out[off + i - c]
+                    else:
+                        step.tmp[(r, d + 1, i)] = out[off + i - c]
+            if sampling:
+                step.refs[r].append(step.count + len(picks))
+                picks.append(off + last - c)
+            off += last - c + 1
+            st.frontier[d] = max(c, st.n - d, 0)
+        if picks:
+            step.add(logits.index_select(0, torch.tensor(picks, device=self.device)).argmax(-1))
+        # Inputs below the new frontier are never read again.
+        for r, _, _ in rows.spans:
+            st = step.work[r][0]
+            st.hin[d] = {i: h for i, h in st.hin[d].items() if i >= st.frontier[d]}
+        return True
+
+    def _depth_inputs(self, d: int, step: _Drafting, batch: BatchInput) -> _DepthInputs:
+        """Host bookkeeping of depth ``d``: which positions each request (re)computes, with their input
+        streams and tokens (committed ones by value, this step's drafts by reference)."""
+        rows = _DepthInputs()
+        for r, (st, sampling) in step.work.items():
+            c = st.frontier[d]
+            last = st.n - 1 if sampling else st.n - 1 - d
+            if last < c:
+                continue
+            refs = step.refs[r]
+            rh: list[torch.Tensor] = []
+            rt: list[tuple[int, int]] = []  # (committed token or -1, draft reference or -1)
+            for i in range(c, last + 1):
+                h = st.hin[d].get(i, step.tmp.get((r, d, i)))
+                t = i + d + 1
+                j = t - st.n - 1  # index into this step's drafts when token t is not committed yet
+                committed = st.tokens.get(t, -2) if t <= st.n else -1
+                ref = refs[j] if committed == -1 and j < len(refs) else -1
+                if h is None or committed == -2 or (committed == -1 and ref < 0):
+                    break
+                rh.append(h)
+                rt.append((committed, ref))
+            if len(rh) != last - c + 1:
+                # Inconsistent bookkeeping (should not happen): stop drafting for this request
+                # rather than guess; verification keeps the output exact regardless.
+                step.work[r] = (st, False)
+                step.refs[r] = []
+                self.mtp_state.pop(batch.request_ids[r], None)
+                continue
+            rows.hidden += rh
+            rows.toks += rt
+            rows.pos += range(c, last + 1)
+            rows.spans.append((r, c, last))
+        return rows
 
     def _run_mtp(
         self,
         d: int,
         rows: list[tuple[int, int, int]],
         hidden: torch.Tensor,
-        toks: list[int],
+        tok: torch.Tensor,
         pos: list[int],
         seg: Segments,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One MTP depth over the flat rows; returns its output streams and logits per row."""
+        """One MTP depth over the flat rows (``tok`` their input tokens, on the device); returns its
+        output streams and logits per row."""
         assert self.model is not None
         m, cfg = self.model, self.cfg
         p = self.mtp_layers[min(d, len(self.mtp_layers) - 1)]
         group = f"mtp{d}"
-        tok = torch.tensor(toks, device=self.device, dtype=torch.long)
         positions = torch.tensor(pos, device=self.device, dtype=torch.long)
         starts = [0]
         for _, c, last in rows:
             starts.append(starts[-1] + last - c + 1)
-        bt = seg.block_tables[group][[r for r, _, _ in rows]]
+        bt = seg.block_tables[group].index_select(0, torch.tensor([r for r, _, _ in rows], device=self.device))
         mseg = Segments(
             starts=starts,
             pos0=[c for _, c, _ in rows],

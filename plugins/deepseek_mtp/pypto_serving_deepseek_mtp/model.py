@@ -18,6 +18,8 @@ tokens are simply overwritten when the real tokens arrive.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +73,29 @@ class Segments:
 
     def rows(self, r: int) -> tuple[int, int]:
         return self.starts[r], self.starts[r + 1]
+
+    @property
+    def q_lens(self) -> list[int]:
+        return [b - a for a, b in pairwise(self.starts)]
+
+
+class _Rows(NamedTuple):
+    """Per-request index tensors of one attention call, built from the host lists (no device read)."""
+
+    qsl: torch.Tensor  # [R + 1] row offsets
+    q_lens: torch.Tensor  # [R]
+    req: torch.Tensor  # [T] request of each row
+    pos0: torch.Tensor  # [R]
+    last: torch.Tensor  # [R] position of each request's last row (pos0 - 1 when it has none)
+
+
+def _rows(seg: Segments, dev: torch.device) -> _Rows:
+    qsl = torch.tensor(seg.starts, device=dev)
+    q_lens = qsl[1:] - qsl[:-1]
+    arange = torch.arange(len(seg.pos0), device=dev)
+    req = torch.repeat_interleave(arange, q_lens, output_size=seg.starts[-1])
+    pos0 = torch.tensor(seg.pos0, device=dev)
+    return _Rows(qsl, q_lens, req, pos0, pos0 + q_lens - 1)
 
 
 class CompressorRing:
@@ -131,18 +156,19 @@ def _slots(
 
 
 def _gather_entries(
-    cache: torch.Tensor, block_tables: torch.Tensor, counts: torch.Tensor, block_size: int
+    cache: torch.Tensor, block_tables: torch.Tensor, counts: list[int], block_size: int
 ) -> torch.Tensor:
     """Entries ``0 .. counts[r] - 1`` of every request from a paged cache, padded to ``[R, max(counts), D]``.
 
-    Padded rows repeat entry 0's slot; callers mask them out.
+    ``counts`` is a host list (no device read). Padded rows repeat entry 0's slot; callers mask them out.
     """
     flat = cache.view(-1, cache.shape[-1])
-    num_req = counts.shape[0]
-    n_max = int(counts.max().item()) if num_req else 0
-    idx = torch.arange(n_max, device=counts.device)[None, :].expand(num_req, -1)
-    idx = torch.where(idx < counts[:, None], idx, 0)
-    rows = torch.arange(num_req, device=counts.device)[:, None].expand(-1, n_max)
+    num_req = len(counts)
+    n_max = max(counts, default=0)
+    dev = block_tables.device
+    idx = torch.arange(n_max, device=dev)[None, :].expand(num_req, -1)
+    idx = torch.where(idx < torch.tensor(counts, device=dev)[:, None], idx, 0)
+    rows = torch.arange(num_req, device=dev)[:, None].expand(-1, n_max)
     return flat[_slots(block_tables, rows, idx, block_size, flat.shape[0])]
 
 
@@ -310,64 +336,91 @@ class DeepseekV4Model:
         kv = ops.rms_norm(F.linear(h, p["attn.wkv.weight"]), p["attn.norm.weight"], cfg.rms_norm_eps)
         kv = apply_interleaved_rope(kv, cos, sin)
 
-        bs = self.block_size
-        dev = h.device
-        flat_swa = swa.view(-1, cfg.head_dim)
-        num_req = len(seg.pos0)
         n_tok = seg.starts[-1]
-        qsl = torch.tensor(seg.starts, device=dev)
-        q_lens = qsl[1:] - qsl[:-1]
-        req = torch.repeat_interleave(torch.arange(num_req, device=dev), q_lens)  # [n_tok] request of each row
+        rows = _rows(seg, h.device)
+        flat_swa = swa.view(-1, cfg.head_dim)
         qpos = seg.positions[:n_tok]
         swa_bt = seg.block_tables[swa_group]
-        flat_swa[_slots(swa_bt, req, qpos, bs, flat_swa.shape[0], for_write=True)] = kv[:n_tok].to(flat_swa.dtype)
-
-        iq = iw = None
-        if kind == CSA:
-            iq = F.linear(q_res, p["attn.indexer.wq_b.weight"]).view(t, cfg.index_n_heads, cfg.index_head_dim)
-            iq = apply_interleaved_rope(iq, cos, sin)
-            iw = F.linear(h, p["attn.indexer.weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
-
-        # Sliding keys of request r: positions [max(0, pos0 - window + 1), last], padded to [R, Lw].
-        window = cfg.sliding_window
-        pos0 = torch.tensor(seg.pos0, device=dev)
-        last = pos0 + q_lens - 1
-        k0 = (pos0 - window + 1).clamp(min=0)
-        k_lens = (last - k0 + 1).clamp(min=0)
-        lw = int(k_lens.max().item()) if num_req else 0
-        kpos = k0[:, None] + torch.arange(lw, device=dev)[None, :]
-        k_valid = kpos <= last[:, None]
-        rows = torch.arange(num_req, device=dev)[:, None].expand(-1, lw)
-        keys = flat_swa[_slots(swa_bt, rows, torch.where(k_valid, kpos, k0[:, None]), bs, flat_swa.shape[0])]
-        diff = qpos[:, None] - kpos[req]
-        mask = (diff >= 0) & (diff < window) & k_valid[req]
+        write = _slots(swa_bt, rows.req, qpos, self.block_size, flat_swa.shape[0], for_write=True)
+        flat_swa[write] = kv[:n_tok].to(flat_swa.dtype)
+        keys, mask = self._sliding_keys(flat_swa, swa_bt, seg, rows, qpos)
         if kind != SLIDING:
-            group = "csa_kv" if kind == CSA else "hca_kv"
-            gi = self.group_index[layer]
-            rate = cfg.compress_rates[kind]
-            # Compressor state is a per-request ring, so entry emission stays a loop over requests.
-            for r in range(num_req):
-                a, b = seg.rows(r)
-                if a < b:
-                    self._compress_step(p, h[a:b], seg, r, layer, kind, seg.pos0[r], seg.pos0[r] + (b - a) - 1)
-            n_entries = torch.where(q_lens > 0, (last + 1) // rate, 0)
-            entries = _gather_entries(self.caches[group][gi], seg.block_tables[group], n_entries, bs)
-            visible = torch.arange(entries.shape[1], device=dev)[None, :] < ((qpos + 1) // rate)[:, None]
-            if kind == CSA and entries.shape[1] > 0:
-                assert iq is not None and iw is not None
-                index_keys = _gather_entries(self.caches["csa_index"][gi], seg.block_tables["csa_index"], n_entries, bs)
-                visible = indexer_topk(
-                    iq[:n_tok], iw[:n_tok], index_keys, visible, qsl, cfg.index_topk, cfg.index_head_dim**-0.5
-                )
+            entries, visible = self._compressed_keys(p, h, q_res, cos, sin, seg, rows, qpos, layer, kind)
             keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
             mask = torch.cat([mask, visible], dim=1)
         out = torch.zeros_like(q)
-        out[:n_tok] = sink_attention(q[:n_tok], keys, mask, qsl, p["attn.attn_sink"], cfg.head_dim**-0.5)
+        out[:n_tok] = sink_attention(
+            q[:n_tok], keys, mask, rows.qsl, p["attn.attn_sink"], cfg.head_dim**-0.5, query_lens_host=seg.q_lens
+        )
 
         # K == V carries RoPE on its trailing channels; rotate back by the query position.
         out = apply_interleaved_rope(out, cos, -sin)
         grouped = out.reshape(t, cfg.o_groups, -1)
         return F.linear(grouped_linear(grouped, p["attn.wo_a.weight"], cfg.o_groups), p["attn.wo_b.weight"])
+
+    def _sliding_keys(
+        self, flat_swa: torch.Tensor, swa_bt: torch.Tensor, seg: Segments, rows: _Rows, qpos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sliding keys of request r: positions ``[max(0, pos0 - window + 1), last]``, padded to ``[R, Lw]``
+        (``Lw`` from the host); plus the per-row mask ``[T, Lw]``."""
+        window = self.cfg.sliding_window
+        k0 = (rows.pos0 - window + 1).clamp(min=0)
+        lw = max((p + n - max(0, p - window + 1) for p, n in zip(seg.pos0, seg.q_lens)), default=0)
+        lw = max(lw, 0)
+        kpos = k0[:, None] + torch.arange(lw, device=flat_swa.device)[None, :]
+        k_valid = kpos <= rows.last[:, None]
+        req_rows = torch.arange(len(seg.pos0), device=flat_swa.device)[:, None].expand(-1, lw)
+        safe = torch.where(k_valid, kpos, k0[:, None])
+        keys = flat_swa[_slots(swa_bt, req_rows, safe, self.block_size, flat_swa.shape[0])]
+        diff = qpos[:, None] - kpos[rows.req]
+        return keys, (diff >= 0) & (diff < window) & k_valid[rows.req]
+
+    def _compressed_keys(
+        self,
+        p: dict[str, torch.Tensor],
+        h: torch.Tensor,
+        q_res: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seg: Segments,
+        rows: _Rows,
+        qpos: torch.Tensor,
+        layer: int,
+        kind: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Re)write this step's compressed entries, then gather every request's visible ones padded to
+        ``[R, E]`` with the per-row selection mask ``[T, E]`` (the indexer's top-k on CSA layers)."""
+        cfg = self.cfg
+        group = "csa_kv" if kind == CSA else "hca_kv"
+        gi = self.group_index[layer]
+        rate = cfg.compress_rates[kind]
+        n_tok = seg.starts[-1]
+        # Compressor state is a per-request ring, so entry emission stays a loop over requests.
+        for r, (p0, n) in enumerate(zip(seg.pos0, seg.q_lens)):
+            if n:
+                a, b = seg.rows(r)
+                self._compress_step(p, h[a:b], seg, r, layer, kind, p0, p0 + n - 1)
+        n_entries = [(p0 + n) // rate if n else 0 for p0, n in zip(seg.pos0, seg.q_lens)]
+        entries = _gather_entries(self.caches[group][gi], seg.block_tables[group], n_entries, self.block_size)
+        visible = torch.arange(entries.shape[1], device=h.device)[None, :] < ((qpos + 1) // rate)[:, None]
+        if kind == CSA and entries.shape[1] > 0:
+            iq = F.linear(q_res, p["attn.indexer.wq_b.weight"]).view(-1, cfg.index_n_heads, cfg.index_head_dim)
+            iq = apply_interleaved_rope(iq, cos, sin)
+            iw = F.linear(h, p["attn.indexer.weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
+            index_keys = _gather_entries(
+                self.caches["csa_index"][gi], seg.block_tables["csa_index"], n_entries, self.block_size
+            )
+            visible = indexer_topk(
+                iq[:n_tok],
+                iw[:n_tok],
+                index_keys,
+                visible,
+                rows.qsl,
+                cfg.index_topk,
+                cfg.index_head_dim**-0.5,
+                query_lens_host=seg.q_lens,
+            )
+        return entries, visible
 
     # ------------------------------------------------------------------ compressors
 

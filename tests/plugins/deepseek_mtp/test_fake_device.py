@@ -1,0 +1,127 @@
+"""The DeepSeek-V4 executor on a fake CUDA device: every tensor of a step lives on the executor's
+device, and ``execute`` (prefill, chunked prefill mixed with decode) and ``propose_drafts`` read
+nothing back to the host except drafting's single final read (:func:`read_drafts`).
+
+The model's weights, caches, compressor rings and batch tensors are empty fake ``cuda`` tensors (see
+``fake_cuda``): a CPU tensor mixed in raises a device mismatch, and any host read of a value
+(``.item()``, ``.tolist()``, ``int(t)``, boolean masks, data-dependent shapes) raises, since fake
+tensors hold no values. Values are checked elsewhere (test_parity, test_mtp); here only placement,
+shapes and the absence of syncs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import pypto_serving_deepseek_mtp.executor as executor_mod
+
+from .fake_cuda import CUDA, CudaBindings, fake_cuda, fake_mode
+from .helpers import FakeCore
+
+K = 2
+BLOCKS = 64
+
+
+def _executor(path: Any) -> Any:
+    from pypto_serving.config import ServingSettings
+
+    settings = ServingSettings(
+        model=str(path),
+        dtype="bfloat16",  # the grouped MoE path takes bf16 on CUDA (float32 falls back to a syncing loop)
+        device="cpu",
+        block_size=4,
+        speculative_config={"method": "mtp", "num_speculative_tokens": K},
+        max_num_seqs=4,
+    )
+    ex = executor_mod.DeepseekMTPExecutor(settings)
+    return ex, ex.load()
+
+
+def _fake_batch(batch: Any) -> Any:
+    tensors = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return dataclasses.replace(
+        batch, **{k: fake_cuda(v) for k, v in tensors.items() if isinstance(v, torch.Tensor | dict)}
+    )
+
+
+@dataclasses.dataclass
+class Setup:
+    ex: Any
+    vocab: int
+    batches: list[Any]
+
+
+@pytest.fixture
+def fake_executor(checkpoints: Any) -> Iterator[Setup]:
+    """The executor on fake cuda plus two prebuilt steps (batches are laid out on the host first)."""
+    ex, info = _executor(checkpoints["mixed_yarn"].path)
+    core = FakeCore(ex, info, num_blocks=BLOCKS)
+    a = list(range(3, 12))  # request a: 9 prompt tokens, prefilled in two chunks (4 + 5)
+    b = list(range(20, 26))  # request b: 6 prompt tokens, then a decode step verifying K drafts
+    steps = [
+        core.batch([("a", a[:4], 0, 0), ("b", b, 0, 1)]),
+        core.batch([("a", a[4:], 4, 1), ("b", [40, 41, 42], len(b), 1 + K)]),
+        core.batch([("a", [50], len(a), 1), ("b", [43, 44], len(b) + 2, 2)]),
+    ]
+    with fake_mode(), CudaBindings():
+        model, memo = ex.model, {}
+        for name in ("embed", "head", "norm", "hc_head", "layers", "inv_freq"):
+            setattr(model, name, fake_cuda(getattr(model, name), memo))
+        ex.mtp_layers = fake_cuda(ex.mtp_layers, memo)
+        ex.device = model.device = torch.device("cuda")
+        ex.init_kv_cache({g.name: BLOCKS for g in info.cache_groups})
+        yield Setup(ex, info.vocab_size, [_fake_batch(s) for s in steps])
+
+
+def test_fake_cuda_catches_host_reads_and_device_mixing() -> None:
+    """The check has teeth: the reads and mixes this test forbids do raise on these tensors."""
+    with fake_mode(), CudaBindings():
+        x = torch.empty(4, 3, device="cuda")
+        with pytest.raises(Exception):  # noqa: B017 - the exception class differs between torch versions
+            x.max().item()
+        with pytest.raises(Exception):  # noqa: B017
+            x.argmax(-1).tolist()
+        with pytest.raises(Exception):  # noqa: B017
+            int(x[0, 0])
+        with pytest.raises(Exception):  # noqa: B017 - boolean-mask indexing needs the mask's values
+            _ = x[x > 0]
+        with pytest.raises(Exception, match="device"):
+            _ = x + torch.ones(3)
+        assert x[torch.zeros(2, dtype=torch.long, device="cuda"), 1:].shape == (2, 2)  # indexing itself works
+
+
+def test_execute_and_drafting_stay_on_the_device(fake_executor: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    ex = fake_executor.ex
+    reads: list[torch.Tensor] = []
+
+    def read_drafts(drafts: torch.Tensor) -> list[int]:
+        reads.append(drafts)
+        return [0] * drafts.shape[0]  # what the host read would return, without reading
+
+    monkeypatch.setattr(executor_mod, "read_drafts", read_drafts)
+    accepted = [
+        [[], [7]],  # a's first chunk samples nothing; b's prefill samples one token
+        [[8], [40, 9]],  # a's last chunk samples; b accepts its first draft
+        [[10], [43]],
+    ]
+    for batch, acc in zip(fake_executor.batches, accepted):
+        logits = ex.execute(batch)
+        assert logits.device.type == "cuda"
+        assert logits.shape == (sum(batch.num_logits), fake_executor.vocab)
+        drafts = ex.propose_drafts(batch, acc)
+        assert [len(d) for d in drafts] == [K if n else 0 for n in batch.num_logits]
+    # One read per step, of every sampling request's K drafts at once.
+    assert [tuple(t.shape) for t in reads] == [(K,), (2 * K,), (2 * K,)]
+    assert all(t.device == CUDA and t.dtype == torch.long for t in reads)
+
+
+def test_caches_and_rings_live_on_the_device(fake_executor: Setup) -> None:
+    model = fake_executor.ex.model
+    assert model.caches and model.rings
+    assert all(c.device.type == "cuda" for c in model.caches.values())
+    assert all(r.kv.device.type == "cuda" and r.gate.device.type == "cuda" for r in model.rings.values())
