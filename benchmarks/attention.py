@@ -16,6 +16,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -104,11 +105,9 @@ def random_model(name: str, gen: torch.Generator) -> QwenForCausalLM:
     return model
 
 
-def _padded_reference(
-    *args: object, query_lens_host: object = None, seq_lens_host: object = None, **kwargs: object
-) -> torch.Tensor:
+def _padded_reference(*args: Any, query_lens_host: object = None, seq_lens_host: object = None, **kwargs: Any) -> Any:
     """The padded reference as the model calls it: it takes no host lengths (it reads the tensors)."""
-    return _reference_paged_attention(*args, **kwargs)  # type: ignore[arg-type]
+    return _reference_paged_attention(*args, **kwargs)
 
 
 def decode_step_share(name: str, contexts: list[int], reps: int, gen: torch.Generator) -> None:

@@ -99,7 +99,8 @@ def _to_cuda(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             device = a
     if device is None or torch.device(device).type != "cuda" or t.device.type == "cuda":
         return None
-    return torch.ops.aten._to_copy.default(t, dtype=dtype or t.dtype, device=CUDA)
+    moved: torch.Tensor = torch.ops.aten._to_copy.default(t, dtype=dtype or t.dtype, device=CUDA)
+    return moved
 
 
 class _GuardFreeIndexing(TorchFunctionMode):

@@ -122,7 +122,8 @@ def test_without_host_lengths_attention_would_read_back(qwen_checkpoints: Callab
 
         def forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, meta: Any) -> torch.Tensor:
             blind = dataclasses.replace(meta, query_lens_host=None, seq_lens_host=None)
-            return original(x, cos, sin, cache, blind)
+            out: torch.Tensor = original(x, cos, sin, cache, blind)
+            return out
 
         layer.forward = forward  # type: ignore[method-assign]
         with pytest.raises(DataDependentOutputException):
