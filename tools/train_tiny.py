@@ -20,6 +20,8 @@ import argparse
 import json
 import math
 import os
+import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -235,9 +237,7 @@ class MTPLayer(nn.Module):
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [
-            (n, p)
-            for n, p in self.named_parameters()
-            if not n.startswith(("one.model.embed_tokens", "one.lm_head"))
+            (n, p) for n, p in self.named_parameters() if not n.startswith(("one.model.embed_tokens", "one.lm_head"))
         ]
 
     def forward(self, streams: torch.Tensor, next_ids: torch.Tensor, embed: nn.Module, head: nn.Module) -> torch.Tensor:
@@ -288,8 +288,10 @@ class DeepseekWithMTP(nn.Module):
                 if name.endswith("tid2eid"):  # the frozen token -> experts hash of the hash-MoE layers
                     buf.copy_(
                         torch.stack(
-                            [torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok]
-                             for _ in range(cfg.vocab_size)]
+                            [
+                                torch.randperm(cfg.n_routed_experts, generator=gen)[: cfg.num_experts_per_tok]
+                                for _ in range(cfg.vocab_size)
+                            ]
                         )
                     )
         self._streams: list[torch.Tensor] = []
@@ -353,8 +355,11 @@ def batches(data: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator):
 
 
 def eval_chunks(data: torch.Tensor, seq_len: int, max_windows: int) -> list[torch.Tensor]:
-    n = min((len(data) - 1) // seq_len, max_windows)
-    return [data[i * seq_len : i * seq_len + seq_len + 1].long() for i in range(n)]
+    """Up to ``max_windows`` non-overlapping windows spread evenly over the held-out tokens."""
+    total = (len(data) - 1) // seq_len
+    n = min(total, max_windows)
+    picks = sorted({i * total // n for i in range(n)}) if n else []
+    return [data[i * seq_len : i * seq_len + seq_len + 1].long() for i in picks]
 
 
 def lr_at(progress: float, base: float, warmup: float = 0.03, floor: float = 0.1) -> float:
@@ -388,7 +393,7 @@ def train_loop(
     opt = make_optimizer(params, args.lr, args.weight_decay)
     trainable = [p for _, p in params if p.requires_grad]
     it = batches(data, args.batch, args.seq_len, gen)
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     step, curve = 0, []
     ema: dict[str, float] = {}
     log(f"[{name}] training: budget {budget_s / 60:.1f} min" + (f", at most {args.steps} steps" if args.steps else ""))
@@ -399,11 +404,12 @@ def train_loop(
         if elapsed >= budget_s and step > 0:
             break
         # Schedule by steps when capped by --steps (deterministic), else by the time budget.
-        progress = step / args.steps if args.steps else elapsed / budget_s
+        progress = step / args.steps if args.steps else elapsed / max(budget_s, 1.0)
         for g in opt.param_groups:
             g["lr"] = lr_at(progress, args.lr)
         parts = step_fn(next(it))
         loss = parts["loss"]
+        parts = {k: v.detach() for k, v in parts.items()}
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -415,14 +421,26 @@ def train_loop(
             v = float(v)
             ema[k] = v if k not in ema else 0.9 * ema[k] + 0.1 * v
         if step == 1 or step % args.log_every == 0:
-            el = time.monotonic() - t0
-            pct = max(el / budget_s, step / args.steps if args.steps else 0.0) * 100
+            el, cpu = time.monotonic() - t0, time.process_time() - c0
+            pct = max(el / max(budget_s, 1.0), step / args.steps if args.steps else 0.0) * 100
             vals = " ".join(f"{k} {float(v):.3f} (ema {ema[k]:.3f})" for k, v in parts.items())
-            log(f"[{name}] step {step} {pct:5.1f}% {el:7.1f}s {el / step:.2f}s/step lr {g['lr']:.2e} {vals}")
+            log(
+                f"[{name}] step {step} {pct:5.1f}% {el:7.1f}s {el / step:.2f}s/step (cpu {cpu / step:.2f}s) "
+                f"lr {g['lr']:.2e} {vals}"
+            )
             curve.append({"step": step, "time_s": round(el, 1), **{k: round(float(v), 4) for k, v in parts.items()}})
-    el = time.monotonic() - t0
-    log(f"[{name}] done: {step} steps in {el:.1f}s ({el / max(step, 1):.2f} s/step)")
-    return {"steps": step, "seconds": round(el, 1), "s_per_step": round(el / max(step, 1), 3), "curve": curve}
+    el, cpu = time.monotonic() - t0, time.process_time() - c0
+    log(
+        f"[{name}] done: {step} steps in {el:.1f}s ({el / max(step, 1):.2f} s/step wall, "
+        f"{cpu / max(step, 1):.2f} s/step cpu over {torch.get_num_threads()} threads)"
+    )
+    return {
+        "steps": step,
+        "seconds": round(el, 1),
+        "s_per_step": round(el / max(step, 1), 3),
+        "cpu_s_per_step": round(cpu / max(step, 1), 3),
+        "curve": curve,
+    }
 
 
 @torch.no_grad()
@@ -502,109 +520,197 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=40.0, help="wall-clock budget of the whole run")
     p.add_argument("--steps", type=int, default=0, help="cap on optimizer steps per model (0: none)")
     p.add_argument("--models", default="deepseek,qwen", help="comma-separated subset of deepseek,qwen")
-    p.add_argument("--deepseek-share", type=float, default=0.7, help="share of the training time for DeepSeek")
+    p.add_argument(
+        "--deepseek-share",
+        type=float,
+        default=0.75,
+        help="share of the training time for DeepSeek when the models train one after the other",
+    )
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128, help="training window (tokens)")
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--mtp-lambda", type=float, default=0.3, help="weight of the MTP loss")
-    p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of --seq-len tokens")
+    p.add_argument("--eval-windows", type=int, default=128, help="held-out windows of --seq-len tokens")
     p.add_argument("--eval-reserve", type=float, default=60.0, help="seconds kept back for eval and saving")
     p.add_argument("--max-files", type=int, default=0, help="use only the first N corpus files (tests)")
     p.add_argument("--tokenizer-files", type=int, default=0, help="train the BPE on every k-th train file only")
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--jobs", type=int, default=2, help="models trained in parallel processes (1: in turn)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per model (0: cores / models when parallel, else torch's default)",
+    )
+    p.add_argument("--prepared", type=Path, default=None, help=argparse.SUPPRESS)  # internal: worker of a parallel run
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    start = time.monotonic()
-    deadline = start + args.minutes * 60
-    torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    bad = set(models) - {"deepseek", "qwen"}
-    if bad:
-        raise SystemExit(f"unknown model(s) {sorted(bad)}; choose from deepseek, qwen")
-
+def prepare(args: argparse.Namespace) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Corpus split, BPE tokenizer and token ids (train, held-out)."""
     files = corpus_files(args.max_files or None)
     train_files, held_files = split(files)
-    log(f"corpus: {len(files)} files from {sysconfig.get_paths()['stdlib']} "
-        f"({len(train_files)} train, {len(held_files)} held out: sorted index % {HELD_OUT_EVERY} == 0)")
+    log(
+        f"corpus: {len(files)} files from {sysconfig.get_paths()['stdlib']} "
+        f"({len(train_files)} train, {len(held_files)} held out: sorted index % {HELD_OUT_EVERY} == 0)"
+    )
     train_texts, held_texts = read_texts(train_files), read_texts(held_files)
     tok_texts = train_texts[:: args.tokenizer_files] if args.tokenizer_files else train_texts
     t = time.monotonic()
     tok = train_tokenizer(tok_texts, args.vocab)
+    train_ids, held_ids = encode(tok, train_texts), encode(tok, held_texts)
+    log(
+        f"tokenizer: vocab {tok.get_vocab_size()}, {time.monotonic() - t:.1f}s; {len(train_ids)} train / "
+        f"{len(held_ids)} held-out tokens ({sum(map(len, train_texts)) / max(len(train_ids), 1):.2f} chars/token)"
+    )
+    return tok, train_ids, held_ids
+
+
+def train_model(
+    name: str, args: argparse.Namespace, tok: Any, train_ids: torch.Tensor, held_ids: torch.Tensor, budget: float
+) -> dict[str, Any]:
+    """Train, evaluate on the held-out windows and save one model; returns its report."""
+    torch.manual_seed(args.seed)
     vocab = tok.get_vocab_size()
     eos = [tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")]
-    train_ids, held_ids = encode(tok, train_texts), encode(tok, held_texts)
-    log(f"tokenizer: vocab {vocab}, {time.monotonic() - t:.1f}s; {len(train_ids)} train / "
-        f"{len(held_ids)} held-out tokens ({sum(map(len, train_texts)) / max(len(train_ids), 1):.2f} chars/token)")
     chunks = eval_chunks(held_ids, args.seq_len, args.eval_windows)
+    if name == "deepseek":
+        cfg = deepseek_config(vocab, eos, args.seq_len)
+        model = DeepseekWithMTP(cfg, args.seed)
+        model.train()
+        n_main = sum(p.numel() for p in model.main.parameters())
+        n_mtp = sum(p.numel() for _, p in model.mtp.trainable())
+        log(f"[deepseek] {n_main / 1e6:.2f}M main parameters + {n_mtp / 1e6:.2f}M MTP layer")
+        balancer = LoadBalancer(model)
+
+        def step_fn(c: torch.Tensor) -> dict[str, torch.Tensor]:
+            m, t, _ = model.losses(c)
+            return {"loss": m + args.mtp_lambda * t, "main": m, "mtp": t}
+
+        stats = train_loop("deepseek", step_fn, model.trainable(), train_ids, args, budget, balancer.update)
+        ev = eval_deepseek(model, chunks, args.batch)
+        out = args.out / DS_DIR
+        save_deepseek(model, tok, out, eos)
+        log(
+            f"[deepseek] held-out: main loss {ev['heldout_main_loss']:.4f}, MTP loss "
+            f"{ev['heldout_mtp_loss']:.4f}, MTP top-1 next-next-token accuracy {ev['heldout_mtp_top1_acc']:.4f} "
+            f"({ev['heldout_tokens']} tokens); saved {out} ({dir_mb(out):.1f} MB)"
+        )
+        return {
+            **stats,
+            **ev,
+            "params_main": n_main,
+            "params_mtp": n_mtp,
+            "dir": str(out),
+            "size_mb": round(dir_mb(out), 2),
+        }
+
+    from transformers import Qwen3ForCausalLM
+
+    qmodel = Qwen3ForCausalLM(qwen_config(vocab, eos, args.seq_len))
+    qmodel.train()
+    n = sum(p.numel() for p in qmodel.parameters())
+    log(f"[qwen] {n / 1e6:.2f}M parameters")
+
+    def qstep(c: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = qmodel(input_ids=c[:, :-1]).logits
+        return {"loss": F.cross_entropy(logits.flatten(0, 1).float(), c[:, 1:].flatten())}
+
+    stats = train_loop("qwen", qstep, list(qmodel.named_parameters()), train_ids, args, budget)
+    ev = eval_qwen(qmodel, chunks, args.batch)
+    out = args.out / QWEN_DIR
+    save_qwen(qmodel, tok, out, eos)
+    log(
+        f"[qwen] held-out: main loss {ev['heldout_main_loss']:.4f} ({ev['heldout_tokens']} tokens); "
+        f"saved {out} ({dir_mb(out):.1f} MB)"
+    )
+    return {**stats, **ev, "params": n, "dir": str(out), "size_mb": round(dir_mb(out), 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw_argv)
+    start = time.monotonic()
+    deadline = start + args.minutes * 60
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = set(models) - {"deepseek", "qwen"}
+    if bad or not models:
+        raise SystemExit(f"unknown model(s) {sorted(bad)}; choose from deepseek, qwen")
+    parallel = args.jobs > 1 and len(models) > 1 and not args.prepared
+    threads = args.threads or (max(1, (os.cpu_count() or 1) // len(models)) if parallel else 0)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    report: dict[str, Any] = {"seed": args.seed, "vocab": vocab, "seq_len": args.seq_len, "batch": args.batch}
-    train_left = max(0.0, deadline - time.monotonic() - args.eval_reserve)
-    shares = {"deepseek": args.deepseek_share if len(models) > 1 else 1.0, "qwen": 1.0}
+    if args.prepared:  # a worker of a parallel run: one model, tokenizer and token ids from the parent
+        from tokenizers import Tokenizer
 
-    for name in models:
-        torch.manual_seed(args.seed)
-        if name == "deepseek":
-            cfg = deepseek_config(vocab, eos, args.seq_len)
-            model = DeepseekWithMTP(cfg, args.seed)
-            model.train()
-            params = model.trainable()
-            n_main = sum(p.numel() for p in model.main.parameters())
-            n_mtp = sum(p.numel() for _, p in model.mtp.trainable())
-            log(f"[deepseek] {n_main / 1e6:.2f}M main parameters + {n_mtp / 1e6:.2f}M MTP layer")
-            balancer = LoadBalancer(model)
+        tok = Tokenizer.from_file(str(args.prepared / "tokenizer.json"))
+        data = torch.load(args.prepared / "corpus.pt")
+        (name,) = models
+        budget = max(0.0, deadline - time.monotonic() - args.eval_reserve)
+        rep = train_model(name, args, tok, data["train"], data["held"], budget)
+        (args.prepared / f"report.{name}.json").write_text(json.dumps(rep, indent=2) + "\n")
+        return 0
 
-            def step_fn(c: torch.Tensor) -> dict[str, torch.Tensor]:
-                m, t, _ = model.losses(c)
-                return {"loss": m + args.mtp_lambda * t, "main": m.detach(), "mtp": t.detach()}
-
-            budget = train_left * shares["deepseek"]
-            stats = train_loop("deepseek", step_fn, params, train_ids, args, budget, balancer.update)
-            ev = eval_deepseek(model, chunks, args.batch)
-            out = args.out / DS_DIR
-            save_deepseek(model, tok, out, eos)
-            report["deepseek"] = {**stats, **ev, "params_main": n_main, "params_mtp": n_mtp, "dir": str(out),
-                                  "size_mb": round(dir_mb(out), 2)}
-            log(f"[deepseek] held-out: main loss {ev['heldout_main_loss']:.4f}, MTP loss "
-                f"{ev['heldout_mtp_loss']:.4f}, MTP top-1 next-next-token accuracy {ev['heldout_mtp_top1_acc']:.4f} "
-                f"({ev['heldout_tokens']} tokens); saved {out} ({dir_mb(out):.1f} MB)")
-        else:
-            from transformers import Qwen3ForCausalLM
-
-            cfg = qwen_config(vocab, eos, args.seq_len)
-            model = Qwen3ForCausalLM(cfg)
-            model.train()
-            params = list(model.named_parameters())
-            n = sum(p.numel() for p in model.parameters())
-            log(f"[qwen] {n / 1e6:.2f}M parameters")
-
-            def step_fn(c: torch.Tensor) -> dict[str, torch.Tensor]:
-                logits = model(input_ids=c[:, :-1]).logits
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), c[:, 1:].flatten())
-                return {"loss": loss}
-
-            budget = max(0.0, deadline - time.monotonic() - args.eval_reserve / 2)
-            stats = train_loop("qwen", step_fn, params, train_ids, args, budget)
-            ev = eval_qwen(model, chunks, args.batch)
-            out = args.out / QWEN_DIR
-            save_qwen(model, tok, out, eos)
-            report["qwen"] = {**stats, **ev, "params": n, "dir": str(out), "size_mb": round(dir_mb(out), 2)}
-            log(f"[qwen] held-out: main loss {ev['heldout_main_loss']:.4f} ({ev['heldout_tokens']} tokens); "
-                f"saved {out} ({dir_mb(out):.1f} MB)")
-        del model
+    tok, train_ids, held_ids = prepare(args)
+    report: dict[str, Any] = {
+        "seed": args.seed,
+        "vocab": tok.get_vocab_size(),
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "mtp_lambda": args.mtp_lambda,
+        "parallel": parallel,
+        "threads_per_model": threads or torch.get_num_threads(),
+    }
+    if parallel:
+        # One process per model, each on its own core(s): the models' small ops scale badly over
+        # threads, so two single-threaded trainings use 2 cores far better than one after the other.
+        prep = args.out / "_prepared"
+        prep.mkdir(exist_ok=True)
+        tok.save(str(prep / "tokenizer.json"))
+        torch.save({"train": train_ids, "held": held_ids}, prep / "corpus.pt")
+        left_min = max(0.0, deadline - time.monotonic()) / 60
+        procs = []
+        for name in models:
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                *raw_argv,
+                "--models",
+                name,
+                "--prepared",
+                str(prep),
+                "--minutes",
+                f"{left_min:.4f}",
+                "--threads",
+                str(threads),
+            ]
+            procs.append((name, subprocess.Popen(cmd)))
+        failed = [name for name, p in procs if p.wait() != 0]
+        if failed:
+            raise SystemExit(f"training failed for {failed} (see the log above)")
+        for name in models:
+            report[name] = json.loads((prep / f"report.{name}.json").read_text())
+        shutil.rmtree(prep)
+    else:
+        train_left = max(0.0, deadline - time.monotonic() - args.eval_reserve)
+        for name in models:
+            if name == "deepseek" and len(models) > 1:
+                budget = train_left * args.deepseek_share
+            else:
+                budget = max(0.0, deadline - time.monotonic() - args.eval_reserve / 2)
+            report[name] = train_model(name, args, tok, train_ids, held_ids, budget)
 
     report["total_seconds"] = round(time.monotonic() - start, 1)
     (args.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    log("summary: " + json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "curve"} if isinstance(v, dict) else v
-                                  for k, v in report.items()}))
+    short = {
+        k: {kk: vv for kk, vv in v.items() if kk != "curve"} if isinstance(v, dict) else v for k, v in report.items()
+    }
+    log("summary: " + json.dumps(short))
     return 0
 
 
