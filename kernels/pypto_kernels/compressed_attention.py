@@ -7,59 +7,63 @@ tensor and there is one KV head.
 
 The attention and indexer references take a flat query batch ``[T, ...]`` split by
 ``query_start_loc [R + 1]`` plus per-request keys padded to ``[R, L, D]`` and a per-token mask
-``[T, L]``; they pad the queries to ``[R, Q_max, ...]`` and run one masked einsum for the whole
-batch (no per-request loop). Padded key slots must be masked out by the caller.
+``[T, L]``. They work request by request, in query tiles of at most ``_TILE_ELEMENTS`` scores, so
+their memory follows the step's tokens: no query is padded to the longest one, and with
+``key_lens_host`` a request only reads its own ``key_lens_host[r]`` keys, not the longest request's.
+Padded key slots must be masked out by the caller (and lie at or past ``key_lens_host[r]``).
 
-The padded shape needs each request's query length on the host: pass ``query_lens_host`` (what
-the caller already holds, e.g. ``BatchInput.query_start_loc_host``) and nothing is read back from the
-device; without it ``query_start_loc`` is read once per call (a host sync on an accelerator).
+The loops need each request's query length on the host: pass ``query_lens_host`` (what the caller
+already holds, e.g. ``BatchInput.query_start_loc_host``) and nothing is read back from the device;
+without it ``query_start_loc`` is read once per call (a host sync on an accelerator).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from .attention import _query_lens
 from .registry import dispatch
 
-
-def _pad_rows(rows: torch.Tensor, query_start_loc: torch.Tensor, q_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather flat rows ``[T, ...]`` into ``[R, q_max, ...]`` (``q_max`` from the host, no device read);
-    plus the valid mask ``[R, q_max]``. Padding repeats a real row; callers mask it."""
-    starts = query_start_loc[:-1]
-    q_lens = query_start_loc[1:] - starts
-    offsets = torch.arange(q_max, device=rows.device)
-    idx = starts[:, None] + offsets[None, :]
-    valid = offsets[None, :] < q_lens[:, None]
-    safe = torch.where(valid, idx, 0).clamp_(max=max(rows.shape[0] - 1, 0))
-    return rows[safe], valid
+#: Upper bound on the float32 scores of one query tile (heads x queries x keys), as in ``attention``.
+_TILE_ELEMENTS = 1 << 21
 
 
-def _unpad_rows(padded: torch.Tensor, query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Inverse of ``_pad_rows``: [R, Q_max, ...] -> flat [T, ...]; rows past the last request are zero."""
-    tokens = torch.arange(num_tokens, device=padded.device)
-    num_req = query_start_loc.numel() - 1
-    request = torch.searchsorted(query_start_loc[1:], tokens, right=True).clamp_(max=num_req - 1)
-    in_batch = tokens < query_start_loc[-1]
-    offset = torch.where(in_batch, tokens - query_start_loc[request], 0).clamp_(min=0, max=padded.shape[1] - 1)
-    out = padded[request, offset]
-    keep = in_batch.view(-1, *([1] * (out.dim() - 1)))
-    return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+def _tiles(q_lens: list[int], key_lens: list[int], row_cost: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(request, first row, end row, keys)`` query tiles, each at most ``_TILE_ELEMENTS`` scores
+    (``row_cost`` scores per query row and key); host values only."""
+    start = 0
+    for r, (n, kl) in enumerate(zip(q_lens, key_lens)):
+        tile = max(1, _TILE_ELEMENTS // max(1, row_cost * kl))
+        for a in range(start, start + n, tile):
+            yield r, a, min(a + tile, start + n), kl
+        start += n
 
 
-def _check_batch(
-    name: str, num_tokens: int, query_start_loc: torch.Tensor, keys: torch.Tensor, q_lens: list[int]
-) -> None:
-    """Shape checks from host values only (``q_lens``: the host query lengths)."""
-    if query_start_loc.numel() - 1 != keys.shape[0] or len(q_lens) != keys.shape[0]:
+def _lengths(
+    name: str,
+    num_tokens: int,
+    query_start_loc: torch.Tensor,
+    keys: torch.Tensor,
+    query_lens_host: Sequence[int] | None,
+    key_lens_host: Sequence[int] | None,
+) -> tuple[list[int], list[int]]:
+    """Host query and key lengths per request, checked against the shapes (no device read when the
+    caller passes ``query_lens_host``)."""
+    q_lens = _query_lens(query_start_loc, query_lens_host)
+    num_req, width = keys.shape[0], keys.shape[1]
+    k_lens = [width] * num_req if key_lens_host is None else [int(n) for n in key_lens_host]
+    if query_start_loc.numel() - 1 != num_req or len(q_lens) != num_req or len(k_lens) != num_req:
         raise ValueError(
-            f"{name}: keys hold {keys.shape[0]} requests but query_start_loc describes {query_start_loc.numel() - 1}"
-            f" (query_lens_host {len(q_lens)})"
+            f"{name}: keys hold {num_req} requests but query_start_loc describes {query_start_loc.numel() - 1}"
+            f" (query_lens_host {len(q_lens)}, key_lens_host {len(k_lens)})"
         )
     if sum(q_lens) > num_tokens:
         raise ValueError(f"{name}: query_start_loc ends at {sum(q_lens)} > {num_tokens} tokens")
+    if any(not 0 <= n <= width for n in k_lens):
+        raise ValueError(f"{name}: key_lens_host {k_lens} must lie in [0, {width}]")
+    return q_lens, k_lens
 
 
 @dispatch("compressor_pool")
@@ -113,6 +117,7 @@ def indexer_topk(
     topk: int,
     scale: float,
     query_lens_host: Sequence[int] | None = None,
+    key_lens_host: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Lightning indexer: per query, keep the ``topk`` best-scoring visible compressed entries.
 
@@ -121,29 +126,26 @@ def indexer_topk(
     ``t`` is ``sum_h weights[t, h] * relu(index_q[t, h] . index_keys[r, e]) * scale`` (float32).
     Returns the selected mask ``[T, E]`` (a subset of ``visible``). Ties are broken towards earlier
     entries (stable sort), so the choice does not depend on how queries are batched.
-    ``query_lens_host``: each request's query length on the host (else read from ``query_start_loc``).
+    ``query_lens_host``: each request's query length on the host (else read from ``query_start_loc``);
+    ``key_lens_host``: each request's entry count (``visible`` must be False past it; default ``E``).
     """
     num_tokens = index_q.shape[0]
+    chosen = torch.zeros_like(visible, dtype=torch.bool)
     if num_tokens == 0 or index_keys.shape[1] == 0 or query_start_loc.numel() < 2:
-        return torch.zeros_like(visible, dtype=torch.bool)
+        return chosen
     query_start_loc = query_start_loc.to(device=index_q.device, dtype=torch.int64)
-    q_lens = _query_lens(query_start_loc, query_lens_host)
-    _check_batch("indexer_topk", num_tokens, query_start_loc, index_keys, q_lens)
-    q_max = max(q_lens, default=0)
-    if q_max == 0:
-        return torch.zeros_like(visible, dtype=torch.bool)
-    q_pad, q_valid = _pad_rows(index_q, query_start_loc, q_max)  # [R, S, Hi, Di]
-    w_pad, _ = _pad_rows(weights, query_start_loc, q_max)  # [R, S, Hi]
-    vis_pad, _ = _pad_rows(visible, query_start_loc, q_max)  # [R, S, E]
-    vis_pad = vis_pad & q_valid[:, :, None]
-    scores = torch.relu(torch.einsum("rshd,red->rshe", q_pad.float(), index_keys.float())) * scale
-    scores = (scores * w_pad.float().unsqueeze(-1)).sum(dim=2).masked_fill(~vis_pad, float("-inf"))
-    k = min(topk, index_keys.shape[1])
-    # Padded entries are masked (-inf) and sit after every real one, so a stable sort never ranks
-    # them above a real entry: the picked real entries equal the per-request choice.
-    top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    chosen = torch.zeros_like(vis_pad).scatter_(-1, top, True) & vis_pad
-    return _unpad_rows(chosen, query_start_loc, num_tokens)
+    q_lens, e_lens = _lengths("indexer_topk", num_tokens, query_start_loc, index_keys, query_lens_host, key_lens_host)
+    for r, a, b, e in _tiles(q_lens, e_lens, index_q.shape[1]):
+        if e == 0:
+            continue
+        vis = visible[a:b, :e]
+        scores = torch.relu(torch.einsum("shd,ed->she", index_q[a:b].float(), index_keys[r, :e].float())) * scale
+        scores = (scores * weights[a:b].float().unsqueeze(-1)).sum(dim=1).masked_fill(~vis, float("-inf"))
+        # Masked entries score -inf and a stable sort ranks them after every visible one, so the picked
+        # visible entries are the request's top-k whatever the padding.
+        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(topk, e)]
+        chosen[a:b, :e] = torch.zeros_like(vis).scatter_(-1, top, True) & vis
+    return chosen
 
 
 @dispatch("sink_attention")
@@ -155,6 +157,7 @@ def sink_attention(
     sinks: torch.Tensor,
     scale: float,
     query_lens_host: Sequence[int] | None = None,
+    key_lens_host: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Single-KV-head attention (K == V) with a learned per-head sink logit, over a flat batch.
 
@@ -162,29 +165,27 @@ def sink_attention(
     padded); ``mask [T, L]`` bool, True where token t may attend key l of its request; ``sinks [H]``.
     The sink joins each head's softmax (float32) and is then dropped, so a head may attend to
     "nothing" (a row with no visible key returns zeros). Returns ``[T, H, D]`` in ``query.dtype``.
-    ``query_lens_host``: each request's query length on the host (else read from ``query_start_loc``).
+    ``query_lens_host``: each request's query length on the host (else read from ``query_start_loc``);
+    ``key_lens_host``: how many leading keys of each request may be visible (``mask`` must be False
+    past it; default ``L``): the rest is never read.
     """
     num_tokens = query.shape[0]
+    out = query.new_zeros((num_tokens, query.shape[1], keys.shape[-1]))
     if num_tokens == 0 or query_start_loc.numel() < 2:
-        return query.new_zeros((num_tokens, query.shape[1], keys.shape[-1]))
+        return out
     query_start_loc = query_start_loc.to(device=query.device, dtype=torch.int64)
-    q_lens = _query_lens(query_start_loc, query_lens_host)
-    _check_batch("sink_attention", num_tokens, query_start_loc, keys, q_lens)
-    q_max = max(q_lens, default=0)
-    if q_max == 0:
-        return query.new_zeros((num_tokens, query.shape[1], keys.shape[-1]))
-    q_pad, q_valid = _pad_rows(query, query_start_loc, q_max)  # [R, S, H, D]
-    m_pad, _ = _pad_rows(mask, query_start_loc, q_max)  # [R, S, L]
-    m_pad = m_pad & q_valid[:, :, None]
-    num_req, q_max = q_pad.shape[:2]
-    # Key slots no query reads (padding, unwritten cache) may hold garbage; zero them so 0 * NaN
-    # cannot leak through the probability-weighted sum.
-    keys = torch.where(m_pad.any(dim=1)[:, :, None], keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
-    logits = torch.einsum("rshd,rld->rhsl", q_pad.float(), keys.float()) * scale
-    logits = logits.masked_fill(~m_pad[:, None], float("-inf"))
-    sink = sinks.to(device=query.device, dtype=torch.float32).view(1, -1, 1, 1).expand(num_req, -1, q_max, 1)
-    combined = torch.cat([logits, sink], dim=-1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(combined, dim=-1)[..., :-1]
-    out = torch.einsum("rhsl,rld->rshd", probs.to(keys.dtype), keys)
-    return _unpad_rows(out, query_start_loc, num_tokens).to(query.dtype)
+    q_lens, k_lens = _lengths("sink_attention", num_tokens, query_start_loc, keys, query_lens_host, key_lens_host)
+    sink = sinks.to(device=query.device, dtype=torch.float32).view(-1, 1, 1)
+    for r, a, b, kl in _tiles(q_lens, k_lens, query.shape[1]):
+        m = mask[a:b, :kl]
+        # Key slots no query reads (padding, unwritten cache) may hold garbage; zero them so 0 * NaN
+        # cannot leak through the probability-weighted sum.
+        k = keys[r, :kl]
+        k = torch.where(m.any(dim=0)[:, None], k, torch.zeros((), dtype=k.dtype, device=k.device))
+        logits = torch.einsum("shd,ld->hsl", query[a:b].float(), k.float()) * scale
+        logits = logits.masked_fill(~m[None], float("-inf"))
+        combined = torch.cat([logits, sink.expand(-1, b - a, 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+        out[a:b] = torch.einsum("hsl,ld->shd", probs.to(k.dtype), k).to(out.dtype)
+    return out

@@ -318,3 +318,52 @@ def test_indexer_topk_batched_equals_per_request() -> None:
         alone = indexer_topk(iq[a:b], iw[a:b], keys[r : r + 1, :el], visible[a:b, :el], one, 3, 0.4)
         assert torch.equal(alone, batched[a:b, :el])
         assert not batched[a:b, el:].any()
+
+
+# ---------------------------------------------------------------- host lengths and query tiles
+
+
+def _host_lens(qsl: torch.Tensor) -> list[int]:
+    return (qsl[1:] - qsl[:-1]).tolist()
+
+
+@pytest.mark.parametrize("tile", [1 << 21, 8])
+def test_sink_attention_with_host_lengths_and_tiles(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host query/key lengths (no device read) and query tiles smaller than a request give the same
+    result; keys past ``key_lens_host`` are never read, even where the mask would let them."""
+    import pypto_kernels.compressed_attention as ca
+
+    q_lens, k_lens = [4, 1, 0, 6], [9, 3, 2, 6]
+    query, keys, mask, qsl = _batch(21, q_lens, k_lens, d=8, heads=2)
+    sinks = torch.randn(2, generator=_gen(22))
+    reference = sink_attention(query, keys.nan_to_num(), mask, qsl, sinks, 0.3)
+    beyond = mask.clone()
+    for r, kl in enumerate(k_lens):
+        beyond[int(qsl[r]) : int(qsl[r + 1]), kl:] = True  # NaN keys there: any read would show
+    monkeypatch.setattr(ca, "_TILE_ELEMENTS", tile)  # 8 scores: one query row per tile
+    out = sink_attention(query, keys, beyond, qsl, sinks, 0.3, query_lens_host=_host_lens(qsl), key_lens_host=k_lens)
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out, _sink_attention_naive(query, keys, mask, qsl, sinks, 0.3), **TOL)
+
+
+@pytest.mark.parametrize("tile", [1 << 21, 5])
+def test_indexer_topk_with_host_lengths_and_tiles(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pypto_kernels.compressed_attention as ca
+
+    q_lens, e_lens = [3, 2, 0, 5], [6, 1, 3, 8]
+    iq, keys, visible, qsl = _batch(23, q_lens, e_lens, d=5, heads=2, p_visible=0.8)
+    iw = torch.randn(iq.shape[0], 2, generator=_gen(24))
+    monkeypatch.setattr(ca, "_TILE_ELEMENTS", tile)
+    out = indexer_topk(iq, iw, keys, visible, qsl, 3, 0.5, query_lens_host=_host_lens(qsl), key_lens_host=e_lens)
+    assert torch.equal(out, _indexer_naive(iq, iw, keys, visible, qsl, 3, 0.5))
+
+
+def test_host_lengths_must_match_the_batch() -> None:
+    query, keys, mask, qsl = _batch(25, [2, 3], [4, 4], d=4, heads=2)
+    sinks = torch.zeros(2)
+    with pytest.raises(ValueError, match="requests"):
+        sink_attention(query, keys, mask, qsl, sinks, 0.5, query_lens_host=[5])
+    with pytest.raises(ValueError, match="tokens"):
+        sink_attention(query, keys, mask, qsl, sinks, 0.5, query_lens_host=[2, 4])
+    with pytest.raises(ValueError, match="key_lens_host"):
+        sink_attention(query, keys, mask, qsl, sinks, 0.5, key_lens_host=[4, 5])

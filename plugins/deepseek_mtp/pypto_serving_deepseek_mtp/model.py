@@ -343,14 +343,25 @@ class DeepseekV4Model:
         swa_bt = seg.block_tables[swa_group]
         write = _slots(swa_bt, rows.req, qpos, self.block_size, flat_swa.shape[0], for_write=True)
         flat_swa[write] = kv[:n_tok].to(flat_swa.dtype)
-        keys, mask = self._sliding_keys(flat_swa, swa_bt, seg, rows, qpos)
+        # Each request's keys: its sliding ones (a prefix of the padded Lw) then its compressed entries.
+        window = cfg.sliding_window
+        key_lens = [max(0, p0 + n - max(0, p0 - window + 1)) for p0, n in zip(seg.pos0, seg.q_lens)]
+        keys, mask = self._sliding_keys(flat_swa, swa_bt, seg, rows, qpos, max(key_lens, default=0))
         if kind != SLIDING:
-            entries, visible = self._compressed_keys(p, h, q_res, cos, sin, seg, rows, qpos, layer, kind)
+            entries, visible, n_entries = self._compressed_keys(p, h, q_res, cos, sin, seg, rows, qpos, layer, kind)
+            key_lens = [keys.shape[1] + n for n in n_entries]
             keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
             mask = torch.cat([mask, visible], dim=1)
         out = torch.zeros_like(q)
         out[:n_tok] = sink_attention(
-            q[:n_tok], keys, mask, rows.qsl, p["attn.attn_sink"], cfg.head_dim**-0.5, query_lens_host=seg.q_lens
+            q[:n_tok],
+            keys,
+            mask,
+            rows.qsl,
+            p["attn.attn_sink"],
+            cfg.head_dim**-0.5,
+            query_lens_host=seg.q_lens,
+            key_lens_host=key_lens,
         )
 
         # K == V carries RoPE on its trailing channels; rotate back by the query position.
@@ -359,14 +370,12 @@ class DeepseekV4Model:
         return F.linear(grouped_linear(grouped, p["attn.wo_a.weight"], cfg.o_groups), p["attn.wo_b.weight"])
 
     def _sliding_keys(
-        self, flat_swa: torch.Tensor, swa_bt: torch.Tensor, seg: Segments, rows: _Rows, qpos: torch.Tensor
+        self, flat_swa: torch.Tensor, swa_bt: torch.Tensor, seg: Segments, rows: _Rows, qpos: torch.Tensor, lw: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sliding keys of request r: positions ``[max(0, pos0 - window + 1), last]``, padded to ``[R, Lw]``
-        (``Lw`` from the host); plus the per-row mask ``[T, Lw]``."""
+        """Sliding keys of request r: positions ``[max(0, pos0 - window + 1), last]``, padded to ``[R, lw]``
+        (``lw``, the longest, from the host); plus the per-row mask ``[T, lw]``."""
         window = self.cfg.sliding_window
         k0 = (rows.pos0 - window + 1).clamp(min=0)
-        lw = max((p + n - max(0, p - window + 1) for p, n in zip(seg.pos0, seg.q_lens)), default=0)
-        lw = max(lw, 0)
         kpos = k0[:, None] + torch.arange(lw, device=flat_swa.device)[None, :]
         k_valid = kpos <= rows.last[:, None]
         req_rows = torch.arange(len(seg.pos0), device=flat_swa.device)[:, None].expand(-1, lw)
@@ -387,9 +396,10 @@ class DeepseekV4Model:
         qpos: torch.Tensor,
         layer: int,
         kind: str,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(Re)write this step's compressed entries, then gather every request's visible ones padded to
-        ``[R, E]`` with the per-row selection mask ``[T, E]`` (the indexer's top-k on CSA layers)."""
+        ``[R, E]`` with the per-row selection mask ``[T, E]`` (the indexer's top-k on CSA layers) and
+        each request's entry count (host)."""
         cfg = self.cfg
         group = "csa_kv" if kind == CSA else "hca_kv"
         gi = self.group_index[layer]
@@ -419,8 +429,9 @@ class DeepseekV4Model:
                 cfg.index_topk,
                 cfg.index_head_dim**-0.5,
                 query_lens_host=seg.q_lens,
+                key_lens_host=n_entries,
             )
-        return entries, visible
+        return entries, visible, n_entries
 
     # ------------------------------------------------------------------ compressors
 
