@@ -251,3 +251,35 @@ def test_throughput_command_on_a_tiny_qwen(tiny_qwen: Path, tmp_path: Path, caps
     assert fig["output_tok_s"] > 0 and fig["total_tok_s"] > fig["output_tok_s"]
     table = capsys.readouterr().out
     assert "output_tok_s" in table and "requests_per_s" in table
+
+
+def test_started_server_gets_the_settings_flags_a_free_port_and_quiet_logs() -> None:
+    from pypto_serving.bench.launch import serve_command
+    from pypto_serving.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--model", "m", "--max-num-seqs", "8", "--dtype", "float32"])
+    cmd = serve_command(args)
+    assert cmd[1:4] == ["-m", "pypto_serving.cli", "serve"]
+    flags = dict(zip(cmd[4::2], cmd[5::2]))
+    assert flags == {
+        "--model": "m",
+        "--max-num-seqs": "8",
+        "--dtype": "float32",
+        "--port": "0",
+        "--log-level": "warning",
+    }
+    args = build_parser().parse_args(["bench", "serve", "--model", "m", "--port", "8123", "--log-level", "info"])
+    assert dict(zip(serve_command(args)[4::2], serve_command(args)[5::2]))["--port"] == "8123"
+
+
+@pytest.mark.requires_plugin("qwen", "sync_sched")
+def test_serve_command_starts_and_stops_its_own_server(tiny_qwen: Path, tmp_path: Path) -> None:
+    pytest.importorskip("httpx")
+    out = tmp_path / "s.json"
+    argv = ["bench", "serve", "--model", str(tiny_qwen), "--num-prompts", "3", "--input-len", "3", "8"]
+    argv += ["--max-tokens", "4", "--ignore-eos", "--logprobs", "--scheduler", "sync", "--worker-threads", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    fig = json.loads(out.read_text())
+    assert (fig["completed"], fig["output_tokens"]) == (3, 12)
+    assert fig["ttft_ms"]["max"] <= fig["e2e_ms"]["max"]
+    assert fig["base_url"].startswith("http://127.0.0.1:")

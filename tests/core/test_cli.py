@@ -159,3 +159,35 @@ def test_generate_with_a_missing_input_file_is_one_line(capsys: pytest.CaptureFi
     missing = tmp_path / "prompts.jsonl"
     assert main(["generate", "--input", str(missing), "--model", str(tmp_path)]) == 2
     assert str(missing) in _one_error_line(capsys)
+
+
+# ---------------------------------------------------------------- bench
+def test_bench_throughput_help_leaves_out_server_only_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = flag_lines(help_of(capsys, "bench", "throughput"))
+    for flag in SERVER_ONLY_FLAGS:
+        assert flag not in flags, f"bench throughput --help lists the server-only {flag}"
+    for name in ServingSettings.model_fields:
+        if name not in ("config_file", "model") and _flag(name) not in SERVER_ONLY_FLAGS:
+            assert _flag(name) in flags, f"bench throughput --help lacks {_flag(name)}"
+    assert {"--model", "--num-prompts", "--input-len", "--max-tokens", "--ignore-eos", "--json"} <= set(flags)
+
+
+def test_bench_serve_keeps_every_setting_for_the_server_it_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = flag_lines(help_of(capsys, "bench", "serve"))
+    for name in ServingSettings.model_fields:
+        assert name == "config_file" or _flag(name) in flags, f"bench serve --help lacks {_flag(name)}"
+    assert {"--base-url", "--concurrency", "--request-rate", "--prompt-format", "--json"} <= set(flags)
+
+
+def test_bench_throughput_without_a_model_says_pass_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "throughput", "--vocab-size", "10"]) == 2
+    assert "pass --model DIR" in _one_error_line(capsys)
+
+
+def test_bench_serve_with_nothing_listening_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("httpx")
+    from tests.core.server.server_helpers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["bench", "serve", "--base-url", url, "--vocab-size", "10", "--num-prompts", "1"]) == 2
+    assert f"cannot reach {url}" in _one_error_line(capsys)

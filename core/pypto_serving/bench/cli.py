@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import add_settings_arguments, settings_from_args
+from ..config import SettingsError, add_settings_arguments, settings_from_args
 
 __all__ = ["add_bench_command", "format_table"]
 
@@ -131,6 +131,8 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    if settings.model is None and settings.executor == "auto":
+        raise SettingsError("bench throughput needs a model: pass --model DIR or set model in the config file")
     try:
         result = run_throughput(settings, _throughput_config(args))
     except (WorkerError, EngineDeadError) as e:

@@ -153,7 +153,10 @@ async def _run(config: ServeConfig) -> tuple[list[RequestRecord], float]:
     async with httpx.AsyncClient(
         base_url=config.base_url.rstrip("/"), headers=headers, timeout=config.timeout, limits=limits
     ) as client:
-        model = config.model_name or await _first_model(client)
+        try:
+            model = config.model_name or await _first_model(client)
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot reach {config.base_url}: {e or type(e).__name__}") from None
         if config.warmup:
             warm = await _stream_one(client, replace(config, max_tokens=2), model, config.prompts[0])
             if warm.error is not None:
