@@ -30,7 +30,12 @@ from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
 # The grouped MoE path (no host sync) takes bf16 on CUDA; float32 there goes through the looped
 # reference, which reads the per-expert counts back by design.
-CASES = [("qwen3", torch.float32), ("qwen3_moe", torch.bfloat16), ("qwen3_sliding", torch.bfloat16)]
+CASES = [
+    ("qwen3", torch.float32),
+    ("qwen3_moe", torch.bfloat16),
+    ("qwen3_sliding", torch.bfloat16),
+    ("qwen2", torch.float32),  # q/k/v biases, no q/k norms
+]
 
 
 @pytest.fixture
