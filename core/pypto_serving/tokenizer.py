@@ -35,7 +35,7 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if getattr(t, "special", False)}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._template: Template | None = None
+        self._template: tuple[str, Template] | None = None  # (source, compiled)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -55,14 +55,15 @@ class Tokenizer:
         )
 
     def _compiled_template(self) -> Template:
-        """The chat template compiled once: compiling costs milliseconds, rendering microseconds."""
-        if self._template is None:
-            assert self.chat_template is not None
+        """The chat template compiled once per source text: compiling costs milliseconds, rendering microseconds."""
+        source = self.chat_template
+        assert source is not None
+        if self._template is None or self._template[0] != source:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             env.filters["tojson"] = _tojson
-            self._template = env.from_string(self.chat_template)
-        return self._template
+            self._template = (source, env.from_string(source))
+        return self._template[1]
 
 
 def _raise(msg: str) -> None:

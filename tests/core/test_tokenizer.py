@@ -28,3 +28,11 @@ def test_the_chat_template_is_compiled_once(tmp_path: Path, monkeypatch: Any) ->
     assert [tok.apply_chat_template(messages) for _ in range(3)] == [first] * 3
     assert "hi" in first
     assert compiled == 1
+
+
+def test_a_changed_chat_template_is_compiled_again(tmp_path: Path) -> None:
+    tok = Tokenizer(write_fake_model(tmp_path / "m"))
+    messages = [{"role": "user", "content": "hi"}]
+    tok.apply_chat_template(messages)
+    tok.chat_template = "{{ messages[0]['content'] }}!"
+    assert tok.apply_chat_template(messages) == "hi!"
