@@ -228,7 +228,8 @@ def describe_kernel(name: str, device: torch.device | str, **features: Any) -> s
     if fast is None:
         return "reference"
     if fast.explain is not None:
-        reason = fast.explain(**features)
+        # The fast path's rules may depend on the device (e.g. its compute capability) like a real call's do.
+        reason = fast.explain(**{"device": device, **features})
         if reason is not None:
             return f"reference ({fast.label} declines: {reason})"
         return fast.label

@@ -46,6 +46,7 @@ class QwenExecutor(Executor):
         load_weights(s.model, targets, required)
         model.eval()
         self.config, self.model = cfg, model
+        self._log_kernels(cfg)
 
         gen_eos, generation_defaults = read_generation_config(s.model)
         eos = list(dict.fromkeys([*gen_eos, *cfg.eos_token_ids]))  # generation_config first, no duplicates
@@ -69,6 +70,26 @@ class QwenExecutor(Executor):
             supports_pipelining=True,
             generation_defaults=generation_defaults,
         )
+
+    def _log_kernels(self, cfg: QwenConfig) -> None:
+        """Say which implementation runs each kind of attention layer on this device (fast path or reference)."""
+        common = {
+            "dtype": self.dtype,
+            "cache_dtype": self.dtype,
+            "value_dtype": self.dtype,
+            "block_size": self.settings.block_size,
+            "num_heads": cfg.num_heads,
+            "num_kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "value_head_dim": cfg.head_dim,
+            "host_lengths": True,
+            "contiguous_cache": True,
+        }
+        for window in sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w):
+            kind = "full attention" if window is None else f"sliding window {window}"
+            backend = K.describe_kernel("paged_attention", self.device, sliding_window=window, sinks=False, **common)
+            logger.info("%s layers: paged_attention runs %s", kind, backend)
+        logger.info("KV writes: write_kv_cache runs %s", K.describe_kernel("write_kv_cache", self.device))
 
     def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
         cfg = self._loaded_config()

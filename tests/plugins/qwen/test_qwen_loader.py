@@ -234,3 +234,26 @@ def test_make_executor_builds_qwen_executor(qwen_checkpoints: Callable[[str], Pa
     ex = plugin.make_executor(qwen_settings(qwen_checkpoints("qwen2")))
     assert isinstance(ex, QwenExecutor)
     assert ex.load().architecture == "Qwen2ForCausalLM"
+
+
+def test_load_logs_which_kernel_runs_each_attention_layer_kind(
+    qwen_checkpoints: Callable[[str], Path], caplog: Any, monkeypatch: Any
+) -> None:
+    import pypto_kernels as K
+
+    caplog.set_level("INFO", logger="pypto_serving_qwen.executor")
+    QwenExecutor(qwen_settings(qwen_checkpoints("qwen3_sliding"))).load()
+    lines = [r.getMessage() for r in caplog.records]
+    # qwen3_sliding has one sliding layer (window 6) and full-attention layers; on the CPU both run the reference.
+    assert "full attention layers: paged_attention runs reference" in lines
+    assert "sliding window 6 layers: paged_attention runs reference" in lines
+    assert "KV writes: write_kv_cache runs reference" in lines
+    # A registered fast path is named instead of the reference.
+    caplog.clear()
+    monkeypatch.setattr(K.registry, "_FAST_PATHS", {})
+    K.register_kernel("paged_attention", "cuda", lambda *a, **k: None, label="cuda: test kernel")
+    monkeypatch.setattr(K.registry, "_LOADED_DEVICE_TYPES", {"cpu", "cuda"})
+    ex = QwenExecutor(qwen_settings(qwen_checkpoints("qwen3")))
+    ex.device = torch.device("cuda")
+    ex._log_kernels(read_config(qwen_checkpoints("qwen3")))
+    assert "full attention layers: paged_attention runs cuda: test kernel" in [r.getMessage() for r in caplog.records]
