@@ -8,7 +8,8 @@ Options (``executor_options``): ``vocab``, ``eos``, ``max_model_len``, ``max_dra
 ``draft_error_rate`` (fraction of wrong drafts, seeded by context), ``fail_on_token`` (raise in a
 step whose input holds it), ``crash_on_token`` (kill the worker process), ``nan_on_token`` (NaN
 logits for the request whose last input is it), ``pipelining`` (supports async), ``barrier``,
-``uniform`` (all-prefill or all-decode steps), ``step_sleep`` (seconds per step).
+``uniform`` (all-prefill or all-decode steps), ``step_sleep`` (seconds per step), ``architecture_from_env``
+(report that environment variable of the worker process as the architecture).
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ class FakeExecutor(Executor):
             vocab_size=self.vocab,
             max_model_len=int(o.get("max_model_len", 512)),
             eos_token_ids=[int(o["eos"])] if "eos" in o else [],
-            architecture="FakeForCausalLM",
+            # ``architecture_from_env`` reports an environment variable of the worker process instead.
+            architecture=os.environ.get(o["architecture_from_env"], "")
+            if "architecture_from_env" in o
+            else "FakeForCausalLM",
             supports_pipelining=bool(o.get("pipelining", True)),
             uniform_batches=bool(o.get("uniform", False)),
             max_draft_tokens=int(o.get("max_draft", 0)),

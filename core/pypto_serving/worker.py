@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -57,6 +57,22 @@ def _refuse_spawn_while_bootstrapping() -> None:
     if getattr(mp.current_process(), "_inheriting", False):  # set by spawn while the child prepares
         print(f"pypto-serving: error: {_UNGUARDED_MAIN_HELP}", file=sys.stderr, flush=True)
         os._exit(_UNGUARDED_MAIN_EXIT)
+
+
+@contextlib.contextmanager
+def _worker_environment(settings: ServingSettings) -> Iterator[None]:
+    """Environment a spawned worker starts with: OpenMP reads its wait policy once, when the child
+    loads torch, so it is set around ``Process.start`` (spawn copies the environment then) and
+    restored after. A policy the user exported wins."""
+    policy = settings.worker_omp_wait_policy
+    if policy == "inherit" or "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = policy.upper()
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def _worker_main(conn: Connection, factory: Callable[[Any], Executor], settings_json: str) -> None:
@@ -128,7 +144,8 @@ class WorkerClient:
             daemon=True,
             name="pypto-worker",
         )
-        self._proc.start()
+        with _worker_environment(settings):
+            self._proc.start()
         child.close()
         try:
             raw = self._recv(timeout=max(timeout, 600.0), what="loading the model")

@@ -235,3 +235,25 @@ def test_context_manager_exit_stops_the_worker(fake_pm: Any) -> None:
         assert out[0].outputs[0].token_ids == [first]
     assert llm.engine is None
     assert not pid_alive(pid)
+
+
+@pytest.mark.parametrize(
+    ("policy", "exported", "seen"),
+    [("passive", None, "PASSIVE"), ("active", None, "ACTIVE"), ("inherit", None, ""), ("passive", "ACTIVE", "ACTIVE")],
+)
+def test_the_worker_starts_with_the_openmp_wait_policy(
+    make_llm: Callable[..., Any], monkeypatch: Any, policy: str, exported: str | None, seen: str
+) -> None:
+    """A spawned worker gets the configured OMP_WAIT_POLICY unless the user exported one; this process's
+    environment is left as it was."""
+    if exported is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", exported)
+    llm = make_llm(
+        worker_mode="process",
+        worker_omp_wait_policy=policy,
+        executor_options={"architecture_from_env": "OMP_WAIT_POLICY"},
+    )
+    assert llm.engine.worker.info.architecture == seen
+    assert os.environ.get("OMP_WAIT_POLICY") == exported
