@@ -10,6 +10,7 @@ The attention and indexer references take a flat query batch ``[T, ...]`` split 
 ``[T, L]``. They work request by request, in query tiles of at most ``_TILE_ELEMENTS`` scores, so
 their memory follows the step's tokens: no query is padded to the longest one, and with
 ``key_lens_host`` a request only reads its own ``key_lens_host[r]`` keys, not the longest request's.
+Single-query requests (decodes) are batched, a tile's worth at a time, over their group's longest keys.
 Padded key slots must be masked out by the caller (and lie at or past ``key_lens_host[r]``).
 
 The loops need each request's query length on the host: pass ``query_lens_host`` (what the caller
@@ -31,14 +32,63 @@ _TILE_ELEMENTS = 1 << 21
 
 
 def _tiles(q_lens: list[int], key_lens: list[int], row_cost: int) -> Iterator[tuple[int, int, int, int]]:
-    """``(request, first row, end row, keys)`` query tiles, each at most ``_TILE_ELEMENTS`` scores
-    (``row_cost`` scores per query row and key); host values only."""
+    """``(request, first row, end row, keys)`` query tiles of the requests with more than one query,
+    each at most ``_TILE_ELEMENTS`` scores (``row_cost`` per query row and key); host values only."""
     start = 0
     for r, (n, kl) in enumerate(zip(q_lens, key_lens)):
-        tile = max(1, _TILE_ELEMENTS // max(1, row_cost * kl))
-        for a in range(start, start + n, tile):
-            yield r, a, min(a + tile, start + n), kl
+        if n > 1:
+            tile = max(1, _TILE_ELEMENTS // max(1, row_cost * kl))
+            for a in range(start, start + n, tile):
+                yield r, a, min(a + tile, start + n), kl
         start += n
+
+
+def _single_rows(
+    q_lens: list[int], key_lens: list[int], row_cost: int
+) -> Iterator[tuple[list[int], list[int], list[int]]]:
+    """The requests with one query (decodes) in groups of at most ``_TILE_ELEMENTS`` scores:
+    ``(requests, their rows, their key lengths)``; one batched op per group, over its longest keys."""
+    reqs: list[int] = []
+    rows: list[int] = []
+    lens: list[int] = []
+    start = 0
+    for r, (n, kl) in enumerate(zip(q_lens, key_lens)):
+        if n == 1:
+            if reqs and (len(reqs) + 1) * row_cost * max(*lens, kl) > _TILE_ELEMENTS:
+                yield reqs, rows, lens
+                reqs, rows, lens = [], [], []
+            reqs.append(r)
+            rows.append(start)
+            lens.append(kl)
+        start += n
+    if reqs:
+        yield reqs, rows, lens
+
+
+def _take(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """Rows ``idx`` of ``x``: a view when they are consecutive (a decode-only batch), else a gather."""
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return x.narrow(0, idx[0], len(idx))
+    return x.index_select(0, torch.tensor(idx, device=x.device))
+
+
+def _put(out: torch.Tensor, idx: list[int], rows: torch.Tensor) -> None:
+    """``out[idx] = rows`` in place (``_take``'s inverse)."""
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        out.narrow(0, idx[0], len(idx)).copy_(rows)
+    else:
+        out.index_copy_(0, torch.tensor(idx, device=out.device), rows)
+
+
+def _group_mask(mask: torch.Tensor, rows: list[int], lens: list[int]) -> torch.Tensor:
+    """``mask``'s rows ``rows`` over the group's longest keys, False past each row's own key length
+    (a request never reads past its ``key_lens_host``): ``[n, 1, max(lens)]``."""
+    width = max(lens)
+    m = _take(mask.narrow(1, 0, width), rows)
+    if any(n != width for n in lens):
+        limit = torch.tensor(lens, device=mask.device)[:, None]
+        m = m & (torch.arange(width, device=mask.device)[None, :] < limit)
+    return m[:, None]
 
 
 def _lengths(
@@ -107,6 +157,36 @@ def compressor_pool(
     return (all_kv * w).sum(dim=1)
 
 
+def _indexer_core(
+    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, vis: torch.Tensor, topk: int, scale: float
+) -> torch.Tensor:
+    """Top-k of ``B`` independent groups: ``q [B, S, Hi, Di]``, ``w [B, S, Hi]``, ``keys [B, E, Di]``,
+    ``vis [B, S, E]``; returns the chosen mask ``[B, S, E]``."""
+    scores = torch.relu(torch.einsum("bshd,bed->bshe", q.float(), keys.float())) * scale
+    scores = (scores * w.float().unsqueeze(-1)).sum(dim=2).masked_fill(~vis, float("-inf"))
+    # Masked entries score -inf and a stable sort ranks them after every visible one, so the picked
+    # visible entries are the group's top-k whatever the padding.
+    top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : min(topk, keys.shape[1])]
+    return torch.zeros_like(vis).scatter_(-1, top, True) & vis
+
+
+def _sink_core(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Sink attention of ``B`` independent groups: ``q [B, S, H, D]``, ``keys [B, L, D]``, ``mask
+    [B, S, L]``, float32 ``sinks [H]``; returns ``[B, S, H, D]`` in ``keys.dtype``."""
+    # Key slots no query reads (padding, unwritten cache) may hold garbage; zero them so 0 * NaN
+    # cannot leak through the probability-weighted sum.
+    keys = torch.where(mask.any(dim=1)[:, :, None], keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
+    logits = torch.einsum("bshd,bld->bhsl", q.float(), keys.float()) * scale
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    sink = sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[1], 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.einsum("bhsl,bld->bshd", probs.to(keys.dtype), keys)
+
+
 @dispatch("indexer_topk")
 def indexer_topk(
     index_q: torch.Tensor,
@@ -135,16 +215,22 @@ def indexer_topk(
         return chosen
     query_start_loc = query_start_loc.to(device=index_q.device, dtype=torch.int64)
     q_lens, e_lens = _lengths("indexer_topk", num_tokens, query_start_loc, index_keys, query_lens_host, key_lens_host)
+    for reqs, rows, lens in _single_rows(q_lens, e_lens, index_q.shape[1]):
+        e = max(lens)
+        picked = _indexer_core(
+            _take(index_q, rows)[:, None],
+            _take(weights, rows)[:, None],
+            _take(index_keys.narrow(1, 0, e), reqs),
+            _group_mask(visible, rows, lens),
+            topk,
+            scale,
+        )
+        _put(chosen.narrow(1, 0, e), rows, picked[:, 0])
     for r, a, b, e in _tiles(q_lens, e_lens, index_q.shape[1]):
-        if e == 0:
-            continue
-        vis = visible[a:b, :e]
-        scores = torch.relu(torch.einsum("shd,ed->she", index_q[a:b].float(), index_keys[r, :e].float())) * scale
-        scores = (scores * weights[a:b].float().unsqueeze(-1)).sum(dim=1).masked_fill(~vis, float("-inf"))
-        # Masked entries score -inf and a stable sort ranks them after every visible one, so the picked
-        # visible entries are the request's top-k whatever the padding.
-        top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(topk, e)]
-        chosen[a:b, :e] = torch.zeros_like(vis).scatter_(-1, top, True) & vis
+        picked = _indexer_core(
+            index_q[a:b][None], weights[a:b][None], index_keys[r : r + 1, :e], visible[a:b, :e][None], topk, scale
+        )
+        chosen[a:b, :e] = picked[0]
     return chosen
 
 
@@ -175,17 +261,12 @@ def sink_attention(
         return out
     query_start_loc = query_start_loc.to(device=query.device, dtype=torch.int64)
     q_lens, k_lens = _lengths("sink_attention", num_tokens, query_start_loc, keys, query_lens_host, key_lens_host)
-    sink = sinks.to(device=query.device, dtype=torch.float32).view(-1, 1, 1)
+    sink = sinks.to(device=query.device, dtype=torch.float32)
+    for reqs, rows, lens in _single_rows(q_lens, k_lens, query.shape[1]):
+        k = _take(keys.narrow(1, 0, max(lens)), reqs)
+        res = _sink_core(_take(query, rows)[:, None], k, _group_mask(mask, rows, lens), sink, scale)
+        _put(out, rows, res[:, 0].to(out.dtype))
     for r, a, b, kl in _tiles(q_lens, k_lens, query.shape[1]):
-        m = mask[a:b, :kl]
-        # Key slots no query reads (padding, unwritten cache) may hold garbage; zero them so 0 * NaN
-        # cannot leak through the probability-weighted sum.
-        k = keys[r, :kl]
-        k = torch.where(m.any(dim=0)[:, None], k, torch.zeros((), dtype=k.dtype, device=k.device))
-        logits = torch.einsum("shd,ld->hsl", query[a:b].float(), k.float()) * scale
-        logits = logits.masked_fill(~m[None], float("-inf"))
-        combined = torch.cat([logits, sink.expand(-1, b - a, 1)], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(combined, dim=-1)[..., :-1]
-        out[a:b] = torch.einsum("hsl,ld->shd", probs.to(k.dtype), k).to(out.dtype)
+        res = _sink_core(query[a:b][None], keys[r : r + 1, :kl], mask[a:b, :kl][None], sink, scale)
+        out[a:b] = res[0].to(out.dtype)
     return out

@@ -327,34 +327,38 @@ def _host_lens(qsl: torch.Tensor) -> list[int]:
     return (qsl[1:] - qsl[:-1]).tolist()
 
 
-@pytest.mark.parametrize("tile", [1 << 21, 8])
+@pytest.mark.parametrize("tile", [1 << 21, 8, 60])
 def test_sink_attention_with_host_lengths_and_tiles(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Host query/key lengths (no device read) and query tiles smaller than a request give the same
     result; keys past ``key_lens_host`` are never read, even where the mask would let them."""
     import pypto_kernels.compressed_attention as ca
 
-    q_lens, k_lens = [4, 1, 0, 6], [9, 3, 2, 6]
+    q_lens, k_lens = [4, 1, 0, 6, 1, 1], [9, 3, 2, 6, 8, 5]  # decodes batch a tile's worth at a time
     query, keys, mask, qsl = _batch(21, q_lens, k_lens, d=8, heads=2)
     sinks = torch.randn(2, generator=_gen(22))
     reference = sink_attention(query, keys.nan_to_num(), mask, qsl, sinks, 0.3)
     beyond = mask.clone()
     for r, kl in enumerate(k_lens):
         beyond[int(qsl[r]) : int(qsl[r + 1]), kl:] = True  # NaN keys there: any read would show
-    monkeypatch.setattr(ca, "_TILE_ELEMENTS", tile)  # 8 scores: one query row per tile
+    monkeypatch.setattr(ca, "_TILE_ELEMENTS", tile)  # 8 scores: one query row per tile; 60: some pairs
     out = sink_attention(query, keys, beyond, qsl, sinks, 0.3, query_lens_host=_host_lens(qsl), key_lens_host=k_lens)
     torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out, _sink_attention_naive(query, keys, mask, qsl, sinks, 0.3), **TOL)
 
 
-@pytest.mark.parametrize("tile", [1 << 21, 5])
+@pytest.mark.parametrize("tile", [1 << 21, 5, 40])
 def test_indexer_topk_with_host_lengths_and_tiles(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
     import pypto_kernels.compressed_attention as ca
 
-    q_lens, e_lens = [3, 2, 0, 5], [6, 1, 3, 8]
+    q_lens, e_lens = [3, 1, 2, 0, 1, 5, 1], [6, 4, 1, 3, 0, 8, 7]
     iq, keys, visible, qsl = _batch(23, q_lens, e_lens, d=5, heads=2, p_visible=0.8)
     iw = torch.randn(iq.shape[0], 2, generator=_gen(24))
+    keys = keys.nan_to_num()
+    beyond = visible.clone()
+    for r, el in enumerate(e_lens):
+        beyond[int(qsl[r]) : int(qsl[r + 1]), el:] = True  # entries a request must not read
     monkeypatch.setattr(ca, "_TILE_ELEMENTS", tile)
-    out = indexer_topk(iq, iw, keys, visible, qsl, 3, 0.5, query_lens_host=_host_lens(qsl), key_lens_host=e_lens)
+    out = indexer_topk(iq, iw, keys, beyond, qsl, 3, 0.5, query_lens_host=_host_lens(qsl), key_lens_host=e_lens)
     assert torch.equal(out, _indexer_naive(iq, iw, keys, visible, qsl, 3, 0.5))
 
 
