@@ -56,10 +56,10 @@ class Setup:
     batches: list[Any]
 
 
-@pytest.fixture
-def fake_executor(checkpoints: Any) -> Iterator[Setup]:
-    """The executor on fake cuda plus two prebuilt steps (batches are laid out on the host first)."""
-    ex, info = _executor(checkpoints["mixed_yarn"].path)
+@pytest.fixture(params=["mixed_yarn", "csa_heavy"])
+def fake_executor(checkpoints: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
+    """The executor on fake cuda plus three prebuilt steps (batches are laid out on the host first)."""
+    ex, info = _executor(checkpoints[request.param].path)
     core = FakeCore(ex, info, num_blocks=BLOCKS)
     a = list(range(3, 12))  # request a: 9 prompt tokens, prefilled in two chunks (4 + 5)
     b = list(range(20, 26))  # request b: 6 prompt tokens, then a decode step verifying K drafts
