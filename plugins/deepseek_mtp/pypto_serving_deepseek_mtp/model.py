@@ -17,7 +17,7 @@ tokens are simply overwritten when the real tokens arrive.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -70,6 +70,8 @@ class Segments:
     input_ids: torch.Tensor  # [T] token ids (hash routing)
     block_tables: dict[str, torch.Tensor]  # group -> [R, max_blocks]
     ring_slots: list[int] | None = None  # compressor ring slot per request (main model only)
+    # The index tensors every layer shares, uploaded once per forward (see ``_rows``).
+    _index: _Rows | None = field(default=None, repr=False, compare=False)
 
     def rows(self, r: int) -> tuple[int, int]:
         return self.starts[r], self.starts[r + 1]
@@ -90,12 +92,16 @@ class _Rows(NamedTuple):
 
 
 def _rows(seg: Segments, dev: torch.device) -> _Rows:
-    qsl = torch.tensor(seg.starts, device=dev)
-    q_lens = qsl[1:] - qsl[:-1]
-    arange = torch.arange(len(seg.pos0), device=dev)
-    req = torch.repeat_interleave(arange, q_lens, output_size=seg.starts[-1])
-    pos0 = torch.tensor(seg.pos0, device=dev)
-    return _Rows(qsl, q_lens, req, pos0, pos0 + q_lens - 1)
+    """``seg``'s index tensors, built once per forward: every layer of it shares them, so the host
+    lists are uploaded once rather than per layer."""
+    if seg._index is None:
+        qsl = torch.tensor(seg.starts, device=dev)
+        q_lens = qsl[1:] - qsl[:-1]
+        arange = torch.arange(len(seg.pos0), device=dev)
+        req = torch.repeat_interleave(arange, q_lens, output_size=seg.starts[-1])
+        pos0 = torch.tensor(seg.pos0, device=dev)
+        seg._index = _Rows(qsl, q_lens, req, pos0, pos0 + q_lens - 1)
+    return seg._index
 
 
 class CompressorRing:
