@@ -38,6 +38,7 @@ from pypto_kernels import (
     sink_attention,
     topk_routing,
 )
+from pypto_kernels.compressed_attention import _put, _take
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -72,6 +73,7 @@ class Segments:
     ring_slots: list[int] | None = None  # compressor ring slot per request (main model only)
     # The index tensors every layer shares, uploaded once per forward (see ``_rows``).
     _index: _Rows | None = field(default=None, repr=False, compare=False)
+    _parts: list[tuple[Segments, list[int]]] | None = field(default=None, repr=False, compare=False)
 
     def rows(self, r: int) -> tuple[int, int]:
         return self.starts[r], self.starts[r + 1]
@@ -102,6 +104,32 @@ def _rows(seg: Segments, dev: torch.device) -> _Rows:
         pos0 = torch.tensor(seg.pos0, device=dev)
         seg._index = _Rows(qsl, q_lens, req, pos0, pos0 + q_lens - 1)
     return seg._index
+
+
+def _groups(seg: Segments) -> list[tuple[Segments, list[int]]]:
+    """How ``seg``'s requests attend, built once per forward: all single-row requests (decodes)
+    together, each longer request alone; per group its own ``Segments`` and its rows in ``seg``."""
+    if seg._parts is None:
+        singles = [r for r, n in enumerate(seg.q_lens) if n == 1]
+        parts = ([singles] if singles else []) + [[r] for r, n in enumerate(seg.q_lens) if n > 1]
+        seg._parts = [_subset(seg, reqs) for reqs in parts]
+    return seg._parts
+
+
+def _subset(seg: Segments, reqs: list[int]) -> tuple[Segments, list[int]]:
+    """Requests ``reqs`` of ``seg`` as a batch of their own (views when they are consecutive)."""
+    at = [i for r in reqs for i in range(*seg.rows(r))]
+    starts = [0]
+    for r in reqs:
+        starts.append(starts[-1] + seg.q_lens[r])
+    sub = Segments(
+        starts=starts,
+        pos0=[seg.pos0[r] for r in reqs],
+        positions=_take(seg.positions, at),
+        input_ids=_take(seg.input_ids, at),
+        block_tables={k: _take(v, reqs) for k, v in seg.block_tables.items()},
+    )
+    return sub, at
 
 
 class CompressorRing:
@@ -343,37 +371,64 @@ class DeepseekV4Model:
         kv = apply_interleaved_rope(kv, cos, sin)
 
         n_tok = seg.starts[-1]
-        rows = _rows(seg, h.device)
         flat_swa = swa.view(-1, cfg.head_dim)
-        qpos = seg.positions[:n_tok]
-        swa_bt = seg.block_tables[swa_group]
-        write = _slots(swa_bt, rows.req, qpos, self.block_size, flat_swa.shape[0], for_write=True)
-        flat_swa[write] = kv[:n_tok].to(flat_swa.dtype)
-        # Each request's keys: its sliding ones (a prefix of the padded Lw) then its compressed entries.
-        window = cfg.sliding_window
-        key_lens = [max(0, p0 + n - max(0, p0 - window + 1)) for p0, n in zip(seg.pos0, seg.q_lens)]
-        keys, mask = self._sliding_keys(flat_swa, swa_bt, seg, rows, qpos, max(key_lens, default=0))
-        if kind != SLIDING:
-            entries, visible, n_entries = self._compressed_keys(p, h, q_res, cos, sin, seg, rows, qpos, layer, kind)
-            key_lens = [keys.shape[1] + n for n in n_entries]
-            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
-            mask = torch.cat([mask, visible], dim=1)
-        out = torch.zeros_like(q)
-        out[:n_tok] = sink_attention(
-            q[:n_tok],
-            keys,
-            mask,
-            rows.qsl,
-            p["attn.attn_sink"],
-            cfg.head_dim**-0.5,
-            query_lens_host=seg.q_lens,
-            key_lens_host=key_lens,
+        write = _slots(
+            seg.block_tables[swa_group],
+            _rows(seg, h.device).req,
+            seg.positions[:n_tok],
+            self.block_size,
+            flat_swa.shape[0],
+            for_write=True,
         )
+        flat_swa[write] = kv[:n_tok].to(flat_swa.dtype)
+        index: tuple[torch.Tensor, torch.Tensor] | None = None
+        if kind != SLIDING:
+            self._emit_entries(p, h, seg, layer, kind)
+            if kind == CSA:
+                iq = F.linear(q_res, p["attn.indexer.wq_b.weight"]).view(t, cfg.index_n_heads, cfg.index_head_dim)
+                iw = F.linear(h, p["attn.indexer.weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
+                index = (apply_interleaved_rope(iq, cos, sin), iw)
+        out = torch.zeros_like(q)
+        # Requests attend in groups (all decodes together, each longer request alone), each group's
+        # keys gathered to its own longest, not the batch's.
+        for sub, at in _groups(seg):
+            sub_index = None if index is None else (_take(index[0], at), _take(index[1], at))
+            res = self._attend(p, _take(q, at), sub, flat_swa, swa_group, layer, kind, sub_index)
+            _put(out, at, res)
 
         # K == V carries RoPE on its trailing channels; rotate back by the query position.
         out = apply_interleaved_rope(out, cos, -sin)
         grouped = out.reshape(t, cfg.o_groups, -1)
         return F.linear(grouped_linear(grouped, p["attn.wo_a.weight"], cfg.o_groups), p["attn.wo_b.weight"])
+
+    def _attend(
+        self,
+        p: dict[str, torch.Tensor],
+        q: torch.Tensor,
+        seg: Segments,
+        flat_swa: torch.Tensor,
+        swa_group: str,
+        layer: int,
+        kind: str,
+        index: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Sink attention of one group of requests (``seg``, its queries ``q``) over its sliding keys
+        and, on compressed layers, its compressed entries (``index``: the indexer's queries and weights)."""
+        rows = _rows(seg, q.device)
+        window = self.cfg.sliding_window
+        # Each request's keys: its sliding ones (a prefix of the padded Lw) then its compressed entries.
+        key_lens = [max(0, p0 + n - max(0, p0 - window + 1)) for p0, n in zip(seg.pos0, seg.q_lens)]
+        lw = max(key_lens, default=0)
+        keys, mask = self._sliding_keys(flat_swa, seg.block_tables[swa_group], seg, rows, seg.positions, lw)
+        if kind != SLIDING:
+            entries, visible, n_entries = self._compressed_keys(index, seg, rows, layer, kind)
+            key_lens = [lw + n for n in n_entries]
+            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+            mask = torch.cat([mask, visible], dim=1)
+        scale = self.cfg.head_dim**-0.5
+        return sink_attention(
+            q, keys, mask, rows.qsl, p["attn.attn_sink"], scale, query_lens_host=seg.q_lens, key_lens_host=key_lens
+        )
 
     def _sliding_keys(
         self, flat_swa: torch.Tensor, swa_bt: torch.Tensor, seg: Segments, rows: _Rows, qpos: torch.Tensor, lw: int
@@ -390,45 +445,41 @@ class DeepseekV4Model:
         diff = qpos[:, None] - kpos[rows.req]
         return keys, (diff >= 0) & (diff < window) & k_valid[rows.req]
 
-    def _compressed_keys(
-        self,
-        p: dict[str, torch.Tensor],
-        h: torch.Tensor,
-        q_res: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        seg: Segments,
-        rows: _Rows,
-        qpos: torch.Tensor,
-        layer: int,
-        kind: str,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """(Re)write this step's compressed entries, then gather every request's visible ones padded to
-        ``[R, E]`` with the per-row selection mask ``[T, E]`` (the indexer's top-k on CSA layers) and
-        each request's entry count (host)."""
-        cfg = self.cfg
-        group = "csa_kv" if kind == CSA else "hca_kv"
-        gi = self.group_index[layer]
-        rate = cfg.compress_rates[kind]
-        n_tok = seg.starts[-1]
-        # Compressor state is a per-request ring, so entry emission stays a loop over requests.
+    def _emit_entries(self, p: dict[str, torch.Tensor], h: torch.Tensor, seg: Segments, layer: int, kind: str) -> None:
+        """(Re)write the compressed entries whose windows close in this step, request by request:
+        compressor state is a per-request ring, so entry emission stays a loop over requests."""
         for r, (p0, n) in enumerate(zip(seg.pos0, seg.q_lens)):
             if n:
                 a, b = seg.rows(r)
                 self._compress_step(p, h[a:b], seg, r, layer, kind, p0, p0 + n - 1)
+
+    def _compressed_keys(
+        self,
+        index: tuple[torch.Tensor, torch.Tensor] | None,
+        seg: Segments,
+        rows: _Rows,
+        layer: int,
+        kind: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Every request's visible compressed entries padded to ``[R, E]``, the per-row selection mask
+        ``[T, E]`` (the indexer's top-k on CSA layers, from ``index``: its queries and weights) and each
+        request's entry count (host)."""
+        cfg = self.cfg
+        group = "csa_kv" if kind == CSA else "hca_kv"
+        gi = self.group_index[layer]
+        rate = cfg.compress_rates[kind]
         n_entries = [(p0 + n) // rate if n else 0 for p0, n in zip(seg.pos0, seg.q_lens)]
         entries = _gather_entries(self.caches[group][gi], seg.block_tables[group], n_entries, self.block_size)
-        visible = torch.arange(entries.shape[1], device=h.device)[None, :] < ((qpos + 1) // rate)[:, None]
+        qpos = seg.positions
+        visible = torch.arange(entries.shape[1], device=qpos.device)[None, :] < ((qpos + 1) // rate)[:, None]
         if kind == CSA and entries.shape[1] > 0:
-            iq = F.linear(q_res, p["attn.indexer.wq_b.weight"]).view(-1, cfg.index_n_heads, cfg.index_head_dim)
-            iq = apply_interleaved_rope(iq, cos, sin)
-            iw = F.linear(h, p["attn.indexer.weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
+            assert index is not None
             index_keys = _gather_entries(
                 self.caches["csa_index"][gi], seg.block_tables["csa_index"], n_entries, self.block_size
             )
             visible = indexer_topk(
-                iq[:n_tok],
-                iw[:n_tok],
+                index[0],
+                index[1],
                 index_keys,
                 visible,
                 rows.qsl,

@@ -58,7 +58,7 @@ class Setup:
 
 @pytest.fixture(params=["mixed_yarn", "csa_heavy"])
 def fake_executor(checkpoints: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
-    """The executor on fake cuda plus three prebuilt steps (batches are laid out on the host first)."""
+    """The executor on fake cuda plus four prebuilt steps (batches are laid out on the host first)."""
     ex, info = _executor(checkpoints[request.param].path)
     core = FakeCore(ex, info, num_blocks=BLOCKS)
     a = list(range(3, 12))  # request a: 9 prompt tokens, prefilled in two chunks (4 + 5)
@@ -67,6 +67,8 @@ def fake_executor(checkpoints: Any, request: pytest.FixtureRequest) -> Iterator[
         core.batch([("a", a[:4], 0, 0), ("b", b, 0, 1)]),
         core.batch([("a", a[4:], 4, 1), ("b", [40, 41, 42], len(b), 1 + K)]),
         core.batch([("a", [50], len(a), 1), ("b", [43, 44], len(b) + 2, 2)]),
+        # Decodes on both sides of a new prefill: the decode group's rows are not consecutive.
+        core.batch([("a", [51], len(a) + 1, 1), ("c", list(range(60, 65)), 0, 1), ("b", [45], len(b) + 3, 1)]),
     ]
     with fake_mode(), CudaBindings():
         model, memo = ex.model, {}
@@ -108,6 +110,7 @@ def test_execute_and_drafting_stay_on_the_device(fake_executor: Setup, monkeypat
         [[], [7]],  # a's first chunk samples nothing; b's prefill samples one token
         [[8], [40, 9]],  # a's last chunk samples; b accepts its first draft
         [[10], [43]],
+        [[11], [12], [13]],
     ]
     for batch, acc in zip(fake_executor.batches, accepted):
         logits = ex.execute(batch)
@@ -116,7 +119,7 @@ def test_execute_and_drafting_stay_on_the_device(fake_executor: Setup, monkeypat
         drafts = ex.propose_drafts(batch, acc)
         assert [len(d) for d in drafts] == [K if n else 0 for n in batch.num_logits]
     # One read per step, of every sampling request's K drafts at once.
-    assert [tuple(t.shape) for t in reads] == [(K,), (2 * K,), (2 * K,)]
+    assert [tuple(t.shape) for t in reads] == [(K,), (2 * K,), (2 * K,), (3 * K,)]
     assert all(t.device == CUDA and t.dtype == torch.long for t in reads)
 
 

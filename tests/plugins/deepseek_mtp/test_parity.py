@@ -73,6 +73,21 @@ def test_mixed_batch_of_requests(checkpoints):
 
 
 @pytest.mark.parametrize("variant", ["mixed_yarn", "csa_heavy"])
+def test_decodes_around_a_prefill(checkpoints, variant):
+    """Decodes on both sides of a prefill attend as one group whose rows are not consecutive, with
+    keys of different lengths; each request still matches transformers."""
+    ckpt = checkpoints[variant]
+    ex, info = make_executor(ckpt.path)
+    core = FakeCore(ex, info)
+    a, b, c = _prompt(6, 23), _prompt(7, 9), _prompt(8, 12)
+    ex.execute(core.batch([("a", a[:-1], 0, 1), ("b", b[:-1], 0, 1)]))
+    out = ex.execute(core.batch([("a", a[-1:], len(a) - 1, 1), ("c", c, 0, len(c)), ("b", b[-1:], len(b) - 1, 1)]))
+    torch.testing.assert_close(out[0], _hf_logits(ckpt, a)[-1], atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(out[1:-1], _hf_logits(ckpt, c), atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(out[-1], _hf_logits(ckpt, b)[-1], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["mixed_yarn", "csa_heavy"])
 def test_greedy_generation_matches_transformers(checkpoints, variant):
     ckpt = checkpoints[variant]
     prompt = _prompt(6, 9)
