@@ -71,7 +71,8 @@ class Segments:
     input_ids: torch.Tensor  # [T] token ids (hash routing)
     block_tables: dict[str, torch.Tensor]  # group -> [R, max_blocks]
     ring_slots: list[int] | None = None  # compressor ring slot per request (main model only)
-    # The index tensors every layer shares, uploaded once per forward (see ``_rows``).
+    # Built once per forward and shared by every layer: the index tensors (``_rows``) and the
+    # attention groups with their rows (``_groups``).
     _index: _Rows | None = field(default=None, repr=False, compare=False)
     _parts: list[tuple[Segments, list[int]]] | None = field(default=None, repr=False, compare=False)
 
@@ -84,7 +85,7 @@ class Segments:
 
 
 class _Rows(NamedTuple):
-    """Per-request index tensors of one attention call, built from the host lists (no device read)."""
+    """Per-request index tensors of a batch (or attention group), built from the host lists (no device read)."""
 
     qsl: torch.Tensor  # [R + 1] row offsets
     q_lens: torch.Tensor  # [R]
