@@ -690,7 +690,13 @@ def main(argv: list[str] | None = None) -> int:
                 str(threads),
             ]
             procs.append((name, subprocess.Popen(cmd)))
-        failed = [name for name, p in procs if p.wait() != 0]
+        try:
+            failed = [name for name, p in procs if p.wait() != 0]
+        finally:
+            for _, p in procs:  # interrupted: do not leave a worker training on
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait()
         if failed:
             raise SystemExit(f"training failed for {failed} (see the log above)")
         for name in models:
