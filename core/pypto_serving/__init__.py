@@ -9,7 +9,7 @@ Public API: :class:`LLM` (offline generation), :class:`SamplingParams`, :class:`
 from .config import ServingSettings, SettingsError
 from .engine import LLM, EngineCore, EngineDeadError
 from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
-from .hookspecs import ExecutorSpec, SchedulerSpec, SpecPolicySpec, hookimpl
+from .hookspecs import ExecutorSpec, ModelSpec, SchedulerSpec, SpecPolicySpec, hookimpl
 from .messages import StepResult
 from .model_files import read_generation_config
 from .plugins import PluginError, PluginManager
@@ -30,6 +30,7 @@ __all__ = [
     "Executor",
     "ExecutorInfo",
     "ExecutorSpec",
+    "ModelSpec",
     "PluginError",
     "PluginManager",
     "Request",

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ServingSettings, SettingsError, add_settings_arguments, settings_from_args
-from .plugins import PluginError, PluginManager
+from .plugins import PluginError, PluginManager, require_model
 
 __all__ = ["main"]
 
@@ -28,11 +28,28 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([dict(zip(("name", "provides", "distribution", "version", "status"), r)) for r in rows]))
         return 0
-    header = ("plugin", "provides", "distribution", "version", "status")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
+    _print_table(("plugin", "provides", "distribution", "version", "status"), rows)
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    pm = PluginManager()
+    default = pm.default_model()
+    rows = [
+        (spec.name, "yes" if spec is default else "", plugin.name, spec.description, spec.path)
+        for spec, plugin in sorted(pm.models.specs.values(), key=lambda sp: sp[0].name)
+    ]
+    if args.json:
+        print(json.dumps([dict(zip(("name", "default", "plugin", "description", "path"), r)) for r in rows]))
+        return 0
+    _print_table(("model", "default", "plugin", "description", "path"), rows)
+    return 0
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
-    return 0
 
 
 # Settings whose values are credentials: `config show` prints one "***" per entry instead.
@@ -78,8 +95,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     settings = settings_from_args(args)
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
-    if settings.model is None and settings.executor == "auto":
-        raise SettingsError("generate needs a model: pass --model DIR or set model in the config file")
+    plugins = PluginManager()
+    settings = require_model(plugins, settings, "generate")
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -88,7 +105,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed_sampling,
     )
     try:
-        with LLM(settings=settings) as llm:
+        with LLM(settings=settings, plugins=plugins) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and sys.stderr.isatty())
     except (WorkerError, EngineDeadError) as e:
         # The first line names the cause (e.g. "the executor failed to load: ..."); the rest is the
@@ -120,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_plugins)
 
+    m = sub.add_parser("models", help="list the named models installed plugins ship (usable as --model NAME)")
+    m.add_argument("--json", action="store_true", help="print JSON")
+    m.set_defaults(func=_cmd_models)
+
     c = sub.add_parser(
         "config",
         help="inspect settings",
@@ -137,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="offline generation for prompts given as arguments or a JSONL file")
     g.add_argument("prompt", nargs="*", help="prompt texts")
-    g.add_argument("--model", metavar="DIR", help="model directory")
+    g.add_argument("--model", metavar="DIR|NAME", help="model directory or named model (default: the default one)")
     g.add_argument("--config", metavar="FILE", help="TOML or YAML settings file")
     g.add_argument("--input", metavar="FILE", help='JSONL: one prompt per line (string, token ids, or {"prompt": ...})')
     g.add_argument("--output", metavar="FILE", help="write JSONL results here instead of printing")

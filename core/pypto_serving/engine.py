@@ -133,9 +133,9 @@ class EngineCore:
     """Owns the scheduler, the KV accounting and the worker; a strategy plugin drives the steps."""
 
     def __init__(self, settings: ServingSettings, plugins: PluginManager | None = None) -> None:
-        self.settings = settings
         self.plugins = plugins or PluginManager()
         self.plugins.check_healthy()
+        self.settings = settings = self.plugins.resolve_model(settings)
         exec_spec = self.plugins.select_executor(settings.executor, read_architecture(settings.model))
         # Fails before a model loads when the settings alone rule out every installed strategy; the
         # choice itself needs the loaded executor's supports_pipelining (``_setup``).
@@ -413,8 +413,11 @@ class LLM:
             overrides["model"] = str(model)
         if settings is not None and overrides:
             settings = settings.with_overrides(**overrides)
-        self.settings = settings if settings is not None else ServingSettings.load(**overrides)
-        self._plugins = plugins
+        self._plugins = plugins or PluginManager()
+        # A named model (or none: the default one) becomes its directory here, so ``settings`` says what runs.
+        self.settings = self._plugins.resolve_model(
+            settings if settings is not None else ServingSettings.load(**overrides)
+        )
         self.engine: EngineCore | None = EngineCore(self.settings, plugins)
         self._ids = 0
         self_ref = weakref.ref(self)

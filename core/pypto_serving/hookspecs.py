@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PROJECT_NAME",
     "ExecutorSpec",
+    "ModelSpec",
     "SchedulerSpec",
     "SpecPolicySpec",
     "hookimpl",
@@ -106,6 +107,26 @@ class SpecPolicySpec:
     description: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A named model a plugin ships: a local Hugging Face model directory selected by name.
+
+    ``--model NAME`` (or ``model = "NAME"``) resolves to ``path`` wherever a model directory is
+    accepted, unless a directory of that name exists. With no model at all, ``serve`` and ``generate``
+    use the named model of the highest ``priority`` (ties: the first by name).
+
+    :param name: the name ``settings.model`` selects it by; unique across installed plugins.
+    :param path: the model directory (config.json, weights, tokenizer), usually package data.
+    :param description: one line for ``pypto-serving plugins`` and ``pypto-serving models``.
+    :param priority: rank as the default model when none is given.
+    """
+
+    name: str
+    path: str
+    description: str = ""
+    priority: int = 0
+
+
 @hookspec
 def pypto_serving_register_executors() -> list[ExecutorSpec]:  # type: ignore[empty-body]
     """Return the executors this plugin provides.
@@ -136,6 +157,17 @@ def pypto_serving_register_spec_policies() -> list[SpecPolicySpec]:  # type: ign
     capacity for. The core registers ``none`` and ``greedy`` through this hook as well.
 
     :return: the plugin's policy descriptors.
+    """
+
+
+@hookspec
+def pypto_serving_register_models() -> list[ModelSpec]:  # type: ignore[empty-body]
+    """Return the named models this plugin ships.
+
+    Called once at start-up in the engine process. A name registered twice is a start-up error
+    naming both plugins.
+
+    :return: the plugin's named-model descriptors.
     """
 
 

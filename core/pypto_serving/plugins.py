@@ -9,15 +9,19 @@ import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Generic, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import pluggy
 
 from . import hookspecs
 from .config import SettingsError
-from .hookspecs import PROJECT_NAME, ExecutorSpec, SchedulerSpec, SpecPolicySpec
 
-__all__ = ["PluginError", "PluginInfo", "PluginManager"]
+if TYPE_CHECKING:
+    from .config import ServingSettings
+from .hookspecs import PROJECT_NAME, ExecutorSpec, ModelSpec, SchedulerSpec, SpecPolicySpec
+
+__all__ = ["PluginError", "PluginInfo", "PluginManager", "require_model"]
 
 ENTRY_POINT_GROUP = "pypto_serving"
 logger = logging.getLogger(__name__)
@@ -39,7 +43,7 @@ class PluginInfo:
     provides: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
 
 
-S = TypeVar("S", ExecutorSpec, SchedulerSpec, SpecPolicySpec)
+S = TypeVar("S", ExecutorSpec, SchedulerSpec, SpecPolicySpec, ModelSpec)
 
 
 @dataclass(slots=True)
@@ -92,6 +96,7 @@ class PluginManager:
         self.executors = _Registry("executor", ExecutorSpec)
         self.schedulers = _Registry("scheduler", SchedulerSpec)
         self.spec_policies = _Registry("speculative policy", SpecPolicySpec)
+        self.models = _Registry("model", ModelSpec)
         self._collect()
 
     # -- loading
@@ -135,6 +140,7 @@ class PluginManager:
             ("pypto_serving_register_executors", self.executors),
             ("pypto_serving_register_schedulers", self.schedulers),
             ("pypto_serving_register_spec_policies", self.spec_policies),
+            ("pypto_serving_register_models", self.models),
         )
         for hook_name, registry in registries:
             registry.hint = hint
@@ -236,6 +242,34 @@ class PluginManager:
             f"installed schedulers: {installed}{self.schedulers.hint}"
         )
 
+    def default_model(self) -> ModelSpec | None:
+        """The named model used when the settings name none: highest priority, then first by name."""
+        specs = sorted((s for s, _ in self.models.specs.values()), key=lambda s: (-s.priority, s.name))
+        return specs[0] if specs else None
+
+    def resolve_model(self, settings: ServingSettings) -> ServingSettings:
+        """``settings`` with ``model`` as a directory: a registered name becomes its path (a directory
+        of that name wins), and no model at all becomes the default named model's (with
+        ``executor = "auto"``; an explicit executor may need none). The API reports the name unless
+        ``served_model_name`` says otherwise.
+
+        :return: the same object when nothing changes, else an updated copy.
+        """
+        name = settings.model
+        if name is None:
+            spec = self.default_model() if settings.executor == "auto" else None
+            if spec is None:
+                return settings
+            logger.info("no model given: serving the default named model %s (%s)", spec.name, spec.path)
+        elif name in self.models.specs and not Path(name).exists():
+            spec = self.models.specs[name][0]
+        else:
+            return settings
+        changes: dict[str, Any] = {"model": str(spec.path)}
+        if settings.served_model_name is None:
+            changes["served_model_name"] = spec.name
+        return settings.with_overrides(origin=f"named model {spec.name}", **changes)
+
     def select_spec_policy(self, name: str) -> SpecPolicySpec:
         return self.spec_policies.get(name)
 
@@ -244,6 +278,19 @@ class PluginManager:
 
     def add_routes(self, app: Any) -> None:
         self.pm.hook.pypto_serving_add_routes(app=app)
+
+
+def require_model(plugins: PluginManager, settings: ServingSettings, command: str) -> ServingSettings:
+    """``settings`` with the model resolved (see :meth:`PluginManager.resolve_model`); a command that
+    needs a model and has none fails with what it can take."""
+    settings = plugins.resolve_model(settings)
+    if settings.model is None and settings.executor == "auto":
+        names = plugins.models.installed()
+        raise SettingsError(
+            f"{command} needs a model: pass --model DIR or a named model, or set model in the config file "
+            f"(installed named models: {names})"
+        )
+    return settings
 
 
 def _allowed_names() -> set[str] | None:

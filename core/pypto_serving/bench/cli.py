@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import SettingsError, add_settings_arguments, settings_from_args
+from ..config import add_settings_arguments, settings_from_args
+from ..plugins import PluginManager, require_model
 
 __all__ = ["add_bench_command", "format_table"]
 
@@ -26,7 +27,7 @@ def add_bench_command(sub: Any) -> None:
         description="All prompts are submitted at once to the offline LLM API; the timer runs from "
         "submission to the last output (model loading and a 2-token warm-up request excluded).",
     )
-    t.add_argument("--model", metavar="DIR", help="model directory")
+    t.add_argument("--model", metavar="DIR|NAME", help="model directory or named model")
     t.add_argument("--config", metavar="FILE", help="TOML or YAML settings file")
     _add_workload_arguments(t)
     add_settings_arguments(t, server=False)
@@ -131,10 +132,10 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
-    if settings.model is None and settings.executor == "auto":
-        raise SettingsError("bench throughput needs a model: pass --model DIR or set model in the config file")
+    plugins = PluginManager()
+    settings = require_model(plugins, settings, "bench throughput")
     try:
-        result = run_throughput(settings, _throughput_config(args))
+        result = run_throughput(settings, _throughput_config(args), plugins=plugins)
     except (WorkerError, EngineDeadError) as e:
         print(f"pypto-serving: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

@@ -86,11 +86,11 @@ class AsyncLLM:
         engine_factory: Callable[[], EngineCore] | None = None,
         on_fatal: Callable[[str], None] | None = None,
     ) -> None:
-        self.settings = settings
         self.plugins = plugins or PluginManager()
+        self.settings = self.plugins.resolve_model(settings)
         self.metrics = metrics
         self.on_fatal = on_fatal  # called from the engine thread once restarts are exhausted
-        self._factory = engine_factory or (lambda: EngineCore(settings, self.plugins))
+        self._factory = engine_factory or (lambda: EngineCore(self.settings, self.plugins))
         self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and _pending_seqs (both threads touch them)

@@ -15,17 +15,19 @@ from typing import Any
 
 from ..config import SettingsError, add_settings_arguments, settings_from_args
 from ..engine import read_architecture
-from ..plugins import PluginError
+from ..plugins import PluginError, PluginManager, require_model
 
 __all__ = ["add_serve_command", "run_server"]
 
 logger = logging.getLogger("pypto_serving.server")
 
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 def add_serve_command(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--config", metavar="FILE", help="TOML or YAML settings file (see examples/serve.toml)")
-    p.add_argument("--model", metavar="DIR", help="model directory")
+    p.add_argument("--model", metavar="DIR|NAME", help="model directory or named model (default: the default one)")
     add_settings_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -52,12 +54,13 @@ def _bind(host: str, port: int) -> socket.socket:
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
-        if settings.model is None and settings.executor == "auto":
-            raise SettingsError("serve needs a model: pass --model DIR or set model in the config file")
+        logging.basicConfig(level=settings.log_level.upper(), format=_LOG_FORMAT)
+        plugins = PluginManager()
+        settings = require_model(plugins, settings, "serve")
         read_architecture(settings.model)  # a missing directory or config.json fails here, before binding
-    except (SettingsError, ValueError) as e:
+    except (SettingsError, PluginError, ValueError) as e:
         return _fail(str(e))
-    return run_server(settings)
+    return run_server(settings, plugins)
 
 
 def run_server(settings: Any, plugins: Any = None) -> int:
@@ -65,11 +68,11 @@ def run_server(settings: Any, plugins: Any = None) -> int:
     shutdown, 1 when the worker kept dying past the restart budget (so a supervisor restarts us)."""
     from ..engine import EngineDeadError
     from ..worker import WorkerError
-    from .app import build_app
+    from .app import build_app, served_model_name
     from .async_llm import AsyncLLM
     from .transport import ServingServer, uvicorn_config
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format=_LOG_FORMAT)
     try:
         sock = _bind(settings.host, settings.port)
     except OSError as e:
@@ -88,10 +91,11 @@ def run_server(settings: Any, plugins: Any = None) -> int:
     except (SettingsError, PluginError, WorkerError, EngineDeadError, ValueError, OSError) as e:
         sock.close()
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    settings = llm.settings  # with a named model resolved to its directory
     app = build_app(llm, settings)
     host, port = sock.getsockname()[:2]
     # Printed (not only logged) so wrappers and tests can find the port when port = 0.
-    print(f"pypto-serving: serving {settings.model} on http://{host}:{port}", flush=True)
+    print(f"pypto-serving: serving {served_model_name(settings)} on http://{host}:{port}", flush=True)
     server = ServingServer(uvicorn_config(app, settings), llm, settings.shutdown_timeout)
     server.should_exit = bool(fatal)  # restarts ran out while the server was being built
 
