@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pypto_kernels import select_device
+from pypto_kernels import describe_kernel, select_device
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
 
 from . import ops
@@ -171,6 +171,7 @@ class DeepseekMTPExecutor(Executor):
         self.model = DeepseekV4Model(cfg, weights, device, dtype, block_size)
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.groups = self._cache_groups(cfg, block_size, dtype)
+        self._log_kernels(cfg)
         gen_eos, generation_defaults = read_generation_config(model_dir)
         eos = list(dict.fromkeys([*cfg.eos_token_ids, *gen_eos]))  # config.json first, no duplicates
         return ExecutorInfo(
@@ -211,6 +212,14 @@ class DeepseekMTPExecutor(Executor):
         if missing:
             raise MtpConfigError(f"MTP layer {d} is incomplete; missing {missing}")
         return p
+
+    def _log_kernels(self, cfg: DeepseekV4Config) -> None:
+        """Say which implementation runs each attention layer kind's kernels on this device."""
+        kernels = {SLIDING: ["sink_attention"], HCA: ["compressor_pool", "sink_attention"]}
+        kernels[CSA] = ["compressor_pool", "indexer_topk", "sink_attention"]
+        for kind in dict.fromkeys(cfg.layer_types):
+            used = ", ".join(f"{k} runs {describe_kernel(k, self.device)}" for k in kernels[kind])
+            logger.info("%s layers: %s", kind, used)
 
     def _cache_groups(self, cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> list[CacheGroupSpec]:
         elem = torch.tensor([], dtype=dtype).element_size()
