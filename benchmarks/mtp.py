@@ -11,9 +11,14 @@ HCA, sliding) in a temp dir with the test helpers, then
    position, plus the full k=1 step (verification + ``propose_drafts``).
 
 Random weights: the drafts are essentially never right, so acceptance (and hence the throughput of
-k > 0) says nothing about a real checkpoint; it only shows the machinery and its overhead.
+k > 0) says nothing about a real checkpoint; it only shows the machinery and its overhead. With
+``--model DIR|NAME`` (e.g. the embedded ``tiny-deepseek-v4``, trained by tools/train_tiny.py) the
+engine runs that checkpoint instead, on prompts cut from the training corpus's held-out slice (the
+Python standard library files whose sorted index % 50 == 0), and also reports how often the first
+draft token is accepted.
 
     python benchmarks/mtp.py [--threads 1] [--max-tokens 32] [--reps 40]
+    python benchmarks/mtp.py --model tiny-deepseek-v4 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -68,7 +73,29 @@ def build(tmp: Path) -> Path:
     ).path
 
 
-def run_engine(path: Path, k: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+def held_out_prompts(model: str, count: int, length: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from the held-out stdlib files, tokenized by ``model``'s tokenizer."""
+    import sysconfig
+
+    from pypto_serving import LLM
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    held = [f for i, f in enumerate(files) if i % 50 == 0]
+    with LLM(model=model, plugins=plugin_manager(), worker_mode="inproc", device="cpu") as llm:
+        tok = llm.tokenizer
+        assert tok is not None, f"{model} has no tokenizer"
+        prompts: list[list[int]] = []
+        for f in held:
+            ids = tok.encode(f.read_text(encoding="utf-8", errors="replace"))
+            prompts += [ids[i : i + length] for i in range(0, len(ids) - length, 4 * length)]
+    step = max(1, len(prompts) // count)
+    return prompts[::step][:count]
+
+
+def run_engine(
+    path: Path | str, k: int, concurrency: int, max_tokens: int, prompts: list[list[int]] | None = None
+) -> dict[str, Any]:
     from pypto_serving import LLM, SamplingParams
 
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
@@ -93,8 +120,9 @@ def run_engine(path: Path, k: int, concurrency: int, max_tokens: int) -> dict[st
             submit(out)
 
         core.submit = spy  # type: ignore[method-assign]
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,), generator=g).tolist() for _ in range(concurrency)]
+        if prompts is None:
+            g = torch.Generator().manual_seed(0)
+            prompts = [torch.randint(0, VOCAB, (PROMPT_LEN,), generator=g).tolist() for _ in range(concurrency)]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
         entries.clear()
@@ -109,7 +137,10 @@ def run_engine(path: Path, k: int, concurrency: int, max_tokens: int) -> dict[st
     with_drafts = sum(1 for e in entries if e.num_draft)
     accepted = stats["spec_accepted"] - base["spec_accepted"]
     drafted = stats["spec_drafted"] - base["spec_drafted"]
+    per_pos = [a - b for a, b in zip(stats["spec_accepted_per_pos"], base["spec_accepted_per_pos"] + [0] * 8)]
     return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "first_acc": per_pos[0] / with_drafts if with_drafts and per_pos else 0.0,
         "tok_s": decoded / (last - first),
         "mean_acc": accepted / with_drafts if with_drafts else 0.0,
         "acc_rate": accepted / drafted if drafted else 0.0,
@@ -158,8 +189,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--model", help="a trained DeepSeek-V4 checkpoint (directory or named model), held-out prompts")
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.model:
+        trained(args)
+        return
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         path = build(Path(tmp))
@@ -200,6 +236,32 @@ def main() -> None:
         verdict = "met" if ratio < 1.3 else "NOT met"
         print(f"2-token verification / 1-token step = {ratio:.2f}x (goal < 1.3x: {verdict})")
     print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+def trained(args: argparse.Namespace) -> None:
+    """k = 0..3 at concurrency 1 and 16 on a trained checkpoint, prompts from the held-out slice."""
+    prompts = held_out_prompts(args.model, 16, args.prompt_len)
+    print(
+        f"{args.model}: {len(prompts)} held-out prompts of {args.prompt_len} tokens, max_tokens {args.max_tokens}, "
+        f"temperature 0, fp32 CPU, {args.threads} thread(s)"
+    )
+    print()
+    print("| k | concurrency | decode tok/s | vs k=0 | first-draft acceptance | mean accepted length | steps |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for conc in (1, 16):
+        base: dict[str, Any] = {}
+        for k in (0, 1, 2, 3):
+            per_prompt = [prompts[i : i + conc] for i in range(0, len(prompts), conc)][: max(1, 4 // conc)]
+            runs = [run_engine(args.model, k, conc, args.max_tokens, p) for p in per_prompt]
+            r = {key: sum(x[key] for x in runs) / len(runs) for key in ("tok_s", "first_acc", "mean_acc")}
+            r["steps"] = sum(x["steps"] for x in runs)
+            tokens = [t for x in runs for t in x["tokens"]]
+            base = base or {"tok_s": r["tok_s"], "tokens": tokens}
+            same = "" if tokens == base["tokens"] else " (outputs differ from k=0!)"
+            print(
+                f"| {k} | {conc} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | {r['first_acc']:.1%} | "
+                f"{r['mean_acc']:.2f} | {r['steps']} |{same}"
+            )
 
 
 if __name__ == "__main__":

@@ -629,8 +629,31 @@ def train_model(
     return {**stats, **ev, "params": n, "dir": str(out), "size_mb": round(dir_mb(out), 2)}
 
 
+#: The fixed prompt of the shipped models' golden tokens (the tests store what this script prints).
+GOLDEN_PROMPT = "def main():\n"
+GOLDEN_TOKENS = 24
+
+
+def golden(model_dir: Path) -> dict[str, Any]:
+    """transformers' greedy continuation of :data:`GOLDEN_PROMPT` (``GOLDEN_TOKENS`` tokens, EOS ignored)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(GOLDEN_PROMPT).ids
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(GOLDEN_TOKENS):  # full recompute: no cache code path of either side involved
+            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return {"prompt": GOLDEN_PROMPT, "prompt_ids": ids, "tokens": seq[len(ids) :]}
+
+
 def main(argv: list[str] | None = None) -> int:
     raw_argv = list(sys.argv[1:] if argv is None else argv)
+    if raw_argv[:1] == ["--golden"]:  # regenerate the golden tokens of existing model directories
+        for path in raw_argv[1:]:
+            print(json.dumps({path: golden(Path(path))}))
+        return 0
     args = parse_args(raw_argv)
     start = time.monotonic()
     deadline = start + args.minutes * 60
@@ -711,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
                 budget = max(0.0, deadline - time.monotonic() - args.eval_reserve / 2)
             report[name] = train_model(name, args, tok, train_ids, held_ids, budget)
 
+    for name in models:
+        report[name]["golden"] = golden(Path(report[name]["dir"]))
     report["total_seconds"] = round(time.monotonic() - start, 1)
     (args.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     short = {
