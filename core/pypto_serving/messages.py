@@ -76,7 +76,10 @@ class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True):
     placeholder value. ``num_draft`` draft tokens from the worker's draft cache follow it.
     ``start_pos`` is the request's computed-token count at schedule time; ``rejected_seen`` is how
     many rejected draft positions the scheduler had reclaimed by then, so the worker can correct
-    positions for rejections the scheduler had not yet seen.
+    positions for rejections the scheduler had not yet seen. ``new_block_ids`` are the blocks appended
+    to each cache group's table since the request's previous entry (all of them in its first entry
+    after it (re)entered the worker): the worker keeps the tables, so a step message grows with what
+    changed, not with running requests x blocks.
     """
 
     request_id: str
@@ -85,7 +88,7 @@ class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True):
     num_draft: int
     start_pos: int
     rejected_seen: int
-    block_ids: dict[str, list[int]]
+    new_block_ids: dict[str, list[int]]
     sample: bool
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
+from .executor import BatchInput, Executor, ExecutorInfo
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, WireSampling
 from .sampler import RowParams, SampleOutput, TokenCounts, sample
 
@@ -35,6 +35,7 @@ class _ReqState:
     counts: TokenCounts | None  # the penalties' token counts, on the device; None without penalties
     drafts: list[int] = field(default_factory=list)
     rejected: int = 0  # draft positions given back so far
+    block_ids: dict[str, list[int]] = field(default_factory=dict)  # per cache group, grown by each entry's diff
 
     @property
     def num_outputs(self) -> int:
@@ -84,6 +85,9 @@ class ModelRunner:
                 self.executor.release(list(cmd.finished_ids))
             for nr in cmd.new_requests:
                 self._admit(nr)
+            # Every entry's blocks are taken before anything can fail, so the tables stay in step
+            # with the scheduler's record of what was sent whatever happens to this step.
+            self._append_blocks(cmd.entries)
             if not cmd.entries:
                 return StepResult(step_id=cmd.step_id)
             batch, drafts_used = self._build_batch(cmd.entries)
@@ -151,6 +155,14 @@ class ModelRunner:
         )
         return batch, drafts_used
 
+    def _append_blocks(self, entries: list[ScheduledEntry]) -> None:
+        for e in entries:
+            st = self.states.get(e.request_id)
+            if st is None:
+                raise RuntimeError(f"the worker has no state for request {e.request_id!r}")
+            for group, blocks in e.new_block_ids.items():
+                st.block_ids.setdefault(group, []).extend(blocks)
+
     def _entry_tokens(self, e: ScheduledEntry) -> _EntryTokens:
         st = self.states.get(e.request_id)
         if st is None:
@@ -179,7 +191,7 @@ class ModelRunner:
         block_tables: dict[str, torch.Tensor] = {}
         slot_mapping: dict[str, torch.Tensor] = {}
         for g in self.info.cache_groups:
-            table = _block_table(entries, g)
+            table = _block_table([self.states[e.request_id].block_ids.get(g.name, []) for e in entries])
             block_tables[g.name] = table.to(self.device)
             if g.tokens_per_entry == 1:
                 blk = table.long()[req_of_token, pos_t // g.block_size]
@@ -242,10 +254,9 @@ class ModelRunner:
                 result.logprobs[e.request_id] = [out.logprobs[r] or {} for r in rows[: len(kept)]]
 
 
-def _block_table(entries: list[ScheduledEntry], group: CacheGroupSpec) -> torch.Tensor:
-    """``[R, max_blocks]`` int32 block ids of ``group``, padded with 0, on the host."""
-    rows = [e.block_ids.get(group.name, []) for e in entries]
-    table = torch.zeros(len(entries), max(1, max(len(r) for r in rows)), dtype=torch.int32)
+def _block_table(rows: list[list[int]]) -> torch.Tensor:
+    """``[R, max_blocks]`` int32 block ids of one group, padded with 0, on the host."""
+    table = torch.zeros(len(rows), max(1, max(len(r) for r in rows)), dtype=torch.int32)
     for i, r in enumerate(rows):
         table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
     return table

@@ -58,6 +58,7 @@ class _Tracked:
     awaiting_prefill: bool = False  # a terminal prefill is in flight (for executors with a barrier)
     has_sampled: bool = False  # sampled since (re)admission: only then can the worker hold drafts
     sent_to_worker: bool = False  # the worker holds state for it (to be released on finish/preempt)
+    blocks_sent: dict[str, int] = field(default_factory=dict)  # per group: table length the worker holds
 
     def reset_for_recompute(self) -> None:
         self.epoch += 1
@@ -315,7 +316,7 @@ class Scheduler:
                 num_draft=k,
                 start_pos=start,
                 rejected_seen=st.rejected,
-                block_ids=req.block_ids,  # encoded (process) or consumed (inproc) at submit, before any change
+                new_block_ids=self._new_blocks(req, st),
                 sample=sample,
             )
         )
@@ -369,7 +370,19 @@ class Scheduler:
     def _release_worker_state(self, rid: str, st: _Tracked) -> None:
         if st.sent_to_worker:
             st.sent_to_worker = False
+            st.blocks_sent.clear()
             self.finished_ids.append(rid)
+
+    @staticmethod
+    def _new_blocks(req: Request, st: _Tracked) -> dict[str, list[int]]:
+        """The blocks of each group the worker does not hold yet (tables only grow while it holds them)."""
+        new: dict[str, list[int]] = {}
+        for group, blocks in req.block_ids.items():
+            sent = st.blocks_sent.get(group, 0)
+            if len(blocks) > sent:
+                new[group] = blocks[sent:]
+                st.blocks_sent[group] = len(blocks)
+        return new
 
     # ------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:

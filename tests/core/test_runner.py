@@ -60,7 +60,7 @@ def _entry(rid: str, tokens: list[int], blocks: dict[str, list[int]]) -> Schedul
         num_draft=0,
         start_pos=0,
         rejected_seen=0,
-        block_ids=blocks,
+        new_block_ids=blocks,
         sample=True,
     )
 

@@ -221,9 +221,9 @@ def test_a_victim_scheduled_earlier_in_the_step_leaves_the_step(make_sched: Call
         before = s.stats.num_preemptions
         out = step(s)
         owners: dict[int, str] = {}
-        for e in out.command.entries:
-            for b in e.block_ids.get("kv", []):
-                assert owners.setdefault(b, e.request_id) == e.request_id, f"block {b} in two entries"
+        for r in s.running:
+            for b in r.block_ids.get("kv", []):
+                assert owners.setdefault(b, r.request_id) == r.request_id, f"block {b} in two requests"
         preempted = [r.request_id for r in reqs if r.status is RequestStatus.PREEMPTED]
         assert not set(preempted) & set(entry_ids(out))
         assert out.num_batched_tokens == sum(i.num_new + i.num_draft for i in out.items)
@@ -420,3 +420,37 @@ def test_stop_conditions(make_sched: Callable[..., Scheduler]) -> None:
     step(s, extra={"ign": [7], "min": [7]})
     assert ignore.status is RequestStatus.FINISHED_LENGTH
     assert mint.status is RequestStatus.FINISHED_EOS and len(mint.output_token_ids) == 2
+
+
+def test_a_decode_step_message_grows_with_changes_not_with_blocks(make_sched: Callable[..., Scheduler]) -> None:
+    """Entries carry only the blocks appended since the request's previous entry: with 8 running
+    decodes, the encoded step message is (but for wider position integers) as large at 8 blocks per
+    request as at 256, and a request
+    that crosses a block boundary adds exactly its one new block."""
+    import msgspec
+
+    def decode_message(prompt_len: int) -> tuple[int, list[dict[str, list[int]]]]:
+        s = make_sched(
+            num_blocks=8 * (prompt_len // BLOCK + 8),
+            max_num_batched_tokens=8 * prompt_len,
+            max_num_seqs=8,
+            max_model_len=2 * prompt_len,
+        )
+        for i in range(8):
+            s.add_request(req(f"r{i}", prompt_len - 1, max_tokens=16))
+        step(s)  # the prompts: every block so far goes out once
+        out = step(s)  # the first decode of each: fills the last prompt slot, needs no new block
+        return len(msgspec.msgpack.encode(out.command)), [e.new_block_ids for e in out.command.entries]
+
+    small, small_blocks = decode_message(8 * BLOCK)
+    big, big_blocks = decode_message(256 * BLOCK)
+    assert small_blocks == big_blocks == [{}] * 8
+    # Only the position integers grow (msgpack widens 32 -> 1024 by two bytes each); resending the
+    # tables would add 8 x 256 block ids, kilobytes.
+    assert big - small <= 8 * 4, (small, big)
+
+    s = make_sched(num_blocks=16, max_num_seqs=1)
+    s.add_request(req("a", BLOCK, max_tokens=8))
+    first = step(s).command.entries[0].new_block_ids["kv"]
+    crossing = step(s).command.entries[0].new_block_ids  # token BLOCK + 1 opens the second block
+    assert len(first) == 1 and len(crossing["kv"]) == 1 and crossing["kv"] != first

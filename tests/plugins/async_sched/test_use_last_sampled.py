@@ -30,7 +30,7 @@ def test_entry_field_is_a_bool() -> None:
         num_draft=2,
         start_pos=7,
         rejected_seen=1,
-        block_ids={"kv": [3, 4]},
+        new_block_ids={"kv": [3, 4]},
         sample=True,
     )
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(e), type=ScheduledEntry)
@@ -98,7 +98,7 @@ def _entry(
         num_draft=0,
         start_pos=start,
         rejected_seen=0,
-        block_ids=blocks,
+        new_block_ids=blocks,
         sample=sample,
     )
 
