@@ -7,6 +7,11 @@ would. A block that creates an ``LLM`` spawns the worker process, which is what 
 ``if __name__ == "__main__":`` guard necessary; :func:`test_blocks_that_load_a_model_have_a_main_guard`
 checks that statically as well.
 
+Blocks that talk to the quick start's server (``http://127.0.0.1:8000``: Python blocks and ``curl``
+lines) run against a real ``pypto-serving serve`` started as the quick start does (no ``--model``: the
+default embedded model) on a free port, which replaces 8000. Blocks that name an embedded model
+(``tiny-deepseek-v4``, ``tiny-qwen3``) need the plugin that ships it.
+
 Every block is either run or skipped with its reason: a missing plugin, a missing device, or an entry
 of :data:`SKIPS`. The plugin-writing example of docs/plugins.md is a package, not a script: it is
 installed (as a dist-info on ``PYTHONPATH``, from the doc's own ``pyproject.toml`` block) and driven
@@ -16,12 +21,13 @@ by the doc's own ``python -c`` usage line, whose printed result must match the d
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +72,13 @@ def fenced_blocks(doc: Path) -> list[Block]:
 
 
 PYTHON_BLOCKS = [b for doc in DOCS for b in fenced_blocks(doc) if b.lang == "python"]
+
+# The quick start's server address, and the plugin shipping each embedded model.
+QUICKSTART_URL = "http://127.0.0.1:8000"
+EMBEDDED = {"tiny-deepseek-v4": "pypto_serving_deepseek_mtp", "tiny-qwen3": "pypto_serving_qwen"}
+CURL_BLOCKS = [
+    b for doc in DOCS for b in fenced_blocks(doc) if b.lang == "bash" and b.code.startswith(f"curl -s {QUICKSTART_URL}")
+]
 
 
 def test_the_docs_have_python_blocks() -> None:
@@ -131,6 +144,9 @@ def _skip_unrunnable(block: Block) -> None:
     for marker, reason in SKIPS.items():
         if marker in block.code:
             pytest.skip(reason)
+    for name, module in EMBEDDED.items():
+        if name in block.code and importlib.util.find_spec(module) is None:
+            pytest.skip(f"the embedded model {name} ships with {module}, which is not installed")
     _skip_without_strategy(block.code)
     device = re.search(r"""device\s*=\s*["'](npu|cuda)""", block.code)
     if device is not None:
@@ -161,10 +177,55 @@ def _assert_ran(proc: subprocess.CompletedProcess[str], what: str) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def quickstart_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``pypto-serving serve`` with no model (the default embedded one), as ``quickstart.sh`` runs it."""
+    _skip_without_strategy("LLM(")
+    from tests.core.server.server_helpers import free_port, wait_for
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("quickstart") / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYPTO_SERVING_")}
+    cmd = [sys.executable, "-m", "pypto_serving.cli", "serve", "--port", str(port), "--device", "cpu"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: proc.poll() is not None or _healthy(url), 120, "the quick start server")
+        assert proc.poll() is None, log.read_text()
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.parametrize("block", CURL_BLOCKS, ids=lambda b: b.name)
+def test_curl_block_answers(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    _skip_unrunnable(block)
+    url = request.getfixturevalue("quickstart_server")
+    proc = _run(["bash", "-c", block.code.replace(QUICKSTART_URL, url)], cwd=tmp_path)
+    _assert_ran(proc, block.name)
+    body = json.loads(proc.stdout)
+    assert body["choices"][0]["message"]["content"], body
+
+
 @pytest.mark.parametrize("block", [b for b in PYTHON_BLOCKS if "@hookimpl" not in b.code], ids=lambda b: b.name)
-def test_script_block_runs(block: Block, checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+def test_script_block_runs(
+    block: Block, checkpoint: Callable[[str], Path], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     _skip_unrunnable(block)
     code = PLACEHOLDER.sub(lambda m: str(checkpoint(m.group(1))), block.code)
+    if QUICKSTART_URL in code:
+        code = code.replace(QUICKSTART_URL, request.getfixturevalue("quickstart_server"))
     script = tmp_path / "snippet.py"
     script.write_text(code, encoding="utf-8")
     proc = _run([sys.executable, str(script)], cwd=tmp_path)

@@ -1,10 +1,15 @@
-"""pluggy registration of the DeepSeek-V4 (MTP) executor."""
+"""pluggy registration of the DeepSeek-V4 (MTP) executor and the embedded ``tiny-deepseek-v4`` model."""
 
 from __future__ import annotations
 
-from pypto_serving import ExecutorSpec, hookimpl
+from pathlib import Path
+
+from pypto_serving import ExecutorSpec, ModelSpec, hookimpl
 
 from .executor import ARCHITECTURE, make_executor
+
+#: The embedded model's directory (package data; trained by tools/train_tiny.py, docs/training.md).
+TINY_DEEPSEEK_V4 = Path(__file__).resolve().parent / "models" / "tiny-deepseek-v4"
 
 
 @hookimpl
@@ -15,5 +20,19 @@ def pypto_serving_register_executors() -> list[ExecutorSpec]:
             factory=make_executor,
             architectures=(ARCHITECTURE,),
             description="DeepSeek-V4 hybrid attention (sliding / CSA / HCA), mHC, MoE, with MTP drafting.",
+        )
+    ]
+
+
+@hookimpl
+def pypto_serving_register_models() -> list[ModelSpec]:
+    # The default model: the product's own architecture, with a trained MTP layer for speculation.
+    return [
+        ModelSpec(
+            name="tiny-deepseek-v4",
+            path=str(TINY_DEEPSEEK_V4),
+            description="DeepSeek-V4 with one trained MTP layer, 4.2M parameters trained on the Python "
+            "standard library's source (a CPU demo)",
+            priority=10,
         )
     ]
