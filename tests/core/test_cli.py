@@ -150,9 +150,16 @@ def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     return lines[0]
 
 
+@pytest.fixture
+def no_named_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the strategy plugins load, so no installed plugin ships a default model."""
+    monkeypatch.setenv("PYPTO_SERVING_PLUGINS", "sync_sched,async_sched")
+
+
+@pytest.mark.usefixtures("no_named_models")
 def test_generate_without_a_model_says_pass_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "Hello"]) == 2
-    assert "pass --model DIR" in _one_error_line(capsys)
+    assert "pass --model DIR or a named model" in _one_error_line(capsys)
 
 
 def test_generate_with_a_missing_input_file_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -179,9 +186,10 @@ def test_bench_serve_keeps_every_setting_for_the_server_it_starts(capsys: pytest
     assert {"--base-url", "--concurrency", "--request-rate", "--prompt-format", "--json"} <= set(flags)
 
 
+@pytest.mark.usefixtures("no_named_models")
 def test_bench_throughput_without_a_model_says_pass_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "throughput", "--vocab-size", "10"]) == 2
-    assert "pass --model DIR" in _one_error_line(capsys)
+    assert "pass --model DIR or a named model" in _one_error_line(capsys)
 
 
 def test_bench_serve_with_nothing_listening_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
