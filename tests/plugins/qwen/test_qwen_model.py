@@ -228,4 +228,5 @@ def test_max_model_len_defaults_to_config(qwen_checkpoints: Callable[[str], Path
 def test_tied_embeddings_share_storage(qwen_checkpoints: Callable[[str], Path]) -> None:
     ex = _executor(qwen_checkpoints("qwen2_tied"))
     assert ex.model is not None
-    assert ex.model.lm_head.data_ptr() == ex.model.embed.data_ptr()
+    assert ex.model.lm_head_t.data_ptr() == ex.model.embed.data_ptr()
+    assert ex.model.embed.shape == ex.model.lm_head_t.t().shape
