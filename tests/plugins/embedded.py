@@ -7,7 +7,6 @@ training run, never from our own engine's output.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +43,19 @@ def check_shipped_directory(path: Path) -> None:
     assert size < 20 * 2**20, f"{path} is {size / 2**20:.1f} MiB"
 
 
-def check_golden(name: str, path: Path, prompt_ids: list[int], golden: list[int], tokenize: Callable[..., Any]) -> None:
+def tokenize(path: Path, text: str) -> list[int]:
+    """``text`` in the token ids of the model directory's own tokenizer (our loader)."""
+    from pypto_serving.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    assert tok is not None, f"{path} has no tokenizer"
+    return tok.encode(text)
+
+
+def check_golden(name: str, path: Path, prompt_ids: list[int], golden: list[int]) -> None:
     """By name and by path, our greedy tokens of the fixed prompt are the stored golden ones, and the
     prompt tokenizes as it did when they were made."""
-    assert tokenize(GOLDEN_PROMPT) == prompt_ids
+    assert tokenize(path, GOLDEN_PROMPT) == prompt_ids
     for model in (name, str(path)):
         assert engine_greedy(model, prompt_ids, len(golden)) == golden, model
 

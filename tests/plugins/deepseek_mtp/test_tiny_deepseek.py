@@ -17,6 +17,7 @@ from tests.plugins.embedded import (
     check_serve_without_a_model,
     check_shipped_directory,
     engine_greedy,
+    tokenize,
     transformers_greedy,
 )
 
@@ -54,11 +55,7 @@ PROMPTS = ["import os\nimport sys\n\n", "class Config:\n    def __init__(self", 
 
 
 def _tokenize(text: str) -> list[int]:
-    from pypto_serving.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(TINY_DEEPSEEK_V4)
-    assert tok is not None
-    return tok.encode(text)
+    return tokenize(TINY_DEEPSEEK_V4, text)
 
 
 def test_the_shipped_directory_is_complete_with_its_mtp_layer() -> None:
@@ -71,7 +68,7 @@ def test_the_shipped_directory_is_complete_with_its_mtp_layer() -> None:
 
 
 def test_golden_tokens_by_name_and_by_path() -> None:
-    check_golden(NAME, TINY_DEEPSEEK_V4, GOLDEN_PROMPT_IDS, GOLDEN, _tokenize)
+    check_golden(NAME, TINY_DEEPSEEK_V4, GOLDEN_PROMPT_IDS, GOLDEN)
 
 
 def test_the_golden_tokens_are_transformers_greedy() -> None:

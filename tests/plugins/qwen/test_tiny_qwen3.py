@@ -15,6 +15,7 @@ from tests.plugins.embedded import (
     check_serve_without_a_model,
     check_shipped_directory,
     engine_greedy,
+    tokenize,
     transformers_greedy,
 )
 
@@ -52,11 +53,7 @@ PROMPTS = ["import os\nimport sys\n\n", "class Config:\n    def __init__(self", 
 
 
 def _tokenize(text: str) -> list[int]:
-    from pypto_serving.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(TINY_QWEN3)
-    assert tok is not None
-    return tok.encode(text)
+    return tokenize(TINY_QWEN3, text)
 
 
 def test_the_shipped_directory_is_complete() -> None:
@@ -64,7 +61,7 @@ def test_the_shipped_directory_is_complete() -> None:
 
 
 def test_golden_tokens_by_name_and_by_path() -> None:
-    check_golden(NAME, TINY_QWEN3, GOLDEN_PROMPT_IDS, GOLDEN, _tokenize)
+    check_golden(NAME, TINY_QWEN3, GOLDEN_PROMPT_IDS, GOLDEN)
 
 
 def test_the_golden_tokens_are_transformers_greedy() -> None:
