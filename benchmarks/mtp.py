@@ -184,6 +184,66 @@ def time_verification(path: Path, reps: int) -> dict[str, float]:
     return out
 
 
+def time_steps(path: Path | str, concurrency: int, reps: int) -> dict[str, float]:
+    """Median seconds per decode step of ``concurrency`` requests at the same positions: a plain
+    1-token step (``execute()``) and a full MTP k=1 step (2-token ``execute()``, the draft rejected,
+    plus ``propose_drafts()``)."""
+    ex, info = make_executor(Path(path), k=1, block_size=16, max_num_seqs=concurrency)
+    core = FakeCore(ex, info, num_blocks=32 * concurrency + 64)
+    g = torch.Generator().manual_seed(2)
+    vocab = info.vocab_size
+    prompts = [torch.randint(0, vocab, (PROMPT_LEN + 13,), generator=g).tolist() for _ in range(concurrency)]
+    streams = [torch.randint(0, vocab, (reps + 1,), generator=g).tolist() for _ in range(concurrency)]
+    n0 = len(prompts[0])
+
+    def measure(tag: str, full: bool) -> float:
+        rids = [f"{tag}{c}" for c in range(concurrency)]
+        pre = core.batch([(rid, p, 0, 1) for rid, p in zip(rids, prompts)])
+        ex.execute(pre)
+        ex.propose_drafts(pre, [[s[0]] for s in streams])
+        ts = []
+        for i in range(reps):
+            n = 2 if full else 1
+            batch = core.batch([(rid, [s[i], 7][:n], n0 + i, n) for rid, s in zip(rids, streams)])
+            accepted = [[s[i + 1]] for s in streams]  # the draft rejected: one token committed
+            t0 = time.perf_counter()
+            ex.execute(batch)
+            if full:
+                ex.propose_drafts(batch, accepted)
+            ts.append(time.perf_counter() - t0)
+            if not full:
+                ex.propose_drafts(batch, accepted)  # keep the MTP state in step, untimed
+        ex.release(rids)
+        for rid in rids:
+            core.free_request(rid)
+        return statistics.median(ts[3:])
+
+    out: dict[str, float] = {}
+    for rnd in range(2):  # interleaved, best of two, to even out load drift on a shared box
+        for name, full in (("plain", False), ("full", True)):
+            out[name] = min(out.get(name, 1e9), measure(f"{name}{rnd}-", full))
+    return out
+
+
+def _model_dir(model: str) -> Path:
+    """A checkpoint directory, or the directory of a model this plugin registers by name."""
+    from pypto_serving_deepseek_mtp.plugin import pypto_serving_register_models
+
+    named = {m.name: m.path for m in pypto_serving_register_models()}
+    return Path(named.get(model, model))
+
+
+def step_ratios(path: Path | str, reps: int) -> None:
+    """The full k=1 step over the plain decode step, at concurrency 1 and 16 in the same run."""
+    print()
+    print("| concurrency | plain decode step ms | k=1 step (verify + draft) ms | ratio |")
+    print("|---:|---:|---:|---:|")
+    for conc in (1, 16):
+        v = time_steps(path, conc, reps)
+        ratio = v["full"] / v["plain"]
+        print(f"| {conc} | {v['plain'] * 1e3:.2f} | {v['full'] * 1e3:.2f} | {ratio:.2f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -191,8 +251,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--model", help="a trained DeepSeek-V4 checkpoint (directory or named model), held-out prompts")
     ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    ap.add_argument("--steps-only", action="store_true", help="only the k=1 step / plain step ratios")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.steps_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            step_ratios(_model_dir(args.model) if args.model else build(Path(tmp)), args.reps)
+        return
     if args.model:
         trained(args)
         return
