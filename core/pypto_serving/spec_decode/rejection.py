@@ -1,0 +1,237 @@
+"""Batched rejection sampling of speculative drafts (Leviathan et al. 2023; Chen et al. 2023).
+
+A step verifies, for each request ``r``, ``k_r`` draft tokens ``d_0 .. d_{k_r-1}`` against the
+target model's distributions ``p_0 .. p_{k_r}`` (row ``j`` is the distribution of output position
+``j`` after the first ``j`` drafts, already processed: temperature, top-k/top-p/min-p, penalties and
+bans, i.e. what the non-speculative sampler draws from). Draft ``j`` is accepted with probability
+``min(1, p_j(d_j) / q_j(d_j))``; the first rejected position emits a token drawn from
+``normalise(max(0, p_j - q_j))``; when every draft is accepted the row emits a bonus token drawn from
+``p_{k_r}``. The emitted tokens are then distributed exactly as tokens sampled one by one from the
+target. Greedy rows (temperature 0) take the argmax comparison instead: a draft is accepted when it
+equals the argmax of its row, and the first mismatch (or the bonus position) emits that argmax,
+which is exactly what :func:`pypto_serving.runner._accept` computes from greedy samples.
+
+Layout: flat, as the runner lays out logits rows. ``target [N, V]`` holds request ``r``'s ``k_r + 1``
+rows consecutively in request order (``N = sum(k_r + 1)``); ``drafts [D]`` and ``draft_probs [D, V]``
+hold its ``k_r`` drafts consecutively (``D = sum(k_r)``). ``draft_probs=None`` stands for point-mass
+drafters (n-gram, greedy MTP): ``q_j`` is one-hot at ``d_j``, never materialised, so acceptance is
+``u < p_j(d_j)`` and the residual is ``p_j`` with ``d_j`` removed.
+
+Randomness is a pure function of ``(request seed, output index)`` through the sampler's
+:func:`~pypto_serving.sampler.uniforms`, in two disjoint streams of indices: the token drawn at output
+index ``i`` (residual or bonus) uses index ``i``, the very uniform the non-speculative sampler uses for
+that output, and the acceptance test of the draft at output index ``i`` uses index ``-1 - i`` (the hash
+maps distinct indices of one seed to distinct values, so the streams never share a uniform). A
+drafter that samples its drafts must take its randomness from neither stream (for instance
+:func:`draft_uniforms`): the residual draw must be independent of the draft it replaces. A uniform
+computed for a position past the first rejection influences nothing emitted, so the next step may
+reuse it for the same output index. Every operation is row-wise, so a seeded request emits the same
+tokens in any batch, in any order, and under sync and async scheduling alike.
+
+Everything runs on ``target``'s device; the host knows only the per-request parameters it already
+has (seed, first output index, draft count, greedy or not). :func:`rejection_sample` reads nothing
+back; :func:`read` makes the step's one host read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampler import uniforms
+
+__all__ = ["DeviceVerdict", "SpecRow", "Verdict", "draft_uniforms", "read", "rejection_sample"]
+
+_DRAFTER_STREAM = -(2**62)  # indices below this are the drafters'; acceptance takes -1 - i above it
+
+
+@dataclass(slots=True, kw_only=True)
+class SpecRow:
+    """One request's verification parameters, known on the host."""
+
+    seed: int
+    first_index: int  # the request's output index of the row's first emitted token
+    num_drafts: int  # k_r
+    greedy: bool  # temperature 0: argmax verification
+
+
+@dataclass(slots=True, kw_only=True)
+class DeviceVerdict:
+    """A step's verification before the host read: every tensor on ``target``'s device."""
+
+    tokens: torch.Tensor  # [R, K + 1] long: accepted drafts, then the emitted token, then -1
+    num_emitted: torch.Tensor  # [R] long: accepted drafts + 1
+    row_tokens: torch.Tensor  # [N] long: the token emitted at each target row (0 past the last), for logprobs
+
+
+@dataclass(slots=True)
+class Verdict:
+    tokens: list[list[int]]  # per request: its accepted drafts, then one residual or bonus token
+    num_accepted: list[int]  # per request: accepted drafts (len(tokens[r]) - 1)
+
+
+@dataclass(slots=True)
+class _Maps:
+    """Host-built index maps of one group of requests into the flat layout, on the device."""
+
+    pos: torch.Tensor  # [G, K] target row of each draft position (clamped where padded)
+    draft: torch.Tensor  # [G, K] draft index of each position (clamped where padded)
+    valid: torch.Tensor  # [G, K] bool: the position holds a draft
+    first_row: torch.Tensor  # [G] the request's first target row
+    first_draft: torch.Tensor  # [G] the request's first draft index (clamped into [0, D))
+    num_drafts: torch.Tensor  # [G]
+    seeds: torch.Tensor  # [G]
+    first_index: torch.Tensor  # [G]
+
+
+def draft_uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Uniforms for a drafter that samples the draft at output index ``indices``: disjoint from both
+    streams the verification uses."""
+    return uniforms(seeds, _DRAFTER_STREAM - 1 - indices)
+
+
+def _maps(rows: list[SpecRow], group: list[int], width: int, device: torch.device) -> _Maps:
+    first_row, first_draft, n, d = [], [], 0, 0
+    for r in rows:
+        first_row.append(n)
+        first_draft.append(d)
+        n += r.num_drafts + 1
+        d += r.num_drafts
+    pos, draft, valid = [], [], []
+    for g in group:
+        k = rows[g].num_drafts
+        pos.append([first_row[g] + min(j, k) for j in range(width)])
+        # Clamped into [0, D): a request without drafts may sit past the last one.
+        draft.append([min(first_draft[g] + min(j, max(k - 1, 0)), max(d - 1, 0)) for j in range(width)])
+        valid.append([j < k for j in range(width)])
+
+    def t(x: object, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    return _Maps(
+        pos=t(pos).reshape(len(group), width),
+        draft=t(draft).reshape(len(group), width),
+        valid=t(valid, torch.bool).reshape(len(group), width),
+        first_row=t([first_row[g] for g in group]),
+        first_draft=t([min(first_draft[g], max(d - 1, 0)) for g in group]),
+        num_drafts=t([rows[g].num_drafts for g in group]),
+        seeds=t([rows[g].seed for g in group]),
+        first_index=t([rows[g].first_index for g in group]),
+    )
+
+
+def _at(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``x[rows, cols]`` elementwise for a 2-D ``x``, as one ``take`` of the flattened tensor."""
+    return torch.take(x, rows * x.shape[1] + cols)
+
+
+def _leading(accept: torch.Tensor) -> torch.Tensor:
+    """Per row, the number of leading True values of ``accept [G, K]``."""
+    return accept.long().cumprod(dim=1).sum(dim=1)
+
+
+def _greedy(target: torch.Tensor, drafts: torch.Tensor, m: _Maps) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted count and emitted token of greedy requests: argmax comparison."""
+    best = target.argmax(dim=-1)  # [N]; the sampler's greedy path takes the same argmax
+    d = drafts.take(m.draft) if drafts.numel() else torch.zeros_like(m.pos)
+    n_acc = _leading((d == best.take(m.pos)) & m.valid)
+    return n_acc, best.take(m.first_row + n_acc)
+
+
+def _residual(target: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, m: _Maps, n_acc: torch.Tensor) -> torch.Tensor:
+    """``[G, V]`` weights of each request's emitted token: ``max(0, p - q)`` at a rejected position,
+    ``p`` at the bonus position, and ``p`` again where rounding leaves the residual without mass."""
+    p = target.index_select(0, m.first_row + n_acc).double()
+    rejected = (n_acc < m.num_drafts).unsqueeze(1)
+    if drafts.numel() == 0:
+        return p
+    at = m.first_draft + n_acc.clamp(max=(m.num_drafts - 1).clamp(min=0))
+    if q is None:  # point mass: the residual is p without the draft token
+        d = drafts.take(at).unsqueeze(1)
+        w = p.scatter(1, d, torch.where(rejected, 0.0, p.gather(1, d)))
+    else:
+        w = torch.where(rejected, (p - q.index_select(0, at).double()).clamp(min=0.0), p)
+    return torch.where((w.sum(dim=1, keepdim=True) > 0.0), w, p)
+
+
+def _sampled(
+    target: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, m: _Maps
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted count and emitted token of sampled requests: the rejection rule."""
+    width = m.pos.shape[1]
+    if width:
+        tokens = drafts.take(m.draft)
+        p_d = _at(target, m.pos, tokens).double()
+        offsets = torch.arange(width, device=target.device)
+        u = uniforms(m.seeds.unsqueeze(1).expand_as(m.pos), -1 - (m.first_index.unsqueeze(1) + offsets))
+        # u * q < p is min(1, p/q) > u without a division: q = 0 < p accepts, p = 0 never does.
+        q_d = 1.0 if q is None else _at(q, m.draft, tokens).double()
+        n_acc = _leading((u * q_d < p_d) & m.valid)
+    else:
+        n_acc = torch.zeros_like(m.first_row)
+    cdf = _residual(target, drafts, q, m, n_acc).cumsum(dim=1)
+    u_tok = uniforms(m.seeds, m.first_index + n_acc).unsqueeze(1)
+    # u < 1 has 32 bits, so u * total stays below total and lands on a positive weight (inverse CDF).
+    at = torch.searchsorted(cdf, u_tok * cdf.narrow(1, cdf.shape[1] - 1, 1), right=True)
+    return n_acc, at.clamp(max=cdf.shape[1] - 1).squeeze(1)
+
+
+def rejection_sample(
+    target: torch.Tensor, drafts: torch.Tensor, rows: list[SpecRow], draft_probs: torch.Tensor | None = None
+) -> DeviceVerdict:
+    """Verify every request's drafts without reading the host.
+
+    :param target: ``[N, V]`` float, request ``r``'s ``k_r + 1`` rows consecutively: probabilities for
+        sampled requests; any scores with the wanted argmax (e.g. processed logits) for greedy ones.
+    :param drafts: ``[D]`` long, request ``r``'s ``k_r`` drafts consecutively, on ``target``'s device.
+    :param rows: per request, its :class:`SpecRow`.
+    :param draft_probs: ``[D, V]`` float, the drafter's distribution of each draft; ``None`` for
+        point-mass drafters.
+    """
+    dev = target.device
+    width = max((r.num_drafts for r in rows), default=0)
+    num = len(rows)
+    n_acc = torch.zeros(num, dtype=torch.long, device=dev)
+    token = torch.zeros(num, dtype=torch.long, device=dev)
+    for greedy in (True, False):
+        group = [i for i, r in enumerate(rows) if r.greedy == greedy]
+        if not group:
+            continue
+        m = _maps(rows, group, width, dev)
+        acc, tok = _greedy(target, drafts, m) if greedy else _sampled(target, drafts, draft_probs, m)
+        if len(group) == num:
+            n_acc, token = acc, tok
+        else:
+            at = torch.tensor(group, dtype=torch.long, device=dev)
+            n_acc, token = n_acc.index_copy(0, at, acc), token.index_copy(0, at, tok)
+    return _assemble(target, drafts, rows, width, n_acc, token)
+
+
+def _assemble(
+    target: torch.Tensor, drafts: torch.Tensor, rows: list[SpecRow], width: int, n_acc: torch.Tensor, token: torch.Tensor
+) -> DeviceVerdict:
+    dev = target.device
+    every = _maps(rows, list(range(len(rows))), width, dev)
+    pos = torch.arange(width + 1, device=dev)
+    acc = n_acc.unsqueeze(1)
+    placed = token.unsqueeze(1).expand(-1, width + 1)
+    if width:
+        d = torch.cat([drafts.take(every.draft), torch.zeros_like(acc)], dim=1)
+        placed = torch.where(pos < acc, d, placed)
+    tokens = torch.where(pos <= acc, placed, -1)
+    # Row i of the flat target belongs to request req[i] at position i - first_row[req[i]].
+    sizes = torch.tensor([r.num_drafts + 1 for r in rows], dtype=torch.long, device=dev)
+    req = torch.repeat_interleave(torch.arange(len(rows), device=dev), sizes, output_size=target.shape[0])
+    local = torch.arange(target.shape[0], device=dev) - every.first_row.take(req)
+    row_tokens = _at(tokens, req, local).clamp(min=0)
+    return DeviceVerdict(tokens=tokens, num_emitted=n_acc + 1, row_tokens=row_tokens)
+
+
+def read(verdict: DeviceVerdict) -> Verdict:
+    """The step's one host read: each request's emitted tokens."""
+    num = verdict.num_emitted.shape[0]
+    flat = torch.cat([verdict.num_emitted, verdict.tokens.flatten()]).tolist()
+    width = (len(flat) - num) // num if num else 0
+    tokens = [flat[num + r * width : num + r * width + flat[r]] for r in range(num)]
+    return Verdict(tokens=tokens, num_accepted=[n - 1 for n in flat[:num]])
