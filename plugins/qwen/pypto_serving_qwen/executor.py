@@ -11,6 +11,8 @@ import torch
 import pypto_kernels as K
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
 
+from .capture import DecodeGraphs, GraphStats
+from .graph import GraphOptions, parse_graph_options
 from .loader import QwenConfig, load_weights, read_config, resolve_dtype
 from .model import AttentionMetadata, KVCache, QwenForCausalLM
 
@@ -22,7 +24,12 @@ KV_GROUP = "kv"  # the single cache group: one K and one V entry per token per l
 
 
 class QwenExecutor(Executor):
-    """Loads a local HF checkpoint into :class:`QwenForCausalLM` and runs one forward per step."""
+    """Loads a local HF checkpoint into :class:`QwenForCausalLM` and runs one forward per step.
+
+    ``settings.executor_options`` (all optional): ``graph_mode`` (``auto``, ``eager``, ``inductor``,
+    ``cudagraph``, ``npugraph``, ``aot_eager``), ``graph_batch_sizes`` (the decode buckets) and
+    ``graph_warmup`` (``load`` or ``lazy``); see :mod:`pypto_serving_qwen.graph`.
+    """
 
     def __init__(self, settings: Any) -> None:
         if not settings.model:
@@ -33,12 +40,16 @@ class QwenExecutor(Executor):
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.kv_caches: list[KVCache] = []
+        self.graph_options: GraphOptions | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.eager_steps = 0
 
     def load(self) -> ExecutorInfo:
         s = self.settings
         cfg = read_config(s.model)
         self.device = K.select_device(s.device)
         self.dtype = resolve_dtype(s.dtype, cfg)
+        self.graph_options = parse_graph_options(s.executor_options, self.device, s.max_num_seqs)
         # Seeded so that anything random during start-up, such as a kernel warm-up, is reproducible.
         torch.manual_seed(s.seed)
         model = QwenForCausalLM(cfg, self.device, self.dtype)
@@ -95,7 +106,10 @@ class QwenExecutor(Executor):
         cfg = self._loaded_config()
         if KV_GROUP not in num_blocks:
             raise ValueError(f"init_kv_cache needs blocks for cache group {KV_GROUP!r}, got {sorted(num_blocks)}")
-        shape = (num_blocks[KV_GROUP], self.settings.block_size, cfg.num_kv_heads, cfg.head_dim)
+        capture = self.graph_options is not None and self.graph_options.mode != "eager"
+        # Graph capture adds one scratch block past the engine's blocks for the padding rows.
+        blocks = num_blocks[KV_GROUP] + int(capture)
+        shape = (blocks, self.settings.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Uninitialised on purpose: zero-filling gigabytes of cache would dominate start-up, and no
         # slot is read before it is written (attention reads exactly seq_len keys of each request,
         # all written by this or an earlier step; tests fill the caches with NaN to prove it).
@@ -106,12 +120,50 @@ class QwenExecutor(Executor):
             )
             for _ in range(cfg.num_layers)
         ]
+        if capture:
+            self._init_graphs(cfg, scratch_block=blocks - 1)
+
+    def _init_graphs(self, cfg: QwenConfig, scratch_block: int) -> None:
+        assert self.graph_options is not None and self.model is not None
+        for key_cache, value_cache in self.kv_caches:
+            # Padding rows read the scratch block's first slot: keep it finite before any write.
+            key_cache[scratch_block].zero_()
+            value_cache[scratch_block].zero_()
+        block_size = self.settings.block_size
+        max_len = self.settings.max_model_len or cfg.max_position_embeddings
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.graph_options,
+            scratch_block=scratch_block,
+            block_size=block_size,
+            table_width=-(-max_len // block_size),
+            device=self.device,
+        )
+        opts = self.graph_options
+        if opts.warmup == "load":
+            seconds = self.graphs.warm_up(self.kv_caches)
+            logger.info(
+                "decode graphs (%s) for batch sizes %s compiled in %.1f s", opts.mode, opts.batch_sizes, seconds
+            )
+        else:
+            logger.info("decode graphs (%s) for batch sizes %s compile on first use", opts.mode, opts.batch_sizes)
+
+    @property
+    def graph_stats(self) -> GraphStats:
+        """Which path the steps took (captured per bucket, or eager)."""
+        stats = self.graphs.stats if self.graphs is not None else GraphStats()
+        stats.eager_steps = self.eager_steps
+        return stats
 
     def execute(self, batch: BatchInput) -> torch.Tensor:
         if self.model is None:
             raise RuntimeError("execute() before load()")
         if not self.kv_caches:
             raise RuntimeError("execute() before init_kv_cache()")
+        bucket = self.graphs.bucket(batch) if self.graphs is not None else None
+        if self.graphs is not None and bucket is not None:
+            return self.graphs.run(batch, bucket, self.kv_caches)
+        self.eager_steps += 1
         qsl = batch.query_start_loc_host
         meta = AttentionMetadata(
             slot_mapping=batch.slot_mapping[KV_GROUP],
@@ -129,6 +181,7 @@ class QwenExecutor(Executor):
 
     def shutdown(self) -> None:
         self.kv_caches = []
+        self.graphs = None
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -17,6 +17,7 @@ from torch import nn
 
 import pypto_kernels as K
 
+from .graph import decode_attention, static_decode_attention, write_kv
 from .loader import QwenConfig, WeightTarget
 
 __all__ = ["AttentionMetadata", "KVCache", "QwenForCausalLM"]
@@ -38,6 +39,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [R]
     query_lens_host: list[int]  # [R] query rows of each request
     seq_lens_host: list[int]  # [R] equal to seq_lens
+    # How attention runs: "paged" (any step, eager), or a captured decode step's "host" (lengths from
+    # seq_lens_cpu, a host tensor) or "static" (no host lengths at all); see graph.py.
+    path: str = "paged"
+    seq_lens_cpu: torch.Tensor | None = None  # [R] host copy of seq_lens, for the "host" path
 
 
 def _param(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -92,21 +97,46 @@ class QwenAttention(nn.Module):
             q = K.rms_norm(q, self.q_norm, self.eps)
             k = K.rms_norm(k, self.k_norm, self.eps)
         q, k = K.apply_rope(q, k, cos, sin)
+        out = self._attend(q, k, v, cache, meta)
+        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         key_cache, value_cache = cache
-        K.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = K.paged_attention(
+        if meta.path == "paged":
+            K.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            out: torch.Tensor = K.paged_attention(
+                q,
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                self.scale,
+                sliding_window=self.sliding_window,
+                query_lens_host=meta.query_lens_host,
+                seq_lens_host=meta.seq_lens_host,
+            )
+            return out
+        # A captured decode step: ops a compiled graph calls without a break (graph.py).
+        write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta.path == "static":
+            return static_decode_attention(
+                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window
+            )
+        assert meta.seq_lens_cpu is not None
+        attended: torch.Tensor = decode_attention(
             q,
             key_cache,
             value_cache,
             meta.block_tables,
-            meta.query_start_loc,
             meta.seq_lens,
+            meta.seq_lens_cpu,
             self.scale,
-            sliding_window=self.sliding_window,
-            query_lens_host=meta.query_lens_host,
-            seq_lens_host=meta.seq_lens_host,
+            self.sliding_window,
         )
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        return attended
 
 
 class QwenMLP(nn.Module):
@@ -167,7 +197,8 @@ class QwenSparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.router_weight)
         weights, ids = K.topk_routing(router_logits, self.top_k, self.norm_topk_prob)
-        return K.moe_experts(x, self.gate_up, self.down, weights, ids)
+        out: torch.Tensor = K.moe_experts(x, self.gate_up, self.down, weights, ids)
+        return out
 
 
 class QwenDecoderLayer(nn.Module):
@@ -272,12 +303,23 @@ class QwenForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Float32 logits ``[len(logits_indices), vocab]``; writes this step's K/V into ``kv_caches``."""
+        hidden, residual = self.hidden_states(input_ids, positions, meta, kv_caches)
+        return self.logits(hidden[logits_indices], residual[logits_indices])
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output and residual for every row (their sum is the final hidden state)."""
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = K.rope_cos_sin(positions, self.inv_freq, self.attention_scaling, self.dtype)
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, cache, meta)
         assert residual is not None
-        # Only the sampled rows need the final norm and the (vocab-sized) output projection.
-        hidden, _ = K.add_rms_norm(hidden[logits_indices], residual[logits_indices], self.norm, self.cfg.rms_norm_eps)
+        return hidden, residual
+
+    def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the rows given: the final norm and the (vocab-sized) output projection,
+        only for the sampled rows."""
+        hidden, _ = K.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         return torch.matmul(hidden, self.lm_head_t).float()
