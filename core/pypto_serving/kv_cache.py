@@ -120,6 +120,8 @@ class KVCacheManager:
         self._hash_unit = math.lcm(*(g.tokens_per_block for g in self.groups))
         self._hashes: dict[str, dict[str, list[bytes]]] = {}  # request -> group -> block keys
         self._min_tpb = min(g.tokens_per_block for g in self.groups)
+        # The one group's name and tokens per block, for allocate()'s per-step fast path.
+        self._single = (self.groups[0].name, self.groups[0].tokens_per_block) if len(self.groups) == 1 else None
         self._published: dict[str, int] = {}  # request -> full blocks (of the smallest kind) published
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found cached
@@ -193,9 +195,9 @@ class KVCacheManager:
         """Make the full blocks among the request's first ``num_tokens`` (confirmed) tokens reusable."""
         if not self.prefix_caching:
             return
-        num_tokens = min(num_tokens, request.num_tokens)
         if num_tokens // self._min_tpb <= self._published.get(request.request_id, 0):
-            return  # no new full block since the last call: the common decode step
+            return  # no new full block since the last call: the common decode step (and clamping cannot add one)
+        num_tokens = min(num_tokens, request.num_tokens)
         self._published[request.request_id] = num_tokens // self._min_tpb
         for g in self.groups:
             blocks = request.block_ids.get(g.name, [])
@@ -206,10 +208,10 @@ class KVCacheManager:
     # -- allocation
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Grow the request's blocks so it can hold ``num_tokens`` tokens; all groups or none."""
-        if len(self.groups) == 1:  # fast path: most steps need no new block
-            g = self.groups[0]
-            have_blocks = request.block_ids.get(g.name)
-            if have_blocks is not None and self.blocks_needed(g, num_tokens) <= len(have_blocks):
+        if self._single is not None:  # fast path: most steps need no new block
+            name, tokens_per_block = self._single
+            have_blocks = request.block_ids.get(name)
+            if have_blocks is not None and -(-num_tokens // tokens_per_block) <= len(have_blocks):
                 return True
         need = {}
         for g in self.groups:

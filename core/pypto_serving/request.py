@@ -111,12 +111,11 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED  # checked per request per step: a set lookup, not a string test
+    finished: bool  # a plain member attribute: it is read per request per step
 
+    def __init__(self, value: str) -> None:
+        self.finished = value.startswith("finished")
 
-_FINISHED = frozenset(s for s in RequestStatus if s.value.startswith("finished"))
 
 FinishReason = str  # "stop" | "length" | "abort" | "error" (OpenAI's vocabulary)
 
@@ -164,13 +163,16 @@ class Request:
     # Set by the engine: an incremental detokenizer used for stop strings and text output.
     detokenizer: Any = None
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    # The prompt never changes after creation; a plain attribute because the scheduler reads it
+    # several times per request per step.
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_produced(self) -> int:

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
+
 from .executor import ExecutorInfo
 from .kv_cache import KVCacheManager
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, wire_sampling
@@ -37,9 +39,9 @@ class SchedulerConfig:
 StepKind = Literal["prefill", "decode"]
 
 
-@dataclass(slots=True)
-class _Scheduled:
-    """Scheduler-side memo of one entry, used when its result comes back."""
+class _Scheduled(msgspec.Struct, gc=False):
+    """Scheduler-side memo of one entry, used when its result comes back (a C-initialised struct:
+    one is built per running request per step)."""
 
     request: Request
     epoch: int
@@ -233,24 +235,28 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             st = self._tracked[req.request_id]
-            num_new = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
-            if num_new <= 0 or self._at_limit(req) or (self.info.prefill_barrier and st.awaiting_prefill):
+            pending = req.num_tokens + req.num_output_placeholders  # tokens once results are applied
+            num_new = pending - req.num_computed_tokens
+            if num_new <= 0 or self._at_limit(req, pending) or (self.info.prefill_barrier and st.awaiting_prefill):
                 continue
-            is_decode = num_new == 1 and req.num_produced > 0
-            if not step.admits("decode" if is_decode else "prefill"):
-                continue
-            num_new = self._chunk(num_new, step.budget, is_decode)
-            if num_new == 0:
+            is_decode = num_new == 1 and pending > req.num_prompt_tokens
+            if step.uniform and not step.admits("decode" if is_decode else "prefill"):
                 continue
             k = 0
-            # Drafts exist only after a step of this request sampled (not for the last token of a
-            # recompute after preemption), so only then is reserving k slots of use.
-            if is_decode and self.info.max_draft_tokens and st.has_sampled:
-                k = self.spec_policy(req, self._max_k(req, step.budget - num_new))
-            if self._allocate_running(req, req.num_computed_tokens + num_new + k, step):
+            if is_decode:  # one token, and the budget is positive
+                # Drafts exist only after a step of this request sampled (not for the last token of
+                # a recompute after preemption), so only then is reserving k slots of use.
+                if self.info.max_draft_tokens and st.has_sampled:
+                    k = self.spec_policy(req, self._max_k(req, step.budget - 1))
+            else:
+                num_new = self._chunk(num_new, step.budget, False)
+                if num_new == 0:
+                    continue
+            num_tokens = req.num_computed_tokens + num_new + k
+            if self.kv.allocate(req, num_tokens) or self._preempt_until_fits(req, num_tokens, step):
                 self._take(step, req, num_new, k)
 
-    def _allocate_running(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
+    def _preempt_until_fits(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
         """Blocks for ``num_tokens``, preempting the latest arrival until they fit. False when
         ``req`` itself was preempted, or failed because the cache cannot hold it alone."""
         while not self.kv.allocate(req, num_tokens):
@@ -298,16 +304,7 @@ class Scheduler:
         use_last = req.num_output_placeholders > 0
         if not st.sent_to_worker:
             st.sent_to_worker = True
-            sp = req.sampling_params
-            step.new_requests.append(
-                NewRequestData(
-                    request_id=req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=list(req.output_token_ids),
-                    sampling=wire_sampling(sp, req.eos_token_ids),
-                    seed=req.sample_seed,
-                )
-            )
+            step.new_requests.append(_new_request_data(req))
         step.entries.append(
             ScheduledEntry(
                 request_id=req.request_id,
@@ -341,12 +338,12 @@ class Scheduler:
             return 0
         return min(num_new, cap)
 
-    def _at_limit(self, req: Request) -> bool:
-        """No more tokens can be produced once pending results are applied."""
-        sp = req.sampling_params
-        if sp.max_tokens is not None and req.num_produced >= sp.max_tokens:
+    def _at_limit(self, req: Request, pending: int) -> bool:
+        """No more tokens can be produced once pending results are applied (``pending`` tokens)."""
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None and pending - req.num_prompt_tokens >= max_tokens:
             return True
-        return req.num_tokens + req.num_output_placeholders >= self.config.max_model_len
+        return pending >= self.config.max_model_len
 
     def _max_k(self, req: Request, budget_left: int) -> int:
         room = self.config.max_model_len - (req.num_tokens + req.num_output_placeholders)
@@ -393,7 +390,7 @@ class Scheduler:
         for item in out.items:
             req = item.request
             st = self._tracked.get(req.request_id)
-            if req.is_finished or st is None or st.epoch != item.epoch:
+            if st is None or st.epoch != item.epoch or req.status.finished:
                 continue  # aborted, failed or preempted while in flight: discard
             error = result.request_errors.get(req.request_id)
             if error is not None:
@@ -401,7 +398,8 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 touched.append(req)
             elif not item.sample:
-                self._confirm(req, st, item.num_new)
+                st.confirmed += item.num_new
+                self.kv.publish(req, st.confirmed)
             else:
                 self._apply_sampled(req, st, item, result)
                 touched.append(req)
@@ -424,7 +422,8 @@ class Scheduler:
         if rejected:
             req.num_computed_tokens -= rejected
             st.rejected += rejected
-        self._confirm(req, st, item.num_new + accepted)
+        st.confirmed += item.num_new + accepted
+        self.kv.publish(req, st.confirmed)
         lps = result.logprobs.get(req.request_id)
         for j, tok in enumerate(tokens):
             req.output_token_ids.append(tok)
@@ -434,10 +433,6 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
                 return
-
-    def _confirm(self, req: Request, st: _Tracked, n: int) -> None:
-        st.confirmed += n
-        self.kv.publish(req, st.confirmed)
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params
@@ -451,7 +446,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOP
         if sp.max_tokens is not None and n_out >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        if n_out + req.num_prompt_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -467,3 +462,14 @@ class Scheduler:
         st = self._tracked.pop(req.request_id)
         self._release_worker_state(req.request_id, st)
         del self.requests[req.request_id]
+
+
+def _new_request_data(req: Request) -> NewRequestData:
+    """What the worker needs of a request when it (re)enters: sampling state and token history."""
+    return NewRequestData(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        output_token_ids=list(req.output_token_ids),
+        sampling=wire_sampling(req.sampling_params, req.eos_token_ids),
+        seed=req.sample_seed,
+    )
