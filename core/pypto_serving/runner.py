@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .executor import BatchInput, Executor, ExecutorInfo
-from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, WireSampling
+from .input_batch import InputBatch, StepArrays
+from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
 from .sampler import RowParams, SampleOutput, TokenCounts, sample
 
 __all__ = ["MissingSampledTokenError", "ModelRunner"]
@@ -25,30 +26,39 @@ class MissingSampledTokenError(RuntimeError):
     """A decode asked for the last sampled token of a request that has none."""
 
 
-@dataclass(slots=True, kw_only=True)
 class _ReqState:
-    sampling: WireSampling
-    seed: int
-    num_prompt: int
-    history: list[int]  # prompt + outputs sampled here
-    last_sampled: int | None
-    counts: TokenCounts | None  # the penalties' token counts, on the device; None without penalties
-    drafts: list[int] = field(default_factory=list)
-    rejected: int = 0  # draft positions given back so far
-    block_ids: dict[str, list[int]] = field(default_factory=dict)  # per cache group, grown by each entry's diff
+    """What the worker keeps of a request beyond its batch row: token history, penalty counts and
+    drafts. Its last sampled token lives in the row (the step gathers it from there)."""
+
+    __slots__ = ("_batch", "counts", "drafts", "history", "num_prompt", "request_id", "sampling", "seed")
+
+    def __init__(
+        self,
+        batch: InputBatch,
+        nr: NewRequestData,
+        counts: TokenCounts | None,  # counts: None without penalties
+    ) -> None:
+        self._batch = batch
+        self.request_id = nr.request_id
+        self.sampling = nr.sampling
+        self.seed = nr.seed
+        self.num_prompt = len(nr.prompt_token_ids)
+        self.history = [*nr.prompt_token_ids, *nr.output_token_ids]  # prompt + outputs sampled here
+        self.counts = counts
+        self.drafts: list[int] = []
+
+    @property
+    def last_sampled(self) -> int | None:
+        token = int(self._batch.ints["last_sampled"][self._batch.row_of[self.request_id]])
+        return None if token < 0 else token
+
+    @last_sampled.setter
+    def last_sampled(self, token: int | None) -> None:
+        self._batch.ints["last_sampled"][self._batch.row_of[self.request_id]] = -1 if token is None else token
 
     @property
     def num_outputs(self) -> int:
         return len(self.history) - self.num_prompt
-
-
-@dataclass(slots=True)
-class _EntryTokens:
-    """One entry's input rows: known or last sampled tokens, then drafts, from position ``start``."""
-
-    tokens: list[int]
-    drafts: list[int]
-    start: int
 
 
 class ModelRunner:
@@ -57,6 +67,7 @@ class ModelRunner:
         self.settings = settings
         self.states: dict[str, _ReqState] = {}
         self.info: ExecutorInfo | None = None
+        self._input_batch: InputBatch | None = None
 
     def load(self) -> ExecutorInfo:
         self.info = self.executor.load()
@@ -75,6 +86,17 @@ class ModelRunner:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
+    @property
+    def input_batch(self) -> InputBatch:
+        """The persistent rows, made on first use (the executor's info and device are known by then)."""
+        if self._input_batch is None:
+            assert self.info is not None
+            rows = int(getattr(self.settings, "max_num_seqs", 16))
+            self._input_batch = InputBatch(
+                groups=self.info.cache_groups, max_model_len=self.info.max_model_len, device=self.device, rows=rows
+            )
+        return self._input_batch
+
     # ------------------------------------------------------------------ step
     def step(self, cmd: StepCommand) -> StepResult:
         t0 = time.perf_counter()
@@ -82,6 +104,7 @@ class ModelRunner:
             if cmd.finished_ids:
                 for rid in cmd.finished_ids:
                     self.states.pop(rid, None)
+                self.input_batch.remove(list(cmd.finished_ids))
                 self.executor.release(list(cmd.finished_ids))
             for nr in cmd.new_requests:
                 self._admit(nr)
@@ -106,97 +129,73 @@ class ModelRunner:
 
     def _admit(self, nr: NewRequestData) -> None:
         outs = list(nr.output_token_ids)
-        self.states[nr.request_id] = _ReqState(
-            sampling=nr.sampling,
-            seed=nr.seed,
-            num_prompt=len(nr.prompt_token_ids),
-            history=[*nr.prompt_token_ids, *outs],
-            last_sampled=outs[-1] if outs else None,
-            counts=TokenCounts(prompt=list(nr.prompt_token_ids), outputs=outs) if nr.sampling.has_penalties else None,
-        )
+        counts = TokenCounts(prompt=list(nr.prompt_token_ids), outputs=outs) if nr.sampling.has_penalties else None
+        self.input_batch.add(nr.request_id, sampling=nr.sampling, seed=nr.seed, outputs=outs)
+        self.states[nr.request_id] = _ReqState(self.input_batch, nr, counts)
 
     # ------------------------------------------------------------------ batch
     def _build_batch(self, entries: list[ScheduledEntry]) -> tuple[BatchInput, list[list[int]]]:
-        assert self.info is not None
+        ib = self.input_batch
+        rows = np.array([self._row(e.request_id) for e in entries], dtype=np.int64)
         ids: list[int] = []
-        positions: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
+        starts: list[int] = []
+        query_lens: list[int] = []
         num_logits: list[int] = []
-        logits_idx: list[int] = []
         drafts_used: list[list[int]] = []
-        for e in entries:
-            et = self._entry_tokens(e)
-            toks = et.tokens + et.drafts
+        last = ib.ints["last_sampled"][rows].tolist()
+        rejected = ib.ints["rejected"][rows].tolist()
+        for e, last_token, rej in zip(entries, last, rejected):
+            toks = [self._last_sampled(e.request_id, last_token)] if e.use_last_sampled else e.token_ids
+            drafts = self.states[e.request_id].drafts[: e.num_draft] if e.num_draft else []
             ids += toks
-            positions += range(et.start, et.start + len(toks))
-            qsl.append(len(ids))
-            seq_lens.append(et.start + len(toks))
-            n = 1 + len(et.drafts) if e.sample else 0
-            num_logits.append(n)
-            logits_idx += range(len(ids) - n, len(ids))
-            drafts_used.append(et.drafts)
-        dev = self.device
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        block_tables, slot_mapping = self._cache_tensors(entries, qsl, pos_t)
+            ids += drafts
+            # Rejections the scheduler had not reconciled when it scheduled this entry.
+            starts.append(e.start_pos - (rej - e.rejected_seen))
+            query_lens.append(len(toks) + len(drafts))
+            num_logits.append(1 + len(drafts) if e.sample else 0)
+            drafts_used.append(drafts)
+        step = StepArrays(
+            rows=rows,
+            starts=np.array(starts, dtype=np.int64),
+            query_lens=np.array(query_lens, dtype=np.int64),
+            num_logits=np.array(num_logits, dtype=np.int64),
+            input_ids=np.array(ids, dtype=np.int64),
+        )
+        t = ib.prepare(step)
         batch = BatchInput(
             request_ids=[e.request_id for e in entries],
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=pos_t.to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables,
-            slot_mapping=slot_mapping,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            input_ids=t.input_ids,
+            positions=t.positions,
+            query_start_loc=t.query_start_loc,
+            seq_lens=t.seq_lens,
+            block_tables=t.block_tables,
+            slot_mapping=t.slot_mapping,
+            logits_indices=t.logits_indices,
             num_logits=num_logits,
-            query_start_loc_host=qsl,
-            seq_lens_host=seq_lens,
+            query_start_loc_host=t.query_start_loc_host,
+            seq_lens_host=t.seq_lens_host,
             input_ids_host=ids,
         )
         return batch, drafts_used
 
+    def _row(self, request_id: str) -> int:
+        row = self.input_batch.row_of.get(request_id)
+        if row is None:
+            raise RuntimeError(f"the worker has no state for request {request_id!r}")
+        return row
+
+    @staticmethod
+    def _last_sampled(request_id: str, token: int) -> int:
+        if token < 0:
+            raise MissingSampledTokenError(
+                f"request {request_id!r}: decode asks for the last sampled token, but none was sampled"
+            )
+        return token
+
     def _append_blocks(self, entries: list[ScheduledEntry]) -> None:
         for e in entries:
-            st = self.states.get(e.request_id)
-            if st is None:
-                raise RuntimeError(f"the worker has no state for request {e.request_id!r}")
-            for group, blocks in e.new_block_ids.items():
-                st.block_ids.setdefault(group, []).extend(blocks)
-
-    def _entry_tokens(self, e: ScheduledEntry) -> _EntryTokens:
-        st = self.states.get(e.request_id)
-        if st is None:
-            raise RuntimeError(f"the worker has no state for request {e.request_id!r}")
-        if e.use_last_sampled:
-            if st.last_sampled is None:
-                raise MissingSampledTokenError(
-                    f"request {e.request_id!r}: decode asks for the last sampled token, but none was sampled"
-                )
-            toks = [st.last_sampled]
-        else:
-            toks = list(e.token_ids)
-        drafts = st.drafts[: e.num_draft] if e.num_draft else []
-        # Rejections the scheduler had not reconciled when it scheduled this entry.
-        start = e.start_pos - (st.rejected - e.rejected_seen)
-        return _EntryTokens(tokens=toks, drafts=drafts, start=start)
-
-    def _cache_tensors(
-        self, entries: list[ScheduledEntry], qsl: list[int], pos_t: torch.Tensor
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Block tables of every cache group and slot mappings of the single-token groups, on the device."""
-        assert self.info is not None
-        query_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(entries))])
-        # output_size is known here: the op needs no read of its (host) repeats to size its result.
-        req_of_token = torch.repeat_interleave(torch.arange(len(entries)), query_lens, output_size=qsl[-1])
-        block_tables: dict[str, torch.Tensor] = {}
-        slot_mapping: dict[str, torch.Tensor] = {}
-        for g in self.info.cache_groups:
-            table = _block_table([self.states[e.request_id].block_ids.get(g.name, []) for e in entries])
-            block_tables[g.name] = table.to(self.device)
-            if g.tokens_per_entry == 1:
-                blk = table.long()[req_of_token, pos_t // g.block_size]
-                slot_mapping[g.name] = (blk * g.block_size + pos_t % g.block_size).to(self.device)
-        return block_tables, slot_mapping
+            self._row(e.request_id)  # every entry names a request the worker holds
+            self.input_batch.append_blocks(e.request_id, e.new_block_ids)
 
     # ------------------------------------------------------------------ sample and verify
     def _sample(
@@ -217,6 +216,14 @@ class ModelRunner:
             st = self.states[e.request_id]
             params += (_row(st, st.num_outputs + j, drafts[:j]) for j in range(n))
         return params
+
+    def _commit(self, e: ScheduledEntry, kept: list[int]) -> None:
+        """Record in the request's row what a step kept: its outputs and the drafts it rejected."""
+        ib = self.input_batch
+        row = ib.row_of[e.request_id]
+        ib.ints["last_sampled"][row] = kept[-1]
+        ib.ints["num_outputs"][row] += len(kept)
+        ib.ints["rejected"][row] += e.num_draft - (len(kept) - 1)
 
     def _verify(
         self,
@@ -247,19 +254,10 @@ class ModelRunner:
             st.history += kept
             if st.counts is not None:
                 st.counts.extend(kept)
-            st.last_sampled = kept[-1]
-            st.rejected += e.num_draft - (len(kept) - 1)
+            self._commit(e, kept)
             result.sampled[e.request_id] = kept
             if st.sampling.logprobs is not None:
                 result.logprobs[e.request_id] = [out.logprobs[r] or {} for r in rows[: len(kept)]]
-
-
-def _block_table(rows: list[list[int]]) -> torch.Tensor:
-    """``[R, max_blocks]`` int32 block ids of one group, padded with 0, on the host."""
-    table = torch.zeros(len(rows), max(1, max(len(r) for r in rows)), dtype=torch.int32)
-    for i, r in enumerate(rows):
-        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    return table
 
 
 def _row(st: _ReqState, draw_index: int, drafts: list[int]) -> RowParams:
