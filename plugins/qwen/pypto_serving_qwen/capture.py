@@ -142,7 +142,7 @@ class DecodeGraphs:
     def _meta(
         self, slots: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, lens: list[int]
     ) -> AttentionMetadata:
-        static = self.options.static_attention
+        static = self.options.attention == "static"
         return AttentionMetadata(
             slot_mapping=slots,
             block_tables=tables,

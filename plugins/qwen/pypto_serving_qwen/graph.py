@@ -70,15 +70,14 @@ class GraphOptions:
     :param mode: ``eager`` (no capture) or the capture mode, never ``auto``.
     :param batch_sizes: ascending buckets a decode batch is padded up to.
     :param warmup: ``load`` compiles every bucket when the caches are allocated, ``lazy`` on first use.
+    :param attention: ``host`` (the paged kernel with host lengths, as a custom op) or ``static``
+        (tensor ops only, for graphs that replay without Python); follows from ``mode``.
     """
 
     mode: str
     batch_sizes: tuple[int, ...]
     warmup: str
-
-    @property
-    def static_attention(self) -> bool:
-        return self.mode in _STATIC_ATTENTION_MODES
+    attention: str = "host"
 
 
 def parse_graph_options(options: Mapping[str, Any], device: torch.device, max_num_seqs: int) -> GraphOptions:
@@ -98,7 +97,8 @@ def parse_graph_options(options: Mapping[str, Any], device: torch.device, max_nu
     warmup = options.get("graph_warmup", "load")
     if warmup not in ("load", "lazy"):
         raise ValueError(f"executor_options graph_warmup must be 'load' or 'lazy', got {warmup!r}")
-    return GraphOptions(mode=mode, batch_sizes=_batch_sizes(options, max_num_seqs), warmup=warmup)
+    attention = "static" if mode in _STATIC_ATTENTION_MODES else "host"
+    return GraphOptions(mode=mode, batch_sizes=_batch_sizes(options, max_num_seqs), warmup=warmup, attention=attention)
 
 
 def _batch_sizes(options: Mapping[str, Any], max_num_seqs: int) -> tuple[int, ...]:
