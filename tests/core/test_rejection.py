@@ -133,7 +133,10 @@ def autoregressive(toy: Toy, prefix: Seq, m: int) -> Dist:
         return {(): 1.0}
     p = toy.p(prefix)
     return {
-        (t, *rest): p[t] * w for t in range(V) if p[t] > 0 for rest, w in autoregressive(toy, (*prefix, t), m - 1).items()
+        (t, *rest): p[t] * w
+        for t in range(V)
+        if p[t] > 0
+        for rest, w in autoregressive(toy, (*prefix, t), m - 1).items()
     }
 
 
@@ -188,6 +191,16 @@ def threshold(df: int) -> float:
     return df + 6 * math.sqrt(2 * df)
 
 
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """The statistical tests run elementwise ops on tens of thousands of elements, where intra-op
+    threads cost more than they save (and, on shared cores, many times more)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 CASES = [(k, point) for k in (1, 2, 3) for point in (True, False)]
 
 
@@ -213,7 +226,7 @@ def test_generation_by_steps_is_autoregressive_sampling(k: int, point: bool) -> 
     g = torch.Generator().manual_seed(100 + k)
     seqs: list[Seq] = [()] * N
     ids = torch.zeros(N, dtype=torch.long)
-    while (todo := [r for r in range(N) if len(seqs[r]) < m]) :
+    while todo := [r for r in range(N) if len(seqs[r]) < m]:
         # Varying draft counts per row and step, and a shrinking batch: neither changes the law.
         ks = torch.randint(0, k + 1, (len(todo),), generator=g)
         at = torch.tensor(todo)
@@ -248,7 +261,10 @@ def test_greedy_rows_are_argmax_verification() -> None:
     best = logits.argmax(dim=1).tolist()
     drafts, start = [], 0
     for k in ks:  # drafts that match the argmax for a while, then may not
-        drafts += [best[start + j] if torch.rand(1, generator=g) < 0.7 else int(torch.randint(0, V, (1,), generator=g)) for j in range(k)]
+        drafts += [
+            best[start + j] if torch.rand(1, generator=g) < 0.7 else int(torch.randint(0, V, (1,), generator=g))
+            for j in range(k)
+        ]
         start += k + 1
     rows = [SpecRow(seed=i, first_index=i, num_drafts=k, greedy=True) for i, k in enumerate(ks)]
     got = read(rejection_sample(logits, torch.tensor(drafts), rows))
@@ -259,7 +275,9 @@ def test_greedy_rows_are_argmax_verification() -> None:
         start, d0 = start + k + 1, d0 + k
 
 
-def _batch(toy: Toy, reqs: list[tuple[int, int, list[int], bool]]) -> tuple[torch.Tensor, torch.Tensor, list[SpecRow], torch.Tensor]:
+def _batch(
+    toy: Toy, reqs: list[tuple[int, int, list[int], bool]]
+) -> tuple[torch.Tensor, torch.Tensor, list[SpecRow], torch.Tensor]:
     """Target rows, drafts, rows and draft probabilities of ``(seed, first index, drafts, greedy)`` requests."""
     target, qs, drafts, rows = [], [], [], []
     for seed, first, ds, greedy in reqs:
@@ -279,7 +297,12 @@ def test_results_depend_on_seed_and_index_only() -> None:
     toy = Toy(depth=3, seed=5)
     g = torch.Generator().manual_seed(1)
     reqs = [
-        (int(torch.randint(0, 2**62, (1,), generator=g)), i % 7, torch.randint(0, V, (i % 4,), generator=g).tolist(), i % 5 == 0)
+        (
+            int(torch.randint(0, 2**62, (1,), generator=g)),
+            i % 7,
+            torch.randint(0, V, (i % 4,), generator=g).tolist(),
+            i % 5 == 0,
+        )
         for i in range(40)
     ]
     alone = [read(rejection_sample(*_batch(toy, [r]))).tokens[0] for r in reqs]

@@ -39,13 +39,12 @@ class NgramDrafter:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
-    device: torch.device = torch.device("cpu")
+    device: str = "cpu"  # where the search runs
 
     def __post_init__(self) -> None:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(
-                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
-            )
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo} and {hi}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
 
@@ -53,7 +52,7 @@ class NgramDrafter:
         """Per history, its drafts (``[]`` for none); one host read for the whole batch."""
         if not histories:
             return []
-        hist = pad_histories(histories, self.device)
+        hist = pad_histories(histories, torch.device(self.device))
         lo, hi, k = self.prompt_lookup_min, self.prompt_lookup_max, self.num_speculative_tokens
         tokens, counts = propose_ngram(hist, k=k, lookup_min=lo, lookup_max=hi)
         flat = torch.cat([counts, tokens.flatten()]).tolist()
@@ -84,7 +83,9 @@ def _last_match(hist: torch.Tensor, lookup_min: int, lookup_max: int) -> tuple[t
     for t in range(min(lookup_max, width - 1)):
         n = t + 1
         # Column e - t of the history against the row's t-th last token, for every end e.
-        shifted = torch.cat([torch.full((rows, t), _PAD - 1, dtype=hist.dtype, device=dev), hist.narrow(1, 0, width - 1 - t)], 1)
+        shifted = torch.cat(
+            [torch.full((rows, t), _PAD - 1, dtype=hist.dtype, device=dev), hist.narrow(1, 0, width - 1 - t)], 1
+        )
         alive &= shifted == hist.narrow(1, width - 1 - t, 1)
         if n < lookup_min:
             continue
@@ -97,9 +98,7 @@ def _last_match(hist: torch.Tensor, lookup_min: int, lookup_max: int) -> tuple[t
     return best, size
 
 
-def propose_ngram(
-    hist: torch.Tensor, *, k: int, lookup_min: int, lookup_max: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def propose_ngram(hist: torch.Tensor, *, k: int, lookup_min: int, lookup_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts of right-aligned histories ``hist [R, L]`` (left padding -1), without a host read.
 
     :return: ``tokens [R, k]`` (``-1`` past each row's count) and ``counts [R]`` long.

@@ -35,7 +35,7 @@ back; :func:`read` makes the step's one host read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -91,34 +91,29 @@ def draft_uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return uniforms(seeds, _DRAFTER_STREAM - 1 - indices)
 
 
-def _maps(rows: list[SpecRow], group: list[int], width: int, device: torch.device) -> _Maps:
-    first_row, first_draft, n, d = [], [], 0, 0
-    for r in rows:
-        first_row.append(n)
-        first_draft.append(d)
-        n += r.num_drafts + 1
-        d += r.num_drafts
-    pos, draft, valid = [], [], []
-    for g in group:
-        k = rows[g].num_drafts
-        pos.append([first_row[g] + min(j, k) for j in range(width)])
-        # Clamped into [0, D): a request without drafts may sit past the last one.
-        draft.append([min(first_draft[g] + min(j, max(k - 1, 0)), max(d - 1, 0)) for j in range(width)])
-        valid.append([j < k for j in range(width)])
-
-    def t(x: object, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype, device=device)
-
+def _maps(rows: list[SpecRow], width: int, device: torch.device) -> _Maps:
+    """Every request's index maps, built on the device from one host-to-device copy of its parameters."""
+    host = torch.tensor([(r.seed, r.first_index, r.num_drafts) for r in rows], dtype=torch.long).reshape(-1, 3)
+    seeds, first_index, k = host.to(device).unbind(1)
+    first_row = torch.cumsum(k + 1, 0) - (k + 1)
+    first_draft = torch.cumsum(k, 0) - k
+    last = max(sum(r.num_drafts for r in rows) - 1, 0)  # a request without drafts may sit past the last one
+    j = torch.arange(width, device=device)
     return _Maps(
-        pos=t(pos).reshape(len(group), width),
-        draft=t(draft).reshape(len(group), width),
-        valid=t(valid, torch.bool).reshape(len(group), width),
-        first_row=t([first_row[g] for g in group]),
-        first_draft=t([min(first_draft[g], max(d - 1, 0)) for g in group]),
-        num_drafts=t([rows[g].num_drafts for g in group]),
-        seeds=t([rows[g].seed for g in group]),
-        first_index=t([rows[g].first_index for g in group]),
+        pos=first_row.unsqueeze(1) + torch.minimum(j, k.unsqueeze(1)),
+        draft=(first_draft.unsqueeze(1) + torch.minimum(j, (k - 1).clamp(min=0).unsqueeze(1))).clamp(max=last),
+        valid=j < k.unsqueeze(1),
+        first_row=first_row,
+        first_draft=first_draft.clamp(max=last),
+        num_drafts=k,
+        seeds=seeds,
+        first_index=first_index,
     )
+
+
+def _subset(m: _Maps, at: torch.Tensor) -> _Maps:
+    """The maps of the requests ``at``."""
+    return _Maps(**{f.name: getattr(m, f.name).index_select(0, at) for f in fields(m)})
 
 
 def _at(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -139,7 +134,9 @@ def _greedy(target: torch.Tensor, drafts: torch.Tensor, m: _Maps) -> tuple[torch
     return n_acc, best.take(m.first_row + n_acc)
 
 
-def _residual(target: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, m: _Maps, n_acc: torch.Tensor) -> torch.Tensor:
+def _residual(
+    target: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, m: _Maps, n_acc: torch.Tensor
+) -> torch.Tensor:
     """``[G, V]`` weights of each request's emitted token: ``max(0, p - q)`` at a rejected position,
     ``p`` at the bonus position, and ``p`` again where rounding leaves the residual without mass."""
     p = target.index_select(0, m.first_row + n_acc).double()
@@ -194,25 +191,26 @@ def rejection_sample(
     num = len(rows)
     n_acc = torch.zeros(num, dtype=torch.long, device=dev)
     token = torch.zeros(num, dtype=torch.long, device=dev)
+    every = _maps(rows, width, dev)
     for greedy in (True, False):
         group = [i for i, r in enumerate(rows) if r.greedy == greedy]
         if not group:
             continue
-        m = _maps(rows, group, width, dev)
+        at = torch.tensor(group, dtype=torch.long, device=dev) if len(group) < num else None
+        m = every if at is None else _subset(every, at)
         acc, tok = _greedy(target, drafts, m) if greedy else _sampled(target, drafts, draft_probs, m)
-        if len(group) == num:
+        if at is None:
             n_acc, token = acc, tok
         else:
-            at = torch.tensor(group, dtype=torch.long, device=dev)
             n_acc, token = n_acc.index_copy(0, at, acc), token.index_copy(0, at, tok)
-    return _assemble(target, drafts, rows, width, n_acc, token)
+    return _assemble(target, drafts, every, n_acc, token)
 
 
 def _assemble(
-    target: torch.Tensor, drafts: torch.Tensor, rows: list[SpecRow], width: int, n_acc: torch.Tensor, token: torch.Tensor
+    target: torch.Tensor, drafts: torch.Tensor, every: _Maps, n_acc: torch.Tensor, token: torch.Tensor
 ) -> DeviceVerdict:
     dev = target.device
-    every = _maps(rows, list(range(len(rows))), width, dev)
+    width = every.pos.shape[1]
     pos = torch.arange(width + 1, device=dev)
     acc = n_acc.unsqueeze(1)
     placed = token.unsqueeze(1).expand(-1, width + 1)
@@ -221,8 +219,9 @@ def _assemble(
         placed = torch.where(pos < acc, d, placed)
     tokens = torch.where(pos <= acc, placed, -1)
     # Row i of the flat target belongs to request req[i] at position i - first_row[req[i]].
-    sizes = torch.tensor([r.num_drafts + 1 for r in rows], dtype=torch.long, device=dev)
-    req = torch.repeat_interleave(torch.arange(len(rows), device=dev), sizes, output_size=target.shape[0])
+    req = torch.repeat_interleave(
+        torch.arange(acc.shape[0], device=dev), every.num_drafts + 1, output_size=target.shape[0]
+    )
     local = torch.arange(target.shape[0], device=dev) - every.first_row.take(req)
     row_tokens = _at(tokens, req, local).clamp(min=0)
     return DeviceVerdict(tokens=tokens, num_emitted=n_acc + 1, row_tokens=row_tokens)
