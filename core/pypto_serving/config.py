@@ -160,6 +160,11 @@ class ServingSettings(BaseSettings):
     worker_mode: Literal["process", "inproc"] = Field(
         "process", description="Run the executor in its own spawned process, or in-process for debugging."
     )
+    engine_mode: Literal["process", "thread"] = Field(
+        "process",
+        description="Run the engine core (scheduling, detokenization) of `serve` in its own process, "
+        "or in a thread of the server process (it then shares the GIL with the HTTP event loop).",
+    )
     step_timeout: float = Field(
         600.0, gt=0, description="Seconds one step may take before the worker is declared hung."
     )

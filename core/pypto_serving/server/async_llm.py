@@ -1,14 +1,17 @@
-"""AsyncLLM: runs an :class:`EngineCore` in its own thread beside an asyncio event loop.
+"""AsyncLLM: runs an :class:`EngineCore` beside an asyncio event loop, in its own process or thread.
 
-The engine is not thread-safe and a step can take long (a big prefill, a slow device), so one
-background thread owns it exclusively. The event loop talks to it only through a command queue
+The engine is not thread-safe and a step can take long (a big prefill, a slow device), so one owner
+drives it exclusively. With ``engine_mode = "process"`` (the default) that owner is the engine-core
+process of :mod:`.engine_proc`, so scheduling and detokenization never contend with the event loop
+for the GIL; one background thread of this process reads its outputs. With ``engine_mode = "thread"``
+a background thread of this process owns the engine. Either way the event loop hands over commands
 (add / abort / stop) and gets outputs back through per-request ``asyncio.Queue``s fed with
 ``loop.call_soon_threadsafe``; HTTP handling therefore never waits on a step.
 
-The thread also keeps the engine alive: a worker that dies (busy or idle, noticed within half a
-second) or a step that raises fails the requests in flight, and the thread replaces the engine with
-a fresh one (new worker, model reloaded), at most ``max_worker_restarts`` times per
-``worker_restart_window`` seconds. Past that budget it gives up and calls ``on_fatal`` so the
+The background thread also keeps the engine alive: a worker (or core process) that dies (busy or
+idle, noticed within half a second) or a step that raises fails the requests in flight, and the
+engine is replaced by a fresh one (new worker, model reloaded), at most ``max_worker_restarts`` times
+per ``worker_restart_window`` seconds. Past that budget it gives up and calls ``on_fatal`` so the
 process can exit non-zero for its supervisor.
 """
 
@@ -26,14 +29,31 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from ..config import ServingSettings
 from ..engine import EngineCore, EngineDeadError
+from ..executor import ExecutorInfo
 from ..metrics import ServerMetrics
 from ..plugins import PluginManager
 from ..request import RequestOutput, SamplingParams
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, load_tokenizer
+from .engine_proc import (
+    AbortCmd,
+    AddCmd,
+    AddResult,
+    CoreCommand,
+    CoreFailed,
+    CoreOutputs,
+    CoreProcess,
+    CoreReady,
+    CoreStopped,
+    RestartCmd,
+    StopCmd,
+    rebuild_error,
+)
 
-__all__ = ["AsyncLLM", "EngineFailure"]
+__all__ = ["AsyncLLM", "CoreView", "EngineFailure"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +94,23 @@ class _Stop:
 _Command = _Add | _Abort | _Stop
 
 
+@dataclass(slots=True)
+class CoreView:
+    """What the server process keeps of an engine that runs in the engine-core process."""
+
+    info: ExecutorInfo
+    max_model_len: int
+    tokenizer: Tokenizer | None
+    pid: int  # the engine-core process
+    worker_pid: int | None  # its worker process (None with worker_mode = "inproc")
+
+
+@dataclass(slots=True)
+class _PendingAdd:
+    done: concurrent.futures.Future[None]
+    num_seqs: int
+
+
 class AsyncLLM:
     """Owns the engine thread. ``start()`` loads the engine in the background; ``ready`` tells when done."""
 
@@ -90,6 +127,8 @@ class AsyncLLM:
         self.settings = self.plugins.resolve_model(settings)
         self.metrics = metrics
         self.on_fatal = on_fatal  # called from the engine thread once restarts are exhausted
+        # An engine factory is an object of this process, so it runs the engine in a thread here.
+        self.process_mode = self.settings.engine_mode == "process" and engine_factory is None
         self._factory = engine_factory or (lambda: EngineCore(self.settings, self.plugins))
         self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -97,7 +136,10 @@ class AsyncLLM:
         self._pending_seqs = 0
         self._thread: threading.Thread | None = None
         self._loaded = threading.Event()
-        self.engine: EngineCore | None = None
+        self.engine: EngineCore | CoreView | None = None
+        self._core: CoreProcess | None = None  # process mode: the core that takes commands, if any
+        self._adds: dict[str, _PendingAdd] = {}  # process mode: adds the core has not answered
+        self._held: list[CoreCommand] = []  # process mode: commands kept while no core runs
         self.startup_error: BaseException | None = None
         self.failure: str | None = None  # set when the engine is down for good
         self.restarting: str | None = None  # why the engine is being replaced, while it is
@@ -110,10 +152,11 @@ class AsyncLLM:
     def start(self) -> None:
         if self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="pypto-engine", daemon=True)
+        target = self._run_process if self.process_mode else self._run
+        self._thread = threading.Thread(target=target, name="pypto-engine", daemon=True)
         self._thread.start()
 
-    def wait_ready(self, timeout: float | None = None) -> EngineCore:
+    def wait_ready(self, timeout: float | None = None) -> EngineCore | CoreView:
         """Block until loaded; re-raise the start-up error (bad plugin, missing weights...)."""
         self.start()
         if not self._loaded.wait(timeout):
@@ -163,10 +206,16 @@ class AsyncLLM:
         self._stopping = True
         if self._thread is None:
             return
-        self._cmds.put(_Stop())
+        if self.process_mode:
+            self._send(StopCmd())
+        else:
+            self._cmds.put(_Stop())
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.error("the engine thread did not stop within %.0fs", timeout)
+            core = self._core
+            if core is not None:
+                core.proc.kill()  # a core that does not drain in time must not outlive the server
         self._thread = None
 
     def fail_streams(self, reason: str) -> int:
@@ -176,7 +225,7 @@ class AsyncLLM:
             streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
             _put(stream, EngineFailure(reason))
-            self._cmds.put(_Abort(rid))
+            self.abort(rid)
         return len(streams)
 
     # ------------------------------------------------------------------ requests (event-loop side)
@@ -186,6 +235,8 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
         if self._stopping:
             raise EngineDeadError("the server is shutting down")
+        if self.process_mode:
+            return await self._add_to_core(request_id, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
@@ -202,7 +253,10 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe, fire and forget; the request's final output (finish_reason 'abort') follows."""
-        self._cmds.put(_Abort(request_id))
+        if self.process_mode:
+            self._send(AbortCmd(request_id))
+        else:
+            self._cmds.put(_Abort(request_id))
 
     async def generate(
         self, request_id: str, prompt: list[int], params: SamplingParams
@@ -251,22 +305,28 @@ class AsyncLLM:
         self._loaded.set()
         return self.engine
 
+    def _take_restart(self, reason: str) -> bool:
+        """Count one restart within the budget (True), or give up past it (False, ``on_fatal``)."""
+        window, budget = self.settings.worker_restart_window, self.settings.max_worker_restarts
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > window:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= budget:
+            self._give_up(f"{reason}; no restart left (max_worker_restarts={budget} per {window:.0f}s)")
+            return False
+        self._restart_times.append(now)
+        self.num_restarts += 1
+        self.restarting = reason
+        if self.metrics is not None:
+            self.metrics.observe_restart()
+        logger.warning("restarting the worker (restart %d): %s", self.num_restarts, reason)
+        return True
+
     def _restart(self, reason: str) -> EngineCore | None:
         """A fresh engine within the restart budget, or None (and ``on_fatal``) past it."""
-        window, budget = self.settings.worker_restart_window, self.settings.max_worker_restarts
         while not self._stopping:
-            now = time.monotonic()
-            while self._restart_times and now - self._restart_times[0] > window:
-                self._restart_times.popleft()
-            if len(self._restart_times) >= budget:
-                self._give_up(f"{reason}; no restart left (max_worker_restarts={budget} per {window:.0f}s)")
+            if not self._take_restart(reason):
                 return None
-            self._restart_times.append(now)
-            self.num_restarts += 1
-            self.restarting = reason
-            if self.metrics is not None:
-                self.metrics.observe_restart()
-            logger.warning("restarting the worker (restart %d): %s", self.num_restarts, reason)
             try:
                 engine = self._factory()
             except Exception as e:
@@ -283,6 +343,7 @@ class AsyncLLM:
         logger.error("the engine is down for good: %s", reason)
         self.failure, self.restarting = reason, None
         self._fail_queued(reason)
+        self._fail_adds(reason)
         if self.metrics is not None:
             self.metrics.update_engine(self.stats, True)
         if self.on_fatal is not None:
@@ -351,8 +412,11 @@ class AsyncLLM:
                 _put(stream, out)
 
     def _fail_streams_from_thread(self, reason: str) -> None:
+        """Fail the requests in flight; an add the engine has not answered yet (process mode) waits
+        for the next engine, as a queued add does in thread mode."""
         with self._lock:
-            streams, self._streams = self._streams, {}
+            streams = {rid: s for rid, s in self._streams.items() if rid not in self._adds}
+            self._streams = {rid: s for rid, s in self._streams.items() if rid in self._adds}
         for stream in streams.values():
             _put(stream, EngineFailure(reason))
 
@@ -369,6 +433,184 @@ class AsyncLLM:
                 if cmd.done.set_running_or_notify_cancel():
                     cmd.done.set_exception(EngineDeadError(reason))
 
+    # ------------------------------------------------------------------ process mode (event-loop side)
+    async def _add_to_core(self, request_id: str, prompt: list[int], params: SamplingParams) -> _Stream:
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        try:
+            cmd = AddCmd(request_id, prompt, params)
+            _cmd_check.encode(cmd)
+        except (OverflowError, TypeError, ValueError, UnicodeError, msgspec.EncodeError) as e:
+            raise ValueError(f"the request cannot be sent to the engine core: {e}") from None
+        with self._lock:
+            # Registered before the core sees the add, so its first output always finds the queue.
+            if request_id in self._streams or request_id in self._adds:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._adds[request_id] = _PendingAdd(done, params.n)
+            self._pending_seqs += params.n
+        self._send(cmd)
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the client left: this abort follows the add on the same pipe
+            raise
+        return stream
+
+    def _send(self, cmd: CoreCommand) -> None:
+        """To the running core, or kept for the next one while a dead core is being replaced."""
+        with self._lock:
+            core = self._core
+            if core is None:
+                self._held.append(cmd)
+                return
+            core.send(cmd)
+
+    # ------------------------------------------------------------------ process mode (reader thread)
+    def _run_process(self) -> None:
+        core = self._first_core()
+        while core is not None:
+            try:
+                reason = self._pump(core)
+            except Exception as e:  # a bug in this thread's own code: treat it like a dead engine
+                logger.exception("engine output thread failed")
+                reason = f"engine output thread failed: {type(e).__name__}: {e}"
+                core.proc.kill()
+            if reason is not None and not core.alive:
+                self._detach_core(reason)
+            self._fail_streams_from_thread(reason or "the server is shutting down")
+            if reason is None or self._stopping:
+                self._detach_core("the server is shutting down")
+                self._fail_adds("the server is shutting down")
+                core.close()
+                return
+            core = self._restart_core(core, reason)
+
+    def _first_core(self) -> CoreProcess | None:
+        try:
+            core = CoreProcess(self.settings, self.plugins)
+        except OSError as e:
+            self.startup_error = e
+            self._loaded.set()
+            return None
+        error = self._await_ready(core, "starting")
+        if error is not None:
+            core.close()
+            self.startup_error = error
+            logger.error("engine start-up failed: %s", error)
+            self._loaded.set()
+            return None
+        self._attach_core(core)
+        self._loaded.set()
+        return core
+
+    def _await_ready(self, core: CoreProcess, what: str) -> BaseException | None:
+        """Wait for the core's engine; sets ``engine`` and ``stats``; the error otherwise."""
+        tokenizer = load_tokenizer(self.settings.tokenizer or self.settings.model)  # while the core loads
+        while True:
+            msg = core.recv()
+            if msg is None:
+                return EngineDeadError(core.death_reason(what))
+            if isinstance(msg, CoreFailed):
+                return rebuild_error(msg)
+            if isinstance(msg, CoreReady):
+                self.engine = CoreView(msg.info, msg.max_model_len, tokenizer, core.pid, msg.worker_pid)
+                self.stats = msg.stats
+                return None
+            if isinstance(msg, CoreOutputs):
+                self._apply(msg)  # answers to adds the core refuses
+
+    def _pump(self, core: CoreProcess) -> str | None:
+        """Dispatch the core's outputs until it stops (None) or its engine or itself dies (the reason)."""
+        while True:
+            msg = core.recv()
+            if msg is None:
+                return core.death_reason("serving")
+            if isinstance(msg, CoreStopped):
+                return None
+            if isinstance(msg, CoreOutputs):
+                if msg.dead_reason is not None:
+                    self.restarting = msg.dead_reason  # set first: the handlers of these outputs name it
+                self._apply(msg)
+                if msg.dead_reason is not None:
+                    return msg.dead_reason
+
+    def _apply(self, msg: CoreOutputs) -> None:
+        for added in msg.added:
+            self._settle(added)
+        self._dispatch(msg.outputs)
+        if msg.stats:
+            self.stats = msg.stats
+            if self.metrics is not None:
+                self.metrics.update_engine(self.stats, False)
+
+    def _settle(self, added: AddResult) -> None:
+        with self._lock:
+            pending = self._adds.pop(added.request_id, None)
+            if pending is None:
+                return
+            self._pending_seqs -= pending.num_seqs
+            if added.error is not None:
+                self._streams.pop(added.request_id, None)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled: the client left
+            if added.error is None:
+                pending.done.set_result(None)
+            else:
+                pending.done.set_exception(_add_error(added))
+
+    def _restart_core(self, core: CoreProcess, reason: str) -> CoreProcess | None:
+        """The same core with a fresh engine, or a fresh core if it died, within the restart budget."""
+        while not self._stopping:
+            if not self._take_restart(reason):
+                self._detach_core(reason)
+                core.close()
+                return None
+            if core.alive:
+                core.send(RestartCmd())
+            else:
+                core.close()
+                try:
+                    core = CoreProcess(self.settings, self.plugins)
+                except OSError as e:
+                    reason = f"restarting the engine core failed: {e}"
+                    continue
+            error = self._await_ready(core, "restarting")
+            if error is not None:
+                reason = f"restarting the worker failed: {type(error).__name__}: {error}"
+                logger.error("%s", reason)
+                continue
+            self._attach_core(core)
+            self.restarting = None
+            logger.info("the worker is back (restart %d)", self.num_restarts)
+            return core
+        self._detach_core("the server is shutting down")
+        self._fail_adds("the server is shutting down")
+        core.close()
+        return None
+
+    def _attach_core(self, core: CoreProcess) -> None:
+        with self._lock:
+            self._core, held, self._held = core, self._held, []
+            for cmd in held:
+                core.send(cmd)
+            if self._stopping:
+                core.send(StopCmd())
+
+    def _detach_core(self, reason: str) -> None:
+        """A core process that is gone took the adds it had not answered with it: they fail."""
+        with self._lock:
+            self._core = None
+        self._fail_adds(reason, sent_only=True)
+
+    def _fail_adds(self, reason: str, *, sent_only: bool = False) -> None:
+        with self._lock:
+            held = {c.request_id for c in self._held if isinstance(c, AddCmd)} if sent_only else set()
+            failed = [rid for rid in self._adds if rid not in held]
+            if not sent_only:
+                self._held = []
+        for rid in failed:
+            self._settle(AddResult(rid, reason, "dead"))
+
 
 def _put(stream: _Stream, item: RequestOutput | EngineFailure) -> None:
     # A closed event loop means nobody is listening for this request any more.
@@ -381,3 +623,16 @@ def _close(engine: EngineCore) -> None:
         engine.shutdown()
     except Exception:
         logger.exception("engine shutdown failed")
+
+
+def _add_error(added: AddResult) -> Exception:
+    """The exception ``EngineCore.add_request`` raised in the core, as the class the handlers expect."""
+    message = added.error or ""
+    if added.kind == "value":
+        return ValueError(message)
+    if added.kind == "dead":
+        return EngineDeadError(message)
+    return RuntimeError(message)
+
+
+_cmd_check = msgspec.msgpack.Encoder()

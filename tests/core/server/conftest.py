@@ -1,5 +1,10 @@
 """Fixtures of the server tests: a fake-executor model directory with a real tokenizer, and app
-factories (in-process via TestClient, or a real uvicorn on a loopback port in a thread)."""
+factories (in-process via TestClient, or a real uvicorn on a loopback port in a thread).
+
+The per-test factories run the engine in a thread (``engine_mode = "thread"``): a core process costs
+each server a Python start and a torch import, and many of these tests inspect the engine itself.
+The module-wide ``shared_client`` runs the default engine-core process, so the read-only API tests
+cross the process boundary; ``test_engine_process.py`` covers that mode's own behaviour."""
 
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ def fake_settings(model_dir: Path, **overrides: Any) -> Any:
         num_kv_blocks=128,
         executor_options=options,
         enable_prefix_caching=False,
+        engine_mode="thread",
     )
     values.update(overrides)
     return ServingSettings(**values)
@@ -80,7 +86,7 @@ def shared_client(fake_model_dir: Path) -> Iterator[tuple[Any, Any]]:
 
     from pypto_serving.server import build_app
 
-    llm = start_llm(fake_model_dir)
+    llm = start_llm(fake_model_dir, engine_mode="process")
     with TestClient(build_app(llm, manage_engine=False), raise_server_exceptions=False) as client:
         yield client, llm
     llm.shutdown(10)

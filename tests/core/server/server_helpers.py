@@ -106,18 +106,36 @@ def is_running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def core_pids(pid: int) -> list[int]:
+    """The live engine-core processes of a ``serve`` process (``engine_mode = "process"``)."""
+    return [c for c in child_pids(pid) if b"pypto_serving.server.engine_proc" in _cmdline(c) and is_running(c)]
+
+
 def worker_pids(pid: int) -> list[int]:
-    """The live engine workers of a ``serve`` process: its children started by multiprocessing's spawn
-    (not its resource tracker)."""
+    """The live engine workers of a ``serve`` process: the children started by multiprocessing's spawn
+    (not its resource tracker) of its engine-core process, or of itself in thread mode."""
     workers = []
-    for child in child_pids(pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline and is_running(child):
-            workers.append(child)
-    return workers
+    for parent in [pid, *core_pids(pid)]:
+        workers += [c for c in child_pids(parent) if b"spawn_main" in _cmdline(c) and is_running(c)]
+    return sorted(workers)
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children...)."""
+    out: list[int] = []
+    todo = child_pids(pid)
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo += child_pids(child)
+    return sorted(out)
 
 
 def open_fds(pid: int) -> int:

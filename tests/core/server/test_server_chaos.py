@@ -32,7 +32,7 @@ pytest.importorskip("pypto_serving_sync_sched")
 pytest.importorskip("pypto_serving_qwen")
 
 from tests.core.server.server_helpers import (
-    child_pids,
+    descendant_pids,
     is_running,
     json_bytes,
     metric,
@@ -306,7 +306,7 @@ def test_chaos_one_worker_kill_in_a_few_hundred_requests(server: Proc) -> None:
     started = time.monotonic()
     pid = server.p.pid
     greedy_before = _greedy(server.url)
-    children_before = child_pids(pid)
+    children_before = descendant_pids(pid)
     fds_before = open_fds(pid)
 
     rng = random.Random(SEED)
@@ -328,7 +328,7 @@ def test_chaos_one_worker_kill_in_a_few_hundred_requests(server: Proc) -> None:
     wait_for(lambda: last.append(_gauges(server.url)) or last[-1] == (0, 0, 0), 15, f"idle gauges, saw {last[-1:]}")
     # No worker or descriptor leak: one worker (plus the resource tracker), fds back to where they were.
     assert worker_pids(pid) == [run.new_worker]
-    assert len(child_pids(pid)) == len(children_before), (children_before, child_pids(pid))
+    assert len(descendant_pids(pid)) == len(children_before), (children_before, descendant_pids(pid))
     fds: list[int] = []
     wait_for(lambda: fds.append(open_fds(pid)) or fds[-1] <= fds_before + 3, 10, f"fds <= {fds_before} + 3: {fds}")
     log = server.log.read_text()

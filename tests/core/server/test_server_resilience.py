@@ -30,7 +30,7 @@ pytest.importorskip("pypto_serving_sync_sched")
 pytest.importorskip("pypto_serving_qwen")
 
 from tests.core.server.server_helpers import (
-    child_pids,
+    descendant_pids,
     is_running,
     json_bytes,
     metric,
@@ -385,7 +385,7 @@ def test_worker_killed_while_busy_fails_in_flight_then_serves(server: Proc, refe
 def test_serve_killed_leaves_no_worker_behind(server: Proc) -> None:
     """A supervisor's SIGKILL of ``serve`` (last user of the shared server): its worker and resource
     tracker notice the closed pipes and exit; nothing is left running."""
-    children = child_pids(server.p.pid)
+    children = descendant_pids(server.p.pid)
     assert len(worker_pids(server.p.pid)) == 1 and len(children) >= 1
     server.p.kill()
     server.p.wait(10)
@@ -400,12 +400,12 @@ def test_restart_budget_exhausted_exits_1(qwen_dir: Path, tmp_path: Path) -> Non
     try:
         _wait_healthy(proc)
         first = _the_worker(proc)
-        seen = set(child_pids(proc.p.pid))
+        seen = set(descendant_pids(proc.p.pid))
         os.kill(first, signal.SIGKILL)  # the one restart the budget allows
         wait_for(lambda: worker_pids(proc.p.pid) not in ([], [first]), 60, "a replacement worker")
         _wait_healthy(proc, 60)
         second = _the_worker(proc)
-        seen |= set(child_pids(proc.p.pid))
+        seen |= set(descendant_pids(proc.p.pid))
         assert second != first
         os.kill(second, signal.SIGKILL)  # one too many: nobody has to stop the server
         try:
