@@ -42,6 +42,7 @@ from pypto_kernels.compressed_attention import _put, _take
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
+from .emission import EmitPlan, EmitShape, build_emit_plan
 
 # Parameters the reference keeps in float32 whatever the checkpoint dtype (mixing and norm weights).
 FP32_SUFFIXES = (
@@ -71,10 +72,11 @@ class Segments:
     input_ids: torch.Tensor  # [T] token ids (hash routing)
     block_tables: dict[str, torch.Tensor]  # group -> [R, max_blocks]
     ring_slots: list[int] | None = None  # compressor ring slot per request (main model only)
-    # Built once per forward and shared by every layer: the index tensors (``_rows``) and the
-    # attention groups with their rows (``_groups``).
+    # Built once per forward and shared by every layer: the index tensors (``_rows``), the
+    # attention groups with their rows (``_groups``) and the compressor emission plans.
     _index: _Rows | None = field(default=None, repr=False, compare=False)
     _parts: list[tuple[Segments, list[int]]] | None = field(default=None, repr=False, compare=False)
+    _emit: dict[str, EmitPlan] = field(default_factory=dict, repr=False, compare=False)  # per layer kind
 
     def rows(self, r: int) -> tuple[int, int]:
         return self.starts[r], self.starts[r + 1]
@@ -92,6 +94,14 @@ class _Rows(NamedTuple):
     req: torch.Tensor  # [T] request of each row
     pos0: torch.Tensor  # [R]
     last: torch.Tensor  # [R] position of each request's last row (pos0 - 1 when it has none)
+    unit_qsl: torch.Tensor  # [T + 1] row offsets when every row is a request of its own
+
+
+def _row_wise(seg: Segments) -> bool:
+    """Whether ``seg`` (an attention group) attends one query row at a time: a group of short
+    requests with a multi-row one among them. Each row then gets its request's keys, so the kernels
+    run the whole group as one batched op rather than one op per multi-row request."""
+    return 1 < max(seg.q_lens, default=0) <= SHORT_ROWS
 
 
 def _rows(seg: Segments, dev: torch.device) -> _Rows:
@@ -103,16 +113,23 @@ def _rows(seg: Segments, dev: torch.device) -> _Rows:
         arange = torch.arange(len(seg.pos0), device=dev)
         req = torch.repeat_interleave(arange, q_lens, output_size=seg.starts[-1])
         pos0 = torch.tensor(seg.pos0, device=dev)
-        seg._index = _Rows(qsl, q_lens, req, pos0, pos0 + q_lens - 1)
+        unit = torch.arange(seg.starts[-1] + 1, device=dev)
+        seg._index = _Rows(qsl, q_lens, req, pos0, pos0 + q_lens - 1, unit)
     return seg._index
 
 
+#: Requests with at most this many rows (decodes, draft verifications) attend together, one key row
+#: set per query row; longer ones (prefill chunks) attend alone.
+SHORT_ROWS = 9
+
+
 def _groups(seg: Segments) -> list[tuple[Segments, list[int]]]:
-    """How ``seg``'s requests attend, built once per forward: all single-row requests (decodes)
-    together, each longer request alone; per group its own ``Segments`` and its rows in ``seg``."""
+    """How ``seg``'s requests attend, built once per forward: all short requests (decodes and draft
+    verifications) together, each longer request alone; per group its own ``Segments`` and its rows
+    in ``seg``."""
     if seg._parts is None:
-        singles = [r for r, n in enumerate(seg.q_lens) if n == 1]
-        parts = ([singles] if singles else []) + [[r] for r, n in enumerate(seg.q_lens) if n > 1]
+        short = [r for r, n in enumerate(seg.q_lens) if 0 < n <= SHORT_ROWS]
+        parts = ([short] if short else []) + [[r] for r, n in enumerate(seg.q_lens) if n > SHORT_ROWS]
         seg._parts = [_subset(seg, reqs) for reqs in parts]
     return seg._parts
 
@@ -151,22 +168,6 @@ class CompressorRing:
         if extra > 0:
             self.kv = torch.cat([self.kv, self.kv.new_zeros((extra, *self.kv.shape[1:]))])
             self.gate = torch.cat([self.gate, self.gate.new_zeros((extra, *self.gate.shape[1:]))])
-
-    def read(self, slot: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.arange(lo, hi, device=self.kv.device) % self.ring_len
-        return self.kv[slot, idx], self.gate[slot, idx]
-
-    def write(self, slot: int, lo: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
-        keep = min(kv.shape[0], self.ring_len)
-        start = lo + kv.shape[0] - keep
-        idx = torch.arange(start, start + keep, device=self.kv.device) % self.ring_len
-        self.kv[slot, idx] = kv[-keep:].to(self.kv.dtype)
-        self.gate[slot, idx] = gate[-keep:].float()
-
-
-def paged_slots(block_table: torch.Tensor, idx: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat cache slots of entry indices ``idx`` for one request's block table row."""
-    return block_table[idx // block_size].long() * block_size + idx % block_size
 
 
 def _slots(
@@ -427,8 +428,13 @@ class DeepseekV4Model:
             keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
             mask = torch.cat([mask, visible], dim=1)
         scale = self.cfg.head_dim**-0.5
+        qsl, q_lens = rows.qsl, seg.q_lens
+        if _row_wise(seg):
+            keys = keys.index_select(0, rows.req)
+            key_lens = [n for n, rep in zip(key_lens, q_lens) for _ in range(rep)]
+            qsl, q_lens = rows.unit_qsl, [1] * len(key_lens)
         return sink_attention(
-            q, keys, mask, rows.qsl, p["attn.attn_sink"], scale, query_lens_host=seg.q_lens, key_lens_host=key_lens
+            q, keys, mask, qsl, p["attn.attn_sink"], scale, query_lens_host=q_lens, key_lens_host=key_lens
         )
 
     def _sliding_keys(
@@ -445,14 +451,6 @@ class DeepseekV4Model:
         keys = flat_swa[_slots(swa_bt, req_rows, safe, self.block_size, flat_swa.shape[0])]
         diff = qpos[:, None] - kpos[rows.req]
         return keys, (diff >= 0) & (diff < window) & k_valid[rows.req]
-
-    def _emit_entries(self, p: dict[str, torch.Tensor], h: torch.Tensor, seg: Segments, layer: int, kind: str) -> None:
-        """(Re)write the compressed entries whose windows close in this step, request by request:
-        compressor state is a per-request ring, so entry emission stays a loop over requests."""
-        for r, (p0, n) in enumerate(zip(seg.pos0, seg.q_lens)):
-            if n:
-                a, b = seg.rows(r)
-                self._compress_step(p, h[a:b], seg, r, layer, kind, p0, p0 + n - 1)
 
     def _compressed_keys(
         self,
@@ -478,104 +476,93 @@ class DeepseekV4Model:
             index_keys = _gather_entries(
                 self.caches["csa_index"][gi], seg.block_tables["csa_index"], n_entries, self.block_size
             )
+            qsl, q_lens, key_lens = rows.qsl, seg.q_lens, n_entries
+            if _row_wise(seg):
+                index_keys = index_keys.index_select(0, rows.req)
+                key_lens = [n for n, rep in zip(n_entries, q_lens) for _ in range(rep)]
+                qsl, q_lens = rows.unit_qsl, [1] * len(key_lens)
             visible = indexer_topk(
                 index[0],
                 index[1],
                 index_keys,
                 visible,
-                rows.qsl,
+                qsl,
                 cfg.index_topk,
                 cfg.index_head_dim**-0.5,
-                query_lens_host=seg.q_lens,
-                key_lens_host=n_entries,
+                query_lens_host=q_lens,
+                key_lens_host=key_lens,
             )
         return entries, visible, n_entries
 
     # ------------------------------------------------------------------ compressors
 
-    def _compress_step(
-        self,
-        p: dict[str, torch.Tensor],
-        h: torch.Tensor,
-        seg: Segments,
-        r: int,
-        layer: int,
-        kind: str,
-        p0: int,
-        p1: int,
-    ) -> None:
-        """(Re)write the compressed entries whose windows close inside ``[p0, p1]`` for request ``r``."""
-        rate = self.cfg.compress_rates[kind]
+    def _emit_entries(self, p: dict[str, torch.Tensor], h: torch.Tensor, seg: Segments, layer: int, kind: str) -> None:
+        """(Re)write the compressed entries whose windows close in this step, for every request at
+        once, and record this step's compressor inputs in the rings."""
         gi = self.group_index[layer]
         group = "csa_kv" if kind == CSA else "hca_kv"
-        bt = seg.block_tables[group][r]
-        self._compress_into(
-            p,
-            "attn.compressor.",
-            h,
-            seg,
-            r,
-            layer,
-            "kv",
-            rate,
-            kind == CSA,
-            p0,
-            p1,
-            self.caches[group][gi],
-            bt,
-        )
+        plan = self._emit_plan(seg, layer, kind)
+        self._compress(p, "attn.compressor.", h, plan, self.rings[(layer, "kv")], self.caches[group][gi], seg, group)
         if kind == CSA:
-            self._compress_into(
-                p,
-                "attn.indexer.compressor.",
-                h,
-                seg,
-                r,
-                layer,
-                "index",
-                rate,
-                True,
-                p0,
-                p1,
-                self.caches["csa_index"][gi],
-                seg.block_tables["csa_index"][r],
-            )
+            ring, cache = self.rings[(layer, "index")], self.caches["csa_index"][gi]
+            self._compress(p, "attn.indexer.compressor.", h, plan, ring, cache, seg, "csa_index")
 
-    def _compress_into(
+    def _emit_plan(self, seg: Segments, layer: int, kind: str) -> EmitPlan:
+        """``seg``'s emission plan for layers of ``kind``, built once per forward and shared by them."""
+        plan = seg._emit.get(kind)
+        if plan is None:
+            ring = self.rings[(layer, "kv")]
+            assert seg.ring_slots is not None
+            plan = build_emit_plan(
+                EmitShape(
+                    rate=self.cfg.compress_rates[kind],
+                    overlap=kind == CSA,
+                    ring_len=ring.ring_len,
+                    ring_rows=ring.kv.shape[0] * ring.ring_len,
+                ),
+                seg.starts,
+                seg.pos0,
+                seg.ring_slots,
+                self.device,
+            )
+            if plan.entries is not None:
+                e = plan.entries
+                e.rope = interleaved_rope_cos_sin(e.w * plan.rate, *self.inv_freq["compress"])
+            seg._emit[kind] = plan
+        return plan
+
+    def _compress(
         self,
         p: dict[str, torch.Tensor],
         prefix: str,
         h: torch.Tensor,
-        seg: Segments,
-        r: int,
-        layer: int,
-        ring_name: str,
-        rate: int,
-        overlap: bool,
-        p0: int,
-        p1: int,
+        plan: EmitPlan,
+        ring: CompressorRing,
         cache: torch.Tensor,
-        bt: torch.Tensor,
+        seg: Segments,
+        group: str,
     ) -> None:
+        """One compressor over the whole batch: pool the plan's entries from the ring (earlier tokens)
+        and this step's projections, write them to ``cache``, then this step's projections to the ring."""
         kv = F.linear(h, p[prefix + "wkv.weight"])
         gate = F.linear(h, p[prefix + "wgate.weight"]).float()
-        ring = self.rings[(layer, ring_name)]
-        assert seg.ring_slots is not None
-        slot = seg.ring_slots[r]
-        w_lo, w_hi = p0 // rate, (p1 + 1) // rate - 1
-        if w_hi >= w_lo:
-            lo = max(0, w_lo * rate - (rate if overlap else 0))
-            old_kv, old_gate = ring.read(slot, lo, p0)
-            all_kv = torch.cat([old_kv.to(kv.dtype), kv], dim=0)
-            all_gate = torch.cat([old_gate, gate], dim=0)
-            pooled = compressor_pool(all_kv, all_gate, p[prefix + "ape"], rate, w_lo, overlap)
+        width = kv.shape[-1]
+        ring_kv, ring_gate = ring.kv.view(-1, width), ring.gate.view(-1, width)
+        e = plan.entries
+        if e is not None:
+            src_kv = e.gather(torch.cat([ring_kv, kv.to(ring_kv.dtype)]), 0.0)
+            src_gate = e.gather(torch.cat([ring_gate, gate]), float("-inf"))
+            first = 1 if plan.overlap else 0
+            pooled = compressor_pool(src_kv, src_gate, p[prefix + "ape"], plan.rate, first, plan.overlap)
             pooled = ops.rms_norm(pooled, p[prefix + "norm.weight"], self.cfg.rms_norm_eps)
-            wpos = torch.arange(w_lo, w_hi + 1, device=h.device)
-            cos, sin = interleaved_rope_cos_sin(wpos * rate, *self.inv_freq["compress"])
-            pooled = apply_interleaved_rope(pooled, cos, sin)
+            assert e.rope is not None
+            pooled = apply_interleaved_rope(pooled, *e.rope)
             flat = cache.view(-1, cache.shape[-1])
-            flat[paged_slots(bt, wpos, self.block_size)] = pooled.to(flat.dtype)
-        ring.write(slot, p0, kv, gate)
+            flat[e.cache_slots(group, seg.block_tables[group], self.block_size)] = pooled.to(flat.dtype)
+        if plan.ring_src is not None:
+            kv, gate = kv.index_select(0, plan.ring_src), gate.index_select(0, plan.ring_src)
+        ring_kv.index_copy_(0, plan.ring_dst, kv.to(ring_kv.dtype))
+        ring_gate.index_copy_(0, plan.ring_dst, gate)
 
 
 def _layer_params(weights: dict[str, torch.Tensor], prefix: str, cfg: DeepseekV4Config) -> dict[str, torch.Tensor]:
