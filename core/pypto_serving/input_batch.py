@@ -260,7 +260,7 @@ class InputBatch:
         first = np.repeat(qsl[:-1], step.query_lens)
         positions = np.repeat(step.starts, step.query_lens) + (np.arange(total) - first)
         seq_lens = step.starts + step.query_lens
-        logits_idx = _ranges(qsl[1:] - step.num_logits, step.num_logits)
+        logits_idx = _ranges(qsl[1:], step.num_logits)
         row_of_token = np.repeat(step.rows, step.query_lens)
         parts = [step.input_ids, positions, qsl, seq_lens, logits_idx, step.rows]
         slot_groups = [t for t in self.tables.values() if t.spec.tokens_per_entry == 1]

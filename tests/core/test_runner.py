@@ -122,3 +122,65 @@ def test_sampling_crosses_the_pipe_as_a_typed_struct() -> None:
     raw["sampling"]["temperature"] = "hot"
     with pytest.raises(msgspec.ValidationError, match=r"sampling\.temperature"):
         msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=NewRequestData)
+
+
+class CpuExecutor(RecordingExecutor):
+    """A recording executor on the CPU, so the test reads the values the runner built."""
+
+    def load(self) -> ExecutorInfo:
+        info = super().load()
+        self.device = torch.device("cpu")
+        return info
+
+
+def _decode(rid: str, start: int, blocks: dict[str, list[int]], sample: bool = True) -> ScheduledEntry:
+    return ScheduledEntry(
+        request_id=rid,
+        token_ids=[],
+        use_last_sampled=True,
+        num_draft=0,
+        start_pos=start,
+        rejected_seen=0,
+        new_block_ids=blocks,
+        sample=sample,
+    )
+
+
+def test_the_batch_values_follow_the_rows_across_removals() -> None:
+    """Hand-computed tensors of steps whose requests leave (a row moves into the hole), enter and
+    take blocks between steps; a non-sampling prefill chunk takes no logits row."""
+    ex = CpuExecutor()
+    runner = ModelRunner(ex, _settings())
+    runner.load()
+    new = [_new("a", [1, 2, 3]), _new("b", [4, 5]), _new("c", [6, 7, 8, 9, 10])]
+    first = [
+        _entry("a", [1, 2, 3], {"kv": [5]}),
+        _entry("b", [4, 5], {"kv": [6]}),
+        _entry("c", [6, 7, 8, 9, 10], {"kv": [7, 8], "compressed": [2]}),
+    ]
+    assert runner.step(StepCommand(0, new, first, [])).error is None
+    # "a" leaves: "c" moves into its row. "d" enters and prefills 3 of its tokens without sampling.
+    d_chunk = ScheduledEntry(
+        request_id="d",
+        token_ids=[1, 1, 1],
+        use_last_sampled=False,
+        num_draft=0,
+        start_pos=0,
+        rejected_seen=0,
+        new_block_ids={"kv": [9]},
+        sample=False,
+    )
+    entries = [_decode("c", 5, {"kv": [11]}), d_chunk, _decode("b", 2, {})]
+    assert runner.step(StepCommand(1, [_new("d", [1, 1, 1, 1])], entries, ["a"])).error is None
+    batch = ex.batches[-1]
+    assert runner.input_batch.request_ids == ["c", "b", "d"]
+    assert batch.request_ids == ["c", "d", "b"] and batch.num_logits == [1, 0, 1]
+    assert batch.input_ids_host == batch.input_ids.tolist() == [0, 1, 1, 1, 0]  # zero logits sample token 0
+    assert batch.positions.tolist() == [5, 0, 1, 2, 2]
+    assert batch.query_start_loc.tolist() == batch.query_start_loc_host == [0, 1, 4, 5]
+    assert batch.seq_lens.tolist() == batch.seq_lens_host == [6, 3, 3]
+    assert batch.logits_indices.tolist() == [0, 4]
+    assert batch.block_tables["kv"].tolist() == [[7, 8, 11], [9, 0, 0], [6, 0, 0]]
+    assert batch.block_tables["compressed"].tolist() == [[2], [0], [0]]
+    # slot = block * 4 + position % 4 in the kv group (block size 4).
+    assert batch.slot_mapping["kv"].tolist() == [8 * 4 + 1, 9 * 4, 9 * 4 + 1, 9 * 4 + 2, 6 * 4 + 2]

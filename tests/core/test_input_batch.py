@@ -1,0 +1,166 @@
+"""The worker's persistent input batch against a plain dict-of-lists model: rows added, removed
+(with the last row moved into the hole) and grown by appended blocks in any order keep the same
+tables, row mapping and sampling parameters as the model, and a step's tensors equal a brute-force
+build from the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from pypto_serving import CacheGroupSpec, SamplingParams
+from pypto_serving.input_batch import InputBatch, StepArrays
+from pypto_serving.messages import wire_sampling
+
+# A small max_model_len so that tables outgrow their first width, and few rows so that rows grow too.
+GROUPS = [CacheGroupSpec("kv", 2, 1), CacheGroupSpec("compressed", 2, 1, tokens_per_entry=4)]
+IDS = [f"r{i}" for i in range(7)]
+
+samplings = st.builds(
+    lambda t, k, p, m, rep, lp: SamplingParams(
+        temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=rep, logprobs=lp
+    ),
+    st.sampled_from([0.0, 0.5, 1.0]),
+    st.integers(0, 5),
+    st.sampled_from([0.5, 1.0]),
+    st.sampled_from([0.0, 0.1]),
+    st.sampled_from([1.0, 1.2]),
+    st.none() | st.integers(0, 3),
+)
+
+
+class InputBatchMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ib = InputBatch(groups=GROUPS, max_model_len=8, device=torch.device("cpu"), rows=2)
+        self.order: list[str] = []  # the model's rows: the last one fills a hole
+        self.model: dict[str, dict[str, Any]] = {}
+
+    @rule(rid=st.sampled_from(IDS), sp=samplings, seed=st.integers(0, 2**40), outputs=st.lists(st.integers(0, 50)))
+    def add(self, rid: str, sp: SamplingParams, seed: int, outputs: list[int]) -> None:
+        wire = wire_sampling(sp, (3,))
+        if rid in self.model:  # a request entering again replaces its old row
+            self._model_remove(rid)
+        self.ib.add(rid, sampling=wire, seed=seed, outputs=outputs)
+        self.order.append(rid)
+        self.model[rid] = {
+            "sampling": wire,
+            "seed": seed,
+            "num_outputs": len(outputs),
+            "last": outputs[-1] if outputs else -1,
+            "blocks": {g.name: [] for g in GROUPS},
+        }
+
+    @rule(rids=st.lists(st.sampled_from(IDS), max_size=4))
+    def remove(self, rids: list[str]) -> None:
+        self.ib.remove(rids)
+        for rid in rids:
+            if rid in self.model:
+                self._model_remove(rid)
+
+    @rule(data=st.data(), group=st.sampled_from([g.name for g in GROUPS]), blocks=st.lists(st.integers(1, 99)))
+    def append(self, data: st.DataObject, group: str, blocks: list[int]) -> None:
+        if not self.order:
+            return
+        rid = data.draw(st.sampled_from(self.order))
+        self.ib.append_blocks(rid, {group: blocks})
+        self.model[rid]["blocks"][group] += blocks
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """A step over some rows in any order: every tensor equals a build from the model's lists."""
+        ready = [r for r in self.order if self.model[r]["blocks"]["kv"]]
+        if not ready:
+            return
+        rids = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
+        starts, lens, nlog = [], [], []
+        for rid in rids:
+            covered = 2 * len(self.model[rid]["blocks"]["kv"])  # positions the kv blocks hold
+            n = data.draw(st.integers(1, covered))
+            starts.append(data.draw(st.integers(0, covered - n)))
+            lens.append(n)
+            nlog.append(data.draw(st.integers(0, n)))
+        ids = [data.draw(st.integers(0, 99)) for _ in range(sum(lens))]
+        arrays = StepArrays(
+            rows=np.array([self.ib.row_of[r] for r in rids], dtype=np.int64),
+            starts=np.array(starts, dtype=np.int64),
+            query_lens=np.array(lens, dtype=np.int64),
+            num_logits=np.array(nlog, dtype=np.int64),
+            input_ids=np.array(ids, dtype=np.int64),
+        )
+        got = self.ib.prepare(arrays)
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        positions = [s + j for s, n in zip(starts, lens) for j in range(n)]
+        assert got.input_ids.tolist() == ids
+        assert got.positions.tolist() == positions
+        assert got.query_start_loc.tolist() == got.query_start_loc_host == qsl
+        assert got.query_start_loc.dtype == got.seq_lens.dtype == torch.int32
+        assert got.seq_lens.tolist() == got.seq_lens_host == [s + n for s, n in zip(starts, lens)]
+        assert got.logits_indices.tolist() == [j for e, n in zip(qsl[1:], nlog) for j in range(e - n, e)]
+        for g in GROUPS:
+            tables = [self.model[r]["blocks"][g.name] for r in rids]
+            width = max(1, *map(len, tables))
+            assert got.block_tables[g.name].tolist() == [t + [0] * (width - len(t)) for t in tables]
+        kv = [self.model[r]["blocks"]["kv"] for r, n in zip(rids, lens) for _ in range(n)]
+        assert got.slot_mapping["kv"].tolist() == [b[p // 2] * 2 + p % 2 for b, p in zip(kv, positions)]
+        assert set(got.slot_mapping) == {"kv"}
+
+    def _model_remove(self, rid: str) -> None:
+        del self.model[rid]
+        hole = self.order.index(rid)
+        last = self.order.pop()
+        if hole < len(self.order):
+            self.order[hole] = last
+
+    @invariant()
+    def rows_match_the_model(self) -> None:
+        ib = self.ib
+        assert ib.request_ids == self.order
+        assert ib.row_of == {r: i for i, r in enumerate(self.order)}
+        for row, rid in enumerate(self.order):
+            m = self.model[rid]
+            sp = m["sampling"]
+            assert ib.sampling[row] is sp
+            assert [ib.floats[k][row] for k in ("temperature", "top_p", "min_p", "repetition_penalty")] == [
+                sp.temperature,
+                sp.top_p,
+                sp.min_p,
+                sp.repetition_penalty,
+            ]
+            assert ib.ints["top_k"][row] == sp.top_k and ib.ints["seed"][row] == m["seed"]
+            assert ib.ints["num_logprobs"][row] == (-1 if sp.logprobs is None else sp.logprobs)
+            assert ib.ints["num_outputs"][row] == m["num_outputs"] and ib.ints["last_sampled"][row] == m["last"]
+            for g in GROUPS:
+                assert ib.block_ids(rid, g.name) == m["blocks"][g.name]
+
+    @invariant()
+    def unused_table_cells_are_zero(self) -> None:
+        """Padding and free rows hold 0: a row taken later starts clean, a narrower row pads with 0."""
+        for name, t in self.ib.tables.items():
+            table = t.table.tolist()
+            for row, cells in enumerate(table):
+                used = len(self.model[self.order[row]]["blocks"][name]) if row < len(self.order) else 0
+                assert cells[used:] == [0] * (len(cells) - used), (name, row)
+
+
+InputBatchMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
+TestInputBatch = InputBatchMachine.TestCase
+
+
+def test_growing_keeps_rows_and_tables() -> None:
+    """Past its first capacity the batch grows rows and table width without losing data."""
+    ib = InputBatch(groups=GROUPS[:1], max_model_len=2, device=torch.device("cpu"), rows=1)
+    wire = wire_sampling(SamplingParams(temperature=0.5, seed=1), ())
+    for i in range(5):
+        ib.add(f"r{i}", sampling=wire, seed=i, outputs=[i])
+        ib.append_blocks(f"r{i}", {"kv": list(range(10 * i, 10 * i + i + 1))})
+    assert ib.capacity >= 5 and ib.tables["kv"].table.shape[1] >= 5
+    assert [ib.block_ids(f"r{i}", "kv") for i in range(5)] == [list(range(10 * i, 10 * i + i + 1)) for i in range(5)]
+    assert ib.ints["seed"][:5].tolist() == [0, 1, 2, 3, 4]
