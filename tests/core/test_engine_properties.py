@@ -75,9 +75,14 @@ def engine_factory(fake_pm: Any) -> Iterator[Callable[..., LLM]]:
         llm.shutdown()
 
 
-def run(llm: LLM, jobs: list[Job], params: Callable[[Job], SamplingParams] | None = None) -> dict[int, Any]:
+def run(
+    llm: LLM,
+    jobs: list[Job],
+    params: Callable[[Job], SamplingParams] | None = None,
+    after_step: Callable[[Any], None] | None = None,
+) -> dict[int, Any]:
     """Drive the engine step by step (arrivals and aborts at their steps), checking the KV
-    accounting after every step; returns the final output of each job by index."""
+    accounting (and ``after_step(engine)``) after every step; returns the final output of each job by index."""
     engine = llm.engine
     assert engine is not None
     params = params or (
@@ -97,6 +102,8 @@ def run(llm: LLM, jobs: list[Job], params: Callable[[Job], SamplingParams] | Non
             if out.finished:
                 done[int(out.request_id)] = out
         engine.kv.check_invariants(engine.scheduler.live_requests())
+        if after_step is not None:
+            after_step(engine)
         step += 1
         assert step < 3000, "the engine does not make progress"
     assert not engine.has_unfinished()
@@ -176,6 +183,56 @@ def test_chunked_equals_unchunked(
     for i in range(len(jobs)):
         assert chunked[i].outputs[0].token_ids == whole[i].outputs[0].token_ids
         assert chunked[i].outputs[0].finish_reason == whole[i].outputs[0].finish_reason
+
+
+def check_worker_rows(engine: Any) -> None:
+    """The worker's persistent rows after a sync step: dense and consistent, and every running
+    request the worker holds has the block table the engine allocated for it, whatever order
+    requests entered, left (finish, abort, preemption) and filled the holes left behind."""
+    ib = engine.worker._runner.input_batch
+    assert ib.row_of == {rid: row for row, rid in enumerate(ib.request_ids)}
+    assert set(ib.request_ids) == set(engine.worker._runner.states)
+    for req in engine.scheduler.running:
+        if req.request_id in ib.row_of:
+            for group, blocks in req.block_ids.items():
+                assert ib.block_ids(req.request_id, group) == blocks, (req.request_id, group)
+    for name, t in ib.tables.items():  # rows past the last one are clear for the next request
+        assert not t.table.narrow(0, ib.num_rows, t.table.shape[0] - ib.num_rows).any(), name
+
+
+@PROPS
+@given(
+    jobs=workloads(max_jobs=10),
+    block_size=st.sampled_from([1, 2, 4]),
+    spare_blocks=st.integers(0, 6),
+    max_num_seqs=st.integers(2, 8),
+    seeded=st.booleans(),
+)
+def test_worker_rows_follow_admissions_and_removals(
+    engine_factory: Callable[..., LLM],
+    jobs: list[Job],
+    block_size: int,
+    spare_blocks: int,
+    max_num_seqs: int,
+    seeded: bool,
+) -> None:
+    """Many requests arriving, finishing, aborting and being preempted in random orders: the
+    worker's rows stay in step with the engine after every step, greedy outputs equal the
+    reference and seeded outputs equal the request run alone."""
+    common = dict(block_size=block_size, max_num_batched_tokens=32)
+    llm = engine_factory(
+        num_kv_blocks=blocks_alone(jobs, block_size) + spare_blocks, max_num_seqs=max_num_seqs, **common
+    )
+    done = run(llm, jobs, _seeded if seeded else None, after_step=check_worker_rows)
+    if not seeded:
+        check_against_reference(jobs, done, None)
+        return
+    for i, j in enumerate(jobs):
+        if done[i].outputs[0].finish_reason == "abort":
+            continue
+        alone_job = Job(j.prompt, j.max_tokens, j.stop_token_ids)
+        alone = run(engine_factory(num_kv_blocks=4 * blocks_alone(jobs, block_size), **common), [alone_job], _seeded)
+        assert done[i].outputs[0].token_ids == alone[0].outputs[0].token_ids, f"job {i}"
 
 
 # ----------------------------------------------------------------------------- prefix caching
