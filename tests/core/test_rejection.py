@@ -351,3 +351,15 @@ def test_verification_stays_on_the_device_up_to_the_single_read(fake: FakeTensor
     verdict = rejection_sample(target, drafts, rows, q)
     assert all(t.device.type == "cuda" for t in (verdict.tokens, verdict.num_emitted, verdict.row_tokens))
     assert verdict.tokens.shape == (4, 4) and verdict.row_tokens.shape == (10,)
+
+
+@pytest.mark.parametrize("point", [True, False])
+def test_a_residual_without_mass_still_draws_inside_the_targets_support(point: bool) -> None:
+    # p <= q everywhere and p(d) < q(d): rounding (or an unnormalised p) rejects drafts with no residual.
+    p = torch.tensor([0.0, 0.5, 0.0, 0.0, 0.0] if point else [0.0, 0.4, 0.4, 0.0, 0.0])
+    q = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0]]).expand(1000, -1)
+    drafts = torch.ones(1000, dtype=torch.long)
+    rows = [SpecRow(seed=s, first_index=0, num_drafts=1, greedy=False) for s in range(1000)]
+    got = read(rejection_sample(p.expand(2000, -1), drafts, rows, None if point else q))
+    assert 0 < sum(got.num_accepted) < 1000  # both branches ran
+    assert {t[0] for t in got.tokens if len(t) == 1} <= {1, 2}  # the draw follows p where nothing is left

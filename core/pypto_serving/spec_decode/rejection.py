@@ -43,6 +43,7 @@ from ..sampler import uniforms
 
 __all__ = ["DeviceVerdict", "SpecRow", "Verdict", "draft_uniforms", "read", "rejection_sample"]
 
+_EPS = 1e-20  # share of p kept in every residual (see _residual)
 _DRAFTER_STREAM = -(2**62)  # indices below this are the drafters'; acceptance takes -1 - i above it
 
 
@@ -137,19 +138,25 @@ def _greedy(target: torch.Tensor, drafts: torch.Tensor, m: _Maps) -> tuple[torch
 def _residual(
     target: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, m: _Maps, n_acc: torch.Tensor
 ) -> torch.Tensor:
-    """``[G, V]`` weights of each request's emitted token: ``max(0, p - q)`` at a rejected position,
-    ``p`` at the bonus position, and ``p`` again where rounding leaves the residual without mass."""
-    p = target.index_select(0, m.first_row + n_acc).double()
-    rejected = (n_acc < m.num_drafts).unsqueeze(1)
+    """``[G, V]`` float32 weights of each request's emitted token: ``max(0, p - q)`` at a rejected
+    position, ``p`` at the bonus position.
+
+    ``_EPS * p`` more keeps mass where rounding leaves the residual none (``p <= q`` everywhere yet
+    the draft was rejected): the draw then follows ``p``. Elsewhere it moves the emitted distribution
+    by about ``2 * _EPS`` in total variation (it weighs ``_EPS`` against a residual whose mass is the
+    probability of reaching it), and it costs no pass of its own over a host-side branch or a
+    second distribution."""
+    p = target.index_select(0, m.first_row + n_acc).float()
     if drafts.numel() == 0:
         return p
+    rejected = (n_acc < m.num_drafts).unsqueeze(1)
     at = m.first_draft + n_acc.clamp(max=(m.num_drafts - 1).clamp(min=0))
-    if q is None:  # point mass: the residual is p without the draft token
+    if q is None:  # point mass: the residual is p with the draft token (all but) removed
         d = drafts.take(at).unsqueeze(1)
-        w = p.scatter(1, d, torch.where(rejected, 0.0, p.gather(1, d)))
-    else:
-        w = torch.where(rejected, (p - q.index_select(0, at).double()).clamp(min=0.0), p)
-    return torch.where((w.sum(dim=1, keepdim=True) > 0.0), w, p)
+        at_d = p.gather(1, d)
+        return p.scatter_(1, d, torch.where(rejected, _EPS * at_d, at_d))
+    w = torch.addcmul(p, q.index_select(0, at).float(), rejected.float(), value=-1.0).clamp_(min=0.0)
+    return w.add_(p, alpha=_EPS)
 
 
 def _sampled(
@@ -167,7 +174,7 @@ def _sampled(
         n_acc = _leading((u * q_d < p_d) & m.valid)
     else:
         n_acc = torch.zeros_like(m.first_row)
-    cdf = _residual(target, drafts, q, m, n_acc).cumsum(dim=1)
+    cdf = _residual(target, drafts, q, m, n_acc).cumsum(dim=1, dtype=torch.float64)
     u_tok = uniforms(m.seeds, m.first_index + n_acc).unsqueeze(1)
     # u < 1 has 32 bits, so u * total stays below total and lands on a positive weight (inverse CDF).
     at = torch.searchsorted(cdf, u_tok * cdf.narrow(1, cdf.shape[1] - 1, 1), right=True)
