@@ -41,6 +41,7 @@ __all__ = [
     "GraphOptions",
     "compile_decode",
     "decode_attention",
+    "moe_experts",
     "parse_graph_options",
     "static_decode_attention",
     "write_kv",
@@ -172,6 +173,23 @@ def _decode_attention_fake(
     sliding_window: int | None,
 ) -> torch.Tensor:
     return query.new_empty((query.shape[0], query.shape[1], value_cache.shape[-1]))
+
+
+@torch.library.custom_op("pypto_qwen::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """:func:`pypto_kernels.moe_experts` as one opaque op: ``_grouped_mm``'s shape function takes
+    only bfloat16, so tracing the kernel itself fails for the CPU's float32 models."""
+    out: torch.Tensor = K.moe_experts(x, gate_up, down, weights, ids)
+    return out
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def static_decode_attention(

@@ -17,7 +17,7 @@ from torch import nn
 
 import pypto_kernels as K
 
-from .graph import decode_attention, static_decode_attention, write_kv
+from .graph import decode_attention, moe_experts, static_decode_attention, write_kv
 from .loader import QwenConfig, WeightTarget
 
 __all__ = ["AttentionMetadata", "KVCache", "QwenForCausalLM"]
@@ -197,7 +197,9 @@ class QwenSparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.router_weight)
         weights, ids = K.topk_routing(router_logits, self.top_k, self.norm_topk_prob)
-        out: torch.Tensor = K.moe_experts(x, self.gate_up, self.down, weights, ids)
+        # A captured decode step calls the kernel as one op (graph.py); eager calls it directly.
+        experts = moe_experts if torch.compiler.is_compiling() else K.moe_experts
+        out: torch.Tensor = experts(x, self.gate_up, self.down, weights, ids)
         return out
 
 
