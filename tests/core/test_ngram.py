@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pypto_serving.spec_decode import NgramDrafter
 from pypto_serving.spec_decode.ngram import pad_histories, propose_ngram
@@ -69,3 +70,11 @@ def test_device_output_pads_past_each_count() -> None:
     tokens, counts = propose_ngram(hist, k=3, lookup_min=1, lookup_max=2)
     assert counts.tolist() == [2, 0]  # the following tokens may reach the history's last one
     assert tokens.tolist() == [[2, 1, -1], [-1, -1, -1]]
+
+
+def test_the_search_stays_on_the_device() -> None:
+    # Fake CUDA tensors carry no values: any host read or CPU tensor in the search would raise.
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        hist = torch.empty(4, 64, dtype=torch.long, device="cuda")
+        tokens, counts = propose_ngram(hist, k=3, lookup_min=1, lookup_max=4)
+        assert tokens.device.type == counts.device.type == "cuda" and tokens.shape == (4, 3)

@@ -74,7 +74,7 @@ class Verdict:
 
 @dataclass(slots=True)
 class _Maps:
-    """Host-built index maps of one group of requests into the flat layout, on the device."""
+    """Index maps of a group of requests into the flat layout, on the device."""
 
     pos: torch.Tensor  # [G, K] target row of each draft position (clamped where padded)
     draft: torch.Tensor  # [G, K] draft index of each position (clamped where padded)
@@ -127,12 +127,18 @@ def _leading(accept: torch.Tensor) -> torch.Tensor:
     return accept.long().cumprod(dim=1).sum(dim=1)
 
 
-def _greedy(target: torch.Tensor, drafts: torch.Tensor, m: _Maps) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accepted count and emitted token of greedy requests: argmax comparison."""
-    best = target.argmax(dim=-1)  # [N]; the sampler's greedy path takes the same argmax
+def _greedy(target: torch.Tensor, drafts: torch.Tensor, m: _Maps, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted count and emitted token of greedy requests: argmax comparison, with the sampler's
+    own greedy op (``argmax``, first index among ties). ``whole``: the group is every request, so
+    the argmax runs over ``target`` in place rather than over a copy of the group's rows."""
+    rows = torch.cat([m.pos, (m.first_row + m.num_drafts).unsqueeze(1)], dim=1)  # [G, K + 1]
+    if whole:
+        best = target.argmax(dim=-1).take(rows)
+    else:
+        best = target.index_select(0, rows.flatten()).argmax(dim=-1).view_as(rows)
     d = drafts.take(m.draft) if drafts.numel() else torch.zeros_like(m.pos)
-    n_acc = _leading((d == best.take(m.pos)) & m.valid)
-    return n_acc, best.take(m.first_row + n_acc)
+    n_acc = _leading((d == best.narrow(1, 0, m.pos.shape[1])) & m.valid)
+    return n_acc, best.gather(1, n_acc.unsqueeze(1)).squeeze(1)
 
 
 def _residual(
@@ -205,7 +211,7 @@ def rejection_sample(
             continue
         at = torch.tensor(group, dtype=torch.long, device=dev) if len(group) < num else None
         m = every if at is None else _subset(every, at)
-        acc, tok = _greedy(target, drafts, m) if greedy else _sampled(target, drafts, draft_probs, m)
+        acc, tok = _greedy(target, drafts, m, at is None) if greedy else _sampled(target, drafts, draft_probs, m)
         if at is None:
             n_acc, token = acc, tok
         else:
