@@ -31,6 +31,11 @@ class MtpConfigError(ValueError):
     """Speculative decoding was asked for in a way this checkpoint cannot serve."""
 
 
+#: Positions one MTP carry ring holds per request and depth: the inputs a depth still needs from
+#: earlier steps are the few positions past its frontier (at most ``num_draft + 1``).
+CARRY_LEN = 2 * MAX_DRAFT_TOKENS + 4
+
+
 @dataclass
 class MtpState:
     """Per-request drafting state; see docs/deepseek_mtp.md ("MTP state") for the invariants.
@@ -38,7 +43,9 @@ class MtpState:
     Depth ``d`` at position ``i`` consumes the depth ``d-1`` output (the main model's streams for
     ``d = 0``) at ``i`` and the token ``i + d + 1``. Its KV at ``i`` is *canonical* once that token is
     committed; ``frontier[d]`` is the first position that is not canonical yet, so each step only
-    (re)computes ``[frontier[d], n - 1]`` and draft-token entries are overwritten later.
+    (re)computes ``[frontier[d], n - 1]`` and draft-token entries are overwritten later. The canonical
+    inputs a depth still needs from earlier steps sit in the executor's carry ring of that depth
+    (row ``slot * CARRY_LEN + i % CARRY_LEN``); ``carried[d]`` is the range of positions it holds.
     """
 
     depth: int
@@ -46,11 +53,11 @@ class MtpState:
     n: int = -1  # position of the last known token
     tokens: dict[int, int] = field(default_factory=dict)
     frontier: list[int] = field(default_factory=list)
-    hin: list[dict[int, torch.Tensor]] = field(default_factory=list)  # canonical inputs per depth
+    carried: list[tuple[int, int]] = field(default_factory=list)  # per depth: (first, last) in the ring
 
     def __post_init__(self) -> None:
         self.frontier = [0] * self.depth
-        self.hin = [{} for _ in range(self.depth)]
+        self.carried = [(0, -1)] * self.depth
 
 
 def read_drafts(drafts: torch.Tensor) -> list[int]:
@@ -63,8 +70,12 @@ class _Drafting:
     """One ``propose_drafts`` call: host bookkeeping plus the drafts so far, which stay on the device."""
 
     work: dict[int, tuple[MtpState, bool]]  # batch row -> (state, whether it sampled this step)
+    slots: list[int]  # batch row -> carry ring slot
     refs: dict[int, list[int]] = field(default_factory=dict)  # batch row -> its drafts' offsets in drafted
-    tmp: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)  # (r, depth, pos) -> input
+    # Per depth: this step's inputs of that depth (the main streams, then each depth's output) and
+    # where each request's run of them sits: batch row -> (first position, first row, count).
+    fresh: list[torch.Tensor] = field(default_factory=list)
+    fresh_rows: list[dict[int, tuple[int, int, int]]] = field(default_factory=list)
     pieces: list[torch.Tensor] = field(default_factory=list)  # per depth: the argmax tokens it drafted
     count: int = 0  # drafts in ``pieces``
 
@@ -96,13 +107,25 @@ class _Drafting:
 
 @dataclass
 class _DepthInputs:
-    """What one MTP depth runs over: spans ``(r, first, last)`` of positions, their input streams,
-    positions and tokens (``(value, -1)`` for committed ones, ``(-1, offset)`` for this step's drafts)."""
+    """What one MTP depth runs over: spans ``(r, first, last)`` of positions, where each input stream
+    comes from (a row of the depth's fresh inputs, or ``-1 - row`` of its carry ring), positions and
+    tokens (``(value, -1)`` for committed ones, ``(-1, offset)`` for this step's drafts)."""
 
     spans: list[tuple[int, int, int]] = field(default_factory=list)
-    hidden: list[torch.Tensor] = field(default_factory=list)
+    src: list[int] = field(default_factory=list)
     toks: list[tuple[int, int]] = field(default_factory=list)
     pos: list[int] = field(default_factory=list)
+
+    def hidden(self, fresh: torch.Tensor, carry: torch.Tensor) -> torch.Tensor:
+        """The input streams, gathered with one index tensor from the fresh rows and the carry ring."""
+        if all(i >= 0 for i in self.src):
+            if self.src == list(range(self.src[0], self.src[0] + len(self.src))):
+                return fresh.narrow(0, self.src[0], len(self.src))
+            return fresh.index_select(0, torch.tensor(self.src, device=fresh.device))
+        flat = carry.view(-1, *carry.shape[2:])
+        both = torch.cat([fresh, flat.to(fresh.dtype)])
+        at = [i if i >= 0 else fresh.shape[0] - 1 - i for i in self.src]
+        return both.index_select(0, torch.tensor(at, device=fresh.device))
 
     def tokens(self, step: _Drafting, device: torch.device) -> torch.Tensor:
         """The input tokens on the device: committed ones from the host, drafts gathered from ``step``."""
@@ -124,6 +147,7 @@ class DeepseekMTPExecutor(Executor):
         self.free_slots: list[int] = []
         self.num_slots = 0
         self.mtp_state: dict[str, MtpState] = {}
+        self.carry: list[torch.Tensor] = []  # per MTP depth: [slots, CARRY_LEN, hc, D] canonical inputs
         self._last: tuple[BatchInput, Segments, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ load
@@ -279,6 +303,8 @@ class DeepseekMTPExecutor(Executor):
             )
         self.num_slots = max(1, int(getattr(self.settings, "max_num_seqs", 8)))
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        shape = (self.num_slots, CARRY_LEN, cfg.hc_mult, cfg.hidden_size)
+        self.carry = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.num_draft)]
         for i, kind in enumerate(cfg.layer_types):
             if kind == SLIDING:
                 continue
@@ -307,6 +333,7 @@ class DeepseekMTPExecutor(Executor):
             assert self.model is not None
             for ring in self.model.rings.values():
                 ring.grow(self.num_slots)
+            self.carry = [torch.cat([c, c.new_zeros((self.num_slots - old, *c.shape[1:]))]) for c in self.carry]
         slot = self.free_slots.pop()
         self.slots[request_id] = slot
         return slot
@@ -322,6 +349,7 @@ class DeepseekMTPExecutor(Executor):
         if self.model is not None:
             self.model.caches.clear()
             self.model.rings.clear()
+        self.carry = []
         self.model = None
         self._last = None
 
@@ -355,14 +383,19 @@ class DeepseekMTPExecutor(Executor):
 
     @torch.inference_mode()
     def propose_drafts(self, batch: BatchInput, accepted: list[list[int]]) -> list[list[int]]:
-        """Up to ``num_draft`` drafts per sampling request. Every depth's tokens stay on the device;
-        the host reads them once, at the end (:func:`read_drafts`)."""
+        """Up to ``num_draft`` drafts per sampling request. Every depth runs once over all requests,
+        its inputs gathered with one index tensor; the tokens stay on the device and the host reads
+        them once, at the end (:func:`read_drafts`)."""
         if not self.use_mtp or self._last is None or self._last[0] is not batch:
             return [[] for _ in batch.request_ids]
         _, seg, streams = self._last
-        step = _Drafting(self._commit(batch, seg, streams, accepted))
+        assert seg.ring_slots is not None
+        work, rows = self._commit(batch, seg, accepted)
+        step = _Drafting(work, seg.ring_slots, fresh=[streams], fresh_rows=[rows])
         for d in range(self.num_draft):
-            if not self._draft_depth(d, step, batch, seg):
+            ran = self._draft_depth(d, step, batch)
+            self._carry(d, step)
+            if not ran:
                 break
         for st, _ in step.work.values():
             low = min(st.frontier) if st.frontier else st.n
@@ -370,12 +403,14 @@ class DeepseekMTPExecutor(Executor):
         return step.result(len(batch.request_ids), self.device)
 
     def _commit(
-        self, batch: BatchInput, seg: Segments, streams: torch.Tensor, accepted: list[list[int]]
-    ) -> dict[int, tuple[MtpState, bool]]:
-        """Record this step's committed tokens and main-model streams; returns the requests to draft
-        for (batch row -> (state, whether it sampled this step))."""
+        self, batch: BatchInput, seg: Segments, accepted: list[list[int]]
+    ) -> tuple[dict[int, tuple[MtpState, bool]], dict[int, tuple[int, int, int]]]:
+        """Record this step's committed tokens; returns the requests to draft for (batch row ->
+        (state, whether it sampled this step)) and where their committed main-model streams sit
+        (batch row -> (first position, first row, count))."""
         k = self.num_draft
         work: dict[int, tuple[MtpState, bool]] = {}
+        rows: dict[int, tuple[int, int, int]] = {}
         ids = batch.input_ids_host
         for r, rid in enumerate(batch.request_ids):
             a, b = seg.rows(r)
@@ -398,7 +433,7 @@ class DeepseekMTPExecutor(Executor):
             valid = (b - a) - (batch.num_logits[r] - len(acc)) if sampling else b - a
             for j in range(valid):
                 st.tokens[s + j] = int(ids[a + j])
-                st.hin[0][s + j] = streams[a + j]
+            rows[r] = (s, a, valid)
             st.hv = s + valid
             if sampling:
                 st.n = s + valid
@@ -407,86 +442,120 @@ class DeepseekMTPExecutor(Executor):
                 st.n = s + valid - 1
             self.mtp_state[rid] = st
             work[r] = (st, sampling)
-        return work
+        return work, rows
 
-    def _draft_depth(self, d: int, step: _Drafting, batch: BatchInput, seg: Segments) -> bool:
-        """Run MTP depth ``d`` over every request's pending positions; False when none has any."""
+    def _draft_depth(self, d: int, step: _Drafting, batch: BatchInput) -> bool:
+        """Run MTP depth ``d`` over every request's pending positions at once; False when none has any."""
         rows = self._depth_inputs(d, step, batch)
         if not rows.spans:
             return False
         tok = rows.tokens(step, self.device)
-        out, logits = self._run_mtp(d, rows.spans, torch.stack(rows.hidden), tok, rows.pos, seg)
+        out = self._run_mtp(d, rows.spans, rows.hidden(step.fresh[d], self.carry[d]), tok, rows.pos)
         off = 0
-        picks: list[int] = []  # logits rows whose argmax is a draft
+        picks: list[int] = []  # output rows whose next token is a draft
+        made: dict[int, tuple[int, int, int]] = {}
         for r, c, last in rows.spans:
             st, sampling = step.work[r]
-            for i in range(c, last + 1):
-                if d + 1 < self.num_draft:
-                    if i <= st.n - 1 - d:
-                        st.hin[d + 1][i] = out[off + i - c]
-                    else:
-                        step.tmp[(r, d + 1, i)] = out[off + i - c]
+            made[r] = (c, off, last - c + 1)
             if sampling:
                 step.refs[r].append(step.count + len(picks))
                 picks.append(off + last - c)
             off += last - c + 1
             st.frontier[d] = max(c, st.n - d, 0)
+        step.fresh.append(out)
+        step.fresh_rows.append(made)
         if picks:
-            step.add(logits.index_select(0, torch.tensor(picks, device=self.device)).argmax(-1))
-        # Inputs below the new frontier are never read again.
-        for r, _, _ in rows.spans:
-            st = step.work[r][0]
-            st.hin[d] = {i: h for i, h in st.hin[d].items() if i >= st.frontier[d]}
+            sel = out if picks == list(range(off)) else out.index_select(0, torch.tensor(picks, device=self.device))
+            step.add(self._mtp_logits(d, sel).argmax(-1))
         return True
 
+    def _carry(self, d: int, step: _Drafting) -> None:
+        """Keep depth ``d``'s canonical inputs of this step that later steps still need (positions from
+        its frontier on) in its carry ring, with one scatter over all requests."""
+        if d >= len(step.fresh_rows):
+            return
+        src: list[int] = []
+        dst: list[int] = []
+        for r, (p, row, n) in step.fresh_rows[d].items():
+            st = step.work[r][0]
+            hi = p + n - 1 if d == 0 else min(p + n - 1, st.n - d)
+            lo = max(p, st.frontier[d], hi - CARRY_LEN + 1)
+            if hi < lo:
+                continue
+            src += range(row + lo - p, row + hi - p + 1)
+            dst += [step.slots[r] * CARRY_LEN + i % CARRY_LEN for i in range(lo, hi + 1)]
+            old_lo, old_hi = st.carried[d]
+            joined = old_lo <= lo <= old_hi + 1
+            top = max(hi, old_hi) if joined else hi
+            st.carried[d] = (max(old_lo if joined else lo, top - CARRY_LEN + 1), top)
+        if src:
+            flat = self.carry[d].view(-1, *self.carry[d].shape[2:])
+            dev = self.device
+            picked = step.fresh[d].index_select(0, torch.tensor(src, device=dev))
+            flat.index_copy_(0, torch.tensor(dst, device=dev), picked.to(flat.dtype))
+
     def _depth_inputs(self, d: int, step: _Drafting, batch: BatchInput) -> _DepthInputs:
-        """Host bookkeeping of depth ``d``: which positions each request (re)computes, with their input
-        streams and tokens (committed ones by value, this step's drafts by reference)."""
+        """Host bookkeeping of depth ``d``: which positions each request (re)computes, where their
+        input streams are and their tokens (committed ones by value, this step's drafts by reference)."""
         rows = _DepthInputs()
         for r, (st, sampling) in step.work.items():
             c = st.frontier[d]
             last = st.n - 1 if sampling else st.n - 1 - d
             if last < c:
                 continue
-            refs = step.refs[r]
-            rh: list[torch.Tensor] = []
-            rt: list[tuple[int, int]] = []  # (committed token or -1, draft reference or -1)
-            for i in range(c, last + 1):
-                h = st.hin[d].get(i, step.tmp.get((r, d, i)))
-                t = i + d + 1
-                j = t - st.n - 1  # index into this step's drafts when token t is not committed yet
-                committed = st.tokens.get(t, -2) if t <= st.n else -1
-                ref = refs[j] if committed == -1 and j < len(refs) else -1
-                if h is None or committed == -2 or (committed == -1 and ref < 0):
-                    break
-                rh.append(h)
-                rt.append((committed, ref))
-            if len(rh) != last - c + 1:
+            src = self._sources(d, step, r, st, c, last)
+            toks = self._depth_tokens(d, st, step.refs[r], c, last)
+            if src is None or toks is None:
                 # Inconsistent bookkeeping (should not happen): stop drafting for this request
                 # rather than guess; verification keeps the output exact regardless.
                 step.work[r] = (st, False)
                 step.refs[r] = []
                 self.mtp_state.pop(batch.request_ids[r], None)
                 continue
-            rows.hidden += rh
-            rows.toks += rt
+            rows.src += src
+            rows.toks += toks
             rows.pos += range(c, last + 1)
             rows.spans.append((r, c, last))
         return rows
 
+    @staticmethod
+    def _sources(d: int, step: _Drafting, r: int, st: MtpState, c: int, last: int) -> list[int] | None:
+        """Where request ``r``'s depth-``d`` inputs at ``[c, last]`` sit: fresh rows, or ``-1 - row`` of
+        the carry ring; None when one is in neither."""
+        p, row, n = step.fresh_rows[d].get(r, (0, 0, 0))
+        lo, hi = st.carried[d]
+        out: list[int] = []
+        for i in range(c, last + 1):
+            if p <= i < p + n:
+                out.append(row + i - p)
+            elif lo <= i <= hi:
+                out.append(-1 - (step.slots[r] * CARRY_LEN + i % CARRY_LEN))
+            else:
+                return None
+        return out
+
+    @staticmethod
+    def _depth_tokens(d: int, st: MtpState, refs: list[int], c: int, last: int) -> list[tuple[int, int]] | None:
+        """Depth ``d``'s input tokens at ``[c, last]``: (committed token, -1) or (-1, draft reference);
+        None when one is missing."""
+        out: list[tuple[int, int]] = []
+        for i in range(c, last + 1):
+            t = i + d + 1
+            j = t - st.n - 1  # index into this step's drafts when token t is not committed yet
+            committed = st.tokens.get(t, -2) if t <= st.n else -1
+            ref = refs[j] if committed == -1 and j < len(refs) else -1
+            if committed == -2 or (committed == -1 and ref < 0):
+                return None
+            out.append((committed, ref))
+        return out
+
     def _run_mtp(
-        self,
-        d: int,
-        rows: list[tuple[int, int, int]],
-        hidden: torch.Tensor,
-        tok: torch.Tensor,
-        pos: list[int],
-        seg: Segments,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, d: int, rows: list[tuple[int, int, int]], hidden: torch.Tensor, tok: torch.Tensor, pos: list[int]
+    ) -> torch.Tensor:
         """One MTP depth over the flat rows (``tok`` their input tokens, on the device); returns its
-        output streams and logits per row."""
-        assert self.model is not None
-        m, cfg = self.model, self.cfg
+        output streams per row."""
+        assert self.model is not None and self._last is not None
+        m, cfg, seg = self.model, self.cfg, self._last[1]
         p = self.mtp_layers[min(d, len(self.mtp_layers) - 1)]
         group = f"mtp{d}"
         positions = torch.tensor(pos, device=self.device, dtype=torch.long)
@@ -505,9 +574,15 @@ class DeepseekMTPExecutor(Executor):
         h = ops.rms_norm(hidden, p["hnorm.weight"], cfg.rms_norm_eps)
         x = F.linear(e, p["e_proj.weight"]).unsqueeze(1) + F.linear(h, p["h_proj.weight"])
         rope = m._rope_tables(positions)
-        x = m.decoder_layer(p, x, mseg, rope, layer=-1, kind=SLIDING, swa=m.caches[group][0], swa_group=group)
-        logits = m.logits(x, hc=(p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"]), norm=p["norm.weight"])
-        return x, logits
+        return m.decoder_layer(p, x, mseg, rope, layer=-1, kind=SLIDING, swa=m.caches[group][0], swa_group=group)
+
+    def _mtp_logits(self, d: int, streams: torch.Tensor) -> torch.Tensor:
+        """Depth ``d``'s logits of the rows that draft a token."""
+        assert self.model is not None
+        p = self.mtp_layers[min(d, len(self.mtp_layers) - 1)]
+        return self.model.logits(
+            streams, hc=(p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"]), norm=p["norm.weight"]
+        )
 
 
 def make_executor(settings: Any) -> DeepseekMTPExecutor:
