@@ -8,7 +8,8 @@ Options (``executor_options``): ``vocab``, ``eos``, ``max_model_len``, ``max_dra
 ``draft_error_rate`` (fraction of wrong drafts, seeded by context), ``fail_on_token`` (raise in a
 step whose input holds it), ``crash_on_token`` (kill the worker process), ``nan_on_token`` (NaN
 logits for the request whose last input is it), ``pipelining`` (supports async), ``barrier``,
-``uniform`` (all-prefill or all-decode steps), ``step_sleep`` (seconds per step), ``architecture_from_env``
+``uniform`` (all-prefill or all-decode steps), ``verify_drafts`` (declare ``can_verify_drafts``),
+``step_sleep`` (seconds per step), ``architecture_from_env``
 (report that environment variable of the worker process as the architecture).
 """
 
@@ -61,6 +62,7 @@ class FakeExecutor(Executor):
             supports_pipelining=bool(o.get("pipelining", True)),
             uniform_batches=bool(o.get("uniform", False)),
             max_draft_tokens=int(o.get("max_draft", 0)),
+            can_verify_drafts=bool(o.get("verify_drafts", False)),
             prefill_barrier=bool(o.get("barrier", False)),
         )
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -41,14 +41,37 @@ class SpeculativeConfig(BaseModel):
     method: str = Field(
         "mtp",
         min_length=1,
-        description="Drafting method, implemented and checked by the executor ('mtp': the checkpoint's "
+        description="Drafting method: 'ngram' (prompt lookup, drafted by the core for any executor that "
+        "verifies drafts) or one the executor implements and checks ('mtp': the checkpoint's "
         "multi-token-prediction layers).",
     )
     num_speculative_tokens: int = Field(1, ge=1, le=8, description="Draft tokens k per decode step (1..8).")
     policy: str = Field(
         "greedy",
-        description="Speculative-token policy plugin deciding k per request and step ('greedy', 'none').",
+        description="Speculative-token policy plugin deciding k per request and step ('greedy', 'fixed', "
+        "'adaptive', 'none').",
     )
+    prompt_lookup_min: int | None = Field(
+        None, ge=1, description="ngram: shortest suffix matched in the request's tokens (default 2)."
+    )
+    prompt_lookup_max: int | None = Field(
+        None, ge=1, description="ngram: longest suffix matched, tried first (default 5)."
+    )
+
+    @model_validator(mode="after")
+    def _lookup_fields(self) -> SpeculativeConfig:
+        """The n-gram fields mean nothing to other methods: refuse them rather than ignore them."""
+        given = [f for f in ("prompt_lookup_min", "prompt_lookup_max") if getattr(self, f) is not None]
+        if self.method != "ngram":
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to method 'ngram', not {self.method!r}")
+            return self
+        lo = self.prompt_lookup_min or min(2, self.prompt_lookup_max or 2)
+        hi = self.prompt_lookup_max or max(5, lo)
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        return self
 
 
 class _FileSettingsSource(PydanticBaseSettingsSource):

@@ -25,7 +25,7 @@ from .model_files import sampling_defaults
 from .plugins import PluginError, PluginManager
 from .request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .speculative import SpecPolicy
+from .speculative import CORE_DRAFTERS, SpecPolicy
 from .strategy import StepStrategy
 from .tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from .worker import WorkerClient, WorkerDiedError
@@ -208,6 +208,13 @@ class EngineCore:
         if spec_cfg is None:
             self.info.max_draft_tokens = 0
             return self.plugins.select_spec_policy("none").factory(self.settings)
+        if spec_cfg.method in CORE_DRAFTERS:
+            if not self.info.can_verify_drafts:
+                raise PluginError(
+                    f"executor {executor_name!r} cannot verify drafts (ExecutorInfo.can_verify_drafts), so "
+                    f"speculative_config.method={spec_cfg.method!r} cannot run on it; unset speculative_config"
+                )
+            self.info.max_draft_tokens = spec_cfg.num_speculative_tokens
         if self.info.max_draft_tokens < 1:
             raise PluginError(f"executor {executor_name!r} cannot draft tokens; unset speculative_config")
         return self.plugins.select_spec_policy(spec_cfg.policy).factory(self.settings)

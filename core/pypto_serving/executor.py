@@ -56,7 +56,9 @@ class ExecutorInfo:
     :param architecture: the architecture it loaded, e.g. ``Qwen3ForCausalLM`` (informational only).
     :param supports_pipelining: it can run under the async (depth-2) strategy.
     :param uniform_batches: its kernels need each step all-prefill or all-decode.
-    :param max_draft_tokens: drafting depth it can verify per step (0: no speculation).
+    :param max_draft_tokens: drafting depth of its own drafter (e.g. MTP layers) per step (0: none).
+    :param can_verify_drafts: its forward gives exact logits for a decode's ``1 + k`` query positions,
+        so the core's own drafters (``speculative_config.method = "ngram"``) can speculate for it.
     :param prefill_barrier: a request's first decode waits for the result of its last prefill step.
     :param generation_defaults: the checkpoint's sampling defaults (from ``generation_config.json``).
     """
@@ -69,6 +71,7 @@ class ExecutorInfo:
     supports_pipelining: bool = True
     uniform_batches: bool = False
     max_draft_tokens: int = 0
+    can_verify_drafts: bool = False
     prefill_barrier: bool = False
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 

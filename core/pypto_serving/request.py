@@ -157,6 +157,8 @@ class Request:
     num_output_placeholders: int = 0
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    spec_drafted: int = 0  # draft tokens verified for this request, and how many were accepted
+    spec_accepted: int = 0
     stop_reason: str | int | None = None
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,7 +22,7 @@ from .executor import ExecutorInfo
 from .kv_cache import KVCacheManager
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, wire_sampling
 from .request import Request, RequestStatus
-from .speculative import SpecPolicy
+from .speculative import SpecPolicy, StepObservation
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "StepKind"]
 
@@ -141,6 +141,7 @@ class Scheduler:
         self.kv = kv
         self.info = executor_info
         self.spec_policy = spec_policy
+        self._observe: Callable[[StepObservation], None] | None = getattr(spec_policy, "observe", None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -403,6 +404,16 @@ class Scheduler:
             else:
                 self._apply_sampled(req, st, item, result)
                 touched.append(req)
+        if self._observe is not None:
+            self._observe(
+                StepObservation(
+                    num_tokens=out.num_batched_tokens,
+                    num_decodes=sum(item.sample for item in out.items),
+                    num_drafted=result.num_drafted,
+                    num_accepted=sum(result.num_accepted_per_pos),
+                    seconds=result.execute_seconds,
+                )
+            )
         return touched
 
     def _count_drafts(self, result: StepResult) -> None:
@@ -419,6 +430,9 @@ class Scheduler:
         req.num_output_placeholders -= 1 + item.num_draft
         accepted = max(0, len(tokens) - 1)
         rejected = item.num_draft - accepted
+        if item.num_draft:
+            req.spec_drafted += item.num_draft
+            req.spec_accepted += accepted
         if rejected:
             req.num_computed_tokens -= rejected
             st.rejected += rejected

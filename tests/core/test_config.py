@@ -173,7 +173,13 @@ def test_config_show_json(write: WriteFile, capsys: pytest.CaptureFixture[str]) 
     assert main(["config", "show", "--json", "--speculative-config", '{"method": "fake"}']) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["speculative_config"] == {
-        "value": {"method": "fake", "num_speculative_tokens": 1, "policy": "greedy"},
+        "value": {
+            "method": "fake",
+            "num_speculative_tokens": 1,
+            "policy": "greedy",
+            "prompt_lookup_min": None,
+            "prompt_lookup_max": None,
+        },
         "source": "command-line flag",
     }
     assert data["max_num_seqs"] == {"value": 64, "source": "default"}

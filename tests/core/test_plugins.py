@@ -47,7 +47,7 @@ def test_core_only_loads_no_entry_points(core_only: PluginManager) -> None:
     assert [p.name for p in core_only.plugins] == ["core", "FakePlugin"]
     assert set(core_only.executors.specs) == {"fake"}
     assert set(core_only.schedulers.specs) == set()
-    assert set(core_only.spec_policies.specs) == {"none", "greedy"}
+    assert set(core_only.spec_policies.specs) == {"none", "greedy", "fixed", "adaptive"}
 
 
 def test_unknown_executor_lists_installed(monkeypatch: pytest.MonkeyPatch) -> None:
