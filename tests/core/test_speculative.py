@@ -188,3 +188,36 @@ def test_ngram_needs_an_executor_that_verifies_drafts(fake_pm: Any) -> None:
         assert llm.engine is not None and llm.engine.info.max_draft_tokens == 2
     finally:
         llm.shutdown()
+
+
+# ----------------------------------------------------------------------------- sampled requests speculate
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_sampled_requests_speculate_with_unchanged_output(fake_pm: Any, policy: str) -> None:
+    """At temperature 3 the fake model's argmax (its drafts) is drawn about a third of the time, so
+    drafts are both accepted and rejected; seeded outputs (with penalties and min_tokens, which the
+    verifier applies per draft position) equal those of the same requests without speculation."""
+    base = {"executor": "fake", "worker_mode": "inproc", "scheduler": "sync", "block_size": 4}
+    params = [
+        SamplingParams(temperature=3.0, seed=i, max_tokens=24, min_tokens=4 * (i % 2), presence_penalty=0.5 * (i % 3))
+        for i in range(6)
+    ]
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(5 + i)] for i in range(6)]
+    plain = LLM(plugins=fake_pm, **base)
+    spec = LLM(
+        plugins=fake_pm,
+        speculative_config={"method": "fake", "num_speculative_tokens": 2, "policy": policy},
+        executor_options={"max_draft": 2},
+        **base,
+    )
+    try:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+        got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+        assert spec.engine is not None
+        stats = spec.engine.stats()
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+    assert got == want
+    assert 0 < stats["spec_accepted"] < stats["spec_drafted"]
