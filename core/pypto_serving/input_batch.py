@@ -23,6 +23,7 @@ import torch
 
 from .executor import CacheGroupSpec
 from .messages import WireSampling
+from .sampler import SamplingRows
 
 __all__ = ["GroupTable", "InputBatch", "Staging", "StepArrays", "StepTensors"]
 
@@ -282,7 +283,8 @@ class InputBatch:
         tables = {}
         for name, t in self.tables.items():
             width = max(1, int(t.num_blocks[step.rows].max(initial=0)))
-            tables[name] = t.table.index_select(0, rows).narrow(1, 0, width)
+            # Narrow first: the gathered table comes out contiguous, as kernels expect.
+            tables[name] = t.table.narrow(1, 0, width).index_select(0, rows)
         return StepTensors(
             input_ids=ids,
             positions=pos,
@@ -294,6 +296,44 @@ class InputBatch:
             query_start_loc_host=qsl.tolist(),
             seq_lens_host=seq_lens.tolist(),
         )
+
+    def sampling_rows(self, rows: IntArray, num_logits: IntArray) -> SamplingRows:
+        """The sampler's parameters for ``num_logits[i]`` consecutive logits rows of batch row
+        ``rows[i]``: the ``j``-th draws the row's output ``num_outputs + j``. Penalty counts and
+        drafts are left empty for the caller, which holds them."""
+        at = np.repeat(rows, num_logits)
+        first = np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+        ints, floats = self.ints, self.floats
+        draw = ints["num_outputs"][at] + (np.arange(len(at)) - first)
+        wants_ban = draw < ints["min_tokens"][at]
+        banned: list[tuple[int, ...]] = [()] * len(at)
+        for i in np.flatnonzero(wants_ban).tolist():
+            sp = self.sampling[int(at[i])]
+            assert sp is not None
+            banned[i] = sp.min_tokens_banned
+        return SamplingRows(
+            temperature=floats["temperature"][at],
+            seed=ints["seed"][at],
+            draw_index=draw,
+            top_k=ints["top_k"][at],
+            top_p=floats["top_p"][at],
+            min_p=floats["min_p"][at],
+            presence_penalty=floats["presence_penalty"][at],
+            frequency_penalty=floats["frequency_penalty"][at],
+            repetition_penalty=floats["repetition_penalty"][at],
+            num_logprobs=ints["num_logprobs"][at],
+            banned=banned,
+            counts=[None] * len(at),
+            drafts=[()] * len(at),
+        )
+
+    def commit(self, rows: list[int], kept: list[int], last: list[int], rejected: list[int]) -> None:
+        """Record what a step kept for each of ``rows`` (distinct): ``kept`` outputs ending in
+        ``last``, and ``rejected`` draft positions given back."""
+        at = np.array(rows, dtype=np.int64)
+        self.ints["last_sampled"][at] = last
+        self.ints["num_outputs"][at] += np.array(kept, dtype=np.int64)
+        self.ints["rejected"][at] += np.array(rejected, dtype=np.int64)
 
     # ------------------------------------------------------------------ internals
     def _flush(self, table: GroupTable) -> None:

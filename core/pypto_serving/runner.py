@@ -1,8 +1,11 @@
 """ModelRunner: the worker side of a step.
 
-It keeps per-request state the scheduler must not need (last sampled token, drafts, sampling
-history), turns a :class:`StepCommand` into one flat :class:`BatchInput` on the executor's device,
-calls the executor, samples, verifies drafts and returns a :class:`StepResult`.
+It keeps per-request state the scheduler must not need: a persistent
+:class:`~pypto_serving.input_batch.InputBatch` row per request (sampling parameters, last sampled
+token, output count, block tables on the device), updated by the step message's diffs, and the token
+history, penalty counts and drafts beside it. It turns a :class:`StepCommand` into one flat
+:class:`BatchInput` on the executor's device, calls the executor, samples, verifies drafts and
+returns a :class:`StepResult`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from .executor import BatchInput, Executor, ExecutorInfo
 from .input_batch import InputBatch, StepArrays
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
-from .sampler import RowParams, SampleOutput, TokenCounts, sample
+from .sampler import SampleOutput, SamplingRows, TokenCounts, sample
 
 __all__ = ["MissingSampledTokenError", "ModelRunner"]
 
@@ -202,28 +205,28 @@ class ModelRunner:
         self, cmd: StepCommand, batch: BatchInput, logits: torch.Tensor, drafts_used: list[list[int]]
     ) -> StepResult:
         result = StepResult(step_id=cmd.step_id)
-        params = self._row_params(cmd.entries, batch.num_logits, drafts_used)
-        if params:
+        params = self._sampling_rows(cmd.entries, batch.num_logits, drafts_used)
+        if len(params):
             self._verify(cmd.entries, batch.num_logits, drafts_used, sample(logits, params), result)
         return result
 
-    def _row_params(
+    def _sampling_rows(
         self, entries: list[ScheduledEntry], num_logits: list[int], drafts_used: list[list[int]]
-    ) -> list[RowParams]:
-        """One sampler row per logits row: row ``j`` of a request follows its first ``j`` drafts."""
-        params: list[RowParams] = []
-        for e, n, drafts in zip(entries, num_logits, drafts_used):
-            st = self.states[e.request_id]
-            params += (_row(st, st.num_outputs + j, drafts[:j]) for j in range(n))
-        return params
-
-    def _commit(self, e: ScheduledEntry, kept: list[int]) -> None:
-        """Record in the request's row what a step kept: its outputs and the drafts it rejected."""
+    ) -> SamplingRows:
+        """One sampler row per logits row, gathered from the batch rows: row ``j`` of a request draws
+        its output ``num_outputs + j`` and follows its first ``j`` drafts."""
         ib = self.input_batch
-        row = ib.row_of[e.request_id]
-        ib.ints["last_sampled"][row] = kept[-1]
-        ib.ints["num_outputs"][row] += len(kept)
-        ib.ints["rejected"][row] += e.num_draft - (len(kept) - 1)
+        rows = np.array([ib.row_of[e.request_id] for e in entries], dtype=np.int64)
+        params = ib.sampling_rows(rows, np.array(num_logits, dtype=np.int64))
+        if ib.ints["has_penalties"][rows].any():  # only penalised rows read counts and drafts
+            at = 0
+            for e, n, drafts in zip(entries, num_logits, drafts_used):
+                counts = self.states[e.request_id].counts
+                if counts is not None:
+                    params.counts[at : at + n] = [counts] * n
+                    params.drafts[at : at + n] = [tuple(drafts[:j]) for j in range(n)]
+                at += n
+        return params
 
     def _verify(
         self,
@@ -235,6 +238,7 @@ class ModelRunner:
     ) -> None:
         """Keep each request's accepted tokens, commit them to its state and record them in ``result``."""
         result.num_accepted_per_pos = [0] * max((len(d) for d in drafts_used), default=0)
+        committed: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         row = 0
         for e, n, drafts in zip(entries, num_logits, drafts_used):
             rows = range(row, row + n)
@@ -254,31 +258,13 @@ class ModelRunner:
             st.history += kept
             if st.counts is not None:
                 st.counts.extend(kept)
-            self._commit(e, kept)
+            for col, value in zip(committed, (self.input_batch.row_of[e.request_id], len(kept), kept[-1])):
+                col.append(value)
+            committed[3].append(e.num_draft - (len(kept) - 1))
             result.sampled[e.request_id] = kept
             if st.sampling.logprobs is not None:
                 result.logprobs[e.request_id] = [out.logprobs[r] or {} for r in rows[: len(kept)]]
-
-
-def _row(st: _ReqState, draw_index: int, drafts: list[int]) -> RowParams:
-    """Sampler parameters of a request's output ``draw_index``, sampled after ``drafts``."""
-    sp = st.sampling
-    return RowParams(
-        temperature=sp.temperature,
-        top_k=sp.top_k,
-        top_p=sp.top_p,
-        min_p=sp.min_p,
-        presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty,
-        seed=st.seed,
-        draw_index=draw_index,
-        num_logprobs=sp.logprobs,
-        banned=sp.min_tokens_banned if draw_index < sp.min_tokens else (),
-        # Penalties read the request's device counts plus this row's drafts: no history copy per step.
-        counts=st.counts,
-        drafts=tuple(drafts) if st.counts is not None else (),
-    )
+        self.input_batch.commit(*committed)
 
 
 def _accept(targets: list[int], drafts: list[int]) -> list[int]:

@@ -22,8 +22,8 @@ GROUPS = [CacheGroupSpec("kv", 2, 1), CacheGroupSpec("compressed", 2, 1, tokens_
 IDS = [f"r{i}" for i in range(7)]
 
 samplings = st.builds(
-    lambda t, k, p, m, rep, lp: SamplingParams(
-        temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=rep, logprobs=lp
+    lambda t, k, p, m, rep, lp, mt: SamplingParams(
+        temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=rep, logprobs=lp, min_tokens=mt, stop_token_ids=[5]
     ),
     st.sampled_from([0.0, 0.5, 1.0]),
     st.integers(0, 5),
@@ -31,6 +31,7 @@ samplings = st.builds(
     st.sampled_from([0.0, 0.1]),
     st.sampled_from([1.0, 1.2]),
     st.none() | st.integers(0, 3),
+    st.integers(0, 4),
 )
 
 
@@ -111,6 +112,21 @@ class InputBatchMachine(RuleBasedStateMachine):
         kv = [self.model[r]["blocks"]["kv"] for r, n in zip(rids, lens) for _ in range(n)]
         assert got.slot_mapping["kv"].tolist() == [b[p // 2] * 2 + p % 2 for b, p in zip(kv, positions)]
         assert set(got.slot_mapping) == {"kv"}
+        self._check_sampling_rows(arrays, rids, nlog)
+
+    def _check_sampling_rows(self, arrays: StepArrays, rids: list[str], nlog: list[int]) -> None:
+        """Logits row ``j`` of a request draws its output ``num_outputs + j``, banned while below min_tokens."""
+        got = self.ib.sampling_rows(arrays.rows, arrays.num_logits)
+        want = [(self.model[r], j) for r, n in zip(rids, nlog) for j in range(n)]
+        assert got.draw_index.tolist() == [m["num_outputs"] + j for m, j in want]
+        assert got.seed.tolist() == [m["seed"] for m, _ in want]
+        assert got.temperature.tolist() == [m["sampling"].temperature for m, _ in want]
+        assert got.top_k.tolist() == [m["sampling"].top_k for m, _ in want]
+        assert got.top_p.tolist() == [m["sampling"].top_p for m, _ in want]
+        banned = [
+            m["sampling"].min_tokens_banned if m["num_outputs"] + j < m["sampling"].min_tokens else () for m, j in want
+        ]
+        assert got.banned == banned
 
     def _model_remove(self, rid: str) -> None:
         del self.model[rid]
