@@ -383,8 +383,15 @@ class EngineCore:
             "spec_accepted_per_pos": list(s.accepted_per_pos),
             "spec_verify_steps": s.num_verify_steps,
             "spec_mean_accepted_length": s.num_accepted / s.num_verify_steps if s.num_verify_steps else 0.0,
+            **self._spec_config_stats(),
             "num_steps": s.num_steps,
         }
+
+    def _spec_config_stats(self) -> dict[str, Any]:
+        spec = self.settings.speculative_config
+        if spec is None:
+            return {"spec_method": None, "spec_policy": None, "spec_k": 0}
+        return {"spec_method": spec.method, "spec_policy": spec.policy, "spec_k": spec.num_speculative_tokens}
 
     def shutdown(self) -> None:
         if self.dead_reason is None:

@@ -114,6 +114,12 @@ class ServerMetrics:
             [*labels, "position"],
             registry=r,
         )
+        self.spec_config = Gauge(
+            f"{_PREFIX}_spec_decode_config",
+            "1 for the speculative decoding in use: drafting method, policy and deepest k (absent when off).",
+            [*labels, "method", "policy", "num_speculative_tokens"],
+            registry=r,
+        )
         self.engine_dead = Gauge(
             f"{_PREFIX}_engine_dead", "1 when the engine is down for good (restarts exhausted).", labels, registry=r
         )
@@ -157,6 +163,8 @@ class ServerMetrics:
         drafted, accepted = stats.get("spec_drafted", 0), stats.get("spec_accepted", 0)
         self.spec_acceptance.labels(m).set(accepted / drafted if drafted else 0.0)
         self.spec_mean_accepted.labels(m).set(stats.get("spec_mean_accepted_length", 0.0))
+        if stats.get("spec_method"):
+            self.spec_config.labels(m, stats["spec_method"], stats["spec_policy"], str(stats["spec_k"])).set(1)
         self.engine_dead.labels(m).set(1 if dead else 0)
         totals: dict[tuple[Counter, tuple[str, ...]], float] = {
             (self.preemptions, ()): stats.get("num_preemptions", 0),

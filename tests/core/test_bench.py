@@ -157,6 +157,24 @@ def test_throughput_counts_every_token(fake_model: Path) -> None:
     assert fig["scheduler"] == "sync" and fig["num_steps"] >= 5
 
 
+def test_throughput_reports_speculation(fake_model: Path) -> None:
+    pytest.importorskip("pypto_serving_sync_sched")
+    from pypto_serving.bench import ThroughputConfig, run_throughput
+
+    settings = _fake_settings(
+        fake_model,
+        speculative_config={"method": "fake", "num_speculative_tokens": 2, "policy": "fixed"},
+        executor_options={"vocab": VOCAB, "max_model_len": 128, "max_draft": 2, "draft_error_rate": 0.4},
+    )
+    config = ThroughputConfig(num_prompts=4, min_len=3, max_len=8, max_tokens=12, ignore_eos=True)
+    fig = run_throughput(settings, config, plugins=_fake_plugins())
+    assert (fig["spec_method"], fig["spec_policy"], fig["spec_k"]) == ("fake", "fixed", 2)
+    assert 0 < fig["spec_accepted"] < fig["spec_drafted"]
+    assert sum(fig["spec_accepted_per_pos"]) == fig["spec_accepted"]
+    assert fig["spec_acceptance_rate"] == pytest.approx(fig["spec_accepted"] / fig["spec_drafted"])
+    assert fig["spec_mean_accepted_length"] == pytest.approx(fig["spec_accepted"] / fig["spec_verify_steps"])
+
+
 class _LiveServer:
     """The app on uvicorn in a thread (as the server tests' live_server fixture does)."""
 

@@ -50,6 +50,15 @@ def test_engine_totals_are_counters() -> None:
     assert _value(m, "pypto_serving_spec_decode_acceptance_rate") == pytest.approx(0.7)  # ratios stay gauges
 
 
+def test_the_speculation_in_use_is_labelled() -> None:
+    m = ServerMetrics("m")
+    m.update_engine({**_stats(1, 0), "spec_method": None, "spec_policy": None, "spec_k": 0}, dead=False)
+    assert "pypto_serving_spec_decode_config{" not in m.render().decode()
+    m.update_engine({**_stats(2, 0), "spec_method": "ngram", "spec_policy": "adaptive", "spec_k": 3}, dead=False)
+    labels = {"method": "ngram", "policy": "adaptive", "num_speculative_tokens": "3"}
+    assert _value(m, "pypto_serving_spec_decode_config", **labels) == 1
+
+
 def test_a_running_total_counts_once_and_a_stale_snapshot_changes_nothing() -> None:
     m = ServerMetrics("m")
     m.update_engine(_stats(4, 3), dead=False)

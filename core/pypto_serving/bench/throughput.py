@@ -70,7 +70,11 @@ def run_throughput(
     generated = [list(o.outputs[0].token_ids) for o in outputs]
     result = throughput_figures(config, settings, [len(p) for p in prompts], [len(g) for g in generated], wall)
     result["scheduler"] = after.pop("scheduler")
-    result.update({k: v - before[k] for k, v in after.items()})
+    result.update({k: v - before[k] for k, v in after.items() if k != "spec_accepted_per_pos"})
+    result["spec_accepted_per_pos"] = [
+        a - b for a, b in zip(after["spec_accepted_per_pos"], before["spec_accepted_per_pos"])
+    ]
+    result.update(_spec_figures(settings, result))
     if keep_outputs:
         result["outputs"] = generated
     return result
@@ -83,6 +87,24 @@ def _engine_counters(llm: Any) -> dict[str, Any]:
         "scheduler": engine.scheduler_name,
         "num_steps": stats["num_steps"],
         "num_preemptions": stats["num_preemptions"],
+        "spec_drafted": stats["spec_drafted"],
+        "spec_accepted": stats["spec_accepted"],
+        "spec_verify_steps": stats["spec_verify_steps"],
+        "spec_accepted_per_pos": list(stats["spec_accepted_per_pos"]),
+    }
+
+
+def _spec_figures(settings: ServingSettings, result: dict[str, Any]) -> dict[str, Any]:
+    """The speculation method and policy, the acceptance rate and the mean accepted drafts per
+    verifying request-step, over the timed workload only."""
+    spec = settings.speculative_config
+    drafted, steps = result["spec_drafted"], result["spec_verify_steps"]
+    return {
+        "spec_method": spec.method if spec else None,
+        "spec_policy": spec.policy if spec else None,
+        "spec_k": spec.num_speculative_tokens if spec else 0,
+        "spec_acceptance_rate": result["spec_accepted"] / drafted if drafted else 0.0,
+        "spec_mean_accepted_length": result["spec_accepted"] / steps if steps else 0.0,
     }
 
 
