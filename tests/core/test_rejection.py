@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pypto_serving.runner import _accept
 from pypto_serving.sampler import RowParams, sample
-from pypto_serving.spec_decode import SpecRow, read, rejection_sample
+from pypto_serving.spec_decode import SpecRow, SpecRows, read, rejection_sample
 
 V = 5
 N = 40000
@@ -310,6 +310,11 @@ def test_results_depend_on_seed_and_index_only() -> None:
     shuffled = read(rejection_sample(*_batch(toy, [reqs[i] for i in order]))).tokens
     assert [shuffled[order.index(i)] for i in range(len(reqs))] == alone
     assert read(rejection_sample(*_batch(toy, reqs[::3]))).tokens == alone[::3]
+    target, drafts, rows, q = _batch(toy, reqs)
+    assert (
+        read(rejection_sample(target, drafts, SpecRows.of(rows), q)).tokens
+        == read(rejection_sample(target, drafts, rows, q)).tokens
+    )  # the columns form reads the same parameters
     other_index = [(s, f + 1, d, gr) for s, f, d, gr in reqs]
     assert read(rejection_sample(*_batch(toy, other_index))).tokens != alone  # the index does matter
 

@@ -4,12 +4,13 @@ distributions (:mod:`.rejection`) and the n-gram prompt-lookup drafter (:mod:`.n
 from __future__ import annotations
 
 from .ngram import NgramDrafter, propose_ngram
-from .rejection import DeviceVerdict, SpecRow, Verdict, draft_uniforms, read, rejection_sample
+from .rejection import DeviceVerdict, SpecRow, SpecRows, Verdict, draft_uniforms, read, rejection_sample
 
 __all__ = [
     "DeviceVerdict",
     "NgramDrafter",
     "SpecRow",
+    "SpecRows",
     "Verdict",
     "draft_uniforms",
     "propose_ngram",

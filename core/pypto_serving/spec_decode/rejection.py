@@ -35,13 +35,16 @@ back; :func:`read` makes the step's one host read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from ..sampler import uniforms
 
-__all__ = ["DeviceVerdict", "SpecRow", "Verdict", "draft_uniforms", "read", "rejection_sample"]
+__all__ = ["DeviceVerdict", "SpecRow", "SpecRows", "Verdict", "draft_uniforms", "read", "rejection_sample"]
 
 _EPS = 1e-20  # share of p kept in every residual (see _residual)
 _DRAFTER_STREAM = -(2**62)  # indices below this are the drafters'; acceptance takes -1 - i above it
@@ -55,6 +58,26 @@ class SpecRow:
     first_index: int  # the request's output index of the row's first emitted token
     num_drafts: int  # k_r
     greedy: bool  # temperature 0: argmax verification
+
+
+@dataclass(slots=True, kw_only=True)
+class SpecRows:
+    """The same parameters column by column, as host arrays (what a worker keeping its rows in
+    arrays gathers in a few operations per step)."""
+
+    seed: npt.NDArray[np.int64]
+    first_index: npt.NDArray[np.int64]
+    num_drafts: npt.NDArray[np.int64]
+    greedy: npt.NDArray[np.bool_]
+
+    @classmethod
+    def of(cls, rows: Sequence[SpecRow]) -> SpecRows:
+        return cls(
+            seed=np.array([r.seed for r in rows], dtype=np.int64),
+            first_index=np.array([r.first_index for r in rows], dtype=np.int64),
+            num_drafts=np.array([r.num_drafts for r in rows], dtype=np.int64),
+            greedy=np.array([r.greedy for r in rows], dtype=np.bool_),
+        )
 
 
 @dataclass(slots=True, kw_only=True)
@@ -92,13 +115,13 @@ def draft_uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return uniforms(seeds, _DRAFTER_STREAM - 1 - indices)
 
 
-def _maps(rows: list[SpecRow], width: int, device: torch.device) -> _Maps:
+def _maps(rows: SpecRows, width: int, device: torch.device) -> _Maps:
     """Every request's index maps, built on the device from one host-to-device copy of its parameters."""
-    host = torch.tensor([(r.seed, r.first_index, r.num_drafts) for r in rows], dtype=torch.long).reshape(-1, 3)
+    host = torch.from_numpy(np.stack([rows.seed, rows.first_index, rows.num_drafts], axis=1))
     seeds, first_index, k = host.to(device).unbind(1)
     first_row = torch.cumsum(k + 1, 0) - (k + 1)
     first_draft = torch.cumsum(k, 0) - k
-    last = max(sum(r.num_drafts for r in rows) - 1, 0)  # a request without drafts may sit past the last one
+    last = max(int(rows.num_drafts.sum()) - 1, 0)  # a request without drafts may sit past the last one
     j = torch.arange(width, device=device)
     return _Maps(
         pos=first_row.unsqueeze(1) + torch.minimum(j, k.unsqueeze(1)),
@@ -188,28 +211,32 @@ def _sampled(
 
 
 def rejection_sample(
-    target: torch.Tensor, drafts: torch.Tensor, rows: list[SpecRow], draft_probs: torch.Tensor | None = None
+    target: torch.Tensor,
+    drafts: torch.Tensor,
+    rows: SpecRows | Sequence[SpecRow],
+    draft_probs: torch.Tensor | None = None,
 ) -> DeviceVerdict:
     """Verify every request's drafts without reading the host.
 
     :param target: ``[N, V]`` float, request ``r``'s ``k_r + 1`` rows consecutively: probabilities for
         sampled requests; any scores with the wanted argmax (e.g. processed logits) for greedy ones.
     :param drafts: ``[D]`` long, request ``r``'s ``k_r`` drafts consecutively, on ``target``'s device.
-    :param rows: per request, its :class:`SpecRow`.
+    :param rows: per request, its :class:`SpecRow` (or all of them as :class:`SpecRows` columns).
     :param draft_probs: ``[D, V]`` float, the drafter's distribution of each draft; ``None`` for
         point-mass drafters.
     """
+    cols = rows if isinstance(rows, SpecRows) else SpecRows.of(rows)
     dev = target.device
-    width = max((r.num_drafts for r in rows), default=0)
-    num = len(rows)
+    num = len(cols.seed)
+    width = int(cols.num_drafts.max()) if num else 0
     n_acc = torch.zeros(num, dtype=torch.long, device=dev)
     token = torch.zeros(num, dtype=torch.long, device=dev)
-    every = _maps(rows, width, dev)
+    every = _maps(cols, width, dev)
     for greedy in (True, False):
-        group = [i for i, r in enumerate(rows) if r.greedy == greedy]
-        if not group:
+        group = np.flatnonzero(cols.greedy == greedy)
+        if not len(group):
             continue
-        at = torch.tensor(group, dtype=torch.long, device=dev) if len(group) < num else None
+        at = torch.from_numpy(group).to(dev) if len(group) < num else None
         m = every if at is None else _subset(every, at)
         acc, tok = _greedy(target, drafts, m, at is None) if greedy else _sampled(target, drafts, draft_probs, m)
         if at is None:
