@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pypto_kernels import describe_kernel, select_device
+from pypto_kernels import describe_kernel, interleaved_rope_cos_sin, select_device
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
 
 from . import ops
@@ -573,7 +573,9 @@ class DeepseekMTPExecutor(Executor):
         e = ops.rms_norm(F.embedding(tok, m.embed), p["enorm.weight"], cfg.rms_norm_eps)
         h = ops.rms_norm(hidden, p["hnorm.weight"], cfg.rms_norm_eps)
         x = F.linear(e, p["e_proj.weight"]).unsqueeze(1) + F.linear(h, p["h_proj.weight"])
-        rope = m._rope_tables(positions)
+        # An MTP block is a sliding layer: it only reads the main RoPE table.
+        inv, scaling = m.inv_freq["main"]
+        rope = {"main": interleaved_rope_cos_sin(positions, inv, scaling)}
         return m.decoder_layer(p, x, mseg, rope, layer=-1, kind=SLIDING, swa=m.caches[group][0], swa_group=group)
 
     def _mtp_logits(self, d: int, streams: torch.Tensor) -> torch.Tensor:
