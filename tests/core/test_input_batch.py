@@ -180,3 +180,18 @@ def test_growing_keeps_rows_and_tables() -> None:
     assert ib.capacity >= 5 and ib.tables["kv"].table.shape[1] >= 5
     assert [ib.block_ids(f"r{i}", "kv") for i in range(5)] == [list(range(10 * i, 10 * i + i + 1)) for i in range(5)]
     assert ib.ints["seed"][:5].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_appends_not_yet_on_the_device_follow_their_row_through_a_removal() -> None:
+    """Blocks appended and not yet written (no step ran) land on the right request when a removal
+    moves rows first."""
+    ib = InputBatch(groups=GROUPS[:1], max_model_len=16, device=torch.device("cpu"), rows=4)
+    wire = wire_sampling(SamplingParams(), ())
+    for rid in ("a", "b", "c"):
+        ib.add(rid, sampling=wire, seed=0, outputs=[])
+    ib.append_blocks("a", {"kv": [1, 2]})
+    ib.append_blocks("c", {"kv": [3]})
+    ib.remove(["a"])  # "c" moves into row 0 with its pending block
+    assert ib.request_ids == ["c", "b"]
+    assert ib.tables["kv"].table.tolist()[:3] == [[3] + [0] * 7, [0] * 8, [0] * 8]
+    assert [ib.block_ids(r, "kv") for r in ("c", "b")] == [[3], []]
