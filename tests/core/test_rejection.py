@@ -31,8 +31,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pypto_serving.runner import _accept
-from pypto_serving.sampler import RowParams, sample
+from pypto_serving.sampler import RowParams, sample, uniforms
 from pypto_serving.spec_decode import SpecRow, SpecRows, read, rejection_sample
+from pypto_serving.spec_decode.rejection import _inverse_cdf
 
 V = 5
 N = 40000
@@ -368,3 +369,15 @@ def test_a_residual_without_mass_still_draws_inside_the_targets_support(point: b
     got = read(rejection_sample(p.expand(2000, -1), drafts, rows, None if point else q))
     assert 0 < sum(got.num_accepted) < 1000  # both branches ran
     assert {t[0] for t in got.tokens if len(t) == 1} <= {1, 2}  # the draw follows p where nothing is left
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 127, 128, 129, 1000, 4096])
+def test_the_blocked_search_is_the_full_inverse_cdf(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    w = torch.rand(500, vocab, generator=g)
+    w[torch.rand(500, vocab, generator=g) < 0.5] = 0.0
+    w[:, 0] += (w.sum(dim=1) == 0).float()
+    u = uniforms(torch.arange(500), torch.zeros(500, dtype=torch.long))
+    cdf = w.double().cumsum(dim=1)  # the sampler's rule over the whole row
+    want = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    assert torch.equal(_inverse_cdf(w, u), want)

@@ -47,6 +47,7 @@ from ..sampler import uniforms
 __all__ = ["DeviceVerdict", "SpecRow", "SpecRows", "Verdict", "draft_uniforms", "read", "rejection_sample"]
 
 _EPS = 1e-20  # share of p kept in every residual (see _residual)
+_BLOCK = 128  # width of the blocks the inverse-CDF search steps through (151,936 = 128 * 1187)
 _DRAFTER_STREAM = -(2**62)  # indices below this are the drafters'; acceptance takes -1 - i above it
 
 
@@ -203,11 +204,29 @@ def _sampled(
         n_acc = _leading((u * q_d < p_d) & m.valid)
     else:
         n_acc = torch.zeros_like(m.first_row)
-    cdf = _residual(target, drafts, q, m, n_acc).cumsum(dim=1, dtype=torch.float64)
-    u_tok = uniforms(m.seeds, m.first_index + n_acc).unsqueeze(1)
-    # u < 1 has 32 bits, so u * total stays below total and lands on a positive weight (inverse CDF).
-    at = torch.searchsorted(cdf, u_tok * cdf.narrow(1, cdf.shape[1] - 1, 1), right=True)
-    return n_acc, at.clamp(max=cdf.shape[1] - 1).squeeze(1)
+    w = _residual(target, drafts, q, m, n_acc)
+    return n_acc, _inverse_cdf(w, uniforms(m.seeds, m.first_index + n_acc))
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of float32 weights ``w [G, V]`` (each with positive mass), the index where ``u [G]``
+    falls in the cumulative weights (the sampler's rule: the first index whose cumulative weight
+    exceeds ``u * total``). The search runs over ``_BLOCK``-wide block sums, then inside one block,
+    so no ``[G, V]`` cumulative (in float64, twice the weights' size) is ever written."""
+    rows, vocab = w.shape
+    nb = -(-vocab // _BLOCK)
+    wp = torch.nn.functional.pad(w, (0, nb * _BLOCK - vocab)) if vocab % _BLOCK else w
+    blocks = wp.view(rows, nb, _BLOCK).sum(dim=2).double().cumsum(dim=1)  # [G, nb]
+    # u < 1 has 32 bits, so the goal stays below the total and the block found has positive mass.
+    goal = u.unsqueeze(1) * blocks.narrow(1, nb - 1, 1)
+    b = torch.searchsorted(blocks, goal, right=True).clamp(max=nb - 1)  # [G, 1]
+    before = torch.where(b > 0, blocks.gather(1, (b - 1).clamp(min=0)), 0.0)
+    inner = wp.gather(1, b * _BLOCK + torch.arange(_BLOCK, device=w.device))  # [G, _BLOCK]
+    at = torch.searchsorted(inner.double().cumsum(dim=1), goal - before, right=True)
+    # The block's float32 sum and its float64 cumulative differ by rounding: a goal past the
+    # cumulative's end takes the block's last positive weight.
+    last = _BLOCK - 1 - (inner.flip(1) > 0).long().argmax(dim=1, keepdim=True)
+    return (b * _BLOCK + torch.minimum(at, last)).squeeze(1)
 
 
 def rejection_sample(
