@@ -54,6 +54,7 @@ class Setup:
     ex: Any
     vocab: int
     batches: list[Any]
+    more: list[Any]  # steps after ``batches``: the batched emission and drafting paths
 
 
 @pytest.fixture(params=["mixed_yarn", "csa_heavy"])
@@ -70,6 +71,20 @@ def fake_executor(checkpoints: Any, request: pytest.FixtureRequest) -> Iterator[
         # Decodes on both sides of a new prefill: the decode group's rows are not consecutive.
         core.batch([("a", [51], len(a) + 1, 1), ("c", list(range(60, 65)), 0, 1), ("b", [45], len(b) + 3, 1)]),
     ]
+    more = [
+        # Three requests at different positions whose windows close in this step (a decode, two
+        # verifications of K drafts), next to a non-sampling prefill chunk of a new request.
+        core.batch(
+            [
+                ("b", [46, 47, 48], len(b) + 4, 1 + K),
+                ("a", [52], len(a) + 2, 1),
+                ("d", [70, 71, 72], 0, 0),
+                ("c", [66, 67, 68], 5, 1 + K),
+            ]
+        ),
+        # d's next chunk reads the MTP input its first chunk left in the carry ring.
+        core.batch([("d", list(range(73, 85)), 3, 1), ("a", [53], len(a) + 3, 1)]),
+    ]
     with fake_mode(), CudaBindings():
         model, memo = ex.model, {}
         for name in ("embed", "head", "norm", "hc_head", "layers", "inv_freq"):
@@ -77,7 +92,7 @@ def fake_executor(checkpoints: Any, request: pytest.FixtureRequest) -> Iterator[
         ex.mtp_layers = fake_cuda(ex.mtp_layers, memo)
         ex.device = model.device = torch.device("cuda")
         ex.init_kv_cache({g.name: BLOCKS for g in info.cache_groups})
-        yield Setup(ex, info.vocab_size, [_fake_batch(s) for s in steps])
+        yield Setup(ex, info.vocab_size, [_fake_batch(s) for s in steps], [_fake_batch(s) for s in more])
 
 
 def test_fake_cuda_catches_host_reads_and_device_mixing() -> None:
@@ -121,6 +136,37 @@ def test_execute_and_drafting_stay_on_the_device(fake_executor: Setup, monkeypat
     # One read per step, of every sampling request's K drafts at once.
     assert [tuple(t.shape) for t in reads] == [(K,), (2 * K,), (2 * K,), (3 * K,)]
     assert all(t.device == CUDA and t.dtype == torch.long for t in reads)
+
+
+def test_batched_emission_and_drafting_stay_on_the_device(
+    fake_executor: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows closing for several requests in one step, a row-wise attention group of decodes and
+    verifications, a non-sampling chunk and the carry ring read after it: still no host read."""
+    ex = fake_executor.ex
+    reads: list[torch.Tensor] = []
+
+    def read_drafts(drafts: torch.Tensor) -> list[int]:
+        reads.append(drafts)
+        return [0] * drafts.shape[0]
+
+    monkeypatch.setattr(executor_mod, "read_drafts", read_drafts)
+    accepted = [
+        [[], [7]],
+        [[8], [40, 9]],
+        [[10], [43]],
+        [[11], [12], [13]],
+        [[46, 47, 14], [15], [], [66, 16]],
+        [[17], [18]],
+    ]
+    for batch, acc in zip(fake_executor.batches + fake_executor.more, accepted):
+        logits = ex.execute(batch)
+        assert logits.device.type == "cuda" and logits.shape == (sum(batch.num_logits), fake_executor.vocab)
+        drafts = ex.propose_drafts(batch, acc)
+        assert [len(d) for d in drafts] == [K if n else 0 for n in batch.num_logits]
+    assert [tuple(t.shape) for t in reads[4:]] == [(3 * K,), (2 * K,)]
+    assert all(c.device.type == "cuda" for c in ex.carry)
+    assert ex.mtp_state["d"].carried[0][1] >= 0  # the ring did hold d's carried input
 
 
 def test_caches_and_rings_live_on_the_device(fake_executor: Setup) -> None:
