@@ -20,15 +20,18 @@ drafters (n-gram, greedy MTP): ``q_j`` is one-hot at ``d_j``, never materialised
 Randomness is a pure function of ``(request seed, output index)`` through the sampler's
 :func:`~pypto_serving.sampler.uniforms`, in two disjoint streams of indices: the token drawn at output
 index ``i`` (residual or bonus) uses index ``i``, the very uniform the non-speculative sampler uses for
-that output, and the acceptance test of the draft at output index ``i`` uses index ``-1 - i`` (the hash
-maps distinct indices of one seed to distinct values, so the streams never share a uniform). A
-drafter that samples its drafts must take its randomness from neither stream (for instance
+that output (so a request without drafts emits the plain sampler's token for an unfiltered row), and
+the acceptance test of the draft at output index ``i`` uses index ``-1 - i`` (the hash maps distinct
+indices of one seed to distinct values, so the streams never share a uniform). A drafter that
+samples its drafts must take its randomness from neither stream (for instance
 :func:`draft_uniforms`): the residual draw must be independent of the draft it replaces. A uniform
 computed for a position past the first rejection influences nothing emitted, so the next step may
 reuse it for the same output index. Every operation is row-wise, so a seeded request emits the same
 tokens in any batch, in any order, and under sync and async scheduling alike.
 
-Everything runs on ``target``'s device; the host knows only the per-request parameters it already
+The residual or bonus draw is the sampler's inverse CDF, searched over 128-wide block sums and then
+inside one block, so no ``[R, V]`` float64 cumulative is written. Everything runs on ``target``'s
+device; the host knows only the per-request parameters it already
 has (seed, first output index, draft count, greedy or not). :func:`rejection_sample` reads nothing
 back; :func:`read` makes the step's one host read.
 """
@@ -174,8 +177,7 @@ def _residual(
     ``_EPS * p`` more keeps mass where rounding leaves the residual none (``p <= q`` everywhere yet
     the draft was rejected): the draw then follows ``p``. Elsewhere it moves the emitted distribution
     by about ``2 * _EPS`` in total variation (it weighs ``_EPS`` against a residual whose mass is the
-    probability of reaching it), and it costs no pass of its own over a host-side branch or a
-    second distribution."""
+    probability of reaching it), and it needs neither a host-side branch nor a second distribution."""
     p = target.index_select(0, m.first_row + n_acc).float()
     if drafts.numel() == 0:
         return p
