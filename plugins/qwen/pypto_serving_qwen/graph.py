@@ -212,16 +212,16 @@ def static_decode_attention(
     tables = block_tables.to(torch.int64)
     keys = key_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
     values = value_cache[tables].flatten(1, 2)
-    key_pos = torch.arange(keys.shape[1], device=query.device)[None, :]
-    lens = seq_lens.to(torch.int64)[:, None]
-    visible = key_pos < lens
+    key_pos = torch.arange(keys.shape[1], device=query.device).unsqueeze(0)
+    lens = seq_lens.to(torch.int64).unsqueeze(1)
+    hidden = key_pos >= lens  # [B, L] keys the query may not see
     if sliding_window is not None:
-        visible = visible & (key_pos > lens - 1 - sliding_window)
+        hidden = hidden | (key_pos <= lens - 1 - sliding_window)
     qf = query.float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qf, keys.float()) * scale
-    probs = torch.softmax(scores.masked_fill(~visible[:, None, None, :], float("-inf")), dim=-1)
+    scores = torch.einsum("bhgd,blhd->bhgl", qf, keys.float()).mul_(scale)
+    probs = torch.softmax(scores.masked_fill_(hidden.view(batch, 1, 1, -1), float("-inf")), dim=-1)
     # Slots past a request's length may hold anything (even NaN): zero them before the weighted sum.
-    values = torch.where(visible[:, :, None, None], values.float(), 0.0)
+    values = values.float().masked_fill_(hidden.view(batch, -1, 1, 1), 0.0)
     out = torch.einsum("bhgl,blhd->bhgd", probs, values)
     return out.reshape(batch, num_q_heads, -1).to(query.dtype)
 

@@ -7,6 +7,7 @@ cores; ``benchmarks/graph_capture.py`` checks inductor's tokens against eager on
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,9 @@ import torch
 import pypto_kernels as K
 from pypto_serving_qwen.executor import KV_GROUP, QwenExecutor
 from pypto_serving_qwen.graph import GraphOptions, compile_decode, parse_graph_options, static_decode_attention
+from pypto_serving_qwen.loader import read_config
+from pypto_serving_qwen.model import QwenForCausalLM
+from tests.plugins.qwen.fake_cuda import CUDA, fake_cuda
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 
 BLOCK_SIZE = 4
@@ -121,6 +125,42 @@ def test_static_attention_path_matches_eager_in_a_sliding_window_model(
     for got, want in zip(outs[1], outs[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert captured.graph_stats.graph_steps == {4: 3}
+
+
+@pytest.mark.parametrize("name", ["qwen3_sliding", "qwen3_moe"])
+def test_the_captured_forward_reads_nothing_back_on_a_fake_cuda_device(
+    name: str, qwen_checkpoints: Callable[[str], Path]
+) -> None:
+    """The padding and the static attention path under the fake CUDA of test_fake_device: a host read
+    or a CPU tensor in the step raises. The graph itself runs uncompiled (fake tensors hold no data)."""
+    path = qwen_checkpoints(name)
+    builder = PagedBatchBuilder(BLOCK_SIZE, NUM_BLOCKS)
+    steps = [[(rid, PROMPTS[rid]) for rid in "abc"], *[[("a", [7]), ("b", [8]), ("c", [9])]] * 2]
+    with fake_cuda():
+        ex = QwenExecutor(qwen_settings(path, block_size=BLOCK_SIZE, max_model_len=64))
+        ex.config = read_config(path)
+        ex.device, ex.dtype = CUDA, torch.bfloat16
+        ex.model = QwenForCausalLM(ex.config, CUDA, torch.bfloat16).eval()
+        ex.graph_options = GraphOptions(mode="cudagraph", batch_sizes=(4,), warmup="lazy", attention="static")
+        ex.init_kv_cache({KV_GROUP: NUM_BLOCKS})
+        assert ex.graphs is not None
+        ex.graphs._compiled = ex.graphs._forward  # what the graph would capture, run as it is
+        for chunks in steps:
+            logits = ex.execute(_on_cuda(builder.step(chunks, all_logits=False)))
+            assert (logits.device, tuple(logits.shape)) == (CUDA, (3, ex.config.vocab_size))
+    assert (ex.graph_stats.graph_steps, ex.graph_stats.eager_steps) == ({4: 2}, 1)
+
+
+def _on_cuda(batch: Any) -> Any:
+    """The batch with every tensor on the fake device, as the runner places it (host lists kept)."""
+    moved: dict[str, Any] = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor):
+            moved[f.name] = value.to(CUDA)
+        elif isinstance(value, dict):
+            moved[f.name] = {k: t.to(CUDA) for k, t in value.items()}
+    return dataclasses.replace(batch, **moved)
 
 
 @pytest.mark.parametrize("window", [None, 3])
