@@ -239,8 +239,8 @@ class InputBatch:
             table.compact([(d, s) for d, s in enumerate(where) if d != s], old, new, self.staging)
         self._clear(new, old)
 
-    def append_blocks(self, request_id: str, new_block_ids: dict[str, list[int]]) -> None:
-        row = self.row_of[request_id]
+    def append_blocks(self, row: int, new_block_ids: dict[str, list[int]]) -> None:
+        """Blocks appended to row ``row``'s tables, per cache group."""
         for group, blocks in new_block_ids.items():
             if blocks:
                 self.tables[group].append(row, blocks)

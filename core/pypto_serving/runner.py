@@ -15,6 +15,7 @@ import traceback
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from .executor import BatchInput, Executor, ExecutorInfo
@@ -139,7 +140,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ batch
     def _build_batch(self, entries: list[ScheduledEntry]) -> tuple[BatchInput, list[list[int]]]:
         ib = self.input_batch
-        rows = np.array([self._row(e.request_id) for e in entries], dtype=np.int64)
+        rows = self._rows(entries)
         ids: list[int] = []
         starts: list[int] = []
         query_lens: list[int] = []
@@ -181,11 +182,13 @@ class ModelRunner:
         )
         return batch, drafts_used
 
-    def _row(self, request_id: str) -> int:
-        row = self.input_batch.row_of.get(request_id)
-        if row is None:
-            raise RuntimeError(f"the worker has no state for request {request_id!r}")
-        return row
+    def _rows(self, entries: list[ScheduledEntry]) -> npt.NDArray[np.int64]:
+        """The batch row of each entry's request."""
+        row_of = self.input_batch.row_of
+        try:
+            return np.array([row_of[e.request_id] for e in entries], dtype=np.int64)
+        except KeyError as missing:
+            raise RuntimeError(f"the worker has no state for request {missing.args[0]!r}") from None
 
     @staticmethod
     def _last_sampled(request_id: str, token: int) -> int:
@@ -196,9 +199,9 @@ class ModelRunner:
         return token
 
     def _append_blocks(self, entries: list[ScheduledEntry]) -> None:
-        for e in entries:
-            self._row(e.request_id)  # every entry names a request the worker holds
-            self.input_batch.append_blocks(e.request_id, e.new_block_ids)
+        ib = self.input_batch
+        for e, row in zip(entries, self._rows(entries).tolist()):  # every entry names a request here
+            ib.append_blocks(row, e.new_block_ids)
 
     # ------------------------------------------------------------------ sample and verify
     def _sample(
@@ -216,7 +219,7 @@ class ModelRunner:
         """One sampler row per logits row, gathered from the batch rows: row ``j`` of a request draws
         its output ``num_outputs + j`` and follows its first ``j`` drafts."""
         ib = self.input_batch
-        rows = np.array([ib.row_of[e.request_id] for e in entries], dtype=np.int64)
+        rows = self._rows(entries)
         params = ib.sampling_rows(rows, np.array(num_logits, dtype=np.int64))
         if ib.ints["has_penalties"][rows].any():  # only penalised rows read counts and drafts
             at = 0
@@ -239,6 +242,7 @@ class ModelRunner:
         """Keep each request's accepted tokens, commit them to its state and record them in ``result``."""
         result.num_accepted_per_pos = [0] * max((len(d) for d in drafts_used), default=0)
         committed: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        row_of = self.input_batch.row_of
         row = 0
         for e, n, drafts in zip(entries, num_logits, drafts_used):
             rows = range(row, row + n)
@@ -258,7 +262,7 @@ class ModelRunner:
             st.history += kept
             if st.counts is not None:
                 st.counts.extend(kept)
-            for col, value in zip(committed, (self.input_batch.row_of[e.request_id], len(kept), kept[-1])):
+            for col, value in zip(committed, (row_of[e.request_id], len(kept), kept[-1])):
                 col.append(value)
             committed[3].append(e.num_draft - (len(kept) - 1))
             result.sampled[e.request_id] = kept

@@ -69,7 +69,7 @@ class InputBatchMachine(RuleBasedStateMachine):
         if not self.order:
             return
         rid = data.draw(st.sampled_from(self.order))
-        self.ib.append_blocks(rid, {group: blocks})
+        self.ib.append_blocks(self.ib.row_of[rid], {group: blocks})
         self.model[rid]["blocks"][group] += blocks
 
     @rule(data=st.data())
@@ -176,7 +176,7 @@ def test_growing_keeps_rows_and_tables() -> None:
     wire = wire_sampling(SamplingParams(temperature=0.5, seed=1), ())
     for i in range(5):
         ib.add(f"r{i}", sampling=wire, seed=i, outputs=[i])
-        ib.append_blocks(f"r{i}", {"kv": list(range(10 * i, 10 * i + i + 1))})
+        ib.append_blocks(i, {"kv": list(range(10 * i, 10 * i + i + 1))})
     assert ib.capacity >= 5 and ib.tables["kv"].table.shape[1] >= 5
     assert [ib.block_ids(f"r{i}", "kv") for i in range(5)] == [list(range(10 * i, 10 * i + i + 1)) for i in range(5)]
     assert ib.ints["seed"][:5].tolist() == [0, 1, 2, 3, 4]
@@ -189,8 +189,8 @@ def test_appends_not_yet_on_the_device_follow_their_row_through_a_removal() -> N
     wire = wire_sampling(SamplingParams(), ())
     for rid in ("a", "b", "c"):
         ib.add(rid, sampling=wire, seed=0, outputs=[])
-    ib.append_blocks("a", {"kv": [1, 2]})
-    ib.append_blocks("c", {"kv": [3]})
+    ib.append_blocks(0, {"kv": [1, 2]})
+    ib.append_blocks(2, {"kv": [3]})
     ib.remove(["a"])  # "c" moves into row 0 with its pending block
     assert ib.request_ids == ["c", "b"]
     assert ib.tables["kv"].table.tolist()[:3] == [[3] + [0] * 7, [0] * 8, [0] * 8]
