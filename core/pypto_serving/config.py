@@ -148,6 +148,16 @@ class ServingSettings(BaseSettings):
         description="Speculative decoding, e.g. {method = 'mtp', num_speculative_tokens = 2}; unset = off.",
     )
     executor_options: dict[str, Any] = Field(default_factory=dict, description="Options for the executor plugin.")
+    tool_call_parser: str = Field(
+        "auto",
+        description="Tool-call parser plugin for chat requests with tools: 'auto' picks by the executor's "
+        "architecture (Qwen: 'hermes', DeepSeek V3.2/V4: 'deepseek_v4'), 'none' returns tool calls as text.",
+    )
+    reasoning_parser: str = Field(
+        "none",
+        description="Reasoning parser plugin that moves the model's thinking into reasoning_content "
+        "('qwen3', 'deepseek_v4'); 'auto' picks by the executor's architecture, 'none' leaves it in content.",
+    )
 
     # -- capacity & batching
     max_model_len: int | None = Field(

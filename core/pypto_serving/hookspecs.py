@@ -32,6 +32,7 @@ import pluggy
 if TYPE_CHECKING:
     from .config import ServingSettings
     from .executor import Executor
+    from .parsers import ReasoningParser, ToolParser
     from .speculative import SpecPolicy
     from .strategy import StepStrategy, StrategyHost
 
@@ -39,8 +40,10 @@ __all__ = [
     "PROJECT_NAME",
     "ExecutorSpec",
     "ModelSpec",
+    "ReasoningParserSpec",
     "SchedulerSpec",
     "SpecPolicySpec",
+    "ToolParserSpec",
     "hookimpl",
     "hookspec",
 ]
@@ -127,6 +130,44 @@ class ModelSpec:
     priority: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class ToolParserSpec:
+    """A tool-call parser a plugin offers: it turns the model's tool-call syntax into OpenAI
+    ``tool_calls``.
+
+    ``tool_call_parser = "auto"`` picks the first parser whose ``architectures`` hold the loaded
+    executor's architecture, in the order the ``register`` hooks were called.
+
+    :param name: the name ``settings.tool_call_parser`` selects it by; unique across installed plugins.
+    :param factory: ``factory(tools) -> ToolParser``, called in the server process once per choice of a
+        request that sends ``tools`` (the request's tool definitions, as OpenAI dicts).
+    :param description: one line for ``pypto-serving plugins``.
+    :param architectures: the architectures ``auto`` picks it for.
+    """
+
+    name: str
+    factory: Callable[[list[dict[str, Any]]], ToolParser]
+    description: str = ""
+    architectures: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningParserSpec:
+    """A reasoning parser a plugin offers: it separates the model's thinking into ``reasoning_content``.
+
+    :param name: the name ``settings.reasoning_parser`` selects it by; unique across installed plugins.
+    :param factory: ``factory(prompt_text) -> ReasoningParser``, called in the server process once per
+        chat choice; the rendered prompt tells whether the output opens inside the reasoning.
+    :param description: one line for ``pypto-serving plugins``.
+    :param architectures: the architectures ``reasoning_parser = "auto"`` picks it for.
+    """
+
+    name: str
+    factory: Callable[[str], ReasoningParser]
+    description: str = ""
+    architectures: tuple[str, ...] = ()
+
+
 @hookspec
 def pypto_serving_register_executors() -> list[ExecutorSpec]:  # type: ignore[empty-body]
     """Return the executors this plugin provides.
@@ -168,6 +209,26 @@ def pypto_serving_register_models() -> list[ModelSpec]:  # type: ignore[empty-bo
     naming both plugins.
 
     :return: the plugin's named-model descriptors.
+    """
+
+
+@hookspec
+def pypto_serving_register_tool_parsers() -> list[ToolParserSpec]:  # type: ignore[empty-body]
+    """Return the tool-call parsers this plugin provides.
+
+    Called once at start-up. The core registers ``hermes`` and ``deepseek_v4`` through this hook as well.
+
+    :return: the plugin's tool-parser descriptors.
+    """
+
+
+@hookspec
+def pypto_serving_register_reasoning_parsers() -> list[ReasoningParserSpec]:  # type: ignore[empty-body]
+    """Return the reasoning parsers this plugin provides.
+
+    Called once at start-up. The core registers ``qwen3`` and ``deepseek_v4`` through this hook as well.
+
+    :return: the plugin's reasoning-parser descriptors.
     """
 
 

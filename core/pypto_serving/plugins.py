@@ -19,7 +19,15 @@ from .config import SettingsError
 
 if TYPE_CHECKING:
     from .config import ServingSettings
-from .hookspecs import PROJECT_NAME, ExecutorSpec, ModelSpec, SchedulerSpec, SpecPolicySpec
+from .hookspecs import (
+    PROJECT_NAME,
+    ExecutorSpec,
+    ModelSpec,
+    ReasoningParserSpec,
+    SchedulerSpec,
+    SpecPolicySpec,
+    ToolParserSpec,
+)
 
 __all__ = ["PluginError", "PluginInfo", "PluginManager", "require_model"]
 
@@ -43,7 +51,7 @@ class PluginInfo:
     provides: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
 
 
-S = TypeVar("S", ExecutorSpec, SchedulerSpec, SpecPolicySpec, ModelSpec)
+S = TypeVar("S", ExecutorSpec, SchedulerSpec, SpecPolicySpec, ModelSpec, ToolParserSpec, ReasoningParserSpec)
 
 
 @dataclass(slots=True)
@@ -87,8 +95,10 @@ class PluginManager:
         self.plugins: list[PluginInfo] = []
         self.excluded: list[str] = []  # entry points PYPTO_SERVING_PLUGINS leaves out
         from . import speculative  # built-in policies
+        from .parsers import builtin as builtin_parsers
 
         self._register(speculative, PluginInfo("core", "pypto-serving", _version("pypto-serving")))
+        self._register(builtin_parsers, PluginInfo("core-parsers", "pypto-serving", _version("pypto-serving")))
         for i, plugin in enumerate(extra_plugins):
             self._register(plugin, PluginInfo(getattr(plugin, "__name__", f"extra{i}"), "(in-process)", ""))
         if load_entry_points:
@@ -97,6 +107,8 @@ class PluginManager:
         self.schedulers = _Registry("scheduler", SchedulerSpec)
         self.spec_policies = _Registry("speculative policy", SpecPolicySpec)
         self.models = _Registry("model", ModelSpec)
+        self.tool_parsers = _Registry("tool parser", ToolParserSpec)
+        self.reasoning_parsers = _Registry("reasoning parser", ReasoningParserSpec)
         self._collect()
 
     # -- loading
@@ -141,6 +153,8 @@ class PluginManager:
             ("pypto_serving_register_schedulers", self.schedulers),
             ("pypto_serving_register_spec_policies", self.spec_policies),
             ("pypto_serving_register_models", self.models),
+            ("pypto_serving_register_tool_parsers", self.tool_parsers),
+            ("pypto_serving_register_reasoning_parsers", self.reasoning_parsers),
         )
         for hook_name, registry in registries:
             registry.hint = hint
@@ -270,6 +284,15 @@ class PluginManager:
             changes["served_model_name"] = spec.name
         return settings.with_overrides(origin=f"named model {spec.name}", **changes)
 
+    def select_tool_parser(self, name: str, architecture: str) -> ToolParserSpec | None:
+        """The tool-call parser named ``name``; ``auto``: the first registered for ``architecture``
+        (None when there is none); ``none``: None."""
+        return _select_parser(self.tool_parsers, name, architecture)
+
+    def select_reasoning_parser(self, name: str, architecture: str) -> ReasoningParserSpec | None:
+        """The reasoning parser named ``name``, chosen as :meth:`select_tool_parser` chooses."""
+        return _select_parser(self.reasoning_parsers, name, architecture)
+
     def select_spec_policy(self, name: str) -> SpecPolicySpec:
         return self.spec_policies.get(name)
 
@@ -291,6 +314,17 @@ def require_model(plugins: PluginManager, settings: ServingSettings, command: st
             f"(installed named models: {names})"
         )
     return settings
+
+
+P = TypeVar("P", ToolParserSpec, ReasoningParserSpec)
+
+
+def _select_parser(registry: _Registry[P], name: str, architecture: str) -> P | None:
+    if name == "none":
+        return None
+    if name != "auto":
+        return registry.get(name)
+    return next((spec for spec, _ in registry.specs.values() if architecture in spec.architectures), None)
 
 
 def _allowed_names() -> set[str] | None:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics and /version, with OpenAI error bodies, Bearer auth, a body-size limit and back-pressure.
+/metrics, /version and vLLM's /tokenize and /detokenize, with OpenAI error bodies, Bearer auth, a
+body-size limit and back-pressure.
 This module assembles the app (lifespan, error handlers, routes); the work is in its siblings."""
 
 from __future__ import annotations
@@ -26,11 +27,23 @@ from .openai_requests import (
     _check_capacity,
     _check_model,
     _check_ready,
+    _check_tool_choice,
     _completion_prompts,
     _Ctx,
+    _output_parsers,
+    _render_chat,
     _sampling_params,
 )
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, validation_api_error
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    error_body,
+    validation_api_error,
+)
 from .responses import _chat_body, _completion_body, _run_all
 from .streaming import _sse, _start_stream
 
@@ -47,6 +60,9 @@ def build_app(llm: AsyncLLM, settings: ServingSettings | None = None, *, manage_
     """The FastAPI app serving ``llm``. With ``manage_engine`` the app's lifespan starts the engine
     (loading in the background; /health says 503 until ready) and shuts it down on exit."""
     settings = settings or llm.settings
+    # A misspelt parser name fails here, at start-up, not on the first request with tools.
+    llm.plugins.select_tool_parser(settings.tool_call_parser, "")
+    llm.plugins.select_reasoning_parser(settings.reasoning_parser, "")
     name = served_model_name(settings)
     metrics = llm.metrics or ServerMetrics(name)
     llm.metrics = metrics
@@ -93,6 +109,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
     _add_info_routes(app, ctx)
     _add_generation_routes(app, ctx)
+    _add_tokenizer_routes(app, ctx)
 
 
 def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:
@@ -154,7 +171,9 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         _check_ready(ctx)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        _check_tool_choice(req)
         prompt = await asyncio.to_thread(_chat_prompt, ctx, req)
+        parsers = _output_parsers(ctx, req, prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -162,6 +181,44 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         _check_capacity(ctx, 1, req.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse((await _start_stream(ctx, rid, [prompt], [params])).chat(req))
+            return _sse((await _start_stream(ctx, rid, [prompt], [params])).chat(req, parsers))
         outs = await _run_all(ctx, rid, [prompt], [params], raw)
-        return JSONResponse(_chat_body(ctx, rid, req, prompt, outs[0]))
+        return JSONResponse(_chat_body(ctx, rid, req, prompt, outs[0], parsers))
+
+
+def _add_tokenizer_routes(app: FastAPI, ctx: _Ctx) -> None:
+    """vLLM's /tokenize (a text prompt, or chat messages rendered as a chat request renders them) and
+    /detokenize: tokenizer work only, run off the event loop."""
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        _check_model(ctx, req.model)
+        _check_ready(ctx)
+        return await asyncio.to_thread(_tokenize, ctx, req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        _check_model(ctx, req.model)
+        _check_ready(ctx)
+        tok = _need_tokenizer(ctx, "tokens")
+        if any(t >= ctx.llm.vocab_size for t in req.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {ctx.llm.vocab_size})", param="tokens")
+        return {"prompt": await asyncio.to_thread(tok.decode, req.tokens, False)}
+
+
+def _need_tokenizer(ctx: _Ctx, param: str) -> Any:
+    tok = ctx.llm.tokenizer
+    if tok is None:
+        raise APIError(400, "this model directory has no tokenizer.json", param=param)
+    return tok
+
+
+def _tokenize(ctx: _Ctx, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    if isinstance(req, TokenizeChatRequest):
+        tok = _need_tokenizer(ctx, "messages")
+        ids = tok.encode(_render_chat(ctx, req), add_special_tokens=req.add_special_tokens)
+    else:
+        tok = _need_tokenizer(ctx, "prompt")
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": ctx.llm.max_model_len, "tokens": ids, "token_strs": strs}

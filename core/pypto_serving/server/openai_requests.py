@@ -4,8 +4,10 @@ of engine add-time errors to OpenAI errors."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,9 +15,10 @@ from ..config import ServingSettings
 from ..engine import EngineDeadError
 from ..metrics import ServerMetrics
 from ..model_files import sampling_defaults
+from ..parsers import OutputParser
 from ..request import SamplingParams
 from .async_llm import AsyncLLM, EngineFailure
-from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
 
 _SAMPLING_FIELDS = (
     "temperature",
@@ -156,23 +159,94 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
             raise APIError(400, "only text content parts are supported", param="messages")
         d["content"] = "".join(p.text or "" for p in m.content)
     d.setdefault("content", "")
+    if m.tool_calls:
+        d["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
     return d
 
 
-def _chat_prompt(ctx: _Ctx, req: ChatCompletionRequest) -> _Prompt:
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates read it: OpenAI sends ``arguments`` as JSON
+    text, and templates (Qwen's, DeepSeek's) write a dict with ``tojson``, so a JSON object is decoded."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _render_chat(ctx: _Ctx, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
+    """The request's messages (and tools) rendered by the checkpoint's chat template."""
     tok = ctx.llm.tokenizer
     if tok is None or not tok.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     messages = [_message_dict(m) for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tools:  # transformers' convention: the template reads the tool list as ``tools``
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     try:
-        text = tok.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
-        )
+        return tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
     except (ValueError, TypeError) as e:
         raise APIError(400, f"cannot render the chat template: {e}", param="messages") from None
     except Exception as e:  # template errors (jinja undefined, security) are the request's fault too
         raise APIError(400, f"cannot render the chat template: {type(e).__name__}: {e}", param="messages") from None
+
+
+def _chat_prompt(ctx: _Ctx, req: ChatCompletionRequest) -> _Prompt:
+    text = _render_chat(ctx, req)
+    tok = ctx.llm.tokenizer
+    assert tok is not None
     return _validate_ids(ctx, tok.encode(text), text, param="messages")
+
+
+def _check_tool_choice(req: ChatCompletionRequest) -> None:
+    choice = req.tool_choice
+    if choice is not None and not isinstance(choice, str) and not req.tools:
+        raise APIError(400, "tool_choice names a function but the request sends no tools", param="tool_choice")
+    if choice == "required" or not isinstance(choice, str | None):
+        raise APIError(
+            400,
+            "constrained tool choice is not supported yet: tool_choice 'required' or a named function needs "
+            "constrained decoding, which this server does not do; send tool_choice 'auto' (or 'none')",
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
+
+
+def _output_parsers(ctx: _Ctx, req: ChatCompletionRequest, prompt: _Prompt) -> Callable[[], OutputParser] | None:
+    """A factory of one choice's output parser (reasoning, tool calls), or None when the response is
+    plain text. Tool calls are parsed when the request sends tools and does not say tool_choice 'none'."""
+    settings, plugins = ctx.settings, ctx.llm.plugins
+    arch = ctx.llm.engine.info.architecture if ctx.llm.engine is not None else ""
+    reasoning = plugins.select_reasoning_parser(settings.reasoning_parser, arch)
+    tools_spec = None
+    if req.tools and req.tool_choice != "none":
+        tools_spec = plugins.select_tool_parser(settings.tool_call_parser, arch)
+        if tools_spec is None and settings.tool_call_parser == "auto":
+            raise APIError(
+                400,
+                f"no installed tool-call parser serves this model's architecture {arch!r}; set tool_call_parser "
+                f"(installed: {plugins.tool_parsers.installed()}) or send tool_choice 'none'",
+                param="tools",
+            )
+    if reasoning is None and tools_spec is None:
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    prompt_text = prompt.text or ""
+    max_calls = 1 if req.parallel_tool_calls is False else None
+
+    def make() -> OutputParser:
+        return OutputParser(
+            reasoning.factory(prompt_text) if reasoning is not None else None,
+            tools_spec.factory(tools) if tools_spec is not None else None,
+            max_calls=max_calls,
+        )
+
+    return make
 
 
 def _sampling_params(

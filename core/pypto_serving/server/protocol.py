@@ -6,7 +6,8 @@ floats accept integers), every integer fits in int64, and every string is valid 
 surrogate such as ``"\\ud800"`` cannot be tokenized or sent to the worker). Unknown fields are refused,
 so a client never silently loses an option it relies on; only ``IGNORED_FIELDS`` are accepted and
 ignored, and ``UNSUPPORTED_FIELDS`` are refused with a message saying so unless they hold a value that
-asks for nothing (``null``, ``tools: []``, ``tool_choice: "none"``, ``best_of`` = ``n``...). Value ranges
+asks for nothing (``null``, ``tools: []``, ``tool_choice: "none"``, ``best_of`` = ``n``...); a field a
+request model declares (chat's ``tools``, ``tool_choice``, ``parallel_tool_calls``) is its own. Value ranges
 are checked once, by ``SamplingParams``; bounds that depend on the model (vocabulary size, context
 length) are checked in ``openai_requests``.
 """
@@ -28,7 +29,12 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
+    "NamedToolChoice",
     "StreamOptions",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
+    "ToolDefinition",
     "error_body",
     "validation_api_error",
 ]
@@ -38,6 +44,7 @@ MAX_N = 128
 MAX_STOP = 16
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
+MAX_TOOLS = 128
 # Every integer reaches the worker's msgpack wire and int64 tensors.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -227,7 +234,12 @@ class _SamplingFields(BaseModel):
         data = {k: v for k, v in data.items() if not (v is None and k in _defaulted_not_nullable(cls))}
         if not any(k in UNSUPPORTED_FIELDS for k in data):
             return data
-        return {k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and _is_neutral(k, v, data))}
+        # A model that declares an unsupported name (chat's tools) keeps its value, neutral or not.
+        return {
+            k: v
+            for k, v in data.items()
+            if not (k in UNSUPPORTED_FIELDS and k not in cls.model_fields and _is_neutral(k, v, data))
+        }
 
 
 class CompletionRequest(_SamplingFields):
@@ -263,6 +275,37 @@ class ChatMessage(BaseModel):
         return self
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[Text, Field(min_length=1, max_length=256)]
+    description: Text | None = None
+    parameters: JSONObject | None = None
+    strict: Bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of ``tools``: a function the model may call, handed to the chat template as a dict."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: Int64 | None = None
@@ -271,6 +314,43 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int64 | None = None
     add_generation_prompt: Bool = True
     chat_template_kwargs: JSONObject | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``/tokenize`` body for a text prompt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: Bool = True
+    return_token_strs: Bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's ``/tokenize`` body for chat messages, rendered as ``/v1/chat/completions`` renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: Bool = True
+    add_special_tokens: Bool = False
+    chat_template_kwargs: JSONObject | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    return_token_strs: Bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``/detokenize`` body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 def _field_names(*models: type[BaseModel]) -> frozenset[str]:
@@ -278,7 +358,19 @@ def _field_names(*models: type[BaseModel]) -> frozenset[str]:
 
 
 # Names that may appear in an error's location; anything else there is pydantic's name of a union branch.
-_FIELD_NAMES = _field_names(CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart, StreamOptions)
+_FIELD_NAMES = _field_names(
+    CompletionRequest,
+    ChatCompletionRequest,
+    ChatMessage,
+    ContentPart,
+    StreamOptions,
+    ToolDefinition,
+    FunctionDefinition,
+    NamedToolChoice,
+    TokenizeCompletionRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
+)
 
 
 # --------------------------------------------------------------------------- validation errors

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import Request
 
 from ..engine import EngineDeadError
+from ..parsers import OutputParser, ParsedToolCall
 from ..request import CompletionOutput, RequestOutput, SamplingParams
 from .async_llm import EngineFailure
 from .openai_requests import _Ctx, _engine_error, _Prompt, _request_ids
@@ -174,23 +176,60 @@ def _completion_body(
     }
 
 
-def _chat_body(ctx: _Ctx, rid: str, req: ChatCompletionRequest, prompt: _Prompt, out: RequestOutput) -> dict[str, Any]:
+def _tool_call(call: ParsedToolCall) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def _chat_finish_reason(c: CompletionOutput, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` when the model stopped after calling tools; otherwise the engine's reason."""
+    return "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+
+
+def _chat_message(c: CompletionOutput, parsers: Callable[[], OutputParser] | None) -> tuple[dict[str, Any], bool]:
+    """A choice's ``message`` and whether it calls tools."""
+    if parsers is None:
+        return {"role": "assistant", "content": c.text}, False
+    parser = parsers()
+    parsed = parser.parse(c.text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content or (None if parsed.tool_calls else "")}
+    if parser.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning or None
+    if parsed.tool_calls:
+        message["tool_calls"] = [_tool_call(t) for t in parsed.tool_calls]
+    return message, bool(parsed.tool_calls)
+
+
+def _chat_choice(
+    ctx: _Ctx, c: CompletionOutput, top_n: int, parsers: Callable[[], OutputParser] | None
+) -> dict[str, Any]:
+    message, called = _chat_message(c, parsers)
+    return {
+        "index": c.index,
+        "message": message,
+        "logprobs": _chat_logprobs(ctx, c, 0, len(c.token_ids), top_n),
+        "finish_reason": _chat_finish_reason(c, called),
+        "stop_reason": c.stop_reason,
+    }
+
+
+def _chat_body(
+    ctx: _Ctx,
+    rid: str,
+    req: ChatCompletionRequest,
+    prompt: _Prompt,
+    out: RequestOutput,
+    parsers: Callable[[], OutputParser] | None = None,
+) -> dict[str, Any]:
     top_n = req.top_logprobs or 0
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": _chat_logprobs(ctx, c, 0, len(c.token_ids), top_n),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        for c in out.outputs
-    ]
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": ctx.model_name,
-        "choices": choices,
+        "choices": [_chat_choice(ctx, c, top_n, parsers) for c in out.outputs],
         "usage": _usage([prompt], [out]),
     }

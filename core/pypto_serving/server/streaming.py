@@ -7,18 +7,27 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from ..engine import EngineDeadError
+from ..parsers import OutputParser, ParsedOutput
 from ..request import CompletionOutput, RequestOutput, SamplingParams
 from .async_llm import EngineFailure
 from .openai_requests import _Ctx, _engine_error, _Prompt, _request_ids
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
-from .responses import _chat_logprobs, _completion_logprobs, _failure_message, _prompt_text, _usage
+from .responses import (
+    _chat_finish_reason,
+    _chat_logprobs,
+    _completion_logprobs,
+    _failure_message,
+    _prompt_text,
+    _tool_call,
+    _usage,
+)
 
 
 @dataclass(slots=True)
@@ -29,6 +38,8 @@ class _ChoiceState:
     tokens_sent: int = 0
     started: bool = False
     finished: bool = False
+    parser: OutputParser | None = None  # a chat choice's reasoning / tool-call parser
+    num_calls: int = 0  # tool calls streamed so far
 
 
 def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
@@ -232,13 +243,11 @@ class _StreamRunner:
             }
         )
 
-    async def chat(self, req: ChatCompletionRequest) -> AsyncIterator[str]:
+    async def chat(
+        self, req: ChatCompletionRequest, parsers: Callable[[], OutputParser] | None = None
+    ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         top_n = req.top_logprobs or 0
-
-        def chunk(choice: dict[str, Any]) -> str:
-            return self._chat_chunk(choice, include_usage)
-
         try:
             async with contextlib.aclosing(self._items()) as items:
                 async for _pi, c, st, start, end, done in items:
@@ -248,26 +257,14 @@ class _StreamRunner:
                         return
                     if not st.started:
                         st.started = True
-                        yield chunk(
-                            {
-                                "index": c.index,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
+                        st.parser = parsers() if parsers is not None else None
+                        role = {"role": "assistant", "content": ""}
+                        yield self._chat_chunk(
+                            {"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}, include_usage
                         )
                     text = self._delta_text(0, c, st, done)
-                    if not text and not done and (c.logprobs is None or start == end):
-                        continue
-                    yield chunk(
-                        {
-                            "index": c.index,
-                            "delta": {"content": text} if text else {},
-                            "logprobs": _chat_logprobs(self.ctx, c, start, end, top_n),
-                            "finish_reason": c.finish_reason,
-                            **({"stop_reason": c.stop_reason} if done else {}),
-                        }
-                    )
+                    for choice in self._chat_choices(c, st, text, (start, end, top_n), done):
+                        yield self._chat_chunk(choice, include_usage)
         except (EngineFailure, EngineDeadError, ValueError) as e:
             yield _error_event(f"generation failed: {e}")
             yield _DONE
@@ -275,3 +272,54 @@ class _StreamRunner:
         if include_usage:
             yield self._usage_chunk("chat.completion.chunk")
         yield _DONE
+
+    def _chat_choices(
+        self, c: CompletionOutput, st: _ChoiceState, text: str, span: tuple[int, int, int], done: bool
+    ) -> list[dict[str, Any]]:
+        """The choice objects of one output change: one per delta (text, reasoning, each tool call's
+        header and arguments); the first carries the logprobs, the last the finish reason."""
+        start, end, top_n = span
+        deltas = _chat_deltas(st, text, done)
+        if not deltas:
+            if not done and (c.logprobs is None or start == end):
+                return []
+            deltas = [{}]
+        finish = _chat_finish_reason(c, st.num_calls > 0) if done else c.finish_reason
+        choices: list[dict[str, Any]] = []
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            choices.append(
+                {
+                    "index": c.index,
+                    "delta": delta,
+                    "logprobs": _chat_logprobs(self.ctx, c, start, end, top_n) if i == 0 else None,
+                    "finish_reason": finish if last else None,
+                    **({"stop_reason": c.stop_reason} if done and last else {}),
+                }
+            )
+        return choices
+
+
+def _chat_deltas(st: _ChoiceState, text: str, done: bool) -> list[dict[str, Any]]:
+    """The OpenAI deltas of a choice's new ``text``: plain content, or what its parser released. A tool
+    call goes out as two deltas: its id, type and name (empty arguments), then its arguments."""
+    if st.parser is None:
+        return [{"content": text}] if text else []
+    parsed = st.parser.feed(text)
+    if done:
+        rest = st.parser.finish()
+        parsed = ParsedOutput(
+            parsed.reasoning + rest.reasoning, parsed.content + rest.content, parsed.tool_calls + rest.tool_calls
+        )
+    deltas: list[dict[str, Any]] = []
+    if parsed.reasoning:
+        deltas.append({"reasoning_content": parsed.reasoning})
+    if parsed.content:
+        deltas.append({"content": parsed.content})
+    for call in parsed.tool_calls:
+        head = _tool_call(call)
+        head["function"]["arguments"] = ""
+        deltas.append({"tool_calls": [{"index": st.num_calls, **head}]})
+        deltas.append({"tool_calls": [{"index": st.num_calls, "function": {"arguments": call.arguments}}]})
+        st.num_calls += 1
+    return deltas
