@@ -37,8 +37,8 @@ class NgramDrafter:
     """The prompt-lookup drafter's settings; :meth:`propose` drafts for a batch of histories."""
 
     num_speculative_tokens: int
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 2  # the defaults of ``SpeculativeConfig`` for method ngram
+    prompt_lookup_max: int = 5
     device: str = "cpu"  # where the search runs
 
     def __post_init__(self) -> None:
