@@ -17,8 +17,13 @@ engine runs that checkpoint instead, on prompts cut from the training corpus's h
 Python standard library files whose sorted index % 50 == 0), and also reports how often the first
 draft token is accepted.
 
+With ``--steps-only`` it only times decode steps (``time_steps``), at concurrency 1 and 16 in the same
+run: the full MTP k=1 step (2-token verification + ``propose_drafts``) over a plain 1-token step, in
+process CPU time.
+
     python benchmarks/mtp.py [--threads 1] [--max-tokens 32] [--reps 40]
     python benchmarks/mtp.py --model tiny-deepseek-v4 --max-tokens 64
+    python benchmarks/mtp.py --model tiny-deepseek-v4 --steps-only --reps 30
 """
 
 from __future__ import annotations
