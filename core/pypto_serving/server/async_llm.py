@@ -489,7 +489,8 @@ class AsyncLLM:
     def _first_core(self) -> CoreProcess | None:
         try:
             core = CoreProcess(self.settings, self.plugins)
-        except OSError as e:
+        except Exception as e:  # no process to start, or plugins that cannot be handed over
+            logger.error("engine start-up failed: %s", e)
             self.startup_error = e
             self._loaded.set()
             return None
@@ -506,7 +507,10 @@ class AsyncLLM:
 
     def _await_ready(self, core: CoreProcess, what: str) -> BaseException | None:
         """Wait for the core's engine; sets ``engine`` and ``stats``; the error otherwise."""
-        tokenizer = load_tokenizer(self.settings.tokenizer or self.settings.model)  # while the core loads
+        try:
+            tokenizer = load_tokenizer(self.settings.tokenizer or self.settings.model)  # while the core loads
+        except Exception as e:  # the engine would fail on it too; this is the clearer report
+            return e
         while True:
             msg = core.recv()
             if msg is None:
@@ -571,8 +575,8 @@ class AsyncLLM:
                 core.close()
                 try:
                     core = CoreProcess(self.settings, self.plugins)
-                except OSError as e:
-                    reason = f"restarting the engine core failed: {e}"
+                except Exception as e:
+                    reason = f"restarting the engine core failed: {type(e).__name__}: {e}"
                     continue
             error = self._await_ready(core, "restarting")
             if error is not None:

@@ -166,7 +166,13 @@ class CoreProcess:
         self._conn = Connection(parent.detach())
         self._send_lock = threading.Lock()
         self.alive = True
-        self._conn.send_bytes(pickle.dumps(_init_for(settings, plugins)))
+        try:
+            self._conn.send_bytes(pickle.dumps(_init_for(settings, plugins)))
+        except BaseException:  # an unpicklable plugin, say: no core is left waiting for its start
+            self._conn.close()
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     @property
     def pid(self) -> int:
