@@ -9,7 +9,9 @@ Options (``executor_options``): ``vocab``, ``eos``, ``max_model_len``, ``max_dra
 step whose input holds it), ``crash_on_token`` (kill the worker process), ``nan_on_token`` (NaN
 logits for the request whose last input is it), ``pipelining`` (supports async), ``barrier``,
 ``uniform`` (all-prefill or all-decode steps), ``verify_drafts`` (declare ``can_verify_drafts``),
-``step_sleep`` (seconds per step), ``architecture_from_env``
+``window`` (a sliding window: the next token depends on the last ``window`` tokens only, read
+through the block table, and the kv group declares ``window_tokens``), ``step_sleep`` (seconds per
+step), ``architecture_from_env``
 (report that environment variable of the worker process as the architecture).
 """
 
@@ -44,6 +46,7 @@ class FakeExecutor(Executor):
         self.opts = dict(settings.executor_options)
         self.vocab = int(self.opts.get("vocab", 97))
         self.block_size = settings.block_size
+        self.window = int(self.opts["window"]) if self.opts.get("window") else None
 
     def load(self) -> ExecutorInfo:
         o = self.opts
@@ -51,7 +54,9 @@ class FakeExecutor(Executor):
         return ExecutorInfo(
             # Declared as a small model's KV (1 KiB per token), so that the default kv_cache_memory
             # plans a realistic block count; the fake's own cache holds one int64 per token.
-            cache_groups=[CacheGroupSpec("kv", self.block_size, bytes_per_block=self.block_size * 1024)],
+            cache_groups=[
+                CacheGroupSpec("kv", self.block_size, bytes_per_block=self.block_size * 1024, window_tokens=self.window)
+            ],
             vocab_size=self.vocab,
             max_model_len=int(o.get("max_model_len", 512)),
             eos_token_ids=[int(o["eos"])] if "eos" in o else [],
@@ -70,7 +75,9 @@ class FakeExecutor(Executor):
         self.cache = torch.full((num_blocks["kv"] * self.block_size,), -1, dtype=torch.long)
 
     def _context(self, table: torch.Tensor, upto: int) -> list[int]:
-        pos = torch.arange(upto)
+        """The tokens before position ``upto`` the model reads (the last ``window`` with a window),
+        from the cache through the block table."""
+        pos = torch.arange(max(0, upto - self.window) if self.window else 0, upto)
         slots = table.long()[pos // self.block_size] * self.block_size + pos % self.block_size
         return self.cache[slots].tolist()
 
@@ -133,12 +140,13 @@ def reference_tokens(
     vocab: int = 97,
     eos: int | None = None,
     stop_token_ids: tuple[int, ...] = (),
+    window: int | None = None,
 ) -> tuple[list[int], str]:
     """What greedy decoding of the fake model must give for a request run alone."""
     ctx = list(prompt)
     out: list[int] = []
     while len(out) < max_tokens:
-        t = next_token(ctx, vocab)
+        t = next_token(ctx[-window:] if window else ctx, vocab)
         out.append(t)
         ctx.append(t)
         if t == eos or t in stop_token_ids:

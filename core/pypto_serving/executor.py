@@ -31,6 +31,11 @@ class CacheGroupSpec:
     :param prefix_caching: whether requests with a common prefix may share this group's blocks; the engine
         caches prefixes only when every group allows it.
     :param no_prefix_caching_reason: why ``prefix_caching`` is off, for people reading the executor's info.
+    :param window_tokens: for sliding-window state: a query at position ``p`` reads only the entries
+        of positions ``p - window_tokens + 1 .. p``. The engine then gives back the blocks wholly
+        before the window of every position still to be computed, so a request holds O(window)
+        blocks of this group, not O(sequence); their entries in the worker's tables go stale and
+        must never be read. ``None``: every entry stays readable.
     """
 
     name: str
@@ -39,6 +44,7 @@ class CacheGroupSpec:
     tokens_per_entry: int = 1
     prefix_caching: bool = True
     no_prefix_caching_reason: str = ""
+    window_tokens: int | None = None
 
     @property
     def tokens_per_block(self) -> int:

@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from .executor import CacheGroupSpec
 from .request import Request
 
-__all__ = ["BLOCK_HASHES", "BlockPool", "KVCacheManager", "NoFreeBlocksError", "block_key", "root_key"]
+__all__ = ["BLOCK_HASHES", "FREED", "BlockPool", "KVCacheManager", "NoFreeBlocksError", "block_key", "root_key"]
+
+FREED = -1
+"""A request's table entry whose block was given back because it lies wholly outside a sliding
+window: the entry keeps its position in the table (later blocks keep their indices) but owns nothing."""
 
 # The prefix_cache_hash setting's choices: collision-resistant digests from the standard library.
 BLOCK_HASHES: dict[str, Callable[[bytes], bytes]] = {
@@ -120,6 +124,8 @@ class KVCacheManager:
         self._hash_unit = math.lcm(*(g.tokens_per_block for g in self.groups))
         self._hashes: dict[str, dict[str, list[bytes]]] = {}  # request -> group -> block keys
         self._min_tpb = min(g.tokens_per_block for g in self.groups)
+        self.windowed = [g for g in self.groups if g.window_tokens is not None]
+        self._window_freed: dict[str, dict[str, int]] = {}  # request -> group -> leading entries freed
         # The one group's name and tokens per block, for allocate()'s per-step fast path.
         self._single = (self.groups[0].name, self.groups[0].tokens_per_block) if len(self.groups) == 1 else None
         self._published: dict[str, int] = {}  # request -> full blocks (of the smallest kind) published
@@ -203,7 +209,25 @@ class KVCacheManager:
             blocks = request.block_ids.get(g.name, [])
             pool = self.pools[g.name]
             for block, h in zip(blocks, self._chain_hashes(request, g, num_tokens)):
-                pool.publish(block, h)
+                if block != FREED:
+                    pool.publish(block, h)
+
+    def release_outside_window(self, request: Request, first_pos: int) -> None:
+        """Give back each windowed group's blocks that lie wholly before the window of position
+        ``first_pos``, the lowest position any step of ``request`` still computes. Their table
+        entries become :data:`FREED`."""
+        freed = self._window_freed.setdefault(request.request_id, {})
+        for g in self.windowed:
+            assert g.window_tokens is not None
+            blocks = request.block_ids.get(g.name)
+            if not blocks:
+                continue
+            start = freed.get(g.name, 0)
+            end = min(len(blocks), max(0, first_pos - g.window_tokens + 1) // g.tokens_per_block)
+            if end > start:
+                self.pools[g.name].release([b for b in blocks[start:end] if b != FREED])
+                blocks[start:end] = [FREED] * (end - start)
+                freed[g.name] = end
 
     # -- allocation
     def allocate(self, request: Request, num_tokens: int) -> bool:
@@ -226,10 +250,11 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         for g in self.groups:
-            self.pools[g.name].release(request.block_ids.get(g.name, []))
+            self.pools[g.name].release([b for b in request.block_ids.get(g.name, []) if b != FREED])
         request.block_ids = {}
         self._hashes.pop(request.request_id, None)
         self._published.pop(request.request_id, None)
+        self._window_freed.pop(request.request_id, None)
 
     # -- invariants
     def check_invariants(self, live: Sequence[Request]) -> None:
@@ -239,7 +264,8 @@ class KVCacheManager:
             owners = [0] * pool.num_blocks
             for r in live:
                 for b in r.block_ids.get(g.name, []):
-                    owners[b] += 1
+                    if b != FREED:
+                        owners[b] += 1
             assert owners == pool.ref_cnt, f"group {g.name}: ref counts {pool.ref_cnt} != owners {owners}"
             in_use = sum(1 for c in pool.ref_cnt if c > 0)
             assert in_use + pool.num_free == pool.num_blocks, f"group {g.name}: free + in use != total"

@@ -399,8 +399,7 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 touched.append(req)
             elif not item.sample:
-                st.confirmed += item.num_new
-                self.kv.publish(req, st.confirmed)
+                self._confirm(req, st, item.num_new)
             else:
                 self._apply_sampled(req, st, item, result)
                 touched.append(req)
@@ -436,8 +435,7 @@ class Scheduler:
         if rejected:
             req.num_computed_tokens -= rejected
             st.rejected += rejected
-        st.confirmed += item.num_new + accepted
-        self.kv.publish(req, st.confirmed)
+        self._confirm(req, st, item.num_new + accepted)
         lps = result.logprobs.get(req.request_id)
         for j, tok in enumerate(tokens):
             req.output_token_ids.append(tok)
@@ -447,6 +445,15 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
                 return
+
+    def _confirm(self, req: Request, st: _Tracked, n: int) -> None:
+        """``n`` more tokens have their KV written: publish full blocks to the prefix cache, and give
+        back sliding-window blocks that no step still to run can read (every later step starts at or
+        after the confirmed count; a step in flight started there too)."""
+        st.confirmed += n
+        self.kv.publish(req, st.confirmed)
+        if self.kv.windowed:
+            self.kv.release_outside_window(req, st.confirmed)
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params

@@ -178,6 +178,7 @@ def test_ngram_settings_defaults_and_errors() -> None:
         ServingSettings.load(speculative_config={"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 3})
 
 
+@pytest.mark.requires_plugin("sync_sched")
 def test_ngram_needs_an_executor_that_verifies_drafts(fake_pm: Any) -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     base = {"executor": "fake", "worker_mode": "inproc", "scheduler": "sync", "speculative_config": spec}
@@ -193,6 +194,7 @@ def test_ngram_needs_an_executor_that_verifies_drafts(fake_pm: Any) -> None:
 # ----------------------------------------------------------------------------- sampled requests speculate
 
 
+@pytest.mark.requires_plugin("sync_sched")
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 def test_sampled_requests_speculate_with_unchanged_output(fake_pm: Any, policy: str) -> None:
     """At temperature 3 the fake model's argmax (its drafts) is drawn about a third of the time, so
