@@ -90,19 +90,27 @@ larger plan comes from a mistake (an executor declaring a tiny ``bytes_per_block
 ``num_kv_blocks``), so it is refused rather than built."""
 
 
-def plan_kv_blocks(groups: Sequence[CacheGroupSpec], num_kv_blocks: int | None, memory: int) -> dict[str, int]:
+def plan_kv_blocks(
+    groups: Sequence[CacheGroupSpec],
+    num_kv_blocks: int | None,
+    memory: int,
+    *,
+    max_num_seqs: int = 1,
+    max_num_batched_tokens: int = 0,
+) -> dict[str, int]:
     """Blocks per cache group: ``num_kv_blocks`` each if set, else split ``memory`` so that every
     group can hold the same number of sequence tokens (a compressed group, whose block covers more
-    tokens, gets proportionally fewer blocks).
+    tokens, gets proportionally fewer blocks). A sliding-window group gets no more than
+    :func:`window_group_tokens` worth of blocks, and the memory it leaves goes to the other groups.
 
     :raises SettingsError: a group would get more than :data:`MAX_KV_BLOCKS_PER_GROUP` blocks.
     """
     if num_kv_blocks is not None:
         plan = {g.name: num_kv_blocks for g in groups}
     else:
-        bytes_per_token = sum(g.bytes_per_block / g.tokens_per_block for g in groups)
-        tokens = memory / max(bytes_per_token, 1e-9)
-        plan = {g.name: max(1, int(tokens // g.tokens_per_block)) for g in groups}
+        caps = {g.name: window_group_tokens(g, max_num_seqs, max_num_batched_tokens) for g in groups}
+        tokens = _plan_tokens(groups, caps, memory)
+        plan = {g.name: max(1, int(min(tokens, caps[g.name] or tokens) // g.tokens_per_block)) for g in groups}
     for g in groups:
         if plan[g.name] > MAX_KV_BLOCKS_PER_GROUP:
             if num_kv_blocks is not None:
@@ -115,6 +123,32 @@ def plan_kv_blocks(groups: Sequence[CacheGroupSpec], num_kv_blocks: int | None, 
                 f"{MAX_KV_BLOCKS_PER_GROUP:,} per group the engine accepts: {fix}"
             )
     return plan
+
+
+def window_group_tokens(group: CacheGroupSpec, max_num_seqs: int, max_num_batched_tokens: int) -> int | None:
+    """The most tokens a sliding-window group holds at once (``None`` for other groups): each
+    running request its window plus two partly filled blocks, and the tokens of two steps in
+    flight beyond that."""
+    if group.window_tokens is None:
+        return None
+    return max_num_seqs * (group.window_tokens + 2 * group.tokens_per_block) + 2 * max_num_batched_tokens
+
+
+def _plan_tokens(groups: Sequence[CacheGroupSpec], caps: dict[str, int | None], memory: int) -> float:
+    """The sequence tokens every uncapped group can hold when capped groups take only their cap:
+    groups whose cap exceeds the even share drop out of the capped set until it is stable."""
+    per_token = {g.name: g.bytes_per_block / g.tokens_per_block for g in groups}
+    capped = {name for name, cap in caps.items() if cap is not None}
+    while True:
+        fixed = sum(per_token[n] * (caps[n] or 0) for n in capped)
+        free_rate = sum(per_token[g.name] for g in groups if g.name not in capped)
+        if free_rate == 0:  # every group is capped: they share the memory evenly
+            return memory / max(sum(per_token.values()), 1e-9)
+        tokens = max(0.0, memory - fixed) / free_rate
+        too_big = {n for n in capped if (caps[n] or 0) > tokens}
+        if not too_big:
+            return tokens
+        capped -= too_big
 
 
 def read_architecture(model: str | None) -> str | None:
@@ -159,13 +193,20 @@ class EngineCore:
         sched_spec = self._choose_strategy(executor_name)
         self.scheduler_name = sched_spec.name
         policy = self._choose_policy(executor_name)
-        num_blocks = plan_kv_blocks(info.cache_groups, settings.num_kv_blocks, settings.kv_cache_memory)
+        num_blocks = plan_kv_blocks(
+            info.cache_groups,
+            settings.num_kv_blocks,
+            settings.kv_cache_memory,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+        )
         self.worker.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(
             info.cache_groups,
             num_blocks,
             enable_prefix_caching=settings.enable_prefix_caching,
             prefix_cache_hash=settings.prefix_cache_hash,
+            max_step_tokens=settings.max_num_batched_tokens,
         )
         self.max_model_len = min(settings.max_model_len or info.max_model_len, info.max_model_len)
         self.scheduler = Scheduler(

@@ -113,7 +113,10 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = True,
         prefix_cache_hash: str = "sha256",
+        max_step_tokens: int | None = None,
     ) -> None:
+        """``max_step_tokens``: the most tokens one step computes for a request (the token budget),
+        which bounds what a sliding-window group holds for it; ``None``: unbounded."""
         if prefix_cache_hash not in BLOCK_HASHES:
             raise ValueError(f"prefix_cache_hash={prefix_cache_hash!r}: use one of {', '.join(BLOCK_HASHES)}")
         self.hash_name = prefix_cache_hash
@@ -125,6 +128,7 @@ class KVCacheManager:
         self._hashes: dict[str, dict[str, list[bytes]]] = {}  # request -> group -> block keys
         self._min_tpb = min(g.tokens_per_block for g in self.groups)
         self.windowed = [g for g in self.groups if g.window_tokens is not None]
+        self._max_step_tokens = max_step_tokens
         self._window_freed: dict[str, dict[str, int]] = {}  # request -> group -> leading entries freed
         # The one group's name and tokens per block, for allocate()'s per-step fast path.
         self._single = (self.groups[0].name, self.groups[0].tokens_per_block) if len(self.groups) == 1 else None
@@ -142,7 +146,16 @@ class KVCacheManager:
         return 1.0 - sum(p.num_free for p in self.pools.values()) / total if total else 0.0
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        return all(self.blocks_needed(g, num_tokens) <= self.pools[g.name].num_blocks for g in self.groups)
+        return all(self._most_held(g, num_tokens) <= self.pools[g.name].num_blocks for g in self.groups)
+
+    def _most_held(self, group: CacheGroupSpec, num_tokens: int) -> int:
+        """Blocks of ``group`` a request of ``num_tokens`` holds at its peak: all of them, or for a
+        sliding window its window and two steps' tokens (blocks before it are given back)."""
+        need = self.blocks_needed(group, num_tokens)
+        if group.window_tokens is None or self._max_step_tokens is None:
+            return need
+        span = group.window_tokens + 2 * self._max_step_tokens + 2 * group.tokens_per_block
+        return min(need, math.ceil(span / group.tokens_per_block))
 
     # -- prefix cache
     def _chain_hashes(self, request: Request, group: CacheGroupSpec, num_tokens: int) -> list[bytes]:

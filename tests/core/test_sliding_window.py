@@ -94,3 +94,30 @@ def test_release_gives_back_only_blocks_wholly_before_the_window() -> None:
     kv.check_invariants([r])
     kv.free(r)
     assert kv.pools["swa"].num_free == 16 and kv.pools["full"].num_free == 16
+
+
+def test_plan_gives_a_window_group_its_cap_and_the_rest_to_the_others() -> None:
+    from pypto_serving.engine import plan_kv_blocks, window_group_tokens
+
+    groups = [
+        CacheGroupSpec("swa", block_size=4, bytes_per_block=400, window_tokens=16),  # 100 bytes per token
+        CacheGroupSpec("compressed", block_size=4, bytes_per_block=200, tokens_per_entry=4),  # 12.5 per token
+    ]
+    cap = window_group_tokens(groups[0], max_num_seqs=2, max_num_batched_tokens=8)
+    assert cap == 2 * (16 + 2 * 4) + 2 * 8 == 64
+    plan = plan_kv_blocks(groups, None, memory=112_500, max_num_seqs=2, max_num_batched_tokens=8)
+    # swa: 64 tokens = 16 blocks (6,400 bytes); compressed: the other 106,100 bytes = 8,488 tokens.
+    assert plan == {"swa": 16, "compressed": 530}
+    assert sum(plan[g.name] * g.bytes_per_block for g in groups) <= 112_500
+    # A cap above the even share (1,000 tokens each) leaves the even split.
+    even = plan_kv_blocks(groups, None, memory=112_500, max_num_seqs=100, max_num_batched_tokens=8)
+    assert even == {"swa": 250, "compressed": 62}
+
+
+def test_a_long_prompt_fits_a_window_group_smaller_than_the_prompt() -> None:
+    groups = [CacheGroupSpec("swa", 4, 1, window_tokens=8), CacheGroupSpec("full", 4, 1)]
+    kv = KVCacheManager(groups, {"swa": 12, "full": 64}, max_step_tokens=8)
+    assert kv.can_ever_fit(200)  # swa holds 8 + 2 * 8 + 2 * 4 = 32 tokens at most: 8 blocks
+    assert not kv.can_ever_fit(257)  # the full group cannot
+    tight = KVCacheManager(groups, {"swa": 7, "full": 64}, max_step_tokens=8)
+    assert not tight.can_ever_fit(200)
