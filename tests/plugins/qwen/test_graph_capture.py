@@ -219,3 +219,22 @@ def test_npu_graph_mode_without_torchair_names_what_is_missing() -> None:
         pytest.skip("torchair is installed here")
     with pytest.raises(RuntimeError, match="needs torchair"):
         compile_decode(lambda x: x, "npugraph")
+
+
+def test_the_engine_decodes_the_same_tokens_with_graph_capture() -> None:
+    """Through the runner and the pipelined scheduler: greedy tokens of four requests equal eager's."""
+    from pypto_serving import LLM, SamplingParams
+    from pypto_serving_qwen.plugin import TINY_QWEN3
+
+    prompts = [[3, 4, 5], [7, 8], [9, 10, 11, 12], [13]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens, stats = {}, {}
+    for mode in ("eager", "aot_eager"):
+        options = {"graph_mode": mode, "graph_batch_sizes": [4], "graph_warmup": "lazy"}
+        with LLM(
+            model=str(TINY_QWEN3), worker_mode="inproc", num_kv_blocks=64, max_num_seqs=4, executor_options=options
+        ) as llm:
+            tokens[mode] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+            stats[mode] = llm.engine.worker._runner.executor.graph_stats
+    assert tokens["aot_eager"] == tokens["eager"]
+    assert stats["aot_eager"].graph_steps == {4: 5} and stats["aot_eager"].eager_steps == 1
