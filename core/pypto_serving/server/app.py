@@ -10,11 +10,12 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -191,7 +192,15 @@ def _add_tokenizer_routes(app: FastAPI, ctx: _Ctx) -> None:
     /detokenize: tokenizer work only, run off the event loop."""
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    async def tokenize(body: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+        # The body's kind decides the model, so errors speak of that one (a union would report both).
+        kind = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        try:
+            req = kind.model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(
+                [{**err, "loc": ("body", *err["loc"])} for err in e.errors()], body=body
+            ) from None
         _check_model(ctx, req.model)
         _check_ready(ctx)
         return await asyncio.to_thread(_tokenize, ctx, req)

@@ -64,7 +64,9 @@ def test_detokenize_round_trip(client: Any, fake_model_dir: Path) -> None:
         ("/detokenize", {"tokens": [1], "model": "other"}, 404, "model"),
         ("/tokenize", {"prompt": "hi", "model": "other"}, 404, "model"),
         ("/tokenize", {"prompt": "hi", "foo": 1}, 400, "foo"),
-        ("/tokenize", {}, 400, None),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": 3}, 400, "prompt"),
+        ("/tokenize", {"messages": []}, 400, "messages"),
         (
             "/tokenize",
             {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": 1}},
