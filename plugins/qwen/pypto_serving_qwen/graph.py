@@ -56,9 +56,13 @@ DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 #: The modes whose graphs replay without Python, so attention must not read host lengths.
 _STATIC_ATTENTION_MODES = frozenset({"cudagraph", "npugraph"})
 
-#: ``graph_mode="auto"`` per device type. CPU stays eager: inductor's decode step measured no faster
-#: on the CPU (docs in benchmarks/graph_capture.py's report); CUDA and NPU stay eager until the
-#: captured paths are measured on the devices.
+#: ``graph_mode="auto"`` per device type. The CPU stays eager: on a 2-core machine shared with other
+#: jobs (benchmarks/graph_capture.py, inductor against eager in one run), qwen3-small's decode step
+#: was 1.10x / 1.08x / 1.05x faster captured at batch 1 / 8 / 32 with one thread and 1.32x..0.80x
+#: (run to run) with two, qwen3-0.6b's 0.97x at batch 1, while compiling cost 30-80 s per bucket for
+#: qwen3-small and 330-430 s for qwen3-0.6b with an empty inductor cache (9-14 s warm): a few percent
+#: is not worth minutes of start-up per bucket. CUDA and NPU stay eager until their captured paths
+#: are measured on the devices.
 _AUTO_MODE: dict[str, str] = {"cpu": "eager", "cuda": "eager", "npu": "eager"}
 
 _OPTION_KEYS = ("graph_mode", "graph_batch_sizes", "graph_warmup")
@@ -95,6 +99,8 @@ def parse_graph_options(options: Mapping[str, Any], device: torch.device, max_nu
         raise ValueError(f"graph_mode 'cudagraph' needs a CUDA device, the executor runs on {device}")
     if mode == "npugraph" and device.type != "npu":
         raise ValueError(f"graph_mode 'npugraph' needs an Ascend NPU device, the executor runs on {device}")
+    if mode == "npugraph":
+        _import_torchair()  # fails at load, not at the first decode
     warmup = options.get("graph_warmup", "load")
     if warmup not in ("load", "lazy"):
         raise ValueError(f"executor_options graph_warmup must be 'load' or 'lazy', got {warmup!r}")
@@ -240,15 +246,20 @@ def compile_decode(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
 
 
 def _npu_backend() -> Any:
-    """torchair's NPU graph backend (aclgraph capture); a clear error when torchair is missing."""
+    """torchair's NPU graph backend (aclgraph capture)."""
+    torchair = _import_torchair()
+    config = torchair.CompilerConfig()
+    config.mode = "reduce-overhead"
+    return torchair.get_npu_backend(compiler_config=config)
+
+
+def _import_torchair() -> Any:
+    """The torchair module, or a RuntimeError naming it (there is no silent eager fallback)."""
     try:
-        torchair = importlib.import_module("torchair")
+        return importlib.import_module("torchair")
     except ImportError as exc:
         raise RuntimeError(
             "graph_mode 'npugraph' needs torchair (Ascend's torch.compile backend, shipped with torch_npu or "
             f"`pip install torchair`), which is not importable ({exc}); set executor_options "
             "graph_mode='eager' to run without graph capture"
         ) from exc
-    config = torchair.CompilerConfig()
-    config.mode = "reduce-overhead"
-    return torchair.get_npu_backend(compiler_config=config)
