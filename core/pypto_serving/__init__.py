@@ -3,13 +3,23 @@
 Public API: :class:`LLM` (offline generation), :class:`SamplingParams`, :class:`RequestOutput`,
 :class:`ServingSettings`, and the plugin surface (:data:`hookimpl`, the ``*Spec`` descriptors, the
 :class:`Executor` contract, the :class:`StrategyHost` / :class:`StepStrategy` seam with the
-:class:`SchedulerOutput` and :class:`StepResult` a strategy passes along, and :data:`SpecPolicy`).
+:class:`SchedulerOutput` and :class:`StepResult` a strategy passes along, :data:`SpecPolicy`, and the
+:class:`ToolParserSpec` / :class:`ReasoningParserSpec` of the server's output parsers in
+:mod:`pypto_serving.parsers`).
 """
 
 from .config import ServingSettings, SettingsError
 from .engine import LLM, EngineCore, EngineDeadError
 from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
-from .hookspecs import ExecutorSpec, ModelSpec, SchedulerSpec, SpecPolicySpec, hookimpl
+from .hookspecs import (
+    ExecutorSpec,
+    ModelSpec,
+    ReasoningParserSpec,
+    SchedulerSpec,
+    SpecPolicySpec,
+    ToolParserSpec,
+    hookimpl,
+)
 from .messages import StepResult
 from .model_files import read_generation_config
 from .plugins import PluginError, PluginManager
@@ -33,6 +43,7 @@ __all__ = [
     "ModelSpec",
     "PluginError",
     "PluginManager",
+    "ReasoningParserSpec",
     "Request",
     "RequestOutput",
     "SamplingParams",
@@ -45,6 +56,7 @@ __all__ = [
     "StepResult",
     "StepStrategy",
     "StrategyHost",
+    "ToolParserSpec",
     "__version__",
     "hookimpl",
     "read_generation_config",

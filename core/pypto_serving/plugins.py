@@ -1,5 +1,5 @@
 """PluginManager: loads built-in hook implementations and the ``pypto_serving`` entry points, and
-selects executors, schedulers and speculative-token policies by name."""
+selects executors, schedulers, speculative-token policies and output parsers by name."""
 
 from __future__ import annotations
 
@@ -94,11 +94,7 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.plugins: list[PluginInfo] = []
         self.excluded: list[str] = []  # entry points PYPTO_SERVING_PLUGINS leaves out
-        from . import speculative  # built-in policies
-        from .parsers import builtin as builtin_parsers
-
-        self._register(speculative, PluginInfo("core", "pypto-serving", _version("pypto-serving")))
-        self._register(builtin_parsers, PluginInfo("core-parsers", "pypto-serving", _version("pypto-serving")))
+        self._register(_core_plugin(), PluginInfo("core", "pypto-serving", _version("pypto-serving")))
         for i, plugin in enumerate(extra_plugins):
             self._register(plugin, PluginInfo(getattr(plugin, "__name__", f"extra{i}"), "(in-process)", ""))
         if load_entry_points:
@@ -314,6 +310,17 @@ def require_model(plugins: PluginManager, settings: ServingSettings, command: st
             f"(installed named models: {names})"
         )
     return settings
+
+
+def _core_plugin() -> type:
+    """The core's own hook implementations (speculative policies, output parsers) as one plugin."""
+    from . import speculative
+    from .parsers import builtin
+
+    hooks = {
+        n: staticmethod(getattr(m, n)) for m in (speculative, builtin) for n in dir(m) if n.startswith("pypto_serving_")
+    }
+    return type("CorePlugin", (), hooks)
 
 
 P = TypeVar("P", ToolParserSpec, ReasoningParserSpec)
