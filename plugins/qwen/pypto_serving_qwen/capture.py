@@ -121,6 +121,7 @@ class DecodeGraphs:
     def _padded(self, batch: BatchInput, bucket: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         pad, real = self._pad(bucket), len(batch.seq_lens_host)
         table = batch.block_tables["kv"]
+        # Widen to the graph's fixed width (a wider table is cropped: no sequence needs more columns).
         table = F.pad(table, (0, self._width - table.shape[1]))
         if real < bucket:
             rest = slice(real, bucket)
