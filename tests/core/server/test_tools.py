@@ -311,3 +311,31 @@ def test_unknown_parser_name_fails_at_start(tools_model_dir: Path) -> None:
     llm = AsyncLLM(settings, PluginManager(extra_plugins=[ScriptedPlugin]))
     with pytest.raises(PluginError, match="unknown tool parser 'nope'"):
         build_app(llm, manage_engine=False)
+
+
+def test_each_streamed_choice_parses_its_own_calls(scripted_server: Callable[..., Any]) -> None:
+    """With n=2 every choice has its own parser: each streams its two calls with call indices 0 and 1."""
+    client = scripted_server(SCRIPT)
+    args: dict[int, dict[int, str]] = {}
+    finish: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(
+        model="tiny-tools",
+        messages=[{"role": "user", "content": "weather in two cities"}],
+        tools=[WEATHER_TOOL],
+        n=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            for tc in choice.delta.tool_calls or ():
+                calls = args.setdefault(choice.index, {})
+                calls[tc.index] = calls.get(tc.index, "") + (tc.function.arguments or "")
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    cities = {i: [json.loads(a)["city"] for _, a in sorted(calls.items())] for i, calls in args.items()}
+    assert cities == {0: ["Paris", "Rome"], 1: ["Paris", "Rome"]}
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    assert usage is not None and usage.completion_tokens > 0
