@@ -151,6 +151,15 @@ def _plan_tokens(groups: Sequence[CacheGroupSpec], caps: dict[str, int | None], 
         capped -= too_big
 
 
+def _longest_fitting(kv: KVCacheManager, limit: int) -> int:
+    """The longest sequence below ``limit`` one request can hold in ``kv`` (0: none), by bisection."""
+    lo, hi = 0, limit  # kv holds lo tokens (0 trivially) and not hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if kv.can_ever_fit(mid) else (lo, mid)
+    return lo
+
+
 def read_architecture(model: str | None) -> str | None:
     if model is None:
         return None
@@ -196,7 +205,7 @@ class EngineCore:
         num_blocks = plan_kv_blocks(
             info.cache_groups,
             settings.num_kv_blocks,
-            settings.kv_cache_memory,
+            self._kv_cache_memory(),
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
         )
@@ -208,7 +217,7 @@ class EngineCore:
             prefix_cache_hash=settings.prefix_cache_hash,
             max_step_tokens=settings.max_num_batched_tokens,
         )
-        self.max_model_len = min(settings.max_model_len or info.max_model_len, info.max_model_len)
+        self.max_model_len = self._fit_max_model_len(num_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=settings.max_num_seqs,
@@ -231,6 +240,51 @@ class EngineCore:
         self._touched: set[str] = set()
         self.strategy: StepStrategy = sched_spec.factory(self)
         logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_spec.name, num_blocks)
+
+    def _kv_cache_memory(self) -> int:
+        """``kv_cache_memory``, or with ``gpu_memory_utilization`` (and neither explicit override) what
+        the worker's memory profile leaves for the cache."""
+        s = self.settings
+        explicit = s.num_kv_blocks is not None or s.source_of("kv_cache_memory") != "default"
+        if s.gpu_memory_utilization is None or explicit:
+            return s.kv_cache_memory
+        profile = self.worker.profile_memory(s.max_num_batched_tokens)
+        budget = int(s.gpu_memory_utilization * profile.total_bytes)
+        free = budget - profile.used_bytes - profile.peak_bytes
+        why = (
+            f"gpu_memory_utilization={s.gpu_memory_utilization} of {profile.total_bytes / 2**30:.2f} GiB = "
+            f"{budget / 2**30:.2f} GiB, minus {profile.used_bytes / 2**30:.2f} GiB in use after loading and "
+            f"{profile.peak_bytes / 2**30:.2f} GiB peak of a {s.max_num_batched_tokens}-token forward"
+        )
+        if free <= 0:
+            raise SettingsError(f"no memory left for the KV cache: {why}; raise gpu_memory_utilization")
+        logger.info("KV cache memory %.2f GiB: %s", free / 2**30, why)
+        return free
+
+    def _fit_max_model_len(self, num_blocks: dict[str, int]) -> int:
+        """The context length: the setting (refused if a cache sized from memory cannot hold one request
+        that long), else the executor's, lowered with a warning to what such a cache holds for one
+        request. An explicit ``num_kv_blocks`` is taken as given: a request that cannot fit fails alone."""
+        info, asked = self.info, self.settings.max_model_len
+        want = min(asked or info.max_model_len, info.max_model_len)
+        if self.settings.num_kv_blocks is not None or self.kv.can_ever_fit(want):
+            return want
+        fits = _longest_fitting(self.kv, want)
+        blocks = ", ".join(f"{g}: {n}" for g, n in num_blocks.items())
+        if asked is not None or fits == 0:
+            raise SettingsError(
+                f"max_model_len={want} does not fit the KV cache ({blocks} blocks of {self.settings.block_size} "
+                f"tokens): one request of that length cannot be held; lower max_model_len or give the cache more "
+                f"memory (kv_cache_memory, gpu_memory_utilization, num_kv_blocks)"
+            )
+        logger.warning(
+            "max_model_len lowered from the model's %d to %d tokens, what the KV cache (%s blocks) holds for one "
+            "request; set max_model_len or give the cache more memory",
+            want,
+            fits,
+            blocks,
+        )
+        return fits
 
     def _choose_strategy(self, executor_name: str) -> SchedulerSpec:
         pipelines = self.info.supports_pipelining

@@ -136,4 +136,20 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-WorkerCommand = StepCommand | InitCache | Shutdown
+class ProfileMemory(msgspec.Struct, frozen=True, tag=True):
+    """Measure device memory and a forward of ``num_tokens`` prompt tokens (see memory.py)."""
+
+    num_tokens: int
+
+
+class MemoryProfile(msgspec.Struct, frozen=True, kw_only=True):
+    """Device-wide total and in-use bytes after loading, and the peak bytes a profile step added."""
+
+    ok: bool
+    total_bytes: int = 0
+    used_bytes: int = 0
+    peak_bytes: int = 0
+    error: str | None = None
+
+
+WorkerCommand = StepCommand | InitCache | ProfileMemory | Shutdown

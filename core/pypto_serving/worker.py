@@ -22,7 +22,18 @@ import torch
 
 from .config import ServingSettings
 from .executor import Executor
-from .messages import InitCache, InitDone, Loaded, Shutdown, StepCommand, StepResult, WorkerCommand
+from .memory import profile_memory
+from .messages import (
+    InitCache,
+    InitDone,
+    Loaded,
+    MemoryProfile,
+    ProfileMemory,
+    Shutdown,
+    StepCommand,
+    StepResult,
+    WorkerCommand,
+)
 from .runner import ModelRunner
 
 __all__ = ["WorkerClient", "WorkerDiedError", "WorkerError"]
@@ -94,15 +105,24 @@ def _worker_main(conn: Connection, factory: Callable[[Any], Executor], settings_
             break
         if isinstance(msg, Shutdown):
             break
-        if isinstance(msg, InitCache):
-            try:
-                runner.init_kv_cache(msg.num_blocks)
-                conn.send_bytes(_encoder.encode(InitDone(True)))
-            except BaseException as e:
-                conn.send_bytes(_encoder.encode(InitDone(False, _format_error(e))))
+        if isinstance(msg, InitCache | ProfileMemory):
+            conn.send_bytes(_encoder.encode(_lifecycle(runner, msg)))
             continue
         conn.send_bytes(_encoder.encode(runner.step(msg)))
     runner.shutdown()
+
+
+def _lifecycle(runner: ModelRunner, msg: InitCache | ProfileMemory) -> InitDone | MemoryProfile:
+    """Run a cache-planning command; a failure is reported, not raised (the engine decides)."""
+    try:
+        if isinstance(msg, ProfileMemory):
+            return profile_memory(runner, msg.num_tokens)
+        runner.init_kv_cache(msg.num_blocks)
+        return InitDone(True)
+    except BaseException as e:
+        if isinstance(msg, ProfileMemory):
+            return MemoryProfile(ok=False, error=_format_error(e))
+        return InitDone(False, _format_error(e))
 
 
 def _format_error(e: BaseException) -> str:
@@ -167,6 +187,19 @@ class WorkerClient:
         done = msgspec.msgpack.decode(self._recv(self.timeout, "allocating the KV cache"), type=InitDone)
         if not done.ok:
             raise WorkerError(f"the executor failed to allocate its KV cache: {done.error}")
+
+    def profile_memory(self, num_tokens: int) -> MemoryProfile:
+        """Device memory and the peak of a ``num_tokens`` forward (see :mod:`pypto_serving.memory`)."""
+        if self._runner is not None:
+            profile = _lifecycle(self._runner, ProfileMemory(num_tokens))
+        else:
+            self._conn.send_bytes(_encoder.encode(ProfileMemory(num_tokens)))
+            raw = self._recv(self.timeout, "profiling memory")
+            profile = msgspec.msgpack.decode(raw, type=MemoryProfile)
+        assert isinstance(profile, MemoryProfile)
+        if not profile.ok:
+            raise WorkerError(f"the worker could not profile memory: {profile.error}")
+        return profile
 
     @property
     def in_flight(self) -> int:
