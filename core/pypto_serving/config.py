@@ -151,12 +151,14 @@ class ServingSettings(BaseSettings):
     tool_call_parser: str = Field(
         "auto",
         description="Tool-call parser plugin for chat requests with tools: 'auto' picks by the executor's "
-        "architecture (Qwen: 'hermes', DeepSeek V3.2/V4: 'deepseek_v4'), 'none' returns tool calls as text.",
+        "architecture (Qwen: 'hermes', DeepSeek V3: 'deepseek_v3', V3.2/V4: 'deepseek_v4'), 'none' returns "
+        "tool calls as text.",
     )
     reasoning_parser: str = Field(
         "none",
         description="Reasoning parser plugin that moves the model's thinking into reasoning_content "
-        "('qwen3', 'deepseek_v4'); 'auto' picks by the executor's architecture, 'none' leaves it in content.",
+        "('qwen3', 'deepseek_r1', 'deepseek_v4'); 'auto' picks by the executor's architecture, 'none' leaves "
+        "it in content.",
     )
 
     # -- capacity & batching

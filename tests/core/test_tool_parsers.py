@@ -8,7 +8,13 @@ import json
 
 import pytest
 
-from pypto_serving.parsers import DeepSeekDSMLToolParser, HermesToolParser, ParsedToolCall, ToolParser
+from pypto_serving.parsers import (
+    DeepSeekDSMLToolParser,
+    DeepSeekV3ToolParser,
+    HermesToolParser,
+    ParsedToolCall,
+    ToolParser,
+)
 
 # Qwen3-8B's output for "What's the weather in Paris and in Rome?" with a get_weather tool.
 QWEN3_TWO_CALLS = (
@@ -50,6 +56,17 @@ DEEPSEEK_V32_CALL = (
     f"</{D}parameter>\n</{D}invoke>\n</{D}function_calls>"
 )
 
+# DeepSeek V3 / R1 (the type, then the name and fenced JSON) and V3.1 (the name, then bare JSON), as their
+# chat templates write an assistant's tool calls.
+V3_BEGIN, V3_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+V3_CALL, V3_SEP, V3_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+DEEPSEEK_V3_CALLS = (
+    f"{V3_BEGIN}{V3_CALL}function{V3_SEP}get_weather\n```json\n"
+    f'{{"city": "Paris", "unit": "celsius"}}\n```{V3_CALL_END}\n'
+    f"{V3_CALL}function{V3_SEP}get_time\n```json\n{{}}\n```{V3_CALL_END}{V3_END}"
+)
+DEEPSEEK_V31_CALLS = f'Checking.{V3_BEGIN}{V3_CALL}get_weather{V3_SEP}{{"city": "Paris"}}{V3_CALL_END}{V3_END}'
+
 
 def whole(parser: ToolParser, text: str) -> tuple[str, list[ParsedToolCall]]:
     content, calls = parser.feed(text)
@@ -73,28 +90,35 @@ CASES = [
     (HermesToolParser, QWEN3_TWO_CALLS, "I'll check the weather in both cities for you.", QWEN3_CALLS),
     (DeepSeekDSMLToolParser, DEEPSEEK_V4_CALLS, "Let me look that up.", DEEPSEEK_CALLS),
     (DeepSeekDSMLToolParser, DEEPSEEK_V32_CALL, "", [ParsedToolCall("search", '{"q": "a < b & \\"c\\""}')]),
+    (
+        DeepSeekV3ToolParser,
+        DEEPSEEK_V3_CALLS,
+        "",
+        [ParsedToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}'), ParsedToolCall("get_time", "{}")],
+    ),
+    (DeepSeekV3ToolParser, DEEPSEEK_V31_CALLS, "Checking.", [ParsedToolCall("get_weather", '{"city": "Paris"}')]),
 ]
+IDS = ["qwen3", "deepseek_v4", "deepseek_v32", "deepseek_v3", "deepseek_v31"]
 
 
-@pytest.mark.parametrize(("cls", "text", "content", "calls"), CASES, ids=["qwen3", "deepseek_v4", "deepseek_v32"])
+@pytest.mark.parametrize(("cls", "text", "content", "calls"), CASES, ids=IDS)
 def test_whole_output(cls: type[ToolParser], text: str, content: str, calls: list[ParsedToolCall]) -> None:
     assert whole(cls(), text) == (content, calls)
 
 
-@pytest.mark.parametrize(("cls", "text", "content", "calls"), CASES, ids=["qwen3", "deepseek_v4", "deepseek_v32"])
+@pytest.mark.parametrize(("cls", "text", "content", "calls"), CASES, ids=IDS)
 def test_split_at_every_boundary(cls: type[ToolParser], text: str, content: str, calls: list[ParsedToolCall]) -> None:
     for cut in range(len(text) + 1):
         got_content, got_calls, released_at = streamed(cls(), [text[:cut], text[cut:]])
         assert (got_content, got_calls) == (content, calls), cut
         # A call is complete only once its block closes: before that cut, it is not released.
-        ends = [
-            text.index(e) + len(e) for e in ("</tool_call>", f"</{D}tool_calls>", f"</{D}function_calls>") if e in text
-        ]
+        closing = ("</tool_call>", f"</{D}tool_calls>", f"</{D}function_calls>", V3_END)
+        ends = [text.index(e) + len(e) for e in closing if e in text]
         for at in released_at:
             assert at == 1 or cut >= min(ends), (cut, released_at)
 
 
-@pytest.mark.parametrize(("cls", "text", "content", "calls"), CASES, ids=["qwen3", "deepseek_v4", "deepseek_v32"])
+@pytest.mark.parametrize(("cls", "text", "content", "calls"), CASES, ids=IDS)
 def test_one_character_at_a_time(cls: type[ToolParser], text: str, content: str, calls: list[ParsedToolCall]) -> None:
     parser = cls()
     got, released = "", []
@@ -109,7 +133,7 @@ def test_one_character_at_a_time(cls: type[ToolParser], text: str, content: str,
 
 def test_content_without_calls_is_unchanged() -> None:
     text = "Plain answer with <tool and <｜DSML｜ look-alikes, a <b>tag</b>, and trailing space \n "
-    for cls in (HermesToolParser, DeepSeekDSMLToolParser):
+    for cls in (HermesToolParser, DeepSeekDSMLToolParser, DeepSeekV3ToolParser):
         for cut in range(len(text) + 1):
             assert streamed(cls(), [text[:cut], text[cut:]])[:2] == (text, []), (cls, cut)
 
@@ -149,3 +173,17 @@ def test_malformed_call_next_to_a_good_one() -> None:
 def test_malformed_dsml_is_content(bad: str) -> None:
     for cut in range(len(bad) + 1):
         assert streamed(DeepSeekDSMLToolParser(), [bad[:cut], bad[cut:]])[:2] == (bad, []), cut
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        f'{V3_BEGIN}{V3_CALL}function{V3_SEP}get_weather\n```json\n{{"city": }}\n```{V3_CALL_END}{V3_END}',
+        f"{V3_BEGIN}{V3_CALL}{V3_SEP}{{}}{V3_CALL_END}{V3_END}",  # no name
+        f"{V3_BEGIN}{V3_CALL}f{V3_SEP}[1]{V3_CALL_END}{V3_END}",  # arguments not an object
+        f"{V3_BEGIN}{V3_CALL}f{V3_SEP}{{}}{V3_CALL_END}",  # never closed
+    ],
+)
+def test_malformed_deepseek_v3_is_content(bad: str) -> None:
+    for cut in range(len(bad) + 1):
+        assert streamed(DeepSeekV3ToolParser(), [bad[:cut], bad[cut:]])[:2] == (bad, []), cut

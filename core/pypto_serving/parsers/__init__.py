@@ -4,11 +4,12 @@
 from .base import ParsedToolCall, ReasoningParser, ToolParser, partial_suffix
 from .output import OutputParser, ParsedOutput
 from .reasoning import ThinkReasoningParser
-from .tools import BlockToolParser, DeepSeekDSMLToolParser, HermesToolParser
+from .tools import BlockToolParser, DeepSeekDSMLToolParser, DeepSeekV3ToolParser, HermesToolParser
 
 __all__ = [
     "BlockToolParser",
     "DeepSeekDSMLToolParser",
+    "DeepSeekV3ToolParser",
     "HermesToolParser",
     "OutputParser",
     "ParsedOutput",

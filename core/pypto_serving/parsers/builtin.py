@@ -7,11 +7,12 @@ from typing import Any
 from ..hookspecs import ReasoningParserSpec, ToolParserSpec, hookimpl
 from .base import ReasoningParser, ToolParser
 from .reasoning import ThinkReasoningParser
-from .tools import DeepSeekDSMLToolParser, HermesToolParser
+from .tools import DeepSeekDSMLToolParser, DeepSeekV3ToolParser, HermesToolParser
 
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+DEEPSEEK_V3_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 DEEPSEEK_DSML_ARCHITECTURES = ("DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM")
-THINKING_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *DEEPSEEK_DSML_ARCHITECTURES)
 
 
 def hermes_parser(tools: list[dict[str, Any]]) -> ToolParser:
@@ -20,6 +21,10 @@ def hermes_parser(tools: list[dict[str, Any]]) -> ToolParser:
 
 def deepseek_dsml_parser(tools: list[dict[str, Any]]) -> ToolParser:
     return DeepSeekDSMLToolParser(tools)
+
+
+def deepseek_v3_parser(tools: list[dict[str, Any]]) -> ToolParser:
+    return DeepSeekV3ToolParser(tools)
 
 
 def think_parser(prompt_text: str) -> ReasoningParser:
@@ -41,17 +46,29 @@ def pypto_serving_register_tool_parsers() -> list[ToolParserSpec]:
             "DeepSeek DSML <｜DSML｜tool_calls> blocks (V4; V3.2's <｜DSML｜function_calls> too)",
             DEEPSEEK_DSML_ARCHITECTURES,
         ),
+        ToolParserSpec(
+            "deepseek_v3",
+            deepseek_v3_parser,
+            "DeepSeek <｜tool▁calls▁begin｜> blocks (V3 and R1 with fenced JSON, V3.1 with bare JSON)",
+            DEEPSEEK_V3_ARCHITECTURES,
+        ),
     ]
 
 
 @hookimpl
 def pypto_serving_register_reasoning_parsers() -> list[ReasoningParserSpec]:
     return [
-        ReasoningParserSpec("qwen3", think_parser, "<think>...</think> reasoning (Qwen3)", THINKING_ARCHITECTURES[:2]),
+        ReasoningParserSpec("qwen3", think_parser, "<think>...</think> reasoning (Qwen3)", QWEN3_ARCHITECTURES),
         ReasoningParserSpec(
             "deepseek_v4",
             think_parser,
-            "<think>...</think> reasoning, opened by the prompt in thinking mode (DeepSeek R1, V3.1+, V4)",
+            "<think>...</think> reasoning, opened by the prompt in thinking mode (DeepSeek V3.2, V4)",
             DEEPSEEK_DSML_ARCHITECTURES,
+        ),
+        ReasoningParserSpec(
+            "deepseek_r1",
+            think_parser,
+            "<think>...</think> reasoning, opened by the prompt (DeepSeek R1, V3.1 thinking mode)",
+            DEEPSEEK_V3_ARCHITECTURES,
         ),
     ]

@@ -1,5 +1,5 @@
-"""Built-in tool-call parsers: Qwen's Hermes-style ``<tool_call>{json}</tool_call>`` and DeepSeek's
-DSML blocks (V3.2 and V4).
+"""Built-in tool-call parsers: Qwen's Hermes-style ``<tool_call>{json}</tool_call>``, DeepSeek's DSML
+blocks (V3.2 and V4) and DeepSeek V3 / V3.1's ``<｜tool▁calls▁begin｜>`` blocks.
 
 Both formats delimit calls with fixed tags, so one block scanner serves them: text outside a block is
 content, a block is held until its closing tag and then parsed as a whole. A call therefore reaches
@@ -15,7 +15,7 @@ from typing import Any
 
 from .base import ParsedToolCall, ToolParser, partial_suffix
 
-__all__ = ["BlockToolParser", "DeepSeekDSMLToolParser", "HermesToolParser"]
+__all__ = ["BlockToolParser", "DeepSeekDSMLToolParser", "DeepSeekV3ToolParser", "HermesToolParser"]
 
 
 class BlockToolParser(ToolParser):
@@ -182,3 +182,33 @@ def _dsml_arguments(body: str) -> dict[str, Any] | None:
                 return None
         pos = m.end()
     return None if body[pos:].strip() else args
+
+
+# The bars are U+FF5C and the spaces U+2581 LOWER ONE EIGHTH BLOCK, as in DeepSeek V3's special tokens.
+_V3_CALL = re.compile(r"\s*<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+_V3_FENCED = re.compile(r"([^\n]+)\n```json\n(.*)\n```", re.DOTALL)
+
+
+class DeepSeekV3ToolParser(BlockToolParser):
+    """DeepSeek V3 / R1 and V3.1 calls in a ``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>`` block.
+
+    V3 writes ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{ARGS}\n```<｜tool▁call▁end｜>``;
+    V3.1 writes ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{ARGS}<｜tool▁call▁end｜>``."""
+
+    tags = (("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),)
+
+    def parse_block(self, body: str) -> list[ParsedToolCall] | None:
+        calls: list[ParsedToolCall] = []
+        pos = 0
+        while (m := _V3_CALL.match(body, pos)) is not None:
+            head, rest = m.group(1), m.group(2)
+            fenced = _V3_FENCED.fullmatch(rest.strip()) if head == "function" else None
+            name, args_text = (fenced.group(1).strip(), fenced.group(2)) if fenced else (head.strip(), rest)
+            args = _arguments_json(args_text)
+            if not name or args is None:
+                return None
+            calls.append(ParsedToolCall(name, args))
+            pos = m.end()
+        if not calls or body[pos:].strip():
+            return None
+        return calls
