@@ -21,6 +21,11 @@ class ParsedOutput:
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
 
+    def __add__(self, later: ParsedOutput) -> ParsedOutput:
+        return ParsedOutput(
+            self.reasoning + later.reasoning, self.content + later.content, self.tool_calls + later.tool_calls
+        )
+
 
 class OutputParser:
     """Chains an optional reasoning parser and an optional tool parser over one choice's text.
@@ -56,7 +61,5 @@ class OutputParser:
 
     def parse(self, text: str) -> ParsedOutput:
         """The whole of a finished generation's ``text`` at once."""
-        first, last = self.feed(text), self.finish()
-        return ParsedOutput(
-            first.reasoning + last.reasoning, first.content + last.content, first.tool_calls + last.tool_calls
-        )
+        first = self.feed(text)
+        return first + self.finish()

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from ..engine import EngineDeadError
-from ..parsers import OutputParser, ParsedOutput
+from ..parsers import OutputParser
 from ..request import CompletionOutput, RequestOutput, SamplingParams
 from .async_llm import EngineFailure
 from .openai_requests import _Ctx, _engine_error, _Prompt, _request_ids
@@ -307,10 +307,7 @@ def _chat_deltas(st: _ChoiceState, text: str, done: bool) -> list[dict[str, Any]
         return [{"content": text}] if text else []
     parsed = st.parser.feed(text)
     if done:
-        rest = st.parser.finish()
-        parsed = ParsedOutput(
-            parsed.reasoning + rest.reasoning, parsed.content + rest.content, parsed.tool_calls + rest.tool_calls
-        )
+        parsed += st.parser.finish()
     deltas: list[dict[str, Any]] = []
     if parsed.reasoning:
         deltas.append({"reasoning_content": parsed.reasoning})
