@@ -70,6 +70,18 @@ class DecodeGraphs:
         self._padding: dict[int, _Padding] = {}
         self._compiled = compile_decode(self._forward, options.mode)
 
+    def use_caches(self, kv_caches: list[KVCache], scratch_block: int) -> None:
+        """Take a newly allocated cache (a memory profile allocates one before the real one).
+
+        The block count is a dynamic dimension of the graphs, so a cache of another size reuses
+        them instead of compiling every bucket again.
+        """
+        for key_cache, value_cache in kv_caches:
+            torch._dynamo.mark_dynamic(key_cache, 0)
+            torch._dynamo.mark_dynamic(value_cache, 0)
+        self._scratch = scratch_block
+        self._padding.clear()
+
     def bucket(self, batch: BatchInput) -> int | None:
         """The bucket of a decode-only batch (every request one query token), else None (runs eager)."""
         qsl = batch.query_start_loc_host
@@ -98,7 +110,7 @@ class DecodeGraphs:
             meta = self._meta(pad.slots, pad.block_tables, pad.seq_lens, [1] * bucket)
             t0 = time.perf_counter()
             self._call(pad.input_ids, pad.positions, meta, kv_caches)
-            self.stats.first_call_seconds[bucket] = time.perf_counter() - t0
+            self.stats.first_call_seconds.setdefault(bucket, time.perf_counter() - t0)
         return time.perf_counter() - start
 
     def _call(

@@ -129,16 +129,18 @@ class QwenExecutor(Executor):
             # Padding rows read the scratch block's first slot: keep it finite before any write.
             key_cache[scratch_block].zero_()
             value_cache[scratch_block].zero_()
-        block_size = self.settings.block_size
-        max_len = self.settings.max_model_len or cfg.max_position_embeddings
-        self.graphs = DecodeGraphs(
-            self.model,
-            self.graph_options,
-            scratch_block=scratch_block,
-            block_size=block_size,
-            table_width=-(-max_len // block_size),
-            device=self.device,
-        )
+        if self.graphs is None:
+            block_size = self.settings.block_size
+            max_len = self.settings.max_model_len or cfg.max_position_embeddings
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.graph_options,
+                scratch_block=scratch_block,
+                block_size=block_size,
+                table_width=-(-max_len // block_size),
+                device=self.device,
+            )
+        self.graphs.use_caches(self.kv_caches, scratch_block)
         opts = self.graph_options
         if opts.warmup == "load":
             seconds = self.graphs.warm_up(self.kv_caches)

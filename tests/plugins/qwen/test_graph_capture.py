@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import pypto_kernels as K
 from pypto_serving_qwen.executor import KV_GROUP, QwenExecutor
@@ -58,9 +59,13 @@ def test_captured_decode_matches_eager_and_transformers_over_buckets_with_paddin
     path = qwen_checkpoints("qwen3")
     eager = _executor(path, graph_mode="eager")
     captured = _executor(path, graph_mode="aot_eager", graph_batch_sizes=[2, 4])
+    captured.init_kv_cache({KV_GROUP: 8})  # as a memory profile does before the real cache
+    assert captured.graph_stats.first_call_seconds.keys() == {2, 4}  # warm-up at load compiled both buckets
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 2  # the counter counts compiled graphs (one per bucket here)
     for ex in (eager, captured):
         _init_with_nan(ex)
-    assert captured.graph_stats.first_call_seconds.keys() == {2, 4}  # warm-up at load compiled both buckets
+    assert counters["stats"]["unique_graphs"] == graphs  # another cache size reuses the graphs
     builders = {id(ex): PagedBatchBuilder(BLOCK_SIZE, NUM_BLOCKS, seed=3) for ex in (eager, captured)}
     seqs = {rid: list(p) for rid, p in PROMPTS.items()}
     tokens: dict[int, dict[str, int]] = {}
