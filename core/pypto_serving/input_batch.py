@@ -23,7 +23,6 @@ import torch
 
 from .executor import CacheGroupSpec
 from .messages import WireSampling
-from .sampler import SamplingRows
 
 __all__ = ["GroupTable", "InputBatch", "Staging", "StepArrays", "StepTensors"]
 
@@ -172,7 +171,12 @@ class StepTensors:
 
 
 class InputBatch:
-    """Dense rows of the requests the worker holds: sampling parameters, progress and block tables."""
+    """Dense rows of the requests the worker holds: sampling parameters, progress and block tables.
+
+    The runner reads progress (last sampled token, outputs, rejected drafts) and the tables from
+    here; the sampling columns are kept for array gathers, while the sampler itself takes
+    :class:`~pypto_serving.sampler.RowParams`, which measured faster on the CPU than a column-wise
+    sampler fed from these arrays."""
 
     def __init__(self, *, groups: list[CacheGroupSpec], max_model_len: int, device: torch.device, rows: int = 16):
         self.device = device
@@ -295,36 +299,6 @@ class InputBatch:
             slot_mapping=slots,
             query_start_loc_host=qsl.tolist(),
             seq_lens_host=seq_lens.tolist(),
-        )
-
-    def sampling_rows(self, rows: IntArray, num_logits: IntArray) -> SamplingRows:
-        """The sampler's parameters for ``num_logits[i]`` consecutive logits rows of batch row
-        ``rows[i]``: the ``j``-th draws the row's output ``num_outputs + j``. Penalty counts and
-        drafts are left empty for the caller, which holds them."""
-        at = np.repeat(rows, num_logits)
-        first = np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
-        ints, floats = self.ints, self.floats
-        draw = ints["num_outputs"][at] + (np.arange(len(at)) - first)
-        wants_ban = draw < ints["min_tokens"][at]
-        banned: list[tuple[int, ...]] = [()] * len(at)
-        for i in np.flatnonzero(wants_ban).tolist():
-            sp = self.sampling[int(at[i])]
-            assert sp is not None
-            banned[i] = sp.min_tokens_banned
-        return SamplingRows(
-            temperature=floats["temperature"][at],
-            seed=ints["seed"][at],
-            draw_index=draw,
-            top_k=ints["top_k"][at],
-            top_p=floats["top_p"][at],
-            min_p=floats["min_p"][at],
-            presence_penalty=floats["presence_penalty"][at],
-            frequency_penalty=floats["frequency_penalty"][at],
-            repetition_penalty=floats["repetition_penalty"][at],
-            num_logprobs=ints["num_logprobs"][at],
-            banned=banned,
-            counts=[None] * len(at),
-            drafts=[()] * len(at),
         )
 
     def commit(self, rows: list[int], kept: list[int], last: list[int], rejected: list[int]) -> None:

@@ -21,7 +21,7 @@ import torch
 from .executor import BatchInput, Executor, ExecutorInfo
 from .input_batch import InputBatch, StepArrays
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
-from .sampler import SampleOutput, SamplingRows, TokenCounts, sample
+from .sampler import RowParams, SampleOutput, TokenCounts, sample
 
 __all__ = ["MissingSampledTokenError", "ModelRunner"]
 
@@ -208,27 +208,19 @@ class ModelRunner:
         self, cmd: StepCommand, batch: BatchInput, logits: torch.Tensor, drafts_used: list[list[int]]
     ) -> StepResult:
         result = StepResult(step_id=cmd.step_id)
-        params = self._sampling_rows(cmd.entries, batch.num_logits, drafts_used)
-        if len(params):
+        params = self._row_params(cmd.entries, batch.num_logits, drafts_used)
+        if params:
             self._verify(cmd.entries, batch.num_logits, drafts_used, sample(logits, params), result)
         return result
 
-    def _sampling_rows(
+    def _row_params(
         self, entries: list[ScheduledEntry], num_logits: list[int], drafts_used: list[list[int]]
-    ) -> SamplingRows:
-        """One sampler row per logits row, gathered from the batch rows: row ``j`` of a request draws
-        its output ``num_outputs + j`` and follows its first ``j`` drafts."""
-        ib = self.input_batch
-        rows = self._rows(entries)
-        params = ib.sampling_rows(rows, np.array(num_logits, dtype=np.int64))
-        if ib.ints["has_penalties"][rows].any():  # only penalised rows read counts and drafts
-            at = 0
-            for e, n, drafts in zip(entries, num_logits, drafts_used):
-                counts = self.states[e.request_id].counts
-                if counts is not None:
-                    params.counts[at : at + n] = [counts] * n
-                    params.drafts[at : at + n] = [tuple(drafts[:j]) for j in range(n)]
-                at += n
+    ) -> list[RowParams]:
+        """One sampler row per logits row: row ``j`` of a request follows its first ``j`` drafts."""
+        params: list[RowParams] = []
+        for e, n, drafts in zip(entries, num_logits, drafts_used):
+            st = self.states[e.request_id]
+            params += (_row(st, st.num_outputs + j, drafts[:j]) for j in range(n))
         return params
 
     def _verify(
@@ -269,6 +261,27 @@ class ModelRunner:
             if st.sampling.logprobs is not None:
                 result.logprobs[e.request_id] = [out.logprobs[r] or {} for r in rows[: len(kept)]]
         self.input_batch.commit(*committed)
+
+
+def _row(st: _ReqState, draw_index: int, drafts: list[int]) -> RowParams:
+    """Sampler parameters of a request's output ``draw_index``, sampled after ``drafts``."""
+    sp = st.sampling
+    return RowParams(
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        seed=st.seed,
+        draw_index=draw_index,
+        num_logprobs=sp.logprobs,
+        banned=sp.min_tokens_banned if draw_index < sp.min_tokens else (),
+        # Penalties read the request's device counts plus this row's drafts: no history copy per step.
+        counts=st.counts,
+        drafts=tuple(drafts) if st.counts is not None else (),
+    )
 
 
 def _accept(targets: list[int], drafts: list[int]) -> list[int]:

@@ -24,11 +24,9 @@ outputs' counts, updated with the few tokens each step adds, never rebuilt from 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 __all__ = [
@@ -36,7 +34,6 @@ __all__ = [
     "DeviceSample",
     "RowParams",
     "SampleOutput",
-    "SamplingRows",
     "TokenCounts",
     "packed",
     "sample",
@@ -66,11 +63,9 @@ class TokenCounts:
     def extend(self, tokens: list[int]) -> None:
         self._pending += tokens
 
-    def tensors(
-        self, vocab: int, device: torch.device, *, frequency: float, presence: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def tensors(self, vocab: int, device: torch.device, p: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
         """``(seen bool [V], subtract float [V])`` with every added token folded in; ``subtract`` is
-        ``frequency * count + presence * (count > 0)`` of the outputs (the request's penalties)."""
+        ``frequency_penalty * count + presence_penalty * (count > 0)`` of the outputs."""
         if self._prompt is not None:
             prompt = torch.tensor([t for t in self._prompt if 0 <= t < vocab], dtype=torch.long, device=device)
             self._seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill(0, prompt, True)
@@ -82,13 +77,16 @@ class TokenCounts:
             idx = torch.tensor(pending, dtype=torch.long, device=device)
             self._counts.index_add_(0, idx, torch.ones(len(pending), device=device))
             self._seen.index_fill_(0, idx, True)
-            counts = self._counts.index_select(0, idx)
-            self._subtract.index_copy_(0, idx, frequency * counts + presence * (counts > 0).to(counts.dtype))
+            self._subtract.index_copy_(0, idx, _subtract(self._counts.index_select(0, idx), p))
         self._pending = []
         return self._seen, self._subtract
 
     def counts_at(self, idx: torch.Tensor) -> torch.Tensor:
         return self._counts.index_select(0, idx)
+
+
+def _subtract(counts: torch.Tensor, p: RowParams) -> torch.Tensor:
+    return p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(counts.dtype)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -108,69 +106,6 @@ class RowParams:
     banned: tuple[int, ...] = ()  # eos/stop ids while min_tokens is not reached
     counts: TokenCounts | None = None  # the request's token counts; None: the request has no penalties
     drafts: tuple[int, ...] = ()  # outputs this row follows that ``counts`` does not hold yet
-
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
-
-
-@dataclass(slots=True, kw_only=True)
-class SamplingRows:
-    """The parameters of ``N`` logits rows column by column, as host arrays: what the sampler reads.
-
-    The worker gathers these from its persistent rows in a few array operations per step; a list of
-    :class:`RowParams` converts with :meth:`from_params`. ``num_logprobs`` is -1 for rows without
-    logprobs."""
-
-    temperature: FloatArray
-    seed: IntArray
-    draw_index: IntArray
-    top_k: IntArray
-    top_p: FloatArray
-    min_p: FloatArray
-    presence_penalty: FloatArray
-    frequency_penalty: FloatArray
-    repetition_penalty: FloatArray
-    num_logprobs: IntArray
-    banned: list[tuple[int, ...]]
-    counts: list[TokenCounts | None]
-    drafts: list[tuple[int, ...]]
-
-    def __len__(self) -> int:
-        return len(self.temperature)
-
-    @classmethod
-    def from_params(cls, params: Sequence[RowParams]) -> SamplingRows:
-        def col(name: str) -> FloatArray:
-            return np.array([getattr(p, name) for p in params], dtype=np.float64)
-
-        def icol(name: str) -> IntArray:
-            return np.array([getattr(p, name) for p in params], dtype=np.int64)
-
-        return cls(
-            temperature=col("temperature"),
-            seed=icol("seed"),
-            draw_index=icol("draw_index"),
-            top_k=icol("top_k"),
-            top_p=col("top_p"),
-            min_p=col("min_p"),
-            presence_penalty=col("presence_penalty"),
-            frequency_penalty=col("frequency_penalty"),
-            repetition_penalty=col("repetition_penalty"),
-            num_logprobs=np.array([-1 if p.num_logprobs is None else p.num_logprobs for p in params], dtype=np.int64),
-            banned=[p.banned for p in params],
-            counts=[p.counts for p in params],
-            drafts=[p.drafts for p in params],
-        )
-
-
-def _rows(params: Sequence[RowParams] | SamplingRows) -> SamplingRows:
-    return params if isinstance(params, SamplingRows) else SamplingRows.from_params(params)
-
-
-def _upload(values: npt.NDArray[np.generic], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Host ``values`` on ``like``'s device, in one copy."""
-    return torch.from_numpy(np.ascontiguousarray(values)).to(device=like.device, dtype=dtype or like.dtype)
 
 
 @dataclass(slots=True)
@@ -208,49 +143,44 @@ def uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return ((z >> 32) & 0xFFFF_FFFF).double() * 2.0**-32
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[int], params: Sequence[RowParams] | SamplingRows) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, rows: list[int], params: list[RowParams]) -> torch.Tensor:
     """``logits`` with the penalties of ``rows`` applied (a new tensor; the input is untouched)."""
-    p = _rows(params)
     vocab = logits.shape[1]
     dev = logits.device
     # Row by row into one new tensor: stacking the requests' [V] tensors would allocate and copy
     # [rows, V] twice more per step, and fresh allocations that size dominate the CPU step.
     out = torch.empty_like(logits) if rows == list(range(logits.shape[0])) else logits.clone()
     for r in rows:
-        counts = _counts(p, r)
-        freq, pres = float(p.frequency_penalty[r]), float(p.presence_penalty[r])
-        seen, minus = counts.tensors(vocab, dev, frequency=freq, presence=pres)
-        drafts = [t for t in p.drafts[r] if 0 <= t < vocab]
+        p = params[r]
+        seen, minus = _counts(p).tensors(vocab, dev, p)
+        drafts = [t for t in p.drafts if 0 <= t < vocab]
         if drafts:  # out of place: the drafts stay out of the request's own tensors
             at = torch.tensor(drafts, dtype=torch.long, device=dev)
-            minus = minus.index_put((at,), _draft_subtract(counts, freq, pres, drafts, at))
+            minus = minus.index_put((at,), _draft_subtract(p, drafts, at))
             seen = seen.index_fill(0, at, True)
         row = logits.select(0, r)
-        rep = float(p.repetition_penalty[r])
-        if rep != 1.0:
+        if p.repetition_penalty != 1.0:
+            rep = p.repetition_penalty
             row = torch.where(seen, torch.where(row > 0, row / rep, row * rep), row)
         torch.sub(row, minus, out=out.select(0, r))
     return out
 
 
-def _counts(p: SamplingRows, r: int) -> TokenCounts:
-    counts = p.counts[r]
-    assert counts is not None, "a row with penalties carries its request's counts"
-    return counts
+def _counts(p: RowParams) -> TokenCounts:
+    assert p.counts is not None, "a row with penalties carries its request's counts"
+    return p.counts
 
 
-def _draft_subtract(
-    counts: TokenCounts, frequency: float, presence: float, drafts: list[int], at: torch.Tensor
-) -> torch.Tensor:
+def _draft_subtract(p: RowParams, drafts: list[int], at: torch.Tensor) -> torch.Tensor:
     """What the frequency and presence penalties subtract at each draft token: the request's output
     count plus every copy of the token among the row's drafts."""
     extra = torch.tensor([float(drafts.count(t)) for t in drafts], dtype=torch.float32, device=at.device)
-    return frequency * (counts.counts_at(at) + extra) + presence
+    return p.frequency_penalty * (_counts(p).counts_at(at) + extra) + p.presence_penalty
 
 
-def _ban(logits: torch.Tensor, p: SamplingRows) -> torch.Tensor:
+def _ban(logits: torch.Tensor, params: list[RowParams]) -> torch.Tensor:
     vocab = logits.shape[1]
-    pairs = [(i, t) for i, banned in enumerate(p.banned) for t in banned if 0 <= t < vocab]
+    pairs = [(i, t) for i, p in enumerate(params) for t in p.banned if 0 <= t < vocab]
     if not pairs:
         return logits
     return logits.index_put(_pairs(pairs, logits.device), torch.tensor(float("-inf"), device=logits.device))
@@ -263,29 +193,21 @@ def _pairs(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Te
     return at.select(1, 0), at.select(1, 1)
 
 
-_KINDS = ("top", "bounded", "sorted", "all")
+def _kind(p: RowParams, vocab: int) -> tuple[str, int]:
+    """The candidate set a sampled row draws from; it depends on the row alone (batch invariance)."""
+    if 0 < p.top_k < vocab:
+        return "top", p.top_k
+    if p.top_p < 1.0 or p.min_p > 0.0:
+        return ("bounded", CANDIDATES) if vocab > CANDIDATES else ("sorted", vocab)
+    return "all", vocab
 
 
-def _kinds(p: SamplingRows, rows: IntArray, vocab: int, fallback: bool) -> dict[tuple[str, int], IntArray]:
-    """Positions in ``rows`` grouped by the candidate set each row draws from: a row's own top-k
-    (exact), the bounded ``CANDIDATES``, the sorted or the whole vocabulary. A row's kind depends on
-    the row alone (batch invariance); the fallback re-draws top-p rows over the sorted vocabulary."""
-    top_p, min_p, top_k = p.top_p[rows], p.min_p[rows], p.top_k[rows]
-    code = np.full(len(rows), 3, dtype=np.int64)  # "all"
-    size = np.full(len(rows), vocab, dtype=np.int64)
-    if fallback:
-        code[top_p < 1.0] = 2
-    else:
-        code[(top_p < 1.0) | (min_p > 0.0)] = 1 if vocab > CANDIDATES else 2
-        size[code == 1] = CANDIDATES
-        top = (top_k > 0) & (top_k < vocab)
-        code[top] = 0
-        size[top] = top_k[top]
-    keys = code * (vocab + 1) + size
-    groups: dict[tuple[str, int], IntArray] = {}
-    for key in np.unique(keys).tolist():
-        groups[(_KINDS[key // (vocab + 1)], key % (vocab + 1))] = np.flatnonzero(keys == key)
-    return groups
+def _fallback_kind(p: RowParams, vocab: int) -> tuple[str, int]:
+    return ("sorted", vocab) if p.top_p < 1.0 else ("all", vocab)
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
 
 
 def _row_mass(x: torch.Tensor, top: torch.Tensor, temp: torch.Tensor) -> torch.Tensor:
@@ -297,12 +219,11 @@ def _row_mass(x: torch.Tensor, top: torch.Tensor, temp: torch.Tensor) -> torch.T
 
 
 def _draw(
-    x: torch.Tensor, kind: str, k: int, p: SamplingRows, group: IntArray, u: torch.Tensor
+    x: torch.Tensor, kind: str, k: int, params: list[RowParams], u: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``[S]`` of rows ``x [S, V]`` (the rows ``group`` of ``p``) sharing one candidate kind,
-    and whether each row's kept set lies inside its candidates (always, except for ``bounded``)."""
-    cols = _upload(np.stack([p.temperature[group], p.min_p[group], p.top_p[group]], axis=1), x)
-    temp, min_p, top_p = cols.narrow(1, 0, 1), cols.narrow(1, 1, 1), cols.narrow(1, 2, 1)
+    """Tokens ``[S]`` of rows ``x [S, V]`` sharing one candidate kind, and whether each row's kept
+    set lies inside its candidates (always, except for the ``bounded`` kind)."""
+    temp = _column([p.temperature for p in params], x)
     if kind == "all":
         vals, ids = x, torch.arange(x.shape[1], device=x.device).expand_as(x)
     elif kind == "sorted":
@@ -313,9 +234,11 @@ def _draw(
     # Top-p weighs the candidates against the whole row's mass unless top-k has cut the row first.
     norm = _row_mass(x, vals.narrow(1, 0, 1), temp) if kind == "bounded" else torch.logsumexp(v, -1, keepdim=True)
     probs = torch.exp(v - norm)
+    min_p = _column([p.min_p for p in params], x)
     drop = v < v.amax(dim=-1, keepdim=True) + torch.log(min_p)  # log(0) = -inf drops nothing
     fits = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
     if kind != "all":
+        top_p = _column([p.top_p for p in params], x)
         cum = probs.cumsum(dim=-1)
         past = ((cum - probs) > top_p) & (top_p < 1.0)  # the mass strictly above the token exceeds top-p
         drop |= past & (torch.arange(k, device=x.device) > 0)  # the best token always stays
@@ -328,56 +251,51 @@ def _draw(
 
 
 def _draw_rows(
-    x: torch.Tensor,
-    params: Sequence[RowParams] | SamplingRows,
-    rows: Sequence[int] | IntArray,
-    tokens: torch.Tensor,
-    fallback: bool,
+    x: torch.Tensor, params: list[RowParams], rows: list[int], tokens: torch.Tensor, fallback: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``tokens`` with ``rows`` sampled, grouped by candidate kind; and ``needs_full [N]``."""
-    p = _rows(params)
     n, vocab = x.shape
-    rows = np.asarray(rows, dtype=np.int64)
-    keys = _upload(np.stack([p.seed[rows], p.draw_index[rows]]), x, torch.long)
-    u_all = uniforms(keys.select(0, 0), keys.select(0, 1))
-    needs_full = torch.zeros(n, dtype=torch.bool, device=x.device)
-    for (kind, k), js in _kinds(p, rows, vocab, fallback).items():
-        group = rows[js]
-        whole = len(js) == len(rows)
-        at = _upload(group if whole else np.concatenate([group, js]), x, torch.long)
-        rows_t = at.narrow(0, 0, len(js))
-        sub = x if whole and len(group) == n and (group == np.arange(n)).all() else x.index_select(0, rows_t)
-        u = u_all if whole else u_all.index_select(0, at.narrow(0, len(js), len(js)))
-        drawn, fits = _draw(sub, kind, k, p, group, u)
+    dev = x.device
+    seeds = torch.tensor([params[r].seed for r in rows], dtype=torch.long, device=dev)
+    index = torch.tensor([params[r].draw_index for r in rows], dtype=torch.long, device=dev)
+    u_all = uniforms(seeds, index)
+    groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for j, r in enumerate(rows):
+        groups[(_fallback_kind if fallback else _kind)(params[r], vocab)].append(j)
+    needs_full = torch.zeros(n, dtype=torch.bool, device=dev)
+    for (kind, k), js in groups.items():
+        group = [rows[j] for j in js]
+        rows_t = torch.tensor(group, dtype=torch.long, device=dev)
+        sub = x if group == list(range(n)) else x.index_select(0, rows_t)
+        u = u_all if len(js) == len(rows) else u_all.index_select(0, torch.tensor(js, dtype=torch.long, device=dev))
+        drawn, fits = _draw(sub, kind, k, [params[r] for r in group], u)
         tokens = tokens.index_copy(0, rows_t, drawn)
         needs_full = needs_full.index_copy(0, rows_t, torch.logical_not(fits))
     return tokens, needs_full
 
 
-def sample_on_device(logits: torch.Tensor, params: Sequence[RowParams] | SamplingRows) -> DeviceSample:
+def sample_on_device(logits: torch.Tensor, params: list[RowParams]) -> DeviceSample:
     """Sample one token per row of ``logits [N, V]`` without reading the host."""
-    p = _rows(params)
     x = logits.float()
     n = x.shape[0]
     dev = x.device
     bad = torch.logical_not(x.amax(dim=-1) < float("inf"))  # amax propagates NaN: this flags NaN and +inf
     out = DeviceSample(tokens=torch.zeros(n, dtype=torch.long, device=dev), bad=bad, needs_full=bad, logits=x)
-    out.lp_rows = np.flatnonzero(p.num_logprobs >= 0).tolist()
+    out.lp_rows = [i for i, p in enumerate(params) if p.num_logprobs is not None]
     if out.lp_rows:
         out.raw = torch.log_softmax(x.index_select(0, torch.tensor(out.lp_rows, device=dev)), dim=-1)
-        k = int(p.num_logprobs.max())
+        k = max(params[i].num_logprobs or 0 for i in out.lp_rows)
         out.top = out.raw.topk(k, dim=-1) if k else None
-    pen = [i for i, c in enumerate(p.counts) if c is not None]
+    pen = [i for i, p in enumerate(params) if p.counts is not None]
     if pen:
-        x = _apply_penalties(x, pen, p)
-    x = _ban(x, p)
+        x = _apply_penalties(x, pen, params)
+    x = _ban(x, params)
     out.logits = x
-    greedy = p.temperature == 0.0
-    if greedy.any():
+    if any(p.temperature == 0.0 for p in params):
         out.tokens = x.argmax(dim=-1)
-    rand = np.flatnonzero(~greedy)
-    if len(rand):
-        out.tokens, needs_full = _draw_rows(x, p, rand, out.tokens, fallback=False)
+    rand = [i for i, p in enumerate(params) if p.temperature != 0.0]
+    if rand:
+        out.tokens, needs_full = _draw_rows(x, params, rand, out.tokens, fallback=False)
         out.needs_full = needs_full & torch.logical_not(bad)
     else:
         out.needs_full = torch.zeros_like(bad)
@@ -404,27 +322,26 @@ def packed(dev: DeviceSample) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def sample(logits: torch.Tensor, params: Sequence[RowParams] | SamplingRows) -> SampleOutput:
-    """Sample one token per row of float ``logits [N, V]`` according to row ``r`` of ``params``."""
-    p = _rows(params)
-    dev = sample_on_device(logits, p)
-    n = len(p)
+def sample(logits: torch.Tensor, params: list[RowParams]) -> SampleOutput:
+    """Sample one token per row of float ``logits [N, V]`` according to ``params[row]``."""
+    dev = sample_on_device(logits, params)
+    n = len(params)
     flat = packed(dev).tolist()  # the step's one host read
     tokens = [int(t) for t in flat[:n]]
     errors = {r: "the model produced non-finite logits (NaN or +inf) for this request" for r in range(n) if flat[n + r]}
     chosen = flat[3 * n : 3 * n + len(dev.lp_rows)]
     full = [r for r in range(n) if flat[2 * n + r]]
     if full:
-        chosen = _resample_full(dev, p, full, tokens, chosen)
-    return SampleOutput(tokens, _logprobs(dev, p, tokens, chosen, flat[3 * n + len(dev.lp_rows) :]), errors)
+        chosen = _resample_full(dev, params, full, tokens, chosen)
+    return SampleOutput(tokens, _logprobs(dev, params, tokens, chosen, flat[3 * n + len(dev.lp_rows) :]), errors)
 
 
 def _resample_full(
-    dev: DeviceSample, p: SamplingRows, rows: list[int], tokens: list[int], chosen: list[float]
+    dev: DeviceSample, params: list[RowParams], rows: list[int], tokens: list[int], chosen: list[float]
 ) -> list[float]:
     """Re-sample ``rows`` over the sorted full vocabulary (their kept set reaches past the bounded
     candidates), updating ``tokens`` in place; returns the chosen logprobs, refreshed."""
-    dev.tokens, _ = _draw_rows(dev.logits, p, rows, dev.tokens, fallback=True)
+    dev.tokens, _ = _draw_rows(dev.logits, params, rows, dev.tokens, fallback=True)
     wants = set(dev.lp_rows)
     lp = [r for r in rows if r in wants]
     parts = [dev.tokens.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev.tokens.device)).double()]
@@ -438,14 +355,14 @@ def _resample_full(
 
 
 def _logprobs(
-    dev: DeviceSample, p: SamplingRows, tokens: list[int], chosen: list[float], top: list[float]
+    dev: DeviceSample, params: list[RowParams], tokens: list[int], chosen: list[float], top: list[float]
 ) -> list[dict[int, float] | None]:
-    out: list[dict[int, float] | None] = [None] * len(p)
+    out: list[dict[int, float] | None] = [None] * len(params)
     k = dev.top[0].shape[1] if dev.top is not None else 0
     half = len(dev.lp_rows) * k
     for i, r in enumerate(dev.lp_rows):
         entry = {tokens[r]: chosen[i]}
-        want = int(p.num_logprobs[r])
+        want = params[r].num_logprobs or 0
         entry.update(zip((int(t) for t in top[half + i * k : half + i * k + want]), top[i * k : i * k + want]))
         out[r] = entry
     return out

@@ -112,21 +112,6 @@ class InputBatchMachine(RuleBasedStateMachine):
         kv = [self.model[r]["blocks"]["kv"] for r, n in zip(rids, lens) for _ in range(n)]
         assert got.slot_mapping["kv"].tolist() == [b[p // 2] * 2 + p % 2 for b, p in zip(kv, positions)]
         assert set(got.slot_mapping) == {"kv"}
-        self._check_sampling_rows(arrays, rids, nlog)
-
-    def _check_sampling_rows(self, arrays: StepArrays, rids: list[str], nlog: list[int]) -> None:
-        """Logits row ``j`` of a request draws its output ``num_outputs + j``, banned while below min_tokens."""
-        got = self.ib.sampling_rows(arrays.rows, arrays.num_logits)
-        want = [(self.model[r], j) for r, n in zip(rids, nlog) for j in range(n)]
-        assert got.draw_index.tolist() == [m["num_outputs"] + j for m, j in want]
-        assert got.seed.tolist() == [m["seed"] for m, _ in want]
-        assert got.temperature.tolist() == [m["sampling"].temperature for m, _ in want]
-        assert got.top_k.tolist() == [m["sampling"].top_k for m, _ in want]
-        assert got.top_p.tolist() == [m["sampling"].top_p for m, _ in want]
-        banned = [
-            m["sampling"].min_tokens_banned if m["num_outputs"] + j < m["sampling"].min_tokens else () for m, j in want
-        ]
-        assert got.banned == banned
 
     def _model_remove(self, rid: str) -> None:
         del self.model[rid]

@@ -303,7 +303,7 @@ def test_counts_fold_in_added_tokens_and_drafts_stay_per_row(row: Row) -> None:
         [0.0, -1.0, -2.0, 0.0],
     ]
     counts.extend([1, 3])
-    seen, minus = counts.tensors(4, logits.device, frequency=1.0, presence=0.0)
+    seen, minus = counts.tensors(4, logits.device, params[0])
     assert minus.tolist() == [0.0, 2.0, 0.0, 1.0]  # the drafts did not stay
     assert seen.tolist() == [True, True, False, True]  # 9 is out of range
 
