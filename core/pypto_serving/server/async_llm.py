@@ -529,7 +529,10 @@ class AsyncLLM:
         while True:
             msg = core.recv()
             if msg is None:
-                return core.death_reason("serving")
+                reason = core.death_reason("serving")
+                if not self._stopping:
+                    self.restarting = reason  # before the failures, whose handlers name it
+                return reason
             if isinstance(msg, CoreStopped):
                 return None
             if isinstance(msg, CoreOutputs):
