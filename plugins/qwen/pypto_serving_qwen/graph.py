@@ -21,7 +21,18 @@ Paged attention needs each request's length. Two attention paths keep the graph 
   graph that replays without the host (``cudagraph``, ``npugraph``).
 
 The K/V write is the ``pypto_qwen::write_kv`` custom op, declared as mutating the caches, so the
-compiled graph writes them in place instead of copying whole caches back.
+compiled graph writes them in place instead of copying whole caches back; MoE experts are the
+``pypto_qwen::moe_experts`` op. The cache's block count is a dynamic dimension, so a cache of
+another size (a memory profile allocates one first) reuses the compiled buckets.
+
+Options (``settings.executor_options``, validated at load):
+
+* ``graph_mode``: ``auto`` (the device's default, :data:`_AUTO_MODE`: eager everywhere for now),
+  ``eager`` (no capture, vLLM's ``enforce_eager``), ``inductor``, ``cudagraph``, ``npugraph``, or
+  ``aot_eager`` (dynamo and AOT tracing without code generation: for tests and debugging).
+* ``graph_batch_sizes``: the buckets (default 1, 2, 4, ... 64, up to the one holding ``max_num_seqs``).
+* ``graph_warmup``: ``load`` compiles every bucket when the caches are allocated, ``lazy`` when a
+  bucket first runs (the executor's ``graph_stats`` keep each bucket's first-call time).
 """
 
 from __future__ import annotations
