@@ -476,6 +476,7 @@ class AsyncLLM:
                 logger.exception("engine output thread failed")
                 reason = f"engine output thread failed: {type(e).__name__}: {e}"
                 core.proc.kill()
+                core.alive = False
             if reason is not None and not core.alive:
                 self._detach_core(reason)
             self._fail_streams_from_thread(reason or "the server is shutting down")
