@@ -339,3 +339,19 @@ def test_each_streamed_choice_parses_its_own_calls(scripted_server: Callable[...
     assert cities == {0: ["Paris", "Rome"], 1: ["Paris", "Rome"]}
     assert finish == {0: "tool_calls", 1: "tool_calls"}
     assert usage is not None and usage.completion_tokens > 0
+
+
+DSML_REPLY = (
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_deepseek_v4_architecture_picks_the_dsml_parser(scripted_server: Callable[..., Any], stream: bool) -> None:
+    client = scripted_server([["weather in Paris", DSML_REPLY]], architecture="DeepseekV4ForCausalLM")
+    message, finish = _ask(client, [{"role": "user", "content": "weather in Paris"}], stream, tools=[WEATHER_TOOL])
+    assert finish == "tool_calls" and _content(message) is None
+    assert [(c["name"], c["arguments"]) for c in _calls(message)] == [("get_weather", {"city": "Paris", "days": 2})]
