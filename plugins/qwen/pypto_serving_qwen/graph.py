@@ -69,11 +69,12 @@ _STATIC_ATTENTION_MODES = frozenset({"cudagraph", "npugraph"})
 
 #: ``graph_mode="auto"`` per device type. The CPU stays eager: on a 2-core machine shared with other
 #: jobs (benchmarks/graph_capture.py, inductor against eager in one run), qwen3-small's decode step
-#: was 1.10x / 1.08x / 1.05x faster captured at batch 1 / 8 / 32 with one thread and 1.32x..0.80x
-#: (run to run) with two, qwen3-0.6b's 0.97x at batch 1 and 32, while compiling cost 30-80 s per
-#: bucket for qwen3-small and 330-430 s for qwen3-0.6b with an empty inductor cache (9-14 s warm):
-#: a few percent is not worth minutes of start-up per bucket. CUDA and NPU stay eager until their
-#: captured paths are measured on the devices.
+#: was 1.09-1.10x / 1.06-1.08x / 0.95-1.05x as fast captured at batch 1 / 8 / 32 over two one-thread
+#: runs and 1.08-1.32x / 1.19-1.33x / 0.80-1.10x over two two-thread runs, qwen3-0.6b's 0.97x at
+#: batch 1 and 32, while compiling took 20-80 s per bucket for qwen3-small and 330-430 s for
+#: qwen3-0.6b with an empty inductor cache (9-14 s warm): a few percent, within the noise at batch
+#: 32, is not worth minutes of start-up per bucket. CUDA and NPU stay eager until their captured
+#: paths are measured on the devices.
 _AUTO_MODE: dict[str, str] = {"cpu": "eager", "cuda": "eager", "npu": "eager"}
 
 _OPTION_KEYS = ("graph_mode", "graph_batch_sizes", "graph_warmup")
