@@ -264,7 +264,7 @@ class DeepseekMTPExecutor(Executor):
         # All groups share one switch: a hit is only exact when every kind of state is reused together.
         pc = not no_prefix
 
-        def group(name: str, layers: int, width: int, tpe: int = 1) -> CacheGroupSpec:
+        def group(name: str, layers: int, width: int, tpe: int = 1, window: int | None = None) -> CacheGroupSpec:
             return CacheGroupSpec(
                 name=name,
                 block_size=block_size,
@@ -272,16 +272,21 @@ class DeepseekMTPExecutor(Executor):
                 tokens_per_entry=tpe,
                 prefix_caching=pc,
                 no_prefix_caching_reason=no_prefix,
+                window_tokens=window,
             )
 
-        groups = [group("swa", cfg.num_hidden_layers, cfg.head_dim)]
+        # Sliding attention reads the last sliding_window positions of ``swa`` (every layer, compressed
+        # ones included), so older blocks can go back to the pool. An MTP depth computes positions up to
+        # num_draft + 1 behind the confirmed count (it needs the tokens after them), hence its margin.
+        groups = [group("swa", cfg.num_hidden_layers, cfg.head_dim, window=cfg.sliding_window)]
         if n_csa:
             groups.append(group("csa_kv", n_csa, cfg.head_dim, cfg.csa_rate))
             groups.append(group("csa_index", n_csa, cfg.index_head_dim, cfg.csa_rate))
         if n_hca:
             groups.append(group("hca_kv", n_hca, cfg.head_dim, cfg.hca_rate))
         if self.use_mtp:
-            groups += [group(f"mtp{d}", 1, cfg.head_dim) for d in range(self.num_draft)]
+            mtp_window = cfg.sliding_window + self.num_draft + 1
+            groups += [group(f"mtp{d}", 1, cfg.head_dim, window=mtp_window) for d in range(self.num_draft)]
         return groups
 
     # ------------------------------------------------------------------ caches and slots
