@@ -186,7 +186,7 @@ class ServingSettings(BaseSettings):
         le=1,
         description="Size the KV cache from device memory (vLLM's name; NPU and CPU too): this share of "
         "the device's total, minus what is in use after loading and the peak of a profile forward of "
-        "max_num_batched_tokens. An explicit num_kv_blocks or kv_cache_memory wins. Unset: kv_cache_memory.",
+        "max_num_batched_tokens. An explicit num_kv_blocks or kv_cache_memory wins; unset: kv_cache_memory sizes it.",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     prefix_cache_hash: Literal["sha256", "blake2b"] = Field(
