@@ -54,7 +54,7 @@ class QwenExecutor(Executor):
         torch.manual_seed(s.seed)
         model = QwenForCausalLM(cfg, self.device, self.dtype)
         targets, required = model.weight_targets()
-        load_weights(s.model, targets, required)
+        load_weights(s.model, targets, required, cfg.quantization)
         model.eval()
         self.config, self.model = cfg, model
         self._log_kernels(cfg)
@@ -79,6 +79,7 @@ class QwenExecutor(Executor):
             eos_token_ids=eos,
             architecture=cfg.architecture,
             supports_pipelining=True,
+            can_verify_drafts=True,  # any number of query rows per request, as in chunked prefill
             generation_defaults=generation_defaults,
         )
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from pypto_serving.quantization import Fp8BlockDequantizer, QuantizationConfig, read_quantization_config
+
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "CheckpointError",
@@ -82,6 +84,7 @@ class QwenConfig:
     mlp_only_layers: tuple[int, ...] = ()
     torch_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
+    quantization: QuantizationConfig | None = None  # block-FP8 weights, dequantized at load
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -227,6 +230,7 @@ def read_config(model: str | Path) -> QwenConfig:
         mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
         torch_dtype=str(torch_dtype).removeprefix("torch.") if torch_dtype else None,
         eos_token_ids=tuple(_eos_list(raw.get("eos_token_id"))),
+        quantization=read_quantization_config(raw, str(path)),
         raw=raw,
     )
 
@@ -284,6 +288,32 @@ def _iter_tensors(shards: list[Path]) -> Iterator[tuple[str, Path, Any]]:
                 yield name, shard, f
 
 
+def _fill(
+    name: str,
+    shard: Path,
+    tensor: torch.Tensor | None,
+    dests: list[WeightTarget] | None,
+    filled: set[str],
+    unexpected: list[str],
+) -> None:
+    """Copy one checkpoint tensor into its targets (``[]``: deliberately skipped, e.g. the lm_head of a
+    tied model; ``None``: not used by the model)."""
+    if not dests or tensor is None:
+        if dests is None and not name.endswith(_IGNORED_SUFFIXES):
+            unexpected.append(name)
+        return
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise CheckpointError(
+            f"weight {name!r} in {shard.name} is {tensor.dtype} but config.json declares no quantization_config: "
+            "its scales are unknown, so it cannot be loaded"
+        )
+    for target in dests:
+        if tuple(tensor.shape) != tuple(target.dest.shape):
+            raise _shape_error(name, shard, tuple(tensor.shape), tuple(target.dest.shape))
+        target.dest.copy_(tensor)
+        filled.update(target.fills)
+
+
 def _shape_error(name: str, shard: Path, got: tuple[int, ...], want: tuple[int, ...]) -> CheckpointError:
     return CheckpointError(
         f"weight {name!r} in {shard.name} has shape {list(got)} but the model built from config.json "
@@ -291,33 +321,40 @@ def _shape_error(name: str, shard: Path, got: tuple[int, ...], want: tuple[int, 
     )
 
 
-def load_weights(model_dir: str | Path, targets: Mapping[str, list[WeightTarget]], required: set[str]) -> None:
+def load_weights(
+    model_dir: str | Path,
+    targets: Mapping[str, list[WeightTarget]],
+    required: set[str],
+    quantization: QuantizationConfig | None = None,
+) -> None:
     """Stream every safetensors tensor into its targets (cast to the parameter dtype and device).
+    With a block-FP8 ``quantization``, FP8 weights are dequantized with their ``weight_scale_inv``
+    as the pairs arrive.
 
-    Raises :class:`CheckpointError` on a shape mismatch (naming the tensor and both shapes) and
-    when required weights are absent (naming them).
+    Raises :class:`CheckpointError` on a shape mismatch (naming the tensor and both shapes), on FP8
+    tensors in a checkpoint that declares no quantization, and when required weights are absent
+    (naming them).
     """
     path = _model_dir(model_dir)
     shards = _shard_files(path)
     filled: set[str] = set()
     unexpected: list[str] = []
+    fp8 = Fp8BlockDequantizer(quantization) if quantization is not None else None
     with torch.no_grad():
         for name, shard, handle in _iter_tensors(shards):
-            dests = targets.get(name)
-            if not dests:  # [] marks a tensor deliberately skipped (e.g. lm_head of a tied model)
-                if dests is None and not name.endswith(_IGNORED_SUFFIXES):
-                    unexpected.append(name)
+            if fp8 is not None:
+                for ready, tensor in fp8.feed(name, handle.get_tensor(name)):
+                    _fill(ready, shard, tensor, targets.get(ready), filled, unexpected)
                 continue
-            # Check shapes before reading the data so a mismatch costs no I/O.
-            shape = tuple(handle.get_slice(name).get_shape())
-            for target in dests:
-                if shape != tuple(target.dest.shape):
-                    raise _shape_error(name, shard, shape, tuple(target.dest.shape))
-            tensor = handle.get_tensor(name)
-            for target in dests:
-                target.dest.copy_(tensor)
-                filled.update(target.fills)
-            del tensor
+            dests = targets.get(name)
+            if dests:  # check shapes before reading the data, so a mismatch costs no I/O
+                shape = tuple(handle.get_slice(name).get_shape())
+                for target in dests:
+                    if shape != tuple(target.dest.shape):
+                        raise _shape_error(name, shard, shape, tuple(target.dest.shape))
+            _fill(name, shard, handle.get_tensor(name) if dests else None, dests, filled, unexpected)
+        if fp8 is not None:
+            fp8.finish()
     missing = sorted(required - filled)
     if missing:
         shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
