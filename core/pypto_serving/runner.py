@@ -34,7 +34,7 @@ class _ReqState:
     """What the worker keeps of a request beyond its batch row: token history, penalty counts and
     drafts. Its last sampled token lives in the row (the step gathers it from there)."""
 
-    __slots__ = ("_batch", "counts", "drafts", "history", "num_prompt", "request_id", "sampling", "seed")
+    __slots__ = ("_batch", "counts", "drafts", "history", "num_prompt", "request_id", "rows", "sampling", "seed")
 
     def __init__(
         self,
@@ -50,6 +50,7 @@ class _ReqState:
         self.history = [*nr.prompt_token_ids, *nr.output_token_ids]  # prompt + outputs sampled here
         self.counts = counts
         self.drafts: list[int] = []
+        self.rows: list[RowParams] = []  # the sampler's rows of this request, reused across steps
 
     @property
     def last_sampled(self) -> int | None:
@@ -220,7 +221,11 @@ class ModelRunner:
         params: list[RowParams] = []
         for e, n, drafts in zip(entries, num_logits, drafts_used):
             st = self.states[e.request_id]
-            params += (_row(st, st.num_outputs + j, drafts[:j]) for j in range(n))
+            while len(st.rows) < n:  # built once per request and logits row, then updated in place
+                st.rows.append(_row(st))
+            base = st.num_outputs
+            for j in range(n):
+                params.append(_update(st, st.rows[j], base + j, drafts[:j]))
         return params
 
     def _verify(
@@ -263,8 +268,8 @@ class ModelRunner:
         self.input_batch.commit(*committed)
 
 
-def _row(st: _ReqState, draw_index: int, drafts: list[int]) -> RowParams:
-    """Sampler parameters of a request's output ``draw_index``, sampled after ``drafts``."""
+def _row(st: _ReqState) -> RowParams:
+    """A request's sampler parameters; :func:`_update` sets the draw and its drafts."""
     sp = st.sampling
     return RowParams(
         temperature=sp.temperature,
@@ -275,13 +280,19 @@ def _row(st: _ReqState, draw_index: int, drafts: list[int]) -> RowParams:
         frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty,
         seed=st.seed,
-        draw_index=draw_index,
+        draw_index=0,
         num_logprobs=sp.logprobs,
-        banned=sp.min_tokens_banned if draw_index < sp.min_tokens else (),
-        # Penalties read the request's device counts plus this row's drafts: no history copy per step.
+        # Penalties read the request's device counts plus each row's drafts: no history copy per step.
         counts=st.counts,
-        drafts=tuple(drafts) if st.counts is not None else (),
     )
+
+
+def _update(st: _ReqState, row: RowParams, draw_index: int, drafts: list[int]) -> RowParams:
+    """``row`` set to sample the request's output ``draw_index`` after ``drafts``."""
+    row.draw_index = draw_index
+    row.banned = st.sampling.min_tokens_banned if draw_index < st.sampling.min_tokens else ()
+    row.drafts = tuple(drafts) if st.counts is not None else ()
+    return row
 
 
 def _accept(targets: list[int], drafts: list[int]) -> list[int]:
