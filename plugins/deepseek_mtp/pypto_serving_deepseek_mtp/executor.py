@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pypto_kernels import describe_kernel, interleaved_rope_cos_sin, select_device
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
+from pypto_serving.quantization import read_quantization_config
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
@@ -164,7 +165,8 @@ class DeepseekMTPExecutor(Executor):
             raise DeepseekConfigError(f"{model_dir} is a {archs[0]} checkpoint, not {ARCHITECTURE}")
         device = select_device(s.device)
         dtype = _DTYPES.get(cfg.torch_dtype, torch.bfloat16) if s.dtype == "auto" else _DTYPES[s.dtype]
-        weights = load_weights(model_dir, device, dtype, FP32_SUFFIXES)
+        quantization = read_quantization_config(raw, str(model_dir / "config.json"))
+        weights = load_weights(model_dir, device, dtype, FP32_SUFFIXES, quantization)
 
         spec = s.speculative_config
         n_mtp = mtp_depths(weights)
@@ -317,10 +319,10 @@ class DeepseekMTPExecutor(Executor):
             # 2*m - 1 older source tokens may still be needed, plus up to num_draft clobbered positions.
             ring_len = 2 * rate + self.num_draft + 1
             width = 2 * cfg.head_dim if kind == CSA else cfg.head_dim
-            self.model.rings[(i, "kv")] = CompressorRing(self.num_slots, ring_len, width, self.device, self.dtype)
+            self.model.rings[(i, "kv")] = CompressorRing(self.num_slots, ring_len, width, self.device, torch.float32)
             if kind == CSA:
                 self.model.rings[(i, "index")] = CompressorRing(
-                    self.num_slots, ring_len, 2 * cfg.index_head_dim, self.device, self.dtype
+                    self.num_slots, ring_len, 2 * cfg.index_head_dim, self.device, torch.float32
                 )
 
     def _slot(self, request_id: str, first_pos: int) -> int:

@@ -44,8 +44,11 @@ from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .emission import EmitPlan, EmitShape, build_emit_plan
 
-# Parameters the reference keeps in float32 whatever the checkpoint dtype (mixing and norm weights).
+# Parameters the reference keeps in float32 whatever the checkpoint dtype (mixing and norm weights, and
+# the compressors' projections, which the reference runs in float32).
 FP32_SUFFIXES = (
+    "compressor.wkv.weight",
+    "compressor.wgate.weight",
     "attn_sink",
     "ape",
     "hc_attn_fn",
@@ -544,8 +547,9 @@ class DeepseekV4Model:
     ) -> None:
         """One compressor over the whole batch: pool the plan's entries from the ring (earlier tokens)
         and this step's projections, write them to ``cache``, then this step's projections to the ring."""
-        kv = F.linear(h, p[prefix + "wkv.weight"])
-        gate = F.linear(h, p[prefix + "wgate.weight"]).float()
+        h32 = h.float()  # the reference's compressor runs in float32 whatever the model dtype
+        kv = F.linear(h32, p[prefix + "wkv.weight"])
+        gate = F.linear(h32, p[prefix + "wgate.weight"])
         width = kv.shape[-1]
         ring_kv, ring_gate = ring.kv.view(-1, width), ring.gate.view(-1, width)
         e = plan.entries

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pypto_serving.quantization import Fp8BlockDequantizer, QuantizationConfig, UnsupportedQuantizationError
+
 _TOP_LEVEL = {
     "embed_tokens.weight": "embed.weight",
     "lm_head.weight": "head.weight",
@@ -34,22 +36,39 @@ def normalise_name(name: str) -> str:
 
 
 def load_weights(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype, fp32_suffixes: tuple[str, ...]
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    fp32_suffixes: tuple[str, ...],
+    quantization: QuantizationConfig | None = None,
 ) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, floats cast to ``dtype`` except the float32-kept ones."""
+    """All tensors of the checkpoint, floats cast to ``dtype`` except the float32-kept ones. With a
+    block-FP8 ``quantization``, FP8 weights are dequantized with their ``weight_scale_inv`` first;
+    without one, an FP8 tensor is refused (its scales are unknown)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    fp8 = Fp8BlockDequantizer(quantization) if quantization is not None else None
     out: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                t = f.get_tensor(key)
-                name = normalise_name(key)
-                if t.is_floating_point():
-                    t = t.to(torch.float32 if name.endswith(fp32_suffixes) else dtype)
-                out[name] = t.to(device)
+                for ready, t in fp8.feed(key, f.get_tensor(key)) if fp8 else [(key, f.get_tensor(key))]:
+                    name = normalise_name(ready)
+                    out[name] = _cast(name, t, dtype, fp32_suffixes).to(device)
+    if fp8 is not None:
+        fp8.finish()
     return out
+
+
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, fp32_suffixes: tuple[str, ...]) -> torch.Tensor:
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise UnsupportedQuantizationError(
+            f"tensor {name!r} is {t.dtype} but config.json declares no quantization_config: its scales are unknown"
+        )
+    if t.is_floating_point():
+        return t.to(torch.float32 if name.endswith(fp32_suffixes) else dtype)
+    return t
 
 
 def mtp_depths(weights: dict[str, torch.Tensor]) -> int:
