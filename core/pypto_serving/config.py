@@ -362,6 +362,9 @@ SERVER_ONLY = frozenset(
         "shutdown_timeout",
         "max_worker_restarts",
         "worker_restart_window",
+        "engine_mode",
+        "tool_call_parser",
+        "reasoning_parser",
     }
 )
 

@@ -26,6 +26,9 @@ SERVER_ONLY = [
     "shutdown_timeout",
     "max_worker_restarts",
     "worker_restart_window",
+    "engine_mode",
+    "tool_call_parser",
+    "reasoning_parser",
 ]
 
 
