@@ -129,7 +129,9 @@ def _child(tree: str, rows: int, steps: int) -> dict[str, float]:
         "import json, benchmarks.input_batch as b; "
         f"print(json.dumps(b.measure({rows}, {steps})))"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise RuntimeError(f"measuring {tree} failed:\n{out.stderr}")
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
