@@ -1,0 +1,181 @@
+"""Speculative decoding against none, side by side in one run, on the embedded trained models.
+
+Suites (each configuration runs the same prompts through ``LLM.generate``, in-process worker, CPU):
+
+* ``mtp``: ``tiny-deepseek-v4`` at concurrency 1, MTP k = 2 (policy ``fixed``) against k = 0 at
+  temperature 0 and at temperature 0.7 (seeded requests);
+* ``ngram``: ``tiny-qwen3`` on a code-editing workload (each prompt holds a function and asks for it
+  again with a change, so the answer can repeat the prompt), n-gram k = 3 against none at
+  concurrency 1 and 16;
+* ``adaptive``: ``tiny-deepseek-v4`` at concurrency 1 and 32, policy ``adaptive`` (k up to 3) against
+  fixed k = 1, 2, 3 and none.
+
+Decode throughput is output tokens after each request's first, over the time from the first first
+token to the last finish. Outputs are checked equal to the configuration without speculation
+(greedy, or seeded sampling: verification is exact either way).
+
+    python benchmarks/speculation.py --suite mtp ngram adaptive [--max-tokens 96] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    label: str
+    spec: dict[str, Any] | None
+
+
+def held_out_code(count: int, lines: int) -> list[str]:
+    """``count`` snippets of ``lines`` lines from the standard library files the tiny models did not
+    train on (sorted index % 50 == 0, tools/train_tiny.py's held-out slice)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    out: list[str] = []
+    for f in [f for i, f in enumerate(files) if i % 50 == 0]:
+        text = f.read_text(encoding="utf-8", errors="replace").splitlines()
+        for start in range(0, len(text) - lines, 8 * lines):
+            snippet = "\n".join(text[start : start + lines])
+            if snippet.strip():
+                out.append(snippet)
+    step = max(1, len(out) // count)
+    return out[::step][:count]
+
+
+def editing_prompts(count: int) -> list[str]:
+    """A function, then the request to write it again with one change: the answer repeats the prompt."""
+    return [
+        f"{code}\n\n# The same code again, unchanged:\n{code.splitlines()[0]}\n" for code in held_out_code(count, 24)
+    ]
+
+
+def continuation_prompts(count: int) -> list[str]:
+    return [code + "\n" for code in held_out_code(count, 12)]
+
+
+def run(model: str, cfg: Config, prompts: list[str], *, temperature: float, max_tokens: int) -> dict[str, Any]:
+    from pypto_serving import LLM, SamplingParams
+
+    llm = LLM(
+        model=model,
+        device="cpu",
+        dtype="float32",
+        worker_mode="inproc",
+        block_size=16,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=2048,
+        speculative_config=cfg.spec,
+    )
+    try:
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+        engine = llm.engine
+        assert engine is not None
+        before = engine.stats()
+        params = [
+            SamplingParams(temperature=temperature, top_p=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        after = engine.stats()
+    finally:
+        llm.shutdown()
+    first = min(o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time)
+    last = max(o.metrics.finished_time for o in outs if o.metrics and o.metrics.finished_time)
+    drafted = after["spec_drafted"] - before["spec_drafted"]
+    accepted = after["spec_accepted"] - before["spec_accepted"]
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "tok_s": sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (last - first),
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "steps": after["num_steps"] - before["num_steps"],
+    }
+
+
+def table(title: str, model: str, configs: list[Config], prompts: list[str], **kw: Any) -> None:
+    print(f"\n### {title}\n")
+    print("| configuration | decode tok/s | vs none | draft acceptance | steps | output equals none |")
+    print("|---|---:|---:|---:|---:|---|")
+    base: dict[str, Any] | None = None
+    for cfg in configs:
+        r = run(model, cfg, prompts, **kw)
+        base = base or r
+        same = "yes" if r["tokens"] == base["tokens"] else "NO"
+        print(
+            f"| {cfg.label} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
+            f"{r['acceptance']:.1%} | {r['steps']} | {same} |",
+            flush=True,
+        )
+
+
+def mtp(k: int, policy: str = "fixed") -> dict[str, Any]:
+    return {"method": "mtp", "num_speculative_tokens": k, "policy": policy}
+
+
+def suite_mtp(max_tokens: int) -> None:
+    prompts = continuation_prompts(1)
+    for temperature in (0.0, 0.7):
+        configs = [Config("none", None), Config("MTP k=2", mtp(2))]
+        table(
+            f"MTP, tiny-deepseek-v4, c=1, T={temperature}",
+            "tiny-deepseek-v4",
+            configs,
+            prompts,
+            temperature=temperature,
+            max_tokens=max_tokens,
+        )
+
+
+def suite_ngram(max_tokens: int) -> None:
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"}
+    for c in (1, 16):
+        configs = [Config("none", None), Config("n-gram k=3", ngram)]
+        table(
+            f"n-gram, tiny-qwen3, code editing, c={c}",
+            "tiny-qwen3",
+            configs,
+            editing_prompts(c),
+            temperature=0.0,
+            max_tokens=max_tokens,
+        )
+
+
+def suite_adaptive(max_tokens: int) -> None:
+    for c in (1, 32):
+        configs = [
+            Config("none", None),
+            *(Config(f"fixed k={k}", mtp(k)) for k in (1, 2, 3)),
+            Config("adaptive (k<=3)", mtp(3, "adaptive")),
+        ]
+        table(
+            f"adaptive, tiny-deepseek-v4, c={c}",
+            "tiny-deepseek-v4",
+            configs,
+            continuation_prompts(c),
+            temperature=0.0,
+            max_tokens=max_tokens,
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", nargs="+", choices=["mtp", "ngram", "adaptive"], default=["mtp", "ngram", "adaptive"])
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    suites = {"mtp": suite_mtp, "ngram": suite_ngram, "adaptive": suite_adaptive}
+    for name in args.suite:
+        suites[name](args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()
