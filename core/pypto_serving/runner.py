@@ -22,6 +22,7 @@ from .executor import BatchInput, Executor, ExecutorInfo
 from .input_batch import InputBatch, StepArrays
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
 from .sampler import RowParams, SampleOutput, TokenCounts, sample
+from .spec_decode import NgramDrafter
 
 __all__ = ["MissingSampledTokenError", "ModelRunner"]
 
@@ -73,6 +74,7 @@ class ModelRunner:
         self.states: dict[str, _ReqState] = {}
         self.info: ExecutorInfo | None = None
         self._input_batch: InputBatch | None = None
+        self._ngram = _ngram_drafter(settings)
 
     def load(self) -> ExecutorInfo:
         self.info = self.executor.load()
@@ -121,16 +123,26 @@ class ModelRunner:
             batch, drafts_used = self._build_batch(cmd.entries)
             logits = self.executor.execute(batch)
             result = self._sample(cmd, batch, logits, drafts_used)
-            accepted = [result.sampled.get(rid, []) for rid in batch.request_ids]
-            for rid, drafts in zip(batch.request_ids, self.executor.propose_drafts(batch, accepted)):
-                if rid in result.sampled:
-                    self.states[rid].drafts = list(drafts)
+            self._draft(batch, result)
         except Exception as e:
             msg = f"{type(e).__name__}: {e}"
             tb = "".join(traceback.format_exception(e)[-2:])
             return StepResult(step_id=cmd.step_id, error=f"{msg}\n{tb}".strip())
         result.execute_seconds = time.perf_counter() - t0
         return result
+
+    def _draft(self, batch: BatchInput, result: StepResult) -> None:
+        """Next step's drafts of every request that sampled: the core's n-gram drafter over the token
+        histories when ``speculative_config.method`` is ``ngram``, else the executor's own drafter."""
+        if self._ngram is not None:
+            ids = [rid for rid in batch.request_ids if rid in result.sampled]
+            proposals = zip(ids, self._ngram.propose([self.states[rid].history for rid in ids]))
+        else:
+            accepted = [result.sampled.get(rid, []) for rid in batch.request_ids]
+            proposals = zip(batch.request_ids, self.executor.propose_drafts(batch, accepted))
+        for rid, drafts in proposals:
+            if rid in result.sampled:
+                self.states[rid].drafts = list(drafts)
 
     def _admit(self, nr: NewRequestData) -> None:
         outs = list(nr.output_token_ids)
@@ -293,6 +305,18 @@ def _update(st: _ReqState, row: RowParams, draw_index: int, drafts: list[int]) -
     row.banned = st.sampling.min_tokens_banned if draw_index < st.sampling.min_tokens else ()
     row.drafts = tuple(drafts) if st.counts is not None else ()
     return row
+
+
+def _ngram_drafter(settings: Any) -> NgramDrafter | None:
+    """The core's n-gram drafter when the settings ask for it (the engine checked the executor can verify)."""
+    spec = getattr(settings, "speculative_config", None)
+    if spec is None or spec.method != "ngram":
+        return None
+    return NgramDrafter(
+        num_speculative_tokens=spec.num_speculative_tokens,
+        prompt_lookup_min=spec.prompt_lookup_min,
+        prompt_lookup_max=spec.prompt_lookup_max,
+    )
 
 
 def _accept(targets: list[int], drafts: list[int]) -> list[int]:

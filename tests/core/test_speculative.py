@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from pypto_serving.speculative import (
     fixed_policy,
     greedy_policy,
 )
+from tests.conftest import plugin_installed
 from tests.core.test_scheduler import make_sched, req  # noqa: F401 - the fixture is used by name
 
 
@@ -223,3 +225,45 @@ def test_sampled_requests_speculate_with_unchanged_output(fake_pm: Any, policy: 
         spec.shutdown()
     assert got == want
     assert 0 < stats["spec_accepted"] < stats["spec_drafted"]
+
+
+# ----------------------------------------------------------------------------- n-gram drafting, exactness
+
+
+@pytest.mark.requires_plugin("sync_sched")
+@pytest.mark.parametrize("scheduler", ["sync", "async"])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_ngram_speculation_equals_plain_decoding(fake_pm: Any, scheduler: str, policy: str) -> None:
+    """Random workloads with repeated patterns (so the drafter proposes), aborts, a tight cache
+    (preemption) and an EOS token: the outputs equal the fake model's greedy reference."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from tests.core.test_engine_properties import PROPS, blocks_alone, check_against_reference, run, workloads
+
+    if scheduler == "async" and not plugin_installed("async_sched"):
+        pytest.skip("plugin async_sched not installed")
+
+    @PROPS
+    @given(jobs=workloads(), k=st.integers(1, 3), spare=st.integers(0, 6), budget=st.integers(4, 32))
+    def check(jobs: list[Any], k: int, spare: int, budget: int) -> None:
+        # Each prompt repeated once, so the 1..3-gram lookup finds matches to propose.
+        jobs = [replace(j, prompt=(j.prompt + j.prompt)[:60]) for j in jobs]
+        spec = {"method": "ngram", "num_speculative_tokens": k, "policy": policy, "prompt_lookup_min": 1}
+        llm = LLM(
+            plugins=fake_pm,
+            executor="fake",
+            worker_mode="inproc",
+            scheduler=scheduler,
+            block_size=4,
+            num_kv_blocks=blocks_alone(jobs, 4) + spare + 1,
+            max_num_batched_tokens=budget,
+            speculative_config=spec,
+            executor_options={"verify_drafts": True, "eos": 3},
+        )
+        try:
+            check_against_reference(jobs, run(llm, jobs), eos=3)
+        finally:
+            llm.shutdown()
+
+    check()
