@@ -13,6 +13,7 @@ import msgspec
 
 from .executor import ExecutorInfo
 from .request import SamplingParams
+from .structured import StructuredSpec
 
 __all__ = [
     "NewRequestData",
@@ -38,6 +39,8 @@ class WireSampling(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int
     min_tokens_banned: tuple[int, ...]  # masked until min_tokens outputs exist: stop ids, and EOS unless ignore_eos
     logprobs: int | None
+    structured: StructuredSpec | None = None  # the grammar the worker masks this request's tokens to
+    grammar_eos: tuple[int, ...] = ()  # the tokens that end the grammar's output (the model's EOS ids)
 
 
 def wire_sampling(sp: SamplingParams, eos_token_ids: Sequence[int]) -> WireSampling:
@@ -55,6 +58,8 @@ def wire_sampling(sp: SamplingParams, eos_token_ids: Sequence[int]) -> WireSampl
         min_tokens=sp.min_tokens,
         min_tokens_banned=tuple(banned),
         logprobs=sp.logprobs,
+        structured=sp.structured,
+        grammar_eos=tuple(eos_token_ids) if sp.structured is not None else (),
     )
 
 

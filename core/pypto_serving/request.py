@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .structured import StructuredSpec, check_spec
+
 __all__ = [
     "CompletionOutput",
     "FinishReason",
@@ -39,6 +41,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None  # a grammar the output must match (structured output)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +76,8 @@ class SamplingParams:
             "token ids in [0, 2**63)",
         )
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "in [0, 2**63)")
+        if self.structured is not None:
+            check_spec(self.structured)
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,179 @@
+"""Structured output: grammars that constrain a request's tokens, through llguidance.
+
+A request carries a :class:`StructuredSpec` (a JSON schema, any JSON object, a regular expression or
+a list of choices). The server checks it once when the request arrives (:func:`check_spec`: a bad
+schema or pattern is the client's error). The worker keeps one :class:`RequestGrammar` per
+constrained request: per step it writes the allowed-token bitmask of each of the request's logits
+rows into one host array (:func:`fill_step_bitmask`), the step uploads it once, and the sampler
+masks the disallowed tokens to ``-inf`` on the device (:func:`apply_bitmask`). Accepted tokens then
+advance the matcher, so the next step's mask is exact under async scheduling too.
+
+Rows that follow drafts (speculative decoding) get the mask of the grammar state after those drafts:
+the matcher consumes them, fills the row, and rolls back. A draft the grammar refuses can never be
+accepted (the target token at its position is masked to the grammar), so the rows past it are left
+unmasked: they are always discarded.
+
+When the grammar is complete the matcher allows only the end-of-sequence tokens, so a constrained
+request ends with EOS (or at ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import llguidance
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import torch
+
+__all__ = [
+    "GrammarCompiler",
+    "RequestGrammar",
+    "StructuredSpec",
+    "apply_bitmask",
+    "bitmask_words",
+    "check_spec",
+    "grammar_text",
+]
+
+StructuredKind = Literal["json", "json_object", "regex", "choice"]
+
+# Compact JSON: flexible whitespace lets a sampled model pad with blanks until max_tokens cuts the
+# document short. A schema may still ask for whitespace through its own "x-guidance" options.
+_JSON_DEFAULTS: llguidance._lib.JsonCompileOptions = {"whitespace_flexible": False}
+_MAX_CHOICES = 1024
+
+
+class StructuredSpec(msgspec.Struct, frozen=True):
+    """What a request's output must match.
+
+    ``kind`` ``json``: ``source`` is a JSON schema (as JSON text); ``json_object``: any JSON object
+    (``source`` is unused); ``regex``: ``source`` is the pattern, matched whole; ``choice``: ``source``
+    is a JSON array of the allowed strings.
+    """
+
+    kind: StructuredKind
+    source: str = ""
+
+
+def grammar_text(spec: StructuredSpec) -> str:
+    """The llguidance grammar of ``spec``; ``ValueError`` when ``spec`` is not well formed."""
+    if spec.kind == "json":
+        return str(llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=_JSON_DEFAULTS))
+    if spec.kind == "json_object":
+        return str(llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_DEFAULTS))
+    if spec.kind == "regex":
+        return str(llguidance.LLMatcher.grammar_from_regex(spec.source))
+    choices = json.loads(spec.source)
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("guided_choice must be a non-empty list of non-empty strings")
+    if len(choices) > _MAX_CHOICES:
+        raise ValueError(f"guided_choice allows at most {_MAX_CHOICES} choices")
+    # Lark string literals take JSON's escapes, so json.dumps quotes any choice exactly.
+    alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    return str(llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}"))
+
+
+def check_spec(spec: StructuredSpec) -> None:
+    """Raises ``ValueError`` naming the problem when ``spec``'s grammar cannot be built."""
+    try:
+        grammar = grammar_text(spec)
+    except ValueError as e:
+        raise ValueError(f"{_what(spec)} is invalid: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"{_what(spec)} is invalid: {error.strip()}")
+
+
+def _what(spec: StructuredSpec) -> str:
+    return {"json": "the JSON schema", "json_object": "json_object", "regex": "the regex", "choice": "the choice list"}[
+        spec.kind
+    ]
+
+
+class GrammarCompiler:
+    """The worker's llguidance tokenizer (built once from ``tokenizer.json``, per set of EOS ids) and
+    the matchers made from it."""
+
+    __slots__ = ("_path", "_text", "_tokenizers")
+
+    def __init__(self, tokenizer_dir: str | Path | None) -> None:
+        self._path = Path(tokenizer_dir) / "tokenizer.json" if tokenizer_dir is not None else None
+        self._text: str | None = None
+        self._tokenizers: dict[tuple[int, ...], llguidance.LLTokenizer] = {}
+
+    def tokenizer(self, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+        tok = self._tokenizers.get(eos_token_ids)
+        if tok is None:
+            if self._text is None:
+                if self._path is None or not self._path.is_file():
+                    raise ValueError(f"structured output needs the model's tokenizer.json (none at {self._path})")
+                self._text = self._path.read_text()
+            eos = list(eos_token_ids) if eos_token_ids else None
+            tok = self._tokenizers[eos_token_ids] = llguidance.LLTokenizer(self._text, eos_token=eos)
+        return tok
+
+    def matcher(self, spec: StructuredSpec, eos_token_ids: tuple[int, ...]) -> RequestGrammar:
+        matcher = llguidance.LLMatcher(self.tokenizer(eos_token_ids), grammar_text(spec), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"{_what(spec)} is invalid: {matcher.get_error()}")
+        return RequestGrammar(matcher)
+
+
+def bitmask_words(vocab: int) -> int:
+    """int32 words of one row's bitmask over a ``vocab``-token vocabulary."""
+    return (vocab + 31) // 32
+
+
+class RequestGrammar:
+    """One request's grammar state: the tokens it accepted so far, and the mask of what may follow."""
+
+    __slots__ = ("_matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    @property
+    def error(self) -> str | None:
+        return str(self._matcher.get_error()) if self._matcher.is_error() else None
+
+    def advance(self, tokens: list[int]) -> None:
+        """Accepts ``tokens`` (sampled under this grammar's masks). Past the grammar's end (a request
+        that ignores EOS) nothing is consumed: the mask keeps allowing only EOS."""
+        for t in tokens:
+            if self._matcher.is_stopped():
+                return
+            self._matcher.consume_token(t)
+
+    def fill(self, drafts: list[int], out: npt.NDArray[np.int32]) -> None:
+        """Row ``j`` of ``out`` (``[len(drafts) + 1, words]``) := the mask after ``drafts[:j]``."""
+        m = self._matcher
+        consumed = 0
+        for j in range(len(drafts) + 1):
+            row = out[j]
+            if j > 0 and (m.is_stopped() or m.try_consume_tokens([drafts[j - 1]]) != 1):
+                out[j:] = -1  # rows past a draft the grammar refuses are always discarded
+                break
+            consumed += j > 0
+            m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if consumed:
+            m.rollback(consumed)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits [N, V]`` with the tokens ``bitmask [R, W]`` (int32, bit ``t % 32`` of word ``t // 32``)
+    disallows set to ``-inf`` in ``rows [R]``; tokens past the bitmask's ``32 W`` are disallowed."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()
+    width = allowed.shape[1]
+    if width < vocab:
+        pad = torch.zeros(allowed.shape[0], vocab - width, dtype=torch.bool, device=allowed.device)
+        allowed = torch.cat([allowed, pad], dim=1)
+    elif width > vocab:
+        allowed = allowed.narrow(1, 0, vocab)
+    masked = logits.index_select(0, rows).masked_fill(torch.logical_not(allowed), float("-inf"))
+    return logits.index_copy(0, rows, masked)

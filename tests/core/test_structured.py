@@ -1,0 +1,174 @@
+"""Structured output's grammar masks (core/pypto_serving/structured.py) against brute force on a tiny
+byte-level vocabulary: a token may be allowed only when the text so far plus the token's text is a
+prefix of a string of the (finite) language, and EOS exactly when the text so far is in it. Where the
+grammar forces the next bytes llguidance allows only their canonical tokens, so the mask may be a
+strict subset of the brute-force set there, but never empty while the language goes on."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pypto_serving.request import SamplingParams
+from pypto_serving.structured import (
+    GrammarCompiler,
+    StructuredSpec,
+    apply_bitmask,
+    bitmask_words,
+    check_spec,
+)
+from tests.core.server.server_helpers import write_tokenizer
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("structured_tok")
+    write_tokenizer(path, VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module")
+def token_text(tok_dir: Path) -> list[str]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    return [tok.decode([t]) for t in range(VOCAB)]
+
+
+EOS = 2  # <|im_end|>: the specials are ids 0..2
+
+
+def _allowed(grammar: object, drafts: list[int] = ()) -> list[set[int]]:  # type: ignore[assignment]
+    out = np.zeros((len(drafts) + 1, bitmask_words(VOCAB)), dtype=np.int32)
+    grammar.fill(list(drafts), out)  # type: ignore[attr-defined]
+    bits = np.unpackbits(out.view(np.uint8), axis=1, bitorder="little")[:, :VOCAB]
+    return [set(np.nonzero(row)[0].tolist()) for row in bits]
+
+
+def _brute(language: set[str], text: str, token_text: list[str]) -> set[int]:
+    special = set(range(3))
+    ok = {t for t in range(VOCAB) if t not in special and any(s.startswith(text + token_text[t]) for s in language)}
+    return ok | ({EOS} if text in language else set())
+
+
+def _walk(spec: StructuredSpec, language: set[str], tok_dir: Path, token_text: list[str], seed: int) -> None:
+    """Random walks through the grammar: every step's mask equals the brute-force set."""
+    rng = random.Random(seed)
+    compiler = GrammarCompiler(tok_dir)
+    exact = steps = 0
+    for _ in range(6):
+        grammar = compiler.matcher(spec, (EOS,))
+        text = ""
+        while True:
+            allowed = _allowed(grammar)[0]
+            brute = _brute(language, text, token_text)
+            assert allowed <= brute, text
+            assert (EOS in allowed) == (EOS in brute), text
+            assert (allowed - {EOS}) or not (brute - {EOS}), text
+            exact += allowed == brute
+            steps += 1
+            token = rng.choice(sorted(allowed))
+            if token == EOS:
+                assert text in language
+                break
+            grammar.advance([token])
+            text += token_text[token]
+        assert grammar.error is None
+    assert exact >= steps // 2, (exact, steps)  # the brute-force set itself, wherever nothing is forced
+
+
+def test_choice_mask_matches_brute_force(tok_dir: Path, token_text: list[str]) -> None:
+    choices = ["the cat", "the dog", 'a "quoted" one', "one two three", "o"]
+    _walk(StructuredSpec("choice", json.dumps(choices)), set(choices), tok_dir, token_text, seed=1)
+
+
+def test_regex_mask_matches_brute_force(tok_dir: Path, token_text: list[str]) -> None:
+    language = {"".join(p) + end for n in (1, 2) for p in itertools.product("ab", repeat=n) for end in ("c", "dd")}
+    _walk(StructuredSpec("regex", "[ab]{1,2}(c|dd)"), language, tok_dir, token_text, seed=2)
+
+
+def test_draft_rows_follow_the_drafts_and_roll_back(tok_dir: Path, token_text: list[str]) -> None:
+    """Row j of a drafted fill is the mask after drafts[:j]; the matcher is unchanged afterwards; rows
+    past a draft the grammar refuses allow everything (they are always discarded)."""
+    compiler = GrammarCompiler(tok_dir)
+    spec = StructuredSpec("regex", "abcabc")
+    ids = [token_text.index(c) for c in "abc"]
+    grammar = compiler.matcher(spec, (EOS,))
+    rows = _allowed(grammar, [ids[0], ids[1], 0, ids[2]])  # 0: a special token the grammar refuses
+    reference = compiler.matcher(spec, (EOS,))
+    for j in range(3):
+        assert rows[j] == _allowed(reference)[0]
+        if j < 2:
+            reference.advance([ids[j]])
+    assert rows[3] == rows[4] == set(range(VOCAB))
+    assert _allowed(grammar)[0] == _brute({"abcabc"}, "", token_text)  # rolled back
+
+
+def test_json_schema_walk_validates(tok_dir: Path, token_text: list[str]) -> None:
+    """Random walks under a JSON schema end (EOS) on a document that validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "c": {"enum": ["cat", "dog"]}},
+        "required": ["n", "c"],
+        "additionalProperties": False,
+    }
+    compiler = GrammarCompiler(tok_dir)
+    rng = random.Random(3)
+    for _ in range(10):
+        grammar = compiler.matcher(StructuredSpec("json", json.dumps(schema)), (EOS,))
+        text = ""
+        for _ in range(200):
+            token = rng.choice(sorted(_allowed(grammar)[0]))
+            if token == EOS:
+                break
+            grammar.advance([token])
+            text += token_text[token]
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_apply_bitmask_matches_a_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 70, generator=gen)
+    bits = torch.rand(2, 96, generator=gen) < 0.3  # 3 words: past vocab 70 is ignored
+    words = (bits.view(2, 3, 32).long() << torch.arange(32)).sum(-1)
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    rows = torch.tensor([3, 1])
+    out = apply_bitmask(logits, rows, bitmask)
+    expected = logits.clone()
+    for i, r in enumerate(rows.tolist()):
+        expected[r][~bits[i, :70]] = float("-inf")
+    assert torch.equal(out, expected)
+    # A bitmask narrower than the logits disallows the tokens past it.
+    narrow = apply_bitmask(logits, rows, bitmask[:, :1])
+    assert torch.isinf(narrow[3, 32:]).all() and torch.isinf(narrow[1, 32:]).all()
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        (StructuredSpec("regex", "[a-"), "the regex is invalid"),
+        (StructuredSpec("json", '{"type": "nope"}'), "the JSON schema is invalid"),
+        (StructuredSpec("json", "{not json"), "the JSON schema is invalid"),
+        (StructuredSpec("choice", "[]"), "the choice list is invalid"),
+        (StructuredSpec("choice", '["a", ""]'), "the choice list is invalid"),
+    ],
+)
+def test_bad_specs_are_value_errors(spec: StructuredSpec, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        check_spec(spec)
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(structured=spec)
+
+
+def test_missing_tokenizer_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        GrammarCompiler(tmp_path).matcher(StructuredSpec("json_object"), (EOS,))
