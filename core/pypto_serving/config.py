@@ -200,6 +200,17 @@ class ServingSettings(BaseSettings):
     )
     device: str = Field("auto", description="'auto' (npu > cuda > cpu), 'cpu', 'cuda', 'cuda:N' or 'npu'.")
     tensor_parallel_size: int = Field(1, ge=1, le=1, description="Tensor-parallel ranks (only 1 is built so far).")
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Engine replicas behind one server (`serve`), each with its own worker and KV cache.",
+    )
+    data_parallel_routing: Literal["least_tokens", "prefix_affinity"] = Field(
+        "least_tokens",
+        description="How `serve` picks a replica for a new request: fewest outstanding tokens, or the same replica for "
+        "prompts sharing their first block (prefix-cache hits), skipping unhealthy ones.",
+    )
     worker_mode: Literal["process", "inproc"] = Field(
         "process", description="Run the executor in its own spawned process, or in-process for debugging."
     )
@@ -363,6 +374,8 @@ SERVER_ONLY = frozenset(
         "max_worker_restarts",
         "worker_restart_window",
         "engine_mode",
+        "data_parallel_size",
+        "data_parallel_routing",
         "tool_call_parser",
         "reasoning_parser",
     }

@@ -27,6 +27,8 @@ SERVER_ONLY = [
     "max_worker_restarts",
     "worker_restart_window",
     "engine_mode",
+    "data_parallel_size",
+    "data_parallel_routing",
     "tool_call_parser",
     "reasoning_parser",
 ]

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..config import ServingSettings
 from ..metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .async_llm import AsyncLLM
+from .data_parallel import ServingLLM
 from .guard import _Guard
 from .openai_requests import (
     _chat_prompt,
@@ -57,7 +57,7 @@ def served_model_name(settings: ServingSettings) -> str:
     return Path(settings.model).name if settings.model else "default"
 
 
-def build_app(llm: AsyncLLM, settings: ServingSettings | None = None, *, manage_engine: bool = True) -> FastAPI:
+def build_app(llm: ServingLLM, settings: ServingSettings | None = None, *, manage_engine: bool = True) -> FastAPI:
     """The FastAPI app serving ``llm``. With ``manage_engine`` the app's lifespan starts the engine
     (loading in the background; /health says 503 until ready) and shuts it down on exit."""
     settings = settings or llm.settings

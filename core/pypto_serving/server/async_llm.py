@@ -127,6 +127,9 @@ class AsyncLLM:
         self.settings = self.plugins.resolve_model(settings)
         self.metrics = metrics
         self.on_fatal = on_fatal  # called from the engine thread once restarts are exhausted
+        # Called with a request id when its stream ends (finished, failed, aborted), from the engine
+        # thread or the event loop: a router above (data parallelism) releases its accounting.
+        self.on_finished: Callable[[str], None] | None = None
         # An engine factory is an object of this process, so it runs the engine in a thread here.
         self.process_mode = self.settings.engine_mode == "process" and engine_factory is None
         self._factory = engine_factory or (lambda: EngineCore(self.settings, self.plugins))
@@ -226,6 +229,8 @@ class AsyncLLM:
         for rid, stream in streams.items():
             _put(stream, EngineFailure(reason))
             self.abort(rid)
+            if self.on_finished is not None:
+                self.on_finished(rid)
         return len(streams)
 
     # ------------------------------------------------------------------ requests (event-loop side)
@@ -410,6 +415,8 @@ class AsyncLLM:
                 self.metrics.observe_finished(out)
             if stream is not None:
                 _put(stream, out)
+            if out.finished and self.on_finished is not None:
+                self.on_finished(out.request_id)
 
     def _fail_streams_from_thread(self, reason: str) -> None:
         """Fail the requests in flight; an add the engine has not answered yet (process mode) waits
@@ -417,8 +424,10 @@ class AsyncLLM:
         with self._lock:
             streams = {rid: s for rid, s in self._streams.items() if rid not in self._adds}
             self._streams = {rid: s for rid, s in self._streams.items() if rid in self._adds}
-        for stream in streams.values():
+        for rid, stream in streams.items():
             _put(stream, EngineFailure(reason))
+            if self.on_finished is not None:
+                self.on_finished(rid)
 
     def _fail_queued(self, reason: str) -> None:
         """Fail the adds still queued (they raced with a stop or a final failure)."""

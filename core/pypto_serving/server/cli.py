@@ -69,7 +69,7 @@ def run_server(settings: Any, plugins: Any = None) -> int:
     from ..engine import EngineDeadError
     from ..worker import WorkerError
     from .app import build_app, served_model_name
-    from .async_llm import AsyncLLM
+    from .data_parallel import make_llm
     from .transport import ServingServer, uvicorn_config
 
     logging.basicConfig(level=settings.log_level.upper(), format=_LOG_FORMAT)
@@ -85,7 +85,7 @@ def run_server(settings: Any, plugins: Any = None) -> int:
         if server is not None:
             server.should_exit = True
 
-    llm = AsyncLLM(settings, plugins, on_fatal=give_up)
+    llm = make_llm(settings, plugins, on_fatal=give_up)
     try:
         llm.wait_ready()
     except (SettingsError, PluginError, WorkerError, EngineDeadError, ValueError, OSError) as e:

@@ -17,7 +17,9 @@ from ..metrics import ServerMetrics
 from ..model_files import sampling_defaults
 from ..parsers import OutputParser
 from ..request import SamplingParams
-from .async_llm import AsyncLLM, EngineFailure
+from ..structured import StructuredSpec, check_spec
+from .async_llm import EngineFailure
+from .data_parallel import ServingLLM
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
 
 _SAMPLING_FIELDS = (
@@ -46,7 +48,7 @@ class _Ctx:
     """What every handler shares: the settings, the engine, the metrics and the served model's name."""
 
     settings: ServingSettings
-    llm: AsyncLLM
+    llm: ServingLLM
     metrics: ServerMetrics
     model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
@@ -265,6 +267,7 @@ def _sampling_params(
         if value is not None:
             kw[name] = value
     stop = req.stop if req.stop is not None else []
+    structured = _structured_spec(ctx, req)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -275,6 +278,7 @@ def _sampling_params(
             n=req.n,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured=structured,
             **kw,
         )
     except (ValueError, TypeError) as e:
@@ -291,6 +295,43 @@ def _sampling_params(
             code="context_length_exceeded",
         )
     return params
+
+
+def _structured_spec(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) -> StructuredSpec | None:
+    """The grammar the request asks its output to match, checked here so that a bad schema, regex or
+    choice list is a 400 naming the field."""
+    asked: list[tuple[str, StructuredSpec]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", StructuredSpec("json_object")))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        asked.append(("response_format", StructuredSpec("json", json.dumps(fmt.json_schema.json_schema))))
+    if req.guided_json is not None:
+        source = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+        asked.append(("guided_json", StructuredSpec("json", source)))
+    if req.guided_regex is not None:
+        asked.append(("guided_regex", StructuredSpec("regex", req.guided_regex)))
+    if req.guided_choice is not None:
+        asked.append(("guided_choice", StructuredSpec("choice", json.dumps(req.guided_choice))))
+    if not asked:
+        return None
+    param, spec = asked[0]
+    if len(asked) > 1:
+        names = ", ".join(name for name, _ in asked)
+        raise APIError(
+            400,
+            f"send at most one of response_format, guided_json, guided_regex, guided_choice (got {names})",
+            param=asked[1][0],
+        )
+    if ctx.llm.tokenizer is None:
+        raise APIError(400, f"{param} needs a tokenizer.json in the model directory", param=param)
+    try:
+        check_spec(spec)
+    except ValueError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
+    return spec
 
 
 def _sampling_error(message: str, chat: bool, max_tokens_param: str) -> APIError:

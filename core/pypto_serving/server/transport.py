@@ -30,7 +30,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config import ServingSettings
-from .async_llm import AsyncLLM
+from .data_parallel import ServingLLM
 
 __all__ = ["ServingServer", "timed_h11", "uvicorn_config"]
 
@@ -115,7 +115,7 @@ class ServingServer(uvicorn.Server):
     with an error (streams get an error event and ``[DONE]``) and return normally.
     """
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, llm: ServingLLM, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.llm = llm
         self.shutdown_timeout = shutdown_timeout

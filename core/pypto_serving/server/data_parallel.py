@@ -1,0 +1,249 @@
+"""Data parallelism: ``data_parallel_size`` engine replicas behind one server.
+
+Each replica is a whole :class:`AsyncLLM` (its own engine core, worker and KV cache, supervised and
+restarted on its own). :class:`DataParallelLLM` offers the same surface the HTTP layer uses and routes
+each new request to one replica:
+
+* ``least_tokens`` (default): the replica with the fewest outstanding tokens, counted as each
+  in-flight request's prompt plus its token budget (``max_tokens``, or the context length) times
+  ``n``, released when the request finishes, fails or is aborted; ties go to the lowest index.
+* ``prefix_affinity``: requests whose prompts share their first ``block_size`` tokens go to the same
+  replica (a stable hash picks it), so its prefix cache gets the hits; a replica that is not
+  healthy is skipped, and a prompt shorter than a block routes by least tokens.
+
+Aborts follow the request to its replica. Engine statistics are summed over the replicas for the
+Prometheus gauges and counters, and each replica's own snapshot is kept under ``replicas``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from ..config import ServingSettings
+from ..metrics import ServerMetrics
+from ..plugins import PluginManager
+from ..request import RequestOutput, SamplingParams
+from ..tokenizer import Tokenizer
+from .async_llm import AsyncLLM
+
+__all__ = ["DataParallelLLM", "ServingLLM", "make_llm"]
+
+_SUMMED = (
+    "num_running",
+    "num_waiting",
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "spec_drafted",
+    "spec_accepted",
+    "spec_verify_steps",
+    "num_steps",
+)
+
+
+def make_llm(
+    settings: ServingSettings, plugins: PluginManager | None = None, *, on_fatal: Callable[[str], None] | None = None
+) -> AsyncLLM | DataParallelLLM:
+    """One engine, or ``data_parallel_size`` replicas behind a router."""
+    if settings.data_parallel_size == 1:
+        return AsyncLLM(settings, plugins, on_fatal=on_fatal)
+    return DataParallelLLM(settings, plugins, on_fatal=on_fatal)
+
+
+class DataParallelLLM:
+    """Routes requests over replica :class:`AsyncLLM` engines (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: ServingSettings,
+        plugins: PluginManager | None = None,
+        *,
+        on_fatal: Callable[[str], None] | None = None,
+        replicas: list[AsyncLLM] | None = None,
+    ) -> None:
+        self.plugins = plugins or PluginManager()
+        count = settings.data_parallel_size
+        self.replicas = replicas or [AsyncLLM(settings, self.plugins, on_fatal=on_fatal) for _ in range(count)]
+        self.settings = self.replicas[0].settings
+        self.routing = self.settings.data_parallel_routing
+        self._lock = threading.Lock()  # owners and loads change on the event loop and engine threads
+        self._owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, outstanding tokens)
+        self._load = [0] * len(self.replicas)
+        self._metrics: ServerMetrics | None = None
+        for replica in self.replicas:
+            replica.on_finished = self._release
+
+    # ------------------------------------------------------------------ lifecycle and state
+    def start(self) -> None:
+        for r in self.replicas:
+            r.start()
+
+    def wait_ready(self, timeout: float | None = None) -> Any:
+        """Wait for every replica (each re-raises its own start-up error); returns the first's engine."""
+        engines = [r.wait_ready(timeout) for r in self.replicas]
+        return engines[0]
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        for r in self.replicas:
+            r.shutdown(timeout)
+
+    def fail_streams(self, reason: str) -> int:
+        return sum(r.fail_streams(reason) for r in self.replicas)
+
+    @property
+    def metrics(self) -> ServerMetrics | None:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, value: ServerMetrics | None) -> None:
+        self._metrics = value
+        for r in self.replicas:
+            r.metrics = None if value is None else _ReplicaMetrics(value, self)
+
+    @property
+    def ready(self) -> bool:
+        return all(r.ready for r in self.replicas)
+
+    @property
+    def healthy(self) -> bool:
+        return all(r.healthy for r in self.replicas)
+
+    @property
+    def dead_reason(self) -> str | None:
+        return next((f"replica {i}: {r.dead_reason}" for i, r in enumerate(self.replicas) if r.dead_reason), None)
+
+    @property
+    def restarting(self) -> str | None:
+        return next((f"replica {i}: {r.restarting}" for i, r in enumerate(self.replicas) if r.restarting), None)
+
+    @property
+    def engine(self) -> Any:
+        return self.replicas[0].engine
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.replicas[0].tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return min(r.max_model_len for r in self.replicas)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.replicas[0].vocab_size
+
+    def num_waiting(self) -> int:
+        return sum(r.num_waiting() for r in self.replicas)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The replicas' engine statistics summed (KV usage averaged), with each one's own snapshot."""
+        snaps = [dict(r.stats) for r in self.replicas]
+        out: dict[str, Any] = {key: sum(s.get(key, 0) for s in snaps) for key in _SUMMED}
+        out["kv_usage"] = sum(s.get("kv_usage", 0.0) for s in snaps) / len(snaps)
+        per_pos = [s.get("spec_accepted_per_pos", []) for s in snaps]
+        out["spec_accepted_per_pos"] = [sum(col) for col in zip(*per_pos)] if all(per_pos) else []
+        steps = out["spec_verify_steps"]
+        out["spec_mean_accepted_length"] = out["spec_accepted"] / steps if steps else 0.0
+        for key in ("spec_method", "spec_policy", "spec_k"):
+            out[key] = snaps[0].get(key)
+        with self._lock:
+            loads = list(self._load)
+        out["replicas"] = [{**s, "outstanding_tokens": load} for s, load in zip(snaps, loads)]
+        return out
+
+    # ------------------------------------------------------------------ requests
+    def route(self, prompt: list[int], params: SamplingParams) -> int:
+        """The replica a new request goes to (see the module docstring)."""
+        healthy = [i for i, r in enumerate(self.replicas) if r.healthy] or list(range(len(self.replicas)))
+        block = self.settings.block_size
+        if self.routing == "prefix_affinity" and len(prompt) >= block:
+            digest = hashlib.sha256(struct.pack(f"<{block}q", *prompt[:block])).digest()
+            start = int.from_bytes(digest[:8], "little") % len(self.replicas)
+            for step in range(len(self.replicas)):
+                if (start + step) % len(self.replicas) in healthy:
+                    return (start + step) % len(self.replicas)
+        with self._lock:
+            return min(healthy, key=lambda i: (self._load[i], i))
+
+    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Any:
+        index = self.route(prompt, params)
+        budget = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        cost = (len(prompt) + budget) * params.n
+        with self._lock:
+            if request_id in self._owner:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._owner[request_id] = (index, cost)
+            self._load[index] += cost
+        try:
+            return await self.replicas[index].add_request(request_id, prompt, params)
+        except BaseException:
+            self._release(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            owner = self._owner.get(request_id)
+        if owner is not None:
+            self.replicas[owner[0]].abort(request_id)
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        index_stream = await self.add_request(request_id, prompt, params)
+        finished = False
+        try:
+            while True:
+                item = await index_stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def _release(self, request_id: str) -> None:
+        """A request ended on its replica (finished, failed or aborted): its tokens are no longer outstanding."""
+        with self._lock:
+            owner = self._owner.pop(request_id, None)
+            if owner is not None:
+                self._load[owner[0]] -= owner[1]
+
+    def replica_of(self, request_id: str) -> int | None:
+        with self._lock:
+            owner = self._owner.get(request_id)
+        return None if owner is None else owner[0]
+
+
+class _ReplicaMetrics(ServerMetrics):
+    """A replica's view of the server's metrics: per-request observations go straight through, and
+    an engine snapshot from one replica refreshes the gauges and counters with the sum over all of
+    them (one replica's totals alone would look like the others' counters going down). A replica's
+    restart is not passed on: its totals restart from 0 inside the sum, which the counters treat as
+    stale until the sum passes its previous high, so they never go down nor count twice."""
+
+    def __init__(self, shared: ServerMetrics, router: DataParallelLLM) -> None:
+        self.shared, self.router = shared, router
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        self.shared.observe_finished(out)
+
+    def observe_restart(self) -> None:
+        self.shared.worker_restarts.labels(self.shared._model).inc()
+
+    def update_engine(self, stats: Mapping[str, Any], dead: bool) -> None:
+        self.shared.update_engine(self.router.stats, self.router.dead_reason is not None)
+
+    def render(self) -> bytes:
+        return self.shared.render()
+
+
+ServingLLM = AsyncLLM | DataParallelLLM
+"""What the HTTP layer serves from: one engine, or replicas behind a router."""
