@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: leave)")
+    ap.add_argument("--model", type=Path, help="an existing Qwen checkpoint (default: a tiny random one)")
     args = ap.parse_args()
     import torch
 
@@ -108,12 +109,12 @@ def main() -> None:
     from tests.plugins.qwen.qwen_fixtures import make_qwen_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_qwen_checkpoint(Path(tmp) / "qwen3", "qwen3", max_position_embeddings=1024)
+        model = args.model or make_qwen_checkpoint(Path(tmp) / "qwen3", "qwen3", max_position_embeddings=1024)
         res = {s: run_once(model, s, args) for s in ("sync", "async")}
     same = res["sync"]["tokens"] == res["async"]["tokens"]
     print(
         f"\nworkload: {args.requests} requests x {args.prompt_len} prompt tokens -> "
-        f"{args.max_tokens} new tokens (greedy), tiny Qwen3 (hidden 64, 3 layers), "
+        f"{args.max_tokens} new tokens (greedy), {args.model or 'tiny Qwen3 (hidden 64, 3 layers)'}, "
         f"worker_mode=process, device={args.device}"
     )
     rows = [
