@@ -413,10 +413,10 @@ class AsyncLLM:
                 stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if out.finished and self.metrics is not None:
                 self.metrics.observe_finished(out)
+            if out.finished and self.on_finished is not None:  # before the stream sees the end
+                self.on_finished(out.request_id)
             if stream is not None:
                 _put(stream, out)
-            if out.finished and self.on_finished is not None:
-                self.on_finished(out.request_id)
 
     def _fail_streams_from_thread(self, reason: str) -> None:
         """Fail the requests in flight; an add the engine has not answered yet (process mode) waits
@@ -425,9 +425,9 @@ class AsyncLLM:
             streams = {rid: s for rid, s in self._streams.items() if rid not in self._adds}
             self._streams = {rid: s for rid, s in self._streams.items() if rid in self._adds}
         for rid, stream in streams.items():
-            _put(stream, EngineFailure(reason))
             if self.on_finished is not None:
                 self.on_finished(rid)
+            _put(stream, EngineFailure(reason))
 
     def _fail_queued(self, reason: str) -> None:
         """Fail the adds still queued (they raced with a stop or a final failure)."""
