@@ -30,7 +30,9 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "DetokenizeRequest",
+    "JSONSchemaFormat",
     "NamedToolChoice",
+    "ResponseFormat",
     "StreamOptions",
     "TokenizeChatRequest",
     "TokenizeCompletionRequest",
@@ -45,6 +47,7 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOOLS = 128
+MAX_CHOICES = 1024
 # Every integer reaches the worker's msgpack wire and int64 tensors.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -58,14 +61,10 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "logit_bias": ({},),
     "suffix": ("",),
     "best_of": (),  # accepted when equal to n: see _is_neutral
     "prompt_logprobs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
     "guided_grammar": (),
     "guided_decoding_backend": (),
     "structured_outputs": (),
@@ -194,6 +193,27 @@ def _defaulted_not_nullable(model: type[BaseModel]) -> frozenset[str]:
     )
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the output must validate against."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Annotated[Text, Field(max_length=256)] | None = None
+    description: Text | None = None
+    # "schema" shadows a BaseModel attribute: the field is json_schema under its JSON name "schema".
+    json_schema: JSONObject | None = Field(None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints; ``None`` means "the checkpoint's generation default"."""
 
@@ -216,6 +236,11 @@ class _SamplingFields(BaseModel):
     min_tokens: Int64 = 0
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: Bool = True
+    # Structured output: at most one of these (see openai_requests._structured_spec).
+    response_format: ResponseFormat | None = None
+    guided_json: JSONObject | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     # IGNORED_FIELDS: typed so that they, too, carry nothing that could not be logged or echoed.
     user: Text | None = None
     metadata: dict[Text, Text] | None = None
@@ -367,6 +392,8 @@ _FIELD_NAMES = _field_names(
     ToolDefinition,
     FunctionDefinition,
     NamedToolChoice,
+    ResponseFormat,
+    JSONSchemaFormat,
     TokenizeCompletionRequest,
     TokenizeChatRequest,
     DetokenizeRequest,
