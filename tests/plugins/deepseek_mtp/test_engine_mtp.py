@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(LLM is None, reason="pypto_serving.LLM is not im
 PROMPT_LENS = (9, 21, 5, 14, 11)
 MAX_TOKENS = (24, 17, 30, 13, 22)  # not multiples of 1 + k: max_tokens falls inside a draft run
 STOPS_AT_EOS = (False, True, False, True, True)  # the others pass ignore_eos
-PRESSURE_BLOCKS = 14  # blocks per cache group: every request fits alone, not all together
+PRESSURE_BLOCKS = 12  # blocks per cache group: every request fits alone, not all together (swa and mtp hold windows)
 PROCESS_K = 2  # this k runs its worker in a separate process, the others in-process
 
 
