@@ -23,6 +23,7 @@ from .input_batch import InputBatch, StepArrays
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
 from .sampler import RowParams, SampleOutput, TokenCounts, sample
 from .spec_decode import NgramDrafter
+from .structured import GrammarCompiler, RequestGrammar, step_mask
 
 __all__ = ["MissingSampledTokenError", "ModelRunner"]
 
@@ -35,7 +36,19 @@ class _ReqState:
     """What the worker keeps of a request beyond its batch row: token history, penalty counts and
     drafts. Its last sampled token lives in the row (the step gathers it from there)."""
 
-    __slots__ = ("_batch", "counts", "drafts", "history", "num_prompt", "request_id", "rows", "sampling", "seed")
+    __slots__ = (
+        "_batch",
+        "counts",
+        "drafts",
+        "grammar",
+        "grammar_error",
+        "history",
+        "num_prompt",
+        "request_id",
+        "rows",
+        "sampling",
+        "seed",
+    )
 
     def __init__(
         self,
@@ -52,6 +65,8 @@ class _ReqState:
         self.counts = counts
         self.drafts: list[int] = []
         self.rows: list[RowParams] = []  # the sampler's rows of this request, reused across steps
+        self.grammar: RequestGrammar | None = None  # structured output: the grammar's state
+        self.grammar_error: str | None = None  # the grammar could not be built: the request fails
 
     @property
     def last_sampled(self) -> int | None:
@@ -75,6 +90,7 @@ class ModelRunner:
         self.info: ExecutorInfo | None = None
         self._input_batch: InputBatch | None = None
         self._ngram = _ngram_drafter(settings)
+        self._grammars = GrammarCompiler(getattr(settings, "tokenizer", None) or getattr(settings, "model", None))
 
     def load(self) -> ExecutorInfo:
         self.info = self.executor.load()
@@ -148,7 +164,15 @@ class ModelRunner:
         outs = list(nr.output_token_ids)
         counts = TokenCounts(prompt=list(nr.prompt_token_ids), outputs=outs) if nr.sampling.has_penalties else None
         self.input_batch.add(nr.request_id, sampling=nr.sampling, seed=nr.seed, outputs=outs)
-        self.states[nr.request_id] = _ReqState(self.input_batch, nr, counts)
+        st = self.states[nr.request_id] = _ReqState(self.input_batch, nr, counts)
+        spec = nr.sampling.structured
+        if spec is not None:
+            try:  # a request resuming after preemption replays its outputs through its grammar
+                st.grammar = self._grammars.matcher(spec, nr.sampling.grammar_eos)
+                if not st.grammar.advance(outs):
+                    st.grammar_error = f"structured output: {st.grammar.error}"
+            except ValueError as e:
+                st.grammar_error = f"structured output: {e}"
 
     # ------------------------------------------------------------------ batch
     def _build_batch(self, entries: list[ScheduledEntry]) -> tuple[BatchInput, list[list[int]]]:
@@ -223,7 +247,11 @@ class ModelRunner:
         result = StepResult(step_id=cmd.step_id)
         params = self._row_params(cmd.entries, batch.num_logits, drafts_used)
         if params:
-            self._verify(cmd.entries, batch.num_logits, drafts_used, sample(logits, params), result)
+            grammars = [
+                (self.states[e.request_id].grammar, n, d) for e, n, d in zip(cmd.entries, batch.num_logits, drafts_used)
+            ]
+            out = sample(logits, params, step_mask(grammars, logits.device))
+            self._verify(cmd.entries, batch.num_logits, drafts_used, out, result)
         return result
 
     def _row_params(
@@ -258,16 +286,19 @@ class ModelRunner:
             row += n
             if n == 0:
                 continue
-            err = next((out.errors[r] for r in rows if r in out.errors), None)
+            st = self.states[e.request_id]
+            err = next((out.errors[r] for r in rows if r in out.errors), st.grammar_error)
             if err is not None:
                 result.request_errors[e.request_id] = err
                 continue
             kept = _accept([out.tokens[r] for r in rows], drafts)
+            if st.grammar is not None and not st.grammar.advance(kept):
+                result.request_errors[e.request_id] = f"structured output: {st.grammar.error}"
+                continue
             for j in range(len(kept) - 1):
                 result.num_accepted_per_pos[j] += 1
             result.num_drafted += len(drafts)
             result.num_verify_steps += bool(drafts)
-            st = self.states[e.request_id]
             st.history += kept
             if st.counts is not None:
                 st.counts.extend(kept)
@@ -302,7 +333,9 @@ def _row(st: _ReqState) -> RowParams:
 def _update(st: _ReqState, row: RowParams, draw_index: int, drafts: list[int]) -> RowParams:
     """``row`` set to sample the request's output ``draw_index`` after ``drafts``."""
     row.draw_index = draw_index
-    row.banned = st.sampling.min_tokens_banned if draw_index < st.sampling.min_tokens else ()
+    # A grammar decides where its output may end: min_tokens never bans the EOS it may be down to.
+    early = draw_index < st.sampling.min_tokens and st.grammar is None
+    row.banned = st.sampling.min_tokens_banned if early else ()
     row.drafts = tuple(drafts) if st.counts is not None else ()
     return row
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .structured import GrammarMask, apply_bitmask
+
 __all__ = [
     "CANDIDATES",
     "DeviceSample",
@@ -274,8 +276,9 @@ def _draw_rows(
     return tokens, needs_full
 
 
-def sample_on_device(logits: torch.Tensor, params: list[RowParams]) -> DeviceSample:
-    """Sample one token per row of ``logits [N, V]`` without reading the host."""
+def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask | None = None) -> DeviceSample:
+    """Sample one token per row of ``logits [N, V]`` without reading the host; ``grammar`` masks the
+    tokens its rows' grammars disallow (after penalties and bans, before the draw; logprobs stay raw)."""
     x = logits.float()
     n = x.shape[0]
     dev = x.device
@@ -290,6 +293,8 @@ def sample_on_device(logits: torch.Tensor, params: list[RowParams]) -> DeviceSam
     if pen:
         x = _apply_penalties(x, pen, params)
     x = _ban(x, params)
+    if grammar is not None:
+        x = apply_bitmask(x, grammar.rows, grammar.bitmask)
     out.logits = x
     if any(p.temperature == 0.0 for p in params):
         out.tokens = x.argmax(dim=-1)
@@ -322,9 +327,9 @@ def packed(dev: DeviceSample) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def sample(logits: torch.Tensor, params: list[RowParams]) -> SampleOutput:
-    """Sample one token per row of float ``logits [N, V]`` according to ``params[row]``."""
-    dev = sample_on_device(logits, params)
+def sample(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask | None = None) -> SampleOutput:
+    """Sample one token per row of float ``logits [N, V]`` according to ``params[row]`` and ``grammar``."""
+    dev = sample_on_device(logits, params, grammar)
     n = len(params)
     flat = packed(dev).tolist()  # the step's one host read
     tokens = [int(t) for t in flat[:n]]

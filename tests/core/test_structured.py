@@ -172,3 +172,32 @@ def test_bad_specs_are_value_errors(spec: StructuredSpec, words: str) -> None:
 def test_missing_tokenizer_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         GrammarCompiler(tmp_path).matcher(StructuredSpec("json_object"), (EOS,))
+
+
+def test_sampler_draws_only_allowed_tokens() -> None:
+    """Constrained rows (greedy and sampled, with top-p) draw only allowed tokens, the greedy one the
+    best allowed; unconstrained rows draw what they draw without a grammar."""
+    from pypto_serving.sampler import RowParams, sample
+    from pypto_serving.structured import GrammarMask
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = 300
+    for trial in range(20):
+        logits = torch.randn(4, vocab, generator=gen) * 3
+        allowed = torch.rand(2, vocab, generator=gen) < 0.05
+        allowed[:, trial] = True  # never empty
+        words = (torch.nn.functional.pad(allowed, (0, 20)).view(2, -1, 32).long() << torch.arange(32)).sum(-1)
+        bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        mask = GrammarMask(rows=torch.tensor([0, 2]), bitmask=bitmask)
+        params = [
+            RowParams(temperature=0.0, seed=trial, draw_index=0),
+            RowParams(temperature=1.0, seed=trial, draw_index=0),
+            RowParams(temperature=1.0, seed=trial, draw_index=0, top_p=0.9),
+            RowParams(temperature=0.7, seed=trial, draw_index=0, top_k=5),
+        ]
+        got = sample(logits, params, mask).tokens
+        free = sample(logits, params).tokens
+        best = torch.where(allowed[0], logits[0], float("-inf")).argmax().item()
+        assert got[0] == best
+        assert allowed[1, got[2]]
+        assert (got[1], got[3]) == (free[1], free[3])
