@@ -14,7 +14,7 @@ against unconstrained decoding. The machine's other load moves every number: com
 run only.
 
     python benchmarks/structured.py [--model /work/models/qwen3-small] [--concurrency 16]
-        [--max-tokens 64] [--repeats 3] [--threads 2]
+        [--max-tokens 64] [--repeats 3] [--threads 2] [--temperature 0.8]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> None:
         for round_ in range(args.repeats + 1):  # round 0 warms up (the grammar tokenizer is built there)
             for name, spec in configs.items():
                 params = SamplingParams(
-                    temperature=0.8, seed=1, max_tokens=args.max_tokens, ignore_eos=True, structured=spec
+                    temperature=args.temperature, seed=1, max_tokens=args.max_tokens, ignore_eos=True, structured=spec
                 )
                 totals.update(seconds=0.0, calls=0.0, steps=0.0, step_seconds=0.0)
                 outs = llm.generate(prompts, params, use_tqdm=False)
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
 def _report(timings: dict[str, Timing], args: argparse.Namespace) -> None:
     print(
         f"model {args.model}, {args.concurrency} concurrent requests x {args.max_tokens} tokens, "
-        f"{args.threads} threads, best of {args.repeats}"
+        f"{args.threads} threads, temperature {args.temperature}, best of {args.repeats}"
     )
     base = min(timings["none"].wall) / timings["none"].steps[0]
     print(f"{'config':<12} {'step ms':>8} {'mask ms/step':>13} {'mask/step':>10} {'overhead':>9}")
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (the mask then costs no draw)")
     run(parser.parse_args())
 
 
