@@ -12,8 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from .executor import ExecutorInfo
-from .request import SamplingParams
-from .structured import StructuredSpec
+from .request import SamplingParams, StructuredSpec
 
 __all__ = [
     "NewRequestData",

@@ -6,9 +6,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-from .structured import StructuredSpec, check_spec
+from typing import Any, Literal
 
 __all__ = [
     "CompletionOutput",
@@ -18,7 +16,22 @@ __all__ = [
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",
+    "StructuredSpec",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredSpec:
+    """What a request's output must match (structured output; see :mod:`pypto_serving.structured`).
+
+    ``kind`` ``json``: ``source`` is a JSON schema (as JSON text); ``json_object``: any JSON object
+    (``source`` is unused); ``regex``: ``source`` is the pattern, matched whole; ``choice``: ``source``
+    is a JSON array of the allowed strings. Checked where requests enter (the server's 400s,
+    ``structured.check_spec``); the worker fails the one request whose grammar cannot be built.
+    """
+
+    kind: Literal["json", "json_object", "regex", "choice"]
+    source: str = ""
 
 
 @dataclass(slots=True)
@@ -76,8 +89,6 @@ class SamplingParams:
             "token ids in [0, 2**63)",
         )
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "in [0, 2**63)")
-        if self.structured is not None:
-            check_spec(self.structured)
 
     @property
     def greedy(self) -> bool:

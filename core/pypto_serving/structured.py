@@ -23,13 +23,13 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import llguidance
-import msgspec
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from .request import StructuredSpec
 
 __all__ = [
     "GrammarCompiler",
@@ -43,24 +43,10 @@ __all__ = [
     "step_mask",
 ]
 
-StructuredKind = Literal["json", "json_object", "regex", "choice"]
-
 # Compact JSON: flexible whitespace lets a sampled model pad with blanks until max_tokens cuts the
 # document short. A schema may still ask for whitespace through its own "x-guidance" options.
 _JSON_DEFAULTS: llguidance._lib.JsonCompileOptions = {"whitespace_flexible": False}
 _MAX_CHOICES = 1024
-
-
-class StructuredSpec(msgspec.Struct, frozen=True):
-    """What a request's output must match.
-
-    ``kind`` ``json``: ``source`` is a JSON schema (as JSON text); ``json_object``: any JSON object
-    (``source`` is unused); ``regex``: ``source`` is the pattern, matched whole; ``choice``: ``source``
-    is a JSON array of the allowed strings.
-    """
-
-    kind: StructuredKind
-    source: str = ""
 
 
 def grammar_text(spec: StructuredSpec) -> str:

@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from pypto_serving.request import SamplingParams
+from pypto_serving.request import StructuredSpec
 from pypto_serving.structured import (
     GrammarCompiler,
-    StructuredSpec,
     apply_bitmask,
     bitmask_words,
     check_spec,
@@ -165,8 +164,6 @@ def test_apply_bitmask_matches_a_reference() -> None:
 def test_bad_specs_are_value_errors(spec: StructuredSpec, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         check_spec(spec)
-    with pytest.raises(ValueError, match=words):
-        SamplingParams(structured=spec)
 
 
 def test_missing_tokenizer_is_named(tmp_path: Path) -> None:
