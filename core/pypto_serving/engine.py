@@ -334,6 +334,10 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer.json in the model directory")
+        if params.structured is not None:  # a bad grammar is the caller's error, not a failed request
+            from .structured import check_spec
+
+            check_spec(params.structured)
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "

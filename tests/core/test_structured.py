@@ -198,3 +198,21 @@ def test_sampler_draws_only_allowed_tokens() -> None:
         assert got[0] == best
         assert allowed[1, got[2]]
         assert (got[1], got[3]) == (free[1], free[3])
+
+
+@pytest.mark.requires_plugin("sync_sched")
+def test_the_offline_api_refuses_a_bad_grammar_at_add(fake_pm: object, tmp_path: Path) -> None:
+    from pypto_serving import LLM, SamplingParams
+
+    model = tmp_path / "m"
+    model.mkdir()
+    write_tokenizer(model)
+    (model / "config.json").write_text('{"architectures": ["FakeForCausalLM"]}')
+    llm = LLM(model=str(model), plugins=fake_pm, executor="fake", worker_mode="inproc", scheduler="sync")
+    try:
+        assert llm.engine is not None
+        with pytest.raises(ValueError, match="the regex is invalid"):
+            llm.engine.add_request("r", [1, 2], SamplingParams(structured=StructuredSpec("regex", "[a-")))
+        assert not llm.engine.has_unfinished()
+    finally:
+        llm.shutdown()
