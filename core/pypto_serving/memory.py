@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .executor import CacheGroupSpec
-from .messages import MemoryProfile, NewRequestData, ScheduledEntry, StepCommand, WireSampling
+from .messages import MemoryProfile, NewRequestData, ScheduledEntry, StepCommand, wire_sampling
+from .request import SamplingParams
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -58,19 +59,7 @@ def profile_memory(runner: ModelRunner, num_tokens: int) -> MemoryProfile:
 
 
 def _profile_command(plan: dict[str, int], num_tokens: int) -> StepCommand:
-    sampling = WireSampling(
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        min_p=0.0,
-        presence_penalty=0.0,
-        frequency_penalty=0.0,
-        repetition_penalty=1.0,
-        has_penalties=False,
-        min_tokens=0,
-        min_tokens_banned=(),
-        logprobs=None,
-    )
+    sampling = wire_sampling(SamplingParams(temperature=0.0), ())
     tokens = [0] * num_tokens
     new = NewRequestData(
         request_id=_PROFILE_ID, prompt_token_ids=tokens, output_token_ids=[], sampling=sampling, seed=0

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,24 +263,9 @@ class AsyncLLM:
         else:
             self._cmds.put(_Abort(request_id))
 
-    async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs until finished. Leaving early (cancellation, disconnect) aborts the request."""
-        stream = await self.add_request(request_id, prompt, params)
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, EngineFailure):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return stream_outputs(lambda: self.add_request(request_id, prompt, params), lambda: self.abort(request_id))
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -627,6 +612,27 @@ class AsyncLLM:
                 self._held = []
         for rid in failed:
             self._settle(AddResult(rid, reason, "dead"))
+
+
+async def stream_outputs(
+    add: Callable[[], Awaitable[_Stream]], abort: Callable[[], None]
+) -> AsyncIterator[RequestOutput]:
+    """Add a request when iteration starts (``add``), then yield its cumulative outputs until the
+    finished one; an engine failure is raised, and leaving early calls ``abort``."""
+    stream = await add()
+    finished = False
+    try:
+        while True:
+            item = await stream.queue.get()
+            if isinstance(item, EngineFailure):
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            abort()
 
 
 def _put(stream: _Stream, item: RequestOutput | EngineFailure) -> None:

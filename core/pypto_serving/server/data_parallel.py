@@ -28,7 +28,7 @@ from ..metrics import ServerMetrics
 from ..plugins import PluginManager
 from ..request import RequestOutput, SamplingParams
 from ..tokenizer import Tokenizer
-from .async_llm import AsyncLLM
+from .async_llm import AsyncLLM, stream_outputs
 
 __all__ = ["DataParallelLLM", "ServingLLM", "make_llm"]
 
@@ -191,23 +191,9 @@ class DataParallelLLM:
         if owner is not None:
             self.replicas[owner[0]].abort(request_id)
 
-    async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        index_stream = await self.add_request(request_id, prompt, params)
-        finished = False
-        try:
-            while True:
-                item = await index_stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """As :meth:`AsyncLLM.generate`, on the replica the request is routed to."""
+        return stream_outputs(lambda: self.add_request(request_id, prompt, params), lambda: self.abort(request_id))
 
     def _release(self, request_id: str) -> None:
         """A request ended on its replica (finished, failed or aborted): its tokens are no longer outstanding."""

@@ -24,7 +24,7 @@ from pypto_serving.runner import ModelRunner
 from pypto_serving_qwen.executor import KV_GROUP, QwenExecutor
 from pypto_serving_qwen.loader import read_config
 from pypto_serving_qwen.model import QwenForCausalLM
-from tests.plugins.qwen.fake_cuda import CUDA, fake_cuda
+from tests.plugins.qwen.fake_cuda import CUDA, fake_cuda, on_device
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
@@ -52,18 +52,6 @@ def _fake_executor(path: Path, dtype: torch.dtype) -> QwenExecutor:
     ex.model = QwenForCausalLM(ex.config, CUDA, dtype).eval()
     ex.init_kv_cache({KV_GROUP: NUM_BLOCKS})
     return ex
-
-
-def _on_device(batch: BatchInput) -> BatchInput:
-    """The batch with every tensor copied to the device, as the runner places it (host lists kept)."""
-    moved: dict[str, Any] = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            moved[f.name] = value.to(CUDA)
-        elif isinstance(value, dict):
-            moved[f.name] = {k: t.to(CUDA) for k, t in value.items()}
-    return dataclasses.replace(batch, **moved)
 
 
 def _tensors(ex: QwenExecutor, batch: BatchInput) -> list[torch.Tensor]:
@@ -111,7 +99,7 @@ def test_prefill_then_mixed_chunked_prefill_and_decode_on_the_device(
         ex = _fake_executor(path, dtype)
         assert ex.config is not None
         for chunks in steps:
-            _execute(ex, _on_device(builder.step(chunks, all_logits=False)), ex.config.vocab_size)
+            _execute(ex, on_device(builder.step(chunks, all_logits=False)), ex.config.vocab_size)
 
 
 def test_without_host_lengths_attention_would_read_back(qwen_checkpoints: Callable[[str], Path]) -> None:
@@ -121,7 +109,7 @@ def test_without_host_lengths_attention_would_read_back(qwen_checkpoints: Callab
     with fake_cuda():
         ex = _fake_executor(path, torch.float32)
         assert ex.model is not None
-        batch = _on_device(builder.step([("a", [4, 5, 6])], all_logits=False))
+        batch = on_device(builder.step([("a", [4, 5, 6])], all_logits=False))
         layer = ex.model.layers[0].self_attn
         original = layer.forward
 

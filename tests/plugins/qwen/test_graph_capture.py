@@ -7,7 +7,6 @@ cores; ``benchmarks/graph_capture.py`` checks inductor's tokens against eager on
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from pypto_serving_qwen.executor import KV_GROUP, QwenExecutor
 from pypto_serving_qwen.graph import GraphOptions, compile_decode, parse_graph_options, static_decode_attention
 from pypto_serving_qwen.loader import read_config
 from pypto_serving_qwen.model import QwenForCausalLM
-from tests.plugins.qwen.fake_cuda import CUDA, fake_cuda
+from tests.plugins.qwen.fake_cuda import CUDA, fake_cuda, on_device
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 
 BLOCK_SIZE = 4
@@ -151,21 +150,9 @@ def test_the_captured_forward_reads_nothing_back_on_a_fake_cuda_device(
         assert ex.graphs is not None
         ex.graphs._compiled = ex.graphs._forward  # what the graph would capture, run as it is
         for chunks in steps:
-            logits = ex.execute(_on_cuda(builder.step(chunks, all_logits=False)))
+            logits = ex.execute(on_device(builder.step(chunks, all_logits=False)))
             assert (logits.device, tuple(logits.shape)) == (CUDA, (3, ex.config.vocab_size))
     assert (ex.graph_stats.graph_steps, ex.graph_stats.eager_steps) == ({4: 2}, 1)
-
-
-def _on_cuda(batch: Any) -> Any:
-    """The batch with every tensor on the fake device, as the runner places it (host lists kept)."""
-    moved: dict[str, Any] = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            moved[f.name] = value.to(CUDA)
-        elif isinstance(value, dict):
-            moved[f.name] = {k: t.to(CUDA) for k, t in value.items()}
-    return dataclasses.replace(batch, **moved)
 
 
 @pytest.mark.parametrize("window", [None, 3])
