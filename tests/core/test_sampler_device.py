@@ -75,3 +75,16 @@ def test_bfloat16_logits_and_the_full_vocabulary_fallback(
     tokens, _ = sampler_mod._draw_rows(dev.logits, params, [3, 4], dev.tokens, fallback=True)
     assert tokens.device.type == "cuda"
     assert sampler_mod._chosen(dev, [1, 4]).device.type == "cuda"
+
+
+@pytest.mark.parametrize("num_constrained", [8, 2])  # every row (masked in place), and some rows
+def test_grammar_masks_apply_on_the_device(fake: FakeTensorMode, num_constrained: int) -> None:
+    from pypto_serving.structured import GrammarMask
+
+    words = (VOCAB + 31) // 32
+    grammar = GrammarMask(
+        rows=torch.empty(num_constrained, dtype=torch.long, device="cuda"),
+        bitmask=torch.empty(num_constrained, words, dtype=torch.int32, device="cuda"),
+    )
+    dev = sample_on_device(torch.empty(8, VOCAB, device="cuda"), rows(), grammar)
+    assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.logits, packed(dev)))
