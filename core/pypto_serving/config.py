@@ -199,7 +199,17 @@ class ServingSettings(BaseSettings):
         "auto", description="Weight/activation dtype; 'auto' follows torch_dtype in config.json."
     )
     device: str = Field("auto", description="'auto' (npu > cuda > cpu), 'cpu', 'cuda', 'cuda:N' or 'npu'.")
-    tensor_parallel_size: int = Field(1, ge=1, le=1, description="Tensor-parallel ranks (only 1 is built so far).")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel ranks: one worker process per rank, collectives over torch.distributed.",
+    )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="Shard the MoE experts over the tensor-parallel ranks (all-to-all dispatch and combine) "
+        "instead of sharding every expert's matrices.",
+    )
     data_parallel_size: int = Field(
         1,
         ge=1,
