@@ -9,13 +9,17 @@ so an executor finds its place with :meth:`ParallelContext.current` and shards i
 - a row-parallel linear produces a partial sum that :meth:`ParallelContext.all_reduce` completes;
 - a vocab-parallel embedding looks up the ids its rank owns and all-reduces the rows;
 - a vocab-parallel LM head computes its slice of the logits and :meth:`ParallelContext.all_gather`
-  concatenates them, so every rank holds the same full logits and samples the same tokens.
+  concatenates them, so every rank holds the same full logits and samples the same tokens;
+- an expert-parallel MoE layer (each rank holds whole experts) sends tokens to the ranks owning
+  their experts and the results back with :func:`expert_parallel_moe` (all-to-all dispatch and
+  combine).
 
 With one rank every collective is the identity and no process group is needed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["ParallelContext", "vocab_parallel_embedding"]
+__all__ = ["ExpertFn", "ParallelContext", "dispatch_combine", "expert_parallel_moe", "vocab_parallel_embedding"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,11 @@ class ParallelContext:
         return torch.cat(parts, dim=dim)
 
 
+#: ``(x [N, H], weights [N, k] float32, local_ids [N, k] int64) -> [N, H]``: the weighted sum over k
+#: of this rank's experts ``local_ids`` (numbered from 0) applied to ``x``.
+ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """Embedding rows of ``ids`` when each rank holds the rows ``ctx.shard(vocab)`` of the table.
 
@@ -93,3 +102,87 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, ctx: Paral
     rows = F.embedding(torch.where(mine, local, torch.zeros_like(local)), weight)
     rows = rows * mine.unsqueeze(-1).to(rows.dtype)
     return ctx.all_reduce(rows)
+
+
+def dispatch_combine(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    local_experts: ExpertFn,
+    experts_per_rank: int,
+    ctx: ParallelContext,
+) -> torch.Tensor:
+    """The MoE output of this rank's tokens when rank ``d`` holds experts
+    ``d * experts_per_rank ... (d + 1) * experts_per_rank - 1``: all-to-all dispatch, local experts,
+    all-to-all combine.
+
+    Every rank passes its own tokens ``x [N, H]`` with their routes (``weights [N, k]``, ``ids [N, k]``
+    over all experts); ``N`` must be the same on every rank. Each destination gets a fixed capacity
+    of ``N`` token rows, the worst case (all of a token's routes may land on one rank), so the split
+    sizes of both ``all_to_all_single`` calls are equal and known without reading any count back to
+    the host. A token row goes to every rank at its own index; the routes another rank owns travel
+    with weight 0 and local id 0, so ``local_experts`` computes them and the weight cancels them.
+
+    Cost per MoE layer and rank: send and receive buffers of ``world_size x N`` rows of ``H`` (plus
+    ``2k`` float32 route values per row) for the dispatch and again for the combine, and
+    ``local_experts`` over ``world_size x N`` tokens with ``k`` routes each, most of them masked.
+    Variable splits would shrink both but need the per-destination counts on the host (one sync per
+    layer), which the forward avoids.
+
+    :return: ``[N, H]`` in ``x.dtype``: for each token, the sum over its routes of
+        ``weight * expert(x)``, identical (up to summation order) to running every expert locally.
+    """
+    if not ctx.enabled:
+        return local_experts(x, weights, ids)
+    world, (num_tokens, hidden), top_k = ctx.world_size, x.shape, ids.shape[1]
+    owner = torch.div(ids, experts_per_rank, rounding_mode="floor")
+    dests = torch.arange(world, device=ids.device).view(world, 1, 1)
+    mine = owner.unsqueeze(0) == dests  # [W, N, k]: which routes each destination owns
+    send_w = torch.where(mine, weights.float().unsqueeze(0), 0.0)
+    send_ids = torch.where(mine, ids.unsqueeze(0) - dests * experts_per_rank, 0)
+    # Expert ids stay exact in float32 (below 2**24), so weights and ids share one message.
+    send_meta = torch.cat([send_w, send_ids.to(torch.float32)], dim=-1).reshape(world * num_tokens, 2 * top_k)
+    send_x = x.unsqueeze(0).expand(world, num_tokens, hidden).reshape(world * num_tokens, hidden)
+    recv_x, recv_meta = torch.empty_like(send_x), torch.empty_like(send_meta)
+    dist.all_to_all_single(recv_x, send_x.contiguous(), group=ctx.group)
+    dist.all_to_all_single(recv_meta, send_meta, group=ctx.group)
+    out = local_experts(recv_x, recv_meta[:, :top_k], recv_meta[:, top_k:].to(torch.int64))
+    back = torch.empty_like(out)
+    dist.all_to_all_single(back, out.contiguous(), group=ctx.group)
+    return back.view(world, num_tokens, hidden).sum(dim=0, dtype=torch.float32).to(x.dtype)
+
+
+def expert_parallel_moe(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    local_experts: ExpertFn,
+    num_experts: int,
+    ctx: ParallelContext,
+) -> torch.Tensor:
+    """The MoE output of tokens every rank holds alike (tensor-parallel attention), when each rank
+    holds the experts ``ctx.shard(num_experts)``.
+
+    Each rank takes its ``ceil(T / world_size)`` rows of the (zero-padded) batch, runs
+    :func:`dispatch_combine` on them, and an all-gather gives every rank every row again, so no
+    rank computes another rank's tokens' routes to its own experts twice.
+
+    :param x: ``[T, H]`` hidden states, identical on every rank.
+    :param weights: ``[T, k]`` routing weights (the router is replicated, so identical too).
+    :param ids: ``[T, k]`` expert ids over all ``num_experts`` experts.
+    :param local_experts: this rank's experts (:data:`ExpertFn`), numbered from 0.
+    :raises ValueError: ``num_experts`` does not divide by the number of ranks.
+    :return: ``[T, H]`` in ``x.dtype``, identical on every rank.
+    """
+    mine = ctx.shard(num_experts, what="number of experts (expert parallel)")
+    if not ctx.enabled:
+        return local_experts(x, weights, ids)
+    num_tokens = x.shape[0]
+    chunk = -(-num_tokens // ctx.world_size)
+    pad = chunk * ctx.world_size - num_tokens
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+        weights, ids = F.pad(weights, (0, 0, 0, pad)), F.pad(ids, (0, 0, 0, pad))
+    rows = slice(ctx.rank * chunk, (ctx.rank + 1) * chunk)
+    part = dispatch_combine(x[rows], weights[rows], ids[rows], local_experts, mine.stop - mine.start, ctx)
+    return ctx.all_gather(part, dim=0)[:num_tokens]
