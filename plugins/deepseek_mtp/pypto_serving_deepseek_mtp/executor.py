@@ -14,11 +14,13 @@ import torch.nn.functional as F
 
 from pypto_kernels import describe_kernel, interleaved_rope_cos_sin, select_device
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
+from pypto_serving.parallel import ParallelContext
 from pypto_serving.quantization import read_quantization_config
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
 from .model import FP32_SUFFIXES, CompressorRing, DeepseekV4Model, Segments, _layer_params
+from .sharding import ShardPlan
 from .weights import load_weights, mtp_depths
 
 logger = logging.getLogger(__name__)
@@ -166,35 +168,18 @@ class DeepseekMTPExecutor(Executor):
         device = select_device(s.device)
         dtype = _DTYPES.get(cfg.torch_dtype, torch.bfloat16) if s.dtype == "auto" else _DTYPES[s.dtype]
         quantization = read_quantization_config(raw, str(model_dir / "config.json"))
-        weights = load_weights(model_dir, device, dtype, FP32_SUFFIXES, quantization)
+        plan = self._shard_plan(cfg)
+        weights = load_weights(model_dir, device, dtype, FP32_SUFFIXES, quantization, plan)
 
         spec = s.speculative_config
-        n_mtp = mtp_depths(weights)
-        if spec is not None:
-            k = int(spec.num_speculative_tokens)
-            if not 1 <= k <= MAX_DRAFT_TOKENS:
-                raise MtpConfigError(
-                    f"speculative_config.num_speculative_tokens={k} is out of range: use 1..{MAX_DRAFT_TOKENS}"
-                )
-            if spec.method != "mtp":
-                raise MtpConfigError(
-                    f"speculative_config.method={spec.method!r} is not supported by the deepseek_mtp executor: "
-                    "use 'mtp'"
-                )
-            if n_mtp == 0:
-                raise MtpConfigError(
-                    f"speculative_config.method='mtp' needs the checkpoint's MTP layers, but {model_dir} "
-                    f"has no mtp.0.* tensors (num_nextn_predict_layers={cfg.num_nextn_predict_layers}); "
-                    "use a checkpoint with MTP weights or turn speculative decoding off"
-                )
-            self.num_draft = k
+        self._check_speculation(spec, mtp_depths(weights), cfg, model_dir)
         self.use_mtp = spec is not None and spec.method == "mtp"
         if self.use_mtp:
-            for d in range(n_mtp):
-                self.mtp_layers.append(self._mtp_params(weights, d, cfg))
+            for d in range(mtp_depths(weights)):
+                self.mtp_layers.append(self._mtp_params(weights, d, plan.experts))
 
         block_size = int(s.block_size)
-        self.model = DeepseekV4Model(cfg, weights, device, dtype, block_size)
+        self.model = DeepseekV4Model(cfg, weights, device, dtype, block_size, plan.parallel, plan.experts)
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.groups = self._cache_groups(cfg, block_size, dtype)
         self._log_kernels(cfg)
@@ -213,12 +198,47 @@ class DeepseekMTPExecutor(Executor):
             generation_defaults=generation_defaults,
         )
 
-    def _mtp_params(self, weights: dict[str, torch.Tensor], d: int, cfg: DeepseekV4Config) -> dict[str, torch.Tensor]:
+    def _shard_plan(self, cfg: DeepseekV4Config) -> ShardPlan:
+        """This rank's tensor-parallel layout; refuses a world size that does not divide what it splits
+        or that differs from ``tensor_parallel_size``."""
+        parallel = ParallelContext.current()
+        wanted = int(getattr(self.settings, "tensor_parallel_size", 1))
+        if parallel.world_size != wanted:
+            raise DeepseekConfigError(
+                f"tensor_parallel_size={wanted} but this worker's process group has {parallel.world_size} "
+                "rank(s); start one worker per rank with torch.distributed initialised"
+            )
+        plan = ShardPlan(cfg, parallel, expert_parallel=bool(getattr(self.settings, "enable_expert_parallel", False)))
+        plan.check()
+        return plan
+
+    def _check_speculation(self, spec: Any, n_mtp: int, cfg: DeepseekV4Config, model_dir: Path) -> None:
+        """Refuse a speculative_config this checkpoint cannot serve; sets ``num_draft``."""
+        if spec is None:
+            return
+        k = int(spec.num_speculative_tokens)
+        if not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise MtpConfigError(
+                f"speculative_config.num_speculative_tokens={k} is out of range: use 1..{MAX_DRAFT_TOKENS}"
+            )
+        if spec.method != "mtp":
+            raise MtpConfigError(
+                f"speculative_config.method={spec.method!r} is not supported by the deepseek_mtp executor: use 'mtp'"
+            )
+        if n_mtp == 0:
+            raise MtpConfigError(
+                f"speculative_config.method='mtp' needs the checkpoint's MTP layers, but {model_dir} "
+                f"has no mtp.0.* tensors (num_nextn_predict_layers={cfg.num_nextn_predict_layers}); "
+                "use a checkpoint with MTP weights or turn speculative decoding off"
+            )
+        self.num_draft = k
+
+    def _mtp_params(self, weights: dict[str, torch.Tensor], d: int, experts: range) -> dict[str, torch.Tensor]:
         prefix = f"mtp.{d}."
         if any(k.startswith(prefix + "attn.compressor.") for k in weights):
             raise MtpConfigError(f"{prefix}* has a compressed-attention block; only sliding-window MTP is supported")
         try:
-            p = _layer_params(weights, prefix, cfg)
+            p = _layer_params(weights, prefix, experts)
         except ValueError as e:
             raise MtpConfigError(f"MTP layer {d}: {e}") from None
         needed = [
@@ -577,7 +597,7 @@ class DeepseekMTPExecutor(Executor):
             input_ids=tok,
             block_tables={group: bt},
         )
-        e = ops.rms_norm(F.embedding(tok, m.embed), p["enorm.weight"], cfg.rms_norm_eps)
+        e = ops.rms_norm(m.embed_tokens(tok), p["enorm.weight"], cfg.rms_norm_eps)
         h = ops.rms_norm(hidden, p["hnorm.weight"], cfg.rms_norm_eps)
         x = F.linear(e, p["e_proj.weight"]).unsqueeze(1) + F.linear(h, p["h_proj.weight"])
         # An MTP block is a sliding layer: it only reads the main RoPE table.

@@ -39,6 +39,7 @@ from pypto_kernels import (
     topk_routing,
 )
 from pypto_kernels.compressed_attention import _put, _take
+from pypto_serving.parallel import ParallelContext, vocab_parallel_embedding
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -221,16 +222,24 @@ class DeepseekV4Model:
         device: torch.device,
         dtype: torch.dtype,
         block_size: int,
+        parallel: ParallelContext | None = None,
+        experts: range | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        # Tensor parallel: this rank's query heads and output groups, and the routed experts it holds
+        # (all of them, each split, unless expert parallel gives it a range of whole ones).
+        self.parallel = parallel or ParallelContext()
+        self.local_heads = cfg.num_attention_heads // self.parallel.world_size
+        self.local_groups = cfg.o_groups // self.parallel.world_size
+        self.experts = experts if experts is not None else range(cfg.n_routed_experts)
         self.embed = weights["embed.weight"]
         self.head = weights.get("head.weight", self.embed)
         self.norm = weights["norm.weight"]
         self.hc_head = (weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"])
-        self.layers = [_layer_params(weights, f"layers.{i}.", cfg) for i in range(cfg.num_hidden_layers)]
+        self.layers = [_layer_params(weights, f"layers.{i}.", self.experts) for i in range(cfg.num_hidden_layers)]
         self.inv_freq: dict[str, tuple[torch.Tensor, float]] = {}
         for name, params in (("main", cfg.rope_main), ("compress", cfg.rope_compress)):
             inv, scaling = rope_inv_freq(
@@ -252,8 +261,12 @@ class DeepseekV4Model:
 
     # ------------------------------------------------------------------ public entry points
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows ``[T, D]``, identical on every rank (each holds a slice of the vocabulary)."""
+        return vocab_parallel_embedding(input_ids, self.embed, self.parallel)
+
     def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
     def forward(self, seg: Segments) -> torch.Tensor:
@@ -282,7 +295,8 @@ class DeepseekV4Model:
         fn, base, scale = hc if hc is not None else self.hc_head
         h = hc_head(streams, fn, base, scale, self.cfg.hc_eps, self.cfg.rms_norm_eps)
         h = ops.rms_norm(h, self.norm if norm is None else norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.head).float()
+        # Each rank scores its vocabulary slice; the gather gives every rank the same full logits.
+        return self.parallel.all_gather(F.linear(h, self.head)).float()
 
     # ------------------------------------------------------------------ blocks
 
@@ -342,6 +356,8 @@ class DeepseekV4Model:
                 cfg.routed_scaling_factor,
             )
         limit = cfg.swiglu_limit
+        if len(self.experts) < cfg.n_routed_experts:
+            weights, ids = self._local_routes(weights, ids)
         routed = moe_experts(
             h,
             p["experts.gate_up"],
@@ -353,7 +369,15 @@ class DeepseekV4Model:
         shared = F.linear(
             ops.clamped_swiglu(F.linear(h, p["shared.gate_up"]), limit), p["ffn.shared_experts.w2.weight"]
         )
-        return routed + shared
+        # Each rank holds part of every expert (or whole experts of its own): one sum completes both.
+        return self.parallel.all_reduce(routed + shared)
+
+    def _local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallel: the routes to this rank's experts, renumbered from 0; a route to another
+        rank's expert keeps a local id with weight 0 so shapes stay known without a device read."""
+        local = ids - self.experts.start
+        mine = (local >= 0) & (local < len(self.experts))
+        return weights * mine, torch.where(mine, local, torch.zeros_like(local))
 
     def attention(
         self,
@@ -370,7 +394,7 @@ class DeepseekV4Model:
         t = h.shape[0]
         cos, sin = rope["main" if kind == SLIDING else "compress"]
         q_res = ops.rms_norm(F.linear(h, p["attn.wq_a.weight"]), p["attn.q_norm.weight"], cfg.rms_norm_eps)
-        q = F.linear(q_res, p["attn.wq_b.weight"]).view(t, cfg.num_attention_heads, cfg.head_dim)
+        q = F.linear(q_res, p["attn.wq_b.weight"]).view(t, self.local_heads, cfg.head_dim)
         q = apply_interleaved_rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
         kv = ops.rms_norm(F.linear(h, p["attn.wkv.weight"]), p["attn.norm.weight"], cfg.rms_norm_eps)
         kv = apply_interleaved_rope(kv, cos, sin)
@@ -403,8 +427,10 @@ class DeepseekV4Model:
 
         # K == V carries RoPE on its trailing channels; rotate back by the query position.
         out = apply_interleaved_rope(out, cos, -sin)
-        grouped = out.reshape(t, cfg.o_groups, -1)
-        return F.linear(grouped_linear(grouped, p["attn.wo_a.weight"], cfg.o_groups), p["attn.wo_b.weight"])
+        # This rank's output groups (its heads) project to a partial sum of the output.
+        grouped = out.reshape(t, self.local_groups, -1)
+        o = grouped_linear(grouped, p["attn.wo_a.weight"], self.local_groups)
+        return self.parallel.all_reduce(F.linear(o, p["attn.wo_b.weight"]))
 
     def _attend(
         self,
@@ -569,14 +595,13 @@ class DeepseekV4Model:
         ring_gate.index_copy_(0, plan.ring_dst, gate)
 
 
-def _layer_params(weights: dict[str, torch.Tensor], prefix: str, cfg: DeepseekV4Config) -> dict[str, torch.Tensor]:
-    """Collect one block's tensors (prefix stripped) and pre-pack the expert weights."""
+def _layer_params(weights: dict[str, torch.Tensor], prefix: str, experts: range) -> dict[str, torch.Tensor]:
+    """Collect one block's tensors (prefix stripped) and pre-pack the weights of ``experts``."""
     p = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-    n_exp = cfg.n_routed_experts
     try:
-        w1 = [p.pop(f"ffn.experts.{e}.w1.weight") for e in range(n_exp)]
-        w3 = [p.pop(f"ffn.experts.{e}.w3.weight") for e in range(n_exp)]
-        w2 = [p.pop(f"ffn.experts.{e}.w2.weight") for e in range(n_exp)]
+        w1 = [p.pop(f"ffn.experts.{e}.w1.weight") for e in experts]
+        w3 = [p.pop(f"ffn.experts.{e}.w3.weight") for e in experts]
+        w2 = [p.pop(f"ffn.experts.{e}.w2.weight") for e in experts]
     except KeyError as e:
         raise ValueError(f"checkpoint is missing expert weight {prefix}{e.args[0]}") from None
     # moe_experts wants [E, 2I, D] gate/up stacked (gate first) and [E, D, I] down.
