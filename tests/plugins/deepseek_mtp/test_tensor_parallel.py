@@ -1,0 +1,235 @@
+"""DeepSeek-V4 tensor and expert parallel on two spawned gloo ranks against one rank, and the two
+tensor namings the loader reads.
+
+One pair of ranks runs every scenario (tp_ranks.run): greedy generation with MTP k=2 on the tiny
+checkpoint made predictable (so drafts are accepted and multi-token commits happen), under
+tensor-parallel MoE, expert parallel, chunked prefill, a block-FP8 copy whose blocks straddle the
+rank boundaries, and a copy saved under transformers' names. Each must give, on both ranks, the
+single rank's greedy tokens and MTP drafts exactly, and its logits within 1e-4 (float32: the
+all-reduces sum partial products in another order than one rank does, so bitwise equality is not
+expected; the measured gap is about 3e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pypto_serving.parallel import ParallelContext
+from pypto_serving_deepseek_mtp import DeepseekConfigError, parse_config
+from pypto_serving_deepseek_mtp.sharding import ShardPlan, TensorPart
+
+from .helpers import Checkpoint, make_predictable
+from .tp_ranks import Scenario, run, run_ranks
+
+ATOL = 1e-4
+FP8_BLOCK = (24, 24)  # 24 does not divide the ranks' halves (e.g. 32 of 64 rows): parts start mid-block
+
+
+@pytest.fixture(scope="module")
+def predictable(checkpoints: dict[str, Checkpoint], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of ``mixed_yarn`` whose drafts are often right (helpers.make_predictable)."""
+    path = tmp_path_factory.mktemp("tp") / "predictable"
+    shutil.copytree(checkpoints["mixed_yarn"].path, path)
+    make_predictable(path)
+    return path
+
+
+def _single_file(path: Path) -> dict[str, torch.Tensor]:
+    files = list(path.glob("*.safetensors"))
+    assert len(files) == 1
+    return load_file(str(files[0]))
+
+
+def _copy_with(src: Path, dest: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any] | None = None) -> Path:
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, dest / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dest / "model.safetensors"))
+    if config is not None:
+        raw = json.loads((dest / "config.json").read_text())
+        (dest / "config.json").write_text(json.dumps({**raw, **config}))
+    return dest
+
+
+def _fp8_copies(src: Path, dest: Path) -> tuple[Path, Path]:
+    """(block-FP8 copy, float32 copy holding exactly the values the FP8 weights stand for)."""
+    from tests.core.test_quantization import quantize
+
+    quant: dict[str, torch.Tensor] = {}
+    exact: dict[str, torch.Tensor] = {}
+    for name, t in _single_file(src).items():
+        if t.dim() == 2 and name.endswith(".weight") and min(t.shape) >= 8 and ("attn.w" in name or "ffn." in name):
+            q, scale = quantize(t.float(), FP8_BLOCK)
+            quant[name], quant[name + "_scale_inv"] = q, scale
+            grid = torch.kron(scale, torch.ones(FP8_BLOCK))[: t.shape[0], : t.shape[1]]
+            exact[name] = q.float() * grid
+        else:
+            quant[name] = exact[name] = t
+    cfg = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK)}}
+    return _copy_with(src, dest / "fp8", quant, cfg), _copy_with(src, dest / "fp8_exact", exact)
+
+
+def _transformers_names(ckpt: Checkpoint, dest: Path) -> Path:
+    """The checkpoint under transformers' in-memory names: the main model's and each MTP block's
+    ``state_dict`` (fused experts, ``self_attn.q_a_proj``, ``attn_hc.fn`` ...) as transformers
+    holds them, plus the MTP-only tensors."""
+    tensors = dict(ckpt.hf.state_dict())
+    for d, m in enumerate(ckpt.mtp):
+        for k, v in m["hf"].state_dict().items():
+            if k.startswith("model.layers.0."):
+                tensors[f"mtp.{d}." + k[len("model.layers.0.") :]] = v
+        sd = m["hf"].state_dict()
+        tensors[f"mtp.{d}.norm.weight"] = sd["model.norm.weight"]
+        for a in ("fn", "base", "scale"):
+            tensors[f"mtp.{d}.hc_head.hc_{a}"] = sd[f"model.hc_head.hc_{a}"]
+        for name in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight"):
+            tensors[f"mtp.{d}.{name}"] = m[name]
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in tensors)
+    return _copy_with(ckpt.path, dest, tensors)
+
+
+def _official_names(src: Path, dest: Path) -> Path:
+    """The checkpoint under the names of DeepSeek's release: no ``model.`` prefix, ``embed.weight``,
+    ``norm.weight``, ``hc_head_fn``..."""
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
+    top.update({f"model.hc_head.hc_{a}": f"hc_head_{a}" for a in ("fn", "base", "scale")})
+    out = {}
+    for k, v in _single_file(src).items():
+        name = top.get(k, k.removeprefix("model."))
+        out[name] = v
+    assert "layers.0.attn.wq_a.weight" in out and "embed.weight" in out
+    return _copy_with(src, dest, out)
+
+
+def _assert_same_run(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
+    assert got["tokens"] == ref["tokens"], what
+    assert got["drafts"] == ref["drafts"], what
+    assert len(got["logits"]) == len(ref["logits"]), what
+    for a, b in zip(got["logits"], ref["logits"]):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL, msg=what)
+
+
+def test_two_ranks_match_one(predictable: Path, checkpoints: dict[str, Checkpoint], tmp_path: Path) -> None:
+    path = str(predictable)
+    fp8, fp8_exact = _fp8_copies(predictable, tmp_path)
+    hf_names = _transformers_names(checkpoints["mixed_yarn"], tmp_path / "hf")
+    plain = str(checkpoints["mixed_yarn"].path)
+    cases = {
+        "tensor-parallel MoE": (Scenario(path), Scenario(path)),
+        "expert parallel": (Scenario(path, expert_parallel=True), Scenario(path)),
+        "chunked prefill": (Scenario(path, chunk=5), Scenario(path, chunk=5)),
+        "fp8": (Scenario(str(fp8)), Scenario(str(fp8_exact))),
+        "transformers names": (Scenario(str(hf_names)), Scenario(plain)),
+    }
+    ranks = run_ranks([tp for tp, _ in cases.values()], tmp_path)
+    for i, (what, (_, one)) in enumerate(cases.items()):
+        ref = run(one)
+        assert sum(map(len, (d for step in ref["drafts"] for d in step))) > 0, what
+        for rank, results in enumerate(ranks):
+            _assert_same_run(results[i], ref, f"{what}, rank {rank}")
+        # Every rank sees bit-identical logits, so every rank samples the same tokens.
+        for a, b in zip(ranks[0][i]["logits"], ranks[1][i]["logits"]):
+            assert torch.equal(a, b), what
+        # A rank holds its slices only: the replicated parts (norms, hyper-connections, K=V head,
+        # compressors, indexer, router, MTP projections) keep it above half here.
+        assert ranks[0][i]["elements"] < 0.7 * ref["elements"], what
+
+
+def test_accepted_drafts_exercise_multi_token_commits(predictable: Path) -> None:
+    """The reference the two ranks are compared with accepts drafts (a k=2 step commits up to 3 tokens)."""
+    ref = run(Scenario(str(predictable)))
+    steps = len(ref["logits"])
+    generated = sum(len(t) for t in ref["tokens"].values())
+    assert steps < generated  # fewer forwards than tokens: some steps committed accepted drafts
+
+
+def _cfg(**overrides: Any) -> Any:
+    raw = {
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "o_groups": 2,
+        "o_lora_rank": 8,
+        "n_routed_experts": 4,
+        "layer_types": ["sliding_attention"],
+        "mlp_layer_types": ["moe"],
+    }
+    return parse_config({**raw, **overrides})
+
+
+@pytest.mark.parametrize(
+    ("world", "overrides", "ep", "named"),
+    [
+        (3, {}, False, "num_attention_heads"),
+        (4, {}, False, "o_groups"),
+        (2, {"vocab_size": 95}, False, "vocab_size"),
+        (2, {"moe_intermediate_size": 15}, False, "moe_intermediate_size"),
+        (2, {"n_routed_experts": 5}, True, "n_routed_experts"),
+    ],
+)
+def test_a_world_size_that_does_not_divide_is_refused(world: int, overrides: dict[str, Any], ep: bool, named: str):
+    plan = ShardPlan(_cfg(**overrides), ParallelContext(rank=0, world_size=world), expert_parallel=ep)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={world} does not divide the {named}"):
+        plan.check()
+
+
+def test_each_rank_gets_its_heads_groups_and_experts() -> None:
+    """Rank 1 of 2: the second half of the heads (wq_b rows, sinks), of the output groups (wo_a rows,
+    wo_b columns), of each expert's intermediate dimension, of the vocabulary; whole experts 2-3
+    under expert parallel; replicated tensors whole."""
+    cfg = _cfg()
+    plan = ShardPlan(cfg, ParallelContext(rank=1, world_size=2))
+    assert plan.part_of("layers.0.attn.wq_b.weight", [64, 16]) == TensorPart(0, slice(32, 64))
+    assert plan.part_of("mtp.0.attn.attn_sink", [4]) == TensorPart(0, slice(2, 4))
+    assert plan.part_of("layers.0.attn.wo_a.weight", [16, 32]) == TensorPart(0, slice(8, 16))
+    assert plan.part_of("layers.0.attn.wo_b.weight", [32, 16]) == TensorPart(1, slice(8, 16))
+    assert plan.part_of("layers.0.ffn.experts.3.w1.weight", [16, 32]) == TensorPart(0, slice(8, 16))
+    assert plan.part_of("layers.0.ffn.experts.3.w2.weight", [32, 16]) == TensorPart(1, slice(8, 16))
+    assert plan.part_of("layers.0.ffn.shared_experts.w3.weight", [16, 32]) == TensorPart(0, slice(8, 16))
+    assert plan.part_of("head.weight", [96, 32]) == TensorPart(0, slice(48, 96))
+    for replicated in ("layers.0.attn.wkv.weight", "layers.0.attn.wq_a.weight", "layers.0.ffn.gate.weight"):
+        assert plan.part_of(replicated, [16, 32]) is None
+    assert plan.part_of("layers.0.attn.indexer.wq_b.weight", [64, 16]) is None
+    assert plan.part_of("layers.0.attn.compressor.wkv.weight", [32, 32]) is None
+    assert plan.experts == range(4) and plan.wanted("layers.0.ffn.experts.0.w1.weight")
+    ep = ShardPlan(cfg, ParallelContext(rank=1, world_size=2), expert_parallel=True)
+    assert ep.experts == range(2, 4)
+    assert not ep.wanted("layers.0.ffn.experts.1.w1.weight") and ep.wanted("mtp.0.ffn.experts.2.w2.weight")
+    assert ep.part_of("layers.0.ffn.experts.2.w1.weight", [16, 32]) is None  # whole experts
+    assert ep.part_of("layers.0.ffn.shared_experts.w2.weight", [32, 16]) == TensorPart(1, slice(8, 16))
+
+
+def test_tensor_parallel_size_without_a_process_group_is_refused(checkpoints: dict[str, Checkpoint]) -> None:
+    from pypto_serving.config import ServingSettings
+    from pypto_serving_deepseek_mtp import DeepseekMTPExecutor
+
+    s = ServingSettings(model=str(checkpoints["sliding_only"].path), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(DeepseekConfigError, match="tensor_parallel_size=2 but this worker's process group has 1"):
+        DeepseekMTPExecutor(s).load()
+
+
+def test_official_and_transformers_names_load_the_same_model(checkpoints: dict[str, Checkpoint], tmp_path: Path):
+    """The same tiny checkpoint saved under DeepSeek's release names, under transformers' in-memory
+    names (fused experts) and as transformers writes it back gives bit-identical logits and drafts."""
+    ckpt = checkpoints["mixed_yarn"]
+    dirs = {
+        "as saved": ckpt.path,
+        "official": _official_names(ckpt.path, tmp_path / "official"),
+        "transformers": _transformers_names(ckpt, tmp_path / "transformers"),
+    }
+    runs = {what: run(Scenario(str(d))) for what, d in dirs.items()}
+    ref = runs.pop("as saved")
+    for what, got in runs.items():
+        assert got["tokens"] == ref["tokens"] and got["drafts"] == ref["drafts"], what
+        assert all(torch.equal(a, b) for a, b in zip(got["logits"], ref["logits"])), what
