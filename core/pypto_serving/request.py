@@ -26,11 +26,13 @@ class StructuredSpec:
 
     ``kind`` ``json``: ``source`` is a JSON schema (as JSON text); ``json_object``: any JSON object
     (``source`` is unused); ``regex``: ``source`` is the pattern, matched whole; ``choice``: ``source``
-    is a JSON array of the allowed strings. Checked where requests enter (the server's 400s,
-    ``structured.check_spec``); the worker fails the one request whose grammar cannot be built.
+    is a JSON array of the allowed strings; ``lark``: ``source`` is a grammar in llguidance's Lark
+    dialect (the server's forced tool calls, see :mod:`pypto_serving.parsers.grammar`). Checked where
+    requests enter (the server's 400s, ``structured.check_spec``); the worker fails the one request
+    whose grammar cannot be built.
     """
 
-    kind: Literal["json", "json_object", "regex", "choice"]
+    kind: Literal["json", "json_object", "regex", "choice", "lark"]
     source: str = ""
 
 

@@ -1,12 +1,13 @@
 """Structured output: grammars that constrain a request's tokens, through llguidance.
 
-A request carries a :class:`StructuredSpec` (a JSON schema, any JSON object, a regular expression or
-a list of choices). The server checks it once when the request arrives (:func:`check_spec`: a bad
-schema or pattern is the client's error). The worker keeps one :class:`RequestGrammar` per
-constrained request: per step it writes the allowed-token bitmask of each of the request's logits
-rows into one host array (:func:`fill_step_bitmask`), the step uploads it once, and the sampler
-masks the disallowed tokens to ``-inf`` on the device (:func:`apply_bitmask`). Accepted tokens then
-advance the matcher, so the next step's mask is exact under async scheduling too.
+A request carries a :class:`StructuredSpec` (a JSON schema, any JSON object, a regular expression,
+a list of choices, or a Lark grammar such as a forced tool call's). The server checks it once when
+the request arrives (:func:`check_spec`: a bad schema or pattern is the client's error). The worker
+keeps one :class:`RequestGrammar` per constrained request: per step it writes the allowed-token
+bitmask of each of the request's logits rows into one host array (:func:`fill_step_bitmask`), the
+step uploads it once, and the sampler masks the disallowed tokens to ``-inf`` on the device
+(:func:`apply_bitmask`). Accepted tokens then advance the matcher, so the next step's mask is exact
+under async scheduling too.
 
 Rows that follow drafts (speculative decoding) get the mask of the grammar state after those drafts:
 the matcher consumes them, fills the row, and rolls back. A draft the grammar refuses can never be
@@ -57,6 +58,8 @@ def grammar_text(spec: StructuredSpec) -> str:
         return str(llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_DEFAULTS))
     if spec.kind == "regex":
         return str(llguidance.LLMatcher.grammar_from_regex(spec.source))
+    if spec.kind == "lark":
+        return str(llguidance.LLMatcher.grammar_from_lark(spec.source))
     choices = json.loads(spec.source)
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError("guided_choice must be a non-empty list of non-empty strings")
@@ -79,9 +82,8 @@ def check_spec(spec: StructuredSpec) -> None:
 
 
 def _what(spec: StructuredSpec) -> str:
-    return {"json": "the JSON schema", "json_object": "json_object", "regex": "the regex", "choice": "the choice list"}[
-        spec.kind
-    ]
+    names = {"json": "the JSON schema", "json_object": "json_object", "regex": "the regex", "choice": "the choice list"}
+    return names.get(spec.kind, "the grammar")
 
 
 class GrammarCompiler:

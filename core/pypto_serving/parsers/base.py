@@ -6,7 +6,10 @@ streamed and whole responses alike and the two always agree."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .grammar import ToolChoiceError
 
 __all__ = ["ParsedToolCall", "ReasoningParser", "ToolParser", "partial_suffix"]
 
@@ -32,6 +35,14 @@ class ToolParser(ABC):
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         """The generation ended: release everything held back (an unterminated call is content)."""
 
+    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
+        """Lark rules (llguidance's dialect, see :mod:`pypto_serving.parsers.grammar`) defining
+        ``tool_calls``: output that is only calls, in this parser's syntax, to the functions ``names``
+        of the request's tools, with arguments valid against their ``parameters``; one call, or one or
+        more with ``parallel``. This is how ``tool_choice: "required"`` and a named function are kept.
+        Raises :class:`ToolChoiceError` when the parser cannot express it."""
+        raise ToolChoiceError(f"the tool-call parser {type(self).__name__} cannot constrain tool calls")
+
 
 class ReasoningParser(ABC):
     """Separates reasoning from the answer. ``feed`` returns (reasoning, content) released so far;
@@ -40,6 +51,11 @@ class ReasoningParser(ABC):
     @abstractmethod
     def feed(self, text: str) -> tuple[str, str]:
         """Take the next piece of generated text; return (reasoning released, content released)."""
+
+    def grammar_rules(self) -> str:
+        """Lark rules defining ``reasoning``: the reasoning a constrained answer (a forced tool call) may
+        follow. Raises :class:`ToolChoiceError` when the parser cannot express it."""
+        raise ToolChoiceError(f"the reasoning parser {type(self).__name__} cannot constrain its output")
 
     @abstractmethod
     def finish(self) -> tuple[str, str]:

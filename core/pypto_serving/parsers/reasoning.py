@@ -9,6 +9,7 @@ the prompt with ``<think>`` so the output opens in the middle of the reasoning."
 from __future__ import annotations
 
 from .base import ReasoningParser, partial_suffix
+from .grammar import reasoning_rules
 
 __all__ = ["ThinkReasoningParser"]
 
@@ -27,6 +28,11 @@ class ThinkReasoningParser(ReasoningParser):
     def __init__(self, prompt_text: str = "") -> None:
         self._state = "reasoning" if prompt_text.rstrip().endswith(self.start) else "open"
         self._buf = ""
+
+    def grammar_rules(self) -> str:
+        """Lark rules defining ``reasoning``: what may come before a constrained answer (the prompt's
+        open thinking up to its end, or an optional whole thinking block)."""
+        return reasoning_rules(opened=self._state == "reasoning", start=self.start, end=self.end)
 
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import re
 from abc import abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 from .base import ParsedToolCall, ToolParser, partial_suffix
+from .grammar import ToolChoiceError, arguments_schema, calls_grammar, json_rule, lit, tool_by_name
 
 __all__ = ["BlockToolParser", "DeepSeekDSMLToolParser", "DeepSeekV3ToolParser", "HermesToolParser"]
 
@@ -131,6 +133,16 @@ class HermesToolParser(BlockToolParser):
         args = _arguments_json(obj.get("arguments", obj.get("parameters", {})))
         return None if args is None else [ParsedToolCall(obj["name"], args)]
 
+    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
+        bodies = []
+        for i, name in enumerate(names):
+            schema = arguments_schema(tool_by_name(self.tools, name))
+            head = lit(f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ')
+            bodies.append(
+                f"{head} args_{i} {lit(chr(125) + chr(10) + '</tool_call>')}\n{json_rule(f'args_{i}', schema)}"
+            )
+        return calls_grammar(bodies, separator="\n", parallel=parallel)
+
 
 _DSML = "｜DSML｜"  # the bars are U+FF5C FULLWIDTH VERTICAL LINE, as in DeepSeek's special tokens
 _INVOKE = re.compile(rf'\s*<{_DSML}invoke name="([^"]+)">(.*?)</{_DSML}invoke>', re.DOTALL)
@@ -166,6 +178,45 @@ class DeepSeekDSMLToolParser(BlockToolParser):
         if not calls or body[pos:].strip():
             return None
         return calls
+
+    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
+        bodies = [_dsml_invoke(i, name, tool_by_name(self.tools, name)) for i, name in enumerate(names)]
+        start, end = self.tags[0]
+        return calls_grammar(bodies, separator="\n", parallel=parallel, open_tag=start + "\n", close_tag=end)
+
+
+# Top-level keywords of a parameters schema that DSML's one-element-per-parameter form keeps exactly;
+# others (anyOf, patternProperties, minProperties...) constrain the object as a whole.
+_DSML_SCHEMA_KEYS = frozenset(
+    {"type", "properties", "required", "additionalProperties", "$defs", "definitions", "description", "title"}
+    | {"$schema", "x-guidance", "strict"}
+)
+
+
+def _dsml_invoke(i: int, name: str, function: dict[str, Any]) -> str:
+    """One DSML call's rule and its parameters' rules. Every value is written ``string="false"`` (JSON),
+    so a string parameter's own constraints (``maxLength``, ``enum``, ``pattern``) hold too."""
+    schema = arguments_schema(function)
+    extra = sorted(set(schema) - _DSML_SCHEMA_KEYS)
+    props = schema.get("properties") or {}
+    required = schema.get("required") or []
+    if extra or schema.get("type", "object") != "object" or not isinstance(props, dict):
+        raise ToolChoiceError(
+            f"the parameters of {name!r} use {extra or 'a non-object type'}, which DSML calls cannot keep"
+        )
+    if '"' in name or any('"' in str(p) for p in props):
+        raise ToolChoiceError(f"DSML calls cannot carry a double quote in the name of {name!r} or its parameters")
+    if any(r not in props for r in required):
+        raise ToolChoiceError(f"the parameters of {name!r} require a property they do not define")
+    shared: dict[str, Any] = {k: schema[k] for k in ("$defs", "definitions", "x-guidance") if k in schema}
+    parts, rules = [], []
+    for j, (prop, sub) in enumerate(props.items()):
+        head = lit(f'<{_DSML}parameter name="{prop}" string="false">')
+        rules.append(f"param_{i}_{j}: {head} value_{i}_{j} {lit(f'</{_DSML}parameter>' + chr(10))}")
+        rules.append(json_rule(f"value_{i}_{j}", {**(sub if isinstance(sub, dict) else {}), **shared}))
+        parts.append(f"param_{i}_{j}" + ("" if prop in required else "?"))
+    head = lit(f'<{_DSML}invoke name="{name}">' + "\n")
+    return "\n".join([" ".join([head, *parts, lit(f"</{_DSML}invoke>")]), *rules])
 
 
 def _dsml_arguments(body: str) -> dict[str, Any] | None:
@@ -212,3 +263,13 @@ class DeepSeekV3ToolParser(BlockToolParser):
         if not calls or body[pos:].strip():
             return None
         return calls
+
+    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
+        """Calls in V3.1's form (``NAME<｜tool▁sep｜>{ARGS}``), which the parser reads for V3 and R1 too."""
+        bodies = []
+        for i, name in enumerate(names):
+            schema = arguments_schema(tool_by_name(self.tools, name))
+            head = lit(f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>")
+            bodies.append(f"{head} args_{i} {lit('<｜tool▁call▁end｜>')}\n{json_rule(f'args_{i}', schema)}")
+        start, end = self.tags[0]
+        return calls_grammar(bodies, separator="", parallel=parallel, open_tag=start, close_tag=end)

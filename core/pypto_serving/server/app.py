@@ -34,6 +34,7 @@ from .openai_requests import (
     _output_parsers,
     _render_chat,
     _sampling_params,
+    _tool_choice_spec,
 )
 from .protocol import (
     APIError,
@@ -178,7 +179,10 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = _sampling_params(ctx, req, prompt, max_tokens, num_logprobs, max_tokens_param=param_name)
+        forced = _tool_choice_spec(ctx, req, parsers)
+        params = _sampling_params(
+            ctx, req, prompt, max_tokens, num_logprobs, max_tokens_param=param_name, forced=forced
+        )
         _check_capacity(ctx, 1, req.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:

@@ -20,7 +20,14 @@ from ..request import SamplingParams
 from ..structured import StructuredSpec, check_spec
 from .async_llm import EngineFailure
 from .data_parallel import ServingLLM
-from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    NamedToolChoice,
+    TokenizeChatRequest,
+)
 
 _SAMPLING_FIELDS = (
     "temperature",
@@ -209,14 +216,48 @@ def _check_tool_choice(req: ChatCompletionRequest) -> None:
     choice = req.tool_choice
     if choice is not None and not isinstance(choice, str) and not req.tools:
         raise APIError(400, "tool_choice names a function but the request sends no tools", param="tool_choice")
-    if choice == "required" or not isinstance(choice, str | None):
-        raise APIError(
-            400,
-            "constrained tool choice is not supported yet: tool_choice 'required' or a named function needs "
-            "constrained decoding, which this server does not do; send tool_choice 'auto' (or 'none')",
-            param="tool_choice",
-            code="unsupported_parameter",
-        )
+    if choice == "required" and not req.tools:
+        raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+
+
+def _forced_calls(req: ChatCompletionRequest) -> tuple[list[str], bool] | None:
+    """The functions a forced tool choice allows and whether several calls may follow each other;
+    None unless ``tool_choice`` is ``required`` or names a function."""
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return [choice.function.name], False
+    if choice == "required":
+        return [t.function.name for t in req.tools or ()], req.parallel_tool_calls is not False
+    return None
+
+
+def _tool_choice_spec(
+    ctx: _Ctx, req: ChatCompletionRequest, parsers: Callable[[], OutputParser] | None
+) -> StructuredSpec | None:
+    """The grammar that keeps ``tool_choice: "required"`` or a named function: the output is only calls
+    (after any reasoning), in the tool parser's syntax, with arguments valid against the parameters."""
+    forced = _forced_calls(req)
+    if forced is None:
+        return None
+    parser = parsers() if parsers is not None else None
+    if parser is None or parser.tools is None:
+        raise APIError(400, "tool_choice needs a tool-call parser; tool_call_parser is 'none'", param="tool_choice")
+    names, parallel = forced
+    try:
+        rules = [parser.tools.call_grammar(names, parallel=parallel)]
+        if parser.reasoning is not None:
+            rules.append(parser.reasoning.grammar_rules())
+    except ValueError as e:
+        raise APIError(400, f"tool_choice: {e}", param="tool_choice") from None
+    start = "start: reasoning tool_calls" if parser.reasoning is not None else "start: tool_calls"
+    spec = StructuredSpec("lark", "\n".join([start, *rules]))
+    if ctx.llm.tokenizer is None:
+        raise APIError(400, "tool_choice needs a tokenizer.json in the model directory", param="tool_choice")
+    try:
+        check_spec(spec)
+    except ValueError as e:
+        raise APIError(400, f"tool_choice: {e}", param="tool_choice") from None
+    return spec
 
 
 def _output_parsers(ctx: _Ctx, req: ChatCompletionRequest, prompt: _Prompt) -> Callable[[], OutputParser] | None:
@@ -259,6 +300,7 @@ def _sampling_params(
     logprobs: int | None,
     *,
     max_tokens_param: str = "max_tokens",
+    forced: StructuredSpec | None = None,
 ) -> SamplingParams:
     defaults = ctx.llm.engine.info.generation_defaults if ctx.llm.engine is not None else {}
     kw: dict[str, Any] = sampling_defaults(defaults)
@@ -267,7 +309,7 @@ def _sampling_params(
         if value is not None:
             kw[name] = value
     stop = req.stop if req.stop is not None else []
-    structured = _structured_spec(ctx, req)
+    structured = _grammar(ctx, req, forced)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -295,6 +337,21 @@ def _sampling_params(
             code="context_length_exceeded",
         )
     return params
+
+
+def _grammar(
+    ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest, forced: StructuredSpec | None
+) -> StructuredSpec | None:
+    """The request's one grammar: a structured-output field's, or a forced tool choice's."""
+    structured = _structured_spec(ctx, req)
+    if forced is not None and structured is not None:
+        raise APIError(
+            400,
+            "tool_choice 'required' or a named function already constrains the output; "
+            "drop the structured-output field",
+            param="tool_choice",
+        )
+    return structured or forced
 
 
 def _structured_spec(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) -> StructuredSpec | None:
