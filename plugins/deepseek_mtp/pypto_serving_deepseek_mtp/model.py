@@ -414,9 +414,7 @@ class DeepseekV4Model:
         if kind != SLIDING:
             self._emit_entries(p, h, seg, layer, kind)
             if kind == CSA:
-                iq = F.linear(q_res, p["attn.indexer.wq_b.weight"]).view(t, cfg.index_n_heads, cfg.index_head_dim)
-                iw = F.linear(h, p["attn.indexer.weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
-                index = (apply_interleaved_rope(iq, cos, sin), iw)
+                index = self._index_queries(p, h, q_res, cos, sin)
         out = torch.zeros_like(q)
         # Requests attend in groups (all decodes together, each longer request alone), each group's
         # keys gathered to its own longest, not the batch's.
@@ -431,6 +429,19 @@ class DeepseekV4Model:
         grouped = out.reshape(t, self.local_groups, -1)
         o = grouped_linear(grouped, p["attn.wo_a.weight"], self.local_groups)
         return self.parallel.all_reduce(F.linear(o, p["attn.wo_b.weight"]))
+
+    def _index_queries(
+        self, p: dict[str, torch.Tensor], h: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lightning indexer's queries ``[T, Hi, Di]`` (with RoPE) and per-head weights ``[T, Hi]``.
+
+        Each rank projects its slice of the index heads and the slices are gathered, so every rank
+        scores every head and picks the same top-k, the one a single rank picks."""
+        cfg, t = self.cfg, h.shape[0]
+        iq = F.linear(q_res, p["attn.indexer.wq_b.weight"]).view(t, -1, cfg.index_head_dim)
+        iq = self.parallel.all_gather(iq, dim=1)
+        iw = self.parallel.all_gather(F.linear(h, p["attn.indexer.weights_proj.weight"]), dim=-1)
+        return apply_interleaved_rope(iq, cos, sin), iw.float() * cfg.index_n_heads**-0.5
 
     def _attend(
         self,

@@ -5,8 +5,12 @@ The split follows DeepSeek's reference inference code:
 - attention: ``wq_b`` (query heads) and ``attn_sink`` by head, ``wo_a`` by output group (its
   block-diagonal projection keeps a group's heads together) and ``wo_b``'s input columns by the same
   groups, so the attention output is one partial sum per rank that an all-reduce completes. The
-  single K=V head (``wkv``, its norm), ``wq_a`` with ``q_norm``, the compressors and the lightning
-  indexer are replicated: every rank computes the same K=V entries, compressed entries and top-k;
+  single K=V head (``wkv``, its norm), ``wq_a`` with ``q_norm`` and the compressors are replicated:
+  every rank computes the same K=V entries and compressed entries. The lightning indexer's query
+  projection (``indexer.wq_b``) and head weights (``indexer.weights_proj``) are split by index head
+  as the reference splits them; where the reference all-reduces the heads' summed scores, the ranks
+  here gather the heads' queries and weights (the top-k kernel scores and selects in one call), so
+  each rank picks the single-rank top-k;
 - the MoE: the router (gate, bias, hash table) is replicated; each routed expert's intermediate
   dimension is split (tensor-parallel MoE) or, with ``enable_expert_parallel``, whole experts are
   split over the ranks; the shared expert's intermediate dimension is split; the routed and shared
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 from pypto_serving.parallel import ParallelContext
 
-from .config import DeepseekV4Config
+from .config import CSA, DeepseekV4Config
 
 _LAYER = re.compile(r"^(?:layers|mtp)\.\d+\.")
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
@@ -54,6 +58,8 @@ class ShardPlan:
         ctx.shard(cfg.num_attention_heads, what="num_attention_heads")
         ctx.shard(cfg.o_groups, what="o_groups")
         ctx.shard(cfg.vocab_size, what="vocab_size")
+        if any(kind == CSA for kind in cfg.layer_types):
+            ctx.shard(cfg.index_n_heads, what="index_n_heads")
         if self.expert_parallel:
             ctx.shard(cfg.n_routed_experts, what="n_routed_experts (expert parallel)")
         else:
@@ -93,6 +99,10 @@ class ShardPlan:
 
     def _attention(self, leaf: str) -> TensorPart | None:
         cfg, ctx = self.cfg, self.parallel
+        if leaf in ("attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight"):
+            h = ctx.shard(cfg.index_n_heads, what="index_n_heads")
+            width = cfg.index_head_dim if leaf == "attn.indexer.wq_b.weight" else 1
+            return TensorPart(0, slice(h.start * width, h.stop * width))
         if leaf in ("attn.wq_b.weight", "attn.attn_sink"):
             h = ctx.shard(cfg.num_attention_heads, what="num_attention_heads")
             width = cfg.head_dim if leaf == "attn.wq_b.weight" else 1

@@ -162,6 +162,8 @@ def _cfg(**overrides: Any) -> Any:
         "o_groups": 2,
         "o_lora_rank": 8,
         "n_routed_experts": 4,
+        "index_n_heads": 8,
+        "index_head_dim": 8,
         "layer_types": ["sliding_attention"],
         "mlp_layer_types": ["moe"],
     }
@@ -176,6 +178,7 @@ def _cfg(**overrides: Any) -> Any:
         (2, {"vocab_size": 95}, False, "vocab_size"),
         (2, {"moe_intermediate_size": 15}, False, "moe_intermediate_size"),
         (2, {"n_routed_experts": 5}, True, "n_routed_experts"),
+        (2, {"layer_types": ["compressed_sparse_attention"], "index_n_heads": 3}, False, "index_n_heads"),
     ],
 )
 def test_a_world_size_that_does_not_divide_is_refused(world: int, overrides: dict[str, Any], ep: bool, named: str):
@@ -186,8 +189,8 @@ def test_a_world_size_that_does_not_divide_is_refused(world: int, overrides: dic
 
 def test_each_rank_gets_its_heads_groups_and_experts() -> None:
     """Rank 1 of 2: the second half of the heads (wq_b rows, sinks), of the output groups (wo_a rows,
-    wo_b columns), of each expert's intermediate dimension, of the vocabulary; whole experts 2-3
-    under expert parallel; replicated tensors whole."""
+    wo_b columns), of the index heads, of each expert's intermediate dimension, of the vocabulary;
+    whole experts 2-3 under expert parallel; replicated tensors whole."""
     cfg = _cfg()
     plan = ShardPlan(cfg, ParallelContext(rank=1, world_size=2))
     assert plan.part_of("layers.0.attn.wq_b.weight", [64, 16]) == TensorPart(0, slice(32, 64))
@@ -200,7 +203,8 @@ def test_each_rank_gets_its_heads_groups_and_experts() -> None:
     assert plan.part_of("head.weight", [96, 32]) == TensorPart(0, slice(48, 96))
     for replicated in ("layers.0.attn.wkv.weight", "layers.0.attn.wq_a.weight", "layers.0.ffn.gate.weight"):
         assert plan.part_of(replicated, [16, 32]) is None
-    assert plan.part_of("layers.0.attn.indexer.wq_b.weight", [64, 16]) is None
+    assert plan.part_of("layers.0.attn.indexer.wq_b.weight", [64, 16]) == TensorPart(0, slice(32, 64))
+    assert plan.part_of("layers.0.attn.indexer.weights_proj.weight", [8, 32]) == TensorPart(0, slice(4, 8))
     assert plan.part_of("layers.0.attn.compressor.wkv.weight", [32, 32]) is None
     assert plan.experts == range(4) and plan.wanted("layers.0.ffn.experts.0.w1.weight")
     ep = ShardPlan(cfg, ParallelContext(rank=1, world_size=2), expert_parallel=True)
