@@ -39,7 +39,7 @@ from pypto_kernels import (
     topk_routing,
 )
 from pypto_kernels.compressed_attention import _put, _take
-from pypto_serving.parallel import ParallelContext, vocab_parallel_embedding
+from pypto_serving.parallel import ParallelContext, expert_parallel_moe, vocab_parallel_embedding
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -356,28 +356,21 @@ class DeepseekV4Model:
                 cfg.routed_scaling_factor,
             )
         limit = cfg.swiglu_limit
-        if len(self.experts) < cfg.n_routed_experts:
-            weights, ids = self._local_routes(weights, ids)
-        routed = moe_experts(
-            h,
-            p["experts.gate_up"],
-            p["experts.down"],
-            weights,
-            ids,
-            activation=lambda gu: ops.clamped_swiglu(gu, limit),
-        )
+
+        def experts(x: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+            act = lambda gu: ops.clamped_swiglu(gu, limit)  # noqa: E731 - one-line activation
+            return moe_experts(x, p["experts.gate_up"], p["experts.down"], w, i, activation=act)
+
         shared = F.linear(
             ops.clamped_swiglu(F.linear(h, p["shared.gate_up"]), limit), p["ffn.shared_experts.w2.weight"]
         )
-        # Each rank holds part of every expert (or whole experts of its own): one sum completes both.
-        return self.parallel.all_reduce(routed + shared)
-
-    def _local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert parallel: the routes to this rank's experts, renumbered from 0; a route to another
-        rank's expert keeps a local id with weight 0 so shapes stay known without a device read."""
-        local = ids - self.experts.start
-        mine = (local >= 0) & (local < len(self.experts))
-        return weights * mine, torch.where(mine, local, torch.zeros_like(local))
+        if len(self.experts) < cfg.n_routed_experts:
+            # Expert parallel: tokens travel to the ranks holding their experts and back (all-to-all).
+            routed = expert_parallel_moe(h, weights, ids, experts, cfg.n_routed_experts, self.parallel)
+            return routed + self.parallel.all_reduce(shared)
+        # Each rank holds a slice of every expert's (and the shared expert's) intermediate dimension:
+        # one sum completes both.
+        return self.parallel.all_reduce(experts(h, weights, ids) + shared)
 
     def attention(
         self,
