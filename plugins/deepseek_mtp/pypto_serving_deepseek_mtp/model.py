@@ -600,8 +600,10 @@ class DeepseekV4Model:
 
 
 def _layer_params(weights: dict[str, torch.Tensor], prefix: str, experts: range) -> dict[str, torch.Tensor]:
-    """Collect one block's tensors (prefix stripped) and pre-pack the weights of ``experts``."""
-    p = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    """Take one block's tensors out of ``weights`` (prefix stripped) and pre-pack the weights of
+    ``experts``; taking them out lets each expert's own tensor go once it is packed, so loading
+    peaks at the model plus one layer's experts."""
+    p = {k[len(prefix) :]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
     try:
         w1 = [p.pop(f"ffn.experts.{e}.w1.weight") for e in experts]
         w3 = [p.pop(f"ffn.experts.{e}.w3.weight") for e in experts]
