@@ -5,6 +5,7 @@ port 0), and the function's return values come back to the test in rank order.""
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import queue
 import socket
 import traceback
@@ -32,7 +33,8 @@ def _rank_main(
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         try:
-            results.put((rank, True, fn(*args)))
+            # Plain pickle bytes: tensors then travel by value, not as shared memory the rank's exit frees.
+            results.put((rank, True, pickle.dumps(fn(*args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # the test reports the rank's traceback
@@ -61,7 +63,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             rank, ok, value = results.get(timeout=timeout)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            got[rank] = value
+            got[rank] = pickle.loads(value)
     except queue.Empty:
         raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(got))} did not finish in {timeout} s") from None
     finally:

@@ -10,11 +10,13 @@ import torch
 
 import pypto_kernels as K
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
+from pypto_serving.parallel import ParallelContext
 
 from .capture import DecodeGraphs, GraphStats
 from .graph import GraphOptions, parse_graph_options
 from .loader import QwenConfig, load_weights, read_config, resolve_dtype
 from .model import AttentionMetadata, KVCache, QwenForCausalLM
+from .sharding import QwenSharding
 
 __all__ = ["KV_GROUP", "QwenExecutor"]
 
@@ -29,6 +31,10 @@ class QwenExecutor(Executor):
     ``settings.executor_options`` (all optional): ``graph_mode`` (``auto``, ``eager``, ``inductor``,
     ``cudagraph``, ``npugraph``, ``aot_eager``), ``graph_batch_sizes`` (the decode buckets) and
     ``graph_warmup`` (``load`` or ``lazy``); see :mod:`pypto_serving_qwen.graph`.
+
+    With ``tensor_parallel_size > 1`` the worker runs one executor per rank inside torch.distributed's
+    default process group; each loads and holds its shards (:mod:`pypto_serving_qwen.sharding`), its
+    KV cache holds only its KV heads, and every rank returns the same full logits.
     """
 
     def __init__(self, settings: Any) -> None:
@@ -50,9 +56,10 @@ class QwenExecutor(Executor):
         self.device = K.select_device(s.device)
         self.dtype = resolve_dtype(s.dtype, cfg)
         self.graph_options = parse_graph_options(s.executor_options, self.device, s.max_num_seqs)
+        shards = self._plan_shards(cfg)
         # Seeded so that anything random during start-up, such as a kernel warm-up, is reproducible.
         torch.manual_seed(s.seed)
-        model = QwenForCausalLM(cfg, self.device, self.dtype)
+        model = QwenForCausalLM(cfg, self.device, self.dtype, shards)
         targets, required = model.weight_targets()
         load_weights(s.model, targets, required, cfg.quantization)
         model.eval()
@@ -62,7 +69,8 @@ class QwenExecutor(Executor):
         gen_eos, generation_defaults = read_generation_config(s.model)
         eos = list(dict.fromkeys([*gen_eos, *cfg.eos_token_ids]))  # generation_config first, no duplicates
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        bytes_per_block = 2 * cfg.num_layers * s.block_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+        # This rank's memory: its KV heads only.
+        bytes_per_block = 2 * cfg.num_layers * s.block_size * self._kv_heads(cfg) * cfg.head_dim * dtype_bytes
         logger.info(
             "loaded %s from %s on %s as %s (%d layers%s)",
             cfg.architecture,
@@ -83,15 +91,44 @@ class QwenExecutor(Executor):
             generation_defaults=generation_defaults,
         )
 
+    def _plan_shards(self, cfg: QwenConfig) -> QwenSharding:
+        """This rank's layout; refuses a process group that does not match ``tensor_parallel_size``,
+        a world size that does not divide a split dimension, and graph capture over several ranks."""
+        ctx = ParallelContext.current()
+        wanted = int(getattr(self.settings, "tensor_parallel_size", 1))
+        if ctx.world_size != wanted:
+            raise ValueError(
+                f"tensor_parallel_size={wanted} but this worker's process group has {ctx.world_size} rank(s); "
+                "start one worker per rank with torch.distributed initialised"
+            )
+        if ctx.enabled and self.graph_options is not None and self.graph_options.mode != "eager":
+            raise ValueError(
+                f"executor_options graph_mode={self.graph_options.mode!r} is not supported with "
+                f"tensor_parallel_size={ctx.world_size}: the captured decode graphs hold no collectives; "
+                "use graph_mode 'eager' (or 'auto')"
+            )
+        ep = bool(getattr(self.settings, "enable_expert_parallel", False))
+        return QwenSharding.plan(cfg, ctx, expert_parallel=ep)
+
+    def _layout(self, cfg: QwenConfig) -> QwenSharding:
+        """The loaded model's layout (one rank when no model is loaded yet)."""
+        return self.model.shards if self.model is not None else QwenSharding.single(cfg)
+
+    def _kv_heads(self, cfg: QwenConfig) -> int:
+        """The KV heads this rank's cache holds."""
+        kv = self._layout(cfg).kv_heads
+        return int(kv.stop) - int(kv.start)
+
     def _log_kernels(self, cfg: QwenConfig) -> None:
         """Say which implementation runs each kind of attention layer on this device (fast path or reference)."""
+        shards = self._layout(cfg)
         common = {
             "dtype": self.dtype,
             "cache_dtype": self.dtype,
             "value_dtype": self.dtype,
             "block_size": self.settings.block_size,
-            "num_heads": cfg.num_heads,
-            "num_kv_heads": cfg.num_kv_heads,
+            "num_heads": shards.q_heads.stop - shards.q_heads.start,
+            "num_kv_heads": shards.kv_heads.stop - shards.kv_heads.start,
             "head_dim": cfg.head_dim,
             "value_head_dim": cfg.head_dim,
             "host_lengths": True,
@@ -110,7 +147,7 @@ class QwenExecutor(Executor):
         capture = self.graph_options is not None and self.graph_options.mode != "eager"
         # Graph capture adds one scratch block past the engine's blocks for the padding rows.
         blocks = num_blocks[KV_GROUP] + int(capture)
-        shape = (blocks, self.settings.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (blocks, self.settings.block_size, self._kv_heads(cfg), cfg.head_dim)
         # Uninitialised on purpose: zero-filling gigabytes of cache would dominate start-up, and no
         # slot is read before it is written (attention reads exactly seq_len keys of each request,
         # all written by this or an earlier step; tests fill the caches with NaN to prove it).

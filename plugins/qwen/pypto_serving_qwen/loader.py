@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pypto_serving.quantization import Fp8BlockDequantizer, QuantizationConfig, read_quantization_config
+from pypto_serving.quantization import SCALE_SUFFIX, Fp8BlockDequantizer, QuantizationConfig, read_quantization_config
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -44,6 +44,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+
+# safetensors' names of the FP8 dtypes, for the error refusing them without a quantization_config.
+_TORCH_DTYPE_NAMES = {"F8_E4M3": "torch.float8_e4m3fn", "F8_E5M2": "torch.float8_e5m2"}
 
 # Checkpoint entries that are derived state, not weights (older exports saved RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -255,10 +258,30 @@ def resolve_dtype(setting: str, config: QwenConfig) -> torch.dtype:
 class WeightTarget:
     """Where one checkpoint tensor goes: ``dest`` is a view into a parameter (a slice of a fused
     matrix, or the whole parameter) and ``fills`` the required checkpoint names it satisfies; a
-    stacked expert tensor fills the per-expert names it replaces, so either layout counts as present."""
+    stacked expert tensor fills the per-expert names it replaces, so either layout counts as present.
+
+    A tensor-parallel rank copies only ``part`` (indices of dimension ``dim``, of ``full`` in the
+    checkpoint) of the tensor; ``part=None`` copies all of it.
+    """
 
     dest: torch.Tensor
     fills: tuple[str, ...]
+    part: slice | None = None
+    dim: int = 0
+    full: int = 0
+
+    def source_shape(self) -> tuple[int, ...]:
+        """The checkpoint tensor's shape this target expects."""
+        shape = list(self.dest.shape)
+        if self.part is not None:
+            shape[self.dim] = self.full
+        return tuple(shape)
+
+    def index(self) -> tuple[slice, ...]:
+        """The checkpoint-tensor index of this rank's part (``[:]`` for the whole tensor)."""
+        if self.part is None:
+            return (slice(None),)
+        return (slice(None),) * self.dim + (self.part,)
 
 
 def _shard_files(model_dir: Path) -> list[Path]:
@@ -288,30 +311,25 @@ def _iter_tensors(shards: list[Path]) -> Iterator[tuple[str, Path, Any]]:
                 yield name, shard, f
 
 
-def _fill(
-    name: str,
-    shard: Path,
-    tensor: torch.Tensor | None,
-    dests: list[WeightTarget] | None,
-    filled: set[str],
-    unexpected: list[str],
-) -> None:
-    """Copy one checkpoint tensor into its targets (``[]``: deliberately skipped, e.g. the lm_head of a
-    tied model; ``None``: not used by the model)."""
-    if not dests or tensor is None:
-        if dests is None and not name.endswith(_IGNORED_SUFFIXES):
-            unexpected.append(name)
-        return
-    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+def _copy_into(source: Any, dests: list[WeightTarget], filled: set[str]) -> None:
+    """Copy each target's part of one checkpoint tensor into it. ``source`` is the tensor, or its
+    safetensors slice handle, so that indexing it reads that part only."""
+    for target in dests:
+        target.dest.copy_(source[target.index()])
+        filled.update(target.fills)
+
+
+def _check(name: str, shard: Path, shape: tuple[int, ...], dtype: str, dests: list[WeightTarget]) -> None:
+    """Refuse an unscaled FP8 tensor (``dtype``: its torch name) or one whose shape is not what its
+    targets expect, before any of its data is read."""
+    if "float8" in dtype:
         raise CheckpointError(
-            f"weight {name!r} in {shard.name} is {tensor.dtype} but config.json declares no quantization_config: "
+            f"weight {name!r} in {shard.name} is {dtype} but config.json declares no quantization_config: "
             "its scales are unknown, so it cannot be loaded"
         )
     for target in dests:
-        if tuple(tensor.shape) != tuple(target.dest.shape):
-            raise _shape_error(name, shard, tuple(tensor.shape), tuple(target.dest.shape))
-        target.dest.copy_(tensor)
-        filled.update(target.fills)
+        if shape != target.source_shape():
+            raise _shape_error(name, shard, shape, target.source_shape())
 
 
 def _shape_error(name: str, shard: Path, got: tuple[int, ...], want: tuple[int, ...]) -> CheckpointError:
@@ -328,31 +346,35 @@ def load_weights(
     quantization: QuantizationConfig | None = None,
 ) -> None:
     """Stream every safetensors tensor into its targets (cast to the parameter dtype and device).
-    With a block-FP8 ``quantization``, FP8 weights are dequantized with their ``weight_scale_inv``
-    as the pairs arrive.
+
+    A plain tensor is read through ``get_slice``: only the rows (or columns) its targets hold, so a
+    tensor-parallel rank never materialises another rank's part. With a block-FP8 ``quantization``,
+    an FP8 weight is read whole, dequantized with its ``weight_scale_inv`` when the pair is complete
+    and then sliced (one full tensor at a time); tensors no target wants are not read at all.
 
     Raises :class:`CheckpointError` on a shape mismatch (naming the tensor and both shapes), on FP8
     tensors in a checkpoint that declares no quantization, and when required weights are absent
     (naming them).
     """
     path = _model_dir(model_dir)
-    shards = _shard_files(path)
     filled: set[str] = set()
     unexpected: list[str] = []
     fp8 = Fp8BlockDequantizer(quantization) if quantization is not None else None
     with torch.no_grad():
-        for name, shard, handle in _iter_tensors(shards):
+        for name, shard, handle in _iter_tensors(_shard_files(path)):
+            weight = name.removesuffix(SCALE_SUFFIX) if fp8 is not None else name
+            dests = targets.get(weight)
+            if not dests:
+                if dests is None and weight == name and not name.endswith(_IGNORED_SUFFIXES):
+                    unexpected.append(name)
+                continue
             if fp8 is not None:
                 for ready, tensor in fp8.feed(name, handle.get_tensor(name)):
-                    _fill(ready, shard, tensor, targets.get(ready), filled, unexpected)
+                    _load_whole(ready, shard, tensor, targets[ready], filled)
                 continue
-            dests = targets.get(name)
-            if dests:  # check shapes before reading the data, so a mismatch costs no I/O
-                shape = tuple(handle.get_slice(name).get_shape())
-                for target in dests:
-                    if shape != tuple(target.dest.shape):
-                        raise _shape_error(name, shard, shape, tuple(target.dest.shape))
-            _fill(name, shard, handle.get_tensor(name) if dests else None, dests, filled, unexpected)
+            view = handle.get_slice(name)
+            _check(name, shard, tuple(view.get_shape()), _TORCH_DTYPE_NAMES.get(view.get_dtype(), ""), dests)
+            _copy_into(view, dests, filled)
         if fp8 is not None:
             fp8.finish()
     missing = sorted(required - filled)
@@ -365,3 +387,10 @@ def load_weights(
             len(unexpected),
             ", ".join(unexpected[:5]),
         )
+
+
+def _load_whole(name: str, shard: Path, tensor: torch.Tensor, dests: list[WeightTarget], filled: set[str]) -> None:
+    """Copy the targets' parts of a tensor already in memory (a dequantized FP8 weight, or a plain
+    tensor of an FP8 checkpoint)."""
+    _check(name, shard, tuple(tensor.shape), str(tensor.dtype), dests)
+    _copy_into(tensor, dests, filled)

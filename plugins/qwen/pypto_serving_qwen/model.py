@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import pypto_kernels as K
+from pypto_serving.parallel import expert_parallel_moe, vocab_parallel_embedding
 
 from .graph import decode_attention, moe_experts, static_decode_attention, write_kv
 from .loader import QwenConfig, WeightTarget
+from .sharding import QwenSharding
 
 __all__ = ["AttentionMetadata", "KVCache", "QwenForCausalLM"]
 
@@ -50,12 +52,34 @@ def _param(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> 
     return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
 
 
+def _size(part: slice) -> int:
+    return int(part.stop) - int(part.start)
+
+
+def _scaled(part: slice, width: int) -> slice:
+    """``part`` (in heads) as rows of ``width`` each."""
+    return slice(part.start * width, part.stop * width)
+
+
+def _target(dest: torch.Tensor, name: str, part: slice, full: int, dim: int = 0) -> WeightTarget:
+    """``dest`` filled from ``part`` of dimension ``dim`` of checkpoint tensor ``name`` (``full`` long);
+    a part covering the whole dimension reads the whole tensor."""
+    whole = part.start == 0 and part.stop == full
+    return WeightTarget(dest, (name,), None if whole else part, dim, full)
+
+
 class QwenAttention(nn.Module):
-    def __init__(self, cfg: QwenConfig, layer: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Self-attention over this rank's query heads and the KV heads they read."""
+
+    def __init__(
+        self, cfg: QwenConfig, layer: int, device: torch.device, dtype: torch.dtype, shards: QwenSharding
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.cfg, self.shards = cfg, shards
+        self.num_heads, self.num_kv_heads = _size(shards.q_heads), _size(shards.kv_heads)
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         qkv = self.q_size + 2 * self.kv_size
         self.qkv_weight = _param((qkv, cfg.hidden_size), device, dtype)
         self.qkv_bias = _param((qkv,), device, dtype) if cfg.qkv_bias else None
@@ -68,15 +92,21 @@ class QwenAttention(nn.Module):
         self.sliding_window = cfg.layer_windows[layer]
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
-        q, kv = self.q_size, self.kv_size
+        cfg, q, kv, d = self.cfg, self.q_size, self.kv_size, self.cfg.head_dim
+        q_rows, kv_rows = _scaled(self.shards.q_heads, d), _scaled(self.shards.kv_heads, d)
         out: dict[str, list[WeightTarget]] = {}
-        for part, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv))):
+        for part, rows, src, full in (
+            ("q", slice(0, q), q_rows, cfg.num_heads * d),
+            ("k", slice(q, q + kv), kv_rows, cfg.num_kv_heads * d),
+            ("v", slice(q + kv, q + 2 * kv), kv_rows, cfg.num_kv_heads * d),
+        ):
             name = f"{prefix}.{part}_proj.weight"
-            out[name] = [WeightTarget(self.qkv_weight.data[rows], (name,))]
+            out[name] = [_target(self.qkv_weight.data[rows], name, src, full)]
             if self.qkv_bias is not None:
                 bname = f"{prefix}.{part}_proj.bias"
-                out[bname] = [WeightTarget(self.qkv_bias.data[rows], (bname,))]
-        out[f"{prefix}.o_proj.weight"] = [WeightTarget(self.o_weight.data, (f"{prefix}.o_proj.weight",))]
+                out[bname] = [_target(self.qkv_bias.data[rows], bname, src, full)]
+        oname = f"{prefix}.o_proj.weight"
+        out[oname] = [_target(self.o_weight.data, oname, q_rows, cfg.num_heads * d, dim=1)]
         if self.o_bias is not None:
             out[f"{prefix}.o_proj.bias"] = [WeightTarget(self.o_bias.data, (f"{prefix}.o_proj.bias",))]
         if self.q_norm is not None and self.k_norm is not None:
@@ -98,7 +128,9 @@ class QwenAttention(nn.Module):
             k = K.rms_norm(k, self.k_norm, self.eps)
         q, k = K.apply_rope(q, k, cos, sin)
         out = self._attend(q, k, v, cache, meta)
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        # Row-parallel o_proj: each rank's heads give a partial sum; the bias is added once, after it.
+        hidden = self.shards.ctx.all_reduce(F.linear(out.reshape(num_tokens, self.q_size), self.o_weight))
+        return hidden if self.o_bias is None else hidden + self.o_bias
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata
@@ -140,58 +172,92 @@ class QwenAttention(nn.Module):
 
 
 class QwenMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> None:
+    """SwiGLU MLP, column-parallel gate/up and row-parallel down over this rank's intermediate rows."""
+
+    def __init__(self, cfg: QwenConfig, device: torch.device, dtype: torch.dtype, shards: QwenSharding) -> None:
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_weight = _param((2 * intermediate, hidden), device, dtype)
-        self.down_weight = _param((hidden, intermediate), device, dtype)
+        self.shards, self.full = shards, cfg.intermediate_size
+        self.intermediate = _size(shards.intermediate)
+        self.gate_up_weight = _param((2 * self.intermediate, cfg.hidden_size), device, dtype)
+        self.down_weight = _param((cfg.hidden_size, self.intermediate), device, dtype)
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
-        i = self.intermediate
+        i, rows, full = self.intermediate, self.shards.intermediate, self.full
         gate, up, down = (f"{prefix}.{n}_proj.weight" for n in ("gate", "up", "down"))
         return {
-            gate: [WeightTarget(self.gate_up_weight.data[:i], (gate,))],
-            up: [WeightTarget(self.gate_up_weight.data[i:], (up,))],
-            down: [WeightTarget(self.down_weight.data, (down,))],
+            gate: [_target(self.gate_up_weight.data[:i], gate, rows, full)],
+            up: [_target(self.gate_up_weight.data[i:], up, rows, full)],
+            down: [_target(self.down_weight.data, down, rows, full, dim=1)],
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(K.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        partial = F.linear(K.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        return self.shards.ctx.all_reduce(partial)
 
 
 class QwenSparseMoe(nn.Module):
-    def __init__(self, cfg: QwenConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Routed experts: this rank's part of every expert (tensor-parallel MoE) or its whole experts
+    (expert parallel); the router is replicated."""
+
+    def __init__(self, cfg: QwenConfig, device: torch.device, dtype: torch.dtype, shards: QwenSharding) -> None:
         super().__init__()
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.num_experts, self.intermediate = e, i
+        e, h = _size(shards.experts), cfg.hidden_size
+        self.shards, self.num_experts, self.full = shards, cfg.num_experts, cfg.moe_intermediate_size
+        self.intermediate = i = _size(shards.moe_intermediate)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.router_weight = _param((e, h), device, dtype)
+        self.router_weight = _param((cfg.num_experts, h), device, dtype)
         self.gate_up = _param((e, 2 * i, h), device, dtype)
         self.down = _param((e, h, i), device, dtype)
 
+    def _expert_names(self, prefix: str, e: int) -> tuple[str, str, str]:
+        gate, up, down = (f"{prefix}.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down"))
+        return gate, up, down
+
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
-        i = self.intermediate
+        i, rows, full, first = self.intermediate, self.shards.moe_intermediate, self.full, self.shards.experts.start
         router = f"{prefix}.gate.weight"
         out: dict[str, list[WeightTarget]] = {router: [WeightTarget(self.router_weight.data, (router,))]}
-        per_expert_gate_up: list[str] = []
-        per_expert_down: list[str] = []
+        for e in range(self.num_experts):  # another rank's experts (expert parallel) are skipped
+            for name in self._expert_names(prefix, e):
+                out[name] = []
         # Released Qwen-MoE checkpoints store one matrix per expert; stack them into [E, 2I, H] / [E, H, I].
-        for e in range(self.num_experts):
-            gate, up, down = (f"{prefix}.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down"))
-            out[gate] = [WeightTarget(self.gate_up.data[e, :i], (gate,))]
-            out[up] = [WeightTarget(self.gate_up.data[e, i:], (up,))]
-            out[down] = [WeightTarget(self.down.data[e], (down,))]
-            per_expert_gate_up += [gate, up]
-            per_expert_down.append(down)
-        # transformers' in-memory layout (already stacked) is accepted too and satisfies the same names.
-        out[f"{prefix}.experts.gate_up_proj"] = [WeightTarget(self.gate_up.data, tuple(per_expert_gate_up))]
-        out[f"{prefix}.experts.down_proj"] = [WeightTarget(self.down.data, tuple(per_expert_down))]
+        for e in self.local_experts():
+            gate, up, down = self._expert_names(prefix, e)
+            out[gate] = [_target(self.gate_up.data[e - first, :i], gate, rows, full)]
+            out[up] = [_target(self.gate_up.data[e - first, i:], up, rows, full)]
+            out[down] = [_target(self.down.data[e - first], down, rows, full, dim=1)]
+        out.update(self._stacked_targets(prefix))
         return out
+
+    def _stacked_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
+        """transformers' in-memory layout (already stacked), accepted too; it fills the same names."""
+        i, rows, full, experts = self.intermediate, self.shards.moe_intermediate, self.full, self.shards.experts
+        names = [self._expert_names(prefix, e) for e in self.local_experts()]
+        gate_up_fills = tuple(n for gate, up, _ in names for n in (gate, up))
+        down_fills = tuple(down for _, _, down in names)
+        if self.shards.expert_parallel:
+            return {
+                f"{prefix}.experts.gate_up_proj": [
+                    WeightTarget(self.gate_up.data, gate_up_fills, experts, 0, self.num_experts)
+                ],
+                f"{prefix}.experts.down_proj": [WeightTarget(self.down.data, down_fills, experts, 0, self.num_experts)],
+            }
+        up_rows = slice(full + rows.start, full + rows.stop)
+        return {
+            f"{prefix}.experts.gate_up_proj": [
+                WeightTarget(self.gate_up.data[:, :i], gate_up_fills, *_part(rows, 1, 2 * full)),
+                WeightTarget(self.gate_up.data[:, i:], gate_up_fills, *_part(up_rows, 1, 2 * full)),
+            ],
+            f"{prefix}.experts.down_proj": [WeightTarget(self.down.data, down_fills, *_part(rows, 2, full))],
+        }
+
+    def local_experts(self) -> range:
+        return range(self.shards.experts.start, self.shards.experts.stop)
 
     def required(self, prefix: str) -> set[str]:
         names = {f"{prefix}.gate.weight"}
-        for e in range(self.num_experts):
-            names.update(f"{prefix}.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down"))
+        for e in self.local_experts():
+            names.update(self._expert_names(prefix, e))
         return names
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,22 +265,39 @@ class QwenSparseMoe(nn.Module):
         weights, ids = K.topk_routing(router_logits, self.top_k, self.norm_topk_prob)
         # A captured decode step calls the kernel as one op (graph.py); eager calls it directly.
         experts = moe_experts if torch.compiler.is_compiling() else K.moe_experts
+        if self.shards.expert_parallel:
+            return expert_parallel_moe(
+                x,
+                weights,
+                ids,
+                lambda xs, ws, local: experts(xs, self.gate_up, self.down, ws, local),
+                self.num_experts,
+                self.shards.ctx,
+            )
         out: torch.Tensor = experts(x, self.gate_up, self.down, weights, ids)
-        return out
+        return self.shards.ctx.all_reduce(out)
+
+
+def _part(rows: slice, dim: int, full: int) -> tuple[slice | None, int, int]:
+    """WeightTarget's ``part, dim, full`` for ``rows`` of dimension ``dim`` (``None``: all of it)."""
+    whole = rows.start == 0 and rows.stop == full
+    return (None if whole else rows), dim, full
 
 
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, cfg: QwenConfig, layer: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: QwenConfig, layer: int, device: torch.device, dtype: torch.dtype, shards: QwenSharding
+    ) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_norm = _param((cfg.hidden_size,), device, dtype)
         self.post_attention_norm = _param((cfg.hidden_size,), device, dtype)
-        self.self_attn = QwenAttention(cfg, layer, device, dtype)
+        self.self_attn = QwenAttention(cfg, layer, device, dtype, shards)
         self.mlp: QwenMLP | QwenSparseMoe
         if cfg.is_moe_layer(layer):
-            self.mlp = QwenSparseMoe(cfg, device, dtype)
+            self.mlp = QwenSparseMoe(cfg, device, dtype, shards)
         else:
-            self.mlp = QwenMLP(cfg.hidden_size, cfg.intermediate_size, device, dtype)
+            self.mlp = QwenMLP(cfg, device, dtype, shards)
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
         out = {
@@ -250,22 +333,29 @@ class QwenDecoderLayer(nn.Module):
 
 
 class QwenForCausalLM(nn.Module):
-    """The full model; parameters are created empty on ``device`` in ``dtype`` and filled by the loader."""
+    """The full model; parameters are created empty on ``device`` in ``dtype`` and filled by the loader.
+
+    ``shards`` is this rank's tensor-parallel layout (:mod:`.sharding`); by default everything is on
+    one rank. Every rank's forward returns the same full logits.
+    """
 
     inv_freq: torch.Tensor
 
-    def __init__(self, cfg: QwenConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: QwenConfig, device: torch.device, dtype: torch.dtype, shards: QwenSharding | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
+        self.shards = shards = shards if shards is not None else QwenSharding.single(cfg)
+        vocab = _size(shards.vocab)
         # The output projection is stored transposed, [hidden, vocab]: ``hidden @ lm_head_t`` streams it
         # row by row, about 2x faster on the CPU than F.linear over [vocab, hidden] for a few decode
         # rows and 1.2-1.4x for 64 (benchmarks.md). A tied embedding is a [vocab, hidden] view of it.
-        self.lm_head_t = _param((cfg.hidden_size, cfg.vocab_size), device, dtype)
-        self.embed = (
-            self.lm_head_t.t() if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size), device, dtype)
-        )
-        self.layers = nn.ModuleList(QwenDecoderLayer(cfg, i, device, dtype) for i in range(cfg.num_layers))
+        # Under tensor parallelism both hold this rank's vocabulary rows only.
+        self.lm_head_t = _param((cfg.hidden_size, vocab), device, dtype)
+        self.embed = self.lm_head_t.t() if cfg.tie_word_embeddings else _param((vocab, cfg.hidden_size), device, dtype)
+        self.layers = nn.ModuleList(QwenDecoderLayer(cfg, i, device, dtype, shards) for i in range(cfg.num_layers))
         self.norm = _param((cfg.hidden_size,), device, dtype)
         inv_freq, attention_scaling = K.rope_inv_freq(
             cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
@@ -275,14 +365,15 @@ class QwenForCausalLM(nn.Module):
 
     def weight_targets(self) -> tuple[dict[str, list[WeightTarget]], set[str]]:
         """Checkpoint name -> destinations, and the set of names that must be present."""
+        vocab, full = self.shards.vocab, self.cfg.vocab_size
         out: dict[str, list[WeightTarget]] = {
-            "model.embed_tokens.weight": [WeightTarget(self.embed.data, ("model.embed_tokens.weight",))],
+            "model.embed_tokens.weight": [_target(self.embed.data, "model.embed_tokens.weight", vocab, full)],
             "model.norm.weight": [WeightTarget(self.norm.data, ("model.norm.weight",))],
         }
         if self.cfg.tie_word_embeddings:
             out["lm_head.weight"] = []  # a tied export may still carry a copy; the embedding wins, as in HF
         else:
-            out["lm_head.weight"] = [WeightTarget(self.lm_head_t.data.t(), ("lm_head.weight",))]
+            out["lm_head.weight"] = [_target(self.lm_head_t.data.t(), "lm_head.weight", vocab, full)]
         required = {n for n, ts in out.items() if ts}
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, QwenDecoderLayer)
@@ -312,7 +403,7 @@ class QwenForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output and residual for every row (their sum is the final hidden state)."""
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = vocab_parallel_embedding(input_ids, self.embed, self.shards.ctx)
         cos, sin = K.rope_cos_sin(positions, self.inv_freq, self.attention_scaling, self.dtype)
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
@@ -322,6 +413,6 @@ class QwenForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the rows given: the final norm and the (vocab-sized) output projection,
-        only for the sampled rows."""
+        only for the sampled rows; each rank's vocabulary slice is gathered into the full rows."""
         hidden, _ = K.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
-        return torch.matmul(hidden, self.lm_head_t).float()
+        return self.shards.ctx.all_gather(torch.matmul(hidden, self.lm_head_t).float(), dim=-1)

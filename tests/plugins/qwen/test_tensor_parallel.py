@@ -1,0 +1,244 @@
+"""Tensor and expert parallelism of the Qwen executor on two gloo ranks (spawned processes) against
+one rank: the same logits (float32, within summation-order error) and the same greedy tokens over a
+few decode steps, for Qwen3, Qwen3-MoE with split experts and with expert parallelism, Qwen2 with
+biases and a tied embedding, a KV head replicated over the ranks, and a block-FP8 checkpoint. Each
+rank reads exactly the parameters it holds from the safetensors files, holds about half the model,
+and reports a KV block of half the bytes. One spawned pair of ranks runs every case."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pypto_serving.parallel import ParallelContext
+from pypto_serving_qwen import loader
+from pypto_serving_qwen.executor import QwenExecutor
+from pypto_serving_qwen.loader import read_config
+from pypto_serving_qwen.sharding import QwenSharding
+from tests.distributed_helpers import run_ranks
+from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, make_qwen_checkpoint, qwen_settings
+from tests.plugins.qwen.test_qwen_fp8 import _fp8_copy
+
+WORLD = 2
+PROMPTS = {"a": [3, 17, 5, 99, 42, 7, 250], "b": [11, 300, 8, 64, 1]}
+DECODE_STEPS = 4
+
+# name -> executor settings beyond the model; the checkpoint is ``root / name.split("+")[0]``.
+CASES: dict[str, dict[str, Any]] = {
+    "qwen3": {},
+    "qwen3_moe": {},
+    "qwen3_moe+ep": {"enable_expert_parallel": True},
+    "qwen2_tied": {},
+    "qwen3_kv1": {},
+    "qwen3_fp8": {},
+}
+
+
+class _CountingSlice:
+    def __init__(self, inner: Any, counts: dict[str, int]) -> None:
+        self.inner, self.counts = inner, counts
+
+    def get_shape(self) -> list[int]:
+        return list(self.inner.get_shape())
+
+    def get_dtype(self) -> str:
+        return str(self.inner.get_dtype())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        t: torch.Tensor = self.inner[index]
+        self.counts["read"] += t.numel()
+        self.counts["largest"] = max(self.counts["largest"], t.numel())
+        return t
+
+
+class _CountingFile:
+    """A safetensors handle that counts the elements read through it."""
+
+    def __init__(self, inner: Any, counts: dict[str, int]) -> None:
+        self.inner, self.counts = inner, counts
+
+    def keys(self) -> list[str]:
+        return list(self.inner.keys())
+
+    def get_slice(self, name: str) -> _CountingSlice:
+        return _CountingSlice(self.inner.get_slice(name), self.counts)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        t: torch.Tensor = self.inner.get_tensor(name)
+        self.counts["read"] += t.numel()
+        self.counts["largest"] = max(self.counts["largest"], t.numel())
+        return t
+
+
+@contextlib.contextmanager
+def _counting_reads() -> Iterator[dict[str, int]]:
+    counts = {"read": 0, "largest": 0}
+    real = loader.safe_open
+
+    @contextlib.contextmanager
+    def counting_open(*args: Any, **kwargs: Any) -> Iterator[_CountingFile]:
+        with real(*args, **kwargs) as f:
+            yield _CountingFile(f, counts)
+
+    loader.safe_open = counting_open  # type: ignore[assignment]
+    try:
+        yield counts
+    finally:
+        loader.safe_open = real
+
+
+def _generate(path: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Load ``path`` on this process's ranks, prefill both prompts in one step (every row's logits)
+    and decode greedily; returns the logits of every step, the tokens and what the rank holds."""
+    with _counting_reads() as counts:
+        ex = QwenExecutor(
+            qwen_settings(Path(path), tensor_parallel_size=ParallelContext.current().world_size, **options)
+        )
+        info = ex.load()
+    ex.init_kv_cache({"kv": 32})
+    assert ex.model is not None
+    builder = PagedBatchBuilder(4, 32)
+    logits = [ex.execute(builder.step(list(PROMPTS.items())))]
+    ends = [len(PROMPTS["a"]) - 1, len(PROMPTS["a"]) + len(PROMPTS["b"]) - 1]
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    for _ in range(DECODE_STEPS):
+        last = logits[-1] if len(logits) > 1 else logits[0][ends]
+        for rid, row in zip(("a", "b"), last.argmax(-1).tolist(), strict=True):
+            tokens[rid].append(row)
+        logits.append(ex.execute(builder.step([(rid, [toks[-1]]) for rid, toks in tokens.items()], all_logits=False)))
+    return {
+        "logits": logits,
+        "tokens": tokens,
+        "read": counts["read"],
+        "largest_read": counts["largest"],
+        "held": sum(p.numel() for p in ex.model.parameters()),
+        "bytes_per_block": info.cache_groups[0].bytes_per_block,
+        "kv_shape": tuple(ex.kv_caches[0][0].shape),
+    }
+
+
+def _graph_refusal(path: str) -> str:
+    settings = qwen_settings(Path(path), tensor_parallel_size=WORLD, executor_options={"graph_mode": "aot_eager"})
+    try:
+        QwenExecutor(settings).load()
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def _rank_cases(paths: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {name: _generate(paths[name], CASES[name]) for name in CASES}
+    out["graph_refusal"] = _graph_refusal(paths["qwen3"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, qwen_checkpoints: Callable[[str], Path]) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp_ckpts")
+    kv1 = make_qwen_checkpoint(root / "qwen3_kv1", "qwen3", num_key_value_heads=1, num_hidden_layers=2)
+    paths = {
+        "qwen3": qwen_checkpoints("qwen3"),
+        "qwen3_moe": qwen_checkpoints("qwen3_moe"),
+        "qwen2_tied": qwen_checkpoints("qwen2_tied"),
+        "qwen3_kv1": kv1,
+        "qwen3_fp8": _fp8_copy(qwen_checkpoints("qwen3"), root / "qwen3_fp8"),
+    }
+    return {name: str(paths[name.split("+")[0]]) for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def single(checkpoints: dict[str, str]) -> dict[str, Any]:
+    """Every case on one rank (this process, no process group)."""
+    return {name: _generate(checkpoints[name], CASES[name]) for name in CASES}
+
+
+@pytest.fixture(scope="module")
+def ranks(checkpoints: dict[str, str]) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = run_ranks(_rank_cases, WORLD, checkpoints)
+    return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(
+    case: str, single: dict[str, Any], ranks: list[dict[str, Any]]
+) -> None:
+    want = single[case]
+    for rank in ranks:
+        got = rank[case]
+        assert got["tokens"] == want["tokens"]
+        assert len(got["logits"]) == len(want["logits"]) == DECODE_STEPS + 1
+        for g, w in zip(got["logits"], want["logits"], strict=True):
+            assert g.shape == w.shape and g.shape[-1] == 320
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    # Both ranks hold the very same logits, so their samplers draw the same tokens.
+    for g0, g1 in zip(ranks[0][case]["logits"], ranks[1][case]["logits"], strict=True):
+        assert torch.equal(g0, g1)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "qwen3_fp8"])
+def test_each_rank_reads_only_what_it_holds(case: str, single: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    assert single[case]["read"] == single[case]["held"]
+    for rank in ranks:
+        assert rank[case]["read"] == rank[case]["held"], "a rank read checkpoint data it does not keep"
+        # Half of everything but the norms and the router; the replicated KV head keeps a bit more.
+        assert rank[case]["held"] < 0.56 * single[case]["held"]
+        assert rank[case]["largest_read"] < single[case]["largest_read"]
+
+
+def test_each_rank_caches_its_kv_heads_only(single: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    for case in ("qwen3", "qwen3_moe", "qwen2_tied"):
+        assert single[case]["kv_shape"][2] == 2
+        for rank in ranks:
+            assert rank[case]["kv_shape"][2] == 1
+            assert rank[case]["bytes_per_block"] * 2 == single[case]["bytes_per_block"]
+    # One KV head for two ranks: each rank caches it whole (replicated), so the block is not halved.
+    for rank in ranks:
+        assert rank["qwen3_kv1"]["kv_shape"][2] == 1
+        assert rank["qwen3_kv1"]["bytes_per_block"] == single["qwen3_kv1"]["bytes_per_block"]
+
+
+def test_graph_capture_over_ranks_is_refused(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert "graph_mode='aot_eager' is not supported with tensor_parallel_size=2" in rank["graph_refusal"]
+
+
+def test_a_world_size_that_does_not_divide_a_dimension_is_refused_by_name(
+    qwen_checkpoints: Callable[[str], Path],
+) -> None:
+    cfg = read_config(qwen_checkpoints("qwen3"))  # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the num_attention_heads \(4\)"):
+        QwenSharding.plan(cfg, ParallelContext(rank=0, world_size=3), expert_parallel=False)
+    six = dataclasses.replace(cfg, num_heads=6)
+    with pytest.raises(ValueError, match=r"not a multiple of it"):
+        QwenSharding.plan(six, ParallelContext(rank=0, world_size=3), expert_parallel=False)
+    moe = read_config(qwen_checkpoints("qwen3_moe"))  # 4 experts
+    with pytest.raises(ValueError, match=r"does not divide the num_experts \(expert parallel\) \(4\)"):
+        QwenSharding.plan(
+            dataclasses.replace(moe, num_heads=8, num_kv_heads=8, intermediate_size=96, vocab_size=96),
+            ParallelContext(rank=0, world_size=8),
+            expert_parallel=True,
+        )
+
+
+def test_kv_heads_are_replicated_to_the_ranks_whose_query_heads_read_them(
+    qwen_checkpoints: Callable[[str], Path],
+) -> None:
+    cfg = read_config(qwen_checkpoints("qwen3"))  # 4 query heads in 2 groups of 2
+    plans = [QwenSharding.plan(cfg, ParallelContext(rank=r, world_size=4), expert_parallel=False) for r in range(4)]
+    assert [(p.q_heads.start, p.kv_heads.start, p.kv_heads.stop) for p in plans] == [
+        (0, 0, 1),
+        (1, 0, 1),
+        (2, 1, 2),
+        (3, 1, 2),
+    ]
+
+
+def test_a_process_group_of_another_size_is_refused(qwen_checkpoints: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 but this worker's process group has 1 rank"):
+        QwenExecutor(qwen_settings(qwen_checkpoints("qwen3"), tensor_parallel_size=2)).load()
