@@ -167,6 +167,14 @@ def expert_parallel_moe(
     :func:`dispatch_combine` on them, and an all-gather gives every rank every row again, so no
     rank computes another rank's tokens' routes to its own experts twice.
 
+    What it costs against tensor-parallel MoE (every expert split, one all-reduce): each rank holds
+    ``1 / world_size`` of the experts as whole matrices (bigger, better-shaped matmuls), but with the
+    fixed capacity of :func:`dispatch_combine` its experts run over all ``T x k`` routes, those owned
+    elsewhere with weight 0, so the ranks together do ``world_size`` times the expert FLOPs; and each
+    rank sends about ``3 x T x H`` values per layer (dispatch, combine, all-gather) where a ring
+    all-reduce sends about ``2 x T x H``. An expert kernel that skips zero-weight routes would remove
+    the extra FLOPs.
+
     :param x: ``[T, H]`` hidden states, identical on every rank.
     :param weights: ``[T, k]`` routing weights (the router is replicated, so identical too).
     :param ids: ``[T, k]`` expert ids over all ``num_experts`` experts.

@@ -120,6 +120,7 @@ def _generate(path: str, options: dict[str, Any]) -> dict[str, Any]:
         "held": sum(p.numel() for p in ex.model.parameters()),
         "bytes_per_block": info.cache_groups[0].bytes_per_block,
         "kv_shape": tuple(ex.kv_caches[0][0].shape),
+        "experts_shape": tuple(getattr(ex.model.layers[0].mlp, "gate_up", torch.empty(0)).shape),
     }
 
 
@@ -201,6 +202,12 @@ def test_each_rank_caches_its_kv_heads_only(single: dict[str, Any], ranks: list[
     for rank in ranks:
         assert rank["qwen3_kv1"]["kv_shape"][2] == 1
         assert rank["qwen3_kv1"]["bytes_per_block"] == single["qwen3_kv1"]["bytes_per_block"]
+
+
+def test_moe_ranks_split_every_expert_or_hold_whole_experts(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:  # 4 experts, intermediate 32: gate/up stacked as [E, 2I, H]
+        assert rank["qwen3_moe"]["experts_shape"] == (4, 32, 64)
+        assert rank["qwen3_moe+ep"]["experts_shape"] == (2, 64, 64)
 
 
 def test_graph_capture_over_ranks_is_refused(ranks: list[dict[str, Any]]) -> None:
