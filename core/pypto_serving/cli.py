@@ -123,6 +123,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_worker(args: argparse.Namespace) -> int:
+    """This node's tensor-parallel ranks of a multi-node engine (node_rank >= 1)."""
+    from .engine import read_architecture
+    from .worker import serve_node
+
+    settings = settings_from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
+    plugins = PluginManager()
+    settings = plugins.resolve_model(settings)
+    spec = plugins.select_executor(settings.executor, read_architecture(settings.model))
+    return serve_node(spec.factory, settings)
+
+
 def _settings_table() -> str:
     fields = ServingSettings.model_fields
     width = max(len(n) for n in fields)
@@ -166,6 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_arguments(g)
     add_settings_arguments(g, server=False)  # no server runs, so host, port, api_key, ... would do nothing
     g.set_defaults(func=_cmd_generate)
+
+    w = sub.add_parser(
+        "worker",
+        help="run this node's tensor-parallel ranks for the engine on node 0 (multi-node: node_rank >= 1)",
+        description="Start tensor_parallel_size / nnodes ranks that join node 0's group at master_addr:master_port "
+        "and run its steps until its engine shuts down; settings must match node 0's.",
+    )
+    w.add_argument("--model", metavar="DIR|NAME", help="model directory or named model, as on node 0")
+    w.add_argument("--config", metavar="FILE", help="TOML or YAML settings file")
+    add_settings_arguments(w, server=False)
+    w.set_defaults(func=_cmd_worker)
     _add_optional_commands(sub)
     return parser
 

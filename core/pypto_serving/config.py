@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
@@ -27,6 +28,14 @@ from pydantic_settings import (
 __all__ = ["ServingSettings", "SettingsError", "SpeculativeConfig", "add_settings_arguments"]
 
 ENV_PREFIX = "PYPTO_SERVING_"
+
+# torchrun's environment variables for the multi-node settings, read below the PYPTO_SERVING_* ones.
+TORCHRUN_ENV = {
+    "master_addr": "MASTER_ADDR",
+    "master_port": "MASTER_PORT",
+    "nnodes": "NNODES",
+    "node_rank": "NODE_RANK",
+}
 
 
 class SettingsError(ValueError):
@@ -88,6 +97,16 @@ class _FileSettingsSource(PydanticBaseSettingsSource):
         if self.path is None:
             return {}
         return read_config_file(self.path)
+
+
+class _TorchrunEnvSource(PydanticBaseSettingsSource):
+    """torchrun's plain variable names (``MASTER_ADDR``...) for the multi-node settings."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return {name: os.environ[var] for name, var in TORCHRUN_ENV.items() if os.environ.get(var)}
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -251,6 +270,34 @@ class ServingSettings(BaseSettings):
     )
     worker_restart_window: float = Field(600.0, gt=0, description="Seconds over which max_worker_restarts is counted.")
 
+    # -- multi-node tensor parallelism (torchrun's names; MASTER_ADDR, MASTER_PORT, NNODES and NODE_RANK are read too)
+    master_addr: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address of node 0, where the tensor-parallel ranks meet (torchrun's MASTER_ADDR).",
+    )
+    master_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port on node 0 where the tensor-parallel ranks meet (torchrun's MASTER_PORT); 0 = a free "
+        "port, one node only.",
+    )
+    nnodes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Hosts the tensor-parallel ranks span, tensor_parallel_size / nnodes ranks on each "
+        "(torchrun's NNODES).",
+    )
+    node_rank: int = Field(
+        0,
+        ge=0,
+        le=63,
+        description="This host's index among the nnodes: 0 runs the engine (serve, LLM), the others run "
+        "`pypto-serving worker` (torchrun's NODE_RANK).",
+    )
+
     # -- server
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port).")
@@ -296,6 +343,7 @@ class ServingSettings(BaseSettings):
         return (
             init_settings,
             env_settings,
+            _TorchrunEnvSource(settings_cls),
             _FileSettingsSource(settings_cls, _config_path(init_settings, env_settings)),
         )
 
@@ -311,6 +359,7 @@ class ServingSettings(BaseSettings):
         layers = [
             (origin, init()),
             ("environment", env()),
+            *((f"environment variable {TORCHRUN_ENV[k]}", {k: v}) for k, v in _TorchrunEnvSource(cls)().items()),
             (f"config file {_config_path(init, env)}", _FileSettingsSource(cls, _config_path(init, env))()),
         ]
         try:

@@ -8,20 +8,38 @@ runner in the engine's own thread (``mode="inproc"``), for debugging and the sim
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import sys
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as mp_wait
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
 import torch
 
 from .config import ServingSettings
-from .executor import Executor
+from .distributed import (
+    RANK_LOST_EXIT,
+    RankGroup,
+    RankLayout,
+    check_parallel_settings,
+    combine_profiles,
+    die_with_parent,
+    free_port,
+    info_mismatch,
+    join_group,
+    rank_device,
+    settings_mismatch,
+    step_digest,
+)
+from .executor import Executor, ExecutorInfo
 from .memory import profile_memory
 from .messages import (
     InitCache,
@@ -36,7 +54,9 @@ from .messages import (
 )
 from .runner import ModelRunner
 
-__all__ = ["WorkerClient", "WorkerDiedError", "WorkerError"]
+__all__ = ["WorkerClient", "WorkerDiedError", "WorkerError", "serve_node"]
+
+logger = logging.getLogger(__name__)
 
 _encoder = msgspec.msgpack.Encoder()
 _cmd_decoder = msgspec.msgpack.Decoder(WorkerCommand)  # type: ignore[arg-type]
@@ -86,12 +106,19 @@ def _worker_environment(settings: ServingSettings) -> Iterator[None]:
         os.environ.pop("OMP_WAIT_POLICY", None)
 
 
-def _worker_main(conn: Connection, factory: Callable[[Any], Executor], settings_json: str) -> None:
-    """Entry point of the spawned worker process."""
+def _worker_main(
+    conn: Connection | None, factory: Callable[[Any], Executor], settings_json: str, rank: int = 0
+) -> None:
+    """Entry point of a spawned worker process: rank 0 talks to the engine over ``conn``; the other
+    tensor-parallel ranks (no ``conn``) follow rank 0's broadcasts."""
+    settings = ServingSettings.model_validate_json(settings_json)
+    if settings.worker_threads:
+        torch.set_num_threads(settings.worker_threads)
+    if settings.tensor_parallel_size > 1:
+        _rank_main(conn, factory, settings, rank)
+        return
+    assert conn is not None
     try:
-        settings = ServingSettings.model_validate_json(settings_json)
-        if settings.worker_threads:
-            torch.set_num_threads(settings.worker_threads)
         runner = ModelRunner(factory(settings), settings)
         info = runner.load()
         conn.send_bytes(_encoder.encode(Loaded(info)))
@@ -129,6 +156,171 @@ def _format_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}\n{''.join(traceback.format_exception(e)[-3:])}".strip()
 
 
+class _GroupSetupError(RuntimeError):
+    """The ranks cannot serve together; every rank reaches the same message."""
+
+
+def _rank_main(
+    conn: Connection | None, factory: Callable[[Any], Executor], settings: ServingSettings, rank: int
+) -> None:
+    """A tensor-parallel rank: join the group, load in agreement with the other ranks, then run rank
+    0's commands until a Shutdown. A failed collective (a peer died or hung) ends the process with
+    :data:`RANK_LOST_EXIT`, so the engine restarts the whole group."""
+    die_with_parent()
+    layout = RankLayout.of(settings)
+    own = settings.model_copy(update={"device": rank_device(settings.device, layout.local_index(rank))})
+    try:
+        group = join_group(own, rank)
+        runner = _load_ranks(group, factory, own)
+    except BaseException as e:
+        why = str(e) if isinstance(e, _GroupSetupError) else f"rank {rank} could not join the group: {_format_error(e)}"
+        _report(rank, why)
+        if conn is not None:
+            conn.send_bytes(_encoder.encode(Loaded(None, why)))
+        os._exit(RANK_LOST_EXIT)
+    if conn is not None:
+        conn.send_bytes(_encoder.encode(Loaded(runner.info)))
+    try:
+        _serve_ranks(conn, group, runner, own)
+    except Exception as e:
+        _report(rank, f"the tensor-parallel group failed: {type(e).__name__}: {e}")
+        os._exit(RANK_LOST_EXIT)
+    runner.shutdown()
+    group.close()
+
+
+def _report(rank: int, why: str) -> None:
+    print(f"pypto-serving worker rank {rank}: {why}", file=sys.stderr, flush=True)
+
+
+def _load_ranks(group: RankGroup, factory: Callable[[Any], Executor], settings: ServingSettings) -> ModelRunner:
+    """Load the executor on every rank; refuse ranks whose settings or loaded models differ."""
+    problem = settings_mismatch(group, settings)
+    if problem is not None:
+        raise _GroupSetupError(problem)
+    runner = None
+    try:
+        runner = ModelRunner(factory(settings), settings)
+        payload = b"\x01" + _encoder.encode(runner.load())
+    except BaseException as e:
+        payload = b"\x00" + _format_error(e).encode()
+    outcomes = group.all_gather_bytes(payload, setup=True)
+    failed = [f"rank {r}: {o[1:].decode()}" for r, o in enumerate(outcomes) if o[:1] == b"\x00"]
+    if failed or runner is None:
+        raise _GroupSetupError("the executor failed to load on " + "; ".join(failed))
+    problem = info_mismatch([msgspec.msgpack.decode(o[1:], type=ExecutorInfo) for o in outcomes])
+    if problem is not None:
+        raise _GroupSetupError(problem)
+    return runner
+
+
+def _serve_ranks(conn: Connection | None, group: RankGroup, runner: ModelRunner, settings: ServingSettings) -> None:
+    """Rank 0 reads each command from the engine and broadcasts its bytes; every rank runs it in the
+    same order; rank 0 answers. While the engine is idle rank 0 broadcasts an empty heartbeat, so
+    the other ranks' wait never reaches the collectives' timeout."""
+    heartbeat = min(5.0, settings.step_timeout / 4)
+    while True:
+        raw = _next_command(conn, group, heartbeat)
+        if not raw:
+            continue
+        msg = _cmd_decoder.decode(raw)
+        if isinstance(msg, Shutdown):
+            return
+        reply, fatal = _run_on_ranks(group, runner, settings, msg)
+        if conn is not None:
+            conn.send_bytes(_encoder.encode(reply))
+        if fatal is not None:
+            raise _GroupSetupError(fatal)
+
+
+def _next_command(conn: Connection | None, group: RankGroup, heartbeat: float) -> bytes:
+    if conn is None:
+        return group.broadcast_bytes()
+    if not conn.poll(heartbeat):
+        return group.broadcast_bytes(b"")
+    try:
+        raw = conn.recv_bytes()
+    except (EOFError, OSError):  # the engine is gone: the ranks shut down with it
+        raw = _encoder.encode(Shutdown())
+    return group.broadcast_bytes(raw)
+
+
+def _run_on_ranks(
+    group: RankGroup, runner: ModelRunner, settings: ServingSettings, msg: WorkerCommand
+) -> tuple[StepResult | InitDone | MemoryProfile, str | None]:
+    """Run one command on this rank and combine the ranks' answers (rank 0's reply, and why the
+    group must stop when the ranks' sampled tokens differ)."""
+    if isinstance(msg, ProfileMemory):
+        mine = _lifecycle(runner, msg)
+        every = [msgspec.msgpack.decode(r, type=MemoryProfile) for r in group.all_gather_bytes(_encoder.encode(mine))]
+        per_host = RankLayout.of(settings).per_node if runner.device.type == "cpu" else 1
+        return combine_profiles(every, settings.gpu_memory_utilization or 1.0, per_host), None
+    if isinstance(msg, InitCache):
+        done = _lifecycle(runner, msg)
+        dones = [msgspec.msgpack.decode(r, type=InitDone) for r in group.all_gather_bytes(_encoder.encode(done))]
+        bad = [f"rank {r}: {d.error}" for r, d in enumerate(dones) if not d.ok]
+        return (InitDone(False, "; ".join(bad)) if bad else InitDone(True)), None
+    assert isinstance(msg, StepCommand)
+    result = runner.step(msg)
+    digests = group.all_gather_bytes(step_digest(result))
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if not differ:
+        return result, None
+    result.error = (
+        f"tensor-parallel rank(s) {differ} sampled other tokens than rank 0 in step {msg.step_id}: "
+        "the ranks' states diverged, so the worker group stops and restarts"
+    )
+    return result, result.error
+
+
+def serve_node(factory: Callable[[Any], Executor], settings: ServingSettings) -> int:
+    """Run this node's ranks of a multi-node tensor-parallel worker (``pypto-serving worker``) until
+    node 0's engine shuts them down (0). A group that fails (a rank died, or node 0 restarted its
+    worker) is joined again by fresh ranks, at most ``max_worker_restarts`` times per
+    ``worker_restart_window``; past that: 1."""
+    check_parallel_settings(settings, engine=False)
+    ctx = mp.get_context("spawn")
+    payload = settings.model_dump_json()
+    restarts: deque[float] = deque()
+    while True:
+        procs = [_rank_process(ctx, factory, payload, r) for r in RankLayout.of(settings).local_ranks]
+        with _worker_environment(settings):
+            for p in procs:
+                p.start()
+        codes = _wait_ranks(procs)
+        if not any(codes):
+            return 0
+        now = time.monotonic()
+        while restarts and now - restarts[0] > settings.worker_restart_window:
+            restarts.popleft()
+        if len(restarts) >= settings.max_worker_restarts:
+            logger.error("ranks exited with %s; no restart left (max_worker_restarts)", codes)
+            return 1
+        restarts.append(now)
+        logger.warning("ranks exited with %s: starting them again to rejoin node 0's group", codes)
+
+
+def _rank_process(ctx: Any, factory: Callable[[Any], Executor], payload: str, rank: int) -> BaseProcess:
+    """A rank after rank 0: no pipe, it follows rank 0's broadcasts."""
+    proc: BaseProcess = ctx.Process(
+        target=_worker_main, args=(None, factory, payload, rank), daemon=True, name=f"pypto-worker-rank{rank}"
+    )
+    return proc
+
+
+def _wait_ranks(procs: list[BaseProcess]) -> list[int]:
+    """Wait for every rank to exit; once one fails, end the others (their group is gone)."""
+    while any(p.is_alive() for p in procs):
+        mp_wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
+        if any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+    for p in procs:
+        p.join()
+    return [p.exitcode or 0 for p in procs]
+
+
 class WorkerClient:
     """Engine-side handle of the worker: ``submit`` steps, ``get_result`` them in order.
 
@@ -149,28 +341,21 @@ class WorkerClient:
         self._pending: deque[StepResult] = deque()
         self._in_flight = 0
         self.dead_reason: str | None = None
+        if getattr(settings, "tensor_parallel_size", 1) > 1 or getattr(settings, "nnodes", 1) > 1:
+            check_parallel_settings(settings, engine=True)
+        self._ranks: list[BaseProcess] = []  # tensor parallel: this node's ranks after rank 0
         if mode == "inproc":
             self._runner: ModelRunner | None = ModelRunner(factory(settings), settings)
             self.info = self._runner.load()
-            self._proc = None
+            self._proc: BaseProcess | None = None
             return
         self._runner = None
         _refuse_spawn_while_bootstrapping()
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_worker_main,
-            args=(child, factory, settings.model_dump_json()),
-            daemon=True,
-            name="pypto-worker",
-        )
-        with _worker_environment(settings):
-            self._proc.start()
-        child.close()
+        self._start(factory, settings)
         try:
             raw = self._recv(timeout=max(timeout, 600.0), what="loading the model")
         except WorkerDiedError:
-            if self._proc.exitcode == _UNGUARDED_MAIN_EXIT:
+            if self._proc is not None and self._proc.exitcode == _UNGUARDED_MAIN_EXIT:
                 raise WorkerError(_UNGUARDED_MAIN_HELP) from None
             raise
         loaded = msgspec.msgpack.decode(raw, type=Loaded)
@@ -178,6 +363,26 @@ class WorkerClient:
             self.close()
             raise WorkerError(f"the executor failed to load: {loaded.error}")
         self.info = loaded.info
+
+    def _start(self, factory: Callable[[Any], Executor], settings: Any) -> None:
+        """Spawn the worker: rank 0 on the pipe, and with tensor parallelism this node's other ranks.
+        One node without a ``master_port`` meets on a free port."""
+        tp = settings.tensor_parallel_size > 1
+        if tp and settings.master_port == 0:
+            settings = settings.with_overrides(master_port=free_port(settings.master_addr))
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        payload = settings.model_dump_json()
+        proc: BaseProcess = ctx.Process(
+            target=_worker_main, args=(child, factory, payload), daemon=True, name="pypto-worker"
+        )
+        self._proc = proc
+        local = RankLayout.of(settings).local_ranks[1:] if tp else range(0)
+        self._ranks = [_rank_process(ctx, factory, payload, r) for r in local]
+        with _worker_environment(settings):
+            for p in (proc, *self._ranks):
+                p.start()
+        child.close()
 
     def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
         if self._runner is not None:
@@ -235,38 +440,72 @@ class WorkerClient:
         waited = 0.0
         while not self._conn.poll(min(0.5, timeout - waited)):
             waited += 0.5
-            if not self._proc.is_alive():
-                self._proc.join(timeout=1)  # reap it, so the exit code is known
-                self._die(f"the worker process died (exit code {self._proc.exitcode}) while {what}")
+            reason = self._exit_reason(what)
+            if reason is not None:
+                self._die(reason)
             if waited >= timeout:
                 self._die(f"the worker did not answer within {timeout:.0f}s while {what} (step_timeout)")
         try:
             return self._conn.recv_bytes()
         except (EOFError, OSError):
             self._proc.join(timeout=1)
-            self._die(f"the worker process died (exit code {self._proc.exitcode}) while {what}")
+            self._die(self._exit_reason(what) or f"the worker process closed its pipe while {what}")
             raise  # unreachable
+
+    def _exit_reason(self, what: str) -> str | None:
+        """Why the worker cannot answer when one of its processes has exited, else None. With tensor
+        parallelism it names the rank that died rather than one that only saw a peer go."""
+        assert self._proc is not None
+        procs = [self._proc, *self._ranks]
+        dead = [(r, p) for r, p in enumerate(procs) if not p.is_alive()]
+        if not dead:
+            return None
+        for _, p in dead:
+            p.join(timeout=1)  # reap it, so the exit code is known
+        rank, proc = next(((r, p) for r, p in dead if p.exitcode != RANK_LOST_EXIT), dead[0])
+        if not self._ranks:
+            return f"the worker process died (exit code {proc.exitcode}) while {what}"
+        if proc.exitcode == RANK_LOST_EXIT:
+            return (
+                f"the tensor-parallel group lost a rank while {what}: rank {rank}'s collectives failed "
+                "(a rank on another node died, stopped answering, or the ranks diverged)"
+            )
+        return f"tensor-parallel rank {rank} of the worker died (exit code {proc.exitcode}) while {what}"
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
         self._in_flight = 0
-        if self._proc is not None:
-            if self._proc.is_alive():
-                self._proc.kill()
-            self._proc.join(timeout=5)  # no zombie left behind
+        self._kill_all()
         raise WorkerDiedError(reason)
 
+    def _kill_all(self) -> None:
+        """Kill every process of the worker that still runs and reap them all (no zombie left)."""
+        procs = [p for p in (self._proc, *self._ranks) if p is not None]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+
     def check_alive(self) -> str | None:
-        """Why the worker is gone, or None while it runs. Cheap (a non-blocking ``waitpid``), so
-        the engine calls it while idle to notice a dead worker before the next request needs it."""
+        """Why the worker is gone, or None while it runs. Cheap (a non-blocking ``waitpid`` per
+        process), so the engine calls it while idle to notice a dead worker before the next request."""
         if self.dead_reason is not None:
             return self.dead_reason
-        if self._proc is None or self._proc.is_alive():
+        if self._proc is None:
             return None
-        self._proc.join(timeout=1)
-        self.dead_reason = f"the worker process died (exit code {self._proc.exitcode}) while idle"
+        reason = self._exit_reason("idle")
+        if reason is None:
+            return None
+        self.dead_reason = reason
         self._in_flight = 0
-        return self.dead_reason
+        self._kill_all()
+        return reason
+
+    @property
+    def pids(self) -> list[int]:
+        """The pids of this node's worker processes, rank 0 first."""
+        return [p.pid for p in (self._proc, *self._ranks) if p is not None and p.pid is not None]
 
     @property
     def pid(self) -> int | None:
@@ -282,9 +521,9 @@ class WorkerClient:
         if self._proc.is_alive():
             with contextlib.suppress(OSError):  # it may be exiting already
                 self._conn.send_bytes(_encoder.encode(Shutdown()))
-            self._proc.join(timeout=10)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(timeout=5)
+        for p in (self._proc, *self._ranks):  # rank 0 passes the Shutdown on to the other ranks
+            p.join(timeout=10)
+        self._kill_all()
         self._conn.close()
         self._proc = None
+        self._ranks = []
