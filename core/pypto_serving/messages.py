@@ -40,6 +40,10 @@ class WireSampling(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None
     structured: StructuredSpec | None = None  # the grammar the worker masks this request's tokens to
     grammar_eos: tuple[int, ...] = ()  # the tokens that end the grammar's output (the model's EOS ids)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    allowed_token_ids: tuple[int, ...] | None = None  # the only tokens that may be sampled
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be completed
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs are computed, with this many top ones
 
 
 def wire_sampling(sp: SamplingParams, eos_token_ids: Sequence[int]) -> WireSampling:
@@ -59,6 +63,10 @@ def wire_sampling(sp: SamplingParams, eos_token_ids: Sequence[int]) -> WireSampl
         logprobs=sp.logprobs,
         structured=sp.structured,
         grammar_eos=tuple(eos_token_ids) if sp.structured is not None else (),
+        logit_bias=tuple(sp.logit_bias.items()),
+        allowed_token_ids=tuple(sp.allowed_token_ids) if sp.allowed_token_ids is not None else None,
+        bad_words=tuple(tuple(w) for w in sp.bad_words_token_ids),
+        prompt_logprobs=sp.prompt_logprobs,
     )
 
 
@@ -112,6 +120,8 @@ class StepResult(msgspec.Struct):
     sampled: dict[str, list[int]] = {}
     logprobs: dict[str, list[dict[int, float]]] = {}
     request_errors: dict[str, str] = {}
+    # Prompt logprobs computed this step: (first prompt position, the entries of that position on).
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = {}
     error: str | None = None
     num_drafted: int = 0
     num_verify_steps: int = 0  # request-steps that verified at least one draft
