@@ -54,7 +54,7 @@ class _UserRequest:
             CompletionOutput(
                 index=i,
                 token_ids=list(c.output_token_ids),
-                text=c.detokenizer.text if c.detokenizer is not None else "",
+                text=_text(c),
                 finish_reason=c.finish_reason,
                 stop_reason=c.detokenizer.stopped_at
                 if c.detokenizer is not None and c.detokenizer.stopped_at
@@ -332,6 +332,9 @@ class EngineCore:
         vocab = self.info.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params.check_vocab(vocab)
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs=... is not supported yet")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer.json in the model directory")
         if params.structured is not None:  # a bad grammar is the caller's error, not a failed request
@@ -497,6 +500,15 @@ class EngineCore:
             with contextlib.suppress(Exception):  # shutting down anyway
                 self.strategy.drain()
         self.worker.close()
+
+
+def _text(req: Request) -> str:
+    """A sequence's text: with ``include_stop_str_in_output`` the stop string that ended it stays in."""
+    detok = req.detokenizer
+    if detok is None:
+        return ""
+    keep = req.sampling_params.include_stop_str_in_output and detok.stopped_at
+    return str(detok.text + detok.stopped_at) if keep else str(detok.text)
 
 
 def _check_encodable(ids: list[int], params: SamplingParams) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = [
+    "MAX_LOGIT_BIAS",
     "CompletionOutput",
     "FinishReason",
     "Request",
@@ -57,6 +58,12 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredSpec | None = None  # a grammar the output must match (structured output)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    # Banned token sequences: a word's last token is banned wherever the output ends with the rest.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
+    prompt_logprobs: int | None = None  # logprobs of every prompt token (after the first), plus the top ones
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +98,51 @@ class SamplingParams:
             "token ids in [0, 2**63)",
         )
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "in [0, 2**63)")
+        self._check_token_fields()
+
+    def _check_token_fields(self) -> None:
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            len(self.logit_bias),
+            f"at most {MAX_LOGIT_BIAS} entries",
+        )
+        _check(
+            all(0 <= t < _INT64 and math.isfinite(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+            "logit_bias",
+            self.logit_bias,
+            "token ids mapped to biases in [-100, 100]",
+        )
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            _check(
+                bool(self.allowed_token_ids) and all(0 <= t < _INT64 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                self.allowed_token_ids,
+                "a non-empty list of token ids",
+            )
+        self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
+        _check(
+            all(w and all(0 <= t < _INT64 for t in w) for w in self.bad_words_token_ids),
+            "bad_words",
+            self.bad_words_token_ids,
+            "non-empty token sequences",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            "in [0, 20]",
+        )
+
+    def check_vocab(self, vocab: int) -> None:
+        """Raises ``ValueError`` naming the field whose token ids fall outside a ``vocab``-token model."""
+        _check(all(t < vocab for t in self.logit_bias), "logit_bias", sorted(self.logit_bias)[-1:], f"ids < {vocab}")
+        ids = self.allowed_token_ids or []
+        _check(all(t < vocab for t in ids), "allowed_token_ids", max(ids, default=0), f"token ids < {vocab}")
+        worst = max((t for w in self.bad_words_token_ids for t in w), default=0)
+        _check(worst < vocab, "bad_words", worst, f"token ids < {vocab}")
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +152,8 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
+
+MAX_LOGIT_BIAS = 300  # entries of logit_bias: each is applied per step on the device
 
 # Every integer crosses the process boundary and reaches int64 tensors: larger values are refused here,
 # for the one request, instead of failing the step (or the encoder) of every request batched with it.

@@ -21,7 +21,7 @@ import torch
 from .executor import BatchInput, Executor, ExecutorInfo
 from .input_batch import InputBatch, StepArrays
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
-from .sampler import RowParams, SampleOutput, TokenCounts, sample
+from .sampler import LogitEdits, RowParams, SampleOutput, TokenCounts, sample
 from .spec_decode import NgramDrafter
 from .structured import GrammarCompiler, RequestGrammar, step_mask
 
@@ -40,6 +40,7 @@ class _ReqState:
         "_batch",
         "counts",
         "drafts",
+        "edits",
         "grammar",
         "grammar_error",
         "history",
@@ -63,6 +64,9 @@ class _ReqState:
         self.num_prompt = len(nr.prompt_token_ids)
         self.history = [*nr.prompt_token_ids, *nr.output_token_ids]  # prompt + outputs sampled here
         self.counts = counts
+        sp = nr.sampling
+        has_edits = sp.logit_bias or sp.allowed_token_ids is not None
+        self.edits = LogitEdits(bias=sp.logit_bias, allowed=sp.allowed_token_ids) if has_edits else None
         self.drafts: list[int] = []
         self.rows: list[RowParams] = []  # the sampler's rows of this request, reused across steps
         self.grammar: RequestGrammar | None = None  # structured output: the grammar's state
@@ -327,6 +331,7 @@ def _row(st: _ReqState) -> RowParams:
         num_logprobs=sp.logprobs,
         # Penalties read the request's device counts plus each row's drafts: no history copy per step.
         counts=st.counts,
+        edits=st.edits,
     )
 
 
@@ -336,8 +341,28 @@ def _update(st: _ReqState, row: RowParams, draw_index: int, drafts: list[int]) -
     # A grammar decides where its output may end: min_tokens never bans the EOS it may be down to.
     early = draw_index < st.sampling.min_tokens and st.grammar is None
     row.banned = st.sampling.min_tokens_banned if early else ()
+    if st.sampling.bad_words:
+        row.banned += _bad_word_bans(st.sampling.bad_words, st.history, st.num_prompt, drafts)
     row.drafts = tuple(drafts) if st.counts is not None else ()
     return row
+
+
+def _bad_word_bans(
+    words: tuple[tuple[int, ...], ...], history: list[int], num_prompt: int, drafts: list[int]
+) -> tuple[int, ...]:
+    """The last token of every bad word whose other tokens end the output so far (the outputs in
+    ``history``, then the ``drafts`` the row follows): sampling it would complete the word. One-token
+    words are always banned. Only the words' own lengths of history are read."""
+    bans = []
+    for w in words:
+        need = len(w) - 1  # the word's tokens before its last
+        if need > len(history) - num_prompt + len(drafts):
+            continue
+        before = max(0, need - len(drafts))  # how many of them come before the drafts
+        tail = history[len(history) - before :] if before else []
+        if list(w[:-1]) == tail + drafts[len(drafts) - (need - before) :]:
+            bans.append(w[-1])
+    return tuple(bans)
 
 
 def _ngram_drafter(settings: Any) -> NgramDrafter | None:

@@ -34,6 +34,7 @@ from .structured import GrammarMask, apply_bitmask
 __all__ = [
     "CANDIDATES",
     "DeviceSample",
+    "LogitEdits",
     "RowParams",
     "SampleOutput",
     "TokenCounts",
@@ -87,6 +88,49 @@ class TokenCounts:
         return self._counts.index_select(0, idx)
 
 
+class LogitEdits:
+    """A request's fixed edits of its logits, made on the device once and reused every step: the
+    ``logit_bias`` added to its tokens, and with ``allowed_token_ids`` every other token set to
+    ``-inf``. Ids outside the vocabulary are dropped (the server refuses them with a 400)."""
+
+    __slots__ = ("_allowed", "_bias", "_drop", "_ids", "_made", "_vals")
+
+    def __init__(self, *, bias: tuple[tuple[int, float], ...], allowed: tuple[int, ...] | None) -> None:
+        self._bias = bias
+        self._allowed = allowed
+        self._made = False
+        self._ids = self._vals = self._drop = torch.empty(0)
+
+    def apply(self, row: torch.Tensor) -> None:
+        """Edits one ``[V]`` logits row in place (every tensor stays on its device)."""
+        vocab, dev = row.shape[0], row.device
+        if not self._made:  # first use: the tensors are made where the logits are
+            pairs = [(t, b) for t, b in self._bias if 0 <= t < vocab]
+            self._ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=dev)
+            self._vals = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=dev)
+            if self._allowed is not None:
+                keep = torch.tensor([t for t in self._allowed if 0 <= t < vocab], dtype=torch.long, device=dev)
+                self._drop = torch.ones(vocab, dtype=torch.bool, device=dev).index_fill(0, keep, False)
+            self._made = True
+        if self._ids.numel():
+            row.index_add_(0, self._ids, self._vals.to(row.dtype))
+        if self._allowed is not None:
+            row.masked_fill_(self._drop, float("-inf"))
+
+
+def _apply_edits(logits: torch.Tensor, params: list[RowParams]) -> torch.Tensor:
+    """``logits`` with the rows' :class:`LogitEdits` applied (a new tensor when any row has some)."""
+    rows = [i for i, p in enumerate(params) if p.edits is not None]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for r in rows:
+        edits = params[r].edits
+        assert edits is not None
+        edits.apply(out.select(0, r))
+    return out
+
+
 def _subtract(counts: torch.Tensor, p: RowParams) -> torch.Tensor:
     return p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(counts.dtype)
 
@@ -105,7 +149,8 @@ class RowParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     num_logprobs: int | None = None
-    banned: tuple[int, ...] = ()  # eos/stop ids while min_tokens is not reached
+    banned: tuple[int, ...] = ()  # eos/stop ids while min_tokens is not reached, bad words' last tokens
+    edits: LogitEdits | None = None  # the request's logit_bias and allowed_token_ids
     counts: TokenCounts | None = None  # the request's token counts; None: the request has no penalties
     drafts: tuple[int, ...] = ()  # outputs this row follows that ``counts`` does not hold yet
 
@@ -277,8 +322,9 @@ def _draw_rows(
 
 
 def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask | None = None) -> DeviceSample:
-    """Sample one token per row of ``logits [N, V]`` without reading the host; ``grammar`` masks the
-    tokens its rows' grammars disallow (after penalties and bans, before the draw; logprobs stay raw)."""
+    """Sample one token per row of ``logits [N, V]`` without reading the host. In order: the rows'
+    logit bias and allowed tokens, penalties, bans (min_tokens, bad words), and ``grammar``'s masks of
+    the tokens its rows' grammars disallow; then the draw. Logprobs stay those of the raw logits."""
     x = logits.float()
     n = x.shape[0]
     dev = x.device
@@ -289,6 +335,7 @@ def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: Gra
         out.raw = torch.log_softmax(x.index_select(0, torch.tensor(out.lp_rows, device=dev)), dim=-1)
         k = max(params[i].num_logprobs or 0 for i in out.lp_rows)
         out.top = out.raw.topk(k, dim=-1) if k else None
+    x = _apply_edits(x, params)
     pen = [i for i, p in enumerate(params) if p.counts is not None]
     if pen:
         x = _apply_penalties(x, pen, params)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -93,3 +94,30 @@ def test_token_slice_equals_slicing_all_tokens(start: int, end: int) -> None:
     req = Request("r", [1, 2, 3, 4], SamplingParams())
     req.output_token_ids = [5, 6]
     assert req.token_slice(start, end) == req.all_token_ids[start:end]
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+        ({"logit_bias": {1: 100.5}}, "logit_bias"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words_token_ids": [[]]}, "bad_words"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ],
+)
+def test_token_fields_are_validated(kw: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}="):
+        SamplingParams(**kw)
+
+
+def test_token_fields_are_checked_against_the_vocabulary() -> None:
+    SamplingParams(logit_bias={9: 1.0}, allowed_token_ids=[9], bad_words_token_ids=[[8, 9]]).check_vocab(10)
+    for kw, field in (
+        ({"logit_bias": {10: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": [3, 10]}, "allowed_token_ids"),
+        ({"bad_words_token_ids": [[1, 12]]}, "bad_words"),
+    ):
+        with pytest.raises(ValueError, match=f"^{field}="):
+            SamplingParams(**kw).check_vocab(10)

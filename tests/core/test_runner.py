@@ -184,3 +184,21 @@ def test_the_batch_values_follow_the_rows_across_removals() -> None:
     assert batch.block_tables["compressed"].tolist() == [[2], [0], [0]]
     # slot = block * 4 + position % 4 in the kv group (block size 4).
     assert batch.slot_mapping["kv"].tolist() == [8 * 4 + 1, 9 * 4, 9 * 4 + 1, 9 * 4 + 2, 6 * 4 + 2]
+
+
+@pytest.mark.parametrize(
+    ("history", "drafts", "expected"),
+    [
+        ([9, 9, 1, 2], [], (5, 7, 8)),  # outputs [1, 2]: (2, 7) and (1, 2, 8) complete; 9 is prompt, not output
+        ([9, 9, 1, 2], [3], (5, 6)),  # a draft extends the outputs: (2, 3, 6) completes
+        ([9, 9], [], (5,)),  # no outputs yet: only the one-token word
+        ([9, 9, 1], [2, 3], (5, 6)),  # the word's prefix spans the outputs and the drafts
+    ],
+)
+def test_bad_word_bans_follow_outputs_and_drafts(
+    history: list[int], drafts: list[int], expected: tuple[int, ...]
+) -> None:
+    from pypto_serving.runner import _bad_word_bans
+
+    words = ((5,), (2, 7), (1, 2, 8), (9, 1, 4), (2, 3, 6))
+    assert _bad_word_bans(words, history, 2, drafts) == expected

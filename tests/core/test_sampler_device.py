@@ -88,3 +88,20 @@ def test_grammar_masks_apply_on_the_device(fake: FakeTensorMode, num_constrained
     )
     dev = sample_on_device(torch.empty(8, VOCAB, device="cuda"), rows(), grammar)
     assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.logits, packed(dev)))
+
+
+def test_logit_bias_allowed_tokens_and_bad_words_apply_on_the_device(fake: FakeTensorMode) -> None:
+    """The request's edits (made on the device at first use, kept across steps) and bad-word bans."""
+    from pypto_serving.sampler import LogitEdits
+
+    bias = LogitEdits(bias=((3, 5.0), (VOCAB + 7, 1.0)), allowed=None)
+    allowed = LogitEdits(bias=((2, -100.0),), allowed=(1, 2, 3, 999))
+    params = [
+        *rows(),
+        row(temperature=0.0, edits=bias),
+        row(top_k=5, edits=allowed, banned=(2,)),  # a bad word's last token, banned for this row
+        row(top_p=0.9, edits=allowed, counts=TokenCounts(prompt=[1], outputs=[]), repetition_penalty=1.3),
+    ]
+    for _ in range(2):  # the second step reuses the edits' device tensors
+        dev = sample_on_device(torch.empty(len(params), VOCAB, device="cuda"), params)
+        assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.logits, packed(dev)))

@@ -321,11 +321,16 @@ def _sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             structured=structured,
+            **_token_fields(ctx, req),
             **kw,
         )
     except (ValueError, TypeError) as e:
         raise _sampling_error(str(e), isinstance(req, ChatCompletionRequest), max_tokens_param) from None
     _check_model_bounds(ctx, req)
+    try:
+        params.check_vocab(ctx.llm.vocab_size)
+    except ValueError as e:
+        raise _sampling_error(str(e), isinstance(req, ChatCompletionRequest), max_tokens_param) from None
     if params.stop and ctx.llm.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer.json in the model directory", param="stop")
     if max_tokens is not None and len(prompt.ids) + max_tokens > ctx.llm.max_model_len:
@@ -337,6 +342,32 @@ def _sampling_params(
             code="context_length_exceeded",
         )
     return params
+
+
+def _token_fields(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The fields that name tokens: logit_bias (OpenAI's keys are token ids as text), allowed tokens,
+    bad words (each word as it starts the text and after a space), and whether stop strings stay in."""
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, not {key!r}", param="logit_bias")
+        bias[int(key)] = value
+    words: list[list[int]] = []
+    if req.bad_words:
+        tok = ctx.llm.tokenizer
+        if tok is None:
+            raise APIError(400, "bad_words need a tokenizer.json in the model directory", param="bad_words")
+        for word in req.bad_words:
+            for variant in dict.fromkeys((word, " " + word.lstrip())):
+                ids = tok.encode(variant, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+    return {
+        "logit_bias": bias,
+        "allowed_token_ids": req.allowed_token_ids,
+        "bad_words_token_ids": words,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+    }
 
 
 def _grammar(

@@ -48,6 +48,9 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOOLS = 128
 MAX_CHOICES = 1024
+MAX_LOGIT_BIAS = 300  # as SamplingParams allows
+MAX_ALLOWED_TOKEN_IDS = 262_144
+MAX_BAD_WORDS = 128
 # Every integer reaches the worker's msgpack wire and int64 tensors.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -61,7 +64,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (),
     "functions": ([],),
     "function_call": ("none",),
-    "logit_bias": ({},),
     "suffix": ("",),
     "best_of": (),  # accepted when equal to n: see _is_neutral
     "prompt_logprobs": (),
@@ -236,6 +238,11 @@ class _SamplingFields(BaseModel):
     min_tokens: Int64 = 0
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: Bool = True
+    # OpenAI's token-id (as text) -> bias in [-100, 100], checked with the model's vocabulary.
+    logit_bias: Annotated[dict[Text, Float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
+    include_stop_str_in_output: Bool = False
     # Structured output: at most one of these (see openai_requests._structured_spec).
     response_format: ResponseFormat | None = None
     guided_json: JSONObject | Text | None = None

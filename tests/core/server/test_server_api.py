@@ -281,7 +281,7 @@ def test_chat_max_tokens_default_runs_to_context(make_client: Any) -> None:
         ("prompt", 5),
         ("max_tokens", 10_000),
         ("suffix", "x"),
-        ("logit_bias", {"1": 5}),
+        ("logit_bias", {"1": 500}),
         ("stream_options", 3),
     ],
 )
