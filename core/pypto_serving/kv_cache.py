@@ -126,13 +126,16 @@ class KVCacheManager:
         self.prefix_caching = enable_prefix_caching and all(g.prefix_caching for g in self.groups)
         self._hash_unit = math.lcm(*(g.tokens_per_block for g in self.groups))
         self._hashes: dict[str, dict[str, list[bytes]]] = {}  # request -> group -> block keys
-        self._min_tpb = min(g.tokens_per_block for g in self.groups)
         self.windowed = [g for g in self.groups if g.window_tokens is not None]
         self._max_step_tokens = max_step_tokens
         self._window_freed: dict[str, dict[str, int]] = {}  # request -> group -> leading entries freed
-        # The one group's name and tokens per block, for allocate()'s per-step fast path.
-        self._single = (self.groups[0].name, self.groups[0].tokens_per_block) if len(self.groups) == 1 else None
-        self._published: dict[str, int] = {}  # request -> full blocks (of the smallest kind) published
+        # The one group's name and tokens per block, for the per-step fast paths of allocate() and
+        # of the scheduler's plain decodes (read-only outside this class).
+        self.single_group = (self.groups[0].name, self.groups[0].tokens_per_block) if len(self.groups) == 1 else None
+        # Request -> full blocks (of the smallest kind) published. Read-only outside this class: the
+        # scheduler compares against it to skip publish() calls that would return at once.
+        self.published: dict[str, int] = {}
+        self.min_tokens_per_block = min(g.tokens_per_block for g in self.groups)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found cached
 
@@ -214,10 +217,10 @@ class KVCacheManager:
         """Make the full blocks among the request's first ``num_tokens`` (confirmed) tokens reusable."""
         if not self.prefix_caching:
             return
-        if num_tokens // self._min_tpb <= self._published.get(request.request_id, 0):
+        if num_tokens // self.min_tokens_per_block <= self.published.get(request.request_id, 0):
             return  # no new full block since the last call: the common decode step (and clamping cannot add one)
         num_tokens = min(num_tokens, request.num_tokens)
-        self._published[request.request_id] = num_tokens // self._min_tpb
+        self.published[request.request_id] = num_tokens // self.min_tokens_per_block
         for g in self.groups:
             blocks = request.block_ids.get(g.name, [])
             pool = self.pools[g.name]
@@ -245,8 +248,8 @@ class KVCacheManager:
     # -- allocation
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Grow the request's blocks so it can hold ``num_tokens`` tokens; all groups or none."""
-        if self._single is not None:  # fast path: most steps need no new block
-            name, tokens_per_block = self._single
+        if self.single_group is not None:  # fast path: most steps need no new block
+            name, tokens_per_block = self.single_group
             have_blocks = request.block_ids.get(name)
             if have_blocks is not None and -(-num_tokens // tokens_per_block) <= len(have_blocks):
                 return True
@@ -266,7 +269,7 @@ class KVCacheManager:
             self.pools[g.name].release([b for b in request.block_ids.get(g.name, []) if b != FREED])
         request.block_ids = {}
         self._hashes.pop(request.request_id, None)
-        self._published.pop(request.request_id, None)
+        self.published.pop(request.request_id, None)
         self._window_freed.pop(request.request_id, None)
 
     # -- invariants

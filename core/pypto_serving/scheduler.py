@@ -24,6 +24,8 @@ from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, w
 from .request import Request, RequestStatus
 from .speculative import SpecPolicy, StepObservation
 
+_RUNNING = RequestStatus.RUNNING
+
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "StepKind"]
 
 
@@ -39,17 +41,6 @@ class SchedulerConfig:
 StepKind = Literal["prefill", "decode"]
 
 
-class _Scheduled(msgspec.Struct, gc=False):
-    """Scheduler-side memo of one entry, used when its result comes back (a C-initialised struct:
-    one is built per running request per step)."""
-
-    request: Request
-    epoch: int
-    num_new: int
-    num_draft: int
-    sample: bool
-
-
 @dataclass(slots=True)
 class _Tracked:
     """The scheduler's own per-request state. Preemption resets it; finishing drops it."""
@@ -61,11 +52,32 @@ class _Tracked:
     has_sampled: bool = False  # sampled since (re)admission: only then can the worker hold drafts
     sent_to_worker: bool = False  # the worker holds state for it (to be released on finish/preempt)
     blocks_sent: dict[str, int] = field(default_factory=dict)  # per group: table length the worker holds
+    # With one cache group: the tokens the blocks the worker holds can store (zero while it holds
+    # none), so a decode at a position below it needs no new block and sends none.
+    sent_capacity: int = 0
+    # Derived once from the sampling parameters, for the plain-decode fast paths: the output count
+    # at which the request ends by length (max_tokens or the context length), and the tokens that end
+    # it once ``min_tokens`` outputs exist (stop token ids, and EOS unless ignored).
+    output_limit: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
 
     def reset_for_recompute(self) -> None:
         self.epoch += 1
         self.rejected = self.confirmed = 0
         self.awaiting_prefill = self.has_sampled = False
+
+
+class _Scheduled(msgspec.Struct, gc=False):
+    """Scheduler-side memo of one entry, used when its result comes back (a C-initialised struct:
+    one is built per running request per step)."""
+
+    request: Request
+    tracked: _Tracked  # the request's record when it was scheduled (preemption bumps its epoch)
+    epoch: int
+    num_new: int
+    num_draft: int
+    sample: bool
 
 
 @dataclass(slots=True)
@@ -136,7 +148,11 @@ class Scheduler:
         kv: KVCacheManager,
         executor_info: ExecutorInfo,
         spec_policy: SpecPolicy,
+        *,
+        decode_fast_path: bool = True,
     ) -> None:
+        """``decode_fast_path``: schedule and apply plain decodes (one token, no drafts, blocks held)
+        inline; off, every request takes the general path (the same steps, more slowly)."""
         self.config = config
         self.kv = kv
         self.info = executor_info
@@ -148,6 +164,7 @@ class Scheduler:
         self.finished_ids: list[str] = []  # to tell the worker on the next step
         self.failed_while_scheduling: list[Request] = []  # for the engine to report
         self._tracked: dict[str, _Tracked] = {}
+        self._fast = decode_fast_path
         self._step_ids = itertools.count()
         self._arrivals = itertools.count()
         self.stats = SchedulerStats(accepted_per_pos=[0] * max(1, executor_info.max_draft_tokens))
@@ -172,8 +189,18 @@ class Scheduler:
         request.arrival_index = next(self._arrivals)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._tracked[request.request_id] = _Tracked()
+        self._tracked[request.request_id] = self._new_tracked(request)
         self.waiting.append(request)
+
+    def _new_tracked(self, request: Request) -> _Tracked:
+        sp = request.sampling_params
+        limit = self.config.max_model_len - request.num_prompt_tokens
+        stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else request.eos_token_ids)]
+        return _Tracked(
+            output_limit=limit if sp.max_tokens is None else min(limit, sp.max_tokens),
+            stop_ids=frozenset(stop),
+            min_tokens=sp.min_tokens,
+        )
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         out = []
@@ -230,32 +257,74 @@ class Scheduler:
         return SchedulerOutput(cmd, step.items, self.config.max_num_batched_tokens - step.budget)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
+        """Each running request's next step, oldest admission first. A plain decode (one token, no
+        drafts, its blocks held and sent) is taken inline; anything else goes through the general
+        path, which would take a plain decode the same way."""
+        tracked = self._tracked
+        fast = self._fast and self.kv.single_group is not None
+        no_drafts, no_barrier = not self.info.max_draft_tokens, not self.info.prefill_barrier
+        entries, items = step.entries, step.items
         for req in list(self.running):
             if step.budget <= 0:
                 return
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not _RUNNING:
                 continue  # preempted earlier in this step
-            st = self._tracked[req.request_id]
-            pending = req.num_tokens + req.num_output_placeholders  # tokens once results are applied
-            num_new = pending - req.num_computed_tokens
-            if num_new <= 0 or self._at_limit(req, pending) or (self.info.prefill_barrier and st.awaiting_prefill):
+            st = tracked[req.request_id]
+            held = req.num_output_placeholders
+            outputs = req.output_token_ids
+            start = req.num_computed_tokens
+            produced = len(outputs) + held  # outputs once results are applied
+            if not (
+                fast
+                and req.num_prompt_tokens + produced == start + 1  # one token to compute, past the prompt
+                and 0 < produced < st.output_limit
+                and start < st.sent_capacity  # its block is held, and the worker has it
+                and (no_drafts or not st.has_sampled)
+                and (no_barrier or not st.awaiting_prefill)
+                and (not step.uniform or step.admits("decode"))
+            ):
+                self._schedule_one(step, req, st)
                 continue
-            is_decode = num_new == 1 and pending > req.num_prompt_tokens
-            if step.uniform and not step.admits("decode" if is_decode else "prefill"):
-                continue
-            k = 0
-            if is_decode:  # one token, and the budget is positive
-                # Drafts exist only after a step of this request sampled (not for the last token of
-                # a recompute after preemption), so only then is reserving k slots of use.
-                if self.info.max_draft_tokens and st.has_sampled:
-                    k = self.spec_policy(req, self._max_k(req, step.budget - 1))
-            else:
-                num_new = self._chunk(num_new, step.budget, False)
-                if num_new == 0:
-                    continue
-            num_tokens = req.num_computed_tokens + num_new + k
-            if self.kv.allocate(req, num_tokens) or self._preempt_until_fits(req, num_tokens, step):
-                self._take(step, req, num_new, k)
+            entries.append(
+                ScheduledEntry(
+                    request_id=req.request_id,
+                    token_ids=[] if held else outputs[-1:],
+                    use_last_sampled=held > 0,
+                    num_draft=0,
+                    start_pos=start,
+                    rejected_seen=st.rejected,
+                    new_block_ids={},
+                    sample=True,
+                )
+            )
+            items.append(_Scheduled(req, st, st.epoch, 1, 0, True))
+            step.budget -= 1
+            req.num_computed_tokens = start + 1
+            req.num_output_placeholders = held + 1
+            st.has_sampled = True
+
+    def _schedule_one(self, step: _StepBuilder, req: Request, st: _Tracked) -> None:
+        """A running request's next token or prefill chunk, plus draft slots (the general path)."""
+        pending = req.num_tokens + req.num_output_placeholders  # tokens once results are applied
+        num_new = pending - req.num_computed_tokens
+        if num_new <= 0 or self._at_limit(req, pending) or (self.info.prefill_barrier and st.awaiting_prefill):
+            return
+        is_decode = num_new == 1 and pending > req.num_prompt_tokens
+        if step.uniform and not step.admits("decode" if is_decode else "prefill"):
+            return
+        k = 0
+        if is_decode:  # one token, and the budget is positive
+            # Drafts exist only after a step of this request sampled (not for the last token of
+            # a recompute after preemption), so only then is reserving k slots of use.
+            if self.info.max_draft_tokens and st.has_sampled:
+                k = self.spec_policy(req, self._max_k(req, step.budget - 1))
+        else:
+            num_new = self._chunk(num_new, step.budget, False)
+            if num_new == 0:
+                return
+        num_tokens = req.num_computed_tokens + num_new + k
+        if self.kv.allocate(req, num_tokens) or self._preempt_until_fits(req, num_tokens, step):
+            self._take(step, req, num_new, k)
 
     def _preempt_until_fits(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
         """Blocks for ``num_tokens``, preempting the latest arrival until they fit. False when
@@ -318,7 +387,10 @@ class Scheduler:
                 sample=sample,
             )
         )
-        step.items.append(_Scheduled(req, st.epoch, num_new, k, sample))
+        if self.kv.single_group is not None:
+            name, tokens_per_block = self.kv.single_group
+            st.sent_capacity = st.blocks_sent.get(name, 0) * tokens_per_block
+        step.items.append(_Scheduled(req, st, st.epoch, num_new, k, sample))
         step.budget -= num_new + k
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.monotonic()
@@ -369,6 +441,7 @@ class Scheduler:
         if st.sent_to_worker:
             st.sent_to_worker = False
             st.blocks_sent.clear()
+            st.sent_capacity = 0
             self.finished_ids.append(rid)
 
     @staticmethod
@@ -388,21 +461,37 @@ class Scheduler:
         on EOS, stop token ids and length; stop strings are the engine's (text is not ours)."""
         self._count_drafts(result)
         touched: list[Request] = []
+        kv = self.kv
+        # One sampled token without drafts is applied inline, unless the step carries logprobs or
+        # errors or a window gives blocks back; publish() is called only when it has a block to add.
+        fast = self._fast and not (result.logprobs or result.request_errors or kv.windowed)
+        sampled, published, caching, tokens_per_block = (
+            result.sampled,
+            kv.published,
+            kv.prefix_caching,
+            kv.min_tokens_per_block,
+        )
         for item in out.items:
             req = item.request
-            st = self._tracked.get(req.request_id)
-            if st is None or st.epoch != item.epoch or req.status.finished:
+            st = item.tracked  # finishing drops the record but marks the request; preemption bumps the epoch
+            if st.epoch != item.epoch or req.status.finished:
                 continue  # aborted, failed or preempted while in flight: discard
-            error = result.request_errors.get(req.request_id)
-            if error is not None:
-                req.error = error
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-                touched.append(req)
-            elif not item.sample:
-                self._confirm(req, st, item.num_new)
-            else:
-                self._apply_sampled(req, st, item, result)
-                touched.append(req)
+            tokens = sampled.get(req.request_id) if fast and item.sample and not item.num_draft else None
+            if tokens is None or len(tokens) != 1:
+                self._apply_general(req, st, item, result, touched)
+                continue
+            st.awaiting_prefill = False
+            req.num_output_placeholders -= 1
+            confirmed = st.confirmed = st.confirmed + item.num_new
+            if caching and confirmed // tokens_per_block > published.get(req.request_id, 0):
+                kv.publish(req, confirmed)
+            token = tokens[0]
+            outputs = req.output_token_ids
+            outputs.append(token)
+            n_out = len(outputs)
+            if n_out >= st.output_limit or (token in st.stop_ids and n_out >= st.min_tokens):
+                self._finish_sampled(req, token)
+            touched.append(req)
         if self._observe is not None:
             self._observe(
                 StepObservation(
@@ -414,6 +503,25 @@ class Scheduler:
                 )
             )
         return touched
+
+    def _apply_general(
+        self, req: Request, st: _Tracked, item: _Scheduled, result: StepResult, touched: list[Request]
+    ) -> None:
+        error = result.request_errors.get(req.request_id)
+        if error is not None:
+            req.error = error
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            touched.append(req)
+        elif not item.sample:
+            self._confirm(req, st, item.num_new)
+        else:
+            self._apply_sampled(req, st, item, result)
+            touched.append(req)
+
+    def _finish_sampled(self, req: Request, token: int) -> None:
+        status = self._stop_status(req, token)
+        assert status is not None, "a length or stop-token finish that _stop_status does not see"
+        self._finish(req, status)
 
     def _count_drafts(self, result: StepResult) -> None:
         self.stats.num_drafted += result.num_drafted
