@@ -86,18 +86,19 @@ class ShardPlan:
         leaf = _LAYER.sub("", name)
         if leaf in ("embed.weight", "head.weight"):
             return TensorPart(0, self.parallel.shard(shape[0], what="vocab_size"))
-        heads = self._attention(leaf)
-        if heads is not None:
-            return heads
+        by_head = self._head_part(leaf)
+        if by_head is not None:
+            return by_head
         m = _SHARED.match(leaf) or _EXPERT.match(leaf)
         if m is None or (self.expert_parallel and m.re is _EXPERT):
             return None
-        down = m.group(m.lastindex or 0) == "w2"
+        # w1 / w3 produce the intermediate dimension (rows), w2 consumes it (columns).
+        dim = 1 if m.groups()[-1] == "w2" else 0
         what = "shared expert intermediate size" if m.re is _SHARED else "moe_intermediate_size"
-        dim = 1 if down else 0
         return TensorPart(dim, self.parallel.shard(shape[dim], what=what))
 
-    def _attention(self, leaf: str) -> TensorPart | None:
+    def _head_part(self, leaf: str) -> TensorPart | None:
+        """The parts split by attention head, index head or output group."""
         cfg, ctx = self.cfg, self.parallel
         if leaf in ("attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight"):
             h = ctx.shard(cfg.index_n_heads, what="index_n_heads")
