@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from pypto_serving import LLM, SamplingParams
 from pypto_serving.parallel import ParallelContext
 from pypto_serving_qwen import loader
 from pypto_serving_qwen.executor import QwenExecutor
@@ -249,3 +250,43 @@ def test_kv_heads_are_replicated_to_the_ranks_whose_query_heads_read_them(
 def test_a_process_group_of_another_size_is_refused(qwen_checkpoints: Callable[[str], Path]) -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 but this worker's process group has 1 rank"):
         QwenExecutor(qwen_settings(qwen_checkpoints("qwen3"), tensor_parallel_size=2)).load()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Through the engine: a TP=2 worker group (one spawned process per rank, gloo) against TP=1 in-process.
+
+ENGINE_PROMPTS = [[3, 17, 5, 99, 42, 7, 250], [11, 300, 8], [64, 1, 2, 90, 91, 92, 93, 94, 95, 10, 12]]
+ENGINE_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True),  # the same logits draw the same
+]
+ENGINE_BASE: dict[str, Any] = dict(
+    device="cpu", dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=64, worker_threads=1, seed=0
+)
+
+
+def _engine_tokens(path: Path, **settings: Any) -> list[list[int]]:
+    llm = LLM(model=str(path), **{**ENGINE_BASE, **settings})
+    try:
+        if settings.get("tensor_parallel_size", 1) > 1:
+            assert llm.engine is not None and len(llm.engine.worker.pids) == settings["tensor_parallel_size"]
+        outs = llm.generate(ENGINE_PROMPTS, ENGINE_PARAMS, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("name", "scheduler", "options"),
+    [("qwen3", "sync", {}), ("qwen3_moe", "async", {"enable_expert_parallel": True})],
+)
+def test_a_tp2_engine_generates_what_a_tp1_engine_does(
+    name: str, scheduler: str, options: dict[str, Any], qwen_checkpoints: Callable[[str], Path]
+) -> None:
+    pytest.importorskip(f"pypto_serving_{scheduler}_sched")
+    path = qwen_checkpoints(name)
+    want = _engine_tokens(path, worker_mode="inproc", scheduler=scheduler, **options)
+    got = _engine_tokens(path, tensor_parallel_size=2, scheduler=scheduler, **options)
+    assert got == want
+    assert [len(t) for t in got] == [8, 6, 8]
