@@ -237,3 +237,52 @@ def test_official_and_transformers_names_load_the_same_model(checkpoints: dict[s
     for what, got in runs.items():
         assert got["tokens"] == ref["tokens"] and got["drafts"] == ref["drafts"], what
         assert all(torch.equal(a, b) for a, b in zip(got["logits"], ref["logits"])), what
+
+
+ENGINE_PROMPTS = ([5, 17, 3, 88, 41, 9, 60, 2, 33], [7, 7, 19, 54, 23], list(range(20, 41)))
+ENGINE_MAX_TOKENS = (14, 9, 11)
+
+
+def _engine_run(path: Path, tp: int, scheduler: str) -> tuple[list[list[int]], dict[str, Any]]:
+    """Greedy tokens and stats of ``LLM.generate`` with MTP k=2 on ``tp`` ranks."""
+    from pypto_serving import LLM, SamplingParams
+
+    from .helpers import plugin_manager
+
+    llm = LLM(
+        model=str(path),
+        plugins=plugin_manager(),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        max_num_batched_tokens=16,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+        scheduler=scheduler,
+        tensor_parallel_size=tp,
+        worker_mode="process" if tp > 1 else "inproc",
+    )
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in ENGINE_MAX_TOKENS]
+        outs = llm.generate([list(p) for p in ENGINE_PROMPTS], params, use_tqdm=False)
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs], stats
+
+
+@pytest.fixture(scope="module")
+def engine_reference(predictable: Path) -> list[list[int]]:
+    tokens, _ = _engine_run(predictable, 1, "sync")
+    assert [len(t) for t in tokens] == list(ENGINE_MAX_TOKENS)
+    return tokens
+
+
+@pytest.mark.requires_plugin("sync_sched")
+@pytest.mark.requires_plugin("async_sched")
+@pytest.mark.parametrize("scheduler", ["sync", "async"])
+def test_engine_on_two_ranks_matches_one(predictable: Path, engine_reference: list[list[int]], scheduler: str):
+    """``LLM`` with tensor_parallel_size=2 and MTP k=2 gives the single rank's greedy tokens under
+    the sync and the async strategy, with drafts accepted (multi-token commits on two ranks)."""
+    tokens, stats = _engine_run(predictable, 2, scheduler)
+    assert tokens == engine_reference
+    assert stats["spec_accepted"] > 0
