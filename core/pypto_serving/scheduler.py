@@ -350,7 +350,8 @@ class Scheduler:
                 return
             st = self._tracked[req.request_id]
             if req.num_computed_tokens == 0 and not req.block_ids:
-                hit = self.kv.find_cached_prefix(req)
+                # Prompt logprobs need every prompt position computed: such a request skips the prefix cache.
+                hit = 0 if req.sampling_params.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
                 req.num_computed_tokens = req.num_cached_tokens = req.metrics.num_cached_tokens = hit
                 st.confirmed = hit
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget, False)
