@@ -243,8 +243,8 @@ ENGINE_PROMPTS = ([5, 17, 3, 88, 41, 9, 60, 2, 33], [7, 7, 19, 54, 23], list(ran
 ENGINE_MAX_TOKENS = (14, 9, 11)
 
 
-def _engine_run(path: Path, tp: int, scheduler: str) -> tuple[list[list[int]], dict[str, Any]]:
-    """Greedy tokens and stats of ``LLM.generate`` with MTP k=2 on ``tp`` ranks."""
+def _engine_run(path: Path, tp: int, scheduler: str, ep: bool = False) -> tuple[list[list[int]], dict[str, Any]]:
+    """Greedy tokens and stats of ``LLM.generate`` with MTP k=2 on ``tp`` ranks (``ep``: expert parallel)."""
     from pypto_serving import LLM, SamplingParams
 
     from .helpers import plugin_manager
@@ -259,6 +259,7 @@ def _engine_run(path: Path, tp: int, scheduler: str) -> tuple[list[list[int]], d
         speculative_config={"method": "mtp", "num_speculative_tokens": 2},
         scheduler=scheduler,
         tensor_parallel_size=tp,
+        enable_expert_parallel=ep,
         worker_mode="process" if tp > 1 else "inproc",
     )
     try:
@@ -279,10 +280,13 @@ def engine_reference(predictable: Path) -> list[list[int]]:
 
 @pytest.mark.requires_plugin("sync_sched")
 @pytest.mark.requires_plugin("async_sched")
-@pytest.mark.parametrize("scheduler", ["sync", "async"])
-def test_engine_on_two_ranks_matches_one(predictable: Path, engine_reference: list[list[int]], scheduler: str):
+@pytest.mark.parametrize(("scheduler", "ep"), [("sync", False), ("async", False), ("async", True)])
+def test_engine_on_two_ranks_matches_one(
+    predictable: Path, engine_reference: list[list[int]], scheduler: str, ep: bool
+):
     """``LLM`` with tensor_parallel_size=2 and MTP k=2 gives the single rank's greedy tokens under
-    the sync and the async strategy, with drafts accepted (multi-token commits on two ranks)."""
-    tokens, stats = _engine_run(predictable, 2, scheduler)
+    the sync and the async strategy, and with expert parallel, with drafts accepted (multi-token
+    commits on two ranks)."""
+    tokens, stats = _engine_run(predictable, 2, scheduler, ep)
     assert tokens == engine_reference
     assert stats["spec_accepted"] > 0
