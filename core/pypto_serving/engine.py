@@ -80,7 +80,14 @@ class _UserRequest:
             finished=finished,
             num_cached_tokens=self.children[0].num_cached_tokens,
             metrics=self.children[0].metrics,
+            prompt_logprobs=_prompt_logprobs(self.children[0]),
         )
+
+
+def _prompt_logprobs(req: Request) -> list[dict[int, float] | None] | None:
+    if req.sampling_params.prompt_logprobs is None:
+        return None
+    return [None, *req.prompt_logprobs]
 
 
 MAX_KV_BLOCKS_PER_GROUP = 2**20
@@ -333,8 +340,6 @@ class EngineCore:
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.check_vocab(vocab)
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs=... is not supported yet")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer.json in the model directory")
         if params.structured is not None:  # a bad grammar is the caller's error, not a failed request
@@ -420,6 +425,11 @@ class EngineCore:
             logger.error("step %d failed: %s", result.step_id, result.error)
             self._touch(failed)
             return
+        for rid, (first, entries) in result.prompt_logprobs.items():  # before update can drop the request
+            req = self.scheduler.requests.get(rid)
+            skip = len(req.prompt_logprobs) + 1 - first if req is not None else -1
+            if req is not None and skip >= 0:  # a recomputed prompt (preemption) scores known tokens again
+                req.prompt_logprobs += entries[skip:]
         touched = self.scheduler.update(out, result)
         now = time.monotonic()
         for req in touched:

@@ -151,8 +151,9 @@ class StepArrays:
     rows: IntArray  # [R] batch row of each entry
     starts: IntArray  # [R] position of each entry's first token
     query_lens: IntArray  # [R]
-    num_logits: IntArray  # [R]
+    num_logits: IntArray  # [R] sampled rows: the last of each entry's rows
     input_ids: IntArray  # [T]
+    num_prompt_logits: IntArray | None = None  # [R] rows for prompt logprobs: the first of each entry's rows
 
 
 @dataclass(slots=True, kw_only=True)
@@ -265,7 +266,7 @@ class InputBatch:
         first = np.repeat(qsl[:-1], step.query_lens)
         positions = np.repeat(step.starts, step.query_lens) + (np.arange(total) - first)
         seq_lens = step.starts + step.query_lens
-        logits_idx = _ranges(qsl[1:], step.num_logits)
+        logits_idx = _logit_rows(qsl, step.num_logits, step.num_prompt_logits)
         row_of_token = np.repeat(step.rows, step.query_lens)
         parts = [step.input_ids, positions, qsl, seq_lens, logits_idx, step.rows]
         slot_groups = [t for t in self.tables.values() if t.spec.tokens_per_entry == 1]
@@ -336,6 +337,19 @@ class InputBatch:
         for table in self.tables.values():
             table.grow_rows(rows)
         self.capacity = rows
+
+
+def _logit_rows(qsl: IntArray, num_logits: IntArray, num_prompt: IntArray | None) -> IntArray:
+    """The rows whose logits the step returns, per entry: its first ``num_prompt`` rows (prompt
+    logprobs), then its last ``num_logits`` rows (sampling)."""
+    sampled = _ranges(qsl[1:], num_logits)
+    if num_prompt is None or not num_prompt.any():
+        return sampled
+    prompt = _ranges(qsl[:-1] + num_prompt, num_prompt)
+    entry = np.arange(len(num_logits))
+    keys = np.concatenate([np.repeat(entry, num_prompt), np.repeat(entry, num_logits)])
+    # A stable sort by entry keeps each entry's prompt rows before its sampled rows.
+    return np.concatenate([prompt, sampled])[np.argsort(keys, kind="stable")]
 
 
 def _ranges(ends: IntArray, lengths: IntArray) -> IntArray:

@@ -224,6 +224,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: entry i scores prompt token i + 1 (the first has no context).
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Tokens sampled in steps still in flight (async scheduling) that are not yet appended.
     num_output_placeholders: int = 0
@@ -297,3 +299,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then each token's logprob
+    # and the top ones (complete once the prompt is computed, which the first output follows).
+    prompt_logprobs: list[dict[int, float] | None] | None = None

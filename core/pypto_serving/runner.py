@@ -21,7 +21,7 @@ import torch
 from .executor import BatchInput, Executor, ExecutorInfo
 from .input_batch import InputBatch, StepArrays
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
-from .sampler import LogitEdits, RowParams, SampleOutput, TokenCounts, sample
+from .sampler import LogitEdits, RowParams, SampleOutput, TokenCounts, prompt_logprobs, sample
 from .spec_decode import NgramDrafter
 from .structured import GrammarCompiler, RequestGrammar, step_mask
 
@@ -140,9 +140,14 @@ class ModelRunner:
             self._append_blocks(cmd.entries)
             if not cmd.entries:
                 return StepResult(step_id=cmd.step_id)
-            batch, drafts_used = self._build_batch(cmd.entries)
+            batch, drafts_used, prompt_rows = self._build_batch(cmd.entries)
             logits = self.executor.execute(batch)
+            logits, prompt_lps = self._split_prompt_rows(batch, logits, prompt_rows)
             result = self._sample(cmd, batch, logits, drafts_used)
+            if isinstance(prompt_lps, str):  # the executor returned the sampled rows only
+                _fail_prompt_rows(result, prompt_rows, prompt_lps)
+            else:
+                result.prompt_logprobs = prompt_lps
             self._draft(batch, result)
         except Exception as e:
             msg = f"{type(e).__name__}: {e}"
@@ -179,7 +184,9 @@ class ModelRunner:
                 st.grammar_error = f"structured output: {e}"
 
     # ------------------------------------------------------------------ batch
-    def _build_batch(self, entries: list[ScheduledEntry]) -> tuple[BatchInput, list[list[int]]]:
+    def _build_batch(
+        self, entries: list[ScheduledEntry]
+    ) -> tuple[BatchInput, list[list[int]], list[tuple[str, int, int]]]:
         ib = self.input_batch
         rows = self._rows(entries)
         ids: list[int] = []
@@ -199,12 +206,14 @@ class ModelRunner:
             query_lens.append(len(toks) + len(drafts))
             num_logits.append(1 + len(drafts) if e.sample else 0)
             drafts_used.append(drafts)
+        prompt_rows = self._prompt_rows(entries, starts, query_lens)
         step = StepArrays(
             rows=rows,
             starts=np.array(starts, dtype=np.int64),
             query_lens=np.array(query_lens, dtype=np.int64),
             num_logits=np.array(num_logits, dtype=np.int64),
             input_ids=np.array(ids, dtype=np.int64),
+            num_prompt_logits=np.array([m for _, _, m in prompt_rows], dtype=np.int64),
         )
         t = ib.prepare(step)
         batch = BatchInput(
@@ -221,7 +230,56 @@ class ModelRunner:
             seq_lens_host=t.seq_lens_host,
             input_ids_host=ids,
         )
-        return batch, drafts_used
+        return batch, drafts_used, prompt_rows
+
+    def _prompt_rows(
+        self, entries: list[ScheduledEntry], starts: list[int], query_lens: list[int]
+    ) -> list[tuple[str, int, int]]:
+        """Per entry ``(request id, first position, m)``: the entry's first ``m`` rows are prompt
+        positions whose next token is a prompt token, for requests that ask for prompt logprobs."""
+        out = []
+        for e, start, q in zip(entries, starts, query_lens):
+            st = self.states[e.request_id]
+            wants = st.sampling.prompt_logprobs is not None and not e.use_last_sampled
+            out.append((e.request_id, start, max(0, min(start + q, st.num_prompt - 1) - start) if wants else 0))
+        return out
+
+    def _split_prompt_rows(
+        self, batch: BatchInput, logits: torch.Tensor, prompt_rows: list[tuple[str, int, int]]
+    ) -> tuple[torch.Tensor, dict[str, tuple[int, list[dict[int, float]]]] | str]:
+        """The sampled rows of ``logits``, and the prompt logprobs of the prompt rows before them:
+        request id -> (index of the first prompt token they score, one entry per token). An executor
+        that returns the sampled rows only gives the reason instead: those requests fail alone."""
+        if not any(m for _, _, m in prompt_rows):
+            return logits, {}
+        total = sum(m for _, _, m in prompt_rows) + sum(batch.num_logits)
+        if logits.shape[0] == sum(batch.num_logits):
+            return logits, f"{type(self.executor).__name__} returns no logits for prompt rows: no prompt logprobs"
+        if logits.shape[0] != total:
+            raise RuntimeError(
+                f"{type(self.executor).__name__}.execute returned {logits.shape[0]} logits rows for {total} "
+                "logits_indices; prompt logprobs need one row per index"
+            )
+        sampled: list[int] = []
+        scored: list[int] = []
+        targets: list[int] = []
+        tops: list[int] = []
+        at = 0
+        for (rid, start, m), n in zip(prompt_rows, batch.num_logits):
+            st = self.states[rid]
+            scored += range(at, at + m)
+            sampled += range(at + m, at + m + n)
+            targets += st.history[start + 1 : start + 1 + m]
+            tops += [st.sampling.prompt_logprobs or 0] * m
+            at += m + n
+        dev = logits.device
+        lps = prompt_logprobs(logits.index_select(0, torch.tensor(scored, device=dev)), targets, tops)
+        out: dict[str, tuple[int, list[dict[int, float]]]] = {}
+        for rid, start, m in prompt_rows:
+            if m:
+                out[rid] = (start + 1, lps[:m])
+                lps = lps[m:]
+        return logits.index_select(0, torch.tensor(sampled, dtype=torch.long, device=dev)), out
 
     def _rows(self, entries: list[ScheduledEntry]) -> npt.NDArray[np.int64]:
         """The batch row of each entry's request."""
@@ -313,6 +371,15 @@ class ModelRunner:
             if st.sampling.logprobs is not None:
                 result.logprobs[e.request_id] = [out.logprobs[r] or {} for r in rows[: len(kept)]]
         self.input_batch.commit(*committed)
+
+
+def _fail_prompt_rows(result: StepResult, prompt_rows: list[tuple[str, int, int]], reason: str) -> None:
+    """Fail the requests whose prompt logprobs could not be computed; the others keep their tokens."""
+    for rid, _, m in prompt_rows:
+        if m:
+            result.request_errors[rid] = reason
+            result.sampled.pop(rid, None)
+            result.logprobs.pop(rid, None)
 
 
 def _row(st: _ReqState) -> RowParams:

@@ -39,6 +39,7 @@ __all__ = [
     "SampleOutput",
     "TokenCounts",
     "packed",
+    "prompt_logprobs",
     "sample",
     "sample_on_device",
     "uniforms",
@@ -417,4 +418,26 @@ def _logprobs(
         want = params[r].num_logprobs or 0
         entry.update(zip((int(t) for t in top[half + i * k : half + i * k + want]), top[i * k : i * k + want]))
         out[r] = entry
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], tops: list[int]) -> list[dict[int, float]]:
+    """Per row of ``logits [P, V]``: the log-probability of ``targets[row]`` (the prompt token that
+    follows the row's position) and of the row's ``tops[row]`` most likely tokens, from the raw
+    logits. One host read."""
+    dev = logits.device
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    parts = [lp.gather(1, torch.tensor(targets, dtype=torch.long, device=dev).unsqueeze(1)).double().flatten()]
+    k = max(tops, default=0)
+    if k:
+        values, ids = lp.topk(k, dim=-1)
+        parts += [values.double().flatten(), ids.double().flatten()]
+    flat = torch.cat(parts).tolist()
+    n = len(targets)
+    out = []
+    for i, (target, want) in enumerate(zip(targets, tops)):
+        entry = {target: flat[i]}
+        at = n + i * k
+        entry.update(zip((int(t) for t in flat[n + n * k + i * k : n + n * k + i * k + want]), flat[at : at + want]))
+        out.append(entry)
     return out

@@ -202,3 +202,15 @@ def test_bad_word_bans_follow_outputs_and_drafts(
 
     words = ((5,), (2, 7), (1, 2, 8), (9, 1, 4), (2, 3, 6))
     assert _bad_word_bans(words, history, 2, drafts) == expected
+
+
+def test_logit_rows_put_prompt_rows_before_sampled_rows() -> None:
+    import numpy as np
+
+    from pypto_serving.input_batch import _logit_rows
+
+    qsl = np.array([0, 5, 6, 10])  # entries of 5, 1 and 4 rows
+    assert _logit_rows(qsl, np.array([1, 1, 2]), None).tolist() == [4, 5, 8, 9]
+    # Entry 0 scores its first 4 rows and samples its last; entry 2 scores 2 rows and samples nothing.
+    rows = _logit_rows(qsl, np.array([1, 1, 0]), np.array([4, 0, 2]))
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]

@@ -367,7 +367,19 @@ def _token_fields(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) -> 
         "allowed_token_ids": req.allowed_token_ids,
         "bad_words_token_ids": words,
         "include_stop_str_in_output": req.include_stop_str_in_output,
+        "prompt_logprobs": _prompt_logprobs(req),
     }
+
+
+def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many top logprobs the engine computes per prompt token: vLLM's ``prompt_logprobs``, and
+    completions' ``echo`` with ``logprobs`` (the echoed prompt is scored); None: none are computed."""
+    asked = req.prompt_logprobs
+    if asked is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        return max(asked or 0, req.logprobs)
+    return asked
 
 
 def _grammar(

@@ -66,7 +66,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",),
     "suffix": ("",),
     "best_of": (),  # accepted when equal to n: see _is_neutral
-    "prompt_logprobs": (),
     "guided_grammar": (),
     "guided_decoding_backend": (),
     "structured_outputs": (),
@@ -243,6 +242,7 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
     include_stop_str_in_output: Bool = False
+    prompt_logprobs: Int64 | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
     # Structured output: at most one of these (see openai_requests._structured_spec).
     response_format: ResponseFormat | None = None
     guided_json: JSONObject | Text | None = None

@@ -97,29 +97,72 @@ def _token_str(ctx: _Ctx, token: int) -> str:
 
 
 def _completion_logprobs(
-    ctx: _Ctx, c: CompletionOutput, start: int, end: int, offset: int, echo_ids: list[int] | None = None
+    ctx: _Ctx,
+    c: CompletionOutput,
+    span: tuple[int, int, int],
+    echo: tuple[list[int], list[dict[int, float] | None] | None] | None = None,
+    top_n: int = 0,
 ) -> dict[str, Any] | None:
+    """OpenAI's completion logprobs of output tokens ``span[0]:span[1]``, text offsets from ``span[2]``;
+    with ``echo`` the prompt's ``(ids, prompt logprobs)`` come first (the first prompt token has none),
+    each with its ``top_n`` most likely tokens, as the outputs have."""
     if c.logprobs is None:
         return None
+    start, end, offset = span
     tokens: list[str] = []
     token_lps: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    for t in echo_ids or []:  # prompt tokens: the engine computes no prompt logprobs, so they are null
+    ids, lps = echo if echo is not None else ([], None)
+    prompt = [(t, _top_entries(d, t, top_n) if d is not None else None) for t, d in zip(ids, lps or [None] * len(ids))]
+    outputs = [
+        (t, sorted(d.items(), key=lambda kv: -kv[1])) for t, d in zip(c.token_ids[start:end], c.logprobs[start:end])
+    ]
+    for t, ranked in [*prompt, *outputs]:
         s = _token_str(ctx, t)
         tokens.append(s)
-        token_lps.append(None)
-        tops.append(None)
-        offsets.append(offset)
-        offset += len(s)
-    for t, d in zip(c.token_ids[start:end], c.logprobs[start:end]):
-        s = _token_str(ctx, t)
-        tokens.append(s)
-        token_lps.append(d.get(t))
-        tops.append({_token_str(ctx, k): v for k, v in sorted(d.items(), key=lambda kv: -kv[1])})
+        token_lps.append(dict(ranked).get(t) if ranked is not None else None)
+        tops.append({_token_str(ctx, k): v for k, v in ranked} if ranked is not None else None)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _top_entries(d: dict[int, float], token: int, n: int) -> list[tuple[int, float]]:
+    """The token's entry and the ``n`` most likely of ``d``, most likely first."""
+    ranked = sorted(d.items(), key=lambda kv: -kv[1])
+    keep = ranked[:n]
+    if token in d and all(t != token for t, _ in keep):
+        keep.append((token, d[token]))
+    return sorted(keep, key=lambda kv: -kv[1])
+
+
+def _vllm_prompt_logprobs(
+    ctx: _Ctx, ids: list[int], lps: list[dict[int, float] | None] | None, n: int, computed: int
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token its entry and the
+    ``n`` most likely, each with ``logprob``, ``rank`` (1 = most likely) and ``decoded_token``. The
+    engine computed the top ``computed``: a token outside them has rank None."""
+    if lps is None:
+        return None
+    tok = ctx.llm.tokenizer
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for t, d in zip(ids, lps):
+        if d is None:
+            out.append(None)
+            continue
+        ranked = [k for k, _ in sorted(d.items(), key=lambda kv: -kv[1])[:computed]]
+        out.append(
+            {
+                str(k): {
+                    "logprob": v,
+                    "rank": ranked.index(k) + 1 if k in ranked else None,
+                    "decoded_token": tok.decode([k], skip_special_tokens=False) if tok is not None else None,
+                }
+                for k, v in _top_entries(d, t, n)
+            }
+        )
+    return out
 
 
 def _chat_logprobs(ctx: _Ctx, c: CompletionOutput, start: int, end: int, top_n: int) -> dict[str, Any] | None:
@@ -156,16 +199,21 @@ def _completion_body(
     for pi, (p, out) in enumerate(zip(prompts, outs)):
         echo = _prompt_text(ctx, p) if req.echo else ""
         for c in out.outputs:
-            lp = _completion_logprobs(ctx, c, 0, len(c.token_ids), 0, p.ids if req.echo else None)
-            choices.append(
-                {
-                    "index": pi * req.n + c.index,
-                    "text": echo + c.text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
+            lp = _completion_logprobs(
+                ctx, c, (0, len(c.token_ids), 0), (p.ids, out.prompt_logprobs) if req.echo else None
             )
+            choice = {
+                "index": pi * req.n + c.index,
+                "text": echo + c.text,
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = _vllm_prompt_logprobs(
+                    ctx, p.ids, out.prompt_logprobs, req.prompt_logprobs, _computed(req)
+                )
+            choices.append(choice)
     return {
         "id": rid,
         "object": "text_completion",
@@ -174,6 +222,12 @@ def _completion_body(
         "choices": choices,
         "usage": _usage(prompts, outs),
     }
+
+
+def _computed(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """How many top prompt logprobs the engine computed for ``req`` (see ``_prompt_logprobs``)."""
+    echo = isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None
+    return max(req.prompt_logprobs or 0, int(req.logprobs or 0) if echo else 0)
 
 
 def _tool_call(call: ParsedToolCall) -> dict[str, Any]:
@@ -225,7 +279,7 @@ def _chat_body(
     parsers: Callable[[], OutputParser] | None = None,
 ) -> dict[str, Any]:
     top_n = req.top_logprobs or 0
-    return {
+    body = {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -233,3 +287,8 @@ def _chat_body(
         "choices": [_chat_choice(ctx, c, top_n, parsers) for c in out.outputs],
         "usage": _usage([prompt], [out]),
     }
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(
+            ctx, prompt.ids, out.prompt_logprobs, req.prompt_logprobs, req.prompt_logprobs
+        )
+    return body

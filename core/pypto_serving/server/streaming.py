@@ -148,12 +148,14 @@ class _StreamRunner:
         self.ctx, self.rid, self.prompts, self.params, self.source = ctx, rid, prompts, params, source
         self.created = int(time.time())
         self.finals: dict[int, RequestOutput] = {}
+        self.latest: dict[int, RequestOutput] = {}  # each prompt's last output (its prompt logprobs)
 
     async def _items(self) -> AsyncGenerator[tuple[int, CompletionOutput, _ChoiceState, int, int, bool]]:
         """(prompt index, choice, state, token start, token end, finished now) for every change."""
         states: dict[tuple[int, int], _ChoiceState] = {}
         async with contextlib.aclosing(self.source):
             async for pi, out in self.source:
+                self.latest[pi] = out
                 if out.finished:
                     self.finals[pi] = out
                 for c in out.outputs:
@@ -197,19 +199,20 @@ class _StreamRunner:
                         yield _DONE
                         return
                     prefix = ""
-                    echo_ids = None
+                    echo = None
                     if not st.started:
                         st.started = True
-                        if req.echo:
+                        if req.echo:  # the first output follows the prompt: its logprobs are complete
                             prefix = _prompt_text(self.ctx, self.prompts[pi])
-                            echo_ids = self.prompts[pi].ids
+                            echo = (self.prompts[pi].ids, self.latest[pi].prompt_logprobs)
                     text = prefix + self._delta_text(pi, c, st, done)
-                    if not text and not done and echo_ids is None and (c.logprobs is None or start == end):
+                    if not text and not done and echo is None and (c.logprobs is None or start == end):
                         continue
+                    span = (start, end, st.text_sent - len(text))
                     choice = {
                         "index": pi * req.n + c.index,
                         "text": text,
-                        "logprobs": _completion_logprobs(self.ctx, c, start, end, st.text_sent - len(text), echo_ids),
+                        "logprobs": _completion_logprobs(self.ctx, c, span, echo, req.logprobs or 0),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason if done else None,
                     }

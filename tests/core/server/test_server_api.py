@@ -81,22 +81,24 @@ def test_completion_prompt_forms_and_n(shared_client: Any) -> None:
     assert texts == [ref_text(llm, llm.tokenizer.encode(p), 3)[0] for p in ("the cat", "a dog")]
 
 
-def test_completion_echo_logprobs(shared_client: Any) -> None:
+def test_completion_echo_and_logprobs(shared_client: Any) -> None:
+    """Echo and output logprobs here; echo with logprobs scores the prompt, which the fake executor's
+    sampled-rows-only logits cannot do (tests/core/server/test_prompt_logprobs.py runs it on a real
+    model): that request fails alone with a 500 naming the reason."""
     client, llm = shared_client
-    r = client.post(
-        "/v1/completions",
-        json={"prompt": "the cat", "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2},
-    )
-    assert r.status_code == 200, r.text
-    c = r.json()["choices"][0]
     ids = llm.tokenizer.encode("the cat")
-    assert c["text"] == "the cat" + ref_text(llm, ids, 3)[0]
-    lp = c["logprobs"]
-    assert len(lp["tokens"]) == len(ids) + 3
-    assert lp["token_logprobs"][: len(ids)] == [None] * len(ids)
-    for value, top in zip(lp["token_logprobs"][len(ids) :], lp["top_logprobs"][len(ids) :]):
+    r = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 3, "temperature": 0, "echo": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "the cat" + ref_text(llm, ids, 3)[0]
+    r = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 3, "temperature": 0, "logprobs": 2})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 3
+    for value, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
         assert value <= 0 and 2 <= len(top) <= 3 and max(top.values()) == pytest.approx(value)
     assert lp["text_offset"] == sorted(lp["text_offset"])
+    body = {"prompt": "the cat", "max_tokens": 3, "echo": True, "logprobs": 2}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 500 and "no prompt logprobs" in r.json()["error"]["message"], r.text
 
 
 def test_completion_stop_string_and_stop_token_ids(shared_client: Any) -> None:

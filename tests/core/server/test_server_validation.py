@@ -346,7 +346,6 @@ UNSUPPORTED = [
     ("guided_grammar", "root ::= 'a'"),
     ("suffix", "x"),
     ("best_of", 3),
-    ("prompt_logprobs", 1),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "x"}),
