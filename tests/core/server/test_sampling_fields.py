@@ -160,3 +160,30 @@ def test_speculation_and_async_equal_sync_with_token_fields() -> None:
     assert _offline("sync", ngram) == plain
     if plugin_installed("async_sched"):
         assert _offline("async", None) == plain
+
+
+def test_mtp_equals_no_speculation_with_token_fields() -> None:
+    """MTP drafts on the tiny DeepSeek-V4 are verified through the same sampler rows, edits and bad-word
+    bans included (a drafted row's bans follow its drafts): the tokens equal decoding without drafts."""
+    from pypto_serving import LLM, SamplingParams
+
+    model = pytest.importorskip("pypto_serving_deepseek_mtp.plugin").TINY_DEEPSEEK_V4
+    runs = []
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 2}):
+        with LLM(
+            model=str(model), device="cpu", worker_mode="inproc", scheduler="sync", speculative_config=spec
+        ) as llm:
+            assert llm.engine is not None and llm.engine.tokenizer is not None
+            ids = llm.engine.tokenizer.encode("abcabcabcabc abcabc")
+            greedy = llm.generate([ids], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+            common = greedy.outputs[0].token_ids[:3]
+            params = [
+                SamplingParams(temperature=0.0, max_tokens=24, logit_bias={common[0]: 3.0, ids[1]: -3.0}),
+                SamplingParams(temperature=0.8, seed=5, max_tokens=24, allowed_token_ids=[*ids[:3], *common]),
+                SamplingParams(temperature=0.0, max_tokens=24, bad_words_token_ids=[common[1:3]]),
+            ]
+            outs = llm.generate([ids] * len(params), params, use_tqdm=False)
+            runs.append([o.outputs[0].token_ids for o in outs])
+            drafted = llm.engine.stats()["spec_drafted"]
+    assert drafted > 0
+    assert runs[0] == runs[1]
