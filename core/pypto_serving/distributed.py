@@ -16,14 +16,11 @@ checks, the group itself (:class:`RankGroup`), and what the ranks must agree on.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
 import os
-import signal
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -34,12 +31,14 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from .config import SettingsError, is_server_only
+from .config import SettingsError
 from .executor import ExecutorInfo
 from .messages import MemoryProfile, StepResult
 
 __all__ = [
+    "AGREED_SETTINGS",
     "RANK_LOST_EXIT",
+    "RANK_REFUSED_EXIT",
     "RankGroup",
     "RankLayout",
     "check_parallel_settings",
@@ -55,20 +54,27 @@ __all__ = [
 
 # Exit code of a rank whose group failed (a peer died or stopped answering): the engine names it.
 RANK_LOST_EXIT = 87
+# Exit code of a rank that the group refused at start-up (settings or loaded models differ): starting
+# it again cannot help, so ``pypto-serving worker`` gives up at once.
+RANK_REFUSED_EXIT = 88
 
-# Settings that may differ between ranks: paths and per-host tuning, and what only the engine on
-# node 0 reads (the server's settings). Everything else must agree on every rank.
-_NODE_SPECIFIC = frozenset(
-    {
-        "config_file",
-        "model",
-        "tokenizer",
-        "node_rank",
-        "worker_mode",
-        "worker_threads",
-        "worker_omp_wait_policy",
-        "log_level",
-    }
+# The settings the ranks' executors and runners read: they must be equal on every rank. Paths may
+# differ between hosts (a different model directory must still load the same model: the loaded
+# ExecutorInfo is compared too), and what only node 0's engine reads (scheduling, KV sizing, the
+# server) is not compared.
+AGREED_SETTINGS = (
+    "executor",
+    "executor_options",
+    "dtype",
+    "device",
+    "tensor_parallel_size",
+    "enable_expert_parallel",
+    "nnodes",
+    "block_size",
+    "max_model_len",
+    "max_num_seqs",
+    "speculative_config",
+    "seed",
 )
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -160,20 +166,16 @@ def rank_device(device: str, local_index: int) -> str:
     return f"{kind}:{(int(index) if index else 0) + local_index}"
 
 
-def die_with_parent() -> None:
-    """End this process when its parent dies: ``PR_SET_PDEATHSIG`` on Linux, a watchdog thread that
-    polls the parent's pid elsewhere. A rank never outlives the process that started it."""
+def die_with_parent(interval: float = 0.5) -> None:
+    """End this process (exit :data:`RANK_LOST_EXIT`) within ``interval`` seconds of its parent's
+    death, seen as a change of ``getppid()`` (the orphan is re-parented). A watchdog thread rather than
+    Linux's ``PR_SET_PDEATHSIG``: that signal fires when the *thread* that spawned the process ends,
+    and the engine may start a worker from a short-lived thread."""
     parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the call took effect
-            os._exit(RANK_LOST_EXIT)
-        return
 
     def watch() -> None:
         while os.getppid() == parent:
-            time.sleep(1.0)
+            time.sleep(interval)
         os._exit(RANK_LOST_EXIT)
 
     threading.Thread(target=watch, daemon=True, name="pypto-parent-watch").start()
@@ -250,9 +252,8 @@ def join_group(settings: Any, rank: int) -> RankGroup:
 
 
 def _agreed_settings(settings: Any) -> dict[str, Any]:
-    """The settings every rank must share (see ``_NODE_SPECIFIC``), as JSON values."""
-    names = [n for n in type(settings).model_fields if n not in _NODE_SPECIFIC and not is_server_only(n)]
-    dumped: dict[str, Any] = settings.model_dump(mode="json", include=set(names))
+    """The settings every rank must share (:data:`AGREED_SETTINGS`), as JSON values."""
+    dumped: dict[str, Any] = settings.model_dump(mode="json", include=set(AGREED_SETTINGS))
     # The device kind must agree; the index is each rank's own.
     dumped["device"] = settings.device.partition(":")[0]
     return dumped

@@ -27,6 +27,7 @@ import torch
 from .config import ServingSettings
 from .distributed import (
     RANK_LOST_EXIT,
+    RANK_REFUSED_EXIT,
     RankGroup,
     RankLayout,
     check_parallel_settings,
@@ -177,7 +178,7 @@ def _rank_main(
         _report(rank, why)
         if conn is not None:
             conn.send_bytes(_encoder.encode(Loaded(None, why)))
-        os._exit(RANK_LOST_EXIT)
+        os._exit(RANK_REFUSED_EXIT if isinstance(e, _GroupSetupError) else RANK_LOST_EXIT)
     if conn is not None:
         conn.send_bytes(_encoder.encode(Loaded(runner.info)))
     try:
@@ -277,7 +278,8 @@ def serve_node(factory: Callable[[Any], Executor], settings: ServingSettings) ->
     """Run this node's ranks of a multi-node tensor-parallel worker (``pypto-serving worker``) until
     node 0's engine shuts them down (0). A group that fails (a rank died, or node 0 restarted its
     worker) is joined again by fresh ranks, at most ``max_worker_restarts`` times per
-    ``worker_restart_window``; past that: 1."""
+    ``worker_restart_window``; past that: 1. Ranks refused at start-up (their settings or model
+    differ from node 0's): 2, at once."""
     check_parallel_settings(settings, engine=False)
     ctx = mp.get_context("spawn")
     payload = settings.model_dump_json()
@@ -290,6 +292,9 @@ def serve_node(factory: Callable[[Any], Executor], settings: ServingSettings) ->
         codes = _wait_ranks(procs)
         if not any(codes):
             return 0
+        if RANK_REFUSED_EXIT in codes:
+            logger.error("node 0's group refused this node's ranks (see the error above)")
+            return 2
         now = time.monotonic()
         while restarts and now - restarts[0] > settings.worker_restart_window:
             restarts.popleft()

@@ -30,8 +30,9 @@ from pypto_serving.distributed import (
 )
 from pypto_serving.executor import CacheGroupSpec, ExecutorInfo
 from pypto_serving.messages import MemoryProfile
+from pypto_serving.worker import WorkerError
 from tests.core.test_worker import bounded, pid_alive
-from tests.core.tp_toy import VOCAB, ToyTPPlugin
+from tests.core.tp_toy import ToyTPPlugin
 
 pytest.importorskip("pypto_serving_sync_sched")
 
@@ -89,13 +90,13 @@ def test_idle_ranks_outlive_the_step_timeout(tp2: Any, reference: list[list[int]
     assert tokens(bounded(lambda: tp2.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False))) == reference[:1]
 
 
-def test_memory_profile_is_the_tightest_rank_sharing_the_host(tp2: Any) -> None:
-    """Run last on the shared engine: profiling leaves the profile's cache allocated."""
-    profile = tp2.engine.worker.profile_memory(16)
-    mem_total = next(
-        int(x.split()[1]) * 1024 for x in Path("/proc/meminfo").read_text().splitlines() if "MemTotal" in x
-    )
-    assert profile.total_bytes == mem_total // 2  # two ranks share this host's memory
+def check_memory_profile(worker: Any) -> None:
+    """The profile of two ranks sharing this host: each gets half of its memory (sync scheduling:
+    no step is in flight when it is asked)."""
+    profile = worker.profile_memory(16)
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    mem_total = next(int(x.split()[1]) * 1024 for x in meminfo if x.startswith("MemTotal:"))
+    assert profile.total_bytes == mem_total // 2
     assert 0 < profile.used_bytes < profile.total_bytes
 
 
@@ -117,7 +118,8 @@ def worker_gone(worker: Any, within: float = 10.0) -> str:
 
 def test_a_killed_rank_fails_the_step_and_a_fresh_group_serves(reference: list[list[int]]) -> None:
     """Rank 1 killed mid-generate: the step fails within the step timeout, rank 0 goes too, the next
-    generate runs on a fresh group with no KV block left behind. Then rank 0 killed: rank 1 exits."""
+    generate runs on a fresh group with no KV block left behind. The memory profile is the tightest
+    rank's. Then rank 0 killed: rank 1 exits."""
     llm = toy_llm(tensor_parallel_size=2, scheduler="sync", step_timeout=20.0, executor_options={"step_sleep": 0.1})
     try:
         old = llm.engine.worker.pids
@@ -133,11 +135,44 @@ def test_a_killed_rank_fails_the_step_and_a_fresh_group_serves(reference: list[l
         new = llm.engine.worker.pids
         assert len(new) == 2 and not set(new) & set(old) and all(pid_alive(p) for p in new)
         assert all(p.num_free == p.num_blocks for p in llm.engine.kv.pools.values())
+        check_memory_profile(llm.engine.worker)  # leaves the profile's cache: rank 0 is killed next
         os.kill(new[0], signal.SIGKILL)
         assert wait_gone(new[1:])  # its wait for rank 0's next broadcast fails
         assert "died (exit code -9)" in worker_gone(llm.engine.worker)
     finally:
         bounded(llm.shutdown, 30)
+
+
+ENGINE_SCRIPT = """
+from pypto_serving import LLM, PluginManager
+from tests.core.tp_toy import ToyTPPlugin
+if __name__ == "__main__":
+    llm = LLM(plugins=PluginManager(extra_plugins=[ToyTPPlugin]), executor="tp_toy", tensor_parallel_size=2,
+              block_size=4, num_kv_blocks=16, worker_threads=1)
+    print(*llm.engine.worker.pids, flush=True)
+    input()
+"""
+
+
+def test_the_ranks_exit_when_the_engine_process_is_killed() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE_SCRIPT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+        text=True,
+    )
+    try:
+        assert engine.stdout is not None
+        pids = [int(p) for p in engine.stdout.readline().split()]
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+        engine.kill()
+        assert wait_gone(pids, within=10.0)  # each rank's watchdog sees its parent go
+    finally:
+        engine.kill()
+        engine.communicate()
 
 
 def test_ranks_sampling_other_tokens_stop_the_group() -> None:
@@ -152,3 +187,134 @@ def test_ranks_sampling_other_tokens_stop_the_group() -> None:
         assert wait_gone(pids)
     finally:
         bounded(llm.shutdown, 30)
+
+
+# -- two nodes over loopback: node 0 is an LLM here, node 1 a `pypto-serving worker` subprocess
+
+
+@pytest.fixture(scope="module")
+def toy_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory that, on PYTHONPATH, installs the toy executor as an entry point (a dist-info)."""
+    site = tmp_path_factory.mktemp("toy_site")
+    info = site / "pypto_toy_tp-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pypto-toy-tp\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[pypto_serving]\ntp_toy = tests.core.tp_toy:ToyTPPlugin\n")
+    return site
+
+
+def launch_node_1(site: Path, port: int, *flags: str) -> subprocess.Popen[str]:
+    paths = [str(site), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYPTO_SERVING_")}
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    cmd = [sys.executable, "-m", "pypto_serving.cli", "worker", "--executor", "tp_toy", "--block-size", "4"]
+    cmd += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)]
+    return subprocess.Popen(
+        [*cmd, "--worker-threads", "1", *flags], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+
+
+def node_0(port: int) -> Any:
+    return toy_llm(tensor_parallel_size=2, nnodes=2, master_port=port, scheduler="sync", max_worker_restarts=0)
+
+
+def test_two_nodes_form_one_tp2_engine(toy_site: Path, reference: list[list[int]]) -> None:
+    port = free_port()
+    node1 = launch_node_1(toy_site, port)
+    try:
+        llm = node_0(port)
+        try:
+            assert len(llm.engine.worker.pids) == 1  # rank 1 lives on "node 1"
+            outs = bounded(lambda: llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+            assert tokens(outs) == reference
+        finally:
+            bounded(llm.shutdown, 30)
+        assert node1.wait(timeout=30) == 0  # node 0's shutdown ends node 1's ranks and its launcher
+    finally:
+        node1.kill()
+        node1.communicate()
+
+
+def test_nodes_with_different_settings_are_refused(toy_site: Path) -> None:
+    port = free_port()
+    node1 = launch_node_1(toy_site, port, "--max-num-seqs", "8")
+    try:
+        with pytest.raises(WorkerError, match=r"different settings: max_num_seqs \(rank 0: 64, rank 1: 8\)"):
+            node_0(port)
+        assert node1.wait(timeout=30) == 2  # refused: starting its ranks again cannot help
+    finally:
+        node1.kill()
+    assert "different settings: max_num_seqs" in node1.communicate()[1]
+
+
+# -- the pieces, without processes
+
+
+def test_settings_that_cannot_form_a_group_are_refused() -> None:
+    with pytest.raises(SettingsError, match="needs worker_mode='process'"):
+        toy_llm(tensor_parallel_size=2, worker_mode="inproc")
+
+    def check(engine: bool = True, **kw: Any) -> None:
+        check_parallel_settings(ServingSettings(**{"tensor_parallel_size": 2, **kw}), engine=engine)
+
+    check(nnodes=2, master_port=29500)
+    check(engine=False, nnodes=2, node_rank=1, master_port=29500)
+    with pytest.raises(SettingsError, match="does not divide evenly over nnodes=4"):
+        check(nnodes=4, master_port=29500)
+    with pytest.raises(SettingsError, match="node_rank=2 must be below nnodes=2"):
+        check(engine=False, nnodes=2, node_rank=2, master_port=29500)
+    with pytest.raises(SettingsError, match=r"the engine .* runs on node 0"):
+        check(nnodes=2, node_rank=1, master_port=29500)
+    with pytest.raises(SettingsError, match="node_rank >= 1"):
+        check(engine=False, nnodes=2, master_port=29500)
+    with pytest.raises(SettingsError, match="nnodes=2 needs master_port"):
+        check(nnodes=2)
+
+
+def test_torchrun_variables_set_the_multi_node_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "PYPTO_SERVING_MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert (ServingSettings.load().master_port, ServingSettings.load().nnodes) == (0, 1)
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.setenv("NODE_RANK", "1")
+    s = ServingSettings.load()
+    assert (s.master_addr, s.master_port, s.nnodes, s.node_rank) == ("10.1.2.3", 29500, 2, 1)
+    assert s.source_of("master_port") == "environment variable MASTER_PORT"
+    monkeypatch.setenv("PYPTO_SERVING_MASTER_PORT", "1234")  # the project's own name wins
+    assert ServingSettings.load().master_port == 1234
+    assert ServingSettings.load(master_port=7).master_port == 7  # and an explicit value over both
+    monkeypatch.setenv("NNODES", "two")
+    with pytest.raises(SettingsError, match="nnodes='two' from environment variable NNODES"):
+        ServingSettings.load()
+
+
+def test_rank_layout_and_devices() -> None:
+    layout = RankLayout(world_size=16, nnodes=2, node_rank=1)
+    assert (layout.per_node, list(layout.local_ranks), layout.local_index(9)) == (8, list(range(8, 16)), 1)
+    assert [rank_device(d, 1) for d in ("cpu", "cuda", "cuda:2", "npu")] == ["cpu", "cuda:1", "cuda:3", "npu:1"]
+
+
+def test_memory_profiles_combine_to_the_tightest_rank() -> None:
+    gib = 2**30
+    a = MemoryProfile(ok=True, total_bytes=80 * gib, used_bytes=20 * gib, peak_bytes=2 * gib)
+    b = MemoryProfile(ok=True, total_bytes=80 * gib, used_bytes=30 * gib, peak_bytes=1 * gib)
+    # One device per rank: rank b leaves 0.9 * 80 - 30 - 1 = 41 GiB, less than a's 50.
+    assert combine_profiles([a, b], 0.9, 1) == b
+    # Two ranks sharing a host's memory: each gets half of the total and of what is in use.
+    half = combine_profiles([a, b], 0.9, 2)
+    assert (half.total_bytes, half.used_bytes, half.peak_bytes) == (40 * gib, 15 * gib, 1 * gib)
+    failed = MemoryProfile(ok=False, error="rank 1: out of memory")
+    assert combine_profiles([a, failed], 0.9, 1) == failed
+
+
+def test_loaded_models_must_agree() -> None:
+    group = CacheGroupSpec("kv", 16, bytes_per_block=1024)
+    a = ExecutorInfo(cache_groups=[group], vocab_size=64, max_model_len=256)
+    assert info_mismatch([a, ExecutorInfo(cache_groups=[group], vocab_size=64, max_model_len=256)]) is None
+    b = ExecutorInfo(cache_groups=[group], vocab_size=65, max_model_len=256)
+    assert (
+        info_mismatch([a, b])
+        == "the tensor-parallel ranks loaded different models: vocab_size (rank 0: 64, rank 1: 65)"
+    )

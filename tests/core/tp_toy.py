@@ -10,16 +10,13 @@ all-gathered).
 With one rank every collective is the identity and the matrices are whole: the plain computation.
 Everything is float64, so the summation order of the all-reduce cannot flip a greedy choice.
 
-Options (``executor_options``): ``crash_rank`` with ``crash_at_position`` (that rank exits at once in
-a step holding a token at that position or later), ``diverge_rank`` (that rank's logits are changed
-after the gather, so it samples other tokens), ``step_sleep`` (seconds per step), ``vocab_from_rank``
-(rank 1 reports another vocabulary size, a mismatched model).
+Options (``executor_options``): ``diverge_rank`` (that rank's logits are changed after the gather,
+so it samples other tokens), ``step_sleep`` (seconds per step).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -49,10 +46,9 @@ class ToyTPExecutor(Executor):
         self.w1, self.w2 = w1[:, ffn].clone(), w2[ffn].clone()
         self.head = head[ctx.shard(VOCAB, what="vocabulary")].clone()
         self.width = self.w1.shape[1]
-        vocab = VOCAB + 1 if self.opts.get("vocab_from_rank") and ctx.rank == 1 else VOCAB
         return ExecutorInfo(
             cache_groups=[CacheGroupSpec("kv", self.block_size, bytes_per_block=self.block_size * self.width * 8)],
-            vocab_size=vocab,
+            vocab_size=VOCAB,
             max_model_len=256,
             architecture="ToyTPForCausalLM",
         )
@@ -64,10 +60,6 @@ class ToyTPExecutor(Executor):
         o = self.opts
         if o.get("step_sleep"):
             time.sleep(float(o["step_sleep"]))
-        at = o.get("crash_at_position")
-        if at is not None and int(o.get("crash_rank", -1)) == self.ctx.rank:
-            if int(batch.positions.max()) >= int(at):
-                os._exit(17)
 
     def execute(self, batch: BatchInput) -> torch.Tensor:
         self._chaos(batch)
