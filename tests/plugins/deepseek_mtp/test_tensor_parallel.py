@@ -290,3 +290,29 @@ def test_engine_on_two_ranks_matches_one(
     tokens, stats = _engine_run(predictable, 2, scheduler, ep)
     assert tokens == engine_reference
     assert stats["spec_accepted"] > 0
+
+
+def test_fp8_scales_in_another_shard_file_and_missing_scales(predictable: Path, tmp_path: Path) -> None:
+    """A block-FP8 checkpoint split over two files, every scale in the other file from its weight,
+    loads as the single-file one (the loader pairs tensors by name across files); a weight whose
+    scale is missing, or a scale without its weight, is refused by name."""
+    from pypto_serving.quantization import UnsupportedQuantizationError
+
+    fp8, _ = _fp8_copies(predictable, tmp_path)
+    tensors = _single_file(fp8)
+    split = tmp_path / "split"
+    shutil.copytree(fp8, split)
+    (split / "model.safetensors").unlink()
+    weights = {k: v for k, v in tensors.items() if not k.endswith("_scale_inv")}
+    save_file(weights, str(split / "model-00001-of-00002.safetensors"))
+    save_file({k: v for k, v in tensors.items() if k not in weights}, str(split / "model-00002-of-00002.safetensors"))
+    ref, got = run(Scenario(str(fp8))), run(Scenario(str(split)))
+    assert got["tokens"] == ref["tokens"] and got["drafts"] == ref["drafts"]
+    assert all(torch.equal(a, b) for a, b in zip(got["logits"], ref["logits"]))
+
+    lost = "model.layers.1.attn.wq_b.weight_scale_inv"
+    assert lost in tensors
+    for name, drop in (("no_scale", lost), ("no_weight", lost.removesuffix("_scale_inv"))):
+        broken = _copy_with(fp8, tmp_path / name, {k: v for k, v in tensors.items() if k != drop})
+        with pytest.raises(UnsupportedQuantizationError, match=r"model\.layers\.1\.attn\.wq_b\.weight"):
+            run(Scenario(str(broken)))
