@@ -80,8 +80,12 @@ class NewRequestData(msgspec.Struct, frozen=True, kw_only=True):
     seed: int
 
 
-class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True):
+class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
     """What to compute for one request in one step.
+
+    One is built per running request per step, so it is encoded as an array (both ends share this
+    definition, so field names need not travel) and is not tracked by the garbage collector (it
+    holds only strings, ints and containers of ints, which cannot form a reference cycle).
 
     ``token_ids`` are the known input tokens. When ``use_last_sampled`` is true the single input
     token is the worker's own last sampled token for this request (async scheduling), never a
