@@ -208,7 +208,12 @@ class DeepseekMTPExecutor(Executor):
                 f"tensor_parallel_size={wanted} but this worker's process group has {parallel.world_size} "
                 "rank(s); start one worker per rank with torch.distributed initialised"
             )
-        plan = ShardPlan(cfg, parallel, expert_parallel=bool(getattr(self.settings, "enable_expert_parallel", False)))
+        plan = ShardPlan(
+            cfg,
+            parallel,
+            expert_parallel=bool(getattr(self.settings, "enable_expert_parallel", False)),
+            with_mtp=self.settings.speculative_config is not None,
+        )
         plan.check()
         return plan
 

@@ -46,11 +46,13 @@ class TensorPart:
 
 @dataclass(frozen=True, slots=True)
 class ShardPlan:
-    """The tensor-parallel layout of one rank (``parallel``) for a model (``cfg``)."""
+    """What one rank (``parallel``) holds of a model (``cfg``): its tensor-parallel parts, and the
+    MTP layers only when speculation uses them (``with_mtp``)."""
 
     cfg: DeepseekV4Config
     parallel: ParallelContext
     expert_parallel: bool = False
+    with_mtp: bool = True
 
     def check(self) -> None:
         """Refuse, naming the dimension, a world size that does not divide what this rank splits."""
@@ -75,7 +77,10 @@ class ShardPlan:
         return range(mine.start, mine.stop)
 
     def wanted(self, name: str) -> bool:
-        """False for another rank's routed expert (expert parallel); every other tensor is loaded."""
+        """False for another rank's routed expert (expert parallel) and for the MTP layers when
+        speculation is off; every other tensor is loaded."""
+        if not self.with_mtp and name.startswith("mtp."):
+            return False
         m = _EXPERT.match(_LAYER.sub("", name))
         return m is None or int(m.group(1)) in self.experts
 

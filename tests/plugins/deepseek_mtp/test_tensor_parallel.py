@@ -316,3 +316,17 @@ def test_fp8_scales_in_another_shard_file_and_missing_scales(predictable: Path, 
         broken = _copy_with(fp8, tmp_path / name, {k: v for k, v in tensors.items() if k != drop})
         with pytest.raises(UnsupportedQuantizationError, match=r"model\.layers\.1\.attn\.wq_b\.weight"):
             run(Scenario(str(broken)))
+
+
+def test_mtp_layers_are_not_read_without_speculation(checkpoints: dict[str, Checkpoint]) -> None:
+    from pypto_serving_deepseek_mtp.config import load_config
+    from pypto_serving_deepseek_mtp.model import FP32_SUFFIXES
+    from pypto_serving_deepseek_mtp.weights import load_weights
+
+    path = checkpoints["mixed_yarn"].path
+    cfg = load_config(path)
+    for with_mtp in (True, False):
+        plan = ShardPlan(cfg, ParallelContext(), with_mtp=with_mtp)
+        names = load_weights(path, torch.device("cpu"), torch.float32, FP32_SUFFIXES, plan=plan).keys()
+        assert any(k.startswith("mtp.1.") for k in names) == with_mtp
+        assert "layers.2.ffn.experts.3.w2.weight" in names
