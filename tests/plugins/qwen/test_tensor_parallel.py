@@ -1,7 +1,8 @@
 """Tensor and expert parallelism of the Qwen executor on two gloo ranks (spawned processes) against
 one rank: the same logits (float32, within summation-order error) and the same greedy tokens over a
 few decode steps, for Qwen3, Qwen3-MoE with split experts and with expert parallelism, Qwen2 with
-biases and a tied embedding, a KV head replicated over the ranks, and a block-FP8 checkpoint. Each
+biases and a tied embedding, Qwen3 with attention biases, a KV head replicated over the ranks, a
+checkpoint in several safetensors files and a block-FP8 one. Each
 rank reads exactly the parameters it holds from the safetensors files, holds about half the model,
 and reports a KV block of half the bytes. One spawned pair of ranks runs every case."""
 
@@ -38,6 +39,8 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen2_tied": {},
     "qwen3_kv1": {},
     "qwen3_fp8": {},
+    "qwen3_bias": {},
+    "qwen3_sharded": {},
 }
 
 
@@ -144,12 +147,15 @@ def _rank_cases(paths: dict[str, str]) -> dict[str, Any]:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, qwen_checkpoints: Callable[[str], Path]) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp_ckpts")
     kv1 = make_qwen_checkpoint(root / "qwen3_kv1", "qwen3", num_key_value_heads=1, num_hidden_layers=2)
+    bias = make_qwen_checkpoint(root / "qwen3_bias", "qwen3", attention_bias=True, num_hidden_layers=2)
     paths = {
         "qwen3": qwen_checkpoints("qwen3"),
         "qwen3_moe": qwen_checkpoints("qwen3_moe"),
         "qwen2_tied": qwen_checkpoints("qwen2_tied"),
         "qwen3_kv1": kv1,
         "qwen3_fp8": _fp8_copy(qwen_checkpoints("qwen3"), root / "qwen3_fp8"),
+        "qwen3_bias": bias,  # o_proj's bias is added once, after the all-reduce
+        "qwen3_sharded": qwen_checkpoints("qwen3_sharded"),  # slices read across safetensors files
     }
     return {name: str(paths[name.split("+")[0]]) for name in CASES}
 
