@@ -5,6 +5,10 @@ is a row of a ``[T, hidden]`` matrix, and the only per-request structure lives i
 metadata the paged-attention kernel consumes. Projections that HF keeps separate are fused at load
 time (q/k/v into one matrix, gate/up into one, experts stacked into ``[E, 2I, H]`` / ``[E, H, I]``)
 so each layer is a handful of large matmuls.
+
+Under tensor parallelism each rank builds only its part of every matrix (:mod:`.sharding`); the
+row-parallel projections all-reduce their partial sums and the LM head all-gathers its vocabulary
+slices, so every rank returns the same full logits.
 """
 
 from __future__ import annotations
@@ -61,11 +65,15 @@ def _scaled(part: slice, width: int) -> slice:
     return slice(part.start * width, part.stop * width)
 
 
-def _target(dest: torch.Tensor, name: str, part: slice, full: int, dim: int = 0) -> WeightTarget:
-    """``dest`` filled from ``part`` of dimension ``dim`` of checkpoint tensor ``name`` (``full`` long);
-    a part covering the whole dimension reads the whole tensor."""
-    whole = part.start == 0 and part.stop == full
-    return WeightTarget(dest, (name,), None if whole else part, dim, full)
+def _part(rows: slice, dim: int, full: int) -> tuple[slice | None, int, int]:
+    """WeightTarget's ``part, dim, full`` for ``rows`` of dimension ``dim`` (``None``: all of it)."""
+    whole = rows.start == 0 and rows.stop == full
+    return (None if whole else rows), dim, full
+
+
+def _target(dest: torch.Tensor, name: str, rows: slice, full: int, dim: int = 0) -> WeightTarget:
+    """``dest`` filled from ``rows`` of dimension ``dim`` (``full`` long) of checkpoint tensor ``name``."""
+    return WeightTarget(dest, (name,), *_part(rows, dim, full))
 
 
 class QwenAttention(nn.Module):
@@ -276,12 +284,6 @@ class QwenSparseMoe(nn.Module):
             )
         out: torch.Tensor = experts(x, self.gate_up, self.down, weights, ids)
         return self.shards.ctx.all_reduce(out)
-
-
-def _part(rows: slice, dim: int, full: int) -> tuple[slice | None, int, int]:
-    """WeightTarget's ``part, dim, full`` for ``rows`` of dimension ``dim`` (``None``: all of it)."""
-    whole = rows.start == 0 and rows.stop == full
-    return (None if whole else rows), dim, full
 
 
 class QwenDecoderLayer(nn.Module):
