@@ -318,3 +318,66 @@ def test_loaded_models_must_agree() -> None:
         info_mismatch([a, b])
         == "the tensor-parallel ranks loaded different models: vocab_size (rank 0: 64, rank 1: 65)"
     )
+
+
+# -- tiny Qwen3 (the qwen plugin's tensor parallelism) through LLM and the server
+
+QWEN: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256, worker_threads=1)
+QWEN_PROMPTS = ["hello world", "the quick brown fox", "one two three four five six"]
+QWEN_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=12),
+    SamplingParams(temperature=0, max_tokens=12),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=12),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("pypto_serving_qwen")
+    pytest.importorskip("transformers")
+    from tests.core.server.server_helpers import write_tokenizer
+    from tests.plugins.qwen.qwen_fixtures import make_qwen_checkpoint
+
+    path = make_qwen_checkpoint(tmp_path_factory.mktemp("qwen_tp") / "tiny-qwen3", "qwen3", num_hidden_layers=2)
+    write_tokenizer(path, 320)
+    return path
+
+
+def qwen_outputs(path: Path, **settings: Any) -> list[Any]:
+    from pypto_serving import LLM
+
+    with LLM(model=str(path), **QWEN, **settings) as llm:
+        return [o.outputs[0] for o in bounded(lambda: llm.generate(QWEN_PROMPTS, QWEN_PARAMS, use_tqdm=False), 120)]
+
+
+@pytest.fixture(scope="module")
+def qwen_reference(qwen_dir: Path) -> list[Any]:
+    return qwen_outputs(qwen_dir, worker_mode="inproc", scheduler="sync")
+
+
+@pytest.mark.parametrize("scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
+def test_tiny_qwen3_tp2_equals_tp1(qwen_dir: Path, qwen_reference: list[Any], scheduler: str) -> None:
+    outs = qwen_outputs(qwen_dir, tensor_parallel_size=2, scheduler=scheduler)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in qwen_reference]
+    assert len({tuple(o.token_ids) for o in qwen_reference}) == 3
+
+
+def test_tiny_qwen3_tp2_through_the_server(qwen_dir: Path, qwen_reference: list[Any], tmp_path: Path) -> None:
+    """`pypto-serving serve --tensor-parallel-size 2`: the engine-core process spawns the two ranks."""
+    import httpx
+
+    from tests.core.server.test_server_process import Proc
+
+    flags = ["--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "256"]
+    proc = Proc(
+        ["--model", str(qwen_dir), *flags, "--tensor-parallel-size", "2", "--worker-threads", "1"], tmp_path / "log"
+    )
+    try:
+        proc.wait_healthy(180)
+        for prompt, ref in zip(QWEN_PROMPTS[:2], qwen_reference[:2]):  # the greedy ones
+            body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            reply = httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == ref.text
+    finally:
+        proc.kill()
