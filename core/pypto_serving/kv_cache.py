@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -132,10 +133,8 @@ class KVCacheManager:
         # The one group's name and tokens per block, for the per-step fast paths of allocate() and
         # of the scheduler's plain decodes (read-only outside this class).
         self.single_group = (self.groups[0].name, self.groups[0].tokens_per_block) if len(self.groups) == 1 else None
-        # Request -> full blocks (of the smallest kind) published. Read-only outside this class: the
-        # scheduler compares against it to skip publish() calls that would return at once.
-        self.published: dict[str, int] = {}
-        self.min_tokens_per_block = min(g.tokens_per_block for g in self.groups)
+        self._published: dict[str, int] = {}  # request -> full blocks (of the smallest kind) published
+        self._min_tpb = min(g.tokens_per_block for g in self.groups)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found cached
 
@@ -213,20 +212,25 @@ class KVCacheManager:
         self.prefix_queries -= request.num_prompt_tokens
         self.prefix_hits -= hit
 
-    def publish(self, request: Request, num_tokens: int) -> None:
-        """Make the full blocks among the request's first ``num_tokens`` (confirmed) tokens reusable."""
+    def publish(self, request: Request, num_tokens: int) -> int:
+        """Make the full blocks among the request's first ``num_tokens`` (confirmed) tokens reusable.
+        Returns the confirmed count from which a call can publish more: calls below it return at
+        once, so a caller may skip them (until the request's blocks are freed)."""
         if not self.prefix_caching:
-            return
-        if num_tokens // self.min_tokens_per_block <= self.published.get(request.request_id, 0):
-            return  # no new full block since the last call: the common decode step (and clamping cannot add one)
+            return sys.maxsize
+        published = self._published.get(request.request_id, 0)
+        if num_tokens // self._min_tpb <= published:
+            # No new full block since the last call: the common decode step (and clamping cannot add one).
+            return (published + 1) * self._min_tpb
         num_tokens = min(num_tokens, request.num_tokens)
-        self.published[request.request_id] = num_tokens // self.min_tokens_per_block
+        published = self._published[request.request_id] = num_tokens // self._min_tpb
         for g in self.groups:
             blocks = request.block_ids.get(g.name, [])
             pool = self.pools[g.name]
             for block, h in zip(blocks, self._chain_hashes(request, g, num_tokens)):
                 if block != FREED:
                     pool.publish(block, h)
+        return (published + 1) * self._min_tpb
 
     def release_outside_window(self, request: Request, first_pos: int) -> None:
         """Give back each windowed group's blocks that lie wholly before the window of position
@@ -269,7 +273,7 @@ class KVCacheManager:
             self.pools[g.name].release([b for b in request.block_ids.get(g.name, []) if b != FREED])
         request.block_ids = {}
         self._hashes.pop(request.request_id, None)
-        self.published.pop(request.request_id, None)
+        self._published.pop(request.request_id, None)
         self._window_freed.pop(request.request_id, None)
 
     # -- invariants

@@ -52,25 +52,29 @@ class _Tracked:
     has_sampled: bool = False  # sampled since (re)admission: only then can the worker hold drafts
     sent_to_worker: bool = False  # the worker holds state for it (to be released on finish/preempt)
     blocks_sent: dict[str, int] = field(default_factory=dict)  # per group: table length the worker holds
-    # With one cache group: the tokens the blocks the worker holds can store (zero while it holds
-    # none), so a decode at a position below it needs no new block and sends none.
-    sent_capacity: int = 0
     # Derived once from the sampling parameters, for the plain-decode fast paths: the output count
     # at which the request ends by length (max_tokens or the context length), and the tokens that end
     # it once ``min_tokens`` outputs exist (stop token ids, and EOS unless ignored).
     output_limit: int = 0
     stop_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
+    # With one cache group: a decode at a position below this is plain (its block is held and the
+    # worker has it, and the request is below its length limit); zero while the worker holds nothing.
+    plain_end: int = 0
+    plain_memo: _Scheduled | None = None  # the memo of this epoch's plain decodes, shared by their steps
+    publish_at: int = 0  # confirmed tokens from which KVCacheManager.publish() can publish a block
 
     def reset_for_recompute(self) -> None:
         self.epoch += 1
-        self.rejected = self.confirmed = 0
+        self.rejected = self.confirmed = self.publish_at = 0
         self.awaiting_prefill = self.has_sampled = False
+        self.plain_memo = None
 
 
 class _Scheduled(msgspec.Struct, gc=False):
     """Scheduler-side memo of one entry, used when its result comes back (a C-initialised struct:
-    one is built per running request per step)."""
+    one is built per running request per step, but for plain decodes). It refers to its request's
+    record, which may refer back to it (``plain_memo``): finishing breaks that cycle."""
 
     request: Request
     tracked: _Tracked  # the request's record when it was scheduled (preemption bumps its epoch)
@@ -257,33 +261,33 @@ class Scheduler:
         return SchedulerOutput(cmd, step.items, self.config.max_num_batched_tokens - step.budget)
 
     def _schedule_running(self, step: _StepBuilder) -> None:
-        """Each running request's next step, oldest admission first. A plain decode (one token, no
-        drafts, its blocks held and sent) is taken inline; anything else goes through the general
-        path, which would take a plain decode the same way."""
-        tracked = self._tracked
+        """Each running request's next step, oldest admission first: a plain decode (one token, no
+        drafts, its block held and sent) inline, the rest by the general path (which agrees on plain ones)."""
+        tracked, entries, items = self._tracked, step.entries, step.items
         fast = self._fast and self.kv.single_group is not None
         no_drafts, no_barrier = not self.info.max_draft_tokens, not self.info.prefill_barrier
-        entries, items = step.entries, step.items
+        budget = step.budget  # the general path reads and writes step.budget: kept in step around it
         for req in list(self.running):
-            if step.budget <= 0:
-                return
+            if budget <= 0:
+                break
             if req.status is not _RUNNING:
                 continue  # preempted earlier in this step
             st = tracked[req.request_id]
             held = req.num_output_placeholders
             outputs = req.output_token_ids
             start = req.num_computed_tokens
-            produced = len(outputs) + held  # outputs once results are applied
+            prompt = req.num_prompt_tokens
             if not (
                 fast
-                and req.num_prompt_tokens + produced == start + 1  # one token to compute, past the prompt
-                and 0 < produced < st.output_limit
-                and start < st.sent_capacity  # its block is held, and the worker has it
+                and prompt + len(outputs) + held == start + 1  # one token to compute
+                and prompt <= start < st.plain_end  # past the prompt, block held and sent, below the limit
                 and (no_drafts or not st.has_sampled)
                 and (no_barrier or not st.awaiting_prefill)
                 and (not step.uniform or step.admits("decode"))
             ):
+                step.budget = budget
                 self._schedule_one(step, req, st)
+                budget = step.budget
                 continue
             entries.append(
                 ScheduledEntry(
@@ -297,11 +301,15 @@ class Scheduler:
                     sample=True,
                 )
             )
-            items.append(_Scheduled(req, st, st.epoch, 1, 0, True))
-            step.budget -= 1
+            memo = st.plain_memo
+            if memo is None:
+                memo = st.plain_memo = _Scheduled(req, st, st.epoch, 1, 0, True)
+            items.append(memo)
+            budget -= 1
             req.num_computed_tokens = start + 1
             req.num_output_placeholders = held + 1
             st.has_sampled = True
+        step.budget = budget
 
     def _schedule_one(self, step: _StepBuilder, req: Request, st: _Tracked) -> None:
         """A running request's next token or prefill chunk, plus draft slots (the general path)."""
@@ -390,7 +398,8 @@ class Scheduler:
         )
         if self.kv.single_group is not None:
             name, tokens_per_block = self.kv.single_group
-            st.sent_capacity = st.blocks_sent.get(name, 0) * tokens_per_block
+            last = req.num_prompt_tokens + st.output_limit - 1  # the position of the last output's input
+            st.plain_end = min(st.blocks_sent.get(name, 0) * tokens_per_block, last)
         step.items.append(_Scheduled(req, st, st.epoch, num_new, k, sample))
         step.budget -= num_new + k
         if req.metrics.first_scheduled_time is None:
@@ -442,7 +451,7 @@ class Scheduler:
         if st.sent_to_worker:
             st.sent_to_worker = False
             st.blocks_sent.clear()
-            st.sent_capacity = 0
+            st.plain_end = 0
             self.finished_ids.append(rid)
 
     @staticmethod
@@ -466,12 +475,7 @@ class Scheduler:
         # One sampled token without drafts is applied inline, unless the step carries logprobs or
         # errors or a window gives blocks back; publish() is called only when it has a block to add.
         fast = self._fast and not (result.logprobs or result.request_errors or kv.windowed)
-        sampled, published, caching, tokens_per_block = (
-            result.sampled,
-            kv.published,
-            kv.prefix_caching,
-            kv.min_tokens_per_block,
-        )
+        sampled = result.sampled
         for item in out.items:
             req = item.request
             st = item.tracked  # finishing drops the record but marks the request; preemption bumps the epoch
@@ -484,8 +488,8 @@ class Scheduler:
             st.awaiting_prefill = False
             req.num_output_placeholders -= 1
             confirmed = st.confirmed = st.confirmed + item.num_new
-            if caching and confirmed // tokens_per_block > published.get(req.request_id, 0):
-                kv.publish(req, confirmed)
+            if confirmed >= st.publish_at:
+                st.publish_at = kv.publish(req, confirmed)
             token = tokens[0]
             outputs = req.output_token_ids
             outputs.append(token)
@@ -560,7 +564,7 @@ class Scheduler:
         back sliding-window blocks that no step still to run can read (every later step starts at or
         after the confirmed count; a step in flight started there too)."""
         st.confirmed += n
-        self.kv.publish(req, st.confirmed)
+        st.publish_at = self.kv.publish(req, st.confirmed)
         if self.kv.windowed:
             self.kv.release_outside_window(req, st.confirmed)
 
@@ -590,6 +594,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_output_placeholders = 0
         st = self._tracked.pop(req.request_id)
+        st.plain_memo = None
         self._release_worker_state(req.request_id, st)
         del self.requests[req.request_id]
 
