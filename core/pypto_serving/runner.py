@@ -354,6 +354,9 @@ class ModelRunner:
                 result.request_errors[e.request_id] = err
                 continue
             kept = _accept([out.tokens[r] for r in rows], drafts)
+            if any(r in out.empty for r in rows[: len(kept)]):  # a discarded row's emptiness does not count
+                result.request_errors[e.request_id] = _NOTHING_ALLOWED
+                continue
             if st.grammar is not None and not st.grammar.advance(kept):
                 result.request_errors[e.request_id] = f"structured output: {st.grammar.error}"
                 continue
@@ -371,6 +374,12 @@ class ModelRunner:
             if st.sampling.logprobs is not None:
                 result.logprobs[e.request_id] = [out.logprobs[r] or {} for r in rows[: len(kept)]]
         self.input_batch.commit(*committed)
+
+
+_NOTHING_ALLOWED = (
+    "every token is banned for this request: its allowed_token_ids, bad_words, logit_bias and grammar "
+    "leave nothing to sample"
+)
 
 
 def _fail_prompt_rows(result: StepResult, prompt_rows: list[tuple[str, int, int]], reason: str) -> None:

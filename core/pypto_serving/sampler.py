@@ -161,6 +161,7 @@ class SampleOutput:
     tokens: list[int]
     logprobs: list[dict[int, float] | None]
     errors: dict[int, str]  # row -> message (non-finite logits)
+    empty: set[int] = field(default_factory=set)  # rows whose every token is banned: nothing to sample
 
 
 @dataclass(slots=True, kw_only=True)
@@ -171,6 +172,7 @@ class DeviceSample:
     bad: torch.Tensor  # [N] bool: NaN or +inf logits
     needs_full: torch.Tensor  # [N] bool: the bounded candidates cannot hold the row's kept set
     logits: torch.Tensor  # [N, V] float32 after penalties and bans, for the fallback
+    empty: torch.Tensor | None = None  # [N] bool: every token banned (None: the step bans nothing)
     lp_rows: list[int] = field(default_factory=list)  # rows that want logprobs
     raw: torch.Tensor | None = None  # [L, V] log-softmax of those rows, before penalties
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, K] values and ids of the top logprobs
@@ -343,6 +345,9 @@ def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: Gra
     x = _ban(x, params)
     if grammar is not None:
         x = apply_bitmask(x, grammar.rows, grammar.bitmask)
+    if grammar is not None or any(p.edits is not None or p.banned for p in params):
+        # Allowed tokens, bad words and a grammar together can leave a row nothing: flag it, draw nothing.
+        out.empty = torch.logical_not(x.amax(dim=-1) > float("-inf")) & torch.logical_not(bad)
     out.logits = x
     if any(p.temperature == 0.0 for p in params):
         out.tokens = x.argmax(dim=-1)
@@ -366,8 +371,10 @@ def _chosen(dev: DeviceSample, rows: list[int]) -> torch.Tensor:
 
 def packed(dev: DeviceSample) -> torch.Tensor:
     """Everything the host reads of a step, in one float64 vector (exact for float32 values and
-    token ids): tokens, error flags, fallback flags, chosen logprobs, top logprob values and ids."""
-    parts = [dev.tokens.double(), dev.bad.double(), dev.needs_full.double()]
+    token ids): tokens, error flags (1: non-finite logits, 2: every token banned), fallback flags,
+    chosen logprobs, top logprob values and ids."""
+    flags = dev.bad.double() if dev.empty is None else dev.bad.double() + 2 * dev.empty.double()
+    parts = [dev.tokens.double(), flags, dev.needs_full.double()]
     if dev.lp_rows:
         parts.append(_chosen(dev, dev.lp_rows).double().flatten())
     if dev.top is not None:
@@ -381,12 +388,16 @@ def sample(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask |
     n = len(params)
     flat = packed(dev).tolist()  # the step's one host read
     tokens = [int(t) for t in flat[:n]]
-    errors = {r: "the model produced non-finite logits (NaN or +inf) for this request" for r in range(n) if flat[n + r]}
+    errors = {
+        r: "the model produced non-finite logits (NaN or +inf) for this request" for r in range(n) if flat[n + r] == 1
+    }
+    empty = {r for r in range(n) if flat[n + r] == 2}
     chosen = flat[3 * n : 3 * n + len(dev.lp_rows)]
     full = [r for r in range(n) if flat[2 * n + r]]
     if full:
         chosen = _resample_full(dev, params, full, tokens, chosen)
-    return SampleOutput(tokens, _logprobs(dev, params, tokens, chosen, flat[3 * n + len(dev.lp_rows) :]), errors)
+    lps = _logprobs(dev, params, tokens, chosen, flat[3 * n + len(dev.lp_rows) :])
+    return SampleOutput(tokens, lps, errors, empty)
 
 
 def _resample_full(

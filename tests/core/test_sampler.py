@@ -359,3 +359,17 @@ def test_logit_bias_and_allowed_tokens_equal_editing_the_logits_by_hand(kw: dict
             assert set(got) <= set(allowed)
         if 5 in bias and kw["temperature"] == 0.0:
             assert got == [5] * 32  # +30 outweighs any gap between these logits
+
+
+def test_a_row_with_every_token_banned_is_flagged_not_drawn() -> None:
+    from pypto_serving.sampler import LogitEdits
+
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    only_3 = LogitEdits(bias=(), allowed=(3,))
+    params = [
+        RowParams(temperature=0.0, seed=0, draw_index=0, edits=only_3),
+        RowParams(temperature=1.0, seed=0, draw_index=0, edits=only_3, banned=(3,)),  # allowed and banned
+        RowParams(temperature=0.0, seed=0, draw_index=0, edits=only_3, banned=(3,)),
+    ]
+    out = sample(logits, params)
+    assert out.tokens[0] == 3 and out.empty == {1, 2} and not out.errors

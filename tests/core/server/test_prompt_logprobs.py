@@ -68,6 +68,26 @@ def test_prompt_logprobs_over_chunks_and_a_cached_prompt(reference: tuple[list[i
     assert out.outputs[0].token_ids == again.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("scheduler", ["sync", "async"])
+def test_prompt_logprobs_survive_preemption(reference: tuple[list[int], torch.Tensor], scheduler: str) -> None:
+    """Two requests too long for the KV blocks together: one is preempted and recomputed (its prompt
+    scored again), and each keeps exactly one entry per prompt token, equal to the reference."""
+    from pypto_serving import LLM, SamplingParams
+
+    if scheduler == "async":
+        pytest.importorskip("pypto_serving_async_sched")
+    ids, ref = reference
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
+    settings = {"device": "cpu", "worker_mode": "inproc", "max_num_batched_tokens": 16, "block_size": 4}
+    with LLM(model=str(_tiny_qwen3()), scheduler=scheduler, num_kv_blocks=24, **settings) as llm:
+        outs = llm.generate([ids, ids], params, use_tqdm=False)
+        assert llm.engine is not None
+        assert llm.engine.stats()["num_preemptions"] > 0
+    for out in outs:
+        assert out.prompt_logprobs is not None
+        _check(ids, ref, out.prompt_logprobs, 1)
+
+
 @pytest.fixture(scope="module")
 def client() -> Iterator[Any]:
     openai = pytest.importorskip("openai")
