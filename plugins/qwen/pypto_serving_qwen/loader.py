@@ -18,7 +18,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pypto_serving.quantization import SCALE_SUFFIX, Fp8BlockDequantizer, QuantizationConfig, read_quantization_config
+from pypto_serving.quantization import (
+    SCALE_SUFFIX,
+    QuantizationConfig,
+    UnsupportedQuantizationError,
+    dequantize_fp8_blocks,
+    read_quantization_config,
+)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -347,40 +353,56 @@ def load_weights(
 ) -> None:
     """Stream every safetensors tensor into its targets (cast to the parameter dtype and device).
 
-    A plain tensor is read through ``get_slice``: only the rows (or columns) its targets hold, so a
-    tensor-parallel rank never materialises another rank's part. With a block-FP8 ``quantization``,
-    an FP8 weight is read whole, dequantized with its ``weight_scale_inv`` when the pair is complete
-    and then sliced (one full tensor at a time); tensors no target wants are not read at all.
+    Tensors are read through ``get_slice``: only the rows (or columns) their targets hold, so a
+    tensor-parallel rank never materialises another rank's part, and tensors no target wants are not
+    read at all. With a block-FP8 ``quantization`` the (small) ``weight_scale_inv`` tensors are read
+    first; an FP8 weight's part is then read from the block holding its first row, dequantized with
+    those blocks' scales and trimmed.
 
     Raises :class:`CheckpointError` on a shape mismatch (naming the tensor and both shapes), on FP8
     tensors in a checkpoint that declares no quantization, and when required weights are absent
-    (naming them).
+    (naming them); :class:`UnsupportedQuantizationError` when an FP8 weight and its scales do not pair.
     """
     path = _model_dir(model_dir)
+    shards = _shard_files(path)
     filled: set[str] = set()
     unexpected: list[str] = []
-    fp8 = Fp8BlockDequantizer(quantization) if quantization is not None else None
+    scales = _read_scales(shards, targets) if quantization is not None else {}
     with torch.no_grad():
-        for name, shard, handle in _iter_tensors(_shard_files(path)):
-            weight = name.removesuffix(SCALE_SUFFIX) if fp8 is not None else name
-            dests = targets.get(weight)
+        for name, shard, handle in _iter_tensors(shards):
+            dests = targets.get(name)
+            if quantization is not None and name.endswith(SCALE_SUFFIX):
+                continue  # read with _read_scales
             if not dests:
-                if dests is None and weight == name and not name.endswith(_IGNORED_SUFFIXES):
+                if dests is None and not name.endswith(_IGNORED_SUFFIXES):
                     unexpected.append(name)
                 continue
-            if fp8 is not None:
-                for ready, tensor in fp8.feed(name, handle.get_tensor(name)):
-                    _load_whole(ready, shard, tensor, targets[ready], filled)
-                continue
             view = handle.get_slice(name)
-            _check(name, shard, tuple(view.get_shape()), _TORCH_DTYPE_NAMES.get(view.get_dtype(), ""), dests)
-            _copy_into(view, dests, filled)
-        if fp8 is not None:
-            fp8.finish()
-    missing = sorted(required - filled)
+            shape, dtype = tuple(view.get_shape()), _TORCH_DTYPE_NAMES.get(view.get_dtype(), "")
+            if quantization is None or not dtype:
+                _check(name, shard, shape, dtype, dests)
+                _copy_into(view, dests, filled)
+                continue
+            _check(name, shard, shape, "", dests)
+            scale = scales.pop(name, None)
+            if scale is None:
+                raise UnsupportedQuantizationError(f"fp8 weight(s) without {SCALE_SUFFIX} scales: {name}")
+            for target in dests:
+                target.dest.copy_(_dequantized_part(view, scale, target, quantization.block))
+                filled.update(target.fills)
+    if scales:
+        raise UnsupportedQuantizationError(
+            f"{SCALE_SUFFIX} scales without their fp8 weight(s): {', '.join(sorted(scales)[:5])}"
+        )
+    _report(path, required - filled, unexpected)
+
+
+def _report(path: Path, missing: set[str], unexpected: list[str]) -> None:
+    """Refuse a checkpoint that lacks required weights (naming them); warn about unused tensors."""
     if missing:
-        shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
-        raise CheckpointError(f"checkpoint {str(path)!r} is missing {len(missing)} weight(s): {shown}")
+        names = sorted(missing)
+        shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+        raise CheckpointError(f"checkpoint {str(path)!r} is missing {len(names)} weight(s): {shown}")
     if unexpected:
         logger.warning(
             "ignored %d checkpoint tensor(s) the Qwen model does not use, e.g. %s",
@@ -389,8 +411,34 @@ def load_weights(
         )
 
 
-def _load_whole(name: str, shard: Path, tensor: torch.Tensor, dests: list[WeightTarget], filled: set[str]) -> None:
-    """Copy the targets' parts of a tensor already in memory (a dequantized FP8 weight, or a plain
-    tensor of an FP8 checkpoint)."""
-    _check(name, shard, tuple(tensor.shape), str(tensor.dtype), dests)
-    _copy_into(tensor, dests, filled)
+def _read_scales(shards: list[Path], targets: Mapping[str, list[WeightTarget]]) -> dict[str, torch.Tensor]:
+    """The block scales of every weight a target wants, by weight name (1/(128*128) of its size)."""
+    scales: dict[str, torch.Tensor] = {}
+    for name, _, handle in _iter_tensors(shards):
+        weight = name.removesuffix(SCALE_SUFFIX)
+        if weight != name and targets.get(weight):
+            scales[weight] = handle.get_tensor(name)
+    return scales
+
+
+def _dequantized_part(view: Any, scale: torch.Tensor, target: WeightTarget, block: tuple[int, int]) -> torch.Tensor:
+    """``target``'s part of an FP8 weight (``view``, a safetensors slice handle) in float32.
+
+    The rows (or columns) are read from the start of the block holding the first one, so the part
+    meets whole scale blocks; the leading extra rows are dropped after dequantizing.
+    """
+    shape = tuple(view.get_shape())
+    grid = tuple(-(-n // b) for n, b in zip(shape, block, strict=False))
+    if len(shape) != 2 or tuple(scale.shape) != grid:
+        # Not a 2-D weight with a matching scale grid: let the dequantizer name the mismatch.
+        whole: torch.Tensor = dequantize_fp8_blocks(view[:], scale, block)
+        return whole[target.index()]
+    if target.part is None:
+        return dequantize_fp8_blocks(view[:], scale, block)
+    dim, step = target.dim, block[target.dim]
+    first, stop = int(target.part.start), int(target.part.stop)
+    aligned = first // step * step
+    lead = (slice(None),) * dim
+    piece = view[(*lead, slice(aligned, stop))]
+    piece_scale = scale[(*lead, slice(aligned // step, -(-stop // step)))]
+    return dequantize_fp8_blocks(piece, piece_scale, block).narrow(dim, first - aligned, stop - first)

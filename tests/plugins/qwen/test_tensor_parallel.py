@@ -2,9 +2,9 @@
 one rank: the same logits (float32, within summation-order error) and the same greedy tokens over a
 few decode steps, for Qwen3, Qwen3-MoE with split experts and with expert parallelism, Qwen2 with
 biases and a tied embedding, Qwen3 with attention biases, a KV head replicated over the ranks, a
-checkpoint in several safetensors files and a block-FP8 one. Each
-rank reads exactly the parameters it holds from the safetensors files, holds about half the model,
-and reports a KV block of half the bytes. One spawned pair of ranks runs every case."""
+checkpoint in several safetensors files and a block-FP8 one. Each rank reads exactly the parameters
+it holds (and the FP8 block scales) from the safetensors files, holds about half the model, and
+reports a KV block of half the bytes. One spawned pair of ranks runs every case."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.parallel import ParallelContext
+from pypto_serving.quantization import dequantize_fp8_blocks
 from pypto_serving_qwen import loader
 from pypto_serving_qwen.executor import QwenExecutor
 from pypto_serving_qwen.loader import read_config
@@ -189,11 +192,25 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(
         assert torch.equal(g0, g1)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "qwen3_fp8"])
-def test_each_rank_reads_only_what_it_holds(case: str, single: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
-    assert single[case]["read"] == single[case]["held"]
+def _scale_elements(path: str) -> int:
+    """How many FP8 block-scale values the checkpoint holds (every rank reads them all)."""
+    total = 0
+    for shard in Path(path).glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            total += sum(f.get_tensor(n).numel() for n in f.keys() if n.endswith("_scale_inv"))  # noqa: SIM118
+    return total
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_rank_reads_only_what_it_holds(
+    case: str, single: dict[str, Any], ranks: list[dict[str, Any]], checkpoints: dict[str, str]
+) -> None:
+    scales = _scale_elements(checkpoints[case])
+    assert (case == "qwen3_fp8") == (scales > 0)
+    assert single[case]["read"] == single[case]["held"] + scales
     for rank in ranks:
-        assert rank[case]["read"] == rank[case]["held"], "a rank read checkpoint data it does not keep"
+        # FP8 parts start on a scale block, which this model's shards do, so nothing extra is read.
+        assert rank[case]["read"] == rank[case]["held"] + scales, "a rank read checkpoint data it does not keep"
         # Half of everything but the norms and the router; the replicated KV head keeps a bit more.
         assert rank[case]["held"] < 0.56 * single[case]["held"]
         assert rank[case]["largest_read"] < single[case]["largest_read"]
@@ -296,3 +313,20 @@ def test_a_tp2_engine_generates_what_a_tp1_engine_does(
     got = _engine_tokens(path, tensor_parallel_size=2, scheduler=scheduler, **options)
     assert got == want
     assert [len(t) for t in got] == [8, 6, 8]
+
+
+@pytest.mark.parametrize(
+    ("dim", "rows"), [(0, slice(10, 30)), (1, slice(5, 20)), (0, slice(16, 40)), (1, slice(0, 24))]
+)
+def test_an_fp8_part_is_the_part_of_the_dequantized_weight(tmp_path: Path, dim: int, rows: slice) -> None:
+    """A part that starts inside a scale block is read from that block's start and trimmed."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 24, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 2, generator=gen) + 0.5  # 16x16 blocks over 40x24
+    save_file({"w": weight}, str(tmp_path / "w.safetensors"))
+    whole = dequantize_fp8_blocks(weight, scale, (16, 16))
+    full = weight.shape[dim]
+    part = loader.WeightTarget(torch.empty(0), ("w",), rows, dim, full)
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
+        got = loader._dequantized_part(f.get_slice("w"), scale, part, (16, 16))
+    assert torch.equal(got, whole[part.index()])
