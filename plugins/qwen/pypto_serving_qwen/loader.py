@@ -384,17 +384,28 @@ def load_weights(
                 _copy_into(view, dests, filled)
                 continue
             _check(name, shard, shape, "", dests)
-            scale = scales.pop(name, None)
-            if scale is None:
-                raise UnsupportedQuantizationError(f"fp8 weight(s) without {SCALE_SUFFIX} scales: {name}")
-            for target in dests:
-                target.dest.copy_(_dequantized_part(view, scale, target, quantization.block))
-                filled.update(target.fills)
+            _copy_fp8(name, view, scales.pop(name, None), quantization.block, dests, filled)
     if scales:
         raise UnsupportedQuantizationError(
             f"{SCALE_SUFFIX} scales without their fp8 weight(s): {', '.join(sorted(scales)[:5])}"
         )
     _report(path, required - filled, unexpected)
+
+
+def _copy_fp8(
+    name: str,
+    view: Any,
+    scale: torch.Tensor | None,
+    block: tuple[int, int],
+    dests: list[WeightTarget],
+    filled: set[str],
+) -> None:
+    """Dequantize each target's part of the FP8 weight ``name`` into it."""
+    if scale is None:
+        raise UnsupportedQuantizationError(f"fp8 weight(s) without {SCALE_SUFFIX} scales: {name}")
+    for target in dests:
+        target.dest.copy_(_dequantized_part(view, scale, target, block))
+        filled.update(target.fills)
 
 
 def _report(path: Path, missing: set[str], unexpected: list[str]) -> None:
