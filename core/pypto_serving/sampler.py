@@ -345,8 +345,9 @@ def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: Gra
     x = _ban(x, params)
     if grammar is not None:
         x = apply_bitmask(x, grammar.rows, grammar.bitmask)
-    if grammar is not None or any(p.edits is not None or p.banned for p in params):
+    if any(p.edits is not None for p in params) or (grammar is not None and any(p.banned for p in params)):
         # Allowed tokens, bad words and a grammar together can leave a row nothing: flag it, draw nothing.
+        # A grammar alone always allows EOS, and bans alone never cover the vocabulary: no pass for them.
         out.empty = torch.logical_not(x.amax(dim=-1) > float("-inf")) & torch.logical_not(bad)
     out.logits = x
     if any(p.temperature == 0.0 for p in params):
