@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.parallel import ParallelContext
-from pypto_serving.quantization import dequantize_fp8_blocks
+from pypto_serving.quantization import UnsupportedQuantizationError, dequantize_fp8_blocks
 from pypto_serving_qwen import loader
 from pypto_serving_qwen.executor import QwenExecutor
 from pypto_serving_qwen.loader import read_config
@@ -330,3 +330,15 @@ def test_an_fp8_part_is_the_part_of_the_dequantized_weight(tmp_path: Path, dim: 
     with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
         got = loader._dequantized_part(f.get_slice("w"), scale, part, (16, 16))
     assert torch.equal(got, whole[part.index()])
+
+
+def test_an_fp8_weight_without_its_scales_is_refused_by_name(
+    tmp_path: Path, qwen_checkpoints: Callable[[str], Path]
+) -> None:
+    fp8 = _fp8_copy(qwen_checkpoints("qwen3"), tmp_path / "fp8")
+    (shard,) = fp8.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    del tensors["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(tensors, str(shard))
+    with pytest.raises(UnsupportedQuantizationError, match=r"without _scale_inv scales: model.layers.1.mlp.down_proj"):
+        QwenExecutor(qwen_settings(fp8)).load()
