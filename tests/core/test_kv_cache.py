@@ -228,6 +228,36 @@ def test_publish_only_covers_confirmed_full_blocks(kv: KVCacheManager, make_req:
     kv.free(a)
 
 
+def test_publish_returns_the_count_below_which_calls_do_nothing(kv: KVCacheManager, make_req: MakeReq) -> None:
+    """publish() returns the confirmed count from which a call can add a block: every call below it
+    leaves the cache as it is (so the scheduler skips them), and the call at it adds one (here every
+    block of 4 is new), also after a call whose count ran past the request's tokens (drafts)."""
+    a = make_req(list(range(14)))
+    kv.allocate(a, 16)
+    cached = kv.pools["kv"].cached
+    assert kv.publish(a, 0) == 4
+    for confirmed in range(1, 15):
+        before = dict(cached)
+        threshold = kv.publish(a, confirmed)
+        if confirmed % 4 == 0:
+            assert len(cached) == len(before) + 1  # the call at the previous threshold added a block
+        else:
+            assert cached == before
+        assert threshold == (confirmed // 4 + 1) * 4
+    kv.free(a)
+    b = make_req(list(range(100, 106)))  # 6 tokens; a step with drafts confirms up to 9
+    kv.allocate(b, 9)
+    held = len(cached)  # a's blocks stay cached after it is freed
+    assert kv.publish(b, 9) == 8  # clamped to the 6 tokens that exist: one block, and 8 may add one
+    assert len(cached) == held + 1
+    b.output_token_ids += [106, 107]
+    assert kv.publish(b, 9) == 12 and len(cached) == held + 2
+    off = KVCacheManager([CacheGroupSpec("kv", 4, 64)], {"kv": 8}, enable_prefix_caching=False)
+    c = make_req(list(range(9)))
+    off.allocate(c, 9)
+    assert off.publish(c, 9) == sys.maxsize  # nothing is ever published: no call needs making
+
+
 def test_prefix_caching_can_be_disabled(make_req: MakeReq) -> None:
     kv = KVCacheManager([CacheGroupSpec("kv", 4, 64)], {"kv": 8}, enable_prefix_caching=False)
     a = make_req(list(range(9)))
