@@ -381,3 +381,41 @@ def test_tiny_qwen3_tp2_through_the_server(qwen_dir: Path, qwen_reference: list[
             assert reply.json()["choices"][0]["text"] == ref.text
     finally:
         proc.kill()
+
+
+# -- the embedded tiny DeepSeek-V4 (the deepseek_mtp plugin's tensor and expert parallelism), MTP k=2
+
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
+DS_PROMPTS = ["hello world", "the quick brown fox"]
+DS_PARAMS = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.8, seed=3, max_tokens=12)]
+
+
+def deepseek_tokens(**settings: Any) -> list[list[int]]:
+    from pypto_serving import LLM
+
+    opts = dict(model="tiny-deepseek-v4", device="cpu", dtype="float32", worker_threads=1, speculative_config=MTP)
+    with LLM(**opts, **settings) as llm:
+        outs = bounded(lambda: llm.generate(DS_PROMPTS, DS_PARAMS, use_tqdm=False), 120)
+        return tokens(outs)
+
+
+@pytest.fixture(scope="module")
+def deepseek_reference() -> list[list[int]]:
+    pytest.importorskip("pypto_serving_deepseek_mtp")
+    return deepseek_tokens(worker_mode="inproc", scheduler="sync")
+
+
+@pytest.mark.requires_plugin("deepseek_mtp")
+@pytest.mark.parametrize(
+    ("scheduler", "expert_parallel"),
+    [
+        ("sync", False),
+        pytest.param("async", False, marks=pytest.mark.requires_plugin("async_sched")),
+        pytest.param("async", True, marks=pytest.mark.requires_plugin("async_sched")),
+    ],
+)
+def test_tiny_deepseek_v4_tp2_with_mtp_equals_tp1(
+    deepseek_reference: list[list[int]], scheduler: str, expert_parallel: bool
+) -> None:
+    outs = deepseek_tokens(tensor_parallel_size=2, scheduler=scheduler, enable_expert_parallel=expert_parallel)
+    assert outs == deepseek_reference
