@@ -236,6 +236,8 @@ def join_group(settings: Any, rank: int) -> RankGroup:
     since ranks load at their own pace."""
     layout = RankLayout.of(settings)
     kind = settings.device.partition(":")[0]
+    if kind == "npu":
+        import torch_npu  # noqa: F401 - registers torch.npu and the hccl backend
     if kind in ("cuda", "npu"):
         getattr(torch, kind).set_device(int(settings.device.partition(":")[2] or 0))
     load_timeout = timedelta(seconds=max(settings.step_timeout, 600.0))
