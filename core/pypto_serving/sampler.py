@@ -94,13 +94,13 @@ class LogitEdits:
     ``logit_bias`` added to its tokens, and with ``allowed_token_ids`` every other token set to
     ``-inf``. Ids outside the vocabulary are dropped (the server refuses them with a 400)."""
 
-    __slots__ = ("_allowed", "_bias", "_drop", "_ids", "_made", "_vals")
+    __slots__ = ("_allowed", "_bias", "_ids", "_keep", "_made", "_vals")
 
     def __init__(self, *, bias: tuple[tuple[int, float], ...], allowed: tuple[int, ...] | None) -> None:
         self._bias = bias
         self._allowed = allowed
         self._made = False
-        self._ids = self._vals = self._drop = torch.empty(0)
+        self._ids = self._vals = self._keep = torch.empty(0)
 
     def apply(self, row: torch.Tensor) -> None:
         """Edits one ``[V]`` logits row in place (every tensor stays on its device)."""
@@ -110,13 +110,15 @@ class LogitEdits:
             self._ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=dev)
             self._vals = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=dev)
             if self._allowed is not None:
-                keep = torch.tensor([t for t in self._allowed if 0 <= t < vocab], dtype=torch.long, device=dev)
-                self._drop = torch.ones(vocab, dtype=torch.bool, device=dev).index_fill(0, keep, False)
+                ids = sorted({t for t in self._allowed if 0 <= t < vocab})
+                self._keep = torch.tensor(ids, dtype=torch.long, device=dev)
             self._made = True
         if self._ids.numel():
             row.index_add_(0, self._ids, self._vals.to(row.dtype))
         if self._allowed is not None:
-            row.masked_fill_(self._drop, float("-inf"))
+            # Keep the allowed values, fill the row, put them back: a fraction of a boolean mask's time.
+            kept = row.index_select(0, self._keep)
+            row.fill_(float("-inf")).index_copy_(0, self._keep, kept)
 
 
 def _apply_edits(logits: torch.Tensor, params: list[RowParams]) -> torch.Tensor:
