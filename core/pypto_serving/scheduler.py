@@ -71,10 +71,11 @@ class _Tracked:
         self.plain_memo = None
 
 
-class _Scheduled(msgspec.Struct, gc=False):
+class _Scheduled(msgspec.Struct):
     """Scheduler-side memo of one entry, used when its result comes back (a C-initialised struct:
-    one is built per running request per step, but for plain decodes). It refers to its request's
-    record, which may refer back to it (``plain_memo``): finishing breaks that cycle."""
+    one per entry, but plain decodes share one per epoch). It refers to its request's record, which
+    may refer back to it (``plain_memo``): finishing breaks that cycle, and the garbage collector
+    sees it (so a scheduler dropped with live requests is freed)."""
 
     request: Request
     tracked: _Tracked  # the request's record when it was scheduled (preemption bumps its epoch)
