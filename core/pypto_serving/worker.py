@@ -349,6 +349,7 @@ class WorkerClient:
         if getattr(settings, "tensor_parallel_size", 1) > 1 or getattr(settings, "nnodes", 1) > 1:
             check_parallel_settings(settings, engine=True)
         self._ranks: list[BaseProcess] = []  # tensor parallel: this node's ranks after rank 0
+        self._parallel = getattr(settings, "tensor_parallel_size", 1) > 1
         if mode == "inproc":
             self._runner: ModelRunner | None = ModelRunner(factory(settings), settings)
             self.info = self._runner.load()
@@ -468,7 +469,7 @@ class WorkerClient:
         for _, p in dead:
             p.join(timeout=1)  # reap it, so the exit code is known
         rank, proc = next(((r, p) for r, p in dead if p.exitcode != RANK_LOST_EXIT), dead[0])
-        if not self._ranks:
+        if not self._parallel:
             return f"the worker process died (exit code {proc.exitcode}) while {what}"
         if proc.exitcode == RANK_LOST_EXIT:
             return (

@@ -218,7 +218,16 @@ def node_0(port: int) -> Any:
     return toy_llm(tensor_parallel_size=2, nnodes=2, master_port=port, scheduler="sync", max_worker_restarts=0)
 
 
+def node_1_ranks(launcher: int) -> list[int]:
+    """The rank processes a ``pypto-serving worker`` started (not its resource tracker)."""
+    from tests.core.server.server_helpers import child_pids
+
+    return [p for p in child_pids(launcher) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
 def test_two_nodes_form_one_tp2_engine(toy_site: Path, reference: list[list[int]]) -> None:
+    """Node 1's rank killed: node 0's next generate fails naming the lost rank, node 1's launcher starts
+    a rank again, and the generate after runs on the new two-node group."""
     port = free_port()
     node1 = launch_node_1(toy_site, port)
     try:
@@ -227,6 +236,13 @@ def test_two_nodes_form_one_tp2_engine(toy_site: Path, reference: list[list[int]
             assert len(llm.engine.worker.pids) == 1  # rank 1 lives on "node 1"
             outs = bounded(lambda: llm.generate(PROMPTS, PARAMS, use_tqdm=False))
             assert tokens(outs) == reference
+            (rank1,) = node_1_ranks(node1.pid)
+            os.kill(rank1, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="the tensor-parallel group lost a rank"):
+                bounded(lambda: llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+            outs = bounded(lambda: llm.generate(PROMPTS, PARAMS, use_tqdm=False))
+            assert tokens(outs) == reference
+            assert node_1_ranks(node1.pid) != [rank1]
         finally:
             bounded(llm.shutdown, 30)
         assert node1.wait(timeout=30) == 0  # node 0's shutdown ends node 1's ranks and its launcher
