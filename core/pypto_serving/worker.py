@@ -112,7 +112,12 @@ def _worker_main(
 ) -> None:
     """Entry point of a spawned worker process: rank 0 talks to the engine over ``conn``; the other
     tensor-parallel ranks (no ``conn``) follow rank 0's broadcasts."""
-    settings = ServingSettings.model_validate_json(settings_json)
+    try:
+        settings = ServingSettings.model_validate_json(settings_json)
+    except BaseException as e:
+        if conn is not None:
+            conn.send_bytes(_encoder.encode(Loaded(None, _format_error(e))))
+        return
     if settings.worker_threads:
         torch.set_num_threads(settings.worker_threads)
     if settings.tensor_parallel_size > 1:
