@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 KV_GROUP = "kv"  # the single cache group: one K and one V entry per token per layer
 
+#: Graph modes that replay on the device without Python; refused over several ranks (see _plan_shards).
+_DEVICE_GRAPH_MODES = frozenset({"cudagraph", "npugraph"})
+
 
 class QwenExecutor(Executor):
     """Loads a local HF checkpoint into :class:`QwenForCausalLM` and runs one forward per step.
@@ -93,7 +96,8 @@ class QwenExecutor(Executor):
 
     def _plan_shards(self, cfg: QwenConfig) -> QwenSharding:
         """This rank's layout; refuses a process group that does not match ``tensor_parallel_size``,
-        a world size that does not divide a split dimension, and graph capture over several ranks."""
+        a world size that does not divide a split dimension, and device-replayed graphs over several
+        ranks (inductor and aot_eager graphs trace torch.distributed's calls and run them)."""
         ctx = ParallelContext.current()
         wanted = int(getattr(self.settings, "tensor_parallel_size", 1))
         if ctx.world_size != wanted:
@@ -101,11 +105,12 @@ class QwenExecutor(Executor):
                 f"tensor_parallel_size={wanted} but this worker's process group has {ctx.world_size} rank(s); "
                 "start one worker per rank with torch.distributed initialised"
             )
-        if ctx.enabled and self.graph_options is not None and self.graph_options.mode != "eager":
+        mode = self.graph_options.mode if self.graph_options is not None else "eager"
+        if ctx.enabled and mode in _DEVICE_GRAPH_MODES:
             raise ValueError(
-                f"executor_options graph_mode={self.graph_options.mode!r} is not supported with "
-                f"tensor_parallel_size={ctx.world_size}: the captured decode graphs hold no collectives; "
-                "use graph_mode 'eager' (or 'auto')"
+                f"executor_options graph_mode={mode!r} is not supported with tensor_parallel_size={ctx.world_size}: "
+                "replaying the collectives inside device graphs is not verified; use 'inductor' or 'aot_eager' "
+                "(their compiled graphs call the collectives) or 'eager'"
             )
         ep = bool(getattr(self.settings, "enable_expert_parallel", False))
         return QwenSharding.plan(cfg, ctx, expert_parallel=ep)

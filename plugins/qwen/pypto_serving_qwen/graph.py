@@ -25,6 +25,11 @@ compiled graph writes them in place instead of copying whole caches back; MoE ex
 ``pypto_qwen::moe_experts`` op. The cache's block count is a dynamic dimension, so a cache of
 another size (a memory profile allocates one first) reuses the compiled buckets.
 
+Under tensor parallelism the compiled forward holds the ranks' collectives (dynamo traces the
+torch.distributed calls), so ``inductor`` and ``aot_eager`` capture it as they do on one rank;
+``cudagraph`` and ``npugraph`` are refused there until replaying collectives in device graphs is
+verified on those devices.
+
 Options (``settings.executor_options``, validated at load):
 
 * ``graph_mode``: ``auto`` (the device's default, :data:`_AUTO_MODE`: eager everywhere for now),

@@ -24,6 +24,7 @@ from pypto_serving.parallel import ParallelContext
 from pypto_serving.quantization import UnsupportedQuantizationError, dequantize_fp8_blocks
 from pypto_serving_qwen import loader
 from pypto_serving_qwen.executor import QwenExecutor
+from pypto_serving_qwen.graph import GraphOptions
 from pypto_serving_qwen.loader import read_config
 from pypto_serving_qwen.sharding import QwenSharding
 from tests.distributed_helpers import run_ranks
@@ -127,22 +128,29 @@ def _generate(path: str, options: dict[str, Any]) -> dict[str, Any]:
         "held": sum(p.numel() for p in ex.model.parameters()),
         "bytes_per_block": info.cache_groups[0].bytes_per_block,
         "kv_shape": tuple(ex.kv_caches[0][0].shape),
+        "graph_steps": dict(ex.graph_stats.graph_steps),
         "experts_shape": tuple(getattr(ex.model.layers[0].mlp, "gate_up", torch.empty(0)).shape),
     }
 
 
-def _graph_refusal(path: str) -> str:
-    settings = qwen_settings(Path(path), tensor_parallel_size=WORLD, executor_options={"graph_mode": "aot_eager"})
+GRAPHS = {"graph_mode": "aot_eager", "graph_batch_sizes": [2], "graph_warmup": "lazy"}
+
+
+def _device_graph_refusal(path: str) -> str:
+    """What a rank says to a device-replayed graph mode (set directly: this CPU cannot parse one)."""
+    ex = QwenExecutor(qwen_settings(Path(path), tensor_parallel_size=WORLD))
+    ex.graph_options = GraphOptions(mode="cudagraph", batch_sizes=(2,), warmup="load", attention="static")
     try:
-        QwenExecutor(settings).load()
+        ex._plan_shards(read_config(path))
     except ValueError as e:
         return str(e)
-    return "loaded"
+    return "accepted"
 
 
 def _rank_cases(paths: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {name: _generate(paths[name], CASES[name]) for name in CASES}
-    out["graph_refusal"] = _graph_refusal(paths["qwen3"])
+    out["captured"] = _generate(paths["qwen3"], {"executor_options": GRAPHS})
+    out["device_graph_refusal"] = _device_graph_refusal(paths["qwen3"])
     return out
 
 
@@ -234,9 +242,20 @@ def test_moe_ranks_split_every_expert_or_hold_whole_experts(ranks: list[dict[str
         assert rank["qwen3_moe+ep"]["experts_shape"] == (2, 64, 64)
 
 
-def test_graph_capture_over_ranks_is_refused(ranks: list[dict[str, Any]]) -> None:
+def test_captured_decode_graphs_hold_the_collectives(single: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    """aot_eager decode graphs over two ranks give the eager single rank's logits and tokens."""
+    want = single["qwen3"]
     for rank in ranks:
-        assert "graph_mode='aot_eager' is not supported with tensor_parallel_size=2" in rank["graph_refusal"]
+        got = rank["captured"]
+        assert got["graph_steps"] == {2: DECODE_STEPS}  # every decode step ran the captured bucket
+        assert got["tokens"] == want["tokens"]
+        for g, w in zip(got["logits"], want["logits"], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_device_graphs_over_ranks_are_refused(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert "graph_mode='cudagraph' is not supported with tensor_parallel_size=2" in rank["device_graph_refusal"]
 
 
 def test_a_world_size_that_does_not_divide_a_dimension_is_refused_by_name(
