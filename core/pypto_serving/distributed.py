@@ -224,6 +224,13 @@ class RankGroup:
         dist.all_gather(parts, buf, group=group)
         return [p[:n].numpy().tobytes() for p, n in zip(parts, lengths)]
 
+    def all_gather_digest(self, digest: bytes) -> list[bytes]:
+        """Every rank's ``digest`` (the same length on every rank) in one collective."""
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine, group=self.control)
+        return [p.numpy().tobytes() for p in parts]
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -268,7 +268,7 @@ def _run_on_ranks(
         return (InitDone(False, "; ".join(bad)) if bad else InitDone(True)), None
     assert isinstance(msg, StepCommand)
     result = runner.step(msg)
-    digests = group.all_gather_bytes(step_digest(result))
+    digests = group.all_gather_digest(step_digest(result))
     differ = [r for r, d in enumerate(digests) if d != digests[0]]
     if not differ:
         return result, None
