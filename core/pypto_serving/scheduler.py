@@ -198,6 +198,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def _new_tracked(self, request: Request) -> _Tracked:
+        """A fresh record, with the limits the plain-decode paths read derived once."""
         sp = request.sampling_params
         limit = self.config.max_model_len - request.num_prompt_tokens
         stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else request.eos_token_ids)]
@@ -513,6 +514,7 @@ class Scheduler:
     def _apply_general(
         self, req: Request, st: _Tracked, item: _Scheduled, result: StepResult, touched: list[Request]
     ) -> None:
+        """One entry's result by the general path: an error, a prefill chunk, or sampled tokens."""
         error = result.request_errors.get(req.request_id)
         if error is not None:
             req.error = error
@@ -525,6 +527,7 @@ class Scheduler:
             touched.append(req)
 
     def _finish_sampled(self, req: Request, token: int) -> None:
+        """Finish a request whose last token ``token`` reached its length limit or a stop token."""
         status = self._stop_status(req, token)
         assert status is not None, "a length or stop-token finish that _stop_status does not see"
         self._finish(req, status)
