@@ -14,15 +14,20 @@ against unconstrained decoding. The machine's other load moves every number: com
 run only.
 
     python benchmarks/structured.py [--model /work/models/qwen3-small] [--concurrency 16]
-        [--max-tokens 64] [--repeats 3] [--threads 2] [--temperature 0.8]
+        [--max-tokens 64] [--repeats 3] [--threads 2] [--temperature 0.8] [--unlisted]
+
+``--unlisted`` adds each grammar once more with no row listed by allowed id
+(``structured.SparseRows``), every row masked through its bitmask: the two sampler paths side by
+side.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +85,21 @@ def _counting_step(totals: dict[str, float]) -> None:
     runner.ModelRunner.step = step  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _unlisted(on: bool) -> Iterator[None]:
+    """While ``on``: no grammar row is listed by allowed id, so every row goes through its bitmask
+    (the sampler's general path, to compare against the listed rows' path in one run)."""
+    from pypto_serving import structured
+
+    inner = structured.sparse_rows
+    if on:
+        structured.sparse_rows = lambda *a: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        structured.sparse_rows = inner
+
+
 def run(args: argparse.Namespace) -> None:
     from pypto_serving import LLM, SamplingParams, runner
     from pypto_serving.structured import StructuredSpec
@@ -93,6 +113,9 @@ def run(args: argparse.Namespace) -> None:
         "json_schema": StructuredSpec("json", json.dumps(SCHEMA)),
         "regex": StructuredSpec("regex", REGEX),
     }
+    if args.unlisted:
+        configs["json_unlisted"] = configs["json_schema"]
+        configs["regex_unlisted"] = configs["regex"]
     prompts = [f"Write item {i} of the list:" for i in range(args.concurrency)]
     timings = {name: Timing() for name in configs}
     with LLM(model=args.model, device="cpu", worker_mode="inproc", scheduler="sync", max_num_seqs=64) as llm:
@@ -102,7 +125,8 @@ def run(args: argparse.Namespace) -> None:
                     temperature=args.temperature, seed=1, max_tokens=args.max_tokens, ignore_eos=True, structured=spec
                 )
                 totals.update(seconds=0.0, calls=0.0, steps=0.0, step_seconds=0.0)
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                with _unlisted(name.endswith("_unlisted")):
+                    outs = llm.generate(prompts, params, use_tqdm=False)
                 wall = totals["step_seconds"]
                 assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
                 if round_:
@@ -134,6 +158,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (the mask then costs no draw)")
+    parser.add_argument(
+        "--unlisted", action="store_true", help="also run each grammar with every row through its bitmask"
+    )
     run(parser.parse_args())
 
 

@@ -6,8 +6,10 @@ the request arrives (:func:`check_spec`: a bad schema or pattern is the client's
 keeps one :class:`RequestGrammar` per constrained request: per step it writes the allowed-token
 bitmask of each of the request's logits rows into one host array (:func:`fill_step_bitmask`), the
 step uploads it once, and the sampler masks the disallowed tokens to ``-inf`` on the device
-(:func:`apply_bitmask`). Accepted tokens then advance the matcher, so the next step's mask is exact
-under async scheduling too.
+(:func:`apply_bitmask`). Rows that allow few tokens (most grammar states outside free text) are
+also listed by id on the host (:class:`SparseRows`): the sampler masks and draws those over their
+allowed tokens, which costs a fraction of unpacking a bitmask over the vocabulary. Accepted tokens
+then advance the matcher, so the next step's mask is exact under async scheduling too.
 
 Rows that follow drafts (speculative decoding) get the mask of the grammar state after those drafts:
 the matcher consumes them, fills the row, and rolls back. A draft the grammar refuses can never be
@@ -36,6 +38,7 @@ __all__ = [
     "GrammarCompiler",
     "GrammarMask",
     "RequestGrammar",
+    "SparseRows",
     "StructuredSpec",
     "apply_bitmask",
     "bitmask_words",
@@ -159,12 +162,29 @@ class RequestGrammar:
             m.rollback(consumed)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SparseRows:
+    """The constrained rows of a step that allow few tokens (a quarter of the bitmask's width at
+    most), listed on the host where the bitmask is filled: the sampler masks them by filling and
+    scattering and draws them over their allowed tokens, never unpacking their bitmasks nor running
+    full-row ``exp`` passes over mostly ``-inf`` rows."""
+
+    rows: tuple[int, ...]  # logits rows, ascending
+    ids: torch.Tensor  # [S, K] long: each row's allowed ids ascending, padded with its first id
+    pad: torch.Tensor  # [S, K] bool: the padding
+    max_id: int  # the largest listed id: the lists apply only when it lies inside the logits' vocabulary
+    dense: torch.Tensor  # [D] long: positions in ``GrammarMask.rows`` of the rows not listed
+    num_dense: int
+
+
 @dataclass(frozen=True, slots=True)
 class GrammarMask:
-    """One step's grammar masks on the device: the logits rows they constrain and their bitmasks."""
+    """One step's grammar masks on the device: the logits rows they constrain and their bitmasks,
+    and which of those rows allow few enough tokens to be listed (``sparse``)."""
 
     rows: torch.Tensor  # [R] long
     bitmask: torch.Tensor  # [R, W] int32
+    sparse: SparseRows | None = None
 
 
 def step_mask(
@@ -187,7 +207,35 @@ def step_mask(
     for grammar, drafts, at in parts:
         grammar.fill(drafts, host[at : at + len(drafts) + 1])
     return GrammarMask(
-        rows=torch.tensor(rows, dtype=torch.long, device=device), bitmask=torch.from_numpy(host).to(device)
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.from_numpy(host).to(device),
+        sparse_rows(host, rows, device),
+    )
+
+
+def sparse_rows(host: npt.NDArray[np.int32], rows: list[int], device: torch.device) -> SparseRows | None:
+    """The rows of the host bitmask ``host [R, W]`` (of logits ``rows``) that allow between 1 and
+    ``8 W`` tokens, with their allowed ids; None when no row does."""
+    counts = np.bitwise_count(host.view(np.uint32)).sum(axis=1).tolist()
+    at = [i for i, c in enumerate(counts) if 0 < c <= 8 * host.shape[1]]
+    if not at:
+        return None
+    bits = np.unpackbits(host[at].view(np.uint8), axis=1, bitorder="little")
+    ids = np.empty((len(at), max(counts[i] for i in at)), dtype=np.int64)
+    pad = np.zeros(ids.shape, dtype=np.bool_)
+    for j, row in enumerate(bits):
+        listed = np.flatnonzero(row)
+        ids[j, : len(listed)] = listed
+        ids[j, len(listed) :] = listed[0]
+        pad[j, len(listed) :] = True
+    dense = sorted(set(range(len(rows))) - set(at))
+    return SparseRows(
+        rows=tuple(rows[i] for i in at),
+        ids=torch.from_numpy(ids).to(device),
+        pad=torch.from_numpy(pad).to(device),
+        max_id=int(ids.max()),
+        dense=torch.tensor(dense, dtype=torch.long, device=device),
+        num_dense=len(dense),
     )
 
 

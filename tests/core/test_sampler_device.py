@@ -105,3 +105,28 @@ def test_logit_bias_allowed_tokens_and_bad_words_apply_on_the_device(fake: FakeT
     for _ in range(2):  # the second step reuses the edits' device tensors
         dev = sample_on_device(torch.empty(len(params), VOCAB, device="cuda"), params)
         assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.logits, packed(dev)))
+
+
+@pytest.mark.parametrize("listed", [(0, 2, 3, 5), tuple(range(8))])  # some rows listed, and every row
+def test_grammar_rows_listed_by_allowed_id_sample_on_the_device(fake: FakeTensorMode, listed: tuple[int, ...]) -> None:
+    """Rows listed by allowed id (greedy, top-k/p, bounded, whole-vocabulary) beside rows masked
+    through their bitmask: filled, scattered and drawn on the device, up to the single read."""
+    from pypto_serving.structured import GrammarMask, SparseRows
+
+    words, width = (VOCAB + 31) // 32, 40
+    dense = [i for i in range(8) if i not in listed]
+    sparse = SparseRows(
+        rows=listed,
+        ids=torch.empty(len(listed), width, dtype=torch.long, device="cuda"),
+        pad=torch.empty(len(listed), width, dtype=torch.bool, device="cuda"),
+        max_id=VOCAB - 1,
+        dense=torch.empty(len(dense), dtype=torch.long, device="cuda"),
+        num_dense=len(dense),
+    )
+    grammar = GrammarMask(
+        rows=torch.empty(8, dtype=torch.long, device="cuda"),
+        bitmask=torch.empty(8, words, dtype=torch.int32, device="cuda"),
+        sparse=sparse,
+    )
+    dev = sample_on_device(torch.empty(8, VOCAB, device="cuda"), rows(), grammar)
+    assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.logits, packed(dev)))

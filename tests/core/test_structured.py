@@ -10,12 +10,14 @@ import itertools
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from pypto_serving.request import StructuredSpec
+from pypto_serving.sampler import RowParams
 from pypto_serving.structured import (
     GrammarCompiler,
     apply_bitmask,
@@ -216,3 +218,107 @@ def test_the_offline_api_refuses_a_bad_grammar_at_add(fake_pm: object, tmp_path:
         assert not llm.engine.has_unfinished()
     finally:
         llm.shutdown()
+
+
+def _pack(allowed: np.ndarray) -> np.ndarray:
+    """``[R, V]`` bool -> the ``[R, W]`` int32 bitmask llguidance writes (bit ``t % 32`` of word ``t // 32``)."""
+    rows, vocab = allowed.shape
+    padded = np.zeros((rows, 32 * bitmask_words(vocab)), dtype=bool)
+    padded[:, :vocab] = allowed
+    return np.packbits(padded, axis=1, bitorder="little").view(np.int32)
+
+
+def test_sparse_rows_list_the_allowed_ids_of_rows_allowing_few_tokens() -> None:
+    """Rows allowing 1 to 8 W tokens (W: bitmask words) are listed with their ids; emptier and fuller
+    rows stay with their bitmask."""
+    from pypto_serving.structured import sparse_rows
+
+    vocab = 300  # W = 10: rows allowing up to 80 tokens are listed
+    rng = np.random.default_rng(0)
+    counts = [1, 0, 80, 81, 300, 37]
+    allowed = np.zeros((len(counts), vocab), dtype=bool)
+    for r, c in enumerate(counts):
+        allowed[r, rng.choice(vocab, c, replace=False)] = True
+    logits_rows = [3, 4, 6, 7, 8, 9]
+    sparse = sparse_rows(_pack(allowed), logits_rows, torch.device("cpu"))
+    assert sparse is not None
+    assert sparse.rows == (3, 6, 9)
+    assert sparse.dense.tolist() == [1, 3, 4] and sparse.num_dense == 3
+    assert sparse.ids.shape == (3, 80)
+    for j, r in enumerate([0, 2, 5]):
+        want = np.flatnonzero(allowed[r]).tolist()
+        assert sparse.ids[j, : len(want)].tolist() == want
+        assert sparse.pad[j].tolist() == [False] * len(want) + [True] * (80 - len(want))
+        assert set(sparse.ids[j].tolist()) == set(want)  # the padding repeats an allowed id
+    assert sparse.max_id == max(np.flatnonzero(allowed[[0, 2, 5]].any(0)))
+    assert sparse_rows(_pack(allowed[[1, 4]]), [0, 1], torch.device("cpu")) is None
+
+
+SETTINGS: list[dict[str, Any]] = [
+    {"temperature": 1.0},
+    {"temperature": 0.8, "num_logprobs": 3},
+    {"temperature": 0.0, "num_logprobs": 0},
+    {"temperature": 0.7, "top_k": 20, "top_p": 0.8},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 1.2, "min_p": 0.05},
+    {"temperature": 1.0, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2},
+    {"temperature": 0.9, "banned": (5, 17)},
+    {"temperature": 1.0, "bias": ((3, 4.0), (1500, -2.0)), "allowed": tuple(range(0, 2000, 3))},
+]
+
+
+def _row_params(setting: dict[str, Any], seed: int, index: int) -> RowParams:
+    from pypto_serving.sampler import LogitEdits, TokenCounts
+
+    kw = dict(setting)
+    bias, allowed = kw.pop("bias", None), kw.pop("allowed", None)
+    if bias is not None or allowed is not None:
+        kw["edits"] = LogitEdits(bias=bias or (), allowed=allowed)
+    if "frequency_penalty" in kw:
+        kw["counts"] = TokenCounts(prompt=[1, 2, 3, 40], outputs=[40, 41, 41, 7])
+    return RowParams(seed=seed, draw_index=index, **kw)
+
+
+def _brute_force_token(logits: torch.Tensor, allowed: np.ndarray, p: RowParams) -> int:
+    """A row without filters drawn in float64: the disallowed tokens at -inf, the softmax at the
+    row's temperature, and the token where the row's uniform falls in the cumulative weights."""
+    from pypto_serving.sampler import uniforms
+
+    x = logits.double().masked_fill(torch.from_numpy(~allowed), float("-inf")) / p.temperature
+    cdf = torch.softmax(x, -1).cumsum(-1)
+    u = float(uniforms(torch.tensor([p.seed]), torch.tensor([p.draw_index]))[0])
+    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True)[0])
+
+
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_listed_grammar_rows_sample_what_their_bitmasks_sample(setting: int) -> None:
+    """Grammar rows listed by allowed id (1 token, a few, up to the listing bound) beside rows with
+    their bitmask only (more tokens, every token) and an unconstrained row: tokens, logprobs and
+    flags equal the bitmask path's, seed by seed, under every sampling setting; rows without filters
+    also equal a float64 brute force."""
+    from pypto_serving.sampler import sample
+    from pypto_serving.structured import GrammarMask, sparse_rows
+
+    vocab, gen = 2000, torch.Generator().manual_seed(setting)
+    rng = np.random.default_rng(setting)
+    counts = [1, 6, 300, 504, 1200, vocab, 40]  # W = 63: up to 504 tokens are listed
+    allowed = np.zeros((len(counts), vocab), dtype=bool)
+    for r, c in enumerate(counts):
+        allowed[r, rng.choice(vocab, c, replace=False)] = True
+    host = _pack(allowed)
+    logits_rows = [0, 1, 2, 3, 5, 6, 7]  # row 4 is unconstrained
+    listed = GrammarMask(
+        torch.tensor(logits_rows), torch.from_numpy(host), sparse_rows(host, logits_rows, torch.device("cpu"))
+    )
+    assert listed.sparse is not None and listed.sparse.rows == (0, 1, 2, 3, 7)
+    unlisted = GrammarMask(listed.rows, listed.bitmask)
+    for seed in range(30):
+        logits = (torch.randn(8, vocab, generator=gen) * 3).bfloat16().float()  # bf16: tied logits
+        params = [_row_params(SETTINGS[setting], seed * 8 + r, seed + r) for r in range(8)]
+        got, want = sample(logits, params, listed), sample(logits, params, unlisted)
+        assert (got.empty, got.errors) == (want.empty, want.errors)
+        kept = [r for r in range(8) if r not in want.empty]  # a row left nothing draws no token
+        assert [(got.tokens[r], got.logprobs[r]) for r in kept] == [(want.tokens[r], want.logprobs[r]) for r in kept]
+        if set(SETTINGS[setting]) == {"temperature"}:
+            for r, at in enumerate(logits_rows):
+                assert got.tokens[at] == _brute_force_token(logits[at], allowed[r], params[at])
