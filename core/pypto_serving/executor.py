@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     # ExecutorInfo without loading torch.
     import torch
 
+    from .spec_decode.sampled import DraftSampler
+
 __all__ = ["BatchInput", "CacheGroupSpec", "Executor", "ExecutorInfo"]
 
 
@@ -163,6 +165,18 @@ class Executor(abc.ABC):
         :return: per request in batch order, its draft tokens (``[]`` for none).
         """
         return [[] for _ in batch.request_ids]
+
+    def propose_sampled_drafts(
+        self, batch: BatchInput, accepted: list[list[int]], sampler: DraftSampler
+    ) -> list[list[int]]:
+        """Drafts as :meth:`propose_drafts`, each chosen by ``sampler.pick(logits, batch_rows)`` from
+        the drafter's logits (``batch_rows``: the batch row each logits row drafts for, in drafting
+        order per request). The sampler draws the drafts of sampled requests from their processed
+        softmax and keeps those probabilities, so the runner verifies them by rejection sampling;
+        other rows get the argmax. The default ignores ``sampler``: drafts from
+        :meth:`propose_drafts` count as point masses and are verified by sample-and-compare.
+        """
+        return self.propose_drafts(batch, accepted)
 
     def release(self, request_ids: list[str]) -> None:  # noqa: B027 - optional hook
         """Forget per-request state.

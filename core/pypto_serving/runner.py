@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from .executor import BatchInput, Executor, ExecutorInfo
 from .input_batch import InputBatch, StepArrays
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
 from .sampler import LogitEdits, RowParams, SampleOutput, TokenCounts, prompt_logprobs, sample
-from .spec_decode import NgramDrafter
+from .spec_decode import DraftRow, DraftSampler, NgramDrafter, SpecRow, verify_sampled
 from .structured import GrammarCompiler, RequestGrammar, step_mask
 
 __all__ = ["MissingSampledTokenError", "ModelRunner"]
@@ -39,6 +40,7 @@ class _ReqState:
     __slots__ = (
         "_batch",
         "counts",
+        "draft_probs",
         "drafts",
         "edits",
         "grammar",
@@ -68,6 +70,7 @@ class _ReqState:
         has_edits = sp.logit_bias or sp.allowed_token_ids is not None
         self.edits = LogitEdits(bias=sp.logit_bias, allowed=sp.allowed_token_ids) if has_edits else None
         self.drafts: list[int] = []
+        self.draft_probs: torch.Tensor | None = None  # [len(drafts), V] q of sampled drafts, on the device
         self.rows: list[RowParams] = []  # the sampler's rows of this request, reused across steps
         self.grammar: RequestGrammar | None = None  # structured output: the grammar's state
         self.grammar_error: str | None = None  # the grammar could not be built: the request fails
@@ -84,6 +87,16 @@ class _ReqState:
     @property
     def num_outputs(self) -> int:
         return len(self.history) - self.num_prompt
+
+    @property
+    def rejection_sampled(self) -> bool:
+        """Whether sampled drafts of this request are verified by rejection sampling. Greedy requests
+        keep the argmax comparison. Requests with logprobs, a grammar, logit_bias or allowed_token_ids
+        keep sample-and-compare: the sampler reports logprobs of the tokens it draws (not of a
+        residual draw), a grammar advances and masks per drafted prefix on the host, and allowed
+        tokens with bans can leave a row nothing to sample, an error only the sampler's path reports."""
+        sp = self.sampling
+        return sp.temperature > 0 and sp.logprobs is None and self.grammar is None and self.edits is None
 
 
 class ModelRunner:
@@ -159,15 +172,42 @@ class ModelRunner:
     def _draft(self, batch: BatchInput, result: StepResult) -> None:
         """Next step's drafts of every request that sampled: the core's n-gram drafter over the token
         histories when ``speculative_config.method`` is ``ngram``, else the executor's own drafter."""
+        sampler: DraftSampler | None = None
         if self._ngram is not None:
             ids = [rid for rid in batch.request_ids if rid in result.sampled]
             proposals = zip(ids, self._ngram.propose([self.states[rid].history for rid in ids]))
         else:
             accepted = [result.sampled.get(rid, []) for rid in batch.request_ids]
-            proposals = zip(batch.request_ids, self.executor.propose_drafts(batch, accepted))
-        for rid, drafts in proposals:
+            sampler = self._draft_sampler(batch, result)
+            drafted = (
+                self.executor.propose_drafts(batch, accepted)
+                if sampler is None
+                else self.executor.propose_sampled_drafts(batch, accepted, sampler)
+            )
+            proposals = zip(batch.request_ids, drafted)
+        for i, (rid, drafts) in enumerate(proposals):
             if rid in result.sampled:
-                self.states[rid].drafts = list(drafts)
+                st = self.states[rid]
+                st.drafts = list(drafts)
+                st.draft_probs = None if sampler is None else sampler.probs(i, len(st.drafts))
+
+    def _draft_sampler(self, batch: BatchInput, result: StepResult) -> DraftSampler | None:
+        """The sampler of the executor's drafts: requests verified by rejection sampling draw theirs;
+        None when there is none (every draft is an argmax)."""
+        rows: dict[int, DraftRow] = {}
+        for i, rid in enumerate(batch.request_ids):
+            st = self.states.get(rid)
+            if rid in result.sampled and st is not None and st.rejection_sampled:
+                sp = st.sampling
+                rows[i] = DraftRow(
+                    temperature=sp.temperature,
+                    top_k=sp.top_k,
+                    top_p=sp.top_p,
+                    min_p=sp.min_p,
+                    seed=st.seed,
+                    first_index=st.num_outputs,
+                )
+        return DraftSampler(rows) if rows else None
 
     def _admit(self, nr: NewRequestData) -> None:
         outs = list(nr.output_token_ids)
@@ -308,13 +348,58 @@ class ModelRunner:
     ) -> StepResult:
         result = StepResult(step_id=cmd.step_id)
         params = self._row_params(cmd.entries, batch.num_logits, drafts_used)
-        if params:
+        if not params:
+            return result
+        starts = np.cumsum([0, *batch.num_logits]).tolist()
+        rejecting = [
+            i
+            for i, (e, d) in enumerate(zip(cmd.entries, drafts_used))
+            if d and self.states[e.request_id].rejection_sampled and self.states[e.request_id].draft_probs is not None
+        ]
+        kept = self._verify_rejection(cmd.entries, logits, params, starts, drafts_used, rejecting)
+        rest = [i for i in range(len(cmd.entries)) if i not in kept]
+        rows = [r for i in rest for r in range(starts[i], starts[i + 1])]
+        out = SampleOutput([], [], {})
+        if rows:
+            sub = (
+                logits if len(rows) == len(params) else logits.index_select(0, torch.tensor(rows, device=logits.device))
+            )
             grammars = [
-                (self.states[e.request_id].grammar, n, d) for e, n, d in zip(cmd.entries, batch.num_logits, drafts_used)
+                (self.states[cmd.entries[i].request_id].grammar, batch.num_logits[i], drafts_used[i]) for i in rest
             ]
-            out = sample(logits, params, step_mask(grammars, logits.device))
-            self._verify(cmd.entries, batch.num_logits, drafts_used, out, result)
+            out = sample(sub, [params[r] for r in rows], step_mask(grammars, logits.device))
+        at = dict(zip(rows, range(len(rows))))
+        self._verify(cmd.entries, batch.num_logits, drafts_used, _Verified(out=out, row_at=at, kept=kept), result)
         return result
+
+    def _verify_rejection(
+        self,
+        entries: list[ScheduledEntry],
+        logits: torch.Tensor,
+        params: list[RowParams],
+        starts: list[int],
+        drafts_used: list[list[int]],
+        rejecting: list[int],
+    ) -> dict[int, list[int] | None]:
+        """Entry index -> the tokens rejection sampling keeps for it (None: non-finite logits)."""
+        if not rejecting:
+            return {}
+        rows = [r for i in rejecting for r in range(starts[i], starts[i + 1])]
+        dev = logits.device
+        sub = logits if len(rows) == len(params) else logits.index_select(0, torch.tensor(rows, device=dev))
+        states = [self.states[entries[i].request_id] for i in rejecting]
+        q = [
+            st.draft_probs.narrow(0, 0, len(drafts_used[i]))
+            for i, st in zip(rejecting, states)
+            if st.draft_probs is not None
+        ]
+        spec = [
+            SpecRow(seed=st.seed, first_index=st.num_outputs, num_drafts=len(drafts_used[i]), greedy=False)
+            for i, st in zip(rejecting, states)
+        ]
+        drafts = [drafts_used[i] for i in rejecting]
+        verdict = verify_sampled(sub, [params[r] for r in rows], drafts, torch.cat(q), spec)
+        return dict(zip(rejecting, verdict))
 
     def _row_params(
         self, entries: list[ScheduledEntry], num_logits: list[int], drafts_used: list[list[int]]
@@ -335,25 +420,28 @@ class ModelRunner:
         entries: list[ScheduledEntry],
         num_logits: list[int],
         drafts_used: list[list[int]],
-        out: SampleOutput,
+        verified: _Verified,
         result: StepResult,
     ) -> None:
         """Keep each request's accepted tokens, commit them to its state and record them in ``result``."""
         result.num_accepted_per_pos = [0] * max((len(d) for d in drafts_used), default=0)
         committed: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         row_of = self.input_batch.row_of
+        out = verified.out
         row = 0
-        for e, n, drafts in zip(entries, num_logits, drafts_used):
-            rows = range(row, row + n)
+        for i, (e, n, drafts) in enumerate(zip(entries, num_logits, drafts_used)):
+            rows = [verified.row_at.get(r, -1) for r in range(row, row + n)]  # rows of ``out`` (-1: none)
             row += n
             if n == 0:
                 continue
             st = self.states[e.request_id]
             err = next((out.errors[r] for r in rows if r in out.errors), st.grammar_error)
+            if i in verified.kept:
+                err = err or (None if verified.kept[i] is not None else _NON_FINITE)
             if err is not None:
                 result.request_errors[e.request_id] = err
                 continue
-            kept = _accept([out.tokens[r] for r in rows], drafts)
+            kept = verified.kept.get(i) or _accept([out.tokens[r] for r in rows], drafts)
             if any(r in out.empty for r in rows[: len(kept)]):  # a discarded row's emptiness does not count
                 result.request_errors[e.request_id] = _NOTHING_ALLOWED
                 continue
@@ -375,6 +463,18 @@ class ModelRunner:
                 result.logprobs[e.request_id] = [out.logprobs[r] or {} for r in rows[: len(kept)]]
         self.input_batch.commit(*committed)
 
+
+@dataclass(slots=True, kw_only=True)
+class _Verified:
+    """A step's verification results: the sampler's output of the rows sampled one by one
+    (``row_at``: step row -> its row in ``out``) and the tokens rejection sampling kept per entry."""
+
+    out: SampleOutput
+    row_at: dict[int, int]
+    kept: dict[int, list[int] | None]
+
+
+_NON_FINITE = "the model produced non-finite logits (NaN or +inf) for this request"
 
 _NOTHING_ALLOWED = (
     "every token is banned for this request: its allowed_token_ids, bad_words, logit_bias and grammar "

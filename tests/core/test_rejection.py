@@ -32,7 +32,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pypto_serving.runner import _accept
 from pypto_serving.sampler import RowParams, sample, uniforms
-from pypto_serving.spec_decode import SpecRow, SpecRows, read, rejection_sample
+from pypto_serving.spec_decode import (
+    DraftRow,
+    DraftSampler,
+    SpecRow,
+    SpecRows,
+    processed_probs,
+    read,
+    rejection_sample,
+    verify_sampled,
+)
 from pypto_serving.spec_decode.rejection import _inverse_cdf
 
 V = 5
@@ -381,3 +390,121 @@ def test_the_blocked_search_is_the_full_inverse_cdf(vocab: int) -> None:
     cdf = w.double().cumsum(dim=1)  # the sampler's rule over the whole row
     want = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
     assert torch.equal(_inverse_cdf(w, u), want)
+
+
+# ---------------------------------------------------------------------------- the runner's wiring
+def _reference_probs(logits: list[float], p: RowParams) -> list[float]:
+    """The sampler's kept set and weights, row by row in plain Python: temperature, top-k, top-p over
+    the mass top-k leaves, min-p against the best token, renormalised."""
+    v = [x / p.temperature for x in logits]
+    order = sorted(range(len(v)), key=lambda t: -v[t])
+    if 0 < p.top_k < len(v):
+        order = order[: p.top_k]
+    total = sum(math.exp(v[t]) for t in order)
+    kept, above = [], 0.0
+    for i, t in enumerate(order):
+        pr = math.exp(v[t]) / total
+        if i > 0 and p.top_p < 1.0 and above > p.top_p:
+            break
+        if p.min_p == 0.0 or v[t] >= v[order[0]] + math.log(p.min_p):
+            kept.append(t)
+        above += pr
+    out = [0.0] * len(v)
+    mass = sum(math.exp(v[t]) for t in kept)
+    for t in kept:
+        out[t] = math.exp(v[t]) / mass
+    return out
+
+
+FILTERS = [
+    RowParams(temperature=t, seed=0, draw_index=0, top_k=k, top_p=tp, min_p=mp)
+    for t in (0.5, 1.0, 1.7)
+    for k in (0, 2, 4)
+    for tp in (1.0, 0.6, 0.9)
+    for mp in (0.0, 0.3)
+]
+
+
+def test_processed_probs_match_a_row_by_row_reference() -> None:
+    logits = torch.randn(len(FILTERS), V, generator=torch.Generator().manual_seed(3)) * 2
+    got = processed_probs(logits, FILTERS)
+    for row, p in zip(range(len(FILTERS)), FILTERS):
+        want = _reference_probs(logits[row].tolist(), p)
+        assert got[row].tolist() == pytest.approx(want, abs=1e-6), p
+
+
+@pytest.mark.parametrize("vocab", [V, 1000])
+def test_processed_probs_are_what_the_sampler_draws_from(vocab: int) -> None:
+    """Chi-square of the sampler's draws over ``N`` seeds against :func:`processed_probs` (top-p 0.9 and
+    min-p; at 1000 tokens the sampler takes its bounded candidate path)."""
+    g = torch.Generator().manual_seed(vocab)
+    row = torch.randn(1, vocab, generator=g) * (3.0 if vocab > V else 1.0)
+    params = [RowParams(temperature=0.7, seed=s, draw_index=3, top_p=0.9, min_p=0.01) for s in range(N)]
+    probs = processed_probs(row, params[:1])[0].double().tolist()
+    drawn = sample(row.expand(N, -1), params).tokens
+    exact = {(t,): pr for t, pr in enumerate(probs) if pr > 0}
+    stat, df = chi_square(Counter((t,) for t in drawn), exact, N)
+    assert stat < threshold(df), (stat, df)
+
+
+def _log(table: torch.Tensor) -> torch.Tensor:
+    return table.double().log().float()  # zeros become -inf logits: tokens the row never draws
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_sampled_drafts_and_their_verification_match_the_enumeration(k: int) -> None:
+    """The runner's path end to end on the toy: :class:`DraftSampler` draws each draft from the
+    drafter's logits (``log Q`` at temperature 1), :func:`verify_sampled` verifies them against the
+    target's logits (``log P``); one step's emitted sequences follow the enumeration."""
+    toy = Toy(depth=k, seed=30 + k)
+    exact = step_dist(toy, (), k, point=False)
+    rows = {r: DraftRow(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=r, first_index=5) for r in range(N)}
+    sampler = DraftSampler(rows)
+    ids = torch.zeros(N, dtype=torch.long)
+    at, drafts = [ids], []
+    for _ in range(k):
+        d = sampler.pick(_log(toy.Q[ids]), list(range(N)))
+        drafts.append(d)
+        ids = toy.child(ids, d)
+        at.append(ids)
+    q = torch.cat([sampler.probs(r, k) for r in range(N)])  # type: ignore[misc]
+    target = _log(toy.P[torch.stack(at, dim=1).flatten()])
+    params = [RowParams(temperature=1.0, seed=r, draw_index=5 + j) for r in range(N) for j in range(k + 1)]
+    per_req = torch.stack(drafts, dim=1).tolist()
+    spec = [SpecRow(seed=r, first_index=5, num_drafts=k, greedy=False) for r in range(N)]
+    got = verify_sampled(target, params, per_req, q, spec)
+    assert all(t is not None for t in got)
+    stat, df = chi_square(Counter(tuple(t) for t in got if t is not None), exact, N)
+    assert stat < threshold(df), (stat, df)
+
+
+def test_draft_sampler_draws_only_for_its_rows_and_by_seed_and_index() -> None:
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 50, generator=g)
+    rows = {r: DraftRow(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=r, first_index=r) for r in (1, 3, 4)}
+    first = DraftSampler(rows).pick(logits, [0, 1, 2, 3, 4, 5])
+    best = logits.argmax(dim=1)
+    assert [first[i] == best[i] for i in (0, 2, 5)] == [True, True, True]
+    # The same request alone, in another position, draws the same token; another seed draws others.
+    assert DraftSampler({7: rows[3]}).pick(logits[3:4], [7]).tolist() == [first[3].item()]
+    others = {
+        r: DraftRow(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=r + 100, first_index=r) for r in range(6)
+    }
+    many = [DraftSampler(others).pick(logits[3:4].expand(1, -1), [r]).item() for r in range(6)]
+    assert len(set(many)) > 1
+    sampler = DraftSampler(rows)
+    sampler.pick(logits, [0, 1, 2, 3, 4, 5])
+    assert sampler.probs(0, 1) is None and sampler.probs(1, 2) is None  # argmax rows; not two drafts yet
+    q = sampler.probs(1, 1)
+    assert q is not None and q.shape == (1, 50) and math.isclose(float(q.sum()), 1.0, rel_tol=1e-5)
+
+
+def test_non_finite_logits_fail_only_their_request() -> None:
+    toy = Toy(depth=1, seed=8)
+    target = _log(toy.P[torch.tensor([0, 1, 0, 1])])
+    target[2, 0] = float("nan")
+    params = [RowParams(temperature=1.0, seed=r, draw_index=j) for r in range(2) for j in range(2)]
+    q = toy.Q[torch.tensor([0, 0])]
+    spec = [SpecRow(seed=r, first_index=0, num_drafts=1, greedy=False) for r in range(2)]
+    got = verify_sampled(target, params, [[0], [0]], q, spec)
+    assert got[0] is not None and got[1] is None

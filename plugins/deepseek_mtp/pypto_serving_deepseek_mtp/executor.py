@@ -16,6 +16,7 @@ from pypto_kernels import describe_kernel, interleaved_rope_cos_sin, select_devi
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
 from pypto_serving.parallel import ParallelContext
 from pypto_serving.quantization import read_quantization_config
+from pypto_serving.spec_decode import DraftSampler
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
@@ -79,7 +80,8 @@ class _Drafting:
     # where each request's run of them sits: batch row -> (first position, first row, count).
     fresh: list[torch.Tensor] = field(default_factory=list)
     fresh_rows: list[dict[int, tuple[int, int, int]]] = field(default_factory=list)
-    pieces: list[torch.Tensor] = field(default_factory=list)  # per depth: the argmax tokens it drafted
+    pieces: list[torch.Tensor] = field(default_factory=list)  # per depth: the tokens it drafted
+    sampler: DraftSampler | None = None  # chooses the drafts (None: argmax)
     count: int = 0  # drafts in ``pieces``
 
     def __post_init__(self) -> None:
@@ -413,17 +415,26 @@ class DeepseekMTPExecutor(Executor):
 
     # ------------------------------------------------------------------ MTP
 
-    @torch.inference_mode()
     def propose_drafts(self, batch: BatchInput, accepted: list[list[int]]) -> list[list[int]]:
-        """Up to ``num_draft`` drafts per sampling request. Every depth runs once over all requests,
-        its inputs gathered with one index tensor; the tokens stay on the device and the host reads
-        them once, at the end (:func:`read_drafts`)."""
+        """Up to ``num_draft`` argmax drafts per sampling request (see :meth:`_propose`)."""
+        return self._propose(batch, accepted, None)
+
+    def propose_sampled_drafts(
+        self, batch: BatchInput, accepted: list[list[int]], sampler: DraftSampler
+    ) -> list[list[int]]:
+        """Up to ``num_draft`` drafts per sampling request, each depth's chosen by ``sampler``."""
+        return self._propose(batch, accepted, sampler)
+
+    @torch.inference_mode()
+    def _propose(self, batch: BatchInput, accepted: list[list[int]], sampler: DraftSampler | None) -> list[list[int]]:
+        """Every depth runs once over all requests, its inputs gathered with one index tensor; the
+        tokens stay on the device and the host reads them once, at the end (:func:`read_drafts`)."""
         if not self.use_mtp or self._last is None or self._last[0] is not batch:
             return [[] for _ in batch.request_ids]
         _, seg, streams = self._last
         assert seg.ring_slots is not None
         work, rows = self._commit(batch, seg, accepted)
-        step = _Drafting(work, seg.ring_slots, fresh=[streams], fresh_rows=[rows])
+        step = _Drafting(work, seg.ring_slots, fresh=[streams], fresh_rows=[rows], sampler=sampler)
         for d in range(self.num_draft):
             ran = self._draft_depth(d, step, batch)
             self._carry(d, step)
@@ -485,6 +496,7 @@ class DeepseekMTPExecutor(Executor):
         out = self._run_mtp(d, rows.spans, rows.hidden(step.fresh[d], self.carry[d]), tok, rows.pos)
         off = 0
         picks: list[int] = []  # output rows whose next token is a draft
+        pick_rows: list[int] = []  # the batch row each of them drafts for
         made: dict[int, tuple[int, int, int]] = {}
         for r, c, last in rows.spans:
             st, sampling = step.work[r]
@@ -492,13 +504,15 @@ class DeepseekMTPExecutor(Executor):
             if sampling:
                 step.refs[r].append(step.count + len(picks))
                 picks.append(off + last - c)
+                pick_rows.append(r)
             off += last - c + 1
             st.frontier[d] = max(c, st.n - d, 0)
         step.fresh.append(out)
         step.fresh_rows.append(made)
         if picks:
             sel = out if picks == list(range(off)) else out.index_select(0, torch.tensor(picks, device=self.device))
-            step.add(self._mtp_logits(d, sel).argmax(-1))
+            logits = self._mtp_logits(d, sel)
+            step.add(logits.argmax(-1) if step.sampler is None else step.sampler.pick(logits, pick_rows))
         return True
 
     def _carry(self, d: int, step: _Drafting) -> None:
