@@ -368,7 +368,26 @@ def _apply_grammar(x: torch.Tensor, grammar: GrammarMask) -> tuple[torch.Tensor,
     if sparse.num_dense:
         dense = sparse.dense
         x = apply_bitmask(x, grammar.rows.index_select(0, dense), grammar.bitmask.index_select(0, dense))
+    if sparse.banned_rows:
+        x = _ban_listed(x, sparse)
+    if not sparse.rows:
+        return x, None
     return _mask_listed(x, sparse)
+
+
+def _ban_listed(x: torch.Tensor, sparse: SparseRows) -> torch.Tensor:
+    """``x`` with the rows listed by disallowed id masked: those ids, and the tokens past the
+    tokenizer's, at ``-inf``."""
+    width = sparse.vocab
+    dev = x.device
+    at = torch.tensor(sparse.banned_rows, dtype=torch.long, device=dev)
+    where = (at.unsqueeze(1).expand_as(sparse.banned), sparse.banned)
+    x = x.index_put(where, torch.tensor(float("-inf"), device=dev))
+    if width < x.shape[1]:
+        tail = x.index_select(0, at)
+        tail.narrow(1, width, x.shape[1] - width).fill_(float("-inf"))
+        x = x.index_copy(0, at, tail)
+    return x
 
 
 def _mask_listed(x: torch.Tensor, sparse: SparseRows) -> tuple[torch.Tensor, _Listed]:

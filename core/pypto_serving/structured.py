@@ -7,8 +7,9 @@ keeps one :class:`RequestGrammar` per constrained request: per step it writes th
 bitmask of each of the request's logits rows into one host array (:func:`fill_step_bitmask`), the
 step uploads it once, and the sampler masks the disallowed tokens to ``-inf`` on the device
 (:func:`apply_bitmask`). Rows that allow few tokens (most grammar states outside free text) are
-also listed by id on the host (:class:`SparseRows`): the sampler masks and draws those over their
-allowed tokens, which costs a fraction of unpacking a bitmask over the vocabulary. Accepted tokens
+listed by id on the host, and so are rows that allow nearly every token (:class:`SparseRows`): the
+sampler masks those by a fill and a scatter, a fraction of unpacking a bitmask over the vocabulary,
+and draws unfiltered rows of the first kind over their allowed tokens. Accepted tokens
 then advance the matcher, so the next step's mask is exact under async scheduling too.
 
 Rows that follow drafts (speculative decoding) get the mask of the grammar state after those drafts:
@@ -116,7 +117,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tok, grammar_text(spec), log_level=0)
         if matcher.is_error():
             raise ValueError(f"{_what(spec)} is invalid: {matcher.get_error()}")
-        return RequestGrammar(matcher, bitmask_words(tok.vocab_size))
+        return RequestGrammar(matcher, bitmask_words(tok.vocab_size), tok.vocab_size)
 
 
 def bitmask_words(vocab: int) -> int:
@@ -127,11 +128,12 @@ def bitmask_words(vocab: int) -> int:
 class RequestGrammar:
     """One request's grammar state: the tokens it accepted so far, and the mask of what may follow."""
 
-    __slots__ = ("_matcher", "words")
+    __slots__ = ("_matcher", "vocab", "words")
 
-    def __init__(self, matcher: llguidance.LLMatcher, words: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, words: int, vocab: int | None = None) -> None:
         self._matcher = matcher
         self.words = words  # int32 words of one row of this grammar's bitmask
+        self.vocab = 32 * words if vocab is None else vocab  # the tokenizer's tokens: no id past them is allowed
 
     @property
     def error(self) -> str | None:
@@ -164,14 +166,18 @@ class RequestGrammar:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SparseRows:
-    """The constrained rows of a step that allow few tokens (a quarter of the bitmask's width at
-    most), listed on the host where the bitmask is filled: the sampler masks them by filling and
-    scattering and draws them over their allowed tokens, never unpacking their bitmasks nor running
-    full-row ``exp`` passes over mostly ``-inf`` rows."""
+    """The constrained rows of a step listed by id, on the host where the bitmask is filled: rows
+    that allow few tokens (a quarter of the bitmask's width at most) by their allowed ids, rows that
+    allow nearly every token (inside a JSON string, say) by their disallowed ids. The sampler masks
+    them by filling and scattering, never unpacking their bitmasks, and draws unfiltered rows of the
+    first kind over their allowed tokens, never running full-row ``exp`` passes over ``-inf``."""
 
-    rows: tuple[int, ...]  # logits rows, ascending
+    rows: tuple[int, ...]  # logits rows listed by allowed id, ascending
     ids: torch.Tensor  # [S, K] long: each row's allowed ids ascending, padded with its first id
     pad: torch.Tensor  # [S, K] bool: the padding
+    banned_rows: tuple[int, ...]  # logits rows listed by disallowed id, ascending
+    banned: torch.Tensor  # [B, K'] long: each row's disallowed ids below ``vocab``, padded with its first
+    vocab: int  # the tokenizer's tokens: the rows listed by disallowed id disallow every token past them
     max_id: int  # the largest listed id: the lists apply only when it lies inside the logits' vocabulary
     dense: torch.Tensor  # [D] long: positions in ``GrammarMask.rows`` of the rows not listed
     num_dense: int
@@ -209,34 +215,54 @@ def step_mask(
     return GrammarMask(
         torch.tensor(rows, dtype=torch.long, device=device),
         torch.from_numpy(host).to(device),
-        sparse_rows(host, rows, device),
+        sparse_rows(host, rows, device, parts[0][0].vocab),
     )
 
 
-def sparse_rows(host: npt.NDArray[np.int32], rows: list[int], device: torch.device) -> SparseRows | None:
-    """The rows of the host bitmask ``host [R, W]`` (of logits ``rows``) that allow between 1 and
-    ``8 W`` tokens, with their allowed ids; None when no row does."""
+def sparse_rows(
+    host: npt.NDArray[np.int32], rows: list[int], device: torch.device, vocab: int | None = None
+) -> SparseRows | None:
+    """The rows of the host bitmask ``host [R, W]`` (of logits ``rows``) listed by id: those that
+    allow between 1 and ``8 W`` tokens by allowed id, those that disallow between 1 and ``8 W`` by
+    disallowed id below ``vocab`` (default ``32 W``: the tokens past it are disallowed anyway);
+    None when no row is listed."""
+    words = host.shape[1]
+    vocab = 32 * words if vocab is None else min(vocab, 32 * words)
     counts = np.bitwise_count(host.view(np.uint32)).sum(axis=1).tolist()
-    at = [i for i, c in enumerate(counts) if 0 < c <= 8 * host.shape[1]]
-    if not at:
+    few = [i for i, c in enumerate(counts) if 0 < c <= 8 * words]
+    most = [i for i, c in enumerate(counts) if 24 * words <= c < vocab]
+    if not few and not most:
         return None
-    bits = np.unpackbits(host[at].view(np.uint8), axis=1, bitorder="little")
-    ids = np.empty((len(at), max(counts[i] for i in at)), dtype=np.int64)
-    pad = np.zeros(ids.shape, dtype=np.bool_)
-    for j, row in enumerate(bits):
-        listed = np.flatnonzero(row)
-        ids[j, : len(listed)] = listed
-        ids[j, len(listed) :] = listed[0]
-        pad[j, len(listed) :] = True
-    dense = sorted(set(range(len(rows))) - set(at))
+    ids, pad = _listing(host, few, True)
+    banned, _ = _listing(host, most, False, vocab)
+    dense = sorted(set(range(len(rows))) - set(few) - set(most))
     return SparseRows(
-        rows=tuple(rows[i] for i in at),
+        rows=tuple(rows[i] for i in few),
         ids=torch.from_numpy(ids).to(device),
         pad=torch.from_numpy(pad).to(device),
-        max_id=int(ids.max()),
+        banned_rows=tuple(rows[i] for i in most),
+        banned=torch.from_numpy(banned).to(device),
+        vocab=vocab,
+        max_id=max(int(ids.max(initial=0)), int(banned.max(initial=0))),
         dense=torch.tensor(dense, dtype=torch.long, device=device),
         num_dense=len(dense),
     )
+
+
+def _listing(
+    host: npt.NDArray[np.int32], at: list[int], bit: bool, vocab: int | None = None
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+    """The ids below ``vocab`` whose bit is ``bit`` in each of ``host``'s rows ``at``, ascending and
+    padded to one width with the row's first id; and where the padding is."""
+    bits = np.unpackbits(host[at].view(np.uint8), axis=1, bitorder="little").astype(np.bool_)[:, :vocab]
+    lists = [np.flatnonzero(row if bit else ~row) for row in bits]
+    ids = np.zeros((len(at), max((len(x) for x in lists), default=0)), dtype=np.int64)
+    pad = np.zeros(ids.shape, dtype=np.bool_)
+    for j, listed in enumerate(lists):
+        ids[j, : len(listed)] = listed
+        ids[j, len(listed) :] = listed[0]
+        pad[j, len(listed) :] = True
+    return ids, pad
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -107,18 +107,26 @@ def test_logit_bias_allowed_tokens_and_bad_words_apply_on_the_device(fake: FakeT
         assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.logits, packed(dev)))
 
 
-@pytest.mark.parametrize("listed", [(0, 2, 3, 5), tuple(range(8))])  # some rows listed, and every row
-def test_grammar_rows_listed_by_allowed_id_sample_on_the_device(fake: FakeTensorMode, listed: tuple[int, ...]) -> None:
-    """Rows listed by allowed id (greedy, top-k/p, bounded, whole-vocabulary) beside rows masked
-    through their bitmask: filled, scattered and drawn on the device, up to the single read."""
+@pytest.mark.parametrize(
+    ("listed", "banned"), [((0, 2, 3, 5), (6,)), (tuple(range(8)), ()), ((), (1, 5))]
+)  # some rows listed each way; every row by allowed id; only by disallowed id
+def test_grammar_rows_listed_by_id_sample_on_the_device(
+    fake: FakeTensorMode, listed: tuple[int, ...], banned: tuple[int, ...]
+) -> None:
+    """Rows listed by allowed id (greedy, top-k/p, bounded, whole-vocabulary) or by disallowed id,
+    beside rows masked through their bitmask: filled, scattered and drawn on the device, up to the
+    single read."""
     from pypto_serving.structured import GrammarMask, SparseRows
 
     words, width = (VOCAB + 31) // 32, 40
-    dense = [i for i in range(8) if i not in listed]
+    dense = [i for i in range(8) if i not in listed + banned]
     sparse = SparseRows(
         rows=listed,
         ids=torch.empty(len(listed), width, dtype=torch.long, device="cuda"),
         pad=torch.empty(len(listed), width, dtype=torch.bool, device="cuda"),
+        banned_rows=banned,
+        banned=torch.empty(len(banned), width, dtype=torch.long, device="cuda"),
+        vocab=VOCAB - 10,  # the tokens past the tokenizer's are masked too
         max_id=VOCAB - 1,
         dense=torch.empty(len(dense), dtype=torch.long, device="cuda"),
         num_dense=len(dense),

@@ -228,30 +228,34 @@ def _pack(allowed: np.ndarray) -> np.ndarray:
     return np.packbits(padded, axis=1, bitorder="little").view(np.int32)
 
 
-def test_sparse_rows_list_the_allowed_ids_of_rows_allowing_few_tokens() -> None:
-    """Rows allowing 1 to 8 W tokens (W: bitmask words) are listed with their ids; emptier and fuller
-    rows stay with their bitmask."""
+def test_sparse_rows_list_the_ids_of_rows_allowing_few_or_nearly_all_tokens() -> None:
+    """Rows allowing 1 to 8 W tokens (W: bitmask words) are listed with their allowed ids, rows
+    disallowing 1 to 8 W tokens of the tokenizer's with their disallowed ids; the others (none
+    allowed, every token allowed, in between) stay with their bitmask."""
     from pypto_serving.structured import sparse_rows
 
-    vocab = 300  # W = 10: rows allowing up to 80 tokens are listed
+    vocab = 310  # W = 10 (320 bits): up to 80 allowed, or from 240 allowed, are listed
     rng = np.random.default_rng(0)
-    counts = [1, 0, 80, 81, 300, 37]
+    counts = [1, 0, 80, 81, 310, 37, 239, 240, 309]
     allowed = np.zeros((len(counts), vocab), dtype=bool)
     for r, c in enumerate(counts):
         allowed[r, rng.choice(vocab, c, replace=False)] = True
-    logits_rows = [3, 4, 6, 7, 8, 9]
-    sparse = sparse_rows(_pack(allowed), logits_rows, torch.device("cpu"))
+    logits_rows = [3, 4, 6, 7, 8, 9, 10, 11, 12]
+    sparse = sparse_rows(_pack(allowed), logits_rows, torch.device("cpu"), vocab)
     assert sparse is not None
-    assert sparse.rows == (3, 6, 9)
-    assert sparse.dense.tolist() == [1, 3, 4] and sparse.num_dense == 3
-    assert sparse.ids.shape == (3, 80)
+    assert sparse.rows == (3, 6, 9) and sparse.banned_rows == (11, 12)
+    assert sparse.dense.tolist() == [1, 3, 4, 6] and sparse.num_dense == 4
+    assert sparse.ids.shape == (3, 80) and sparse.banned.shape == (2, 70) and sparse.vocab == vocab
     for j, r in enumerate([0, 2, 5]):
         want = np.flatnonzero(allowed[r]).tolist()
         assert sparse.ids[j, : len(want)].tolist() == want
         assert sparse.pad[j].tolist() == [False] * len(want) + [True] * (80 - len(want))
         assert set(sparse.ids[j].tolist()) == set(want)  # the padding repeats an allowed id
-    assert sparse.max_id == max(np.flatnonzero(allowed[[0, 2, 5]].any(0)))
-    assert sparse_rows(_pack(allowed[[1, 4]]), [0, 1], torch.device("cpu")) is None
+    for j, r in enumerate([7, 8]):
+        want = np.flatnonzero(~allowed[r]).tolist()
+        assert sparse.banned[j, : len(want)].tolist() == want and set(sparse.banned[j].tolist()) == set(want)
+    assert sparse.max_id == max(np.flatnonzero(allowed[[0, 2, 5]].any(0)).max(), np.flatnonzero(~allowed[7]).max())
+    assert sparse_rows(_pack(allowed[[1, 4]]), [0, 1], torch.device("cpu"), vocab) is None
 
 
 SETTINGS: list[dict[str, Any]] = [
@@ -292,32 +296,33 @@ def _brute_force_token(logits: torch.Tensor, allowed: np.ndarray, p: RowParams) 
 
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_listed_grammar_rows_sample_what_their_bitmasks_sample(setting: int) -> None:
-    """Grammar rows listed by allowed id (1 token, a few, up to the listing bound) beside rows with
-    their bitmask only (more tokens, every token) and an unconstrained row: tokens, logprobs and
+    """Grammar rows listed by allowed id (1 token, a few, up to the listing bound) or by disallowed
+    id (nearly every token) beside rows with their bitmask only (in between, every token) and an
+    unconstrained row: tokens, logprobs and
     flags equal the bitmask path's, seed by seed, under every sampling setting; rows without filters
     also equal a float64 brute force."""
     from pypto_serving.sampler import sample
     from pypto_serving.structured import GrammarMask, sparse_rows
 
     vocab, gen = 2000, torch.Generator().manual_seed(setting)
+    tokenizer_vocab = 1990  # the logits' last 10 tokens are past the tokenizer's: never allowed
     rng = np.random.default_rng(setting)
-    counts = [1, 6, 300, 504, 1200, vocab, 40]  # W = 63: up to 504 tokens are listed
+    counts = [1, 6, 300, 504, 1200, 1900, tokenizer_vocab, 40]  # W = 63: up to 504, or from 1512, are listed
     allowed = np.zeros((len(counts), vocab), dtype=bool)
     for r, c in enumerate(counts):
-        allowed[r, rng.choice(vocab, c, replace=False)] = True
+        allowed[r, rng.choice(tokenizer_vocab, c, replace=False)] = True
     host = _pack(allowed)
-    logits_rows = [0, 1, 2, 3, 5, 6, 7]  # row 4 is unconstrained
-    listed = GrammarMask(
-        torch.tensor(logits_rows), torch.from_numpy(host), sparse_rows(host, logits_rows, torch.device("cpu"))
-    )
-    assert listed.sparse is not None and listed.sparse.rows == (0, 1, 2, 3, 7)
+    logits_rows = [0, 1, 2, 3, 5, 6, 7, 8]  # row 4 is unconstrained
+    sparse = sparse_rows(host, logits_rows, torch.device("cpu"), tokenizer_vocab)
+    listed = GrammarMask(torch.tensor(logits_rows), torch.from_numpy(host), sparse)
+    assert listed.sparse is not None and listed.sparse.rows == (0, 1, 2, 3, 8) and listed.sparse.banned_rows == (6,)
     unlisted = GrammarMask(listed.rows, listed.bitmask)
     for seed in range(30):
-        logits = (torch.randn(8, vocab, generator=gen) * 3).bfloat16().float()  # bf16: tied logits
-        params = [_row_params(SETTINGS[setting], seed * 8 + r, seed + r) for r in range(8)]
+        logits = (torch.randn(9, vocab, generator=gen) * 3).bfloat16().float()  # bf16: tied logits
+        params = [_row_params(SETTINGS[setting], seed * 9 + r, seed + r) for r in range(9)]
         got, want = sample(logits, params, listed), sample(logits, params, unlisted)
         assert (got.empty, got.errors) == (want.empty, want.errors)
-        kept = [r for r in range(8) if r not in want.empty]  # a row left nothing draws no token
+        kept = [r for r in range(9) if r not in want.empty]  # a row left nothing draws no token
         assert [(got.tokens[r], got.logprobs[r]) for r in kept] == [(want.tokens[r], want.logprobs[r]) for r in kept]
         if set(SETTINGS[setting]) == {"temperature"}:
             for r, at in enumerate(logits_rows):
