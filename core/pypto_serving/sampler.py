@@ -305,22 +305,31 @@ def _draw(
 
 @dataclass(slots=True, kw_only=True)
 class _Listed:
-    """The candidates of grammar rows listed by allowed id (:class:`SparseRows`): their allowed
-    tokens' logits after every edit (padding at ``-inf``) and those tokens' ids."""
+    """Grammar rows listed by id (:class:`SparseRows`) as the draw takes them: rows listed by allowed
+    id as their allowed tokens' logits after every edit (padding at ``-inf``) and those tokens' ids;
+    rows listed by disallowed id as their logits before the grammar's mask and the ids it disallows
+    (and every token from ``vocab`` on)."""
 
-    at: dict[int, int]  # logits row -> row of ``vals`` and ``ids``
-    vals: torch.Tensor  # [S, K] float32
-    ids: torch.Tensor  # [S, K] long
+    vocab: int
+    at: dict[int, int] = field(default_factory=dict)  # logits row -> row of ``vals`` and ``ids``
+    vals: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [S, K] float32
+    ids: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [S, K] long
+    banned_at: dict[int, int] = field(default_factory=dict)  # logits row -> row of ``unmasked`` and ``banned``
+    unmasked: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [B, V] float32
+    banned: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [B, K'] long
 
 
 def _group(p: RowParams, row: int, vocab: int, fallback: bool, listed: _Listed | None) -> tuple[str, int]:
     """A sampled row's draw group. Listed rows without filters draw over their allowed tokens in id
-    order: the same cumulative weights as the whole row's, whose other tokens weigh exactly 0."""
+    order, or over their unmasked logits with the disallowed weights zeroed: the same cumulative
+    weights as the masked row's, whose disallowed tokens weigh exactly 0."""
     if fallback:
         return _fallback_kind(p, vocab)
     kind = _kind(p, vocab)
-    if listed is not None and row in listed.at and kind[0] == "all":
+    if listed is not None and kind[0] == "all" and row in listed.at:
         return "listed", listed.vals.shape[1]
+    if listed is not None and kind[0] == "all" and row in listed.banned_at:
+        return "unmasked", vocab
     return kind
 
 
@@ -346,62 +355,109 @@ def _draw_rows(
         group = [rows[j] for j in js]
         rows_t = torch.tensor(group, dtype=torch.long, device=dev)
         u = u_all if len(js) == len(rows) else u_all.index_select(0, torch.tensor(js, dtype=torch.long, device=dev))
-        if kind == "listed":
-            assert listed is not None
-            at = torch.tensor([listed.at[r] for r in group], dtype=torch.long, device=dev)
-            sub, ids = listed.vals.index_select(0, at), listed.ids.index_select(0, at)
-            drawn, fits = _draw(sub, "all", k, [params[r] for r in group], u, ids)
+        sub = x if group == list(range(n)) else x.index_select(0, rows_t)
+        ps = [params[r] for r in group]
+        if listed is not None and kind in ("listed", "unmasked"):
+            drawn, fits = _draw_listed(sub, kind, group, ps, u, listed)
         else:
-            sub = x if group == list(range(n)) else x.index_select(0, rows_t)
-            drawn, fits = _draw(sub, kind, k, [params[r] for r in group], u)
+            drawn, fits = _draw(sub, kind, k, ps, u)
         tokens = tokens.index_copy(0, rows_t, drawn)
         needs_full = needs_full.index_copy(0, rows_t, torch.logical_not(fits))
     return tokens, needs_full
 
 
+def _draw_listed(
+    x: torch.Tensor, kind: str, group: list[int], params: list[RowParams], u: torch.Tensor, listed: _Listed
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_draw` of whole-vocabulary rows ``group`` (``x``: their masked logits) listed by id."""
+    at = torch.tensor([(listed.at if kind == "listed" else listed.banned_at)[r] for r in group], device=x.device)
+    fits = torch.ones(len(group), dtype=torch.bool, device=x.device)
+    if kind == "listed":
+        vals, ids = listed.vals.index_select(0, at), listed.ids.index_select(0, at)
+        return _draw(vals, "all", vals.shape[1], params, u, ids)[0], fits
+    unmasked, banned = listed.unmasked.index_select(0, at), listed.banned.index_select(0, at)
+    return _draw_unmasked(x, unmasked, banned, listed.vocab, params, u), fits
+
+
+def _draw_unmasked(
+    masked: torch.Tensor,
+    unmasked: torch.Tensor,
+    banned: torch.Tensor,
+    vocab: int,
+    params: list[RowParams],
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """What :func:`_draw` draws from whole-vocabulary rows ``masked [S, V]``, computed from the same
+    rows before the grammar's mask (``unmasked``) with the weights of the ``banned`` ids and of the
+    tokens from ``vocab`` on zeroed after each ``exp``: ``exp`` of ``-inf`` runs several times slower
+    than of a finite value, and every weight keeps its bits (``exp(-inf)`` is exactly 0). The
+    normaliser is ``torch.logsumexp``'s own arithmetic: row max (0 where infinite), the sum of
+    ``exp`` past it, log, plus the max."""
+    temp = _column([p.temperature for p in params], masked)
+    top = masked.amax(dim=-1, keepdim=True) / temp  # x -> x / t is monotonic: the max of the quotients
+    top = top.masked_fill(top.abs() == float("inf"), 0.0)
+    v = unmasked / temp
+    norm = _zero(torch.exp(v - top), banned, vocab).sum(dim=-1, keepdim=True).log_().add_(top)
+    cdf = _zero(torch.exp(v - norm), banned, vocab).double().cumsum(dim=-1)
+    width = masked.shape[1]
+    at = torch.searchsorted(cdf, u.unsqueeze(1) * cdf.narrow(1, width - 1, 1), right=True)
+    return at.clamp(max=width - 1).squeeze(1)
+
+
+def _zero(w: torch.Tensor, banned: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``w [S, V]`` with the ``banned [S, K]`` ids of each row and every column from ``vocab`` on at 0."""
+    rows = torch.arange(w.shape[0], device=w.device).unsqueeze(1).expand_as(banned)
+    w.index_put_((rows, banned), torch.tensor(0.0, device=w.device))
+    if vocab < w.shape[1]:
+        w.narrow(1, vocab, w.shape[1] - vocab).zero_()
+    return w
+
+
 def _apply_grammar(x: torch.Tensor, grammar: GrammarMask) -> tuple[torch.Tensor, _Listed | None]:
-    """``x`` with the tokens ``grammar`` disallows at ``-inf`` (a new tensor), and the candidates of
-    its rows listed by allowed id."""
+    """``x`` with the tokens ``grammar`` disallows at ``-inf`` (a new tensor), and what the draw
+    takes of its rows listed by id."""
     sparse = grammar.sparse
     if sparse is None or sparse.max_id >= x.shape[1]:
         return apply_bitmask(x, grammar.rows, grammar.bitmask), None
+    listed = _Listed(vocab=min(sparse.vocab, x.shape[1]))
     if sparse.num_dense:
         dense = sparse.dense
         x = apply_bitmask(x, grammar.rows.index_select(0, dense), grammar.bitmask.index_select(0, dense))
     if sparse.banned_rows:
-        x = _ban_listed(x, sparse)
-    if not sparse.rows:
-        return x, None
-    return _mask_listed(x, sparse)
+        x = _ban_listed(x, sparse, listed)
+    if sparse.rows:
+        x = _mask_listed(x, sparse, listed)
+    return x, listed
 
 
-def _ban_listed(x: torch.Tensor, sparse: SparseRows) -> torch.Tensor:
-    """``x`` with the rows listed by disallowed id masked: those ids, and the tokens past the
-    tokenizer's, at ``-inf``."""
-    width = sparse.vocab
+def _ban_listed(x: torch.Tensor, sparse: SparseRows, listed: _Listed) -> torch.Tensor:
+    """``x`` with the rows listed by disallowed id masked: those ids, and the tokens from
+    ``listed.vocab`` on, at ``-inf``."""
     dev = x.device
     at = torch.tensor(sparse.banned_rows, dtype=torch.long, device=dev)
-    where = (at.unsqueeze(1).expand_as(sparse.banned), sparse.banned)
-    x = x.index_put(where, torch.tensor(float("-inf"), device=dev))
-    if width < x.shape[1]:
-        tail = x.index_select(0, at)
-        tail.narrow(1, width, x.shape[1] - width).fill_(float("-inf"))
-        x = x.index_copy(0, at, tail)
-    return x
+    listed.banned_at = {r: j for j, r in enumerate(sparse.banned_rows)}
+    listed.unmasked, listed.banned = x.index_select(0, at), sparse.banned
+    rows = listed.unmasked.clone().index_put_(
+        (torch.arange(len(sparse.banned_rows), device=dev).unsqueeze(1).expand_as(sparse.banned), sparse.banned),
+        torch.tensor(float("-inf"), device=dev),
+    )
+    if listed.vocab < x.shape[1]:
+        rows.narrow(1, listed.vocab, x.shape[1] - listed.vocab).fill_(float("-inf"))
+    return x.index_copy(0, at, rows)
 
 
-def _mask_listed(x: torch.Tensor, sparse: SparseRows) -> tuple[torch.Tensor, _Listed]:
+def _mask_listed(x: torch.Tensor, sparse: SparseRows, listed: _Listed) -> torch.Tensor:
+    """``x`` with the rows listed by allowed id masked (a fill and a scatter: the same rows as
+    unpacking their bitmasks, at a fraction of its time); their candidates go to ``listed``."""
     n, vocab = x.shape
     at = torch.tensor(sparse.rows, dtype=torch.long, device=x.device)
     whole = list(sparse.rows) == list(range(n))
     vals = (x if whole else x.index_select(0, at)).gather(1, sparse.ids)
-    # A fill and a scatter make the same rows as unpacking the bitmask, at a fraction of its time.
     masked = torch.full((len(sparse.rows), vocab), float("-inf"), dtype=x.dtype, device=x.device)
     masked.scatter_(1, sparse.ids, vals)
-    listed = _Listed(
-        at={r: j for j, r in enumerate(sparse.rows)}, vals=vals.masked_fill(sparse.pad, float("-inf")), ids=sparse.ids
-    )
-    return (masked if whole else x.index_copy(0, at, masked)), listed
+    listed.at = {r: j for j, r in enumerate(sparse.rows)}
+    listed.vals, listed.ids = vals.masked_fill(sparse.pad, float("-inf")), sparse.ids
+    return masked if whole else x.index_copy(0, at, masked)
 
 
 def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask | None = None) -> DeviceSample:

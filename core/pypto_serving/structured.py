@@ -167,8 +167,9 @@ class RequestGrammar:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SparseRows:
     """The constrained rows of a step listed by id, on the host where the bitmask is filled: rows
-    that allow few tokens (a quarter of the bitmask's width at most) by their allowed ids, rows that
-    allow nearly every token (inside a JSON string, say) by their disallowed ids. The sampler masks
+    that allow few tokens (3/8 of the bitmask's width at most: a JSON document's structure, a regex
+    of words) by their allowed ids, rows that disallow as few (inside a JSON string) by their
+    disallowed ids. The sampler masks
     them by filling and scattering, never unpacking their bitmasks, and draws unfiltered rows of the
     first kind over their allowed tokens, never running full-row ``exp`` passes over ``-inf``."""
 
@@ -223,14 +224,14 @@ def sparse_rows(
     host: npt.NDArray[np.int32], rows: list[int], device: torch.device, vocab: int | None = None
 ) -> SparseRows | None:
     """The rows of the host bitmask ``host [R, W]`` (of logits ``rows``) listed by id: those that
-    allow between 1 and ``8 W`` tokens by allowed id, those that disallow between 1 and ``8 W`` by
-    disallowed id below ``vocab`` (default ``32 W``: the tokens past it are disallowed anyway);
-    None when no row is listed."""
+    allow between 1 and ``12 W`` tokens (3/8 of the bitmask's width) by allowed id, those that
+    disallow between 1 and ``12 W`` of the first ``vocab`` tokens (default ``32 W``; the tokens past
+    them are disallowed anyway) by disallowed id. None when no row is listed."""
     words = host.shape[1]
     vocab = 32 * words if vocab is None else min(vocab, 32 * words)
     counts = np.bitwise_count(host.view(np.uint32)).sum(axis=1).tolist()
-    few = [i for i, c in enumerate(counts) if 0 < c <= 8 * words]
-    most = [i for i, c in enumerate(counts) if 24 * words <= c < vocab]
+    few = [i for i, c in enumerate(counts) if 0 < c <= 12 * words]
+    most = [i for i, c in enumerate(counts) if 0 < vocab - c <= 12 * words]
     if not few and not most:
         return None
     ids, pad = _listing(host, few, True)

@@ -229,14 +229,14 @@ def _pack(allowed: np.ndarray) -> np.ndarray:
 
 
 def test_sparse_rows_list_the_ids_of_rows_allowing_few_or_nearly_all_tokens() -> None:
-    """Rows allowing 1 to 8 W tokens (W: bitmask words) are listed with their allowed ids, rows
-    disallowing 1 to 8 W tokens of the tokenizer's with their disallowed ids; the others (none
+    """Rows allowing 1 to 12 W tokens (W: bitmask words) are listed with their allowed ids, rows
+    disallowing 1 to 12 W tokens of the tokenizer's with their disallowed ids; the others (none
     allowed, every token allowed, in between) stay with their bitmask."""
     from pypto_serving.structured import sparse_rows
 
-    vocab = 310  # W = 10 (320 bits): up to 80 allowed, or from 240 allowed, are listed
+    vocab = 310  # W = 10 (320 bits): up to 120 allowed, or up to 120 disallowed, are listed
     rng = np.random.default_rng(0)
-    counts = [1, 0, 80, 81, 310, 37, 239, 240, 309]
+    counts = [1, 0, 120, 121, 310, 37, 189, 190, 309]
     allowed = np.zeros((len(counts), vocab), dtype=bool)
     for r, c in enumerate(counts):
         allowed[r, rng.choice(vocab, c, replace=False)] = True
@@ -245,11 +245,11 @@ def test_sparse_rows_list_the_ids_of_rows_allowing_few_or_nearly_all_tokens() ->
     assert sparse is not None
     assert sparse.rows == (3, 6, 9) and sparse.banned_rows == (11, 12)
     assert sparse.dense.tolist() == [1, 3, 4, 6] and sparse.num_dense == 4
-    assert sparse.ids.shape == (3, 80) and sparse.banned.shape == (2, 70) and sparse.vocab == vocab
+    assert sparse.ids.shape == (3, 120) and sparse.banned.shape == (2, 120) and sparse.vocab == vocab
     for j, r in enumerate([0, 2, 5]):
         want = np.flatnonzero(allowed[r]).tolist()
         assert sparse.ids[j, : len(want)].tolist() == want
-        assert sparse.pad[j].tolist() == [False] * len(want) + [True] * (80 - len(want))
+        assert sparse.pad[j].tolist() == [False] * len(want) + [True] * (120 - len(want))
         assert set(sparse.ids[j].tolist()) == set(want)  # the padding repeats an allowed id
     for j, r in enumerate([7, 8]):
         want = np.flatnonzero(~allowed[r]).tolist()
@@ -307,7 +307,7 @@ def test_listed_grammar_rows_sample_what_their_bitmasks_sample(setting: int) -> 
     vocab, gen = 2000, torch.Generator().manual_seed(setting)
     tokenizer_vocab = 1990  # the logits' last 10 tokens are past the tokenizer's: never allowed
     rng = np.random.default_rng(setting)
-    counts = [1, 6, 300, 504, 1200, 1900, tokenizer_vocab, 40]  # W = 63: up to 504, or from 1512, are listed
+    counts = [1, 6, 300, 756, 1000, 1900, tokenizer_vocab, 40]  # W = 63: up to 756 allowed or disallowed are listed
     allowed = np.zeros((len(counts), vocab), dtype=bool)
     for r, c in enumerate(counts):
         allowed[r, rng.choice(tokenizer_vocab, c, replace=False)] = True
