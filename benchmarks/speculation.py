@@ -11,16 +11,26 @@ Suites (each configuration runs the same prompts through ``LLM.generate``, in-pr
   fixed k = 1, 2, 3 and none.
 
 Decode throughput is output tokens after each request's first, over the time from the first first
-token to the last finish. Outputs are checked equal to the configuration without speculation
-(greedy, or seeded sampling: verification is exact either way).
+token to the last finish. Outputs are checked equal to the configuration without speculation where
+verification keeps them equal token by token (greedy, and seeded sampling verified by
+sample-and-compare); sampled MTP drafts are verified by rejection sampling, which keeps only the
+distribution ("dist." in the table). At temperature 0.7 the ``mtp`` suite also runs MTP k = 2 with
+rejection sampling switched off (``sample-and-compare``: argmax drafts, kept when the target's own
+draw matches), for the acceptance rate before and after.
 
-    python benchmarks/speculation.py --suite mtp ngram adaptive [--max-tokens 96] [--threads 2]
+``--repeat N`` runs every configuration of a table N times, alternating, and reports medians (for
+machines whose other load varies).
+
+    python benchmarks/speculation.py --suite mtp ngram adaptive [--max-tokens 96] [--threads 2] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +42,22 @@ import torch
 class Config:
     label: str
     spec: dict[str, Any] | None
+    compare: bool = False  # sampled drafts verified by sample-and-compare instead of rejection sampling
+
+
+@contextmanager
+def sample_and_compare(on: bool) -> Iterator[None]:
+    """Switch the in-process worker's rejection sampling off while ``on``: every request then keeps
+    argmax drafts and the sample-and-compare verification."""
+    from pypto_serving import runner
+
+    before = runner._ReqState.rejection_sampled
+    if on:
+        runner._ReqState.rejection_sampled = property(lambda self: False)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        runner._ReqState.rejection_sampled = before  # type: ignore[method-assign]
 
 
 def held_out_code(count: int, lines: int) -> list[str]:
@@ -99,18 +125,39 @@ def run(model: str, cfg: Config, prompts: list[str], *, temperature: float, max_
     }
 
 
-def table(title: str, model: str, configs: list[Config], prompts: list[str], **kw: Any) -> None:
+@dataclass(frozen=True, slots=True)
+class Options:
+    max_tokens: int
+    repeat: int  # runs of every configuration per table, alternating
+    temperatures: tuple[float, ...]  # the mtp suite's
+
+
+def table(title: str, model: str, configs: list[Config], prompts: list[str], repeat: int, **kw: Any) -> None:
     print(f"\n### {title}\n")
+    runs: list[list[dict[str, Any]]] = [[] for _ in configs]
+    for _ in range(repeat):
+        for cfg, out in zip(configs, runs):
+            with sample_and_compare(cfg.compare):
+                out.append(run(model, cfg, prompts, **kw))
+    if repeat > 1:
+        print(
+            f"medians of {repeat} alternated runs; tok/s per run: "
+            + "; ".join(f"{c.label}: " + ", ".join(f"{r['tok_s']:.1f}" for r in rs) for c, rs in zip(configs, runs))
+            + "\n"
+        )
     print("| configuration | decode tok/s | vs none | draft acceptance | steps | output equals none |")
     print("|---|---:|---:|---:|---:|---|")
-    base: dict[str, Any] | None = None
-    for cfg in configs:
-        r = run(model, cfg, prompts, **kw)
-        base = base or r
-        same = "yes" if r["tokens"] == base["tokens"] else "NO"
+    base = runs[0][0]
+    base_tok_s = statistics.median(r["tok_s"] for r in runs[0])
+    sampled = kw.get("temperature", 0.0) > 0
+    for cfg, rs in zip(configs, runs):
+        r = rs[0]
+        tok_s = statistics.median(x["tok_s"] for x in rs)
+        exact = not sampled or cfg.compare or cfg.spec is None or cfg.spec.get("method") != "mtp"
+        same = ("yes" if r["tokens"] == base["tokens"] else "NO") if exact else "dist."
         print(
-            f"| {cfg.label} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x | "
-            f"{r['acceptance']:.1%} | {r['steps']} | {same} |",
+            f"| {cfg.label} | {tok_s:.1f} | {tok_s / base_tok_s:.2f}x | "
+            f"{statistics.median(x['acceptance'] for x in rs):.1%} | {r['steps']} | {same} |",
             flush=True,
         )
 
@@ -119,21 +166,24 @@ def mtp(k: int, policy: str = "fixed") -> dict[str, Any]:
     return {"method": "mtp", "num_speculative_tokens": k, "policy": policy}
 
 
-def suite_mtp(max_tokens: int) -> None:
+def suite_mtp(opt: Options) -> None:
     prompts = continuation_prompts(1)
-    for temperature in (0.0, 0.7):
+    for temperature in opt.temperatures:
         configs = [Config("none", None), Config("MTP k=2", mtp(2))]
+        if temperature > 0:
+            configs.append(Config("MTP k=2, sample-and-compare", mtp(2), compare=True))
         table(
             f"MTP, tiny-deepseek-v4, c=1, T={temperature}",
             "tiny-deepseek-v4",
             configs,
             prompts,
             temperature=temperature,
-            max_tokens=max_tokens,
+            max_tokens=opt.max_tokens,
+            repeat=opt.repeat,
         )
 
 
-def suite_ngram(max_tokens: int) -> None:
+def suite_ngram(opt: Options) -> None:
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"}
     for c in (1, 16):
         configs = [Config("none", None), Config("n-gram k=3", ngram)]
@@ -143,11 +193,12 @@ def suite_ngram(max_tokens: int) -> None:
             configs,
             editing_prompts(c),
             temperature=0.0,
-            max_tokens=max_tokens,
+            max_tokens=opt.max_tokens,
+            repeat=opt.repeat,
         )
 
 
-def suite_adaptive(max_tokens: int) -> None:
+def suite_adaptive(opt: Options) -> None:
     for c in (1, 32):
         configs = [
             Config("none", None),
@@ -160,7 +211,8 @@ def suite_adaptive(max_tokens: int) -> None:
             configs,
             continuation_prompts(c),
             temperature=0.0,
-            max_tokens=max_tokens,
+            max_tokens=opt.max_tokens,
+            repeat=opt.repeat,
         )
 
 
@@ -169,12 +221,14 @@ def main() -> None:
     ap.add_argument("--suite", nargs="+", choices=["mtp", "ngram", "adaptive"], default=["mtp", "ngram", "adaptive"])
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--repeat", type=int, default=1, help="alternated runs per configuration; medians reported")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="the mtp suite's temperatures")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     suites = {"mtp": suite_mtp, "ngram": suite_ngram, "adaptive": suite_adaptive}
     for name in args.suite:
-        suites[name](args.max_tokens)
+        suites[name](Options(max_tokens=args.max_tokens, repeat=args.repeat, temperatures=tuple(args.temperatures)))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ class WireSampling(msgspec.Struct, frozen=True, kw_only=True):
     allowed_token_ids: tuple[int, ...] | None = None  # the only tokens that may be sampled
     bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be completed
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs are computed, with this many top ones
+    max_tokens: int | None = None  # the request's output limit (bounds the drafts rejection sampling verifies)
 
 
 def wire_sampling(sp: SamplingParams, eos_token_ids: Sequence[int]) -> WireSampling:
@@ -67,6 +68,7 @@ def wire_sampling(sp: SamplingParams, eos_token_ids: Sequence[int]) -> WireSampl
         allowed_token_ids=tuple(sp.allowed_token_ids) if sp.allowed_token_ids is not None else None,
         bad_words=tuple(tuple(w) for w in sp.bad_words_token_ids),
         prompt_logprobs=sp.prompt_logprobs,
+        max_tokens=sp.max_tokens,
     )
 
 

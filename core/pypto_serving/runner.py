@@ -46,6 +46,7 @@ class _ReqState:
         "grammar",
         "grammar_error",
         "history",
+        "last_base",
         "num_prompt",
         "request_id",
         "rows",
@@ -71,6 +72,7 @@ class _ReqState:
         self.edits = LogitEdits(bias=sp.logit_bias, allowed=sp.allowed_token_ids) if has_edits else None
         self.drafts: list[int] = []
         self.draft_probs: torch.Tensor | None = None  # [len(drafts), V] q of sampled drafts, on the device
+        self.last_base: int | None = None  # outputs before the last step that sampled for this request
         self.rows: list[RowParams] = []  # the sampler's rows of this request, reused across steps
         self.grammar: RequestGrammar | None = None  # structured output: the grammar's state
         self.grammar_error: str | None = None  # the grammar could not be built: the request fails
@@ -238,7 +240,9 @@ class ModelRunner:
         rejected = ib.ints["rejected"][rows].tolist()
         for e, last_token, rej in zip(entries, last, rejected):
             toks = [self._last_sampled(e.request_id, last_token)] if e.use_last_sampled else e.token_ids
-            drafts = self.states[e.request_id].drafts[: e.num_draft] if e.num_draft else []
+            drafts = self._drafts_to_verify(e) if e.num_draft else []
+            if e.sample:
+                self.states[e.request_id].last_base = self.states[e.request_id].num_outputs
             ids += toks
             ids += drafts
             # Rejections the scheduler had not reconciled when it scheduled this entry.
@@ -271,6 +275,26 @@ class ModelRunner:
             input_ids_host=ids,
         )
         return batch, drafts_used, prompt_rows
+
+    def _drafts_to_verify(self, e: ScheduledEntry) -> list[int]:
+        """The drafts ``e`` verifies.
+
+        Rejection sampling emits tokens that depend on how many drafts each step verifies, and near
+        a request's output limit (``max_tokens`` or the context length) the scheduler caps
+        ``num_draft`` from the outputs it has seen, which under async scheduling lag by the step in
+        flight. A rejection-sampled request therefore verifies at most ``room - k_max - 2`` drafts,
+        ``room`` counted from the outputs before its previous sampling step: the previous step
+        emitted at most ``1 + k_max`` tokens, so neither strategy's cap is below this one, and sync
+        and async verify the same drafts and emit the same tokens."""
+        st = self.states[e.request_id]
+        k = e.num_draft
+        if st.rejection_sampled and st.draft_probs is not None and st.last_base is not None:
+            assert self.info is not None
+            room = self.info.max_model_len - st.num_prompt - st.last_base
+            if st.sampling.max_tokens is not None:
+                room = min(room, st.sampling.max_tokens - st.last_base)
+            k = max(0, min(k, room - self.info.max_draft_tokens - 2))
+        return st.drafts[:k]
 
     def _prompt_rows(
         self, entries: list[ScheduledEntry], starts: list[int], query_lens: list[int]

@@ -36,12 +36,15 @@ from pypto_serving_deepseek_mtp.plugin import TINY_DEEPSEEK_V4  # noqa: E402
 from tests.plugins.embedded import tokenize  # noqa: E402
 
 SEEDS = 1024
+# Rejection-sampled requests verify no drafts within k + 2 outputs of max_tokens (the runner's cap
+# that keeps async equal to sync): 6 lets the first two decode steps verify both drafts.
+MAX_TOKENS = 6
 
 
 def _first_tokens(spec: dict[str, Any] | None, first_seed: int) -> tuple[list[list[int]], dict[str, Any]]:
     prompt = tokenize(TINY_DEEPSEEK_V4, "class Config:\n    def __init__(self")
     params = [
-        SamplingParams(temperature=0.7, top_p=0.9, presence_penalty=0.5, seed=s, max_tokens=3, ignore_eos=True)
+        SamplingParams(temperature=0.7, top_p=0.9, presence_penalty=0.5, seed=s, max_tokens=MAX_TOKENS, ignore_eos=True)
         for s in range(first_seed, first_seed + SEEDS)
     ]
     with LLM(
