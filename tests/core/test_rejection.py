@@ -508,3 +508,13 @@ def test_non_finite_logits_fail_only_their_request() -> None:
     spec = [SpecRow(seed=r, first_index=0, num_drafts=1, greedy=False) for r in range(2)]
     got = verify_sampled(target, params, [[0], [0]], q, spec)
     assert got[0] is not None and got[1] is None
+
+
+def test_draft_sampling_stays_on_the_device(fake: FakeTensorMode) -> None:
+    logits = torch.empty(4, 1000, device="cuda")
+    rows = {r: DraftRow(temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, seed=r, first_index=3) for r in (0, 2)}
+    sampler = DraftSampler(rows)
+    tokens = sampler.pick(logits, [0, 1, 2, 3])
+    q = sampler.probs(2, 1)
+    assert tokens.device.type == "cuda" and tokens.shape == (4,)
+    assert q is not None and q.device.type == "cuda" and q.shape == (1, 1000)
