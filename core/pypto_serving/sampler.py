@@ -431,19 +431,17 @@ def _apply_grammar(x: torch.Tensor, grammar: GrammarMask) -> tuple[torch.Tensor,
 
 
 def _ban_listed(x: torch.Tensor, sparse: SparseRows, listed: _Listed) -> torch.Tensor:
-    """``x`` with the rows listed by disallowed id masked: those ids, and the tokens from
-    ``listed.vocab`` on, at ``-inf``."""
+    """``x`` with the rows listed by disallowed id masked (a new tensor): those ids, and the tokens
+    from ``listed.vocab`` on, at ``-inf``."""
     dev = x.device
     at = torch.tensor(sparse.banned_rows, dtype=torch.long, device=dev)
     listed.banned_at = {r: j for j, r in enumerate(sparse.banned_rows)}
     listed.unmasked, listed.banned = x.index_select(0, at), sparse.banned
-    rows = listed.unmasked.clone().index_put_(
-        (torch.arange(len(sparse.banned_rows), device=dev).unsqueeze(1).expand_as(sparse.banned), sparse.banned),
-        torch.tensor(float("-inf"), device=dev),
-    )
+    inf = torch.tensor(float("-inf"), device=dev)
+    x = x.index_put((at.unsqueeze(1).expand_as(sparse.banned), sparse.banned), inf)
     if listed.vocab < x.shape[1]:
-        rows.narrow(1, listed.vocab, x.shape[1] - listed.vocab).fill_(float("-inf"))
-    return x.index_copy(0, at, rows)
+        x.index_put_((at.unsqueeze(1), torch.arange(listed.vocab, x.shape[1], device=dev).unsqueeze(0)), inf)
+    return x
 
 
 def _mask_listed(x: torch.Tensor, sparse: SparseRows, listed: _Listed) -> torch.Tensor:

@@ -253,17 +253,22 @@ def sparse_rows(
 def _listing(
     host: npt.NDArray[np.int32], at: list[int], bit: bool, vocab: int | None = None
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
-    """The ids below ``vocab`` whose bit is ``bit`` in each of ``host``'s rows ``at``, ascending and
-    padded to one width with the row's first id; and where the padding is."""
-    bits = np.unpackbits(host[at].view(np.uint8), axis=1, bitorder="little").astype(np.bool_)[:, :vocab]
+    """The ids below ``vocab`` whose bit is ``bit`` in each of ``host``'s rows ``at`` (each has
+    some), ascending and padded to one width with the row's first id; and where the padding is."""
+    if not at:
+        return np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.bool_)
+    bits = np.unpackbits(host[at].view(np.uint8), axis=1, bitorder="little").view(np.bool_)
+    # Row by row: numpy's 1-D nonzero runs several times faster than its 2-D one.
     lists = [np.flatnonzero(row if bit else ~row) for row in bits]
-    ids = np.zeros((len(at), max((len(x) for x in lists), default=0)), dtype=np.int64)
-    pad = np.zeros(ids.shape, dtype=np.bool_)
+    if vocab is not None:
+        lists = [x[: np.searchsorted(x, vocab)] for x in lists]
+    out = np.empty((len(at), max(len(x) for x in lists)), dtype=np.int64)
+    pad = np.zeros(out.shape, dtype=np.bool_)
     for j, listed in enumerate(lists):
-        ids[j, : len(listed)] = listed
-        ids[j, len(listed) :] = listed[0]
+        out[j, : len(listed)] = listed
+        out[j, len(listed) :] = listed[0]
         pad[j, len(listed) :] = True
-    return ids, pad
+    return out, pad
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

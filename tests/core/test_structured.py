@@ -256,6 +256,10 @@ def test_sparse_rows_list_the_ids_of_rows_allowing_few_or_nearly_all_tokens() ->
         assert sparse.banned[j, : len(want)].tolist() == want and set(sparse.banned[j].tolist()) == set(want)
     assert sparse.max_id == max(np.flatnonzero(allowed[[0, 2, 5]].any(0)).max(), np.flatnonzero(~allowed[7]).max())
     assert sparse_rows(_pack(allowed[[1, 4]]), [0, 1], torch.device("cpu"), vocab) is None
+    only_few = sparse_rows(_pack(allowed[[0, 1]]), [0, 1], torch.device("cpu"), vocab)
+    only_most = sparse_rows(_pack(allowed[[8, 1]]), [0, 1], torch.device("cpu"), vocab)
+    assert only_few is not None and only_few.rows == (0,) and only_few.banned_rows == ()
+    assert only_most is not None and only_most.rows == () and only_most.banned_rows == (0,)
 
 
 SETTINGS: list[dict[str, Any]] = [
