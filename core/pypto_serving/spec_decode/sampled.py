@@ -65,10 +65,25 @@ def processed_probs(x: torch.Tensor, params: Sequence[Filters]) -> torch.Tensor:
     edits, penalties and bans; every ``params[i].temperature > 0``): temperature, then top-k, then
     top-p over the mass left by top-k (the whole row's without top-k), then min-p against the best
     token, then renormalised. The sampler keeps the same sets; only where rounding puts a token's
-    cumulative mass exactly on the top-p boundary may the two differ."""
+    cumulative mass exactly on the top-p boundary may the two differ. Rows without filters take one
+    softmax; filtered rows sort the vocabulary (no host read: the bounded candidate set the sampler
+    uses would need one to learn whether a row's kept set fits in it)."""
     x = x.float()
     vocab = x.shape[1]
     temp = _column([p.temperature for p in params], x)
+    filtered = [0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
+    if not any(filtered):
+        return torch.softmax(x / temp, dim=-1)
+    probs = _filtered_probs(x, params, temp)
+    if all(filtered):
+        return probs
+    plain = torch.tensor(filtered, device=x.device).logical_not().unsqueeze(1)
+    return torch.where(plain, torch.softmax(x / temp, dim=-1), probs)
+
+
+def _filtered_probs(x: torch.Tensor, params: Sequence[Filters], temp: torch.Tensor) -> torch.Tensor:
+    """:func:`processed_probs` of rows with filters, over the sorted vocabulary."""
+    vocab = x.shape[1]
     top_k = _column([float(p.top_k) if 0 < p.top_k < vocab else float(vocab) for p in params], x)
     top_p = _column([p.top_p for p in params], x)
     min_p = _column([p.min_p for p in params], x)
@@ -146,7 +161,9 @@ def verify_sampled(
         request's logits are not finite.
     """
     dev = logits.device
-    p = processed_probs(sample_on_device(logits, list(params)).logits, params)
+    # Rows without edits, penalties or bans need none of the sampler's processing (nor its draw).
+    edited = any(r.counts is not None or r.banned or r.edits is not None for r in params)
+    p = processed_probs(sample_on_device(logits, list(params)).logits if edited else logits, params)
     flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=dev)
     verdict = rejection_sample(p, flat, rows, draft_probs)
     req = torch.repeat_interleave(
