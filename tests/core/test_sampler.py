@@ -373,3 +373,26 @@ def test_a_row_with_every_token_banned_is_flagged_not_drawn() -> None:
     ]
     out = sample(logits, params)
     assert out.tokens[0] == 3 and out.empty == {1, 2} and not out.errors
+
+
+def test_unmasked_draw_of_rows_listed_by_disallowed_id_equals_the_masked_draw() -> None:
+    """A whole-vocabulary row drawn from its unmasked logits with the disallowed weights zeroed after
+    each exp takes the token the masked row takes, at 500 uniforms spread over [0, 1) per row (the
+    weights keep their bits, so no boundary moves), with tokens past the tokenizer's disallowed."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, tokenizer_vocab, rows, per_row = 5000, 4990, 4, 500
+    unmasked = (torch.randn(rows, vocab, generator=gen) * 3).bfloat16().float()
+    banned = torch.stack([torch.randperm(tokenizer_vocab, generator=gen)[:700].sort().values for _ in range(rows)])
+    masked = unmasked.clone()
+    masked.scatter_(1, banned, float("-inf"))
+    masked[:, tokenizer_vocab:] = float("-inf")
+    pick = torch.arange(rows).repeat_interleave(per_row)
+    temps = [0.5 + 0.25 * r for r in range(rows)]
+    params = [RowParams(temperature=temps[int(r)], seed=0, draw_index=0) for r in pick]
+    spread = torch.arange(rows * per_row, dtype=torch.float64) % per_row
+    u = (spread + torch.rand(rows * per_row, generator=gen).double()) / per_row
+    got = sampler_mod._draw_unmasked(masked[pick], unmasked[pick], banned[pick], tokenizer_vocab, params, u)
+    want, _ = sampler_mod._draw(masked[pick], "all", vocab, params, u)
+    assert torch.equal(got, want)
+    for r, t in zip(pick.tolist(), got.tolist()):
+        assert t < tokenizer_vocab and t not in set(banned[r].tolist())
