@@ -9,16 +9,17 @@ allowed, the mask's most expensive case), and a regex of words.
 
 Reported per configuration: the worker's time per pure decode step (forward, grammar masks,
 sampling; steps where requests enter are left out), the host time spent filling grammar bitmasks
-per step (``structured.step_mask``: llguidance's masks plus the one upload), and the overhead
-against unconstrained decoding. The machine's other load moves every number: compare rows of one
-run only.
+per step (``structured.fill_step_mask``: llguidance's masks and the listing of rows by id, on the
+worker's mask thread beside the forward), and the overhead against unconstrained decoding. The
+machine's other load moves every number: compare rows of one run only.
 
     python benchmarks/structured.py [--model /work/models/qwen3-small] [--concurrency 16]
-        [--max-tokens 64] [--repeats 3] [--threads 2] [--temperature 0.8] [--unlisted]
+        [--max-tokens 64] [--repeats 3] [--threads 2] [--temperature 0.8] [--unlisted] [--serial]
 
 ``--unlisted`` adds each grammar once more with no row listed by allowed id
 (``structured.SparseRows``), every row masked through its bitmask: the two sampler paths side by
-side.
+side. ``--serial`` adds each grammar once more with its masks filled on the step's thread before
+the forward (``ModelRunner.overlap_grammar_masks`` off): overlapped against serial in one run.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ class Timing:
 
 
 def _counting_step_mask(totals: dict[str, float]) -> Callable[..., Any]:
-    """``structured.step_mask`` that adds its time and calls to ``totals``."""
+    """``structured.fill_step_mask`` that adds its time and calls to ``totals``."""
     from pypto_serving import structured
 
-    inner = structured.step_mask
+    inner = structured.fill_step_mask
 
     def timed(*args: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
@@ -91,13 +92,26 @@ def _unlisted(on: bool) -> Iterator[None]:
     (the sampler's general path, to compare against the listed rows' path in one run)."""
     from pypto_serving import structured
 
-    inner = structured.sparse_rows
+    inner = structured.list_rows
     if on:
-        structured.sparse_rows = lambda *a: None  # type: ignore[assignment]
+        structured.list_rows = lambda *a: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        structured.sparse_rows = inner
+        structured.list_rows = inner
+
+
+@contextlib.contextmanager
+def _serial(on: bool) -> Iterator[None]:
+    """While ``on``: the worker fills grammar masks before the forward, on the step's own thread."""
+    from pypto_serving.runner import ModelRunner
+
+    inner = ModelRunner.overlap_grammar_masks
+    ModelRunner.overlap_grammar_masks = not on
+    try:
+        yield
+    finally:
+        ModelRunner.overlap_grammar_masks = inner
 
 
 def run(args: argparse.Namespace) -> None:
@@ -106,7 +120,7 @@ def run(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     totals = {"seconds": 0.0, "calls": 0.0, "steps": 0.0, "step_seconds": 0.0}
-    runner.step_mask = _counting_step_mask(totals)  # type: ignore[attr-defined]
+    runner.fill_step_mask = _counting_step_mask(totals)
     _counting_step(totals)
     configs: dict[str, StructuredSpec | None] = {
         "none": None,
@@ -116,6 +130,9 @@ def run(args: argparse.Namespace) -> None:
     if args.unlisted:
         configs["json_unlisted"] = configs["json_schema"]
         configs["regex_unlisted"] = configs["regex"]
+    if args.serial:
+        configs["json_serial"] = configs["json_schema"]
+        configs["regex_serial"] = configs["regex"]
     prompts = [f"Write item {i} of the list:" for i in range(args.concurrency)]
     timings = {name: Timing() for name in configs}
     with LLM(model=args.model, device="cpu", worker_mode="inproc", scheduler="sync", max_num_seqs=64) as llm:
@@ -125,7 +142,7 @@ def run(args: argparse.Namespace) -> None:
                     temperature=args.temperature, seed=1, max_tokens=args.max_tokens, ignore_eos=True, structured=spec
                 )
                 totals.update(seconds=0.0, calls=0.0, steps=0.0, step_seconds=0.0)
-                with _unlisted(name.endswith("_unlisted")):
+                with _unlisted(name.endswith("_unlisted")), _serial(name.endswith("_serial")):
                     outs = llm.generate(prompts, params, use_tqdm=False)
                 wall = totals["step_seconds"]
                 assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
@@ -160,6 +177,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (the mask then costs no draw)")
     parser.add_argument(
         "--unlisted", action="store_true", help="also run each grammar with every row through its bitmask"
+    )
+    parser.add_argument(
+        "--serial", action="store_true", help="also run each grammar with its masks filled before the forward"
     )
     run(parser.parse_args())
 

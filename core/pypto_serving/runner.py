@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from .input_batch import InputBatch, StepArrays
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
 from .sampler import LogitEdits, RowParams, SampleOutput, TokenCounts, prompt_logprobs, sample
 from .spec_decode import DraftRow, DraftSampler, NgramDrafter, SpecRow, verify_sampled
-from .structured import GrammarCompiler, RequestGrammar, step_mask
+from .structured import GrammarCompiler, HostMask, RequestGrammar, fill_step_mask
 
 __all__ = ["MissingSampledTokenError", "ModelRunner"]
 
@@ -102,6 +103,10 @@ class _ReqState:
 
 
 class ModelRunner:
+    #: Fill a step's grammar masks on a thread while its forward runs (llguidance and numpy release
+    #: the GIL) rather than after it; the masks are the same either way.
+    overlap_grammar_masks: bool = True
+
     def __init__(self, executor: Executor, settings: Any) -> None:
         self.executor = executor
         self.settings = settings
@@ -110,6 +115,7 @@ class ModelRunner:
         self._input_batch: InputBatch | None = None
         self._ngram = _ngram_drafter(settings)
         self._grammars = GrammarCompiler(getattr(settings, "tokenizer", None) or getattr(settings, "model", None))
+        self._mask_thread: ThreadPoolExecutor | None = None  # made by the first constrained step
 
     def load(self) -> ExecutorInfo:
         self.info = self.executor.load()
@@ -126,6 +132,8 @@ class ModelRunner:
         self.executor.init_kv_cache(num_blocks)
 
     def shutdown(self) -> None:
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=True)
         self.executor.shutdown()
 
     @property
@@ -156,9 +164,15 @@ class ModelRunner:
             if not cmd.entries:
                 return StepResult(step_id=cmd.step_id)
             batch, drafts_used, prompt_rows = self._build_batch(cmd.entries)
-            logits = self.executor.execute(batch)
-            logits, prompt_lps = self._split_prompt_rows(batch, logits, prompt_rows)
-            result = self._sample(cmd, batch, logits, drafts_used)
+            rejecting = self._rejecting(cmd.entries, drafts_used)
+            masks = self._start_masks(cmd.entries, batch.num_logits, drafts_used, rejecting)
+            try:
+                logits = self.executor.execute(batch)
+                logits, prompt_lps = self._split_prompt_rows(batch, logits, prompt_rows)
+                result = self._sample(cmd, batch, logits, drafts_used, _Pending(rejecting=rejecting, masks=masks))
+            finally:
+                if masks is not None:
+                    masks.exception()  # the fill is done before anything else touches the grammars
             if isinstance(prompt_lps, str):  # the executor returned the sampled rows only
                 _fail_prompt_rows(result, prompt_rows, prompt_lps)
             else:
@@ -367,20 +381,44 @@ class ModelRunner:
             ib.append_blocks(row, e.new_block_ids)
 
     # ------------------------------------------------------------------ sample and verify
+    def _rejecting(self, entries: list[ScheduledEntry], drafts_used: list[list[int]]) -> list[int]:
+        """The entries whose drafts rejection sampling verifies (their draft probabilities are known)."""
+        return [
+            i
+            for i, (e, d) in enumerate(zip(entries, drafts_used))
+            if d and self.states[e.request_id].rejection_sampled and self.states[e.request_id].draft_probs is not None
+        ]
+
+    def _start_masks(
+        self, entries: list[ScheduledEntry], num_logits: list[int], drafts_used: list[list[int]], rejecting: list[int]
+    ) -> Future[HostMask | None] | None:
+        """The grammar masks of the rows sampled one by one (every entry but ``rejecting``), filling
+        on the mask thread while the forward runs; None when none of those rows is constrained."""
+        skip = set(rejecting)
+        grammars = [
+            (self.states[e.request_id].grammar, num_logits[i], drafts_used[i])
+            for i, e in enumerate(entries)
+            if i not in skip
+        ]
+        if not any(g is not None and n for g, n, _ in grammars):
+            return None
+        if not self.overlap_grammar_masks:
+            done: Future[HostMask | None] = Future()
+            done.set_result(fill_step_mask(grammars))
+            return done
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        return self._mask_thread.submit(fill_step_mask, grammars)
+
     def _sample(
-        self, cmd: StepCommand, batch: BatchInput, logits: torch.Tensor, drafts_used: list[list[int]]
+        self, cmd: StepCommand, batch: BatchInput, logits: torch.Tensor, drafts_used: list[list[int]], pending: _Pending
     ) -> StepResult:
         result = StepResult(step_id=cmd.step_id)
         params = self._row_params(cmd.entries, batch.num_logits, drafts_used)
         if not params:
             return result
         starts = np.cumsum([0, *batch.num_logits]).tolist()
-        rejecting = [
-            i
-            for i, (e, d) in enumerate(zip(cmd.entries, drafts_used))
-            if d and self.states[e.request_id].rejection_sampled and self.states[e.request_id].draft_probs is not None
-        ]
-        kept = self._verify_rejection(cmd.entries, logits, params, starts, drafts_used, rejecting)
+        kept = self._verify_rejection(cmd.entries, logits, params, starts, drafts_used, pending.rejecting)
         rest = [i for i in range(len(cmd.entries)) if i not in kept]
         rows = [r for i in rest for r in range(starts[i], starts[i + 1])]
         out = SampleOutput([], [], {})
@@ -388,10 +426,8 @@ class ModelRunner:
             sub = (
                 logits if len(rows) == len(params) else logits.index_select(0, torch.tensor(rows, device=logits.device))
             )
-            grammars = [
-                (self.states[cmd.entries[i].request_id].grammar, batch.num_logits[i], drafts_used[i]) for i in rest
-            ]
-            out = sample(sub, [params[r] for r in rows], step_mask(grammars, logits.device))
+            host = None if pending.masks is None else pending.masks.result()
+            out = sample(sub, [params[r] for r in rows], None if host is None else host.to(logits.device))
         at = dict(zip(rows, range(len(rows))))
         self._verify(cmd.entries, batch.num_logits, drafts_used, _Verified(out=out, row_at=at, kept=kept), result)
         return result
@@ -486,6 +522,15 @@ class ModelRunner:
             if st.sampling.logprobs is not None:
                 result.logprobs[e.request_id] = [out.logprobs[r] or {} for r in rows[: len(kept)]]
         self.input_batch.commit(*committed)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Pending:
+    """What a step settles before its forward for its sampling: the entries rejection sampling
+    verifies and the grammar masks filling beside the forward."""
+
+    rejecting: list[int]
+    masks: Future[HostMask | None] | None
 
 
 @dataclass(slots=True, kw_only=True)

@@ -4,7 +4,8 @@ A request carries a :class:`StructuredSpec` (a JSON schema, any JSON object, a r
 a list of choices, or a Lark grammar such as a forced tool call's). The server checks it once when
 the request arrives (:func:`check_spec`: a bad schema or pattern is the client's error). The worker
 keeps one :class:`RequestGrammar` per constrained request: per step it writes the allowed-token
-bitmask of each of the request's logits rows into one host array (:func:`fill_step_bitmask`), the
+bitmask of each of the request's logits rows into one host array (:func:`fill_step_mask`, on a
+thread while the step's forward runs: the masks depend only on the tokens accepted before it), the
 step uploads it once, and the sampler masks the disallowed tokens to ``-inf`` on the device
 (:func:`apply_bitmask`). Rows that allow few tokens (most grammar states outside free text) are
 listed by id on the host, and so are rows that allow nearly every token (:class:`SparseRows`): the
@@ -38,13 +39,18 @@ from .request import StructuredSpec
 __all__ = [
     "GrammarCompiler",
     "GrammarMask",
+    "HostListing",
+    "HostMask",
     "RequestGrammar",
     "SparseRows",
     "StructuredSpec",
     "apply_bitmask",
     "bitmask_words",
     "check_spec",
+    "fill_step_mask",
     "grammar_text",
+    "list_rows",
+    "sparse_rows",
     "step_mask",
 ]
 
@@ -194,12 +200,56 @@ class GrammarMask:
     sparse: SparseRows | None = None
 
 
-def step_mask(
-    entries: Sequence[tuple[RequestGrammar | None, int, list[int]]], device: torch.device
-) -> GrammarMask | None:
-    """The masks of one step whose requests, in logits-row order, are ``(grammar, logits rows,
-    drafts)``: every row of a constrained request, filled on the host and uploaded once; None when
-    no request of the step is constrained."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostListing:
+    """:class:`SparseRows` on the host, before the upload (the fields of the same names)."""
+
+    few: list[int]  # positions in the step's constrained rows of those listed by allowed id
+    ids: npt.NDArray[np.int64]
+    pad: npt.NDArray[np.bool_]
+    most: list[int]  # positions of those listed by disallowed id
+    banned: npt.NDArray[np.int64]
+    vocab: int
+    dense: list[int]
+
+    def to(self, rows: list[int], device: torch.device) -> SparseRows:
+        """The listing of the constrained logits ``rows`` on ``device``."""
+        return SparseRows(
+            rows=tuple(rows[i] for i in self.few),
+            ids=torch.from_numpy(self.ids).to(device),
+            pad=torch.from_numpy(self.pad).to(device),
+            banned_rows=tuple(rows[i] for i in self.most),
+            banned=torch.from_numpy(self.banned).to(device),
+            vocab=self.vocab,
+            max_id=max(int(self.ids.max(initial=0)), int(self.banned.max(initial=0))),
+            dense=torch.tensor(self.dense, dtype=torch.long, device=device),
+            num_dense=len(self.dense),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostMask:
+    """One step's grammar masks on the host: everything :class:`GrammarMask` holds, before the upload.
+    Filling it reads only the grammars' states, so it can run beside the step's forward."""
+
+    rows: list[int]  # logits rows constrained, ascending
+    bitmask: npt.NDArray[np.int32]  # [R, W]
+    listing: HostListing | None
+
+    def to(self, device: torch.device) -> GrammarMask:
+        """The masks on ``device``: one upload per array."""
+        return GrammarMask(
+            torch.tensor(self.rows, dtype=torch.long, device=device),
+            torch.from_numpy(self.bitmask).to(device),
+            None if self.listing is None else self.listing.to(self.rows, device),
+        )
+
+
+def fill_step_mask(entries: Sequence[tuple[RequestGrammar | None, int, list[int]]]) -> HostMask | None:
+    """The host masks of one step whose requests, in logits-row order, are ``(grammar, logits rows,
+    drafts)``: every row of a constrained request, and the listing of the rows that allow few or
+    nearly all tokens; None when no request of the step is constrained. It only reads the grammars
+    (no torch, llguidance and numpy release the GIL), so a thread can run it during the forward."""
     rows: list[int] = []
     parts: list[tuple[RequestGrammar, list[int], int]] = []
     first = 0
@@ -213,20 +263,31 @@ def step_mask(
     host = np.empty((len(rows), parts[0][0].words), dtype=np.int32)
     for grammar, drafts, at in parts:
         grammar.fill(drafts, host[at : at + len(drafts) + 1])
-    return GrammarMask(
-        torch.tensor(rows, dtype=torch.long, device=device),
-        torch.from_numpy(host).to(device),
-        sparse_rows(host, rows, device, parts[0][0].vocab),
-    )
+    return HostMask(rows=rows, bitmask=host, listing=list_rows(host, parts[0][0].vocab))
+
+
+def step_mask(
+    entries: Sequence[tuple[RequestGrammar | None, int, list[int]]], device: torch.device
+) -> GrammarMask | None:
+    """:func:`fill_step_mask`'s masks uploaded to ``device`` (None when no request is constrained)."""
+    host = fill_step_mask(entries)
+    return None if host is None else host.to(device)
 
 
 def sparse_rows(
     host: npt.NDArray[np.int32], rows: list[int], device: torch.device, vocab: int | None = None
 ) -> SparseRows | None:
-    """The rows of the host bitmask ``host [R, W]`` (of logits ``rows``) listed by id: those that
-    allow between 1 and ``12 W`` tokens (3/8 of the bitmask's width) by allowed id, those that
-    disallow between 1 and ``12 W`` of the first ``vocab`` tokens (default ``32 W``; the tokens past
-    them are disallowed anyway) by disallowed id. None when no row is listed."""
+    """The rows of the host bitmask ``host [R, W]`` (of logits ``rows``) listed by id on ``device``
+    (:func:`list_rows`); None when no row is listed."""
+    listing = list_rows(host, vocab)
+    return None if listing is None else listing.to(rows, device)
+
+
+def list_rows(host: npt.NDArray[np.int32], vocab: int | None = None) -> HostListing | None:
+    """The rows of the host bitmask ``host [R, W]`` listed by id: those that allow between 1 and
+    ``12 W`` tokens (3/8 of the bitmask's width) by allowed id, those that disallow between 1 and
+    ``12 W`` of the first ``vocab`` tokens (default ``32 W``; the tokens past them are disallowed
+    anyway) by disallowed id. None when no row is listed."""
     words = host.shape[1]
     vocab = 32 * words if vocab is None else min(vocab, 32 * words)
     counts = np.bitwise_count(host.view(np.uint32)).sum(axis=1).tolist()
@@ -236,18 +297,8 @@ def sparse_rows(
         return None
     ids, pad = _listing(host, few, True)
     banned, _ = _listing(host, most, False, vocab)
-    dense = sorted(set(range(len(rows))) - set(few) - set(most))
-    return SparseRows(
-        rows=tuple(rows[i] for i in few),
-        ids=torch.from_numpy(ids).to(device),
-        pad=torch.from_numpy(pad).to(device),
-        banned_rows=tuple(rows[i] for i in most),
-        banned=torch.from_numpy(banned).to(device),
-        vocab=vocab,
-        max_id=max(int(ids.max(initial=0)), int(banned.max(initial=0))),
-        dense=torch.tensor(dense, dtype=torch.long, device=device),
-        num_dense=len(dense),
-    )
+    dense = sorted(set(range(len(counts))) - set(few) - set(most))
+    return HostListing(few=few, ids=ids, pad=pad, most=most, banned=banned, vocab=vocab, dense=dense)
 
 
 def _listing(

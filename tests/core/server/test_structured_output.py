@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -177,3 +178,47 @@ def test_mtp_equals_no_speculation_with_grammars() -> None:
             drafted = llm.engine.stats()["spec_drafted"]
     assert drafted > 0
     assert runs[0] == runs[1]
+
+
+def test_grammar_masks_fill_beside_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every constrained step fills its masks on the worker's mask thread while its forward runs
+    (the fill sees the forward in progress, and the forward sees the fill start), and the outputs,
+    drafted rows included, equal filling the masks on the step's own thread before the forward."""
+    from pypto_serving import runner
+    from pypto_serving_qwen.executor import QwenExecutor
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed", "prompt_lookup_min": 1}
+    monkeypatch.setattr(runner.ModelRunner, "overlap_grammar_masks", False)
+    serial = _offline("sync", ngram)
+    monkeypatch.setattr(runner.ModelRunner, "overlap_grammar_masks", True)
+
+    forward, filling = threading.Event(), threading.Event()
+    overlapped: list[bool] = []
+    started: list[bool] = []  # per step: whether it fills masks
+    fill, start, execute = runner.fill_step_mask, runner.ModelRunner._start_masks, QwenExecutor.execute
+
+    def probed_fill(entries: Any) -> Any:
+        overlapped.append(forward.wait(timeout=2) and threading.current_thread() is not threading.main_thread())
+        filling.set()
+        return fill(entries)
+
+    def probed_start(self: runner.ModelRunner, *args: Any) -> Any:
+        pending = start(self, *args)
+        started.append(pending is not None)
+        return pending
+
+    def probed_execute(self: QwenExecutor, batch: Any) -> Any:
+        forward.set()
+        try:
+            return execute(self, batch)
+        finally:
+            if started[-1]:
+                filling.wait(timeout=2)
+            forward.clear()
+            filling.clear()
+
+    monkeypatch.setattr(runner.ModelRunner, "_start_masks", probed_start)
+    monkeypatch.setattr(runner, "fill_step_mask", probed_fill)
+    monkeypatch.setattr(QwenExecutor, "execute", probed_execute)
+    assert _offline("sync", ngram) == serial
+    assert overlapped and all(overlapped) and len(overlapped) == sum(started)
