@@ -90,8 +90,9 @@ class BatchInput:
 
     ``T`` tokens of ``R`` requests laid end to end; request ``r`` owns rows
     ``query_start_loc[r]:query_start_loc[r+1]`` and, after this step, has ``seq_lens[r]`` tokens in
-    its cache. ``logits_indices`` are the rows whose logits the sampler needs, grouped per request in
-    order.
+    its cache. ``logits_indices`` are the rows whose logits the runner needs, grouped per request in
+    order: a request asking for prompt logprobs has its scored prompt rows first, then its
+    ``num_logits`` sampled rows.
 
     :param request_ids: the ``R`` request ids, in batch order (host list).
     :param input_ids: ``[T]`` int64 token ids, on ``device``.
@@ -101,7 +102,9 @@ class BatchInput:
     :param block_tables: per cache group, ``[R, max_blocks]`` int32 block ids (padded with 0), on ``device``.
     :param slot_mapping: per cache group whose entries are single tokens, ``[T]`` int64 cache slot of
         each token, on ``device``.
-    :param logits_indices: ``[sum(num_logits)]`` int64 rows to return logits for, on ``device``.
+    :param logits_indices: int64 rows to return logits for, on ``device``: ``sum(num_logits)`` of
+        them plus the prompt rows of requests asking for prompt logprobs. An executor that returns
+        the sampled rows only (``sum(num_logits)`` of them, in order) fails just those requests.
     :param num_logits: logits rows per request: 0, 1 or 1 + drafts (host list).
     :param query_start_loc_host: ``query_start_loc`` as a host list, so per-request loops and shapes
         need no read of the device tensor (a host sync on an accelerator).
