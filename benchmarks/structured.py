@@ -14,12 +14,13 @@ worker's mask thread beside the forward), and the overhead against unconstrained
 machine's other load moves every number: compare rows of one run only.
 
     python benchmarks/structured.py [--model /work/models/qwen3-small] [--concurrency 16]
-        [--max-tokens 64] [--repeats 3] [--threads 2] [--temperature 0.8] [--unlisted] [--serial]
+        [--max-tokens 64] [--repeats 3] [--threads 2] [--temperature 0.8] [--unlisted] [--overlap]
 
 ``--unlisted`` adds each grammar once more with no row listed by allowed id
 (``structured.SparseRows``), every row masked through its bitmask: the two sampler paths side by
-side. ``--serial`` adds each grammar once more with its masks filled on the step's thread before
-the forward (``ModelRunner.overlap_grammar_masks`` off): overlapped against serial in one run.
+side. ``--overlap`` adds each grammar twice more, its masks filled on a thread beside the forward
+(``_overlap``) and on the step's thread before it (``_serial``), whatever
+``ModelRunner.overlap_grammar_masks`` would choose on this machine: the two side by side.
 """
 
 from __future__ import annotations
@@ -102,12 +103,14 @@ def _unlisted(on: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _serial(on: bool) -> Iterator[None]:
-    """While ``on``: the worker fills grammar masks before the forward, on the step's own thread."""
+def _overlap(name: str) -> Iterator[None]:
+    """For configs named ``*_overlap`` / ``*_serial``: the worker fills grammar masks beside the
+    forward / before it, on the step's own thread (others: the runner's own choice)."""
     from pypto_serving.runner import ModelRunner
 
     inner = ModelRunner.overlap_grammar_masks
-    ModelRunner.overlap_grammar_masks = not on
+    if name.endswith(("_overlap", "_serial")):
+        ModelRunner.overlap_grammar_masks = name.endswith("_overlap")
     try:
         yield
     finally:
@@ -130,9 +133,10 @@ def run(args: argparse.Namespace) -> None:
     if args.unlisted:
         configs["json_unlisted"] = configs["json_schema"]
         configs["regex_unlisted"] = configs["regex"]
-    if args.serial:
-        configs["json_serial"] = configs["json_schema"]
-        configs["regex_serial"] = configs["regex"]
+    if args.overlap:
+        for mode in ("overlap", "serial"):
+            configs[f"json_{mode}"] = configs["json_schema"]
+            configs[f"regex_{mode}"] = configs["regex"]
     prompts = [f"Write item {i} of the list:" for i in range(args.concurrency)]
     timings = {name: Timing() for name in configs}
     with LLM(model=args.model, device="cpu", worker_mode="inproc", scheduler="sync", max_num_seqs=64) as llm:
@@ -142,7 +146,7 @@ def run(args: argparse.Namespace) -> None:
                     temperature=args.temperature, seed=1, max_tokens=args.max_tokens, ignore_eos=True, structured=spec
                 )
                 totals.update(seconds=0.0, calls=0.0, steps=0.0, step_seconds=0.0)
-                with _unlisted(name.endswith("_unlisted")), _serial(name.endswith("_serial")):
+                with _unlisted(name.endswith("_unlisted")), _overlap(name):
                     outs = llm.generate(prompts, params, use_tqdm=False)
                 wall = totals["step_seconds"]
                 assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
@@ -179,7 +183,7 @@ def main() -> None:
         "--unlisted", action="store_true", help="also run each grammar with every row through its bitmask"
     )
     parser.add_argument(
-        "--serial", action="store_true", help="also run each grammar with its masks filled before the forward"
+        "--overlap", action="store_true", help="also run each grammar with its masks filled beside / before the forward"
     )
     run(parser.parse_args())
 

@@ -10,6 +10,7 @@ returns a :class:`StepResult`.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -104,8 +105,10 @@ class _ReqState:
 
 class ModelRunner:
     #: Fill a step's grammar masks on a thread while its forward runs (llguidance and numpy release
-    #: the GIL) rather than after it; the masks are the same either way.
-    overlap_grammar_masks: bool = True
+    #: the GIL) rather than before it; the masks are the same either way. None: when the forward
+    #: leaves a core free, i.e. it runs on an accelerator, or on the CPU with fewer intra-op threads
+    #: than cores (a fill beside a forward on every core slows both: benchmarks/structured.py).
+    overlap_grammar_masks: bool | None = None
 
     def __init__(self, executor: Executor, settings: Any) -> None:
         self.executor = executor
@@ -402,13 +405,25 @@ class ModelRunner:
         ]
         if not any(g is not None and n for g, n, _ in grammars):
             return None
-        if not self.overlap_grammar_masks:
+        # A step whose rows all take their argmax lists fewer rows by id (the sampler checks the
+        # argmax of the others); another step's sampler treats those rows as unlisted, as exactly.
+        greedy = all(
+            self.states[e.request_id].sampling.temperature == 0.0
+            for i, e in enumerate(entries)
+            if i not in skip and num_logits[i]
+        )
+        if not self._overlap_masks():
             done: Future[HostMask | None] = Future()
-            done.set_result(fill_step_mask(grammars))
+            done.set_result(fill_step_mask(grammars, greedy))
             return done
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-        return self._mask_thread.submit(fill_step_mask, grammars)
+        return self._mask_thread.submit(fill_step_mask, grammars, greedy)
+
+    def _overlap_masks(self) -> bool:
+        if self.overlap_grammar_masks is not None:
+            return self.overlap_grammar_masks
+        return self.device.type != "cpu" or (os.cpu_count() or 1) > torch.get_num_threads()
 
     def _sample(
         self, cmd: StepCommand, batch: BatchInput, logits: torch.Tensor, drafts_used: list[list[int]], pending: _Pending

@@ -173,11 +173,14 @@ class DeviceSample:
     tokens: torch.Tensor  # [N] long
     bad: torch.Tensor  # [N] bool: NaN or +inf logits
     needs_full: torch.Tensor  # [N] bool: the bounded candidates cannot hold the row's kept set
-    logits: torch.Tensor  # [N, V] float32 after penalties and bans, for the fallback
+    logits: (
+        torch.Tensor
+    )  # [N, V] float32 after penalties and bans, for the fallback (all-greedy steps: before the grammar)
     empty: torch.Tensor | None = None  # [N] bool: every token banned (None: the step bans nothing)
     lp_rows: list[int] = field(default_factory=list)  # rows that want logprobs
     raw: torch.Tensor | None = None  # [L, V] log-softmax of those rows, before penalties
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, K] values and ids of the top logprobs
+    greedy_grammar: GrammarMask | None = None  # an all-greedy step's masks, for its fallback rows
 
 
 def _mix(z: torch.Tensor) -> torch.Tensor:
@@ -433,14 +436,11 @@ def _apply_grammar(x: torch.Tensor, grammar: GrammarMask) -> tuple[torch.Tensor,
 def _ban_listed(x: torch.Tensor, sparse: SparseRows, listed: _Listed) -> torch.Tensor:
     """``x`` with the rows listed by disallowed id masked (a new tensor): those ids, and the tokens
     from ``listed.vocab`` on, at ``-inf``."""
-    dev = x.device
-    at = torch.tensor(sparse.banned_rows, dtype=torch.long, device=dev)
+    at = torch.tensor(sparse.banned_rows, dtype=torch.long, device=x.device)
     listed.banned_at = {r: j for j, r in enumerate(sparse.banned_rows)}
     listed.unmasked, listed.banned = x.index_select(0, at), sparse.banned
-    inf = torch.tensor(float("-inf"), device=dev)
-    x = x.index_put((at.unsqueeze(1).expand_as(sparse.banned), sparse.banned), inf)
-    if listed.vocab < x.shape[1]:
-        x.index_put_((at.unsqueeze(1), torch.arange(listed.vocab, x.shape[1], device=dev).unsqueeze(0)), inf)
+    x = x.clone()
+    _ban_rows(x, sparse)
     return x
 
 
@@ -456,6 +456,55 @@ def _mask_listed(x: torch.Tensor, sparse: SparseRows, listed: _Listed) -> torch.
     listed.at = {r: j for j, r in enumerate(sparse.rows)}
     listed.vals, listed.ids = vals.masked_fill(sparse.pad, float("-inf")), sparse.ids
     return masked if whole else x.index_copy(0, at, masked)
+
+
+def _greedy_under_grammar(x: torch.Tensor, grammar: GrammarMask) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[N]`` the argmax of each row of ``x [N, V]`` among the tokens ``grammar`` allows it (ties: the
+    lowest id, as ``argmax`` of the masked row), with one argmax pass per row: rows listed by allowed
+    id take theirs over their ids, the others over one masked copy of ``x``, except rows marked
+    ``checked`` (nearly every token allowed), which take their unmasked argmax when their bitmask
+    allows it. Also ``[N]`` bool: the checked rows whose argmax it does not allow (None: no row
+    checked); they need the masked argmax (:func:`_resample_full`)."""
+    n, vocab = x.shape
+    dev, sparse = x.device, grammar.sparse
+    if sparse is None or sparse.max_id >= vocab:
+        return apply_bitmask(x, grammar.rows, grammar.bitmask).argmax(dim=-1), None
+    plain = sparse.unchecked if sparse.unchecked is not None else sparse.dense
+    if plain.shape[0]:
+        y = apply_bitmask(x, grammar.rows.index_select(0, plain), grammar.bitmask.index_select(0, plain))
+    else:
+        y = x.clone() if sparse.banned_rows else x
+    if sparse.banned_rows:
+        _ban_rows(y, sparse)
+    listed = set(sparse.rows)
+    rest = [r for r in range(n) if r not in listed]
+    tokens = torch.empty(n, dtype=torch.long, device=dev)
+    if rest:
+        keep = torch.tensor(rest, dtype=torch.long, device=dev)
+        tokens.index_copy_(0, keep, (y if len(rest) == n else y.index_select(0, keep)).argmax(dim=-1))
+    if sparse.rows:
+        at = torch.tensor(sparse.rows, dtype=torch.long, device=dev)
+        vals = (x if len(rest) == 0 else x.index_select(0, at)).gather(1, sparse.ids)
+        tokens.index_copy_(0, at, sparse.ids.gather(1, vals.argmax(dim=-1, keepdim=True)).squeeze(1))
+    if sparse.checked is None:
+        return tokens, None
+    rows = grammar.rows.index_select(0, sparse.checked)
+    bits = grammar.bitmask.index_select(0, sparse.checked)
+    t = tokens.index_select(0, rows)
+    width = 32 * bits.shape[1]
+    word = bits.gather(1, (t >> 5).clamp(max=bits.shape[1] - 1).unsqueeze(1)).squeeze(1).long()
+    allowed = ((word >> (t & 31)) & 1).bool() & (t < width)
+    return tokens, torch.zeros(n, dtype=torch.bool, device=dev).index_copy(0, rows, torch.logical_not(allowed))
+
+
+def _ban_rows(y: torch.Tensor, sparse: SparseRows) -> None:
+    """Set ``y``'s rows listed by disallowed id to ``-inf`` at those ids and from ``sparse.vocab`` on."""
+    dev, vocab = y.device, y.shape[1]
+    at = torch.tensor(sparse.banned_rows, dtype=torch.long, device=dev)
+    inf = torch.tensor(float("-inf"), device=dev)
+    y.index_put_((at.unsqueeze(1).expand_as(sparse.banned), sparse.banned), inf)
+    end = min(sparse.vocab, vocab)
+    y.index_put_((at.unsqueeze(1), torch.arange(end, vocab, device=dev).unsqueeze(0)), inf)
 
 
 def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask | None = None) -> DeviceSample:
@@ -478,9 +527,16 @@ def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: Gra
         x = _apply_penalties(x, pen, params)
     x = _ban(x, params)
     listed = None
+    edited = any(p.edits is not None for p in params) or (grammar is not None and any(p.banned for p in params))
+    if grammar is not None and not edited and all(p.temperature == 0.0 for p in params):
+        # Nothing reads the masked logits of an all-greedy step: its rows only need their argmax.
+        out.tokens, checked = _greedy_under_grammar(x, grammar)
+        out.needs_full = torch.zeros_like(bad) if checked is None else checked & torch.logical_not(bad)
+        out.greedy_grammar = grammar
+        return out
     if grammar is not None:
         x, listed = _apply_grammar(x, grammar)
-    if any(p.edits is not None for p in params) or (grammar is not None and any(p.banned for p in params)):
+    if edited:
         # Allowed tokens, bad words and a grammar together can leave a row nothing: flag it, draw nothing.
         # A grammar alone always allows EOS, and bans alone never cover the vocabulary: no pass for them.
         out.empty = torch.logical_not(x.amax(dim=-1) > float("-inf")) & torch.logical_not(bad)
@@ -540,8 +596,16 @@ def _resample_full(
     dev: DeviceSample, params: list[RowParams], rows: list[int], tokens: list[int], chosen: list[float]
 ) -> list[float]:
     """Re-sample ``rows`` over the sorted full vocabulary (their kept set reaches past the bounded
-    candidates), updating ``tokens`` in place; returns the chosen logprobs, refreshed."""
-    dev.tokens, _ = _draw_rows(dev.logits, params, rows, dev.tokens, fallback=True)
+    candidates), or, in an all-greedy step under grammars, take their argmax over their masked rows
+    (their unmasked argmax is disallowed), updating ``tokens`` in place; returns the chosen logprobs,
+    refreshed."""
+    if dev.greedy_grammar is not None:
+        g = dev.greedy_grammar
+        at = torch.tensor(rows, dtype=torch.long, device=dev.tokens.device)
+        masked = apply_bitmask(dev.logits, g.rows, g.bitmask).index_select(0, at)
+        dev.tokens = dev.tokens.index_copy(0, at, masked.argmax(dim=-1))
+    else:
+        dev.tokens, _ = _draw_rows(dev.logits, params, rows, dev.tokens, fallback=True)
     wants = set(dev.lp_rows)
     lp = [r for r in rows if r in wants]
     parts = [dev.tokens.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev.tokens.device)).double()]

@@ -188,6 +188,11 @@ class SparseRows:
     max_id: int  # the largest listed id: the lists apply only when it lies inside the logits' vocabulary
     dense: torch.Tensor  # [D] long: positions in ``GrammarMask.rows`` of the rows not listed
     num_dense: int
+    # Positions of rows that disallow few tokens but were not listed (a step whose rows are all
+    # greedy needs no list: their argmax is checked against their bitmask); they are in ``dense``,
+    # and ``unchecked`` holds the rest of ``dense``.
+    checked: torch.Tensor | None = None  # [C] long
+    unchecked: torch.Tensor | None = None  # [D - C] long
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +216,7 @@ class HostListing:
     banned: npt.NDArray[np.int64]
     vocab: int
     dense: list[int]
+    checked: tuple[int, ...] = ()
 
     def to(self, rows: list[int], device: torch.device) -> SparseRows:
         """The listing of the constrained logits ``rows`` on ``device``."""
@@ -224,6 +230,12 @@ class HostListing:
             max_id=max(int(self.ids.max(initial=0)), int(self.banned.max(initial=0))),
             dense=torch.tensor(self.dense, dtype=torch.long, device=device),
             num_dense=len(self.dense),
+            checked=torch.tensor(self.checked, dtype=torch.long, device=device) if self.checked else None,
+            unchecked=torch.tensor(
+                [i for i in self.dense if i not in set(self.checked)], dtype=torch.long, device=device
+            )
+            if self.checked
+            else None,
         )
 
 
@@ -245,11 +257,15 @@ class HostMask:
         )
 
 
-def fill_step_mask(entries: Sequence[tuple[RequestGrammar | None, int, list[int]]]) -> HostMask | None:
+def fill_step_mask(
+    entries: Sequence[tuple[RequestGrammar | None, int, list[int]]], greedy: bool = False
+) -> HostMask | None:
     """The host masks of one step whose requests, in logits-row order, are ``(grammar, logits rows,
     drafts)``: every row of a constrained request, and the listing of the rows that allow few or
-    nearly all tokens; None when no request of the step is constrained. It only reads the grammars
-    (no torch, llguidance and numpy release the GIL), so a thread can run it during the forward."""
+    nearly all tokens (``greedy``: a step whose rows all take their argmax; the rows that allow
+    nearly all tokens are marked, not listed); None when no request of the step is constrained. It
+    only reads the grammars (no torch, llguidance and numpy release the GIL), so a thread can run it
+    during the forward."""
     rows: list[int] = []
     parts: list[tuple[RequestGrammar, list[int], int]] = []
     first = 0
@@ -263,7 +279,7 @@ def fill_step_mask(entries: Sequence[tuple[RequestGrammar | None, int, list[int]
     host = np.empty((len(rows), parts[0][0].words), dtype=np.int32)
     for grammar, drafts, at in parts:
         grammar.fill(drafts, host[at : at + len(drafts) + 1])
-    return HostMask(rows=rows, bitmask=host, listing=list_rows(host, parts[0][0].vocab))
+    return HostMask(rows=rows, bitmask=host, listing=list_rows(host, parts[0][0].vocab, greedy))
 
 
 def step_mask(
@@ -283,11 +299,12 @@ def sparse_rows(
     return None if listing is None else listing.to(rows, device)
 
 
-def list_rows(host: npt.NDArray[np.int32], vocab: int | None = None) -> HostListing | None:
+def list_rows(host: npt.NDArray[np.int32], vocab: int | None = None, greedy: bool = False) -> HostListing | None:
     """The rows of the host bitmask ``host [R, W]`` listed by id: those that allow between 1 and
     ``12 W`` tokens (3/8 of the bitmask's width) by allowed id, those that disallow between 1 and
     ``12 W`` of the first ``vocab`` tokens (default ``32 W``; the tokens past them are disallowed
-    anyway) by disallowed id. None when no row is listed."""
+    anyway) by disallowed id, unless ``greedy``: then those are only marked (``checked``). None when
+    no row is listed or marked."""
     words = host.shape[1]
     vocab = 32 * words if vocab is None else min(vocab, 32 * words)
     counts = np.bitwise_count(host.view(np.uint32)).sum(axis=1).tolist()
@@ -295,10 +312,13 @@ def list_rows(host: npt.NDArray[np.int32], vocab: int | None = None) -> HostList
     most = [i for i, c in enumerate(counts) if 0 < vocab - c <= 12 * words]
     if not few and not most:
         return None
+    checked: tuple[int, ...] = ()
+    if greedy:
+        checked, most = tuple(most), []
     ids, pad = _listing(host, few, True)
     banned, _ = _listing(host, most, False, vocab)
     dense = sorted(set(range(len(counts))) - set(few) - set(most))
-    return HostListing(few=few, ids=ids, pad=pad, most=most, banned=banned, vocab=vocab, dense=dense)
+    return HostListing(few=few, ids=ids, pad=pad, most=most, banned=banned, vocab=vocab, dense=dense, checked=checked)
 
 
 def _listing(

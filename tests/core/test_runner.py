@@ -214,3 +214,22 @@ def test_logit_rows_put_prompt_rows_before_sampled_rows() -> None:
     # Entry 0 scores its first 4 rows and samples its last; entry 2 scores 2 rows and samples nothing.
     rows = _logit_rows(qsl, np.array([1, 1, 0]), np.array([4, 0, 2]))
     assert rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    ("device", "cores", "threads", "overlap"),
+    [("meta", 2, 2, True), ("cpu", 2, 2, False), ("cpu", 16, 8, True), ("cpu", 4, 4, False)],
+)
+def test_grammar_masks_fill_beside_the_forward_when_it_leaves_a_core_free(
+    monkeypatch: pytest.MonkeyPatch, device: str, cores: int, threads: int, overlap: bool
+) -> None:
+    """By default the mask fill gets its own thread when the forward runs off the CPU or on fewer
+    intra-op threads than there are cores; a forward on every core would share them with it."""
+    runner = ModelRunner(RecordingExecutor(), _settings())
+    runner.load()
+    runner.device = torch.device(device)
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert runner._overlap_masks() is overlap
+    runner.overlap_grammar_masks = not overlap  # the setting wins over the default
+    assert runner._overlap_masks() is not overlap

@@ -9,6 +9,7 @@ too, since a fake tensor has no values to read.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -107,11 +108,13 @@ def test_logit_bias_allowed_tokens_and_bad_words_apply_on_the_device(fake: FakeT
         assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.logits, packed(dev)))
 
 
+@pytest.mark.parametrize("greedy", [False, True, "checked"])  # every row kind; an all-greedy step (argmax
+# only); the same with the rows listed by disallowed id checked against their bitmasks instead
 @pytest.mark.parametrize(
     ("listed", "banned"), [((0, 2, 3, 5), (6,)), (tuple(range(8)), ()), ((), (1, 5))]
 )  # some rows listed each way; every row by allowed id; only by disallowed id
 def test_grammar_rows_listed_by_id_sample_on_the_device(
-    fake: FakeTensorMode, listed: tuple[int, ...], banned: tuple[int, ...]
+    fake: FakeTensorMode, listed: tuple[int, ...], banned: tuple[int, ...], greedy: bool | str
 ) -> None:
     """Rows listed by allowed id (greedy, top-k/p, bounded, whole-vocabulary) or by disallowed id,
     beside rows masked through their bitmask: filled, scattered and drawn on the device, up to the
@@ -131,10 +134,22 @@ def test_grammar_rows_listed_by_id_sample_on_the_device(
         dense=torch.empty(len(dense), dtype=torch.long, device="cuda"),
         num_dense=len(dense),
     )
+    if greedy == "checked":  # the rows listed by disallowed id are checked instead
+        checked, plain = len(banned), len(dense)
+        sparse = dataclasses.replace(
+            sparse,
+            banned_rows=(),
+            banned=torch.empty(0, width, dtype=torch.long, device="cuda"),
+            dense=torch.empty(checked + plain, dtype=torch.long, device="cuda"),
+            num_dense=checked + plain,
+            checked=torch.empty(checked, dtype=torch.long, device="cuda") if checked else None,
+            unchecked=torch.empty(plain, dtype=torch.long, device="cuda") if checked else None,
+        )
     grammar = GrammarMask(
         rows=torch.empty(8, dtype=torch.long, device="cuda"),
         bitmask=torch.empty(8, words, dtype=torch.int32, device="cuda"),
         sparse=sparse,
     )
-    dev = sample_on_device(torch.empty(8, VOCAB, device="cuda"), rows(), grammar)
+    params = [row(temperature=0.0, num_logprobs=r % 2) for r in range(8)] if greedy else rows()
+    dev = sample_on_device(torch.empty(8, VOCAB, device="cuda"), params, grammar)
     assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.logits, packed(dev)))

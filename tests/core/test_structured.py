@@ -331,3 +331,44 @@ def test_listed_grammar_rows_sample_what_their_bitmasks_sample(setting: int) -> 
         if set(SETTINGS[setting]) == {"temperature"}:
             for r, at in enumerate(logits_rows):
                 assert got.tokens[at] == _brute_force_token(logits[at], allowed[r], params[at])
+
+
+@pytest.mark.parametrize("listing", ["listed", "checked", "bitmask"])
+def test_greedy_grammar_rows_take_the_argmax_of_their_allowed_tokens(listing: str) -> None:
+    """An all-greedy step under grammars (rows listed by allowed id, by disallowed id or checked
+    against their bitmask, or with their bitmask only, beside an unconstrained row) returns each
+    row's argmax among its allowed tokens, the lowest id on ties, as a brute force over the allowed
+    set finds it, also where a row's unmasked argmax is disallowed; logprobs stay the raw logits'."""
+    from pypto_serving.sampler import sample
+    from pypto_serving.structured import GrammarMask, list_rows
+
+    vocab, tokenizer_vocab, gen = 2000, 1990, torch.Generator().manual_seed(7)
+    rng = np.random.default_rng(7)
+    counts = [1, 6, 300, 756, 1000, 1900, tokenizer_vocab, 40]
+    allowed = np.zeros((len(counts), vocab), dtype=bool)
+    for r, c in enumerate(counts):
+        allowed[r, rng.choice(tokenizer_vocab, c, replace=False)] = True
+    host = _pack(allowed)
+    logits_rows = [0, 1, 2, 3, 5, 6, 7, 8]  # row 4 is unconstrained; row 6 disallows 100 tokens
+    listed = None if listing == "bitmask" else list_rows(host, tokenizer_vocab, greedy=listing == "checked")
+    sparse = None if listed is None else listed.to(logits_rows, torch.device("cpu"))
+    assert listing == "bitmask" or (sparse is not None and bool(sparse.banned_rows) == (listing == "listed"))
+    grammar = GrammarMask(torch.tensor(logits_rows), torch.from_numpy(host), sparse)
+    disallowed = np.flatnonzero(~allowed[logits_rows.index(6)])
+    for seed in range(20):
+        logits = (torch.randn(9, vocab, generator=gen) * 2).round()  # small integers: many ties
+        if seed % 2:  # row 6's unmasked argmax is a token its grammar disallows
+            logits[6, int(disallowed[seed % len(disallowed)])] = 100.0
+        params = [
+            RowParams(seed=seed, draw_index=0, temperature=0.0, num_logprobs=1 if r == 2 else None) for r in range(9)
+        ]
+        out = sample(logits, params, grammar)
+        want: list[int] = []
+        for r in range(9):
+            ok = np.ones(vocab, dtype=bool) if r == 4 else allowed[logits_rows.index(r)]
+            ids = np.flatnonzero(ok)
+            vals = logits[r].numpy()[ids]
+            want.append(int(ids[np.flatnonzero(vals == vals.max())[0]]))
+        assert out.tokens == want
+        raw = torch.log_softmax(logits[2], -1)
+        assert out.logprobs[2] is not None and out.logprobs[2][want[2]] == pytest.approx(float(raw[want[2]]))

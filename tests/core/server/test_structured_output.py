@@ -197,10 +197,10 @@ def test_grammar_masks_fill_beside_the_forward(monkeypatch: pytest.MonkeyPatch) 
     started: list[bool] = []  # per step: whether it fills masks
     fill, start, execute = runner.fill_step_mask, runner.ModelRunner._start_masks, QwenExecutor.execute
 
-    def probed_fill(entries: Any) -> Any:
+    def probed_fill(entries: Any, greedy: bool) -> Any:
         overlapped.append(forward.wait(timeout=2) and threading.current_thread() is not threading.main_thread())
         filling.set()
-        return fill(entries)
+        return fill(entries, greedy)
 
     def probed_start(self: runner.ModelRunner, *args: Any) -> Any:
         pending = start(self, *args)
