@@ -373,12 +373,17 @@ def _draw_listed(
     x: torch.Tensor, kind: str, group: list[int], params: list[RowParams], u: torch.Tensor, listed: _Listed
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_draw` of whole-vocabulary rows ``group`` (``x``: their masked logits) listed by id."""
-    at = torch.tensor([(listed.at if kind == "listed" else listed.banned_at)[r] for r in group], device=x.device)
+    where = listed.at if kind == "listed" else listed.banned_at
+    js = [where[r] for r in group]
+    at = torch.tensor(js, device=x.device)
     fits = torch.ones(len(group), dtype=torch.bool, device=x.device)
     if kind == "listed":
         vals, ids = listed.vals.index_select(0, at), listed.ids.index_select(0, at)
         return _draw(vals, "all", vals.shape[1], params, u, ids)[0], fits
-    unmasked, banned = listed.unmasked.index_select(0, at), listed.banned.index_select(0, at)
+    # Every listed row in order (a step inside JSON strings): no copy of the whole rows.
+    whole = js == list(range(len(where)))
+    unmasked = listed.unmasked if whole else listed.unmasked.index_select(0, at)
+    banned = listed.banned if whole else listed.banned.index_select(0, at)
     return _draw_unmasked(x, unmasked, banned, listed.vocab, params, u), fits
 
 
@@ -400,8 +405,8 @@ def _draw_unmasked(
     top = masked.amax(dim=-1, keepdim=True) / temp  # x -> x / t is monotonic: the max of the quotients
     top = top.masked_fill(top.abs() == float("inf"), 0.0)
     v = unmasked / temp
-    norm = _zero(torch.exp(v - top), banned, vocab).sum(dim=-1, keepdim=True).log_().add_(top)
-    cdf = _zero(torch.exp(v - norm), banned, vocab).double().cumsum(dim=-1)
+    norm = _zero((v - top).exp_(), banned, vocab).sum(dim=-1, keepdim=True).log_().add_(top)
+    cdf = _zero(v.sub_(norm).exp_(), banned, vocab).double().cumsum(dim=-1)
     width = masked.shape[1]
     at = torch.searchsorted(cdf, u.unsqueeze(1) * cdf.narrow(1, width - 1, 1), right=True)
     return at.clamp(max=width - 1).squeeze(1)
@@ -438,7 +443,9 @@ def _ban_listed(x: torch.Tensor, sparse: SparseRows, listed: _Listed) -> torch.T
     from ``listed.vocab`` on, at ``-inf``."""
     at = torch.tensor(sparse.banned_rows, dtype=torch.long, device=x.device)
     listed.banned_at = {r: j for j, r in enumerate(sparse.banned_rows)}
-    listed.unmasked, listed.banned = x.index_select(0, at), sparse.banned
+    # ``x`` itself when every row is listed: the masking below writes a clone, never ``x``.
+    whole = list(sparse.banned_rows) == list(range(x.shape[0]))
+    listed.unmasked, listed.banned = x if whole else x.index_select(0, at), sparse.banned
     x = x.clone()
     _ban_rows(x, sparse)
     return x

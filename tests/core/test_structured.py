@@ -333,6 +333,34 @@ def test_listed_grammar_rows_sample_what_their_bitmasks_sample(setting: int) -> 
                 assert got.tokens[at] == _brute_force_token(logits[at], allowed[r], params[at])
 
 
+@pytest.mark.parametrize("setting", [0, 7])
+def test_steps_whose_rows_all_allow_nearly_every_token_sample_what_their_bitmasks_sample(setting: int) -> None:
+    """A step whose every row is listed by disallowed id (all requests inside JSON strings: the
+    sampler then draws from the step's own logits, uncopied) samples the bitmask path's tokens and
+    logprobs seed by seed, a float64 brute force's without filters, and leaves the logits as they were."""
+    from pypto_serving.sampler import sample
+    from pypto_serving.structured import GrammarMask, sparse_rows
+
+    vocab, tokenizer_vocab, rows = 2000, 1990, 6
+    gen, rng = torch.Generator().manual_seed(setting), np.random.default_rng(setting)
+    allowed = np.zeros((rows, vocab), dtype=bool)
+    for r in range(rows):
+        allowed[r, rng.choice(tokenizer_vocab, tokenizer_vocab - 1 - 90 * r, replace=False)] = True
+    host = _pack(allowed)
+    sparse = sparse_rows(host, list(range(rows)), torch.device("cpu"), tokenizer_vocab)
+    listed = GrammarMask(torch.arange(rows), torch.from_numpy(host), sparse)
+    assert listed.sparse is not None and listed.sparse.banned_rows == tuple(range(rows)) and not listed.sparse.rows
+    for seed in range(30):
+        logits = torch.randn(rows, vocab, generator=gen) * 3
+        before = logits.clone()
+        params = [_row_params(SETTINGS[setting], seed * rows + r, seed + r) for r in range(rows)]
+        got, want = sample(logits, params, listed), sample(logits, params, GrammarMask(listed.rows, listed.bitmask))
+        assert (got.tokens, got.logprobs, got.errors) == (want.tokens, want.logprobs, want.errors)
+        assert torch.equal(logits, before)
+        if setting == 0:
+            assert got.tokens == [_brute_force_token(logits[r], allowed[r], params[r]) for r in range(rows)]
+
+
 @pytest.mark.parametrize("listing", ["listed", "checked", "bitmask"])
 def test_greedy_grammar_rows_take_the_argmax_of_their_allowed_tokens(listing: str) -> None:
     """An all-greedy step under grammars (rows listed by allowed id, by disallowed id or checked
