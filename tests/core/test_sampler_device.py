@@ -108,11 +108,12 @@ def test_logit_bias_allowed_tokens_and_bad_words_apply_on_the_device(fake: FakeT
         assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.logits, packed(dev)))
 
 
-@pytest.mark.parametrize("greedy", [False, True, "checked"])  # every row kind; an all-greedy step (argmax
-# only); the same with the rows listed by disallowed id checked against their bitmasks instead
+@pytest.mark.parametrize("greedy", [False, True, "checked", "unfiltered"])  # every row kind; an all-greedy
+# step (argmax only); the same with the rows listed by disallowed id checked against their bitmasks
+# instead; every row sampled without filters (drawn from the unmasked logits when listed by disallowed id)
 @pytest.mark.parametrize(
-    ("listed", "banned"), [((0, 2, 3, 5), (6,)), (tuple(range(8)), ()), ((), (1, 5))]
-)  # some rows listed each way; every row by allowed id; only by disallowed id
+    ("listed", "banned"), [((0, 2, 3, 5), (6,)), (tuple(range(8)), ()), ((), (1, 5)), ((), tuple(range(8)))]
+)  # some rows listed each way; every row by allowed id; some or every row only by disallowed id
 def test_grammar_rows_listed_by_id_sample_on_the_device(
     fake: FakeTensorMode, listed: tuple[int, ...], banned: tuple[int, ...], greedy: bool | str
 ) -> None:
@@ -150,6 +151,9 @@ def test_grammar_rows_listed_by_id_sample_on_the_device(
         bitmask=torch.empty(8, words, dtype=torch.int32, device="cuda"),
         sparse=sparse,
     )
-    params = [row(temperature=0.0, num_logprobs=r % 2) for r in range(8)] if greedy else rows()
+    if greedy == "unfiltered":
+        params = [row(temperature=0.7, seed=r) for r in range(8)]
+    else:
+        params = [row(temperature=0.0, num_logprobs=r % 2) for r in range(8)] if greedy else rows()
     dev = sample_on_device(torch.empty(8, VOCAB, device="cuda"), params, grammar)
     assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.logits, packed(dev)))
