@@ -1,8 +1,10 @@
 """Tensor-parallel worker groups on gloo over loopback: TP=2 samples what TP=1 samples (greedy,
-seeded, engine-seeded), on one node and on two "nodes" (a ``pypto-serving worker`` subprocess);
-mismatched settings are refused at start-up; a rank that dies mid-step fails the step within the
-step timeout and the next generate serves again on a fresh group; ranks that sample differently stop
-the group. The model is the toy of :mod:`tests.core.tp_toy`, whose forward shards over the ranks."""
+seeded, engine-seeded), on one node and on two "nodes" (a ``pypto-serving worker`` subprocess placed
+by torchrun's environment variables); mismatched settings are refused at start-up; a rank that dies
+mid-step fails the step within the step timeout and the next generate serves again on a fresh group;
+ranks that sample differently stop the group. The model is the toy of :mod:`tests.core.tp_toy`, whose
+forward shards over the ranks; tiny Qwen3, Qwen3-MoE (expert parallel) and the embedded DeepSeek-V4
+(MTP k=2) run at TP=2 through LLM and through `pypto-serving serve` against one rank."""
 
 from __future__ import annotations
 
@@ -207,8 +209,10 @@ def launch_node_1(site: Path, port: int, *flags: str) -> subprocess.Popen[str]:
     paths = [str(site), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYPTO_SERVING_")}
     env["PYTHONPATH"] = os.pathsep.join(paths)
+    # Node 1 learns its place from torchrun's environment variables, as a multi-node launch sets them.
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NNODES="2", NODE_RANK="1")
     cmd = [sys.executable, "-m", "pypto_serving.cli", "worker", "--executor", "tp_toy", "--block-size", "4"]
-    cmd += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)]
+    cmd += ["--tensor-parallel-size", "2"]
     return subprocess.Popen(
         [*cmd, "--worker-threads", "1", *flags], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True
     )
@@ -378,25 +382,50 @@ def test_tiny_qwen3_tp2_equals_tp1(qwen_dir: Path, qwen_reference: list[Any], sc
     assert len({tuple(o.token_ids) for o in qwen_reference}) == 3
 
 
-def test_tiny_qwen3_tp2_through_the_server(qwen_dir: Path, qwen_reference: list[Any], tmp_path: Path) -> None:
-    """`pypto-serving serve --tensor-parallel-size 2`: the engine-core process spawns the two ranks."""
+def served_texts(model: str, flags: list[str], prompts: list[str], log: Path) -> list[str]:
+    """Greedy completions of ``prompts`` from `pypto-serving serve --model MODEL FLAGS` (the engine-core
+    process spawns the ranks), one request at a time."""
     import httpx
 
     from tests.core.server.test_server_process import Proc
 
-    flags = ["--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "256"]
-    proc = Proc(
-        ["--model", str(qwen_dir), *flags, "--tensor-parallel-size", "2", "--worker-threads", "1"], tmp_path / "log"
-    )
+    base = ["--device", "cpu", "--dtype", "float32", "--worker-threads", "1", "--tensor-parallel-size", "2"]
+    proc = Proc(["--model", model, *base, *flags], log)
     try:
         proc.wait_healthy(180)
-        for prompt, ref in zip(QWEN_PROMPTS[:2], qwen_reference[:2]):  # the greedy ones
-            body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        texts = []
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
             reply = httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
             assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["text"] == ref.text
+            texts.append(reply.json()["choices"][0]["text"])
+        return texts
     finally:
         proc.kill()
+
+
+def test_tiny_qwen3_tp2_through_the_server(qwen_dir: Path, qwen_reference: list[Any], tmp_path: Path) -> None:
+    flags = ["--block-size", "4", "--num-kv-blocks", "256"]
+    texts = served_texts(str(qwen_dir), flags, QWEN_PROMPTS[:2], tmp_path / "log")  # the greedy ones
+    assert texts == [ref.text for ref in qwen_reference[:2]]
+
+
+def test_tiny_qwen3_moe_expert_parallel_through_the_server(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Qwen3-MoE with its experts placed whole on the two ranks (all-to-all dispatch and combine),
+    served, against the same checkpoint on one in-process rank."""
+    pytest.importorskip("pypto_serving_qwen")
+    pytest.importorskip("transformers")
+    from tests.core.server.server_helpers import write_tokenizer
+    from tests.plugins.qwen.qwen_fixtures import make_qwen_checkpoint
+
+    path = make_qwen_checkpoint(tmp_path_factory.mktemp("qwen_moe_tp") / "tiny-qwen3-moe", "qwen3_moe")
+    write_tokenizer(path, 320)
+    want = qwen_outputs(path, worker_mode="inproc", scheduler="sync")[:2]
+    flags = ["--block-size", "4", "--num-kv-blocks", "256", "--enable-expert-parallel", "true"]
+    assert served_texts(str(path), flags, QWEN_PROMPTS[:2], tmp_path / "log") == [w.text for w in want]
+    assert len({w.text for w in want}) == 2
 
 
 # -- the embedded tiny DeepSeek-V4 (the deepseek_mtp plugin's tensor and expert parallelism), MTP k=2
@@ -426,6 +455,7 @@ def deepseek_reference() -> list[list[int]]:
     ("scheduler", "expert_parallel"),
     [
         ("sync", False),
+        ("sync", True),
         pytest.param("async", False, marks=pytest.mark.requires_plugin("async_sched")),
         pytest.param("async", True, marks=pytest.mark.requires_plugin("async_sched")),
     ],
@@ -435,3 +465,19 @@ def test_tiny_deepseek_v4_tp2_with_mtp_equals_tp1(
 ) -> None:
     outs = deepseek_tokens(tensor_parallel_size=2, scheduler=scheduler, enable_expert_parallel=expert_parallel)
     assert outs == deepseek_reference
+
+
+@pytest.mark.requires_plugin("deepseek_mtp")
+def test_tiny_deepseek_v4_tp2_with_mtp_through_the_server(tmp_path: Path) -> None:
+    """The embedded DeepSeek-V4 served at tensor_parallel_size=2 with MTP k=2 and expert parallelism
+    answers greedy prompts with one in-process rank's text."""
+    from pypto_serving import LLM
+
+    want_params = SamplingParams(temperature=0, max_tokens=12)
+    opts = dict(model="tiny-deepseek-v4", device="cpu", dtype="float32", worker_threads=1, worker_mode="inproc")
+    with LLM(**opts) as llm:
+        want = [o.outputs[0].text for o in llm.generate(DS_PROMPTS, want_params, use_tqdm=False)]
+    assert all(want)
+    flags = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    texts = served_texts("tiny-deepseek-v4", [*flags, "--enable-expert-parallel", "true"], DS_PROMPTS, tmp_path / "l")
+    assert texts == want

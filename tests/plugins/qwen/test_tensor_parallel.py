@@ -321,7 +321,13 @@ def _engine_tokens(path: Path, **settings: Any) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     ("name", "scheduler", "options"),
-    [("qwen3", "sync", {}), ("qwen3_moe", "async", {"enable_expert_parallel": True})],
+    [
+        ("qwen3", "sync", {}),
+        ("qwen3_moe", "sync", {}),
+        ("qwen3_moe", "async", {}),
+        ("qwen3_moe", "sync", {"enable_expert_parallel": True}),
+        ("qwen3_moe", "async", {"enable_expert_parallel": True}),
+    ],
 )
 def test_a_tp2_engine_generates_what_a_tp1_engine_does(
     name: str, scheduler: str, options: dict[str, Any], qwen_checkpoints: Callable[[str], Path]
