@@ -83,7 +83,8 @@ class ParallelContext:
 
 
 #: ``(x [N, H], weights [N, k] float32, local_ids [N, k] int64) -> [N, H]``: the weighted sum over k
-#: of this rank's experts ``local_ids`` (numbered from 0) applied to ``x``.
+#: of this rank's experts ``local_ids`` (numbered from 0) applied to ``x``; an id equal to the number
+#: of the rank's experts is a route another rank owns, which adds nothing (and should cost nothing).
 ExpertFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -121,13 +122,14 @@ def dispatch_combine(
     of ``N`` token rows, the worst case (all of a token's routes may land on one rank), so the split
     sizes of both ``all_to_all_single`` calls are equal and known without reading any count back to
     the host. A token row goes to every rank at its own index; the routes another rank owns travel
-    with weight 0 and local id 0, so ``local_experts`` computes them and the weight cancels them.
+    with weight 0 and the local id ``experts_per_rank`` (one past the rank's experts), which
+    ``local_experts`` must treat as dropped: no expert runs for them (``pypto_kernels.moe_experts``
+    skips them without a host sync).
 
     Cost per MoE layer and rank: send and receive buffers of ``world_size x N`` rows of ``H`` (plus
-    ``2k`` float32 route values per row) for the dispatch and again for the combine, and
-    ``local_experts`` over ``world_size x N`` tokens with ``k`` routes each, most of them masked.
-    Variable splits would shrink both but need the per-destination counts on the host (one sync per
-    layer), which the forward avoids.
+    ``2k`` float32 route values per row) for the dispatch and again for the combine; the experts
+    run over the routes this rank owns only. Variable splits would shrink the buffers but need the
+    per-destination counts on the host (one sync per layer), which the forward avoids.
 
     :return: ``[N, H]`` in ``x.dtype``: for each token, the sum over its routes of
         ``weight * expert(x)``, identical (up to summation order) to running every expert locally.
@@ -139,7 +141,7 @@ def dispatch_combine(
     dests = torch.arange(world, device=ids.device).view(world, 1, 1)
     mine = owner.unsqueeze(0) == dests  # [W, N, k]: which routes each destination owns
     send_w = torch.where(mine, weights.float().unsqueeze(0), 0.0)
-    send_ids = torch.where(mine, ids.unsqueeze(0) - dests * experts_per_rank, 0)
+    send_ids = torch.where(mine, ids.unsqueeze(0) - dests * experts_per_rank, experts_per_rank)
     # Expert ids stay exact in float32 (below 2**24), so weights and ids share one message.
     send_meta = torch.cat([send_w, send_ids.to(torch.float32)], dim=-1).reshape(world * num_tokens, 2 * top_k)
     send_x = x.unsqueeze(0).expand(world, num_tokens, hidden).reshape(world * num_tokens, hidden)
@@ -168,12 +170,10 @@ def expert_parallel_moe(
     rank computes another rank's tokens' routes to its own experts twice.
 
     What it costs against tensor-parallel MoE (every expert split, one all-reduce): each rank holds
-    ``1 / world_size`` of the experts as whole matrices (bigger, better-shaped matmuls), but with the
-    fixed capacity of :func:`dispatch_combine` its experts run over all ``T x k`` routes, those owned
-    elsewhere with weight 0, so the ranks together do ``world_size`` times the expert FLOPs; and each
-    rank sends about ``3 x T x H`` values per layer (dispatch, combine, all-gather) where a ring
-    all-reduce sends about ``2 x T x H``. An expert kernel that skips zero-weight routes would remove
-    the extra FLOPs.
+    ``1 / world_size`` of the experts as whole matrices (bigger, better-shaped matmuls) and runs them
+    over the routes it owns only (the ranks together do the expert FLOPs of one rank running every
+    expert), but each rank sends about ``3 x T x H`` values per layer (dispatch, combine,
+    all-gather) where a ring all-reduce sends about ``2 x T x H``.
 
     :param x: ``[T, H]`` hidden states, identical on every rank.
     :param weights: ``[T, k]`` routing weights (the router is replicated, so identical too).
@@ -190,7 +190,8 @@ def expert_parallel_moe(
     pad = chunk * ctx.world_size - num_tokens
     if pad:
         x = F.pad(x, (0, 0, 0, pad))
-        weights, ids = F.pad(weights, (0, 0, 0, pad)), F.pad(ids, (0, 0, 0, pad))
+        # Padding rows route to no rank's experts (id ``num_experts``), so no expert runs for them.
+        weights, ids = F.pad(weights, (0, 0, 0, pad)), F.pad(ids, (0, 0, 0, pad), value=num_experts)
     rows = slice(ctx.rank * chunk, (ctx.rank + 1) * chunk)
     part = dispatch_combine(x[rows], weights[rows], ids[rows], local_experts, mine.stop - mine.start, ctx)
     return ctx.all_gather(part, dim=0)[:num_tokens]

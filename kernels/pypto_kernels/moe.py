@@ -86,6 +86,7 @@ def looped_moe_experts(
 
     Reads the per-expert token counts to the host (one ``.tolist()`` sync); kept for the
     dtypes and devices :func:`grouped_mm_supported` rejects and as the tests' reference.
+    Routes with id ``E`` (dropped, see :func:`moe_experts`) sort last and are never computed.
     """
     num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
@@ -93,7 +94,7 @@ def looped_moe_experts(
         return out
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()[: gate_up.shape[0]]
     token_of = order // top_k
     flat_weights = weights.reshape(-1)[order].to(x.dtype)
     start = 0
@@ -126,7 +127,9 @@ def grouped_moe_experts(
     from the host (a sync) or bounds it statically by ``N*k``, E times the rows and memory.
     Here the temporaries are ``N*k`` rows of ``H + 3I`` values, bounded by the step's tokens.
     Rows keep the loop's order, so each token sums its experts in the same order as the loop
-    (bit-identical to it on the CPU in the tests and benchmarks).
+    (bit-identical to it on the CPU in the tests and benchmarks). Dropped routes (id ``E``) sort
+    after the last segment, where ``_grouped_mm`` computes nothing and leaves its output unset, so
+    their rows are replaced by zeros before the sum.
     """
     num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
@@ -134,14 +137,16 @@ def grouped_moe_experts(
         return out
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids.index_select(0, order)
     experts = torch.arange(gate_up.shape[0], device=ids.device, dtype=flat_ids.dtype)
     # offs[e] is the end of expert e's segment: the number of sorted ids <= e.
-    offs = torch.searchsorted(flat_ids.index_select(0, order), experts, right=True).to(torch.int32)
+    offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
     token_of = order // top_k
     flat_weights = weights.reshape(-1).index_select(0, order).to(x.dtype)
     # [E, N, K] weights transposed to [E, K, N] are the column-major operand _grouped_mm wants.
     hidden = activation(torch._grouped_mm(x.index_select(0, token_of), gate_up.transpose(1, 2), offs=offs))
     hidden = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offs) * flat_weights.unsqueeze(1)
+    hidden = torch.where((sorted_ids < gate_up.shape[0]).unsqueeze(1), hidden, 0.0)
     return out.index_add_(0, token_of, hidden.to(out.dtype))
 
 
@@ -160,6 +165,9 @@ def moe_experts(
     and multiplied after the down projection, the same order HF uses, so bf16 results track
     HF closely. Runs :func:`grouped_moe_experts` (no host sync) where ``_grouped_mm`` takes the
     operands, else :func:`looped_moe_experts`.
+
+    An id equal to ``E`` (one past the last expert) marks a dropped route: it adds nothing to its
+    token and costs no expert FLOPs. Expert parallelism sends the routes another rank owns this way.
     """
     if grouped_mm_supported(x, gate_up, down):
         return grouped_moe_experts(x, gate_up, down, weights, ids, activation)

@@ -171,6 +171,24 @@ def test_grouped_matches_loop(tokens: int, top_k: int, kind: str, activation: st
     assert grouped_moe_experts(x[:0], gate_up, down, weights[:0], ids[:0], act).shape == (0, H)
 
 
+@pytest.mark.parametrize("impl", [grouped_moe_experts, looped_moe_experts])
+@pytest.mark.parametrize("tokens", [1, 9, 64])
+def test_dropped_routes_add_nothing_and_cost_no_expert_flops(impl: Callable[..., torch.Tensor], tokens: int) -> None:
+    """Routes with id E (how expert parallelism marks another rank's routes) add nothing, even with a
+    weight: the result is that of the kept routes alone, and it stays finite although ``_grouped_mm``
+    leaves the dropped rows' output unset."""
+    x, gate_up, down, _ = random_moe(torch.float32, tokens=tokens, seed=tokens)
+    weights, ids = routing("random", tokens, TOP_K, seed=tokens)
+    drop = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) < 0.5
+    dropped_ids = torch.where(drop, E, ids)
+    got = impl(x, gate_up, down, weights, dropped_ids)
+    assert bool(torch.isfinite(got).all())
+    kept = naive_experts(x, gate_up, down, torch.where(drop, 0.0, weights), ids)
+    torch.testing.assert_close(got.double(), kept, atol=1e-5, rtol=1e-5)
+    every = impl(x, gate_up, down, weights, torch.full_like(ids, E))
+    assert torch.equal(every, torch.zeros_like(x))
+
+
 def test_grouped_bf16_tracks_loop() -> None:
     x, gate_up, down, router = random_moe(torch.bfloat16, tokens=33, seed=5)
     weights, ids = topk_routing(F.linear(x, router), TOP_K, True)
