@@ -5,12 +5,17 @@ plugin embedding the server) must not share or collide on the global default reg
 Per-request histograms are fed when a request finishes; engine gauges and counters are refreshed from
 the latest ``EngineCore.stats()`` snapshot at scrape time, so scraping never touches the engine thread.
 The engine's running totals become Prometheus counters through :class:`_TotalsTracker`.
+
+Under data parallelism the engine series exist twice: summed over the replicas (the names of a single
+engine) and per replica (``pypto_serving_replica_*``, labelled ``replica``). They are separate
+families because one family holding both a sum and its parts would count twice in every ``sum()``.
+Each replica's totals are tracked on their own, so a replica's restart adds to the summed counters.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -22,11 +27,36 @@ from .request import RequestOutput
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
 K = TypeVar("K")
+# A running total's counter: its name and the values of its labels past the engine's own.
+_Total = tuple[str, tuple[str, ...]]
 
 _PREFIX = "pypto_serving"
 # Latency buckets cover sub-millisecond CPU fakes up to minute-long generations.
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+_ENGINE_GAUGES = {
+    "num_requests_running": "Sequences running in the engine.",
+    "num_requests_waiting": "Sequences waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV blocks in use (0..1).",
+    "prefix_cache_hit_rate": "Prefix-cache hit tokens / queried prompt tokens.",
+    "spec_decode_acceptance_rate": "Accepted / drafted tokens (0 when nothing was drafted).",
+    "spec_decode_mean_accepted_length": "Accepted drafts per verifying request-step (0..k).",
+    "engine_dead": "1 when the engine is down for good (restarts exhausted).",
+}
+_ENGINE_COUNTERS = {
+    "num_preemptions": "Preemptions since start.",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+    "worker_restarts": "Times a dead worker was replaced by a fresh one.",
+}
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+# The engine's running totals (stats key) behind the counters.
+_TOTALS = {
+    "num_preemptions": "num_preemptions",
+    "spec_drafted": "spec_decode_num_draft_tokens",
+    "spec_accepted": "spec_decode_num_accepted_tokens",
+}
 
 
 class ServerMetrics:
@@ -76,57 +106,16 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.running = Gauge(f"{_PREFIX}_num_requests_running", "Sequences running in the engine.", labels, registry=r)
-        self.waiting = Gauge(
-            f"{_PREFIX}_num_requests_waiting", "Sequences waiting to be scheduled.", labels, registry=r
-        )
-        self.preemptions = Counter(f"{_PREFIX}_num_preemptions", "Preemptions since start.", labels, registry=r)
-        self.kv_usage = Gauge(
-            f"{_PREFIX}_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", labels, registry=r
-        )
-        self.prefix_hit_rate = Gauge(
-            f"{_PREFIX}_prefix_cache_hit_rate",
-            "Prefix-cache hit tokens / queried prompt tokens.",
-            labels,
-            registry=r,
-        )
-        self.spec_drafted = Counter(
-            f"{_PREFIX}_spec_decode_num_draft_tokens", "Draft tokens proposed.", labels, registry=r
-        )
-        self.spec_accepted = Counter(
-            f"{_PREFIX}_spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels, registry=r
-        )
-        self.spec_acceptance = Gauge(
-            f"{_PREFIX}_spec_decode_acceptance_rate",
-            "Accepted / drafted tokens (0 when nothing was drafted).",
-            labels,
-            registry=r,
-        )
-        self.spec_mean_accepted = Gauge(
-            f"{_PREFIX}_spec_decode_mean_accepted_length",
-            "Accepted drafts per verifying request-step (0..k).",
-            labels,
-            registry=r,
-        )
-        self.spec_accepted_per_pos = Counter(
-            f"{_PREFIX}_spec_decode_num_accepted_tokens_per_pos",
-            "Accepted drafts by draft position.",
-            [*labels, "position"],
-            registry=r,
-        )
         self.spec_config = Gauge(
             f"{_PREFIX}_spec_decode_config",
             "1 for the speculative decoding in use: drafting method, policy and deepest k (absent when off).",
             [*labels, "method", "policy", "num_speculative_tokens"],
             registry=r,
         )
-        self.engine_dead = Gauge(
-            f"{_PREFIX}_engine_dead", "1 when the engine is down for good (restarts exhausted).", labels, registry=r
-        )
-        self.worker_restarts = Counter(
-            f"{_PREFIX}_worker_restarts", "Times a dead worker was replaced by a fresh one.", labels, registry=r
-        )
-        self._totals: _TotalsTracker[tuple[Counter, tuple[str, ...]]] = _TotalsTracker()
+        self.engine = _EngineSeries(r, _PREFIX, labels)
+        self._totals: _TotalsTracker[_Total] = _TotalsTracker()
+        self._replicas: _ReplicaSeries | None = None
+        self._lock = threading.Lock()
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record one finished user request (called from the engine thread; prometheus-client locks)."""
@@ -149,35 +138,141 @@ class ServerMetrics:
             self.e2e.labels(m).observe(max(0.0, end - t.arrival_time))
 
     def observe_restart(self) -> None:
-        self.worker_restarts.labels(self._model).inc()
+        self.engine.counters["worker_restarts"].labels(self._model).inc()
         self._totals.restart()
 
+    def observe_replica_finished(self, replica: int, out: RequestOutput) -> None:
+        """A request finished on data-parallel replica ``replica``: counted overall and for the replica."""
+        self.observe_finished(out)
+        requests = self.replica_series().requests
+        for c in out.outputs:
+            requests.labels(self._model, str(replica), c.finish_reason or "unknown").inc()
+
+    def observe_replica_restart(self, replica: int) -> None:
+        """Replica ``replica`` restarted its worker: its next engine's totals count whole."""
+        series = self.replica_series()
+        self.engine.counters["worker_restarts"].labels(self._model).inc()
+        series.engine.counters["worker_restarts"].labels(self._model, str(replica)).inc()
+        series.tracker(replica).restart()
+
     def update_engine(self, stats: Mapping[str, Any], dead: bool) -> None:
-        """Refresh from an engine snapshot (the engine thread after each step, and every scrape)."""
+        """Refresh from an engine snapshot (the engine thread after each step, and every scrape).
+
+        A data-parallel snapshot (summed, with each replica's own under ``replicas``) also refreshes
+        the per-replica series, and the summed counters grow by the replicas' own increments."""
         m = self._model
-        self.running.labels(m).set(stats.get("num_running", 0))
-        self.waiting.labels(m).set(stats.get("num_waiting", 0))
-        self.kv_usage.labels(m).set(stats.get("kv_usage", 0.0))
-        queries = stats.get("prefix_cache_queries", 0)
-        self.prefix_hit_rate.labels(m).set(stats.get("prefix_cache_hits", 0) / queries if queries else 0.0)
-        drafted, accepted = stats.get("spec_drafted", 0), stats.get("spec_accepted", 0)
-        self.spec_acceptance.labels(m).set(accepted / drafted if drafted else 0.0)
-        self.spec_mean_accepted.labels(m).set(stats.get("spec_mean_accepted_length", 0.0))
+        self.engine.refresh((m,), stats, dead)
         if stats.get("spec_method"):
             self.spec_config.labels(m, stats["spec_method"], stats["spec_policy"], str(stats["spec_k"])).set(1)
-        self.engine_dead.labels(m).set(1 if dead else 0)
-        totals: dict[tuple[Counter, tuple[str, ...]], float] = {
-            (self.preemptions, ()): stats.get("num_preemptions", 0),
-            (self.spec_drafted, ()): drafted,
-            (self.spec_accepted, ()): accepted,
-        }
-        for pos, n in enumerate(stats.get("spec_accepted_per_pos", [])):
-            totals[self.spec_accepted_per_pos, (str(pos),)] = n
-        for (counter, extra), inc in self._totals.advance(stats.get("num_steps", 0), totals).items():
-            counter.labels(m, *extra).inc(inc)
+        replicas = stats.get("replicas")
+        if replicas is None:
+            increments = self._totals.advance(stats.get("num_steps", 0), _running_totals(stats))
+        else:
+            increments = self._update_replicas(replicas)
+        self.engine.add((m,), increments)
+
+    def _update_replicas(self, snaps: Sequence[Mapping[str, Any]]) -> dict[_Total, float]:
+        """Refresh each replica's series; the sum of their counter increments."""
+        series = self.replica_series()
+        summed: dict[_Total, float] = {}
+        for i, snap in enumerate(snaps):
+            labels = (self._model, str(i))
+            series.engine.refresh(labels, snap, bool(snap.get("dead", False)))
+            series.outstanding.labels(*labels).set(snap.get("outstanding_tokens", 0))
+            increments = series.tracker(i).advance(snap.get("num_steps", 0), _running_totals(snap))
+            series.engine.add(labels, increments)
+            for key, inc in increments.items():
+                summed[key] = summed.get(key, 0) + inc
+        return summed
+
+    def replica_series(self) -> _ReplicaSeries:
+        """The per-replica series, declared on first use: a single engine's scrape carries none."""
+        with self._lock:
+            if self._replicas is None:
+                self._replicas = _ReplicaSeries.declare(self.registry)
+            return self._replicas
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineSeries:
+    """The gauges and counters refreshed from engine snapshots, under one name prefix and label set."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, labels: list[str]) -> None:
+        self.gauges = {
+            name: Gauge(f"{prefix}_{name}", doc, labels, registry=registry) for name, doc in _ENGINE_GAUGES.items()
+        }
+        self.counters = {
+            name: Counter(f"{prefix}_{name}", doc, labels, registry=registry) for name, doc in _ENGINE_COUNTERS.items()
+        }
+        self.counters[_PER_POS] = Counter(
+            f"{prefix}_{_PER_POS}", "Accepted drafts by draft position.", [*labels, "position"], registry=registry
+        )
+
+    def refresh(self, labels: tuple[str, ...], stats: Mapping[str, Any], dead: bool) -> None:
+        """Set the gauges from one snapshot (counters move only through :meth:`add`)."""
+        queries = stats.get("prefix_cache_queries", 0)
+        drafted, accepted = stats.get("spec_drafted", 0), stats.get("spec_accepted", 0)
+        values = {
+            "num_requests_running": stats.get("num_running", 0),
+            "num_requests_waiting": stats.get("num_waiting", 0),
+            "kv_cache_usage_perc": stats.get("kv_usage", 0.0),
+            "prefix_cache_hit_rate": stats.get("prefix_cache_hits", 0) / queries if queries else 0.0,
+            "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_decode_mean_accepted_length": stats.get("spec_mean_accepted_length", 0.0),
+            "engine_dead": 1 if dead else 0,
+        }
+        for name, value in values.items():
+            self.gauges[name].labels(*labels).set(value)
+        for name in _ENGINE_COUNTERS:  # present at 0 from the first snapshot: rate() sees the first increment
+            self.counters[name].labels(*labels)
+
+    def add(self, labels: tuple[str, ...], increments: Mapping[_Total, float]) -> None:
+        for (name, extra), inc in increments.items():
+            self.counters[name].labels(*labels, *extra).inc(inc)
+
+
+def _running_totals(stats: Mapping[str, Any]) -> dict[_Total, float]:
+    """The engine's running totals in a snapshot, keyed by the counter each one feeds."""
+    totals: dict[_Total, float] = {(name, ()): stats.get(key, 0) for key, name in _TOTALS.items()}
+    for pos, n in enumerate(stats.get("spec_accepted_per_pos", [])):
+        totals[_PER_POS, (str(pos),)] = n
+    return totals
+
+
+@dataclass(slots=True)
+class _ReplicaSeries:
+    """The per-replica series of data parallelism, and each replica's own totals tracker."""
+
+    engine: _EngineSeries
+    outstanding: Gauge
+    requests: Counter
+    trackers: dict[int, _TotalsTracker[_Total]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def declare(cls, registry: CollectorRegistry) -> _ReplicaSeries:
+        prefix, labels = f"{_PREFIX}_replica", ["model_name", "replica"]
+        outstanding = Gauge(
+            f"{prefix}_outstanding_tokens",
+            "Tokens booked by the replica's in-flight requests (what least_tokens routing compares).",
+            labels,
+            registry=registry,
+        )
+        requests = Counter(
+            f"{prefix}_request_success",
+            "Finished requests by finish reason.",
+            [*labels, "finish_reason"],
+            registry=registry,
+        )
+        return cls(_EngineSeries(registry, prefix, labels), outstanding, requests)
+
+    def tracker(self, replica: int) -> _TotalsTracker[_Total]:
+        with self.lock:
+            if replica not in self.trackers:
+                self.trackers[replica] = _TotalsTracker()
+            return self.trackers[replica]
 
 
 @dataclass(slots=True)

@@ -11,8 +11,9 @@ each new request to one replica:
   replica (a stable hash picks it), so its prefix cache gets the hits; a replica that is not
   healthy is skipped, and a prompt shorter than a block routes by least tokens.
 
-Aborts follow the request to its replica. Engine statistics are summed over the replicas for the
-Prometheus gauges and counters, and each replica's own snapshot is kept under ``replicas``.
+Aborts follow the request to its replica. Engine statistics are summed over the replicas, and each
+replica's own snapshot (with its outstanding tokens and whether it is down for good) is kept under
+``replicas``; the Prometheus metrics show both, the per-replica series labelled ``replica``.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class DataParallelLLM:
     @metrics.setter
     def metrics(self, value: ServerMetrics | None) -> None:
         self._metrics = value
-        for r in self.replicas:
-            r.metrics = None if value is None else _ReplicaMetrics(value, self)
+        for i, r in enumerate(self.replicas):
+            r.metrics = None if value is None else _ReplicaMetrics(value, self, i)
 
     @property
     def ready(self) -> bool:
@@ -153,7 +154,8 @@ class DataParallelLLM:
             out[key] = snaps[0].get(key)
         with self._lock:
             loads = list(self._load)
-        out["replicas"] = [{**s, "outstanding_tokens": load} for s, load in zip(snaps, loads)]
+        dead = [r.dead_reason is not None for r in self.replicas]
+        out["replicas"] = [{**s, "outstanding_tokens": n, "dead": d} for s, n, d in zip(snaps, loads, dead)]
         return out
 
     # ------------------------------------------------------------------ requests
@@ -209,20 +211,19 @@ class DataParallelLLM:
 
 
 class _ReplicaMetrics(ServerMetrics):
-    """A replica's view of the server's metrics: per-request observations go straight through, and
-    an engine snapshot from one replica refreshes the gauges and counters with the sum over all of
-    them (one replica's totals alone would look like the others' counters going down). A replica's
-    restart is not passed on: its totals restart from 0 inside the sum, which the counters treat as
-    stale until the sum passes its previous high, so they never go down nor count twice."""
+    """Replica ``index``'s view of the server's metrics. A finished request and a restart are recorded
+    overall and for the replica; an engine snapshot from one replica refreshes the metrics from the
+    router's data-parallel snapshot (the sum, and every replica's own), whose counters track each
+    replica's totals apart, so a replica's restart adds to the sums instead of looking like a drop."""
 
-    def __init__(self, shared: ServerMetrics, router: DataParallelLLM) -> None:
-        self.shared, self.router = shared, router
+    def __init__(self, shared: ServerMetrics, router: DataParallelLLM, index: int) -> None:
+        self.shared, self.router, self.index = shared, router, index
 
     def observe_finished(self, out: RequestOutput) -> None:
-        self.shared.observe_finished(out)
+        self.shared.observe_replica_finished(self.index, out)
 
     def observe_restart(self) -> None:
-        self.shared.worker_restarts.labels(self.shared._model).inc()
+        self.shared.observe_replica_restart(self.index)
 
     def update_engine(self, stats: Mapping[str, Any], dead: bool) -> None:
         self.shared.update_engine(self.router.stats, self.router.dead_reason is not None)

@@ -1,6 +1,7 @@
 """Data parallelism: two engine replicas behind one server. Every request completes, outputs equal a
-single replica's, requests spread over both replicas, aborts follow the request, and the routing
-rules hold (least outstanding tokens; prefix affinity)."""
+single replica's (on the fake executor, and request by request through the HTTP server on the real
+tiny Qwen3), requests spread over both replicas, /metrics shows each replica's series, aborts follow
+the request, and the routing rules hold (least outstanding tokens; prefix affinity)."""
 
 from __future__ import annotations
 
@@ -137,3 +138,70 @@ def test_the_server_serves_through_both_replicas(fake_model_dir: Path) -> None:
     finally:
         server.stop()
         llm.shutdown(10)
+
+
+# -- a real tiny Qwen3 (the qwen plugin's embedded ``tiny-qwen3``) behind the HTTP server
+
+QWEN_PROMPTS = ["def fib(n):", "import os", "class Foo:", "for i in range(", "return x +", "print("]
+
+
+def _qwen_replies(**settings: Any) -> tuple[list[dict[str, Any]], str]:
+    """Serve ``tiny-qwen3`` (with ``settings``), send every prompt at once (greedy); the replies in
+    prompt order and a /metrics scrape taken after them."""
+    import httpx
+
+    from pypto_serving import ServingSettings
+    from pypto_serving.server import build_app
+    from pypto_serving.server.data_parallel import make_llm
+
+    base = dict(model="tiny-qwen3", device="cpu", dtype="float32", worker_mode="inproc", engine_mode="thread")
+
+    async def send(url: str) -> tuple[list[dict[str, Any]], str]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            body = {"model": "tiny-qwen3", "max_tokens": 12, "temperature": 0}
+            posts = [client.post("/v1/completions", json={**body, "prompt": p}) for p in QWEN_PROMPTS]
+            replies = await asyncio.gather(*posts)
+            assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+            return [r.json() for r in replies], (await client.get("/metrics")).text
+
+    llm = make_llm(ServingSettings(**base, block_size=4, num_kv_blocks=128, max_model_len=256, **settings))
+    try:
+        llm.wait_ready(60)
+        server = LiveServer(build_app(llm, manage_engine=False), llm=llm)
+        try:
+            return asyncio.run(send(server.url))
+        finally:
+            server.stop()
+    finally:
+        llm.shutdown(10)
+
+
+def _outcome(reply: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    choice = reply["choices"][0]
+    return choice["text"], choice["finish_reason"], reply["usage"]
+
+
+def _per_replica(text: str, name: str) -> dict[str, float]:
+    """Replica label -> value of the samples ``name`` in a /metrics scrape (summed over other labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                replica = sample.labels["replica"]
+                out[replica] = out.get(replica, 0.0) + sample.value
+    return out
+
+
+@pytest.mark.requires_plugin("qwen")
+def test_tiny_qwen3_dp2_through_the_server_equals_one_replica() -> None:
+    got, text = _qwen_replies(data_parallel_size=2)
+    want, _ = _qwen_replies(data_parallel_size=1)
+    assert [_outcome(r) for r in got] == [_outcome(r) for r in want]
+    assert len({_outcome(r)[0] for r in want}) == len(QWEN_PROMPTS)  # the prompts lead to different texts
+    served = _per_replica(text, "pypto_serving_replica_request_success_total")
+    assert set(served) == {"0", "1"} and all(n > 0 for n in served.values()), served  # both replicas served
+    assert sum(served.values()) == len(QWEN_PROMPTS)
+    assert _per_replica(text, "pypto_serving_replica_outstanding_tokens") == {"0": 0, "1": 0}
+    assert set(_per_replica(text, "pypto_serving_replica_num_requests_running")) == {"0", "1"}
