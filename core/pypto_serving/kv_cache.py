@@ -202,6 +202,10 @@ class KVCacheManager:
             for b in blocks:
                 self.pools[g.name].take_cached(b)
             request.block_ids[g.name] = list(blocks)
+        # The request computes from ``hit`` on, so a window group's hit blocks before that window
+        # go back at once: held until the first step confirms, they could take the whole pool and
+        # leave the request unable to grow (never admitted, or failed as too big for the cache).
+        self.release_outside_window(request, hit)
         self.prefix_hits += hit
         return hit
 
