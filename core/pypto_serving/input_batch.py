@@ -101,6 +101,10 @@ class GroupTable:
         self._blocks: list[int] = []
 
     def append(self, row: int, blocks: list[int]) -> None:
+        if min(blocks, default=0) < 0:
+            # A window group's blocks freed before they were sent (a prefix hit past the window) are
+            # never read; 0 keeps every entry a valid block id for kernels that load before masking.
+            blocks = [max(b, 0) for b in blocks]
         n = int(self.num_blocks[row])
         if n + len(blocks) > self.table.shape[1]:
             self._grow(self.table.shape[0], max(n + len(blocks), 2 * self.table.shape[1]))

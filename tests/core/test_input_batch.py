@@ -180,3 +180,15 @@ def test_appends_not_yet_on_the_device_follow_their_row_through_a_removal() -> N
     assert ib.request_ids == ["c", "b"]
     assert ib.tables["kv"].table.tolist()[:3] == [[3] + [0] * 7, [0] * 8, [0] * 8]
     assert [ib.block_ids(r, "kv") for r in ("c", "b")] == [[3], []]
+
+
+def test_freed_window_entries_are_written_as_block_zero() -> None:
+    """A window group's entries freed before they reach the worker (-1) are held as block 0, so every
+    table entry is a valid block id; the entries after them keep their places."""
+    ib = InputBatch(groups=GROUPS[:1], max_model_len=16, device=torch.device("cpu"), rows=2)
+    ib.add("a", sampling=wire_sampling(SamplingParams(), ()), seed=0, outputs=[])
+    ib.append_blocks(0, {"kv": [-1, -1, 7]})
+    ib.append_blocks(0, {"kv": [9]})
+    ib.remove([])
+    assert ib.block_ids("a", "kv") == [0, 0, 7, 9]
+    assert ib.tables["kv"].table.tolist()[0][:5] == [0, 0, 7, 9, 0]
