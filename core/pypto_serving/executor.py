@@ -111,6 +111,9 @@ class BatchInput:
     :param seq_lens_host: ``seq_lens`` as a host list, for the same reason.
     :param input_ids_host: ``input_ids`` as a host list, for executors that keep per-request token
         state on the host (e.g. drafting bookkeeping).
+    :param draft_depth: the most drafts per request that :meth:`Executor.propose_drafts` should make
+        after this step (the speculative policy's drafting depth, so a drafter whose every depth
+        costs a forward can skip the depths that do not pay); ``None``: the configured depth.
     """
 
     request_ids: list[str]
@@ -125,6 +128,7 @@ class BatchInput:
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
     input_ids_host: list[int]
+    draft_depth: int | None = None
 
 
 class Executor(abc.ABC):

@@ -111,12 +111,17 @@ class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
 
 
 class StepCommand(msgspec.Struct, frozen=True, tag=True):
-    """One step: requests entering the worker, what to compute, and requests to forget first."""
+    """One step: requests entering the worker, what to compute, and requests to forget first.
+
+    ``draft_depth`` caps the drafts the worker proposes per request after this step (the
+    speculative policy's drafting depth); ``None`` leaves the drafter's configured depth.
+    """
 
     step_id: int
     new_requests: list[NewRequestData]
     entries: list[ScheduledEntry]
     finished_ids: list[str]
+    draft_depth: int | None = None
 
 
 class StepResult(msgspec.Struct):
@@ -133,6 +138,7 @@ class StepResult(msgspec.Struct):
     num_verify_steps: int = 0  # request-steps that verified at least one draft
     num_accepted_per_pos: list[int] = []
     execute_seconds: float = 0.0
+    draft_seconds: float = 0.0  # the part of execute_seconds spent proposing next step's drafts
 
 
 # Worker lifecycle messages, private to the engine <-> worker pipe (see worker.py).

@@ -50,10 +50,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the context length
+    # Before this many outputs EOS and stop token ids are banned; under ``structured`` EOS only while
+    # the grammar allows another token (a complete grammar ends the request: see structured.py).
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # EOS does not end the request; a grammar's EOS, its end, still does
     n: int = 1
     logprobs: int | None = None
     skip_special_tokens: bool = True

@@ -180,7 +180,10 @@ class ModelRunner:
                 _fail_prompt_rows(result, prompt_rows, prompt_lps)
             else:
                 result.prompt_logprobs = prompt_lps
+            t_draft = time.perf_counter()
+            batch.draft_depth = cmd.draft_depth
             self._draft(batch, result)
+            result.draft_seconds = time.perf_counter() - t_draft
         except Exception as e:
             msg = f"{type(e).__name__}: {e}"
             tb = "".join(traceback.format_exception(e)[-2:])
@@ -190,11 +193,15 @@ class ModelRunner:
 
     def _draft(self, batch: BatchInput, result: StepResult) -> None:
         """Next step's drafts of every request that sampled: the core's n-gram drafter over the token
-        histories when ``speculative_config.method`` is ``ngram``, else the executor's own drafter."""
+        histories when ``speculative_config.method`` is ``ngram``, else the executor's own drafter;
+        at most ``batch.draft_depth`` of them where the policy set a drafting depth."""
         sampler: DraftSampler | None = None
+        depth = batch.draft_depth
+        ids = batch.request_ids
+        drafted: list[list[int]]
         if self._ngram is not None:
             ids = [rid for rid in batch.request_ids if rid in result.sampled]
-            proposals = zip(ids, self._ngram.propose([self.states[rid].history for rid in ids]))
+            drafted = [[] for _ in ids] if depth == 0 else self._ngram.propose([self.states[rid].history for rid in ids])
         else:
             accepted = [result.sampled.get(rid, []) for rid in batch.request_ids]
             sampler = self._draft_sampler(batch, result)
@@ -203,11 +210,10 @@ class ModelRunner:
                 if sampler is None
                 else self.executor.propose_sampled_drafts(batch, accepted, sampler)
             )
-            proposals = zip(batch.request_ids, drafted)
-        for i, (rid, drafts) in enumerate(proposals):
+        for i, (rid, drafts) in enumerate(zip(ids, drafted)):
             if rid in result.sampled:
                 st = self.states[rid]
-                st.drafts = list(drafts)
+                st.drafts = list(drafts if depth is None else drafts[:depth])
                 st.draft_probs = None if sampler is None else sampler.probs(i, len(st.drafts))
 
     def _draft_sampler(self, batch: BatchInput, result: StepResult) -> DraftSampler | None:
@@ -236,7 +242,7 @@ class ModelRunner:
         spec = nr.sampling.structured
         if spec is not None:
             try:  # a request resuming after preemption replays its outputs through its grammar
-                st.grammar = self._grammars.matcher(spec, nr.sampling.grammar_eos)
+                st.grammar = self._grammars.matcher(spec, nr.sampling.grammar_eos, nr.sampling.min_tokens)
                 if not st.grammar.advance(outs):
                     st.grammar_error = f"structured output: {st.grammar.error}"
             except ValueError as e:
@@ -598,13 +604,22 @@ def _row(st: _ReqState) -> RowParams:
 def _update(st: _ReqState, row: RowParams, draw_index: int, drafts: list[int]) -> RowParams:
     """``row`` set to sample the request's output ``draw_index`` after ``drafts``."""
     row.draw_index = draw_index
-    # A grammar decides where its output may end: min_tokens never bans the EOS it may be down to.
-    early = draw_index < st.sampling.min_tokens and st.grammar is None
-    row.banned = st.sampling.min_tokens_banned if early else ()
+    row.banned = _min_tokens_bans(st) if draw_index < st.sampling.min_tokens else ()
     if st.sampling.bad_words:
         row.banned += _bad_word_bans(st.sampling.bad_words, st.history, st.num_prompt, drafts)
     row.drafts = tuple(drafts) if st.counts is not None else ()
     return row
+
+
+def _min_tokens_bans(st: _ReqState) -> tuple[int, ...]:
+    """What a row before ``min_tokens`` bans: the stop token ids, and EOS unless ignored. Under a grammar
+    its mask holds EOS back instead (``RequestGrammar``): a complete grammar may be down to EOS, and
+    its end is the output's end, so EOS is never banned outright there."""
+    banned = st.sampling.min_tokens_banned
+    if st.grammar is None:
+        return banned
+    eos = st.sampling.grammar_eos
+    return tuple(t for t in banned if t not in eos)
 
 
 def _bad_word_bans(

@@ -58,6 +58,7 @@ class _Tracked:
     output_limit: int = 0
     stop_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
+    grammar_eos: frozenset[int] = frozenset()  # stop even before min_tokens: a grammar's end (see _stop_status)
     # With one cache group: a decode at a position below this is plain (its block is held and the
     # worker has it, and the request is below its length limit); zero while the worker holds nothing.
     plain_end: int = 0
@@ -201,11 +202,13 @@ class Scheduler:
         """A fresh record, with the limits the plain-decode paths read derived once."""
         sp = request.sampling_params
         limit = self.config.max_model_len - request.num_prompt_tokens
-        stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else request.eos_token_ids)]
+        grammar_eos = frozenset(request.eos_token_ids if sp.structured is not None else ())
+        stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else request.eos_token_ids), *grammar_eos]
         return _Tracked(
             output_limit=limit if sp.max_tokens is None else min(limit, sp.max_tokens),
             stop_ids=frozenset(stop),
             min_tokens=sp.min_tokens,
+            grammar_eos=grammar_eos,
         )
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
@@ -496,7 +499,9 @@ class Scheduler:
             outputs = req.output_token_ids
             outputs.append(token)
             n_out = len(outputs)
-            if n_out >= st.output_limit or (token in st.stop_ids and n_out >= st.min_tokens):
+            if n_out >= st.output_limit or (
+                token in st.stop_ids and (n_out >= st.min_tokens or token in st.grammar_eos)
+            ):
                 self._finish_sampled(req, token)
             touched.append(req)
         if self._observe is not None:
@@ -575,6 +580,11 @@ class Scheduler:
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params
         n_out = len(req.output_token_ids)
+        # A grammar's EOS is its end and the output's, whatever ignore_eos says; before min_tokens
+        # the worker lets it through only where the grammar allows nothing else.
+        if sp.structured is not None and tok in req.eos_token_ids:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_EOS
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and tok in req.eos_token_ids:
                 req.stop_reason = None

@@ -19,7 +19,9 @@ accepted (the target token at its position is masked to the grammar), so the row
 unmasked: they are always discarded.
 
 When the grammar is complete the matcher allows only the end-of-sequence tokens, so a constrained
-request ends with EOS (or at ``max_tokens``).
+request ends with EOS (or at ``max_tokens``). The grammar's end is the output's end: its EOS stops
+the request whatever ``ignore_eos`` says, and before ``min_tokens`` the mask holds EOS back only
+while the grammar allows something else (:class:`RequestGrammar`).
 """
 
 from __future__ import annotations
@@ -118,12 +120,16 @@ class GrammarCompiler:
             tok = self._tokenizers[eos_token_ids] = llguidance.LLTokenizer(self._text, eos_token=eos)
         return tok
 
-    def matcher(self, spec: StructuredSpec, eos_token_ids: tuple[int, ...]) -> RequestGrammar:
+    def matcher(self, spec: StructuredSpec, eos_token_ids: tuple[int, ...], min_tokens: int = 0) -> RequestGrammar:
+        """A fresh grammar state of ``spec`` for a request that ends at ``eos_token_ids`` and holds EOS
+        back for its first ``min_tokens`` outputs (see :class:`RequestGrammar`)."""
         tok = self.tokenizer(eos_token_ids)
         matcher = llguidance.LLMatcher(tok, grammar_text(spec), log_level=0)
         if matcher.is_error():
             raise ValueError(f"{_what(spec)} is invalid: {matcher.get_error()}")
-        return RequestGrammar(matcher, bitmask_words(tok.vocab_size), tok.vocab_size)
+        grammar = RequestGrammar(matcher, bitmask_words(tok.vocab_size), tok.vocab_size)
+        grammar.hold_eos(eos_token_ids, min_tokens)
+        return grammar
 
 
 def bitmask_words(vocab: int) -> int:
@@ -132,14 +138,33 @@ def bitmask_words(vocab: int) -> int:
 
 
 class RequestGrammar:
-    """One request's grammar state: the tokens it accepted so far, and the mask of what may follow."""
+    """One request's grammar state: the tokens it accepted so far, and the mask of what may follow.
 
-    __slots__ = ("_matcher", "vocab", "words")
+    ``min_tokens`` (:meth:`hold_eos`) lives in the mask: before it, a row whose grammar state allows
+    EOS and any other token allows only the others; a state that allows nothing but EOS (the
+    grammar is complete and cannot go on) keeps it, and the request ends there: the grammar wins."""
+
+    __slots__ = ("_eos_keep", "_eos_words", "_hold_until", "_matcher", "num_tokens", "vocab", "words")
 
     def __init__(self, matcher: llguidance.LLMatcher, words: int, vocab: int | None = None) -> None:
         self._matcher = matcher
         self.words = words  # int32 words of one row of this grammar's bitmask
         self.vocab = 32 * words if vocab is None else vocab  # the tokenizer's tokens: no id past them is allowed
+        self.num_tokens = 0  # tokens accepted (the request's outputs): row j of a fill draws output num_tokens + j
+        self._hold_until = 0  # outputs before which EOS is held back (min_tokens)
+        self._eos_words = np.zeros(0, dtype=np.int64)  # the bitmask words holding EOS bits
+        self._eos_keep = np.zeros(0, dtype=np.uint32)  # those words' bits other than EOS
+
+    def hold_eos(self, eos_token_ids: Sequence[int], until: int) -> None:
+        """Hold ``eos_token_ids`` back while fewer than ``until`` tokens are accepted, wherever the
+        grammar allows any other token."""
+        bits: dict[int, int] = {}
+        for t in eos_token_ids:
+            if 0 <= t < self.vocab:
+                bits[t >> 5] = bits.get(t >> 5, 0) | 1 << (t & 31)
+        self._eos_words = np.array(sorted(bits), dtype=np.int64)
+        self._eos_keep = np.array([~bits[w] & 0xFFFFFFFF for w in sorted(bits)], dtype=np.uint32)
+        self._hold_until = until if bits else 0
 
     @property
     def error(self) -> str | None:
@@ -147,8 +172,8 @@ class RequestGrammar:
 
     def advance(self, tokens: list[int]) -> bool:
         """Accepts ``tokens`` (sampled under this grammar's masks); False when the grammar is in error.
-        Past the grammar's end (a request that ignores EOS) nothing is consumed: the mask keeps
-        allowing only EOS."""
+        Past the grammar's end nothing is consumed: the mask keeps allowing only EOS."""
+        self.num_tokens += len(tokens)
         for t in tokens:
             if self._matcher.is_stopped():
                 break
@@ -166,8 +191,20 @@ class RequestGrammar:
                 break
             consumed += j > 0
             m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            if self.num_tokens + j < self._hold_until:
+                self._hold_back_eos(row)
         if consumed:
             m.rollback(consumed)
+
+    def _hold_back_eos(self, row: npt.NDArray[np.int32]) -> None:
+        """Clears ``row``'s EOS bits unless EOS is all it allows."""
+        bits = row.view(np.uint32)
+        saved = bits[self._eos_words]
+        if not (saved & ~self._eos_keep).any():
+            return  # EOS is not allowed here anyway
+        bits[self._eos_words] = saved & self._eos_keep
+        if not bits.any():
+            bits[self._eos_words] = saved  # the grammar is complete: its end is the output's end
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

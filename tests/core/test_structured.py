@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,116 @@ def test_draft_rows_follow_the_drafts_and_roll_back(tok_dir: Path, token_text: l
             reference.advance([ids[j]])
     assert rows[3] == rows[4] == set(range(VOCAB))
     assert _allowed(grammar)[0] == _brute({"abcabc"}, "", token_text)  # rolled back
+
+
+@pytest.mark.parametrize("min_tokens", [0, 3, 5])
+def test_min_tokens_holds_eos_back_only_while_the_grammar_goes_on(tok_dir: Path, min_tokens: int) -> None:
+    """Before ``min_tokens`` outputs a row allows what the grammar allows minus EOS, unless EOS is all
+    it allows (the grammar is complete: it ends there); from then on it is the grammar's mask. Drafted
+    rows count their drafts: row j draws output ``accepted + j``."""
+    compiler = GrammarCompiler(tok_dir)
+    spec = StructuredSpec("regex", "ab(ab)?(ab)?")
+    held, plain = compiler.matcher(spec, (EOS,), min_tokens), compiler.matcher(spec, (EOS,))
+    path: list[int] = []
+    wants: list[set[int]] = []
+    changed = 0  # rows the hold changes: the grammar allows EOS and more before min_tokens
+    for _ in range(20):
+        want = _allowed(plain)[0]
+        if len(path) < min_tokens and want != {EOS}:
+            changed += EOS in want
+            want = want - {EOS}
+        assert _allowed(held)[0] == want, path
+        wants.append(want)
+        if want == {EOS}:
+            break
+        token = min(want - {EOS})  # the lowest id: single bytes, the longest walk (past min_tokens)
+        path.append(token)
+        held.advance([token])
+        plain.advance([token])
+    assert wants[-1] == {EOS} and len(path) >= 6
+    assert changed == (min_tokens > 2) + (min_tokens > 4)  # after "ab" and "abab"
+    drafted = compiler.matcher(spec, (EOS,), min_tokens)
+    assert _allowed(drafted, path) == wants
+    drafted.advance(path[:2])
+    assert _allowed(drafted, path[2:]) == wants[2:]
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    model = tmp_path / "m"
+    model.mkdir()
+    write_tokenizer(model, VOCAB)
+    (model / "config.json").write_text('{"architectures": ["FakeForCausalLM"]}')
+    return model
+
+
+CLOSED = {"type": "object", "required": ["n"], "additionalProperties": False}
+GRAMMARS = [
+    (StructuredSpec("choice", json.dumps(["yes", "yes and", "yes and no"])), "yes and no"),
+    (StructuredSpec("regex", "[a-c]{2}( [a-c]{2}){0,3}"), None),
+    (StructuredSpec("json", json.dumps({"properties": {"n": {"enum": [1, 22]}}, **CLOSED})), None),
+]
+
+
+def _check_ends_at_the_grammar(outs: list[Any], spec: StructuredSpec, longest: str | None) -> None:
+    """Each output ends at its grammar's end, once: one EOS, last, and text the grammar accepts."""
+    for out in outs:
+        for c in out.outputs:
+            assert c.finish_reason == "stop", (c.text, c.token_ids)
+            assert c.token_ids[-1] == EOS and c.token_ids.count(EOS) == 1, c.token_ids  # no EOS padding
+            if spec.kind == "json":
+                assert json.loads(c.text)["n"] in (1, 22), c.text
+            elif spec.kind == "regex":
+                assert re.fullmatch(spec.source, c.text), c.text
+            else:
+                assert c.text in json.loads(spec.source)
+            if longest is not None:  # EOS was held back wherever the choice could go on
+                assert c.text == longest
+
+
+@pytest.mark.requires_plugin("sync_sched")
+@pytest.mark.parametrize("scheduler", ["sync", "async"])
+@pytest.mark.parametrize(("spec", "longest"), GRAMMARS)
+def test_min_tokens_under_a_grammar_ends_where_the_grammar_does(
+    make_llm: Any, tmp_path: Path, spec: StructuredSpec, longest: str | None, scheduler: str
+) -> None:
+    """``min_tokens`` past the grammar's length: the output goes on while the grammar allows anything
+    but EOS, then ends (finish_reason "stop") at the grammar's end, short of min_tokens, never padded
+    with EOS; greedy and sampled, and with a step in flight when the grammar ends (async)."""
+    from pypto_serving import SamplingParams
+
+    if scheduler == "async":
+        pytest.importorskip("pypto_serving_async_sched")
+    options = {"vocab": VOCAB, "eos": EOS}
+    llm = make_llm(model=str(_model_dir(tmp_path)), executor_options=options, scheduler=scheduler)
+    params = [
+        SamplingParams(temperature=0, min_tokens=40, max_tokens=48, structured=spec),
+        SamplingParams(temperature=1.0, seed=5, n=4, min_tokens=40, max_tokens=48, structured=spec),
+    ]
+    outs = llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    _check_ends_at_the_grammar(outs, spec, longest)
+    # Without min_tokens the same grammar's outputs end as they please (the choice may stop short).
+    free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=48, structured=spec), use_tqdm=False)
+    _check_ends_at_the_grammar(free, spec, None)
+
+
+@pytest.mark.requires_plugin("sync_sched")
+@pytest.mark.parametrize(("spec", "longest"), GRAMMARS)
+def test_ignore_eos_under_a_grammar_ends_where_the_grammar_does(
+    make_llm: Any, tmp_path: Path, spec: StructuredSpec, longest: str | None
+) -> None:
+    """``ignore_eos`` does not run a constrained request on past its grammar's end: the grammar's EOS
+    ends it (finish_reason "stop") instead of EOS tokens up to max_tokens."""
+    from pypto_serving import SamplingParams
+
+    llm = make_llm(model=str(_model_dir(tmp_path)), executor_options={"vocab": VOCAB, "eos": EOS})
+    params = [
+        SamplingParams(temperature=0, ignore_eos=True, max_tokens=48, structured=spec),
+        SamplingParams(temperature=1.0, seed=5, n=4, ignore_eos=True, max_tokens=48, structured=spec),
+        SamplingParams(temperature=0, ignore_eos=True, min_tokens=40, max_tokens=48, structured=spec),
+    ]
+    outs = llm.generate([[5, 6, 7], [8, 9], [5, 6, 7]], params, use_tqdm=False)
+    _check_ends_at_the_grammar(outs[:2], spec, None)
+    _check_ends_at_the_grammar(outs[2:], spec, longest)
 
 
 def test_json_schema_walk_validates(tok_dir: Path, token_text: list[str]) -> None:

@@ -213,11 +213,14 @@ def _chat_prompt(ctx: _Ctx, req: ChatCompletionRequest) -> _Prompt:
 
 
 def _check_tool_choice(req: ChatCompletionRequest) -> None:
+    """As OpenAI: a tool choice other than ``none`` without tools (none or ``[]``) is a 400, ``auto``
+    included, rather than a choice silently dropped."""
     choice = req.tool_choice
-    if choice is not None and not isinstance(choice, str) and not req.tools:
-        raise APIError(400, "tool_choice names a function but the request sends no tools", param="tool_choice")
-    if choice == "required" and not req.tools:
-        raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+    if choice is None or choice == "none" or req.tools:
+        return
+    what = f"'{choice}'" if isinstance(choice, str) else "naming a function"
+    message = f"tool_choice {what} needs tools; send tools or drop tool_choice"
+    raise APIError(400, message, param="tool_choice", code="invalid_value")
 
 
 def _forced_calls(req: ChatCompletionRequest) -> tuple[list[str], bool] | None:

@@ -19,7 +19,17 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import (
+    AfterValidator,
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -272,6 +282,15 @@ class _SamplingFields(BaseModel):
             for k, v in data.items()
             if not (k in UNSUPPORTED_FIELDS and k not in cls.model_fields and _is_neutral(k, v, data))
         }
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # As OpenAI: options of a stream that is not asked for are a client's mistake, not silently dropped.
+        # A ``stream`` that failed its own validation is absent here; its error is the one reported.
+        if value is not None and info.data.get("stream", True) is not True:
+            raise PydanticCustomError("stream_options_without_stream", "allowed only when stream is true")
+        return value
 
 
 class CompletionRequest(_SamplingFields):

@@ -100,12 +100,13 @@ def _completion_logprobs(
     ctx: _Ctx,
     c: CompletionOutput,
     span: tuple[int, int, int],
-    echo: tuple[list[int], list[dict[int, float] | None] | None] | None = None,
-    top_n: int = 0,
+    echo: tuple[list[int], list[dict[int, float] | None] | None] | None,
+    top_n: int,
 ) -> dict[str, Any] | None:
     """OpenAI's completion logprobs of output tokens ``span[0]:span[1]``, text offsets from ``span[2]``;
     with ``echo`` the prompt's ``(ids, prompt logprobs)`` come first (the first prompt token has none),
-    each with its ``top_n`` most likely tokens, as the outputs have."""
+    each with its ``top_n`` (the request's ``logprobs``) most likely tokens, as the outputs have. No
+    default: the streamed and the whole response must pass the same ``top_n``."""
     if c.logprobs is None:
         return None
     start, end, offset = span
@@ -199,9 +200,8 @@ def _completion_body(
     for pi, (p, out) in enumerate(zip(prompts, outs)):
         echo = _prompt_text(ctx, p) if req.echo else ""
         for c in out.outputs:
-            lp = _completion_logprobs(
-                ctx, c, (0, len(c.token_ids), 0), (p.ids, out.prompt_logprobs) if req.echo else None
-            )
+            prompt = (p.ids, out.prompt_logprobs) if req.echo else None
+            lp = _completion_logprobs(ctx, c, (0, len(c.token_ids), 0), prompt, req.logprobs or 0)
             choice = {
                 "index": pi * req.n + c.index,
                 "text": echo + c.text,

@@ -40,6 +40,7 @@ class _ChoiceState:
     finished: bool = False
     parser: OutputParser | None = None  # a chat choice's reasoning / tool-call parser
     num_calls: int = 0  # tool calls streamed so far
+    echo_len: int = 0  # characters of the echoed prompt before the choice's text (text offsets count them)
 
 
 def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
@@ -205,10 +206,11 @@ class _StreamRunner:
                         if req.echo:  # the first output follows the prompt: its logprobs are complete
                             prefix = _prompt_text(self.ctx, self.prompts[pi])
                             echo = (self.prompts[pi].ids, self.latest[pi].prompt_logprobs)
+                            st.echo_len = len(prefix)
                     text = prefix + self._delta_text(pi, c, st, done)
                     if not text and not done and echo is None and (c.logprobs is None or start == end):
                         continue
-                    span = (start, end, st.text_sent - len(text))
+                    span = (start, end, st.echo_len + st.text_sent - len(text))
                     choice = {
                         "index": pi * req.n + c.index,
                         "text": text,

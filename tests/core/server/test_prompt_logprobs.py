@@ -127,25 +127,50 @@ def test_server_prompt_logprobs(client: Any, reference: tuple[list[int], torch.T
     assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_echo_with_logprobs_scores_the_prompt(
-    client: Any, reference: tuple[list[int], torch.Tensor], stream: bool
-) -> None:
-    ids, ref = reference
-    kw = {"model": "tiny-qwen3", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
-    if stream:
-        chunks = list(client.completions.create(stream=True, **kw))
-        lp: list[float | None] = [
-            x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs
-        ]
-        text = "".join(c.choices[0].text for c in chunks if c.choices)
-    else:
+def _echo_logprobs(client: Any, stream: bool, n: int) -> tuple[str, dict[str, list[Any]]]:
+    """The text and the ``logprobs`` lists of an echoed greedy completion, streamed chunks joined."""
+    kw = {"model": "tiny-qwen3", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": n}
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    if not stream:
         choice = client.completions.create(**kw).choices[0]
-        lp, text = choice.logprobs.token_logprobs, choice.text
-    assert text.startswith(PROMPT)
-    assert lp[0] is None and len(lp) == len(ids) + 3
-    for i in range(1, len(ids)):
-        assert abs(lp[i] - float(ref[i - 1, ids[i]])) < ATOL
+        return choice.text, {k: list(getattr(choice.logprobs, k)) for k in keys}
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    parts = [c.logprobs for c in chunks if c.logprobs is not None]
+    return "".join(c.text for c in chunks), {k: [x for p in parts for x in getattr(p, k)] for k in keys}
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_echo_with_logprobs_scores_the_prompt(client: Any, reference: tuple[list[int], torch.Tensor], n: int) -> None:
+    """Echoed prompt tokens carry their logprob and the top ``logprobs`` tokens, as the outputs do,
+    streamed or not; both responses agree entry by entry."""
+    from pypto_serving.tokenizer import Tokenizer
+
+    ids, ref = reference
+    tok = Tokenizer(_tiny_qwen3())
+
+    def name(t: int) -> str:  # as the server names a token in top_logprobs
+        text = tok.decode([t], skip_special_tokens=False)
+        return f"token_id:{t}" if "\ufffd" in text else text
+
+    got = {stream: _echo_logprobs(client, stream, n) for stream in (False, True)}
+    for text, lp in got.values():
+        assert text.startswith(PROMPT)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert len(lp["tokens"]) == len(lp["top_logprobs"]) == len(ids) + 3
+        for i in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][i] - float(ref[i - 1, ids[i]])) < ATOL
+            top = ref[i - 1].topk(n)
+            assert set(lp["top_logprobs"][i]) == {name(t) for t in [*top.indices.tolist(), ids[i]]}, i
+            for t, v in zip(top.indices.tolist(), top.values.tolist()):
+                assert abs(lp["top_logprobs"][i][name(t)] - v) < ATOL
+        for i in range(len(ids), len(ids) + 3):  # the outputs: the top n and the sampled token
+            assert n <= len(lp["top_logprobs"][i]) <= n + 1
+    (text, whole), (streamed_text, streamed) = got[False], got[True]
+    assert streamed_text == text
+    assert streamed["tokens"] == whole["tokens"] and streamed["text_offset"] == whole["text_offset"]
+    assert streamed["token_logprobs"][1:] == pytest.approx(whole["token_logprobs"][1:], abs=ATOL)
+    for a, b in zip(streamed["top_logprobs"][1:], whole["top_logprobs"][1:]):
+        assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=ATOL)
 
 
 def test_prompt_logprobs_refusals(client: Any) -> None:

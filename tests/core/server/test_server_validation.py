@@ -385,7 +385,8 @@ def test_unknown_field_is_refused_by_name(shared_client: Any, field: str) -> Non
         {"best_of": 2, "n": 2},
         {"modalities": ["text"], "audio": None, "prediction": None, "web_search_options": None},
         {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"},
-        {"safety_identifier": "s", "prompt_cache_key": "p", "stream_options": {"include_usage": True}},
+        {"safety_identifier": "s", "prompt_cache_key": "p", "stream_options": None},
+        {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
     ],
 )
 def test_ignored_fields_and_neutral_values_are_accepted(shared_client: Any, fields: dict[str, Any]) -> None:
@@ -393,6 +394,37 @@ def test_ignored_fields_and_neutral_values_are_accepted(shared_client: Any, fiel
     for path, base in ((COMPLETION, _completion()), (CHAT, _chat(max_tokens=2))):
         r = post(client, path, {**base, **fields})
         assert r.status_code == 200, (path, r.text)
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "says"),
+    [
+        (COMPLETION, {"stream_options": {"include_usage": True}}, "stream_options", "only when stream is true"),
+        (COMPLETION, {"stream": None, "stream_options": {}}, "stream_options", "only when stream is true"),
+        (CHAT, {"stream": False, "stream_options": {"include_usage": False}}, "stream_options", "stream is true"),
+        (CHAT, {"tool_choice": "auto"}, "tool_choice", "tool_choice 'auto' needs tools"),
+        (CHAT, {"tools": [], "tool_choice": "auto"}, "tool_choice", "tool_choice 'auto' needs tools"),
+        (CHAT, {"tools": None, "tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools"),
+        (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "needs tools"),
+    ],
+)
+def test_options_of_what_the_request_does_not_ask_for_are_400(
+    shared_client: Any, path: str, fields: dict[str, Any], param: str, says: str
+) -> None:
+    """As OpenAI: ``stream_options`` without ``stream: true`` and a ``tool_choice`` other than ``none``
+    without tools are refused naming the field, not silently dropped."""
+    client, _ = shared_client
+    base = _completion() if path == COMPLETION else _chat(max_tokens=2)
+    e = err(post(client, path, {**base, **fields}), param, "invalid_value")
+    assert says in e["message"], e
+
+
+def test_parallel_tool_calls_without_tools_is_accepted(shared_client: Any) -> None:
+    """OpenAI accepts ``parallel_tool_calls`` (and ``tool_choice: "none"``) without tools: nothing to call."""
+    client, _ = shared_client
+    for fields in ({"parallel_tool_calls": False}, {"parallel_tool_calls": True, "tool_choice": "none", "tools": []}):
+        r = post(client, CHAT, _chat(max_tokens=2, **fields))
+        assert r.status_code == 200, (fields, r.text)
 
 
 def test_chat_template_keys_of_messages_are_kept(shared_client: Any) -> None:

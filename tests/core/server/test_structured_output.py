@@ -108,6 +108,29 @@ def test_guided_regex_matches(client: Any) -> None:
     assert all(re.fullmatch(pattern, c.message.content) for c in resp.choices)
 
 
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 60}, {"ignore_eos": True, "min_tokens": 60}])
+def test_the_grammar_end_ends_the_output_whatever_ignore_eos_and_min_tokens_say(
+    client: Any, extra: dict[str, Any]
+) -> None:
+    """A complete grammar allows only EOS, and that EOS ends the request (finish_reason "stop"): with
+    ``ignore_eos``, and before ``min_tokens``, rather than EOS tokens up to ``max_tokens``."""
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    resp = _chat(
+        client, response_format=fmt, n=3, temperature=1.0, seed=6, max_tokens=64, logprobs=True, extra_body=extra
+    )
+    for c in resp.choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+        assert len(c.logprobs.content) < 60  # one entry per token: none ran on to min_tokens with EOS
+    # Before min_tokens EOS waits while the grammar can go on: "yes" goes on to the longer choice.
+    text = client.completions.create(
+        model="tiny-qwen3", prompt="Answer:", n=4, temperature=1.0, seed=7, max_tokens=16,
+        extra_body={**extra, "min_tokens": 10, "guided_choice": ["yes", "yes and no"]},
+    )  # fmt: skip
+    assert [(c.text, c.finish_reason) for c in text.choices] == [("yes and no", "stop")] * 4
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
