@@ -107,7 +107,7 @@ class BlockToolParser(ToolParser):
 
 
 def _arguments_json(value: Any) -> str | None:
-    """Arguments as compact JSON text of an object: a dict, or a string holding one."""
+    """Arguments as JSON text of an object (json.dumps spacing): a dict, or a string holding one."""
     if isinstance(value, str):
         try:
             value = json.loads(value)

@@ -50,9 +50,13 @@ class MtpState:
     (re)computes ``[frontier[d], n - 1]`` and draft-token entries are overwritten later. The canonical
     inputs a depth still needs from earlier steps sit in the executor's carry ring of that depth
     (row ``slot * CARRY_LEN + i % CARRY_LEN``); ``carried[d]`` is the range of positions it holds.
+
+    Only depths below ``active`` run. A policy's drafting depth lowers it and never raises it again:
+    a depth that skipped steps has no canonical KV for them, so it could not draft exactly later.
     """
 
     depth: int
+    active: int = -1  # depths that run (``depth`` when -1)
     hv: int = 0  # main-model hidden states are known for positions < hv: the next step starts here
     n: int = -1  # position of the last known token
     tokens: dict[int, int] = field(default_factory=dict)
@@ -62,6 +66,8 @@ class MtpState:
     def __post_init__(self) -> None:
         self.frontier = [0] * self.depth
         self.carried = [(0, -1)] * self.depth
+        if self.active < 0:
+            self.active = self.depth
 
 
 def read_drafts(drafts: torch.Tensor) -> list[int]:
@@ -434,14 +440,17 @@ class DeepseekMTPExecutor(Executor):
         _, seg, streams = self._last
         assert seg.ring_slots is not None
         work, rows = self._commit(batch, seg, accepted)
+        cap = self.num_draft if batch.draft_depth is None else max(0, min(self.num_draft, batch.draft_depth))
+        for st, _ in work.values():
+            st.active = min(st.active, cap)
         step = _Drafting(work, seg.ring_slots, fresh=[streams], fresh_rows=[rows], sampler=sampler)
-        for d in range(self.num_draft):
+        for d in range(max((st.active for st, _ in work.values()), default=0)):
             ran = self._draft_depth(d, step, batch)
             self._carry(d, step)
             if not ran:
                 break
         for st, _ in step.work.values():
-            low = min(st.frontier) if st.frontier else st.n
+            low = min(st.frontier[: st.active]) if st.active else st.n
             st.tokens = {i: t for i, t in st.tokens.items() if i >= low}
         return step.result(len(batch.request_ids), self.device)
 
@@ -524,6 +533,8 @@ class DeepseekMTPExecutor(Executor):
         dst: list[int] = []
         for r, (p, row, n) in step.fresh_rows[d].items():
             st = step.work[r][0]
+            if d >= st.active:
+                continue
             hi = p + n - 1 if d == 0 else min(p + n - 1, st.n - d)
             lo = max(p, st.frontier[d], hi - CARRY_LEN + 1)
             if hi < lo:
@@ -545,6 +556,8 @@ class DeepseekMTPExecutor(Executor):
         input streams are and their tokens (committed ones by value, this step's drafts by reference)."""
         rows = _DepthInputs()
         for r, (st, sampling) in step.work.items():
+            if d >= st.active:
+                continue
             c = st.frontier[d]
             last = st.n - 1 if sampling else st.n - 1 - d
             if last < c:
