@@ -201,7 +201,8 @@ class ModelRunner:
         drafted: list[list[int]]
         if self._ngram is not None:
             ids = [rid for rid in batch.request_ids if rid in result.sampled]
-            drafted = [[] for _ in ids] if depth == 0 else self._ngram.propose([self.states[rid].history for rid in ids])
+            histories = [self.states[rid].history for rid in ids]
+            drafted = [[] for _ in ids] if depth == 0 else self._ngram.propose(histories)
         else:
             accepted = [result.sampled.get(rid, []) for rid in batch.request_ids]
             sampler = self._draft_sampler(batch, result)

@@ -164,6 +164,8 @@ class Scheduler:
         self.info = executor_info
         self.spec_policy = spec_policy
         self._observe: Callable[[StepObservation], None] | None = getattr(spec_policy, "observe", None)
+        self._draft_depth: Callable[[], int | None] | None = getattr(spec_policy, "draft_depth", None)
+        self._rejections = 0  # requests whose drafts were rejected, since the last observation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -260,7 +262,8 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
-        cmd = StepCommand(next(self._step_ids), step.new_requests, step.entries, self.finished_ids)
+        depth = self._draft_depth() if self._draft_depth is not None else None
+        cmd = StepCommand(next(self._step_ids), step.new_requests, step.entries, self.finished_ids, depth)
         self.finished_ids = []
         self.stats.num_steps += 1
         return SchedulerOutput(cmd, step.items, self.config.max_num_batched_tokens - step.budget)
@@ -512,8 +515,12 @@ class Scheduler:
                     num_drafted=result.num_drafted,
                     num_accepted=sum(result.num_accepted_per_pos),
                     seconds=result.execute_seconds,
+                    draft_seconds=result.draft_seconds,
+                    draft_depth=out.command.draft_depth,
+                    num_rejections=self._rejections,
                 )
             )
+        self._rejections = 0
         return touched
 
     def _apply_general(
@@ -554,6 +561,7 @@ class Scheduler:
         if item.num_draft:
             req.spec_drafted += item.num_draft
             req.spec_accepted += accepted
+            self._rejections += rejected > 0
         if rejected:
             req.num_computed_tokens -= rejected
             st.rejected += rejected

@@ -4,7 +4,9 @@ A policy is a :data:`SpecPolicy`, called as ``policy(request, max_k) -> k`` for 
 step on an executor that drafts. ``max_k`` is the scheduler's cap (remaining token budget,
 ``max_tokens``, context length, the drafting depth); a policy returns ``0 <= k <= max_k``. A policy
 object may also have an ``observe(obs: StepObservation)`` method: the scheduler then calls it with
-every step's size, time and acceptance once the step's result is applied.
+every step's size, time and acceptance once the step's result is applied; and a
+``draft_depth() -> int | None`` method: the scheduler sends its value with each step, and the worker
+proposes at most that many drafts per request after the step (``None``: the configured depth).
 
 Speculation never changes what a request outputs (verification is exact at every temperature), so a
 policy only trades speed: it decides whether verifying ``k`` extra positions pays.
@@ -52,6 +54,11 @@ class StepObservation:
     :param num_drafted: draft tokens verified in the step.
     :param num_accepted: of those, accepted.
     :param seconds: the worker's time for the step (forward, sampling, drafting); 0 when unknown.
+    :param draft_seconds: the part of ``seconds`` spent proposing the next step's drafts.
+    :param draft_depth: the drafting depth the step's command asked for (None: the configured one).
+    :param num_rejections: requests whose verification rejected a draft in the step (one each at
+        most: a request's verification stops at its first rejection; reserved draft slots the
+        worker held no draft for count as rejected).
     """
 
     num_tokens: int
@@ -59,6 +66,9 @@ class StepObservation:
     num_drafted: int
     num_accepted: int
     seconds: float
+    draft_seconds: float = 0.0
+    draft_depth: int | None = None
+    num_rejections: int = 0
 
 
 def no_speculation(settings: ServingSettings) -> SpecPolicy:
@@ -143,49 +153,91 @@ class StepCostModel:
         b = max(0.0, (self.sts / self.w - mean_t * mean_s) / self._var)
         return max(0.0, mean_s - b * mean_t), b
 
+    def predict(self, tokens: float) -> float:
+        """Seconds for a step of ``tokens``: the fit once :attr:`ready`, else the mean seen (0 before any)."""
+        if self.ready:
+            a, b = self.coefficients()
+            return a + b * tokens
+        return self.ss / self.w if self.w else 0.0
+
 
 class AdaptivePolicy:
-    """Chooses each request's ``k`` from its acceptance rate and the measured cost of extra tokens.
+    """Chooses the drafting depth of each step and each request's ``k`` from measured costs and
+    acceptance.
 
-    The model: a step of ``T`` tokens takes ``a + b * T`` seconds (:class:`StepCostModel`), and a
-    request whose drafts are accepted with probability ``alpha`` yields :func:`expected_tokens`
-    per step. With ``R`` decodes in the batch each verifying ``k`` drafts the step takes
-    ``a + b * R * (1 + k)``, so ``k`` pays when ``E(alpha, k) / (1 + rho * k)`` beats 1, where
-    ``rho = b * R / (a + b * R)`` is the share of the step that grows with tokens: near 0 for one
-    request on a latency-bound device (speculate deeply), near 1 for a large compute-bound batch
-    (do not). The best ``k`` must beat ``k = 0`` by ``margin`` or the request does not speculate.
+    Two measured costs: a step's forward and sampling take ``a + b * T`` seconds for ``T`` tokens
+    (:class:`StepCostModel`, the worker's step time less its drafting time), and drafting takes
+    ``c(R)`` seconds per depth for ``R`` decodes (a second fit, of drafting seconds per depth against
+    ``R``). Drafts are accepted with probability ``alpha`` each, given their predecessors were,
+    estimated engine-wide from truncated runs as accepted / (accepted + rejections), so a step with
+    drafting depth ``D`` yields ``R * E(alpha, D)`` tokens (:func:`expected_tokens`) in
+    ``a + b * R * (1 + D) + D * c(R)`` seconds. After every step the policy sets the depth ``D`` that
+    maximises that rate (0 unless the best beats it by ``margin``): the executor then drafts at most
+    ``D`` tokens per request, so a drafter whose every depth costs a forward (MTP) stops paying for
+    depths that do not pay, e.g. at large batch sizes. Until both costs are measured, ``D`` is the
+    configured depth.
 
-    ``alpha`` is the request's own accepted/drafted ratio shrunk towards the engine-wide rate by
-    ``prior_weight`` pseudo-drafts, so a new request starts from the engine's experience. While the
-    cost fit is not ready (all steps the same size), steps alternate between ``max_k`` and ``0`` so
-    both sizes get measured; the alternation stops as soon as the fit separates the two costs.
+    Per request, ``k <= D`` trades only verification, since drafting is paid for: ``k`` pays when
+    ``E(alpha_r, k) / (1 + rho * k)`` beats 1, where ``rho = b * R / (a + b * R)`` is the share of the
+    step that grows with tokens, and ``alpha_r`` is the request's accepted/drafted ratio shrunk
+    towards the engine-wide rate by ``prior_weight`` pseudo-drafts. While the forward fit is not ready
+    (all steps the same size), steps alternate between the deepest ``k`` and ``0`` so both sizes get
+    measured.
     """
 
     def __init__(self, k: int, *, margin: float = 1.02, prior_weight: float = 4.0) -> None:
         self.k = k
         self.margin = margin
         self.prior_weight = prior_weight
-        self.cost = StepCostModel()
+        self.cost = StepCostModel()  # forward + sampling seconds against tokens
+        self.draft_cost = StepCostModel()  # drafting seconds per depth against decodes
         self.drafted = 0
         self.accepted = 0
+        self.rejections = 0
         self.num_decodes = 1
         self.steps = 0
+        self.depth = k
 
     def observe(self, obs: StepObservation) -> None:
         self.steps += 1
         self.drafted += obs.num_drafted
         self.accepted += obs.num_accepted
+        self.rejections += obs.num_rejections
         if obs.num_decodes:
             self.num_decodes = obs.num_decodes
         if obs.seconds > 0:
-            self.cost.add(obs.num_tokens, obs.seconds)
+            self.cost.add(obs.num_tokens, max(0.0, obs.seconds - obs.draft_seconds))
+        depth = self.k if obs.draft_depth is None else obs.draft_depth
+        if depth > 0 and obs.draft_seconds > 0 and obs.num_decodes:
+            self.draft_cost.add(obs.num_decodes, obs.draft_seconds / depth)
+        self.depth = self._best_depth()
+
+    def engine_alpha(self) -> float:
+        """Per-draft acceptance over the engine's verifications (Laplace: 0.5 before any)."""
+        return (self.accepted + 1.0) / (self.accepted + self.rejections + 2.0)
+
+    def step_rate(self, depth: int, decodes: int) -> float:
+        """Expected tokens per second of a step of ``decodes`` requests drafting ``depth`` deep."""
+        seconds = self.cost.predict(decodes * (1 + depth)) + depth * self.draft_cost.predict(decodes)
+        return decodes * expected_tokens(self.engine_alpha(), depth) / max(seconds, 1e-12)
+
+    def _best_depth(self) -> int:
+        if self.k <= 0 or not (self.cost.w and self.draft_cost.w):
+            return self.k
+        rates = [self.step_rate(d, max(1, self.num_decodes)) for d in range(self.k + 1)]
+        best = max(range(self.k + 1), key=rates.__getitem__)
+        return best if rates[best] >= self.margin * rates[0] else 0
+
+    def draft_depth(self) -> int:
+        """The most drafts per request the worker proposes after the next step."""
+        return self.depth
 
     def alpha(self, request: Request) -> float:
         prior = (self.accepted + 1.0) / (self.drafted + 2.0)  # Laplace: 0.5 before any draft
         return (request.spec_accepted + self.prior_weight * prior) / (request.spec_drafted + self.prior_weight)
 
     def __call__(self, request: Request, max_k: int) -> int:
-        top = min(self.k, max_k)
+        top = min(self.k, max_k, self.depth)
         if top <= 0:
             return 0
         if not self.cost.ready:

@@ -133,6 +133,50 @@ def test_adaptive_picks_the_k_the_model_says_is_best() -> None:
     assert policy(_request(drafted=1000, accepted=900), 2) == 2  # capped by the scheduler
 
 
+def _fed_drafting(policy: AdaptivePolicy, *, a: float, c: float, alpha: float, decodes: int = 16) -> AdaptivePolicy:
+    """Feed 40 steps at the policy's own drafting depth: the forward costs ``a``, drafting ``c`` per
+    depth, and each request accepts each draft with probability ``alpha`` given its predecessors."""
+    for _ in range(40):
+        depth = policy.draft_depth()
+        accepted = decodes * sum(alpha**j for j in range(1, depth + 1))
+        policy.observe(
+            StepObservation(
+                num_tokens=decodes * (1 + depth),
+                num_decodes=decodes,
+                num_drafted=decodes * depth,
+                num_accepted=round(accepted),
+                seconds=a + depth * c,
+                draft_seconds=depth * c,
+                draft_depth=depth,
+                num_rejections=round(decodes * (1 - alpha**depth)) if depth else 0,
+            )
+        )
+    return policy
+
+
+def test_adaptive_drafts_at_the_configured_depth_until_drafting_is_measured() -> None:
+    policy = AdaptivePolicy(3)
+    assert policy.draft_depth() == 3
+    policy.observe(StepObservation(num_tokens=16, num_decodes=16, num_drafted=0, num_accepted=0, seconds=0.01))
+    assert policy.draft_depth() == 3
+
+
+@pytest.mark.parametrize(
+    ("c", "alpha", "depth"),
+    [
+        # Tokens per 10 ms of forward, D = 0..3, computed by hand as E(alpha, D) / (1 + D * c / a):
+        (0.001, 0.8, 3),  # 1, 1.636, 2.033, 2.271: cheap drafts, mostly accepted
+        (0.004, 0.6, 1),  # 1, 1.143, 1.089, 0.989
+        (0.010, 0.3, 0),  # 1, 0.65, 0.46, 0.36: every depth costs a forward and rarely pays
+    ],
+)
+def test_adaptive_drafts_as_deep_as_pays(c: float, alpha: float, depth: int) -> None:
+    policy = _fed_drafting(AdaptivePolicy(3), a=0.010, c=c, alpha=alpha)
+    assert policy.draft_depth() == depth
+    assert policy.engine_alpha() == pytest.approx(alpha, abs=0.03)
+    assert policy(_request(drafted=1000, accepted=int(1000 * alpha)), 8) <= depth
+
+
 def test_adaptive_starts_new_requests_from_the_engine_wide_rate() -> None:
     high = _fed(AdaptivePolicy(3), a=0.016, b=0.001, decodes=16, alpha=0.95)
     low = _fed(AdaptivePolicy(3), a=0.016, b=0.001, decodes=16, alpha=0.1)
@@ -153,19 +197,33 @@ def test_scheduler_reports_steps_and_per_request_acceptance(make_sched: Callable
         def observe(self, obs: StepObservation) -> None:
             seen.append(obs)
 
+        def draft_depth(self) -> int:
+            return 3 - len(seen)  # the depth each step's command carries
+
     s = make_sched(executor_options={"max_draft": 2}, policy=Recording())
     r = req("a", 4, max_tokens=20)
     s.add_request(r)
     out = s.schedule()  # the prefill
-    s.update(out, StepResult(out.command.step_id, sampled={"a": [5]}, execute_seconds=0.5))
+    assert out.command.draft_depth == 3
+    s.update(out, StepResult(out.command.step_id, sampled={"a": [5]}, execute_seconds=0.5, draft_seconds=0.1))
     out = s.schedule()  # a decode with 2 drafts, one of them accepted
-    assert out.command.entries[0].num_draft == 2
+    assert out.command.entries[0].num_draft == 2 and out.command.draft_depth == 2
     s.update(out, StepResult(out.command.step_id, sampled={"a": [6, 7]}, num_drafted=2, num_accepted_per_pos=[1, 0]))
+    out = s.schedule()  # 2 drafts again, both accepted: no rejection
+    s.update(
+        out, StepResult(out.command.step_id, sampled={"a": [8, 9, 10]}, num_drafted=2, num_accepted_per_pos=[1, 1])
+    )
+    common = dict(num_decodes=1, draft_seconds=0.0)
     assert seen == [
-        StepObservation(num_tokens=4, num_decodes=1, num_drafted=0, num_accepted=0, seconds=0.5),
-        StepObservation(num_tokens=3, num_decodes=1, num_drafted=2, num_accepted=1, seconds=0.0),
+        StepObservation(
+            num_tokens=4, num_decodes=1, num_drafted=0, num_accepted=0, seconds=0.5, draft_seconds=0.1, draft_depth=3
+        ),
+        StepObservation(
+            num_tokens=3, num_drafted=2, num_accepted=1, seconds=0.0, draft_depth=2, num_rejections=1, **common
+        ),
+        StepObservation(num_tokens=3, num_drafted=2, num_accepted=2, seconds=0.0, draft_depth=1, **common),
     ]
-    assert (r.spec_drafted, r.spec_accepted) == (2, 1)
+    assert (r.spec_drafted, r.spec_accepted) == (4, 3)
 
 
 # ----------------------------------------------------------------------------- settings and wiring
@@ -212,7 +270,8 @@ def test_sampled_requests_speculate_with_unchanged_output(fake_pm: Any, policy: 
     spec = LLM(
         plugins=fake_pm,
         speculative_config={"method": "fake", "num_speculative_tokens": 2, "policy": policy},
-        executor_options={"max_draft": 2},
+        # A forward that costs more than drafting, as a model's does, so the adaptive policy drafts.
+        executor_options={"max_draft": 2, "step_sleep": 0.005},
         **base,
     )
     try:

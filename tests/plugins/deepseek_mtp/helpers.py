@@ -196,9 +196,12 @@ def greedy_generate(
     preempt_at: dict[str, int] | None = None,
     on_step: Any = None,
     accept: Any = None,
+    draft_depth: Any = None,
 ) -> dict[str, list[int]]:
     """Drive the executor like the core: chunked prefill, greedy verification of MTP drafts, and
-    optional preemption (release + recompute from scratch) once a request has N output tokens."""
+    optional preemption (release + recompute from scratch) once a request has N output tokens.
+    ``draft_depth(step) -> int | None`` sets each step's ``BatchInput.draft_depth``."""
+    steps = 0
     out = {rid: [] for rid in prompts}
     done = dict.fromkeys(prompts, 0)  # tokens whose KV is computed
     drafts: dict[str, list[int]] = {rid: [] for rid in prompts}
@@ -246,6 +249,9 @@ def greedy_generate(
                 done[rid] = end
             out[rid] += acc
             accepted.append(acc)
+        if draft_depth is not None:
+            batch.draft_depth = draft_depth(steps)
+        steps += 1
         new = core.ex.propose_drafts(batch, accepted)
         for rid, dr in zip(batch.request_ids, new):
             drafts[rid] = list(dr)

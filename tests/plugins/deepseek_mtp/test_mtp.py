@@ -85,6 +85,40 @@ def test_speculation_does_not_change_greedy_output(checkpoints, k):
     assert spec == base
 
 
+def test_a_lowered_drafting_depth_keeps_drafts_exact(checkpoints):
+    """A policy's drafting depth caps each request's drafts; a depth a request skipped never comes
+    back for it (its KV there is not canonical), while a request starting later takes the depth of
+    its first step. The drafts kept are the full-recompute reference's first ones (with forced
+    acceptance, so multi-token commits happen), and the greedy output is that of no speculation."""
+    ckpt = checkpoints["mixed_yarn"]
+    caps = [None, 3, 2, 3, 1, 3, 0, 3]  # per step; 3 after the list
+    ex, info = make_executor(ckpt.path, k=3)
+    rng = random.Random(11)
+    active: dict[str, int] = {}
+    lengths: list[int] = []
+
+    def check(batch, histories, drafts):
+        cap = 3 if batch.draft_depth is None else batch.draft_depth
+        for rid, dr in zip(batch.request_ids, drafts):
+            active[rid] = min(active.get(rid, 3), cap)
+            if rid in ex.mtp_state and histories[rid][-1:] and dr is not None:
+                assert dr == reference_drafts(ckpt, histories[rid], 3)[: len(dr)], rid
+                assert len(dr) <= active[rid], (rid, dr, active[rid])
+                lengths.append(len(dr))
+
+    prompts = {"a": _prompt(21, 9), "b": _prompt(22, 5)}
+    depth = lambda step: caps[step] if step < len(caps) else 3  # noqa: E731
+    core = FakeCore(ex, info)
+    greedy_generate(core, prompts, 24, k=3, on_step=check, accept=lambda n: rng.randint(0, n), draft_depth=depth)
+    assert {1, 2, 3} <= set(lengths) and active == {"a": 0, "b": 0}
+    greedy_generate(core, {"c": _prompt(23, 6)}, 6, k=3, on_step=check, draft_depth=lambda step: 2)
+    assert active["c"] == 2 and lengths[-1] == 2
+    base_ex, base_info = make_executor(ckpt.path)
+    base = greedy_generate(FakeCore(base_ex, base_info), prompts, 16)
+    ex, info = make_executor(ckpt.path, k=3)
+    assert greedy_generate(FakeCore(ex, info), prompts, 16, k=3, chunk=4, draft_depth=depth) == base
+
+
 def test_preemption_and_slot_reuse_keep_drafts_exact(checkpoints):
     """A preempted request recomputes from scratch and a new request reusing its ring slot and MTP
     state starts clean: drafts still equal the full-recompute reference at every step."""
