@@ -40,8 +40,19 @@ def _prompts() -> list[list[int]]:
 class Run:
     """One ``LLM.generate`` with what the engine saw: outputs, stats, commands and results."""
 
-    def __init__(self, path: Path, k: int, scheduler: str | None, mode: str, params: Any, **settings: Any) -> None:
-        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    def __init__(
+        self,
+        path: Path,
+        k: int,
+        scheduler: str | None,
+        mode: str,
+        params: Any,
+        policy: str | None = None,
+        **settings: Any,
+    ) -> None:
+        spec: dict[str, Any] | None = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        if spec is not None and policy is not None:
+            spec["policy"] = policy
         extra = {"scheduler": scheduler} if scheduler else {}
         llm = LLM(
             model=str(path),
@@ -215,3 +226,15 @@ def test_async_equals_sync_with_mtp(setup, k):
     for run in (sync, async_):
         _check_run(setup, run, k)
     assert _eos_inside_accepted_run(setup, sync) or _eos_inside_accepted_run(setup, async_)
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "async"])
+def test_adaptive_drafting_depth_equals_no_speculation(setup, scheduler):
+    """The adaptive policy (k <= 3) lowers and raises the drafting depth as its cost fit says, under
+    KV pressure, with EOS and max_tokens inside draft runs: the output is still the reference."""
+    pytest.importorskip(f"pypto_serving_{scheduler}_sched")
+    run = Run(setup["path"], 3, scheduler, "inproc", setup["params"], policy="adaptive", num_kv_blocks=PRESSURE_BLOCKS)
+    assert run.tokens == setup["expected"]
+    assert run.stats["num_preemptions"] > 0 and run.stats["spec_drafted"] > 0
+    depths = {out.command.draft_depth for out, _ in run.results}
+    assert depths and depths <= {0, 1, 2, 3}
