@@ -174,8 +174,8 @@ class AdaptivePolicy:
     ``a + b * R * (1 + D) + D * c(R)`` seconds. After every step the policy sets the depth ``D`` that
     maximises that rate (0 unless the best beats it by ``margin``): the executor then drafts at most
     ``D`` tokens per request, so a drafter whose every depth costs a forward (MTP) stops paying for
-    depths that do not pay, e.g. at large batch sizes. Until both costs are measured, ``D`` is the
-    configured depth.
+    depths that do not pay, e.g. at large batch sizes. Until both costs are measured (drafting over
+    ``min_draft_steps`` decode-only steps), ``D`` is the configured depth.
 
     Per request, ``k <= D`` trades only verification, since drafting is paid for: ``k`` pays when
     ``E(alpha_r, k) / (1 + rho * k)`` beats 1, where ``rho = b * R / (a + b * R)`` is the share of the
@@ -185,8 +185,11 @@ class AdaptivePolicy:
     measured.
     """
 
-    def __init__(self, k: int, *, margin: float = 1.02, prior_weight: float = 4.0) -> None:
+    def __init__(
+        self, k: int, *, margin: float = 1.02, prior_weight: float = 4.0, min_draft_steps: float = 4.0
+    ) -> None:
         self.k = k
+        self.min_draft_steps = min_draft_steps
         self.margin = margin
         self.prior_weight = prior_weight
         self.cost = StepCostModel()  # forward + sampling seconds against tokens
@@ -208,7 +211,10 @@ class AdaptivePolicy:
         if obs.seconds > 0:
             self.cost.add(obs.num_tokens, max(0.0, obs.seconds - obs.draft_seconds))
         depth = self.k if obs.draft_depth is None else obs.draft_depth
-        if depth > 0 and obs.draft_seconds > 0 and obs.num_decodes:
+        # Drafting after a prefill chunk also catches the drafter up over the prompt, which says
+        # nothing about a decode's drafting cost: only decode-only steps measure it.
+        decode_only = obs.num_tokens <= obs.num_decodes * (1 + self.k)
+        if depth > 0 and obs.draft_seconds > 0 and obs.num_decodes and decode_only:
             self.draft_cost.add(obs.num_decodes, obs.draft_seconds / depth)
         self.depth = self._best_depth()
 
@@ -222,7 +228,9 @@ class AdaptivePolicy:
         return decodes * expected_tokens(self.engine_alpha(), depth) / max(seconds, 1e-12)
 
     def _best_depth(self) -> int:
-        if self.k <= 0 or not (self.cost.w and self.draft_cost.w):
+        # A lowered depth is for good for the requests running (see DeepseekMTPExecutor), so it waits
+        # for a few measured decode steps rather than follow the first one.
+        if self.k <= 0 or not self.cost.w or self.draft_cost.w < self.min_draft_steps:
             return self.k
         rates = [self.step_rate(d, max(1, self.num_decodes)) for d in range(self.k + 1)]
         best = max(range(self.k + 1), key=rates.__getitem__)
