@@ -5,7 +5,10 @@ It keeps per-request state the scheduler must not need: a persistent
 token, output count, block tables on the device), updated by the step message's diffs, and the token
 history, penalty counts and drafts beside it. It turns a :class:`StepCommand` into one flat
 :class:`BatchInput` on the executor's device, calls the executor, samples, verifies drafts and
-returns a :class:`StepResult`.
+returns a :class:`StepResult`. A step runs in two parts: :meth:`ModelRunner.launch` queues the
+forward and the sampler's device work without reading anything back, :meth:`ModelRunner.finish`
+makes the step's host read and the rest; between them the worker may stage the next step's
+admissions and blocks (:meth:`ModelRunner.stage`).
 """
 
 from __future__ import annotations
@@ -24,11 +27,21 @@ import torch
 from .executor import BatchInput, Executor, ExecutorInfo
 from .input_batch import InputBatch, StepArrays
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
-from .sampler import LogitEdits, RowParams, SampleOutput, TokenCounts, prompt_logprobs, sample
+from .sampler import (
+    DeviceSample,
+    LogitEdits,
+    RowParams,
+    SampleOutput,
+    TokenCounts,
+    packed,
+    prompt_logprobs,
+    read_sample,
+    sample_on_device,
+)
 from .spec_decode import DraftRow, DraftSampler, NgramDrafter, SpecRow, verify_sampled
 from .structured import GrammarCompiler, HostMask, RequestGrammar, fill_step_mask
 
-__all__ = ["MissingSampledTokenError", "ModelRunner"]
+__all__ = ["LaunchedStep", "MissingSampledTokenError", "ModelRunner"]
 
 
 class MissingSampledTokenError(RuntimeError):
@@ -119,6 +132,7 @@ class ModelRunner:
         self._ngram = _ngram_drafter(settings)
         self._grammars = GrammarCompiler(getattr(settings, "tokenizer", None) or getattr(settings, "model", None))
         self._mask_thread: ThreadPoolExecutor | None = None  # made by the first constrained step
+        self._staged: _Staged | None = None  # the next step's admissions and blocks, taken early
 
     def load(self) -> ExecutorInfo:
         self.info = self.executor.load()
@@ -152,44 +166,118 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     def step(self, cmd: StepCommand) -> StepResult:
+        """Run ``cmd`` whole: :meth:`launch`, then :meth:`finish`, nothing staged between them."""
+        return self.finish(self.launch(cmd))
+
+    def launch(self, cmd: StepCommand) -> LaunchedStep:
+        """A step's first part: finished requests leave, new requests and blocks enter (unless
+        :meth:`stage` took them), the batch is built, the forward and the sampler's device work are
+        queued. Nothing the device computes for the sampled rows is read, so on an accelerator this
+        returns while the device still works (steps with prompt logprobs or rejection-sampled drafts
+        read their scores here); :meth:`finish` makes the step's host read."""
         t0 = time.perf_counter()
+        staged, self._staged = self._staged, None
+        assert staged is None or staged.cmd is cmd, "a staged step runs next, before any other"
+        state: StepResult | _Work
         try:
-            if cmd.finished_ids:
-                for rid in cmd.finished_ids:
-                    self.states.pop(rid, None)
-                self.input_batch.remove(list(cmd.finished_ids))
-                self.executor.release(list(cmd.finished_ids))
-            for nr in cmd.new_requests:
-                self._admit(nr)
-            # Every entry's blocks are taken before anything can fail, so the tables stay in step
-            # with the scheduler's record of what was sent whatever happens to this step.
-            self._append_blocks(cmd.entries)
-            if not cmd.entries:
-                return StepResult(step_id=cmd.step_id)
-            batch, drafts_used, prompt_rows = self._build_batch(cmd.entries)
-            rejecting = self._rejecting(cmd.entries, drafts_used)
-            masks = self._start_masks(cmd.entries, batch.num_logits, drafts_used, rejecting)
-            try:
-                logits = self.executor.execute(batch)
-                logits, prompt_lps = self._split_prompt_rows(batch, logits, prompt_rows)
-                result = self._sample(cmd, batch, logits, drafts_used, _Pending(rejecting=rejecting, masks=masks))
-            finally:
-                if masks is not None:
-                    masks.exception()  # the fill is done before anything else touches the grammars
-            if isinstance(prompt_lps, str):  # the executor returned the sampled rows only
-                _fail_prompt_rows(result, prompt_rows, prompt_lps)
+            self._enter(cmd, staged)
+            state = self._forward(cmd) if cmd.entries else StepResult(step_id=cmd.step_id)
+        except Exception as e:
+            state = _failed(cmd, e)
+        seconds = time.perf_counter() - t0 + (0.0 if staged is None else staged.seconds)
+        return LaunchedStep(cmd=cmd, seconds=seconds, state=state)
+
+    def finish(self, run: LaunchedStep) -> StepResult:
+        """A step's second part: its one host read of the sampled tokens, then verification, the
+        requests' states, next step's drafts and the result."""
+        if isinstance(run.state, StepResult):
+            return run.state
+        t0 = time.perf_counter()
+        work = run.state
+        try:
+            result = self._finish_sample(run.cmd, work)
+            if isinstance(work.prompt_lps, str):  # the executor returned the sampled rows only
+                _fail_prompt_rows(result, work.prompt_rows, work.prompt_lps)
             else:
-                result.prompt_logprobs = prompt_lps
+                result.prompt_logprobs = work.prompt_lps
             t_draft = time.perf_counter()
-            batch.draft_depth = cmd.draft_depth
-            self._draft(batch, result)
+            work.batch.draft_depth = run.cmd.draft_depth
+            self._draft(work.batch, result)
             result.draft_seconds = time.perf_counter() - t_draft
         except Exception as e:
-            msg = f"{type(e).__name__}: {e}"
-            tb = "".join(traceback.format_exception(e)[-2:])
-            return StepResult(step_id=cmd.step_id, error=f"{msg}\n{tb}".strip())
-        result.execute_seconds = time.perf_counter() - t0
+            return _failed(run.cmd, e)
+        result.execute_seconds = run.seconds + time.perf_counter() - t0
         return result
+
+    def stage(self, cmd: StepCommand) -> bool:
+        """Take ``cmd``'s new requests and appended blocks while the step before it is between
+        :meth:`launch` and :meth:`finish`. New rows go after that step's rows and blocks wait on the
+        host until ``cmd``'s batch is built, so the step in flight reads nothing staging writes and
+        finishes as it would have. Finished requests stay until ``cmd`` is launched: the step in
+        flight may still hold their rows. Returns False, having done nothing, where staging could
+        move a row of the step in flight or differ from the plain order; ``cmd`` then runs in the
+        plain order. Its time counts in ``cmd``'s ``execute_seconds``."""
+        if self._staged is not None or not self._can_stage(cmd):
+            return False
+        t0 = time.perf_counter()
+        error: Exception | None = None
+        try:
+            for nr in cmd.new_requests:
+                self._admit(nr)
+            self._append_blocks(cmd.entries)
+        except Exception as e:  # raised by ``launch`` after the removals, where the plain order fails
+            error = e
+        self._staged = _Staged(cmd=cmd, seconds=time.perf_counter() - t0, error=error)
+        return True
+
+    def _can_stage(self, cmd: StepCommand) -> bool:
+        """Whether staging ``cmd`` is safe: no new request is live here (a preempted or aborted id
+        coming back before its old row leaves: adding it would first remove that row, moving the
+        last row into the hole), no id comes twice, and no entry names a request ``cmd`` finishes
+        (the plain order would fail that entry's step before taking any block)."""
+        new = [nr.request_id for nr in cmd.new_requests]
+        live = self.input_batch.row_of
+        finished = set(cmd.finished_ids)
+        return (
+            len(set(new)) == len(new)
+            and not any(rid in live or rid in self.states for rid in new)
+            and not any(e.request_id in finished for e in cmd.entries)
+        )
+
+    def _enter(self, cmd: StepCommand, staged: _Staged | None) -> None:
+        """The step's row diffs: finished requests leave, then new requests and blocks enter, unless
+        ``staged`` took them (what staging raised is raised here, after the removals)."""
+        if cmd.finished_ids:
+            for rid in cmd.finished_ids:
+                self.states.pop(rid, None)
+            self.input_batch.remove(list(cmd.finished_ids))
+            self.executor.release(list(cmd.finished_ids))
+        if staged is not None:
+            if staged.error is not None:
+                raise staged.error
+            return
+        for nr in cmd.new_requests:
+            self._admit(nr)
+        # Every entry's blocks are taken before anything can fail, so the tables stay in step
+        # with the scheduler's record of what was sent whatever happens to this step.
+        self._append_blocks(cmd.entries)
+
+    def _forward(self, cmd: StepCommand) -> _Work:
+        """Build the batch, run the forward, queue the sampling: everything before the host read."""
+        batch, drafts_used, prompt_rows = self._build_batch(cmd.entries)
+        rejecting = self._rejecting(cmd.entries, drafts_used)
+        masks = self._start_masks(cmd.entries, batch.num_logits, drafts_used, rejecting)
+        try:
+            logits = self.executor.execute(batch)
+            logits, prompt_lps = self._split_prompt_rows(batch, logits, prompt_rows)
+            pending = _Pending(rejecting=rejecting, masks=masks)
+            sampling = self._launch_sample(cmd.entries, batch, logits, drafts_used, pending)
+        finally:
+            if masks is not None:
+                masks.exception()  # the fill is done before anything else touches the grammars
+        return _Work(
+            batch=batch, drafts_used=drafts_used, prompt_rows=prompt_rows, prompt_lps=prompt_lps, sampling=sampling
+        )
 
     def _draft(self, batch: BatchInput, result: StepResult) -> None:
         """Next step's drafts of every request that sampled: the core's n-gram drafter over the token
@@ -432,26 +520,45 @@ class ModelRunner:
             return self.overlap_grammar_masks
         return self.device.type != "cpu" or (os.cpu_count() or 1) > torch.get_num_threads()
 
-    def _sample(
-        self, cmd: StepCommand, batch: BatchInput, logits: torch.Tensor, drafts_used: list[list[int]], pending: _Pending
-    ) -> StepResult:
-        result = StepResult(step_id=cmd.step_id)
-        params = self._row_params(cmd.entries, batch.num_logits, drafts_used)
+    def _launch_sample(
+        self,
+        entries: list[ScheduledEntry],
+        batch: BatchInput,
+        logits: torch.Tensor,
+        drafts_used: list[list[int]],
+        pending: _Pending,
+    ) -> _Sampling:
+        """The sampler rows, the verdicts of the entries rejection sampling verifies, and the device
+        sample of every other row, queued but not read."""
+        params = self._row_params(entries, batch.num_logits, drafts_used)
         if not params:
-            return result
+            return _Sampling(params=params, kept={}, rows=[], device=None)
         starts = np.cumsum([0, *batch.num_logits]).tolist()
-        kept = self._verify_rejection(cmd.entries, logits, params, starts, drafts_used, pending.rejecting)
-        rest = [i for i in range(len(cmd.entries)) if i not in kept]
+        kept = self._verify_rejection(entries, logits, params, starts, drafts_used, pending.rejecting)
+        rest = [i for i in range(len(entries)) if i not in kept]
         rows = [r for i in rest for r in range(starts[i], starts[i + 1])]
-        out = SampleOutput([], [], {})
+        device = None
         if rows:
             sub = (
                 logits if len(rows) == len(params) else logits.index_select(0, torch.tensor(rows, device=logits.device))
             )
             host = None if pending.masks is None else pending.masks.result()
-            out = sample(sub, [params[r] for r in rows], None if host is None else host.to(logits.device))
-        at = dict(zip(rows, range(len(rows))))
-        self._verify(cmd.entries, batch.num_logits, drafts_used, _Verified(out=out, row_at=at, kept=kept), result)
+            grammar = None if host is None else host.to(logits.device)
+            dev = sample_on_device(sub, [params[r] for r in rows], grammar)
+            device = (dev, packed(dev))
+        return _Sampling(params=params, kept=kept, rows=rows, device=device)
+
+    def _finish_sample(self, cmd: StepCommand, work: _Work) -> StepResult:
+        """Read the step's sample (its one host read) and verify every entry into a result."""
+        result = StepResult(step_id=cmd.step_id)
+        s = work.sampling
+        if not s.params:
+            return result
+        out = SampleOutput([], [], {})
+        if s.device is not None:
+            out = read_sample(*s.device, [s.params[r] for r in s.rows])
+        verified = _Verified(out=out, row_at=dict(zip(s.rows, range(len(s.rows)))), kept=s.kept)
+        self._verify(cmd.entries, work.batch.num_logits, work.drafts_used, verified, result)
         return result
 
     def _verify_rejection(
@@ -556,6 +663,47 @@ class _Pending:
 
 
 @dataclass(slots=True, kw_only=True)
+class _Sampling:
+    """A step's sampling between its two parts. ``params`` are the requests' reused sampler rows:
+    only a step's own first part updates them, so they still describe this step when it is read."""
+
+    params: list[RowParams]
+    kept: dict[int, list[int] | None]  # entry index -> what rejection sampling kept (read already)
+    rows: list[int]  # the step rows sampled one by one
+    device: tuple[DeviceSample, torch.Tensor] | None  # their device sample and its packed read, queued
+
+
+@dataclass(slots=True, kw_only=True)
+class _Work:
+    """A launched step's batch and what its second part needs of the first."""
+
+    batch: BatchInput
+    drafts_used: list[list[int]]
+    prompt_rows: list[tuple[str, int, int]]
+    prompt_lps: dict[str, tuple[int, list[dict[int, float]]]] | str
+    sampling: _Sampling
+
+
+@dataclass(slots=True, kw_only=True)
+class LaunchedStep:
+    """A step between :meth:`ModelRunner.launch` and :meth:`ModelRunner.finish`: its state is the
+    work left for the second part, or the result already (an error, or a step with no entries)."""
+
+    cmd: StepCommand
+    seconds: float  # host time of the step's own parts (and its staging) so far
+    state: StepResult | _Work
+
+
+@dataclass(slots=True, kw_only=True)
+class _Staged:
+    """The next step, staged: the command, its staging time, and what staging raised (if anything)."""
+
+    cmd: StepCommand
+    seconds: float
+    error: Exception | None
+
+
+@dataclass(slots=True, kw_only=True)
 class _Verified:
     """A step's verification results: the sampler's output of the rows sampled one by one
     (``row_at``: step row -> its row in ``out``) and the tokens rejection sampling kept per entry."""
@@ -571,6 +719,12 @@ _NOTHING_ALLOWED = (
     "every token is banned for this request: its allowed_token_ids, bad_words, logit_bias and grammar "
     "leave nothing to sample"
 )
+
+
+def _failed(cmd: StepCommand, e: Exception) -> StepResult:
+    msg = f"{type(e).__name__}: {e}"
+    tb = "".join(traceback.format_exception(e)[-2:])
+    return StepResult(step_id=cmd.step_id, error=f"{msg}\n{tb}".strip())
 
 
 def _fail_prompt_rows(result: StepResult, prompt_rows: list[tuple[str, int, int]], reason: str) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "TokenCounts",
     "packed",
     "prompt_logprobs",
+    "read_sample",
     "sample",
     "sample_on_device",
     "uniforms",
@@ -584,8 +585,15 @@ def packed(dev: DeviceSample) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask | None = None) -> SampleOutput:
     """Sample one token per row of float ``logits [N, V]`` according to ``params[row]`` and ``grammar``."""
     dev = sample_on_device(logits, params, grammar)
+    return read_sample(dev, packed(dev), params)
+
+
+def read_sample(dev: DeviceSample, flat_device: torch.Tensor, params: list[RowParams]) -> SampleOutput:
+    """The host side of :func:`sample` for a device sample queued earlier (``flat_device`` is
+    ``packed(dev)``): the one host read, the full-vocabulary fallback of the rows that need it (a
+    second read), and the logprobs."""
     n = len(params)
-    flat = packed(dev).tolist()  # the step's one host read
+    flat = flat_device.tolist()  # the step's one host read
     tokens = [int(t) for t in flat[:n]]
     errors = {
         r: "the model produced non-finite logits (NaN or +inf) for this request" for r in range(n) if flat[n + r] == 1

@@ -131,18 +131,53 @@ def _worker_main(
     except BaseException as e:
         conn.send_bytes(_encoder.encode(Loaded(None, _format_error(e))))
         return
+    _serve_steps(conn, runner)
+    runner.shutdown()
+
+
+def _serve_steps(conn: Connection, runner: ModelRunner) -> None:
+    """Answer the engine's commands in order until a Shutdown or the end of the pipe.
+
+    A step runs in two parts (:meth:`ModelRunner.launch`, :meth:`ModelRunner.finish`). Between
+    them, the next command is taken if it is already in the pipe (the async strategy sends step N+1
+    before step N's result is back) and the host work of it that needs nothing of step N is staged
+    (:meth:`ModelRunner.stage`), so on an accelerator it runs while step N's device work does. The
+    results are those of the plain order: staging refuses what could differ."""
+    early: WorkerCommand | msgspec.DecodeError | None = None
     while True:
-        try:
-            msg = _cmd_decoder.decode(conn.recv_bytes())
-        except (EOFError, OSError):
-            break
-        if isinstance(msg, Shutdown):
-            break
+        if isinstance(early, msgspec.DecodeError):
+            raise early  # a malformed command fails where the plain order would, after the reply before it
+        msg = early if early is not None else _receive(conn)
+        early = None
+        if msg is None or isinstance(msg, Shutdown):
+            return
         if isinstance(msg, InitCache | ProfileMemory):
             conn.send_bytes(_encoder.encode(_lifecycle(runner, msg)))
             continue
-        conn.send_bytes(_encoder.encode(runner.step(msg)))
-    runner.shutdown()
+        launched = runner.launch(msg)
+        if conn.poll(0):
+            early = _receive_early(conn)
+            if isinstance(early, StepCommand):
+                runner.stage(early)
+        conn.send_bytes(_encoder.encode(runner.finish(launched)))
+
+
+def _receive(conn: Connection) -> WorkerCommand | None:
+    """The next command; None once the engine is gone (the pipe closed)."""
+    try:
+        return _cmd_decoder.decode(conn.recv_bytes())
+    except (EOFError, OSError):
+        return None
+
+
+def _receive_early(conn: Connection) -> WorkerCommand | msgspec.DecodeError:
+    """The command waiting in the pipe, taken while a step is in flight: a closed pipe reads as a
+    Shutdown and a malformed command as its error, both acted on after the step's reply."""
+    try:
+        msg = _receive(conn)
+    except msgspec.DecodeError as e:
+        return e
+    return Shutdown() if msg is None else msg
 
 
 def _lifecycle(runner: ModelRunner, msg: InitCache | ProfileMemory) -> InitDone | MemoryProfile:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, SamplingParams, ServingSettings
-from pypto_serving.messages import NewRequestData, ScheduledEntry, StepCommand, wire_sampling
+from pypto_serving.messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, wire_sampling
 from pypto_serving.runner import ModelRunner
 
 VOCAB = 11
@@ -233,3 +233,35 @@ def test_grammar_masks_fill_beside_the_forward_when_it_leaves_a_core_free(
     assert runner._overlap_masks() is overlap
     runner.overlap_grammar_masks = not overlap  # the setting wins over the default
     assert runner._overlap_masks() is not overlap
+
+
+def test_a_launched_step_reads_nothing_back_until_it_finishes() -> None:
+    """With every tensor on a fake CUDA device (no values: any host read raises), a step's first
+    part runs the forward and the sampler's device work; the read is its second part's."""
+    from pypto_serving.runner import LaunchedStep
+    from tests.plugins.qwen.fake_cuda import fake_cuda
+
+    class FakeCuda(RecordingExecutor):
+        def load(self) -> ExecutorInfo:
+            info = super().load()
+            self.device = torch.device("cuda")
+            return info
+
+        def execute(self, batch: BatchInput) -> torch.Tensor:
+            self.batches.append(batch)
+            return torch.randn(len(batch.logits_indices), VOCAB, device="cuda")
+
+    cmd = StepCommand(
+        step_id=0,
+        new_requests=[_new("a", [1, 2, 3]), _new("b", [4])],
+        entries=[_entry("a", [1, 2, 3], {"kv": [3]}), _entry("b", [4], {"kv": [2]})],
+        finished_ids=[],
+    )
+    with fake_cuda():
+        runner = ModelRunner(FakeCuda(), _settings())
+        runner.load()
+        run = runner.launch(cmd)
+        assert isinstance(run, LaunchedStep) and not isinstance(run.state, StepResult), run.state
+        result = runner.finish(run)
+    # The fake device holds no values: the read of the sampled tokens is what fails, in the second part.
+    assert result.error is not None and result.error.startswith("DataDependentOutputException"), result.error
