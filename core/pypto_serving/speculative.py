@@ -181,8 +181,8 @@ class AdaptivePolicy:
     ``E(alpha_r, k) / (1 + rho * k)`` beats 1, where ``rho = b * R / (a + b * R)`` is the share of the
     step that grows with tokens, and ``alpha_r`` is the request's accepted/drafted ratio shrunk
     towards the engine-wide rate by ``prior_weight`` pseudo-drafts. While the forward fit is not ready
-    (all steps the same size), steps alternate between the deepest ``k`` and ``0`` so both sizes get
-    measured.
+    (all steps the same size), steps alternate between the deepest ``k`` and one fewer, so two sizes
+    get measured.
     """
 
     def __init__(
@@ -249,7 +249,9 @@ class AdaptivePolicy:
         if top <= 0:
             return 0
         if not self.cost.ready:
-            return top if self.steps % 2 == 0 else 0
+            # One draft fewer every other step varies the step's size by one token per request,
+            # enough to fit the slope, at the cost of one token rather than all of them.
+            return top if self.steps % 2 == 0 else top - 1
         a, b = self.cost.coefficients()
         share = b * self.num_decodes
         rho = share / (a + share) if a + share > 0 else 1.0
