@@ -197,6 +197,14 @@ def _render_chat(ctx: _Ctx, req: ChatCompletionRequest | TokenizeChatRequest) ->
     kwargs = dict(req.chat_template_kwargs or {})
     if req.tools:  # transformers' convention: the template reads the tool list as ``tools``
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        # A template that reads them gets the tool choice and the parallel-calls switch as sent
+        # (chat_template_kwargs may override); the checkpoints' own templates ignore them.
+        choice = getattr(req, "tool_choice", None)
+        if choice is not None:
+            kwargs.setdefault("tool_choice", choice if isinstance(choice, str) else choice.model_dump())
+        parallel = getattr(req, "parallel_tool_calls", None)
+        if parallel is not None:
+            kwargs.setdefault("parallel_tool_calls", parallel)
     try:
         return tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
     except (ValueError, TypeError) as e:

@@ -357,3 +357,52 @@ def test_deepseek_v4_architecture_picks_the_dsml_parser(scripted_server: Callabl
     message, finish = _ask(client, [{"role": "user", "content": "weather in Paris"}], stream, tools=[WEATHER_TOOL])
     assert finish == "tool_calls" and _content(message) is None
     assert [(c["name"], c["arguments"]) for c in _calls(message)] == [("get_weather", {"city": "Paris", "days": 2})]
+
+
+def test_tool_choice_and_parallel_calls_reach_the_template(
+    scripted_server: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With tools, the template gets ``tool_choice`` and ``parallel_tool_calls`` as sent (a named
+    function as its object), and ``chat_template_kwargs`` override them."""
+    from pypto_serving.tokenizer import Tokenizer
+
+    seen: list[dict[str, Any]] = []
+    render = Tokenizer.apply_chat_template
+
+    def recording(
+        self: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> str:
+        seen.append(kw)
+        return render(self, messages, add_generation_prompt, **kw)
+
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", recording)
+    client = scripted_server(SCRIPT)
+    ask = [{"role": "user", "content": "weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    client.chat.completions.create(
+        model="tiny-tools", messages=ask, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=4
+    )
+    client.chat.completions.create(
+        model="tiny-tools",
+        messages=ask,
+        tools=[WEATHER_TOOL],
+        tool_choice=named,
+        parallel_tool_calls=False,
+        max_tokens=4,
+    )
+    client.chat.completions.create(
+        model="tiny-tools",
+        messages=ask,
+        tools=[WEATHER_TOOL],
+        parallel_tool_calls=True,
+        max_tokens=4,
+        extra_body={"chat_template_kwargs": {"parallel_tool_calls": "from kwargs"}},
+    )
+    client.chat.completions.create(model="tiny-tools", messages=ask, max_tokens=4)
+    picked = [{k: kw.get(k) for k in ("tool_choice", "parallel_tool_calls")} for kw in seen]
+    assert picked == [
+        {"tool_choice": "auto", "parallel_tool_calls": None},
+        {"tool_choice": named, "parallel_tool_calls": False},
+        {"tool_choice": None, "parallel_tool_calls": "from kwargs"},
+        {"tool_choice": None, "parallel_tool_calls": None},
+    ]
