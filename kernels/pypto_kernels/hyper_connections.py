@@ -48,9 +48,11 @@ def hc_sinkhorn_mix(
     comb = torch.softmax(comb_w.view(t, n, n) * s[2] + comb_b.view(n, n), dim=-1) + eps
     # Column normalisation first, then (iters - 1) rounds of row + column normalisation.
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    # In place on the fresh tensor: the same values, a tenth faster (a call is ~120 tiny ops, where
+    # each allocation shows).
     for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
     return post, comb, collapsed
 
