@@ -289,8 +289,10 @@ class ModelRunner:
         drafted: list[list[int]]
         if self._ngram is not None:
             ids = [rid for rid in batch.request_ids if rid in result.sampled]
-            histories = [self.states[rid].history for rid in ids]
-            drafted = [[] for _ in ids] if depth == 0 else self._ngram.propose(histories)
+            if depth == 0:
+                drafted = [[] for _ in ids]
+            else:
+                drafted = self._ngram.propose([self.states[rid].history for rid in ids])
         else:
             accepted = [result.sampled.get(rid, []) for rid in batch.request_ids]
             sampler = self._draft_sampler(batch, result)

@@ -20,6 +20,7 @@ import pytest
 
 from tests.core.server.conftest import LiveServer
 from tests.core.server.server_helpers import write_tokenizer
+from tests.core.server.test_tool_choice import WEATHER as TOOL_CHOICE_WEATHER
 
 pytestmark = pytest.mark.requires_plugin("sync_sched")
 pytest.importorskip("pypto_serving_qwen")
@@ -66,18 +67,10 @@ TOOLS_TEMPLATE = (
 
 WEATHER: dict[str, Any] = {
     "type": "function",
-    "function": {
-        "name": "get_weather",
+    "function": {  # test_tool_choice's function with a description, in the order the template dumps
+        "name": TOOL_CHOICE_WEATHER["function"]["name"],
         "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city"],
-            "additionalProperties": False,
-        },
+        "parameters": TOOL_CHOICE_WEATHER["function"]["parameters"],
     },
 }
 ADD: dict[str, Any] = {
