@@ -20,6 +20,7 @@ import pytest
 
 from tests.core.server.conftest import LiveServer
 from tests.core.server.server_helpers import write_tokenizer
+from tests.core.server.test_tool_choice import ADD as TOOL_CHOICE_ADD
 from tests.core.server.test_tool_choice import WEATHER as TOOL_CHOICE_WEATHER
 
 pytestmark = pytest.mark.requires_plugin("sync_sched")
@@ -76,17 +77,9 @@ WEATHER: dict[str, Any] = {
 ADD: dict[str, Any] = {
     "type": "function",
     "function": {
-        "name": "add",
+        "name": TOOL_CHOICE_ADD["function"]["name"],
         "description": "The sum of two integers",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "a": {"type": "integer", "minimum": -100, "maximum": 100},
-                "b": {"type": "integer", "minimum": -100, "maximum": 100},
-            },
-            "required": ["a", "b"],
-            "additionalProperties": False,
-        },
+        "parameters": TOOL_CHOICE_ADD["function"]["parameters"],
     },
 }
 TOOLS: list[dict[str, Any]] = [WEATHER, ADD]
