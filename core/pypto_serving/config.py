@@ -318,6 +318,35 @@ class ServingSettings(BaseSettings):
     http_max_connections: int | None = Field(
         None, gt=0, description="Most open connections; beyond it new requests get 503 (unset: no limit)."
     )
+    health_step_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a step may run before /health answers 503 (a liveness bound, shorter than "
+        "step_timeout, after which the worker is declared hung and restarted).",
+    )
+    grammar_compile_timeout: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds one request's grammar (guided_json/regex/choice, response_format, a forced tool "
+        "call) may take to compile; past it the request is a 400 naming this setting.",
+    )
+    grammar_max_bytes: int = Field(
+        256 * 1024,
+        gt=0,
+        description="Largest compiled grammar text (bytes) one request may bring; past it the request is a 400.",
+    )
+    max_json_depth: int = Field(
+        64,
+        gt=0,
+        le=1000,
+        description="Deepest nesting of client JSON (the body, tool-call arguments, schemas) before a 400.",
+    )
+    max_response_bytes: int = Field(
+        64 * 1024**2,
+        gt=0,
+        description="Largest response a request may ask for, estimated from n, prompts, max_tokens and logprobs "
+        "before it runs; past it the request is a 400 naming this setting.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level.")
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
