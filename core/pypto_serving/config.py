@@ -360,6 +360,16 @@ class ServingSettings(BaseSettings):
             return [k for k in v.split(",") if k]
         return v
 
+    @field_validator("api_key")
+    @classmethod
+    def _usable_keys(cls, v: list[str]) -> list[str]:
+        """An empty or whitespace-padded key is refused: HTTP strips a header's surrounding blanks,
+        so such a key either matches a blank token (anyone gets in) or can never match."""
+        for i, key in enumerate(v):
+            if not key or key != key.strip() or not key.isprintable():
+                raise ValueError(f"api_key entry {i} is empty, whitespace-padded or not printable")
+        return v
+
     @classmethod
     def settings_customise_sources(
         cls,

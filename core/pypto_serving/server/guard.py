@@ -113,7 +113,8 @@ class _Guard:
         try:
             await self.app(scope, replay, send)
         except Exception:
-            exchange.failed = True
+            # Only a response already started is cut short; the complete 500 below is an ordinary answer.
+            exchange.failed = exchange.status is not None
             error_id = f"err-{uuid.uuid4().hex}"
             logger.exception("internal error %s while serving %s %s", error_id, scope.get("method"), scope["path"])
             if exchange.status is None:
@@ -152,7 +153,9 @@ class _Guard:
         scheme, _, token = value.partition(" ")
         if scheme.lower() != "bearer" or not token:
             return False
-        given = token.strip().encode()
+        # The raw bytes, never stripped: str.strip() also drops \xa0 and \x85, so a blank token would
+        # match an empty key and "key\xa0" the key itself (empty keys are refused at start-up too).
+        given = token.encode("latin-1")
         ok = False
         for key in self.keys:  # compare against every key so timing does not reveal which one matched
             ok |= hmac.compare_digest(given, key)
