@@ -120,9 +120,12 @@ def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if llm.healthy:
+        stalled = llm.stalled if llm.healthy else None
+        if llm.healthy and stalled is None:
             return JSONResponse({"status": "ok"})
-        if llm.restarting is not None and llm.dead_reason is None:
+        if stalled is not None:  # up, but frozen: a step past health_step_timeout, or a silent core
+            body = {"status": "stalled", "reason": stalled}
+        elif llm.restarting is not None and llm.dead_reason is None:
             body = {"status": "restarting", "reason": llm.restarting}
         else:
             body = {"status": "unavailable", "reason": llm.dead_reason or ("shutting down" if llm.ready else "loading")}

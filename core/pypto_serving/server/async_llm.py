@@ -36,12 +36,13 @@ from ..engine import EngineCore, EngineDeadError
 from ..executor import ExecutorInfo
 from ..metrics import ServerMetrics
 from ..plugins import PluginManager
-from ..request import RequestOutput, SamplingParams
+from ..request import CompletionOutput, RequestOutput, SamplingParams
 from ..tokenizer import Tokenizer, load_tokenizer
 from .engine_proc import (
     AbortCmd,
     AddCmd,
     AddResult,
+    CoreBeat,
     CoreCommand,
     CoreFailed,
     CoreOutputs,
@@ -53,19 +54,25 @@ from .engine_proc import (
     rebuild_error,
 )
 
-__all__ = ["AsyncLLM", "CoreView", "EngineFailure"]
+__all__ = ["AsyncLLM", "CoreView", "EngineFailure", "EngineRestarting"]
 
 logger = logging.getLogger(__name__)
 
 
 class EngineFailure(RuntimeError):
-    """Put on a request's queue when the engine thread failed; the handler turns it into an error."""
+    """Put on a request's queue when the server ends it (shutdown); the handler turns it into an error."""
+
+
+class EngineRestarting(EngineDeadError):
+    """A request refused because the engine is being replaced: it never ran, so a retry is safe
+    (503 ``restarting`` with ``Retry-After``), unlike a request that failed while running (500)."""
 
 
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | EngineFailure]
+    n: int = 1  # choices of the request, for the failed output that ends it when the engine dies
 
 
 @dataclass(slots=True)
@@ -150,6 +157,11 @@ class AsyncLLM:
         self._restart_times: deque[float] = deque()
         self.stats: dict[str, Any] = {}  # snapshot refreshed by the engine thread after each step
         self._stopping = False
+        self._draining = False  # SIGTERM: finishing the requests in flight, refusing new ones
+        # Liveness for /health (monotonic times of this process): when the running step began (None:
+        # no step), and in process mode when the core last said anything (it beats while it lives).
+        self._busy_since: float | None = None
+        self._heard_at: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -182,7 +194,34 @@ class AsyncLLM:
 
     @property
     def healthy(self) -> bool:
-        return self.ready and self.dead_reason is None and not self._stopping
+        return self.ready and self.dead_reason is None and not self._stopping and not self._draining
+
+    @property
+    def draining(self) -> bool:
+        return self._draining or self._stopping
+
+    def drain(self) -> None:
+        """SIGTERM: from now on /health says 503 and new requests are refused; those in flight go on."""
+        self._draining = True
+
+    def has_open_requests(self) -> bool:
+        with self._lock:
+            return bool(self._streams) or self._pending_seqs > 0
+
+    @property
+    def stalled(self) -> str | None:
+        """Why an engine that looks up is frozen: a step running past ``health_step_timeout``, or (process
+        mode) an engine-core process silent that long (stopped, deadlocked); None otherwise. /health says
+        503 then, long before ``step_timeout`` declares the worker hung."""
+        if not self.ready:
+            return None
+        bound, now = self.settings.health_step_timeout, time.monotonic()
+        busy, heard = self._busy_since, self._heard_at
+        if busy is not None and now - busy > bound:
+            return f"an engine step has run for {now - busy:.1f}s (health_step_timeout={bound:g}s)"
+        if self.process_mode and heard is not None and now - heard > bound:
+            return f"the engine core process has not answered for {now - heard:.1f}s (health_step_timeout={bound:g}s)"
+        return None
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -238,11 +277,11 @@ class AsyncLLM:
         """Hand a request to the engine; raises what ``EngineCore.add_request`` raises (ValueError...)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        if self._stopping:
+        if self.draining:
             raise EngineDeadError("the server is shutting down")
         if self.process_mode:
             return await self._add_to_core(request_id, prompt, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             self._pending_seqs += params.n
@@ -362,7 +401,12 @@ class AsyncLLM:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     cmd = None
-            outputs = engine.step() if engine.has_unfinished() else engine.check_worker()
+            if engine.has_unfinished():
+                self._busy_since = time.monotonic()
+                outputs = engine.step()
+                self._busy_since = None
+            else:
+                outputs = engine.check_worker()
             if engine.dead_reason is not None:
                 self.restarting = engine.dead_reason  # set first: the handlers of these outputs name it
             self._dispatch(outputs)
@@ -383,6 +427,12 @@ class AsyncLLM:
         try:
             if stopping:
                 raise EngineDeadError("the server is shutting down")
+            # A worker killed since the last poll refuses the request (503 restarting) rather than
+            # taking it into a step that fails on a broken pipe (500).
+            self._dispatch(engine.check_worker())
+            if engine.dead_reason is not None:
+                self.restarting = engine.dead_reason
+                raise EngineRestarting(_restarting_message(engine.dead_reason))
             engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
         except Exception as e:  # this request's fault (or a bug it triggered): it alone fails
             cmd.done.set_exception(e)
@@ -405,14 +455,17 @@ class AsyncLLM:
 
     def _fail_streams_from_thread(self, reason: str) -> None:
         """Fail the requests in flight; an add the engine has not answered yet (process mode) waits
-        for the next engine, as a queued add does in thread mode."""
+        for the next engine, as a queued add does in thread mode. A request cut by the engine's death
+        ends as one the engine failed itself (``finish_reason`` "error": 500 ``generation_failed``, or
+        an error event), whether the worker or the engine-core process died; one cut by a stop gets
+        the shutdown's error."""
         with self._lock:
             streams = {rid: s for rid, s in self._streams.items() if rid not in self._adds}
             self._streams = {rid: s for rid, s in self._streams.items() if rid in self._adds}
         for rid, stream in streams.items():
             if self.on_finished is not None:
                 self.on_finished(rid)
-            _put(stream, EngineFailure(reason))
+            _put(stream, EngineFailure(reason) if self._stopping else _failed_output(rid, stream.n, reason))
 
     def _fail_queued(self, reason: str) -> None:
         """Fail the adds still queued (they raced with a stop or a final failure)."""
@@ -429,7 +482,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ process mode (event-loop side)
     async def _add_to_core(self, request_id: str, prompt: list[int], params: SamplingParams) -> _Stream:
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         try:
             cmd = AddCmd(request_id, prompt, params)
@@ -516,6 +569,7 @@ class AsyncLLM:
                 self.engine = CoreView(msg.info, msg.max_model_len, tokenizer, core.pid, msg.worker_pid)
                 self.stats = msg.stats
                 return None
+            self._heard_at = time.monotonic()
             if isinstance(msg, CoreOutputs):
                 self._apply(msg)  # answers to adds the core refuses
 
@@ -528,9 +582,14 @@ class AsyncLLM:
                 if not self._stopping:
                     self.restarting = reason  # before the failures, whose handlers name it
                 return reason
+            self._heard_at = time.monotonic()
+            if isinstance(msg, CoreBeat):
+                self._busy_since = self._heard_at - msg.busy_for if msg.busy_for > 0 else None
+                continue
             if isinstance(msg, CoreStopped):
                 return None
             if isinstance(msg, CoreOutputs):
+                self._busy_since = None  # a step ended; the next beat tells of the one after
                 if msg.dead_reason is not None:
                     self.restarting = msg.dead_reason  # set first: the handlers of these outputs name it
                 self._apply(msg)
@@ -558,7 +617,14 @@ class AsyncLLM:
             if added.error is None:
                 pending.done.set_result(None)
             else:
-                pending.done.set_exception(_add_error(added))
+                pending.done.set_exception(self._add_error(added))
+
+    def _add_error(self, added: AddResult) -> Exception:
+        """The exception ``EngineCore.add_request`` raised in the core, as the class the handlers
+        expect; a dead engine that is being replaced (not stopping, restarts left) is EngineRestarting."""
+        if added.kind == "dead" and not self._stopping and self.failure is None:
+            return EngineRestarting(_restarting_message(added.error or "the engine failed"))
+        return _add_error(added)
 
     def _restart_core(self, core: CoreProcess, reason: str) -> CoreProcess | None:
         """The same core with a fresh engine, or a fresh core if it died, within the restart budget."""
@@ -646,6 +712,16 @@ def _close(engine: EngineCore) -> None:
         engine.shutdown()
     except Exception:
         logger.exception("engine shutdown failed")
+
+
+def _restarting_message(reason: str) -> str:
+    return f"the worker is restarting after a failure ({reason}); retry shortly"
+
+
+def _failed_output(request_id: str, n: int, reason: str) -> RequestOutput:
+    """The last output of a request whose engine died: every choice failed with ``reason``."""
+    choices = [CompletionOutput(i, [], finish_reason="error", error=reason) for i in range(n)]
+    return RequestOutput(request_id, None, [], choices, finished=True)
 
 
 def _add_error(added: AddResult) -> Exception:

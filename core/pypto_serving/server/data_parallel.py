@@ -114,6 +114,21 @@ class DataParallelLLM:
         return all(r.healthy for r in self.replicas)
 
     @property
+    def draining(self) -> bool:
+        return any(r.draining for r in self.replicas)
+
+    def drain(self) -> None:
+        for r in self.replicas:
+            r.drain()
+
+    def has_open_requests(self) -> bool:
+        return any(r.has_open_requests() for r in self.replicas)
+
+    @property
+    def stalled(self) -> str | None:
+        return next((f"replica {i}: {why}" for i, r in enumerate(self.replicas) if (why := r.stalled)), None)
+
+    @property
     def dead_reason(self) -> str | None:
         return next((f"replica {i}: {r.dead_reason}" for i, r in enumerate(self.replicas) if r.dead_reason), None)
 

@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 from collections import deque
 from collections.abc import Iterator
@@ -46,6 +47,7 @@ __all__ = [
     "AbortCmd",
     "AddCmd",
     "AddResult",
+    "CoreBeat",
     "CoreCommand",
     "CoreFailed",
     "CoreMessage",
@@ -122,11 +124,23 @@ class CoreStopped(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-CoreMessage = CoreReady | CoreFailed | CoreOutputs | CoreStopped
+class CoreBeat(msgspec.Struct, frozen=True, tag=True):
+    """Sent every :func:`beat_interval` seconds by a thread of the core, whatever its engine does: the
+    server tells a frozen core (no beats) and a step that runs too long (``busy_for``) from a busy one."""
+
+    busy_for: float  # seconds the current engine step has run; 0 when no step runs
+
+
+CoreMessage = CoreReady | CoreFailed | CoreOutputs | CoreStopped | CoreBeat
 
 _encoder = msgspec.msgpack.Encoder()
 _cmd_decoder = msgspec.msgpack.Decoder(CoreCommand)  # type: ignore[arg-type]
 _msg_decoder = msgspec.msgpack.Decoder(CoreMessage)  # type: ignore[arg-type]
+
+
+def beat_interval(settings: ServingSettings) -> float:
+    """Seconds between two :class:`CoreBeat`: a quarter of the liveness bound, at most one second."""
+    return min(1.0, settings.health_step_timeout / 4)
 
 
 def rebuild_error(failed: CoreFailed) -> BaseException:
@@ -265,7 +279,10 @@ class _CoreLoop:
         self.cmds: queue.SimpleQueue[CoreCommand | None] = queue.SimpleQueue()  # None: the server is gone
         self.held: deque[CoreCommand | None] = deque()  # commands kept while no engine runs
         self.live: set[str] = set()
+        self.step_started: float | None = None  # monotonic start of the engine step now running
+        self._send_lock = threading.Lock()  # the beat thread sends too
         threading.Thread(target=self._read, name="pypto-core-reader", daemon=True).start()
+        threading.Thread(target=self._beat, name="pypto-core-beat", daemon=True).start()
 
     def _read(self) -> None:
         while True:
@@ -282,8 +299,17 @@ class _CoreLoop:
         timer.start()
 
     def _send(self, msg: CoreMessage) -> None:
-        with contextlib.suppress(OSError):  # the server is gone; the reader thread ends the process
-            self.conn.send_bytes(_encoder.encode(msg))
+        data = _encoder.encode(msg)
+        with self._send_lock, contextlib.suppress(OSError):  # the server is gone; the reader ends the process
+            self.conn.send_bytes(data)
+
+    def _beat(self) -> None:
+        """Tell the server this process lives and how long the current step has run (see CoreBeat)."""
+        interval = beat_interval(self.settings)
+        while True:
+            time.sleep(interval)
+            started = self.step_started
+            self._send(CoreBeat(0.0 if started is None else time.monotonic() - started))
 
     def run(self) -> None:
         engine = self._build()
@@ -350,6 +376,7 @@ class _CoreLoop:
             if stopping and idle:
                 return None
             added: list[AddResult] = []
+            outputs: list[RequestOutput] = []
             for cmd in self._commands(block=idle):
                 if cmd is None or isinstance(cmd, StopCmd):
                     stopping = True
@@ -358,9 +385,11 @@ class _CoreLoop:
                 elif isinstance(cmd, AbortCmd):
                     engine.abort(cmd.request_id)
                 elif isinstance(cmd, AddCmd):
-                    added.append(self._add(engine, cmd, stopping))
+                    added.append(self._add(engine, cmd, stopping, outputs))
             stepped = engine.has_unfinished()
-            outputs = engine.step() if stepped else engine.check_worker()
+            self.step_started = time.monotonic() if stepped else None
+            outputs += engine.step() if stepped else engine.check_worker()
+            self.step_started = None
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.request_id)
@@ -370,12 +399,15 @@ class _CoreLoop:
                 self.live.clear()
                 return str(engine.dead_reason)
 
-    def _add(self, engine: Any, cmd: AddCmd, stopping: bool) -> AddResult:
+    def _add(self, engine: Any, cmd: AddCmd, stopping: bool, outputs: list[RequestOutput]) -> AddResult:
+        """Add one request; a worker that died since the last poll refuses it (the server answers 503
+        ``restarting``) instead of taking it into a step that would fail on a broken pipe."""
         from ..engine import EngineDeadError
 
         try:
             if stopping:
                 raise EngineDeadError("the server is shutting down")
+            outputs += engine.check_worker()  # one non-blocking waitpid; fails the live requests if dead
             engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
         except Exception as e:  # this request's fault (or a bug it triggered): it alone fails
             kind = "value" if isinstance(e, ValueError) else "dead" if isinstance(e, EngineDeadError) else "other"

@@ -18,7 +18,7 @@ from ..model_files import sampling_defaults
 from ..parsers import OutputParser
 from ..request import SamplingParams
 from ..structured import StructuredSpec, check_spec
-from .async_llm import EngineFailure
+from .async_llm import EngineFailure, EngineRestarting
 from .data_parallel import ServingLLM
 from .protocol import (
     APIError,
@@ -74,6 +74,14 @@ def _check_model(ctx: _Ctx, model: str | None) -> None:
 def _check_ready(ctx: _Ctx) -> None:
     if ctx.llm.dead_reason is not None:
         raise APIError(503, f"the engine failed: {ctx.llm.dead_reason}", type="server_error", code="engine_dead")
+    if ctx.llm.draining:  # SIGTERM: the requests in flight finish, new ones go elsewhere
+        raise APIError(
+            503,
+            "the server is shutting down",
+            type="server_error",
+            code="shutting_down",
+            headers={"retry-after": "5"},
+        )
     if ctx.llm.restarting is not None:
         raise APIError(
             503,
@@ -481,6 +489,8 @@ def _request_ids(rid: str, n: int) -> list[str]:
 
 
 def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, EngineRestarting):  # refused before it ran: retrying is safe
+        return APIError(503, str(e), type="server_error", code="restarting", headers={"retry-after": "5"})
     if isinstance(e, EngineDeadError | EngineFailure):
         return APIError(503, f"the engine is unavailable: {e}", type="server_error", code="engine_dead")
     return APIError(400, str(e), param=_guess_param(str(e)))

@@ -7,7 +7,9 @@ Two things uvicorn does not do by itself:
   gives each request a deadline for its headers (``http_header_timeout``, counted from the first
   byte or from the connection) and for its body (``http_body_timeout``); past it the connection gets
   ``408`` and is closed.
-* **Shutdown.** After ``shutdown_timeout`` uvicorn cancels the handlers still running, which cuts
+* **Shutdown.** uvicorn stops accepting at once, so a health probe during the drain gets a refused
+  connection; :class:`ServingServer` keeps accepting while requests are in flight and answers 503.
+  After ``shutdown_timeout`` uvicorn cancels the handlers still running, which cuts
   streams without an error event and logs a traceback per stream. :class:`ServingServer` instead
   ends every open request itself when the grace period runs out (streams get an error event and
   ``[DONE]``), and gives uvicorn a few more seconds to flush them.
@@ -110,9 +112,10 @@ class ServingServer(uvicorn.Server):
     """uvicorn that drains like a serving engine should.
 
     uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which makes the process die by the
-    signal (exit -15); a drained shutdown is a success, so the signals are handled here: stop
-    accepting, let in-flight responses finish for ``shutdown_timeout`` seconds, then end the rest
-    with an error (streams get an error event and ``[DONE]``) and return normally.
+    signal (exit -15); a drained shutdown is a success, so the signals are handled here: refuse new
+    requests (503, /health too), let in-flight responses finish for ``shutdown_timeout`` seconds,
+    stop accepting, end the rest with an error (streams get an error event and ``[DONE]``) and
+    return normally.
     """
 
     def __init__(self, config: uvicorn.Config, llm: ServingLLM, shutdown_timeout: float) -> None:
@@ -133,11 +136,22 @@ class ServingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        cut = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._end_open_requests)
+        loop = asyncio.get_running_loop()
+        cut = loop.call_later(self.shutdown_timeout, self._end_open_requests)
         try:
+            await self._drain(loop.time() + self.shutdown_timeout)
             await super().shutdown(sockets)
         finally:
             cut.cancel()
+
+    async def _drain(self, deadline: float) -> None:
+        """Keep accepting while the requests in flight finish, answering /health and new requests
+        with 503 ``shutting down`` (a load balancer's probe sees the drain instead of a refused
+        connection); uvicorn stops accepting once none is left, or at the deadline."""
+        self.llm.drain()
+        loop = asyncio.get_running_loop()
+        while self.llm.has_open_requests() and loop.time() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
 
     def _end_open_requests(self) -> None:
         n = self.llm.fail_streams(f"the server is shutting down (shutdown_timeout={self.shutdown_timeout:g}s expired)")
