@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = [
+    "GREEDY_TEMPERATURE",
     "MAX_LOGIT_BIAS",
     "CompletionOutput",
     "FinishReason",
@@ -35,6 +36,13 @@ class StructuredSpec:
 
     kind: Literal["json", "json_object", "regex", "choice", "lark"]
     source: str = ""
+
+
+# Temperatures below this are greedy (temperature 0), as vLLM's ``_SAMPLING_EPS``: the sampler divides
+# the logits by the temperature in float32, where 1e-39 is a denormal and 5e-324 is 0, so such a
+# temperature would sample the same garbage for every seed; one this small differs from argmax only
+# between near-tied logits.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
@@ -75,6 +83,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0  # greedy: see GREEDY_TEMPERATURE
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(0 <= self.top_k < _INT64, "top_k", self.top_k, "-1, 0 (off) or a positive integer below 2**63")
         _check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")

@@ -33,6 +33,7 @@ from .openai_requests import (
     _Ctx,
     _output_parsers,
     _render_chat,
+    _request_grammar,
     _sampling_params,
     _tool_choice_spec,
 )
@@ -44,6 +45,7 @@ from .protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     error_body,
+    json_depth_route,
     validation_api_error,
 )
 from .responses import _chat_body, _completion_body, _run_all
@@ -89,6 +91,10 @@ def build_app(llm: ServingLLM, settings: ServingSettings | None = None, *, manag
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    # Routes added from here on parse JSON bodies with bounded nesting (a too deep body is a 400, never
+    # a RecursionError); set here, before any route exists, as it is how bad bodies become errors.
+    app.router.route_class = json_depth_route(app.state.ctx.settings.max_json_depth)
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), exc.status, headers=exc.headers)
@@ -101,8 +107,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
+        detail = str(exc.detail)
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "error parsing the body"
+            code, detail = "invalid_json", "could not parse the JSON body of the request"
         return JSONResponse(
-            error_body(str(exc.detail), "invalid_request_error", None, code),
+            error_body(detail, "invalid_request_error", None, code),
             exc.status_code,
             headers=exc.headers,
         )
@@ -162,7 +171,9 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         _check_ready(ctx)
         # Tokenization runs off the event loop, so a long prompt never stalls other clients' streams.
         prompts = await asyncio.to_thread(_completion_prompts, ctx, req.prompt)
-        params = [_sampling_params(ctx, req, p, req.max_tokens, req.logprobs) for p in prompts]
+        # The grammar compiles once per request, on the grammar checker's threads, within its budget.
+        grammar = await _request_grammar(ctx, req)
+        params = _sampling_params(ctx, req, prompts, req.max_tokens, req.logprobs, structured=grammar)
         _check_capacity(ctx, len(prompts), req.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -182,15 +193,15 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        forced = _tool_choice_spec(ctx, req, parsers)
+        grammar = await _request_grammar(ctx, req, _tool_choice_spec(ctx, req, parsers))
         params = _sampling_params(
-            ctx, req, prompt, max_tokens, num_logprobs, max_tokens_param=param_name, forced=forced
+            ctx, req, [prompt], max_tokens, num_logprobs, max_tokens_param=param_name, structured=grammar
         )
         _check_capacity(ctx, 1, req.n)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse((await _start_stream(ctx, rid, [prompt], [params])).chat(req, parsers))
-        outs = await _run_all(ctx, rid, [prompt], [params], raw)
+            return _sse((await _start_stream(ctx, rid, [prompt], params)).chat(req, parsers))
+        outs = await _run_all(ctx, rid, [prompt], params, raw)
         return JSONResponse(_chat_body(ctx, rid, req, prompt, outs[0], parsers))
 
 

@@ -4,6 +4,7 @@ of engine add-time errors to OpenAI errors."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import time
@@ -17,7 +18,7 @@ from ..metrics import ServerMetrics
 from ..model_files import sampling_defaults
 from ..parsers import OutputParser
 from ..request import SamplingParams
-from ..structured import StructuredSpec, check_spec
+from ..structured import GrammarBudget, GrammarBudgetError, GrammarChecker, GrammarCompiler, StructuredSpec
 from .async_llm import EngineFailure, EngineRestarting
 from .data_parallel import ServingLLM
 from .protocol import (
@@ -25,8 +26,10 @@ from .protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    JSONDepthError,
     NamedToolChoice,
     TokenizeChatRequest,
+    loads_bounded,
 )
 
 _SAMPLING_FIELDS = (
@@ -59,6 +62,7 @@ class _Ctx:
     metrics: ServerMetrics
     model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
+    grammars: GrammarChecker | None = None  # made at the first grammar (_grammar_checker)
 
 
 def _check_model(ctx: _Ctx, model: str | None) -> None:
@@ -169,7 +173,8 @@ def _validate_ids(ctx: _Ctx, ids: list[int], text: str | None, param: str = "pro
     return _Prompt(ids, text)
 
 
-def _message_dict(m: ChatMessage) -> dict[str, Any]:
+def _message_dict(m: ChatMessage, where: str, max_depth: int) -> dict[str, Any]:
+    """Message ``where`` (``messages.I``) as the chat template reads it."""
     d = m.model_dump(exclude_none=True)
     if isinstance(m.content, list):  # text parts joined; other part types have no meaning for a text model
         if any(p.type != "text" for p in m.content):
@@ -177,23 +182,46 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
         d["content"] = "".join(p.text or "" for p in m.content)
     d.setdefault("content", "")
     if m.tool_calls:
-        d["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+        d["tool_calls"] = [
+            _template_tool_call(c, f"{where}.tool_calls.{j}", max_depth) for j, c in enumerate(m.tool_calls)
+        ]
     return d
 
 
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+def _template_tool_call(call: dict[str, Any], where: str, max_depth: int) -> dict[str, Any]:
     """An assistant message's tool call as chat templates read it: OpenAI sends ``arguments`` as JSON
-    text, and templates (Qwen's, DeepSeek's) write a dict with ``tojson``, so a JSON object is decoded."""
+    text, and templates (Qwen's, DeepSeek's) write a dict with ``tojson``, so a JSON object is decoded.
+    The text is the client's JSON too: nested past ``max_depth`` it is a 400 (the template's ``tojson``
+    and the decoder itself would recurse over it)."""
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
     try:
-        arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
+        arguments = loads_bounded(function["arguments"], max_depth)
+    except JSONDepthError as e:
+        raise APIError(400, f"{where}.function.arguments is {e}", param="messages", code="invalid_value") from None
+    except ValueError:  # not JSON (JSONDecodeError), or an integer past Python's digit limit
         return call
     if not isinstance(arguments, dict):
         return call
     return {**call, "function": {**function, "arguments": arguments}}
+
+
+# apply_chat_template's own arguments, and what it passes the template itself: chat_template_kwargs
+# cannot set them (Python would refuse the call with its own words).
+_TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "bos_token", "eos_token", "self")
+
+
+def _check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    taken = [k for k in _TEMPLATE_ARGUMENTS if k in kwargs]
+    if taken:
+        raise APIError(
+            400,
+            f"chat_template_kwargs cannot set {', '.join(taken)}: the server passes them to the template "
+            "(messages and add_generation_prompt are fields of the request)",
+            param="chat_template_kwargs",
+            code="invalid_value",
+        )
 
 
 def _render_chat(ctx: _Ctx, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
@@ -201,8 +229,10 @@ def _render_chat(ctx: _Ctx, req: ChatCompletionRequest | TokenizeChatRequest) ->
     tok = ctx.llm.tokenizer
     if tok is None or not tok.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    messages = [_message_dict(m) for m in req.messages]
+    depth = ctx.settings.max_json_depth
+    messages = [_message_dict(m, f"messages.{i}", depth) for i, m in enumerate(req.messages)]
     kwargs = dict(req.chat_template_kwargs or {})
+    _check_template_kwargs(kwargs)
     if req.tools:  # transformers' convention: the template reads the tool list as ``tools``
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         # A template that reads them gets the tool choice and the parallel-calls switch as sent
@@ -272,11 +302,7 @@ def _tool_choice_spec(
     spec = StructuredSpec("lark", "\n".join([start, *rules]))
     if ctx.llm.tokenizer is None:
         raise APIError(400, "tool_choice needs a tokenizer.json in the model directory", param="tool_choice")
-    try:
-        check_spec(spec)
-    except ValueError as e:
-        raise APIError(400, f"tool_choice: {e}", param="tool_choice") from None
-    return spec
+    return spec  # checked with the request's other fields (_request_grammar)
 
 
 def _output_parsers(ctx: _Ctx, req: ChatCompletionRequest, prompt: _Prompt) -> Callable[[], OutputParser] | None:
@@ -314,13 +340,16 @@ def _output_parsers(ctx: _Ctx, req: ChatCompletionRequest, prompt: _Prompt) -> C
 def _sampling_params(
     ctx: _Ctx,
     req: CompletionRequest | ChatCompletionRequest,
-    prompt: _Prompt,
+    prompts: list[_Prompt],
     max_tokens: int | None,
     logprobs: int | None,
     *,
     max_tokens_param: str = "max_tokens",
-    forced: StructuredSpec | None = None,
-) -> SamplingParams:
+    structured: StructuredSpec | None = None,
+) -> list[SamplingParams]:
+    """Each prompt's sampling parameters, under the request's checked grammar ``structured``
+    (:func:`_request_grammar`). Built once: they differ only in the prompt length checked against
+    the context, so a thousand prompts cost one mapping, not a thousand."""
     defaults = ctx.llm.engine.info.generation_defaults if ctx.llm.engine is not None else {}
     kw: dict[str, Any] = sampling_defaults(defaults)
     for name in _SAMPLING_FIELDS:
@@ -328,7 +357,6 @@ def _sampling_params(
         if value is not None:
             kw[name] = value
     stop = req.stop if req.stop is not None else []
-    structured = _grammar(ctx, req, forced)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -352,15 +380,16 @@ def _sampling_params(
         raise _sampling_error(str(e), isinstance(req, ChatCompletionRequest), max_tokens_param) from None
     if params.stop and ctx.llm.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer.json in the model directory", param="stop")
-    if max_tokens is not None and len(prompt.ids) + max_tokens > ctx.llm.max_model_len:
-        raise APIError(
-            400,
-            f"{max_tokens_param}={max_tokens} plus the prompt's {len(prompt.ids)} tokens exceeds the context "
-            f"length max_model_len={ctx.llm.max_model_len}",
-            param=max_tokens_param,
-            code="context_length_exceeded",
-        )
-    return params
+    for prompt in prompts:
+        if max_tokens is not None and len(prompt.ids) + max_tokens > ctx.llm.max_model_len:
+            raise APIError(
+                400,
+                f"{max_tokens_param}={max_tokens} plus the prompt's {len(prompt.ids)} tokens exceeds the context "
+                f"length max_model_len={ctx.llm.max_model_len}",
+                param=max_tokens_param,
+                code="context_length_exceeded",
+            )
+    return [params, *(copy.copy(params) for _ in prompts[1:])]
 
 
 def _token_fields(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
@@ -401,10 +430,39 @@ def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | No
     return asked
 
 
+async def _request_grammar(
+    ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest, forced: StructuredSpec | None = None
+) -> StructuredSpec | None:
+    """The request's one grammar, checked once for the whole request before it is queued, on the
+    grammar checker's threads (never on the event loop, :class:`GrammarChecker`): every grammar
+    error is a 400 with llguidance's reason, a grammar over the budget a 400 naming the setting."""
+    asked = _grammar(ctx, req, forced)
+    if asked is None:
+        return None
+    param, spec = asked
+    try:
+        await _grammar_checker(ctx).check_async(spec)
+    except GrammarBudgetError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="grammar_too_complex") from None
+    except ValueError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
+    return spec
+
+
+def _grammar_checker(ctx: _Ctx) -> GrammarChecker:
+    """The app's grammar checker, over the tokenizer the worker reads (made at the first grammar)."""
+    if ctx.grammars is None:
+        settings = ctx.settings
+        budget = GrammarBudget(settings.grammar_compile_timeout, settings.grammar_max_bytes)
+        ctx.grammars = GrammarChecker(GrammarCompiler(settings.tokenizer or settings.model), budget)
+    return ctx.grammars
+
+
 def _grammar(
     ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest, forced: StructuredSpec | None
-) -> StructuredSpec | None:
-    """The request's one grammar: a structured-output field's, or a forced tool choice's."""
+) -> tuple[str, StructuredSpec] | None:
+    """The request's one grammar and the field that asks for it: a structured-output field's, or a
+    forced tool choice's."""
     structured = _structured_spec(ctx, req)
     if forced is not None and structured is not None:
         raise APIError(
@@ -413,12 +471,12 @@ def _grammar(
             "drop the structured-output field",
             param="tool_choice",
         )
-    return structured or forced
+    return structured or (("tool_choice", forced) if forced is not None else None)
 
 
-def _structured_spec(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) -> StructuredSpec | None:
-    """The grammar the request asks its output to match, checked here so that a bad schema, regex or
-    choice list is a 400 naming the field."""
+def _structured_spec(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) -> tuple[str, StructuredSpec] | None:
+    """The grammar the request asks its output to match and the field that asks (checked by
+    :func:`_request_grammar`, so that a bad schema, regex or choice list is a 400 naming the field)."""
     asked: list[tuple[str, StructuredSpec]] = []
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -446,11 +504,7 @@ def _structured_spec(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) 
         )
     if ctx.llm.tokenizer is None:
         raise APIError(400, f"{param} needs a tokenizer.json in the model directory", param=param)
-    try:
-        check_spec(spec)
-    except ValueError as e:
-        raise APIError(400, f"{param}: {e}", param=param) from None
-    return spec
+    return param, spec
 
 
 def _sampling_error(message: str, chat: bool, max_tokens_param: str) -> APIError:

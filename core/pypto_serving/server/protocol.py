@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+import re
+import sys
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 from pydantic import (
     AfterValidator,
     AllowInfNan,
@@ -40,6 +44,7 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "DetokenizeRequest",
+    "JSONDepthError",
     "JSONSchemaFormat",
     "NamedToolChoice",
     "ResponseFormat",
@@ -48,6 +53,8 @@ __all__ = [
     "TokenizeCompletionRequest",
     "ToolDefinition",
     "error_body",
+    "json_depth_route",
+    "loads_bounded",
     "validation_api_error",
 ]
 
@@ -112,6 +119,102 @@ class APIError(Exception):
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# --------------------------------------------------------------------------- client JSON
+
+# A JSON string literal (escapes included) and a run of anything but brackets, for the depth scan.
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_SQUARE = str.maketrans("{}", "[]")
+
+
+class JSONDepthError(ValueError):
+    """Client JSON nested deeper than the ``max_json_depth`` setting."""
+
+    def __init__(self, max_depth: int) -> None:
+        super().__init__(f"nested deeper than max_json_depth={max_depth}")
+        self.max_depth = max_depth
+
+
+def _deeper_than(text: str, max_depth: int) -> bool:
+    """Whether valid JSON ``text`` nests arrays and objects more than ``max_depth`` deep. Done on the
+    text with C-speed passes (a walk of the decoded value costs a Python step per number of a long
+    token-id prompt): strings dropped, then brackets only, then each pass deletes the innermost
+    pairs, which lowers every group's depth by one."""
+    if text.count("[") + text.count("{") <= max_depth:
+        return False
+    brackets = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text)).translate(_SQUARE)
+    for _ in range(max_depth):
+        brackets = brackets.replace("[]", "")
+        if not brackets:
+            return False
+    return bool(brackets)
+
+
+def loads_bounded(text: str | bytes, max_depth: int) -> Any:
+    """``json.loads`` for client JSON: nesting deeper than ``max_depth`` raises :class:`JSONDepthError`
+    rather than reaching code that recurses over the value (templates, schemas, pydantic) or, past
+    Python's recursion limit, ``RecursionError`` (a 500) in the decoder itself."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise JSONDepthError(max_depth) from None
+    if isinstance(text, bytes):
+        text = text.decode(json.detect_encoding(text))
+    if _deeper_than(text, max_depth):
+        raise JSONDepthError(max_depth)
+    return value
+
+
+def _loads_body(body: bytes, max_depth: int) -> Any:
+    """The decoded body. What ``json.loads`` reports as something other than a ``JSONDecodeError``
+    (invalid UTF-8, an integer past Python's digit limit) and a too deep body are raised as one, so
+    that FastAPI answers them as it answers any malformed body: 400 ``invalid_json``."""
+    try:
+        return loads_bounded(body, max_depth)
+    except json.JSONDecodeError:
+        raise  # FastAPI reports it with its position
+    except UnicodeDecodeError as e:
+        reason = f"the body is not valid UTF-8 ({e.reason} at byte {e.start})"
+    except JSONDepthError as e:
+        reason = f"the body is {e}"
+    except ValueError:  # int("9" * 5000): past Python's integer string conversion limit
+        reason = f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits"
+    raise json.JSONDecodeError(reason, "", 0) from None
+
+
+class _BoundedJSONRequest(Request):
+    """A request whose JSON body is parsed by :func:`loads_bounded`."""
+
+    max_depth = 64
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = _loads_body(await self.body(), self.max_depth)
+        return self._json
+
+
+def json_depth_route(max_depth: int) -> type[APIRoute]:
+    """A route class whose handlers parse JSON bodies with nesting bounded by ``max_depth``: a deep,
+    badly encoded or huge-integer body is a 400 ``invalid_json`` like any malformed one. FastAPI
+    parses the body before any dependency runs, so the bound has to sit in the request class."""
+
+    class BoundedRequest(_BoundedJSONRequest):
+        pass
+
+    BoundedRequest.max_depth = max_depth
+
+    class BoundedJSONRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def bounded(request: Request) -> Response:
+                return await handler(BoundedRequest(request.scope, request.receive))
+
+            return bounded
+
+    return BoundedJSONRoute
 
 
 # --------------------------------------------------------------------------- field types
@@ -459,7 +562,9 @@ def _json_error(error: Mapping[str, Any], body: Any) -> APIError:
     loc = tuple(error.get("loc", ()))
     pos = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else None
     reason = str(error.get("ctx", {}).get("error", "invalid JSON"))
-    if isinstance(body, str) and pos is not None:
+    if body == "":  # _loads_body's errors: they have no position (FastAPI never parses an empty body)
+        where = reason
+    elif isinstance(body, str) and pos is not None:
         where = str(json.JSONDecodeError(reason, body, pos))  # adds "line L column C (char N)"
     else:
         where = reason if pos is None else f"{reason} (char {pos})"

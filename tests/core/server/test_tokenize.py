@@ -71,7 +71,7 @@ def test_detokenize_round_trip(client: Any, fake_model_dir: Path) -> None:
             "/tokenize",
             {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": 1}},
             400,
-            "messages",
+            "chat_template_kwargs",
         ),
     ],
 )
