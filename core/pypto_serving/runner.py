@@ -334,7 +334,8 @@ class ModelRunner:
         if spec is not None:
             try:  # a request resuming after preemption replays its outputs through its grammar
                 st.grammar = self._grammars.matcher(spec, nr.sampling.grammar_eos, nr.sampling.min_tokens)
-                if not st.grammar.advance(outs):
+                # The grammar compiles on the compiler's thread; only a replay waits for it here.
+                if outs and not st.grammar.advance(outs):
                     st.grammar_error = f"structured output: {st.grammar.error}"
             except ValueError as e:
                 st.grammar_error = f"structured output: {e}"

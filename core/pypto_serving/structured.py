@@ -26,8 +26,15 @@ while the grammar allows something else (:class:`RequestGrammar`).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +46,9 @@ import torch
 from .request import StructuredSpec
 
 __all__ = [
+    "GrammarBudget",
+    "GrammarBudgetError",
+    "GrammarChecker",
     "GrammarCompiler",
     "GrammarMask",
     "HostListing",
@@ -60,6 +70,7 @@ __all__ = [
 # document short. A schema may still ask for whitespace through its own "x-guidance" options.
 _JSON_DEFAULTS: llguidance._lib.JsonCompileOptions = {"whitespace_flexible": False}
 _MAX_CHOICES = 1024
+_CACHE_SIZE = 256  # grammars (by text) whose verdict or compiled template is kept
 
 
 def grammar_text(spec: StructuredSpec) -> str:
@@ -83,14 +94,22 @@ def grammar_text(spec: StructuredSpec) -> str:
 
 
 def check_spec(spec: StructuredSpec) -> None:
-    """Raises ``ValueError`` naming the problem when ``spec``'s grammar cannot be built."""
+    """Raises ``ValueError`` naming the problem when ``spec``'s grammar cannot be built (without a
+    tokenizer: the server's :class:`GrammarChecker` builds what the worker builds). Once per grammar
+    text: an engine adds a request's prompts one by one."""
+    error = _spec_error(spec)
+    if error is not None:
+        raise ValueError(error)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _spec_error(spec: StructuredSpec) -> str | None:
     try:
         grammar = grammar_text(spec)
     except ValueError as e:
-        raise ValueError(f"{_what(spec)} is invalid: {e}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(f"{_what(spec)} is invalid: {error.strip()}")
+        return f"{_what(spec)} is invalid: {e}"
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
+    return f"{_what(spec)} is invalid: {_first_line(error)}" if error else None
 
 
 def _what(spec: StructuredSpec) -> str:
@@ -98,38 +117,224 @@ def _what(spec: StructuredSpec) -> str:
     return names.get(spec.kind, "the grammar")
 
 
+# Steps the server's check walks past a grammar's first mask. llguidance builds its lexer lazily, so
+# some errors appear only once a token is consumed: a regex whose derivatives explode (``a{1000000}``:
+# "too many expressions constructed") or a row past ``max_items_in_row`` (a 5,000-branch anyOf).
+_PROBE_STEPS = 4
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's resource limits, the same in the server's check and in the worker: its default
+    fuel (deterministic bounds on the lexer's and parser's work per build and per step), without the
+    parser's state in error messages, which go to clients."""
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def build_matcher(tok: llguidance.LLTokenizer, text: str) -> llguidance.LLMatcher:
+    """A matcher of the grammar ``text`` with its first mask computed: llguidance builds the lexer
+    over the token trie there (the bulk of a big grammar's cost), and deep copies share what it built."""
+    matcher = llguidance.LLMatcher(tok, text, log_level=0, limits=parser_limits())
+    if not matcher.is_error():
+        row = np.empty(bitmask_words(tok.vocab_size), dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    return matcher
+
+
+def _first_line(error: str) -> str:
+    return error.split("\n<state>", 1)[0].strip()
+
+
+def probe(matcher: llguidance.LLMatcher, tok: llguidance.LLTokenizer, steps: int = _PROBE_STEPS) -> str | None:
+    """llguidance's error on a copy of ``matcher`` walking ``steps`` tokens (the lowest allowed id
+    other than EOS each time), None when it meets none: the errors a grammar raises on its first
+    tokens, where the lexer and the parser's rows are first built."""
+    m = matcher.deep_copy()
+    row = np.empty(bitmask_words(tok.vocab_size), dtype=np.int32)
+    eos = np.array(tok.eos_tokens or [tok.eos_token], dtype=np.int64)
+    for _ in range(steps + 1):
+        if not m.is_error() and not m.is_stopped():
+            m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if m.is_error():
+            return _first_line(m.get_error())
+        if m.is_stopped():
+            return None
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[: tok.vocab_size])
+        allowed = allowed[~np.isin(allowed, eos)]
+        if not allowed.size:
+            return None
+        m.consume_token(int(allowed[0]))
+    return _first_line(m.get_error()) if m.is_error() else None
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarBudget:
+    """What one request's grammar may cost the server: seconds to compile and bytes of grammar text
+    (the settings ``grammar_compile_timeout`` and ``grammar_max_bytes``, named in the 400s)."""
+
+    timeout: float = 5.0
+    max_bytes: int = 256 * 1024
+
+
+class GrammarBudgetError(ValueError):
+    """A grammar over the :class:`GrammarBudget`; the message names the setting."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    error: str | None = None
+    over_budget: bool = False
+
+
+class GrammarChecker:
+    """The server's check of request grammars, before they are queued: it builds what the worker
+    builds (the matcher over the model's tokenizer, its first mask) and walks a few tokens, where
+    llguidance's errors appear, so that a grammar the worker would fail is the client's 400 with the
+    library's reason, never a failed generation.
+
+    Each grammar text is compiled once (a bounded cache of verdicts: a request's prompts and choices,
+    and clients repeating a schema, share one compile), on the checker's own few threads (llguidance
+    drops the GIL while it builds, so the event loop and the step loop never wait on it), and within
+    the :class:`GrammarBudget`: past its size or its time the request is a 400 naming the setting,
+    answered at the deadline while the bounded compile finishes in the background."""
+
+    def __init__(
+        self,
+        compiler: GrammarCompiler,
+        budget: GrammarBudget,
+        eos_token_ids: tuple[int, ...] = (),
+        threads: int = 2,
+        cache_size: int = _CACHE_SIZE,
+    ) -> None:
+        self._compiler = compiler
+        self.budget = budget
+        self._eos = eos_token_ids
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._verdicts: OrderedDict[StructuredSpec, Future[_Verdict]] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-check")
+
+    def check(self, spec: StructuredSpec) -> None:
+        """Blocks until ``spec`` is checked, at most the budget's seconds (call it off the event loop);
+        ``ValueError`` naming the problem, :class:`GrammarBudgetError` past the budget."""
+        try:
+            verdict = self._verdict(spec).result(timeout=self.budget.timeout)
+        except FutureTimeout:
+            raise GrammarBudgetError(self._too_slow(spec)) from None
+        if verdict.error is not None:
+            raise (GrammarBudgetError if verdict.over_budget else ValueError)(verdict.error)
+
+    async def check_async(self, spec: StructuredSpec) -> None:
+        """:meth:`check` on the event loop: it awaits the checker's thread, never blocking the loop."""
+        future = asyncio.wrap_future(self._verdict(spec))
+        try:
+            verdict = await asyncio.wait_for(asyncio.shield(future), self.budget.timeout)
+        except TimeoutError:
+            raise GrammarBudgetError(self._too_slow(spec)) from None
+        if verdict.error is not None:
+            raise (GrammarBudgetError if verdict.over_budget else ValueError)(verdict.error)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _verdict(self, spec: StructuredSpec) -> Future[_Verdict]:
+        with self._lock:
+            future = self._verdicts.get(spec)
+            if future is not None:
+                self._verdicts.move_to_end(spec)
+                return future
+            future = self._verdicts[spec] = self._pool.submit(self._compile, spec)
+            if len(self._verdicts) > self._cache_size:
+                done = [k for k, f in self._verdicts.items() if f.done()]
+                for key in done[: len(self._verdicts) - self._cache_size]:
+                    del self._verdicts[key]
+            return future
+
+    def _compile(self, spec: StructuredSpec) -> _Verdict:
+        start = time.monotonic()
+        try:
+            text = grammar_text(spec)
+        except ValueError as e:
+            return _Verdict(f"{_what(spec)} is invalid: {e}")
+        size = len(text.encode())
+        if size > self.budget.max_bytes:
+            message = (
+                f"{_what(spec)} compiles to {size} bytes of grammar, more than grammar_max_bytes="
+                f"{self.budget.max_bytes}; simplify it"
+            )
+            return _Verdict(message, over_budget=True)
+        tok = self._compiler.tokenizer(self._eos)
+        error = probe(build_matcher(tok, text), tok)
+        if error is not None:
+            return _Verdict(f"{_what(spec)} is invalid: {error}")
+        if time.monotonic() - start > self.budget.timeout:  # the verdict stays for the same text
+            return _Verdict(self._too_slow(spec), over_budget=True)
+        return _Verdict()
+
+    def _too_slow(self, spec: StructuredSpec) -> str:
+        return f"{_what(spec)} did not compile within grammar_compile_timeout={self.budget.timeout}s; simplify it"
+
+
 class GrammarCompiler:
     """The worker's llguidance tokenizer (built once from ``tokenizer.json``, per set of EOS ids) and
-    the matchers made from it."""
+    the matchers made from it.
 
-    __slots__ = ("_path", "_text", "_tokenizers")
+    A grammar is compiled once per text and EOS set, on the compiler's thread, into a template (a
+    bounded cache: a request's ``n`` sequences and prompts, and repeated schemas, share it); each
+    sequence's matcher is a deep copy of it (microseconds). The step loop waits on a compile only where
+    the request's first mask is needed, which fills beside the forward when masks overlap."""
+
+    __slots__ = ("_lock", "_path", "_pool", "_templates", "_text", "_tokenizers")
 
     def __init__(self, tokenizer_dir: str | Path | None) -> None:
         self._path = Path(tokenizer_dir) / "tokenizer.json" if tokenizer_dir is not None else None
         self._text: str | None = None
         self._tokenizers: dict[tuple[int, ...], llguidance.LLTokenizer] = {}
+        self._templates: OrderedDict[tuple[StructuredSpec, tuple[int, ...]], Future[llguidance.LLMatcher]] = (
+            OrderedDict()
+        )
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
     def tokenizer(self, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
-        tok = self._tokenizers.get(eos_token_ids)
-        if tok is None:
-            if self._text is None:
-                if self._path is None or not self._path.is_file():
-                    raise ValueError(f"structured output needs the model's tokenizer.json (none at {self._path})")
-                self._text = self._path.read_text()
-            eos = list(eos_token_ids) if eos_token_ids else None
-            tok = self._tokenizers[eos_token_ids] = llguidance.LLTokenizer(self._text, eos_token=eos)
-        return tok
+        with self._lock:
+            tok = self._tokenizers.get(eos_token_ids)
+            if tok is None:
+                if self._text is None:
+                    if self._path is None or not self._path.is_file():
+                        raise ValueError(f"structured output needs the model's tokenizer.json (none at {self._path})")
+                    self._text = self._path.read_text()
+                eos = list(eos_token_ids) if eos_token_ids else None
+                tok = self._tokenizers[eos_token_ids] = llguidance.LLTokenizer(self._text, eos_token=eos)
+            return tok
 
     def matcher(self, spec: StructuredSpec, eos_token_ids: tuple[int, ...], min_tokens: int = 0) -> RequestGrammar:
         """A fresh grammar state of ``spec`` for a request that ends at ``eos_token_ids`` and holds EOS
-        back for its first ``min_tokens`` outputs (see :class:`RequestGrammar`)."""
+        back for its first ``min_tokens`` outputs (see :class:`RequestGrammar`); its matcher comes when
+        the template is compiled."""
         tok = self.tokenizer(eos_token_ids)
-        matcher = llguidance.LLMatcher(tok, grammar_text(spec), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"{_what(spec)} is invalid: {matcher.get_error()}")
-        grammar = RequestGrammar(matcher, bitmask_words(tok.vocab_size), tok.vocab_size)
+        grammar = RequestGrammar(self.template(spec, eos_token_ids), bitmask_words(tok.vocab_size), tok.vocab_size)
+        grammar.what = _what(spec)
         grammar.hold_eos(eos_token_ids, min_tokens)
         return grammar
+
+    def template(self, spec: StructuredSpec, eos_token_ids: tuple[int, ...]) -> Future[llguidance.LLMatcher]:
+        """The compiled matcher of ``spec`` (first mask computed), compiled once on the compiler's
+        thread; its error, if any, is the matcher's."""
+        key = (spec, eos_token_ids)
+        with self._lock:
+            future = self._templates.get(key)
+            if future is not None:
+                self._templates.move_to_end(key)
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+            future = self._templates[key] = self._pool.submit(self._compile, spec, eos_token_ids)
+            while len(self._templates) > _CACHE_SIZE:
+                self._templates.popitem(last=False)
+            return future
+
+    def _compile(self, spec: StructuredSpec, eos_token_ids: tuple[int, ...]) -> llguidance.LLMatcher:
+        return build_matcher(self.tokenizer(eos_token_ids), grammar_text(spec))
 
 
 def bitmask_words(vocab: int) -> int:
@@ -144,10 +349,27 @@ class RequestGrammar:
     EOS and any other token allows only the others; a state that allows nothing but EOS (the
     grammar is complete and cannot go on) keeps it, and the request ends there: the grammar wins."""
 
-    __slots__ = ("_eos_keep", "_eos_words", "_hold_until", "_matcher", "num_tokens", "vocab", "words")
+    __slots__ = (
+        "_eos_keep",
+        "_eos_words",
+        "_failed",
+        "_hold_until",
+        "_made",
+        "_pending",
+        "num_tokens",
+        "vocab",
+        "what",
+        "words",
+    )
 
-    def __init__(self, matcher: llguidance.LLMatcher, words: int, vocab: int | None = None) -> None:
-        self._matcher = matcher
+    def __init__(
+        self, matcher: llguidance.LLMatcher | Future[llguidance.LLMatcher], words: int, vocab: int | None = None
+    ) -> None:
+        # A compiled matcher, or the template being compiled (:class:`GrammarCompiler`), copied at first use.
+        self._made = matcher if isinstance(matcher, llguidance.LLMatcher) else None
+        self._pending = None if isinstance(matcher, llguidance.LLMatcher) else matcher
+        self._failed: str | None = None  # the template could not be compiled
+        self.what = "the grammar"
         self.words = words  # int32 words of one row of this grammar's bitmask
         self.vocab = 32 * words if vocab is None else vocab  # the tokenizer's tokens: no id past them is allowed
         self.num_tokens = 0  # tokens accepted (the request's outputs): row j of a fill draws output num_tokens + j
@@ -167,22 +389,43 @@ class RequestGrammar:
         self._hold_until = until if bits else 0
 
     @property
+    def _matcher(self) -> llguidance.LLMatcher | None:
+        """This request's matcher, once its template is compiled (None when that failed)."""
+        if self._pending is not None:
+            try:
+                self._made = self._pending.result().deep_copy()
+            except ValueError as e:
+                self._failed = f"{self.what} is invalid: {e}"
+            self._pending = None
+        return self._made
+
+    @property
     def error(self) -> str | None:
-        return str(self._matcher.get_error()) if self._matcher.is_error() else None
+        m = self._matcher
+        if m is None:
+            return self._failed
+        return _first_line(str(m.get_error())) if m.is_error() else None
 
     def advance(self, tokens: list[int]) -> bool:
         """Accepts ``tokens`` (sampled under this grammar's masks); False when the grammar is in error.
         Past the grammar's end nothing is consumed: the mask keeps allowing only EOS."""
         self.num_tokens += len(tokens)
+        m = self._matcher
+        if m is None:
+            return False
         for t in tokens:
-            if self._matcher.is_stopped():
+            if m.is_stopped():
                 break
-            self._matcher.consume_token(t)
-        return not self._matcher.is_error()
+            m.consume_token(t)
+        return not m.is_error()
 
     def fill(self, drafts: list[int], out: npt.NDArray[np.int32]) -> None:
-        """Row ``j`` of ``out`` (``[len(drafts) + 1, words]``) := the mask after ``drafts[:j]``."""
+        """Row ``j`` of ``out`` (``[len(drafts) + 1, words]``) := the mask after ``drafts[:j]``; every
+        token when the grammar failed (the request fails when it advances)."""
         m = self._matcher
+        if m is None or m.is_error():
+            out[:] = -1
+            return
         consumed = 0
         for j in range(len(drafts) + 1):
             row = out[j]
