@@ -160,3 +160,25 @@ def test_real_disconnect_mid_stream_is_one_line(live_server: Any, caplog: pytest
     (line,) = access_lines(caplog)
     assert (line["status"], line["id"], line["note"]) == ("200", request_id, " (client closed)")
     assert [r.getMessage() for r in caplog.records if r.name.startswith("pypto_serving") and r.name != ACCESS] == []
+
+
+def _fail_before(started: bool) -> Any:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if started:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("boom")
+
+    return app
+
+
+@pytest.mark.parametrize(("started", "note"), [(False, ""), (True, " (failed mid-response)")])
+def test_only_a_response_cut_short_is_failed_mid_response(
+    caplog: pytest.LogCaptureFixture, started: bool, note: str
+) -> None:
+    """The guard's own complete 500 (the app raised before answering) is an ordinary line; only a
+    response already started, then cut by an exception, is noted as failed mid-response."""
+    caplog.set_level(logging.INFO, logger=ACCESS)
+    sent = _run_guard(_fail_before(started))
+    assert sent[0]["status"] == (200 if started else 500)
+    (line,) = access_lines(caplog)
+    assert (line["status"], line["note"]) == (str(sent[0]["status"]), note)
