@@ -35,11 +35,12 @@ class ToolParser(ABC):
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         """The generation ended: release everything held back (an unterminated call is content)."""
 
-    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
+    def call_grammar(self, names: Sequence[str], *, parallel: bool, opened: str = "") -> str:
         """Lark rules (llguidance's dialect, see :mod:`pypto_serving.parsers.grammar`) defining
         ``tool_calls``: output that is only calls, in this parser's syntax, to the functions ``names``
         of the request's tools, with arguments valid against their ``parameters``; one call, or one or
-        more with ``parallel``. This is how ``tool_choice: "required"`` and a named function are kept.
+        more with ``parallel``. This is how ``tool_choice: "required"`` and a named function are kept;
+        with ``opened`` (the tag that starts its calls, already in the output) how ``auto`` is.
         Raises :class:`ToolChoiceError` when the parser cannot express it."""
         raise ToolChoiceError(f"the tool-call parser {type(self).__name__} cannot constrain tool calls")
 

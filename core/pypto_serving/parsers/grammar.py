@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "ToolChoiceError",
     "arguments_schema",
+    "auto_calls_grammar",
     "calls_grammar",
     "json_rule",
     "lit",
@@ -55,26 +56,73 @@ def arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
 
 
 def calls_grammar(
-    call_rules: Sequence[str], *, separator: str, parallel: bool, open_tag: str = "", close_tag: str = ""
+    call_rules: Sequence[str],
+    *,
+    separator: str,
+    parallel: bool,
+    open_tag: str = "",
+    close_tag: str = "",
+    opened: str = "",
 ) -> str:
     """Rules defining ``tool_calls``: one call (one of ``call_rules``' bodies), or with ``parallel`` one
     or more; inside ``open_tag`` ... ``close_tag`` each call is followed by ``separator``, without them
     calls are separated by it. A body's first line is the call's rule, its further lines are rules the
     call refers to. The separator never starts the closing tag: llguidance's lexer takes the longest
-    literal and does not back up, so a ``"\\n"`` next to a ``"\\n</end>"`` would strand the output."""
-    heads, rules = [], []
+    literal and does not back up, so a ``"\\n"`` next to a ``"\\n</end>"`` would strand the output.
+
+    ``opened``: the output already holds this start of the calls (the tag that ended ``tool_choice:
+    auto``'s free text, :func:`auto_calls_grammar`), so the first call's text starts after it."""
+    heads, firsts, rules = [], [], []
     for i, body in enumerate(call_rules):
         head, _, rest = body.partition("\n")
         heads.append(f"call_{i}")
         rules.append(f"call_{i}: {head}")
+        if opened and not close_tag:
+            firsts.append(f"first_{i}")
+            rules.append(f"first_{i}: {_without_prefix(head, opened)}")
         if rest:
             rules.append(rest)
     if close_tag:
         item = f"call {lit(separator)}" if separator else "call"
-        calls = f"{lit(open_tag)} ({item}){'+' if parallel else ''} {lit(close_tag)}"
+        start = open_tag[len(opened) :] if opened else open_tag
+        calls = f"{lit(start) if start else ''} ({item}){'+' if parallel else ''} {lit(close_tag)}"
     else:
-        calls = f"call ({lit(separator)} call)*" if parallel else "call"
+        first = "first" if opened else "call"
+        calls = f"{first} ({lit(separator)} call)*" if parallel else first
+        if opened:
+            rules.append(f"first: {' | '.join(firsts)}")
     return "\n".join([f"tool_calls: {calls}", f"call: {' | '.join(heads)}", *rules])
+
+
+def _without_prefix(head: str, prefix: str) -> str:
+    """The Lark expression ``head``, which starts with a string literal starting with ``prefix``,
+    without that prefix."""
+    quoted = lit(prefix)[:-1]  # the literal's opening quote and the prefix, not its closing quote
+    if head.startswith(lit(prefix) + " "):  # the literal is the prefix whole
+        return head[len(lit(prefix)) + 1 :]
+    if not head.startswith(quoted):
+        raise ToolChoiceError("the tool-call syntax cannot be constrained under tool_choice 'auto'")
+    return '"' + head[len(quoted) :]
+
+
+def auto_calls_grammar(calls_rules: str, open_tag: str) -> str:
+    """Rules defining ``answer``: free text without ``open_tag``, or free text up to the first
+    ``open_tag`` followed by the calls of ``calls_rules`` (written with ``opened=open_tag``): how
+    ``tool_choice: auto`` keeps a strict tool's arguments to its schema and ``parallel_tool_calls:
+    false`` to one call. llguidance's lexer is greedy and never backs up, so the text before the calls
+    is one lazy lexeme that ends at the first tag, beside a greedy one that never holds the tag."""
+    tag = "".join("\\" + c if c in _REGEX_SPECIAL else c for c in open_tag)
+    return "\n".join(
+        [
+            "answer: TEXT | before tool_calls",
+            f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{tag}(.|\\n)*/",
+            f"before[lazy]: /(.|\\n)*/ {lit(open_tag)}",
+            calls_rules,
+        ]
+    )
+
+
+_REGEX_SPECIAL = frozenset("\\.+*?()|[]{}^$/-")
 
 
 def json_rule(name: str, schema: dict[str, Any]) -> str:

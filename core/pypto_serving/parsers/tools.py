@@ -133,7 +133,7 @@ class HermesToolParser(BlockToolParser):
         args = _arguments_json(obj.get("arguments", obj.get("parameters", {})))
         return None if args is None else [ParsedToolCall(obj["name"], args)]
 
-    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
+    def call_grammar(self, names: Sequence[str], *, parallel: bool, opened: str = "") -> str:
         bodies = []
         for i, name in enumerate(names):
             schema = arguments_schema(tool_by_name(self.tools, name))
@@ -141,7 +141,7 @@ class HermesToolParser(BlockToolParser):
             bodies.append(
                 f"{head} args_{i} {lit(chr(125) + chr(10) + '</tool_call>')}\n{json_rule(f'args_{i}', schema)}"
             )
-        return calls_grammar(bodies, separator="\n", parallel=parallel)
+        return calls_grammar(bodies, separator="\n", parallel=parallel, opened=opened)
 
 
 _DSML = "｜DSML｜"  # the bars are U+FF5C FULLWIDTH VERTICAL LINE, as in DeepSeek's special tokens
@@ -179,10 +179,12 @@ class DeepSeekDSMLToolParser(BlockToolParser):
             return None
         return calls
 
-    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
+    def call_grammar(self, names: Sequence[str], *, parallel: bool, opened: str = "") -> str:
         bodies = [_dsml_invoke(i, name, tool_by_name(self.tools, name)) for i, name in enumerate(names)]
         start, end = self.tags[0]
-        return calls_grammar(bodies, separator="\n", parallel=parallel, open_tag=start + "\n", close_tag=end)
+        return calls_grammar(
+            bodies, separator="\n", parallel=parallel, open_tag=start + "\n", close_tag=end, opened=opened
+        )
 
 
 # Top-level keywords of a parameters schema that DSML's one-element-per-parameter form keeps exactly;
@@ -264,7 +266,7 @@ class DeepSeekV3ToolParser(BlockToolParser):
             return None
         return calls
 
-    def call_grammar(self, names: Sequence[str], *, parallel: bool) -> str:
+    def call_grammar(self, names: Sequence[str], *, parallel: bool, opened: str = "") -> str:
         """Calls in V3.1's form (``NAME<｜tool▁sep｜>{ARGS}``), which the parser reads for V3 and R1 too."""
         bodies = []
         for i, name in enumerate(names):
@@ -272,4 +274,4 @@ class DeepSeekV3ToolParser(BlockToolParser):
             head = lit(f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>")
             bodies.append(f"{head} args_{i} {lit('<｜tool▁call▁end｜>')}\n{json_rule(f'args_{i}', schema)}")
         start, end = self.tags[0]
-        return calls_grammar(bodies, separator="", parallel=parallel, open_tag=start, close_tag=end)
+        return calls_grammar(bodies, separator="", parallel=parallel, open_tag=start, close_tag=end, opened=opened)

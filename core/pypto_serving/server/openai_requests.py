@@ -17,6 +17,7 @@ from ..engine import EngineDeadError
 from ..metrics import ServerMetrics
 from ..model_files import sampling_defaults
 from ..parsers import OutputParser
+from ..parsers.grammar import ToolChoiceError, auto_calls_grammar
 from ..request import SamplingParams
 from ..structured import GrammarBudget, GrammarBudgetError, GrammarChecker, GrammarCompiler, StructuredSpec
 from .async_llm import EngineFailure, EngineRestarting
@@ -287,7 +288,7 @@ def _tool_choice_spec(
     (after any reasoning), in the tool parser's syntax, with arguments valid against the parameters."""
     forced = _forced_calls(req)
     if forced is None:
-        return None
+        return _auto_calls_spec(ctx, req, parsers)
     parser = parsers() if parsers is not None else None
     if parser is None or parser.tools is None:
         raise APIError(400, "tool_choice needs a tool-call parser; tool_call_parser is 'none'", param="tool_choice")
@@ -303,6 +304,40 @@ def _tool_choice_spec(
     if ctx.llm.tokenizer is None:
         raise APIError(400, "tool_choice needs a tokenizer.json in the model directory", param="tool_choice")
     return spec  # checked with the request's other fields (_request_grammar)
+
+
+def _auto_calls_spec(
+    ctx: _Ctx, req: ChatCompletionRequest, parsers: Callable[[], OutputParser] | None
+) -> StructuredSpec | None:
+    """Under ``tool_choice: auto``, the grammar that keeps what the request asks of the calls the model
+    may make: a ``strict`` tool's arguments valid against its parameters, and with
+    ``parallel_tool_calls: false`` at most one call (after free text, and any reasoning). None when
+    it asks neither, or a structured-output field already constrains the output. A tool parser that
+    cannot express it is a 400: the fields are never accepted and ignored."""
+    tools = req.tools or []
+    strict = any(t.function.strict for t in tools)
+    if req.tool_choice not in (None, "auto") or not tools or (not strict and req.parallel_tool_calls is not False):
+        return None
+    parser = parsers() if parsers is not None else None
+    if parser is None or parser.tools is None or _structured_spec(ctx, req) is not None:
+        return None
+    param = "tools" if strict else "parallel_tool_calls"
+    tags = getattr(parser.tools, "tags", ())
+    try:
+        if not tags:
+            raise ToolChoiceError(f"the tool-call parser {type(parser.tools).__name__} cannot constrain tool calls")
+        names = [t.function.name for t in tools]
+        calls = parser.tools.call_grammar(names, parallel=req.parallel_tool_calls is not False, opened=tags[0][0])
+        rules = [auto_calls_grammar(calls, tags[0][0])]
+        if parser.reasoning is not None:
+            rules.append(parser.reasoning.grammar_rules())
+    except (ValueError, TypeError) as e:
+        what = "strict tools" if strict else "parallel_tool_calls false"
+        raise APIError(400, f"{what} under tool_choice 'auto': {e}", param=param) from None
+    start = "start: reasoning answer" if parser.reasoning is not None else "start: answer"
+    if ctx.llm.tokenizer is None:
+        raise APIError(400, f"{param} needs a tokenizer.json in the model directory", param=param)
+    return StructuredSpec("lark", "\n".join([start, *rules]))
 
 
 def _output_parsers(ctx: _Ctx, req: ChatCompletionRequest, prompt: _Prompt) -> Callable[[], OutputParser] | None:
