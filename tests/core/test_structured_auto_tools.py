@@ -34,6 +34,7 @@ def test_hermes_auto_takes_text_or_valid_calls() -> None:
     assert _accepts(g, call)
     assert _accepts(g, f"Let me add.\n{call}")
     assert _accepts(g, f"{call}\n{other}")
+    assert _accepts(g, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')  # its own style
     assert not _accepts(g, f"Let me add.\n{_hermes('add', {'a': 10})}")  # a > maximum: strict
     assert not _accepts(g, _hermes("add", {"b": 2}))  # a is required
     assert not _accepts(g, _hermes("sub", {"a": 1}))  # not a tool

@@ -47,11 +47,13 @@ def tool_by_name(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
     raise ToolChoiceError(f"tool_choice names the function {name!r}, which is not among the request's tools")
 
 
-def arguments_schema(function: dict[str, Any]) -> dict[str, Any]:
+def arguments_schema(function: dict[str, Any], *, flexible: bool = False) -> dict[str, Any]:
     """The JSON schema a call's arguments match: the function's ``parameters`` (any object when it has
-    none), generated compactly."""
+    none), generated compactly unless ``flexible``: under ``tool_choice: auto`` the model writes its
+    calls in its own style (Qwen's ``{"city": "Paris"}``), and the grammar keeps only the schema."""
     schema = dict(function.get("parameters") or {"type": "object"})
-    schema["x-guidance"] = {**_COMPACT, **dict(schema.get("x-guidance") or {})}
+    style = {"whitespace_flexible": True} if flexible else _COMPACT
+    schema["x-guidance"] = {**style, **dict(schema.get("x-guidance") or {})}
     return schema
 
 

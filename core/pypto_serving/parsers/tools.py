@@ -136,7 +136,7 @@ class HermesToolParser(BlockToolParser):
     def call_grammar(self, names: Sequence[str], *, parallel: bool, opened: str = "") -> str:
         bodies = []
         for i, name in enumerate(names):
-            schema = arguments_schema(tool_by_name(self.tools, name))
+            schema = arguments_schema(tool_by_name(self.tools, name), flexible=bool(opened))
             head = lit(f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ')
             bodies.append(
                 f"{head} args_{i} {lit(chr(125) + chr(10) + '</tool_call>')}\n{json_rule(f'args_{i}', schema)}"
@@ -270,7 +270,7 @@ class DeepSeekV3ToolParser(BlockToolParser):
         """Calls in V3.1's form (``NAME<｜tool▁sep｜>{ARGS}``), which the parser reads for V3 and R1 too."""
         bodies = []
         for i, name in enumerate(names):
-            schema = arguments_schema(tool_by_name(self.tools, name))
+            schema = arguments_schema(tool_by_name(self.tools, name), flexible=bool(opened))
             head = lit(f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>")
             bodies.append(f"{head} args_{i} {lit('<｜tool▁call▁end｜>')}\n{json_rule(f'args_{i}', schema)}")
         start, end = self.tags[0]
