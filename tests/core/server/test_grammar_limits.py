@@ -117,3 +117,62 @@ def test_health_answers_while_a_slow_grammar_compiles(client: Any) -> None:
     assert answer[0].status_code == 400, answer[0].text
     assert "too many expressions constructed" in answer[0].json()["error"]["message"]
     assert worst < 1.0, worst
+
+
+STEP_S = 0.03
+STREAM = {"prompt": [5, 6, 7], "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def test_grammar_attacks_stall_neither_health_nor_other_streams(live_server: Any) -> None:
+    """The issue's grammar requests against a live server (engine core in its own process, a 30 ms
+    step): ``/health`` answers within 1 s and a concurrent greedy stream's inter-token latency p99
+    stays within 2x its unloaded value."""
+    import asyncio
+    import itertools
+    import statistics
+
+    import httpx
+
+    server, _ = live_server(engine_mode="process", max_num_seqs=256, executor_options={"step_sleep": STEP_S})
+    enum = {"enum": [f"value-{i}" for i in range(20000)]}
+    attacks = [
+        {"prompt": ["a"] * 1000, "guided_json": enum, "max_tokens": 1},
+        {"prompt": "a", "n": 128, "guided_regex": "(?:(?:a{100}){100}){100}", "max_tokens": 2},
+        {"prompt": "a", "n": 32, "guided_json": ANY_OF, "max_tokens": 2},
+        {"prompt": "a", "n": 32, "guided_json": {"$ref": "#"}, "max_tokens": 2},
+    ]
+
+    async def gaps(client: httpx.AsyncClient) -> list[float]:
+        times = []
+        async with client.stream("POST", "/v1/completions", json=STREAM) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())
+        return [b - a for a, b in itertools.pairwise(times[1:])]
+
+    async def health(client: httpx.AsyncClient, until: asyncio.Task[Any]) -> float:
+        worst = 0.0
+        while not until.done():
+            t0 = time.monotonic()
+            assert (await client.get("/health")).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            await asyncio.sleep(0.05)
+        return worst
+
+    def p99(values: list[float]) -> float:
+        return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            await gaps(client)
+            unloaded = p99(await gaps(client))
+            for body in attacks:
+                stream = asyncio.create_task(gaps(client))
+                await asyncio.sleep(5 * STEP_S)
+                attack = asyncio.create_task(client.post("/v1/completions", json=body))
+                worst = await health(client, attack)
+                r, loaded = await attack, p99(await stream)
+                assert r.status_code == 400, r.text  # each is over a budget or refused by llguidance
+                assert worst < 1.0 and loaded <= 2 * unloaded, (worst, loaded, unloaded)
+
+    asyncio.run(main())
