@@ -169,10 +169,11 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         _check_model(ctx, req.model)
         _check_ready(ctx)
+        # The grammar compiles once per request, on the grammar checker's threads, within its budget;
+        # first, so a grammar over it is refused before a thousand prompts are tokenized.
+        grammar = await _request_grammar(ctx, req)
         # Tokenization runs off the event loop, so a long prompt never stalls other clients' streams.
         prompts = await asyncio.to_thread(_completion_prompts, ctx, req.prompt)
-        # The grammar compiles once per request, on the grammar checker's threads, within its budget.
-        grammar = await _request_grammar(ctx, req)
         params = _sampling_params(ctx, req, prompts, req.max_tokens, req.logprobs, structured=grammar)
         _check_capacity(ctx, len(prompts), req.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
