@@ -48,7 +48,7 @@ from .protocol import (
     json_depth_route,
     validation_api_error,
 )
-from .responses import _chat_body, _completion_body, _run_all
+from .responses import _chat_body, _completion_body, _json_response, _run_all
 from .streaming import _sse, _start_stream
 
 __all__ = ["build_app", "served_model_name"]
@@ -175,12 +175,12 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         # Tokenization runs off the event loop, so a long prompt never stalls other clients' streams.
         prompts = await asyncio.to_thread(_completion_prompts, ctx, req.prompt)
         params = _sampling_params(ctx, req, prompts, req.max_tokens, req.logprobs, structured=grammar)
-        _check_capacity(ctx, len(prompts), req.n)
+        _check_capacity(ctx, req, prompts, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse((await _start_stream(ctx, rid, prompts, params)).completion(req))
         outs = await _run_all(ctx, rid, prompts, params, raw)
-        return JSONResponse(_completion_body(ctx, rid, req, prompts, outs))
+        return await _json_response(_completion_body, ctx, rid, req, prompts, outs)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
@@ -198,12 +198,12 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         params = _sampling_params(
             ctx, req, [prompt], max_tokens, num_logprobs, max_tokens_param=param_name, structured=grammar
         )
-        _check_capacity(ctx, 1, req.n)
+        _check_capacity(ctx, req, [prompt], params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse((await _start_stream(ctx, rid, [prompt], params)).chat(req, parsers))
         outs = await _run_all(ctx, rid, [prompt], params, raw)
-        return JSONResponse(_chat_body(ctx, rid, req, prompt, outs[0], parsers))
+        return await _json_response(_chat_body, ctx, rid, req, prompt, outs[0], parsers)
 
 
 def _add_tokenizer_routes(app: FastAPI, ctx: _Ctx) -> None:

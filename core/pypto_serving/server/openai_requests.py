@@ -105,10 +105,13 @@ def _check_ready(ctx: _Ctx) -> None:
         )
 
 
-def _check_capacity(ctx: _Ctx, num_prompts: int, n: int) -> None:
+def _check_capacity(
+    ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest, prompts: list[_Prompt], params: list[SamplingParams]
+) -> None:
     """Back-pressure counted in sequences: every prompt's every choice waits as its own sequence. A
     request that alone needs more than the waiting limit can never be admitted, so it is the client's
-    error (400), not a reason to retry (503)."""
+    error (400), not a reason to retry (503); so is one whose response may outgrow max_response_bytes."""
+    num_prompts, n = len(prompts), req.n
     limit = ctx.settings.max_waiting_requests
     new = num_prompts * n
     if new > limit:
@@ -119,6 +122,7 @@ def _check_capacity(ctx: _Ctx, num_prompts: int, n: int) -> None:
             param="n" if n > 1 else "prompt",
             code="too_many_sequences",
         )
+    _check_response_size(ctx, req, prompts, params)
     if ctx.llm.num_waiting() + new > limit:
         raise APIError(
             503,
@@ -127,6 +131,62 @@ def _check_capacity(ctx: _Ctx, num_prompts: int, n: int) -> None:
             code="overloaded",
             headers={"retry-after": "1"},
         )
+
+
+# What a response body spends (bytes, as encoded), measured on bodies of a real 151k-token BPE
+# (tests/core/server/test_response_size.py checks the estimate against built bodies).
+_CHOICE_BYTES = 400  # a choice's fixed fields
+_TEXT_BYTES = 6  # one generated or echoed token's text
+_LOGPROB_BYTES = {False: (48, 32), True: (96, 72)}  # chat?: (per token, per top entry) of ``logprobs``
+_PROMPT_LOGPROB_BYTES = 80  # one entry of vLLM's ``prompt_logprobs``: id, logprob, rank, decoded token
+
+
+def _response_parts(
+    ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest, prompts: list[_Prompt], params: list[SamplingParams]
+) -> dict[str, int]:
+    """The response's estimated size in bytes, by the field that asks for it, before anything runs:
+    every choice is assumed to use its whole ``max_tokens`` (without one, the rest of the context).
+    Completions show the echoed prompt's text and logprobs, and repeat prompt logprobs per choice."""
+    chat = isinstance(req, ChatCompletionRequest)
+    echo = isinstance(req, CompletionRequest) and req.echo
+    token_bytes, top_bytes = _LOGPROB_BYTES[chat]
+    parts = {"max_tokens": 0, "logprobs": 0, "prompt_logprobs": 0}
+    for prompt, sp in zip(prompts, params):
+        out = sp.max_tokens if sp.max_tokens is not None else ctx.llm.max_model_len - len(prompt.ids)
+        shown = out + (len(prompt.ids) if echo else 0)
+        parts["max_tokens"] += sp.n * (_CHOICE_BYTES + shown * _TEXT_BYTES)
+        if sp.logprobs is not None:
+            tops = sp.logprobs + (0 if chat else 1)  # completions' tops also hold the chosen token
+            parts["logprobs"] += sp.n * shown * (token_bytes + tops * top_bytes)
+        if req.prompt_logprobs is not None:
+            copies = 1 if chat else sp.n
+            parts["prompt_logprobs"] += copies * len(prompt.ids) * (req.prompt_logprobs + 1) * _PROMPT_LOGPROB_BYTES
+    return parts
+
+
+def _check_response_size(
+    ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest, prompts: list[_Prompt], params: list[SamplingParams]
+) -> None:
+    """A request may not ask for a response over ``max_response_bytes``: a few KB asking for n=128
+    choices with 20 logprobs per prompt token answer hundreds of MB, which the server would build,
+    hold and send whole. Refused before it is queued, naming the field that asks for the most."""
+    parts = _response_parts(ctx, req, prompts, params)
+    total, limit = sum(parts.values()), ctx.settings.max_response_bytes
+    if total <= limit:
+        return
+    param = max(parts, key=lambda k: parts[k])
+    if isinstance(req, ChatCompletionRequest):
+        names = {"logprobs": "top_logprobs"}
+        if req.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        param = names.get(param, param)
+    raise APIError(
+        400,
+        f"this request may answer about {total / 2**20:.1f} MiB ({len(prompts)} prompt(s), n={req.n}, mostly "
+        f"{param}) but a response may be at most max_response_bytes={limit}; lower {param} or n",
+        param=param,
+        code="response_too_large",
+    )
 
 
 def _completion_prompts(ctx: _Ctx, prompt: str | list[str] | list[int] | list[list[int]]) -> list[_Prompt]:
