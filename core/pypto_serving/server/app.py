@@ -108,7 +108,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
         detail = str(exc.detail)
-        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "error parsing the body"
+        if exc.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's own
             code, detail = "invalid_json", "could not parse the JSON body of the request"
         return JSONResponse(
             error_body(detail, "invalid_request_error", None, code),
