@@ -137,6 +137,7 @@ def test_reused_connection_answers_without_delayed_ack(server: Proc) -> None:
                 assert client.get(path).status_code == 200
                 times.append(time.perf_counter() - start)
             assert statistics.median(times[1:]) < 0.02, (path, times)
+            print(f"keep-alive {path}: median {statistics.median(times[1:]) * 1e3:.1f} ms after the first")
         body = {"prompt": "hi", "max_tokens": 1}
         times = []
         for _ in range(6):
