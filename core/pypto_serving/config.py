@@ -437,6 +437,9 @@ def _config_path(init: PydanticBaseSettingsSource, env: PydanticBaseSettingsSour
     return None
 
 
+_SECRET_SETTINGS = frozenset({"api_key"})
+
+
 def _explain(error: ValidationError, layers: list[tuple[str, dict[str, Any]]]) -> str:
     lines = []
     for err in error.errors():
@@ -446,14 +449,15 @@ def _explain(error: ValidationError, layers: list[tuple[str, dict[str, Any]]]) -
         if source == "environment":
             names = [p for p in loc if not p.isdigit()]
             source = f"environment variable {ENV_PREFIX}{'__'.join(names).upper()}"
-        shown = err.get("input")
+        # Secrets are never echoed: an error in one key would otherwise print the valid ones beside it.
+        shown = "<redacted>" if field in _SECRET_SETTINGS else repr(err.get("input"))
         allowed = err["msg"]
         info = ServingSettings.model_fields.get(field)
         hint = f" ({info.description})" if info is not None and info.description else ""
         if err["type"] == "extra_forbidden":
             allowed = "unknown setting; run 'pypto-serving config show' for the list"
             hint = ""
-        lines.append(f"invalid setting {'.'.join(loc)}={shown!r} from {source}: {allowed}{hint}")
+        lines.append(f"invalid setting {'.'.join(loc)}={shown} from {source}: {allowed}{hint}")
     return "\n".join(lines)
 
 

@@ -27,8 +27,10 @@ while the grammar allows something else (:class:`RequestGrammar`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -71,6 +73,7 @@ __all__ = [
 _JSON_DEFAULTS: llguidance._lib.JsonCompileOptions = {"whitespace_flexible": False}
 _MAX_CHOICES = 1024
 _CACHE_SIZE = 256  # grammars (by text) whose verdict or compiled template is kept
+_COMPILE_NICE = 10  # compile threads' nice: idle CPU only, where steps and the event loop compete
 
 
 def grammar_text(spec: StructuredSpec) -> str:
@@ -185,6 +188,14 @@ class _Verdict:
     over_budget: bool = False
 
 
+def _yield_cpu() -> None:
+    """Lowers the calling thread's scheduling priority (Linux sets ``nice`` per thread), so a long
+    compile takes only the CPU that the event loop, the step loop and the forward leave idle: on a
+    machine with as few cores as compile threads it would otherwise slow every other request's steps."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not permitted: full priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _COMPILE_NICE)
+
+
 class GrammarChecker:
     """The server's check of request grammars, before they are queued: it builds what the worker
     builds (the matcher over the model's tokenizer, its first mask) and walks a few tokens, where
@@ -211,7 +222,7 @@ class GrammarChecker:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[StructuredSpec, Future[_Verdict]] = OrderedDict()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-check")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-check", initializer=_yield_cpu)
 
     def check(self, spec: StructuredSpec) -> None:
         """Blocks until ``spec`` is checked, at most the budget's seconds (call it off the event loop);
@@ -327,7 +338,9 @@ class GrammarCompiler:
                 self._templates.move_to_end(key)
                 return future
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+                self._pool = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="grammar-compile", initializer=_yield_cpu
+                )
             future = self._templates[key] = self._pool.submit(self._compile, spec, eos_token_ids)
             while len(self._templates) > _CACHE_SIZE:
                 self._templates.popitem(last=False)

@@ -200,3 +200,11 @@ def test_config_help_lists_every_setting_with_its_description(capsys: pytest.Cap
     out = " ".join(capsys.readouterr().out.split())
     for name, field in ServingSettings.model_fields.items():
         assert f"{name} {' '.join((field.description or '').split())}" in out, name
+
+
+def test_a_bad_api_key_is_refused_without_echoing_the_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One blank key among valid ones stops start-up; the error names the entry, never the keys."""
+    monkeypatch.setenv("PYPTO_SERVING_API_KEY", '["sk-valid-secret", " "]')
+    with pytest.raises(SettingsError) as e:
+        ServingSettings.load()
+    assert "api_key entry 1" in str(e.value) and "sk-valid-secret" not in str(e.value)
