@@ -475,8 +475,16 @@ def _sampling_params(
         raise _sampling_error(str(e), isinstance(req, ChatCompletionRequest), max_tokens_param) from None
     if params.stop and ctx.llm.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer.json in the model directory", param="stop")
+    _check_context(ctx, prompts, max_tokens, max_tokens_param)
+    return [params, *(copy.copy(params) for _ in prompts[1:])]
+
+
+def _check_context(ctx: _Ctx, prompts: list[_Prompt], max_tokens: int | None, max_tokens_param: str) -> None:
+    """400 ``context_length_exceeded`` when a prompt plus ``max_tokens`` does not fit the context."""
+    if max_tokens is None:
+        return
     for prompt in prompts:
-        if max_tokens is not None and len(prompt.ids) + max_tokens > ctx.llm.max_model_len:
+        if len(prompt.ids) + max_tokens > ctx.llm.max_model_len:
             raise APIError(
                 400,
                 f"{max_tokens_param}={max_tokens} plus the prompt's {len(prompt.ids)} tokens exceeds the context "
@@ -484,7 +492,6 @@ def _sampling_params(
                 param=max_tokens_param,
                 code="context_length_exceeded",
             )
-    return [params, *(copy.copy(params) for _ in prompts[1:])]
 
 
 def _token_fields(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
@@ -582,6 +589,8 @@ def _structured_spec(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) 
         asked.append(("response_format", StructuredSpec("json", json.dumps(fmt.json_schema.json_schema))))
     if req.guided_json is not None:
         source = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
+        if isinstance(req.guided_json, str):
+            _check_schema_text_depth(ctx, source)
         asked.append(("guided_json", StructuredSpec("json", source)))
     if req.guided_regex is not None:
         asked.append(("guided_regex", StructuredSpec("regex", req.guided_regex)))
@@ -600,6 +609,17 @@ def _structured_spec(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) 
     if ctx.llm.tokenizer is None:
         raise APIError(400, f"{param} needs a tokenizer.json in the model directory", param=param)
     return param, spec
+
+
+def _check_schema_text_depth(ctx: _Ctx, text: str) -> None:
+    """A schema sent as JSON text is client JSON too: nested past ``max_json_depth`` it is a 400 (the
+    body's own depth check saw only a string). Text that is not JSON is left to the grammar check."""
+    try:
+        loads_bounded(text, ctx.settings.max_json_depth)
+    except JSONDepthError as e:
+        raise APIError(400, f"guided_json is {e}", param="guided_json", code="invalid_value") from None
+    except ValueError:
+        return
 
 
 def _sampling_error(message: str, chat: bool, max_tokens_param: str) -> APIError:
