@@ -10,7 +10,7 @@ import random
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -353,12 +353,15 @@ class EngineCore:
             )
         _check_encodable(ids, params)
         children = []
+        # The prompt's logprobs are the same for every choice: the first child computes them (the
+        # output reads them from it), the others do not repeat the work n - 1 times.
+        unscored = params if params.prompt_logprobs is None else replace(params, prompt_logprobs=None)
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             if i and params.seed is not None:
                 seed = (seed * 0x9E3779B1 + i) % 2**63
-            req = Request(child_id, ids, params, self.eos_token_ids, sample_seed=seed)
+            req = Request(child_id, ids, params if i == 0 else unscored, self.eos_token_ids, sample_seed=seed)
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
             children.append(req)

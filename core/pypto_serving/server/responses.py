@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ParamSpec
 
 import msgspec
@@ -23,16 +23,46 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 _P = ParamSpec("_P")
 
 
+_ENCODE = msgspec.json.Encoder().encode
+_PIECE = 256  # list items encoded per msgspec call: a few hundred KB at most, about a millisecond
+
+
 async def _json_response(build: Callable[_P, dict[str, Any]], *args: _P.args, **kwargs: _P.kwargs) -> Response:
     """The JSON response of ``build(*args, **kwargs)``, built and encoded in a worker thread: a body
     of many logprobs takes seconds to build (a token decode per entry), which on the event loop
-    would stall /health and every stream. msgspec encodes it several times faster than ``json``
-    (a C call that holds the GIL all along); a non-finite float becomes null rather than a 500."""
+    would stall /health and every stream. msgspec encodes several times faster than ``json``, and a
+    non-finite float becomes null rather than a 500; it holds the GIL for a whole call, so the body is
+    encoded in pieces (:func:`encode_pieces`) and the event loop runs between them."""
 
     def make() -> Response:
-        return Response(msgspec.json.encode(build(*args, **kwargs)), media_type="application/json")
+        return Response(b"".join(encode_pieces(build(*args, **kwargs))), media_type="application/json")
 
     return await asyncio.to_thread(make)
+
+
+def encode_pieces(value: Any, depth: int = 0) -> Iterator[bytes]:
+    """``value`` as JSON, in pieces that each take one short msgspec call: objects near the top are
+    opened key by key, lists of objects near the top item by item (a body's choices), and other long
+    lists ``_PIECE`` items at a time (logprob entries)."""
+    if depth < 5 and isinstance(value, dict):
+        yield b"{"
+        for i, (key, item) in enumerate(value.items()):
+            yield (b"," if i else b"") + _ENCODE(key) + b":"
+            yield from encode_pieces(item, depth + 1)
+        yield b"}"
+    elif depth < 5 and isinstance(value, list) and len(value) > 1:
+        yield b"["
+        first = next((x for x in value if x is not None), None)
+        if depth < 3 and isinstance(first, dict | list):
+            for i, item in enumerate(value):
+                yield b"," if i else b""
+                yield from encode_pieces(item, depth + 1)
+        else:
+            for start in range(0, len(value), _PIECE):
+                yield (b"," if start else b"") + _ENCODE(value[start : start + _PIECE])[1:-1]
+        yield b"]"
+    else:
+        yield _ENCODE(value)
 
 
 async def _collect(ctx: _Ctx, rid: str, prompt: _Prompt, params: SamplingParams) -> RequestOutput:
