@@ -181,6 +181,27 @@ def poison_requests() -> list[tuple[str, str, dict[str, Any], str]]:
     ]
 
 
+def attack_requests() -> list[tuple[str, str, dict[str, Any], str | None]]:
+    """(case id, path, body, the ``param`` the 400 must name): the issue-25 attacks that once answered
+    500 or froze the server. The response-size case needs ``max_response_bytes`` under 2 MB."""
+    chat = "/v1/chat/completions"
+    cmpl = "/v1/completions"
+    user = {"role": "user", "content": "hi"}
+    deep_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
+    deep_history = [user, {"role": "assistant", "content": None, "tool_calls": [deep_call]}]
+    deep_bias: Any = 1
+    for _ in range(200):
+        deep_bias = [deep_bias]
+    return [
+        ("regex-explosion", cmpl, {"prompt": "hi", "guided_regex": "(?:a{1000}){1000}"}, "guided_regex"),
+        ("regex-no-extension", chat, {"messages": [user], "guided_regex": "[^\\x00-\\x{10FFFF}]"}, "guided_regex"),
+        ("schema-ref-loop", cmpl, {"prompt": "hi", "n": 8, "guided_json": {"$ref": "#"}}, "guided_json"),
+        ("deep-tool-arguments", chat, {"messages": deep_history, "stream": True}, "messages"),
+        ("deep-body", cmpl, {"prompt": "hi", "logit_bias": {"5": deep_bias}}, None),
+        ("response-too-large", cmpl, {"prompt": "hi", "n": 16, "logprobs": 20, "max_tokens": 200}, "logprobs"),
+    ]
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something truthy (and return that);
     after ``timeout`` an AssertionError naming ``what``."""

@@ -2,7 +2,9 @@
 
 A seeded plan of a few hundred requests runs from an asyncio httpx client at bounded concurrency:
 streamed and non-streamed completions and chats, clients that time out or leave mid-stream, poison
-values, and exactly one worker SIGKILL half-way while streams are decoding. The server must fail
+values, the attacks of issue 25 (grammars that exploded or failed in the worker, JSON nested far
+past ``max_json_depth``, a few bytes asking for a response over ``max_response_bytes``), and exactly
+one worker SIGKILL half-way while streams are decoding. The server must fail
 only the requests in flight at the kill (503 ``restarting`` while the worker comes back is allowed,
 counted and retried), recover by itself, answer the greedy requests as before, and end with no
 request, KV block, worker process or file descriptor left over.
@@ -32,6 +34,7 @@ pytest.importorskip("pypto_serving_sync_sched")
 pytest.importorskip("pypto_serving_qwen")
 
 from tests.core.server.server_helpers import (
+    attack_requests,
     descendant_pids,
     is_running,
     json_bytes,
@@ -47,13 +50,14 @@ from tests.core.server.test_server_process import COMMON, Proc, qwen_dir  # noqa
 SEED = int(os.environ.get("PYPTO_CHAOS_SEED", "20261130"))
 NUM_REQUESTS = 300
 CONCURRENCY = 12
-PROCESS = [*COMMON, "--worker-mode", "process", "--num-kv-blocks", "2048"]
+PROCESS = [*COMMON, "--worker-mode", "process", "--num-kv-blocks", "2048", "--max-response-bytes", "1000000"]
 KINDS = {  # kind: weight in the plan
     "completion": 22,
     "completion_stream": 18,
     "chat": 15,
     "chat_stream": 12,
-    "poison": 13,
+    "poison": 10,
+    "attack": 6,
     "timeout": 10,
     "disconnect": 10,
 }
@@ -61,6 +65,7 @@ WORDS = "the quick brown fox jumps over lazy dog hello world count one two three
 GREEDY_COMPLETION = {"prompt": "once upon a time", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 GREEDY_CHAT = {"messages": [{"role": "user", "content": "count: one two"}], "max_tokens": 16, "temperature": 0}
 POISON = poison_requests()
+ATTACKS = attack_requests()
 
 
 @dataclass(slots=True)
@@ -72,7 +77,7 @@ class Spec:
     body: dict[str, Any]
     timeout: float = 60.0  # client timeout of a ``timeout`` request
     leave_after: int = 0  # SSE events a ``disconnect`` request reads before closing
-    param: str = ""  # the field a ``poison`` request's 400 names
+    param: str | None = ""  # the field a ``poison`` or ``attack`` request's 400 names
 
 
 @dataclass
@@ -101,8 +106,8 @@ def plan(rng: random.Random) -> list[Spec]:
         kind = rng.choices(kinds, weights)[0]
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
         sampling: dict[str, Any] = {"temperature": rng.choice([0, 0, 0.8]), "seed": rng.randint(0, 2**31)}
-        if kind == "poison":
-            _, path, body, param = rng.choice(POISON)
+        if kind in ("poison", "attack"):
+            _, path, body, param = rng.choice(POISON if kind == "poison" else ATTACKS)
             specs.append(Spec(kind, path, body, param=param))
         elif kind.startswith("chat"):
             body = {"messages": [{"role": "user", "content": text}], "max_tokens": rng.randint(4, 48), **sampling}
@@ -151,7 +156,7 @@ class Chaos:
     async def _attempt(self, client: httpx.AsyncClient, i: int) -> bool:
         """One try of request ``i``; False when it got 503 ``restarting`` (to be retried)."""
         spec = self.specs[i]
-        if spec.kind == "poison":
+        if spec.kind in ("poison", "attack"):
             headers = {"content-type": "application/json"}
             r = await client.post(spec.path, content=json_bytes(spec.body), headers=headers)
             return self._plain(i, r)
@@ -199,11 +204,11 @@ class Chaos:
         if r.status_code == 503 and code == "restarting":
             run.restarting_503 += 1
             return False
-        if spec.kind == "poison":
+        if spec.kind in ("poison", "attack"):
             if r.status_code == 400 and json.loads(text)["error"]["param"] == spec.param:
-                run.outcomes["400"] += 1
+                run.outcomes[f"400_{spec.kind}"] += 1
             else:
-                self._unexpected(i, f"poison expected 400 param={spec.param}, got {r.status_code} {text[:300]}")
+                self._unexpected(i, f"{spec.kind} expected 400 param={spec.param}, got {r.status_code} {text[:300]}")
         elif r.status_code == 200:
             choices = r.json()["choices"]
             if all(c.get("finish_reason") in ("stop", "length") for c in choices):
@@ -274,9 +279,9 @@ class Chaos:
 # --------------------------------------------------------------------------- the test
 
 
-def _greedy(url: str) -> tuple[str, str]:
-    a = httpx.post(url + "/v1/completions", json=GREEDY_COMPLETION, timeout=60)
-    b = httpx.post(url + "/v1/chat/completions", json=GREEDY_CHAT, timeout=60)
+def _greedy(url: str, **sampling: Any) -> tuple[str, str]:
+    a = httpx.post(url + "/v1/completions", json={**GREEDY_COMPLETION, **sampling}, timeout=60)
+    b = httpx.post(url + "/v1/chat/completions", json={**GREEDY_CHAT, **sampling}, timeout=60)
     assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
     return a.json()["choices"][0]["text"], b.json()["choices"][0]["message"]["content"]
 
@@ -324,6 +329,9 @@ def test_chaos_one_worker_kill_in_a_few_hundred_requests(server: Proc) -> None:
     assert server.p.poll() is None, server.log.read_text()
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert _greedy(server.url) == greedy_before
+    # A temperature that float32 turns into 0 or a denormal is greedy, whatever the seed.
+    assert _greedy(server.url, temperature=1e-39, seed=5) == _greedy(server.url, temperature=5e-324, seed=6)
+    assert _greedy(server.url, temperature=1e-39, seed=7) == greedy_before
     last: list[tuple[float, float, float]] = []
     wait_for(lambda: last.append(_gauges(server.url)) or last[-1] == (0, 0, 0), 15, f"idle gauges, saw {last[-1:]}")
     # No worker or descriptor leak: one worker (plus the resource tracker), fds back to where they were.
