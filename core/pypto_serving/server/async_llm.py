@@ -54,13 +54,18 @@ from .engine_proc import (
     rebuild_error,
 )
 
-__all__ = ["AsyncLLM", "CoreView", "EngineFailure", "EngineRestarting"]
+__all__ = ["AsyncLLM", "CoreView", "EngineFailure", "EngineRestarting", "ServerDraining"]
 
 logger = logging.getLogger(__name__)
 
 
 class EngineFailure(RuntimeError):
     """Put on a request's queue when the server ends it (shutdown); the handler turns it into an error."""
+
+
+class ServerDraining(EngineDeadError):
+    """A request refused because the server is shutting down (SIGTERM): it never ran, and another
+    server can take it (503 ``shutting_down`` with ``Retry-After``), unlike a dead engine."""
 
 
 class EngineRestarting(EngineDeadError):
@@ -278,7 +283,7 @@ class AsyncLLM:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self.draining:
-            raise EngineDeadError("the server is shutting down")
+            raise ServerDraining("the server is shutting down")
         if self.process_mode:
             return await self._add_to_core(request_id, prompt, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
@@ -426,7 +431,7 @@ class AsyncLLM:
             return  # the client left before the engine saw the request
         try:
             if stopping:
-                raise EngineDeadError("the server is shutting down")
+                raise ServerDraining("the server is shutting down")
             # A worker killed since the last poll refuses the request (503 restarting) rather than
             # taking it into a step that fails on a broken pipe (500).
             self._dispatch(engine.check_worker())

@@ -20,7 +20,7 @@ from ..parsers import OutputParser
 from ..parsers.grammar import ToolChoiceError, auto_calls_grammar
 from ..request import SamplingParams
 from ..structured import GrammarBudget, GrammarBudgetError, GrammarChecker, GrammarCompiler, StructuredSpec
-from .async_llm import EngineFailure, EngineRestarting
+from .async_llm import EngineFailure, EngineRestarting, ServerDraining
 from .data_parallel import ServingLLM
 from .protocol import (
     APIError,
@@ -660,6 +660,8 @@ def _request_ids(rid: str, n: int) -> list[str]:
 def _engine_error(e: BaseException) -> APIError:
     if isinstance(e, EngineRestarting):  # refused before it ran: retrying is safe
         return APIError(503, str(e), type="server_error", code="restarting", headers={"retry-after": "5"})
+    if isinstance(e, ServerDraining):  # SIGTERM arrived while the request was being prepared
+        return APIError(503, str(e), type="server_error", code="shutting_down", headers={"retry-after": "5"})
     if isinstance(e, EngineDeadError | EngineFailure):
         return APIError(503, f"the engine is unavailable: {e}", type="server_error", code="engine_dead")
     return APIError(400, str(e), param=_guess_param(str(e)))

@@ -40,3 +40,22 @@ def test_failed_chat_stream_reports_its_error(make_client: Any, fake_model_dir: 
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "stream": True})
     events, done = parse_sse(r.text)
     assert done and _CAUSE in events[-1]["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_prepared_while_the_drain_begins_is_told_shutting_down(
+    make_client: Any, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """SIGTERM arriving while a request is tokenized: it never ran and another server can take it,
+    so it is a 503 ``shutting_down`` with Retry-After (it was a 503 ``engine_dead``, "down for good")."""
+    client, llm = make_client()
+    encode = llm.tokenizer.encode
+
+    def encode_as_sigterm_arrives(text: str, add_special_tokens: bool = False) -> list[int]:
+        llm.drain()
+        return list(encode(text, add_special_tokens))
+
+    monkeypatch.setattr(llm.tokenizer, "encode", encode_as_sigterm_arrives)
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "stream": stream})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "shutting_down" and r.headers["retry-after"] == "5"
