@@ -411,7 +411,7 @@ class EngineCore:
             self._touch(self.scheduler.failed_while_scheduling)
             self.scheduler.failed_while_scheduling = []
         if out.is_empty:
-            self.scheduler.finished_ids[:0] = out.command.finished_ids  # tell the worker next time
+            self.scheduler.take_back(out.command)  # tell the worker next time
             return None
         return out
 
@@ -423,6 +423,7 @@ class EngineCore:
 
     def apply(self, out: SchedulerOutput, result: StepResult) -> None:
         """Apply a step result; a failed step fails the requests it carried."""
+        self.scheduler.grammars_compiled(result.grammars_ready)
         if result.error is not None:
             failed = self.scheduler.fail([i.request.request_id for i in out.items], f"step failed: {result.error}")
             logger.error("step %d failed: %s", result.step_id, result.error)

@@ -15,6 +15,7 @@ from .executor import ExecutorInfo
 from .request import SamplingParams, StructuredSpec
 
 __all__ = [
+    "GrammarCompile",
     "NewRequestData",
     "ScheduledEntry",
     "StepCommand",
@@ -110,11 +111,25 @@ class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     sample: bool
 
 
+class GrammarCompile(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A structured request's grammar, sent with the first command after the request is added, so
+    the worker compiles it while the request waits (the scheduler admits it once the worker reports
+    it compiled: see ``StepResult.grammars_ready``). ``eos`` is the request's ``grammar_eos``: the
+    compile is the one its admission uses."""
+
+    request_id: str
+    spec: StructuredSpec
+    eos: tuple[int, ...]
+
+
 class StepCommand(msgspec.Struct, frozen=True, tag=True):
     """One step: requests entering the worker, what to compute, and requests to forget first.
 
     ``draft_depth`` caps the drafts the worker proposes per request after this step (the
     speculative policy's drafting depth); ``None`` leaves the drafter's configured depth.
+    ``compile_grammars`` are the grammars of requests added since the previous command, to compile
+    before they are scheduled; ``forget_grammars`` the structured requests that finished since (the
+    worker drops their compile, and cancels it while no other request waits on it).
     """
 
     step_id: int
@@ -122,6 +137,8 @@ class StepCommand(msgspec.Struct, frozen=True, tag=True):
     entries: list[ScheduledEntry]
     finished_ids: list[str]
     draft_depth: int | None = None
+    compile_grammars: list[GrammarCompile] = []
+    forget_grammars: list[str] = []
 
 
 class StepResult(msgspec.Struct):
@@ -139,6 +156,9 @@ class StepResult(msgspec.Struct):
     num_accepted_per_pos: list[int] = []
     execute_seconds: float = 0.0
     draft_seconds: float = 0.0  # the part of execute_seconds spent proposing next step's drafts
+    # Requests whose grammar (StepCommand.compile_grammars) finished compiling, or failed to, since
+    # the previous result: the scheduler admits them without any step waiting on the compile.
+    grammars_ready: list[str] = []
 
 
 # Worker lifecycle messages, private to the engine <-> worker pipe (see worker.py).

@@ -13,6 +13,7 @@ admissions and blocks (:meth:`ModelRunner.stage`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
@@ -133,6 +134,7 @@ class ModelRunner:
         self._grammars = GrammarCompiler(getattr(settings, "tokenizer", None) or getattr(settings, "model", None))
         self._mask_thread: ThreadPoolExecutor | None = None  # made by the first constrained step
         self._staged: _Staged | None = None  # the next step's admissions and blocks, taken early
+        self._compiles_of: StepCommand | None = None  # the last command whose grammars were taken
 
     def load(self) -> ExecutorInfo:
         self.info = self.executor.load()
@@ -180,6 +182,7 @@ class ModelRunner:
         assert staged is None or staged.cmd is cmd, "a staged step runs next, before any other"
         state: StepResult | _Work
         try:
+            self._take_grammars(cmd)
             self._enter(cmd, staged)
             state = self._forward(cmd) if cmd.entries else StepResult(step_id=cmd.step_id)
         except Exception as e:
@@ -189,7 +192,13 @@ class ModelRunner:
 
     def finish(self, run: LaunchedStep) -> StepResult:
         """A step's second part: its one host read of the sampled tokens, then verification, the
-        requests' states, next step's drafts and the result."""
+        requests' states, next step's drafts and the result, with the requests whose grammar
+        finished compiling meanwhile (failed steps too: readiness is not the step's)."""
+        result = self._finish(run)
+        result.grammars_ready = self._grammars.compiled()
+        return result
+
+    def _finish(self, run: LaunchedStep) -> StepResult:
         if isinstance(run.state, StepResult):
             return run.state
         t0 = time.perf_counter()
@@ -217,6 +226,8 @@ class ModelRunner:
         flight may still hold their rows. Returns False, having done nothing, where staging could
         move a row of the step in flight or differ from the plain order; ``cmd`` then runs in the
         plain order. Its time counts in ``cmd``'s ``execute_seconds``."""
+        with contextlib.suppress(Exception):  # raised again where launch takes them
+            self._take_grammars(cmd)
         if self._staged is not None or not self._can_stage(cmd):
             return False
         t0 = time.perf_counter()
@@ -229,6 +240,17 @@ class ModelRunner:
             error = e
         self._staged = _Staged(cmd=cmd, seconds=time.perf_counter() - t0, error=error)
         return True
+
+    def _take_grammars(self, cmd: StepCommand) -> None:
+        """Forget the grammars of requests that finished and start compiling those of requests just
+        added, once per command (as soon as the worker holds it: at :meth:`stage` if it comes early)."""
+        if self._compiles_of is cmd:
+            return
+        for rid in cmd.forget_grammars:
+            self._grammars.forget(rid)
+        for g in cmd.compile_grammars:
+            self._grammars.prepare(g.request_id, g.spec, g.eos)
+        self._compiles_of = cmd
 
     def _can_stage(self, cmd: StepCommand) -> bool:
         """Whether staging ``cmd`` is safe: no new request is live here (a preempted or aborted id
@@ -333,7 +355,9 @@ class ModelRunner:
         spec = nr.sampling.structured
         if spec is not None:
             try:  # a request resuming after preemption replays its outputs through its grammar
-                st.grammar = self._grammars.matcher(spec, nr.sampling.grammar_eos, nr.sampling.min_tokens)
+                st.grammar = self._grammars.matcher(
+                    spec, nr.sampling.grammar_eos, nr.sampling.min_tokens, nr.request_id
+                )
                 # The grammar compiles on the compiler's thread; only a replay waits for it here.
                 if outs and not st.grammar.advance(outs):
                     st.grammar_error = f"structured output: {st.grammar.error}"

@@ -20,7 +20,7 @@ import msgspec
 
 from .executor import ExecutorInfo
 from .kv_cache import KVCacheManager
-from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, wire_sampling
+from .messages import GrammarCompile, NewRequestData, ScheduledEntry, StepCommand, StepResult, wire_sampling
 from .request import Request, RequestStatus
 from .speculative import SpecPolicy, StepObservation
 
@@ -59,6 +59,9 @@ class _Tracked:
     stop_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
     grammar_eos: frozenset[int] = frozenset()  # stop even before min_tokens: a grammar's end (see _stop_status)
+    # False while the worker compiles the request's grammar: admission passes it over (see
+    # _schedule_waiting). Preemption keeps it: the worker keeps the compile for the request's life.
+    grammar_ready: bool = True
     # With one cache group: a decode at a position below this is plain (its block is held and the
     # worker has it, and the request is below its length limit); zero while the worker holds nothing.
     plain_end: int = 0
@@ -146,6 +149,13 @@ class Scheduler:
     token budget and ``max_num_seqs`` allow. When the KV cache runs out for a running request, the
     latest-arrived running request is preempted (its blocks freed, recomputed later) until it fits;
     a step that preempted admits nobody new.
+
+    A structured request's grammar goes to the worker with the first command after the request is
+    added, and the request is not ready until a result says the worker compiled it: admission
+    passes over a request that is not ready (the requests behind it are admitted in its place, it
+    keeps its place in the queue), so no step waits on a compile. When nothing runs and nothing
+    else can be admitted it is admitted anyway: its step waits on the compile, but no other request
+    does, and no empty step is needed to poll for the compile.
     """
 
     def __init__(
@@ -171,6 +181,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished_ids: list[str] = []  # to tell the worker on the next step
         self.failed_while_scheduling: list[Request] = []  # for the engine to report
+        self._compiles: list[GrammarCompile] = []  # grammars of requests added since the last command
+        self._forget: list[str] = []  # structured requests finished since the last command
         self._tracked: dict[str, _Tracked] = {}
         self._fast = decode_fast_path
         self._step_ids = itertools.count()
@@ -199,6 +211,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._tracked[request.request_id] = self._new_tracked(request)
         self.waiting.append(request)
+        spec = request.sampling_params.structured
+        if spec is not None:
+            self._compiles.append(
+                GrammarCompile(request_id=request.request_id, spec=spec, eos=tuple(request.eos_token_ids))
+            )
 
     def _new_tracked(self, request: Request) -> _Tracked:
         """A fresh record, with the limits the plain-decode paths read derived once."""
@@ -211,7 +228,16 @@ class Scheduler:
             stop_ids=frozenset(stop),
             min_tokens=sp.min_tokens,
             grammar_eos=grammar_eos,
+            grammar_ready=sp.structured is None,
         )
+
+    def grammars_compiled(self, request_ids: Iterable[str]) -> None:
+        """The worker compiled these requests' grammars (``StepResult.grammars_ready``): they are
+        admitted like any other. Ids of requests finished meanwhile are ignored."""
+        for rid in request_ids:
+            st = self._tracked.get(rid)
+            if st is not None:
+                st.grammar_ready = True
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         out = []
@@ -263,10 +289,24 @@ class Scheduler:
         if not step.preempted:
             self._schedule_waiting(step)
         depth = self._draft_depth() if self._draft_depth is not None else None
-        cmd = StepCommand(next(self._step_ids), step.new_requests, step.entries, self.finished_ids, depth)
-        self.finished_ids = []
+        cmd = StepCommand(
+            next(self._step_ids),
+            step.new_requests,
+            step.entries,
+            self.finished_ids,
+            depth,
+            compile_grammars=self._compiles,
+            forget_grammars=self._forget,
+        )
+        self.finished_ids, self._compiles, self._forget = [], [], []
         self.stats.num_steps += 1
         return SchedulerOutput(cmd, step.items, self.config.max_num_batched_tokens - step.budget)
+
+    def take_back(self, cmd: StepCommand) -> None:
+        """``cmd`` is not sent (its step is empty): what it tells the worker goes with the next one."""
+        self.finished_ids[:0] = cmd.finished_ids
+        self._compiles[:0] = cmd.compile_grammars
+        self._forget[:0] = cmd.forget_grammars
 
     def _schedule_running(self, step: _StepBuilder) -> None:
         """Each running request's next step, oldest admission first: a plain decode (one token, no
@@ -360,27 +400,45 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
-        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if step.uniform and step.kind == "decode":
-                return
-            st = self._tracked[req.request_id]
-            if req.num_computed_tokens == 0 and not req.block_ids:
-                # Prompt logprobs need every prompt position computed: such a request skips the prefix cache.
-                hit = 0 if req.sampling_params.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
-                req.num_computed_tokens = req.num_cached_tokens = req.metrics.num_cached_tokens = hit
-                st.confirmed = hit
-            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget, False)
-            if num_new == 0 or not self.kv.allocate(req, req.num_computed_tokens + num_new):
-                if req.block_ids:  # give back the prefix hit; it is looked up again next time
-                    self.kv.cancel_prefix_hit(req, req.num_cached_tokens)
-                    req.num_computed_tokens = 0
-                return
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            step.admits("prefill")
-            self._take(step, req, num_new, 0)
+        """Admit waiting requests first come first served, passing over those whose grammar is not
+        compiled yet; one of those only when nothing runs and nothing else was admitted."""
+        at = 0
+        while at < len(self.waiting) and self._room(step):
+            if not self._tracked[self.waiting[at].request_id].grammar_ready:
+                at += 1  # the worker compiles its grammar: the requests behind it go first
+                continue
+            if not self._admit(step, at):
+                return  # first come first served: nobody behind a request that does not fit
+        if not self.running and self.waiting and self._room(step):
+            self._admit(step, 0)  # only requests whose grammar compiles wait: the first of them runs
+
+    def _room(self, step: _StepBuilder) -> bool:
+        """Whether the step can take another waiting request."""
+        if step.uniform and step.kind == "decode":
+            return False
+        return step.budget > 0 and len(self.running) < self.config.max_num_seqs
+
+    def _admit(self, step: _StepBuilder, at: int) -> bool:
+        """Admit ``self.waiting[at]`` with its first prefill chunk; False when it does not fit."""
+        req = self.waiting[at]
+        st = self._tracked[req.request_id]
+        if req.num_computed_tokens == 0 and not req.block_ids:
+            # Prompt logprobs need every prompt position computed: such a request skips the prefix cache.
+            hit = 0 if req.sampling_params.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
+            req.num_computed_tokens = req.num_cached_tokens = req.metrics.num_cached_tokens = hit
+            st.confirmed = hit
+        num_new = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget, False)
+        if num_new == 0 or not self.kv.allocate(req, req.num_computed_tokens + num_new):
+            if req.block_ids:  # give back the prefix hit; it is looked up again next time
+                self.kv.cancel_prefix_hit(req, req.num_cached_tokens)
+                req.num_computed_tokens = 0
+            return False
+        del self.waiting[at]
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.admits("prefill")
+        self._take(step, req, num_new, 0)
+        return True
 
     def _take(self, step: _StepBuilder, req: Request, num_new: int, k: int) -> None:
         """Put ``num_new`` tokens (and ``k`` draft slots) of ``req`` into the step and advance the
@@ -618,7 +676,18 @@ class Scheduler:
         st = self._tracked.pop(req.request_id)
         st.plain_memo = None
         self._release_worker_state(req.request_id, st)
+        if req.sampling_params.structured is not None:
+            self._forget_grammar(req.request_id)
         del self.requests[req.request_id]
+
+    def _forget_grammar(self, rid: str) -> None:
+        """A structured request finished: its grammar is not sent if it still waits to be, else the
+        worker is told to drop it (and to cancel the compile if it has not started)."""
+        unsent = [g for g in self._compiles if g.request_id != rid]
+        if len(unsent) < len(self._compiles):
+            self._compiles = unsent
+        else:
+            self._forget.append(rid)
 
 
 def _new_request_data(req: Request) -> NewRequestData:

@@ -2,8 +2,17 @@
 
 A request carries a :class:`StructuredSpec` (a JSON schema, any JSON object, a regular expression,
 a list of choices, or a Lark grammar such as a forced tool call's). The server checks it once when
-the request arrives (:func:`check_spec`: a bad schema or pattern is the client's error). The worker
-keeps one :class:`RequestGrammar` per constrained request: per step it writes the allowed-token
+the request arrives (:func:`check_spec`: a bad schema or pattern is the client's error).
+
+The worker compiles a request's grammar while the request waits, never inside a step: the engine
+sends the grammar with the first command after the request is added, the worker's compile thread
+starts on it at once (:meth:`GrammarCompiler.prepare`), each step's result names the requests whose
+compile finished since the last one, and the scheduler admits a structured request only then, the
+requests behind it going first meanwhile (vLLM's ``WAITING_FOR_FSM``). Only when nothing else could
+run is it admitted before its compile is done; its first mask then waits for the compile, which
+delays no other request.
+
+The worker keeps one :class:`RequestGrammar` per constrained request: per step it writes the allowed-token
 bitmask of each of the request's logits rows into one host array (:func:`fill_step_mask`, on a
 thread while the step's forward runs: the masks depend only on the tokens accepted before it), the
 step uploads it once, and the sampler masks the disallowed tokens to ``-inf`` on the device
@@ -35,7 +44,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +83,7 @@ _JSON_DEFAULTS: llguidance._lib.JsonCompileOptions = {"whitespace_flexible": Fal
 _MAX_CHOICES = 1024
 _CACHE_SIZE = 256  # grammars (by text) whose verdict or compiled template is kept
 _COMPILE_NICE = 10  # compile threads' nice: idle CPU only, where steps and the event loop compete
+_TemplateKey = tuple[StructuredSpec, tuple[int, ...]]  # a grammar and the EOS ids that end it
 
 
 def grammar_text(spec: StructuredSpec) -> str:
@@ -291,20 +301,24 @@ class GrammarCompiler:
 
     A grammar is compiled once per text and EOS set, on the compiler's thread, into a template (a
     bounded cache: a request's ``n`` sequences and prompts, and repeated schemas, share it); each
-    sequence's matcher is a deep copy of it (microseconds). The step loop waits on a compile only where
-    the request's first mask is needed, which fills beside the forward when masks overlap."""
+    sequence's matcher is a deep copy of it (microseconds). The compile starts when the request is
+    added (:meth:`prepare`, before it is scheduled), and :meth:`compiled` tells the scheduler when it
+    is done, so the request is admitted with its template ready: no step waits on it, unless nothing
+    else could run (then its first mask waits for it, beside the forward when masks overlap)."""
 
-    __slots__ = ("_lock", "_path", "_pool", "_templates", "_text", "_tokenizers")
+    __slots__ = ("_lock", "_path", "_pool", "_requests", "_templates", "_text", "_tokenizers", "_unreported")
 
     def __init__(self, tokenizer_dir: str | Path | None) -> None:
         self._path = Path(tokenizer_dir) / "tokenizer.json" if tokenizer_dir is not None else None
         self._text: str | None = None
         self._tokenizers: dict[tuple[int, ...], llguidance.LLTokenizer] = {}
-        self._templates: OrderedDict[tuple[StructuredSpec, tuple[int, ...]], Future[llguidance.LLMatcher]] = (
-            OrderedDict()
-        )
+        self._templates: OrderedDict[_TemplateKey, Future[llguidance.LLMatcher]] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        # Per live request given to prepare(): its template, kept past the cache's bound until the
+        # request is forgotten; and those whose compile is done but not yet reported.
+        self._requests: dict[str, tuple[_TemplateKey, Future[llguidance.LLMatcher]]] = {}
+        self._unreported: dict[str, Future[llguidance.LLMatcher]] = {}
 
     def tokenizer(self, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
         with self._lock:
@@ -318,12 +332,16 @@ class GrammarCompiler:
                 tok = self._tokenizers[eos_token_ids] = llguidance.LLTokenizer(self._text, eos_token=eos)
             return tok
 
-    def matcher(self, spec: StructuredSpec, eos_token_ids: tuple[int, ...], min_tokens: int = 0) -> RequestGrammar:
+    def matcher(
+        self, spec: StructuredSpec, eos_token_ids: tuple[int, ...], min_tokens: int = 0, request_id: str | None = None
+    ) -> RequestGrammar:
         """A fresh grammar state of ``spec`` for a request that ends at ``eos_token_ids`` and holds EOS
         back for its first ``min_tokens`` outputs (see :class:`RequestGrammar`); its matcher comes when
-        the template is compiled."""
+        the template is compiled: the one :meth:`prepare` started for ``request_id``, if any."""
         tok = self.tokenizer(eos_token_ids)
-        grammar = RequestGrammar(self.template(spec, eos_token_ids), bitmask_words(tok.vocab_size), tok.vocab_size)
+        prepared = self._requests.get(request_id) if request_id is not None else None
+        template = prepared[1] if prepared is not None else self.template(spec, eos_token_ids)
+        grammar = RequestGrammar(template, bitmask_words(tok.vocab_size), tok.vocab_size)
         grammar.what = _what(spec)
         grammar.hold_eos(eos_token_ids, min_tokens)
         return grammar
@@ -348,6 +366,37 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredSpec, eos_token_ids: tuple[int, ...]) -> llguidance.LLMatcher:
         return build_matcher(self.tokenizer(eos_token_ids), grammar_text(spec))
+
+    def prepare(self, request_id: str, spec: StructuredSpec, eos_token_ids: tuple[int, ...]) -> None:
+        """Start compiling the grammar of a request that was just added (it waits to be scheduled);
+        :meth:`compiled` names it once the compile is done, and :meth:`matcher` uses that compile."""
+        self.forget(request_id)  # an id used again: the old request's compile is not its own
+        key = (spec, eos_token_ids)
+        future = self.template(spec, eos_token_ids)
+        self._requests[request_id] = (key, future)
+        self._unreported[request_id] = future
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone (finished, aborted): drop its compile, and cancel the compile while it
+        has not started and no other request waits on it, so an aborted grammar costs no CPU."""
+        self._unreported.pop(request_id, None)
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        key, future = entry
+        if any(f is future for _, f in self._requests.values()) or not future.cancel():
+            return
+        with self._lock:
+            if self._templates.get(key) is future:
+                del self._templates[key]
+
+    def compiled(self) -> list[str]:
+        """The requests given to :meth:`prepare` whose compile finished (or failed) since the last
+        call: the scheduler admits them with no step waiting on their grammar."""
+        done = [rid for rid, future in self._unreported.items() if future.done()]
+        for rid in done:
+            del self._unreported[rid]
+        return done
 
 
 def bitmask_words(vocab: int) -> int:
@@ -409,6 +458,8 @@ class RequestGrammar:
                 self._made = self._pending.result().deep_copy()
             except ValueError as e:
                 self._failed = f"{self.what} is invalid: {e}"
+            except CancelledError:  # GrammarCompiler.forget cancels only compiles nobody waits on
+                self._failed = f"{self.what} was not compiled: its compile was cancelled"
             self._pending = None
         return self._made
 
