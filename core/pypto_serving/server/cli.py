@@ -73,6 +73,7 @@ def run_server(settings: Any, plugins: Any = None) -> int:
     from ..worker import WorkerError
     from .app import build_app, served_model_name
     from .data_parallel import make_llm
+    from .openai_requests import warm_grammars
     from .transport import ServingServer, uvicorn_config
 
     logging.basicConfig(level=settings.log_level.upper(), format=_LOG_FORMAT)
@@ -96,6 +97,7 @@ def run_server(settings: Any, plugins: Any = None) -> int:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     settings = llm.settings  # with a named model resolved to its directory
     app = build_app(llm, settings)
+    warm_grammars(app.state.ctx)
     host, port = sock.getsockname()[:2]
     # Printed (not only logged) so wrappers and tests can find the port when port = 0.
     print(f"pypto-serving: serving {served_model_name(settings)} on http://{host}:{port}", flush=True)

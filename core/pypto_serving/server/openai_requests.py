@@ -560,6 +560,13 @@ def _grammar_checker(ctx: _Ctx) -> GrammarChecker:
     return ctx.grammars
 
 
+def warm_grammars(ctx: _Ctx) -> None:
+    """Makes the grammar checker and its tokenizer before the server takes requests (see
+    :meth:`GrammarChecker.warm`); a model without a ``tokenizer.json`` has no grammars to check."""
+    if ctx.llm.tokenizer is not None:
+        _grammar_checker(ctx).warm()
+
+
 def _grammar(
     ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest, forced: StructuredSpec | None
 ) -> tuple[str, StructuredSpec] | None:

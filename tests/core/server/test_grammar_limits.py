@@ -117,3 +117,27 @@ def test_health_answers_while_a_slow_grammar_compiles(client: Any) -> None:
     assert answer[0].status_code == 400, answer[0].text
     assert "too many expressions constructed" in answer[0].json()["error"]["message"]
     assert worst < 1.0, worst
+
+
+def test_serve_builds_the_checkers_tokenizer_before_the_first_grammar(
+    make_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The llguidance tokenizer holds the GIL while it is built (a few hundred ms over Qwen's
+    vocabulary): ``serve`` builds the checker's at start-up, so no request's check builds one."""
+    import llguidance
+
+    from pypto_serving.server.openai_requests import warm_grammars
+
+    client, _ = make_client()
+    warm_grammars(client.app.state.ctx)
+    built: list[str] = []
+    make = llguidance.LLTokenizer
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        built.append(threading.current_thread().name)
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", counting)
+    r = client.post("/v1/completions", json={"prompt": "a", "guided_regex": "(ab)+", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert not [name for name in built if name.startswith("grammar-check")], built
