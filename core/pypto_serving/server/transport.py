@@ -40,6 +40,7 @@ logger = logging.getLogger("pypto_serving.server")
 
 # Seconds uvicorn waits after our own cut for the ended streams to flush before it cancels them.
 _FLUSH_GRACE = 5
+_LINGER_S = 2.0  # after a 408, how long input is drained before the socket closes
 _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -49,12 +50,15 @@ def timed_h11(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
     class TimedH11(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
         _phase = ""
+        _lingering = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm("headers", header_timeout)
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return  # after a 408: input is read only so that closing sends no reset
             super().data_received(data)
             state = self.conn.their_state
             if state is h11.IDLE:
@@ -89,7 +93,16 @@ def timed_h11(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
                 return  # a pipelined request waits behind a response still being produced
             logger.info("closing a connection from %s: request %s not received in time", self.client, phase)
             self.transport.write(_TIMEOUT_RESPONSE)
-            self.transport.close()
+            self._linger()
+
+        def _linger(self) -> None:
+            """Sends the 408 and a FIN, then reads and drops what the client still sends until it
+            closes (or ``_LINGER_S``): closing a socket with unread input sends a reset, which can
+            reach the client before the 408 and discard it."""
+            self._lingering = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(_LINGER_S, self.transport.close)
 
     return TimedH11
 
