@@ -44,67 +44,72 @@ _LINGER_S = 2.0  # after a 408, how long input is drained before the socket clos
 _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
+class _TimedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's headers and body (the class
+    attributes, set by :func:`timed_h11`); past it the connection gets 408 and is closed."""
+
+    header_timeout = 10.0
+    body_timeout = 30.0
+    _deadline: asyncio.TimerHandle | None = None
+    _phase = ""
+    _lingering = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm("headers", self.header_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # after a 408: input is read only so that closing sends no reset
+        super().data_received(data)
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            self._arm("headers", self.header_timeout)  # a new request began (or keeps coming in slowly)
+        elif state is h11.SEND_BODY:
+            self._arm("body", self.body_timeout)
+        else:  # the whole request is in (DONE), or the connection is closing
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self, phase: str, seconds: float) -> None:
+        if self._phase == phase:
+            return  # a deadline counts from the phase's start, not from the latest byte
+        self._disarm()
+        self._phase = phase
+        self._deadline = self.loop.call_later(seconds, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline, self._phase = None, ""
+
+    def _expire(self) -> None:
+        phase = self._phase
+        self._deadline, self._phase = None, ""
+        if self.transport.is_closing():
+            return
+        if phase == "headers" and self.cycle is not None and not self.cycle.response_complete:
+            return  # a pipelined request waits behind a response still being produced
+        logger.info("closing a connection from %s: request %s not received in time", self.client, phase)
+        self.transport.write(_TIMEOUT_RESPONSE)
+        self._linger()
+
+    def _linger(self) -> None:
+        """Sends the 408 and a FIN, then reads and drops what the client still sends until it
+        closes (or ``_LINGER_S``): closing a socket with unread input sends a reset, which can
+        reach the client before the 408 and discard it."""
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_S, self.transport.close)
+
+
 def timed_h11(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a per-request deadline for the headers and for the body."""
-
-    class TimedH11(H11Protocol):
-        _deadline: asyncio.TimerHandle | None = None
-        _phase = ""
-        _lingering = False
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm("headers", header_timeout)
-
-        def data_received(self, data: bytes) -> None:
-            if self._lingering:
-                return  # after a 408: input is read only so that closing sends no reset
-            super().data_received(data)
-            state = self.conn.their_state
-            if state is h11.IDLE:
-                self._arm("headers", header_timeout)  # a new request began (or keeps coming in slowly)
-            elif state is h11.SEND_BODY:
-                self._arm("body", body_timeout)
-            else:  # the whole request is in (DONE), or the connection is closing
-                self._disarm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _arm(self, phase: str, seconds: float) -> None:
-            if self._phase == phase:
-                return  # a deadline counts from the phase's start, not from the latest byte
-            self._disarm()
-            self._phase = phase
-            self._deadline = self.loop.call_later(seconds, self._expire)
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-            self._deadline, self._phase = None, ""
-
-        def _expire(self) -> None:
-            phase = self._phase
-            self._deadline, self._phase = None, ""
-            if self.transport.is_closing():
-                return
-            if phase == "headers" and self.cycle is not None and not self.cycle.response_complete:
-                return  # a pipelined request waits behind a response still being produced
-            logger.info("closing a connection from %s: request %s not received in time", self.client, phase)
-            self.transport.write(_TIMEOUT_RESPONSE)
-            self._linger()
-
-        def _linger(self) -> None:
-            """Sends the 408 and a FIN, then reads and drops what the client still sends until it
-            closes (or ``_LINGER_S``): closing a socket with unread input sends a reset, which can
-            reach the client before the 408 and discard it."""
-            self._lingering = True
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-            self.loop.call_later(_LINGER_S, self.transport.close)
-
-    return TimedH11
+    return type("TimedH11", (_TimedH11,), {"header_timeout": header_timeout, "body_timeout": body_timeout})
 
 
 def uvicorn_config(app: Any, settings: ServingSettings) -> uvicorn.Config:
