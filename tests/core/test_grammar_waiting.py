@@ -14,7 +14,7 @@ import pytest
 
 from pypto_serving.request import StructuredSpec
 from pypto_serving.structured import GrammarCompiler
-from tests.core.server.server_helpers import write_tokenizer
+from tests.core.server.server_helpers import write_fake_model
 
 pytestmark = pytest.mark.requires_plugin("sync_sched")
 
@@ -26,11 +26,7 @@ DELAY = 1.5
 
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
-    path = tmp_path / "m"
-    path.mkdir()
-    write_tokenizer(path, VOCAB)
-    (path / "config.json").write_text('{"architectures": ["FakeForCausalLM"]}')
-    return path
+    return write_fake_model(tmp_path / "m", VOCAB)
 
 
 @pytest.fixture
