@@ -1,16 +1,15 @@
-"""The worker's persistent input batch: one row per request the worker holds, kept across steps.
+"""The worker's row allocator and block tables: one row per request the worker holds, kept across steps.
 
 Each step message carries only what changed (requests entering, requests leaving, blocks appended),
 so the rows change by diffs too: :meth:`InputBatch.add` takes the next free row, :meth:`InputBatch.remove`
 moves the last row into the hole (rows stay dense, ``0 .. num_rows``), and :meth:`InputBatch.append_blocks`
 writes appended block ids into the group's table, which lives on the executor's device and is only ever
-written where it changed. A step then gathers its rows from these arrays instead of rebuilding them.
+written where it changed. A step then gathers its tables by row instead of rebuilding them.
 
-Per-row scalars live in host numpy arrays rather than torch tensors: the runner reads them on the
-host every step (positions, host lists of the batch), numpy reads cost no dispatch, and under a fake
-device mode (tests) torch host tensors hold no data. Everything a step sends to the device goes in
-one packed int64 upload (:class:`Staging`), from pinned memory and without blocking where the device is
-a real accelerator.
+Host-side bookkeeping (block counts per row, the step's positions) is numpy rather than torch:
+numpy reads cost no dispatch, and under a fake device mode (tests) torch host tensors hold no data.
+Everything a step sends to the device goes in one packed int64 upload (:class:`Staging`), from
+pinned memory and without blocking where the device is a real accelerator.
 """
 
 from __future__ import annotations
@@ -22,32 +21,10 @@ import numpy.typing as npt
 import torch
 
 from .executor import CacheGroupSpec
-from .messages import WireSampling
 
 __all__ = ["GroupTable", "InputBatch", "Staging", "StepArrays", "StepTensors"]
 
 IntArray = npt.NDArray[np.int64]
-FloatArray = npt.NDArray[np.float64]
-
-# Per-row columns and their fill value for an empty row.
-_INT_COLUMNS = {
-    "seed": 0,
-    "top_k": 0,
-    "min_tokens": 0,
-    "num_logprobs": -1,  # -1: the request wants no logprobs
-    "num_outputs": 0,  # outputs sampled so far: the draw index of the next one
-    "last_sampled": -1,  # -1: nothing sampled yet
-    "rejected": 0,  # draft positions given back so far
-    "has_penalties": 0,
-}
-_FLOAT_COLUMNS = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-}
 
 
 class Staging:
@@ -176,12 +153,11 @@ class StepTensors:
 
 
 class InputBatch:
-    """Dense rows of the requests the worker holds: sampling parameters, progress and block tables.
+    """The worker's row allocator: a dense row per request it holds and the device block tables.
 
-    The runner reads progress (last sampled token, outputs, rejected drafts) and the tables from
-    here; the sampling columns are kept for array gathers, while the sampler itself takes
-    :class:`~pypto_serving.sampler.RowParams`, which measured faster on the CPU than a column-wise
-    sampler fed from these arrays."""
+    Everything else the worker keeps of a request is its
+    :class:`~pypto_serving.runner.WorkerRequest`; a row is only where the request's block tables
+    lie on the device (and where a step gathers them from)."""
 
     def __init__(self, *, groups: list[CacheGroupSpec], max_model_len: int, device: torch.device, rows: int = 16):
         self.device = device
@@ -189,9 +165,6 @@ class InputBatch:
         self.capacity = max(1, rows)
         self.request_ids: list[str] = []  # row -> request id
         self.row_of: dict[str, int] = {}
-        self.ints = {k: np.full(self.capacity, v, dtype=np.int64) for k, v in _INT_COLUMNS.items()}
-        self.floats = {k: np.full(self.capacity, v, dtype=np.float64) for k, v in _FLOAT_COLUMNS.items()}
-        self.sampling: list[WireSampling | None] = [None] * self.capacity
         self.tables = {
             g.name: GroupTable(g, self.capacity, -(-max_model_len // g.tokens_per_block), device) for g in groups
         }
@@ -201,7 +174,7 @@ class InputBatch:
         return len(self.request_ids)
 
     # ------------------------------------------------------------------ diffs
-    def add(self, request_id: str, *, sampling: WireSampling, seed: int, outputs: list[int]) -> int:
+    def add(self, request_id: str) -> int:
         """A row for a request entering the worker (a request already here is replaced)."""
         if request_id in self.row_of:
             self.remove([request_id])
@@ -210,18 +183,6 @@ class InputBatch:
         row = self.num_rows
         self.request_ids.append(request_id)
         self.row_of[request_id] = row
-        self.sampling[row] = sampling
-        ints, floats = self.ints, self.floats
-        for name in _FLOAT_COLUMNS:
-            floats[name][row] = getattr(sampling, name)
-        ints["seed"][row] = seed
-        ints["top_k"][row] = sampling.top_k
-        ints["min_tokens"][row] = sampling.min_tokens
-        ints["num_logprobs"][row] = -1 if sampling.logprobs is None else sampling.logprobs
-        ints["has_penalties"][row] = sampling.has_penalties
-        ints["num_outputs"][row] = len(outputs)
-        ints["last_sampled"][row] = outputs[-1] if outputs else -1
-        ints["rejected"][row] = 0
         return row
 
     def remove(self, request_ids: list[str]) -> None:
@@ -237,7 +198,6 @@ class InputBatch:
             if row != last:
                 self.request_ids[row] = moved
                 self.row_of[moved] = row
-                self._move(last, row)
                 where[row] = where[last]
             where.pop()
         new = self.num_rows
@@ -246,7 +206,6 @@ class InputBatch:
         for table in self.tables.values():
             self._flush(table)
             table.compact([(d, s) for d, s in enumerate(where) if d != s], old, new, self.staging)
-        self._clear(new, old)
 
     def append_blocks(self, row: int, new_block_ids: dict[str, list[int]]) -> None:
         """Blocks appended to row ``row``'s tables, per cache group."""
@@ -306,38 +265,12 @@ class InputBatch:
             seq_lens_host=seq_lens.tolist(),
         )
 
-    def commit(self, rows: list[int], kept: list[int], last: list[int], rejected: list[int]) -> None:
-        """Record what a step kept for each of ``rows`` (distinct): ``kept`` outputs ending in
-        ``last``, and ``rejected`` draft positions given back."""
-        at = np.array(rows, dtype=np.int64)
-        self.ints["last_sampled"][at] = last
-        self.ints["num_outputs"][at] += np.array(kept, dtype=np.int64)
-        self.ints["rejected"][at] += np.array(rejected, dtype=np.int64)
-
     # ------------------------------------------------------------------ internals
     def _flush(self, table: GroupTable) -> None:
         if table.has_pending():
             table.write(*self.staging.send(table.pending()))
 
-    def _move(self, src: int, dst: int) -> None:
-        for col in (*self.ints.values(), *self.floats.values()):
-            col[dst] = col[src]
-        self.sampling[dst] = self.sampling[src]
-
-    def _clear(self, start: int, stop: int) -> None:
-        for name, col in self.ints.items():
-            col[start:stop] = _INT_COLUMNS[name]
-        for name, fcol in self.floats.items():
-            fcol[start:stop] = _FLOAT_COLUMNS[name]
-        self.sampling[start:stop] = [None] * (stop - start)
-
     def _grow(self, rows: int) -> None:
-        extra = rows - self.capacity
-        for name, col in self.ints.items():
-            self.ints[name] = np.concatenate([col, np.full(extra, _INT_COLUMNS[name], dtype=np.int64)])
-        for name, fcol in self.floats.items():
-            self.floats[name] = np.concatenate([fcol, np.full(extra, _FLOAT_COLUMNS[name], dtype=np.float64)])
-        self.sampling += [None] * extra
         for table in self.tables.values():
             table.grow_rows(rows)
         self.capacity = rows

@@ -8,6 +8,7 @@ encoded as msgpack: no activation and no pickled object ever crosses the pipe.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -15,6 +16,8 @@ from .executor import ExecutorInfo
 from .request import SamplingParams, StructuredSpec
 
 __all__ = [
+    "COPIED",
+    "DERIVED",
     "GrammarCompile",
     "NewRequestData",
     "ScheduledEntry",
@@ -26,7 +29,12 @@ __all__ = [
 
 
 class WireSampling(msgspec.Struct, frozen=True, kw_only=True):
-    """A request's sampling parameters, as far as the worker's sampler needs them."""
+    """A request's sampling parameters as the worker's sampler reads them: the one struct from the
+    API to the sampler. Every field but the three derived ones (``DERIVED``) is the
+    :class:`~pypto_serving.request.SamplingParams` field of the same name, copied by
+    :func:`wire_sampling` through ``COPIED`` (lists and dicts frozen to tuples); the worker builds its
+    sampler rows from these fields by name too (``runner.py``). ``tests/core/test_runner.py`` checks
+    that the names agree, so a field added to one and not the other fails there."""
 
     temperature: float
     top_k: int
@@ -35,41 +43,43 @@ class WireSampling(msgspec.Struct, frozen=True, kw_only=True):
     presence_penalty: float
     frequency_penalty: float
     repetition_penalty: float
-    has_penalties: bool  # SamplingParams.has_penalties: the only rows whose token history the sampler reads
+    has_penalties: bool  # derived: the only rows whose token history the sampler reads
     min_tokens: int
-    min_tokens_banned: tuple[int, ...]  # masked until min_tokens outputs exist: stop ids, and EOS unless ignore_eos
+    min_tokens_banned: tuple[int, ...]  # derived: masked until min_tokens outputs exist (stop ids, EOS unless ignored)
     logprobs: int | None
     structured: StructuredSpec | None = None  # the grammar the worker masks this request's tokens to
-    grammar_eos: tuple[int, ...] = ()  # the tokens that end the grammar's output (the model's EOS ids)
+    grammar_eos: tuple[int, ...] = ()  # derived: the tokens that end the grammar's output (the model's EOS ids)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
     allowed_token_ids: tuple[int, ...] | None = None  # the only tokens that may be sampled
-    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be completed
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be completed
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs are computed, with this many top ones
     max_tokens: int | None = None  # the request's output limit (bounds the drafts rejection sampling verifies)
+
+
+#: The wire fields computed from a request rather than copied from its SamplingParams.
+DERIVED = ("has_penalties", "min_tokens_banned", "grammar_eos")
+#: The SamplingParams fields the worker reads, copied by name.
+COPIED = tuple(name for name in WireSampling.__struct_fields__ if name not in DERIVED)
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with lists and dicts as tuples (a dict as its ``(key, value)`` pairs), nested too."""
+    if isinstance(value, dict):
+        return tuple(value.items())
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def wire_sampling(sp: SamplingParams, eos_token_ids: Sequence[int]) -> WireSampling:
     """What the worker needs of ``sp`` for a request whose model stops at ``eos_token_ids``."""
     banned = [*sp.stop_token_ids, *(() if sp.ignore_eos else eos_token_ids)]
+    copied = {name: _frozen(getattr(sp, name)) for name in COPIED}
     return WireSampling(
-        temperature=sp.temperature,
-        top_k=sp.top_k,
-        top_p=sp.top_p,
-        min_p=sp.min_p,
-        presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty,
+        **copied,
         has_penalties=sp.has_penalties,
-        min_tokens=sp.min_tokens,
         min_tokens_banned=tuple(banned),
-        logprobs=sp.logprobs,
-        structured=sp.structured,
         grammar_eos=tuple(eos_token_ids) if sp.structured is not None else (),
-        logit_bias=tuple(sp.logit_bias.items()),
-        allowed_token_ids=tuple(sp.allowed_token_ids) if sp.allowed_token_ids is not None else None,
-        bad_words=tuple(tuple(w) for w in sp.bad_words_token_ids),
-        prompt_logprobs=sp.prompt_logprobs,
-        max_tokens=sp.max_tokens,
     )
 
 

@@ -1,33 +1,34 @@
 """ModelRunner: the worker side of a step.
 
-It keeps per-request state the scheduler must not need: a persistent
-:class:`~pypto_serving.input_batch.InputBatch` row per request (sampling parameters, last sampled
-token, output count, block tables on the device), updated by the step message's diffs, and the token
-history, penalty counts and drafts beside it. It turns a :class:`StepCommand` into one flat
-:class:`BatchInput` on the executor's device, calls the executor, samples, verifies drafts and
-returns a :class:`StepResult`. A step runs in two parts: :meth:`ModelRunner.launch` queues the
+It keeps one :class:`WorkerRequest` per request it holds (sampling parameters, token history and
+penalty counts, last sampled token, rejected draft positions, drafts, grammar) beside the
+:class:`~pypto_serving.input_batch.InputBatch`, the row allocator that holds each request's block
+tables on the device; both change by the step message's diffs. It turns a :class:`StepCommand` into
+one flat :class:`BatchInput` on the executor's device, calls the executor, samples, verifies drafts
+and returns a :class:`StepResult`. A step runs in two parts: :meth:`ModelRunner.launch` queues the
 forward and the sampler's device work without reading anything back, :meth:`ModelRunner.finish`
 makes the step's host read and the rest; between them the worker may stage the next step's
-admissions and blocks (:meth:`ModelRunner.stage`).
+admissions and blocks (:meth:`ModelRunner.stage`). One :class:`LaunchedStep` carries the step from
+the first part to the second, with one :class:`StepRow` per scheduled entry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
 from .executor import BatchInput, Executor, ExecutorInfo
 from .input_batch import InputBatch, StepArrays
-from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult
+from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, WireSampling
 from .sampler import (
     DeviceSample,
     LogitEdits,
@@ -42,19 +43,29 @@ from .sampler import (
 from .spec_decode import DraftRow, DraftSampler, NgramDrafter, SpecRow, verify_sampled
 from .structured import GrammarCompiler, HostMask, RequestGrammar, fill_step_mask
 
-__all__ = ["LaunchedStep", "MissingSampledTokenError", "ModelRunner"]
+__all__ = ["LaunchedStep", "MissingSampledTokenError", "ModelRunner", "StepRow", "WorkerRequest"]
 
 
 class MissingSampledTokenError(RuntimeError):
     """A decode asked for the last sampled token of a request that has none."""
 
 
-class _ReqState:
-    """What the worker keeps of a request beyond its batch row: token history, penalty counts and
-    drafts. Its last sampled token lives in the row (the step gathers it from there)."""
+def _shared(cls: type) -> tuple[str, ...]:
+    """The fields of dataclass ``cls`` that :class:`WireSampling` has too: copied by name."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name in WireSampling.__struct_fields__)
+
+
+_ROW_KNOBS = _shared(RowParams)  # temperature, the filters and the penalties
+_DRAFT_KNOBS = _shared(DraftRow)  # temperature and the filters
+
+
+class WorkerRequest:
+    """Everything the worker keeps of one request: its sampling parameters (the wire struct), token
+    history (prompt and the outputs sampled here) and penalty counts, last sampled token, draft
+    positions given back, next step's drafts, reused sampler rows and grammar. Its block tables lie
+    in the :class:`~pypto_serving.input_batch.InputBatch` row of its id."""
 
     __slots__ = (
-        "_batch",
         "counts",
         "draft_probs",
         "drafts",
@@ -63,29 +74,31 @@ class _ReqState:
         "grammar_error",
         "history",
         "last_base",
+        "last_sampled",
         "num_prompt",
+        "rejected",
         "request_id",
         "rows",
         "sampling",
         "seed",
     )
 
-    def __init__(
-        self,
-        batch: InputBatch,
-        nr: NewRequestData,
-        counts: TokenCounts | None,  # counts: None without penalties
-    ) -> None:
-        self._batch = batch
+    def __init__(self, nr: NewRequestData) -> None:
         self.request_id = nr.request_id
-        self.sampling = nr.sampling
+        self.sampling = sp = nr.sampling
         self.seed = nr.seed
         self.num_prompt = len(nr.prompt_token_ids)
         self.history = [*nr.prompt_token_ids, *nr.output_token_ids]  # prompt + outputs sampled here
-        self.counts = counts
-        sp = nr.sampling
+        # Penalties read the request's device counts plus each row's drafts: no history copy per step.
+        self.counts = (
+            TokenCounts(prompt=list(nr.prompt_token_ids), outputs=list(nr.output_token_ids))
+            if sp.has_penalties
+            else None
+        )
         has_edits = sp.logit_bias or sp.allowed_token_ids is not None
         self.edits = LogitEdits(bias=sp.logit_bias, allowed=sp.allowed_token_ids) if has_edits else None
+        self.last_sampled: int | None = nr.output_token_ids[-1] if nr.output_token_ids else None
+        self.rejected = 0  # draft positions given back so far (the scheduler reconciles them later)
         self.drafts: list[int] = []
         self.draft_probs: torch.Tensor | None = None  # [len(drafts), V] q of sampled drafts, on the device
         self.last_base: int | None = None  # outputs before the last step that sampled for this request
@@ -94,27 +107,62 @@ class _ReqState:
         self.grammar_error: str | None = None  # the grammar could not be built: the request fails
 
     @property
-    def last_sampled(self) -> int | None:
-        token = int(self._batch.ints["last_sampled"][self._batch.row_of[self.request_id]])
-        return None if token < 0 else token
-
-    @last_sampled.setter
-    def last_sampled(self, token: int | None) -> None:
-        self._batch.ints["last_sampled"][self._batch.row_of[self.request_id]] = -1 if token is None else token
-
-    @property
     def num_outputs(self) -> int:
         return len(self.history) - self.num_prompt
 
     @property
     def rejection_sampled(self) -> bool:
-        """Whether sampled drafts of this request are verified by rejection sampling. Greedy requests
+        """Whether drafts of this request are verified by rejection sampling. Greedy requests
         keep the argmax comparison. Requests with logprobs, a grammar, logit_bias or allowed_token_ids
         keep sample-and-compare: the sampler reports logprobs of the tokens it draws (not of a
         residual draw), a grammar advances and masks per drafted prefix on the host, and allowed
         tokens with bans can leave a row nothing to sample, an error only the sampler's path reports."""
         sp = self.sampling
         return sp.temperature > 0 and sp.logprobs is None and self.grammar is None and self.edits is None
+
+
+_ReqState = WorkerRequest  # the name benchmarks/speculation.py and a DeepSeek test patch
+
+
+@dataclass(slots=True, kw_only=True)
+class StepRow:
+    """One scheduled entry of a step, from :meth:`ModelRunner.launch` to :meth:`ModelRunner.finish`."""
+
+    req: WorkerRequest
+    entry: ScheduledEntry
+    tokens: list[int]  # its input tokens before the drafts
+    drafts: list[int]  # the drafts it verifies
+    start: int  # position of its first token (rejections the scheduler had not seen subtracted)
+    num_logits: int  # its sampled logits rows: 0, or 1 + drafts
+    num_prompt_rows: int = 0  # its first rows score prompt tokens (prompt logprobs)
+    first_logit: int = 0  # its first row among the step's sampled logits rows
+    rejects: bool = False  # rejection sampling verifies its drafts (at launch)
+    kept: list[int] | None = None  # what rejection sampling kept (None there: non-finite logits)
+
+
+@dataclass(slots=True, kw_only=True)
+class LaunchedStep:
+    """A step between :meth:`ModelRunner.launch` and :meth:`ModelRunner.finish`: its rows, batch and
+    queued sample, or ``result`` already (an error, or a step with no entries)."""
+
+    cmd: StepCommand
+    seconds: float = 0.0  # host time of the step's own parts (and its staging) so far
+    result: StepResult | None = None
+    rows: list[StepRow] = field(default_factory=list)
+    batch: BatchInput | None = None
+    params: list[RowParams] = field(default_factory=list)  # one per sampled logits row (reused rows)
+    sampled_rows: list[int] = field(default_factory=list)  # logits rows sampled one by one
+    device: tuple[DeviceSample, torch.Tensor] | None = None  # their device sample and its packed read
+    prompt_lps: dict[str, tuple[int, list[dict[int, float]]]] | str = field(default_factory=dict)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Staged:
+    """The next step, staged: the command, its staging time, and what staging raised (if anything)."""
+
+    cmd: StepCommand
+    seconds: float
+    error: Exception | None
 
 
 class ModelRunner:
@@ -127,7 +175,7 @@ class ModelRunner:
     def __init__(self, executor: Executor, settings: Any) -> None:
         self.executor = executor
         self.settings = settings
-        self.states: dict[str, _ReqState] = {}
+        self.states: dict[str, WorkerRequest] = {}
         self.info: ExecutorInfo | None = None
         self._input_batch: InputBatch | None = None
         self._ngram = _ngram_drafter(settings)
@@ -157,7 +205,7 @@ class ModelRunner:
 
     @property
     def input_batch(self) -> InputBatch:
-        """The persistent rows, made on first use (the executor's info and device are known by then)."""
+        """The row allocator, made on first use (the executor's info and device are known by then)."""
         if self._input_batch is None:
             assert self.info is not None
             rows = int(getattr(self.settings, "max_num_seqs", 16))
@@ -180,42 +228,43 @@ class ModelRunner:
         t0 = time.perf_counter()
         staged, self._staged = self._staged, None
         assert staged is None or staged.cmd is cmd, "a staged step runs next, before any other"
-        state: StepResult | _Work
+        step = LaunchedStep(cmd=cmd)
         try:
             self._take_grammars(cmd)
             self._enter(cmd, staged)
-            state = self._forward(cmd) if cmd.entries else StepResult(step_id=cmd.step_id)
+            if cmd.entries:
+                self._forward(step)
+            else:
+                step.result = StepResult(step_id=cmd.step_id)
         except Exception as e:
-            state = _failed(cmd, e)
-        seconds = time.perf_counter() - t0 + (0.0 if staged is None else staged.seconds)
-        return LaunchedStep(cmd=cmd, seconds=seconds, state=state)
+            step.result = _failed(cmd, e)
+        step.seconds = time.perf_counter() - t0 + (0.0 if staged is None else staged.seconds)
+        return step
 
-    def finish(self, run: LaunchedStep) -> StepResult:
+    def finish(self, step: LaunchedStep) -> StepResult:
         """A step's second part: its one host read of the sampled tokens, then verification, the
         requests' states, next step's drafts and the result, with the requests whose grammar
         finished compiling meanwhile (failed steps too: readiness is not the step's)."""
-        result = self._finish(run)
+        result = self._finish(step)
         result.grammars_ready = self._grammars.compiled()
         return result
 
-    def _finish(self, run: LaunchedStep) -> StepResult:
-        if isinstance(run.state, StepResult):
-            return run.state
+    def _finish(self, step: LaunchedStep) -> StepResult:
+        if step.result is not None:
+            return step.result
         t0 = time.perf_counter()
-        work = run.state
         try:
-            result = self._finish_sample(run.cmd, work)
-            if isinstance(work.prompt_lps, str):  # the executor returned the sampled rows only
-                _fail_prompt_rows(result, work.prompt_rows, work.prompt_lps)
+            result = self._finish_sample(step)
+            if isinstance(step.prompt_lps, str):  # the executor returned the sampled rows only
+                _fail_prompt_rows(result, step.rows, step.prompt_lps)
             else:
-                result.prompt_logprobs = work.prompt_lps
+                result.prompt_logprobs = step.prompt_lps
             t_draft = time.perf_counter()
-            work.batch.draft_depth = run.cmd.draft_depth
-            self._draft(work.batch, result)
+            self._draft(step, result)
             result.draft_seconds = time.perf_counter() - t_draft
         except Exception as e:
-            return _failed(run.cmd, e)
-        result.execute_seconds = run.seconds + time.perf_counter() - t0
+            return _failed(step.cmd, e)
+        result.execute_seconds = step.seconds + time.perf_counter() - t0
         return result
 
     def stage(self, cmd: StepCommand) -> bool:
@@ -284,74 +333,21 @@ class ModelRunner:
         # with the scheduler's record of what was sent whatever happens to this step.
         self._append_blocks(cmd.entries)
 
-    def _forward(self, cmd: StepCommand) -> _Work:
+    def _forward(self, step: LaunchedStep) -> None:
         """Build the batch, run the forward, queue the sampling: everything before the host read."""
-        batch, drafts_used, prompt_rows = self._build_batch(cmd.entries)
-        rejecting = self._rejecting(cmd.entries, drafts_used)
-        masks = self._start_masks(cmd.entries, batch.num_logits, drafts_used, rejecting)
+        step.batch, step.rows = self._build_batch(step.cmd.entries)
+        masks = self._start_masks(step.rows)
         try:
-            logits = self.executor.execute(batch)
-            logits, prompt_lps = self._split_prompt_rows(batch, logits, prompt_rows)
-            pending = _Pending(rejecting=rejecting, masks=masks)
-            sampling = self._launch_sample(cmd.entries, batch, logits, drafts_used, pending)
+            logits = self.executor.execute(step.batch)
+            logits = self._split_prompt_rows(step, logits)
+            self._launch_sample(step, logits, masks)
         finally:
             if masks is not None:
                 masks.exception()  # the fill is done before anything else touches the grammars
-        return _Work(
-            batch=batch, drafts_used=drafts_used, prompt_rows=prompt_rows, prompt_lps=prompt_lps, sampling=sampling
-        )
-
-    def _draft(self, batch: BatchInput, result: StepResult) -> None:
-        """Next step's drafts of every request that sampled: the core's n-gram drafter over the token
-        histories when ``speculative_config.method`` is ``ngram``, else the executor's own drafter;
-        at most ``batch.draft_depth`` of them where the policy set a drafting depth."""
-        sampler: DraftSampler | None = None
-        depth = batch.draft_depth
-        ids = batch.request_ids
-        drafted: list[list[int]]
-        if self._ngram is not None:
-            ids = [rid for rid in batch.request_ids if rid in result.sampled]
-            if depth == 0:
-                drafted = [[] for _ in ids]
-            else:
-                drafted = self._ngram.propose([self.states[rid].history for rid in ids])
-        else:
-            accepted = [result.sampled.get(rid, []) for rid in batch.request_ids]
-            sampler = self._draft_sampler(batch, result)
-            drafted = (
-                self.executor.propose_drafts(batch, accepted)
-                if sampler is None
-                else self.executor.propose_sampled_drafts(batch, accepted, sampler)
-            )
-        for i, (rid, drafts) in enumerate(zip(ids, drafted)):
-            if rid in result.sampled:
-                st = self.states[rid]
-                st.drafts = list(drafts if depth is None else drafts[:depth])
-                st.draft_probs = None if sampler is None else sampler.probs(i, len(st.drafts))
-
-    def _draft_sampler(self, batch: BatchInput, result: StepResult) -> DraftSampler | None:
-        """The sampler of the executor's drafts: requests verified by rejection sampling draw theirs;
-        None when there is none (every draft is an argmax)."""
-        rows: dict[int, DraftRow] = {}
-        for i, rid in enumerate(batch.request_ids):
-            st = self.states.get(rid)
-            if rid in result.sampled and st is not None and st.rejection_sampled:
-                sp = st.sampling
-                rows[i] = DraftRow(
-                    temperature=sp.temperature,
-                    top_k=sp.top_k,
-                    top_p=sp.top_p,
-                    min_p=sp.min_p,
-                    seed=st.seed,
-                    first_index=st.num_outputs,
-                )
-        return DraftSampler(rows) if rows else None
 
     def _admit(self, nr: NewRequestData) -> None:
-        outs = list(nr.output_token_ids)
-        counts = TokenCounts(prompt=list(nr.prompt_token_ids), outputs=outs) if nr.sampling.has_penalties else None
-        self.input_batch.add(nr.request_id, sampling=nr.sampling, seed=nr.seed, outputs=outs)
-        st = self.states[nr.request_id] = _ReqState(self.input_batch, nr, counts)
+        self.input_batch.add(nr.request_id)
+        st = self.states[nr.request_id] = WorkerRequest(nr)
         spec = nr.sampling.structured
         if spec is not None:
             try:  # a request resuming after preemption replays its outputs through its grammar
@@ -359,46 +355,34 @@ class ModelRunner:
                     spec, nr.sampling.grammar_eos, nr.sampling.min_tokens, nr.request_id
                 )
                 # The grammar compiles on the compiler's thread; only a replay waits for it here.
-                if outs and not st.grammar.advance(outs):
+                if nr.output_token_ids and not st.grammar.advance(list(nr.output_token_ids)):
                     st.grammar_error = f"structured output: {st.grammar.error}"
             except ValueError as e:
                 st.grammar_error = f"structured output: {e}"
 
-    # ------------------------------------------------------------------ batch
-    def _build_batch(
-        self, entries: list[ScheduledEntry]
-    ) -> tuple[BatchInput, list[list[int]], list[tuple[str, int, int]]]:
+    def _append_blocks(self, entries: list[ScheduledEntry]) -> None:
         ib = self.input_batch
-        rows = self._rows(entries)
+        for e, row in zip(entries, self._batch_rows(entries)):  # every entry names a request here
+            ib.append_blocks(row, e.new_block_ids)
+
+    # ------------------------------------------------------------------ batch
+    def _build_batch(self, entries: list[ScheduledEntry]) -> tuple[BatchInput, list[StepRow]]:
+        """The step's rows and its flat batch on the executor's device."""
+        batch_rows = self._batch_rows(entries)
+        rows = [self._step_row(e) for e in entries]
         ids: list[int] = []
-        starts: list[int] = []
-        query_lens: list[int] = []
-        num_logits: list[int] = []
-        drafts_used: list[list[int]] = []
-        last = ib.ints["last_sampled"][rows].tolist()
-        rejected = ib.ints["rejected"][rows].tolist()
-        for e, last_token, rej in zip(entries, last, rejected):
-            toks = [self._last_sampled(e.request_id, last_token)] if e.use_last_sampled else e.token_ids
-            drafts = self._drafts_to_verify(e) if e.num_draft else []
-            if e.sample:
-                self.states[e.request_id].last_base = self.states[e.request_id].num_outputs
-            ids += toks
-            ids += drafts
-            # Rejections the scheduler had not reconciled when it scheduled this entry.
-            starts.append(e.start_pos - (rej - e.rejected_seen))
-            query_lens.append(len(toks) + len(drafts))
-            num_logits.append(1 + len(drafts) if e.sample else 0)
-            drafts_used.append(drafts)
-        prompt_rows = self._prompt_rows(entries, starts, query_lens)
+        for r in rows:
+            ids += r.tokens
+            ids += r.drafts
         step = StepArrays(
-            rows=rows,
-            starts=np.array(starts, dtype=np.int64),
-            query_lens=np.array(query_lens, dtype=np.int64),
-            num_logits=np.array(num_logits, dtype=np.int64),
+            rows=np.array(batch_rows, dtype=np.int64),
+            starts=np.array([r.start for r in rows], dtype=np.int64),
+            query_lens=np.array([len(r.tokens) + len(r.drafts) for r in rows], dtype=np.int64),
+            num_logits=np.array([r.num_logits for r in rows], dtype=np.int64),
             input_ids=np.array(ids, dtype=np.int64),
-            num_prompt_logits=np.array([m for _, _, m in prompt_rows], dtype=np.int64),
+            num_prompt_logits=np.array([r.num_prompt_rows for r in rows], dtype=np.int64),
         )
-        t = ib.prepare(step)
+        t = self.input_batch.prepare(step)
         batch = BatchInput(
             request_ids=[e.request_id for e in entries],
             input_ids=t.input_ids,
@@ -408,14 +392,43 @@ class ModelRunner:
             block_tables=t.block_tables,
             slot_mapping=t.slot_mapping,
             logits_indices=t.logits_indices,
-            num_logits=num_logits,
+            num_logits=[r.num_logits for r in rows],
             query_start_loc_host=t.query_start_loc_host,
             seq_lens_host=t.seq_lens_host,
             input_ids_host=ids,
         )
-        return batch, drafts_used, prompt_rows
+        return batch, rows
 
-    def _drafts_to_verify(self, e: ScheduledEntry) -> list[int]:
+    def _step_row(self, e: ScheduledEntry) -> StepRow:
+        """What entry ``e`` computes this step: its input tokens, drafts, positions and logits rows."""
+        st = self.states[e.request_id]
+        tokens = [_last_sampled(st)] if e.use_last_sampled else e.token_ids
+        drafts = self._drafts_to_verify(st, e) if e.num_draft else []
+        if e.sample:
+            st.last_base = st.num_outputs
+        # Rejections the scheduler had not reconciled when it scheduled this entry.
+        start = e.start_pos - (st.rejected - e.rejected_seen)
+        row = StepRow(
+            req=st,
+            entry=e,
+            tokens=tokens,
+            drafts=drafts,
+            start=start,
+            num_logits=1 + len(drafts) if e.sample else 0,
+            rejects=bool(drafts) and self._rejects(st),
+        )
+        if st.sampling.prompt_logprobs is not None and not e.use_last_sampled:
+            # Its first rows are prompt positions whose next token is a prompt token.
+            end = start + len(tokens) + len(drafts)
+            row.num_prompt_rows = max(0, min(end, st.num_prompt - 1) - start)
+        return row
+
+    def _rejects(self, st: WorkerRequest) -> bool:
+        """Whether rejection sampling verifies ``st``'s drafts: its sampling allows it, and the
+        drafts' distribution is known: the executor drafter's ``q``, or a point mass for n-gram drafts."""
+        return st.rejection_sampled and (st.draft_probs is not None or self._ngram is not None)
+
+    def _drafts_to_verify(self, st: WorkerRequest, e: ScheduledEntry) -> list[int]:
         """The drafts ``e`` verifies.
 
         Rejection sampling emits tokens that depend on how many drafts each step verifies, and near
@@ -425,115 +438,115 @@ class ModelRunner:
         ``room`` counted from the outputs before its previous sampling step: the previous step
         emitted at most ``1 + k_max`` tokens, so neither strategy's cap is below this one, and sync
         and async verify the same drafts and emit the same tokens."""
-        st = self.states[e.request_id]
         k = e.num_draft
-        if st.rejection_sampled and st.draft_probs is not None and st.last_base is not None:
+        if self._rejects(st) and st.last_base is not None:
             assert self.info is not None
             room = self.info.max_model_len - st.num_prompt - st.last_base
             if st.sampling.max_tokens is not None:
                 room = min(room, st.sampling.max_tokens - st.last_base)
-            k = max(0, min(k, room - self.info.max_draft_tokens - 2))
+            k_max = self.info.max_draft_tokens if self._ngram is None else self._ngram.num_speculative_tokens
+            k = max(0, min(k, room - k_max - 2))
         return st.drafts[:k]
 
-    def _prompt_rows(
-        self, entries: list[ScheduledEntry], starts: list[int], query_lens: list[int]
-    ) -> list[tuple[str, int, int]]:
-        """Per entry ``(request id, first position, m)``: the entry's first ``m`` rows are prompt
-        positions whose next token is a prompt token, for requests that ask for prompt logprobs."""
-        out = []
-        for e, start, q in zip(entries, starts, query_lens):
-            st = self.states[e.request_id]
-            wants = st.sampling.prompt_logprobs is not None and not e.use_last_sampled
-            out.append((e.request_id, start, max(0, min(start + q, st.num_prompt - 1) - start) if wants else 0))
-        return out
-
-    def _split_prompt_rows(
-        self, batch: BatchInput, logits: torch.Tensor, prompt_rows: list[tuple[str, int, int]]
-    ) -> tuple[torch.Tensor, dict[str, tuple[int, list[dict[int, float]]]] | str]:
-        """The sampled rows of ``logits``, and the prompt logprobs of the prompt rows before them:
-        request id -> (index of the first prompt token they score, one entry per token). An executor
-        that returns the sampled rows only gives the reason instead: those requests fail alone."""
-        if not any(m for _, _, m in prompt_rows):
-            return logits, {}
-        total = sum(m for _, _, m in prompt_rows) + sum(batch.num_logits)
-        if logits.shape[0] == sum(batch.num_logits):
-            return logits, f"{type(self.executor).__name__} returns no logits for prompt rows: no prompt logprobs"
-        if logits.shape[0] != total:
+    def _split_prompt_rows(self, step: LaunchedStep, logits: torch.Tensor) -> torch.Tensor:
+        """The sampled rows of ``logits``; the prompt logprobs of the prompt rows before them go to
+        ``step.prompt_lps`` (request id -> (index of the first prompt token they score, one entry per
+        token)). An executor that returns the sampled rows only gives the reason instead: those
+        requests fail alone."""
+        num_prompt = sum(r.num_prompt_rows for r in step.rows)
+        if not num_prompt:
+            return logits
+        num_sampled = sum(r.num_logits for r in step.rows)
+        if logits.shape[0] == num_sampled:
+            step.prompt_lps = f"{type(self.executor).__name__} returns no logits for prompt rows: no prompt logprobs"
+            return logits
+        if logits.shape[0] != num_prompt + num_sampled:
             raise RuntimeError(
-                f"{type(self.executor).__name__}.execute returned {logits.shape[0]} logits rows for {total} "
-                "logits_indices; prompt logprobs need one row per index"
+                f"{type(self.executor).__name__}.execute returned {logits.shape[0]} logits rows for "
+                f"{num_prompt + num_sampled} logits_indices; prompt logprobs need one row per index"
             )
         sampled: list[int] = []
         scored: list[int] = []
         targets: list[int] = []
         tops: list[int] = []
         at = 0
-        for (rid, start, m), n in zip(prompt_rows, batch.num_logits):
-            st = self.states[rid]
+        for r in step.rows:
+            m = r.num_prompt_rows
             scored += range(at, at + m)
-            sampled += range(at + m, at + m + n)
-            targets += st.history[start + 1 : start + 1 + m]
-            tops += [st.sampling.prompt_logprobs or 0] * m
-            at += m + n
+            sampled += range(at + m, at + m + r.num_logits)
+            targets += r.req.history[r.start + 1 : r.start + 1 + m]
+            tops += [r.req.sampling.prompt_logprobs or 0] * m
+            at += m + r.num_logits
         dev = logits.device
         lps = prompt_logprobs(logits.index_select(0, torch.tensor(scored, device=dev)), targets, tops)
         out: dict[str, tuple[int, list[dict[int, float]]]] = {}
-        for rid, start, m in prompt_rows:
-            if m:
-                out[rid] = (start + 1, lps[:m])
-                lps = lps[m:]
-        return logits.index_select(0, torch.tensor(sampled, dtype=torch.long, device=dev)), out
+        for r in step.rows:
+            if r.num_prompt_rows:
+                out[r.req.request_id] = (r.start + 1, lps[: r.num_prompt_rows])
+                lps = lps[r.num_prompt_rows :]
+        step.prompt_lps = out
+        return logits.index_select(0, torch.tensor(sampled, dtype=torch.long, device=dev))
 
-    def _rows(self, entries: list[ScheduledEntry]) -> npt.NDArray[np.int64]:
-        """The batch row of each entry's request."""
+    def _batch_rows(self, entries: list[ScheduledEntry]) -> list[int]:
+        """The allocator's row of each entry's request."""
         row_of = self.input_batch.row_of
         try:
-            return np.array([row_of[e.request_id] for e in entries], dtype=np.int64)
+            return [row_of[e.request_id] for e in entries]
         except KeyError as missing:
             raise RuntimeError(f"the worker has no state for request {missing.args[0]!r}") from None
 
-    @staticmethod
-    def _last_sampled(request_id: str, token: int) -> int:
-        if token < 0:
-            raise MissingSampledTokenError(
-                f"request {request_id!r}: decode asks for the last sampled token, but none was sampled"
-            )
-        return token
+    # ------------------------------------------------------------------ drafts
+    def _draft(self, step: LaunchedStep, result: StepResult) -> None:
+        """Next step's drafts of every request that sampled: the core's n-gram drafter over the token
+        histories when ``speculative_config.method`` is ``ngram``, else the executor's own drafter;
+        at most ``cmd.draft_depth`` of them where the policy set a drafting depth."""
+        assert step.batch is not None
+        depth = step.cmd.draft_depth
+        step.batch.draft_depth = depth
+        sampled = [r for r in step.rows if r.req.request_id in result.sampled]
+        sampler: DraftSampler | None = None
+        if self._ngram is not None:
+            drafting = [r for r in sampled if _wants_drafts(r)] if depth != 0 else []
+            proposed = self._ngram.propose([r.req.history for r in drafting]) if drafting else []
+            drafted = dict(zip((id(r) for r in drafting), proposed))
+            for r in sampled:
+                drafts = drafted.get(id(r), [])
+                r.req.drafts = list(drafts if depth is None else drafts[:depth])
+                r.req.draft_probs = None
+            return
+        accepted = [result.sampled.get(r.req.request_id, []) for r in step.rows]
+        sampler = self._draft_sampler(step.rows, result)
+        proposals = (
+            self.executor.propose_drafts(step.batch, accepted)
+            if sampler is None
+            else self.executor.propose_sampled_drafts(step.batch, accepted, sampler)
+        )
+        for i, (r, drafts) in enumerate(zip(step.rows, proposals)):
+            if r.req.request_id in result.sampled:
+                r.req.drafts = list(drafts if depth is None else drafts[:depth])
+                r.req.draft_probs = None if sampler is None else sampler.probs(i, len(r.req.drafts))
 
-    def _append_blocks(self, entries: list[ScheduledEntry]) -> None:
-        ib = self.input_batch
-        for e, row in zip(entries, self._rows(entries).tolist()):  # every entry names a request here
-            ib.append_blocks(row, e.new_block_ids)
+    def _draft_sampler(self, rows: list[StepRow], result: StepResult) -> DraftSampler | None:
+        """The sampler of the executor's drafts: requests verified by rejection sampling draw theirs;
+        None when there is none (every draft is an argmax)."""
+        draws: dict[int, DraftRow] = {}
+        for i, r in enumerate(rows):
+            st = r.req
+            if st.request_id in result.sampled and st.rejection_sampled and _wants_drafts(r):
+                knobs = {name: getattr(st.sampling, name) for name in _DRAFT_KNOBS}
+                draws[i] = DraftRow(**knobs, seed=st.seed, first_index=st.num_outputs)
+        return DraftSampler(draws) if draws else None
 
     # ------------------------------------------------------------------ sample and verify
-    def _rejecting(self, entries: list[ScheduledEntry], drafts_used: list[list[int]]) -> list[int]:
-        """The entries whose drafts rejection sampling verifies (their draft probabilities are known)."""
-        return [
-            i
-            for i, (e, d) in enumerate(zip(entries, drafts_used))
-            if d and self.states[e.request_id].rejection_sampled and self.states[e.request_id].draft_probs is not None
-        ]
-
-    def _start_masks(
-        self, entries: list[ScheduledEntry], num_logits: list[int], drafts_used: list[list[int]], rejecting: list[int]
-    ) -> Future[HostMask | None] | None:
-        """The grammar masks of the rows sampled one by one (every entry but ``rejecting``), filling
-        on the mask thread while the forward runs; None when none of those rows is constrained."""
-        skip = set(rejecting)
-        grammars = [
-            (self.states[e.request_id].grammar, num_logits[i], drafts_used[i])
-            for i, e in enumerate(entries)
-            if i not in skip
-        ]
+    def _start_masks(self, rows: list[StepRow]) -> Future[HostMask | None] | None:
+        """The grammar masks of the rows sampled one by one (every row rejection sampling does not
+        verify), filling on the mask thread while the forward runs; None when none of them is constrained."""
+        grammars = [(r.req.grammar, r.num_logits, r.drafts) for r in rows if not r.rejects]
         if not any(g is not None and n for g, n, _ in grammars):
             return None
         # A step whose rows all take their argmax lists fewer rows by id (the sampler checks the
         # argmax of the others); another step's sampler treats those rows as unlisted, as exactly.
-        greedy = all(
-            self.states[e.request_id].sampling.temperature == 0.0
-            for i, e in enumerate(entries)
-            if i not in skip and num_logits[i]
-        )
+        greedy = all(r.req.sampling.temperature == 0.0 for r in rows if not r.rejects and r.num_logits)
         if not self._overlap_masks():
             done: Future[HostMask | None] = Future()
             done.set_result(fill_step_mask(grammars, greedy))
@@ -547,197 +560,106 @@ class ModelRunner:
             return self.overlap_grammar_masks
         return self.device.type != "cpu" or (os.cpu_count() or 1) > torch.get_num_threads()
 
-    def _launch_sample(
-        self,
-        entries: list[ScheduledEntry],
-        batch: BatchInput,
-        logits: torch.Tensor,
-        drafts_used: list[list[int]],
-        pending: _Pending,
-    ) -> _Sampling:
-        """The sampler rows, the verdicts of the entries rejection sampling verifies, and the device
-        sample of every other row, queued but not read."""
-        params = self._row_params(entries, batch.num_logits, drafts_used)
-        if not params:
-            return _Sampling(params=params, kept={}, rows=[], device=None)
-        starts = np.cumsum([0, *batch.num_logits]).tolist()
-        kept = self._verify_rejection(entries, logits, params, starts, drafts_used, pending.rejecting)
-        rest = [i for i in range(len(entries)) if i not in kept]
-        rows = [r for i in rest for r in range(starts[i], starts[i + 1])]
-        device = None
+    def _launch_sample(self, step: LaunchedStep, logits: torch.Tensor, masks: Future[HostMask | None] | None) -> None:
+        """The sampler rows, the verdicts of the rows rejection sampling verifies, and the device
+        sample of every other logits row, queued but not read."""
+        step.params = self._row_params(step.rows)
+        if not step.params:
+            return
+        self._verify_rejection(step, logits)
+        step.sampled_rows = [
+            j for r in step.rows if not r.rejects for j in range(r.first_logit, r.first_logit + r.num_logits)
+        ]
+        rows = step.sampled_rows
         if rows:
-            sub = (
-                logits if len(rows) == len(params) else logits.index_select(0, torch.tensor(rows, device=logits.device))
-            )
-            host = None if pending.masks is None else pending.masks.result()
+            every = len(rows) == len(step.params)
+            sub = logits if every else logits.index_select(0, torch.tensor(rows, device=logits.device))
+            host = None if masks is None else masks.result()
             grammar = None if host is None else host.to(logits.device)
-            dev = sample_on_device(sub, [params[r] for r in rows], grammar)
-            device = (dev, packed(dev))
-        return _Sampling(params=params, kept=kept, rows=rows, device=device)
+            dev = sample_on_device(sub, [step.params[j] for j in rows], grammar)
+            step.device = (dev, packed(dev))
 
-    def _finish_sample(self, cmd: StepCommand, work: _Work) -> StepResult:
-        """Read the step's sample (its one host read) and verify every entry into a result."""
-        result = StepResult(step_id=cmd.step_id)
-        s = work.sampling
-        if not s.params:
-            return result
-        out = SampleOutput([], [], {})
-        if s.device is not None:
-            out = read_sample(*s.device, [s.params[r] for r in s.rows])
-        verified = _Verified(out=out, row_at=dict(zip(s.rows, range(len(s.rows)))), kept=s.kept)
-        self._verify(cmd.entries, work.batch.num_logits, work.drafts_used, verified, result)
-        return result
-
-    def _verify_rejection(
-        self,
-        entries: list[ScheduledEntry],
-        logits: torch.Tensor,
-        params: list[RowParams],
-        starts: list[int],
-        drafts_used: list[list[int]],
-        rejecting: list[int],
-    ) -> dict[int, list[int] | None]:
-        """Entry index -> the tokens rejection sampling keeps for it (None: non-finite logits)."""
+    def _verify_rejection(self, step: LaunchedStep, logits: torch.Tensor) -> None:
+        """Rejection-sample the drafts of the rows that take it: ``q`` of the executor drafter's
+        sampled drafts, or a point mass at each n-gram draft. Sets each such row's ``kept``."""
+        rejecting = [r for r in step.rows if r.rejects]
         if not rejecting:
-            return {}
-        rows = [r for i in rejecting for r in range(starts[i], starts[i + 1])]
-        dev = logits.device
-        sub = logits if len(rows) == len(params) else logits.index_select(0, torch.tensor(rows, device=dev))
-        states = [self.states[entries[i].request_id] for i in rejecting]
-        q = [
-            st.draft_probs.narrow(0, 0, len(drafts_used[i]))
-            for i, st in zip(rejecting, states)
-            if st.draft_probs is not None
-        ]
+            return
+        rows = [j for r in rejecting for j in range(r.first_logit, r.first_logit + r.num_logits)]
+        every = len(rows) == len(step.params)
+        sub = logits if every else logits.index_select(0, torch.tensor(rows, device=logits.device))
+        q: torch.Tensor | None = None
+        if self._ngram is None:
+            probs = [r.req.draft_probs for r in rejecting]
+            q = torch.cat([p.narrow(0, 0, len(r.drafts)) for p, r in zip(probs, rejecting) if p is not None])
         spec = [
-            SpecRow(seed=st.seed, first_index=st.num_outputs, num_drafts=len(drafts_used[i]), greedy=False)
-            for i, st in zip(rejecting, states)
+            SpecRow(seed=r.req.seed, first_index=r.req.num_outputs, num_drafts=len(r.drafts), greedy=False)
+            for r in rejecting
         ]
-        drafts = [drafts_used[i] for i in rejecting]
-        verdict = verify_sampled(sub, [params[r] for r in rows], drafts, torch.cat(q), spec)
-        return dict(zip(rejecting, verdict))
+        params = [step.params[j] for j in rows]
+        for r, kept in zip(rejecting, verify_sampled(sub, params, [r.drafts for r in rejecting], q, spec)):
+            r.kept = kept
 
-    def _row_params(
-        self, entries: list[ScheduledEntry], num_logits: list[int], drafts_used: list[list[int]]
-    ) -> list[RowParams]:
+    def _row_params(self, rows: list[StepRow]) -> list[RowParams]:
         """One sampler row per logits row: row ``j`` of a request follows its first ``j`` drafts."""
         params: list[RowParams] = []
-        for e, n, drafts in zip(entries, num_logits, drafts_used):
-            st = self.states[e.request_id]
-            while len(st.rows) < n:  # built once per request and logits row, then updated in place
+        for r in rows:
+            st = r.req
+            r.first_logit = len(params)
+            while len(st.rows) < r.num_logits:  # built once per request and logits row, then updated in place
                 st.rows.append(_row(st))
             base = st.num_outputs
-            for j in range(n):
-                params.append(_update(st, st.rows[j], base + j, drafts[:j]))
+            for j in range(r.num_logits):
+                params.append(_update(st, st.rows[j], base + j, r.drafts[:j]))
         return params
 
-    def _verify(
-        self,
-        entries: list[ScheduledEntry],
-        num_logits: list[int],
-        drafts_used: list[list[int]],
-        verified: _Verified,
-        result: StepResult,
-    ) -> None:
-        """Keep each request's accepted tokens, commit them to its state and record them in ``result``."""
-        result.num_accepted_per_pos = [0] * max((len(d) for d in drafts_used), default=0)
-        committed: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
-        row_of = self.input_batch.row_of
-        out = verified.out
-        row = 0
-        for i, (e, n, drafts) in enumerate(zip(entries, num_logits, drafts_used)):
-            rows = [verified.row_at.get(r, -1) for r in range(row, row + n)]  # rows of ``out`` (-1: none)
-            row += n
-            if n == 0:
-                continue
-            st = self.states[e.request_id]
-            err = next((out.errors[r] for r in rows if r in out.errors), st.grammar_error)
-            if i in verified.kept:
-                err = err or (None if verified.kept[i] is not None else _NON_FINITE)
-            if err is not None:
-                result.request_errors[e.request_id] = err
-                continue
-            kept = verified.kept.get(i) or _accept([out.tokens[r] for r in rows], drafts)
-            if any(r in out.empty for r in rows[: len(kept)]):  # a discarded row's emptiness does not count
-                result.request_errors[e.request_id] = _NOTHING_ALLOWED
-                continue
-            if st.grammar is not None and not st.grammar.advance(kept):
-                result.request_errors[e.request_id] = f"structured output: {st.grammar.error}"
-                continue
-            for j in range(len(kept) - 1):
-                result.num_accepted_per_pos[j] += 1
-            result.num_drafted += len(drafts)
-            result.num_verify_steps += bool(drafts)
-            st.history += kept
-            if st.counts is not None:
-                st.counts.extend(kept)
-            for col, value in zip(committed, (row_of[e.request_id], len(kept), kept[-1])):
-                col.append(value)
-            committed[3].append(e.num_draft - (len(kept) - 1))
-            result.sampled[e.request_id] = kept
-            if st.sampling.logprobs is not None:
-                result.logprobs[e.request_id] = [out.logprobs[r] or {} for r in rows[: len(kept)]]
-        self.input_batch.commit(*committed)
+    def _finish_sample(self, step: LaunchedStep) -> StepResult:
+        """Read the step's sample (its one host read) and verify every row into a result."""
+        result = StepResult(step_id=step.cmd.step_id)
+        if not step.params:
+            return result
+        out = SampleOutput([], [], {})
+        if step.device is not None:
+            out = read_sample(*step.device, [step.params[j] for j in step.sampled_rows])
+        at = {j: i for i, j in enumerate(step.sampled_rows)}  # logits row -> its row in ``out``
+        result.num_accepted_per_pos = [0] * max((len(r.drafts) for r in step.rows), default=0)
+        for r in step.rows:
+            if r.num_logits:
+                self._commit(
+                    r, out, [at.get(j, -1) for j in range(r.first_logit, r.first_logit + r.num_logits)], result
+                )
+        return result
 
-
-@dataclass(slots=True, kw_only=True)
-class _Pending:
-    """What a step settles before its forward for its sampling: the entries rejection sampling
-    verifies and the grammar masks filling beside the forward."""
-
-    rejecting: list[int]
-    masks: Future[HostMask | None] | None
-
-
-@dataclass(slots=True, kw_only=True)
-class _Sampling:
-    """A step's sampling between its two parts. ``params`` are the requests' reused sampler rows:
-    only a step's own first part updates them, so they still describe this step when it is read."""
-
-    params: list[RowParams]
-    kept: dict[int, list[int] | None]  # entry index -> what rejection sampling kept (read already)
-    rows: list[int]  # the step rows sampled one by one
-    device: tuple[DeviceSample, torch.Tensor] | None  # their device sample and its packed read, queued
-
-
-@dataclass(slots=True, kw_only=True)
-class _Work:
-    """A launched step's batch and what its second part needs of the first."""
-
-    batch: BatchInput
-    drafts_used: list[list[int]]
-    prompt_rows: list[tuple[str, int, int]]
-    prompt_lps: dict[str, tuple[int, list[dict[int, float]]]] | str
-    sampling: _Sampling
-
-
-@dataclass(slots=True, kw_only=True)
-class LaunchedStep:
-    """A step between :meth:`ModelRunner.launch` and :meth:`ModelRunner.finish`: its state is the
-    work left for the second part, or the result already (an error, or a step with no entries)."""
-
-    cmd: StepCommand
-    seconds: float  # host time of the step's own parts (and its staging) so far
-    state: StepResult | _Work
-
-
-@dataclass(slots=True, kw_only=True)
-class _Staged:
-    """The next step, staged: the command, its staging time, and what staging raised (if anything)."""
-
-    cmd: StepCommand
-    seconds: float
-    error: Exception | None
-
-
-@dataclass(slots=True, kw_only=True)
-class _Verified:
-    """A step's verification results: the sampler's output of the rows sampled one by one
-    (``row_at``: step row -> its row in ``out``) and the tokens rejection sampling kept per entry."""
-
-    out: SampleOutput
-    row_at: dict[int, int]
-    kept: dict[int, list[int] | None]
+    def _commit(self, r: StepRow, out: SampleOutput, rows: list[int], result: StepResult) -> None:
+        """Keep the tokens ``r`` accepts (``rows``: its rows of ``out``, -1 where rejection sampling
+        verified it), commit them to its request and record them in ``result``."""
+        st = r.req
+        rid = st.request_id
+        err = next((out.errors[j] for j in rows if j in out.errors), st.grammar_error)
+        if r.rejects and r.kept is None:
+            err = err or _NON_FINITE
+        if err is not None:
+            result.request_errors[rid] = err
+            return
+        kept = r.kept if r.kept is not None else _accept([out.tokens[j] for j in rows], r.drafts)
+        if any(j in out.empty for j in rows[: len(kept)]):  # a discarded row's emptiness does not count
+            result.request_errors[rid] = _NOTHING_ALLOWED
+            return
+        if st.grammar is not None and not st.grammar.advance(kept):
+            result.request_errors[rid] = f"structured output: {st.grammar.error}"
+            return
+        for j in range(len(kept) - 1):
+            result.num_accepted_per_pos[j] += 1
+        result.num_drafted += len(r.drafts)
+        result.num_verify_steps += bool(r.drafts)
+        st.history += kept
+        if st.counts is not None:
+            st.counts.extend(kept)
+        st.last_sampled = kept[-1]
+        st.rejected += r.entry.num_draft - (len(kept) - 1)
+        result.sampled[rid] = kept
+        if st.sampling.logprobs is not None:
+            result.logprobs[rid] = [out.logprobs[j] or {} for j in rows[: len(kept)]]
 
 
 _NON_FINITE = "the model produced non-finite logits (NaN or +inf) for this request"
@@ -754,46 +676,52 @@ def _failed(cmd: StepCommand, e: Exception) -> StepResult:
     return StepResult(step_id=cmd.step_id, error=f"{msg}\n{tb}".strip())
 
 
-def _fail_prompt_rows(result: StepResult, prompt_rows: list[tuple[str, int, int]], reason: str) -> None:
+def _fail_prompt_rows(result: StepResult, rows: list[StepRow], reason: str) -> None:
     """Fail the requests whose prompt logprobs could not be computed; the others keep their tokens."""
-    for rid, _, m in prompt_rows:
-        if m:
+    for r in rows:
+        if r.num_prompt_rows:
+            rid = r.req.request_id
             result.request_errors[rid] = reason
             result.sampled.pop(rid, None)
             result.logprobs.pop(rid, None)
 
 
-def _row(st: _ReqState) -> RowParams:
-    """A request's sampler parameters; :func:`_update` sets the draw and its drafts."""
+def _last_sampled(st: WorkerRequest) -> int:
+    if st.last_sampled is None:
+        raise MissingSampledTokenError(
+            f"request {st.request_id!r}: decode asks for the last sampled token, but none was sampled"
+        )
+    return st.last_sampled
+
+
+def _wants_drafts(row: StepRow) -> bool:
+    """Whether the request of ``row`` drafts for its next step. The scheduler asks the speculative
+    policy for ``k`` at every decode of a request that has sampled and sends it as ``num_draft``, so a
+    decode with ``num_draft == 0`` is a request the policy gives no drafts: drafting for it would be
+    thrown away. Prefill entries carry no ``k`` (the policy is not asked), so they draft."""
+    is_decode = len(row.tokens) == 1 and row.start >= row.req.num_prompt
+    return row.entry.num_draft > 0 or not is_decode
+
+
+def _row(st: WorkerRequest) -> RowParams:
+    """A request's sampler parameters, copied by name from its wire struct; :func:`_update` sets
+    the draw and its drafts."""
     sp = st.sampling
-    return RowParams(
-        temperature=sp.temperature,
-        top_k=sp.top_k,
-        top_p=sp.top_p,
-        min_p=sp.min_p,
-        presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty,
-        seed=st.seed,
-        draw_index=0,
-        num_logprobs=sp.logprobs,
-        # Penalties read the request's device counts plus each row's drafts: no history copy per step.
-        counts=st.counts,
-        edits=st.edits,
-    )
+    knobs = {name: getattr(sp, name) for name in _ROW_KNOBS}
+    return RowParams(**knobs, seed=st.seed, draw_index=0, num_logprobs=sp.logprobs, counts=st.counts, edits=st.edits)
 
 
-def _update(st: _ReqState, row: RowParams, draw_index: int, drafts: list[int]) -> RowParams:
+def _update(st: WorkerRequest, row: RowParams, draw_index: int, drafts: list[int]) -> RowParams:
     """``row`` set to sample the request's output ``draw_index`` after ``drafts``."""
     row.draw_index = draw_index
     row.banned = _min_tokens_bans(st) if draw_index < st.sampling.min_tokens else ()
-    if st.sampling.bad_words:
-        row.banned += _bad_word_bans(st.sampling.bad_words, st.history, st.num_prompt, drafts)
+    if st.sampling.bad_words_token_ids:
+        row.banned += _bad_word_bans(st.sampling.bad_words_token_ids, st.history, st.num_prompt, drafts)
     row.drafts = tuple(drafts) if st.counts is not None else ()
     return row
 
 
-def _min_tokens_bans(st: _ReqState) -> tuple[int, ...]:
+def _min_tokens_bans(st: WorkerRequest) -> tuple[int, ...]:
     """What a row before ``min_tokens`` bans: the stop token ids, and EOS unless ignored. Under a grammar
     its mask holds EOS back instead (``RequestGrammar``): a complete grammar may be down to EOS, and
     its end is the output's end, so EOS is never banned outright there."""

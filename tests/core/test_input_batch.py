@@ -1,7 +1,6 @@
-"""The worker's persistent input batch against a plain dict-of-lists model: rows added, removed
-(with the last row moved into the hole) and grown by appended blocks in any order keep the same
-tables, row mapping and sampling parameters as the model, and a step's tensors equal a brute-force
-build from the model."""
+"""The worker's row allocator against a plain dict-of-lists model: rows added, removed (with the
+last row moved into the hole) and grown by appended blocks in any order keep the same tables and row
+mapping as the model, and a step's tensors equal a brute-force build from the model."""
 
 from __future__ import annotations
 
@@ -13,26 +12,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from pypto_serving import CacheGroupSpec, SamplingParams
+from pypto_serving import CacheGroupSpec
 from pypto_serving.input_batch import InputBatch, StepArrays
-from pypto_serving.messages import wire_sampling
 
 # A small max_model_len so that tables outgrow their first width, and few rows so that rows grow too.
 GROUPS = [CacheGroupSpec("kv", 2, 1), CacheGroupSpec("compressed", 2, 1, tokens_per_entry=4)]
 IDS = [f"r{i}" for i in range(7)]
-
-samplings = st.builds(
-    lambda t, k, p, m, rep, lp, mt: SamplingParams(
-        temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=rep, logprobs=lp, min_tokens=mt, stop_token_ids=[5]
-    ),
-    st.sampled_from([0.0, 0.5, 1.0]),
-    st.integers(0, 5),
-    st.sampled_from([0.5, 1.0]),
-    st.sampled_from([0.0, 0.1]),
-    st.sampled_from([1.0, 1.2]),
-    st.none() | st.integers(0, 3),
-    st.integers(0, 4),
-)
 
 
 class InputBatchMachine(RuleBasedStateMachine):
@@ -42,20 +27,13 @@ class InputBatchMachine(RuleBasedStateMachine):
         self.order: list[str] = []  # the model's rows: the last one fills a hole
         self.model: dict[str, dict[str, Any]] = {}
 
-    @rule(rid=st.sampled_from(IDS), sp=samplings, seed=st.integers(0, 2**40), outputs=st.lists(st.integers(0, 50)))
-    def add(self, rid: str, sp: SamplingParams, seed: int, outputs: list[int]) -> None:
-        wire = wire_sampling(sp, (3,))
+    @rule(rid=st.sampled_from(IDS))
+    def add(self, rid: str) -> None:
         if rid in self.model:  # a request entering again replaces its old row
             self._model_remove(rid)
-        self.ib.add(rid, sampling=wire, seed=seed, outputs=outputs)
+        assert self.ib.add(rid) == len(self.order)
         self.order.append(rid)
-        self.model[rid] = {
-            "sampling": wire,
-            "seed": seed,
-            "num_outputs": len(outputs),
-            "last": outputs[-1] if outputs else -1,
-            "blocks": {g.name: [] for g in GROUPS},
-        }
+        self.model[rid] = {"blocks": {g.name: [] for g in GROUPS}}
 
     @rule(rids=st.lists(st.sampled_from(IDS), max_size=4))
     def remove(self, rids: list[str]) -> None:
@@ -125,19 +103,8 @@ class InputBatchMachine(RuleBasedStateMachine):
         ib = self.ib
         assert ib.request_ids == self.order
         assert ib.row_of == {r: i for i, r in enumerate(self.order)}
-        for row, rid in enumerate(self.order):
+        for rid in self.order:
             m = self.model[rid]
-            sp = m["sampling"]
-            assert ib.sampling[row] is sp
-            assert [ib.floats[k][row] for k in ("temperature", "top_p", "min_p", "repetition_penalty")] == [
-                sp.temperature,
-                sp.top_p,
-                sp.min_p,
-                sp.repetition_penalty,
-            ]
-            assert ib.ints["top_k"][row] == sp.top_k and ib.ints["seed"][row] == m["seed"]
-            assert ib.ints["num_logprobs"][row] == (-1 if sp.logprobs is None else sp.logprobs)
-            assert ib.ints["num_outputs"][row] == m["num_outputs"] and ib.ints["last_sampled"][row] == m["last"]
             for g in GROUPS:
                 assert ib.block_ids(rid, g.name) == m["blocks"][g.name]
 
@@ -158,22 +125,19 @@ TestInputBatch = InputBatchMachine.TestCase
 def test_growing_keeps_rows_and_tables() -> None:
     """Past its first capacity the batch grows rows and table width without losing data."""
     ib = InputBatch(groups=GROUPS[:1], max_model_len=2, device=torch.device("cpu"), rows=1)
-    wire = wire_sampling(SamplingParams(temperature=0.5, seed=1), ())
     for i in range(5):
-        ib.add(f"r{i}", sampling=wire, seed=i, outputs=[i])
+        assert ib.add(f"r{i}") == i
         ib.append_blocks(i, {"kv": list(range(10 * i, 10 * i + i + 1))})
     assert ib.capacity >= 5 and ib.tables["kv"].table.shape[1] >= 5
     assert [ib.block_ids(f"r{i}", "kv") for i in range(5)] == [list(range(10 * i, 10 * i + i + 1)) for i in range(5)]
-    assert ib.ints["seed"][:5].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_appends_not_yet_on_the_device_follow_their_row_through_a_removal() -> None:
     """Blocks appended and not yet written (no step ran) land on the right request when a removal
     moves rows first."""
     ib = InputBatch(groups=GROUPS[:1], max_model_len=16, device=torch.device("cpu"), rows=4)
-    wire = wire_sampling(SamplingParams(), ())
     for rid in ("a", "b", "c"):
-        ib.add(rid, sampling=wire, seed=0, outputs=[])
+        ib.add(rid)
     ib.append_blocks(0, {"kv": [1, 2]})
     ib.append_blocks(2, {"kv": [3]})
     ib.remove(["a"])  # "c" moves into row 0 with its pending block
@@ -186,7 +150,7 @@ def test_freed_window_entries_are_written_as_block_zero() -> None:
     """A window group's entries freed before they reach the worker (-1) are held as block 0, so every
     table entry is a valid block id; the entries after them keep their places."""
     ib = InputBatch(groups=GROUPS[:1], max_model_len=16, device=torch.device("cpu"), rows=2)
-    ib.add("a", sampling=wire_sampling(SamplingParams(), ()), seed=0, outputs=[])
+    ib.add("a")
     ib.append_blocks(0, {"kv": [-1, -1, 7]})
     ib.append_blocks(0, {"kv": [9]})
     ib.remove([])

@@ -261,7 +261,7 @@ def test_a_launched_step_reads_nothing_back_until_it_finishes() -> None:
         runner = ModelRunner(FakeCuda(), _settings())
         runner.load()
         run = runner.launch(cmd)
-        assert isinstance(run, LaunchedStep) and not isinstance(run.state, StepResult), run.state
+        assert isinstance(run, LaunchedStep) and run.result is None, run.result
         result = runner.finish(run)
     # The fake device holds no values: the read of the sampled tokens is what fails, in the second part.
     assert result.error is not None and result.error.startswith("DataDependentOutputException"), result.error

@@ -146,7 +146,7 @@ def verify_sampled(
     logits: torch.Tensor,
     params: Sequence[RowParams],
     drafts: Sequence[Sequence[int]],
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     rows: Sequence[SpecRow],
 ) -> list[list[int] | None]:
     """Rejection-sample the drafts of sampled requests; one host read.
@@ -155,7 +155,9 @@ def verify_sampled(
     :param params: the sampler's parameters of each of those rows (row ``j`` follows the first ``j``
         drafts: penalties and bans conditioned on them).
     :param drafts: per request, its ``k_r`` drafts.
-    :param draft_probs: ``[sum(k_r), V]`` the drafter's ``q`` of each draft, in the same order.
+    :param draft_probs: ``[sum(k_r), V]`` the drafter's ``q`` of each draft, in the same order;
+        None for point-mass drafts (n-gram): ``q`` is one-hot at each draft, so a draft is accepted
+        with probability ``p(d)`` and a rejection draws from ``p`` without ``d``, renormalised.
     :param rows: per request, its :class:`SpecRow` (``greedy=False``).
     :return: per request, its accepted drafts then the residual or bonus token; None where the
         request's logits are not finite.

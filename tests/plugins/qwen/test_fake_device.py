@@ -161,6 +161,6 @@ def test_the_runners_batch_runs_on_the_device(
     # a: the last 2 prompt tokens after 4 cached ones; b: a decode after its 3-token prompt.
     entries = [_entry("a", [8, 9], 4, [3, 7]), _entry("b", [], 3, [5], last=True)]
     runner._append_blocks(entries)  # what step() does first: the worker keeps each request's tables
-    batch, _, _ = runner._build_batch(entries)
+    batch, _ = runner._build_batch(entries)
     assert batch.query_start_loc_host == [0, 2, 3] and batch.seq_lens_host == [6, 4]
     _execute(ex, batch, ex.config.vocab_size)
