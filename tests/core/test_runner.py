@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, SamplingParams, ServingSettings
-from pypto_serving.messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, wire_sampling
+from pypto_serving.messages import NewRequestData, ScheduledEntry, StepCommand, wire_sampling
+from pypto_serving.request import StructuredSpec
 from pypto_serving.runner import ModelRunner
 
 VOCAB = 11
@@ -122,6 +123,56 @@ def test_sampling_crosses_the_pipe_as_a_typed_struct() -> None:
     raw["sampling"]["temperature"] = "hot"
     with pytest.raises(msgspec.ValidationError, match=r"sampling\.temperature"):
         msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=NewRequestData)
+
+
+def test_the_wire_struct_is_sampling_params_copied_by_name() -> None:
+    """One struct from the API to the sampler: every wire field but the derived ones is the
+    SamplingParams field of the same name, copied with its value (a field set to a non-default value
+    arrives set); the sampler's row and the drafter's row take every field they share with it by
+    name, so a knob added to SamplingParams and the sampler reaches the sampler by adding it to the
+    wire struct alone."""
+    from dataclasses import fields
+
+    from pypto_serving.messages import COPIED, DERIVED, WireSampling
+    from pypto_serving.runner import _DRAFT_KNOBS, _ROW_KNOBS
+    from pypto_serving.sampler import RowParams
+    from pypto_serving.spec_decode import DraftRow
+
+    api = {f.name for f in fields(SamplingParams)}
+    assert set(COPIED) <= api and set(COPIED) | set(DERIVED) == set(WireSampling.__struct_fields__)
+    assert not set(DERIVED) & api
+    values: dict[str, Any] = {
+        "temperature": 0.5,
+        "top_k": 3,
+        "top_p": 0.9,
+        "min_p": 0.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "min_tokens": 2,
+        "logprobs": 4,
+        "structured": StructuredSpec(kind="regex", source="a+"),
+        "logit_bias": {7: 1.5},
+        "allowed_token_ids": [1, 7],
+        "bad_words_token_ids": [[1, 2], [3]],
+        "prompt_logprobs": 1,
+        "max_tokens": 9,
+    }
+    assert set(values) == set(COPIED)  # a new copied field needs a value here
+    wire = wire_sampling(SamplingParams(**values), (2,))
+    frozen = {"logit_bias": ((7, 1.5),), "allowed_token_ids": (1, 7), "bad_words_token_ids": ((1, 2), (3,))}
+    assert {n: getattr(wire, n) for n in COPIED} == values | frozen
+    assert set(_ROW_KNOBS) == {f.name for f in fields(RowParams)} & set(WireSampling.__struct_fields__)
+    assert {"temperature", "top_k", "top_p", "min_p", "repetition_penalty"} <= set(_ROW_KNOBS)
+    assert (
+        set(_DRAFT_KNOBS)
+        == {"temperature", "top_k", "top_p", "min_p"}
+        == {f.name for f in fields(DraftRow)}
+        - {
+            "seed",
+            "first_index",
+        }
+    )
 
 
 class CpuExecutor(RecordingExecutor):
