@@ -9,6 +9,8 @@ penalties conditioned on the row's drafts, bans), turned into probabilities ``p`
 :func:`processed_probs` with the same filters, and checked by
 :func:`~pypto_serving.spec_decode.rejection.rejection_sample`. Accepted drafts and the residual or
 bonus token are then distributed exactly as tokens sampled one by one (Leviathan et al. 2023).
+Drafts nobody sampled (the n-gram drafter's) go through :func:`verify_sampled` the same way with no
+``q``: a point mass at each draft.
 
 Randomness: the draft at output index ``i`` uses :func:`~.rejection.draft_uniforms` at ``i``, a
 stream disjoint from the target's draws (index ``i``) and the acceptance tests (``-1 - i``). A draft
