@@ -503,14 +503,13 @@ class ModelRunner:
         assert step.batch is not None
         depth = step.cmd.draft_depth
         step.batch.draft_depth = depth
-        sampled = [r for r in step.rows if r.req.request_id in result.sampled]
-        sampler: DraftSampler | None = None
         if self._ngram is not None:
-            drafting = [r for r in sampled if _wants_drafts(r)] if depth != 0 else []
-            proposed = self._ngram.propose([r.req.history for r in drafting]) if drafting else []
-            drafted = dict(zip((id(r) for r in drafting), proposed))
+            sampled = [r for r in step.rows if r.req.request_id in result.sampled]
+            drafting = [r.req for r in sampled if _wants_drafts(r)] if depth != 0 else []
+            proposed = self._ngram.propose([st.history for st in drafting]) if drafting else []
+            drafted = {st.request_id: drafts for st, drafts in zip(drafting, proposed)}
             for r in sampled:
-                drafts = drafted.get(id(r), [])
+                drafts = drafted.get(r.req.request_id, [])
                 r.req.drafts = list(drafts if depth is None else drafts[:depth])
                 r.req.draft_probs = None
             return
