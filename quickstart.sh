@@ -15,7 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-# PyTorch's index of CPU-only wheels (about 200 MB; PyPI's Linux x86_64 wheel is the multi-GB CUDA build).
+# PyTorch's index of CPU-only wheels (about 200 MB; PyPI's Linux x86_64 wheel is the multi-GB CUDA
+# build); QUICKSTART_TORCH_CPU_INDEX names a mirror of it.
 cpu_index=${QUICKSTART_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 
 venv=.venv device=cpu port=8000 model="" serve=1 venv_flags=()
