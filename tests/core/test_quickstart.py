@@ -99,7 +99,9 @@ def test_cpu_installs_torch_from_the_cpu_wheel_index_with_progress(stub_venv: Pa
     assert torch_call.split() == [
         "-m", "pip", "install", "--disable-pip-version-check", "--extra-index-url", cpu_index, "torch==2.13.0"
     ]  # fmt: skip
-    assert dists_call.endswith("./ ./kernels ./plugins/qwen ./plugins/deepseek_mtp ./plugins/sync_sched ./plugins/async_sched")
+    assert dists_call.endswith(
+        "./ ./kernels ./plugins/qwen ./plugins/deepseek_mtp ./plugins/sync_sched ./plugins/async_sched"
+    )
     assert all(" -q" not in c for c in calls)  # pip's progress shows
     steps = [line for line in err.splitlines() if line.startswith("quickstart: [")]
     assert [s[:15] for s in steps] == ["quickstart: [1/", "quickstart: [2/", "quickstart: [3/"]
