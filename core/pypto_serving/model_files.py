@@ -97,8 +97,8 @@ _STRETCHING_ROPE = ("yarn", "linear", "dynamic")
 
 def checkpoint_max_len(model_dir: str | Path) -> int | None:
     """The longest sequence ``config.json`` says the model handles: ``max_position_embeddings``,
-    stretched by a YaRN / linear / dynamic ``rope_scaling`` factor (over its
-    ``original_max_position_embeddings`` where given). None when the file does not say."""
+    stretched by a YaRN / linear / dynamic ``rope_scaling`` (``rope_parameters``) factor over its
+    ``original_max_position_embeddings`` where given. None when the file does not say."""
     path = Path(model_dir).expanduser() / "config.json"
     if not path.is_file():
         return None
@@ -110,7 +110,7 @@ def checkpoint_max_len(model_dir: str | Path) -> int | None:
     limit = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         return None
-    scaling = cfg.get("rope_scaling") or {}
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 5 renamed it
     kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     factor = scaling.get("factor") if kind in _STRETCHING_ROPE else None
     if isinstance(factor, int | float) and factor > 1:

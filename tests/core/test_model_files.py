@@ -86,6 +86,14 @@ def _config(tmp_path: Path, **values: object) -> Path:
             131072,
         ),
         ({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2}}, 8192),
+        (  # transformers 5's name for it
+            {
+                "max_position_embeddings": 256,
+                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+            },
+            256,
+        ),
+        ({"max_position_embeddings": 256, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 512),
         # llama3 scaling already states the stretched length in max_position_embeddings.
         ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131072),
         ({"text_config": {"max_position_embeddings": 1024}}, 1024),  # multimodal configs nest it
