@@ -172,11 +172,16 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _root_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pypto-serving", description="LLM serving engine with pluggable executors.")
     parser.add_argument(
         "--version", action=_VersionAction, help="print the versions of pypto-serving, its plugins and torch"
     )
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _root_parser()
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list installed plugins: name, what they provide, distribution, version, status")
