@@ -192,20 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="print JSON")
     m.set_defaults(func=_cmd_models)
 
-    c = sub.add_parser(
-        "config",
-        help="inspect settings",
-        description="Settings, highest precedence first: flags > PYPTO_SERVING_<NAME> > --config file > defaults.",
-        epilog=_settings_table(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    csub = c.add_subparsers(dest="config_command", required=True)
-    show = csub.add_parser("show", help="effective settings with the source of each value")
-    show.add_argument("--config", metavar="FILE", help="TOML or YAML settings file")
-    show.add_argument("--model", metavar="DIR|NAME", help="model directory or named model")
-    show.add_argument("--json", action="store_true", help="print JSON")
-    add_settings_arguments(show)
-    show.set_defaults(func=_cmd_config_show)
+    _add_config_command(sub)
 
     g = sub.add_parser("generate", help="offline generation for prompts given as arguments or a JSONL file")
     g.add_argument("prompt", nargs="*", help="prompt texts")
@@ -254,6 +241,23 @@ def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
             close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
             hints += [f"did you mean {close[0]}?"] if close else []
     return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
+def _add_config_command(sub: Any) -> None:
+    c = sub.add_parser(
+        "config",
+        help="inspect settings",
+        description="Settings, highest precedence first: flags > PYPTO_SERVING_<NAME> > --config file > defaults.",
+        epilog=_settings_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    csub = c.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="effective settings with the source of each value")
+    show.add_argument("--config", metavar="FILE", help="TOML or YAML settings file")
+    show.add_argument("--model", metavar="DIR|NAME", help="model directory or named model")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    add_settings_arguments(show)
+    show.set_defaults(func=_cmd_config_show)
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
