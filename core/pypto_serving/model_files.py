@@ -85,7 +85,7 @@ def check_model_exists(model: str, named_models: Iterable[str]) -> None:
     close = difflib.get_close_matches(model, names, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise SettingsError(
-        f"model {model!r} is neither a directory nor a named model; {hint}"
+        f"model {model!r} does not exist: it is neither a directory nor a named model; {hint}"
         f"'pypto-serving models' lists the named models ({', '.join(names) or 'none installed'})"
     )
 

@@ -362,7 +362,7 @@ def test_serve_draws_the_workload_from_a_named_models_vocabulary(monkeypatch: py
     ("model", "error"),
     [
         ("unsized", "cannot tell the vocabulary size of "),
-        ("size", "model 'size' is neither a directory nor a named model; did you mean 'sized'?"),
+        ("size", "model 'size' does not exist: it is neither a directory nor a named model; did you mean 'sized'?"),
     ],
 )
 def test_serve_fails_before_starting_a_server(

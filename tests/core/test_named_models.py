@@ -102,8 +102,8 @@ def test_a_model_that_is_neither_a_directory_nor_a_name_names_the_closest_one(
 ) -> None:
     pm = models(**{"tiny-qwen3": 0, "tiny-deepseek-v4": 1})
     expected = (
-        f"model {model!r} is neither a directory nor a named model; {hint}'pypto-serving models' lists the "
-        "named models (tiny-deepseek-v4, tiny-qwen3)"
+        f"model {model!r} does not exist: it is neither a directory nor a named model; {hint}"
+        "'pypto-serving models' lists the named models (tiny-deepseek-v4, tiny-qwen3)"
     )
     with pytest.raises(SettingsError) as e:
         pm.resolve_model(ServingSettings(model=model))
@@ -117,7 +117,7 @@ def test_a_mistyped_model_fails_the_command_in_one_line(
     monkeypatch.setattr("pypto_serving.cli.PluginManager", lambda: pm)
     assert main(["generate", "--model", "tiny-qwen", "Hello"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("pypto-serving: error: model 'tiny-qwen' is neither") and "\n" not in err
+    assert err.startswith("pypto-serving: error: model 'tiny-qwen' does not exist: it is neither") and "\n" not in err
     assert "did you mean 'tiny-qwen3'?" in err and "'pypto-serving models'" in err
 
 
