@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +144,44 @@ def _settings_table() -> str:
     return "settings:\n" + "\n".join(f"  {n.ljust(width)}  {f.description}" for n, f in fields.items())
 
 
-def build_parser() -> argparse.ArgumentParser:
+def versions() -> list[tuple[str, str]]:
+    """``(distribution, version)`` of the core, the kernels, every distribution providing a plugin
+    (read from the entry points, so a broken plugin still shows) and torch, without loading any."""
+    names = ["pypto-serving", "pypto-kernels"]
+    for ep in metadata.entry_points(group="pypto_serving"):
+        if ep.dist is not None and ep.dist.name not in names:
+            names.append(ep.dist.name)
+    rows = []
+    for name in [*names, "torch"]:
+        try:
+            rows.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            if name == "pypto-serving":  # running from a source tree that was never installed
+                rows.append((name, "not installed"))
+    return rows
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the versions are looked up when asked for, not each time the parser is built."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print("\n".join(f"{name} {version}" for name, version in versions()))
+        parser.exit()
+
+
+def _root_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pypto-serving", description="LLM serving engine with pluggable executors.")
+    parser.add_argument(
+        "--version", action=_VersionAction, help="print the versions of pypto-serving, its plugins and torch"
+    )
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _root_parser()
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help="list installed plugins: name, what they provide, distribution, version, status")
@@ -154,20 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="print JSON")
     m.set_defaults(func=_cmd_models)
 
-    c = sub.add_parser(
-        "config",
-        help="inspect settings",
-        description="Settings, highest precedence first: flags > PYPTO_SERVING_<NAME> > --config file > defaults.",
-        epilog=_settings_table(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    csub = c.add_subparsers(dest="config_command", required=True)
-    show = csub.add_parser("show", help="effective settings with the source of each value")
-    show.add_argument("--config", metavar="FILE", help="TOML or YAML settings file")
-    show.add_argument("--model", metavar="DIR", help="model directory")
-    show.add_argument("--json", action="store_true", help="print JSON")
-    add_settings_arguments(show)
-    show.set_defaults(func=_cmd_config_show)
+    _add_config_command(sub)
 
     g = sub.add_parser("generate", help="offline generation for prompts given as arguments or a JSONL file")
     g.add_argument("prompt", nargs="*", help="prompt texts")
@@ -191,7 +216,48 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_arguments(w, server=False)
     w.set_defaults(func=_cmd_worker)
     _add_optional_commands(sub)
+    for leaf in _leaf_parsers(parser):
+        leaf.set_defaults(leaf_parser=leaf)
     return parser
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """The parsers of runnable commands (``generate``, ``config show``, ``bench serve``...)."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield parser
+    for action in subs:
+        for child in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+            yield from _leaf_parsers(child)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's message for arguments a command does not take, with the closest flag of that
+    command for each mistyped one (argparse suggests only from Python 3.14 on)."""
+    flags = [s for s in parser._option_string_actions if s.startswith("--")]
+    hints = []
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            hints += [f"did you mean {close[0]}?"] if close else []
+    return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else "")
+
+
+def _add_config_command(sub: Any) -> None:
+    c = sub.add_parser(
+        "config",
+        help="inspect settings",
+        description="Settings, highest precedence first: flags > PYPTO_SERVING_<NAME> > --config file > defaults.",
+        epilog=_settings_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    csub = c.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="effective settings with the source of each value")
+    show.add_argument("--config", metavar="FILE", help="TOML or YAML settings file")
+    show.add_argument("--model", metavar="DIR|NAME", help="model directory or named model")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    add_settings_arguments(show)
+    show.set_defaults(func=_cmd_config_show)
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -242,7 +308,12 @@ def _fail(message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Arguments a command does not take come back from its parser, not the top-level one, so the
+    # error shows that command's usage.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        leaf = getattr(args, "leaf_parser", parser)
+        leaf.error(_unrecognized(leaf, extra))
     try:
         return int(args.func(args))
     except (SettingsError, PluginError, ValueError, OSError) as e:  # SettingsError is a ValueError

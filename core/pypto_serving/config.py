@@ -148,7 +148,11 @@ class ServingSettings(BaseSettings):
     config_file: Path | None = Field(None, description="TOML or YAML file with settings (lowest precedence).")
 
     # -- model & plugins
-    model: str | None = Field(None, description="Local Hugging Face model directory to serve.")
+    model: str | None = Field(
+        None,
+        description="A named model ('pypto-serving models' lists them) or a local Hugging Face model directory "
+        "(config.json, safetensors, tokenizer.json); unset = the default named model.",
+    )
     served_model_name: str | None = Field(
         None, description="Model name reported by the API (default: the model directory's name)."
     )
@@ -164,7 +168,9 @@ class ServingSettings(BaseSettings):
     )
     speculative_config: SpeculativeConfig | None = Field(
         None,
-        description="Speculative decoding, e.g. {method = 'mtp', num_speculative_tokens = 2}; unset = off.",
+        description='Speculative decoding, e.g. {"method": "mtp", "num_speculative_tokens": 2}; unset = off. '
+        "Written as JSON on the command line and in PYPTO_SERVING_SPECULATIVE_CONFIG, as an inline table in a TOML "
+        "file ({method = 'mtp', num_speculative_tokens = 2}), as a mapping in a YAML file.",
     )
     executor_options: dict[str, Any] = Field(default_factory=dict, description="Options for the executor plugin.")
     tool_call_parser: str = Field(
@@ -182,7 +188,16 @@ class ServingSettings(BaseSettings):
 
     # -- capacity & batching
     max_model_len: int | None = Field(
-        None, gt=0, description="Longest prompt + output in tokens (default: the checkpoint's limit)."
+        None,
+        gt=0,
+        description="Longest prompt + output in tokens (default: the checkpoint's limit); one longer than the "
+        "checkpoint's max_position_embeddings is refused unless allow_long_max_model_len is set.",
+    )
+    allow_long_max_model_len: bool = Field(
+        False,
+        description="Accept a max_model_len longer than the checkpoint's max_position_embeddings (config.json, "
+        "stretched by a YaRN, linear or dynamic rope_scaling factor); positions past what the model was trained "
+        "on can give wrong outputs.",
     )
     max_num_seqs: int = Field(64, gt=0, description="Most requests running in one step.")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Most tokens computed in one step.")

@@ -21,7 +21,7 @@ from .executor import CacheGroupSpec
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
 from .messages import StepResult
-from .model_files import sampling_defaults
+from .model_files import check_max_model_len, sampling_defaults
 from .plugins import PluginError, PluginManager
 from .request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -187,6 +187,7 @@ class EngineCore:
         self.plugins.check_healthy()
         self.settings = settings = self.plugins.resolve_model(settings)
         exec_spec = self.plugins.select_executor(settings.executor, read_architecture(settings.model))
+        check_max_model_len(settings)
         # Fails before a model loads when the settings alone rule out every installed strategy; the
         # choice itself needs the loaded executor's supports_pipelining (``_setup``).
         self.plugins.select_scheduler(settings.scheduler, pipelined=settings.async_scheduling)

@@ -3,16 +3,32 @@
 ``generation_config.json`` holds the checkpoint's end-of-sequence ids and its sampling defaults;
 executors report both through :class:`~pypto_serving.ExecutorInfo`, and the engine and the server
 apply the defaults to requests that leave those fields unset (:func:`sampling_defaults`).
+``config.json`` bounds the context length a checkpoint was trained for (:func:`check_max_model_len`).
+A model that is neither a directory nor a named model fails with the closest name
+(:func:`check_model_exists`).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["GENERATION_CONFIG_KEYS", "read_generation_config", "sampling_defaults"]
+from .config import SettingsError
+
+if TYPE_CHECKING:
+    from .config import ServingSettings
+
+__all__ = [
+    "GENERATION_CONFIG_KEYS",
+    "check_max_model_len",
+    "check_model_exists",
+    "checkpoint_max_len",
+    "read_generation_config",
+    "sampling_defaults",
+]
 
 # The SamplingParams fields a checkpoint may default, under the names generation_config.json uses.
 GENERATION_CONFIG_KEYS = (
@@ -55,3 +71,64 @@ def sampling_defaults(values: Mapping[str, Any]) -> dict[str, Any]:
     """The :data:`GENERATION_CONFIG_KEYS` of ``values`` that are set: the keyword arguments of
     ``SamplingParams`` a checkpoint's defaults (``ExecutorInfo.generation_defaults``) supply."""
     return {k: values[k] for k in GENERATION_CONFIG_KEYS if values.get(k) is not None}
+
+
+def check_model_exists(model: str, named_models: Iterable[str]) -> None:
+    """Raise :class:`SettingsError` when ``model`` is neither an existing path nor one of
+    ``named_models``; the message names the closest named model (a mistyped ``tiny-qwen`` is
+    ``tiny-qwen3``) and the command that lists them."""
+    if Path(model).expanduser().exists():
+        return
+    names = sorted(named_models)
+    if model in names:
+        return
+    close = difflib.get_close_matches(model, names, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise SettingsError(
+        f"model {model!r} does not exist: it is neither a directory nor a named model; {hint}"
+        f"'pypto-serving models' lists the named models ({', '.join(names) or 'none installed'})"
+    )
+
+
+# Positions a rope_scaling of these types stretches by its factor (YaRN, linear and dynamic NTK
+# interpolation); other types (llama3, longrope) already state the stretched length.
+_STRETCHING_ROPE = ("yarn", "linear", "dynamic")
+
+
+def checkpoint_max_len(model_dir: str | Path) -> int | None:
+    """The longest sequence ``config.json`` says the model handles: ``max_position_embeddings``,
+    stretched by a YaRN / linear / dynamic ``rope_scaling`` (``rope_parameters``) factor over its
+    ``original_max_position_embeddings`` where given. None when the file does not say."""
+    path = Path(model_dir).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # the executor reports the broken file when it loads it
+    cfg = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+    limit = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        return None
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}  # transformers 5 renamed it
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    factor = scaling.get("factor") if kind in _STRETCHING_ROPE else None
+    if isinstance(factor, int | float) and factor > 1:
+        base = scaling.get("original_max_position_embeddings") or limit
+        limit = max(limit, int(base * factor))
+    return limit
+
+
+def check_max_model_len(settings: ServingSettings) -> None:
+    """Refuse a ``max_model_len`` beyond what the checkpoint was trained for (positions past it give
+    wrong outputs) unless ``allow_long_max_model_len`` is set."""
+    asked = settings.max_model_len
+    if asked is None or settings.model is None or settings.allow_long_max_model_len:
+        return
+    limit = checkpoint_max_len(settings.model)
+    if limit is not None and asked > limit:
+        raise SettingsError(
+            f"max_model_len={asked} is longer than the model's {limit} positions (max_position_embeddings in "
+            f"{Path(settings.model) / 'config.json'}); lower max_model_len, or set allow_long_max_model_len=true "
+            f"(--allow-long-max-model-len true) if the model handles longer sequences"
+        )

@@ -16,6 +16,7 @@ import pluggy
 
 from . import hookspecs
 from .config import SettingsError
+from .model_files import check_model_exists
 
 if TYPE_CHECKING:
     from .config import ServingSettings
@@ -274,6 +275,7 @@ class PluginManager:
         elif name in self.models.specs and not Path(name).exists():
             spec = self.models.specs[name][0]
         else:
+            check_model_exists(name, self.models.specs)
             return settings
         changes: dict[str, Any] = {"model": str(spec.path)}
         if settings.served_model_name is None:

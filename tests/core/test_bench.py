@@ -301,3 +301,82 @@ def test_serve_command_starts_and_stops_its_own_server(tiny_qwen: Path, tmp_path
     assert (fig["completed"], fig["output_tokens"]) == (3, 12)
     assert fig["ttft_ms"]["max"] <= fig["e2e_ms"]["max"]
     assert fig["base_url"].startswith("http://127.0.0.1:")
+
+
+# ---------------------------------------------------------------- bench serve --model NAME
+@pytest.fixture
+def named_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """Two named models the bench command resolves (``sized``: config.json says its vocabulary;
+    ``unsized``: nothing does), and the server start and the client run recorded instead of done."""
+    from pypto_serving import ModelSpec, PluginManager, hookimpl
+
+    dirs = {"sized": tmp_path / "sized", "unsized": tmp_path / "unsized"}
+    for name, path in dirs.items():
+        path.mkdir()
+        config = {"architectures": ["FakeForCausalLM"], **({"vocab_size": 50} if name == "sized" else {})}
+        (path / "config.json").write_text(json.dumps(config))
+
+    class ShipsModels:
+        @staticmethod
+        @hookimpl
+        def pypto_serving_register_models() -> list[ModelSpec]:
+            return [ModelSpec(name, str(path)) for name, path in dirs.items()]
+
+    monkeypatch.setattr("pypto_serving.bench.cli.PluginManager", lambda: PluginManager(extra_plugins=[ShipsModels]))
+    return dirs
+
+
+def _record_bench_serve(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """What ``bench serve`` did, in order: ``"started"`` for the server, then the client's config."""
+    import contextlib
+
+    events: list[Any] = []
+
+    @contextlib.contextmanager
+    def started_server(args: Any) -> Iterator[str]:
+        events.append("started")
+        yield "http://127.0.0.1:1"
+
+    def run_serve(config: ServeConfig) -> dict[str, Any]:
+        events.append(config)
+        return serve_figures(config, [], 1.0)
+
+    monkeypatch.setattr("pypto_serving.bench.launch.started_server", started_server)
+    monkeypatch.setattr("pypto_serving.bench.serve.run_serve", run_serve)
+    return events
+
+
+@pytest.mark.usefixtures("named_models")
+def test_serve_draws_the_workload_from_a_named_models_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    events = _record_bench_serve(monkeypatch)
+    assert main(["bench", "serve", "--model", "sized", "--num-prompts", "40", "--input-len", "4", "8"]) == 0
+    started, config = events
+    assert started == "started"
+    assert len(config.prompts) == 40 and {len(p) for p in config.prompts} <= set(range(4, 9))
+    ids = {t for p in config.prompts for t in p}
+    assert max(ids) < 50 and len(ids) > 40  # the named model's vocabulary, not a default or another one
+
+
+@pytest.mark.usefixtures("named_models")
+@pytest.mark.parametrize(
+    ("model", "error"),
+    [
+        ("unsized", "cannot tell the vocabulary size of "),
+        ("size", "model 'size' does not exist: it is neither a directory nor a named model; did you mean 'sized'?"),
+    ],
+)
+def test_serve_fails_before_starting_a_server(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], model: str, error: str
+) -> None:
+    events = _record_bench_serve(monkeypatch)
+    assert main(["bench", "serve", "--model", model, "--num-prompts", "2"]) == 2
+    assert events == []  # no server was started only to be stopped again
+    assert error in capsys.readouterr().err
+
+
+def test_httpx_comes_with_the_core() -> None:
+    """``bench serve``'s client is a dependency of the core, not only of its tests."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert any(dep.split(">")[0].split("=")[0].strip() == "httpx" for dep in project["dependencies"])

@@ -204,3 +204,55 @@ def test_bench_serve_with_nothing_listening_is_one_line(capsys: pytest.CaptureFi
     url = f"http://127.0.0.1:{free_port()}"
     assert main(["bench", "serve", "--base-url", url, "--vocab-size", "10", "--num-prompts", "1"]) == 2
     assert f"cannot reach {url}" in _one_error_line(capsys)
+
+
+# ---------------------------------------------------------------- a new user's first commands
+def test_version_prints_the_core_its_plugins_and_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    lines = dict(line.split(" ", 1) for line in capsys.readouterr().out.splitlines())
+    assert lines["pypto-serving"] == metadata.version("pypto-serving")
+    assert lines["torch"] == metadata.version("torch")
+    for ep in metadata.entry_points(group="pypto_serving"):  # every installed plugin's distribution
+        assert ep.dist is not None and lines[ep.dist.name] == ep.dist.version
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "hint"),
+    [
+        (["generate", "--max-tokes", "5", "Hello"], "usage: pypto-serving generate", "--max-tokens"),
+        (["config", "show", "--max-model-lenn=8"], "usage: pypto-serving config show", "--max-model-len"),
+        (["bench", "serve", "--concurency", "4"], "usage: pypto-serving bench serve", "--concurrency"),
+        (["models", "--jsn"], "usage: pypto-serving models", "--json"),
+    ],
+)
+def test_a_mistyped_flag_shows_its_commands_usage_and_the_closest_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], usage: str, hint: str
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage + " "), err[:200]
+    assert f"(did you mean {hint}?)" in err.splitlines()[-1]
+
+
+def test_an_argument_without_a_close_flag_gets_no_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["models", "--zzzzzz"])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == "pypto-serving models: error: unrecognized arguments: --zzzzzz"
+
+
+def test_the_speculative_config_help_example_is_json_that_the_flag_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    entry = flag_lines(help_of(capsys, "serve"))["--speculative-config"]
+    assert "--speculative-config JSON" in entry
+    example = re.search(r"e\.g\. (\{[^}]*\})", entry)
+    assert example is not None, entry
+    assert main(["config", "show", "--json", "--speculative-config", example.group(1)]) == 0
+    shown = json.loads(capsys.readouterr().out)["speculative_config"]
+    assert shown["source"] == "command-line flag"
+    assert (shown["value"]["method"], shown["value"]["num_speculative_tokens"]) == ("mtp", 2)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 
@@ -208,3 +210,37 @@ def test_a_bad_api_key_is_refused_without_echoing_the_keys(monkeypatch: pytest.M
     with pytest.raises(SettingsError) as e:
         ServingSettings.load()
     assert "api_key entry 1" in str(e.value) and "sk-valid-secret" not in str(e.value)
+
+
+def _speculative_config_rows() -> dict[str, list[str]]:
+    """docs/configuration.md's table of how each source writes speculative_config: source -> its snippets."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    table = doc[doc.index("Each source writes `speculative_config` its own way:") :].split("\n\n")[1]
+    rows = [line.split(" | ", 1) for line in table.splitlines()[2:]]
+    return {source.strip("| "): re.findall(r"`([^`]+)`", how) for source, how in rows}
+
+
+def test_every_source_takes_speculative_config_as_the_docs_write_it(
+    write: WriteFile, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = _speculative_config_rows()
+    assert set(rows) == {"flag", "environment", "TOML file", "YAML file", "Python"}
+    want = {"method": "mtp", "num_speculative_tokens": 2}
+    flag = shlex.split(rows["flag"][0])
+    assert main(["config", "show", "--json", *flag]) == 0
+    assert json.loads(capsys.readouterr().out)["speculative_config"]["value"].items() >= want.items()
+    for variable in rows["environment"]:
+        name, value = variable.split("=", 1)
+        monkeypatch.setenv(name, shlex.split(value)[0])
+        got = ServingSettings.load().speculative_config
+        assert got is not None and got.num_speculative_tokens == 2
+        monkeypatch.delenv(name)
+    for source, suffix in (("TOML file", ".toml"), ("YAML file", ".yaml")):
+        got = ServingSettings.load(write("s" + suffix, rows[source][0] + "\n")).speculative_config
+        assert got is not None and got.model_dump().items() >= want.items(), source
+
+
+def test_the_flags_help_says_json_and_the_file_form() -> None:
+    description = ServingSettings.model_fields["speculative_config"].description or ""
+    assert '{"method": "mtp", "num_speculative_tokens": 2}' in description
+    assert "JSON on the command line" in description and "inline table in a TOML file" in description

@@ -78,9 +78,8 @@ def test_what_is_not_a_registered_name_is_left_alone(
     models: Callable[..., PluginManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pm = models(tiny=0)
-    for model in ("/no/such/dir", str(tmp_path)):
-        settings = ServingSettings(model=model)
-        assert pm.resolve_model(settings) is settings
+    settings = ServingSettings(model=str(tmp_path))
+    assert pm.resolve_model(settings) is settings
     # A directory named like a registered model wins over the name.
     monkeypatch.chdir(tmp_path)
     _model_dir(tmp_path / "tiny")
@@ -88,6 +87,38 @@ def test_what_is_not_a_registered_name_is_left_alone(
     # An explicit executor may run without any model: no default is forced on it.
     settings = ServingSettings(executor="fake")
     assert pm.resolve_model(settings) is settings
+
+
+@pytest.mark.parametrize(
+    ("model", "hint"),
+    [
+        ("tiny-qwen", "did you mean 'tiny-qwen3'? "),
+        ("tiny-deepseek", "did you mean 'tiny-deepseek-v4'? "),
+        ("/no/such/dir", ""),  # nothing close: the list of names only
+    ],
+)
+def test_a_model_that_is_neither_a_directory_nor_a_name_names_the_closest_one(
+    models: Callable[..., PluginManager], model: str, hint: str
+) -> None:
+    pm = models(**{"tiny-qwen3": 0, "tiny-deepseek-v4": 1})
+    expected = (
+        f"model {model!r} does not exist: it is neither a directory nor a named model; {hint}"
+        "'pypto-serving models' lists the named models (tiny-deepseek-v4, tiny-qwen3)"
+    )
+    with pytest.raises(SettingsError) as e:
+        pm.resolve_model(ServingSettings(model=model))
+    assert str(e.value) == expected
+
+
+def test_a_mistyped_model_fails_the_command_in_one_line(
+    models: Callable[..., PluginManager], monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    pm = models(**{"tiny-qwen3": 0})
+    monkeypatch.setattr("pypto_serving.cli.PluginManager", lambda: pm)
+    assert main(["generate", "--model", "tiny-qwen", "Hello"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pypto-serving: error: model 'tiny-qwen' does not exist: it is neither") and "\n" not in err
+    assert "did you mean 'tiny-qwen3'?" in err and "'pypto-serving models'" in err
 
 
 def test_without_named_models_a_command_says_what_it_needs(models: Callable[..., PluginManager]) -> None:

@@ -40,7 +40,9 @@ def add_bench_command(sub: Any) -> None:
         "port unless --port is given) and stops it afterwards.",
     )
     s.add_argument(
-        "--model", metavar="DIR", help="model directory (the served one; also the tokenizer of the workload)"
+        "--model",
+        metavar="DIR|NAME",
+        help="model directory or named model (the served one; also the tokenizer of the workload)",
     )
     s.add_argument("--config", metavar="FILE", help="TOML or YAML settings file (for the server started here)")
     _add_serve_arguments(s)
@@ -144,22 +146,42 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .launch import started_server
+    from .serve import import_httpx
 
+    # Everything that can fail without a server fails before one is started (minutes on a big model).
+    import_httpx()
+    prompts = _serve_prompts(args)
     if args.base_url:
-        return _report(_serve_against(args, args.base_url), args.json)
+        return _report(_serve_against(args, args.base_url, prompts), args.json)
     with started_server(args) as url:
-        result = _serve_against(args, url)
+        result = _serve_against(args, url, prompts)
     return _report(result, args.json)
 
 
-def _serve_against(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    from .serve import ServeConfig, run_serve
+def _workload_model(args: argparse.Namespace) -> str | None:
+    """The directory whose tokenizer the prompts are drawn for: the tokenizer setting, else the model
+    (a named one resolved to its directory; none given and no --base-url: the default model, which
+    the started server serves)."""
+    settings = settings_from_args(args)
+    if settings.tokenizer is not None:
+        return settings.tokenizer
+    if args.base_url and settings.model is None:
+        return None  # a remote server's model is unknown here: --model or --vocab-size says it
+    return PluginManager().resolve_model(settings).model
+
+
+def _serve_prompts(args: argparse.Namespace) -> list[list[int] | str]:
     from .workload import make_prompts, prompt_vocab_size
 
-    model = args.model or getattr(args, "setting_tokenizer", None)
+    model = _workload_model(args) if not args.vocab_size or args.prompt_format == "text" else None
     vocab = args.vocab_size or prompt_vocab_size(model)
     ids = make_prompts(args.num_prompts, args.input_len[0], args.input_len[1], vocab, args.workload_seed)
-    prompts: list[list[int] | str] = list(ids) if args.prompt_format == "ids" else list(_decode_all(model, ids))
+    return list(ids) if args.prompt_format == "ids" else list(_decode_all(model, ids))
+
+
+def _serve_against(args: argparse.Namespace, url: str, prompts: list[list[int] | str]) -> dict[str, Any]:
+    from .serve import ServeConfig, run_serve
+
     config = ServeConfig(
         base_url=url,
         prompts=prompts,
@@ -185,7 +207,7 @@ def _decode_all(model: str | None, prompts: list[list[int]]) -> list[str]:
     from tokenizers import Tokenizer
 
     if model is None or not (Path(model) / "tokenizer.json").is_file():
-        raise ValueError("--prompt-format text needs --model DIR with a tokenizer.json")
+        raise ValueError("--prompt-format text needs --model DIR|NAME with a tokenizer.json")
     tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
     return [tok.decode(p, skip_special_tokens=False) for p in prompts]
 

@@ -1,7 +1,7 @@
 """Online latency: streamed ``/v1/completions`` requests against an OpenAI-compatible server, at a
 fixed concurrency or with Poisson arrivals, measuring TTFT, TPOT, ITL and end-to-end latency.
 
-The client is httpx (imported lazily: it is not a dependency of the core's runtime)."""
+The client is httpx, a dependency of the core imported here only (the engine does not need it)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 from .progress import Progress
 from .stats import summarize
 
-__all__ = ["RequestRecord", "ServeConfig", "run_serve", "serve_figures"]
+__all__ = ["RequestRecord", "ServeConfig", "import_httpx", "run_serve", "serve_figures"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +60,8 @@ class RequestRecord:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def _import_httpx() -> Any:
+def import_httpx() -> Any:
+    """httpx, or a one-line error for an environment that installed the core without its dependencies."""
     try:
         import httpx
     except ImportError:
@@ -147,7 +148,7 @@ def arrival_delays(count: int, rate: float, seed: int) -> list[float]:
 
 
 async def _run(config: ServeConfig) -> tuple[list[RequestRecord], float]:
-    httpx = _import_httpx()
+    httpx = import_httpx()
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=config.concurrency or len(config.prompts) or 1)
     async with httpx.AsyncClient(

@@ -30,7 +30,7 @@ def prompt_vocab_size(model: str | None) -> int:
     """Token ids a prompt may use for ``model``: the tokenizer's regular vocabulary (no added or
     special tokens), else ``config.json``'s ``vocab_size``."""
     if model is None:
-        raise ValueError("the workload needs a model directory (for its vocabulary) or --vocab-size")
+        raise ValueError("the workload needs --model DIR|NAME (for its vocabulary) or --vocab-size")
     tok_file = Path(model) / "tokenizer.json"
     if tok_file.is_file():
         from tokenizers import Tokenizer

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..config import SettingsError, add_settings_arguments, settings_from_args
 from ..engine import read_architecture
+from ..model_files import check_max_model_len
 from ..plugins import PluginError, PluginManager, require_model
 
 __all__ = ["add_serve_command", "run_server"]
@@ -61,6 +62,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         plugins = PluginManager()
         settings = require_model(plugins, settings, "serve")
         read_architecture(settings.model)  # a missing directory or config.json fails here, before binding
+        check_max_model_len(settings)
     except (SettingsError, PluginError, ValueError) as e:
         return _fail(str(e))
     return run_server(settings, plugins)
