@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .config import ServingSettings
     from .executor import Executor
     from .parsers import ReasoningParser, ToolParser
-    from .speculative import SpecPolicy
+    from .spec_policy import SpecPolicy
     from .strategy import StepStrategy, StrategyHost
 
 __all__ = [
