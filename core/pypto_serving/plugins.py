@@ -16,6 +16,7 @@ import pluggy
 
 from . import hookspecs
 from .config import SettingsError
+from .devices import log_block_size
 
 if TYPE_CHECKING:
     from .config import ServingSettings
@@ -293,7 +294,11 @@ class PluginManager:
         return self.spec_policies.get(name)
 
     def configure(self, settings: Any) -> None:
+        """Run the plugins' ``pypto_serving_configure`` hooks (once per engine start, before the worker
+        loads), then log the KV block size the worker will load with: a default that depends on the
+        device, or a set one that may turn off the device's fused attention."""
         self.pm.hook.pypto_serving_configure(settings=settings)
+        log_block_size(settings.device, settings.block_size, explicit="block_size" in settings.model_fields_set)
 
     def add_routes(self, app: Any) -> None:
         self.pm.hook.pypto_serving_add_routes(app=app)
