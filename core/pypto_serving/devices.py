@@ -93,14 +93,12 @@ def fused_attention_refusal(kind: str, block_size: int) -> str | None:
     return None
 
 
-def log_block_size(device: str, block_size: int, *, explicit: bool) -> None:
-    """Say which block size runs and why; warn when a block size that was set turns off the device's
-    fused attention (the torch reference then runs on the device)."""
+def log_block_size(device: str, block_size: int) -> None:
+    """Say which block size runs on which device; warn when it turns off the device's fused attention
+    (the torch reference then runs on the device), which only a block size that was set can do."""
     kind = device_kind(device)
     refusal = fused_attention_refusal(kind, block_size)
-    if not explicit:
-        logger.info("block_size %d: the default on %s (unset block_size follows the device)", block_size, kind)
-    elif refusal is not None:
+    if refusal is not None:
         logger.warning(
             "block_size=%d turns off the fused paged attention on %s (%s): the torch reference runs instead; "
             "unset block_size for %s's default %d",
@@ -110,5 +108,7 @@ def log_block_size(device: str, block_size: int, *, explicit: bool) -> None:
             kind,
             default_block_size(kind),
         )
+    elif block_size == default_block_size(kind):
+        logger.info("block_size %d: the default on %s (an unset block_size follows the device)", block_size, kind)
     else:
-        logger.info("block_size %d (set explicitly) on %s", block_size, kind)
+        logger.info("block_size %d on %s (set; the default there is %d)", block_size, kind, default_block_size(kind))

@@ -298,7 +298,7 @@ class PluginManager:
         loads), then log the KV block size the worker will load with: a default that depends on the
         device, or a set one that may turn off the device's fused attention."""
         self.pm.hook.pypto_serving_configure(settings=settings)
-        log_block_size(settings.device, settings.block_size, explicit="block_size" in settings.model_fields_set)
+        log_block_size(settings.device, settings.block_size)
 
     def add_routes(self, app: Any) -> None:
         self.pm.hook.pypto_serving_add_routes(app=app)

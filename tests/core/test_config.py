@@ -267,14 +267,15 @@ def test_the_engine_start_logs_the_block_size_and_warns_when_one_set_turns_off_f
     cases = [
         ({"device": "cuda"}, "INFO", "block_size 256: the default on cuda"),
         ({"device": "npu:0"}, "INFO", "block_size 128: the default on npu"),
-        ({"device": "cuda", "block_size": 512}, "INFO", "block_size 512 (set explicitly) on cuda"),
+        ({"device": "cuda", "block_size": 512}, "INFO", "block_size 512 on cuda (set; the default there is 256)"),
+        ({"device": "cuda", "block_size": 256}, "INFO", "block_size 256: the default on cuda"),
         ({"device": "cuda", "block_size": 16}, "WARNING", "block_size=16 turns off the fused paged attention on cuda"),
         (
             {"device": "npu", "block_size": 1024},
             "WARNING",
             "block_size=1024 turns off the fused paged attention on npu",
         ),
-        ({"block_size": 7}, "INFO", "block_size 7 (set explicitly) on cpu"),
+        ({"block_size": 7}, "INFO", "block_size 7 on cpu (set; the default there is 16)"),
     ]
     for overrides, level, text in cases:
         caplog.clear()
