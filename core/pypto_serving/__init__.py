@@ -2,10 +2,14 @@
 
 Public API: :class:`LLM` (offline generation), :class:`SamplingParams`, :class:`RequestOutput`,
 :class:`ServingSettings`, and the plugin surface (:data:`hookimpl`, the ``*Spec`` descriptors, the
-:class:`Executor` contract, the :class:`StrategyHost` / :class:`StepStrategy` seam with the
-:class:`SchedulerOutput` and :class:`StepResult` a strategy passes along, :data:`SpecPolicy`, and the
-:class:`ToolParserSpec` / :class:`ReasoningParserSpec` of the server's output parsers in
-:mod:`pypto_serving.parsers`).
+:class:`Executor` contract with the :class:`DraftSampler` it drafts with, the :class:`StrategyHost` /
+:class:`StepStrategy` seam with the :class:`SchedulerOutput` and :class:`StepResult` a strategy passes
+along, :data:`SpecPolicy` with the :class:`StepObservation` a policy observes, and the
+:class:`ToolParserSpec` / :class:`ReasoningParserSpec` of the server's output parsers).
+
+Besides this root, plugins import the ``__all__`` of three public submodules:
+:mod:`pypto_serving.parallel`, :mod:`pypto_serving.quantization` and :mod:`pypto_serving.parsers`
+(see docs/plugins.md, "The public surface"); every other module is internal.
 """
 
 from .config import ServingSettings, SettingsError
@@ -25,7 +29,8 @@ from .model_files import read_generation_config
 from .plugins import PluginError, PluginManager
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams
 from .scheduler import SchedulerOutput
-from .speculative import SpecPolicy
+from .spec_decode import DraftSampler
+from .spec_policy import SpecPolicy, StepObservation
 from .strategy import StepStrategy, StrategyHost
 
 __version__ = "0.1.0"
@@ -35,6 +40,7 @@ __all__ = [
     "BatchInput",
     "CacheGroupSpec",
     "CompletionOutput",
+    "DraftSampler",
     "EngineCore",
     "EngineDeadError",
     "Executor",
@@ -53,6 +59,7 @@ __all__ = [
     "SettingsError",
     "SpecPolicy",
     "SpecPolicySpec",
+    "StepObservation",
     "StepResult",
     "StepStrategy",
     "StrategyHost",

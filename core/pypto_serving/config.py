@@ -25,6 +25,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from .devices import default_block_size, device_kind
+
 __all__ = ["ServingSettings", "SettingsError", "SpeculativeConfig", "add_settings_arguments"]
 
 ENV_PREFIX = "PYPTO_SERVING_"
@@ -205,7 +207,14 @@ class ServingSettings(BaseSettings):
         0, ge=0, description="Cap on one request's prefill chunk per step (0 = no cap beyond the budget)."
     )
     enable_chunked_prefill: bool = Field(True, description="Split long prompts over several steps.")
-    block_size: int = Field(16, gt=0, description="Tokens per KV cache block.")
+    # None only until validated: ``_device_block_size`` fills in the device's default, so readers see an int.
+    block_size: int = Field(  # type: ignore[assignment]
+        None,
+        gt=0,
+        validate_default=False,
+        description="Tokens per KV cache block; unset: what the device's fused attention takes (CUDA 256, NPU 128, "
+        "CPU 16).",
+    )
     num_kv_blocks: int | None = Field(
         None, gt=0, description="KV cache blocks per cache group (overrides kv_cache_memory)."
     )
@@ -384,6 +393,15 @@ class ServingSettings(BaseSettings):
             if not key or key != key.strip() or not key.isprintable():
                 raise ValueError(f"api_key entry {i} is empty, whitespace-padded or not printable")
         return v
+
+    @model_validator(mode="after")
+    def _device_block_size(self) -> ServingSettings:
+        """An unset ``block_size`` follows the device (again after ``device`` changes): the size its
+        fused attention takes, so default settings run it (:mod:`.devices`)."""
+        if "block_size" not in self.model_fields_set:
+            # Not an assignment: that would mark the value as set and run validation again.
+            object.__setattr__(self, "block_size", default_block_size(device_kind(self.device)))
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -17,7 +17,6 @@ checks, the group itself (:class:`RankGroup`), and what the ranks must agree on.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import socket
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .config import SettingsError
+from .devices import auto_device_kind
 from .executor import ExecutorInfo
 from .messages import MemoryProfile, StepResult
 
@@ -141,26 +141,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _auto_kind() -> str:
-    """The device kind ``device = "auto"`` resolves to, without importing an executor: npu > cuda > cpu."""
-    if importlib.util.find_spec("torch_npu") is not None:
-        try:
-            import torch_npu  # noqa: F401
-
-            if torch.npu.is_available():  # type: ignore[attr-defined]
-                return "npu"
-        except Exception:  # a broken torch_npu install means no NPU, as device selection says
-            pass
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def rank_device(device: str, local_index: int) -> str:
     """The device of the rank at ``local_index`` on its node: the CPU for every rank, else one
     accelerator each, counted from the setting's index (``cuda:2`` with 2 local ranks: ``cuda:2``,
     ``cuda:3``)."""
     kind, _, index = device.strip().lower().partition(":")
     if kind == "auto":
-        kind = _auto_kind()
+        kind = auto_device_kind()
     if kind == "cpu":
         return "cpu"
     return f"{kind}:{(int(index) if index else 0) + local_index}"

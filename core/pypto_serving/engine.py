@@ -209,7 +209,9 @@ class EngineCore:
         info = self.info = self.worker.info
         sched_spec = self._choose_strategy(executor_name)
         self.scheduler_name = sched_spec.name
-        policy = self._choose_policy(executor_name)
+        # The drafting depth in effect (the executor's, or the core drafter's): the scheduler plans with
+        # it, while ``self.info`` stays what the executor reported.
+        policy, self.max_draft_tokens = self._choose_policy(executor_name)
         num_blocks = plan_kv_blocks(
             info.cache_groups,
             settings.num_kv_blocks,
@@ -235,7 +237,7 @@ class EngineCore:
                 enable_chunked_prefill=settings.enable_chunked_prefill,
             ),
             self.kv,
-            info,
+            replace(info, max_draft_tokens=self.max_draft_tokens),
             policy,
         )
         self.tokenizer: Tokenizer | None = load_tokenizer(settings.tokenizer or settings.model)
@@ -306,21 +308,22 @@ class EngineCore:
             )
         return spec
 
-    def _choose_policy(self, executor_name: str) -> SpecPolicy:
+    def _choose_policy(self, executor_name: str) -> tuple[SpecPolicy, int]:
+        """The speculative-token policy and the drafting depth in effect (0: no speculation)."""
         spec_cfg = self.settings.speculative_config
         if spec_cfg is None:
-            self.info.max_draft_tokens = 0
-            return self.plugins.select_spec_policy("none").factory(self.settings)
+            return self.plugins.select_spec_policy("none").factory(self.settings), 0
+        depth = self.info.max_draft_tokens
         if spec_cfg.method in CORE_DRAFTERS:
             if not self.info.can_verify_drafts:
                 raise PluginError(
                     f"executor {executor_name!r} cannot verify drafts (ExecutorInfo.can_verify_drafts), so "
                     f"speculative_config.method={spec_cfg.method!r} cannot run on it; unset speculative_config"
                 )
-            self.info.max_draft_tokens = spec_cfg.num_speculative_tokens
-        if self.info.max_draft_tokens < 1:
+            depth = spec_cfg.num_speculative_tokens
+        if depth < 1:
             raise PluginError(f"executor {executor_name!r} cannot draft tokens; unset speculative_config")
-        return self.plugins.select_spec_policy(spec_cfg.policy).factory(self.settings)
+        return self.plugins.select_spec_policy(spec_cfg.policy).factory(self.settings), depth
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:

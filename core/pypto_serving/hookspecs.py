@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .config import ServingSettings
     from .executor import Executor
     from .parsers import ReasoningParser, ToolParser
-    from .speculative import SpecPolicy
+    from .spec_policy import SpecPolicy
     from .strategy import StepStrategy, StrategyHost
 
 __all__ = [
@@ -195,7 +195,7 @@ def pypto_serving_register_spec_policies() -> list[SpecPolicySpec]:  # type: ign
     """Return speculative-token policies.
 
     A policy decides, per request and step, how many draft tokens ``k`` the scheduler reserves KV
-    capacity for. The core registers ``none`` and ``greedy`` through this hook as well.
+    capacity for. The core registers ``none``, ``greedy``, ``fixed`` and ``adaptive`` through this hook as well.
 
     :return: the plugin's policy descriptors.
     """
@@ -216,7 +216,8 @@ def pypto_serving_register_models() -> list[ModelSpec]:  # type: ignore[empty-bo
 def pypto_serving_register_tool_parsers() -> list[ToolParserSpec]:  # type: ignore[empty-body]
     """Return the tool-call parsers this plugin provides.
 
-    Called once at start-up. The core registers ``hermes`` and ``deepseek_v4`` through this hook as well.
+    Called once at start-up. The core registers ``hermes``, ``deepseek_v3`` and ``deepseek_v4`` through this hook
+    as well.
 
     :return: the plugin's tool-parser descriptors.
     """
@@ -226,7 +227,8 @@ def pypto_serving_register_tool_parsers() -> list[ToolParserSpec]:  # type: igno
 def pypto_serving_register_reasoning_parsers() -> list[ReasoningParserSpec]:  # type: ignore[empty-body]
     """Return the reasoning parsers this plugin provides.
 
-    Called once at start-up. The core registers ``qwen3`` and ``deepseek_v4`` through this hook as well.
+    Called once at start-up. The core registers ``qwen3``, ``deepseek_r1`` and ``deepseek_v4`` through this hook
+    as well.
 
     :return: the plugin's reasoning-parser descriptors.
     """

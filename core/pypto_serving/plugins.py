@@ -16,6 +16,7 @@ import pluggy
 
 from . import hookspecs
 from .config import SettingsError
+from .devices import log_block_size
 from .model_files import check_model_exists
 
 if TYPE_CHECKING:
@@ -295,7 +296,11 @@ class PluginManager:
         return self.spec_policies.get(name)
 
     def configure(self, settings: Any) -> None:
+        """Run the plugins' ``pypto_serving_configure`` hooks (once per engine start, before the worker
+        loads), then log the KV block size the worker will load with: a default that depends on the
+        device, or a set one that may turn off the device's fused attention."""
         self.pm.hook.pypto_serving_configure(settings=settings)
+        log_block_size(settings.device, settings.block_size)
 
     def add_routes(self, app: Any) -> None:
         self.pm.hook.pypto_serving_add_routes(app=app)

@@ -22,7 +22,7 @@ from .executor import ExecutorInfo
 from .kv_cache import KVCacheManager
 from .messages import GrammarCompile, NewRequestData, ScheduledEntry, StepCommand, StepResult, wire_sampling
 from .request import Request, RequestStatus
-from .speculative import SpecPolicy, StepObservation
+from .spec_policy import SpecPolicy, StepObservation
 
 _RUNNING = RequestStatus.RUNNING
 

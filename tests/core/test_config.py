@@ -244,3 +244,84 @@ def test_the_flags_help_says_json_and_the_file_form() -> None:
     description = ServingSettings.model_fields["speculative_config"].description or ""
     assert '{"method": "mtp", "num_speculative_tokens": 2}' in description
     assert "JSON on the command line" in description and "inline table in a TOML file" in description
+
+
+# -- the KV block size follows the device unless it is set
+
+
+@pytest.fixture
+def host_kind(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    """Makes ``device = "auto"`` resolve to the given kind, as on a host with that device."""
+    from pypto_serving import devices
+
+    return lambda kind: monkeypatch.setattr(devices, "auto_device_kind", lambda: kind)
+
+
+@pytest.mark.parametrize(
+    ("device", "host", "block"),
+    [
+        ("cuda", "cpu", 256),
+        ("cuda:1", "cpu", 256),
+        ("npu", "cpu", 128),
+        ("cpu", "cuda", 16),
+        ("auto", "cuda", 256),
+        ("auto", "npu", 128),
+        ("auto", "cpu", 16),
+    ],
+)
+def test_an_unset_block_size_is_the_devices_default(
+    host_kind: Callable[[str], None], device: str, host: str, block: int
+) -> None:
+    host_kind(host)
+    s = ServingSettings.load(device=device)
+    assert s.block_size == block and s.source_of("block_size") == "default"
+
+
+def test_a_set_block_size_is_honoured_and_a_device_change_moves_only_the_default(
+    host_kind: Callable[[str], None], write: WriteFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host_kind("cpu")
+    default = ServingSettings.load()
+    assert default.block_size == 16
+    assert default.with_overrides(device="cuda").block_size == 256  # still unset: follows the new device
+    assert ServingSettings.load(device="cuda", block_size=16).block_size == 16
+    assert ServingSettings.load(block_size=16).with_overrides(device="npu").block_size == 16
+    assert ServingSettings.load(config_file=write("c.toml", "device = 'cuda'\nblock_size = 32\n")).block_size == 32
+    monkeypatch.setenv("PYPTO_SERVING_BLOCK_SIZE", "64")
+    assert ServingSettings.load(device="cuda").block_size == 64
+    with pytest.raises(SettingsError, match="block_size=0"):
+        ServingSettings.load(block_size=0)
+
+
+def test_the_engine_start_logs_the_block_size_and_warns_when_one_set_turns_off_fused_attention(
+    host_kind: Callable[[str], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    from pypto_serving import PluginManager
+
+    host_kind("cpu")
+    pm = PluginManager(load_entry_points=False)
+    cases = [
+        ({"device": "cuda"}, "INFO", "block_size 256: the default on cuda"),
+        ({"device": "npu:0"}, "INFO", "block_size 128: the default on npu"),
+        ({"device": "cuda", "block_size": 512}, "INFO", "block_size 512 on cuda (set; the default there is 256)"),
+        ({"device": "cuda", "block_size": 256}, "INFO", "block_size 256: the default on cuda"),
+        ({"device": "cuda", "block_size": 16}, "WARNING", "block_size=16 turns off the fused paged attention on cuda"),
+        (
+            {"device": "npu", "block_size": 1024},
+            "WARNING",
+            "block_size=1024 turns off the fused paged attention on npu",
+        ),
+        ({"block_size": 7}, "INFO", "block_size 7 on cpu (set; the default there is 16)"),
+    ]
+    for overrides, level, text in cases:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="pypto_serving.devices"):
+            pm.configure(ServingSettings.load(**overrides))
+        assert [(r.levelname, r.getMessage()[: len(text)]) for r in caplog.records] == [(level, text)], overrides
+    caplog.clear()
+    pm.configure(ServingSettings.load(device="cuda", block_size=16))
+    (warning,) = caplog.records
+    assert (
+        "needs a multiple of 256" in warning.getMessage()
+        and "unset block_size for cuda's default 256" in warning.getMessage()
+    )

@@ -523,3 +523,36 @@ def test_kv_planner_refusal_stops_the_engine_start(plugin: ModuleType) -> None:
     pm = PluginManager(load_entry_points=False, extra_plugins=[plugin])
     with pytest.raises(SettingsError, match="KV cache group 'kv' would get"):
         LLM(plugins=pm, executor="paged_counting", worker_mode="inproc", kv_cache_memory=1 << 42)
+
+
+# -- ExecutorInfo stays what the executor reported
+
+
+@pytest.mark.requires_plugin("sync_sched")
+@pytest.mark.parametrize(
+    ("options", "spec", "depth"),
+    [
+        ({"verify_drafts": True}, {"method": "ngram", "num_speculative_tokens": 3}, 3),  # the core drafts
+        ({"max_draft": 2}, None, 0),  # the executor could draft; speculation is off
+    ],
+)
+def test_the_engine_keeps_executor_info_as_reported(
+    fake_pm: PluginManager, options: dict[str, Any], spec: dict[str, Any] | None, depth: int
+) -> None:
+    """``ExecutorInfo.max_draft_tokens`` is what the executor says it drafts; the depth in effect is
+    the engine's own. In-process, ``engine.info`` is the executor's own object, which the worker's
+    runner reads too."""
+    llm = LLM(
+        plugins=fake_pm,
+        executor="fake",
+        worker_mode="inproc",
+        scheduler="sync",
+        executor_options=options,
+        speculative_config=spec,
+    )
+    try:
+        assert llm.engine is not None
+        assert llm.engine.info.max_draft_tokens == options.get("max_draft", 0)
+        assert llm.engine.max_draft_tokens == depth
+    finally:
+        llm.shutdown()

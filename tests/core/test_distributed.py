@@ -8,6 +8,7 @@ forward shards over the ranks; tiny Qwen3, Qwen3-MoE (expert parallel) and the e
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from pypto_serving import EngineDeadError, PluginManager, SamplingParams, ServingSettings
+from pypto_serving import EngineDeadError, PluginManager, SamplingParams, ServingSettings, devices
 from pypto_serving.config import SettingsError
 from pypto_serving.distributed import (
     RankLayout,
@@ -314,6 +315,46 @@ def test_rank_layout_and_devices() -> None:
     layout = RankLayout(world_size=16, nnodes=2, node_rank=1)
     assert (layout.per_node, list(layout.local_ranks), layout.local_index(9)) == (8, list(range(8, 16)), 1)
     assert [rank_device(d, 1) for d in ("cpu", "cuda", "cuda:2", "npu")] == ["cpu", "cuda:1", "cuda:3", "npu:1"]
+
+
+@pytest.fixture
+def fresh_npu_probe() -> Iterator[None]:
+    """The NPU probe runs once per process: forget its answer before and after a test."""
+    devices._npu_usable.cache_clear()
+    yield
+    devices._npu_usable.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        ('raise RuntimeError("libascend_hal.so: cannot open shared object file")', "RuntimeError: libascend_hal.so"),
+        ("import ascend_toolkit_not_here", "ModuleNotFoundError: No module named 'ascend_toolkit_not_here'"),
+    ],
+)
+def test_a_broken_torch_npu_is_logged_with_its_error(
+    fresh_npu_probe: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    body: str,
+    error: str,
+) -> None:
+    """An installed torch_npu that fails to import still means "no NPU" for device 'auto', but says so
+    once, with its error: a broken install is not silently taken for a host without an NPU."""
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text(body + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert rank_device("auto", 0) == "cpu" and rank_device("auto", 1) == "cpu"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "torch_npu is installed but unusable" in warnings[0] and error in warnings[0]
+
+
+def test_no_torch_npu_is_no_npu_silently(fresh_npu_probe: None, caplog: pytest.LogCaptureFixture) -> None:
+    assert importlib.util.find_spec("torch_npu") is None  # the test environment has no Ascend stack
+    assert rank_device("auto", 0) in ("cpu", "cuda:0")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_memory_profiles_combine_to_the_tightest_rank() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pypto_serving import ExecutorSpec, PluginError, PluginManager, SamplingParams, hookimpl
+from pypto_serving import ExecutorSpec, PluginError, PluginManager, SamplingParams, hookimpl, hookspecs
 from pypto_serving.engine import read_architecture
 from tests.fakes import FakePlugin, make_fake_executor, reference_tokens
 
@@ -188,3 +188,27 @@ def test_configure_hook_can_refuse(core_only: PluginManager) -> None:
     pm.configure(ServingSettings(max_num_seqs=4))
     with pytest.raises(ValueError, match="max_num_seqs"):
         pm.configure(ServingSettings(max_num_seqs=8))
+
+
+def _named_builtins(doc: str) -> set[str] | None:
+    """The names a hook spec's docstring says the core registers (None: it names none)."""
+    found = re.search(r"The core registers (.*?) through this hook", " ".join(doc.split()))
+    return None if found is None else set(re.findall(r"``(\w+)``", found.group(1)))
+
+
+def test_hookspec_docstrings_name_what_the_core_registers() -> None:
+    """Every ``register`` hook spec that names the core's built-ins names exactly what the core
+    plugin returns from that hook, and every such hook the core implements names its built-ins."""
+    pm = PluginManager()
+    checked = 0
+    for name, spec in vars(hookspecs).items():
+        if not name.startswith("pypto_serving_register_"):
+            continue
+        impls = getattr(pm.pm.hook, name).get_hookimpls()
+        registered = {d.name for impl in impls if impl.plugin_name == "core" for d in impl.function()}
+        named = _named_builtins(spec.__doc__ or "")
+        if named is None and not registered:
+            continue
+        assert named == registered, f"{name}: the docstring names {sorted(named or [])}, the core {sorted(registered)}"
+        checked += 1
+    assert checked >= 3  # spec policies, tool parsers, reasoning parsers

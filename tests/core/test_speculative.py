@@ -246,7 +246,7 @@ def test_ngram_needs_an_executor_that_verifies_drafts(fake_pm: Any) -> None:
         LLM(plugins=fake_pm, **base)
     llm = LLM(plugins=fake_pm, executor_options={"verify_drafts": True}, **base)
     try:
-        assert llm.engine is not None and llm.engine.info.max_draft_tokens == 2
+        assert llm.engine is not None and llm.engine.max_draft_tokens == 2
     finally:
         llm.shutdown()
 

@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from pypto_kernels import describe_kernel, interleaved_rope_cos_sin, select_device
-from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
+from pypto_serving import BatchInput, CacheGroupSpec, DraftSampler, Executor, ExecutorInfo, read_generation_config
 from pypto_serving.parallel import ParallelContext
 from pypto_serving.quantization import read_quantization_config
-from pypto_serving.spec_decode import DraftSampler
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
