@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sysconfig
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for benchmarks.held_out
+
+from benchmarks.held_out import held_out_texts
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,16 +64,14 @@ def sample_and_compare(on: bool) -> Iterator[None]:
         runner._ReqState.rejection_sampled = before  # type: ignore[method-assign]
 
 
-def held_out_code(count: int, lines: int) -> list[str]:
-    """``count`` snippets of ``lines`` lines from the standard library files the tiny models did not
-    train on (sorted index % 50 == 0, tools/train_tiny.py's held-out slice)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+def held_out_code(count: int, lines: int, model: str = "tiny-deepseek-v4") -> list[str]:
+    """``count`` snippets of ``lines`` lines from the files ``model`` held out from training (the split
+    recorded next to it, ``benchmarks/held_out.py``)."""
     out: list[str] = []
-    for f in [f for i, f in enumerate(files) if i % 50 == 0]:
-        text = f.read_text(encoding="utf-8", errors="replace").splitlines()
-        for start in range(0, len(text) - lines, 8 * lines):
-            snippet = "\n".join(text[start : start + lines])
+    for text in held_out_texts(model):
+        rows = text.splitlines()
+        for start in range(0, len(rows) - lines, 8 * lines):
+            snippet = "\n".join(rows[start : start + lines])
             if snippet.strip():
                 out.append(snippet)
     step = max(1, len(out) // count)
@@ -79,7 +81,8 @@ def held_out_code(count: int, lines: int) -> list[str]:
 def editing_prompts(count: int) -> list[str]:
     """A function, then the request to write it again with one change: the answer repeats the prompt."""
     return [
-        f"{code}\n\n# The same code again, unchanged:\n{code.splitlines()[0]}\n" for code in held_out_code(count, 24)
+        f"{code}\n\n# The same code again, unchanged:\n{code.splitlines()[0]}\n"
+        for code in held_out_code(count, 24, "tiny-qwen3")
     ]
 
 
@@ -87,7 +90,10 @@ def continuation_prompts(count: int) -> list[str]:
     return [code + "\n" for code in held_out_code(count, 12)]
 
 
-def run(model: str, cfg: Config, prompts: list[str], *, temperature: float, max_tokens: int) -> dict[str, Any]:
+def run(
+    model: str, cfg: Config, prompts: list[str], *, temperature: float, max_tokens: int, concurrency: int = 0
+) -> dict[str, Any]:
+    """One configuration over ``prompts``, ``concurrency`` at a time (0: all at once)."""
     from pypto_serving import LLM, SamplingParams
 
     llm = LLM(
@@ -96,7 +102,7 @@ def run(model: str, cfg: Config, prompts: list[str], *, temperature: float, max_
         dtype="float32",
         worker_mode="inproc",
         block_size=16,
-        max_num_seqs=len(prompts),
+        max_num_seqs=concurrency or len(prompts),
         max_num_batched_tokens=2048,
         speculative_config=cfg.spec,
     )
@@ -113,23 +119,32 @@ def run(model: str, cfg: Config, prompts: list[str], *, temperature: float, max_
         after = engine.stats()
     finally:
         llm.shutdown()
-    first = min(o.metrics.first_token_time for o in outs if o.metrics and o.metrics.first_token_time)
-    last = max(o.metrics.finished_time for o in outs if o.metrics and o.metrics.finished_time)
     drafted = after["spec_drafted"] - before["spec_drafted"]
     accepted = after["spec_accepted"] - before["spec_accepted"]
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "tok_s": sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (last - first),
+        "tok_s": sum(len(o.outputs[0].token_ids) - 1 for o in outs) / _decode_seconds(outs, concurrency == 1),
         "acceptance": accepted / drafted if drafted else 0.0,
         "steps": after["num_steps"] - before["num_steps"],
     }
+
+
+def _decode_seconds(outs: list[Any], one_at_a_time: bool) -> float:
+    """From the first first token to the last finish; one request at a time, the sum of each request's
+    first token to finish (the next request's prefill is not decoding)."""
+    m = [o.metrics for o in outs if o.metrics and o.metrics.first_token_time and o.metrics.finished_time]
+    if one_at_a_time:
+        return float(sum(x.finished_time - x.first_token_time for x in m))
+    return float(max(x.finished_time for x in m) - min(x.first_token_time for x in m))
 
 
 @dataclass(frozen=True, slots=True)
 class Options:
     max_tokens: int
     repeat: int  # runs of every configuration per table, alternating
-    temperatures: tuple[float, ...]  # the mtp suite's
+    temperatures: tuple[float, ...]  # the mtp and default suites'
+    prompts: int = 6  # the default suite's at concurrency 1
+    policies: tuple[str, ...] = ()  # the default suite's other policies, side by side
 
 
 def table(title: str, model: str, configs: list[Config], prompts: list[str], repeat: int, **kw: Any) -> None:
@@ -216,19 +231,50 @@ def suite_adaptive(opt: Options) -> None:
         )
 
 
+#: What a vLLM user writes: no policy, so the default one runs.
+DEFAULT_MTP = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def suite_default(opt: Options) -> None:
+    """Only ``{"method": "mtp", "num_speculative_tokens": 2}`` against no speculation, at every
+    temperature, at concurrency 1 (``opt.prompts`` held-out prompts one after another) and 32."""
+    extra = [Config(f"policy {p}", {**DEFAULT_MTP, "policy": p}) for p in opt.policies]
+    for temperature in opt.temperatures:
+        for c in (1, 32):
+            table(
+                f"default policy, tiny-deepseek-v4, c={c}, T={temperature}",
+                "tiny-deepseek-v4",
+                [Config("none", None), Config("MTP k=2, default policy", DEFAULT_MTP), *extra],
+                continuation_prompts(opt.prompts if c == 1 else c),
+                temperature=temperature,
+                max_tokens=opt.max_tokens,
+                repeat=opt.repeat,
+                concurrency=c,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", nargs="+", choices=["mtp", "ngram", "adaptive"], default=["mtp", "ngram", "adaptive"])
+    suites = {"mtp": suite_mtp, "ngram": suite_ngram, "adaptive": suite_adaptive, "default": suite_default}
+    ap.add_argument("--suite", nargs="+", choices=list(suites), default=["default", "mtp", "ngram", "adaptive"])
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--repeat", type=int, default=1, help="alternated runs per configuration; medians reported")
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="the mtp suite's temperatures")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="mtp/default suites' temperatures")
+    ap.add_argument("--prompts", type=int, default=6, help="default suite: held-out prompts at concurrency 1")
+    ap.add_argument("--policies", nargs="*", default=[], help="default suite: other policies to run beside it")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    suites = {"mtp": suite_mtp, "ngram": suite_ngram, "adaptive": suite_adaptive}
+    opt = Options(
+        max_tokens=args.max_tokens,
+        repeat=args.repeat,
+        temperatures=tuple(args.temperatures),
+        prompts=args.prompts,
+        policies=tuple(args.policies),
+    )
     for name in args.suite:
-        suites[name](Options(max_tokens=args.max_tokens, repeat=args.repeat, temperatures=tuple(args.temperatures)))
+        suites[name](opt)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from .sampler import (
     sample_on_device,
 )
 from .spec_decode import DraftRow, DraftSampler, NgramDrafter, SpecRow, verify_sampled
+from .speculative import drafts_for
 from .structured import GrammarCompiler, HostMask, RequestGrammar, fill_step_mask
 
 __all__ = ["LaunchedStep", "MissingSampledTokenError", "ModelRunner"]
@@ -131,6 +132,7 @@ class ModelRunner:
         self.info: ExecutorInfo | None = None
         self._input_batch: InputBatch | None = None
         self._ngram = _ngram_drafter(settings)
+        self._drafts_for = drafts_for(settings)  # the requests the policy can give drafts: only they draft
         self._grammars = GrammarCompiler(getattr(settings, "tokenizer", None) or getattr(settings, "model", None))
         self._mask_thread: ThreadPoolExecutor | None = None  # made by the first constrained step
         self._staged: _Staged | None = None  # the next step's admissions and blocks, taken early
@@ -316,7 +318,8 @@ class ModelRunner:
             else:
                 drafted = self._ngram.propose([self.states[rid].history for rid in ids])
         else:
-            accepted = [result.sampled.get(rid, []) for rid in batch.request_ids]
+            drafting = [self._drafts_for(self.states[rid].sampling) for rid in batch.request_ids]
+            accepted = [result.sampled.get(rid, []) if d else [] for rid, d in zip(batch.request_ids, drafting)]
             sampler = self._draft_sampler(batch, result)
             drafted = (
                 self.executor.propose_drafts(batch, accepted)
