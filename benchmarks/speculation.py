@@ -2,6 +2,10 @@
 
 Suites (each configuration runs the same prompts through ``LLM.generate``, in-process worker, CPU):
 
+* ``default``: ``tiny-deepseek-v4`` with only ``{"method": "mtp", "num_speculative_tokens": 2}``
+  (what a vLLM user writes: the default policy) against no speculation, at temperatures 0 and 0.7,
+  concurrency 1 (``--prompts`` held-out prompts one after another) and 32; ``--policies`` adds other
+  policies beside it;
 * ``mtp``: ``tiny-deepseek-v4`` at concurrency 1, MTP k = 2 (policy ``fixed``) against k = 0 at
   temperature 0 and at temperature 0.7 (seeded requests);
 * ``ngram``: ``tiny-qwen3`` on a code-editing workload (each prompt holds a function and asks for it
@@ -11,8 +15,13 @@ Suites (each configuration runs the same prompts through ``LLM.generate``, in-pr
   fixed k = 1, 2, 3 and none.
 
 Decode throughput is output tokens after each request's first, over the time from the first first
-token to the last finish. Outputs are checked equal to the configuration without speculation where
-verification keeps them equal token by token (greedy, and seeded sampling verified by
+token to the last finish (at concurrency 1, the sum of each request's first token to finish). "CPU-time
+tok/s" is output tokens over the process's CPU time (run with ``--threads 1``): on cores that other
+jobs share it moves far less than wall time. Each run first generates 24 tokens for every prompt
+with other seeds, so a policy that measures (``adaptive``) has seen the workload, as on a server
+that has been running. Prompts are cut from the files the models held out from training (the split
+recorded next to them, ``benchmarks/held_out.py``). Outputs are checked equal to the configuration
+without speculation where verification keeps them equal token by token (greedy, and seeded sampling verified by
 sample-and-compare); sampled MTP drafts are verified by rejection sampling, which keeps only the
 distribution ("dist." in the table). At temperature 0.7 the ``mtp`` suite also runs MTP k = 2 with
 rejection sampling switched off (``sample-and-compare``: argmax drafts, kept when the target's own
@@ -21,6 +30,7 @@ draw matches), for the acceptance rate before and after.
 ``--repeat N`` runs every configuration of a table N times, alternating, and reports medians (for
 machines whose other load varies).
 
+    python benchmarks/speculation.py --suite default --max-tokens 64 --threads 1 --repeat 3
     python benchmarks/speculation.py --suite mtp ngram adaptive [--max-tokens 96] [--threads 2] [--repeat 3]
 """
 
@@ -29,6 +39,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -107,7 +118,10 @@ def run(
         speculative_config=cfg.spec,
     )
     try:
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+        # Warm-up: the same prompts, other seeds, 24 tokens, so a policy that measures (adaptive) has
+        # seen this workload's steps before the measured run, as it has on a server that has run a while.
+        warm = [SamplingParams(temperature=temperature, seed=10_000 + i, max_tokens=24) for i in range(len(prompts))]
+        llm.generate(prompts, warm, use_tqdm=False)
         engine = llm.engine
         assert engine is not None
         before = engine.stats()
@@ -115,7 +129,9 @@ def run(
             SamplingParams(temperature=temperature, top_p=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True)
             for i in range(len(prompts))
         ]
+        cpu0 = time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
+        cpu = time.process_time() - cpu0
         after = engine.stats()
     finally:
         llm.shutdown()
@@ -124,6 +140,9 @@ def run(
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "tok_s": sum(len(o.outputs[0].token_ids) - 1 for o in outs) / _decode_seconds(outs, concurrency == 1),
+        # Output tokens per second of the process's CPU time (in-process worker, set --threads 1): on a
+        # machine whose cores other jobs share, it moves far less than wall time does.
+        "cpu_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / cpu,
         "acceptance": accepted / drafted if drafted else 0.0,
         "steps": after["num_steps"] - before["num_steps"],
     }
@@ -157,21 +176,29 @@ def table(title: str, model: str, configs: list[Config], prompts: list[str], rep
     if repeat > 1:
         print(
             f"medians of {repeat} alternated runs; tok/s per run: "
-            + "; ".join(f"{c.label}: " + ", ".join(f"{r['tok_s']:.1f}" for r in rs) for c, rs in zip(configs, runs))
+            + "; ".join(
+                f"{c.label}: " + ", ".join(f"{r['tok_s']:.1f} ({r['cpu_tok_s']:.1f} CPU)" for r in rs)
+                for c, rs in zip(configs, runs)
+            )
             + "\n"
         )
-    print("| configuration | decode tok/s | vs none | draft acceptance | steps | output equals none |")
-    print("|---|---:|---:|---:|---:|---|")
+    print(
+        "| configuration | decode tok/s | vs none | CPU-time tok/s | vs none | draft acceptance | steps "
+        "| output equals none |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     base = runs[0][0]
     base_tok_s = statistics.median(r["tok_s"] for r in runs[0])
+    base_cpu = statistics.median(r["cpu_tok_s"] for r in runs[0])
     sampled = kw.get("temperature", 0.0) > 0
     for cfg, rs in zip(configs, runs):
         r = rs[0]
         tok_s = statistics.median(x["tok_s"] for x in rs)
+        cpu = statistics.median(x["cpu_tok_s"] for x in rs)
         exact = not sampled or cfg.compare or cfg.spec is None or cfg.spec.get("method") != "mtp"
         same = ("yes" if r["tokens"] == base["tokens"] else "NO") if exact else "dist."
         print(
-            f"| {cfg.label} | {tok_s:.1f} | {tok_s / base_tok_s:.2f}x | "
+            f"| {cfg.label} | {tok_s:.1f} | {tok_s / base_tok_s:.2f}x | {cpu:.1f} | {cpu / base_cpu:.2f}x | "
             f"{statistics.median(x['acceptance'] for x in rs):.1%} | {r['steps']} | {same} |",
             flush=True,
         )
@@ -260,7 +287,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--repeat", type=int, default=1, help="alternated runs per configuration; medians reported")
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="mtp/default suites' temperatures")
+    ap.add_argument(
+        "--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="mtp/default suites' temperatures"
+    )
     ap.add_argument("--prompts", type=int, default=6, help="default suite: held-out prompts at concurrency 1")
     ap.add_argument("--policies", nargs="*", default=[], help="default suite: other policies to run beside it")
     args = ap.parse_args()
