@@ -13,8 +13,8 @@ HCA, sliding) in a temp dir with the test helpers, then
 Random weights: the drafts are essentially never right, so acceptance (and hence the throughput of
 k > 0) says nothing about a real checkpoint; it only shows the machinery and its overhead. With
 ``--model DIR|NAME`` (e.g. the embedded ``tiny-deepseek-v4``, trained by tools/train_tiny.py) the
-engine runs that checkpoint instead, on prompts cut from the training corpus's held-out slice (the
-Python standard library files whose sorted index % 50 == 0), and also reports how often the first
+engine runs that checkpoint instead, on prompts cut from the files it held out from training (the
+split recorded next to the model, ``training_split.json``), and also reports how often the first
 draft token is accepted.
 
 With ``--steps-only`` it only times decode steps (``time_steps``), at concurrency 1 and 16 in the same
@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.plugins.deepseek_mtp.helpers
 
+from benchmarks.held_out import held_out_texts
 from tests.plugins.deepseek_mtp.helpers import FakeCore, build_checkpoint, make_executor, plugin_manager
 
 VOCAB = 1024
@@ -79,20 +80,16 @@ def build(tmp: Path) -> Path:
 
 
 def held_out_prompts(model: str, count: int, length: int) -> list[list[int]]:
-    """``count`` windows of ``length`` tokens from the held-out stdlib files, tokenized by ``model``'s tokenizer."""
-    import sysconfig
-
+    """``count`` windows of ``length`` tokens from the files ``model`` held out from training (the split
+    recorded next to it, ``benchmarks/held_out.py``), tokenized by ``model``'s tokenizer."""
     from pypto_serving import LLM
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
-    held = [f for i, f in enumerate(files) if i % 50 == 0]
     with LLM(model=model, plugins=plugin_manager(), worker_mode="inproc", device="cpu") as llm:
         tok = llm.tokenizer
         assert tok is not None, f"{model} has no tokenizer"
         prompts: list[list[int]] = []
-        for f in held:
-            ids = tok.encode(f.read_text(encoding="utf-8", errors="replace"))
+        for text in held_out_texts(model):
+            ids = tok.encode(text)
             prompts += [ids[i : i + length] for i in range(0, len(ids) - length, 4 * length)]
     step = max(1, len(prompts) // count)
     return prompts[::step][:count]

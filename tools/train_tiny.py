@@ -10,7 +10,11 @@ Both share one byte-level BPE tokenizer (``tokenizers``) with a ChatML chat temp
     python tools/train_tiny.py --out /tmp/tiny --minutes 40
 
 writes ``/tmp/tiny/deepseek_v4_mtp`` and ``/tmp/tiny/qwen3``, each a Hugging Face model directory
-(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json).
+(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, generation_config.json) plus
+``training_split.json``: the corpus files it trained on and the held-out ones, the one record of the
+split that every benchmark and test wanting held-out text reads (``benchmarks/held_out.py``).
+``python tools/train_tiny.py --write-split DIR...`` writes that record into existing model
+directories (the split of the running interpreter's standard library; nothing is retrained).
 See docs/training.md. Not part of any installed package.
 """
 
@@ -20,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -41,6 +46,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 HELD_OUT_EVERY = 50  # sorted file index % 50 == 0 -> held out
+SPLIT_FILE = "training_split.json"  # written into every model directory: its training and held-out files
 DS_DIR, QWEN_DIR = "deepseek_v4_mtp", "qwen3"
 
 
@@ -76,6 +82,31 @@ def split(files: list[Path]) -> tuple[list[Path], list[Path]]:
     held = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == 0]
     train = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY != 0]
     return train, held
+
+
+def split_record(files: list[Path]) -> dict[str, Any]:
+    """The split of ``files`` as written next to each model (:data:`SPLIT_FILE`): paths relative to the
+    standard library, in corpus order; files that are not UTF-8 were skipped by :func:`read_texts`, so
+    they are listed apart rather than as trained on."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, held = split(files)
+
+    def readable(group: list[Path]) -> list[str]:
+        return [f.relative_to(root).as_posix() for f in group if read_texts([f])]
+
+    skipped = [f.relative_to(root).as_posix() for f in files if not read_texts([f])]
+    return {
+        "corpus": "the *.py files of the Python standard library (sysconfig stdlib), site-packages excluded",
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "rule": f"files sorted by relative path; sorted index % {HELD_OUT_EVERY} == 0 held out, the rest train",
+        "train_files": readable(train),
+        "held_out_files": readable(held),
+        "skipped_not_utf8": skipped,
+    }
+
+
+def write_split(model_dir: Path, record: dict[str, Any]) -> None:
+    (model_dir / SPLIT_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 
 # -------------------------------------------------------------------------------------- tokenizer
@@ -654,6 +685,11 @@ def main(argv: list[str] | None = None) -> int:
         for path in raw_argv[1:]:
             print(json.dumps({path: golden(Path(path))}))
         return 0
+    if raw_argv[:1] == ["--write-split"]:  # record the split next to existing model directories
+        record = split_record(corpus_files())
+        for path in raw_argv[1:]:
+            write_split(Path(path), record)
+        return 0
     args = parse_args(raw_argv)
     start = time.monotonic()
     deadline = start + args.minutes * 60
@@ -734,8 +770,10 @@ def main(argv: list[str] | None = None) -> int:
                 budget = max(0.0, deadline - time.monotonic() - args.eval_reserve / 2)
             report[name] = train_model(name, args, tok, train_ids, held_ids, budget)
 
+    record = split_record(corpus_files(args.max_files or None))
     for name in models:
         report[name]["golden"] = golden(Path(report[name]["dir"]))
+        write_split(Path(report[name]["dir"]), record)
     report["total_seconds"] = round(time.monotonic() - start, 1)
     (args.out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     short = {

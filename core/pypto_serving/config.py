@@ -58,7 +58,7 @@ class SpeculativeConfig(BaseModel):
     )
     num_speculative_tokens: int = Field(1, ge=1, le=8, description="Draft tokens k per decode step (1..8).")
     policy: str = Field(
-        "greedy",
+        "adaptive",
         description="Speculative-token policy plugin deciding k per request and step ('greedy', 'fixed', "
         "'adaptive', 'none').",
     )

@@ -41,6 +41,7 @@ from .sampler import (
     sample_on_device,
 )
 from .spec_decode import DraftRow, DraftSampler, NgramDrafter, SpecRow, verify_sampled
+from .speculative import drafts_for
 from .structured import GrammarCompiler, HostMask, RequestGrammar, fill_step_mask
 
 __all__ = ["LaunchedStep", "MissingSampledTokenError", "ModelRunner", "StepRow", "WorkerRequest"]
@@ -121,9 +122,6 @@ class WorkerRequest:
         return sp.temperature > 0 and sp.logprobs is None and self.grammar is None and self.edits is None
 
 
-_ReqState = WorkerRequest  # the name benchmarks/speculation.py and a DeepSeek test patch
-
-
 @dataclass(slots=True, kw_only=True)
 class StepRow:
     """One scheduled entry of a step, from :meth:`ModelRunner.launch` to :meth:`ModelRunner.finish`."""
@@ -179,6 +177,7 @@ class ModelRunner:
         self.info: ExecutorInfo | None = None
         self._input_batch: InputBatch | None = None
         self._ngram = _ngram_drafter(settings)
+        self._drafts_for = drafts_for(settings)  # the requests the policy can give drafts: only they draft
         self._grammars = GrammarCompiler(getattr(settings, "tokenizer", None) or getattr(settings, "model", None))
         self._mask_thread: ThreadPoolExecutor | None = None  # made by the first constrained step
         self._staged: _Staged | None = None  # the next step's admissions and blocks, taken early
@@ -513,7 +512,10 @@ class ModelRunner:
                 r.req.drafts = list(drafts if depth is None else drafts[:depth])
                 r.req.draft_probs = None
             return
-        accepted = [result.sampled.get(r.req.request_id, []) for r in step.rows]
+        # Only requests the policy can give drafts get accepted tokens: the executor drafts for no other row.
+        accepted = [
+            result.sampled.get(r.req.request_id, []) if self._drafts_for(r.req.sampling) else [] for r in step.rows
+        ]
         sampler = self._draft_sampler(step.rows, result)
         proposals = (
             self.executor.propose_drafts(step.batch, accepted)

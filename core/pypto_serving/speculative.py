@@ -8,15 +8,22 @@ every step's size, time and acceptance once the step's result is applied; and a
 ``draft_depth() -> int | None`` method: the scheduler sends its value with each step, and the worker
 proposes at most that many drafts per request after the step (``None``: the configured depth).
 
-Speculation never changes what a request outputs (verification is exact at every temperature), so a
-policy only trades speed: it decides whether verifying ``k`` extra positions pays.
+Speculation never changes what a request outputs (verification is exact at every temperature: greedy
+requests by comparison, sampled ones by rejection sampling, penalties, bans and ``min_tokens``
+applied per draft position), so a policy only trades speed: it decides whether verifying ``k`` extra
+positions pays. The default, ``adaptive``, speculates for greedy and sampled requests alike.
+
+Drafting itself costs work (an MTP depth is a decoder layer), so the worker drafts only for requests
+the configured policy can give drafts (:func:`drafts_for`): none under ``none``, the greedy ones
+without penalties under ``greedy``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .hookspecs import SpecPolicySpec, hookimpl
 from .spec_policy import SpecPolicy, StepObservation
@@ -32,6 +39,7 @@ __all__ = [
     "StepCostModel",
     "StepObservation",
     "adaptive_policy",
+    "drafts_for",
     "expected_tokens",
     "fixed_policy",
     "greedy_policy",
@@ -42,19 +50,25 @@ CORE_DRAFTERS = frozenset({"ngram"})
 """Drafting methods the core runs itself (in the worker), for any executor that can verify drafts."""
 
 
-def no_speculation(settings: ServingSettings) -> SpecPolicy:
-    def policy(request: Request, max_k: int) -> int:
+class NoSpeculation:
+    """``k = 0`` for every request, and a drafting depth of 0, so a drafter that is configured anyway
+    (e.g. MTP) runs nothing."""
+
+    def __call__(self, request: Request, max_k: int) -> int:
         return 0
 
-    return policy
+    def draft_depth(self) -> int:
+        return 0
+
+
+def no_speculation(settings: ServingSettings) -> SpecPolicy:
+    return NoSpeculation()
 
 
 def greedy_policy(settings: ServingSettings) -> SpecPolicy:
-    """``k = num_speculative_tokens`` for greedy requests, else 0.
-
-    Requests with penalties or ``min_tokens`` still to reach also get 0: their logits depend on the
-    tokens drafted just before, so verifying several positions in one pass would change the result.
-    """
+    """``k = num_speculative_tokens`` for greedy requests without penalties once ``min_tokens`` is
+    reached, else 0 (the plain argmax-comparison speculation; the verifier is exact for the others
+    too, see ``fixed``)."""
     k = settings.speculative_config.num_speculative_tokens if settings.speculative_config else 0
 
     def policy(request: Request, max_k: int) -> int:
@@ -76,6 +90,45 @@ def fixed_policy(settings: ServingSettings) -> SpecPolicy:
         return max(0, min(k, max_k))
 
     return policy
+
+
+class SamplingLike(Protocol):
+    """The parameters :func:`drafts_for` reads (the worker's sampling struct has them)."""
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def has_penalties(self) -> bool: ...
+
+
+def _never(sp: SamplingLike) -> bool:
+    return False
+
+
+def _always(sp: SamplingLike) -> bool:
+    return True
+
+
+def _greedy_without_penalties(sp: SamplingLike) -> bool:
+    return sp.temperature == 0.0 and not sp.has_penalties
+
+
+def drafts_for(settings: ServingSettings) -> Callable[[SamplingLike], bool]:
+    """Whether the configured policy can ever give a request with these sampling parameters drafts.
+
+    The worker proposes drafts only for those, so a request the policy gives ``k = 0`` for good (all
+    under ``none``, sampled or penalised ones under ``greedy``) costs no drafting work (MTP depths
+    run for the drafting requests only). Other policies, plugins' included, may give any request
+    drafts: every request drafts. ``min_tokens`` is not looked at: it is reached during the request.
+    """
+    spec = getattr(settings, "speculative_config", None)
+    name = spec.policy if spec is not None else "none"
+    if name == "none":
+        return _never
+    if name == "greedy":
+        return _greedy_without_penalties
+    return _always
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -241,7 +294,9 @@ def adaptive_policy(settings: ServingSettings) -> SpecPolicy:
 def pypto_serving_register_spec_policies() -> list[SpecPolicySpec]:
     return [
         SpecPolicySpec("none", no_speculation, "never speculate"),
-        SpecPolicySpec("greedy", greedy_policy, "k draft tokens for decodes of greedy requests, 0 otherwise"),
+        SpecPolicySpec(
+            "greedy", greedy_policy, "k draft tokens for decodes of greedy requests without penalties, 0 otherwise"
+        ),
         SpecPolicySpec("fixed", fixed_policy, "k draft tokens for every decode, greedy or sampled"),
         SpecPolicySpec(
             "adaptive",

@@ -178,7 +178,7 @@ def test_config_show_json(write: WriteFile, capsys: pytest.CaptureFixture[str]) 
         "value": {
             "method": "fake",
             "num_speculative_tokens": 1,
-            "policy": "greedy",
+            "policy": "adaptive",
             "prompt_lookup_min": None,
             "prompt_lookup_max": None,
         },

@@ -126,7 +126,9 @@ _proposed: list[list[list[int]]] = []
 
 
 def _ngram_runner() -> ModelRunner:
-    spec = SimpleNamespace(method="ngram", num_speculative_tokens=2, prompt_lookup_min=2, prompt_lookup_max=3)
+    spec = SimpleNamespace(
+        method="ngram", num_speculative_tokens=2, prompt_lookup_min=2, prompt_lookup_max=3, policy="adaptive"
+    )
     runner = ModelRunner(_FixedTarget(), SimpleNamespace(speculative_config=spec, max_num_seqs=16))
     runner.load()
     runner._ngram = _RecordingDrafter(num_speculative_tokens=2, prompt_lookup_min=2, prompt_lookup_max=3)

@@ -20,9 +20,11 @@ from pypto_serving.speculative import (
     AdaptivePolicy,
     StepCostModel,
     StepObservation,
+    drafts_for,
     expected_tokens,
     fixed_policy,
     greedy_policy,
+    no_speculation,
 )
 from tests.conftest import plugin_installed
 from tests.core.test_scheduler import make_sched, req  # noqa: F401 - the fixture is used by name
@@ -46,6 +48,29 @@ def test_fixed_policy_speculates_for_sampled_requests_too() -> None:
     assert fixed(_request(0.7), 8) == 3 and fixed(_request(0.0), 8) == 3
     assert fixed(_request(0.7), 2) == 2 and fixed(_request(0.7), 0) == 0
     assert greedy(_request(0.7), 8) == 0 and greedy(_request(0.0), 8) == 3
+
+
+def test_the_default_policy_speculates_for_sampled_requests() -> None:
+    """Only method and k given, as a vLLM user writes it: the policy is ``adaptive``, which drafts for
+    greedy and sampled requests alike (its first steps give both the configured k)."""
+    settings = ServingSettings(speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert settings.speculative_config is not None and settings.speculative_config.policy == "adaptive"
+    policy = AdaptivePolicy(2)
+    assert policy(_request(0.7), 8) == 2 and policy(_request(0.0), 8) == 2
+
+
+def test_the_worker_drafts_only_for_requests_the_policy_can_give_drafts() -> None:
+    """``drafts_for``: nobody under ``none`` (nor without speculation), greedy requests without
+    penalties under ``greedy``, everyone under the others; ``none`` also sets a drafting depth of 0."""
+    sampled, greedy = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
+    penalised = SamplingParams(temperature=0.0, presence_penalty=0.5)
+    cases = {"none": (False, False, False), "greedy": (False, True, False), "fixed": (True, True, True)}
+    for name, want in cases.items():
+        wants = drafts_for(_settings(policy=name))
+        assert (wants(sampled), wants(greedy), wants(penalised)) == want, name
+    assert drafts_for(_settings())(sampled)  # the default, adaptive
+    assert not drafts_for(ServingSettings())(greedy)  # no speculative_config
+    assert no_speculation(_settings()).draft_depth() == 0  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------- the model

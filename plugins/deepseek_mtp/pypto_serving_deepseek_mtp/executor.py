@@ -458,7 +458,12 @@ class DeepseekMTPExecutor(Executor):
     ) -> tuple[dict[int, tuple[MtpState, bool]], dict[int, tuple[int, int, int]]]:
         """Record this step's committed tokens; returns the requests to draft for (batch row ->
         (state, whether it sampled this step)) and where their committed main-model streams sit
-        (batch row -> (first position, first row, count))."""
+        (batch row -> (first position, first row, count)).
+
+        A row that sampled but comes with no accepted tokens is one the worker does not draft for
+        (the policy never gives that request drafts, ``pypto_serving.speculative.drafts_for``): its
+        state goes and no MTP depth runs for it again, so it costs no drafting work; with no such
+        row left, :meth:`_propose` runs no MTP forward at all."""
         k = self.num_draft
         work: dict[int, tuple[MtpState, bool]] = {}
         rows: dict[int, tuple[int, int, int]] = {}

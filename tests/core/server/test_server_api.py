@@ -516,7 +516,9 @@ def test_step_failure_is_500_and_error_chunk(make_client: Any) -> None:
 
 def test_speculative_metrics(make_client: Any) -> None:
     client, _ = make_client(
-        speculative_config={"method": "fake", "num_speculative_tokens": 2},
+        # Policy fixed: both draft positions every step (the default, adaptive, may stop drafting on
+        # a fake model whose steps cost nothing), so both positions' counters exist.
+        speculative_config={"method": "fake", "num_speculative_tokens": 2, "policy": "fixed"},
         executor_options={"max_draft": 2, "draft_error_rate": 0.3},
     )
     r = client.post("/v1/completions", json={"prompt": list(range(3, 12)), "max_tokens": 24, "temperature": 0})

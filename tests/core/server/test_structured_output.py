@@ -150,7 +150,8 @@ def test_bad_grammars_are_400s(client: Any, extra: dict[str, Any], param: str) -
     assert info.value.body["param"] == param
 
 
-def _offline(scheduler: str, spec: dict[str, Any] | None) -> list[str]:
+def _offline(scheduler: str, spec: dict[str, Any] | None, stats: dict[str, Any] | None = None) -> list[str]:
+    """The four grammar requests' texts; ``stats`` (when given) receives the engine's stats after them."""
     from pypto_serving import LLM, SamplingParams
     from pypto_serving.structured import StructuredSpec
 
@@ -166,6 +167,8 @@ def _offline(scheduler: str, spec: dict[str, Any] | None) -> list[str]:
     prompts.append("Another person:")
     with LLM(model=str(model), device="cpu", worker_mode="inproc", scheduler=scheduler, speculative_config=spec) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
+        if stats is not None and llm.engine is not None:
+            stats.update(llm.engine.stats())
     return [o.outputs[0].text for o in outs]
 
 
@@ -175,9 +178,15 @@ def test_async_and_ngram_speculation_equal_sync_with_grammars() -> None:
     jsonschema.validate(json.loads(plain[0]), SCHEMA)
     jsonschema.validate(json.loads(plain[3]), SCHEMA)
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed", "prompt_lookup_min": 1}
-    assert _offline("sync", ngram) == plain
+    stats: dict[str, Any] = {}
+    assert _offline("sync", ngram, stats) == plain
+    # Equal outputs prove nothing unless drafts were verified under the grammars, some kept.
+    assert stats["spec_drafted"] > 0 and stats["spec_accepted"] > 0
     if plugin_installed("async_sched"):
         assert _offline("async", None) == plain
+        stats.clear()
+        assert _offline("async", ngram, stats) == plain
+        assert stats["spec_drafted"] > 0 and stats["spec_accepted"] > 0
 
 
 def test_mtp_equals_no_speculation_with_grammars() -> None:

@@ -10,8 +10,14 @@ A CPU-only torch cannot run a few *Python bindings* on a fake ``cuda`` tensor, t
 open a CUDA device guard before dispatching and fail with "not linked with support for cuda". The
 aten ops underneath trace fine, so :class:`CudaBindings` routes those calls to the same aten ops that
 the C++ bindings would run (``select``/``slice``/``unsqueeze`` views, then ``index``/``index_put_``).
-It reads no value either, so it hides no host read: a boolean mask still reaches ``aten.index``
-and raises there.
+It reads no value either, so it hides no host read: a boolean mask still reaches ``aten.nonzero``
+and raises there. Python number conversions (``int(t)``, ``float(t)``, ``operator.index(t)``) and
+``nonzero`` are routed the same way, so every host read fails as a data-dependent read
+(``DataDependentOutputException`` or ``DynamicOutputShapeException``), never as the missing CUDA
+support that would also stop harmless calls.
+
+:class:`HostReads` lets a test run code whose one allowed host read is a ``.tolist()`` (e.g. a
+verification's final read): it records each read's shape and returns zeros in its place.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ def _views(x: torch.Tensor, key: Any) -> tuple[torch.Tensor, list[torch.Tensor |
             dim += 1
         else:
             t = k if isinstance(k, torch.Tensor) else torch.tensor(k, device=x.device)
+            if t.dtype == torch.bool:  # a mask selects its nonzero positions: a data-dependent shape
+                aten.nonzero.default(t)
             adv.append(t)
             dim += t.dim() if t.dtype == torch.bool else 1
     return view, adv
@@ -100,6 +108,12 @@ _BINDINGS: dict[Any, Callable[..., Any]] = {
     torch.Tensor.new_tensor: lambda x, data, **kw: torch.tensor(data, **{"dtype": x.dtype, "device": x.device, **kw}),
     torch.Tensor.to: _to,
     torch.Tensor.__invert__: lambda x: aten.bitwise_not.default(x),
+    # Conversions to Python numbers read the value: the same aten op as ``.item()``.
+    torch.Tensor.__int__: lambda x: int(aten._local_scalar_dense.default(x)),
+    torch.Tensor.__float__: lambda x: float(aten._local_scalar_dense.default(x)),
+    torch.Tensor.__index__: lambda x: int(aten._local_scalar_dense.default(x)),
+    torch.Tensor.nonzero: lambda x, *a, **kw: aten.nonzero.default(x),
+    torch.nonzero: lambda x, *a, **kw: aten.nonzero.default(x),
 }
 
 
@@ -112,6 +126,40 @@ class CudaBindings(TorchFunctionMode):
         if impl is not None and args and _is_fake_cuda(args[0]):
             return impl(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _zeros(shape: list[int]) -> Any:
+    """Nested lists of zeros (built on the host: a tensor made here would be a fake one)."""
+    return 0 if not shape else [_zeros(shape[1:]) for _ in range(shape[0])]
+
+
+class HostReads:
+    """Count ``.tolist()`` reads of fake cuda tensors (their shapes, in :attr:`shapes`), answering each
+    with zeros of its shape; every other host read still raises. (``tolist`` does not dispatch through
+    ``__torch_function__``, so the fake tensor class's method is swapped while this is entered.)"""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, ...]] = []
+        self._saved: Any = None
+
+    def _tolist(self, x: torch.Tensor) -> Any:
+        if x.device.type != "cuda":
+            return self._saved(x)
+        self.shapes.append(tuple(x.shape))
+        return _zeros(list(x.shape))
+
+    def __enter__(self) -> HostReads:
+        self._saved = FakeTensor.tolist
+        reads = self
+
+        def tolist(x: torch.Tensor) -> Any:
+            return reads._tolist(x)
+
+        FakeTensor.tolist = tolist  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        FakeTensor.tolist = self._saved  # type: ignore[method-assign]
 
 
 def fake_cuda(x: Any, memo: dict[int, Any] | None = None) -> Any:

@@ -17,10 +17,18 @@ from typing import Any
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorDeviceMismatchError,
+)
 
 import pypto_serving_deepseek_mtp.executor as executor_mod
+from pypto_serving.sampler import RowParams
+from pypto_serving.spec_decode import DraftRow, DraftSampler, verify_sampled
+from pypto_serving.spec_decode.rejection import SpecRow
 
-from .fake_cuda import CUDA, CudaBindings, fake_cuda, fake_mode
+from .fake_cuda import CUDA, CudaBindings, HostReads, fake_cuda, fake_mode
 from .helpers import FakeCore
 
 K = 2
@@ -96,20 +104,33 @@ def fake_executor(checkpoints: Any, request: pytest.FixtureRequest) -> Iterator[
 
 
 def test_fake_cuda_catches_host_reads_and_device_mixing() -> None:
-    """The check has teeth: the reads and mixes this test forbids do raise on these tensors."""
+    """The check has teeth: each read and mix this test forbids raises as a data-dependent read or a
+    device mismatch (not as the missing CUDA support of a CPU-only torch, which harmless calls would
+    hit too); indexing without a read works."""
     with fake_mode(), CudaBindings():
         x = torch.empty(4, 3, device="cuda")
-        with pytest.raises(Exception):  # noqa: B017 - the exception class differs between torch versions
+        with pytest.raises(DataDependentOutputException):
             x.max().item()
-        with pytest.raises(Exception):  # noqa: B017
+        with pytest.raises(DataDependentOutputException):
             x.argmax(-1).tolist()
-        with pytest.raises(Exception):  # noqa: B017
+        with pytest.raises(DataDependentOutputException):
             int(x[0, 0])
-        with pytest.raises(Exception):  # noqa: B017 - boolean-mask indexing needs the mask's values
+        with pytest.raises(DataDependentOutputException):
+            float(x.sum())
+        with pytest.raises(DynamicOutputShapeException):  # boolean-mask indexing needs the mask's values
             _ = x[x > 0]
-        with pytest.raises(Exception, match="device"):
+        with pytest.raises(DynamicOutputShapeException):
+            (x > 0).nonzero()
+        with pytest.raises(DynamicOutputShapeException):  # an output size that only the values give
+            torch.repeat_interleave(torch.arange(3, device="cuda"), torch.ones(3, dtype=torch.long, device="cuda"))
+        with pytest.raises(FakeTensorDeviceMismatchError):
             _ = x + torch.ones(3)
         assert x[torch.zeros(2, dtype=torch.long, device="cuda"), 1:].shape == (2, 2)  # indexing itself works
+        with HostReads() as reads:
+            assert x.argmax(-1).tolist() == [0, 0, 0, 0]
+            with pytest.raises(DataDependentOutputException):
+                x.max().item()
+        assert reads.shapes == [(4,)]
 
 
 def test_execute_and_drafting_stay_on_the_device(fake_executor: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,3 +195,43 @@ def test_caches_and_rings_live_on_the_device(fake_executor: Setup) -> None:
     assert model.caches and model.rings
     assert all(c.device.type == "cuda" for c in model.caches.values())
     assert all(r.kv.device.type == "cuda" and r.gate.device.type == "cuda" for r in model.rings.values())
+
+
+def test_sampled_drafting_and_rejection_verification_stay_on_the_device(
+    fake_executor: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampled requests: ``propose_sampled_drafts`` draws each depth's drafts from the MTP head's
+    processed softmax through a :class:`DraftSampler` (one with top-p, so the sorted path runs too),
+    keeping their ``q`` on the device; the next step's logits and those ``q`` go through the runner's
+    rejection-sampled verification (:func:`verify_sampled`, penalties and bans included). Drafting
+    reads only its drafts, and verification exactly once, its verdict."""
+    ex = fake_executor.ex
+    reads: list[torch.Tensor] = []
+
+    def read_drafts(drafts: torch.Tensor) -> list[int]:
+        reads.append(drafts)
+        return [40 + i for i in range(drafts.shape[0])]
+
+    monkeypatch.setattr(executor_mod, "read_drafts", read_drafts)
+    first, second = fake_executor.batches[:2]
+    ex.execute(first)
+    # a's first chunk samples nothing; b's prefill samples and drafts K tokens at temperature 0.7.
+    sampler = DraftSampler({1: DraftRow(temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, seed=5, first_index=1)})
+    drafts = ex.propose_sampled_drafts(first, [[], [7]], sampler)
+    assert drafts == [[], [40, 41]] and [tuple(t.shape) for t in reads] == [(K,)]
+    q = sampler.probs(1, K)
+    assert q is not None and q.device == CUDA and tuple(q.shape) == (K, fake_executor.vocab)
+    assert sampler.probs(0, 1) is None  # a row the sampler was not given drafts nothing sampled
+
+    logits = ex.execute(second)  # b verifies its K drafts: rows 1..1+K of the logits are b's
+    b_rows = logits.narrow(0, 1, 1 + K)
+    params = [
+        RowParams(temperature=0.7, seed=5, draw_index=1 + j, top_p=0.9, presence_penalty=0.5, banned=(3,))
+        for j in range(1 + K)
+    ]
+    with HostReads() as host:
+        verdict = verify_sampled(
+            b_rows, params, [drafts[1]], q, [SpecRow(seed=5, first_index=1, num_drafts=K, greedy=False)]
+        )
+    assert host.shapes == [(2 + (1 + K),)]  # emitted count, bad flag, then the 1 + K token slots
+    assert verdict == [[]]  # the zeros HostReads answered: nothing emitted, logits finite

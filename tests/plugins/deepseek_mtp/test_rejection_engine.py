@@ -31,12 +31,12 @@ PROMPTS = ("class Config:\n    def __init__(self", "def parse(text):\n    ", "im
 @contextmanager
 def sample_and_compare() -> Iterator[None]:
     """Switch rejection sampling off in the in-process worker: every request keeps argmax drafts."""
-    before = runner._ReqState.rejection_sampled
-    runner._ReqState.rejection_sampled = property(lambda self: False)  # type: ignore[method-assign,assignment]
+    before = runner.WorkerRequest.rejection_sampled
+    runner.WorkerRequest.rejection_sampled = property(lambda self: False)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        runner._ReqState.rejection_sampled = before  # type: ignore[method-assign]
+        runner.WorkerRequest.rejection_sampled = before  # type: ignore[method-assign]
 
 
 def _generate(scheduler: str = "sync", **extra: Any) -> tuple[list[list[int]], dict[str, Any]]:

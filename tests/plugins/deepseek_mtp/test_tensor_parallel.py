@@ -256,7 +256,9 @@ def _engine_run(path: Path, tp: int, scheduler: str, ep: bool = False) -> tuple[
         device="cpu",
         block_size=4,
         max_num_batched_tokens=16,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+        # Policy fixed: drafts every step, so acceptance on two ranks is certain to be exercised (the
+        # default, adaptive, may measure that drafting does not pay on a loaded CPU and stop).
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2, "policy": "fixed"},
         scheduler=scheduler,
         tensor_parallel_size=tp,
         enable_expert_parallel=ep,

@@ -1,0 +1,52 @@
+"""A request the speculative policy gives ``k = 0`` for good costs no drafting work: the MTP depths
+run only over requests that may draft, and a step where none may runs no MTP forward at all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import pypto_serving_deepseek_mtp.executor as executor_mod
+from pypto_serving import LLM, SamplingParams
+from pypto_serving_deepseek_mtp.plugin import TINY_DEEPSEEK_V4
+
+pytestmark = pytest.mark.requires_plugin("sync_sched")
+
+
+def _mtp_rows(monkeypatch: pytest.MonkeyPatch, policy: str | None, params: list[SamplingParams]) -> list[int]:
+    """The requests (batch rows) each MTP forward ran over, generating ``params`` under ``policy``."""
+    rows: list[int] = []
+    run_mtp = executor_mod.DeepseekMTPExecutor._run_mtp
+
+    def counting(self: Any, d: int, spans: list[tuple[int, int, int]], *args: Any) -> Any:
+        rows.append(len(spans))
+        return run_mtp(self, d, spans, *args)
+
+    monkeypatch.setattr(executor_mod.DeepseekMTPExecutor, "_run_mtp", counting)
+    spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": 2}
+    if policy is not None:
+        spec["policy"] = policy
+    with LLM(
+        model=str(TINY_DEEPSEEK_V4), device="cpu", worker_mode="inproc", scheduler="sync", speculative_config=spec
+    ) as llm:
+        llm.generate(["def main():\n"] * len(params), params, use_tqdm=False)
+    return rows
+
+
+SAMPLED = SamplingParams(temperature=0.7, seed=1, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_policy_none_runs_no_mtp(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _mtp_rows(monkeypatch, "none", [GREEDY, SAMPLED]) == []
+
+
+def test_greedy_policy_drafts_only_for_greedy_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _mtp_rows(monkeypatch, "greedy", [SAMPLED, SAMPLED]) == []  # no MTP forward at all
+    rows = _mtp_rows(monkeypatch, "greedy", [SAMPLED, GREEDY, SAMPLED])
+    assert rows and max(rows) == 1  # the greedy request's rows only
+
+
+def test_the_default_policy_drafts_for_sampled_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert max(_mtp_rows(monkeypatch, None, [SAMPLED, SAMPLED])) == 2
