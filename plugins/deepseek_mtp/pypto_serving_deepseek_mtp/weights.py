@@ -4,14 +4,18 @@ DeepSeek's layout.
 Two namings are read (docs/deepseek_mtp.md lists both):
 
 - DeepSeek's own, as its reference inference code and the official release use it
-  (``layers.0.attn.wq_a.weight``, ``embed.weight``, ``head.weight``, ``hc_head_fn``, ``mtp.0.*``;
-  transformers writes the same names back on ``save_pretrained``, under a ``model.`` prefix);
+  (``layers.0.attn.wq_a.weight``, ``layers.0.attn.kv_norm.weight``, ``embed.weight``,
+  ``head.weight``, ``hc_head_fn``, ``mtp.0.*``; transformers writes the same names back on
+  ``save_pretrained``, under a ``model.`` prefix and with ``attn.norm`` for ``attn.kv_norm``);
 - transformers' in-memory names (``model.layers.0.self_attn.q_a_proj.weight``,
   ``model.embed_tokens.weight``, ``lm_head.weight``, the fused ``mlp.experts.gate_up_proj`` and
   ``down_proj``), which are mapped to DeepSeek's, fused experts split per expert.
 
 Each tensor is read with ``safe_open(...).get_slice`` and only this rank's part of it
 (:class:`.sharding.ShardPlan`), so a rank's peak is its share of the model plus one tensor.
+Quantized tensors are decoded as ``config.json`` describes them (block FP8 with ``weight_scale_inv``
+or the release's E8M0 ``X.scale``, MXFP4 routed experts; docs/deepseek_mtp.md, Quantized
+checkpoints), and refused by name where they do not match that description.
 """
 
 from __future__ import annotations

@@ -368,31 +368,6 @@ def test_the_shipped_encoders_agree_with_the_published_rounding() -> None:
 # ----------------------------------------------------------------------------- tiny-deepseek-v4-fp8
 
 
-def test_write_model_dir_writes_once_atomically_and_replaces_a_stale_copy(tmp_path: Path) -> None:
-    from pypto_serving.model_files import write_model_dir
-
-    calls: list[Path] = []
-
-    def write(d: Path) -> None:
-        calls.append(d)
-        (d / "config.json").write_text("{}")
-
-    dest = tmp_path / "cache" / "m"
-    assert write_model_dir(dest, "k1", write) == dest and (dest / "config.json").is_file()
-    write_model_dir(dest, "k1", write)
-    assert len(calls) == 1 and calls[0] != dest
-    write_model_dir(dest, "k2", write)
-    assert len(calls) == 2
-
-    def fail(d: Path) -> None:
-        (d / "half").write_text("x")
-        raise RuntimeError("disk full")
-
-    with pytest.raises(RuntimeError, match="disk full"):
-        write_model_dir(tmp_path / "cache" / "other", "k", fail)
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m"]
-
-
 @pytest.mark.requires_plugin("sync_sched")
 def test_tiny_deepseek_v4_fp8_is_written_at_first_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--model tiny-deepseek-v4-fp8`` alone serves the embedded model in the release layout; its
