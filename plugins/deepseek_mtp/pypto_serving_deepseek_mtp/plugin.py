@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pypto_serving import ExecutorSpec, ModelSpec, hookimpl
-from pypto_serving.model_files import model_cache_dir, write_model_dir
+from pypto_serving import ExecutorSpec, ModelSpec, hookimpl, model_cache_dir, write_model_dir
 
 from .executor import ARCHITECTURE, make_executor
 
