@@ -219,7 +219,7 @@ class _Reader:
         the checkpoint's description does not allow."""
         fmt = self.fmt
         routed = _ROUTED.match(name) is not None
-        if routed and fmt.expert_dtype == "fp4":
+        if routed and fmt.expert_dtype == "fp4" and dtype not in _FP8:  # FP8 experts read as FP8
             if dtype not in _PACKED:
                 raise self._error(
                     key, f"is {dtype}; expert_dtype='fp4' expects int8 [out, in/2], two E2M1 codes a byte"

@@ -405,3 +405,20 @@ def test_tiny_deepseek_v4_fp8_is_written_at_first_use(tmp_path: Path, monkeypatc
     mtime = (written / "model.safetensors").stat().st_mtime_ns
     assert engine_greedy("tiny-deepseek-v4-fp8", ids, 8, **kw) == tokens
     assert (written / "model.safetensors").stat().st_mtime_ns == mtime  # not written again
+
+
+def test_an_fp8_expert_beside_mxfp4_ones_reads_as_fp8(copies: tuple[Path, Path], tmp_path: Path) -> None:
+    """Under ``expert_dtype = "fp4"`` an expert stored as block FP8 with its E8M0 scales (as the
+    description's ``quantization_config`` allows) is read as FP8, not refused."""
+    from pypto_serving_deepseek_mtp.model import FP32_SUFFIXES
+    from pypto_serving_deepseek_mtp.weights import load_weights
+
+    release, plain = copies
+    name = "mtp.0.ffn.experts.1.w3.weight"
+    exact = load_file(str(plain / "model.safetensors"))[name]
+    q, scale = _fp8_encode(exact, BLOCK)
+    mixed = _broken(
+        release, tmp_path / "mixed", None, **{name.replace(".", "__"): q, "mtp__0__ffn__experts__1__w3__scale": scale}
+    )
+    got = load_weights(mixed, torch.device("cpu"), torch.float32, FP32_SUFFIXES)[name]
+    assert torch.equal(got, _fp8_decode(q, scale, BLOCK))
