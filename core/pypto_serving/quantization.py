@@ -231,9 +231,9 @@ def decode_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     """``float8_e8m0fnu`` (or its raw ``uint8`` bits) as float32: ``2**(e - 127)``, NaN for 255."""
     if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise UnsupportedQuantizationError(f"ue8m0 scales must be float8_e8m0fnu, got {scale.dtype}")
-    bits = scale.view(torch.uint8).to(torch.int32)
-    value = torch.ldexp(torch.ones(bits.shape, dtype=torch.float32, device=bits.device), bits - 127)
-    return value.masked_fill(bits == 255, float("nan"))
+    exponent = torch.arange(256, device=scale.device) - 127
+    table = torch.ldexp(torch.ones(256, device=scale.device), exponent).masked_fill(exponent == 128, float("nan"))
+    return table[scale.view(torch.uint8).int()]
 
 
 def encode_ue8m0(minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,9 +248,11 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     ``[..., 2n]``."""
     if packed.dtype not in (torch.int8, torch.uint8):
         raise UnsupportedQuantizationError(f"packed E2M1 values must be int8 or uint8, got {packed.dtype}")
+    # One lookup per byte in a table of its two values (low nibble, high nibble).
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    u = packed.view(torch.uint8).to(torch.int64)
-    return torch.stack((table[u & 0xF], table[u >> 4]), dim=-1).flatten(-2)
+    byte = torch.arange(256, device=packed.device)
+    pairs = torch.stack((table[byte & 0xF], table[byte >> 4]), dim=-1)
+    return pairs[packed.view(torch.uint8).int()].flatten(-2)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, group: int = MXFP4_GROUP) -> torch.Tensor:
@@ -267,7 +269,10 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, group: int = MXF
             f"mxfp4 weight of {inp} columns packed as {list(packed.shape)} needs float8_e8m0fnu scales of "
             f"shape {want} (one per {group} values), got {list(scale.shape)}"
         )
-    return values * decode_ue8m0(scale).repeat_interleave(group, 1)[:, :inp]
+    scales = decode_ue8m0(scale)
+    if inp % group == 0:  # whole groups: scale each as a block, without a full-size scale matrix
+        return (values.view(out, -1, group) * scales[..., None]).view(out, inp)
+    return values * scales.repeat_interleave(group, 1)[:, :inp]
 
 
 def quantize_fp8_ue8m0(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
