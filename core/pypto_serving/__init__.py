@@ -25,7 +25,7 @@ from .hookspecs import (
     hookimpl,
 )
 from .messages import StepResult
-from .model_files import read_generation_config
+from .model_files import model_cache_dir, read_generation_config, write_model_dir
 from .plugins import PluginError, PluginManager
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams
 from .scheduler import SchedulerOutput
@@ -66,5 +66,7 @@ __all__ = [
     "ToolParserSpec",
     "__version__",
     "hookimpl",
+    "model_cache_dir",
     "read_generation_config",
+    "write_model_dir",
 ]

@@ -122,12 +122,16 @@ class ModelSpec:
     :param path: the model directory (config.json, weights, tokenizer), usually package data.
     :param description: one line for ``pypto-serving plugins`` and ``pypto-serving models``.
     :param priority: rank as the default model when none is given.
+    :param prepare: called each time the name is resolved, before ``path`` is used: a model derived
+        from another (e.g. a quantized copy) writes ``path`` there at first use
+        (:func:`pypto_serving.model_files.write_model_dir`); ``None`` for a directory that exists.
     """
 
     name: str
     path: str
     description: str = ""
     priority: int = 0
+    prepare: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,14 +5,19 @@ executors report both through :class:`~pypto_serving.ExecutorInfo`, and the engi
 apply the defaults to requests that leave those fields unset (:func:`sampling_defaults`).
 ``config.json`` bounds the context length a checkpoint was trained for (:func:`check_max_model_len`).
 A model that is neither a directory nor a named model fails with the closest name
-(:func:`check_model_exists`).
+(:func:`check_model_exists`). Named models derived from another (a quantized copy of an embedded
+model) are written at first use under :func:`model_cache_dir` (:func:`write_model_dir`).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Iterable, Mapping
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +31,10 @@ __all__ = [
     "check_max_model_len",
     "check_model_exists",
     "checkpoint_max_len",
+    "model_cache_dir",
     "read_generation_config",
     "sampling_defaults",
+    "write_model_dir",
 ]
 
 # The SamplingParams fields a checkpoint may default, under the names generation_config.json uses.
@@ -132,3 +139,56 @@ def check_max_model_len(settings: ServingSettings) -> None:
             f"{Path(settings.model) / 'config.json'}); lower max_model_len, or set allow_long_max_model_len=true "
             f"(--allow-long-max-model-len true) if the model handles longer sequences"
         )
+
+
+#: The file in a written model directory that records what it was written from.
+SOURCE_STAMP = ".pypto-serving-source"
+
+
+def model_cache_dir() -> Path:
+    """Where named models written at first use live: ``$XDG_CACHE_HOME/pypto-serving/models``, or
+    ``~/.cache/pypto-serving/models`` when ``XDG_CACHE_HOME`` is unset."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "pypto-serving" / "models"
+
+
+def write_model_dir(dest: str | Path, source_key: str, write: Callable[[Path], object]) -> Path:
+    """``dest``, written by ``write(directory)`` unless it already holds ``source_key``'s copy.
+
+    ``source_key`` names what the copy derives from (e.g. a hash of the source files and of the
+    writer's version): a directory written from another source is replaced. The copy is written into
+    a temporary directory beside ``dest`` and renamed into place, so a reader (or a second process
+    writing the same copy) never sees a half-written model."""
+    dest = Path(dest)
+    if _holds(dest, source_key):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        write(tmp)
+        (tmp / SOURCE_STAMP).write_text(source_key)
+        _swap_in(tmp, dest, source_key)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _holds(dest: Path, source_key: str) -> bool:
+    stamp = dest / SOURCE_STAMP
+    return stamp.is_file() and stamp.read_text() == source_key
+
+
+def _swap_in(tmp: Path, dest: Path, source_key: str) -> None:
+    """Rename ``tmp`` to ``dest``, moving a stale ``dest`` away first; a racing writer's finished copy
+    of the same source is kept instead."""
+    if _holds(dest, source_key):
+        return
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex}")
+        dest.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        tmp.rename(dest)
+    except OSError:
+        if not _holds(dest, source_key):
+            raise

@@ -278,6 +278,8 @@ class PluginManager:
         else:
             check_model_exists(name, self.models.specs)
             return settings
+        if spec.prepare is not None:
+            spec.prepare()
         changes: dict[str, Any] = {"model": str(spec.path)}
         if settings.served_model_name is None:
             changes["served_model_name"] = spec.name

@@ -137,3 +137,175 @@ class Fp8BlockDequantizer:
             raise UnsupportedQuantizationError(
                 f"{SCALE_SUFFIX} scales without their fp8 weight(s): {', '.join(sorted(self._scales)[:5])}"
             )
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSeek-V4 release layout: UE8M0 block scales and MXFP4 routed experts.
+#
+# DeepSeek's release describes itself in config.json: ``quantization_config`` = ``{"quant_method":
+# "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}`` and, top level,
+# ``"expert_dtype": "fp4"``. An FP8 weight ``P.weight`` keeps its block scales in ``P.scale``
+# (``float8_e8m0fnu``: an 8-bit exponent ``e``, the scale is ``2**(e - 127)``, 255 is NaN), one per
+# block, the grid rounded up; its value is ``weight * scale``. A routed expert ``P.weight`` is int8
+# ``[out, in / 2]``, two E2M1 codes a byte (the low nibble is the even column), with ``P.scale``
+# ``float8_e8m0fnu [out, in / 32]``: MXFP4, one power-of-two scale per 32 values of a row.
+# ---------------------------------------------------------------------------------------------------
+
+__all__ += [  # extends the list above, so that this block merges as one piece
+    "E2M1_VALUES",
+    "MXFP4_GROUP",
+    "CheckpointFormat",
+    "decode_ue8m0",
+    "dequantize_mxfp4",
+    "encode_ue8m0",
+    "quantize_fp8_ue8m0",
+    "quantize_mxfp4",
+    "read_checkpoint_format",
+    "unpack_e2m1",
+]
+
+#: The value of each E2M1 code 0..15: bit 3 is the sign, bits 2..0 the magnitude (OCP MX spec).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+#: Values sharing one E8M0 scale in an MXFP4 row.
+MXFP4_GROUP = 32
+_SCALE_FMTS = ("ue8m0",)
+_EXPERT_DTYPES = ("fp4", "fp8")
+_FP8_MAX = 448.0  # largest float8_e4m3fn
+_E2M1_MAX = 6.0
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFormat:
+    """How a checkpoint stores its weights, as its ``config.json`` says.
+
+    :ivar fp8: the block-FP8 description (``None``: no FP8 weights).
+    :ivar scale_fmt: ``"ue8m0"`` when the FP8 scales are powers of two (``P.scale`` is then
+        ``float8_e8m0fnu``), else ``None`` (float32 scales).
+    :ivar expert_dtype: ``"fp4"`` for MXFP4 routed experts, ``"fp8"`` for block-FP8 ones, ``None``
+        when the experts are stored like the other weights.
+    """
+
+    fp8: QuantizationConfig | None = None
+    scale_fmt: str | None = None
+    expert_dtype: str | None = None
+
+    def describe(self) -> str:
+        """The description, as errors quote it."""
+        if self.fp8 is None:
+            return f"no quantization_config, expert_dtype={self.expert_dtype!r}"
+        return (
+            f"quant_method='fp8', fmt={self.fp8.fmt!r}, scale_fmt={self.scale_fmt!r}, "
+            f"weight_block_size={list(self.fp8.block)}, expert_dtype={self.expert_dtype!r}"
+        )
+
+
+def read_checkpoint_format(config: dict[str, Any], where: str = "config.json") -> CheckpointFormat:
+    """The block-FP8 description (:func:`read_quantization_config`) with DeepSeek's ``scale_fmt``
+    and ``expert_dtype``.
+
+    :raises UnsupportedQuantizationError: an unknown ``scale_fmt`` or ``expert_dtype``, or FP8
+        experts without a ``quantization_config`` to give their blocks; the message names the key.
+    """
+    fp8 = read_quantization_config(config, where)
+    raw = config.get("quantization_config") or {}
+    scale_fmt = raw.get("scale_fmt")
+    if scale_fmt is not None and scale_fmt not in _SCALE_FMTS:
+        raise UnsupportedQuantizationError(
+            f"{where}: quantization_config.scale_fmt={scale_fmt!r} (quant_method='fp8') is not supported; "
+            f"expected one of {list(_SCALE_FMTS)} or none (float32 scales)"
+        )
+    expert_dtype = config.get("expert_dtype", raw.get("expert_dtype"))
+    if expert_dtype is not None and expert_dtype not in _EXPERT_DTYPES:
+        raise UnsupportedQuantizationError(
+            f"{where}: expert_dtype={expert_dtype!r} is not supported; expected 'fp4' (MXFP4: int8 "
+            "[out, in/2] E2M1 pairs with float8_e8m0fnu [out, in/32] scales), 'fp8' or none"
+        )
+    if expert_dtype == "fp8" and fp8 is None:
+        raise UnsupportedQuantizationError(
+            f"{where}: expert_dtype='fp8' needs a quantization_config with weight_block_size for the experts' scales"
+        )
+    return CheckpointFormat(fp8=fp8, scale_fmt=scale_fmt, expert_dtype=expert_dtype)
+
+
+def decode_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """``float8_e8m0fnu`` (or its raw ``uint8`` bits) as float32: ``2**(e - 127)``, NaN for 255."""
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise UnsupportedQuantizationError(f"ue8m0 scales must be float8_e8m0fnu, got {scale.dtype}")
+    exponent = torch.arange(256, device=scale.device) - 127
+    table = torch.ldexp(torch.ones(256, device=scale.device), exponent).masked_fill(exponent == 128, float("nan"))
+    return table[scale.view(torch.uint8).int()]
+
+
+def encode_ue8m0(minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest powers of two ``>= minimum`` (a float tensor), as (``float8_e8m0fnu``, float32)."""
+    exponent = torch.ceil(torch.log2(minimum.float().clamp_min(2.0**-127))).clamp(-127, 127)
+    bits = (exponent + 127).to(torch.uint8)
+    return bits.view(torch.float8_e8m0fnu), torch.exp2(exponent)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` bytes (int8 or uint8) holding two E2M1 codes each, low nibble first, as float32
+    ``[..., 2n]``."""
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise UnsupportedQuantizationError(f"packed E2M1 values must be int8 or uint8, got {packed.dtype}")
+    # One lookup per byte in a table of its two values (low nibble, high nibble).
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    byte = torch.arange(256, device=packed.device)
+    pairs = torch.stack((table[byte & 0xF], table[byte >> 4]), dim=-1)
+    return pairs[packed.view(torch.uint8).int()].flatten(-2)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, group: int = MXFP4_GROUP) -> torch.Tensor:
+    """An MXFP4 matrix (``packed`` int8 ``[out, in/2]``, ``scale`` ``float8_e8m0fnu [out, ceil(in/group)]``)
+    as float32 ``[out, in]``.
+
+    :raises UnsupportedQuantizationError: the scale grid does not match the packed matrix.
+    """
+    values = unpack_e2m1(packed)
+    out, inp = values.shape
+    want = [out, -(-inp // group)]
+    if list(scale.shape) != want:
+        raise UnsupportedQuantizationError(
+            f"mxfp4 weight of {inp} columns packed as {list(packed.shape)} needs float8_e8m0fnu scales of "
+            f"shape {want} (one per {group} values), got {list(scale.shape)}"
+        )
+    scales = decode_ue8m0(scale)
+    if inp % group == 0:  # whole groups: scale each as a block, without a full-size scale matrix
+        return (values.view(out, -1, group) * scales[..., None]).view(out, inp)
+    return values * scales.repeat_interleave(group, 1)[:, :inp]
+
+
+def quantize_fp8_ue8m0(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` as ``float8_e4m3fn`` with one power-of-two scale per ``block``, the
+    smallest that keeps the block's largest magnitude in range: (weight, ``float8_e8m0fnu`` scales)."""
+    rows, cols = block
+    out, inp = weight.shape
+    grid = (-(-out // rows), -(-inp // cols))
+    padded = weight.float().new_zeros(grid[0] * rows, grid[1] * cols)
+    padded[:out, :inp] = weight.float()
+    tiles = padded.view(grid[0], rows, grid[1], cols)
+    codes, scale = encode_ue8m0(tiles.abs().amax(dim=(1, 3)) / _FP8_MAX)
+    q = (tiles / scale[:, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(grid[0] * rows, grid[1] * cols)[:out, :inp].contiguous(), codes
+
+
+def quantize_mxfp4(weight: torch.Tensor, group: int = MXFP4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` (``in`` even) as MXFP4: (int8 ``[out, in/2]``, ``float8_e8m0fnu``
+    ``[out, ceil(in/group)]``), each value rounded to the nearest E2M1 value (ties to the even code)."""
+    out, inp = weight.shape
+    if inp % 2:
+        raise ValueError(f"mxfp4 packs two values a byte: {inp} columns is odd")
+    n = -(-inp // group)
+    padded = weight.float().new_zeros(out, n * group)
+    padded[:, :inp] = weight.float()
+    groups = padded.view(out, n, group)
+    codes_scale, scale = encode_ue8m0(groups.abs().amax(-1) / _E2M1_MAX)
+    x = (groups / scale[..., None]).flatten(1)[:, :inp]
+    magnitudes = torch.tensor(E2M1_VALUES[:8], device=x.device)
+    mids = (magnitudes[1:] + magnitudes[:-1]) / 2
+    lo = torch.bucketize(x.abs(), mids, right=False)
+    hi = torch.bucketize(x.abs(), mids, right=True)
+    code = torch.where(hi != lo, lo + lo % 2, lo)  # on a midpoint: the even code (round half to even)
+    code = code | ((x < 0) & (code > 0)).to(code.dtype) << 3
+    packed = (code[:, 0::2] | code[:, 1::2] << 4).to(torch.uint8)
+    return packed.view(torch.int8), codes_scale

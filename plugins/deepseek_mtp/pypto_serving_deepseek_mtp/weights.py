@@ -4,20 +4,25 @@ DeepSeek's layout.
 Two namings are read (docs/deepseek_mtp.md lists both):
 
 - DeepSeek's own, as its reference inference code and the official release use it
-  (``layers.0.attn.wq_a.weight``, ``embed.weight``, ``head.weight``, ``hc_head_fn``, ``mtp.0.*``;
-  transformers writes the same names back on ``save_pretrained``, under a ``model.`` prefix);
+  (``layers.0.attn.wq_a.weight``, ``layers.0.attn.kv_norm.weight``, ``embed.weight``,
+  ``head.weight``, ``hc_head_fn``, ``mtp.0.*``; transformers writes the same names back on
+  ``save_pretrained``, under a ``model.`` prefix and with ``attn.norm`` for ``attn.kv_norm``);
 - transformers' in-memory names (``model.layers.0.self_attn.q_a_proj.weight``,
   ``model.embed_tokens.weight``, ``lm_head.weight``, the fused ``mlp.experts.gate_up_proj`` and
   ``down_proj``), which are mapped to DeepSeek's, fused experts split per expert.
 
 Each tensor is read with ``safe_open(...).get_slice`` and only this rank's part of it
 (:class:`.sharding.ShardPlan`), so a rank's peak is its share of the model plus one tensor.
+Quantized tensors are decoded as ``config.json`` describes them (block FP8 with ``weight_scale_inv``
+or the release's E8M0 ``X.scale``, MXFP4 routed experts; docs/deepseek_mtp.md, Quantized
+checkpoints), and refused by name where they do not match that description.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pypto_serving.quantization import SCALE_SUFFIX, QuantizationConfig, UnsupportedQuantizationError
+from pypto_serving.quantization import (
+    MXFP4_GROUP,
+    SCALE_SUFFIX,
+    CheckpointFormat,
+    QuantizationConfig,
+    UnsupportedQuantizationError,
+    decode_ue8m0,
+    dequantize_mxfp4,
+    read_checkpoint_format,
+)
 
 from .sharding import ShardPlan, TensorPart
 
@@ -44,6 +58,7 @@ _LAYER_LEAVES = {
     "self_attn.q_b_proj.weight": "attn.wq_b.weight",
     "self_attn.kv_proj.weight": "attn.wkv.weight",
     "self_attn.kv_norm.weight": "attn.norm.weight",
+    "attn.kv_norm.weight": "attn.norm.weight",  # the release's name for the K=V head's norm
     "self_attn.o_a_proj.weight": "attn.wo_a.weight",
     "self_attn.o_b_proj.weight": "attn.wo_b.weight",
     "self_attn.compressor.position_bias": "attn.compressor.ape",
@@ -72,6 +87,12 @@ _FUSED = {"mlp.experts.gate_up_proj": ("w1", "w3"), "mlp.experts.down_proj": ("w
 _MTP = re.compile(r"^mtp\.(\d+)\.")
 _LAYER = re.compile(r"^(?:layers|mtp)\.\d+\.")
 _FP8 = ("F8_E4M3", "F8_E5M2")
+_FP8_FMT = {"e4m3": "F8_E4M3", "e5m2": "F8_E5M2"}
+_PACKED = ("I8", "U8")
+_E8M0 = "F8_E8M0"
+#: DeepSeek's release names a weight's scales ``P.scale`` beside ``P.weight``.
+RELEASE_SCALE = ".scale"
+_ROUTED = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 
 def normalise_name(name: str) -> str:
@@ -100,44 +121,74 @@ def load_weights(
     plan: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's part (``plan``; everything without one) of every tensor of the checkpoint, floats
-    cast to ``dtype`` except the float32-kept ones. With a block-FP8 ``quantization``, FP8 weights are
-    dequantized with their ``weight_scale_inv`` (only the blocks of this rank's part); without one,
-    an FP8 tensor is refused (its scales are unknown)."""
+    cast to ``dtype`` except the float32-kept ones, read one tensor at a time.
+
+    The storage format comes from ``model_dir/config.json`` (:func:`read_checkpoint_format`:
+    ``quantization_config`` with DeepSeek's ``scale_fmt``, and ``expert_dtype``; ``quantization``
+    stands in when there is no config.json). FP8 weights are dequantized with their block scales
+    (``X.weight_scale_inv``, or the release's ``X.scale`` in E8M0) and MXFP4 routed experts with
+    their E8M0 group scales, only the blocks of this rank's part; a tensor that does not match the
+    description is refused by name."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    config = Path(model_dir) / "config.json"
+    fmt = (
+        read_checkpoint_format(json.loads(config.read_text()), str(config))
+        if config.is_file()
+        else CheckpointFormat(fp8=quantization)
+    )
     out: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
         where = {key: f for f in handles for key in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
-        reader = _Reader(where, quantization, plan)
+        reader = _Reader(where, fmt, plan)
         for key in where:
             for name, t in reader.read(key):
                 out[name] = _cast(name, t, dtype, fp32_suffixes).to(device)
     return out
 
 
+def scale_pairs(keys: Iterable[str]) -> dict[str, str]:
+    """Each quantized weight's key mapped to its scales' key: ``X.weight_scale_inv`` (Qwen3-FP8,
+    DeepSeek-V3 style), or ``X.scale`` beside ``X.weight`` (DeepSeek's release).
+
+    :raises UnsupportedQuantizationError: a ``_scale_inv`` tensor whose weight is not in the checkpoint.
+    """
+    keys = set(keys)
+    pairs: dict[str, str] = {}
+    orphans = []
+    for key in sorted(keys):
+        if key.endswith(SCALE_SUFFIX):
+            weight = key[: -len(SCALE_SUFFIX)]
+            if weight not in keys:
+                orphans.append(key)
+                continue
+        elif key.endswith(RELEASE_SCALE) and key[: -len(RELEASE_SCALE)] + ".weight" in keys:
+            weight = key[: -len(RELEASE_SCALE)] + ".weight"
+        else:
+            continue
+        pairs[weight] = key
+    if orphans:
+        raise UnsupportedQuantizationError(
+            f"{SCALE_SUFFIX} scales without their fp8 weight(s): {', '.join(orphans[:5])}"
+        )
+    return pairs
+
+
 class _Reader:
-    """Reads tensors by checkpoint key: only this rank's part, FP8 ones dequantized with their scales."""
+    """Reads tensors by checkpoint key: only this rank's part, quantized ones dequantized with their scales."""
 
-    def __init__(self, where: dict[str, Any], quantization: QuantizationConfig | None, plan: ShardPlan | None) -> None:
+    def __init__(self, where: dict[str, Any], fmt: CheckpointFormat, plan: ShardPlan | None) -> None:
         self.where = where
-        self.quantization = quantization
+        self.fmt = fmt
         self.plan = plan
-        self._check_scales()
-
-    def _check_scales(self) -> None:
-        if self.quantization is None:
-            return
-        orphans = [k for k in self.where if k.endswith(SCALE_SUFFIX) and k[: -len(SCALE_SUFFIX)] not in self.where]
-        if orphans:
-            raise UnsupportedQuantizationError(
-                f"{SCALE_SUFFIX} scales without their fp8 weight(s): {', '.join(sorted(orphans)[:5])}"
-            )
+        self.scales = scale_pairs(where)
+        self._scale_keys = set(self.scales.values())
 
     def read(self, key: str) -> Iterator[tuple[str, torch.Tensor]]:
         """(normalised name, this rank's part) of checkpoint tensor ``key``; scales yield nothing."""
-        if self.quantization is not None and key.endswith(SCALE_SUFFIX):
+        if key in self._scale_keys:
             return
         name = normalise_name(key)
         fused = _fused(name)
@@ -147,15 +198,77 @@ class _Reader:
         if self.plan is not None and not self.plan.wanted(name):
             return
         sl = self.where[key].get_slice(key)
-        part = self.plan.part_of(name, sl.get_shape()) if self.plan is not None else None
-        index = () if part is None else (slice(None),) * part.dim + (part.part,)
-        yield name, self._part(key, sl, index, part)
+        kind = self._kind(key, name, sl.get_dtype())
+        shape = list(sl.get_shape())
+        if kind == "mxfp4":
+            shape = [shape[0], 2 * shape[1]]  # the values, not the bytes, are what a rank splits
+        part = self.plan.part_of(name, shape) if self.plan is not None else None
+        if kind == "plain":
+            index = () if part is None else (slice(None),) * part.dim + (part.part,)
+            yield name, sl[index] if index else sl[:]
+            return
+        scale = self.where[self.scales[key]].get_slice(self.scales[key])
+        if kind == "mxfp4":
+            yield name, _mxfp4_part(key, sl, scale, shape, part)
+        else:
+            assert self.fmt.fp8 is not None  # _kind returns "fp8" only with a block-FP8 description
+            yield name, _fp8_part(key, sl, scale, self.fmt.fp8.block, shape, part)
+
+    def _kind(self, key: str, name: str, dtype: str) -> str:
+        """``"mxfp4"``, ``"fp8"`` or ``"plain"`` for tensor ``key`` stored as ``dtype``; refuses one
+        the checkpoint's description does not allow."""
+        fmt = self.fmt
+        routed = _ROUTED.match(name) is not None
+        if routed and fmt.expert_dtype == "fp4" and dtype not in _FP8:  # FP8 experts read as FP8
+            if dtype not in _PACKED:
+                raise self._error(
+                    key, f"is {dtype}; expert_dtype='fp4' expects int8 [out, in/2], two E2M1 codes a byte"
+                )
+            self._check_scale(key, (_E8M0,), f"float8_e8m0fnu [out, in/{MXFP4_GROUP}]")
+            return "mxfp4"
+        if dtype in _FP8:
+            if fmt.fp8 is None:
+                raise UnsupportedQuantizationError(
+                    f"tensor {key!r} is {dtype} but config.json declares no quantization_config: its scales are unknown"
+                )
+            if dtype != _FP8_FMT[fmt.fp8.fmt]:
+                raise self._error(key, f"is {dtype}; fmt={fmt.fp8.fmt!r} expects {_FP8_FMT[fmt.fp8.fmt]}")
+            self._check_scale(key, *self._fp8_scale(key))
+            return "fp8"
+        if routed and dtype in _PACKED:
+            raise self._error(key, f"is {dtype}: a packed expert needs expert_dtype='fp4' in config.json")
+        if key in self.scales:
+            raise self._error(self.scales[key], f"scales {key}, which is {dtype}, not a quantized weight")
+        return "plain"
+
+    def _fp8_scale(self, key: str) -> tuple[tuple[str, ...], str]:
+        """(the dtypes allowed, the expectation in words) for an FP8 weight's scales."""
+        assert self.fmt.fp8 is not None
+        rows, cols = self.fmt.fp8.block
+        grid = f"one per {rows}x{cols} block"
+        if self.fmt.scale_fmt == "ue8m0":
+            release = self.scales.get(key, "").endswith(RELEASE_SCALE)
+            return ((_E8M0,) if release else (_E8M0, "F32")), f"float8_e8m0fnu, {grid}"
+        return ("F32", "BF16"), f"float32, {grid}"
+
+    def _check_scale(self, key: str, dtypes: tuple[str, ...], expected: str) -> None:
+        scale = self.scales.get(key)
+        if scale is None:
+            stem = key.removesuffix(".weight")
+            name = f"{stem}{RELEASE_SCALE}" if self.fmt.scale_fmt or self.fmt.expert_dtype else key + SCALE_SUFFIX
+            raise self._error(key, f"has no scales: expected {name} ({expected})")
+        got = self.where[scale].get_slice(scale).get_dtype()
+        if got not in dtypes:
+            raise self._error(scale, f"is {got}; expected {expected}")
+
+    def _error(self, key: str, what: str) -> UnsupportedQuantizationError:
+        return UnsupportedQuantizationError(f"{key} {what} (config.json: {self.fmt.describe()})")
 
     def _read_fused(self, key: str, prefix: str, projections: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
         sl = self.where[key].get_slice(key)
         n_experts, height, cols = sl.get_shape()
-        if sl.get_dtype() in _FP8:
-            raise UnsupportedQuantizationError(f"fused fp8 expert tensor {key!r} is not supported")
+        if sl.get_dtype() in _FP8 or sl.get_dtype() in _PACKED:
+            raise UnsupportedQuantizationError(f"fused quantized expert tensor {key!r} is not supported")
         size = height // len(projections)
         for e in range(n_experts):
             for i, proj in enumerate(projections):
@@ -170,17 +283,6 @@ class _Reader:
                     span = part.part
                 yield name, sl[e, rows, span]
 
-    def _part(self, key: str, sl: Any, index: tuple[Any, ...], part: TensorPart | None) -> torch.Tensor:
-        """``sl[index]`` (``part`` of the tensor); an FP8 weight dequantized with the blocks of its scales."""
-        t: torch.Tensor = sl[index] if index else sl[:]
-        if self.quantization is None or t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return t
-        scale_key = key + SCALE_SUFFIX
-        if scale_key not in self.where:
-            raise UnsupportedQuantizationError(f"fp8 weight(s) without {SCALE_SUFFIX} scales: {key}")
-        scale = self.where[scale_key].get_tensor(scale_key)
-        return _dequantize_part(t, scale, self.quantization.block, sl.get_shape(), part)
-
 
 def _fused(name: str) -> tuple[str, tuple[str, ...]] | None:
     """(layer prefix, the projections stacked in it) for a fused transformers expert tensor."""
@@ -191,28 +293,54 @@ def _fused(name: str) -> tuple[str, tuple[str, ...]] | None:
     return None if projections is None else (layer.group(0), projections)
 
 
-def _dequantize_part(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], full: list[int], part: TensorPart | None
-) -> torch.Tensor:
-    """A part of a block-FP8 weight of shape ``full`` times its scales, in float32: only the scale
-    blocks the part covers are expanded."""
-    if len(full) != 2:
-        raise UnsupportedQuantizationError(f"fp8 weight of shape {full} is not a matrix")
-    want = [-(-n // b) for n, b in zip(full, block)]
-    if list(scale_inv.shape) != want:
-        raise UnsupportedQuantizationError(
-            f"fp8 weight of shape {full} needs scales of shape {want} for {block[0]}x{block[1]} blocks, "
-            f"got {list(scale_inv.shape)}"
-        )
+def _spans(full: list[int], part: TensorPart | None) -> list[slice]:
+    """The rows and columns of a matrix of shape ``full`` that ``part`` covers."""
     spans = [slice(0, full[0]), slice(0, full[1])]
     if part is not None:
         spans[part.dim] = part.part
-    scales = scale_inv.float()
+    return spans
+
+
+def _fp8_part(
+    key: str, sl: Any, scale_sl: Any, block: tuple[int, int], full: list[int], part: TensorPart | None
+) -> torch.Tensor:
+    """This rank's part of block-FP8 weight ``key`` (shape ``full``) times its scales, in float32:
+    only the scale blocks the part covers are expanded."""
+    if len(full) != 2:
+        raise UnsupportedQuantizationError(f"fp8 weight {key} of shape {full} is not a matrix")
+    want = [-(-n // b) for n, b in zip(full, block)]
+    if list(scale_sl.get_shape()) != want:
+        raise UnsupportedQuantizationError(
+            f"fp8 weight {key} of shape {full} needs scales of shape {want} for {block[0]}x{block[1]} blocks, "
+            f"got {list(scale_sl.get_shape())}"
+        )
+    spans = _spans(full, part)
+    raw = scale_sl[:]
+    scales = decode_ue8m0(raw) if raw.dtype == torch.float8_e8m0fnu else raw.float()
     for dim, (span, b) in enumerate(zip(spans, block)):
         first, last = span.start // b, (span.stop - 1) // b
         scales = scales.narrow(dim, first, last - first + 1).repeat_interleave(b, dim)
         scales = scales.narrow(dim, span.start - first * b, span.stop - span.start)
+    weight: torch.Tensor = sl[spans[0], spans[1]]
     return weight.float() * scales
+
+
+def _mxfp4_part(key: str, sl: Any, scale_sl: Any, full: list[int], part: TensorPart | None) -> torch.Tensor:
+    """This rank's part of MXFP4 expert ``key`` (``full`` = [out, in] values) in float32: the bytes
+    and scales of the 32-value groups the part touches are read and decoded, then trimmed to it."""
+    out, inp = full
+    want = [out, -(-inp // MXFP4_GROUP)]
+    if list(scale_sl.get_shape()) != want:
+        raise UnsupportedQuantizationError(
+            f"mxfp4 expert {key} packed as {[out, inp // 2]} needs float8_e8m0fnu scales of shape {want} "
+            f"(one per {MXFP4_GROUP} values), got {list(scale_sl.get_shape())}"
+        )
+    rows, cols = _spans(full, part)
+    first, last = cols.start // MXFP4_GROUP, -(-cols.stop // MXFP4_GROUP)
+    packed = sl[rows, first * MXFP4_GROUP // 2 : min(last * MXFP4_GROUP, inp) // 2]
+    values = dequantize_mxfp4(packed, scale_sl[rows, first:last])
+    offset = first * MXFP4_GROUP
+    return values[:, cols.start - offset : cols.stop - offset]
 
 
 def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, fp32_suffixes: tuple[str, ...]) -> torch.Tensor:

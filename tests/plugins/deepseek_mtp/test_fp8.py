@@ -61,3 +61,20 @@ def test_fp8_without_quantization_config_is_refused(tmp_path: Path) -> None:
     fp8, _ = _copies(tmp_path, declare=False)
     with pytest.raises(UnsupportedQuantizationError, match="declares no quantization_config"):
         DeepseekMTPExecutor(ServingSettings(model=str(fp8), device="cpu", dtype="float32")).load()
+
+
+def test_ue8m0_scale_fmt_with_float32_scale_inv_loads(tmp_path: Path) -> None:
+    """DeepSeek-V3.1 style: ``scale_fmt = "ue8m0"`` declared while the scales stay float32
+    ``weight_scale_inv`` tensors; they are read as they are (the E8M0 dtype is required only of the
+    release's ``X.scale`` tensors)."""
+    from pypto_serving_deepseek_mtp.model import FP32_SUFFIXES
+    from pypto_serving_deepseek_mtp.weights import load_weights
+
+    fp8, plain = _copies(tmp_path)
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"]["scale_fmt"] = "ue8m0"
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    got = load_weights(fp8, torch.device("cpu"), torch.float32, FP32_SUFFIXES)
+    want = load_weights(plain, torch.device("cpu"), torch.float32, FP32_SUFFIXES)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in got)

@@ -26,6 +26,7 @@ from pypto_serving_deepseek_mtp import DeepseekConfigError, parse_config
 from pypto_serving_deepseek_mtp.sharding import ShardPlan, TensorPart
 
 from .helpers import Checkpoint, make_predictable
+from .test_release_layout import convert as convert_to_release_layout
 from .tp_ranks import Scenario, run, run_ranks
 
 ATOL = 1e-4
@@ -122,11 +123,15 @@ def test_two_ranks_match_one(predictable: Path, checkpoints: dict[str, Checkpoin
     fp8, fp8_exact = _fp8_copies(predictable, tmp_path)
     hf_names = _transformers_names(checkpoints["mixed_yarn"], tmp_path / "hf")
     plain = str(checkpoints["mixed_yarn"].path)
+    release, release_exact = tmp_path / "release", tmp_path / "release_exact"
+    convert_to_release_layout(predictable, release, release_exact)  # UE8M0 FP8, MXFP4 experts
     cases = {
         "tensor-parallel MoE": (Scenario(path), Scenario(path)),
         "expert parallel": (Scenario(path, expert_parallel=True), Scenario(path)),
         "chunked prefill": (Scenario(path, chunk=5), Scenario(path, chunk=5)),
         "fp8": (Scenario(str(fp8)), Scenario(str(fp8_exact))),
+        "release layout": (Scenario(str(release)), Scenario(str(release_exact))),
+        "release layout, expert parallel": (Scenario(str(release), expert_parallel=True), Scenario(str(release_exact))),
         "transformers names": (Scenario(str(hf_names)), Scenario(plain)),
     }
     ranks = run_ranks([tp for tp, _ in cases.values()], tmp_path)
