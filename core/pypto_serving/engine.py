@@ -56,9 +56,10 @@ def _output(choices: list[Request]) -> RequestOutput:
         for i, c in enumerate(choices)
     ]
     finished = all(c.is_finished for c in choices)
-    if finished:
-        # Logged with the final output, once (the engine drops the request after it): an offline
+    if finished and not head.out.logged:
+        # Logged with the final output, once (a finished output can be built again): an offline
         # caller has no other record of why it failed.
+        head.out.logged = True
         for c in choices:
             if c.error is not None:
                 logger.error("request %s failed: %s", c.request_id, c.error)

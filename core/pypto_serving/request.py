@@ -281,6 +281,7 @@ class OutputState:
     choices: list[Request] = field(default_factory=list)
     detokenizer: Any = None  # an IncrementalDetokenizer: text output and stop strings
     changed: bool = False  # on choices[0]: an output is due (the engine's list of changed requests holds it)
+    logged: bool = False  # on choices[0]: the failures of a finished request were logged (once)
 
 
 @dataclass(slots=True, eq=False)

@@ -11,6 +11,7 @@ import pytest
 
 from pypto_serving import LLM, SamplingParams, ServingSettings
 from pypto_serving.config import SettingsError
+from pypto_serving.engine import _output
 
 pytestmark = pytest.mark.requires_plugin("sync_sched")
 
@@ -53,10 +54,10 @@ def test_the_failure_log_is_not_repeated_by_later_snapshots(
     caplog.set_level(logging.ERROR, logger=_FAILURE_LOG)
     engine = llm.engine
     engine.add_request("r", [5, 6], SamplingParams(max_tokens=2))
-    user = engine._users["r"]
+    choices = engine._users["r"]
     while engine.has_unfinished():
         engine.step()
-    assert user.output().finished and user.output().outputs[0].error is not None
+    assert _output(choices).finished and _output(choices).outputs[0].error is not None
     assert len([m for m in _failure_records(caplog) if m.startswith("request r ")]) == 1
 
 
