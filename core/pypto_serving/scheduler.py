@@ -278,9 +278,6 @@ class Scheduler:
             end = start + num_new + k
             if num_new <= 0 or (end > req.kv.capacity and not self._blocks_for(step, req, end, admitting)):
                 continue
-            if not s.sent_to_worker:
-                s.sent_to_worker = True
-                step.new_requests.append(_new_request_data(req))
             sample = start + num_new == pending
             add_entry(
                 ScheduledEntry(
@@ -290,7 +287,7 @@ class Scheduler:
                     num_draft=k,
                     start_pos=start,
                     rejected_seen=s.rejected,
-                    new_block_ids=self._new_blocks(req) if req.kv.num_entries != s.entries_sent else {},
+                    new_block_ids=self._send(step, req) if req.kv.num_entries != s.entries_sent else {},
                     sample=sample,
                 )
             )
@@ -416,8 +413,13 @@ class Scheduler:
             self._finished_ids.append(req.request_id)
 
     @staticmethod
-    def _new_blocks(req: Request) -> dict[str, list[int]]:
-        """The blocks of each group the worker does not hold yet (tables only grow while it holds them)."""
+    def _send(step: _StepBuilder, req: Request) -> dict[str, list[int]]:
+        """The blocks of each group the worker does not hold yet (tables only grow while it holds
+        them), and the request itself when the worker does not hold it (then it holds no blocks of
+        it, and the request has some: the entry's work is allocated)."""
+        if not req.sched.sent_to_worker:
+            req.sched.sent_to_worker = True
+            step.new_requests.append(_new_request_data(req))
         new: dict[str, list[int]] = {}
         sent = req.sched.blocks_sent
         for group, blocks in req.kv.block_ids.items():
