@@ -5,6 +5,11 @@ count moves by the scheduled tokens plus granted drafts, and a sampling entry re
 output placeholders. ``update()`` applies the worker's result and gives back what did not happen
 (rejected drafts). The sync strategy calls them alternately; the async strategy keeps two steps in
 flight, which the placeholders make safe.
+
+The scheduler's state of a request is the request's ``sched`` section (:class:`~.request.SchedState`);
+its blocks are the ``kv`` section, which only the KV manager writes. Every entry is built by one
+path (``Scheduler._schedule``), every result applied by one loop with one stop rule
+(``Scheduler._stop_status``), which asks the engine about stop strings as each token is committed.
 """
 
 from __future__ import annotations
