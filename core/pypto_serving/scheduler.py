@@ -85,16 +85,17 @@ class _StepBuilder:
             self.kind = kind
         return self.kind == kind
 
-    def drop(self, req: Request) -> None:
+    def drop(self, req: Request) -> int:
         """Take a request back out of this step (it was preempted after being scheduled), so no
-        entry writes KV into blocks that another entry of the same step now owns."""
+        entry writes KV into blocks that another entry of the same step now owns; returns the
+        budget its entry took (0 if it had none)."""
+        self.new_requests = [nr for nr in self.new_requests if nr.request_id != req.request_id]
         for i, r in enumerate(self.requests):
             if r is req:
                 entry = self.entries[i]
-                self.budget += (len(entry.token_ids) or 1) + entry.num_draft
                 del self.requests[i], self.entries[i]
-                break
-        self.new_requests = [nr for nr in self.new_requests if nr.request_id != req.request_id]
+                return (len(entry.token_ids) or 1) + entry.num_draft
+        return 0
 
 
 TextStop = Callable[[Request], "str | None"]
@@ -260,15 +261,12 @@ class Scheduler:
         return SchedulerOutput(cmd, step.requests, self.config.max_num_batched_tokens - step.budget)
 
     def _schedule(self, step: _StepBuilder, reqs: list[Request], admitting: bool = False) -> None:
-        """Put each request's next work into the step while the budget lasts: a decode (one token,
-        plus the draft slots the policy grants) or the next prefill chunk (with ``admitting``, the
-        first since it (re)entered), allocating blocks the tables lack (a running request preempts
-        the latest arrival for them). The one path of every entry: a plain decode (no drafts, no
-        uniform batch, blocks held) costs its checks and its entry, no call."""
+        """The one path of every entry: each request's decode (plus draft slots) or next prefill chunk
+        (``admitting``: its first), while the budget lasts, with blocks (see :meth:`_blocks_for`)."""
         barrier, plain = self.info.prefill_barrier, not (step.uniform or self.info.max_draft_tokens or admitting)
-        add_entry, add_request = step.entries.append, step.requests.append
+        add_entry, add_request, budget = step.entries.append, step.requests.append, step.budget
         for req in reqs:
-            if step.budget <= 0:
+            if budget <= 0:
                 break
             if req.status is not _RUNNING and not admitting:
                 continue  # preempted earlier in this step
@@ -279,9 +277,16 @@ class Scheduler:
             if pending >= s.pending_limit or (barrier and s.awaiting_prefill):
                 continue
             decode = pending == start + 1 and start >= prompt
-            num_new, k = (1, 0) if decode and plain else self._shape(step, req, pending - start, decode, admitting)
+            if decode and plain:
+                num_new, k = 1, 0
+            else:
+                num_new, k = self._shape(step, req, pending - start, decode and not admitting, budget)
             end = start + num_new + k
-            if num_new <= 0 or (end > req.kv.capacity and not self._blocks_for(step, req, end, admitting)):
+            if end > req.kv.capacity and num_new > 0:  # the tables do not cover the work
+                fits, given_back = self._blocks_for(step, req, end, admitting)
+                budget += given_back
+                num_new = num_new if fits else 0
+            if num_new <= 0:
                 continue
             sample = start + num_new == pending
             add_entry(
@@ -297,44 +302,47 @@ class Scheduler:
                 )
             )
             add_request(req)
-            step.budget -= num_new + k
+            budget -= num_new + k
             req.num_computed_tokens = end
             if sample:  # a sampling entry reserves 1 + k output placeholders
                 s.has_sampled = True
                 req.num_output_placeholders = held + 1 + k
                 if not decode:
                     s.awaiting_prefill = True  # a terminal prefill chunk
+        step.budget = budget
 
-    def _shape(self, step: _StepBuilder, req: Request, num_new: int, decode: bool, admitting: bool) -> tuple[int, int]:
+    def _shape(self, step: _StepBuilder, req: Request, num_new: int, decode: bool, budget: int) -> tuple[int, int]:
         """Tokens and draft slots of an entry that is not a plain decode (a prefill chunk, an
         admission, a decode with drafts, or any entry of a uniform batch); 0 tokens: none this step."""
         if num_new <= 0:
             return 0, 0
-        if decode and not admitting:
+        if decode:
             if step.uniform and not step.admits("decode"):
                 return 0, 0
             if req.sched.has_sampled and self.info.max_draft_tokens:  # drafts exist only after a step sampled
-                return 1, self.spec_policy(req, self._max_k(req, step.budget - 1))
+                return 1, self.spec_policy(req, self._max_k(req, budget - 1))
             return 1, 0
         if step.uniform and not step.admits("prefill"):
             return 0, 0
-        return self._chunk(num_new, step.budget), 0
+        return self._chunk(num_new, budget), 0
 
-    def _blocks_for(self, step: _StepBuilder, req: Request, num_tokens: int, admitting: bool) -> bool:
+    def _blocks_for(self, step: _StepBuilder, req: Request, num_tokens: int, admitting: bool) -> tuple[bool, int]:
         """Blocks for ``num_tokens``: a running request preempts the latest arrival until they fit
-        (False when ``req`` itself was preempted, or failed because the cache cannot hold it alone);
-        an admission takes only free blocks."""
+        (not when ``req`` itself was preempted, or failed because the cache cannot hold it alone);
+        an admission takes only free blocks. Returns whether they fit and the budget that the
+        preempted requests' entries in this step gave back."""
+        given_back = 0
         while not self.kv.allocate(req, num_tokens):
             if admitting:
-                return False
+                return False, given_back
             if self.running == [req]:
                 self._failed += self.fail([req.request_id], "the KV cache is too small for this request alone")
-                return False
+                return False, given_back
             victim = max(self.running, key=lambda r: r.sched.arrival_index)
-            self._preempt(victim, step)
+            given_back += self._preempt(victim, step)
             if victim is req:
-                return False
-        return True
+                return False, given_back
+        return True, given_back
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         """Admit waiting requests first come first served, passing over those whose grammar is not
@@ -390,12 +398,13 @@ class Scheduler:
         room = req.sched.pending_limit - (req.num_tokens + req.num_output_placeholders)
         return max(0, min(self.info.max_draft_tokens, budget_left, room - 1))
 
-    def _preempt(self, req: Request, step: _StepBuilder) -> None:
+    def _preempt(self, req: Request, step: _StepBuilder) -> int:
         """Free ``req``'s blocks and queue it first to be recomputed; results of steps in flight
-        for it are discarded (``valid_from``), and its entry in this step is taken back."""
+        for it are discarded (``valid_from``), and its entry in this step is taken back (returns
+        the budget that gives back)."""
         self.running.remove(req)
         self.kv.free(req)
-        step.drop(req)
+        given_back = step.drop(req)
         step.preempted = True
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -408,6 +417,7 @@ class Scheduler:
         self._release_worker_state(req)
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
+        return given_back
 
     def _release_worker_state(self, req: Request) -> None:
         s = req.sched
