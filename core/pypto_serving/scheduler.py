@@ -270,8 +270,7 @@ class Scheduler:
                 break
             if req.status is not _RUNNING and not admitting:
                 continue  # preempted earlier in this step
-            s = req.sched
-            start, prompt = req.num_computed_tokens, req.num_prompt_tokens
+            s, start, prompt = req.sched, req.num_computed_tokens, req.num_prompt_tokens
             held, outputs = req.num_output_placeholders, req.output_token_ids
             pending = prompt + len(outputs) + held  # tokens once results in flight are applied
             if pending >= s.pending_limit or (barrier and s.awaiting_prefill):
@@ -281,14 +280,15 @@ class Scheduler:
                 num_new, k = 1, 0
             else:
                 num_new, k = self._shape(step, req, pending - start, decode and not admitting, budget)
+                if num_new <= 0:
+                    continue
             end = start + num_new + k
-            if end > req.kv.capacity and num_new > 0:  # the tables do not cover the work
+            if end > req.kv.capacity:  # the tables do not cover the work
                 fits, given_back = self._blocks_for(step, req, end, admitting)
                 budget += given_back
-                num_new = num_new if fits else 0
-            if num_new <= 0:
-                continue
-            sample = start + num_new == pending
+                if not fits:
+                    continue
+            sample = decode or start + num_new == pending  # a decode's one token is always the last
             add_entry(
                 ScheduledEntry(
                     request_id=req.request_id,
