@@ -346,6 +346,17 @@ class EngineCore:
                 f"max_model_len ({self.max_model_len})"
             )
         _check_encodable(ids, params)
+        children = self._choices(request_id, text, ids, params)
+        try:
+            for req in children:
+                self.scheduler.add_request(req)  # validates; nothing is admitted until the next step
+        except ValueError:  # a choice's id is taken ("r-1" by another request): none of them runs
+            self.scheduler.abort([c.request_id for c in children if self.scheduler.requests.get(c.request_id) is c])
+            raise
+        self._users[request_id] = children
+
+    def _choices(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> list[Request]:
+        """The ``n`` sequences of a user request, sharing one ``choices`` list (their ``out`` section)."""
         children: list[Request] = []
         created = time.time()
         # The prompt's logprobs are the same for every choice: the first child computes them (the
@@ -363,9 +374,7 @@ class EngineCore:
                     self.tokenizer, ids, params.stop, params.skip_special_tokens
                 )
             children.append(req)
-        for req in children:
-            self.scheduler.add_request(req)  # validates; nothing is admitted until the next step
-        self._users[request_id] = children
+        return children
 
     def abort(self, request_id: str) -> None:
         choices = self._users.get(request_id)

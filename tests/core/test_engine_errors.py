@@ -78,3 +78,18 @@ def test_valid_overrides_keep_the_given_settings(fake_pm: Any) -> None:
         assert llm.settings.num_kv_blocks == 64 and llm.settings.executor_options == {"vocab": 50}
         assert llm.engine is not None and llm.engine.info.vocab_size == 50
     assert settings.max_num_seqs == 64  # the caller's object is left alone
+
+
+def test_a_choice_whose_id_is_taken_fails_the_whole_request(make_llm: Callable[..., Any]) -> None:
+    """``n = 2`` choices of "a" are "a-0" and "a-1"; with "a-1" already a request, adding "a" fails
+    and leaves no orphan "a-0" running unreported."""
+    engine = make_llm(block_size=4, num_kv_blocks=32).engine
+    engine.add_request("a-1", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [3, 4], SamplingParams(max_tokens=2, n=2))
+    assert sorted(engine.scheduler.requests) == ["a-1"]
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["a-1"]
+    assert not engine.scheduler.has_unfinished()
