@@ -67,7 +67,7 @@ class Bench:
         if self.wire:
             self.encoder.encode(out.command)
         t1 = clock()  # the worker's part is not timed: building its reply and encoding it
-        sampled = {it.request.request_id: [7] for it in out.items if it.sample}
+        sampled = {e.request_id: [7] for e in out.command.entries if e.sample}
         result = self.result_type(out.command.step_id, sampled=sampled)
         raw = self.encoder.encode(result) if self.wire else b""
         t0 += clock() - t1

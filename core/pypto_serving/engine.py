@@ -10,7 +10,7 @@ import random
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from .kv_cache import KVCacheManager
 from .messages import StepResult
 from .model_files import check_max_model_len, sampling_defaults
 from .plugins import PluginError, PluginManager
-from .request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
+from .request import CompletionOutput, OutputState, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .speculative import CORE_DRAFTERS, SpecPolicy
 from .strategy import StepStrategy
@@ -40,48 +40,39 @@ class EngineDeadError(RuntimeError):
     """The worker died or the engine failed; no more requests can be served."""
 
 
-@dataclass(slots=True)
-class _UserRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    reported_finished: bool = False
-    created: float = field(default_factory=time.time)
-
-    def output(self) -> RequestOutput:
-        outs = [
-            CompletionOutput(
-                index=i,
-                token_ids=list(c.output_token_ids),
-                text=_text(c),
-                finish_reason=c.finish_reason,
-                stop_reason=c.detokenizer.stopped_at
-                if c.detokenizer is not None and c.detokenizer.stopped_at
-                else c.stop_reason,
-                logprobs=list(c.output_logprobs) if c.sampling_params.logprobs is not None else None,
-                error=c.error,
-            )
-            for i, c in enumerate(self.children)
-        ]
-        finished = all(c.is_finished for c in self.children)
-        if finished and not self.reported_finished:
-            # Logged with the final output, once: the engine drops the request after it, and an offline
-            # caller has no other record of why it failed.
-            self.reported_finished = True
-            for c in self.children:
-                if c.error is not None:
-                    logger.error("request %s failed: %s", c.request_id, c.error)
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_token_ids,
-            outs,
-            finished=finished,
-            num_cached_tokens=self.children[0].num_cached_tokens,
-            metrics=self.children[0].metrics,
-            prompt_logprobs=_prompt_logprobs(self.children[0]),
+def _output(choices: list[Request]) -> RequestOutput:
+    """A user request's output so far, from its choices (``Request.out.choices``)."""
+    head = choices[0]
+    outs = [
+        CompletionOutput(
+            index=i,
+            token_ids=list(c.output_token_ids),
+            text=_text(c),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            logprobs=list(c.output_logprobs) if c.sampling_params.logprobs is not None else None,
+            error=c.error,
         )
+        for i, c in enumerate(choices)
+    ]
+    finished = all(c.is_finished for c in choices)
+    if finished and not head.out.logged:
+        # Logged with the final output, once (a finished output can be built again): an offline
+        # caller has no other record of why it failed.
+        head.out.logged = True
+        for c in choices:
+            if c.error is not None:
+                logger.error("request %s failed: %s", c.request_id, c.error)
+    return RequestOutput(
+        head.out.user_request_id,
+        head.out.prompt,
+        head.prompt_token_ids,
+        outs,
+        finished=finished,
+        num_cached_tokens=head.num_cached_tokens,
+        metrics=head.metrics,
+        prompt_logprobs=_prompt_logprobs(head),
+    )
 
 
 def _prompt_logprobs(req: Request) -> list[dict[int, float] | None] | None:
@@ -228,6 +219,7 @@ class EngineCore:
             max_step_tokens=settings.max_num_batched_tokens,
         )
         self.max_model_len = self._fit_max_model_len(num_blocks)
+        self.tokenizer: Tokenizer | None = load_tokenizer(settings.tokenizer or settings.model)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=settings.max_num_seqs,
@@ -239,15 +231,17 @@ class EngineCore:
             self.kv,
             replace(info, max_draft_tokens=self.max_draft_tokens),
             policy,
+            text_stop=self._detokenize,
         )
-        self.tokenizer: Tokenizer | None = load_tokenizer(settings.tokenizer or settings.model)
         self.eos_token_ids = tuple(info.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
-        self._users: dict[str, _UserRequest] = {}
-        self._child_to_user: dict[str, str] = {}
+        # The engine's one map: a user request's id to its choices (the scheduler's ``requests`` is
+        # the other map keyed by request id in the engine process; every other per-request fact
+        # lives on the Request).
+        self._users: dict[str, list[Request]] = {}
         self._rng = random.Random(settings.seed)
-        self._touched: set[str] = set()
+        self._changed: list[Request] = []  # heads (choices[0]) of user requests with an output due
         self.strategy: StepStrategy = sched_spec.factory(self)
         logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_spec.name, num_blocks)
 
@@ -356,7 +350,19 @@ class EngineCore:
                 f"max_model_len ({self.max_model_len})"
             )
         _check_encodable(ids, params)
-        children = []
+        children = self._choices(request_id, text, ids, params)
+        try:
+            for req in children:
+                self.scheduler.add_request(req)  # validates; nothing is admitted until the next step
+        except ValueError:  # a choice's id is taken ("r-1" by another request): none of them runs
+            self.scheduler.abort([c.request_id for c in children if self.scheduler.requests.get(c.request_id) is c])
+            raise
+        self._users[request_id] = children
+
+    def _choices(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> list[Request]:
+        """The ``n`` sequences of a user request, sharing one ``choices`` list (their ``out`` section)."""
+        children: list[Request] = []
+        created = time.time()
         # The prompt's logprobs are the same for every choice: the first child computes them (the
         # output reads them from it), the others do not repeat the work n - 1 times.
         unscored = params if params.prompt_logprobs is None else replace(params, prompt_logprobs=None)
@@ -366,21 +372,20 @@ class EngineCore:
             if i and params.seed is not None:
                 seed = (seed * 0x9E3779B1 + i) % 2**63
             req = Request(child_id, ids, params if i == 0 else unscored, self.eos_token_ids, sample_seed=seed)
+            req.out = OutputState(user_request_id=request_id, prompt=text, created=created, choices=children)
             if self.tokenizer is not None:
-                req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+                req.out.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, ids, params.stop, params.skip_special_tokens
+                )
             children.append(req)
-        for req in children:
-            self.scheduler.add_request(req)  # validates; nothing is admitted until the next step
-        self._users[request_id] = _UserRequest(request_id, text, ids, children)
-        for req in children:
-            self._child_to_user[req.request_id] = request_id
+        return children
 
     def abort(self, request_id: str) -> None:
-        user = self._users.get(request_id)
-        if user is None:
+        choices = self._users.get(request_id)
+        if choices is None:
             return
-        self.scheduler.abort([c.request_id for c in user.children])
-        self._touched.add(request_id)
+        self.scheduler.abort([c.request_id for c in choices])
+        self._touch(choices)
 
     def has_unfinished(self) -> bool:
         return bool(self._users)
@@ -411,12 +416,7 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput | None:
         out = self.scheduler.schedule()
-        if self.scheduler.failed_while_scheduling:
-            self._touch(self.scheduler.failed_while_scheduling)
-            self.scheduler.failed_while_scheduling = []
-        if out.is_empty:
-            self.scheduler.take_back(out.command)  # tell the worker next time
-            return None
+        self._touch(self.scheduler.take_failed())
         return out
 
     def submit(self, out: SchedulerOutput) -> None:
@@ -429,7 +429,7 @@ class EngineCore:
         """Apply a step result; a failed step fails the requests it carried."""
         self.scheduler.grammars_compiled(result.grammars_ready)
         if result.error is not None:
-            failed = self.scheduler.fail([i.request.request_id for i in out.items], f"step failed: {result.error}")
+            failed = self.scheduler.fail([r.request_id for r in out.requests], f"step failed: {result.error}")
             logger.error("step %d failed: %s", result.step_id, result.error)
             self._touch(failed)
             return
@@ -441,32 +441,36 @@ class EngineCore:
         touched = self.scheduler.update(out, result)
         now = time.monotonic()
         for req in touched:
-            self._detokenize(req)
+            if req.status is not RequestStatus.FINISHED_ERROR:
+                self._detokenize(req)  # the text of tokens the stop-string check did not already see
             if req.output_token_ids:
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
                 req.metrics.last_token_time = now
         self._touch(touched)
 
-    def _detokenize(self, req: Request) -> None:
-        """Feed the new output tokens to the request's detokenizer and finish the request at the first
-        stop string that ends once ``min_tokens`` tokens exist (stop strings are text: the engine
-        checks them, the scheduler only knows token ids)."""
-        detok = req.detokenizer
-        if detok is None or req.status is RequestStatus.FINISHED_ERROR:
-            return
+    def _detokenize(self, req: Request) -> str | None:
+        """Feed the output tokens the request's detokenizer has not seen to it; returns the stop
+        string that ended in them (checked once ``min_tokens`` outputs exist). The scheduler calls
+        it as each token of a request with stop strings is committed (:data:`scheduler.TextStop`),
+        so the token that ends the text is the last one committed; ``apply`` feeds the rest."""
+        detok = req.out.detokenizer
+        if detok is None:
+            return None
         min_tokens = req.sampling_params.min_tokens
         while detok.num_outputs < len(req.output_token_ids):
             n = detok.num_outputs + 1
             if detok.append(req.output_token_ids[n - 1], check_stop=n >= min_tokens):
-                self.scheduler.stop(req, n, detok.stopped_at)
-                return
+                return str(detok.stopped_at)
+        return None
 
     def _touch(self, reqs: Sequence[Request]) -> None:
+        """An output is due for these requests' user requests (reported by the next ``_collect``)."""
         for r in reqs:
-            uid = self._child_to_user.get(r.request_id)
-            if uid is not None:
-                self._touched.add(uid)
+            head = r.out.choices[0] if r.out.choices else None
+            if head is not None and not head.out.changed:
+                head.out.changed = True
+                self._changed.append(head)
 
     def _die(self, reason: str) -> None:
         logger.error("engine failed: %s", reason)
@@ -475,18 +479,15 @@ class EngineCore:
         self._touch(self.scheduler.fail(live, reason))
 
     def _collect(self) -> list[RequestOutput]:
+        """The outputs due, oldest user request first; a finished user request is dropped after it."""
         outs = []
-        for uid in sorted(self._touched, key=lambda u: self._users[u].created if u in self._users else 0):
-            user = self._users.get(uid)
-            if user is None:
-                continue
-            out = user.output()
+        changed, self._changed = self._changed, []
+        for head in sorted(changed, key=lambda r: r.out.created):
+            head.out.changed = False
+            out = _output(head.out.choices)
             outs.append(out)
             if out.finished:
-                del self._users[uid]
-                for c in user.children:
-                    self._child_to_user.pop(c.request_id, None)
-        self._touched.clear()
+                self._users.pop(head.out.user_request_id, None)
         return outs
 
     def stats(self) -> dict[str, Any]:
@@ -522,7 +523,7 @@ class EngineCore:
 
 def _text(req: Request) -> str:
     """A sequence's text: with ``include_stop_str_in_output`` the stop string that ended it stays in."""
-    detok = req.detokenizer
+    detok = req.out.detokenizer
     if detok is None:
         return ""
     keep = req.sampling_params.include_stop_str_in_output and detok.stopped_at

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .executor import CacheGroupSpec
-from .request import Request
+from .request import KVState, Request
 
 __all__ = ["BLOCK_HASHES", "FREED", "BlockPool", "KVCacheManager", "NoFreeBlocksError", "block_key", "root_key"]
 
@@ -126,14 +126,8 @@ class KVCacheManager:
         # A hit must be restorable in every group, so one group without exact caching disables it.
         self.prefix_caching = enable_prefix_caching and all(g.prefix_caching for g in self.groups)
         self._hash_unit = math.lcm(*(g.tokens_per_block for g in self.groups))
-        self._hashes: dict[str, dict[str, list[bytes]]] = {}  # request -> group -> block keys
         self.windowed = [g for g in self.groups if g.window_tokens is not None]
         self._max_step_tokens = max_step_tokens
-        self._window_freed: dict[str, dict[str, int]] = {}  # request -> group -> leading entries freed
-        # The one group's name and tokens per block, for the per-step fast paths of allocate() and
-        # of the scheduler's plain decodes (read-only outside this class).
-        self.single_group = (self.groups[0].name, self.groups[0].tokens_per_block) if len(self.groups) == 1 else None
-        self._published: dict[str, int] = {}  # request -> full blocks (of the smallest kind) published
         self._min_tpb = min(g.tokens_per_block for g in self.groups)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found cached
@@ -162,7 +156,7 @@ class KVCacheManager:
     # -- prefix cache
     def _chain_hashes(self, request: Request, group: CacheGroupSpec, num_tokens: int) -> list[bytes]:
         """Chained keys of the request's full blocks covering its first ``num_tokens`` tokens."""
-        known = self._hashes.setdefault(request.request_id, {}).setdefault(group.name, [])
+        known = request.kv.hashes.setdefault(group.name, [])
         tpb = group.tokens_per_block
         full = num_tokens // tpb
         if len(known) < full:
@@ -179,7 +173,7 @@ class KVCacheManager:
         """Take the longest cached prefix for a fresh request; returns the tokens it covers.
 
         The hit never covers the last prompt token, so the first output is always computed."""
-        if not self.prefix_caching or any(request.block_ids.get(g.name) for g in self.groups):
+        if not self.prefix_caching or request.kv.num_entries:
             return 0
         limit = (request.num_tokens - 1) // self._hash_unit * self._hash_unit
         self.prefix_queries += request.num_prompt_tokens
@@ -201,7 +195,8 @@ class KVCacheManager:
             blocks = found[g.name][: hit // g.tokens_per_block]
             for b in blocks:
                 self.pools[g.name].take_cached(b)
-            request.block_ids[g.name] = list(blocks)
+            request.kv.block_ids[g.name] = list(blocks)
+        self._tables_grew(request.kv)
         # The request computes from ``hit`` on, so a window group's hit blocks before that window
         # go back at once: held until the first step confirms, they could take the whole pool and
         # leave the request unable to grow (never admitted, or failed as too big for the cache).
@@ -222,14 +217,14 @@ class KVCacheManager:
         once, so a caller may skip them (until the request's blocks are freed)."""
         if not self.prefix_caching:
             return sys.maxsize
-        published = self._published.get(request.request_id, 0)
-        if num_tokens // self._min_tpb <= published:
+        state = request.kv
+        if num_tokens // self._min_tpb <= state.published:
             # No new full block since the last call: the common decode step (and clamping cannot add one).
-            return (published + 1) * self._min_tpb
+            return (state.published + 1) * self._min_tpb
         num_tokens = min(num_tokens, request.num_tokens)
-        published = self._published[request.request_id] = num_tokens // self._min_tpb
+        published = state.published = num_tokens // self._min_tpb
         for g in self.groups:
-            blocks = request.block_ids.get(g.name, [])
+            blocks = state.block_ids.get(g.name, [])
             pool = self.pools[g.name]
             for block, h in zip(blocks, self._chain_hashes(request, g, num_tokens)):
                 if block != FREED:
@@ -240,10 +235,10 @@ class KVCacheManager:
         """Give back each windowed group's blocks that lie wholly before the window of position
         ``first_pos``, the lowest position any step of ``request`` still computes. Their table
         entries become :data:`FREED`."""
-        freed = self._window_freed.setdefault(request.request_id, {})
+        freed = request.kv.window_freed
         for g in self.windowed:
             assert g.window_tokens is not None
-            blocks = request.block_ids.get(g.name)
+            blocks = request.kv.block_ids.get(g.name)
             if not blocks:
                 continue
             start = freed.get(g.name, 0)
@@ -256,29 +251,32 @@ class KVCacheManager:
     # -- allocation
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Grow the request's blocks so it can hold ``num_tokens`` tokens; all groups or none."""
-        if self.single_group is not None:  # fast path: most steps need no new block
-            name, tokens_per_block = self.single_group
-            have_blocks = request.block_ids.get(name)
-            if have_blocks is not None and -(-num_tokens // tokens_per_block) <= len(have_blocks):
-                return True
+        state = request.kv
+        if num_tokens <= state.capacity:  # most steps need no new block
+            return True
         need = {}
         for g in self.groups:
-            have = len(request.block_ids.get(g.name, []))
+            have = len(state.block_ids.get(g.name, []))
             need[g.name] = max(0, self.blocks_needed(g, num_tokens) - have)
             if need[g.name] > self.pools[g.name].num_free:
                 return False
         for g in self.groups:
             if need[g.name]:
-                request.block_ids.setdefault(g.name, []).extend(self.pools[g.name].allocate(need[g.name]))
+                state.block_ids.setdefault(g.name, []).extend(self.pools[g.name].allocate(need[g.name]))
+        self._tables_grew(state)
         return True
 
+    def _tables_grew(self, state: KVState) -> None:
+        """Recompute what the tables cover (a table's FREED entries keep their positions)."""
+        lengths = [(len(state.block_ids.get(g.name, [])), g.tokens_per_block) for g in self.groups]
+        state.capacity = min(n * tokens_per_block for n, tokens_per_block in lengths)
+        state.num_entries = sum(n for n, _ in lengths)
+
     def free(self, request: Request) -> None:
+        """Give back every block of the request and forget its keys (a fresh :class:`KVState`)."""
         for g in self.groups:
-            self.pools[g.name].release([b for b in request.block_ids.get(g.name, []) if b != FREED])
-        request.block_ids = {}
-        self._hashes.pop(request.request_id, None)
-        self._published.pop(request.request_id, None)
-        self._window_freed.pop(request.request_id, None)
+            self.pools[g.name].release([b for b in request.kv.block_ids.get(g.name, []) if b != FREED])
+        request.kv = KVState()
 
     # -- invariants
     def check_invariants(self, live: Sequence[Request]) -> None:
@@ -287,7 +285,7 @@ class KVCacheManager:
             pool = self.pools[g.name]
             owners = [0] * pool.num_blocks
             for r in live:
-                for b in r.block_ids.get(g.name, []):
+                for b in r.kv.block_ids.get(g.name, []):
                     if b != FREED:
                         owners[b] += 1
             assert owners == pool.ref_cnt, f"group {g.name}: ref counts {pool.ref_cnt} != owners {owners}"

@@ -1,4 +1,4 @@
-"""Requests: sampling parameters, per-request state the scheduler owns, and the outputs users get."""
+"""Requests: sampling parameters, the one record of a sequence in the engine process, and the outputs users get."""
 
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ __all__ = [
     "MAX_LOGIT_BIAS",
     "CompletionOutput",
     "FinishReason",
+    "KVState",
+    "OutputState",
     "Request",
     "RequestMetrics",
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",
+    "SchedState",
     "StructuredSpec",
 ]
 
@@ -223,15 +226,78 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
+@dataclass(slots=True)
+class SchedState:
+    """The scheduler's bookkeeping of one sequence; only ``scheduler.py`` writes it. Preemption
+    resets the step-scoped part (``Scheduler._preempt``); the limits are derived once when the
+    request is added (``Scheduler.add_request``)."""
+
+    arrival_index: int = 0  # FCFS order; preemption picks the highest
+    # The step id from which results count: a preemption while building step S sets S, so results
+    # of the steps before it, still in flight, are discarded (the worker dropped the request).
+    valid_from: int = 0
+    rejected: int = 0  # draft positions given back so far (the worker corrects positions by it)
+    confirmed: int = 0  # tokens whose KV a finished step confirmed (publishable to the prefix cache)
+    publish_at: int = 0  # confirmed tokens from which KVCacheManager.publish() can publish a block
+    awaiting_prefill: bool = False  # a terminal prefill is in flight (for executors with a barrier)
+    has_sampled: bool = False  # sampled since (re)admission: only then can the worker hold drafts
+    sent_to_worker: bool = False  # the worker holds state for it (to be released on finish/preempt)
+    blocks_sent: dict[str, int] = field(default_factory=dict)  # per group: table length the worker holds
+    entries_sent: int = 0  # the sum of ``blocks_sent``: compared with KVState.num_entries per step
+    # False while the worker compiles the request's grammar: admission passes it over. Preemption
+    # keeps it: the worker keeps the compile for the request's life.
+    grammar_ready: bool = True
+    # The stop rule's inputs (Scheduler._stop_status), derived once from the sampling parameters:
+    pending_limit: int = 0  # prompt + output tokens at which no more output can be produced
+    output_limit: int = 0  # outputs at which the request ends by length (max_tokens or the context)
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it once min_tokens outputs exist
+    eos_ids: frozenset[int] = frozenset()  # those of stop_ids that end it as EOS (not a stop token id)
+    grammar_eos: frozenset[int] = frozenset()  # end it even before min_tokens: a grammar's end
+    min_tokens: int = 0
+    check_text: bool = False  # it has stop strings: each committed token asks the engine's detokenizer
+
+
+@dataclass(slots=True)
+class KVState:
+    """The KV manager's state of one sequence; only ``kv_cache.py`` writes it (the scheduler reads
+    ``capacity``, ``num_entries`` and ``block_ids``)."""
+
+    block_ids: dict[str, list[int]] = field(default_factory=dict)  # per cache group: the block table
+    capacity: int = 0  # tokens every group's table covers: growing to at most this allocates nothing
+    num_entries: int = 0  # table entries over all groups (tables only grow while the request holds them)
+    hashes: dict[str, list[bytes]] = field(default_factory=dict)  # per group: chained keys of full blocks
+    published: int = 0  # full blocks (of the smallest kind) published to the prefix cache
+    window_freed: dict[str, int] = field(default_factory=dict)  # per windowed group: leading entries freed
+
+
+@dataclass(slots=True)
+class OutputState:
+    """What the engine needs to report a sequence; only ``engine.py`` writes it. A user request of
+    ``n`` choices is ``n`` sequences sharing one ``choices`` list (in choice order)."""
+
+    user_request_id: str = ""
+    prompt: str | None = None  # the user's text prompt (None for token ids)
+    created: float = 0.0  # when the user request was added (outputs are reported in that order)
+    choices: list[Request] = field(default_factory=list)
+    detokenizer: Any = None  # an IncrementalDetokenizer: text output and stop strings
+    changed: bool = False  # on choices[0]: an output is due (the engine's list of changed requests holds it)
+    logged: bool = False  # on choices[0]: the failures of a finished request were logged (once)
+
+
 @dataclass(slots=True, eq=False)
 class Request:
-    """Scheduler-side state of one sequence (one of the ``n`` choices of a user request)."""
+    """The one record of a sequence (one of the ``n`` choices of a user request) in the engine process.
+
+    The fields below are the sequence: identity, prompt and parameters (never change), and its
+    progress (status, outputs, counts), written by the scheduler and read by everyone. Each module's
+    own bookkeeping is a section written only by it: ``sched`` (:class:`SchedState`), ``kv``
+    (:class:`KVState`) and ``out`` (:class:`OutputState`).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    arrival_index: int = 0  # FCFS order; preemption picks the highest
     sample_seed: int = 0  # the user's seed, or one the engine drew: sampling is a function of it
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -241,15 +307,15 @@ class Request:
     num_computed_tokens: int = 0
     # Tokens sampled in steps still in flight (async scheduling) that are not yet appended.
     num_output_placeholders: int = 0
-    block_ids: dict[str, list[int]] = field(default_factory=dict)
     num_cached_tokens: int = 0
     spec_drafted: int = 0  # draft tokens verified for this request, and how many were accepted
     spec_accepted: int = 0
-    stop_reason: str | int | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    # Set by the engine: an incremental detokenizer used for stop strings and text output.
-    detokenizer: Any = None
+    sched: SchedState = field(default_factory=SchedState)
+    kv: KVState = field(default_factory=KVState)
+    out: OutputState = field(default_factory=OutputState)
 
     # The prompt never changes after creation; a plain attribute because the scheduler reads it
     # several times per request per step.
@@ -273,7 +339,7 @@ class Request:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """``all_token_ids[start:end]`` without building the whole list (a decode needs one token)."""
-        p = len(self.prompt_token_ids)
+        p = self.num_prompt_tokens
         if end <= p:
             return self.prompt_token_ids[start:end]
         if start >= p:

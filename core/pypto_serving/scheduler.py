@@ -5,6 +5,11 @@ count moves by the scheduled tokens plus granted drafts, and a sampling entry re
 output placeholders. ``update()`` applies the worker's result and gives back what did not happen
 (rejected drafts). The sync strategy calls them alternately; the async strategy keeps two steps in
 flight, which the placeholders make safe.
+
+The scheduler's state of a request is the request's ``sched`` section (:class:`~.request.SchedState`);
+its blocks are the ``kv`` section, which only the KV manager writes. Every entry is built by one
+path (``Scheduler._schedule``), every result applied by one loop with one stop rule
+(``Scheduler._stop_status``), which asks the engine about stop strings as each token is committed.
 """
 
 from __future__ import annotations
@@ -12,21 +17,19 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
-
-import msgspec
 
 from .executor import ExecutorInfo
 from .kv_cache import KVCacheManager
 from .messages import GrammarCompile, NewRequestData, ScheduledEntry, StepCommand, StepResult, wire_sampling
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, SchedState
 from .spec_policy import SpecPolicy, StepObservation
 
 _RUNNING = RequestStatus.RUNNING
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "StepKind"]
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "StepKind", "TextStop"]
 
 
 @dataclass(slots=True)
@@ -42,62 +45,13 @@ StepKind = Literal["prefill", "decode"]
 
 
 @dataclass(slots=True)
-class _Tracked:
-    """The scheduler's own per-request state. Preemption resets it; finishing drops it."""
-
-    epoch: int = 0  # bumped by preemption: results of steps in flight before it are stale
-    rejected: int = 0  # draft positions given back so far (the worker corrects positions by it)
-    confirmed: int = 0  # tokens whose KV a finished step confirmed (publishable to the prefix cache)
-    awaiting_prefill: bool = False  # a terminal prefill is in flight (for executors with a barrier)
-    has_sampled: bool = False  # sampled since (re)admission: only then can the worker hold drafts
-    sent_to_worker: bool = False  # the worker holds state for it (to be released on finish/preempt)
-    blocks_sent: dict[str, int] = field(default_factory=dict)  # per group: table length the worker holds
-    # Derived once from the sampling parameters, for the plain-decode fast paths: the output count
-    # at which the request ends by length (max_tokens or the context length), and the tokens that end
-    # it once ``min_tokens`` outputs exist (stop token ids, and EOS unless ignored).
-    output_limit: int = 0
-    stop_ids: frozenset[int] = frozenset()
-    min_tokens: int = 0
-    grammar_eos: frozenset[int] = frozenset()  # stop even before min_tokens: a grammar's end (see _stop_status)
-    # False while the worker compiles the request's grammar: admission passes it over (see
-    # _schedule_waiting). Preemption keeps it: the worker keeps the compile for the request's life.
-    grammar_ready: bool = True
-    # With one cache group: a decode at a position below this is plain (its block is held and the
-    # worker has it, and the request is below its length limit); zero while the worker holds nothing.
-    plain_end: int = 0
-    plain_memo: _Scheduled | None = None  # the memo of this epoch's plain decodes, shared by their steps
-    publish_at: int = 0  # confirmed tokens from which KVCacheManager.publish() can publish a block
-
-    def reset_for_recompute(self) -> None:
-        self.epoch += 1
-        self.rejected = self.confirmed = self.publish_at = 0
-        self.awaiting_prefill = self.has_sampled = False
-        self.plain_memo = None
-
-
-class _Scheduled(msgspec.Struct):
-    """Scheduler-side memo of one entry, used when its result comes back (a C-initialised struct:
-    one per entry, but plain decodes share one per epoch). It refers to its request's record, which
-    may refer back to it (``plain_memo``): finishing breaks that cycle, and the garbage collector
-    sees it (so a scheduler dropped with live requests is freed)."""
-
-    request: Request
-    tracked: _Tracked  # the request's record when it was scheduled (preemption bumps its epoch)
-    epoch: int
-    num_new: int
-    num_draft: int
-    sample: bool
-
-
-@dataclass(slots=True)
 class SchedulerOutput:
-    command: StepCommand
-    items: list[_Scheduled]
-    num_batched_tokens: int
+    """One scheduled step: the command for the worker, and the record of each entry's request
+    (``requests[i]`` is ``command.entries[i]``'s), which ``update()`` applies the result to."""
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.items
+    command: StepCommand
+    requests: list[Request]
+    num_batched_tokens: int
 
 
 @dataclass(slots=True)
@@ -114,11 +68,12 @@ class SchedulerStats:
 class _StepBuilder:
     """Collects one step's entries while the scheduler walks its queues."""
 
+    step_id: int
     budget: int
     uniform: bool  # the executor needs all-prefill or all-decode steps
     kind: StepKind | None = None
     preempted: bool = False
-    items: list[_Scheduled] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
     entries: list[ScheduledEntry] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
 
@@ -130,15 +85,22 @@ class _StepBuilder:
             self.kind = kind
         return self.kind == kind
 
-    def drop(self, request_id: str) -> None:
+    def drop(self, req: Request) -> int:
         """Take a request back out of this step (it was preempted after being scheduled), so no
-        entry writes KV into blocks that another entry of the same step now owns."""
-        for i, item in enumerate(self.items):
-            if item.request.request_id == request_id:
-                self.budget += item.num_new + item.num_draft
-                del self.items[i], self.entries[i]
-                break
-        self.new_requests = [nr for nr in self.new_requests if nr.request_id != request_id]
+        entry writes KV into blocks that another entry of the same step now owns; returns the
+        budget its entry took (0 if it had none)."""
+        self.new_requests = [nr for nr in self.new_requests if nr.request_id != req.request_id]
+        for i, r in enumerate(self.requests):
+            if r is req:
+                entry = self.entries[i]
+                del self.requests[i], self.entries[i]
+                return (len(entry.token_ids) or 1) + entry.num_draft
+        return 0
+
+
+TextStop = Callable[[Request], "str | None"]
+"""The engine's stop-string check: feeds the request's detokenizer the output tokens it has not
+seen (the last one was just committed) and returns the stop string that ended in them, if any."""
 
 
 class Scheduler:
@@ -148,7 +110,9 @@ class Scheduler:
     of their prefill, plus draft slots); then waiting requests, first come first served, while the
     token budget and ``max_num_seqs`` allow. When the KV cache runs out for a running request, the
     latest-arrived running request is preempted (its blocks freed, recomputed later) until it fits;
-    a step that preempted admits nobody new.
+    a step that preempted admits nobody new. Every entry, a decode, a prefill chunk or an admission,
+    is built by one path (:meth:`_schedule`), and every result is applied by one loop
+    (:meth:`update`) with one stop rule (:meth:`_stop_status`).
 
     A structured request's grammar goes to the worker with the first command after the request is
     added, and the request is not ready until a result says the worker compiled it: admission
@@ -165,27 +129,26 @@ class Scheduler:
         executor_info: ExecutorInfo,
         spec_policy: SpecPolicy,
         *,
-        decode_fast_path: bool = True,
+        text_stop: TextStop | None = None,
     ) -> None:
-        """``decode_fast_path``: schedule and apply plain decodes (one token, no drafts, blocks held)
-        inline; off, every request takes the general path (the same steps, more slowly)."""
+        """``text_stop``: the engine's stop-string check (see :data:`TextStop`); without it, stop
+        strings are not checked (the scheduler alone knows only token ids)."""
         self.config = config
         self.kv = kv
         self.info = executor_info
         self.spec_policy = spec_policy
+        self._text_stop = text_stop
         self._observe: Callable[[StepObservation], None] | None = getattr(spec_policy, "observe", None)
         self._draft_depth: Callable[[], int | None] | None = getattr(spec_policy, "draft_depth", None)
         self._rejections = 0  # requests whose drafts were rejected, since the last observation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self.finished_ids: list[str] = []  # to tell the worker on the next step
-        self.failed_while_scheduling: list[Request] = []  # for the engine to report
+        self.requests: dict[str, Request] = {}  # every live request by id
+        self._finished_ids: list[str] = []  # to tell the worker with the next command
+        self._failed: list[Request] = []  # failed while scheduling, for the engine to report
         self._compiles: list[GrammarCompile] = []  # grammars of requests added since the last command
         self._forget: list[str] = []  # structured requests finished since the last command
-        self._tracked: dict[str, _Tracked] = {}
-        self._fast = decode_fast_path
-        self._step_ids = itertools.count()
+        self._next_step = 0  # the id of the next command (ids grow by one per command sent)
         self._arrivals = itertools.count()
         self.stats = SchedulerStats(accepted_per_pos=[0] * max(1, executor_info.max_draft_tokens))
 
@@ -206,10 +169,9 @@ class Scheduler:
             )
         if not self.kv.can_ever_fit(request.num_prompt_tokens + 1):
             raise ValueError(f"prompt of {request.num_prompt_tokens} tokens does not fit in the whole KV cache")
-        request.arrival_index = next(self._arrivals)
         request.status = RequestStatus.WAITING
+        request.sched = self._new_state(request)
         self.requests[request.request_id] = request
-        self._tracked[request.request_id] = self._new_tracked(request)
         self.waiting.append(request)
         spec = request.sampling_params.structured
         if spec is not None:
@@ -217,60 +179,52 @@ class Scheduler:
                 GrammarCompile(request_id=request.request_id, spec=spec, eos=tuple(request.eos_token_ids))
             )
 
-    def _new_tracked(self, request: Request) -> _Tracked:
-        """A fresh record, with the limits the plain-decode paths read derived once."""
+    def _new_state(self, request: Request) -> SchedState:
+        """A fresh record, with the stop rule's inputs derived once from the sampling parameters."""
         sp = request.sampling_params
         limit = self.config.max_model_len - request.num_prompt_tokens
+        output_limit = limit if sp.max_tokens is None else min(limit, sp.max_tokens)
         grammar_eos = frozenset(request.eos_token_ids if sp.structured is not None else ())
-        stop = [*sp.stop_token_ids, *(() if sp.ignore_eos else request.eos_token_ids), *grammar_eos]
-        return _Tracked(
-            output_limit=limit if sp.max_tokens is None else min(limit, sp.max_tokens),
-            stop_ids=frozenset(stop),
-            min_tokens=sp.min_tokens,
-            grammar_eos=grammar_eos,
+        eos_ids = grammar_eos | frozenset(() if sp.ignore_eos else request.eos_token_ids)
+        return SchedState(
+            arrival_index=next(self._arrivals),
             grammar_ready=sp.structured is None,
+            pending_limit=request.num_prompt_tokens + output_limit,
+            output_limit=output_limit,
+            stop_ids=eos_ids | frozenset(sp.stop_token_ids),
+            eos_ids=eos_ids,
+            grammar_eos=grammar_eos,
+            min_tokens=sp.min_tokens,
+            check_text=bool(sp.stop) and self._text_stop is not None,
         )
 
     def grammars_compiled(self, request_ids: Iterable[str]) -> None:
         """The worker compiled these requests' grammars (``StepResult.grammars_ready``): they are
         admitted like any other. Ids of requests finished meanwhile are ignored."""
         for rid in request_ids:
-            st = self._tracked.get(rid)
-            if st is not None:
-                st.grammar_ready = True
+            req = self.requests.get(rid)
+            if req is not None:
+                req.sched.grammar_ready = True
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
-        out = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None or req.is_finished:
-                continue
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
-            out.append(req)
-        return out
+        return self.fail(request_ids, None)
 
-    def fail(self, request_ids: Iterable[str], error: str) -> list[Request]:
+    def fail(self, request_ids: Iterable[str], error: str | None) -> list[Request]:
+        """Finish the live ones among these requests: failed with ``error``, or aborted (``None``)."""
         out = []
         for rid in request_ids:
             req = self.requests.get(rid)
-            if req is None or req.is_finished:
+            if req is None:
                 continue
             req.error = error
-            self._finish(req, RequestStatus.FINISHED_ERROR)
+            self._finish(req, RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR)
             out.append(req)
         return out
 
-    def stop(self, req: Request, num_output_tokens: int, stop_reason: str) -> None:
-        """Finish ``req`` because a stop string ended at output token ``num_output_tokens`` (found by
-        the engine's detokenizer): later tokens of the same step are dropped, and a stop string
-        wins over an EOS or length finish that came later in the same step."""
-        del req.output_token_ids[num_output_tokens:]
-        del req.output_logprobs[num_output_tokens:]
-        req.stop_reason = stop_reason
-        if req.is_finished:
-            req.status = RequestStatus.FINISHED_STOP
-        else:
-            self._finish(req, RequestStatus.FINISHED_STOP)
+    def take_failed(self) -> list[Request]:
+        """The requests that failed while scheduling (the cache cannot hold one alone) since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -283,128 +237,119 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
-        step = _StepBuilder(budget=self.config.max_num_batched_tokens, uniform=self.info.uniform_batches)
-        self._schedule_running(step)
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step, or ``None`` when nothing is runnable now; what the worker is to be told
+        (finished requests, grammars) then waits for the next step that runs."""
+        step = _StepBuilder(self._next_step, self.config.max_num_batched_tokens, self.info.uniform_batches)
+        self._schedule(step, list(self.running))
         if not step.preempted:
             self._schedule_waiting(step)
-        depth = self._draft_depth() if self._draft_depth is not None else None
+        if not step.entries:
+            return None
+        self._next_step += 1
         cmd = StepCommand(
-            next(self._step_ids),
+            step.step_id,
             step.new_requests,
             step.entries,
-            self.finished_ids,
-            depth,
+            self._finished_ids,
+            self._draft_depth() if self._draft_depth is not None else None,
             compile_grammars=self._compiles,
             forget_grammars=self._forget,
         )
-        self.finished_ids, self._compiles, self._forget = [], [], []
+        self._finished_ids, self._compiles, self._forget = [], [], []
         self.stats.num_steps += 1
-        return SchedulerOutput(cmd, step.items, self.config.max_num_batched_tokens - step.budget)
+        return SchedulerOutput(cmd, step.requests, self.config.max_num_batched_tokens - step.budget)
 
-    def take_back(self, cmd: StepCommand) -> None:
-        """``cmd`` is not sent (its step is empty): what it tells the worker goes with the next one."""
-        self.finished_ids[:0] = cmd.finished_ids
-        self._compiles[:0] = cmd.compile_grammars
-        self._forget[:0] = cmd.forget_grammars
-
-    def _schedule_running(self, step: _StepBuilder) -> None:
-        """Each running request's next step, oldest admission first: a plain decode (one token, no
-        drafts, its block held and sent) inline, the rest by the general path (which agrees on plain ones)."""
-        tracked, entries, items = self._tracked, step.entries, step.items
-        fast = self._fast and self.kv.single_group is not None
-        no_drafts, no_barrier = not self.info.max_draft_tokens, not self.info.prefill_barrier
-        budget = step.budget  # the general path reads and writes step.budget: kept in step around it
-        for req in list(self.running):
+    def _schedule(self, step: _StepBuilder, reqs: list[Request], admitting: bool = False) -> None:
+        """The one path of every entry: each request's decode (plus draft slots) or next prefill chunk
+        (``admitting``: its first), while the budget lasts, with blocks (see :meth:`_blocks_for`)."""
+        barrier, plain = self.info.prefill_barrier, not (step.uniform or self.info.max_draft_tokens or admitting)
+        add_entry, add_request, budget = step.entries.append, step.requests.append, step.budget
+        for req in reqs:
             if budget <= 0:
                 break
-            if req.status is not _RUNNING:
+            if req.status is not _RUNNING and not admitting:
                 continue  # preempted earlier in this step
-            st = tracked[req.request_id]
-            held = req.num_output_placeholders
-            outputs = req.output_token_ids
-            start = req.num_computed_tokens
-            prompt = req.num_prompt_tokens
-            if not (
-                fast
-                and prompt + len(outputs) + held == start + 1  # one token to compute
-                and prompt <= start < st.plain_end  # past the prompt, block held and sent, below the limit
-                and (no_drafts or not st.has_sampled)
-                and (no_barrier or not st.awaiting_prefill)
-                and (not step.uniform or step.admits("decode"))
-            ):
-                step.budget = budget
-                self._schedule_one(step, req, st)
-                budget = step.budget
+            s, start, prompt = req.sched, req.num_computed_tokens, req.num_prompt_tokens
+            held, outputs = req.num_output_placeholders, req.output_token_ids
+            pending = prompt + len(outputs) + held  # tokens once results in flight are applied
+            if pending >= s.pending_limit or (barrier and s.awaiting_prefill):
                 continue
-            entries.append(
+            decode = pending == start + 1 and start >= prompt
+            if decode and plain:
+                num_new, k = 1, 0
+            else:
+                num_new, k = self._shape(step, req, pending - start, decode and not admitting, budget)
+                if num_new <= 0:
+                    continue
+            end = start + num_new + k
+            if end > req.kv.capacity:  # the tables do not cover the work
+                fits, given_back = self._blocks_for(step, req, end, admitting)
+                budget += given_back
+                if not fits:
+                    continue
+            sample = decode or start + num_new == pending  # a decode's one token is always the last
+            add_entry(
                 ScheduledEntry(
                     request_id=req.request_id,
-                    token_ids=[] if held else outputs[-1:],
+                    token_ids=[] if held else outputs[-1:] if decode else req.token_slice(start, start + num_new),
                     use_last_sampled=held > 0,
-                    num_draft=0,
+                    num_draft=k,
                     start_pos=start,
-                    rejected_seen=st.rejected,
-                    new_block_ids={},
-                    sample=True,
+                    rejected_seen=s.rejected,
+                    new_block_ids=self._send(step, req) if req.kv.num_entries != s.entries_sent else {},
+                    sample=sample,
                 )
             )
-            memo = st.plain_memo
-            if memo is None:
-                memo = st.plain_memo = _Scheduled(req, st, st.epoch, 1, 0, True)
-            items.append(memo)
-            budget -= 1
-            req.num_computed_tokens = start + 1
-            req.num_output_placeholders = held + 1
-            st.has_sampled = True
+            add_request(req)
+            budget -= num_new + k
+            req.num_computed_tokens = end
+            if sample:  # a sampling entry reserves 1 + k output placeholders
+                s.has_sampled = True
+                req.num_output_placeholders = held + 1 + k
+                if not decode:
+                    s.awaiting_prefill = True  # a terminal prefill chunk
         step.budget = budget
 
-    def _schedule_one(self, step: _StepBuilder, req: Request, st: _Tracked) -> None:
-        """A running request's next token or prefill chunk, plus draft slots (the general path)."""
-        pending = req.num_tokens + req.num_output_placeholders  # tokens once results are applied
-        num_new = pending - req.num_computed_tokens
-        if num_new <= 0 or self._at_limit(req, pending) or (self.info.prefill_barrier and st.awaiting_prefill):
-            return
-        is_decode = num_new == 1 and pending > req.num_prompt_tokens
-        if step.uniform and not step.admits("decode" if is_decode else "prefill"):
-            return
-        k = 0
-        if is_decode:  # one token, and the budget is positive
-            # Drafts exist only after a step of this request sampled (not for the last token of
-            # a recompute after preemption), so only then is reserving k slots of use.
-            if self.info.max_draft_tokens and st.has_sampled:
-                k = self.spec_policy(req, self._max_k(req, step.budget - 1))
-        else:
-            num_new = self._chunk(num_new, step.budget, False)
-            if num_new == 0:
-                return
-        num_tokens = req.num_computed_tokens + num_new + k
-        if self.kv.allocate(req, num_tokens) or self._preempt_until_fits(req, num_tokens, step):
-            self._take(step, req, num_new, k)
+    def _shape(self, step: _StepBuilder, req: Request, num_new: int, decode: bool, budget: int) -> tuple[int, int]:
+        """Tokens and draft slots of an entry that is not a plain decode (a prefill chunk, an
+        admission, a decode with drafts, or any entry of a uniform batch); 0 tokens: none this step."""
+        if num_new <= 0:
+            return 0, 0
+        if decode:
+            if step.uniform and not step.admits("decode"):
+                return 0, 0
+            if req.sched.has_sampled and self.info.max_draft_tokens:  # drafts exist only after a step sampled
+                return 1, self.spec_policy(req, self._max_k(req, budget - 1))
+            return 1, 0
+        if step.uniform and not step.admits("prefill"):
+            return 0, 0
+        return self._chunk(num_new, budget), 0
 
-    def _preempt_until_fits(self, req: Request, num_tokens: int, step: _StepBuilder) -> bool:
-        """Blocks for ``num_tokens``, preempting the latest arrival until they fit. False when
-        ``req`` itself was preempted, or failed because the cache cannot hold it alone."""
+    def _blocks_for(self, step: _StepBuilder, req: Request, num_tokens: int, admitting: bool) -> tuple[bool, int]:
+        """Blocks for ``num_tokens``: a running request preempts the latest arrival until they fit
+        (not when ``req`` itself was preempted, or failed because the cache cannot hold it alone);
+        an admission takes only free blocks. Returns whether they fit and the budget that the
+        preempted requests' entries in this step gave back."""
+        given_back = 0
         while not self.kv.allocate(req, num_tokens):
+            if admitting:
+                return False, given_back
             if self.running == [req]:
-                self.failed_while_scheduling += self.fail(
-                    [req.request_id], "the KV cache is too small for this request alone"
-                )
-                return False
-            victim = max(self.running, key=lambda r: r.arrival_index)
-            self._preempt(victim)
-            step.drop(victim.request_id)
-            step.preempted = True
+                self._failed += self.fail([req.request_id], "the KV cache is too small for this request alone")
+                return False, given_back
+            victim = max(self.running, key=lambda r: r.sched.arrival_index)
+            given_back += self._preempt(victim, step)
             if victim is req:
-                return False
-        return True
+                return False, given_back
+        return True, given_back
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         """Admit waiting requests first come first served, passing over those whose grammar is not
         compiled yet; one of those only when nothing runs and nothing else was admitted."""
         at = 0
         while at < len(self.waiting) and self._room(step):
-            if not self._tracked[self.waiting[at].request_id].grammar_ready:
+            if not self.waiting[at].sched.grammar_ready:
                 at += 1  # the worker compiles its grammar: the requests behind it go first
                 continue
             if not self._admit(step, at):
@@ -421,65 +366,27 @@ class Scheduler:
     def _admit(self, step: _StepBuilder, at: int) -> bool:
         """Admit ``self.waiting[at]`` with its first prefill chunk; False when it does not fit."""
         req = self.waiting[at]
-        st = self._tracked[req.request_id]
-        if req.num_computed_tokens == 0 and not req.block_ids:
+        if req.num_computed_tokens == 0 and not req.kv.num_entries:
             # Prompt logprobs need every prompt position computed: such a request skips the prefix cache.
             hit = 0 if req.sampling_params.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
             req.num_computed_tokens = req.num_cached_tokens = req.metrics.num_cached_tokens = hit
-            st.confirmed = hit
-        num_new = self._chunk(req.num_tokens - req.num_computed_tokens, step.budget, False)
-        if num_new == 0 or not self.kv.allocate(req, req.num_computed_tokens + num_new):
-            if req.block_ids:  # give back the prefix hit; it is looked up again next time
+            req.sched.confirmed = hit
+        self._schedule(step, [req], admitting=True)
+        if not step.requests or step.requests[-1] is not req:
+            if req.kv.num_entries:  # give back the prefix hit; it is looked up again next time
                 self.kv.cancel_prefix_hit(req, req.num_cached_tokens)
                 req.num_computed_tokens = 0
             return False
         del self.waiting[at]
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        step.admits("prefill")
-        self._take(step, req, num_new, 0)
-        return True
-
-    def _take(self, step: _StepBuilder, req: Request, num_new: int, k: int) -> None:
-        """Put ``num_new`` tokens (and ``k`` draft slots) of ``req`` into the step and advance the
-        request optimistically: a sampling entry reserves ``1 + k`` output placeholders."""
-        st = self._tracked[req.request_id]
-        start = req.num_computed_tokens
-        sample = start + num_new == req.num_tokens + req.num_output_placeholders
-        use_last = req.num_output_placeholders > 0
-        if not st.sent_to_worker:
-            st.sent_to_worker = True
-            step.new_requests.append(_new_request_data(req))
-        step.entries.append(
-            ScheduledEntry(
-                request_id=req.request_id,
-                token_ids=[] if use_last else req.token_slice(start, start + num_new),
-                use_last_sampled=use_last,
-                num_draft=k,
-                start_pos=start,
-                rejected_seen=st.rejected,
-                new_block_ids=self._new_blocks(req, st),
-                sample=sample,
-            )
-        )
-        if self.kv.single_group is not None:
-            name, tokens_per_block = self.kv.single_group
-            last = req.num_prompt_tokens + st.output_limit - 1  # the position of the last output's input
-            st.plain_end = min(st.blocks_sent.get(name, 0) * tokens_per_block, last)
-        step.items.append(_Scheduled(req, st, st.epoch, num_new, k, sample))
-        step.budget -= num_new + k
         if req.metrics.first_scheduled_time is None:
             req.metrics.first_scheduled_time = time.monotonic()
-        req.num_computed_tokens += num_new + k
-        if sample:
-            st.has_sampled = True
-            req.num_output_placeholders += 1 + k
-            if num_new > 1 or req.num_computed_tokens - k <= req.num_prompt_tokens:
-                st.awaiting_prefill = True
+        return True
 
-    def _chunk(self, num_new: int, budget: int, is_decode: bool) -> int:
-        if is_decode:
-            return min(num_new, budget)
+    def _chunk(self, num_new: int, budget: int) -> int:
+        """A prefill's next chunk within the budget (and ``long_prefill_token_threshold``); 0 when
+        the prompt does not fit and chunked prefill is off."""
         cap = budget
         if self.config.long_prefill_token_threshold > 0:
             cap = min(cap, self.config.long_prefill_token_threshold)
@@ -487,120 +394,137 @@ class Scheduler:
             return 0
         return min(num_new, cap)
 
-    def _at_limit(self, req: Request, pending: int) -> bool:
-        """No more tokens can be produced once pending results are applied (``pending`` tokens)."""
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None and pending - req.num_prompt_tokens >= max_tokens:
-            return True
-        return pending >= self.config.max_model_len
-
     def _max_k(self, req: Request, budget_left: int) -> int:
-        room = self.config.max_model_len - (req.num_tokens + req.num_output_placeholders)
-        if req.sampling_params.max_tokens is not None:
-            room = min(room, req.sampling_params.max_tokens - req.num_produced)
+        room = req.sched.pending_limit - (req.num_tokens + req.num_output_placeholders)
         return max(0, min(self.info.max_draft_tokens, budget_left, room - 1))
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, step: _StepBuilder) -> int:
+        """Free ``req``'s blocks and queue it first to be recomputed; results of steps in flight
+        for it are discarded (``valid_from``), and its entry in this step is taken back (returns
+        the budget that gives back)."""
         self.running.remove(req)
         self.kv.free(req)
+        given_back = step.drop(req)
+        step.preempted = True
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
         req.metrics.num_preemptions += 1
-        st = self._tracked[req.request_id]
-        st.reset_for_recompute()
-        self._release_worker_state(req.request_id, st)
+        s = req.sched
+        s.valid_from = step.step_id
+        s.rejected = s.confirmed = s.publish_at = 0
+        s.awaiting_prefill = s.has_sampled = False
+        self._release_worker_state(req)
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
+        return given_back
 
-    def _release_worker_state(self, rid: str, st: _Tracked) -> None:
-        if st.sent_to_worker:
-            st.sent_to_worker = False
-            st.blocks_sent.clear()
-            st.plain_end = 0
-            self.finished_ids.append(rid)
+    def _release_worker_state(self, req: Request) -> None:
+        s = req.sched
+        if s.sent_to_worker:
+            s.sent_to_worker = False
+            s.blocks_sent.clear()
+            s.entries_sent = 0
+            self._finished_ids.append(req.request_id)
 
     @staticmethod
-    def _new_blocks(req: Request, st: _Tracked) -> dict[str, list[int]]:
-        """The blocks of each group the worker does not hold yet (tables only grow while it holds them)."""
+    def _send(step: _StepBuilder, req: Request) -> dict[str, list[int]]:
+        """The blocks of each group the worker does not hold yet (tables only grow while it holds
+        them), and the request itself when the worker does not hold it (then it holds no blocks of
+        it, and the request has some: the entry's work is allocated)."""
+        if not req.sched.sent_to_worker:
+            req.sched.sent_to_worker = True
+            step.new_requests.append(_new_request_data(req))
         new: dict[str, list[int]] = {}
-        for group, blocks in req.block_ids.items():
-            sent = st.blocks_sent.get(group, 0)
-            if len(blocks) > sent:
-                new[group] = blocks[sent:]
-                st.blocks_sent[group] = len(blocks)
+        sent = req.sched.blocks_sent
+        for group, blocks in req.kv.block_ids.items():
+            n = sent.get(group, 0)
+            if len(blocks) > n:
+                new[group] = blocks[n:]
+                sent[group] = len(blocks)
+        req.sched.entries_sent = req.kv.num_entries
         return new
 
     # ------------------------------------------------------------------ update
     def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
-        """Apply one step's result; returns the requests that produced tokens or finished. Finishes
-        on EOS, stop token ids and length; stop strings are the engine's (text is not ours)."""
+        """Apply one step's result; returns the requests that produced tokens or finished. Each
+        token is committed and then checked by the stop rule (:meth:`_stop_status`: EOS, stop token
+        ids, length, and the engine's stop strings), so nothing after the token that ends a request
+        is committed."""
         self._count_drafts(result)
         touched: list[Request] = []
-        kv = self.kv
-        # One sampled token without drafts is applied inline, unless the step carries logprobs or
-        # errors or a window gives blocks back; publish() is called only when it has a block to add.
-        fast = self._fast and not (result.logprobs or result.request_errors or kv.windowed)
-        sampled = result.sampled
-        for item in out.items:
-            req = item.request
-            st = item.tracked  # finishing drops the record but marks the request; preemption bumps the epoch
-            if st.epoch != item.epoch or req.status.finished:
-                continue  # aborted, failed or preempted while in flight: discard
-            tokens = sampled.get(req.request_id) if fast and item.sample and not item.num_draft else None
-            if tokens is None or len(tokens) != 1:
-                self._apply_general(req, st, item, result, touched)
+        kv, windowed, step_id = self.kv, bool(self.kv.windowed), out.command.step_id
+        sampled, errors, logprobs = result.sampled, result.request_errors, result.logprobs
+        for req, entry in zip(out.requests, out.command.entries):
+            s = req.sched
+            if req.status is not _RUNNING or step_id < s.valid_from:
+                continue  # finished, or preempted, while in flight: discard
+            if errors and req.request_id in errors:
+                self._fail_entry(req, errors[req.request_id], touched)
                 continue
-            st.awaiting_prefill = False
-            req.num_output_placeholders -= 1
-            confirmed = st.confirmed = st.confirmed + item.num_new
-            if confirmed >= st.publish_at:
-                st.publish_at = kv.publish(req, confirmed)
-            token = tokens[0]
+            confirmed = len(entry.token_ids) or 1  # tokens whose KV the step wrote, before drafts
+            tokens: Sequence[int] = ()
+            if entry.sample:
+                tokens = sampled.get(req.request_id, ())
+                s.awaiting_prefill = False
+                req.num_output_placeholders -= 1 + entry.num_draft
+                if entry.num_draft:
+                    confirmed += self._reconcile_drafts(req, entry.num_draft, len(tokens))
+                touched.append(req)
+            confirmed = s.confirmed = s.confirmed + confirmed
+            if confirmed >= s.publish_at:
+                s.publish_at = kv.publish(req, confirmed)
+            if windowed:  # no step still to run reads blocks wholly before the window of `confirmed`
+                kv.release_outside_window(req, confirmed)
             outputs = req.output_token_ids
-            outputs.append(token)
-            n_out = len(outputs)
-            if n_out >= st.output_limit or (
-                token in st.stop_ids and (n_out >= st.min_tokens or token in st.grammar_eos)
-            ):
-                self._finish_sampled(req, token)
-            touched.append(req)
-        if self._observe is not None:
-            self._observe(
-                StepObservation(
-                    num_tokens=out.num_batched_tokens,
-                    num_decodes=sum(item.sample for item in out.items),
-                    num_drafted=result.num_drafted,
-                    num_accepted=sum(result.num_accepted_per_pos),
-                    seconds=result.execute_seconds,
-                    draft_seconds=result.draft_seconds,
-                    draft_depth=out.command.draft_depth,
-                    num_rejections=self._rejections,
-                )
-            )
-        self._rejections = 0
+            before = len(outputs)
+            for tok in tokens:  # committed one by one until the stop rule ends the request
+                outputs.append(tok)
+                n_out = len(outputs)
+                if n_out >= s.output_limit or tok in s.stop_ids or s.check_text:  # cheap test first
+                    status = self._stop_status(req, tok, n_out)
+                    if status is not None:
+                        self._finish(req, status)
+                        break
+            if logprobs and req.request_id in logprobs:
+                req.output_logprobs += logprobs[req.request_id][: len(outputs) - before]
+        self._observe_step(out, result)
         return touched
 
-    def _apply_general(
-        self, req: Request, st: _Tracked, item: _Scheduled, result: StepResult, touched: list[Request]
-    ) -> None:
-        """One entry's result by the general path: an error, a prefill chunk, or sampled tokens."""
-        error = result.request_errors.get(req.request_id)
-        if error is not None:
-            req.error = error
-            self._finish(req, RequestStatus.FINISHED_ERROR)
-            touched.append(req)
-        elif not item.sample:
-            self._confirm(req, st, item.num_new)
-        else:
-            self._apply_sampled(req, st, item, result)
-            touched.append(req)
+    def _fail_entry(self, req: Request, error: str, touched: list[Request]) -> None:
+        req.error = error
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        touched.append(req)
 
-    def _finish_sampled(self, req: Request, token: int) -> None:
-        """Finish a request whose last token ``token`` reached its length limit or a stop token."""
-        status = self._stop_status(req, token)
-        assert status is not None, "a length or stop-token finish that _stop_status does not see"
-        self._finish(req, status)
+    def _reconcile_drafts(self, req: Request, num_draft: int, num_sampled: int) -> int:
+        """Count a verified entry's drafts and give back the rejected positions; returns the accepted."""
+        accepted = max(0, num_sampled - 1)
+        rejected = num_draft - accepted
+        req.spec_drafted += num_draft
+        req.spec_accepted += accepted
+        if rejected:
+            self._rejections += 1
+            req.num_computed_tokens -= rejected
+            req.sched.rejected += rejected
+        return accepted
+
+    def _stop_status(self, req: Request, tok: int, n_out: int) -> RequestStatus | None:
+        """The stop rule, for ``tok`` just committed as output number ``n_out``: a stop string that
+        ends in its text (once ``min_tokens`` outputs exist: the engine's check), else EOS or a stop
+        token id once ``min_tokens`` outputs exist (a grammar's EOS, its end, at any count: before
+        ``min_tokens`` the worker lets it through only where the grammar allows nothing else), else
+        the length limit. Sets ``stop_reason``."""
+        s = req.sched
+        if s.check_text:
+            assert self._text_stop is not None
+            text = self._text_stop(req)
+            if text is not None:
+                req.stop_reason = text
+                return RequestStatus.FINISHED_STOP
+        if tok in s.stop_ids and (n_out >= s.min_tokens or tok in s.grammar_eos):
+            req.stop_reason = None if tok in s.eos_ids else tok
+            return RequestStatus.FINISHED_EOS if tok in s.eos_ids else RequestStatus.FINISHED_STOP
+        return RequestStatus.FINISHED_LENGTH if n_out >= s.output_limit else None
 
     def _count_drafts(self, result: StepResult) -> None:
         self.stats.num_drafted += result.num_drafted
@@ -610,59 +534,22 @@ class Scheduler:
                 self.stats.accepted_per_pos[pos] += n
             self.stats.num_accepted += n
 
-    def _apply_sampled(self, req: Request, st: _Tracked, item: _Scheduled, result: StepResult) -> None:
-        st.awaiting_prefill = False
-        tokens = result.sampled.get(req.request_id, [])
-        req.num_output_placeholders -= 1 + item.num_draft
-        accepted = max(0, len(tokens) - 1)
-        rejected = item.num_draft - accepted
-        if item.num_draft:
-            req.spec_drafted += item.num_draft
-            req.spec_accepted += accepted
-            self._rejections += rejected > 0
-        if rejected:
-            req.num_computed_tokens -= rejected
-            st.rejected += rejected
-        self._confirm(req, st, item.num_new + accepted)
-        lps = result.logprobs.get(req.request_id)
-        for j, tok in enumerate(tokens):
-            req.output_token_ids.append(tok)
-            if lps is not None and j < len(lps):
-                req.output_logprobs.append(lps[j])
-            status = self._stop_status(req, tok)
-            if status is not None:
-                self._finish(req, status)
-                return
-
-    def _confirm(self, req: Request, st: _Tracked, n: int) -> None:
-        """``n`` more tokens have their KV written: publish full blocks to the prefix cache, and give
-        back sliding-window blocks that no step still to run can read (every later step starts at or
-        after the confirmed count; a step in flight started there too)."""
-        st.confirmed += n
-        st.publish_at = self.kv.publish(req, st.confirmed)
-        if self.kv.windowed:
-            self.kv.release_outside_window(req, st.confirmed)
-
-    def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        n_out = len(req.output_token_ids)
-        # A grammar's EOS is its end and the output's, whatever ignore_eos says; before min_tokens
-        # the worker lets it through only where the grammar allows nothing else.
-        if sp.structured is not None and tok in req.eos_token_ids:
-            req.stop_reason = None
-            return RequestStatus.FINISHED_EOS
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and tok in req.eos_token_ids:
-                req.stop_reason = None
-                return RequestStatus.FINISHED_EOS
-            if tok in sp.stop_token_ids:
-                req.stop_reason = tok
-                return RequestStatus.FINISHED_STOP
-        if sp.max_tokens is not None and n_out >= sp.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if n_out + req.num_prompt_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def _observe_step(self, out: SchedulerOutput, result: StepResult) -> None:
+        """Tell the speculative policy what the step cost and yielded (if it observes)."""
+        if self._observe is not None:
+            self._observe(
+                StepObservation(
+                    num_tokens=out.num_batched_tokens,
+                    num_decodes=sum(e.sample for e in out.command.entries),
+                    num_drafted=result.num_drafted,
+                    num_accepted=sum(result.num_accepted_per_pos),
+                    seconds=result.execute_seconds,
+                    draft_seconds=result.draft_seconds,
+                    draft_depth=out.command.draft_depth,
+                    num_rejections=self._rejections,
+                )
+            )
+        self._rejections = 0
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -673,9 +560,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.num_output_placeholders = 0
-        st = self._tracked.pop(req.request_id)
-        st.plain_memo = None
-        self._release_worker_state(req.request_id, st)
+        self._release_worker_state(req)
         if req.sampling_params.structured is not None:
             self._forget_grammar(req.request_id)
         del self.requests[req.request_id]

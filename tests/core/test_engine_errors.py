@@ -11,6 +11,7 @@ import pytest
 
 from pypto_serving import LLM, SamplingParams, ServingSettings
 from pypto_serving.config import SettingsError
+from pypto_serving.engine import _output
 
 pytestmark = pytest.mark.requires_plugin("sync_sched")
 
@@ -53,10 +54,10 @@ def test_the_failure_log_is_not_repeated_by_later_snapshots(
     caplog.set_level(logging.ERROR, logger=_FAILURE_LOG)
     engine = llm.engine
     engine.add_request("r", [5, 6], SamplingParams(max_tokens=2))
-    user = engine._users["r"]
+    choices = engine._users["r"]
     while engine.has_unfinished():
         engine.step()
-    assert user.output().finished and user.output().outputs[0].error is not None
+    assert _output(choices).finished and _output(choices).outputs[0].error is not None
     assert len([m for m in _failure_records(caplog) if m.startswith("request r ")]) == 1
 
 
@@ -77,3 +78,18 @@ def test_valid_overrides_keep_the_given_settings(fake_pm: Any) -> None:
         assert llm.settings.num_kv_blocks == 64 and llm.settings.executor_options == {"vocab": 50}
         assert llm.engine is not None and llm.engine.info.vocab_size == 50
     assert settings.max_num_seqs == 64  # the caller's object is left alone
+
+
+def test_a_choice_whose_id_is_taken_fails_the_whole_request(make_llm: Callable[..., Any]) -> None:
+    """``n = 2`` choices of "a" are "a-0" and "a-1"; with "a-1" already a request, adding "a" fails
+    and leaves no orphan "a-0" running unreported."""
+    engine = make_llm(block_size=4, num_kv_blocks=32).engine
+    engine.add_request("a-1", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [3, 4], SamplingParams(max_tokens=2, n=2))
+    assert sorted(engine.scheduler.requests) == ["a-1"]
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["a-1"]
+    assert not engine.scheduler.has_unfinished()

@@ -194,7 +194,7 @@ def check_worker_rows(engine: Any) -> None:
     assert set(ib.request_ids) == set(engine.worker._runner.states)
     for req in engine.scheduler.running:
         if req.request_id in ib.row_of:
-            for group, blocks in req.block_ids.items():
+            for group, blocks in req.kv.block_ids.items():
                 assert ib.block_ids(req.request_id, group) == blocks, (req.request_id, group)
     for name, t in ib.tables.items():  # rows past the last one are clear for the next request
         assert not t.table.narrow(0, ib.num_rows, t.table.shape[0] - ib.num_rows).any(), name

@@ -109,7 +109,7 @@ def test_a_grammar_request_alone_is_admitted_before_its_compile_ends(
     assert request.metrics.first_scheduled_time is not None
     assert request.metrics.first_scheduled_time < slow_compile[0]
     assert engine.scheduler.stats.num_steps == len(request.output_token_ids)  # one step per token, none empty
-    assert request.error is None and request.detokenizer is not None
+    assert request.error is None and request.out.detokenizer is not None
 
 
 def test_aborting_a_request_whose_grammar_compiles_frees_everything(
@@ -162,7 +162,7 @@ def _step(s: Any, ready: list[str] | None = None) -> Any:
     from pypto_serving.messages import StepResult
 
     out = s.schedule()
-    sampled = {i.request.request_id: [7] for i in out.items if i.sample}
+    sampled = {e.request_id: [7] for e in out.command.entries if e.sample}
     s.grammars_compiled(ready or [])
     s.update(out, StepResult(out.command.step_id, sampled=sampled))
     return out
@@ -183,8 +183,10 @@ def test_admission_passes_over_a_request_whose_grammar_compiles() -> None:
     assert [e.request_id for e in second.command.entries] == ["a", "b"] and not second.command.compile_grammars
     third = _step(s)
     assert "g" in [e.request_id for e in third.command.entries]
-    s._preempt(s.requests["g"])
-    assert s._tracked["g"].grammar_ready  # readiness outlives preemption
+    from pypto_serving.scheduler import _StepBuilder
+
+    s._preempt(s.requests["g"], _StepBuilder(step_id=3, budget=0, uniform=False))
+    assert s.requests["g"].sched.grammar_ready  # readiness outlives preemption
 
 
 def test_alone_a_grammar_request_is_admitted_and_finishing_forgets_its_grammar() -> None:
@@ -200,5 +202,3 @@ def test_alone_a_grammar_request_is_admitted_and_finishing_forgets_its_grammar()
     s.abort(["g2"])  # sent
     out = s.schedule()
     assert not out.command.compile_grammars and out.command.forget_grammars == ["g2"]
-    s.take_back(out.command)  # an empty step's news go with the next command
-    assert s.schedule().command.forget_grammars == ["g2"]

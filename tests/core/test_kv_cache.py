@@ -107,18 +107,18 @@ def test_pool_publish_keeps_the_first_copy() -> None:
 def test_allocate_grows_and_free_returns_everything(kv: KVCacheManager, make_req: MakeReq) -> None:
     r = make_req(list(range(10)))
     assert kv.allocate(r, 10)
-    assert len(r.block_ids["kv"]) == 3
+    assert len(r.kv.block_ids["kv"]) == 3
     assert kv.allocate(r, 12)
-    assert len(r.block_ids["kv"]) == 3  # still fits
+    assert len(r.kv.block_ids["kv"]) == 3  # still fits
     assert kv.allocate(r, 13)
-    assert len(r.block_ids["kv"]) == 4
+    assert len(r.kv.block_ids["kv"]) == 4
     kv.check_invariants([r])
     other = make_req(list(range(20)))
     assert not kv.allocate(other, 20)  # 5 blocks needed, 4 free: nothing taken
-    assert "kv" not in other.block_ids
+    assert "kv" not in other.kv.block_ids
     kv.check_invariants([r, other])
     kv.free(r)
-    assert r.block_ids == {} and kv.pools["kv"].num_free == 8
+    assert r.kv.block_ids == {} and kv.pools["kv"].num_free == 8
     kv.check_invariants([])
     assert kv.usage == 0.0
 
@@ -136,10 +136,10 @@ def test_prefix_hit_via_chained_hashes(kv: KVCacheManager, make_req: MakeReq) ->
     kv.publish(a, 13)
     b = make_req(prompt)
     assert kv.find_cached_prefix(b) == 12
-    assert b.block_ids["kv"] == a.block_ids["kv"][:3]
+    assert b.kv.block_ids["kv"] == a.kv.block_ids["kv"][:3]
     assert kv.prefix_hits == 12
     kv.check_invariants([a, b])
-    assert all(kv.pools["kv"].ref_cnt[x] == 2 for x in b.block_ids["kv"])
+    assert all(kv.pools["kv"].ref_cnt[x] == 2 for x in b.kv.block_ids["kv"])
     # Same second block but a different first block: the chain breaks at block 0.
     c = make_req([99, *prompt[1:]])
     assert kv.find_cached_prefix(c) == 0
@@ -173,12 +173,12 @@ def test_hit_after_owner_finished_revives_freed_blocks(kv: KVCacheManager, make_
     a = make_req(prompt)
     kv.allocate(a, 9)
     kv.publish(a, 9)
-    blocks = list(a.block_ids["kv"])
+    blocks = list(a.kv.block_ids["kv"])
     kv.free(a)
     assert kv.pools["kv"].num_free == 8
     b = make_req(prompt)
     assert kv.find_cached_prefix(b) == 8
-    assert b.block_ids["kv"] == blocks[:2]
+    assert b.kv.block_ids["kv"] == blocks[:2]
     assert kv.pools["kv"].num_free == 6
     kv.check_invariants([b])
     kv.free(b)
@@ -288,7 +288,7 @@ def test_multi_group_blocks_needed(multi: KVCacheManager, make_req: MakeReq) -> 
     assert multi.blocks_needed(c_g, 8) == 1
     r = make_req(list(range(17)))
     assert multi.allocate(r, 17)
-    assert len(r.block_ids["kv"]) == 5 and len(r.block_ids["ckv"]) == 3
+    assert len(r.kv.block_ids["kv"]) == 5 and len(r.kv.block_ids["ckv"]) == 3
     multi.check_invariants([r])
     multi.free(r)
     multi.check_invariants([])
@@ -301,7 +301,7 @@ def test_multi_group_allocation_is_all_or_nothing(multi: KVCacheManager, make_re
     s = make_req(list(range(5)))
     # kv has 2 free (needs 2, fits) but ckv has 0 free: nothing is taken from kv either
     assert not multi.allocate(s, 5)
-    assert s.block_ids == {}
+    assert s.kv.block_ids == {}
     assert multi.pools["kv"].num_free == 2
     multi.check_invariants([r, s])
     multi.free(r)
@@ -315,8 +315,8 @@ def test_multi_group_prefix_hit_aligned_to_lcm(multi: KVCacheManager, make_req: 
     b = make_req(prompt)
     hit = multi.find_cached_prefix(b)
     assert hit == 16
-    assert b.block_ids["kv"] == a.block_ids["kv"][:4]
-    assert b.block_ids["ckv"] == a.block_ids["ckv"][:2]
+    assert b.kv.block_ids["kv"] == a.kv.block_ids["kv"][:4]
+    assert b.kv.block_ids["ckv"] == a.kv.block_ids["ckv"][:2]
     multi.check_invariants([a, b])
     multi.free(a)
     multi.free(b)
@@ -344,10 +344,10 @@ def test_check_invariants_detects_corruption(kv: KVCacheManager, make_req: MakeR
     kv.check_invariants([r])
     with pytest.raises(AssertionError, match="ref counts"):
         kv.check_invariants([])  # the owner is missing
-    kv.pools["kv"].ref_cnt[r.block_ids["kv"][0]] += 1
+    kv.pools["kv"].ref_cnt[r.kv.block_ids["kv"][0]] += 1
     with pytest.raises(AssertionError):
         kv.check_invariants([r])
-    kv.pools["kv"].ref_cnt[r.block_ids["kv"][0]] -= 1
+    kv.pools["kv"].ref_cnt[r.kv.block_ids["kv"][0]] -= 1
     kv.free(r)
     kv.check_invariants([])
 

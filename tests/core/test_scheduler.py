@@ -49,8 +49,15 @@ def req(rid: str, n_prompt: int, max_tokens: int = 8, base: int = 1, **sp: Any) 
 def step(s: Scheduler, token: int = 5, extra: dict[str, list[int]] | None = None) -> SchedulerOutput:
     """schedule -> a result sampling ``token`` (or ``extra[rid]``) for every sampling entry -> update."""
     out = s.schedule()
+    assert out is not None, "nothing was scheduled"
+    return answer(s, out, token, extra)
+
+
+def answer(
+    s: Scheduler, out: SchedulerOutput, token: int = 5, extra: dict[str, list[int]] | None = None
+) -> SchedulerOutput:
     extra = extra or {}
-    sampled = {i.request.request_id: extra.get(i.request.request_id, [token]) for i in out.items if i.sample}
+    sampled = {e.request_id: extra.get(e.request_id, [token]) for e in out.command.entries if e.sample}
     s.update(out, StepResult(out.command.step_id, sampled=sampled))
     s.kv.check_invariants(s.live_requests())
     return out
@@ -65,10 +72,16 @@ def n_tokens(out: SchedulerOutput) -> dict[str, int]:
 
 
 def run_to_end(s: Scheduler, limit: int = 500) -> list[SchedulerOutput]:
+    """Steps until nothing is left (a step where nothing runs, e.g. after a request failed while
+    scheduling, sends nothing)."""
     outs = []
-    while s.has_unfinished():
-        outs.append(step(s))
-        assert len(outs) < limit, "the scheduler does not make progress"
+    for _ in range(limit):
+        if not s.has_unfinished():
+            break
+        out = s.schedule()
+        if out is not None:
+            outs.append(answer(s, out))
+    assert not s.has_unfinished(), "the scheduler does not make progress"
     assert all(p.num_free == p.num_blocks for p in s.kv.pools.values())
     return outs
 
@@ -167,7 +180,7 @@ def test_preemption_picks_latest_arrival_and_resumes_it_first(make_sched: Callab
         assert s.requests["a"].status is RequestStatus.RUNNING
     b = s.requests["b"]
     assert b.status is RequestStatus.PREEMPTED
-    assert s.waiting[0] is b and b.block_ids == {} and b.num_computed_tokens == 0
+    assert s.waiting[0] is b and b.kv.block_ids == {} and b.num_computed_tokens == 0
     assert b.metrics.num_preemptions == 1
     produced_before = list(b.output_token_ids)
     assert produced_before
@@ -222,11 +235,11 @@ def test_a_victim_scheduled_earlier_in_the_step_leaves_the_step(make_sched: Call
         out = step(s)
         owners: dict[int, str] = {}
         for r in s.running:
-            for b in r.block_ids.get("kv", []):
+            for b in r.kv.block_ids.get("kv", []):
                 assert owners.setdefault(b, r.request_id) == r.request_id, f"block {b} in two requests"
         preempted = [r.request_id for r in reqs if r.status is RequestStatus.PREEMPTED]
         assert not set(preempted) & set(entry_ids(out))
-        assert out.num_batched_tokens == sum(i.num_new + i.num_draft for i in out.items)
+        assert out.num_batched_tokens == sum((len(e.token_ids) or 1) + e.num_draft for e in out.command.entries)
         saw_victim_step |= s.stats.num_preemptions > before and "r2" in preempted
     assert saw_victim_step
     assert all(len(r.output_token_ids) == 12 for r in reqs)
@@ -253,7 +266,7 @@ def test_abort_waiting(make_sched: Callable[..., Scheduler]) -> None:
     s.add_request(req("a", 5))
     assert [r.request_id for r in s.abort(["a"])] == ["a"]
     assert not s.has_unfinished() and "a" not in s.requests
-    assert s.schedule().is_empty
+    assert s.schedule() is None
     assert s.abort(["a", "unknown"]) == []  # idempotent
 
 
@@ -266,7 +279,7 @@ def test_abort_running_frees_and_tells_the_worker(make_sched: Callable[..., Sche
     step(s)
     s.abort(["a"])
     assert a.status is RequestStatus.FINISHED_ABORTED and a.finish_reason == "abort"
-    assert a.block_ids == {}
+    assert a.kv.block_ids == {}
     s.kv.check_invariants(s.live_requests())
     out = step(s)
     assert "a" in out.command.finished_ids and entry_ids(out) == ["b"]
@@ -301,9 +314,9 @@ def test_abort_with_sample_in_flight(make_sched: Callable[..., Scheduler]) -> No
 
 def _kinds(out: SchedulerOutput) -> set[str]:
     kinds = set()
-    for item, e in zip(out.items, out.command.entries):
+    for r, e in zip(out.requests, out.command.entries):
         n = len(e.token_ids) or 1
-        decode = n == 1 and e.start_pos >= item.request.num_prompt_tokens
+        decode = n == 1 and e.start_pos >= r.num_prompt_tokens
         kinds.add("decode" if decode else "prefill")
     return kinds
 
@@ -335,7 +348,7 @@ def test_spec_policy_reserves_draft_capacity(make_sched: Callable[..., Scheduler
     (e,) = out.command.entries
     assert e.num_draft == 3
     assert a.num_output_placeholders == 4
-    assert len(a.block_ids["kv"]) == math.ceil((before + 1 + 3) / BLOCK)
+    assert len(a.kv.block_ids["kv"]) == math.ceil((before + 1 + 3) / BLOCK)
     assert out.num_batched_tokens == 4
     # one draft accepted (two tokens back): two rejected positions are given back
     s.update(out, StepResult(out.command.step_id, sampled={"a": [11, 12]}))
@@ -456,10 +469,12 @@ def test_a_decode_step_message_grows_with_changes_not_with_blocks(make_sched: Ca
     assert len(first) == 1 and len(crossing["kv"]) == 1 and crossing["kv"] != first
 
 
-# ----------------------------------------------------------------------------- decode fast path
+# ----------------------------------------------------------------------------- random workloads
+
+TEXT_STOP = 11  # the fake detokenizer "finds a stop string" in this token's text
 
 
-def _twin(fast: bool, options: dict[str, Any], num_blocks: int, prefix_caching: bool) -> Scheduler:
+def _sched_for(options: dict[str, Any], num_blocks: int, prefix_caching: bool) -> Scheduler:
     settings = ServingSettings(block_size=BLOCK, executor_options=options)
     info = FakeExecutor(settings).load()
     budget = 24
@@ -468,47 +483,42 @@ def _twin(fast: bool, options: dict[str, Any], num_blocks: int, prefix_caching: 
     )
     policy = _policy_max if options.get("max_draft") else no_speculation(settings)
     cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=40)
-    return Scheduler(cfg, kv, info, policy, decode_fast_path=fast)
 
+    def text_stop(r: Request) -> str | None:
+        """A detokenizer stand-in: it must be asked once per committed token, in order."""
+        seen = r.out.detokenizer or 0
+        assert seen == len(r.output_token_ids) - 1, "a token was committed without the stop-string check"
+        r.out.detokenizer = seen + 1
+        n = len(r.output_token_ids)
+        return "<stop>" if r.output_token_ids[-1] == TEXT_STOP and n >= r.sampling_params.min_tokens else None
 
-def _state(s: Scheduler, reqs: list[Request]) -> list[Any]:
-    """Everything observable of the scheduler, its requests and its block pool after a step."""
-    pool = s.kv.pools["kv"]
-    per_req = [
-        (r.request_id, r.status, list(r.output_token_ids), len(r.output_logprobs), r.num_computed_tokens) for r in reqs
-    ]
-    per_req += [
-        (r.num_output_placeholders, {g: list(b) for g, b in r.block_ids.items()}, r.stop_reason, r.error) for r in reqs
-    ]
-    return [per_req, list(pool.ref_cnt), list(pool.free), dict(pool.cached), s.stats, list(s.finished_ids)]
+    return Scheduler(cfg, kv, info, policy, text_stop=text_stop)
 
 
 def _random_result(rng: Any, out: SchedulerOutput) -> StepResult:
-    """The worker's answer: 1 + accepted tokens per sampling entry from a small vocabulary (so EOS
-    and stop ids come up), sometimes logprobs, sometimes one request's error."""
+    """The worker's answer: 1 + accepted tokens per sampling entry from a small vocabulary (so EOS,
+    stop ids and the stop string come up), sometimes logprobs, sometimes one request's error."""
     sampled = {
-        i.request.request_id: [rng.randrange(12) for _ in range(1 + rng.randint(0, i.num_draft))]
-        for i in out.items
-        if i.sample
+        e.request_id: [rng.randrange(12) for _ in range(1 + rng.randint(0, e.num_draft))]
+        for e in out.command.entries
+        if e.sample
     }
     logprobs = {rid: [{t: -1.0} for t in toks] for rid, toks in sampled.items()} if rng.random() < 0.1 else {}
     errors = {rng.choice(list(sampled)): "boom"} if sampled and rng.random() < 0.05 else {}
     return StepResult(out.command.step_id, sampled=sampled, logprobs=logprobs, request_errors=errors)
 
 
-def _drive(s: Scheduler, seed: int, in_flight: int) -> list[Any]:
-    """A seeded workload of arrivals (shared prefixes), aborts, stop-string stops and preemptions
-    (a small cache), with ``in_flight`` steps scheduled ahead of their results; returns the trace."""
+def _drive(s: Scheduler, seed: int, in_flight: int) -> list[Request]:
+    """A seeded workload of arrivals (shared prefixes), aborts, stop strings and preemptions (a
+    small cache), with ``in_flight`` steps scheduled ahead of their results, run to the end."""
     import random
-
-    import msgspec
 
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 90) for _ in range(rng.randint(0, 9))] for _ in range(2)]
     reqs: list[Request] = []
-    trace: list[Any] = []
     pending: list[SchedulerOutput] = []
-    for n in range(70):
+    n = 0
+    while n < 40 or s.has_unfinished() or pending:
         if n < 40 and rng.random() < 0.35:
             prompt = rng.choice(prefixes) + [rng.randrange(1, 90) for _ in range(rng.randint(1, 10))]
             max_tokens = rng.randint(1, 14)
@@ -517,6 +527,7 @@ def _drive(s: Scheduler, seed: int, in_flight: int) -> list[Any]:
                 min_tokens=rng.randint(0, min(2, max_tokens)),
                 stop_token_ids=rng.sample(range(12), rng.randint(0, 1)),
                 ignore_eos=rng.random() < 0.5,
+                stop=["<stop>"] if rng.random() < 0.5 else [],
             )
             reqs.append(Request(f"r{n}", prompt, sp, eos_token_ids=(rng.randrange(12),)))
             s.add_request(reqs[-1])
@@ -524,23 +535,39 @@ def _drive(s: Scheduler, seed: int, in_flight: int) -> list[Any]:
         if live and rng.random() < 0.06:
             s.abort([rng.choice(live).request_id])
         out = s.schedule()
-        if out.is_empty:
-            s.finished_ids[:0] = out.command.finished_ids
-        else:
+        if out is not None:
             pending.append(out)
-            trace.append(msgspec.msgpack.encode(out.command))
-            trace.append([(i.request.request_id, i.epoch, i.num_new, i.num_draft, i.sample) for i in out.items])
-        if pending and (len(pending) > in_flight or out.is_empty):
+        if pending and (len(pending) > in_flight or out is None):
             done = pending.pop(0)
-            touched = s.update(done, _random_result(rng, done))
-            trace.append([r.request_id for r in touched])
-            running = [r for r in touched if not r.is_finished and r.output_token_ids]
-            if running and rng.random() < 0.1:  # the engine found a stop string in one of them
-                r = rng.choice(running)
-                s.stop(r, rng.randint(0, len(r.output_token_ids)), "stop")
+            s.update(done, _random_result(rng, done))
         s.kv.check_invariants(s.live_requests())
-        trace.append(_state(s, reqs))
-    return trace
+        n += 1
+        assert n < 2000, "no progress"
+    assert all(p.num_free == p.num_blocks for p in s.kv.pools.values())
+    return reqs
+
+
+def _check_stop_rule(r: Request) -> None:
+    """The request ended where the stop rule says, and nothing after that token was committed."""
+    sp, out = r.sampling_params, r.output_token_ids
+    assert r.is_finished and len(out) <= (sp.max_tokens or 40)
+    assert len(r.output_logprobs) <= len(out)
+
+    def ends(i: int) -> bool:  # output i (0-based) ends the request by a token or the stop string
+        eligible = i + 1 >= sp.min_tokens
+        by_token = out[i] in sp.stop_token_ids or (out[i] in r.eos_token_ids and not sp.ignore_eos)
+        return eligible and (by_token or (out[i] == TEXT_STOP and bool(sp.stop)))
+
+    assert not any(ends(i) for i in range(len(out) - 1)), (r.request_id, out)
+    if r.status is RequestStatus.FINISHED_STOP:
+        assert ends(len(out) - 1)
+        expected = "<stop>" if out[-1] == TEXT_STOP and sp.stop else out[-1]
+        assert r.stop_reason == expected
+    elif r.status is RequestStatus.FINISHED_EOS:
+        assert ends(len(out) - 1) and out[-1] in r.eos_token_ids and r.stop_reason is None
+    elif r.status is RequestStatus.FINISHED_LENGTH:
+        assert len(out) == min(sp.max_tokens or 40, 40 - r.num_prompt_tokens)
+        assert not ends(len(out) - 1)
 
 
 @pytest.mark.parametrize(
@@ -549,24 +576,33 @@ def _drive(s: Scheduler, seed: int, in_flight: int) -> list[Any]:
     ids=["plain", "uniform", "barrier", "drafts", "window"],
 )
 @pytest.mark.parametrize("in_flight", [1, 2], ids=["sync", "async"])
-def test_decode_fast_path_equals_the_general_path(
-    options: dict[str, Any], in_flight: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The inline plain-decode path and the general path produce identical step messages, memos,
-    request states, block tables and block pools, step by step, over random workloads."""
-    general_calls = {True: 0, False: 0}
-    general = Scheduler._schedule_one
-
-    def counting(self: Scheduler, *args: Any) -> None:
-        general_calls[self._fast] += 1
-        general(self, *args)
-
-    monkeypatch.setattr(Scheduler, "_schedule_one", counting)
+def test_random_workloads_end_where_the_stop_rule_says(options: dict[str, Any], in_flight: int) -> None:
+    """Over seeded workloads (arrivals, aborts, preemptions, drafts, errors), every request ends by
+    the one stop rule at the first token that ends it, the stop-string check sees each committed
+    token once and in order (so nothing after a stop string is committed, nothing is taken back),
+    and the block pool is consistent after every step and empty at the end."""
+    statuses = set()
     for seed in range(12):
         num_blocks = 10 + seed % 3 * 6  # small caches preempt
-        traces = [_drive(_twin(fast, options, num_blocks, seed % 2 == 0), seed, in_flight) for fast in (True, False)]
-        assert traces[0] == traces[1], f"seed {seed}"
-    # Both walked the same running requests, so the difference is the plain decodes taken inline
-    # (with drafts a decode is never plain, but results without drafts still are).
-    if not options.get("max_draft"):
-        assert general_calls[False] - general_calls[True] >= 100, general_calls
+        for r in _drive(_sched_for(options, num_blocks, seed % 2 == 0), seed, in_flight):
+            _check_stop_rule(r)
+            statuses.add(r.status)
+    assert {RequestStatus.FINISHED_STOP, RequestStatus.FINISHED_EOS, RequestStatus.FINISHED_LENGTH} <= statuses
+
+
+def test_a_step_with_nothing_to_run_is_none_and_keeps_the_news_for_the_next(
+    make_sched: Callable[..., Scheduler],
+) -> None:
+    """Nothing runnable: ``schedule()`` returns None and keeps what the worker is to be told (the
+    finished ids) for the next command, so no caller has to put anything back."""
+    s = make_sched()
+    a = req("a", 5, max_tokens=20)
+    s.add_request(a)
+    step(s)
+    s.abort(["a"])
+    assert s.schedule() is None
+    assert s.schedule() is None
+    s.add_request(req("b", 3))
+    out = s.schedule()
+    assert out is not None and out.command.finished_ids == ["a"] and entry_ids(out) == ["b"]
+    assert out.command.step_id == 1  # ids count the commands sent, not the calls

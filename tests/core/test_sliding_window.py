@@ -22,7 +22,7 @@ SCHEDULERS = ["sync"] + (["async"] if plugin_installed("async_sched") else [])
 
 
 def _held(req: Request) -> int:
-    return sum(1 for b in req.block_ids.get("kv", []) if b != FREED)
+    return sum(1 for b in req.kv.block_ids.get("kv", []) if b != FREED)
 
 
 def _poison_free_blocks(engine: Any) -> None:
@@ -66,7 +66,7 @@ def test_blocks_stay_bounded_over_a_long_generation(fake_pm: Any, scheduler: str
             for r in engine.scheduler.running:
                 if len(r.output_token_ids) > 2 * WINDOW:  # long past the prompt
                     # Positions c-W+1 .. c+2 (one step in flight under async) span W+2 tokens.
-                    assert _held(r) <= math.ceil((WINDOW + 2) / BLOCK) + 1, r.block_ids
+                    assert _held(r) <= math.ceil((WINDOW + 2) / BLOCK) + 1, r.kv.block_ids
                     steady += 1
         assert engine.scheduler.stats.num_preemptions == 0
     finally:
@@ -84,14 +84,14 @@ def test_release_gives_back_only_blocks_wholly_before_the_window() -> None:
     kv = KVCacheManager(groups, {"swa": 16, "full": 16}, enable_prefix_caching=False)
     r = Request("r", list(range(1, 30)), SamplingParams())
     assert kv.allocate(r, 30)
-    swa = list(r.block_ids["swa"])
+    swa = list(r.kv.block_ids["swa"])
     kv.release_outside_window(r, 13)  # the window of position 13 starts at 8: blocks 0, 1 go
-    assert r.block_ids["swa"] == [FREED, FREED, *swa[2:]]
+    assert r.kv.block_ids["swa"] == [FREED, FREED, *swa[2:]]
     assert kv.pools["swa"].num_free == 16 - 6 and kv.pools["full"].num_free == 16 - 8
     kv.release_outside_window(r, 14)  # window from 9: block 2 (8..11) is still partly inside
-    assert r.block_ids["swa"][2] == swa[2]
+    assert r.kv.block_ids["swa"][2] == swa[2]
     kv.release_outside_window(r, 17)  # window from 12: block 2 goes
-    assert r.block_ids["swa"][:3] == [FREED] * 3
+    assert r.kv.block_ids["swa"][:3] == [FREED] * 3
     kv.check_invariants([r])
     kv.free(r)
     assert kv.pools["swa"].num_free == 16 and kv.pools["full"].num_free == 16
@@ -138,10 +138,10 @@ def test_a_prefix_hit_is_cut_where_a_window_block_is_evicted() -> None:
     prompt = list(range(1, 30))  # 29 tokens: 7 full blocks, a hit covers at most 28
     a = Request("a", prompt, SamplingParams())
     assert kv.allocate(a, 29)
-    swa, full = list(a.block_ids["swa"]), list(a.block_ids["full"])
+    swa, full = list(a.kv.block_ids["swa"]), list(a.kv.block_ids["full"])
     kv.publish(a, 29)
     kv.release_outside_window(a, 17)  # window from 12: swa entries 0..2 go back, still cached
-    assert a.block_ids["swa"][:3] == [FREED] * 3
+    assert a.kv.block_ids["swa"][:3] == [FREED] * 3
     # Free queue: the 8 never-used swa blocks, then a's entries released tail-first (2, 1, 0).
     assert list(kv.pools["swa"].free) == [*range(8, 16), swa[2], swa[1], swa[0]]
 
@@ -149,7 +149,7 @@ def test_a_prefix_hit_is_cut_where_a_window_block_is_evicted() -> None:
     b = Request("b", prompt, SamplingParams())
     assert kv.find_cached_prefix(b) == 28
     # b computes from position 28 on, whose window starts at 23: swa entries 0..4 go back at once.
-    assert b.block_ids == {"swa": [FREED] * 5 + swa[5:7], "full": full[:7]}
+    assert b.kv.block_ids == {"swa": [FREED] * 5 + swa[5:7], "full": full[:7]}
     assert list(kv.pools["swa"].free) == [*range(8, 16), swa[2], swa[1], swa[0]]
     kv.check_invariants([a, b])
     kv.free(b)
@@ -158,28 +158,28 @@ def test_a_prefix_hit_is_cut_where_a_window_block_is_evicted() -> None:
     c = Request("c", list(range(100, 136)), SamplingParams())
     assert kv.allocate(c, 36)
     kv.publish(c, 36)
-    assert c.block_ids["swa"][8] == swa[2]  # a's content of entry 2 is gone
+    assert c.kv.block_ids["swa"][8] == swa[2]  # a's content of entry 2 is gone
     # The full group still caches all 7 blocks and the swa group entries 0, 1 and 3..6 (a holds
     # 3..6), but the chain breaks at entry 2: the hit is cut to the 8 tokens cached in every group.
     assert all(kv.pools["full"].block_hash[blk] is not None for blk in full[:7])
     assert all(kv.pools["swa"].block_hash[blk] is not None for blk in swa[3:7])
     d = Request("d", prompt, SamplingParams())
     assert kv.find_cached_prefix(d) == 8
-    assert d.block_ids == {"swa": swa[:2], "full": full[:2]}
+    assert d.kv.block_ids == {"swa": swa[:2], "full": full[:2]}
     kv.check_invariants([a, c, d])
     kv.free(d)
 
     # Evicting entries 1 and 0 as well (the head of the free queue now) leaves nothing to hit.
     e = Request("e", [200] * 8, SamplingParams())
     assert kv.allocate(e, 8)
-    assert e.block_ids["swa"] == [swa[1], swa[0]]
+    assert e.kv.block_ids["swa"] == [swa[1], swa[0]]
     f = Request("f", prompt, SamplingParams())
     assert kv.find_cached_prefix(f) == 0
-    assert f.block_ids == {}
+    assert f.kv.block_ids == {}
     # A prefix all of whose blocks are still cached (c's, in both groups) still hits.
     g = Request("g", [*range(100, 120), 7], SamplingParams())
     assert kv.find_cached_prefix(g) == 20
-    assert g.block_ids == {"swa": [FREED] * 3 + c.block_ids["swa"][3:5], "full": c.block_ids["full"][:5]}
+    assert g.kv.block_ids == {"swa": [FREED] * 3 + c.kv.block_ids["swa"][3:5], "full": c.kv.block_ids["full"][:5]}
     kv.check_invariants([a, c, e, g])
     for r in (a, c, e, g):
         kv.free(r)

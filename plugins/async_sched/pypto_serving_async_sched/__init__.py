@@ -4,7 +4,7 @@ The scheduler does the bookkeeping that makes this exact: scheduling advances ea
 optimistically and reserves ``1 + k`` output placeholders per sampling entry; a decode whose input
 is still being sampled carries ``use_last_sampled`` (the worker resolves it from its own cache);
 applying a result releases the placeholders and gives back rejected draft positions. Results of
-requests aborted or preempted in the meantime are discarded by their epoch.
+requests aborted (finished) or preempted (``SchedState.valid_from``) in the meantime are discarded.
 """
 
 from __future__ import annotations

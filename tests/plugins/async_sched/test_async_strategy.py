@@ -54,7 +54,7 @@ def llms():
 def cache_tokens(engine: Any, req: Any, upto: int) -> list[int]:
     """The token ids the fake executor's cache holds at positions [0, upto) of ``req``."""
     fake = engine.worker._runner.executor
-    return fake._context(torch.tensor(req.block_ids["kv"]), upto)
+    return fake._context(torch.tensor(req.kv.block_ids["kv"]), upto)
 
 
 # --------------------------------------------------------------------------- reservation & pipelining
@@ -312,10 +312,8 @@ def test_preemption_discards_stale_results(llms: Any, k: int) -> None:
 
     def on_apply(out: Any, result: Any) -> None:
         nonlocal stale
-        for item in out.items:
-            rid = item.request.request_id
-            tracked = eng.scheduler._tracked.get(rid)
-            if rid in result.sampled and tracked is not None and tracked.epoch != item.epoch:
+        for r in out.requests:  # preempted after this step was scheduled: its result is stale
+            if r.request_id in result.sampled and not r.is_finished and r.sched.valid_from > out.command.step_id:
                 stale += 1
 
     Spy(eng, on_apply=on_apply)

@@ -64,7 +64,7 @@ def test_window_groups_hold_bounded_blocks_and_outputs_match_transformers(k: int
             _poison_free_blocks(engine)
             for r in engine.scheduler.running:
                 for name in windowed:
-                    held = sum(1 for b in r.block_ids.get(name, []) if b != FREED)
+                    held = sum(1 for b in r.kv.block_ids.get(name, []) if b != FREED)
                     peak[name] = max(peak[name], held)
     finally:
         llm.shutdown()
