@@ -109,6 +109,8 @@ def log_block_size(device: str, block_size: int) -> None:
             default_block_size(kind),
         )
     elif block_size == default_block_size(kind):
-        logger.info("block_size %d: the default on %s (an unset block_size follows the device)", block_size, kind)
+        # The CPU's default is what every release used: saying so on each start is noise (DEBUG).
+        level = logging.DEBUG if kind == "cpu" else logging.INFO
+        logger.log(level, "block_size %d: the default on %s (an unset block_size follows the device)", block_size, kind)
     else:
         logger.info("block_size %d on %s (set; the default there is %d)", block_size, kind, default_block_size(kind))

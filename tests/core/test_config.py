@@ -319,6 +319,10 @@ def test_the_engine_start_logs_the_block_size_and_warns_when_one_set_turns_off_f
             pm.configure(ServingSettings.load(**overrides))
         assert [(r.levelname, r.getMessage()[: len(text)]) for r in caplog.records] == [(level, text)], overrides
     caplog.clear()
+    with caplog.at_level("INFO", logger="pypto_serving.devices"):
+        pm.configure(ServingSettings.load(device="cpu"))
+    assert not caplog.records  # the CPU's default is the old one: DEBUG, not a line on every start
+    caplog.clear()
     pm.configure(ServingSettings.load(device="cuda", block_size=16))
     (warning,) = caplog.records
     assert (
