@@ -240,7 +240,9 @@ class EngineCore:
             replace(info, max_draft_tokens=self.max_draft_tokens),
             policy,
         )
-        self.tokenizer: Tokenizer | None = load_tokenizer(settings.tokenizer or settings.model)
+        self.tokenizer: Tokenizer | None = load_tokenizer(
+            settings.tokenizer or settings.model, self.plugins.chat_encoder(settings.model)
+        )
         self.eos_token_ids = tuple(info.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
