@@ -248,13 +248,11 @@ def convert_checkpoint(
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     src = Path(args.source)
-    if not src.is_dir():  # a named model the installed plugins ship
+    if not src.is_dir():  # a named model the installed plugins ship (written first if it is derived)
+        from .config import ServingSettings
         from .plugins import PluginManager
 
-        spec = PluginManager().models.specs.get(args.source)
-        if spec is None:
-            raise ConversionError(f"{args.source} is neither a model directory nor an installed named model")
-        src = Path(spec[0].path)
+        src = Path(str(PluginManager().resolve_model(ServingSettings.load(model=args.source)).model))
     block = (args.fp8_block[0], args.fp8_block[1])
     result = convert_checkpoint(src, args.output, args.to, block=block, shard_bytes=int(args.shard_gb * (1 << 30)))
     print(
