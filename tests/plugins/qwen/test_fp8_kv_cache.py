@@ -5,13 +5,12 @@ greedy tokens with a quarter of the cache bytes, and executors without it refuse
 Measured on the shipped tiny-qwen3 (float32, 512 teacher-forced positions of Python source prefilled
 in chunks of 64, so later chunks read earlier ones from the cache): max |logit error| 0.49 against
 logits up to 14.9, mean 0.029, top-1 agreement 97.3 %, mean KL 1e-3; greedy decoding of four prompts
-for 64 tokens each agreed on all 256 tokens."""
+for 64 tokens each agreed on all 256 tokens. (DeepSeek-V4: tests/plugins/deepseek_mtp/test_fp8_kv_cache.py.)"""
 
 from __future__ import annotations
 
 import inspect
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -88,10 +87,17 @@ def test_tiny_qwen3_keeps_its_greedy_tokens_with_a_quarter_of_the_cache() -> Non
     )
 
 
-def test_fp8_is_refused_where_it_is_not_supported(tmp_path: Path) -> None:
+def test_fp8_is_refused_where_it_is_not_supported() -> None:
+    from pypto_serving import LLM, PluginManager
+    from pypto_serving.config import ServingSettings
+    from tests.fakes import FakePlugin
+
     settings = qwen_settings(TINY_QWEN3, kv_cache_dtype="fp8", executor_options={"graph_mode": "aot_eager"})
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported with executor_options graph_mode"):
         QwenExecutor(settings).load()
-    deepseek = pytest.importorskip("pypto_serving_deepseek_mtp.plugin")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported by the deepseek_mtp executor"):
-        engine_greedy(str(deepseek.TINY_DEEPSEEK_V4), [1, 2, 3], 1, kv_cache_dtype="fp8")
+    # An executor that does not declare it in ExecutorInfo.kv_cache_dtypes is refused by the engine.
+    fake = ServingSettings(executor="fake", worker_mode="inproc", scheduler="sync", kv_cache_dtype="fp8")
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype='fp8' is not supported by the fake executor \(it supports 'auto'\)"
+    ):
+        LLM(settings=fake, plugins=PluginManager(extra_plugins=[FakePlugin]))
