@@ -245,3 +245,40 @@ def test_a_chat_template_wins_and_other_architectures_get_no_encoder(tmp_path: P
     tok = load_tokenizer(qwen, plugins.chat_encoder(str(qwen)))
     assert tok is not None and not tok.can_chat
     assert plugins.chat_encoder(None) is None
+
+
+@pytest.mark.requires_plugin("sync_sched")
+def test_the_server_renders_chats_of_a_template_less_checkpoint_with_the_encoder(tmp_path: Path) -> None:
+    """Through ``/tokenize`` and ``/v1/chat/completions``: the release ships no template, and the
+    prompt is the encoder's (thinking switched by ``chat_template_kwargs``, tools in DSML's section)."""
+    from fastapi.testclient import TestClient
+
+    from pypto_serving import ServingSettings
+    from pypto_serving.server import AsyncLLM, build_app
+
+    model = tmp_path / "v4"
+    shutil.copytree(TINY_DEEPSEEK_V4, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    settings = ServingSettings(
+        model=str(model), device="cpu", dtype="float32", worker_mode="inproc", engine_mode="thread", scheduler="sync"
+    )
+    llm = AsyncLLM(settings)
+    llm.wait_ready(60)
+    try:
+        with TestClient(build_app(llm, manage_engine=False)) as client:
+            body: dict[str, Any] = {"messages": SYSTEM_USER, "chat_template_kwargs": {"thinking": True}}
+            tok = client.post("/tokenize", json={**body, "tools": [WEATHER_TOOL]})
+            assert tok.status_code == 200, tok.text
+            tokenizer = load_tokenizer(model)
+            assert tokenizer is not None
+            expected = encode_messages(SYSTEM_USER, thinking=True, tools=[WEATHER_TOOL])
+            assert tok.json()["tokens"] == tokenizer.encode(expected)
+            chat = client.post("/v1/chat/completions", json={**body, "max_tokens": 3, "temperature": 0})
+            assert chat.status_code == 200, chat.text
+            assert chat.json()["usage"]["prompt_tokens"] == len(
+                tokenizer.encode(encode_messages(SYSTEM_USER, thinking=True))
+            )
+    finally:
+        llm.shutdown(10)
