@@ -297,8 +297,10 @@ def _add_optional_commands(sub: Any) -> None:
     else:
         add_serve_command(sub)
     from .bench.cli import add_bench_command
+    from .convert import add_convert_command
 
     add_bench_command(sub)
+    add_convert_command(sub)
 
 
 def _fail(message: str) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from .config import ServingSettings, SettingsError
-from .executor import CacheGroupSpec
+from .executor import CacheGroupSpec, ExecutorInfo
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
 from .messages import StepResult
@@ -158,6 +158,15 @@ def _longest_fitting(kv: KVCacheManager, limit: int) -> int:
     return lo
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str, info: ExecutorInfo, executor_name: str) -> None:
+    """Refuse a ``kv_cache_dtype`` the loaded executor does not declare in ``kv_cache_dtypes``."""
+    if kv_cache_dtype not in info.kv_cache_dtypes:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the {executor_name} executor "
+            f"(it supports {', '.join(repr(d) for d in info.kv_cache_dtypes)})"
+        )
+
+
 def read_architecture(model: str | None) -> str | None:
     if model is None:
         return None
@@ -198,6 +207,7 @@ class EngineCore:
     def _setup(self, executor_name: str) -> None:
         settings = self.settings
         info = self.info = self.worker.info
+        check_kv_cache_dtype(settings.kv_cache_dtype, info, executor_name)
         sched_spec = self._choose_strategy(executor_name)
         self.scheduler_name = sched_spec.name
         # The drafting depth in effect (the executor's, or the core drafter's): the scheduler plans with
@@ -219,7 +229,9 @@ class EngineCore:
             max_step_tokens=settings.max_num_batched_tokens,
         )
         self.max_model_len = self._fit_max_model_len(num_blocks)
-        self.tokenizer: Tokenizer | None = load_tokenizer(settings.tokenizer or settings.model)
+        self.tokenizer: Tokenizer | None = load_tokenizer(
+            settings.tokenizer or settings.model, self.plugins.chat_encoder(settings.model)
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=settings.max_num_seqs,

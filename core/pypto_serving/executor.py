@@ -69,6 +69,7 @@ class ExecutorInfo:
         so the core's own drafters (``speculative_config.method = "ngram"``) can speculate for it.
     :param prefill_barrier: a request's first decode waits for the result of its last prefill step.
     :param generation_defaults: the checkpoint's sampling defaults (from ``generation_config.json``).
+    :param kv_cache_dtypes: the ``kv_cache_dtype`` settings it honours; the engine refuses any other.
     """
 
     cache_groups: list[CacheGroupSpec]
@@ -82,6 +83,7 @@ class ExecutorInfo:
     can_verify_drafts: bool = False
     prefill_barrier: bool = False
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
 
 @dataclass(slots=True, kw_only=True)

@@ -238,6 +238,21 @@ def pypto_serving_register_reasoning_parsers() -> list[ReasoningParserSpec]:  # 
     """
 
 
+@hookspec(firstresult=True)
+def pypto_serving_chat_encoder(architecture: str, model_dir: str) -> Callable[..., str] | None:
+    """Return the chat encoder of a checkpoint that ships no chat template, or None.
+
+    Called in the engine and server processes when the tokenizer is loaded; the first non-None
+    answer is used, and only while the checkpoint has no chat template (a template always wins). The
+    encoder is called as a template is rendered: ``encoder(messages, add_generation_prompt=...,
+    **variables)`` with the request's ``tools`` and ``chat_template_kwargs``, and returns the prompt text.
+
+    :param architecture: the checkpoint's first ``config.json`` architecture.
+    :param model_dir: the model directory.
+    :return: the encoder, or None when this plugin has none for the checkpoint.
+    """
+
+
 @hookspec
 def pypto_serving_configure(settings: ServingSettings) -> None:
     """Validate or adjust settings before the worker starts.

@@ -3,6 +3,7 @@ selects executors, schedulers, speculative-token policies and output parsers by 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import traceback
@@ -293,6 +294,17 @@ class PluginManager:
     def select_reasoning_parser(self, name: str, architecture: str) -> ReasoningParserSpec | None:
         """The reasoning parser named ``name``, chosen as :meth:`select_tool_parser` chooses."""
         return _select_parser(self.reasoning_parsers, name, architecture)
+
+    def chat_encoder(self, model: str | None) -> Any:
+        """The chat encoder a plugin gives the checkpoint in ``model`` (``pypto_serving_chat_encoder``),
+        for when it ships no chat template; None without a model, an architecture or an encoder."""
+        cfg = Path(model) / "config.json" if model else None
+        if cfg is None or not cfg.is_file():
+            return None
+        architectures = json.loads(cfg.read_text()).get("architectures") or []
+        if not architectures:
+            return None
+        return self.pm.hook.pypto_serving_chat_encoder(architecture=architectures[0], model_dir=str(model))
 
     def select_spec_policy(self, name: str) -> SpecPolicySpec:
         return self.spec_policies.get(name)

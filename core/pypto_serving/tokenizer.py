@@ -4,13 +4,18 @@ sandboxed jinja environment, and an incremental detokenizer for streaming and st
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["ChatEncoder", "IncrementalDetokenizer", "Tokenizer", "load_tokenizer"]
+
+#: A checkpoint's chat format written in code, for releases that ship no Jinja template (DeepSeek-V4):
+#: ``encoder(messages, add_generation_prompt, **template_variables) -> prompt text``.
+ChatEncoder = Callable[..., str]
 
 
 class Tokenizer:
@@ -36,6 +41,13 @@ class Tokenizer:
         self.special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if getattr(t, "special", False)}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._template: tuple[str, Template] | None = None  # (source, compiled)
+        # Used only when the checkpoint has no chat template: its own template always wins.
+        self.chat_encoder: ChatEncoder | None = None
+
+    @property
+    def can_chat(self) -> bool:
+        """Whether chat messages can be rendered: a chat template, or a chat encoder the executor's plugin gives."""
+        return bool(self.chat_template) or self.chat_encoder is not None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -44,6 +56,8 @@ class Tokenizer:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
+        if not self.chat_template and self.chat_encoder is not None:
+            return self.chat_encoder(messages, add_generation_prompt=add_generation_prompt, **kw)
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template')")
         return self._compiled_template().render(
@@ -83,11 +97,14 @@ def _token_str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def load_tokenizer(path: str | Path | None) -> Tokenizer | None:
-    """The tokenizer of a model directory, or None when it ships no tokenizer.json."""
+def load_tokenizer(path: str | Path | None, chat_encoder: ChatEncoder | None = None) -> Tokenizer | None:
+    """The tokenizer of a model directory, or None when it ships no tokenizer.json. ``chat_encoder``
+    renders chats when the directory has no chat template (see ``pypto_serving_chat_encoder``)."""
     if path is None or not (Path(path) / "tokenizer.json").is_file():
         return None
-    return Tokenizer(Path(path))
+    tok = Tokenizer(Path(path))
+    tok.chat_encoder = chat_encoder
+    return tok
 
 
 class IncrementalDetokenizer:

@@ -46,8 +46,15 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> None:
     """Scatter this step's K/V [T, Hkv, D] into the paged caches in place.
+
+    An FP8 cache (``float8_e4m3fn``) stores each row divided by its per-tensor scale (``k_scale``,
+    ``v_scale``; 1.0 when not given), saturated to the format's range; :func:`paged_attention`
+    multiplies it back when it reads.
 
     Token ``t`` goes to slot ``slot_mapping[t]``: block ``slot // block_size``, offset
     ``slot % block_size``. Every slot must be a real one (``0 <= slot < blocks * block_size``) and
@@ -57,13 +64,27 @@ def write_kv_cache(
     are undefined behaviour, as for any out-of-bounds index.
     """
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
-    _scatter_rows(key_cache, slots, key)
-    _scatter_rows(value_cache, slots, value)
+    _scatter_rows(key_cache, slots, key, k_scale)
+    _scatter_rows(value_cache, slots, value, v_scale)
 
 
-def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+#: KV cache dtypes stored with a per-tensor scale, and the largest finite value of each.
+FP8_CACHE_MAX = {torch.float8_e4m3fn: 448.0}
+
+
+def quantize_cache_rows(rows: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
+    """``rows`` as a cache of ``dtype`` stores them: FP8 divided by ``scale`` and saturated, others cast."""
+    if dtype not in FP8_CACHE_MAX:
+        return rows.to(dtype)
+    limit = FP8_CACHE_MAX[dtype]
+    return (rows.float() / (1.0 if scale is None else scale)).clamp(-limit, limit).to(dtype)
+
+
+def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float | None) -> None:
     """``cache`` [blocks, block_size, ...] at flat ``slots`` <- ``rows`` (cast to the cache dtype)."""
-    rows = rows.to(cache.dtype)
+    rows = quantize_cache_rows(rows, cache.dtype, scale)
+    if cache.dtype in FP8_CACHE_MAX:  # the CPU's index_copy_ has no FP8 kernel; the bytes are what move
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
     try:
         # A view shares storage, so this writes a non-contiguous cache too when blocks and offsets merge.
         flat = cache.view(-1, *cache.shape[2:])
@@ -228,10 +249,17 @@ def _gather_chunks(spans: list[_Span], block_bytes: int) -> list[list[_Span]]:
     return chunks
 
 
-def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, chunk: list[_Span]) -> torch.Tensor:
-    """The chunk's blocks, request after request, as [tokens, Hkv, D] in the cache dtype (one index_select)."""
+def _gather_blocks(
+    cache: torch.Tensor, tables: torch.Tensor, chunk: list[_Span], dtype: torch.dtype, scale: float | None
+) -> torch.Tensor:
+    """The chunk's blocks, request after request, as [tokens, Hkv, D] (one index_select): in the cache
+    dtype, or for an FP8 cache dequantized to ``dtype`` (times ``scale``)."""
     ids = [tables[s.request, s.first_block : s.end_block] for s in chunk]
-    return cache.index_select(0, ids[0] if len(ids) == 1 else torch.cat(ids)).flatten(0, 1)
+    index = ids[0] if len(ids) == 1 else torch.cat(ids)
+    if cache.dtype not in FP8_CACHE_MAX:
+        return cache.index_select(0, index).flatten(0, 1)
+    raw = cache.view(torch.uint8).index_select(0, index).view(cache.dtype).flatten(0, 1)
+    return raw.to(dtype) if scale is None or scale == 1.0 else raw.to(dtype) * scale
 
 
 @dispatch("paged_attention")
@@ -248,6 +276,8 @@ def paged_attention(
     *,
     query_lens_host: Sequence[int] | None = None,
     seq_lens_host: Sequence[int] | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat mixed batch (prefill, chunked prefill, decode) over a paged KV cache.
 
@@ -255,7 +285,8 @@ def paged_attention(
     position ``seq_lens[r] - 1`` and the cache already holds all ``seq_lens[r]`` tokens. Returns
     [T, Hq, Dv] in the query dtype (rows past the last request are zero); softmax runs in float32.
     ``query_lens_host`` / ``seq_lens_host`` are optional host copies of the per-request query and
-    sequence lengths that spare the host read of the device tensors; they must match them.
+    sequence lengths that spare the host read of the device tensors; they must match them. An FP8
+    cache is read back chunk by chunk in the query dtype times ``k_scale`` / ``v_scale``.
     """
     num_tokens = query.shape[0]
     out = query.new_zeros((num_tokens, query.shape[1], value_cache.shape[-1]))
@@ -270,7 +301,8 @@ def paged_attention(
     tables = block_tables.to(device=query.device, dtype=torch.int64)
     block_bytes = key_cache[0].numel() * key_cache.element_size()
     for chunk in _gather_chunks(_spans(q_lens, kv_lens, block_size, sliding_window), block_bytes):
-        keys, values = _gather_blocks(key_cache, tables, chunk), _gather_blocks(value_cache, tables, chunk)
+        keys = _gather_blocks(key_cache, tables, chunk, query.dtype, k_scale)
+        values = _gather_blocks(value_cache, tables, chunk, query.dtype, v_scale)
         base = 0
         for span in chunk:
             start = base + span.lo - span.first_block * block_size

@@ -561,7 +561,8 @@ class AsyncLLM:
     def _await_ready(self, core: CoreProcess, what: str) -> BaseException | None:
         """Wait for the core's engine; sets ``engine`` and ``stats``; the error otherwise."""
         try:
-            tokenizer = load_tokenizer(self.settings.tokenizer or self.settings.model)  # while the core loads
+            model = self.settings.model  # the tokenizer loads while the core does
+            tokenizer = load_tokenizer(self.settings.tokenizer or model, self.plugins.chat_encoder(model))
         except Exception as e:  # the engine would fail on it too; this is the clearer report
             return e
         while True:

@@ -288,7 +288,7 @@ def _check_template_kwargs(kwargs: dict[str, Any]) -> None:
 def _render_chat(ctx: _Ctx, req: ChatCompletionRequest | TokenizeChatRequest) -> str:
     """The request's messages (and tools) rendered by the checkpoint's chat template."""
     tok = ctx.llm.tokenizer
-    if tok is None or not tok.chat_template:
+    if tok is None or not tok.can_chat:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     depth = ctx.settings.max_json_depth
     messages = [_message_dict(m, f"messages.{i}", depth) for i, m in enumerate(req.messages)]

@@ -158,6 +158,7 @@ class DeepseekMTPExecutor(Executor):
         self.num_slots = 0
         self.mtp_state: dict[str, MtpState] = {}
         self.carry: list[torch.Tensor] = []  # per MTP depth: [slots, CARRY_LEN, hc, D] canonical inputs
+        self.cache_dtype = torch.float32  # the paged caches' element type, set at load
         self._last: tuple[BatchInput, Segments, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ load
@@ -188,7 +189,10 @@ class DeepseekMTPExecutor(Executor):
         block_size = int(s.block_size)
         self.model = DeepseekV4Model(cfg, weights, device, dtype, block_size, plan.parallel, plan.experts)
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.groups = self._cache_groups(cfg, block_size, dtype)
+        # kv_cache_dtype = "fp8": every cache group holds float8_e4m3fn entries (scale 1.0, model.py).
+        fp8 = getattr(s, "kv_cache_dtype", "auto") == "fp8"
+        self.cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+        self.groups = self._cache_groups(cfg, block_size, self.cache_dtype)
         self._log_kernels(cfg)
         gen_eos, generation_defaults = read_generation_config(model_dir)
         eos = list(dict.fromkeys([*cfg.eos_token_ids, *gen_eos]))  # config.json first, no duplicates
@@ -203,6 +207,7 @@ class DeepseekMTPExecutor(Executor):
             max_draft_tokens=self.num_draft,
             prefill_barrier=False,
             generation_defaults=generation_defaults,
+            kv_cache_dtypes=("auto", "fp8"),
         )
 
     def _shard_plan(self, cfg: DeepseekV4Config) -> ShardPlan:
@@ -338,7 +343,7 @@ class DeepseekMTPExecutor(Executor):
             width = cfg.index_head_dim if g.name == "csa_index" else cfg.head_dim
             n_layers = layers.get(g.name, 1)
             self.model.caches[g.name] = torch.zeros(
-                (n_layers, num_blocks[g.name], bs, width), device=self.device, dtype=self.dtype
+                (n_layers, num_blocks[g.name], bs, width), device=self.device, dtype=self.cache_dtype
             )
         self.num_slots = max(1, int(getattr(self.settings, "max_num_seqs", 8)))
         self.free_slots = list(range(self.num_slots - 1, -1, -1))

@@ -38,6 +38,7 @@ from pypto_kernels import (
     sink_attention,
     topk_routing,
 )
+from pypto_kernels.attention import FP8_CACHE_MAX, quantize_cache_rows
 from pypto_kernels.compressed_attention import _put, _take
 from pypto_serving.parallel import ParallelContext, expert_parallel_moe, vocab_parallel_embedding
 
@@ -195,10 +196,27 @@ def _slots(
     return slots.clamp(0, num_slots - 1)
 
 
+def _cache_write(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``flat[slots] = rows`` in the cache dtype. An FP8 cache (``kv_cache_dtype = "fp8"``) stores them
+    over a per-tensor scale of 1.0, saturated, and moves bytes (the CPU has no FP8 indexing kernels)."""
+    if flat.dtype in FP8_CACHE_MAX:
+        flat.view(torch.uint8)[slots] = quantize_cache_rows(rows, flat.dtype, None).view(torch.uint8)
+    else:
+        flat[slots] = rows.to(flat.dtype)
+
+
+def _cache_read(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``flat[slots]``; an FP8 cache's rows come back in ``dtype`` (the model's)."""
+    if flat.dtype in FP8_CACHE_MAX:
+        return flat.view(torch.uint8)[slots].view(flat.dtype).to(dtype)
+    return flat[slots]
+
+
 def _gather_entries(
-    cache: torch.Tensor, block_tables: torch.Tensor, counts: list[int], block_size: int
+    cache: torch.Tensor, block_tables: torch.Tensor, counts: list[int], block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Entries ``0 .. counts[r] - 1`` of every request from a paged cache, padded to ``[R, max(counts), D]``.
+    """Entries ``0 .. counts[r] - 1`` of every request from a paged cache, padded to ``[R, max(counts), D]``
+    (in ``dtype`` when the cache is FP8).
 
     ``counts`` is a host list (no device read). Padded rows repeat entry 0's slot; callers mask them out.
     """
@@ -209,7 +227,7 @@ def _gather_entries(
     idx = torch.arange(n_max, device=dev)[None, :].expand(num_req, -1)
     idx = torch.where(idx < torch.tensor(counts, device=dev)[:, None], idx, 0)
     rows = torch.arange(num_req, device=dev)[:, None].expand(-1, n_max)
-    return flat[_slots(block_tables, rows, idx, block_size, flat.shape[0])]
+    return _cache_read(flat, _slots(block_tables, rows, idx, block_size, flat.shape[0]), dtype)
 
 
 class DeepseekV4Model:
@@ -402,7 +420,7 @@ class DeepseekV4Model:
             flat_swa.shape[0],
             for_write=True,
         )
-        flat_swa[write] = kv[:n_tok].to(flat_swa.dtype)
+        _cache_write(flat_swa, write, kv[:n_tok])
         index: tuple[torch.Tensor, torch.Tensor] | None = None
         if kind != SLIDING:
             self._emit_entries(p, h, seg, layer, kind)
@@ -481,7 +499,7 @@ class DeepseekV4Model:
         k_valid = kpos <= rows.last[:, None]
         req_rows = torch.arange(len(seg.pos0), device=flat_swa.device)[:, None].expand(-1, lw)
         safe = torch.where(k_valid, kpos, k0[:, None])
-        keys = flat_swa[_slots(swa_bt, req_rows, safe, self.block_size, flat_swa.shape[0])]
+        keys = _cache_read(flat_swa, _slots(swa_bt, req_rows, safe, self.block_size, flat_swa.shape[0]), self.dtype)
         diff = qpos[:, None] - kpos[rows.req]
         return keys, (diff >= 0) & (diff < window) & k_valid[rows.req]
 
@@ -501,13 +519,15 @@ class DeepseekV4Model:
         gi = self.group_index[layer]
         rate = cfg.compress_rates[kind]
         n_entries = [(p0 + n) // rate if n else 0 for p0, n in zip(seg.pos0, seg.q_lens)]
-        entries = _gather_entries(self.caches[group][gi], seg.block_tables[group], n_entries, self.block_size)
+        entries = _gather_entries(
+            self.caches[group][gi], seg.block_tables[group], n_entries, self.block_size, self.dtype
+        )
         qpos = seg.positions
         visible = torch.arange(entries.shape[1], device=qpos.device)[None, :] < ((qpos + 1) // rate)[:, None]
         if kind == CSA and entries.shape[1] > 0:
             assert index is not None
             index_keys = _gather_entries(
-                self.caches["csa_index"][gi], seg.block_tables["csa_index"], n_entries, self.block_size
+                self.caches["csa_index"][gi], seg.block_tables["csa_index"], n_entries, self.block_size, self.dtype
             )
             qsl, q_lens, key_lens = rows.qsl, seg.q_lens, n_entries
             if _row_wise(seg):
@@ -592,7 +612,7 @@ class DeepseekV4Model:
             assert e.rope is not None
             pooled = apply_interleaved_rope(pooled, *e.rope)
             flat = cache.view(-1, cache.shape[-1])
-            flat[e.cache_slots(group, seg.block_tables[group], self.block_size)] = pooled.to(flat.dtype)
+            _cache_write(flat, e.cache_slots(group, seg.block_tables[group], self.block_size), pooled)
         if plan.ring_src is not None:
             kv, gate = kv.index_select(0, plan.ring_src), gate.index_select(0, plan.ring_src)
         ring_kv.index_copy_(0, plan.ring_dst, kv.to(ring_kv.dtype))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pypto_serving import ExecutorSpec, ModelSpec, hookimpl, model_cache_dir, write_model_dir
 
+from .encoding import DeepSeekV4ChatEncoder
 from .executor import ARCHITECTURE, make_executor
 
 #: The embedded model's directory (package data; trained by tools/train_tiny.py, docs/training.md).
@@ -53,3 +54,11 @@ def pypto_serving_register_models() -> list[ModelSpec]:
             prepare=lambda: write_tiny_fp8(fp8),
         ),
     ]
+
+
+@hookimpl
+def pypto_serving_chat_encoder(architecture: str, model_dir: str) -> DeepSeekV4ChatEncoder | None:
+    # The release ships its chat format as code, not a template: a DeepSeek-V4 checkpoint without a
+    # chat template renders chats with it (the core asks only when the template is missing).
+    del model_dir
+    return DeepSeekV4ChatEncoder() if architecture == ARCHITECTURE else None

@@ -59,6 +59,7 @@ class QwenExecutor(Executor):
         self.device = K.select_device(s.device)
         self.dtype = resolve_dtype(s.dtype, cfg)
         self.graph_options = parse_graph_options(s.executor_options, self.device, s.max_num_seqs)
+        cache_dtype = self._kv_cache_dtype()  # refuses what it cannot run before weights load
         shards = self._plan_shards(cfg)
         # Seeded so that anything random during start-up, such as a kernel warm-up, is reproducible.
         torch.manual_seed(s.seed)
@@ -71,7 +72,7 @@ class QwenExecutor(Executor):
 
         gen_eos, generation_defaults = read_generation_config(s.model)
         eos = list(dict.fromkeys([*gen_eos, *cfg.eos_token_ids]))  # generation_config first, no duplicates
-        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        dtype_bytes = torch.empty((), dtype=cache_dtype).element_size()
         # This rank's memory: its KV heads only.
         bytes_per_block = 2 * cfg.num_layers * s.block_size * self._kv_heads(cfg) * cfg.head_dim * dtype_bytes
         logger.info(
@@ -92,7 +93,21 @@ class QwenExecutor(Executor):
             supports_pipelining=True,
             can_verify_drafts=True,  # any number of query rows per request, as in chunked prefill
             generation_defaults=generation_defaults,
+            kv_cache_dtypes=("auto", "fp8"),
         )
+
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """The cache's element type: the model's, or ``fp8`` where the eager paged kernels run (the
+        captured decode graphs read the cache in its own dtype)."""
+        if getattr(self.settings, "kv_cache_dtype", "auto") != "fp8":
+            return self.dtype
+        mode = self.graph_options.mode if self.graph_options is not None else "eager"
+        if mode != "eager":
+            raise ValueError(
+                f"kv_cache_dtype='fp8' is not supported with executor_options graph_mode={mode!r}: the captured "
+                "decode attention reads the cache unscaled; use graph_mode='eager' (the default on every device)"
+            )
+        return torch.float8_e4m3fn
 
     def _plan_shards(self, cfg: QwenConfig) -> QwenSharding:
         """This rank's layout; refuses a process group that does not match ``tensor_parallel_size``,
@@ -126,11 +141,11 @@ class QwenExecutor(Executor):
 
     def _log_kernels(self, cfg: QwenConfig) -> None:
         """Say which implementation runs each kind of attention layer on this device (fast path or reference)."""
-        shards = self._layout(cfg)
+        shards, cache_dtype = self._layout(cfg), self._kv_cache_dtype()
         common = {
             "dtype": self.dtype,
-            "cache_dtype": self.dtype,
-            "value_dtype": self.dtype,
+            "cache_dtype": cache_dtype,
+            "value_dtype": cache_dtype,
             "block_size": self.settings.block_size,
             "num_heads": shards.q_heads.stop - shards.q_heads.start,
             "num_kv_heads": shards.kv_heads.stop - shards.kv_heads.start,
@@ -138,6 +153,7 @@ class QwenExecutor(Executor):
             "value_head_dim": cfg.head_dim,
             "host_lengths": True,
             "contiguous_cache": True,
+            "options": ["k_scale", "v_scale"] if cache_dtype == torch.float8_e4m3fn else [],
         }
         for window in sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w):
             kind = "full attention" if window is None else f"sliding window {window}"
@@ -153,13 +169,14 @@ class QwenExecutor(Executor):
         # Graph capture adds one scratch block past the engine's blocks for the padding rows.
         blocks = num_blocks[KV_GROUP] + int(capture)
         shape = (blocks, self.settings.block_size, self._kv_heads(cfg), cfg.head_dim)
+        cache_dtype = self._kv_cache_dtype()
         # Uninitialised on purpose: zero-filling gigabytes of cache would dominate start-up, and no
         # slot is read before it is written (attention reads exactly seq_len keys of each request,
         # all written by this or an earlier step; tests fill the caches with NaN to prove it).
         self.kv_caches = [
             (
-                torch.empty(shape, device=self.device, dtype=self.dtype),
-                torch.empty(shape, device=self.device, dtype=self.dtype),
+                torch.empty(shape, device=self.device, dtype=cache_dtype),
+                torch.empty(shape, device=self.device, dtype=cache_dtype),
             )
             for _ in range(cfg.num_layers)
         ]

@@ -14,6 +14,7 @@ slices, so every rank returns the same full logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -145,7 +146,10 @@ class QwenAttention(nn.Module):
     ) -> torch.Tensor:
         key_cache, value_cache = cache
         if meta.path == "paged":
-            K.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+            # An FP8 cache (kv_cache_dtype = "fp8") holds K/V over a per-tensor scale of 1.0, as vLLM's
+            # default without calibrated scales; the kernels quantise on write and dequantise on read.
+            fp8: dict[str, Any] = {"k_scale": 1.0, "v_scale": 1.0} if key_cache.dtype == torch.float8_e4m3fn else {}
+            K.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, **fp8)
             out: torch.Tensor = K.paged_attention(
                 q,
                 key_cache,
@@ -157,6 +161,7 @@ class QwenAttention(nn.Module):
                 sliding_window=self.sliding_window,
                 query_lens_host=meta.query_lens_host,
                 seq_lens_host=meta.seq_lens_host,
+                **fp8,
             )
             return out
         # A captured decode step: ops a compiled graph calls without a break (graph.py).

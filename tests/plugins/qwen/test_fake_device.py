@@ -44,9 +44,9 @@ def fake() -> Iterator[FakeTensorMode]:
         yield mode
 
 
-def _fake_executor(path: Path, dtype: torch.dtype) -> QwenExecutor:
+def _fake_executor(path: Path, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> QwenExecutor:
     """A QwenExecutor whose model, parameters and caches are fake CUDA tensors (no weights to load)."""
-    ex = QwenExecutor(qwen_settings(path, block_size=BLOCK_SIZE))
+    ex = QwenExecutor(qwen_settings(path, block_size=BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype))
     ex.config = read_config(path)
     ex.device, ex.dtype = CUDA, dtype
     ex.model = QwenForCausalLM(ex.config, CUDA, dtype).eval()
@@ -98,6 +98,17 @@ def test_prefill_then_mixed_chunked_prefill_and_decode_on_the_device(
     with fake_cuda():
         ex = _fake_executor(path, dtype)
         assert ex.config is not None
+        for chunks in steps:
+            _execute(ex, on_device(builder.step(chunks, all_logits=False)), ex.config.vocab_size)
+
+
+def test_an_fp8_cache_is_written_and_read_on_the_device(qwen_checkpoints: Callable[[str], Path]) -> None:
+    """kv_cache_dtype = "fp8": quantising writes and dequantising reads add no host read or device mix."""
+    builder = PagedBatchBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    steps = [[("a", list(range(4, 13))), ("b", list(range(5, 11)))], [("a", [7]), ("b", list(range(20, 25)))]]
+    with fake_cuda():
+        ex = _fake_executor(qwen_checkpoints("qwen3"), torch.bfloat16, kv_cache_dtype="fp8")
+        assert ex.config is not None and ex.kv_caches[0][0].dtype == torch.float8_e4m3fn
         for chunks in steps:
             _execute(ex, on_device(builder.step(chunks, all_logits=False)), ex.config.vocab_size)
 
