@@ -14,8 +14,9 @@ from pypto_serving.parallel import ParallelContext
 
 from .capture import DecodeGraphs, GraphStats
 from .graph import GraphOptions, parse_graph_options
-from .loader import QwenConfig, load_weights, read_config, resolve_dtype
+from .loader import QwenConfig, load_weights, plan_quantization, read_config, resolve_dtype
 from .model import AttentionMetadata, KVCache, QwenForCausalLM
+from .quantized import drop_zero_offsets
 from .sharding import QwenSharding
 
 __all__ = ["KV_GROUP", "QwenExecutor"]
@@ -62,9 +63,10 @@ class QwenExecutor(Executor):
         shards = self._plan_shards(cfg)
         # Seeded so that anything random during start-up, such as a kernel warm-up, is reproducible.
         torch.manual_seed(s.seed)
-        model = QwenForCausalLM(cfg, self.device, self.dtype, shards)
+        model = QwenForCausalLM(cfg, self.device, self.dtype, shards, plan_quantization(s.model, cfg))
         targets, required = model.weight_targets()
         load_weights(s.model, targets, required, cfg.quantization)
+        drop_zero_offsets(model.quantized_weights())
         model.eval()
         self.config, self.model = cfg, model
         self._log_kernels(cfg)
