@@ -512,6 +512,9 @@ def _copy_fp8(
 
 def _report(path: Path, missing: set[str], unexpected: list[str]) -> None:
     """Refuse a checkpoint that lacks required weights (naming them); warn about unused tensors."""
+    unscaled = sorted(n.removesuffix(SCALE_SUFFIX) for n in missing if n.endswith(SCALE_SUFFIX))
+    if unscaled:
+        raise UnsupportedQuantizationError(f"fp8 weight(s) without {SCALE_SUFFIX} scales: {', '.join(unscaled[:5])}")
     if missing:
         names = sorted(missing)
         shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
