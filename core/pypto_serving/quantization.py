@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 __all__ = [
+    "QUANT_SCHEMES",
     "SCALE_SUFFIX",
     "Fp8BlockDequantizer",
-    "QUANT_SCHEMES",
     "QuantizationConfig",
     "QuantizedWeight",
     "UnsupportedQuantizationError",
+    "deq_scale_as_float",
     "dequantize_fp8_blocks",
     "read_modelslim_description",
     "read_quantization_config",
@@ -93,7 +94,15 @@ class QuantizedWeight:
 
     def nbytes(self) -> int:
         """Bytes held: the data and every scale tensor."""
-        tensors = (self.data, self.scale, self.offset, self.input_scale, self.input_offset, self.deq_scale, self.quant_bias)
+        tensors = (
+            self.data,
+            self.scale,
+            self.offset,
+            self.input_scale,
+            self.input_offset,
+            self.deq_scale,
+            self.quant_bias,
+        )
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -103,11 +112,18 @@ class QuantizedWeight:
             return dequantize_fp8_blocks(self.data, self.scale, self.block).to(dtype)
         if self.scheme == "w8a8_static":
             assert self.deq_scale is not None and self.input_scale is not None
-            deq = self.deq_scale
-            deq_f = (deq & 0xFFFFFFFF).to(torch.int32).view(torch.float32) if deq.dtype == torch.int64 else deq.float()
-            return (self.data.float() * (deq_f / self.input_scale.float()).reshape(-1, 1)).to(dtype)
+            deq = deq_scale_as_float(self.deq_scale)
+            return (self.data.float() * (deq / self.input_scale.float()).reshape(-1, 1)).to(dtype)
         centred = self.data.float() if self.offset is None else self.data.float() - self.offset.float().reshape(-1, 1)
         return (centred * self.scale.float().reshape(-1, 1)).to(dtype)
+
+
+def deq_scale_as_float(deq_scale: torch.Tensor) -> torch.Tensor:
+    """msModelSlim's ``deq_scale`` as float32: stored as float32, or (float16 models, the layout
+    Ascend's quantised matmul takes) as int64 whose low 32 bits are the float32's bits."""
+    if deq_scale.dtype == torch.int64:
+        return (deq_scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    return deq_scale.float()
 
 
 def read_modelslim_description(model_dir: str | Path) -> QuantizationConfig | None:

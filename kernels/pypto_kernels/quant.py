@@ -57,7 +57,12 @@ def dequantize_weight(weight: QuantizedLinearWeight, dtype: torch.dtype = torch.
     """The float weight ``weight`` stands for, ``[out, in]`` in ``dtype`` (a full-size copy: tests only)."""
     data = weight.data
     if weight.scheme == "fp8_block":
-        return (data.float() * spread_block_scales(weight.scale, weight.block, tuple(data.shape))).to(dtype)
+        shape = (int(data.shape[0]), int(data.shape[1]))
+        return (data.float() * spread_block_scales(weight.scale, weight.block, shape)).to(dtype)
+    if weight.scheme == "w8a8_static":  # the weight alone: deq_scale = input_scale * weight_scale
+        assert weight.deq_scale is not None and weight.input_scale is not None
+        per_row = static_deq_scale(weight.deq_scale) / weight.input_scale.float()
+        return (data.float() * per_row.reshape(-1, 1)).to(dtype)
     centred = data.float()
     if weight.offset is not None:
         centred = centred - weight.offset.float().reshape(-1, 1)
@@ -83,7 +88,8 @@ def static_deq_scale(deq_scale: torch.Tensor) -> torch.Tensor:
     """``deq_scale`` as float32: msModelSlim stores it as float32, or for float16 models as int64 whose
     low 32 bits are the float32's bits (the layout Ascend's quantised matmul takes)."""
     if deq_scale.dtype == torch.int64:
-        return (deq_scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+        bits: torch.Tensor = (deq_scale & 0xFFFFFFFF).to(torch.int32)
+        return bits.view(torch.float32)
     return deq_scale.float()
 
 

@@ -127,7 +127,9 @@ def test_cpu_int8_matches_the_reference(shape: tuple[int, int], offset: bool) ->
 # --------------------------------------------------------------------------- CUDA
 
 
-def _scaled_mm_standin(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _scaled_mm_standin(
+    a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """torch._scaled_mm's documented row-wise semantics: ``(a * scale_a) @ (b * scale_b)`` in
     ``out_dtype``, with ``a`` row-major fp8, ``b`` column-major fp8 (any leading dimension), ``scale_a`` ``[M, 1]`` and
     ``scale_b`` ``[1, N]`` float32."""

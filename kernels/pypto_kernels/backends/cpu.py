@@ -47,7 +47,9 @@ def _fp8_block(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tenso
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     xs = x.reshape(-1, x.shape[-1]).to(dtype)
     out_rows, step = weight.data.shape[0], _band_rows(weight)
-    parts = [F.linear(xs, _dequantized_band(weight, r, min(r + step, out_rows), dtype)) for r in range(0, out_rows, step)]
+    parts = [
+        F.linear(xs, _dequantized_band(weight, r, min(r + step, out_rows), dtype)) for r in range(0, out_rows, step)
+    ]
     out = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
     if bias is not None:
         out = out + bias.to(dtype)

@@ -284,7 +284,7 @@ def quant_linear_w8a8(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = 
     ``x2`` the ``[in, out]`` view of the int8 weight and ``scale`` its per-channel float32 scales."""
     xs = x.reshape(-1, x.shape[-1])
     x_q, token_scale = torch_npu.npu_dynamic_quant(xs)
-    out = torch_npu.npu_quant_matmul(
+    out: torch.Tensor = torch_npu.npu_quant_matmul(
         x_q,
         weight.data.t(),
         weight.scale.reshape(-1).float(),

@@ -16,7 +16,7 @@ from .capture import DecodeGraphs, GraphStats
 from .graph import GraphOptions, parse_graph_options
 from .loader import QwenConfig, load_weights, plan_quantization, read_config, resolve_dtype
 from .model import AttentionMetadata, KVCache, QwenForCausalLM
-from .quantized import drop_zero_offsets
+from .quantized import finish_loading
 from .sharding import QwenSharding
 
 __all__ = ["KV_GROUP", "QwenExecutor"]
@@ -66,7 +66,8 @@ class QwenExecutor(Executor):
         model = QwenForCausalLM(cfg, self.device, self.dtype, shards, plan_quantization(s.model, cfg))
         targets, required = model.weight_targets()
         load_weights(s.model, targets, required, cfg.quantization)
-        drop_zero_offsets(model.quantized_weights())
+        named = model.named_quantized_weights()
+        finish_loading([w for _, w in named], [n for n, _ in named])
         model.eval()
         self.config, self.model = cfg, model
         self._log_kernels(cfg)

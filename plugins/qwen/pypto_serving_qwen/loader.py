@@ -22,6 +22,7 @@ from pypto_serving.quantization import (
     SCALE_SUFFIX,
     QuantizationConfig,
     UnsupportedQuantizationError,
+    deq_scale_as_float,
     dequantize_fp8_blocks,
     read_modelslim_description,
     read_quantization_config,
@@ -355,12 +356,12 @@ def plan_quantization(model_dir: str | Path, config: QwenConfig) -> QuantPlan | 
         }
         return QuantPlan({n: "fp8_block" for n in fp8 if ".experts." not in n}, quant.block)
     weights = {n: s for n, s in quant.tensors.items() if n.endswith(".weight")}
-    for name, scheme in sorted(weights.items()):
-        if scheme != "w8a8_dynamic" or ".experts." in name:
-            raise CheckpointError(
-                f"quant_model_description.json: {name!r} is {scheme} ({'an expert' if '.experts.' in name else 'static'}); "
-                "the Qwen executor serves W8A8_DYNAMIC dense linears (static W8A8 and quantized experts are not read yet)"
-            )
+    experts = sorted(n for n in weights if ".experts." in n)
+    if experts:
+        raise CheckpointError(
+            f"quant_model_description.json quantizes routed experts ({experts[0]}, ...); the Qwen "
+            "executor serves W8A8 dense linears only (int8 experts are not read yet)"
+        )
     return QuantPlan(weights)
 
 
@@ -467,6 +468,7 @@ def load_weights(
                 _copy_into(view, dests, filled)
                 continue
             _check(name, shard, shape, "", dests)
+            assert quantization is not None
             _copy_fp8(name, view, scales.pop(name, None), quantization.block, dests, filled)
     if scales:
         raise UnsupportedQuantizationError(
@@ -491,6 +493,11 @@ def _copy_stored(name: str, shard: Path, view: Any, dests: list[WeightTarget], f
                 f"quantized tensor {name!r} in {shard.name} has shape {list(shape)} but expected "
                 f"{list(target.source_shape())} (for its weight's shape and block size)"
             )
+    if dtype == "I64":  # msModelSlim's float16-model deq_scale: float32 bits in an int64
+        for target in dests:
+            target.dest.copy_(deq_scale_as_float(view[target.index()]))
+            filled.update(target.fills)
+        return
     _copy_into(view, dests, filled)
 
 

@@ -106,7 +106,7 @@ class QwenAttention(nn.Module):
         qkv = self.q_size + 2 * self.kv_size
         p = f"model.layers.{layer}.self_attn"
         qkv_scheme = _scheme(plan, *(f"{p}.{n}_proj.weight" for n in "qkv"))
-        self.qkv_weight: Weight = make_weight((qkv, cfg.hidden_size), device, dtype, qkv_scheme, _block(plan))
+        self.qkv_weight: Weight = make_weight((qkv, cfg.hidden_size), device, dtype, qkv_scheme, _block(plan), 3)
         self.qkv_bias = _param((qkv,), device, dtype) if cfg.qkv_bias else None
         o_scheme = _scheme(plan, f"{p}.o_proj.weight")
         self.o_weight: Weight = make_weight((cfg.hidden_size, self.q_size), device, dtype, o_scheme, _block(plan))
@@ -121,13 +121,15 @@ class QwenAttention(nn.Module):
         cfg, q, kv, d = self.cfg, self.q_size, self.kv_size, self.cfg.head_dim
         q_rows, kv_rows = _scaled(self.shards.q_heads, d), _scaled(self.shards.kv_heads, d)
         out: dict[str, list[WeightTarget]] = {}
-        for part, rows, src, full in (
-            ("q", slice(0, q), q_rows, cfg.num_heads * d),
-            ("k", slice(q, q + kv), kv_rows, cfg.num_kv_heads * d),
-            ("v", slice(q + kv, q + 2 * kv), kv_rows, cfg.num_kv_heads * d),
+        for index, (part, rows, src, full) in enumerate(
+            (
+                ("q", slice(0, q), q_rows, cfg.num_heads * d),
+                ("k", slice(q, q + kv), kv_rows, cfg.num_kv_heads * d),
+                ("v", slice(q + kv, q + 2 * kv), kv_rows, cfg.num_kv_heads * d),
+            )
         ):
             name = f"{prefix}.{part}_proj.weight"
-            out.update(weight_targets(self.qkv_weight, name, rows, src, full))
+            out.update(weight_targets(self.qkv_weight, name, rows, src, full, index=index))
             if self.qkv_bias is not None:
                 bname = f"{prefix}.{part}_proj.bias"
                 out[bname] = [_target(self.qkv_bias.data[rows], bname, src, full)]
@@ -214,7 +216,7 @@ class QwenMLP(nn.Module):
         self.intermediate = i = _size(shards.intermediate)
         gate_up = _scheme(plan, f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight")
         down = _scheme(plan, f"{prefix}.down_proj.weight")
-        self.gate_up_weight: Weight = make_weight((2 * i, cfg.hidden_size), device, dtype, gate_up, _block(plan))
+        self.gate_up_weight: Weight = make_weight((2 * i, cfg.hidden_size), device, dtype, gate_up, _block(plan), 2)
         self.down_weight: Weight = make_weight((cfg.hidden_size, i), device, dtype, down, _block(plan))
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
@@ -222,7 +224,7 @@ class QwenMLP(nn.Module):
         gate, up, down = (f"{prefix}.{n}_proj.weight" for n in ("gate", "up", "down"))
         return {
             **weight_targets(self.gate_up_weight, gate, slice(0, i), rows, full),
-            **weight_targets(self.gate_up_weight, up, slice(i, 2 * i), rows, full),
+            **weight_targets(self.gate_up_weight, up, slice(i, 2 * i), rows, full, index=1),
             **weight_targets(self.down_weight, down, slice(None), rows, full, dim=1),
         }
 
@@ -432,12 +434,16 @@ class QwenForCausalLM(nn.Module):
 
     def quantized_weights(self) -> list[QuantizedWeight]:
         """The projections kept in their stored precision."""
-        found: list[QuantizedWeight] = []
-        for module in self.modules():
+        return [w for _, w in self.named_quantized_weights()]
+
+    def named_quantized_weights(self) -> list[tuple[str, QuantizedWeight]]:
+        """(module path and attribute, weight) of every projection kept in its stored precision."""
+        found: list[tuple[str, QuantizedWeight]] = []
+        for path, module in self.named_modules():
             for attr in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
                 value = getattr(module, attr, None)
                 if isinstance(value, QuantizedWeight):
-                    found.append(value)
+                    found.append((f"{path}.{attr}", value))
         return found
 
     def forward(

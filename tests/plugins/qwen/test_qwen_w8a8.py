@@ -55,6 +55,40 @@ def _w8a8_copy(src: Path, dest: Path, dequantized: Path | None = None) -> Path:
     return dest
 
 
+STATIC_SCALE, STATIC_OFFSET = 6.0 / 127, 2.0  # activations in about [-6.1, 5.9], in steps of 0.047
+
+
+def _static_copy(src: Path, dest: Path, *, skew_k: bool = False) -> Path:
+    """msModelSlim static W8A8: int8 weights, per-tensor ``input_scale`` / ``input_offset``
+    (bfloat16 ``[1]``), ``deq_scale = input_scale * weight_scale`` as int64 holding float32 bits (the
+    float16-model layout) and ``quant_bias = -input_offset * row sums`` (int32; the model has no
+    biases). ``skew_k`` gives k_proj another input scale than q/v."""
+    shutil.copytree(src, dest)
+    (shard,) = dest.glob("*.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    description = {"model_quant_type": "W8A8"}
+    for name, t in load_file(str(shard)).items():
+        description[name] = "FLOAT"
+        if not (name.endswith(".weight") and any(p in name for p in _QUANTIZED)):
+            out[name] = t
+            continue
+        w, prefix = t.float(), name.removesuffix(".weight")
+        w_scale = w.abs().amax(dim=1) / 127
+        q = torch.round(w / w_scale[:, None]).clamp(-127, 127).to(torch.int8)
+        in_scale = STATIC_SCALE * (2 if skew_k and "k_proj" in name else 1)
+        deq = (in_scale * w_scale).float()
+        out[name] = q
+        out[prefix + ".input_scale"] = torch.tensor([in_scale], dtype=torch.bfloat16)
+        out[prefix + ".input_offset"] = torch.tensor([STATIC_OFFSET], dtype=torch.bfloat16)
+        out[prefix + ".deq_scale"] = deq.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        out[prefix + ".quant_bias"] = (-STATIC_OFFSET * q.long().sum(dim=1)).to(torch.int32)
+        for suffix in ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias"):
+            description[f"{prefix}.{suffix}"] = "W8A8"
+    save_file(out, str(shard))
+    (dest / "quant_model_description.json").write_text(json.dumps(description))
+    return dest
+
+
 def _run(path: Path, ids: list[int], steps: int = 6) -> tuple[QwenExecutor, torch.Tensor, list[int]]:
     """Prompt logits and ``steps`` greedy tokens through the real loader and executor."""
     ex = QwenExecutor(qwen_settings(path))
@@ -103,6 +137,32 @@ def test_fp8_checkpoint_stays_fp8_and_greedy_tokens_match(
     assert torch.allclose(got, exact, rtol=1e-5, atol=1e-5) and tokens == exact_tokens
 
 
+def test_static_w8a8_checkpoint_loads_as_stored_and_stays_close(
+    tmp_path: Path, qwen_checkpoints: Callable[[str], Path]
+) -> None:
+    ref = qwen_checkpoints("qwen3")
+    ex, got, _ = _run(_static_copy(ref, tmp_path / "static"), IDS, steps=1)
+    weights = _stored(ex)
+    assert weights and all(w.scheme == "w8a8_static" and w.data.dtype == torch.int8 for w in weights)
+    first = weights[0]  # layer 0's fused q/k/v: one input scale, float32 deq_scale decoded from int64 bits
+    assert first.input_scale is not None and first.input_scale.tolist() == [pytest.approx(STATIC_SCALE, rel=1e-2)]
+    (shard,) = (tmp_path / "static").glob("*.safetensors")
+    k_deq = load_file(str(shard))["model.layers.0.self_attn.q_proj.deq_scale"].to(torch.int32).view(torch.float32)
+    assert first.deq_scale is not None and torch.equal(first.deq_scale[: k_deq.numel()], k_deq)
+    _, exact, _ = _run(ref, IDS, steps=1)
+    # Static per-tensor int8 activations (one fixed range for every token) cost more than dynamic.
+    rel = ((got - exact).norm() / exact.norm()).item()
+    assert rel < 0.1, rel
+
+
+def test_fused_static_weights_with_different_input_scales_are_refused(
+    tmp_path: Path, qwen_checkpoints: Callable[[str], Path]
+) -> None:
+    path = _static_copy(qwen_checkpoints("qwen3"), tmp_path / "skew", skew_k=True)
+    with pytest.raises(CheckpointError, match=r"qkv_weight: the weights fused here have different static W8A8 input_scales"):
+        QwenExecutor(qwen_settings(path)).load()
+
+
 def _edit(path: Path, fn: Callable[[dict[str, torch.Tensor]], None]) -> None:
     (shard,) = path.glob("*.safetensors")
     tensors = load_file(str(shard))
@@ -119,13 +179,28 @@ SCALE = "model.layers.0.self_attn.q_proj.weight_scale"
         ("w8a8", lambda t: t.pop(SCALE), CheckpointError, r"missing 1 weight\(s\): " + SCALE),
         ("w8a8", lambda t: t.__setitem__(SCALE, t[SCALE].to(torch.int32)), CheckpointError, "is I32; expected F32"),
         ("w8a8", lambda t: t.__setitem__(SCALE, t[SCALE][:-1]), CheckpointError, "has shape"),
-        ("fp8", lambda t: t.pop(SCALE + "_inv"), UnsupportedQuantizationError, "without _scale_inv scales: " + SCALE[:-6]),
-        ("fp8", lambda t: t.__setitem__(SCALE + "_inv", t[SCALE + "_inv"][:, :1].contiguous()), CheckpointError, r"expected \[4, 4\]"),
+        (
+            "fp8",
+            lambda t: t.pop(SCALE + "_inv"),
+            UnsupportedQuantizationError,
+            "without _scale_inv scales: " + SCALE[:-6],
+        ),
+        (
+            "fp8",
+            lambda t: t.__setitem__(SCALE + "_inv", t[SCALE + "_inv"][:, :1].contiguous()),
+            CheckpointError,
+            r"expected \[4, 4\]",
+        ),
         ("fp8", lambda t: t.__setitem__(SCALE + "_inv", t[SCALE + "_inv"].to(torch.int32)), CheckpointError, "is I32"),
     ],
 )
 def test_malformed_quantized_checkpoints_are_refused_by_name(
-    tmp_path: Path, qwen_checkpoints: Callable[[str], Path], fmt: str, breakage: Callable[..., object], error: type, message: str
+    tmp_path: Path,
+    qwen_checkpoints: Callable[[str], Path],
+    fmt: str,
+    breakage: Callable[..., object],
+    error: type,
+    message: str,
 ) -> None:
     src = qwen_checkpoints("qwen3")
     path = _w8a8_copy(src, tmp_path / "m") if fmt == "w8a8" else _fp8_copy(src, tmp_path / "m")
@@ -139,5 +214,8 @@ def test_unknown_modelslim_types_are_refused_by_name(tmp_path: Path, qwen_checkp
     description = json.loads((path / "quant_model_description.json").read_text())
     description["model.layers.0.self_attn.q_proj.weight"] = "W4A8_DYNAMIC"
     (path / "quant_model_description.json").write_text(json.dumps(description))
-    with pytest.raises(UnsupportedQuantizationError, match="'model.layers.0.self_attn.q_proj.weight' is quantized as 'W4A8_DYNAMIC'"):
+    with pytest.raises(
+        UnsupportedQuantizationError,
+        match=r"'model\.layers\.0\.self_attn\.q_proj\.weight' is quantized as 'W4A8_DYNAMIC'",
+    ):
         QwenExecutor(qwen_settings(path)).load()
