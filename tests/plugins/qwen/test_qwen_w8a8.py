@@ -159,7 +159,9 @@ def test_fused_static_weights_with_different_input_scales_are_refused(
     tmp_path: Path, qwen_checkpoints: Callable[[str], Path]
 ) -> None:
     path = _static_copy(qwen_checkpoints("qwen3"), tmp_path / "skew", skew_k=True)
-    with pytest.raises(CheckpointError, match=r"qkv_weight: the weights fused here have different static W8A8 input_scales"):
+    with pytest.raises(
+        CheckpointError, match=r"qkv_weight: the weights fused here have different static W8A8 input_scales"
+    ):
         QwenExecutor(qwen_settings(path)).load()
 
 
