@@ -59,6 +59,15 @@ class QwenExecutor(Executor):
         cfg = read_config(s.model)
         self.device = K.select_device(s.device)
         self.dtype = resolve_dtype(s.dtype, cfg)
+        if cfg.torch_dtype in ("bfloat16", "float16") and self.dtype == torch.float32:
+            # Only an explicit dtype setting gets here ('auto' keeps the checkpoint's dtype).
+            logger.warning(
+                "%s checkpoint loaded as float32 on %s because dtype=%r: twice its weight memory; "
+                "dtype='auto' keeps it as stored",
+                cfg.torch_dtype,
+                self.device,
+                s.dtype,
+            )
         self.graph_options = parse_graph_options(s.executor_options, self.device, s.max_num_seqs)
         shards = self._plan_shards(cfg)
         # Seeded so that anything random during start-up, such as a kernel warm-up, is reproducible.
@@ -147,6 +156,10 @@ class QwenExecutor(Executor):
             backend = K.describe_kernel("paged_attention", self.device, sliding_window=window, sinks=False, **common)
             logger.info("%s layers: paged_attention runs %s", kind, backend)
         logger.info("KV writes: write_kv_cache runs %s", K.describe_kernel("write_kv_cache", self.device))
+        assert self.model is not None
+        for scheme in sorted({w.scheme for w in self.model.quantized_weights()}):
+            backend = K.describe_kernel("quant_linear", self.device, scheme=scheme, dtype=self.dtype)
+            logger.info("%s projections (kept as stored): quant_linear runs %s", scheme, backend)
 
     def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
         cfg = self._loaded_config()
