@@ -2,6 +2,7 @@
 
 python benchmarks/quant_load.py --shape qwen3-0.6b --formats float32,bfloat16,fp8,w8a8 --dir /tmp/ql
 python benchmarks/quant_load.py --measure /tmp/ql/fp8          # one load, JSON on stdout
+python benchmarks/quant_load.py --linear                        # quant_linear per scheme, ms per call
 
 Each format's checkpoint is written from one random float model (Qwen3 names and shapes):
 ``float32`` / ``bfloat16`` as is, ``fp8`` block-FP8 (e4m3, 128x128 ``weight_scale_inv`` blocks,
@@ -210,6 +211,56 @@ def _dtype_table() -> dict[str, Any]:
 _DTYPES: dict[str, Any] = {}
 
 
+def time_linears(rows: tuple[int, ...] = (1, 64), repeats: int = 20) -> None:
+    """Milliseconds per projection of one Qwen3-0.6B layer (fused q/k/v, o, gate/up, down) on the
+    CPU: float32 / bfloat16 ``F.linear``, the FP8 and W8A8 fast paths, the reference, and
+    ``torch._weight_int8pack_mm`` (weight-only int8, bfloat16 activations) for the int8 choice."""
+    import torch
+
+    from pypto_serving.quantization import QuantizedWeight
+
+    shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+    weights = [torch.randn(s) * s[1] ** -0.5 for s in shapes]
+    fp8 = [QuantizedWeight("fp8_block", *_fp8(w), (128, 128)) for w in weights]
+    int8 = []
+    for w in weights:
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        int8.append(QuantizedWeight("w8a8_dynamic", torch.round(w / scale).to(torch.int8), scale))
+
+    def per_layer(fn: Any) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) / repeats * 1e3
+
+    print(f"torch threads {torch.get_num_threads()}; ms per layer (4 projections)")
+    for m in rows:
+        xs = {s: torch.randn(m, s[1]) for s in shapes}
+        for name, fn in _linear_cases(xs, weights, fp8, int8).items():
+            print(f"  rows {m:3}  {name:24} {per_layer(fn):8.2f} ms")
+
+
+def _linear_cases(xs: dict[Any, Any], weights: list[Any], fp8: list[Any], int8: list[Any]) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    import pypto_kernels as K
+
+    pairs = list(zip(xs.values(), weights, fp8, int8, strict=True))
+    return {
+        "float32 F.linear": lambda: [F.linear(x, w) for x, w, _, _ in pairs],
+        "bfloat16 F.linear": lambda: [F.linear(x.bfloat16(), w.bfloat16()) for x, w, _, _ in pairs],
+        "fp8 cpu bands (f32)": lambda: [K.quant_linear(x, q) for x, _, q, _ in pairs],
+        "fp8 reference": lambda: [K.quant_linear.reference(x, q) for x, _, q, _ in pairs],
+        "w8a8 cpu _int_mm": lambda: [K.quant_linear(x, q) for x, _, _, q in pairs],
+        "w8a8 reference": lambda: [K.quant_linear.reference(x, q) for x, _, _, q in pairs],
+        "int8pack_mm (bf16 act)": lambda: [
+            torch._weight_int8pack_mm(x.bfloat16(), q.data, q.scale.reshape(-1).bfloat16()) for x, _, _, q in pairs
+        ],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
@@ -217,8 +268,12 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/quant_load"))
     parser.add_argument("--measure", type=Path, help="load this checkpoint and print its numbers as JSON")
     parser.add_argument("--format", default="float32", help="the --measure checkpoint's format (for the warm-up)")
+    parser.add_argument("--linear", action="store_true", help="time quant_linear per scheme instead")
     args = parser.parse_args()
     _DTYPES.update(_dtype_table())
+    if args.linear:
+        time_linears()
+        return
     if args.measure is not None:
         print(json.dumps(measure(args.measure, args.format)))
         return

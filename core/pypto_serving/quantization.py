@@ -1,16 +1,26 @@
-"""Quantized checkpoints: reading ``quantization_config`` and dequantizing FP8 block-scaled weights.
+"""Quantized checkpoints: reading their description and the stored-precision weight type.
 
-A checkpoint's ``config.json`` may carry a ``quantization_config``. The one format read here is
-FP8 with block scales, as Qwen3-FP8 and DeepSeek's FP8 checkpoints store it::
+Formats read, each from the checkpoint's own description:
+
+- block-FP8 (Qwen3-FP8, DeepSeek-V3 style), declared in ``config.json``::
 
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
 
-Each quantized linear weight ``X.weight`` is ``float8_e4m3fn`` of shape ``[out, in]`` and comes with
-``X.weight_scale_inv``, float32 of shape ``[ceil(out / 128), ceil(in / 128)]``: the value of element
-``(i, j)`` is ``weight[i, j] * weight_scale_inv[i // 128, j // 128]`` (the name says it is the
-inverse of the scale that quantized it). Weights are dequantized at load time to the model's dtype;
-any other ``quant_method`` is refused with an error naming it, because loading its tensors as if
-they were plain floats would serve garbage.
+  Each quantized linear weight ``X.weight`` is ``float8_e4m3fn`` of shape ``[out, in]`` and comes
+  with ``X.weight_scale_inv``, float32 of shape ``[ceil(out / 128), ceil(in / 128)]``: the value of
+  element ``(i, j)`` is ``weight[i, j] * weight_scale_inv[i // 128, j // 128]`` (the name says it is
+  the inverse of the scale that quantized it).
+- Ascend W8A8 from msModelSlim, described by ``quant_model_description.json`` beside the weights
+  (tensor name -> ``W8A8_DYNAMIC``, ``W8A8`` or ``FLOAT``): int8 weights with per-channel
+  ``weight_scale`` / ``weight_offset`` (value ``(weight - offset) * scale``; activations quantised
+  per token at run time), or for static ``W8A8`` ``input_scale``, ``input_offset``, ``deq_scale``
+  and ``quant_bias`` (see :class:`QuantizedWeight`).
+
+Executors keep such weights as :class:`QuantizedWeight` (the stored bytes, never a float copy) and
+multiply by them with ``pypto_kernels.quant_linear``; :func:`dequantize_fp8_blocks` and
+:class:`Fp8BlockDequantizer` dequantise at load for weights an executor does not keep quantized.
+Any other ``quant_method`` or msModelSlim type is refused with an error naming it, because loading
+its tensors as if they were plain floats would serve garbage.
 """
 
 from __future__ import annotations
