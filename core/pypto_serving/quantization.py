@@ -103,7 +103,7 @@ class QuantizedWeight:
         return (int(self.data.shape[0]), int(self.data.shape[1]))
 
     def nbytes(self) -> int:
-        """Bytes held: the data and every scale tensor."""
+        """Bytes held: the data and every scale tensor (``scale`` and ``deq_scale`` may be one tensor)."""
         tensors = (
             self.data,
             self.scale,
@@ -113,7 +113,8 @@ class QuantizedWeight:
             self.deq_scale,
             self.quant_bias,
         )
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        unique = {id(t): t for t in tensors if t is not None}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight (a full-size copy: for tests and references, never the serving path).

@@ -221,3 +221,27 @@ def test_npu_w8a8_glue_matches_the_reference(monkeypatch: pytest.MonkeyPatch) ->
     assert calls[:2] == ["npu_dynamic_quant", "npu_quant_matmul"]
     assert not npu.supports_quant_linear(x, _int8((5, 3), offset=True))  # asymmetric: reference
     assert "scheme" in (npu.explain_quant_linear(scheme="fp8_block") or "")
+
+
+def test_quantized_weight_dequantize_follows_each_scheme() -> None:
+    """The core type's reference dequantisation against each scheme's element-wise definition."""
+    fp8, _ = _fp8((37, 50))
+    i, j = 20, 33
+    assert fp8.dequantize()[i, j].item() == (fp8.data[i, j].float() * fp8.scale[i // 16, j // 16]).item()
+    dyn = _int8((6, 9), offset=True)
+    assert dyn.offset is not None
+    want = (dyn.data.float() - dyn.offset) * dyn.scale
+    assert torch.equal(dyn.dequantize(), want) and torch.equal(pypto_kernels.dequantize_weight(dyn), want)
+    assert dyn.nbytes() == 6 * 9 + 2 * 6 * 4
+    deq = torch.full((6,), 0.5)
+    static = QuantizedWeight(
+        "w8a8_static",
+        dyn.data,
+        deq,
+        input_scale=torch.tensor([0.25]),
+        input_offset=torch.tensor([0.0]),
+        deq_scale=deq,
+        quant_bias=torch.zeros(6, dtype=torch.int32),
+    )
+    assert torch.equal(static.dequantize(), dyn.data.float() * 2)  # deq_scale / input_scale = weight scale
+    assert static.nbytes() == 6 * 9 + 6 * 4 + 4 + 4 + 6 * 4  # deq_scale counted once
