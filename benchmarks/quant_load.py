@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -50,7 +49,7 @@ def _rss() -> dict[str, int]:
     out: dict[str, int] = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
             out[key] = int(value.split()[0]) * 1024
     return out
 
@@ -190,9 +189,11 @@ def measure(path: Path, fmt: str) -> dict[str, Any]:
         "checkpoint_bytes": checkpoint,
         "held_bytes": held,
         "resident_bytes": after["VmRSS"] - before["VmRSS"],
-        "resident_by_kind": {k: after[k] - before.get(k, 0) for k in after},
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "peak_over_before_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before["VmRSS"],
+        "resident_by_kind": {k: after[k] - before.get(k, 0) for k in after if k != "VmHWM"},
+        # VmHWM (this process's peak RSS; unlike ru_maxrss it does not inherit the parent's peak
+        # across fork + exec). Includes the checkpoint's file pages while they are mapped.
+        "peak_rss_bytes": after["VmHWM"],
+        "peak_over_before_bytes": after["VmHWM"] - before["VmRSS"],
         "rss_before_bytes": before["VmRSS"],
         "load_seconds": round(seconds, 3),
         "dtype": str(ex.dtype),

@@ -60,8 +60,9 @@ class QwenExecutor(Executor):
         self.device = K.select_device(s.device)
         self.dtype = resolve_dtype(s.dtype, cfg)
         if cfg.torch_dtype in ("bfloat16", "float16") and self.dtype == torch.float32:
-            # Only an explicit dtype setting gets here ('auto' keeps the checkpoint's dtype).
-            logger.warning(
+            # Only an explicit dtype setting gets here ('auto' keeps the checkpoint's dtype): the
+            # user's choice, so said at info level (the CLI keeps stderr to errors).
+            logger.info(
                 "%s checkpoint loaded as float32 on %s because dtype=%r: twice its weight memory; "
                 "dtype='auto' keeps it as stored",
                 cfg.torch_dtype,
