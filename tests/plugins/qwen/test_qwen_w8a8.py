@@ -221,3 +221,15 @@ def test_unknown_modelslim_types_are_refused_by_name(tmp_path: Path, qwen_checkp
         match=r"'model\.layers\.0\.self_attn\.q_proj\.weight' is quantized as 'W4A8_DYNAMIC'",
     ):
         QwenExecutor(qwen_settings(path)).load()
+
+
+def test_load_logs_which_kernel_runs_the_stored_projections(
+    tmp_path: Path, qwen_checkpoints: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="pypto_serving_qwen.executor")
+    QwenExecutor(qwen_settings(_w8a8_copy(qwen_checkpoints("qwen3"), tmp_path / "w8a8"))).load()
+    lines = [r.getMessage() for r in caplog.records]
+    assert (
+        "w8a8_dynamic projections (kept as stored): quant_linear runs cpu: fp8 band-wise dequantising matmul / int8 _int_mm"
+        in lines
+    )
