@@ -58,7 +58,7 @@ class QwenExecutor(Executor):
         s = self.settings
         cfg = read_config(s.model)
         self.device = K.select_device(s.device)
-        self.dtype = resolve_dtype(s.dtype, cfg)
+        self.dtype = resolve_dtype(s.dtype, cfg, s.model)
         if cfg.torch_dtype in ("bfloat16", "float16") and self.dtype == torch.float32:
             # Only an explicit dtype setting gets here ('auto' keeps the checkpoint's dtype): the
             # user's choice, so said at info level (the CLI keeps stderr to errors).

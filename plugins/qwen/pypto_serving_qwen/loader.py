@@ -272,9 +272,13 @@ def _read_quantization(raw: dict[str, Any], path: Path) -> QuantizationConfig | 
     return declared if declared is not None else modelslim
 
 
-def resolve_dtype(setting: str, config: QwenConfig) -> torch.dtype:
-    """``settings.dtype``; 'auto' follows the checkpoint's torch_dtype (float32 when it names none)."""
+def resolve_dtype(setting: str, config: QwenConfig, model_dir: str | Path | None = None) -> torch.dtype:
+    """``settings.dtype``; 'auto' follows the checkpoint's torch_dtype, else (config.json names
+    none) the one 16-bit dtype its float tensors are stored in (read from ``model_dir``'s
+    safetensors headers, so a bfloat16 checkpoint is not silently doubled to float32), else float32."""
     name = config.torch_dtype if setting == "auto" else setting
+    if name is None and model_dir is not None:
+        name = _stored_float_dtype(_model_dir(model_dir))
     if name is None:
         return torch.float32
     if name not in _DTYPES:
@@ -283,6 +287,21 @@ def resolve_dtype(setting: str, config: QwenConfig) -> torch.dtype:
             "float32, bfloat16, float16 via the dtype setting"
         )
     return _DTYPES[name]
+
+
+def _stored_float_dtype(model_dir: Path) -> str | None:
+    """``bfloat16`` / ``float16`` when every floating-point tensor of the checkpoint is stored so."""
+    names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+    found: set[str] = set()
+    try:
+        shards = _shard_files(model_dir)
+    except CheckpointError:
+        return None  # load_weights names what is missing
+    for name, _, handle in _iter_tensors(shards):
+        dtype = handle.get_slice(name).get_dtype()
+        if dtype in names and not name.endswith(("_scale_inv", "_scale", "_offset")):
+            found.add(names[dtype])
+    return found.pop() if len(found) == 1 and found <= {"bfloat16", "float16"} else None
 
 
 # --------------------------------------------------------------------------- weights

@@ -232,3 +232,20 @@ def test_load_logs_which_kernel_runs_the_stored_projections(
     from pypto_kernels.backends.cpu import QUANT_LINEAR_LABEL
 
     assert f"w8a8_dynamic projections (kept as stored): quant_linear runs {QUANT_LINEAR_LABEL}" in lines
+
+
+def test_a_16_bit_checkpoint_without_torch_dtype_loads_as_stored(
+    tmp_path: Path, qwen_checkpoints: Callable[[str], Path]
+) -> None:
+    """dtype='auto' with no torch_dtype in config.json follows the stored tensors, not float32."""
+    path = tmp_path / "bf16"
+    shutil.copytree(qwen_checkpoints("qwen3"), path)
+    _edit(path, lambda t: t.update({n: v.bfloat16() for n, v in t.items()}))
+    cfg = json.loads((path / "config.json").read_text())
+    for key in ("torch_dtype", "dtype"):
+        cfg.pop(key, None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    ex = QwenExecutor(qwen_settings(path, dtype="auto"))
+    ex.load()
+    assert ex.dtype == torch.bfloat16
+    assert ex.model is not None and {p.dtype for p in ex.model.parameters()} == {torch.bfloat16}
