@@ -1,31 +1,47 @@
-"""Quantized checkpoints: reading ``quantization_config`` and dequantizing FP8 block-scaled weights.
+"""Quantized checkpoints: reading their description and the stored-precision weight type.
 
-A checkpoint's ``config.json`` may carry a ``quantization_config``. The one format read here is
-FP8 with block scales, as Qwen3-FP8 and DeepSeek's FP8 checkpoints store it::
+Formats read, each from the checkpoint's own description:
+
+- block-FP8 (Qwen3-FP8, DeepSeek-V3 style), declared in ``config.json``::
 
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
 
-Each quantized linear weight ``X.weight`` is ``float8_e4m3fn`` of shape ``[out, in]`` and comes with
-``X.weight_scale_inv``, float32 of shape ``[ceil(out / 128), ceil(in / 128)]``: the value of element
-``(i, j)`` is ``weight[i, j] * weight_scale_inv[i // 128, j // 128]`` (the name says it is the
-inverse of the scale that quantized it). Weights are dequantized at load time to the model's dtype;
-any other ``quant_method`` is refused with an error naming it, because loading its tensors as if
-they were plain floats would serve garbage.
+  Each quantized linear weight ``X.weight`` is ``float8_e4m3fn`` of shape ``[out, in]`` and comes
+  with ``X.weight_scale_inv``, float32 of shape ``[ceil(out / 128), ceil(in / 128)]``: the value of
+  element ``(i, j)`` is ``weight[i, j] * weight_scale_inv[i // 128, j // 128]`` (the name says it is
+  the inverse of the scale that quantized it).
+- Ascend W8A8 from msModelSlim, described by ``quant_model_description.json`` beside the weights
+  (tensor name -> ``W8A8_DYNAMIC``, ``W8A8`` or ``FLOAT``): int8 weights with per-channel
+  ``weight_scale`` / ``weight_offset`` (value ``(weight - offset) * scale``; activations quantised
+  per token at run time), or for static ``W8A8`` ``input_scale``, ``input_offset``, ``deq_scale``
+  and ``quant_bias`` (see :class:`QuantizedWeight`).
+
+Executors keep such weights as :class:`QuantizedWeight` (the stored bytes, never a float copy) and
+multiply by them with ``pypto_kernels.quant_linear``; :func:`dequantize_fp8_blocks` and
+:class:`Fp8BlockDequantizer` dequantise at load for weights an executor does not keep quantized.
+Any other ``quant_method`` or msModelSlim type is refused with an error naming it, because loading
+its tensors as if they were plain floats would serve garbage.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 __all__ = [
+    "QUANT_SCHEMES",
     "SCALE_SUFFIX",
     "Fp8BlockDequantizer",
     "QuantizationConfig",
+    "QuantizedWeight",
     "UnsupportedQuantizationError",
+    "deq_scale_as_float",
     "dequantize_fp8_blocks",
+    "read_modelslim_description",
     "read_quantization_config",
 ]
 
@@ -41,11 +57,111 @@ class UnsupportedQuantizationError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class QuantizationConfig:
-    """A supported ``quantization_config``: FP8 weights with ``block`` = (rows, columns) scales."""
+    """A supported quantisation: ``method="fp8"`` (FP8 weights with ``block`` = (rows, columns)
+    scales) or ``method="w8a8"`` (msModelSlim; ``tensors`` maps each tensor name to its type from
+    ``quant_model_description.json``: ``W8A8_DYNAMIC``, ``W8A8`` or ``FLOAT``)."""
 
     method: str
     block: tuple[int, int]
     fmt: str = "e4m3"
+    tensors: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+
+#: Storage schemes of :class:`QuantizedWeight` (what ``pypto_kernels.quant_linear`` computes for each).
+QUANT_SCHEMES = ("fp8_block", "w8a8_dynamic", "w8a8_static")
+
+MODELSLIM_DESCRIPTION = "quant_model_description.json"
+_MODELSLIM_TYPES = {"W8A8_DYNAMIC": "w8a8_dynamic", "W8A8": "w8a8_static", "FLOAT": None}
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    """A linear weight kept in its stored precision; ``pypto_kernels.quant_linear`` multiplies by it.
+
+    - ``fp8_block``: ``data`` float8 ``[out, in]``; ``scale`` float32 ``[ceil(out/br), ceil(in/bc)]``
+      for ``block=(br, bc)``; value ``data[i, j] * scale[i // br, j // bc]``.
+    - ``w8a8_dynamic``: ``data`` int8 ``[out, in]``; ``scale`` float32 ``[out, 1]``; ``offset`` (or
+      None when symmetric) ``[out, 1]``; value ``(data - offset) * scale``; activations are
+      quantised per token at run time.
+    - ``w8a8_static``: ``data`` int8 and msModelSlim's ``input_scale``/``input_offset`` (``[1]``),
+      ``deq_scale`` (``[out]``, float32 or int64 holding float32 bits) and ``quant_bias`` (int32
+      ``[out]``): ``y = (round(x / input_scale + input_offset) @ data.T + quant_bias) * deq_scale``.
+    """
+
+    scheme: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int] = (1, 1)
+    offset: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+    input_offset: torch.Tensor | None = None
+    deq_scale: torch.Tensor | None = None
+    quant_bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.data.shape[0]), int(self.data.shape[1]))
+
+    def nbytes(self) -> int:
+        """Bytes held: the data and every scale tensor (``scale`` and ``deq_scale`` may be one tensor)."""
+        tensors = (
+            self.data,
+            self.scale,
+            self.offset,
+            self.input_scale,
+            self.input_offset,
+            self.deq_scale,
+            self.quant_bias,
+        )
+        unique = {id(t): t for t in tensors if t is not None}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight (a full-size copy: for tests and references, never the serving path).
+        For ``w8a8_static`` the weight alone is ``data * deq_scale / input_scale``."""
+        if self.scheme == "fp8_block":
+            return dequantize_fp8_blocks(self.data, self.scale, self.block).to(dtype)
+        if self.scheme == "w8a8_static":
+            assert self.deq_scale is not None and self.input_scale is not None
+            deq = deq_scale_as_float(self.deq_scale)
+            return (self.data.float() * (deq / self.input_scale.float()).reshape(-1, 1)).to(dtype)
+        centred = self.data.float() if self.offset is None else self.data.float() - self.offset.float().reshape(-1, 1)
+        return (centred * self.scale.float().reshape(-1, 1)).to(dtype)
+
+
+def deq_scale_as_float(deq_scale: torch.Tensor) -> torch.Tensor:
+    """msModelSlim's ``deq_scale`` as float32: stored as float32, or (float16 models, the layout
+    Ascend's quantised matmul takes) as int64 whose low 32 bits are the float32's bits."""
+    if deq_scale.dtype == torch.int64:
+        return (deq_scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    return deq_scale.float()
+
+
+def read_modelslim_description(model_dir: str | Path) -> QuantizationConfig | None:
+    """msModelSlim's ``quant_model_description.json`` as a ``w8a8`` config, or None without one.
+
+    :raises UnsupportedQuantizationError: a tensor type other than ``W8A8_DYNAMIC``, ``W8A8`` or
+        ``FLOAT`` (e.g. ``W8A16``, ``W4A8_DYNAMIC``, ``W8A8S``), naming the tensor and the type.
+    """
+    path = Path(model_dir) / MODELSLIM_DESCRIPTION
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict):
+        raise UnsupportedQuantizationError(f"{path}: must hold a JSON object of tensor name -> quantization type")
+    tensors: dict[str, str] = {}
+    for name, kind in raw.items():
+        if name in ("model_quant_type", "kv_cache_type", "version") or not isinstance(kind, str):
+            continue
+        if kind not in _MODELSLIM_TYPES:
+            raise UnsupportedQuantizationError(
+                f"{path}: tensor {name!r} is quantized as {kind!r}, which is not supported; "
+                f"supported: {', '.join(_MODELSLIM_TYPES)}"
+            )
+        scheme = _MODELSLIM_TYPES[kind]
+        if scheme is not None:
+            tensors[name] = scheme
+    return QuantizationConfig(method="w8a8", block=(1, 1), fmt="int8", tensors=tensors)
 
 
 def read_quantization_config(config: dict[str, Any], where: str = "config.json") -> QuantizationConfig | None:

@@ -21,6 +21,7 @@ from .device import npu_available, select_device
 from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
 from .norm import add_rms_norm, rms_norm
+from .quant import QuantizedLinearWeight, dequantize_weight, quant_linear, quantize_per_token
 from .registry import (
     KERNEL_NAMES,
     available_kernels,
@@ -37,12 +38,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KERNEL_NAMES",
+    "QuantizedLinearWeight",
     "__version__",
     "add_rms_norm",
     "apply_interleaved_rope",
     "apply_rope",
     "available_kernels",
     "compressor_pool",
+    "dequantize_weight",
     "describe_kernel",
     "dispatch",
     "get_kernel",
@@ -56,6 +59,8 @@ __all__ = [
     "moe_experts",
     "npu_available",
     "paged_attention",
+    "quant_linear",
+    "quantize_per_token",
     "reference_kernel",
     "register_kernel",
     "rms_norm",

@@ -51,11 +51,16 @@ KERNEL_NAMES: frozenset[str] = frozenset(
         "compressor_pool",
         "indexer_topk",
         "sink_attention",
+        "quant_linear",
     }
 )
 
 #: Device types that may carry fast paths.
-BACKENDS: frozenset[str] = frozenset({"npu", "cuda"})
+BACKENDS: frozenset[str] = frozenset({"npu", "cuda", "cpu"})
+
+#: Kernels whose CPU calls look up a fast path; every other kernel runs its reference on the CPU
+#: directly, so the CPU decode loop pays no registry lookup per call.
+CPU_FAST_KERNELS: frozenset[str] = frozenset({"quant_linear"})
 
 
 @dataclass(frozen=True)
@@ -266,7 +271,7 @@ def dispatch(name: str) -> Callable[[F], F]:
         @functools.wraps(ref)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             device = _first_tensor_device(args, kwargs)
-            if device is None or device.type == "cpu":
+            if device is None or (device.type == "cpu" and name not in CPU_FAST_KERNELS):
                 return ref(*args, **kwargs)
             return get_kernel(name, device)(*args, **kwargs)
 

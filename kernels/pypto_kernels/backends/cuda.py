@@ -219,3 +219,79 @@ def register(add: Callable[..., None]) -> None:
         label=WRITE_KV_CACHE_LABEL,
         explain=explain_write_kv_cache,
     )
+    add(
+        "quant_linear",
+        "cuda",
+        quant_linear_fp8,
+        supports_quant_linear,
+        label=QUANT_LINEAR_LABEL,
+        explain=explain_quant_linear,
+    )
+
+
+# --------------------------------------------------------------------------- FP8 block-scaled linears
+
+QUANT_LINEAR_LABEL = "cuda: torch._scaled_mm per 128-column block (row-wise scales)"
+#: FP8 tensor cores: Ada (8.9) and Hopper (9.0) or newer.
+_FP8_CAPABILITY = (8, 9)
+_E4M3_MAX = 448.0
+
+
+def _fp8_capable(device: torch.device | str | None) -> bool:
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda":
+        return False
+    try:
+        return torch.cuda.get_device_capability(dev) >= _FP8_CAPABILITY
+    except Exception:  # no driver (a fake device in tests): nothing is known, so decline
+        return False
+
+
+def explain_quant_linear(**features: Any) -> str | None:
+    """Why an FP8 ``quant_linear`` call runs the reference (None: it runs ``_scaled_mm``)."""
+    if features.get("scheme", "fp8_block") != "fp8_block":
+        return f"scheme {features.get('scheme')!r} has no CUDA fast path (dequantised per call)"
+    if features.get("weight_dtype", torch.float8_e4m3fn) != torch.float8_e4m3fn:
+        return "needs float8_e4m3fn weights"
+    if not _fp8_capable(features.get("device")):
+        return f"needs FP8 tensor cores (compute capability >= {_FP8_CAPABILITY[0]}.{_FP8_CAPABILITY[1]})"
+    out, inp = features.get("shape", (16, 16))
+    block_cols = features.get("block", (128, 128))[1]
+    if out % 16 or inp % block_cols or block_cols % 16:
+        return f"needs out features a multiple of 16 and in features a multiple of the {block_cols}-column block"
+    return None
+
+
+def supports_quant_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> bool:
+    features = {
+        "scheme": weight.scheme,
+        "weight_dtype": weight.data.dtype,
+        "device": weight.data.device,
+        "shape": tuple(weight.data.shape),
+        "block": weight.block,
+    }
+    return explain_quant_linear(**features) is None
+
+
+def quant_linear_fp8(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 ``x @ W.T`` without dequantising ``W``: per block of ``bc`` input columns, the activations
+    are quantised to e4m3 per token (DeepSeek's and Qwen3-FP8's dynamic 1 x 128 activation scheme)
+    and ``torch._scaled_mm`` multiplies them by that column block of the weight with row-wise scales
+    (per token for ``x``, per output row for ``W``: the block scale of the row's block); the partial
+    products add up in float32. Everything stays on the device: no host reads."""
+    br, bc = weight.block
+    xs = x.reshape(-1, x.shape[-1])
+    out_rows = weight.data.shape[0]
+    # [in / bc, out]: row kb holds each output row's scale for column block kb, contiguous.
+    row_scales = weight.scale.float().t().repeat_interleave(br, 1)[:, :out_rows]
+    acc = torch.zeros(xs.shape[0], out_rows, dtype=torch.float32, device=x.device)
+    for kb in range(weight.data.shape[1] // bc):
+        a = xs[:, kb * bc : (kb + 1) * bc].float()
+        a_scale = (a.abs().amax(dim=-1, keepdim=True) / _E4M3_MAX).clamp_min(1e-12)
+        a_q = (a / a_scale).to(torch.float8_e4m3fn)
+        b = weight.data[:, kb * bc : (kb + 1) * bc].t()  # column-major view, as _scaled_mm wants
+        b_scale = row_scales[kb : kb + 1]
+        acc += torch._scaled_mm(a_q, b, scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16).float()
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.reshape(*x.shape[:-1], out_rows).to(x.dtype)

@@ -241,3 +241,57 @@ def register(add: Callable[..., None]) -> None:
         label=WRITE_KV_CACHE_LABEL,
         explain=explain_write_kv_cache,
     )
+    add(
+        "quant_linear",
+        "npu",
+        quant_linear_w8a8,
+        supports_quant_linear,
+        label=QUANT_LINEAR_LABEL,
+        explain=explain_quant_linear,
+    )
+
+
+# --------------------------------------------------------------------------- W8A8 linears
+
+QUANT_LINEAR_LABEL = "npu: npu_dynamic_quant + npu_quant_matmul (W8A8 per-token)"
+
+
+def explain_quant_linear(**features: Any) -> str | None:
+    """Why a ``quant_linear`` call runs the reference on the NPU (None: the W8A8 path runs).
+
+    ``npu_quant_matmul``'s ``offset`` applies to int8 outputs only, so weights with a non-zero
+    offset (asymmetric) decline; the loader drops all-zero offsets (msModelSlim writes them for
+    symmetric weights). Static W8A8 and FP8 run the reference.
+    """
+    if features.get("scheme") != "w8a8_dynamic":
+        return f"scheme {features.get('scheme')!r} has no NPU fast path"
+    if features.get("offset"):
+        return "asymmetric weights (weight_offset) are not supported by npu_quant_matmul's float output"
+    if features.get("dtype", torch.bfloat16) not in _NPU_DTYPES:
+        return "needs float16 or bfloat16 activations"
+    return None
+
+
+def supports_quant_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> bool:
+    features = {"scheme": weight.scheme, "offset": weight.offset is not None, "dtype": x.dtype}
+    return explain_quant_linear(**features) is None
+
+
+def quant_linear_w8a8(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dynamic W8A8 as vllm-ascend runs it: ``npu_dynamic_quant`` quantises each token to int8 with
+    scale ``absmax / 127`` (returned as float32 ``[tokens]``), and ``npu_quant_matmul(x1, x2, scale,
+    pertoken_scale=..., output_dtype=...)`` computes ``(x1 @ x2) * scale * pertoken_scale`` with
+    ``x2`` the ``[in, out]`` view of the int8 weight and ``scale`` its per-channel float32 scales."""
+    xs = x.reshape(-1, x.shape[-1])
+    x_q, token_scale = torch_npu.npu_dynamic_quant(xs)
+    out: torch.Tensor = torch_npu.npu_quant_matmul(
+        x_q,
+        weight.data.t(),
+        weight.scale.reshape(-1).float(),
+        pertoken_scale=token_scale.reshape(-1),
+        bias=None,
+        output_dtype=x.dtype,
+    )
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.reshape(*x.shape[:-1], -1)

@@ -14,8 +14,9 @@ from pypto_serving.parallel import ParallelContext
 
 from .capture import DecodeGraphs, GraphStats
 from .graph import GraphOptions, parse_graph_options
-from .loader import QwenConfig, load_weights, read_config, resolve_dtype
+from .loader import QwenConfig, load_weights, plan_quantization, read_config, resolve_dtype
 from .model import AttentionMetadata, KVCache, QwenForCausalLM
+from .quantized import finish_loading
 from .sharding import QwenSharding
 
 __all__ = ["KV_GROUP", "QwenExecutor"]
@@ -57,15 +58,27 @@ class QwenExecutor(Executor):
         s = self.settings
         cfg = read_config(s.model)
         self.device = K.select_device(s.device)
-        self.dtype = resolve_dtype(s.dtype, cfg)
+        self.dtype = resolve_dtype(s.dtype, cfg, s.model)
+        if cfg.torch_dtype in ("bfloat16", "float16") and self.dtype == torch.float32:
+            # Only an explicit dtype setting gets here ('auto' keeps the checkpoint's dtype): the
+            # user's choice, so said at info level (the CLI keeps stderr to errors).
+            logger.info(
+                "%s checkpoint loaded as float32 on %s because dtype=%r: twice its weight memory; "
+                "dtype='auto' keeps it as stored",
+                cfg.torch_dtype,
+                self.device,
+                s.dtype,
+            )
         self.graph_options = parse_graph_options(s.executor_options, self.device, s.max_num_seqs)
         cache_dtype = self._kv_cache_dtype()  # refuses what it cannot run before weights load
         shards = self._plan_shards(cfg)
         # Seeded so that anything random during start-up, such as a kernel warm-up, is reproducible.
         torch.manual_seed(s.seed)
-        model = QwenForCausalLM(cfg, self.device, self.dtype, shards)
+        model = QwenForCausalLM(cfg, self.device, self.dtype, shards, plan_quantization(s.model, cfg))
         targets, required = model.weight_targets()
         load_weights(s.model, targets, required, cfg.quantization)
+        named = model.named_quantized_weights()
+        finish_loading([w for _, w in named], [n for n, _ in named])
         model.eval()
         self.config, self.model = cfg, model
         self._log_kernels(cfg)
@@ -160,6 +173,10 @@ class QwenExecutor(Executor):
             backend = K.describe_kernel("paged_attention", self.device, sliding_window=window, sinks=False, **common)
             logger.info("%s layers: paged_attention runs %s", kind, backend)
         logger.info("KV writes: write_kv_cache runs %s", K.describe_kernel("write_kv_cache", self.device))
+        stored = self.model.quantized_weights() if self.model is not None else []
+        for scheme in sorted({w.scheme for w in stored}):
+            backend = K.describe_kernel("quant_linear", self.device, scheme=scheme, dtype=self.dtype)
+            logger.info("%s projections (kept as stored): quant_linear runs %s", scheme, backend)
 
     def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
         cfg = self._loaded_config()

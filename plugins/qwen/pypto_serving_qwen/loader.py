@@ -22,16 +22,20 @@ from pypto_serving.quantization import (
     SCALE_SUFFIX,
     QuantizationConfig,
     UnsupportedQuantizationError,
+    deq_scale_as_float,
     dequantize_fp8_blocks,
+    read_modelslim_description,
     read_quantization_config,
 )
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "CheckpointError",
+    "QuantPlan",
     "QwenConfig",
     "WeightTarget",
     "load_weights",
+    "plan_quantization",
     "read_config",
     "resolve_dtype",
 ]
@@ -53,6 +57,18 @@ _DTYPES: dict[str, torch.dtype] = {
 
 # safetensors' names of the FP8 dtypes, for the error refusing them without a quantization_config.
 _TORCH_DTYPE_NAMES = {"F8_E4M3": "torch.float8_e4m3fn", "F8_E5M2": "torch.float8_e5m2"}
+# safetensors' dtype names of the tensors a stored-precision target takes (``WeightTarget.stored``).
+_SAFETENSORS_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+}
+_INTEGER_NAMES = {"I8": "torch.int8", "U8": "torch.uint8", "I32": "torch.int32", "I64": "torch.int64"}
 
 # Checkpoint entries that are derived state, not weights (older exports saved RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -239,14 +255,30 @@ def read_config(model: str | Path) -> QwenConfig:
         mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
         torch_dtype=str(torch_dtype).removeprefix("torch.") if torch_dtype else None,
         eos_token_ids=tuple(_eos_list(raw.get("eos_token_id"))),
-        quantization=read_quantization_config(raw, str(path)),
+        quantization=_read_quantization(raw, path),
         raw=raw,
     )
 
 
-def resolve_dtype(setting: str, config: QwenConfig) -> torch.dtype:
-    """``settings.dtype``; 'auto' follows the checkpoint's torch_dtype (float32 when it names none)."""
+def _read_quantization(raw: dict[str, Any], path: Path) -> QuantizationConfig | None:
+    """config.json's quantization_config, or msModelSlim's description beside it (never both)."""
+    declared = read_quantization_config(raw, str(path))
+    modelslim = read_modelslim_description(path.parent)
+    if declared is not None and modelslim is not None:
+        raise UnsupportedQuantizationError(
+            f"{path.parent}: both config.json quantization_config ({declared.method}) and "
+            "quant_model_description.json are present; the checkpoint must describe one quantization"
+        )
+    return declared if declared is not None else modelslim
+
+
+def resolve_dtype(setting: str, config: QwenConfig, model_dir: str | Path | None = None) -> torch.dtype:
+    """``settings.dtype``; 'auto' follows the checkpoint's torch_dtype, else (config.json names
+    none) the one 16-bit dtype its float tensors are stored in (read from ``model_dir``'s
+    safetensors headers, so a bfloat16 checkpoint is not silently doubled to float32), else float32."""
     name = config.torch_dtype if setting == "auto" else setting
+    if name is None and model_dir is not None:
+        name = _stored_float_dtype(_model_dir(model_dir))
     if name is None:
         return torch.float32
     if name not in _DTYPES:
@@ -255,6 +287,21 @@ def resolve_dtype(setting: str, config: QwenConfig) -> torch.dtype:
             "float32, bfloat16, float16 via the dtype setting"
         )
     return _DTYPES[name]
+
+
+def _stored_float_dtype(model_dir: Path) -> str | None:
+    """``bfloat16`` / ``float16`` when every floating-point tensor of the checkpoint is stored so."""
+    names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+    found: set[str] = set()
+    try:
+        shards = _shard_files(model_dir)
+    except CheckpointError:
+        return None  # load_weights names what is missing
+    for name, _, handle in _iter_tensors(shards):
+        dtype = handle.get_slice(name).get_dtype()
+        if dtype in names and not name.endswith(("_scale_inv", "_scale", "_offset")):
+            found.add(names[dtype])
+    return found.pop() if len(found) == 1 and found <= {"bfloat16", "float16"} else None
 
 
 # --------------------------------------------------------------------------- weights
@@ -275,6 +322,9 @@ class WeightTarget:
     part: slice | None = None
     dim: int = 0
     full: int = 0
+    # Quantized data and scales: the safetensors dtypes accepted (copied without casting the value
+    # domain; anything else is refused, naming the tensor). None: a float target (cast on copy).
+    stored: tuple[str, ...] | None = None
 
     def source_shape(self) -> tuple[int, ...]:
         """The checkpoint tensor's shape this target expects."""
@@ -288,6 +338,50 @@ class WeightTarget:
         if self.part is None:
             return (slice(None),)
         return (slice(None),) * self.dim + (self.part,)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantPlan:
+    """Which linear weights stay in their stored precision: checkpoint weight name -> scheme
+    (``fp8_block`` or ``w8a8_dynamic``, see :class:`pypto_serving.quantization.QuantizedWeight`)."""
+
+    schemes: dict[str, str]
+    block: tuple[int, int] = (1, 1)
+
+    def scheme(self, *names: str) -> str | None:
+        """The one scheme of weights fused into one matrix; refuses a mix, naming the weights."""
+        found = {self.schemes.get(n) for n in names}
+        if len(found) > 1:
+            detail = ", ".join(f"{n}: {self.schemes.get(n) or 'float'}" for n in names)
+            raise CheckpointError(f"weights fused into one matrix are quantized differently ({detail})")
+        return found.pop()
+
+
+def plan_quantization(model_dir: str | Path, config: QwenConfig) -> QuantPlan | None:
+    """The stored-precision plan from the checkpoint's own description: FP8 tensors as the
+    safetensors headers list them (under a block-FP8 quantization_config), msModelSlim's per-tensor
+    types. Routed experts are not planned (FP8 experts are dequantized at load).
+
+    :raises CheckpointError: static W8A8 or quantized experts under msModelSlim (not served yet).
+    """
+    quant = config.quantization
+    if quant is None:
+        return None
+    if quant.method == "fp8":
+        fp8 = {
+            name
+            for name, _, handle in _iter_tensors(_shard_files(_model_dir(model_dir)))
+            if handle.get_slice(name).get_dtype() in _TORCH_DTYPE_NAMES
+        }
+        return QuantPlan({n: "fp8_block" for n in fp8 if ".experts." not in n}, quant.block)
+    weights = {n: s for n, s in quant.tensors.items() if n.endswith(".weight")}
+    experts = sorted(n for n in weights if ".experts." in n)
+    if experts:
+        raise CheckpointError(
+            f"quant_model_description.json quantizes routed experts ({experts[0]}, ...); the Qwen "
+            "executor serves W8A8 dense linears only (int8 experts are not read yet)"
+        )
+    return QuantPlan(weights)
 
 
 def _shard_files(model_dir: Path) -> list[Path]:
@@ -326,12 +420,17 @@ def _copy_into(source: Any, dests: list[WeightTarget], filled: set[str]) -> None
 
 
 def _check(name: str, shard: Path, shape: tuple[int, ...], dtype: str, dests: list[WeightTarget]) -> None:
-    """Refuse an unscaled FP8 tensor (``dtype``: its torch name) or one whose shape is not what its
-    targets expect, before any of its data is read."""
+    """Refuse an unscaled FP8 or integer tensor (``dtype``: its torch name) for a float target, or
+    one whose shape is not what its targets expect, before any of its data is read."""
     if "float8" in dtype:
         raise CheckpointError(
             f"weight {name!r} in {shard.name} is {dtype} but config.json declares no quantization_config: "
             "its scales are unknown, so it cannot be loaded"
+        )
+    if "int" in dtype:
+        raise CheckpointError(
+            f"weight {name!r} in {shard.name} is {dtype} but the checkpoint describes it as a float tensor "
+            "(no quantization for it in config.json or quant_model_description.json)"
         )
     for target in dests:
         if shape != target.source_shape():
@@ -367,11 +466,15 @@ def load_weights(
     shards = _shard_files(path)
     filled: set[str] = set()
     unexpected: list[str] = []
-    scales = _read_scales(shards, targets) if quantization is not None else {}
+    fp8 = quantization is not None and quantization.method == "fp8"
+    scales = _read_scales(shards, targets) if fp8 else {}
     with torch.no_grad():
         for name, shard, handle in _iter_tensors(shards):
             dests = targets.get(name)
-            if quantization is not None and name.endswith(SCALE_SUFFIX):
+            if dests and dests[0].stored is not None:
+                _copy_stored(name, shard, handle.get_slice(name), dests, filled)
+                continue
+            if fp8 and name.endswith(SCALE_SUFFIX):
                 continue  # read with _read_scales
             if not dests:
                 if dests is None and not name.endswith(_IGNORED_SUFFIXES):
@@ -379,17 +482,42 @@ def load_weights(
                 continue
             view = handle.get_slice(name)
             shape, dtype = tuple(view.get_shape()), _TORCH_DTYPE_NAMES.get(view.get_dtype(), "")
-            if quantization is None or not dtype:
-                _check(name, shard, shape, dtype, dests)
+            if not fp8 or not dtype:
+                _check(name, shard, shape, dtype or _INTEGER_NAMES.get(view.get_dtype(), ""), dests)
                 _copy_into(view, dests, filled)
                 continue
             _check(name, shard, shape, "", dests)
+            assert quantization is not None
             _copy_fp8(name, view, scales.pop(name, None), quantization.block, dests, filled)
     if scales:
         raise UnsupportedQuantizationError(
             f"{SCALE_SUFFIX} scales without their fp8 weight(s): {', '.join(sorted(scales)[:5])}"
         )
     _report(path, required - filled, unexpected)
+
+
+def _copy_stored(name: str, shard: Path, view: Any, dests: list[WeightTarget], filled: set[str]) -> None:
+    """Copy a quantized tensor (data or scales) into its stored-precision targets, after checking
+    its dtype and shape against what they expect."""
+    dtype, shape = view.get_dtype(), tuple(view.get_shape())
+    accepted = dests[0].stored or ()
+    if dtype not in accepted:
+        raise CheckpointError(
+            f"quantized tensor {name!r} in {shard.name} is {dtype}; expected {' or '.join(accepted)} "
+            "(the checkpoint's dtype does not match its quantization description)"
+        )
+    for target in dests:
+        if shape != target.source_shape():
+            raise CheckpointError(
+                f"quantized tensor {name!r} in {shard.name} has shape {list(shape)} but expected "
+                f"{list(target.source_shape())} (for its weight's shape and block size)"
+            )
+    if dtype == "I64":  # msModelSlim's float16-model deq_scale: float32 bits in an int64
+        for target in dests:
+            target.dest.copy_(deq_scale_as_float(view[target.index()]))
+            filled.update(target.fills)
+        return
+    _copy_into(view, dests, filled)
 
 
 def _copy_fp8(
@@ -410,6 +538,9 @@ def _copy_fp8(
 
 def _report(path: Path, missing: set[str], unexpected: list[str]) -> None:
     """Refuse a checkpoint that lacks required weights (naming them); warn about unused tensors."""
+    unscaled = sorted(n.removesuffix(SCALE_SUFFIX) for n in missing if n.endswith(SCALE_SUFFIX))
+    if unscaled:
+        raise UnsupportedQuantizationError(f"fp8 weight(s) without {SCALE_SUFFIX} scales: {', '.join(unscaled[:5])}")
     if missing:
         names = sorted(missing)
         shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
@@ -427,7 +558,8 @@ def _read_scales(shards: list[Path], targets: Mapping[str, list[WeightTarget]]) 
     scales: dict[str, torch.Tensor] = {}
     for name, _, handle in _iter_tensors(shards):
         weight = name.removesuffix(SCALE_SUFFIX)
-        if weight != name and targets.get(weight):
+        dests = targets.get(weight)
+        if weight != name and dests and dests[0].stored is None:
             scales[weight] = handle.get_tensor(name)
     return scales
 

@@ -24,7 +24,8 @@ import pypto_kernels as K
 from pypto_serving.parallel import expert_parallel_moe, vocab_parallel_embedding
 
 from .graph import decode_attention, moe_experts, static_decode_attention, write_kv
-from .loader import QwenConfig, WeightTarget
+from .loader import QuantPlan, QwenConfig, WeightTarget
+from .quantized import QuantizedWeight, Weight, linear, make_weight, weight_targets
 from .sharding import QwenSharding
 
 __all__ = ["AttentionMetadata", "KVCache", "QwenForCausalLM"]
@@ -72,6 +73,14 @@ def _part(rows: slice, dim: int, full: int) -> tuple[slice | None, int, int]:
     return (None if whole else rows), dim, full
 
 
+def _scheme(plan: QuantPlan | None, *names: str) -> str | None:
+    return plan.scheme(*names) if plan is not None else None
+
+
+def _block(plan: QuantPlan | None) -> tuple[int, int]:
+    return plan.block if plan is not None else (1, 1)
+
+
 def _target(dest: torch.Tensor, name: str, rows: slice, full: int, dim: int = 0) -> WeightTarget:
     """``dest`` filled from ``rows`` of dimension ``dim`` (``full`` long) of checkpoint tensor ``name``."""
     return WeightTarget(dest, (name,), *_part(rows, dim, full))
@@ -81,7 +90,13 @@ class QwenAttention(nn.Module):
     """Self-attention over this rank's query heads and the KV heads they read."""
 
     def __init__(
-        self, cfg: QwenConfig, layer: int, device: torch.device, dtype: torch.dtype, shards: QwenSharding
+        self,
+        cfg: QwenConfig,
+        layer: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        shards: QwenSharding,
+        plan: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         self.cfg, self.shards = cfg, shards
@@ -90,9 +105,12 @@ class QwenAttention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         qkv = self.q_size + 2 * self.kv_size
-        self.qkv_weight = _param((qkv, cfg.hidden_size), device, dtype)
+        p = f"model.layers.{layer}.self_attn"
+        qkv_scheme = _scheme(plan, *(f"{p}.{n}_proj.weight" for n in "qkv"))
+        self.qkv_weight: Weight = make_weight((qkv, cfg.hidden_size), device, dtype, qkv_scheme, _block(plan), 3)
         self.qkv_bias = _param((qkv,), device, dtype) if cfg.qkv_bias else None
-        self.o_weight = _param((cfg.hidden_size, self.q_size), device, dtype)
+        o_scheme = _scheme(plan, f"{p}.o_proj.weight")
+        self.o_weight: Weight = make_weight((cfg.hidden_size, self.q_size), device, dtype, o_scheme, _block(plan))
         self.o_bias = _param((cfg.hidden_size,), device, dtype) if cfg.o_bias else None
         self.q_norm = _param((cfg.head_dim,), device, dtype) if cfg.qk_norm else None
         self.k_norm = _param((cfg.head_dim,), device, dtype) if cfg.qk_norm else None
@@ -104,18 +122,20 @@ class QwenAttention(nn.Module):
         cfg, q, kv, d = self.cfg, self.q_size, self.kv_size, self.cfg.head_dim
         q_rows, kv_rows = _scaled(self.shards.q_heads, d), _scaled(self.shards.kv_heads, d)
         out: dict[str, list[WeightTarget]] = {}
-        for part, rows, src, full in (
-            ("q", slice(0, q), q_rows, cfg.num_heads * d),
-            ("k", slice(q, q + kv), kv_rows, cfg.num_kv_heads * d),
-            ("v", slice(q + kv, q + 2 * kv), kv_rows, cfg.num_kv_heads * d),
+        for index, (part, rows, src, full) in enumerate(
+            (
+                ("q", slice(0, q), q_rows, cfg.num_heads * d),
+                ("k", slice(q, q + kv), kv_rows, cfg.num_kv_heads * d),
+                ("v", slice(q + kv, q + 2 * kv), kv_rows, cfg.num_kv_heads * d),
+            )
         ):
             name = f"{prefix}.{part}_proj.weight"
-            out[name] = [_target(self.qkv_weight.data[rows], name, src, full)]
+            out.update(weight_targets(self.qkv_weight, name, rows, src, full, index=index))
             if self.qkv_bias is not None:
                 bname = f"{prefix}.{part}_proj.bias"
                 out[bname] = [_target(self.qkv_bias.data[rows], bname, src, full)]
         oname = f"{prefix}.o_proj.weight"
-        out[oname] = [_target(self.o_weight.data, oname, q_rows, cfg.num_heads * d, dim=1)]
+        out.update(weight_targets(self.o_weight, oname, slice(None), q_rows, cfg.num_heads * d, dim=1))
         if self.o_bias is not None:
             out[f"{prefix}.o_proj.bias"] = [WeightTarget(self.o_bias.data, (f"{prefix}.o_proj.bias",))]
         if self.q_norm is not None and self.k_norm is not None:
@@ -127,7 +147,7 @@ class QwenAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         q = qkv[:, :q_end].reshape(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -138,7 +158,7 @@ class QwenAttention(nn.Module):
         q, k = K.apply_rope(q, k, cos, sin)
         out = self._attend(q, k, v, cache, meta)
         # Row-parallel o_proj: each rank's heads give a partial sum; the bias is added once, after it.
-        hidden = self.shards.ctx.all_reduce(F.linear(out.reshape(num_tokens, self.q_size), self.o_weight))
+        hidden = self.shards.ctx.all_reduce(linear(out.reshape(num_tokens, self.q_size), self.o_weight))
         return hidden if self.o_bias is None else hidden + self.o_bias
 
     def _attend(
@@ -187,24 +207,34 @@ class QwenAttention(nn.Module):
 class QwenMLP(nn.Module):
     """SwiGLU MLP, column-parallel gate/up and row-parallel down over this rank's intermediate rows."""
 
-    def __init__(self, cfg: QwenConfig, device: torch.device, dtype: torch.dtype, shards: QwenSharding) -> None:
+    def __init__(
+        self,
+        cfg: QwenConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        shards: QwenSharding,
+        plan: QuantPlan | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.shards, self.full = shards, cfg.intermediate_size
-        self.intermediate = _size(shards.intermediate)
-        self.gate_up_weight = _param((2 * self.intermediate, cfg.hidden_size), device, dtype)
-        self.down_weight = _param((cfg.hidden_size, self.intermediate), device, dtype)
+        self.intermediate = i = _size(shards.intermediate)
+        gate_up = _scheme(plan, f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight")
+        down = _scheme(plan, f"{prefix}.down_proj.weight")
+        self.gate_up_weight: Weight = make_weight((2 * i, cfg.hidden_size), device, dtype, gate_up, _block(plan), 2)
+        self.down_weight: Weight = make_weight((cfg.hidden_size, i), device, dtype, down, _block(plan))
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
         i, rows, full = self.intermediate, self.shards.intermediate, self.full
         gate, up, down = (f"{prefix}.{n}_proj.weight" for n in ("gate", "up", "down"))
         return {
-            gate: [_target(self.gate_up_weight.data[:i], gate, rows, full)],
-            up: [_target(self.gate_up_weight.data[i:], up, rows, full)],
-            down: [_target(self.down_weight.data, down, rows, full, dim=1)],
+            **weight_targets(self.gate_up_weight, gate, slice(0, i), rows, full),
+            **weight_targets(self.gate_up_weight, up, slice(i, 2 * i), rows, full, index=1),
+            **weight_targets(self.down_weight, down, slice(None), rows, full, dim=1),
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(K.silu_and_mul(F.linear(x, self.gate_up_weight)), self.down_weight)
+        partial = linear(K.silu_and_mul(linear(x, self.gate_up_weight)), self.down_weight)
         return self.shards.ctx.all_reduce(partial)
 
 
@@ -293,18 +323,24 @@ class QwenSparseMoe(nn.Module):
 
 class QwenDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: QwenConfig, layer: int, device: torch.device, dtype: torch.dtype, shards: QwenSharding
+        self,
+        cfg: QwenConfig,
+        layer: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        shards: QwenSharding,
+        plan: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_norm = _param((cfg.hidden_size,), device, dtype)
         self.post_attention_norm = _param((cfg.hidden_size,), device, dtype)
-        self.self_attn = QwenAttention(cfg, layer, device, dtype, shards)
+        self.self_attn = QwenAttention(cfg, layer, device, dtype, shards, plan)
         self.mlp: QwenMLP | QwenSparseMoe
         if cfg.is_moe_layer(layer):
             self.mlp = QwenSparseMoe(cfg, device, dtype, shards)
         else:
-            self.mlp = QwenMLP(cfg, device, dtype, shards)
+            self.mlp = QwenMLP(cfg, device, dtype, shards, plan, f"model.layers.{layer}.mlp")
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
         out = {
@@ -349,7 +385,12 @@ class QwenForCausalLM(nn.Module):
     inv_freq: torch.Tensor
 
     def __init__(
-        self, cfg: QwenConfig, device: torch.device, dtype: torch.dtype, shards: QwenSharding | None = None
+        self,
+        cfg: QwenConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        shards: QwenSharding | None = None,
+        plan: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -362,7 +403,9 @@ class QwenForCausalLM(nn.Module):
         # Under tensor parallelism both hold this rank's vocabulary rows only.
         self.lm_head_t = _param((cfg.hidden_size, vocab), device, dtype)
         self.embed = self.lm_head_t.t() if cfg.tie_word_embeddings else _param((vocab, cfg.hidden_size), device, dtype)
-        self.layers = nn.ModuleList(QwenDecoderLayer(cfg, i, device, dtype, shards) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            QwenDecoderLayer(cfg, i, device, dtype, shards, plan) for i in range(cfg.num_layers)
+        )
         self.norm = _param((cfg.hidden_size,), device, dtype)
         inv_freq, attention_scaling = K.rope_inv_freq(
             cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
@@ -393,6 +436,20 @@ class QwenForCausalLM(nn.Module):
             else:
                 required |= set(layer_targets)
         return out, required
+
+    def quantized_weights(self) -> list[QuantizedWeight]:
+        """The projections kept in their stored precision."""
+        return [w for _, w in self.named_quantized_weights()]
+
+    def named_quantized_weights(self) -> list[tuple[str, QuantizedWeight]]:
+        """(module path and attribute, weight) of every projection kept in its stored precision."""
+        found: list[tuple[str, QuantizedWeight]] = []
+        for path, module in self.named_modules():
+            for attr in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+                value = getattr(module, attr, None)
+                if isinstance(value, QuantizedWeight):
+                    found.append((f"{path}.{attr}", value))
+        return found
 
     def forward(
         self,

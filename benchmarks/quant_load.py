@@ -1,0 +1,306 @@
+"""Load time, peak RSS and resident weight memory of a Qwen3 checkpoint per storage format.
+
+python benchmarks/quant_load.py --shape qwen3-0.6b --formats float32,bfloat16,fp8,w8a8 --dir /tmp/ql
+python benchmarks/quant_load.py --measure /tmp/ql/fp8          # one load, JSON on stdout
+python benchmarks/quant_load.py --linear                        # quant_linear per scheme, ms per call
+
+Each format's checkpoint is written from one random float model (Qwen3 names and shapes):
+``float32`` / ``bfloat16`` as is, ``fp8`` block-FP8 (e4m3, 128x128 ``weight_scale_inv`` blocks,
+bfloat16 elsewhere, as Qwen3-FP8 is published) and ``w8a8`` msModelSlim dynamic W8A8 (int8 with
+per-channel ``weight_scale`` / ``weight_offset``, ``quant_model_description.json``; bfloat16
+elsewhere). Every load runs in a fresh process through the real Qwen executor on the CPU
+(``dtype="auto"``: the checkpoint's own dtype); the resident memory it reports is the process's
+RSS (anonymous + file-backed + shared, from /proc/self/status) after loading minus before, against
+the checkpoint's tensor bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, int]] = {
+    # Qwen3-0.6B: 28 layers, hidden 1024, 16 query / 8 KV heads of 128, intermediate 3072, tied embeddings.
+    "qwen3-0.6b": {
+        "layers": 28,
+        "hidden": 1024,
+        "heads": 16,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "inter": 3072,
+        "vocab": 151936,
+    },
+    # About 30 M parameters: big enough that weights dominate the RSS, small enough for a test.
+    "small": {"layers": 6, "hidden": 512, "heads": 8, "kv_heads": 4, "head_dim": 64, "inter": 2048, "vocab": 16384},
+    # Loaded once before measuring, so one-time costs (lazy imports, allocator arenas) are not counted.
+    "tiny": {"layers": 1, "hidden": 256, "heads": 2, "kv_heads": 1, "head_dim": 128, "inter": 256, "vocab": 512},
+}
+_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _rss() -> dict[str, int]:
+    """This process's resident memory by kind, in bytes."""
+    out: dict[str, int] = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _config(shape: dict[str, int], dtype: str) -> dict[str, Any]:
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": shape["vocab"],
+        "hidden_size": shape["hidden"],
+        "intermediate_size": shape["inter"],
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv_heads"],
+        "head_dim": shape["head_dim"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "torch_dtype": dtype,
+    }
+
+
+def _float_tensors(shape: dict[str, int]) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    h, d, i = shape["hidden"], shape["head_dim"], shape["inter"]
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(shape["vocab"], h, generator=g) * 0.02}
+    out["model.norm.weight"] = torch.ones(h)
+    for layer in range(shape["layers"]):
+        p = f"model.layers.{layer}"
+        dims = {
+            "self_attn.q_proj": (shape["heads"] * d, h),
+            "self_attn.k_proj": (shape["kv_heads"] * d, h),
+            "self_attn.v_proj": (shape["kv_heads"] * d, h),
+            "self_attn.o_proj": (h, shape["heads"] * d),
+            "mlp.gate_proj": (i, h),
+            "mlp.up_proj": (i, h),
+            "mlp.down_proj": (h, i),
+        }
+        for name, dim in dims.items():
+            out[f"{p}.{name}.weight"] = torch.randn(dim, generator=g) * dim[1] ** -0.5
+        for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            out[f"{p}.{norm}.weight"] = torch.ones(d if "_norm" in norm and "self_attn" in norm else h)
+    return out
+
+
+def _fp8(w: Any, block: int = 128) -> tuple[Any, Any]:
+    """Block-FP8: per 128x128 block absmax / 448 (``weight_scale_inv``), e4m3 values."""
+    import torch
+
+    rows, cols = w.shape
+    pad = torch.zeros(-(-rows // block) * block, -(-cols // block) * block)
+    pad[:rows, :cols] = w
+    tiles = pad.view(pad.shape[0] // block, block, pad.shape[1] // block, block)
+    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
+    q = (tiles / scale[:, None, :, None]).view(pad.shape)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+def write_checkpoint(path: Path, shape_name: str, fmt: str) -> int:
+    """Write ``fmt``'s checkpoint of ``shape_name`` to ``path``; returns its tensor bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = _float_tensors(SHAPES[shape_name])
+    floats = torch.float32 if fmt == "float32" else torch.bfloat16
+    out: dict[str, torch.Tensor] = {}
+    description: dict[str, str] = {"model_quant_type": "W8A8_DYNAMIC"}
+    for name, t in tensors.items():
+        linear = name.endswith(".weight") and any(p in name for p in _QUANTIZED)
+        if fmt == "fp8" and linear:
+            out[name], out[name + "_scale_inv"] = _fp8(t)
+        elif fmt == "w8a8" and linear:
+            scale = t.abs().amax(dim=1, keepdim=True) / 127
+            out[name] = torch.round(t / scale).clamp(-127, 127).to(torch.int8)
+            out[name + "_scale"], out[name + "_offset"] = scale, torch.zeros_like(scale)
+            description.update(
+                {name: "W8A8_DYNAMIC", name + "_scale": "W8A8_DYNAMIC", name + "_offset": "W8A8_DYNAMIC"}
+            )
+        else:
+            out[name] = t.to(floats)
+            description[name] = "FLOAT"
+    config = _config(SHAPES[shape_name], "float32" if fmt == "float32" else "bfloat16")
+    if fmt == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    if fmt == "w8a8":
+        (path / "quant_model_description.json").write_text(json.dumps(description))
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(out, str(path / "model.safetensors"))
+    return sum(t.numel() * t.element_size() for t in out.values())
+
+
+def _load(path: Path) -> Any:
+    from pypto_serving.config import ServingSettings
+    from pypto_serving_qwen.executor import QwenExecutor
+
+    ex = QwenExecutor(ServingSettings(model=str(path), device="cpu", dtype="auto", block_size=16))
+    ex.load()
+    return ex
+
+
+def measure(path: Path, fmt: str) -> dict[str, Any]:
+    """Load ``path`` once in this process (after a warm-up load of a tiny checkpoint of the same
+    format); RSS before and after, load time, bytes held."""
+    import gc
+    import tempfile
+
+    import torch
+    from safetensors import safe_open
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(Path(tmp), "tiny", fmt)
+        del _load(Path(tmp)).model
+        gc.collect()
+
+    checkpoint = 0
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+            view = f.get_slice(name)
+            numel = 1
+            for n in view.get_shape():
+                numel *= n
+            checkpoint += numel * torch.empty((), dtype=_DTYPES[view.get_dtype()]).element_size()
+    before = _rss()
+    t0 = time.perf_counter()
+    ex = _load(path)
+    seconds = time.perf_counter() - t0
+    after = _rss()
+    assert ex.model is not None
+    held = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+    stored = getattr(ex.model, "quantized_weights", list)  # absent before stored-precision weights
+    held += sum(w.nbytes() for w in stored())
+    return {
+        "checkpoint_bytes": checkpoint,
+        "held_bytes": held,
+        "resident_bytes": after["VmRSS"] - before["VmRSS"],
+        "resident_by_kind": {k: after[k] - before.get(k, 0) for k in after if k != "VmHWM"},
+        # VmHWM (this process's peak RSS; unlike ru_maxrss it does not inherit the parent's peak
+        # across fork + exec). Includes the checkpoint's file pages while they are mapped.
+        "peak_rss_bytes": after["VmHWM"],
+        "peak_over_before_bytes": after["VmHWM"] - before["VmRSS"],
+        "rss_before_bytes": before["VmRSS"],
+        "load_seconds": round(seconds, 3),
+        "dtype": str(ex.dtype),
+    }
+
+
+_DTYPES_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn", "I8": "int8"}
+
+
+def _dtype_table() -> dict[str, Any]:
+    import torch
+
+    return {k: getattr(torch, v) for k, v in _DTYPES_NAMES.items()}
+
+
+_DTYPES: dict[str, Any] = {}
+
+
+def time_linears(rows: tuple[int, ...] = (1, 64), repeats: int = 20) -> None:
+    """Milliseconds per projection of one Qwen3-0.6B layer (fused q/k/v, o, gate/up, down) on the
+    CPU: float32 / bfloat16 ``F.linear``, the FP8 and W8A8 fast paths, the reference, and
+    ``torch._weight_int8pack_mm`` (weight-only int8, bfloat16 activations) for the int8 choice."""
+    import torch
+
+    from pypto_serving.quantization import QuantizedWeight
+
+    shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+    weights = [torch.randn(s) * s[1] ** -0.5 for s in shapes]
+    fp8 = [QuantizedWeight("fp8_block", *_fp8(w), (128, 128)) for w in weights]
+    int8 = []
+    for w in weights:
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        int8.append(QuantizedWeight("w8a8_dynamic", torch.round(w / scale).to(torch.int8), scale))
+
+    def per_layer(fn: Any) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - t0) / repeats * 1e3
+
+    print(f"torch threads {torch.get_num_threads()}; ms per layer (4 projections)")
+    for m in rows:
+        xs = {s: torch.randn(m, s[1]) for s in shapes}
+        for name, fn in _linear_cases(xs, weights, fp8, int8).items():
+            print(f"  rows {m:3}  {name:24} {per_layer(fn):8.2f} ms")
+
+
+def _linear_cases(xs: dict[Any, Any], weights: list[Any], fp8: list[Any], int8: list[Any]) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    import pypto_kernels as K
+
+    pairs = list(zip(xs.values(), weights, fp8, int8, strict=True))
+    halves = [(x.bfloat16(), w.bfloat16()) for x, w, _, _ in pairs]
+    return {
+        "float32 F.linear": lambda: [F.linear(x, w) for x, w, _, _ in pairs],
+        "bfloat16 F.linear": lambda: [F.linear(x, w) for x, w in halves],
+        "fp8 cpu bands (f32)": lambda: [K.quant_linear(x, q) for x, _, q, _ in pairs],
+        "fp8 reference": lambda: [K.quant_linear.reference(x, q) for x, _, q, _ in pairs],
+        "w8a8 cpu _int_mm": lambda: [K.quant_linear(x, q) for x, _, _, q in pairs],
+        "w8a8 reference": lambda: [K.quant_linear.reference(x, q) for x, _, _, q in pairs],
+        "int8pack_mm (bf16 act)": lambda: [
+            torch._weight_int8pack_mm(x.bfloat16(), q.data, q.scale.reshape(-1).bfloat16()) for x, _, _, q in pairs
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--formats", default="float32,bfloat16,fp8,w8a8")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/quant_load"))
+    parser.add_argument("--measure", type=Path, help="load this checkpoint and print its numbers as JSON")
+    parser.add_argument("--format", default="float32", help="the --measure checkpoint's format (for the warm-up)")
+    parser.add_argument("--linear", action="store_true", help="time quant_linear per scheme instead")
+    args = parser.parse_args()
+    _DTYPES.update(_dtype_table())
+    if args.linear:
+        time_linears()
+        return
+    if args.measure is not None:
+        print(json.dumps(measure(args.measure, args.format)))
+        return
+    print(f"shape {args.shape}: {SHAPES[args.shape]}")
+    print(
+        f"{'format':10} {'ckpt MB':>9} {'held MB':>9} {'resident MB':>12} {'x ckpt':>7} {'peak+ MB':>9} {'load s':>7}"
+    )
+    for fmt in args.formats.split(","):
+        path = args.dir / f"{args.shape}-{fmt}"
+        if not (path / "model.safetensors").is_file():
+            write_checkpoint(path, args.shape, fmt)
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        command = [sys.executable, __file__, "--measure", str(path), "--format", fmt]
+        run = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+        if run.returncode:
+            print(fmt, "failed:", run.stderr[-2000:])
+            continue
+        r = json.loads(run.stdout.strip().splitlines()[-1])
+        mb = 1 / (1 << 20)
+        print(
+            f"{fmt:10} {r['checkpoint_bytes'] * mb:9.1f} {r['held_bytes'] * mb:9.1f} {r['resident_bytes'] * mb:12.1f} "
+            f"{r['resident_bytes'] / r['checkpoint_bytes']:7.2f} {r['peak_over_before_bytes'] * mb:9.1f} "
+            f"{r['load_seconds']:7.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""CPU fast paths: linears over stored-precision weights (:func:`pypto_kernels.quant_linear`).
+
+- ``fp8_block``: weight-only. The weight is dequantised a band of output rows at a time (a few
+  scale-block rows, at most :data:`BAND_ELEMENTS` values) inside the matmul, so no full-size float
+  copy of any weight exists at any time; the band is multiplied in the activation's dtype.
+- ``w8a8_dynamic``: activations quantised per token, then ``torch._int_mm`` (int8 x int8 -> int32,
+  oneDNN's VNNI kernels on CPUs that have them) and one float rescale: the same arithmetic as the
+  reference, exact up to float rounding. Chosen over ``torch._weight_int8pack_mm`` (weight-only,
+  bfloat16 activations) by measurement, see docs/benchmarks.md.
+- ``w8a8_static`` runs the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import QuantizedLinearWeight, quantize_per_token
+
+#: Values of one dequantised band of an FP8 weight (4 MiB in float32): large enough that the matmul
+#: per band stays efficient, small against any real weight.
+BAND_ELEMENTS = 1 << 20
+
+QUANT_LINEAR_LABEL = "cpu: fp8 band-wise dequantising matmul / int8 _int_mm"
+
+
+def _band_rows(weight: QuantizedLinearWeight) -> int:
+    rows, inp = weight.block[0], weight.data.shape[1]
+    return rows * max(1, BAND_ELEMENTS // max(rows * inp, 1))
+
+
+def _dequantized_band(weight: QuantizedLinearWeight, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``start:stop`` (``start`` on a block boundary) of the FP8 weight, in ``dtype``."""
+    br, bc = weight.block
+    band = weight.data[start:stop].to(dtype)
+    scale = weight.scale[start // br : -(-stop // br)].to(dtype)
+    n, k = band.shape
+    if n % br == 0 and k % bc == 0:  # whole blocks: broadcast the grid, no spread copy
+        return (band.view(n // br, br, k // bc, bc) * scale[:, None, :, None]).view(n, k)
+    return band * scale.repeat_interleave(br, 0)[:n].repeat_interleave(bc, 1)[:, :k]
+
+
+def _fp8_block(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    xs = x.reshape(-1, x.shape[-1]).to(dtype)
+    out_rows, step = weight.data.shape[0], _band_rows(weight)
+    parts = [
+        F.linear(xs, _dequantized_band(weight, r, min(r + step, out_rows), dtype)) for r in range(0, out_rows, step)
+    ]
+    out = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    if bias is not None:
+        out = out + bias.to(dtype)
+    return out.reshape(*x.shape[:-1], out_rows).to(x.dtype)
+
+
+def _w8a8_dynamic(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    xs = x.reshape(-1, x.shape[-1])
+    x_q, x_scale = quantize_per_token(xs)
+    acc = torch._int_mm(x_q, weight.data.t()).float()
+    if weight.offset is not None:  # (w - o) . x = w . x - o * sum(x)
+        acc = acc - x_q.float().sum(dim=-1, keepdim=True) * weight.offset.float().reshape(1, -1)
+    out = acc * weight.scale.float().reshape(1, -1) * x_scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU path of :func:`pypto_kernels.quant_linear` (schemes ``supports_quant_linear`` accepts)."""
+    if weight.scheme == "fp8_block":
+        return _fp8_block(x, weight, bias)
+    return _w8a8_dynamic(x, weight, bias)
+
+
+def explain_quant_linear(**features: Any) -> str | None:
+    scheme = features.get("scheme")
+    if scheme is not None and scheme not in ("fp8_block", "w8a8_dynamic"):
+        return f"scheme {scheme!r} has no CPU fast path"
+    return None
+
+
+def supports_quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None = None) -> bool:
+    return explain_quant_linear(scheme=weight.scheme) is None
+
+
+def register(add: Callable[..., None]) -> None:
+    add(
+        "quant_linear",
+        "cpu",
+        quant_linear,
+        supports_quant_linear,
+        label=QUANT_LINEAR_LABEL,
+        explain=explain_quant_linear,
+    )

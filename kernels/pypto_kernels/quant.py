@@ -1,0 +1,118 @@
+"""Linear layers over weights kept in their stored low precision.
+
+``quant_linear(x, weight, bias)`` computes ``x @ W.T + bias`` where ``W`` is what ``weight`` stands
+for. ``weight`` is any object with the attributes of :class:`QuantizedLinearWeight` (the core's
+``pypto_serving.quantization.QuantizedWeight`` is one; this package does not import the core).
+Schemes:
+
+- ``"fp8_block"``: ``data`` float8 ``[out, in]``, ``scale`` float32 ``[ceil(out/br), ceil(in/bc)]``
+  for ``block=(br, bc)``; ``W[i, j] = data[i, j] * scale[i // br, j // bc]``. Activations stay in
+  their dtype (weight-only).
+- ``"w8a8_dynamic"``: ``data`` int8, ``scale`` float32 ``[out]``, optional ``offset`` ``[out]``;
+  ``W = (data - offset) * scale``. Activations are quantised per token (symmetric int8, scale
+  ``absmax / 127``) as msModelSlim's dynamic W8A8 and the NPU's ``npu_dynamic_quant`` do.
+- ``"w8a8_static"``: msModelSlim's static W8A8: ``x_q = clamp(round(x / input_scale + input_offset))``,
+  ``y = (x_q @ data.T + quant_bias) * deq_scale`` (``quant_bias`` int32 folds the float bias and the
+  activation offset in; ``deq_scale = input_scale * weight_scale``).
+
+The reference dequantises the whole weight per call (for tests and as the fallback of every fast
+path); the fast paths live in :mod:`pypto_kernels.backends` (``cpu``, ``cuda``, ``npu``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .registry import dispatch
+
+__all__ = ["QUANT_SCHEMES", "QuantizedLinearWeight", "dequantize_weight", "quant_linear", "quantize_per_token"]
+
+QUANT_SCHEMES = frozenset({"fp8_block", "w8a8_dynamic", "w8a8_static"})
+
+
+class QuantizedLinearWeight(Protocol):
+    """What :func:`quant_linear` reads from a weight (see the module docstring for each scheme)."""
+
+    scheme: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+    offset: torch.Tensor | None
+    input_scale: torch.Tensor | None
+    input_offset: torch.Tensor | None
+    deq_scale: torch.Tensor | None
+    quant_bias: torch.Tensor | None
+
+
+def spread_block_scales(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """Per-element scales of a ``shape`` weight from its per-block ``scale`` grid (float32)."""
+    rows, cols = block
+    return scale.float().repeat_interleave(rows, 0)[: shape[0]].repeat_interleave(cols, 1)[:, : shape[1]]
+
+
+def dequantize_weight(weight: QuantizedLinearWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight ``weight`` stands for, ``[out, in]`` in ``dtype`` (a full-size copy: tests only)."""
+    data = weight.data
+    if weight.scheme == "fp8_block":
+        shape = (int(data.shape[0]), int(data.shape[1]))
+        return (data.float() * spread_block_scales(weight.scale, weight.block, shape)).to(dtype)
+    if weight.scheme == "w8a8_static":  # the weight alone: deq_scale = input_scale * weight_scale
+        assert weight.deq_scale is not None and weight.input_scale is not None
+        per_row = static_deq_scale(weight.deq_scale) / weight.input_scale.float()
+        return (data.float() * per_row.reshape(-1, 1)).to(dtype)
+    centred = data.float()
+    if weight.offset is not None:
+        centred = centred - weight.offset.float().reshape(-1, 1)
+    return (centred * weight.scale.float().reshape(-1, 1)).to(dtype)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: ``(x_q, scale)`` with ``x ~ x_q * scale``, ``scale = absmax / 127``
+    (float32 ``[rows, 1]``; an all-zero row gets scale 1 so nothing divides by zero)."""
+    xf = x.float()
+    absmax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    return torch.clamp(torch.round(xf / scale), -127, 127).to(torch.int8), scale
+
+
+def quantize_static(x: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor) -> torch.Tensor:
+    """msModelSlim's per-tensor activation quantisation: ``clamp(round(x / s + offset), -128, 127)``."""
+    q = torch.round(x.float() / input_scale.float() + input_offset.float())
+    return torch.clamp(q, -128, 127).to(torch.int8)
+
+
+def static_deq_scale(deq_scale: torch.Tensor) -> torch.Tensor:
+    """``deq_scale`` as float32: msModelSlim stores it as float32, or for float16 models as int64 whose
+    low 32 bits are the float32's bits (the layout Ascend's quantised matmul takes)."""
+    if deq_scale.dtype == torch.int64:
+        bits: torch.Tensor = (deq_scale & 0xFFFFFFFF).to(torch.int32)
+        return bits.view(torch.float32)
+    return deq_scale.float()
+
+
+@dispatch("quant_linear")
+def quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for a stored-precision ``weight`` (reference: dequantise, then one matmul).
+
+    ``x`` is ``[..., in]``; the result has ``x``'s dtype and shape ``[..., out]``.
+    """
+    if weight.scheme == "w8a8_static":
+        assert weight.input_scale is not None and weight.input_offset is not None
+        assert weight.deq_scale is not None and weight.quant_bias is not None
+        x_q = quantize_static(x, weight.input_scale, weight.input_offset).float()
+        acc = F.linear(x_q, weight.data.float()) + weight.quant_bias.float()
+        out = acc * static_deq_scale(weight.deq_scale)
+    elif weight.scheme == "w8a8_dynamic":
+        x_q, x_scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
+        out = F.linear(x_q.float(), dequantize_weight(weight)) * x_scale
+        out = out.reshape(*x.shape[:-1], -1)
+    elif weight.scheme == "fp8_block":
+        out = F.linear(x.float(), dequantize_weight(weight))
+    else:
+        raise ValueError(f"quant_linear: unknown scheme {weight.scheme!r}; known: {sorted(QUANT_SCHEMES)}")
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

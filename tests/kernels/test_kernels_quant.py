@@ -1,0 +1,247 @@
+"""``quant_linear`` over stored-precision weights: the reference against an element-wise definition,
+and every fast path (CPU, CUDA with a documented ``torch._scaled_mm`` stand-in and under the fake
+CUDA device, NPU with documented stand-ins for ``npu_dynamic_quant`` / ``npu_quant_matmul``) against
+the reference on ragged shapes."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+
+import pypto_kernels
+from pypto_kernels import registry
+from pypto_kernels.backends import cpu as cpu_backend
+from pypto_kernels.quant import quant_linear
+from pypto_serving.quantization import QuantizedWeight
+from tests.core.test_quantization import quantize
+
+SHAPES = [(48, 64), (37, 50), (5, 3)]  # whole blocks, ragged edges in both dims, one partial block
+BLOCK = (16, 16)
+
+
+def _fp8(shape: tuple[int, int], block: tuple[int, int] = BLOCK, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    torch.manual_seed(seed)
+    w = torch.randn(shape) * 0.5
+    q, s = quantize(w, block)
+    return QuantizedWeight("fp8_block", q, s, block), w
+
+
+def _int8(shape: tuple[int, int], *, offset: bool = False, seed: int = 0) -> QuantizedWeight:
+    """Per-channel int8 as msModelSlim writes it: ``scale = absmax / 127`` per output row."""
+    torch.manual_seed(seed)
+    w = torch.randn(shape)
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    data = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    off = torch.randint(-3, 4, (shape[0], 1)).float() if offset else None
+    return QuantizedWeight("w8a8_dynamic", data, scale, offset=off)
+
+
+def _x(rows: int, cols: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(rows, cols).to(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_follows_the_elementwise_definitions(shape: tuple[int, int]) -> None:
+    weight, _ = _fp8(shape)
+    x = _x(3, shape[1])
+    want = torch.empty(3, shape[0])
+    for i, j in itertools.product(range(3), range(shape[0])):
+        want[i, j] = sum(
+            x[i, k].item() * weight.data[j, k].float().item() * weight.scale[j // 16, k // 16].item()
+            for k in range(shape[1])
+        )
+    assert torch.allclose(quant_linear.reference(x, weight), want, rtol=1e-5, atol=1e-5)
+    # Dynamic W8A8: per-token int8 activations (absmax / 127), (data - offset) * scale weights.
+    w8 = _int8(shape, offset=True)
+    assert w8.offset is not None
+    xs = x.abs().amax(dim=1, keepdim=True) / 127
+    xq = torch.round(x / xs)
+    want8 = (xq @ ((w8.data.float() - w8.offset) * w8.scale).t()) * xs
+    assert torch.allclose(quant_linear.reference(x, w8), want8, rtol=1e-5, atol=1e-4)
+
+
+def test_static_w8a8_reference_follows_modelslim_formula() -> None:
+    torch.manual_seed(0)
+    data = torch.randint(-127, 128, (6, 9), dtype=torch.int8)
+    deq = torch.rand(6) / 100
+    weight = QuantizedWeight(
+        "w8a8_static",
+        data,
+        torch.ones(6, 1),
+        input_scale=torch.tensor([0.05]),
+        input_offset=torch.tensor([3.0]),
+        deq_scale=deq.view(torch.int32).to(torch.int64),  # the float16-model layout: float32 bits in int64
+        quant_bias=torch.randint(-50, 50, (6,), dtype=torch.int32),
+    )
+    x = _x(4, 9)
+    xq = torch.clamp(torch.round(x / 0.05 + 3.0), -128, 127)
+    assert weight.quant_bias is not None
+    want = (xq @ data.float().t() + weight.quant_bias.float()) * deq
+    assert torch.allclose(quant_linear(x, weight), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("shape", "dtype"), itertools.product(SHAPES, [torch.float32, torch.bfloat16]))
+def test_cpu_fp8_bands_match_the_reference(
+    shape: tuple[int, int], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weight, _ = _fp8(shape)
+    monkeypatch.setattr(cpu_backend, "BAND_ELEMENTS", 16 * 16)  # several bands even on tiny weights
+    seen: list[tuple[int, ...]] = []
+    band = cpu_backend._dequantized_band
+
+    def recording(*args: Any) -> torch.Tensor:
+        out = band(*args)
+        seen.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(cpu_backend, "_dequantized_band", recording)
+    x = _x(7, shape[1], dtype)
+    got = pypto_kernels.quant_linear(x, weight)  # dispatched to the CPU fast path
+    want = quant_linear.reference(x, weight)
+    # float32: the same products; bfloat16: bands multiplied in bfloat16 (a few ulps of 2**-8).
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert got.dtype == dtype and rel < (1e-6 if dtype == torch.float32 else 1e-2), rel
+    assert seen, "the CPU fast path did not run"
+    if shape[0] > 16:  # never a full-size float copy of the weight
+        assert all(rows < shape[0] for rows, _ in seen), seen
+
+
+@pytest.mark.parametrize(("shape", "offset"), itertools.product(SHAPES, [False, True]))
+def test_cpu_int8_matches_the_reference(shape: tuple[int, int], offset: bool) -> None:
+    weight = _int8(shape, offset=offset)
+    x = _x(9, shape[1])
+    got = pypto_kernels.quant_linear(x, weight, torch.ones(shape[0]))
+    want = quant_linear.reference(x, weight, torch.ones(shape[0]))
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)  # same integer sums, float rounding only
+    assert pypto_kernels.describe_kernel("quant_linear", "cpu", scheme="w8a8_dynamic") == cpu_backend.QUANT_LINEAR_LABEL
+    assert "reference" in pypto_kernels.describe_kernel("quant_linear", "cpu", scheme="w8a8_static")
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+def _scaled_mm_standin(
+    a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """torch._scaled_mm's documented row-wise semantics: ``(a * scale_a) @ (b * scale_b)`` in
+    ``out_dtype``, with ``a`` row-major fp8, ``b`` column-major fp8 (any leading dimension), ``scale_a`` ``[M, 1]`` and
+    ``scale_b`` ``[1, N]`` float32."""
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.stride(1) == 1 and b.stride(0) == 1  # row / column major
+    assert scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1])
+    assert scale_a.dtype == scale_b.dtype == torch.float32
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+
+def test_cuda_fp8_glue_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pypto_kernels.backends import cuda
+
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_standin)
+    weight, _ = _fp8((48, 64), (16, 16))
+    for rows in (1, 5, 33):
+        x = _x(rows, 64, torch.bfloat16)
+        got = cuda.quant_linear_fp8(x, weight)
+        want = quant_linear.reference(x, weight)
+        # e4m3 activations (per token per 16 columns) and bfloat16 partial sums: a few % at most.
+        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert rel < 0.05, rel
+
+
+def test_cuda_fp8_runs_on_a_fake_device_without_host_reads() -> None:
+    from pypto_kernels.backends import cuda
+    from tests.plugins.qwen.fake_cuda import CUDA, fake_cuda
+
+    with fake_cuda():
+        weight = QuantizedWeight(
+            "fp8_block",
+            torch.empty(256, 256, dtype=torch.float8_e4m3fn, device=CUDA),
+            torch.empty(2, 2, device=CUDA),
+            (128, 128),
+        )
+        out = cuda.quant_linear_fp8(torch.empty(5, 256, dtype=torch.bfloat16, device=CUDA), weight)
+        assert out.shape == (5, 256) and out.device.type == "cuda" and out.dtype == torch.bfloat16
+    assert "compute capability" in (cuda.explain_quant_linear(device="cpu") or "")
+    assert "scheme" in (cuda.explain_quant_linear(scheme="w8a8_dynamic") or "")
+
+
+# --------------------------------------------------------------------------- NPU
+
+
+def _fake_torch_npu(calls: list[str]) -> types.ModuleType:
+    def npu_dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Documented: per-row symmetric int8, scale = absmax / 127 (float32 ``[rows]``)."""
+        calls.append("npu_dynamic_quant")
+        scale = x.float().abs().amax(dim=-1) / 127
+        return torch.round(x.float() / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+    def npu_quant_matmul(
+        x1: torch.Tensor,
+        x2: torch.Tensor,
+        scale: torch.Tensor,
+        *,
+        offset: torch.Tensor | None = None,
+        pertoken_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        output_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Documented: ``(x1 @ x2 [+ bias]) * scale * pertoken_scale`` from int8 ``[m, k]`` x ``[k, n]``."""
+        calls.append("npu_quant_matmul")
+        assert x1.dtype == x2.dtype == torch.int8 and x2.shape[0] == x1.shape[1]
+        assert scale.shape == (x2.shape[1],) and pertoken_scale is not None and pertoken_scale.shape == (x1.shape[0],)
+        acc = (x1.long() @ x2.long()).float()
+        return (acc * scale * pertoken_scale[:, None]).to(output_dtype or torch.float16)
+
+    fake = types.ModuleType("torch_npu")
+    fake.npu_dynamic_quant = npu_dynamic_quant  # type: ignore[attr-defined]
+    fake.npu_quant_matmul = npu_quant_matmul  # type: ignore[attr-defined]
+    return fake
+
+
+def test_npu_w8a8_glue_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(registry, "_FAST_PATHS", {})
+    monkeypatch.setattr(registry, "_LOADED_DEVICE_TYPES", set())
+    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
+    monkeypatch.delitem(sys.modules, "pypto_kernels.backends.npu", raising=False)
+    npu = importlib.import_module("pypto_kernels.backends.npu")
+    monkeypatch.setitem(sys.modules, "pypto_kernels.backends.npu", npu)
+    for shape in SHAPES:
+        weight = _int8(shape)
+        x = _x(6, shape[1], torch.bfloat16)
+        assert npu.supports_quant_linear(x, weight)
+        got = npu.quant_linear_w8a8(x, weight)
+        want = quant_linear.reference(x, weight)
+        assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert calls[:2] == ["npu_dynamic_quant", "npu_quant_matmul"]
+    assert not npu.supports_quant_linear(x, _int8((5, 3), offset=True))  # asymmetric: reference
+    assert "scheme" in (npu.explain_quant_linear(scheme="fp8_block") or "")
+
+
+def test_quantized_weight_dequantize_follows_each_scheme() -> None:
+    """The core type's reference dequantisation against each scheme's element-wise definition."""
+    fp8, _ = _fp8((37, 50))
+    i, j = 20, 33
+    assert fp8.dequantize()[i, j].item() == (fp8.data[i, j].float() * fp8.scale[i // 16, j // 16]).item()
+    dyn = _int8((6, 9), offset=True)
+    assert dyn.offset is not None
+    want = (dyn.data.float() - dyn.offset) * dyn.scale
+    assert torch.equal(dyn.dequantize(), want) and torch.equal(pypto_kernels.dequantize_weight(dyn), want)
+    assert dyn.nbytes() == 6 * 9 + 2 * 6 * 4
+    deq = torch.full((6,), 0.5)
+    static = QuantizedWeight(
+        "w8a8_static",
+        dyn.data,
+        deq,
+        input_scale=torch.tensor([0.25]),
+        input_offset=torch.tensor([0.0]),
+        deq_scale=deq,
+        quant_bias=torch.zeros(6, dtype=torch.int32),
+    )
+    assert torch.equal(static.dequantize(), dyn.data.float() * 2)  # deq_scale / input_scale = weight scale
+    assert static.nbytes() == 6 * 9 + 6 * 4 + 4 + 4 + 6 * 4  # deq_scale counted once
