@@ -232,19 +232,7 @@ class EngineCore:
         self.tokenizer: Tokenizer | None = load_tokenizer(
             settings.tokenizer or settings.model, self.plugins.chat_encoder(settings.model)
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=settings.max_num_seqs,
-                max_num_batched_tokens=settings.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                long_prefill_token_threshold=settings.long_prefill_token_threshold,
-                enable_chunked_prefill=settings.enable_chunked_prefill,
-            ),
-            self.kv,
-            replace(info, max_draft_tokens=self.max_draft_tokens),
-            policy,
-            text_stop=self._detokenize,
-        )
+        self.scheduler = self._new_scheduler(policy)
         self.eos_token_ids = tuple(info.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer and self.tokenizer.eos_token_id is not None else ()
         )
@@ -256,6 +244,19 @@ class EngineCore:
         self._changed: list[Request] = []  # heads (choices[0]) of user requests with an output due
         self.strategy: StepStrategy = sched_spec.factory(self)
         logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_spec.name, num_blocks)
+
+    def _new_scheduler(self, policy: SpecPolicy) -> Scheduler:
+        """The scheduler over this engine's KV manager, planning with the drafting depth in effect."""
+        settings = self.settings
+        config = SchedulerConfig(
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            long_prefill_token_threshold=settings.long_prefill_token_threshold,
+            enable_chunked_prefill=settings.enable_chunked_prefill,
+        )
+        info = replace(self.info, max_draft_tokens=self.max_draft_tokens)
+        return Scheduler(config, self.kv, info, policy, text_stop=self._detokenize)
 
     def _kv_cache_memory(self) -> int:
         """``kv_cache_memory``, or with ``gpu_memory_utilization`` (and neither explicit override) what
