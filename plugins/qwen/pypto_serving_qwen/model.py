@@ -13,6 +13,7 @@ slices, so every rank returns the same full logits.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ from .graph import decode_attention, moe_experts, static_decode_attention, write
 from .loader import QuantPlan, QwenConfig, WeightTarget
 from .quantized import QuantizedWeight, Weight, linear, make_weight, weight_targets
 from .sharding import QwenSharding
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionMetadata", "KVCache", "QwenForCausalLM"]
 
@@ -73,8 +76,27 @@ def _part(rows: slice, dim: int, full: int) -> tuple[slice | None, int, int]:
     return (None if whole else rows), dim, full
 
 
-def _scheme(plan: QuantPlan | None, *names: str) -> str | None:
-    return plan.scheme(*names) if plan is not None else None
+def _edges(part: slice, full: int) -> tuple[int, ...]:
+    """Where ``part`` cuts a checkpoint dimension of ``full``: its start, and its stop unless that is the end."""
+    return (int(part.start),) if int(part.stop) == full else (int(part.start), int(part.stop))
+
+
+def _scheme(plan: QuantPlan | None, *names: str, cuts: tuple[int, ...] = (), dim: int = 0) -> str | None:
+    """The stored-precision scheme of the matrix fusing ``names``; ``cuts``: where this rank's matrix
+    splits its checkpoint weights along ``dim`` (fusion boundaries, tensor-parallel part edges).
+    Block-FP8 whose cuts fall inside a scale block is dequantized at load instead (as before stored
+    precision existed; same values, more memory, logged), since no scale block would fit its rows."""
+    scheme = plan.scheme(*names) if plan is not None else None
+    if scheme == "fp8_block" and plan is not None and any(c % plan.block[dim] for c in cuts):
+        logger.warning(
+            "%s: dequantized at load; its fused or tensor-parallel parts (edges %s) are not whole %d-wide FP8 "
+            "scale blocks",
+            names[0].rsplit(".", 2)[0],
+            list(cuts),
+            plan.block[dim],
+        )
+        return None
+    return scheme
 
 
 def _block(plan: QuantPlan | None) -> tuple[int, int]:
@@ -106,10 +128,13 @@ class QwenAttention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         qkv = self.q_size + 2 * self.kv_size
         p = f"model.layers.{layer}.self_attn"
-        qkv_scheme = _scheme(plan, *(f"{p}.{n}_proj.weight" for n in "qkv"))
+        q_rows, kv_rows = _scaled(shards.q_heads, cfg.head_dim), _scaled(shards.kv_heads, cfg.head_dim)
+        q_full, kv_full = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        edges = (self.q_size, self.q_size + self.kv_size, *_edges(q_rows, q_full), *_edges(kv_rows, kv_full))
+        qkv_scheme = _scheme(plan, *(f"{p}.{n}_proj.weight" for n in "qkv"), cuts=edges)
         self.qkv_weight: Weight = make_weight((qkv, cfg.hidden_size), device, dtype, qkv_scheme, _block(plan), 3)
         self.qkv_bias = _param((qkv,), device, dtype) if cfg.qkv_bias else None
-        o_scheme = _scheme(plan, f"{p}.o_proj.weight")
+        o_scheme = _scheme(plan, f"{p}.o_proj.weight", cuts=_edges(q_rows, q_full), dim=1)
         self.o_weight: Weight = make_weight((cfg.hidden_size, self.q_size), device, dtype, o_scheme, _block(plan))
         self.o_bias = _param((cfg.hidden_size,), device, dtype) if cfg.o_bias else None
         self.q_norm = _param((cfg.head_dim,), device, dtype) if cfg.qk_norm else None
@@ -219,8 +244,9 @@ class QwenMLP(nn.Module):
         super().__init__()
         self.shards, self.full = shards, cfg.intermediate_size
         self.intermediate = i = _size(shards.intermediate)
-        gate_up = _scheme(plan, f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight")
-        down = _scheme(plan, f"{prefix}.down_proj.weight")
+        edges = (i, *_edges(shards.intermediate, cfg.intermediate_size))
+        gate_up = _scheme(plan, f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight", cuts=edges)
+        down = _scheme(plan, f"{prefix}.down_proj.weight", cuts=edges[1:], dim=1)
         self.gate_up_weight: Weight = make_weight((2 * i, cfg.hidden_size), device, dtype, gate_up, _block(plan), 2)
         self.down_weight: Weight = make_weight((cfg.hidden_size, i), device, dtype, down, _block(plan))
 
