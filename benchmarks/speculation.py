@@ -7,25 +7,25 @@ Suites (each configuration runs the same prompts through ``LLM.generate``, in-pr
   concurrency 1 (``--prompts`` held-out prompts one after another) and 32; ``--policies`` adds other
   policies beside it;
 * ``mtp``: ``tiny-deepseek-v4`` at concurrency 1, MTP k = 2 (policy ``fixed``) against k = 0 at
-  temperature 0 and at temperature 0.7 (seeded requests);
+  temperature 0 and at temperature 0.7;
 * ``ngram``: ``tiny-qwen3`` on a code-editing workload (each prompt holds a function and asks for it
   again with a change, so the answer can repeat the prompt), n-gram k = 3 against none at
   concurrency 1 and 16;
 * ``adaptive``: ``tiny-deepseek-v4`` at concurrency 1 and 32, policy ``adaptive`` (k up to 3) against
   fixed k = 1, 2, 3 and none.
 
-Decode throughput is output tokens after each request's first, over the time from the first first
-token to the last finish (at concurrency 1, the sum of each request's first token to finish). "CPU-time
-tok/s" is output tokens over the process's CPU time (run with ``--threads 1``): on cores that other
-jobs share it moves far less than wall time. Each run first generates 24 tokens for every prompt
-with other seeds, so a policy that measures (``adaptive``) has seen the workload, as on a server
-that has been running. Prompts are cut from the files the models held out from training (the split
-recorded next to them, ``benchmarks/held_out.py``). Outputs are checked equal to the configuration
-without speculation where verification keeps them equal token by token (greedy, and seeded sampling verified by
-sample-and-compare); sampled MTP drafts are verified by rejection sampling, which keeps only the
-distribution ("dist." in the table). At temperature 0.7 the ``mtp`` suite also runs MTP k = 2 with
-rejection sampling switched off (``sample-and-compare``: argmax drafts, kept when the target's own
-draw matches), for the acceptance rate before and after.
+Decode throughput is output tokens after each request's first, over the time from the first first token to the
+last finish (at concurrency 1, the sum of each request's first token to finish). "CPU-time tok/s" is output
+tokens over the process's CPU time (run with ``--threads 1``): on cores that other jobs share it moves far
+less than wall time. Each run first generates 24 tokens for every prompt with other seeds, so a policy that
+measures (``adaptive``) has seen the workload, as on a server that has been running. Prompts are cut from the
+files the models held out from training (the split recorded next to them, ``benchmarks/held_out.py``). Outputs
+are checked equal to the configuration without speculation where verification keeps them equal token by token
+(greedy, and sampling verified by sample-and-compare, since every configuration draws the same seeds from the
+engine's ``seed``; a request with its own ``seed`` always takes sample-and-compare); sampled MTP drafts are
+verified by rejection sampling, which keeps only the distribution ("dist." in the table). At temperature 0.7
+the ``mtp`` suite also runs MTP k = 2 with rejection sampling switched off (``sample-and-compare``: argmax
+drafts, kept when the target's own draw matches), for the acceptance rate before and after.
 
 ``--repeat N`` runs every configuration of a table N times, alternating, and reports medians (for
 machines whose other load varies).
@@ -115,19 +115,19 @@ def run(
         block_size=16,
         max_num_seqs=concurrency or len(prompts),
         max_num_batched_tokens=2048,
+        seed=0,  # requests draw their seeds from it: a user seed would take sample-and-compare
         speculative_config=cfg.spec,
     )
     try:
         # Warm-up: the same prompts, other seeds, 24 tokens, so a policy that measures (adaptive) has
         # seen this workload's steps before the measured run, as it has on a server that has run a while.
-        warm = [SamplingParams(temperature=temperature, seed=10_000 + i, max_tokens=24) for i in range(len(prompts))]
+        warm = [SamplingParams(temperature=temperature, max_tokens=24) for _ in prompts]
         llm.generate(prompts, warm, use_tqdm=False)
         engine = llm.engine
         assert engine is not None
         before = engine.stats()
         params = [
-            SamplingParams(temperature=temperature, top_p=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True)
-            for i in range(len(prompts))
+            SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_tokens, ignore_eos=True) for _ in prompts
         ]
         cpu0 = time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -30,7 +30,7 @@ __all__ = [
 
 class WireSampling(msgspec.Struct, frozen=True, kw_only=True):
     """A request's sampling parameters as the worker's sampler reads them: the one struct from the
-    API to the sampler. Every field but the three derived ones (``DERIVED``) is the
+    API to the sampler. Every field but the four derived ones (``DERIVED``) is the
     :class:`~pypto_serving.request.SamplingParams` field of the same name, copied by
     :func:`wire_sampling` through ``COPIED`` (lists and dicts frozen to tuples); the worker builds its
     sampler rows from these fields by name too (``runner.py``). ``tests/core/test_runner.py`` checks
@@ -54,10 +54,13 @@ class WireSampling(msgspec.Struct, frozen=True, kw_only=True):
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be completed
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs are computed, with this many top ones
     max_tokens: int | None = None  # the request's output limit (bounds the drafts rejection sampling verifies)
+    # derived: the user gave a seed (not the engine): a seeded sampled request's drafts are verified by
+    # sample-and-compare, so its tokens never depend on which drafts a step verified.
+    seeded: bool = False
 
 
 #: The wire fields computed from a request rather than copied from its SamplingParams.
-DERIVED = ("has_penalties", "min_tokens_banned", "grammar_eos")
+DERIVED = ("has_penalties", "min_tokens_banned", "grammar_eos", "seeded")
 #: The SamplingParams fields the worker reads, copied by name.
 COPIED = tuple(name for name in WireSampling.__struct_fields__ if name not in DERIVED)
 
@@ -80,6 +83,7 @@ def wire_sampling(sp: SamplingParams, eos_token_ids: Sequence[int]) -> WireSampl
         has_penalties=sp.has_penalties,
         min_tokens_banned=tuple(banned),
         grammar_eos=tuple(eos_token_ids) if sp.structured is not None else (),
+        seeded=sp.seed is not None,
     )
 
 

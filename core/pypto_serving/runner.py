@@ -117,9 +117,16 @@ class WorkerRequest:
         keep the argmax comparison. Requests with logprobs, a grammar, logit_bias or allowed_token_ids
         keep sample-and-compare: the sampler reports logprobs of the tokens it draws (not of a
         residual draw), a grammar advances and masks per drafted prefix on the host, and allowed
-        tokens with bans can leave a row nothing to sample, an error only the sampler's path reports."""
+        tokens with bans can leave a row nothing to sample, an error only the sampler's path reports.
+        Requests with a user ``seed`` keep it too: sample-and-compare draws each output token from the
+        target law with the request's seeded stream, whatever was drafted (a draft only decides how
+        many tokens one step keeps), so a seeded request gives the same tokens with or without
+        speculation, in any batch and at any drafting depth; a rejection-sampled token depends on the
+        drafts verified, which a timing-driven policy (``adaptive``) chooses."""
         sp = self.sampling
-        return sp.temperature > 0 and sp.logprobs is None and self.grammar is None and self.edits is None
+        return (
+            sp.temperature > 0 and not sp.seeded and sp.logprobs is None and self.grammar is None and self.edits is None
+        )
 
 
 @dataclass(slots=True, kw_only=True)

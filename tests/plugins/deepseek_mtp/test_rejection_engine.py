@@ -1,7 +1,8 @@
 """Sampled requests with MTP through the whole engine on the embedded tiny DeepSeek-V4: drafts drawn
 from the MTP softmax and verified by rejection sampling are accepted more often than argmax drafts
-verified by sample-and-compare, and seeded outputs are a pure function of the seed (sync == async,
-and a rerun reproduces them).
+verified by sample-and-compare, and a run's outputs are a pure function of the engine's seed (sync ==
+async, and a rerun reproduces them). Requests given their own ``seed`` are verified by
+sample-and-compare, so they give exactly the tokens of no speculation, under the default policy too.
 
 Why acceptance must go up: per position, sample-and-compare accepts the argmax draft ``a`` with
 probability ``p(a)``, rejection sampling accepts a draft drawn from ``q`` with probability
@@ -39,10 +40,14 @@ def sample_and_compare() -> Iterator[None]:
         runner.WorkerRequest.rejection_sampled = before  # type: ignore[method-assign]
 
 
-def _generate(scheduler: str = "sync", **extra: Any) -> tuple[list[list[int]], dict[str, Any]]:
+def _generate(
+    scheduler: str = "sync", seeded: bool = False, spec: dict[str, Any] | None = SPEC, **extra: Any
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Sampled outputs of the prompts; unseeded requests draw their seeds from the engine's ``seed``
+    (so a run is reproducible) and are rejection sampled, ``seeded`` ones carry their own."""
     prompts = [tokenize(TINY_DEEPSEEK_V4, p) for p in PROMPTS for _ in range(4)]
     params = [
-        SamplingParams(temperature=0.7, top_p=0.9, seed=s, max_tokens=16, ignore_eos=True, **extra)
+        SamplingParams(temperature=0.7, top_p=0.9, seed=s if seeded else None, max_tokens=16, ignore_eos=True, **extra)
         for s in range(len(prompts))
     ]
     with LLM(
@@ -52,7 +57,8 @@ def _generate(scheduler: str = "sync", **extra: Any) -> tuple[list[list[int]], d
         worker_mode="inproc",
         scheduler=scheduler,
         max_num_seqs=16,
-        speculative_config=SPEC,
+        seed=1234,
+        **({} if spec is None else {"speculative_config": spec}),
     ) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine is not None
@@ -73,6 +79,16 @@ def test_rejection_sampling_accepts_more_than_sample_and_compare() -> None:
     assert len({tuple(t) for t in tokens}) == len(tokens)  # really sampled: every seed differs
 
 
+def test_seeded_requests_give_the_tokens_of_no_speculation_under_the_default_policy() -> None:
+    """A user seed makes a request's tokens a function of the seed alone: the default policy
+    (``adaptive``, whose drafting depth follows measured time) drafts for it, sample-and-compare
+    verifies, and the tokens equal those of no speculation."""
+    spec, stats = _generate(seeded=True, spec={"method": "mtp", "num_speculative_tokens": 2})
+    plain, _ = _generate(seeded=True, spec=None)
+    assert spec == plain
+    assert stats["spec_drafted"] > 0 and stats["spec_accepted"] > 0  # the drafts really ran
+
+
 def test_seeded_sampled_speculation_reproduces_and_async_equals_sync() -> None:
     pytest.importorskip("pypto_serving_async_sched")
     first, stats = _generate("sync")
@@ -87,11 +103,5 @@ def test_requests_with_logprobs_keep_sample_and_compare() -> None:
     """A request with logprobs is verified by sample-and-compare, which gives exactly the tokens of
     no speculation for the same seed."""
     spec, _ = _generate(logprobs=1)
-    prompts = [tokenize(TINY_DEEPSEEK_V4, p) for p in PROMPTS for _ in range(4)]
-    params = [
-        SamplingParams(temperature=0.7, top_p=0.9, seed=s, max_tokens=16, ignore_eos=True, logprobs=1)
-        for s in range(len(prompts))
-    ]
-    with LLM(model=str(TINY_DEEPSEEK_V4), device="cpu", dtype="float32", worker_mode="inproc", max_num_seqs=16) as llm:
-        plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    plain, _ = _generate(spec=None, logprobs=1)
     assert spec == plain
