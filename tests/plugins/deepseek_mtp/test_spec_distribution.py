@@ -17,17 +17,18 @@ rejected above the 1 - ``ALPHA`` quantile of the chi-square law (the seeds are f
 is deterministic; ``ALPHA = 0.01`` trades a 1 % chance that a change of the draws trips a correct
 verifier for the power below).
 
-Power, computed from the exact law at the sample drawn (:func:`shifted_power`): the alternative moves
-2 points of probability (TV distance 0.02) from the most likely token to the second most likely at
-every prefix of every tested position, the hardest single 2-point move to see (between the largest
-cells). Its noncentrality is ``sum n_prefix * 0.02**2 * (1/p1 + 1/p2)`` over the test's cells; with
-``SEEDS = 2048`` requests after the prompt ``"class "`` it is about 38 over 18 degrees of freedom, so
-with the threshold at about 35 the test rejects such a shift with probability about 0.95 (computed
-by seeded Monte Carlo of the noncentral chi-square; the test asserts at least 0.9). The statistic
-under the exact law stays well below the threshold (about 14 on the seeds of an earlier version). :func:`test_the_check_rejects_a_two_point_shift` applies it to the
-same sample against the 2-point-shifted law (about 47: rejected), so the power is not only on
-paper. Runtime: about 100 s of CPU for the 2048 speculating requests (3 decode steps each at batch
-512, every one verified by rejection sampling) plus a second for the reference.
+Power, computed from the exact law at the sample drawn (:func:`shifted_power`): the alternative
+moves 2 points of probability (TV distance 0.02) from the most likely token to the second most
+likely at every prefix of every tested position, the hardest single 2-point move to see (between the
+largest cells). Its noncentrality is ``sum n_prefix * 0.02**2 * (1/p1 + 1/p2)`` over the test's
+cells; with ``SEEDS = 2048`` requests after the prompt ``"class "`` it is about 38 over 18 degrees
+of freedom, so with the threshold at about 35 the test rejects such a shift with probability about
+0.95 (computed by seeded Monte Carlo of the noncentral chi-square; the test asserts at least 0.9).
+The statistic under the exact law stays well below the threshold (about 14 on the seeds of an
+earlier version). :func:`test_the_check_rejects_a_two_point_shift` applies it to the same sample
+against the 2-point-shifted law (about 47: rejected), so the power is not only on paper. Runtime:
+about 100 s of CPU for the 2048 speculating requests (3 decode steps each at batch 512, every one
+verified by rejection sampling) plus a second for the reference.
 """
 
 from __future__ import annotations
