@@ -147,6 +147,9 @@ def _skip_unrunnable(block: Block) -> None:
     for name, module in EMBEDDED.items():
         if name in block.code and importlib.util.find_spec(module) is None:
             pytest.skip(f"the embedded model {name} ships with {module}, which is not installed")
+    for module in sorted(set(re.findall(r"^\s*(?:from|import)\s+(pypto_serving_\w+)", block.code, re.M))):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the block imports {module}, which is not installed")
     _skip_without_strategy(block.code)
     device = re.search(r"""device\s*=\s*["'](npu|cuda)""", block.code)
     if device is not None:

@@ -96,7 +96,7 @@ def test_fp8_is_refused_where_it_is_not_supported() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported with executor_options graph_mode"):
         QwenExecutor(settings).load()
     # An executor that does not declare it in ExecutorInfo.kv_cache_dtypes is refused by the engine.
-    fake = ServingSettings(executor="fake", worker_mode="inproc", scheduler="sync", kv_cache_dtype="fp8")
+    fake = ServingSettings(executor="fake", worker_mode="inproc", kv_cache_dtype="fp8")
     with pytest.raises(
         ValueError, match=r"kv_cache_dtype='fp8' is not supported by the fake executor \(it supports 'auto'\)"
     ):
