@@ -19,6 +19,7 @@ from pypto_serving.messages import NewRequestData, ScheduledEntry, StepCommand, 
 from pypto_serving.runner import ModelRunner
 from pypto_serving.spec_decode import NgramDrafter, SpecRow, read, rejection_sample
 from pypto_serving.spec_decode.ngram import pad_histories, propose_ngram
+from tests.core.test_rejection import chi_square
 
 
 def reference(h: list[int], k: int, lo: int, hi: int) -> list[int]:
@@ -205,11 +206,11 @@ def test_ngram_drafts_are_rejection_sampled_with_a_point_mass() -> None:
     assert math.isclose(sum(exact.values()), 1.0)
     counts = Counter(got)
     assert set(counts) <= set(exact), set(counts) - set(exact)
-    stat, df = _chi_square(counts, exact, N_RUNS)
+    stat, df = chi_square(counts, exact, N_RUNS)
     assert stat < df + 6 * math.sqrt(2 * df), (stat, df)
     for shift in (-0.05, 0.05):  # the power claimed above
         wrong = _shifted(exact, shift)
-        bug_stat, _ = _chi_square(Counter({s: round(N_RUNS * w) for s, w in wrong.items()}), exact, N_RUNS)
+        bug_stat, _ = chi_square(Counter({s: round(N_RUNS * w) for s, w in wrong.items()}), exact, N_RUNS)
         assert bug_stat > 3 * (df + 6 * math.sqrt(2 * df)), (shift, bug_stat)
 
 
@@ -217,20 +218,6 @@ def _shifted(exact: dict[tuple[int, ...], float], shift: float) -> dict[tuple[in
     """The law when the first draft is accepted with probability ``P[3] + shift`` instead."""
     a = P[3] + shift
     return {s: (w / P[3] * a if s[0] == 3 and len(s) > 1 else w / (1 - P[3]) * (1 - a)) for s, w in exact.items()}
-
-
-def _chi_square(counts: Counter[tuple[int, ...]], exact: dict[tuple[int, ...], float], n: int) -> tuple[float, int]:
-    stat, df, pool_e, pool_o = 0.0, -1, 0.0, 0
-    for seq, pr in exact.items():
-        if n * pr < 5:
-            pool_e, pool_o = pool_e + n * pr, pool_o + counts[seq]
-            continue
-        stat += (counts[seq] - n * pr) ** 2 / (n * pr)
-        df += 1
-    if pool_e:
-        stat += (pool_o - pool_e) ** 2 / max(pool_e, 5.0)
-        df += 1
-    return stat, df
 
 
 def test_a_decode_given_no_drafts_costs_no_ngram_proposal() -> None:
