@@ -43,6 +43,9 @@ class Tokenizer:
         self._template: tuple[str, Template] | None = None  # (source, compiled)
         # Used only when the checkpoint has no chat template: its own template always wins.
         self.chat_encoder: ChatEncoder | None = None
+        # One token's text, by id: logprobs bodies name hundreds of thousands of tokens, mostly the
+        # same few thousand; at most one entry per vocabulary id, so it stays bounded.
+        self._token_texts: dict[int, str] = {}
 
     @property
     def can_chat(self) -> bool:
@@ -54,6 +57,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (memoised: the same id always decodes the same)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = str(self._tok.decode([token], skip_special_tokens=False))
+        return text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any) -> str:
         if not self.chat_template and self.chat_encoder is not None:

@@ -41,6 +41,7 @@ from .distributed import (
     step_digest,
 )
 from .executor import Executor, ExecutorInfo
+from .heap import freeze_startup_heap
 from .memory import profile_memory
 from .messages import (
     InitCache,
@@ -127,6 +128,7 @@ def _worker_main(
     try:
         runner = ModelRunner(factory(settings), settings)
         info = runner.load()
+        freeze_startup_heap()
         conn.send_bytes(_encoder.encode(Loaded(info)))
     except BaseException as e:
         conn.send_bytes(_encoder.encode(Loaded(None, _format_error(e))))

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..config import ServingSettings
+from ..heap import freeze_startup_heap
 from ..metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .data_parallel import ServingLLM
 from .guard import _Guard
@@ -76,6 +77,7 @@ def build_app(llm: ServingLLM, settings: ServingSettings | None = None, *, manag
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if manage_engine:
             llm.start()
+        freeze_startup_heap()
         yield
         if manage_engine:
             # uvicorn has already waited (up to shutdown_timeout) for in-flight responses; abort the rest.
@@ -248,5 +250,5 @@ def _tokenize(ctx: _Ctx, req: TokenizeCompletionRequest | TokenizeChatRequest) -
     else:
         tok = _need_tokenizer(ctx, "prompt")
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None
+    strs = [tok.token_text(t) for t in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": ctx.llm.max_model_len, "tokens": ids, "token_strs": strs}

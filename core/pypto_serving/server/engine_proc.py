@@ -41,6 +41,7 @@ import msgspec
 
 from ..config import ServingSettings
 from ..executor import ExecutorInfo
+from ..heap import freeze_startup_heap
 from ..request import RequestOutput, SamplingParams
 
 __all__ = [
@@ -339,6 +340,7 @@ class _CoreLoop:
                 pickled = b""
             self._send(CoreFailed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, pickled))
             return None
+        freeze_startup_heap()
         self._send(CoreReady(engine.info, engine.max_model_len, engine.stats(), engine.worker.pid))
         return engine
 

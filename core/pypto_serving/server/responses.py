@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ParamSpec
 
 import msgspec
@@ -137,41 +139,62 @@ def _token_str(ctx: _Ctx, token: int) -> str:
     tok = ctx.llm.tokenizer
     if tok is None:
         return f"token_id:{token}"
-    text = tok.decode([token], skip_special_tokens=False)
+    text = tok.token_text(token)
     return f"token_id:{token}" if "\ufffd" in text else text
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class _LogprobRows:
+    """Completion logprobs rows: per token its text, its logprob and its top entries by text. A
+    prompt's rows are built once and shared by all of its ``n`` choices (an echo of a long prompt
+    with ``n=128`` would otherwise decode and rank it 128 times)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+
+
+def _logprob_rows(ctx: _Ctx, rows: Iterable[tuple[int, list[tuple[int, float]] | None]]) -> _LogprobRows:
+    """Rows of ``(token, its ranked entries or None)``."""
+    out = _LogprobRows([], [], [])
+    for t, ranked in rows:
+        out.tokens.append(_token_str(ctx, t))
+        out.token_logprobs.append(dict(ranked).get(t) if ranked is not None else None)
+        out.top_logprobs.append({_token_str(ctx, k): v for k, v in ranked} if ranked is not None else None)
+    return out
+
+
+def _echo_rows(ctx: _Ctx, ids: list[int], lps: list[dict[int, float] | None] | None, top_n: int) -> _LogprobRows:
+    """The echoed prompt's rows (the first prompt token has no logprobs), each with its ``top_n`` (the
+    request's ``logprobs``) most likely tokens, as the outputs have."""
+    return _logprob_rows(
+        ctx, ((t, _top_entries(d, t, top_n) if d is not None else None) for t, d in zip(ids, lps or [None] * len(ids)))
+    )
+
+
 def _completion_logprobs(
-    ctx: _Ctx,
-    c: CompletionOutput,
-    span: tuple[int, int, int],
-    echo: tuple[list[int], list[dict[int, float] | None] | None] | None,
-    top_n: int,
+    ctx: _Ctx, c: CompletionOutput, span: tuple[int, int, int], echo: _LogprobRows | None
 ) -> dict[str, Any] | None:
     """OpenAI's completion logprobs of output tokens ``span[0]:span[1]``, text offsets from ``span[2]``;
-    with ``echo`` the prompt's ``(ids, prompt logprobs)`` come first (the first prompt token has none),
-    each with its ``top_n`` (the request's ``logprobs``) most likely tokens, as the outputs have. No
-    default: the streamed and the whole response must pass the same ``top_n``."""
+    with ``echo`` the prompt's rows (:func:`_echo_rows`) come first."""
     if c.logprobs is None:
         return None
     start, end, offset = span
-    tokens: list[str] = []
-    token_lps: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-    ids, lps = echo if echo is not None else ([], None)
-    prompt = [(t, _top_entries(d, t, top_n) if d is not None else None) for t, d in zip(ids, lps or [None] * len(ids))]
-    outputs = [
-        (t, sorted(d.items(), key=lambda kv: -kv[1])) for t, d in zip(c.token_ids[start:end], c.logprobs[start:end])
-    ]
-    for t, ranked in [*prompt, *outputs]:
-        s = _token_str(ctx, t)
-        tokens.append(s)
-        token_lps.append(dict(ranked).get(t) if ranked is not None else None)
-        tops.append({_token_str(ctx, k): v for k, v in ranked} if ranked is not None else None)
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+    ranked = (sorted(d.items(), key=lambda kv: -kv[1]) for d in c.logprobs[start:end])
+    rows = _logprob_rows(ctx, zip(c.token_ids[start:end], ranked))
+    if echo is not None:
+        rows = _LogprobRows(
+            echo.tokens + rows.tokens,
+            echo.token_logprobs + rows.token_logprobs,
+            echo.top_logprobs + rows.top_logprobs,
+        )
+    offsets = list(itertools.accumulate((len(s) for s in rows.tokens[:-1]), initial=offset)) if rows.tokens else []
+    return {
+        "tokens": rows.tokens,
+        "token_logprobs": rows.token_logprobs,
+        "top_logprobs": rows.top_logprobs,
+        "text_offset": offsets,
+    }
 
 
 def _top_entries(d: dict[int, float], token: int, n: int) -> list[tuple[int, float]]:
@@ -203,7 +226,7 @@ def _vllm_prompt_logprobs(
                 str(k): {
                     "logprob": v,
                     "rank": ranked.index(k) + 1 if k in ranked else None,
-                    "decoded_token": tok.decode([k], skip_special_tokens=False) if tok is not None else None,
+                    "decoded_token": tok.token_text(k) if tok is not None else None,
                 }
                 for k, v in _top_entries(d, t, n)
             }
@@ -244,9 +267,16 @@ def _completion_body(
     choices = []
     for pi, (p, out) in enumerate(zip(prompts, outs)):
         echo = _prompt_text(ctx, p) if req.echo else ""
+        # Built once per prompt: its n choices share them.
+        echoed = req.echo and req.logprobs is not None
+        rows = _echo_rows(ctx, p.ids, out.prompt_logprobs, req.logprobs or 0) if echoed else None
+        vllm_rows = (
+            _vllm_prompt_logprobs(ctx, p.ids, out.prompt_logprobs, req.prompt_logprobs, _computed(req))
+            if req.prompt_logprobs is not None
+            else None
+        )
         for c in out.outputs:
-            prompt = (p.ids, out.prompt_logprobs) if req.echo else None
-            lp = _completion_logprobs(ctx, c, (0, len(c.token_ids), 0), prompt, req.logprobs or 0)
+            lp = _completion_logprobs(ctx, c, (0, len(c.token_ids), 0), rows)
             choice = {
                 "index": pi * req.n + c.index,
                 "text": echo + c.text,
@@ -255,9 +285,7 @@ def _completion_body(
                 "stop_reason": c.stop_reason,
             }
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = _vllm_prompt_logprobs(
-                    ctx, p.ids, out.prompt_logprobs, req.prompt_logprobs, _computed(req)
-                )
+                choice["prompt_logprobs"] = vllm_rows
             choices.append(choice)
     return {
         "id": rid,

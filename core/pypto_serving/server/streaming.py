@@ -23,6 +23,7 @@ from .responses import (
     _chat_finish_reason,
     _chat_logprobs,
     _completion_logprobs,
+    _echo_rows,
     _failure_message,
     _prompt_text,
     _tool_call,
@@ -205,7 +206,8 @@ class _StreamRunner:
                         st.started = True
                         if req.echo:  # the first output follows the prompt: its logprobs are complete
                             prefix = _prompt_text(self.ctx, self.prompts[pi])
-                            echo = (self.prompts[pi].ids, self.latest[pi].prompt_logprobs)
+                            ids, lps = self.prompts[pi].ids, self.latest[pi].prompt_logprobs
+                            echo = _echo_rows(self.ctx, ids, lps, req.logprobs or 0)
                             st.echo_len = len(prefix)
                     text = prefix + self._delta_text(pi, c, st, done)
                     if not text and not done and echo is None and (c.logprobs is None or start == end):
@@ -214,7 +216,7 @@ class _StreamRunner:
                     choice = {
                         "index": pi * req.n + c.index,
                         "text": text,
-                        "logprobs": _completion_logprobs(self.ctx, c, span, echo, req.logprobs or 0),
+                        "logprobs": _completion_logprobs(self.ctx, c, span, echo),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason if done else None,
                     }
