@@ -377,6 +377,21 @@ class ServingSettings(BaseSettings):
         description="Largest response a request may ask for, estimated from n, prompts, max_tokens and logprobs "
         "before it runs; past it the request is a 400 naming this setting.",
     )
+    response_store_max_entries: int = Field(
+        1000,
+        ge=0,
+        description="Most responses /v1/responses keeps for previous_response_id and GET (store: true); past it "
+        "the least recently used go first. 0 keeps none.",
+    )
+    response_store_max_age: float = Field(
+        3600.0, gt=0, description="Seconds a stored /v1/responses response is kept at most."
+    )
+    response_store_max_bytes: int = Field(
+        64 * 1024**2,
+        gt=0,
+        description="Most bytes (as JSON, input items included) of all stored /v1/responses responses; past it "
+        "the least recently used go first, and a larger response alone is not kept.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level.")
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -519,6 +534,9 @@ SERVER_ONLY = frozenset(
         "data_parallel_routing",
         "tool_call_parser",
         "reasoning_parser",
+        "response_store_max_entries",
+        "response_store_max_age",
+        "response_store_max_bytes",
     }
 )
 

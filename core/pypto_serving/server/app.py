@@ -1,4 +1,4 @@
-"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health,
+"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health,
 /metrics, /version and vLLM's /tokenize and /detokenize, with OpenAI error bodies, Bearer auth, a
 body-size limit and back-pressure.
 This module assembles the app (lifespan, error handlers, routes); the work is in its siblings."""
@@ -50,6 +50,7 @@ from .protocol import (
     validation_api_error,
 )
 from .responses import _chat_body, _completion_body, _json_response, _run_all
+from .responses_api import add_responses_routes
 from .streaming import _sse, _start_stream
 
 __all__ = ["build_app", "served_model_name"]
@@ -122,6 +123,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
     _add_info_routes(app, ctx)
     _add_generation_routes(app, ctx)
+    add_responses_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
 
 
