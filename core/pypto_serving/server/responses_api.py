@@ -193,6 +193,14 @@ class ResponsesRequest(_Strict):
     service_tier: Text | None = None
 
 
+# Names that may appear in an error's location; anything else there is pydantic's name of a union branch.
+_FIELD_NAMES = frozenset(
+    {"schema"}.union(
+        *(m.model_fields for m in (ResponsesRequest, TextConfig, TextFormat, FunctionTool, *_ITEMS.values()))
+    )
+)
+
+
 def _is_neutral(name: str, value: Any) -> bool:
     if value is None:
         return True
@@ -224,9 +232,13 @@ def _validated(model: type[Any], data: Any, where: str) -> Any:
 
 
 def _validation_error(e: ValidationError, where: str) -> APIError:
-    err = e.errors()[0]
+    errors = e.errors()
+    # A union reports one error per branch: one whose type matched explains best, else the deepest.
+    field_errors = [x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]]
+    matched = [x for x in field_errors if not x["type"].endswith("_type")]
+    err = matched[0] if matched else max(field_errors, key=lambda x: len(x["loc"]))
     # Union branch names (``str``, ``list[...]``) are pydantic's, not the client's.
-    path = [str(p) for p in err["loc"] if isinstance(p, int) or re.fullmatch(r"[a-z_]+", str(p))]
+    path = [str(p) for p in err["loc"] if isinstance(p, int) or p in _FIELD_NAMES]
     full = ".".join(filter(None, [where, *path]))
     param = full.split(".")[0] or None
     if err["type"] == "extra_forbidden":
@@ -290,7 +302,9 @@ def _texts(parts: str | list[dict[str, Any]], kinds: tuple[str, ...], where: str
     out = []
     for j, part in enumerate(parts):
         kind, text = part.get("type"), part.get("text")
-        if kind not in kinds or not isinstance(text, str):
+        if kind in kinds and not isinstance(text, str):
+            raise APIError(400, f"{where}.{j}.text: must be a string", param="input", code="invalid_value")
+        if kind not in kinds:
             raise APIError(
                 400,
                 f"{where}.{j}: content of type {kind!r} is not supported by this server (text only: "

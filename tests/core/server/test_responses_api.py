@@ -225,7 +225,9 @@ def test_the_same_round_trip_with_the_items_sent_back(served: Served) -> None:
         *[item.model_dump(exclude_none=True) for item in first.output],
         {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 22}'},
     ]
-    second = served.client.responses.create(model="tiny-tools", temperature=0, input=items, tools=[FUNCTION], store=False)
+    second = served.client.responses.create(
+        model="tiny-tools", temperature=0, input=items, tools=[FUNCTION], store=False
+    )
     assert second.output_text == ANSWER
     with pytest.raises(openai.NotFoundError):
         served.client.responses.retrieve(first.id)
@@ -257,7 +259,9 @@ def test_reasoning_becomes_a_reasoning_item(served: Served, stream: bool) -> Non
     assert r.output_text == "The answer is 5."
     assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
     # Passed back, the reasoning item reaches the template as the assistant turn's reasoning_content.
-    follow = served.client.responses.create(model="tiny-tools", temperature=0, previous_response_id=r.id, input="Say hello")
+    follow = served.client.responses.create(
+        model="tiny-tools", temperature=0, previous_response_id=r.id, input="Say hello"
+    )
     assert follow.output_text == "Hello there, friend."
 
 
@@ -278,7 +282,11 @@ def test_json_schema_format_is_kept_by_the_grammar(served: Served) -> None:
         jsonschema.validate(json.loads(r.output_text), PERSON)
         outputs.append(r.output_text)
     r = served.client.responses.create(
-        model="tiny-tools", temperature=0, input="Describe a person", text={"format": {"type": "json_object"}}, max_output_tokens=96
+        model="tiny-tools",
+        temperature=0,
+        input="Describe a person",
+        text={"format": {"type": "json_object"}},
+        max_output_tokens=96,
     )
     assert r.status != "completed" or isinstance(json.loads(r.output_text), dict)
 
@@ -399,7 +407,7 @@ def _flood(s: Served, n: int, threads: int = 8) -> list[str]:
 
     def worker(k: int) -> None:
         for _ in range(k, n, threads):
-            r = s.client.responses.create(model="tiny-tools", temperature=0, input="Say hello")
+            r = s.client.responses.create(model="tiny-tools", temperature=0, input="Say hello", max_output_tokens=2)
             with lock:
                 ids.append(r.id)
 
@@ -426,7 +434,7 @@ def test_the_store_stays_bounded_under_a_flood(serve: Callable[..., Served], bou
 
     s = serve(**bounds)
     store = s.app.state.response_store
-    ids = _flood(s, 60)
+    ids = _flood(s, 24)
     kept = _retrievable(s, ids)
     assert 1 <= len(store) == len(kept) <= store.max_entries
     assert len(kept) < len(ids)
