@@ -194,11 +194,8 @@ class ResponsesRequest(_Strict):
 
 
 # Names that may appear in an error's location; anything else there is pydantic's name of a union branch.
-_FIELD_NAMES = frozenset(
-    {"schema"}.union(
-        *(m.model_fields for m in (ResponsesRequest, TextConfig, TextFormat, FunctionTool, *_ITEMS.values()))
-    )
-)
+_MODELS: tuple[type[BaseModel], ...] = (ResponsesRequest, TextConfig, TextFormat, FunctionTool, *_ITEMS.values())
+_FIELD_NAMES = frozenset({"schema"}.union(*(m.model_fields for m in _MODELS)))
 
 
 def _is_neutral(name: str, value: Any) -> bool:
@@ -238,7 +235,10 @@ def _validation_error(e: ValidationError, where: str) -> APIError:
     matched = [x for x in field_errors if not x["type"].endswith("_type")]
     err = matched[0] if matched else max(field_errors, key=lambda x: len(x["loc"]))
     # Union branch names (``str``, ``list[...]``) are pydantic's, not the client's.
-    path = [str(p) for p in err["loc"] if isinstance(p, int) or p in _FIELD_NAMES]
+    loc, last = err["loc"], []
+    if err["type"] == "extra_forbidden":  # the unknown name itself is the client's
+        loc, last = loc[:-1], [str(loc[-1])]
+    path = [str(p) for p in loc if isinstance(p, int) or p in _FIELD_NAMES] + last
     full = ".".join(filter(None, [where, *path]))
     param = full.split(".")[0] or None
     if err["type"] == "extra_forbidden":
@@ -302,8 +302,6 @@ def _texts(parts: str | list[dict[str, Any]], kinds: tuple[str, ...], where: str
     out = []
     for j, part in enumerate(parts):
         kind, text = part.get("type"), part.get("text")
-        if kind in kinds and not isinstance(text, str):
-            raise APIError(400, f"{where}.{j}.text: must be a string", param="input", code="invalid_value")
         if kind not in kinds:
             raise APIError(
                 400,
@@ -312,6 +310,8 @@ def _texts(parts: str | list[dict[str, Any]], kinds: tuple[str, ...], where: str
                 param="input",
                 code="unsupported_parameter",
             )
+        if not isinstance(text, str):
+            raise APIError(400, f"{where}.{j}.text: must be a string", param="input", code="invalid_value")
         out.append(text)
     return "".join(out)
 

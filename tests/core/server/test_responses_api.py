@@ -152,8 +152,12 @@ def test_text_response_renders_instructions_and_input_as_chat_does(served: Serve
 def test_input_items_with_text_parts(served: Served) -> None:
     items = [
         {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say "}, {"type": "input_text", "text": "hello"}]},
-    ]  # fmt: skip
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Say "}, {"type": "input_text", "text": "hello"}],
+        },
+    ]
     r = served.client.responses.create(model="tiny-tools", temperature=0, input=items)
     assert r.output_text == "Hello there, friend."
     expected = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
