@@ -335,8 +335,8 @@ class _Messages:
 
     def add(self, item: BaseModel, where: str) -> None:
         if isinstance(item, MessageItem):
-            kinds = ("output_text", "refusal") if item.role == "assistant" else ("input_text",)
-            text = _texts(item.content, kinds, f"{where}.content")
+            # Either kind of text part in any role, as the SDK's input message types allow.
+            text = _texts(item.content, ("input_text", "output_text"), f"{where}.content")
             if item.role == "assistant":
                 self.assistant(new=True)["content"] = text
             else:

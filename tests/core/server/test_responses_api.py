@@ -256,7 +256,17 @@ def test_forced_function_call(serve: Callable[..., Served]) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_reasoning_becomes_a_reasoning_item(served: Served, stream: bool) -> None:
+def test_reasoning_becomes_a_reasoning_item(served: Served, stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pypto_serving.tokenizer import Tokenizer
+
+    rendered: list[list[dict[str, Any]]] = []
+    render = Tokenizer.apply_chat_template
+
+    def recording(self: Tokenizer, messages: list[dict[str, Any]], *args: Any, **kw: Any) -> str:
+        rendered.append(messages)
+        return render(self, messages, *args, **kw)
+
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", recording)
     r = _create(served, stream, input="What is 2+3?")
     assert [item.type for item in r.output] == ["reasoning", "message"]
     assert [c.text for c in r.output[0].content] == [THOUGHT]
@@ -267,6 +277,11 @@ def test_reasoning_becomes_a_reasoning_item(served: Served, stream: bool) -> Non
         model="tiny-tools", temperature=0, previous_response_id=r.id, input="Say hello"
     )
     assert follow.output_text == "Hello there, friend."
+    assert rendered[-1] == [
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "The answer is 5.", "reasoning_content": THOUGHT},
+        {"role": "user", "content": "Say hello"},
+    ]
 
 
 # --------------------------------------------------------------------------- structured output
