@@ -92,6 +92,7 @@ _RENAMED = {
     "response_format": "text.format",
 }
 _RENAMED_WORDS = re.compile(r"\b(max_completion_tokens|response_format)\b")
+_MESSAGE_PATH = re.compile(r"\bmessages\.(\d+)")  # chat's path of a message (instructions and items as rendered)
 
 
 # --------------------------------------------------------------------------- request models
@@ -186,7 +187,12 @@ class ResponsesRequest(_Strict):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     # Accepted and echoed or ignored: metadata about the caller that changes nothing generated.
-    metadata: Annotated[dict[Text, Text], Field(max_length=16)] | None = None
+    metadata: (
+        Annotated[
+            dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]], Field(max_length=16)
+        ]
+        | None
+    ) = None
     user: Text | None = None
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None
@@ -418,6 +424,7 @@ def _in_responses_terms() -> Iterator[None]:
     except APIError as e:
         e.param = _RENAMED.get(e.param or "", e.param)
         e.message = _RENAMED_WORDS.sub(lambda m: _RENAMED[m.group(1)], e.message)
+        e.message = _MESSAGE_PATH.sub(r"the rendered conversation's message \1", e.message)
         raise
 
 

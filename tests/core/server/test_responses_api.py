@@ -535,10 +535,16 @@ def test_unsupported_fields_are_400s(served: Served, extra: dict[str, Any], para
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
         ({"input": "Say hello", "model": "other"}, "model"),
         ({}, "input"),
+        ({"input": "Say hello", "metadata": {"k" * 65: "v"}}, "metadata"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 80 + "]" * 80}]},
+            "input",
+        ),
     ],
 )
 def test_bad_requests_name_the_field(served: Served, body: dict[str, Any], param: str) -> None:
     r = httpx.post(f"{served.url}/v1/responses", json=body)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param, r.text
-    assert "max_completion_tokens" not in r.text and "response_format" not in r.text
+    for chat_name in ("max_completion_tokens", "response_format", "messages."):
+        assert chat_name not in r.text
