@@ -215,7 +215,9 @@ def _is_neutral(name: str, value: Any) -> bool:
 def _parse_request(body: Any) -> ResponsesRequest:
     """The request, or a 400 naming the field: unsupported fields first, then the model's checks."""
     if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        # FastAPI hands over the raw bytes of a body sent without content-type: application/json.
+        how = " sent with content-type: application/json" if isinstance(body, bytes | bytearray) else ""
+        raise APIError(400, f"the request body must be a JSON object{how}", code="invalid_json")
     for name, value in body.items():
         if name in UNSUPPORTED and not _is_neutral(name, value):
             raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")

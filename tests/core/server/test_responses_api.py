@@ -548,3 +548,17 @@ def test_bad_requests_name_the_field(served: Served, body: dict[str, Any], param
     assert r.json()["error"]["param"] == param, r.text
     for chat_name in ("max_completion_tokens", "response_format", "messages."):
         assert chat_name not in r.text
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "says"),
+    [
+        (b'{"input": "Say hello"}', {"content-type": "text/plain"}, "content-type: application/json"),
+        (b"[]", {"content-type": "application/json"}, "must be a JSON object"),
+        (b'{"input": ', {"content-type": "application/json"}, "could not parse"),
+    ],
+)
+def test_bodies_that_are_not_json_objects(served: Served, content: bytes, headers: dict[str, str], says: str) -> None:
+    r = httpx.post(f"{served.url}/v1/responses", content=content, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert says in r.json()["error"]["message"]
