@@ -58,6 +58,7 @@ BOUNDED = {  # arguments a random walk through the grammar finishes quickly
     "required": ["city"],
     "additionalProperties": False,
 }
+UNSUPPORTED_NAMES = ["background", "include", "reasoning", "truncation", "conversation", "top_logprobs"]
 PERSON = {
     "type": "object",
     "properties": {
@@ -562,3 +563,98 @@ def test_bodies_that_are_not_json_objects(served: Served, content: bytes, header
     r = httpx.post(f"{served.url}/v1/responses", content=content, headers=headers)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
     assert says in r.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+
+def _fuzz_strategies() -> tuple[Any, Any]:
+    """(bodies, corruptions): bodies shaped like response requests, typed but with any texts, items of
+    every type (the wrong fields for their type included), parts of every type, and tools and formats
+    that may be invalid; a corruption is None or a field (known, unsupported or unknown) and any JSON
+    value to put there."""
+    from hypothesis import strategies as st
+
+    floats = st.floats(allow_nan=False, allow_infinity=False)  # what JSON can carry
+    scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | floats | st.text(max_size=8)
+    json_values = st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+        max_leaves=8,
+    )
+    text = st.sampled_from(["hi", "", "Say hello", "\u00e9t\u00e9"]) | st.text(max_size=6)
+    part = st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_text", "output_text", "input_image", "reasoning_text", "summary_text"])},
+        optional={"text": text},
+    )
+    content = text | st.lists(part, max_size=3)
+    item = st.fixed_dictionaries(
+        {},
+        optional={
+            "type": st.sampled_from(
+                ["message", "function_call", "function_call_output", "reasoning", "item_reference"]
+            ),
+            "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+            "content": content,
+            "call_id": text,
+            "name": text,
+            "arguments": st.sampled_from(['{"city": "Paris"}', "{", "[]", '"x"']),
+            "output": content,
+            "summary": st.lists(part, max_size=2),
+        },
+    )
+    schemas = st.sampled_from([{"type": "object"}, PERSON, BOUNDED, {"type": "bogus"}, {}])
+    tool = st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "web_search"])},
+        optional={"name": text, "parameters": schemas, "strict": st.booleans()},
+    )
+    fmt = st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+        optional={"name": text, "schema": schemas, "strict": st.booleans()},
+    )
+    choices = st.sampled_from(["auto", "none", "required", {"type": "function", "name": "get_weather"}])
+    fields = {
+        "input": text | st.lists(item, min_size=1, max_size=4),
+        "instructions": text,
+        "tools": st.lists(tool, max_size=2),
+        "tool_choice": choices,
+        "parallel_tool_calls": st.booleans(),
+        "text": st.fixed_dictionaries({}, optional={"format": fmt}),
+        "max_output_tokens": st.integers(1, 3),
+        "temperature": st.floats(0, 2),
+        "store": st.booleans(),
+        "stream": st.booleans(),
+    }
+    names = st.sampled_from([*fields, *UNSUPPORTED_NAMES, "previous_response_id", "metadata", "nope"])
+    # Most bodies keep their types, so that the work past the checks is reached too.
+    corrupt = st.sampled_from([False, False, True]).flatmap(lambda c: st.tuples(names, json_values) if c else st.none())
+    return st.fixed_dictionaries({"input": fields.pop("input")}, optional=fields), corrupt
+
+
+def test_fuzzed_bodies_are_answered_never_a_5xx(make_client: Any) -> None:
+    from hypothesis import HealthCheck, given, settings
+
+    client, _ = make_client()
+
+    bodies, corruptions = _fuzz_strategies()
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(bodies, corruptions)
+    def check(body: dict[str, Any], corrupt: tuple[str, Any] | None) -> None:
+        body.setdefault("max_output_tokens", 2)
+        if corrupt is not None:
+            body[corrupt[0]] = corrupt[1]
+        r = client.post("/v1/responses", json=body)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code in (200, 400, 404), (body, r.status_code, r.text)
+        if r.status_code != 200:
+            assert r.json()["error"]["message"], r.text
+        elif body.get("stream") is True:
+            names = [name for name, _ in _parse_events(r.text)]
+            assert names[0] == "response.created" and names[-1] in ("response.completed", "response.incomplete")
+        else:
+            assert r.json()["status"] in ("completed", "incomplete")
+
+    check()
+    assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10, seen  # both the work and the refusals are reached
