@@ -468,10 +468,10 @@ def test_the_store_stays_bounded_under_a_flood(serve: Callable[..., Served], bou
 
 
 def test_stored_responses_expire(serve: Callable[..., Served]) -> None:
-    s = serve(response_store_max_age=0.5)
+    s = serve(response_store_max_age=1.5)  # room for a loaded machine between the create and the first get
     r = s.client.responses.create(model="tiny-tools", temperature=0, input="Say hello")
     assert s.client.responses.retrieve(r.id).id == r.id
-    time.sleep(0.6)
+    time.sleep(1.6)
     with pytest.raises(openai.NotFoundError):
         s.client.responses.retrieve(r.id)
     assert len(s.app.state.response_store) == 0
