@@ -1,4 +1,4 @@
-"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health,
+"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics, /version and vLLM's /tokenize and /detokenize, with OpenAI error bodies, Bearer auth, a
 body-size limit and back-pressure.
 This module assembles the app (lifespan, error handlers, routes); the work is in its siblings."""
