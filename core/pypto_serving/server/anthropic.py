@@ -285,9 +285,7 @@ class _MessagesFields(_Strict):
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if value not in (None, []) and not (info.field_name == "speed" and value == "standard"):
-            raise PydanticCustomError(
-                "unsupported_field", "{name} is not supported by this server", {"name": str(info.field_name)}
-            )
+            raise PydanticCustomError("unsupported_field", "not supported by this server", {})
         return None
 
     @field_validator("system", mode="before")
@@ -309,13 +307,6 @@ class MessagesRequest(_MessagesFields):
     top_k: Int64 | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
-
-    @model_validator(mode="after")
-    def _budget_below_max_tokens(self) -> MessagesRequest:
-        budget = self.thinking.budget_tokens if self.thinking is not None and self.thinking.type == "enabled" else None
-        if budget is not None and budget >= self.max_tokens:
-            raise PydanticCustomError("thinking_budget", "thinking.budget_tokens must be less than max_tokens")
-        return self
 
 
 _FIELD_NAMES = (
@@ -688,7 +679,9 @@ def _validation_message(errors: Sequence[Any], body: Any) -> str:
 def _client_path(error: Any) -> str:
     """The top-level field, then the field names and indices below it; an unknown key by its name."""
     loc = tuple(error["loc"])[1:]
-    parts = [str(loc[0])] + [str(p) for p in loc[1:-1] if isinstance(p, int) or p in _FIELD_NAMES]
+    # A content block's union tag (its type) follows its index: not a field the client wrote.
+    inner = [p for i, p in enumerate(loc[1:-1], 1) if not (isinstance(loc[i - 1], int) and p in _KNOWN_BLOCKS)]
+    parts = [str(loc[0])] + [str(p) for p in inner if isinstance(p, int) or p in _FIELD_NAMES]
     last = loc[-1] if len(loc) > 1 else None
     if last is not None and (isinstance(last, int) or last in _FIELD_NAMES or error.get("type") == "extra_forbidden"):
         parts.append(str(last))
@@ -731,6 +724,9 @@ async def _create(ctx: _Ctx, req: MessagesRequest, raw: Request) -> Response:
     _check(ctx, req)
     if req.max_tokens < 1:
         raise APIError(400, "max_tokens: must be at least 1 (no cache pre-warming requests)", param="max_tokens")
+    budget = req.thinking.budget_tokens if req.thinking is not None and req.thinking.type == "enabled" else None
+    if budget is not None and budget >= req.max_tokens:  # as Anthropic: thinking counts toward max_tokens
+        raise APIError(400, "thinking.budget_tokens: must be less than max_tokens", param="thinking")
     chat, prefill = _chat_request(req)
     prompt = await asyncio.to_thread(_prompt, ctx, chat, prefill)
     parsers = _output_parsers(ctx, chat, prompt)
