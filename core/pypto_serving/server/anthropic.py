@@ -638,10 +638,11 @@ class _MessageStream:
             yield event
 
     def end(self, runner: _StreamRunner) -> list[str]:
+        c = self.last
+        if c is None:  # the engine's stream ended without an output: never a finished message
+            return [_error_event("generation failed: the engine returned no output")]
         self.blocks.close()
         self.blocks.ping()
-        c = self.last
-        assert c is not None
         stop_reason, stop_sequence = _stop(c, self.blocks.called)
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         usage = _usage(self.prompt, runner.latest.get(0), len(c.token_ids))

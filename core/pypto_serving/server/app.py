@@ -1,6 +1,6 @@
 """The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics, /version and vLLM's /tokenize and /detokenize, with OpenAI error bodies, Bearer auth, a
-body-size limit and back-pressure.
+body-size limit and back-pressure; and Anthropic's /v1/messages (``anthropic.py``).
 This module assembles the app (lifespan, error handlers, routes); the work is in its siblings."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The ASGI guard wrapped around the whole app: body-size limit, Bearer auth, last-resort 500, access log."""
+"""The ASGI guard wrapped around the whole app: body-size limit, Bearer (or x-api-key) auth, last-resort
+500, access log. Its errors take the shape of the API the path belongs to (Anthropic's on /v1/messages)."""
 
 from __future__ import annotations
 
