@@ -213,11 +213,13 @@ def test_round_trip_renders_as_the_equivalent_chat_request(served: Served) -> No
     reference = httpx.post(f"{served.url}/tokenize", json={"messages": chat, "tools": [WEATHER_TOOL]}).json()
     counted = served.client.messages.count_tokens(model=MODEL, system=system, messages=messages, tools=[WEATHER])
     assert counted.input_tokens == reference["count"]
-    answer = _create(
+    answer = _create(  # with the fields that change nothing generated: accepted, as Anthropic accepts them
         served,
         False,
         model=MODEL,
-        system=[{"type": "text", "text": system}],
+        system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        metadata={"user_id": "user-1"},
+        service_tier="auto",
         messages=messages,
         tools=[WEATHER],
         max_tokens=50,
@@ -418,3 +420,30 @@ def test_auth_size_overload_and_failure_in_anthropic_shape(live_server: Any, fak
     r = httpx.post(url, json=body, headers={"x-api-key": "sekret"})
     assert r.status_code == 503 and r.headers["retry-after"] == "5"
     assert r.json()["error"]["type"] == "overloaded_error"
+
+
+def test_output_config_format_is_the_json_schema_grammar(served: Served) -> None:
+    """``output_config.format`` keeps the answer to the schema: the scripted reply (thinking, then a
+    greeting) becomes JSON valid against it."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}}, "required": ["mood"]}
+    schema["additionalProperties"] = False
+    ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 60}
+    got = _create(served, False, output_config={"format": {"type": "json_schema", "schema": schema}}, **ask)
+    (block,) = got.content
+    assert block.type == "text" and got.stop_reason == "end_turn", got.model_dump_json()
+    jsonschema.validate(json.loads(block.text), schema)
+
+
+def test_usage_splits_the_prompt_by_the_prefix_cache(live_server: Any) -> None:
+    """A repeated prompt is read from the prefix cache: ``input_tokens`` are the rest, and with
+    ``cache_read_input_tokens`` they add up to the prompt count_tokens counts."""
+    server, _ = live_server(enable_prefix_caching=True)
+    sdk = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    ask = {"model": "tiny-fake", "messages": [{"role": "user", "content": "the quick brown fox jumps over the dog"}]}
+    prompt = sdk.messages.count_tokens(**ask).input_tokens
+    first = sdk.messages.create(max_tokens=4, **ask).usage
+    second = sdk.messages.create(max_tokens=4, **ask).usage
+    assert (first.input_tokens, first.cache_read_input_tokens) == (prompt, 0)
+    assert second.cache_read_input_tokens > 0 and second.input_tokens + second.cache_read_input_tokens == prompt
