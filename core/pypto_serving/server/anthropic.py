@@ -373,6 +373,22 @@ def _assistant_turn(content: list[Any]) -> dict[str, Any]:
     return turn
 
 
+def _append_turn(out: list[dict[str, Any]], turn: dict[str, Any]) -> None:
+    """Appends ``turn``, combined with the one before when both are the same role's (``user`` text, or
+    ``assistant``): as Anthropic's API combines consecutive turns, and as templates that insist on
+    alternating roles need."""
+    last = out[-1] if out else None
+    if last is None or last["role"] != turn["role"] or turn["role"] not in ("user", "assistant"):
+        out.append(turn)
+        return
+    for key in ("content", "reasoning_content"):
+        parts = [t[key] for t in (last, turn) if t.get(key)]
+        if parts:
+            last[key] = "\n".join(parts)
+    if turn.get("tool_calls"):
+        last["tool_calls"] = [*last.get("tool_calls", ()), *turn["tool_calls"]]
+
+
 def _chat_messages(req: _MessagesFields) -> tuple[list[dict[str, Any]], str | None]:
     """The chat messages of ``req`` and the prefill: the text of a last assistant message, which the
     answer continues (Anthropic's prefill) rather than a new turn."""
@@ -382,7 +398,8 @@ def _chat_messages(req: _MessagesFields) -> tuple[list[dict[str, Any]], str | No
         out.append({"role": "system", "content": system})
     for m in req.messages:
         blocks: list[Any] = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        out += _user_turns(blocks) if m.role == "user" else [_assistant_turn(blocks)]
+        for turn in _user_turns(blocks) if m.role == "user" else [_assistant_turn(blocks)]:
+            _append_turn(out, turn)
     prefill = None
     if req.messages[-1].role == "assistant":
         last = out.pop()

@@ -187,7 +187,9 @@ def test_round_trip_renders_as_the_equivalent_chat_request(served: Served) -> No
         {"role": "user", "content": "What is the weather in Paris?"},
         {
             "role": "assistant",
-            "content": [
+            "content": [  # thinking reaches the template as reasoning_content, which this one does not write
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "thinking", "thinking": "The tool knows.", "signature": ""},
                 {"type": "text", "text": "I will look it up."},
                 {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
             ],
@@ -200,6 +202,7 @@ def test_round_trip_renders_as_the_equivalent_chat_request(served: Served) -> No
         {
             "role": "assistant",
             "content": "I will look it up.",
+            "reasoning_content": "The tool knows.",
             "tool_calls": [
                 {
                     "id": "toolu_1",
@@ -447,3 +450,13 @@ def test_usage_splits_the_prompt_by_the_prefix_cache(live_server: Any) -> None:
     second = sdk.messages.create(max_tokens=4, **ask).usage
     assert (first.input_tokens, first.cache_read_input_tokens) == (prompt, 0)
     assert second.cache_read_input_tokens > 0 and second.input_tokens + second.cache_read_input_tokens == prompt
+
+
+def test_consecutive_turns_are_combined(served: Served) -> None:
+    """As Anthropic combines consecutive turns of one role, two user turns render as one."""
+    split = [{"role": "user", "content": "What is"}, {"role": "user", "content": [{"type": "text", "text": "2+3?"}]}]
+    one = [{"role": "user", "content": "What is\n2+3?"}]
+    count = served.client.messages.count_tokens
+    assert count(model=MODEL, messages=split).input_tokens == count(model=MODEL, messages=one).input_tokens
+    got = _create(served, False, messages=split)
+    assert _blocks(got)[-1] == {"type": "text", "text": "The answer is 5."}
