@@ -407,7 +407,7 @@ def _chat_messages(req: _MessagesFields) -> tuple[list[dict[str, Any]], str | No
             raise APIError(
                 400, "the last message cannot be an assistant's tool_use: send its tool_result", param="messages"
             )
-        prefill = last["content"] or None
+        prefill = last["content"] if last["content"].strip() else None  # nothing to continue: a new turn
         if prefill is not None:
             out.append(last)
     return out, prefill

@@ -290,6 +290,11 @@ def test_prefill_continues_the_last_assistant_message(served: Served) -> None:
     closed = httpx.post(f"{served.url}/tokenize", json=body).json()
     assert closed["token_strs"][-3:] == ["(", "<|im_end|>", "\n"]
     assert counted == closed["count"] - 2
+    # An empty (or blank) last assistant turn leaves nothing to continue: the answer is a new turn.
+    blank = served.client.messages.count_tokens(
+        model=MODEL, messages=[messages[0], {"role": "assistant", "content": " "}]
+    )
+    assert blank.input_tokens == served.client.messages.count_tokens(model=MODEL, messages=messages[:1]).input_tokens
 
 
 @pytest.mark.parametrize(
