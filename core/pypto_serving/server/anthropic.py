@@ -72,7 +72,7 @@ from .protocol import (
     json_depth_route,
     validation_api_error,
 )
-from .responses import _json_response, _run_all
+from .responses import _failure_message, _json_response, _run_all
 from .streaming import _ChoiceState, _sse, _start_stream, _StreamRunner
 
 __all__ = [
@@ -603,6 +603,10 @@ class _BlockStream:
             self._start({**block, "input": {}})
             self._delta({"type": "input_json_delta", "partial_json": call.arguments})
             self.called = True
+        return self.drain()
+
+    def drain(self) -> list[str]:
+        """The events made since the last drain."""
         events, self.events = self.events, []
         return events
 
@@ -641,7 +645,7 @@ class _MessageStream:
             async with contextlib.aclosing(runner._items()) as items:
                 async for _pi, c, st, _start, _end, done in items:
                     if c.finish_reason == "error":
-                        yield _error_event(f"generation failed: {c.error or 'a step failed'}".partition("\n")[0])
+                        yield _error_event(_failure_message(self.ctx, c))
                         return
                     if not st.started:
                         st.started, st.parser = True, self.parsers() if self.parsers is not None else None
@@ -663,8 +667,11 @@ class _MessageStream:
         stop_reason, stop_sequence = _stop(c, self.blocks.called)
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         usage = _usage(self.prompt, runner.latest.get(0), len(c.token_ids))
-        events = self.blocks.feed(ParsedOutput())
-        return [*events, _event("message_delta", {"delta": delta, "usage": usage}), _event("message_stop", {})]
+        return [
+            *self.blocks.drain(),
+            _event("message_delta", {"delta": delta, "usage": usage}),
+            _event("message_stop", {}),
+        ]
 
 
 def _error_event(message: str) -> str:
