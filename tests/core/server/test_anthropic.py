@@ -78,8 +78,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def _create(served: Served, stream: bool, **kw: Any) -> Any:
-    """A Message, whole or put together from the stream by the SDK's own accumulator."""
-    kw = {"model": MODEL, "max_tokens": 200, "extra_body": GREEDY, **kw}
+    """A Message, whole or put together from the stream by the SDK's own accumulator. ``extra`` holds
+    fields sent as they are, whichever of them the installed SDK names."""
+    extra = {**GREEDY, **kw.pop("extra", {})}
+    kw = {"model": MODEL, "max_tokens": 200, **kw, "extra_body": extra}
     if not stream:
         return served.client.messages.create(**kw)
     with served.client.messages.stream(**kw) as events:
@@ -221,8 +223,7 @@ def test_round_trip_renders_as_the_equivalent_chat_request(served: Served) -> No
         False,
         model=MODEL,
         system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
-        metadata={"user_id": "user-1"},
-        service_tier="auto",
+        extra={"metadata": {"user_id": "user-1"}, "service_tier": "auto"},
         messages=messages,
         tools=[WEATHER],
         max_tokens=50,
@@ -438,7 +439,7 @@ def test_output_config_format_is_the_json_schema_grammar(served: Served) -> None
     schema = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]}}, "required": ["mood"]}
     schema["additionalProperties"] = False
     ask = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 60}
-    got = _create(served, False, output_config={"format": {"type": "json_schema", "schema": schema}}, **ask)
+    got = _create(served, False, extra={"output_config": {"format": {"type": "json_schema", "schema": schema}}}, **ask)
     (block,) = got.content
     assert block.type == "text" and got.stop_reason == "end_turn", got.model_dump_json()
     jsonschema.validate(json.loads(block.text), schema)
