@@ -403,6 +403,9 @@ def test_auth_size_overload_and_failure_in_anthropic_shape(live_server: Any, fak
     url, body = f"{server.url}/v1/messages", {"model": "tiny-fake", "max_tokens": 4, "messages": messages}
     count = {"model": "tiny-fake", "messages": [{"role": "user", "content": "hello world"}]}
     assert httpx.post(f"{url}/count_tokens", json=count, headers={"x-api-key": "sekret"}).status_code == 200
+    assert httpx.get(f"{server.url}/v1/models", headers={"x-api-key": "sekret"}).status_code == 200  # any route
+    refused = httpx.get(f"{server.url}/v1/models", headers={"x-api-key": "wrong"})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"  # OpenAI's shape there
     sdk = anthropic.Anthropic(base_url=server.url, api_key="sekret", max_retries=0)
     assert sdk.messages.count_tokens(**count).input_tokens == len(
         tok.encode(tok.apply_chat_template(count["messages"], add_generation_prompt=True))
