@@ -201,12 +201,14 @@ class Scheduler:
     """Owns every live request and the KV block accounting.
 
     Each step: running requests first, oldest admission first (their next token, or the next chunk
-    of their prefill, plus draft slots); then waiting requests, first come first served, while the
-    token budget and ``max_num_seqs`` allow. When the KV cache runs out for a running request, the
-    latest-arrived running request is preempted (its blocks freed, recomputed later) until it fits;
-    a step that preempted admits nobody new. Every entry, a decode, a prefill chunk or an admission,
-    is built by one path (:meth:`_schedule`), and every result is applied by one loop
-    (:meth:`update`) with one stop rule (:meth:`_stop_status`).
+    of their prefill, plus draft slots); then waiting requests in the waiting queue's order (first
+    come first served, or by priority: ``SchedulerConfig.policy``), while the token budget and
+    ``max_num_seqs`` allow. When the KV cache runs out for a running request, the latest-arrived
+    running request (under ``priority``, the lowest priority first) is preempted (its blocks freed,
+    recomputed later) until it fits; a step that preempted admits nobody new. Under ``priority`` an
+    admission may preempt running requests it outranks, and is then the step's last. Every entry,
+    a decode, a prefill chunk or an admission, is built by one path (:meth:`_schedule`), and every
+    result is applied by one loop (:meth:`update`) with one stop rule (:meth:`_stop_status`).
 
     A structured request's grammar goes to the worker with the first command after the request is
     added, and the request is not ready until a result says the worker compiled it: admission
@@ -498,6 +500,7 @@ class Scheduler:
                 self.kv.cancel_prefix_hit(req, req.num_cached_tokens)
                 req.num_computed_tokens = 0
             return False
+        assert self.waiting[at] is req  # preemptions requeue their victims behind it (they rank lower)
         del self.waiting[at]
         req.status = RequestStatus.RUNNING
         self.running.append(req)
