@@ -19,7 +19,7 @@ from pypto_serving.kv_cache import KVCacheManager
 from pypto_serving.request import Request, RequestStatus, SamplingParams
 from pypto_serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pypto_serving.speculative import no_speculation
-from tests.core.test_engine_properties import Job, blocks_alone, check_against_reference, run, workloads
+from tests.core.test_engine_properties import SCHEDULERS, Job, blocks_alone, check_against_reference, run, workloads
 from tests.core.test_scheduler import answer, entry_ids, req
 from tests.fakes import FakeExecutor
 
@@ -296,13 +296,19 @@ def test_seeded_outputs_under_priority_equal_fcfs(make_llm: Callable[..., LLM], 
         assert prio[i].outputs[0].token_ids == fcfs[i].outputs[0].token_ids, f"job {i}"
 
 
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(jobs=workloads(), priorities=st.lists(st.integers(-3, 3), min_size=6, max_size=6), spare=st.integers(0, 6))
 def test_greedy_outputs_under_priority_match_the_reference(
-    make_llm: Callable[..., LLM], jobs: list[Job], priorities: list[int], spare: int
+    make_llm: Callable[..., LLM], scheduler: str, jobs: list[Job], priorities: list[int], spare: int
 ) -> None:
+    """Under sync and async (two steps in flight when an admission preempts) scheduling."""
     llm = make_llm(
-        scheduling_policy="priority", block_size=2, num_kv_blocks=blocks_alone(jobs, 2) + spare, max_num_seqs=3
+        scheduler=scheduler,
+        scheduling_policy="priority",
+        block_size=2,
+        num_kv_blocks=blocks_alone(jobs, 2) + spare,
+        max_num_seqs=3,
     )
     by_job = {id(j): p for j, p in zip(jobs, priorities)}
 
