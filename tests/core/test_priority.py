@@ -330,3 +330,10 @@ def test_a_priority_under_fcfs_is_refused(make_llm: Callable[..., LLM]) -> None:
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
     with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
         prio.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=2), priority=[1])
+
+
+def test_priority_is_an_int64() -> None:
+    assert SamplingParams(priority=-(2**63)).priority == -(2**63)
+    for bad in (2**63, -(2**63) - 1):
+        with pytest.raises(ValueError, match="priority="):
+            SamplingParams(priority=bad)
