@@ -207,6 +207,17 @@ class ServingSettings(BaseSettings):
         0, ge=0, description="Cap on one request's prefill chunk per step (0 = no cap beyond the budget)."
     )
     enable_chunked_prefill: bool = Field(True, description="Split long prompts over several steps.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="Order of admission and preemption: 'fcfs' by arrival; 'priority' by each request's priority "
+        "(lower first, then arrival), and an arrival may preempt running requests of lower priority for KV blocks.",
+    )
+    priority_max_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="Under scheduling_policy 'priority': a request this many seconds past its arrival is served, and "
+        "kept from preemption, as if it had the top priority (oldest first), so no priority starves.",
+    )
     # None only until validated: ``_device_block_size`` fills in the device's default, so readers see an int.
     block_size: int = Field(  # type: ignore[assignment]
         None,

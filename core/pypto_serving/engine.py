@@ -87,6 +87,9 @@ list, reference counts, prefix hashes), and 2**20 blocks of 16 tokens already ho
 larger plan comes from a mistake (an executor declaring a tiny ``bytes_per_block``, a huge
 ``num_kv_blocks``), so it is refused rather than built."""
 
+# A priority the scheduler would ignore is refused, as vLLM refuses it (0, the default, is accepted).
+PRIORITY_NEEDS_POLICY = "priority={} needs scheduling_policy = 'priority'; this engine schedules 'fcfs'"
+
 
 def plan_kv_blocks(
     groups: Sequence[CacheGroupSpec],
@@ -254,6 +257,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             long_prefill_token_threshold=settings.long_prefill_token_threshold,
             enable_chunked_prefill=settings.enable_chunked_prefill,
+            policy=settings.scheduling_policy,
+            priority_max_wait_s=settings.priority_max_wait_s,
         )
         info = replace(self.info, max_draft_tokens=self.max_draft_tokens)
         return Scheduler(config, self.kv, info, policy, text_stop=self._detokenize)
@@ -351,6 +356,8 @@ class EngineCore:
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.check_vocab(vocab)
+        if params.priority and self.settings.scheduling_policy != "priority":
+            raise ValueError(PRIORITY_NEEDS_POLICY.format(params.priority))
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer.json in the model directory")
         if params.structured is not None:  # a bad grammar is the caller's error, not a failed request
@@ -555,6 +562,23 @@ def _check_encodable(ids: list[int], params: SamplingParams) -> None:
 _wire_check = msgspec.msgpack.Encoder()
 
 
+def _per_prompt(
+    num_prompts: int, sampling_params: SamplingParams | Sequence[SamplingParams], priority: Sequence[int] | None
+) -> list[SamplingParams]:
+    """``LLM.generate``'s parameters of each prompt, with its priority when ``priority`` is given."""
+    if isinstance(sampling_params, SamplingParams):
+        params = [sampling_params] * num_prompts
+    else:
+        params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
+    if priority is None:
+        return params
+    if len(priority) != num_prompts:
+        raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts")
+    return [replace(sp, priority=p) for sp, p in zip(params, priority)]
+
+
 class LLM:
     """Offline generation: ``LLM(model=dir, **settings).generate(prompts, SamplingParams(...))``."""
 
@@ -611,8 +635,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order.
+        ``priority``: one per prompt (vLLM's), for ``scheduling_policy = "priority"``.
 
         Raises :class:`EngineDeadError` if the worker dies meanwhile; the next call starts a new one."""
         engine = self._live_engine()
@@ -621,13 +647,7 @@ class LLM:
         prompt_list = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
-        params = (
-            [sampling_params] * len(prompt_list)
-            if isinstance(sampling_params, SamplingParams)
-            else list(sampling_params)
-        )
-        if len(params) != len(prompt_list):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompt_list)} prompts")
+        params = _per_prompt(len(prompt_list), sampling_params, priority)
         ids = self._add_all(engine, prompt_list, params)
         results: dict[str, RequestOutput] = {}
         bar = None

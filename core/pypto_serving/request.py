@@ -77,6 +77,8 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
     prompt_logprobs: int | None = None  # logprobs of every prompt token (after the first), plus the top ones
+    # Under scheduling_policy "priority": lower is served first (vLLM's sense); under "fcfs" only 0 is accepted.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +115,7 @@ class SamplingParams:
             "token ids in [0, 2**63)",
         )
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", self.seed, "in [0, 2**63)")
+        _check(-_INT64 <= self.priority < _INT64, "priority", self.priority, "in [-2**63, 2**63)")
         self._check_token_fields()
 
     def _check_token_fields(self) -> None:
@@ -232,7 +235,7 @@ class SchedState:
     resets the step-scoped part (``Scheduler._preempt``); the limits are derived once when the
     request is added (``Scheduler.add_request``)."""
 
-    arrival_index: int = 0  # FCFS order; preemption picks the highest
+    arrival_index: int = 0  # FCFS order; preemption picks the highest (under "priority", after the priority)
     # The step id from which results count: a preemption while building step S sets S, so results
     # of the steps before it, still in flight, are discarded (the worker dropped the request).
     valid_from: int = 0

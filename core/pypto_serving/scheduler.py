@@ -15,10 +15,13 @@ path (``Scheduler._schedule``), every result applied by one loop with one stop r
 from __future__ import annotations
 
 import itertools
+import math
 import time
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Literal
 
 from .executor import ExecutorInfo
@@ -39,6 +42,8 @@ class SchedulerConfig:
     max_model_len: int = 4096
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = "fcfs"  # the waiting queue's order (_FcfsQueue, _PriorityQueue)
+    priority_max_wait_s: float = 60.0  # under "priority": the age at which a request ranks above every priority
 
 
 StepKind = Literal["prefill", "decode"]
@@ -98,6 +103,95 @@ class _StepBuilder:
         return 0
 
 
+_AGED = -(2**64)  # the rank of a request past priority_max_wait_s: above every priority (an int64)
+_KEY = itemgetter(0, 1)  # a queue entry's sort key, without its request (keys are unique: arrival indexes are)
+
+
+class _FcfsQueue(deque[Request]):
+    """The waiting queue under ``fcfs``: arrival order, and a preempted request goes back first (it
+    was admitted before everything that waits). An admission preempts nobody."""
+
+    preempts_for_admission = False
+
+    def add(self, req: Request) -> None:
+        self.append(req)
+
+    def requeue(self, req: Request) -> None:
+        self.appendleft(req)
+
+    def age(self) -> None:
+        """Nothing ages: arrival order alone bounds every wait."""
+
+    @staticmethod
+    def victim_key(req: Request) -> tuple[int, int]:
+        """Preemption takes the running request with the highest key: the latest arrival."""
+        return 0, req.sched.arrival_index
+
+
+class _PriorityQueue:
+    """The waiting queue under ``priority``: by rank, then arrival, where the rank is the request's
+    priority (lower first), or :data:`_AGED` once it is ``max_wait`` seconds past its arrival (aged
+    requests go first, oldest first, so none starves). A preempted request goes back to its place
+    by the same key, and an admission may preempt running requests of a lower rank. A sorted list
+    (an insertion is a bisection and a memmove), plus the requests not aged yet by arrival time,
+    whose head is the next to age."""
+
+    preempts_for_admission = True
+    __slots__ = ("_clock", "_cutoff", "_max_wait", "_order", "_young")
+
+    def __init__(self, max_wait: float, clock: Callable[[], float]) -> None:
+        self._order: list[tuple[int, int, Request]] = []  # (rank, arrival index, request), sorted
+        self._young: list[tuple[float, int, Request]] = []  # (arrival time, arrival index, request), sorted
+        self._max_wait, self._clock = max_wait, clock
+        self._cutoff = -math.inf  # requests that arrived at or before this are aged
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[2] for entry in self._order)
+
+    def __getitem__(self, at: int) -> Request:
+        return self._order[at][2]
+
+    def __delitem__(self, at: int) -> None:
+        rank, index, req = self._order.pop(at)
+        if rank != _AGED:
+            del self._young[bisect_left(self._young, (req.metrics.arrival_time, index), key=_KEY)]
+
+    def __contains__(self, req: object) -> bool:
+        return any(entry[2] is req for entry in self._order)
+
+    def remove(self, req: Request) -> None:
+        del self[next(i for i, entry in enumerate(self._order) if entry[2] is req)]
+
+    def add(self, req: Request) -> None:
+        index, arrived = req.sched.arrival_index, req.metrics.arrival_time
+        if arrived <= self._cutoff:
+            insort(self._order, (_AGED, index, req), key=_KEY)
+        else:
+            insort(self._order, (req.sampling_params.priority, index, req), key=_KEY)
+            insort(self._young, (arrived, index, req), key=_KEY)
+
+    requeue = add
+
+    def age(self) -> None:
+        """Move the requests now ``max_wait`` past their arrival to the top rank (once per step)."""
+        self._cutoff = cutoff = self._clock() - self._max_wait
+        young, order = self._young, self._order
+        n = bisect_right(young, (cutoff, math.inf), key=_KEY)
+        for _, index, req in young[:n]:
+            del order[bisect_left(order, (req.sampling_params.priority, index), key=_KEY)]
+            insort(order, (_AGED, index, req), key=_KEY)
+        del young[:n]
+
+    def victim_key(self, req: Request) -> tuple[int, int]:
+        """Preemption takes the running request with the highest key: the lowest rank (an aged
+        request ranks top), then the latest arrival."""
+        aged = req.metrics.arrival_time <= self._cutoff
+        return (_AGED if aged else req.sampling_params.priority), req.sched.arrival_index
+
+
 TextStop = Callable[[Request], "str | None"]
 """The engine's stop-string check: feeds the request's detokenizer the output tokens it has not
 seen (the last one was just committed) and returns the stop string that ended in them, if any."""
@@ -107,12 +201,14 @@ class Scheduler:
     """Owns every live request and the KV block accounting.
 
     Each step: running requests first, oldest admission first (their next token, or the next chunk
-    of their prefill, plus draft slots); then waiting requests, first come first served, while the
-    token budget and ``max_num_seqs`` allow. When the KV cache runs out for a running request, the
-    latest-arrived running request is preempted (its blocks freed, recomputed later) until it fits;
-    a step that preempted admits nobody new. Every entry, a decode, a prefill chunk or an admission,
-    is built by one path (:meth:`_schedule`), and every result is applied by one loop
-    (:meth:`update`) with one stop rule (:meth:`_stop_status`).
+    of their prefill, plus draft slots); then waiting requests in the waiting queue's order (first
+    come first served, or by priority: ``SchedulerConfig.policy``), while the token budget and
+    ``max_num_seqs`` allow. When the KV cache runs out for a running request, the latest-arrived
+    running request (under ``priority``, the lowest priority first) is preempted (its blocks freed,
+    recomputed later) until it fits; a step that preempted admits nobody new. Under ``priority`` an
+    admission may preempt running requests it outranks, and is then the step's last. Every entry,
+    a decode, a prefill chunk or an admission, is built by one path (:meth:`_schedule`), and every
+    result is applied by one loop (:meth:`update`) with one stop rule (:meth:`_stop_status`).
 
     A structured request's grammar goes to the worker with the first command after the request is
     added, and the request is not ready until a result says the worker compiled it: admission
@@ -130,9 +226,11 @@ class Scheduler:
         spec_policy: SpecPolicy,
         *,
         text_stop: TextStop | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``text_stop``: the engine's stop-string check (see :data:`TextStop`); without it, stop
-        strings are not checked (the scheduler alone knows only token ids)."""
+        strings are not checked (the scheduler alone knows only token ids). ``clock``: the time of
+        ``RequestMetrics.arrival_time``, which ages requests under the ``priority`` policy."""
         self.config = config
         self.kv = kv
         self.info = executor_info
@@ -141,7 +239,9 @@ class Scheduler:
         self._observe: Callable[[StepObservation], None] | None = getattr(spec_policy, "observe", None)
         self._draft_depth: Callable[[], int | None] | None = getattr(spec_policy, "draft_depth", None)
         self._rejections = 0  # requests whose drafts were rejected, since the last observation
-        self.waiting: deque[Request] = deque()
+        self.waiting: _FcfsQueue | _PriorityQueue = (
+            _FcfsQueue() if config.policy == "fcfs" else _PriorityQueue(config.priority_max_wait_s, clock)
+        )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every live request by id
         self._finished_ids: list[str] = []  # to tell the worker with the next command
@@ -172,7 +272,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.sched = self._new_state(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
         spec = request.sampling_params.structured
         if spec is not None:
             self._compiles.append(
@@ -241,6 +341,7 @@ class Scheduler:
         """The next step, or ``None`` when nothing is runnable now; what the worker is to be told
         (finished requests, grammars) then waits for the next step that runs."""
         step = _StepBuilder(self._next_step, self.config.max_num_batched_tokens, self.info.uniform_batches)
+        self.waiting.age()
         self._schedule(step, list(self.running))
         if not step.preempted:
             self._schedule_waiting(step)
@@ -327,41 +428,63 @@ class Scheduler:
         return self._chunk(num_new, budget), 0
 
     def _blocks_for(self, step: _StepBuilder, req: Request, num_tokens: int, admitting: bool) -> tuple[bool, int]:
-        """Blocks for ``num_tokens``: a running request preempts the latest arrival until they fit
-        (not when ``req`` itself was preempted, or failed because the cache cannot hold it alone);
-        an admission takes only free blocks. Returns whether they fit and the budget that the
-        preempted requests' entries in this step gave back."""
+        """Blocks for ``num_tokens``: a running request preempts the latest arrival (under ``priority``
+        the lowest priority first) until they fit (not when ``req`` itself was preempted, or failed
+        because the cache cannot hold it alone); an admission takes free blocks, and under
+        ``priority`` those of running requests it outranks. Returns whether they fit and the budget
+        that the preempted requests' entries in this step gave back."""
         given_back = 0
         while not self.kv.allocate(req, num_tokens):
             if admitting:
-                return False, given_back
+                outranked = self._outranked(req)
+                if outranked is None:
+                    return False, given_back
+                given_back += self._preempt(outranked, step)
+                continue
             if self.running == [req]:
                 self._failed += self.fail([req.request_id], "the KV cache is too small for this request alone")
                 return False, given_back
-            victim = max(self.running, key=lambda r: r.sched.arrival_index)
+            victim = max(self.running, key=self.waiting.victim_key)
             given_back += self._preempt(victim, step)
             if victim is req:
                 return False, given_back
         return True, given_back
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
-        """Admit waiting requests first come first served, passing over those whose grammar is not
-        compiled yet; one of those only when nothing runs and nothing else was admitted."""
+        """Admit waiting requests in the queue's order (first come first served, or by priority),
+        passing over those whose grammar is not compiled yet; one of those only when nothing runs
+        and nothing else was admitted. An admission that preempted (``priority``) is the last."""
         at = 0
-        while at < len(self.waiting) and self._room(step):
+        while at < len(self.waiting):
             if not self.waiting[at].sched.grammar_ready:
                 at += 1  # the worker compiles its grammar: the requests behind it go first
                 continue
-            if not self._admit(step, at):
-                return  # first come first served: nobody behind a request that does not fit
-        if not self.running and self.waiting and self._room(step):
+            if not self._room(step, self.waiting[at]) or not self._admit(step, at) or step.preempted:
+                return  # in order: nobody behind a request that does not fit
+        if not self.running and self.waiting and self._room(step, self.waiting[0]):
             self._admit(step, 0)  # only requests whose grammar compiles wait: the first of them runs
 
-    def _room(self, step: _StepBuilder) -> bool:
-        """Whether the step can take another waiting request."""
-        if step.uniform and step.kind == "decode":
+    def _room(self, step: _StepBuilder, req: Request) -> bool:
+        """Whether the step can take ``req`` from the waiting queue; under ``priority`` a full batch
+        (``max_num_seqs``) makes room by preempting a running request that ``req`` outranks."""
+        if (step.uniform and step.kind == "decode") or step.budget <= 0:
             return False
-        return step.budget > 0 and len(self.running) < self.config.max_num_seqs
+        if len(self.running) < self.config.max_num_seqs:
+            return True
+        outranked = self._outranked(req)
+        if outranked is None:
+            return False
+        step.budget += self._preempt(outranked, step)
+        return True
+
+    def _outranked(self, req: Request) -> Request | None:
+        """The running request that an admission of ``req`` may preempt: under ``priority``, the
+        lowest ranked one if it ranks below ``req``; never under ``fcfs``."""
+        if not self.waiting.preempts_for_admission or not self.running:
+            return None
+        key = self.waiting.victim_key
+        victim = max(self.running, key=key)
+        return victim if key(victim) > key(req) else None
 
     def _admit(self, step: _StepBuilder, at: int) -> bool:
         """Admit ``self.waiting[at]`` with its first prefill chunk; False when it does not fit."""
@@ -377,6 +500,7 @@ class Scheduler:
                 self.kv.cancel_prefix_hit(req, req.num_cached_tokens)
                 req.num_computed_tokens = 0
             return False
+        assert self.waiting[at] is req  # preemptions requeue their victims behind it (they rank lower)
         del self.waiting[at]
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -416,7 +540,7 @@ class Scheduler:
         s.awaiting_prefill = s.has_sampled = False
         self._release_worker_state(req)
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.requeue(req)
         return given_back
 
     def _release_worker_state(self, req: Request) -> None:

@@ -442,7 +442,7 @@ def test_processed_probs_are_what_the_sampler_draws_from(vocab: int) -> None:
     params = [RowParams(temperature=0.7, seed=s, draw_index=3, top_p=0.9, min_p=0.01) for s in range(N)]
     probs = processed_probs(row, params[:1])[0].double().tolist()
     drawn = sample(row.expand(N, -1), params).tokens
-    exact = {(t,): pr for t, pr in enumerate(probs) if pr > 0}
+    exact: Dist = {(t,): pr for t, pr in enumerate(probs) if pr > 0}
     stat, df = chi_square(Counter((t,) for t in drawn), exact, N)
     assert stat < threshold(df), (stat, df)
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics, /version and vLLM's /tokenize and /detokenize, with OpenAI error bodies, Bearer auth, a
-body-size limit and back-pressure.
+body-size limit and back-pressure; and Anthropic's /v1/messages (``anthropic.py``).
 This module assembles the app (lifespan, error handlers, routes); the work is in its siblings."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .. import __version__
 from ..config import ServingSettings
 from ..heap import freeze_startup_heap
 from ..metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from .anthropic import add_anthropic_routes
 from .data_parallel import ServingLLM
 from .guard import _Guard
 from .openai_requests import (
@@ -125,6 +126,7 @@ def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
     _add_generation_routes(app, ctx)
     add_responses_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
+    add_anthropic_routes(app, ctx)  # /v1/messages: Anthropic's Messages API on the chat machinery
 
 
 def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:

@@ -1,4 +1,5 @@
-"""The ASGI guard wrapped around the whole app: body-size limit, Bearer auth, last-resort 500, access log."""
+"""The ASGI guard wrapped around the whole app: body-size limit, Bearer (or x-api-key) auth, last-resort
+500, access log. Its errors take the shape of the API the path belongs to (Anthropic's on /v1/messages)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ..config import ServingSettings
+from .anthropic import ANTHROPIC_PATH, anthropic_error_body
 from .protocol import error_body
 
 logger = logging.getLogger("pypto_serving.server")
@@ -94,7 +96,7 @@ class _Guard:
             await _send_json(
                 send,
                 401,
-                error_body("missing or invalid API key", "authentication_error", None, "invalid_api_key"),
+                _error(scope, 401, "missing or invalid API key", "authentication_error", "invalid_api_key"),
                 {"www-authenticate": "Bearer"},
             )
             return
@@ -118,11 +120,9 @@ class _Guard:
             error_id = f"err-{uuid.uuid4().hex}"
             logger.exception("internal error %s while serving %s %s", error_id, scope.get("method"), scope["path"])
             if exchange.status is None:
+                message = f"internal server error (error id {error_id})"
                 await _send_json(
-                    send,
-                    500,
-                    error_body(f"internal server error (error id {error_id})", "server_error", None, "internal_error"),
-                    {"x-error-id": error_id},
+                    send, 500, _error(scope, 500, message, "server_error", "internal_error"), {"x-error-id": error_id}
                 )
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
@@ -131,7 +131,7 @@ class _Guard:
         Read here (bounded) so chunked uploads cannot exceed the limit either; the app gets it replayed."""
         declared = _header(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            await self._too_large(send)
+            await self._too_large(scope, send)
             return None
         chunks: list[bytes] = []
         size = 0
@@ -143,16 +143,19 @@ class _Guard:
             chunks.append(msg.get("body", b""))
             size += len(chunks[-1])
             if size > self.limit:
-                await self._too_large(send)
+                await self._too_large(scope, send)
                 return None
             more = bool(msg.get("more_body", False))
         return b"".join(chunks)
 
     def _authorized(self, scope: Scope) -> bool:
+        """A Bearer token, or (as Anthropic's clients send it) an ``x-api-key`` header, that is a key."""
         value = _header(scope, b"authorization") or ""
         scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return False
+        bearer = token if scheme.lower() == "bearer" and token else None
+        return any(self._is_key(t) for t in (bearer, _header(scope, b"x-api-key")) if t)
+
+    def _is_key(self, token: str) -> bool:
         # The raw bytes, never stripped: str.strip() also drops \xa0 and \x85, so a blank token would
         # match an empty key and "key\xa0" the key itself (empty keys are refused at start-up too).
         given = token.encode("latin-1")
@@ -161,17 +164,17 @@ class _Guard:
             ok |= hmac.compare_digest(given, key)
         return ok
 
-    async def _too_large(self, send: Send) -> None:
-        await _send_json(
-            send,
-            413,
-            error_body(
-                f"request body is larger than max_request_body_bytes={self.limit}",
-                "invalid_request_error",
-                None,
-                "request_too_large",
-            ),
-        )
+    async def _too_large(self, scope: Scope, send: Send) -> None:
+        message = f"request body is larger than max_request_body_bytes={self.limit}"
+        await _send_json(send, 413, _error(scope, 413, message, "invalid_request_error", "request_too_large"))
+
+
+def _error(scope: Scope, status: int, message: str, type: str, code: str) -> dict[str, Any]:
+    """The guard's error body in the shape of the API the path belongs to (Anthropic's or OpenAI's)."""
+    path = str(scope["path"])
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return anthropic_error_body(status, message)
+    return error_body(message, type, None, code)
 
 
 def _printable(text: str) -> str:

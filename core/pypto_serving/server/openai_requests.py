@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ServingSettings
-from ..engine import EngineDeadError
+from ..engine import PRIORITY_NEEDS_POLICY, EngineDeadError
 from ..metrics import ServerMetrics
 from ..model_files import sampling_defaults
 from ..parsers import OutputParser
@@ -42,6 +42,7 @@ _SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "seed",
+    "priority",
 )
 _PARAM_RE = re.compile(r"^(\w+)=")
 
@@ -641,8 +642,10 @@ def _sampling_error(message: str, chat: bool, max_tokens_param: str) -> APIError
 
 
 def _check_model_bounds(ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest) -> None:
-    """The bounds that depend on the served model, which the request models cannot know."""
+    """The bounds that depend on the served model and settings, which the request models cannot know."""
     vocab, max_len = ctx.llm.vocab_size, ctx.llm.max_model_len
+    if req.priority and ctx.settings.scheduling_policy != "priority":
+        raise APIError(400, PRIORITY_NEEDS_POLICY.format(req.priority), param="priority")
     if req.top_k is not None and req.top_k > vocab:
         raise APIError(
             400,

@@ -356,6 +356,7 @@ class _SamplingFields(BaseModel):
     bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
     include_stop_str_in_output: Bool = False
     prompt_logprobs: Int64 | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
+    priority: Int64 = 0  # vLLM's: lower is served first, under scheduling_policy "priority" only
     # Structured output: at most one of these (see openai_requests._structured_spec).
     response_format: ResponseFormat | None = None
     guided_json: JSONObject | Text | None = None

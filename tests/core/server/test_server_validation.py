@@ -104,6 +104,7 @@ POISON_NUMBERS = [
     (CHAT, _chat(top_k=BIG), "top_k"),
     (CHAT, _chat(stop_token_ids=[BIG]), "stop_token_ids"),
     (CHAT, _chat(seed=BIG), "seed"),
+    (CHAT, _chat(priority=BIG), "priority"),
     (CHAT, _chat(n=BIG), "n"),
     (CHAT, _chat(max_tokens=BIG), "max_tokens"),
     (CHAT, _chat(max_completion_tokens=BIG), "max_completion_tokens"),
