@@ -186,6 +186,7 @@ class ResponsesRequest(_Strict):
     previous_response_id: Text | None = None
     stream: Bool = False
     stream_options: StreamOptions | None = None
+    priority: Int64 = 0  # vLLM's, as chat's: lower is served first under scheduling_policy "priority"
     # Accepted and echoed or ignored: metadata about the caller that changes nothing generated.
     metadata: (
         Annotated[
@@ -414,6 +415,7 @@ def _chat_request(req: ResponsesRequest, items: list[dict[str, Any]], first_new:
         or None,
         "tool_choice": _tool_choice(req),
         "parallel_tool_calls": req.parallel_tool_calls,
+        "priority": req.priority,
     }
     return _validated(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None}, "input")  # type: ignore[no-any-return]
 

@@ -240,8 +240,10 @@ def test_the_same_round_trip_with_the_items_sent_back(served: Served) -> None:
 
 def test_forced_function_call(serve: Callable[..., Served]) -> None:
     """``tool_choice`` naming a function is kept by the same constrained decoding as chat's (without a
-    reasoning parser, so the grammar is the call alone and its one string is bounded)."""
-    r = serve().client.responses.create(
+    reasoning parser, so the grammar is the call alone and its one string is bounded); the server
+    schedules by priority, so vLLM's ``priority`` is accepted as on chat requests."""
+    r = serve(scheduling_policy="priority").client.responses.create(
+        extra_body={"priority": 2},
         model="tiny-tools",
         input="Say hello",
         tools=[{**FUNCTION, "parameters": BOUNDED}],
@@ -535,6 +537,7 @@ def test_unsupported_fields_are_400s(served: Served, extra: dict[str, Any], para
         ({"input": "Say hello", "tool_choice": "required"}, "tool_choice"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
         ({"input": "Say hello", "model": "other"}, "model"),
+        ({"input": "Say hello", "priority": 3}, "priority"),  # the server's scheduling_policy is fcfs
         ({}, "input"),
         ({"input": "Say hello", "metadata": {"k" * 65: "v"}}, "metadata"),
         (
