@@ -440,7 +440,6 @@ class _Entry:
     body: dict[str, Any]
     items: list[dict[str, Any]]  # the conversation's input items (those of previous responses first)
     size: int
-    at: float
 
 
 class ResponseStore:
@@ -452,7 +451,8 @@ class ResponseStore:
         self, max_entries: int, max_age: float, max_bytes: int, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.max_entries, self.max_age, self.max_bytes, self.clock = max_entries, max_age, max_bytes, clock
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._ages: OrderedDict[str, float] = OrderedDict()  # oldest first: expiry stops at the first young one
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -462,9 +462,10 @@ class ResponseStore:
         """Keep ``body`` and its input ``items``; whether it was kept."""
         size = len(_ENCODE([body, items]))
         self.delete(rid)
+        self._expire()
         if self.max_entries == 0 or size > self.max_bytes:
             return False
-        self._entries[rid] = _Entry(body, items, size, self.clock())
+        self._entries[rid], self._ages[rid] = _Entry(body, items, size), self.clock()
         self.bytes += size
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
@@ -485,11 +486,12 @@ class ResponseStore:
 
     def _drop(self, rid: str) -> None:
         self.bytes -= self._entries.pop(rid).size
+        del self._ages[rid]
 
     def _expire(self) -> None:
         cutoff = self.clock() - self.max_age
-        for rid in [r for r, e in self._entries.items() if e.at < cutoff]:
-            self._drop(rid)
+        while self._ages and next(iter(self._ages.values())) < cutoff:
+            self._drop(next(iter(self._ages)))
 
 
 # --------------------------------------------------------------------------- output items and events

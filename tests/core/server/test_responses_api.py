@@ -487,12 +487,16 @@ def test_the_store_is_lru_and_counts_its_bytes() -> None:
     for k in range(3):
         assert store.put(f"r{k}", {"id": f"r{k}"}, [])
     assert store.get("r0") is not None  # r0 becomes the most recently used: r1 goes next
+    now[0] = 6.0
     store.put("r3", {"id": "r3"}, [])
     assert [r for r in ("r0", "r1", "r2", "r3") if store.get(r)] == ["r0", "r2", "r3"]
     assert not store.put("big", {"id": "x" * 20_000}, [])  # larger than the whole bound: not kept
     assert len(store) == 3 and store.bytes == 3 * len(b'[{"id":"r0"},[]]')
-    now[0] = 10.5
-    assert store.get("r0") is None and len(store) == 0 and store.bytes == 0
+    now[0] = 10.5  # r0 and r2 are past max_age, however recently used; r3 is not
+    assert store.get("r3") is not None and store.get("r0") is None
+    assert len(store) == 1 and store.bytes == len(b'[{"id":"r3"},[]]')
+    now[0] = 16.5
+    assert store.get("r3") is None and len(store) == 0 and store.bytes == 0
     assert ResponseStore(0, 10.0, 10_000).put("r", {}, []) is False
 
 
