@@ -17,7 +17,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -35,6 +36,8 @@ __all__ = ["RouterState", "build_router_app"]
 
 logger = logging.getLogger("pypto_serving.router")
 
+# An admin action on the router's state and the replica named in the path ("" for none).
+_Action = Callable[["RouterState", str], Response]
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 
 
@@ -83,27 +86,27 @@ def build_router_app(settings: RouterSettings) -> Starlette:
             await state.stop()
 
     routes = [
-        Route("/health", lambda r: _health(state), methods=["GET"]),
-        Route("/metrics", lambda r: _metrics(state), methods=["GET"]),
-        Route("/router/replicas", lambda r: _admin(state, r, _list), methods=["GET"]),
-        Route("/router/replicas/{name}/drain", lambda r: _admin(state, r, _drain), methods=["POST"]),
-        Route("/router/replicas/{name}/undrain", lambda r: _admin(state, r, _undrain), methods=["POST"]),
-        *(Route(p, lambda r: _api(state, r), methods=_METHODS) for p in ("/tokenize", "/detokenize", "/version")),
-        Route("/v1/{rest:path}", lambda r: _api(state, r), methods=_METHODS),
+        Route("/health", partial(_health, state), methods=["GET"]),
+        Route("/metrics", partial(_metrics, state), methods=["GET"]),
+        Route("/router/replicas", partial(_admin, state, _list), methods=["GET"]),
+        Route("/router/replicas/{name}/drain", partial(_admin, state, _drain), methods=["POST"]),
+        Route("/router/replicas/{name}/undrain", partial(_admin, state, _undrain), methods=["POST"]),
+        *(Route(p, partial(_api, state), methods=_METHODS) for p in ("/tokenize", "/detokenize", "/version")),
+        Route("/v1/{rest:path}", partial(_api, state), methods=_METHODS),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.router = state
     return app
 
 
-async def _health(state: RouterState) -> Response:
+async def _health(state: RouterState, request: Request) -> Response:
     routable = [r.name for r in state.replicas.values() if r.load.routable]
     if routable:
         return JSONResponse({"status": "ok", "replicas": routable})
     return JSONResponse({"status": "unavailable", "reason": "no replica is healthy and undrained"}, 503)
 
 
-async def _metrics(state: RouterState) -> Response:
+async def _metrics(state: RouterState, request: Request) -> Response:
     body = state.metrics.render(r.load for r in state.replicas.values())
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -125,7 +128,7 @@ async def _api(state: RouterState, request: Request) -> Response:
     return await state.forwarder.handle(request)
 
 
-async def _admin(state: RouterState, request: Request, action: object) -> Response:
+async def _admin(state: RouterState, action: _Action, request: Request) -> Response:
     token = state.settings.admin_token
     if token is None:
         return error_response(403, "the admin routes are off: set admin_token", "admin_disabled")
@@ -133,15 +136,13 @@ async def _admin(state: RouterState, request: Request, action: object) -> Respon
         return error_response(
             401, "missing or invalid admin token", "invalid_admin_token", {"www-authenticate": "Bearer"}
         )
-    name = request.path_params.get("name")
-    if name is not None and name not in state.replicas:
+    name = str(request.path_params.get("name", ""))
+    if name and name not in state.replicas:
         return error_response(404, f"no replica named {name!r}", "unknown_replica")
-    assert callable(action)
-    response: Response = action(state, name)
-    return response
+    return action(state, name)
 
 
-def _list(state: RouterState, name: str | None) -> Response:
+def _list(state: RouterState, name: str) -> Response:
     return JSONResponse({"replicas": [r.describe() for r in state.replicas.values()]})
 
 
