@@ -146,7 +146,7 @@ class Forwarder:
             self.router.finished(replica.name, profile)
             return f"replica {replica.name} answered 503"
         release = _once(lambda: self.router.finished(replica.name, profile))
-        return _Relay(upstream, replica.name, release, self.metrics)
+        return _Relay(upstream, replica, release, self.metrics)
 
     def _another(self, replica: Replica, profile: RequestProfile) -> bool:
         return any(r.routable and r.name != replica.name for r in self.router.replicas.values())
@@ -198,9 +198,10 @@ def _forward_headers(request: Request, replica: Replica) -> list[tuple[str, str]
 class _Relay(Response):
     """The replica's answer relayed to the client; ends the replica's request when the client leaves."""
 
-    def __init__(self, upstream: httpx.Response, replica: str, release: Callable[[], None], metrics: RouterMetrics):
+    def __init__(self, upstream: httpx.Response, replica: Replica, release: Callable[[], None], metrics: RouterMetrics):
         self.upstream = upstream
-        self.replica = replica
+        self.replica = replica.name
+        self.mark_down = replica.mark_down
         self.release = release
         self.metrics = metrics
         self.status_code = upstream.status_code
@@ -211,7 +212,7 @@ class _Relay(Response):
             for k, v in upstream.headers.raw
             if k.lower().decode("latin-1") not in _HOP - {"content-length"}
         ]
-        self.raw_headers = [*raw, (b"x-pypto-replica", replica.encode())]
+        self.raw_headers = [*raw, (b"x-pypto-replica", replica.name.encode())]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.ensure_future(self._pump(send))
@@ -252,6 +253,7 @@ class _Relay(Response):
         message = f"replica {self.replica} failed mid-response: {type(error).__name__}: {error}".rstrip(": ")
         logger.warning("%s", message)
         self.release()
+        self.mark_down(message)  # new requests avoid it until a poll finds it healthy again
         if not self.sse:
             raise ConnectionAbortedError(message)  # uvicorn closes the connection: the body is visibly short
         await send({"type": "http.response.body", "body": _sse_error(message), "more_body": False})
