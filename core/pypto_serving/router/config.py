@@ -130,7 +130,8 @@ class RouterSettings(BaseSettings):
     @field_validator("api_key", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
-        return [k for k in v.split(",") if k] if isinstance(v, str) else v
+        keys = v.split(",") if isinstance(v, str) else v
+        return [k for k in keys if k] if isinstance(keys, list) else keys  # an empty key would match nothing
 
     @field_validator("session_header")
     @classmethod
