@@ -12,7 +12,7 @@ import pytest
 from pypto_serving.config import SettingsError
 from pypto_serving.router import ReplicaConfig, RouterSettings, rendezvous_order, request_profile
 from pypto_serving.router.config import load_router_settings
-from pypto_serving.router.routing import ReplicaLoad, Router, block_hashes
+from pypto_serving.router.routing import ReplicaLoad, Router
 
 
 def make_router(names: list[str], **overrides: object) -> Router:
@@ -83,14 +83,20 @@ def test_the_longest_shared_chain_decides() -> None:
 
 
 def test_chat_turns_extend_the_previous_turns_chain() -> None:
-    settings = RouterSettings(prefix_block_chars=16)
+    settings = RouterSettings()
     turn1 = [{"role": "user", "content": "tell me about the weather in spring"}]
     turn2 = [*turn1, {"role": "assistant", "content": "it rains"}, {"role": "user", "content": "and summer?"}]
     h1 = request_profile({"messages": turn1}, None, settings).block_hashes
     h2 = request_profile({"messages": turn2}, None, settings).block_hashes
-    assert h1 and h2[: len(h1)] == h1 and len(h2) > len(h1)
-    ids = block_hashes(list(range(40)), settings)
-    assert len(ids) == 2 and ids != block_hashes(list(range(1, 41)), settings)
+    assert len(h1) == 1 and h2[:1] == h1 and len(h2) == 3  # one block per message
+    other = [{"role": "user", "content": "tell me about the weather in autumn"}]
+    assert request_profile({"messages": other}, None, settings).block_hashes != h1
+
+    def ids(prompt: list[int]) -> tuple[bytes, ...]:
+        return request_profile({"prompt": prompt}, None, settings).block_hashes
+
+    assert len(ids(list(range(40)))) == 2  # two whole 16-id blocks
+    assert ids(list(range(40)))[:1] == ids(list(range(16)) + [99] * 20)[:1] != ids(list(range(1, 41)))[:1]
 
 
 def test_least_outstanding_tokens_and_costs() -> None:

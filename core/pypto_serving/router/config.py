@@ -87,7 +87,9 @@ class RouterSettings(BaseSettings):
     )
     prefix_block_chars: int = Field(64, ge=1, description="Characters per hashed block of a text prompt.")
     prefix_block_tokens: int = Field(16, ge=1, description="Token ids per hashed block of a token-id prompt.")
-    prefix_max_blocks: int = Field(64, ge=1, description="Leading blocks of a prompt that are hashed.")
+    prefix_max_blocks: int = Field(
+        64, ge=1, description="Leading blocks of a prompt that are hashed (a chat's messages are one block each)."
+    )
     prefix_table_size: int = Field(
         100_000, ge=1, description="Block hashes remembered (least recently routed dropped first)."
     )

@@ -74,23 +74,27 @@ def rendezvous_order(key: str, names: Sequence[str]) -> list[str]:
     return sorted(names, key=score, reverse=True)
 
 
-def _prompt_text(body: dict[str, Any]) -> str | list[int] | None:
-    """The text (or token ids) whose leading blocks identify a prompt's prefix."""
+def _prompt_blocks(body: dict[str, Any], settings: RouterSettings) -> list[bytes]:
+    """The prompt's leading blocks: a chat's messages (each one block, so every turn's blocks extend
+    the previous turn's), a text prompt's ``prefix_block_chars``-character pieces, or a token-id
+    prompt's ``prefix_block_tokens``-id pieces; only whole pieces, as only whole KV blocks are cached."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        parts = []
-        for m in messages:
-            if isinstance(m, dict):
-                parts.append(f"{m.get('role', '')}\x00{_content_text(m.get('content'))}\x00")
-        return "".join(parts)
+        return [
+            f"{m.get('role', '')}\x00{_content_text(m.get('content'))}".encode()
+            for m in messages
+            if isinstance(m, dict)
+        ]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch of prompts routes by its first
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return prompt
-    return None
+        size = settings.prefix_block_chars
+        return [prompt[i : i + size].encode() for i in range(0, len(prompt) - size + 1, size)]
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        size = settings.prefix_block_tokens
+        return [",".join(map(str, prompt[i : i + size])).encode() for i in range(0, len(prompt) - size + 1, size)]
+    return []
 
 
 def _content_text(content: Any) -> str:
@@ -116,18 +120,10 @@ def _prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
     return total
 
 
-def block_hashes(prompt: str | list[int], settings: RouterSettings) -> tuple[bytes, ...]:
-    """Chained hashes of the prompt's complete leading blocks (each hash covers every block before it)."""
-    if isinstance(prompt, str):
-        size = settings.prefix_block_chars
-        blocks = [prompt[i : i + size].encode() for i in range(0, len(prompt) - size + 1, size)]
-    else:
-        size = settings.prefix_block_tokens
-        blocks = [
-            b",".join(str(t).encode() for t in prompt[i : i + size]) for i in range(0, len(prompt) - size + 1, size)
-        ]
+def chain_hashes(blocks: list[bytes], settings: RouterSettings) -> tuple[bytes, ...]:
+    """Chained hashes of the leading blocks: each hash covers its block and every block before it."""
     out: list[bytes] = []
-    parent = b"text" if isinstance(prompt, str) else b"ids"
+    parent = b""
     for block in blocks[: settings.prefix_max_blocks]:
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         out.append(parent)
@@ -144,8 +140,7 @@ def request_profile(body: Any, session: str | None, settings: RouterSettings) ->
     n = body.get("n")
     n = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 1024 else 1
     cost = (_prompt_tokens(body, settings.chars_per_token) + budget) * n
-    prompt = _prompt_text(body) if settings.prefix_routing else None
-    hashes = block_hashes(prompt, settings) if prompt else ()
+    hashes = chain_hashes(_prompt_blocks(body, settings), settings) if settings.prefix_routing else ()
     return RequestProfile(cost=max(1, cost), block_hashes=hashes, session=session)
 
 

@@ -114,7 +114,7 @@ def test_a_stream_passes_through_chunk_by_chunk(router: RouterThread, replicas: 
     assert len(arrivals) >= 10 and arrivals[-1] - arrivals[0] > 0.1, (len(arrivals), arrivals[-1] - arrivals[0])
 
 
-def _turns(router: RouterThread, conversations: int, turns: int) -> dict[str, set[str]]:
+def _turns(router: RouterThread, conversations: int, turns: int, header: bool = True) -> dict[str, set[str]]:
     """Chat ``turns`` turns in each of ``conversations`` sessions; the replicas each session's turns hit."""
 
     async def one(client: httpx.AsyncClient, sid: str) -> set[str]:
@@ -123,7 +123,7 @@ def _turns(router: RouterThread, conversations: int, turns: int) -> dict[str, se
         for turn in range(turns):
             messages.append({"role": "user", "content": f"turn {turn} of {sid}"})
             body = {"messages": messages, "max_tokens": 3, "temperature": 0}
-            r = await client.post("/v1/chat/completions", json=body, headers={"x-session-id": sid})
+            r = await client.post("/v1/chat/completions", json=body, headers={"x-session-id": sid} if header else {})
             assert r.status_code == 200, r.text
             seen.add(r.headers["x-pypto-replica"])
             messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
@@ -160,6 +160,14 @@ def test_prompts_sharing_a_prefix_follow_it(router: RouterThread) -> None:
         where.add(r.headers["x-pypto-replica"])
     assert len(where) == 1
     assert metric(httpx.get(router.url + "/metrics").text, 'pypto_router_prefix_total{result="hit"}') >= 7
+
+
+def test_conversations_without_a_session_id_follow_their_prefix(router: RouterThread) -> None:
+    before = metric(httpx.get(router.url + "/metrics").text, 'pypto_router_prefix_total{result="hit"}')
+    seen = _turns(router, conversations=10, turns=3, header=False)
+    assert all(len(replicas) == 1 for replicas in seen.values()), seen
+    after = metric(httpx.get(router.url + "/metrics").text, 'pypto_router_prefix_total{result="hit"}')
+    assert after - before == 20  # turns 2 and 3 of each
 
 
 def test_a_drained_replica_finishes_its_requests_and_takes_no_new_ones(router: RouterThread) -> None:
