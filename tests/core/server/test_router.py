@@ -131,7 +131,7 @@ def _turns(router: RouterThread, conversations: int, turns: int, header: bool = 
 
     async def run() -> dict[str, set[str]]:
         async with httpx.AsyncClient(base_url=router.url, timeout=60) as client:
-            sids = [f"conversation-{i}" for i in range(conversations)]
+            sids = [f"{'conversation' if header else 'unlabelled'}-{i}" for i in range(conversations)]
             return dict(zip(sids, await asyncio.gather(*(one(client, s) for s in sids))))
 
     return asyncio.run(run())
