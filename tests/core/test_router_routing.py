@@ -173,3 +173,24 @@ def test_an_unknown_file_key_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="unknown setting"):
         load_router_settings(path)
     assert ReplicaConfig(url="https://h").name == "h"
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "router.md"
+
+
+def test_every_router_setting_is_documented() -> None:
+    text = DOC.read_text()
+    for model in (RouterSettings, ReplicaConfig):
+        for name, field in model.model_fields.items():
+            assert f"| `{name}` |" in text, f"docs/router.md lacks {name}"
+            assert field.description and field.description in text, f"docs/router.md: stale description of {name}"
+
+
+def test_the_docs_router_file_loads(tmp_path: Path) -> None:
+    blocks = DOC.read_text().split("```toml\n")[1:]
+    assert len(blocks) == 1
+    path = tmp_path / "router.toml"
+    path.write_text(blocks[0].split("```")[0])
+    s = load_router_settings(path)
+    assert [r.name for r in s.replicas] == ["local-a", "local-b", "gpu-host"]
+    assert s.replicas[1].env == {"OMP_NUM_THREADS": "4"} and s.replicas[0].command is not None

@@ -37,7 +37,7 @@ class ReplicaConfig(BaseModel):
         "(e.g. ['pypto-serving', 'serve', '--port', '8001']); it must serve at url.",
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of command.")
-    log_file: Path | None = Field(None, description="Where command's output goes (default: <log_dir>/<name>.log).")
+    log_file: Path | None = Field(None, description="Where command's output goes (default: log_dir/NAME.log).")
     api_key: str | None = Field(
         None,
         description="Bearer token the router sends to this replica; unset = the client's Authorization header "
