@@ -57,8 +57,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float, want:
 
 
 @contextlib.contextmanager
-def _processes(args: argparse.Namespace, logs: Path) -> Iterator[tuple[list[str], str]]:
-    """(replica URLs, router URL) of two serve processes and a router, all stopped on exit."""
+def _processes(args: argparse.Namespace, logs: Path) -> Iterator[tuple[list[str], str, int]]:
+    """(replica URLs, router URL, router pid) of two serve processes and a router, all stopped on exit."""
     procs: list[subprocess.Popen[bytes]] = []
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYPTO_")}
     try:
@@ -80,12 +80,18 @@ def _processes(args: argparse.Namespace, logs: Path) -> Iterator[tuple[list[str]
         procs.append(subprocess.Popen(cmd, stdout=(logs / "router.log").open("wb"), stderr=subprocess.STDOUT, env=env))
         router = f"http://127.0.0.1:{port}"
         _wait_healthy(router, procs[-1], 120, want=2)
-        yield urls, router
+        yield urls, router, procs[-1].pid
     finally:
         for proc in reversed(procs):
             proc.terminate()
         for proc in procs:
             proc.wait(60)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux), which machine load does not inflate."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _timed(client: httpx.Client, method: str, path: str, body: dict[str, Any] | None) -> float:
@@ -96,8 +102,9 @@ def _timed(client: httpx.Client, method: str, path: str, body: dict[str, Any] | 
     return elapsed
 
 
-def overhead(urls: list[str], router: str, n: int) -> dict[str, dict[str, float]]:
-    """p50/p90 latency (ms) direct and through the router, per request kind, interleaved."""
+def overhead(urls: list[str], router: str, pid: int, n: int) -> dict[str, dict[str, float]]:
+    """p50/p90 latency (ms) direct and through the router, per request kind, interleaved, and the
+    router process's CPU time per request."""
     kinds = {
         "GET /v1/models": ("GET", "/v1/models", None),
         "POST /v1/completions (max_tokens 1)": ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
@@ -110,9 +117,11 @@ def overhead(urls: list[str], router: str, n: int) -> dict[str, dict[str, float]
             _timed(via, method, path, body)
             _timed(directs[0], method, path, body)
         d, r = [], []
+        cpu = _cpu_seconds(pid)
         for i in range(n):
             d.append(_timed(directs[i % 2], method, path, body))
             r.append(_timed(via, method, path, body))
+        cpu_ms = (_cpu_seconds(pid) - cpu) / n * 1e3  # includes the router's health polls (every 2 s)
         p50d, p50r = statistics.median(d) * 1e3, statistics.median(r) * 1e3
         q = statistics.quantiles
         out[name] = {
@@ -121,6 +130,7 @@ def overhead(urls: list[str], router: str, n: int) -> dict[str, dict[str, float]
             "added_p50_ms": p50r - p50d,
             "direct_p90_ms": q(d, n=10)[-1] * 1e3,
             "router_p90_ms": q(r, n=10)[-1] * 1e3,
+            "router_cpu_ms_per_request": cpu_ms,
         }
     return out
 
@@ -169,15 +179,17 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=50)
     p.add_argument("--turns", type=int, default=4)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, _processes(args, Path(tmp)) as (urls, router):
-        for name, row in overhead(urls, router, args.requests).items():
+    with tempfile.TemporaryDirectory() as tmp, _processes(args, Path(tmp)) as (urls, router, pid):
+        print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        for name, row in overhead(urls, router, pid, args.requests).items():
             print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
         with_header = asyncio.run(_affinity(router, args.conversations, args.turns, header=True))
         after_sessions = _counters(router)
         without = asyncio.run(_affinity(router, args.conversations, args.turns, header=False))
         after_prefix = _counters(router)
-        print(f"session header: {with_header:.0%} of conversations on one replica; router counters {after_sessions}")
-        print(f"prefix only:    {without:.0%} of conversations on one replica; router counters {after_prefix}")
+        print(f"session header: {with_header:.0%} of conversations on one replica; {after_sessions}")
+        print(f"prefix only:    {without:.0%} of conversations on one replica; {after_prefix}")
+        print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
