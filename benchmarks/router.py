@@ -47,7 +47,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float, want:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"{proc.args} exited with {proc.returncode}")
+            raise SystemExit(f"{proc.args!r} exited with {proc.returncode}")
         with contextlib.suppress(httpx.HTTPError):
             r = httpx.get(url + "/health", timeout=2)
             if r.status_code == 200 and len(r.json().get("replicas", [])) >= want:

@@ -194,3 +194,12 @@ def test_the_docs_router_file_loads(tmp_path: Path) -> None:
     s = load_router_settings(path)
     assert [r.name for r in s.replicas] == ["local-a", "local-b", "gpu-host"]
     assert s.replicas[1].env == {"OMP_NUM_THREADS": "4"} and s.replicas[0].command is not None
+
+
+def test_the_command_refuses_a_router_without_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    from pypto_serving.cli import main
+
+    assert main(["router", "--port", "0"]) == 2
+    assert "no replicas" in capsys.readouterr().err
+    assert main(["router", "--replica", "http://h:1/v1"]) == 2
+    assert "without a path" in capsys.readouterr().err

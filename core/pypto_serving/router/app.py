@@ -68,6 +68,7 @@ class RouterState:
                 await self._poller
         for replica in self.replicas.values():
             await replica.client.aclose()
+            await replica.health_client.aclose()
         launched = [r for r in self.replicas.values() if r.process is not None]
         # Stopped side by side: each may take its whole drain.
         await asyncio.gather(*(asyncio.to_thread(stop, r, self.settings.stop_timeout) for r in launched))
@@ -79,7 +80,11 @@ def build_router_app(settings: RouterSettings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await state.start()
+        try:
+            await state.start()
+        except BaseException:
+            await state.stop()  # the replicas launched before the failure
+            raise
         try:
             yield
         finally:

@@ -70,6 +70,7 @@ class _RouterServer(uvicorn.Server):
 def run_router(settings: RouterSettings) -> int:
     """Bind, serve until SIGINT/SIGTERM, stop launched replicas; returns the exit code."""
     from ..server.cli import _bind
+    from ..server.transport import timed_h11
     from .app import build_router_app
 
     logging.basicConfig(level=settings.log_level.upper(), format=_LOG_FORMAT)
@@ -89,10 +90,18 @@ def run_router(settings: RouterSettings) -> int:
         app,
         log_level=settings.log_level,
         access_log=False,
+        # serve's defaults for a client's headers and body: a stalled client cannot hold a connection
+        http=timed_h11(header_timeout=10.0, body_timeout=30.0),
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout),
     )
+    server = _RouterServer(config)
     try:
-        _RouterServer(config).run(sockets=[sock])
+        server.run(sockets=[sock])
+    except SystemExit:  # uvicorn exits (code 3) when the lifespan fails; the message below says so
+        pass
     finally:
         sock.close()
+    if not server.started:  # the lifespan failed (a replica's command could not start): uvicorn logged why
+        print("pypto-serving: error: the router did not start (see the log above)", file=sys.stderr)
+        return 1
     return 0

@@ -238,8 +238,9 @@ class _Relay(Response):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     continue
                 pending += chunk
-                cut = pending.rfind(_SSE_BREAK) + len(_SSE_BREAK) if len(pending) <= _MAX_PENDING else len(pending)
-                if cut > 1:
+                end = pending.rfind(_SSE_BREAK)
+                cut = len(pending) if len(pending) > _MAX_PENDING else end + len(_SSE_BREAK) if end >= 0 else 0
+                if cut:
                     await send({"type": "http.response.body", "body": pending[:cut], "more_body": True})
                     pending = pending[cut:]
         except httpx.HTTPError as e:

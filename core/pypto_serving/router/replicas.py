@@ -37,6 +37,8 @@ class Replica:
     config: ReplicaConfig
     load: ReplicaLoad
     client: httpx.AsyncClient
+    # Polls have a connection of their own: a pool full of requests is load, not a failed check.
+    health_client: httpx.AsyncClient
     failed_polls: int = 0
     last_error: str | None = None
     process: subprocess.Popen[bytes] | None = None
@@ -89,13 +91,19 @@ def make_replica(config: ReplicaConfig, settings: RouterSettings) -> Replica:
         timeout=timeout,
         trust_env=False,  # a proxy from the environment must not sit between the router and its replicas
     )
+    health_client = httpx.AsyncClient(
+        base_url=config.url,
+        limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+        timeout=settings.health_timeout,
+        trust_env=False,
+    )
     assert config.name is not None
-    return Replica(config=config, load=ReplicaLoad(config.name), client=client)
+    return Replica(config=config, load=ReplicaLoad(config.name), client=client, health_client=health_client)
 
 
 async def poll_once(replica: Replica, settings: RouterSettings) -> None:
     try:
-        response = await replica.client.get("/health", timeout=settings.health_timeout)
+        response = await replica.health_client.get("/health")
     except httpx.HTTPError as e:
         reason = f"/health: {type(e).__name__}: {e}"
     else:

@@ -163,3 +163,14 @@ def test_a_refused_request_is_retried_once_elsewhere(fake_model_dir: Path) -> No
         router.stop()
         live.stop()
         llm.shutdown(10)
+
+
+def test_a_replica_command_that_cannot_start_fails_the_router(tmp_path: Path) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text('[[replicas]]\nurl = "http://127.0.0.1:9"\ncommand = ["/nonexistent/serve"]\n')
+    cmd = [sys.executable, "-m", "pypto_serving.cli", "router", "--config", str(config), "--port", "0"]
+    cmd += ["--log-dir", str(tmp_path / "logs")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "cannot start replica 127.0.0.1:9 (/nonexistent/serve)" in proc.stderr
+    assert "the router did not start" in proc.stderr
