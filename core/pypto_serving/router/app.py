@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
@@ -99,9 +100,24 @@ def build_router_app(settings: RouterSettings) -> Starlette:
         *(Route(p, partial(_api, state), methods=_METHODS) for p in ("/tokenize", "/detokenize", "/version")),
         Route("/v1/{rest:path}", partial(_api, state), methods=_METHODS),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    handlers = {404: _not_found, 405: _not_allowed, Exception: _internal_error}
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.router = state
     return app
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(404, f"no route {request.url.path} on the router", "not_found")
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(405, f"{request.method} is not allowed on {request.url.path}", "method_not_allowed")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    error_id = f"err-{uuid.uuid4().hex}"
+    logger.error("internal error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
+    return error_response(500, f"internal router error (error id {error_id})", "internal_error")
 
 
 async def _health(state: RouterState, request: Request) -> Response:

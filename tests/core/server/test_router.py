@@ -83,6 +83,11 @@ def test_replica_errors_and_other_routes_pass_through(router: RouterThread) -> N
     assert junk.status_code == 400 and junk.json()["error"]["code"] == "invalid_json", junk.text
     missing = httpx.get(router.url + "/v1/no-such-route", timeout=10)
     assert missing.status_code == 404 and "x-pypto-replica" in missing.headers
+    own = httpx.get(router.url + "/nowhere", timeout=10)
+    assert (
+        own.status_code == 404 and own.json()["error"]["code"] == "not_found" and "x-pypto-replica" not in own.headers
+    )
+    assert httpx.delete(router.url + "/health", timeout=10).json()["error"]["code"] == "method_not_allowed"
     tok = httpx.post(router.url + "/tokenize", json={"prompt": "hello"}, timeout=10)
     assert tok.status_code == 200 and tok.json()["tokens"], tok.text
 
