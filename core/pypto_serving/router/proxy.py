@@ -20,14 +20,14 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from .config import RouterSettings
 from .metrics import RouterMetrics
@@ -91,7 +91,25 @@ class Forwarder:
         header = self.settings.session_header
         session = request.headers.get(header) if header else None
         profile = request_profile(_json_or_none(body, request), session or None, self.settings)
-        return await self._send(request, body, profile)
+        # Watched from here on: a client that leaves before the answer starts (a long non-streamed
+        # generation) cancels the forwarding, which closes the replica's connection and aborts it there.
+        watch = asyncio.ensure_future(_disconnected(request.receive))
+        forward = asyncio.ensure_future(self._send(request, body, profile))
+        try:
+            await asyncio.wait({forward, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not forward.done():
+                forward.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await forward
+        if forward.cancelled():
+            return Response(status_code=499)  # nobody is left to read it
+        response = forward.result()
+        if isinstance(response, _Relay) and not watch.done():
+            response.watch = watch  # the relay keeps watching
+        else:
+            watch.cancel()
+        return response
 
     async def _send(self, request: Request, body: bytes, profile: RequestProfile) -> Response:
         tried: list[str] = []
@@ -133,6 +151,9 @@ class Forwarder:
         )
         try:
             upstream = await replica.client.send(outgoing, stream=True)
+        except asyncio.CancelledError:
+            self.router.finished(replica.name, profile)
+            raise
         except (httpx.HTTPError, OSError) as e:
             self.router.finished(replica.name, profile)
             self.metrics.failures.labels(replica.name, "connect").inc()
@@ -200,6 +221,7 @@ class _Relay(Response):
 
     def __init__(self, upstream: httpx.Response, replica: Replica, release: Callable[[], None], metrics: RouterMetrics):
         self.upstream = upstream
+        self.watch: asyncio.Future[None] | None = None  # the client's disconnect, when already watched
         self.replica = replica.name
         self.mark_down = replica.mark_down
         self.release = release
@@ -216,7 +238,7 @@ class _Relay(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(_disconnected(receive))
+        watch = self.watch or asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -260,6 +282,6 @@ class _Relay(Response):
         await send({"type": "http.response.body", "body": _sse_error(message), "more_body": False})
 
 
-async def _disconnected(receive: Receive) -> None:
+async def _disconnected(receive: Callable[[], Awaitable[Message]]) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass

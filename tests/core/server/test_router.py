@@ -254,3 +254,21 @@ def test_no_replica_is_503() -> None:
         assert metric(httpx.get(dead.url + "/metrics").text, "pypto_router_unrouted_total") == 1
     finally:
         dead.stop()
+
+
+def test_a_client_leaving_before_the_answer_aborts_it_on_the_replica(
+    router: RouterThread, replicas: list[LiveServer]
+) -> None:
+    body = {"prompt": [3, 4], "max_tokens": 600, "ignore_eos": True}  # >= 2.4 s of 4 ms steps, not streamed
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+
+    def running() -> float:
+        return sum(metric(httpx.get(s.url + "/metrics").text, "pypto_serving_num_requests_running") for s in replicas)
+
+    started = time.monotonic()
+    while running() and time.monotonic() - started < 1.5:
+        time.sleep(0.05)
+    assert running() == 0, "the replica kept generating for a client that left"
+    rows = admin(router, "GET", "/router/replicas").json()["replicas"]
+    assert [r["in_flight"] for r in rows] == [0, 0] and [r["outstanding_tokens"] for r in rows] == [0, 0]
