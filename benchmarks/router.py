@@ -164,9 +164,7 @@ async def _affinity(router: str, conversations: int, turns: int, header: bool) -
 def _counters(router: str) -> dict[str, float]:
     out = {}
     for line in httpx.get(router + "/metrics").text.splitlines():
-        if line.startswith(
-            ("pypto_router_session_affinity", "pypto_router_prefix_total", "pypto_router_requests_total")
-        ):
+        if line.startswith(("pypto_router_session_affinity", "pypto_router_prefix_total")) and "_created" not in line:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
