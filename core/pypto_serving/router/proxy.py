@@ -104,6 +104,8 @@ class Forwarder:
                     await forward
         if forward.cancelled():
             return Response(status_code=499)  # nobody is left to read it
+        if forward.exception() is not None:
+            watch.cancel()
         response = forward.result()
         if isinstance(response, _Relay) and not watch.done():
             response.watch = watch  # the relay keeps watching
