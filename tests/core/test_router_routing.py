@@ -147,6 +147,10 @@ def test_settings_from_toml_env_and_flags(tmp_path: Path, monkeypatch: pytest.Mo
         ("127.0.0.1:8001", "http://127.0.0.1:8001"),
     ]
     assert s.replicas[1].command == ["pypto-serving", "serve"]
+    monkeypatch.setenv("PYPTO_ROUTER_REPLICAS", '[{"url": "http://a:1", "name": "x"}]')
+    monkeypatch.setenv("PYPTO_ROUTER_API_KEY", "k1,k2")
+    s = load_router_settings(None, replica_urls=["http://b:2"])
+    assert [r.name for r in s.replicas] == ["x", "b:2"] and s.api_key == ["k1", "k2"]
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,12 @@ to another replica."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,12 +167,29 @@ def test_a_refused_request_is_retried_once_elsewhere(fake_model_dir: Path) -> No
         llm.shutdown(10)
 
 
-def test_a_replica_command_that_cannot_start_fails_the_router(tmp_path: Path) -> None:
-    config = tmp_path / "router.toml"
-    config.write_text('[[replicas]]\nurl = "http://127.0.0.1:9"\ncommand = ["/nonexistent/serve"]\n')
-    cmd = [sys.executable, "-m", "pypto_serving.cli", "router", "--config", str(config), "--port", "0"]
-    cmd += ["--log-dir", str(tmp_path / "logs")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
-    assert proc.returncode == 1, proc.stderr
-    assert "cannot start replica 127.0.0.1:9 (/nonexistent/serve)" in proc.stderr
-    assert "the router did not start" in proc.stderr
+def test_a_replica_command_that_cannot_start_fails_the_router(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    from pypto_serving.router import RouterSettings
+    from pypto_serving.router.cli import run_router
+
+    settings = RouterSettings(
+        port=0,
+        log_dir=tmp_path / "logs",
+        replicas=[
+            {
+                "url": f"http://127.0.0.1:{free_port()}",
+                "name": "ok",
+                "command": [sys.executable, "-c", "import time; time.sleep(60)"],
+            },
+            {"url": "http://127.0.0.1:9", "name": "bad", "command": ["/nonexistent/serve"]},
+        ],
+    )
+    caplog.set_level(logging.INFO, logger="pypto_serving.router")
+    started = time.monotonic()
+    assert run_router(settings) == 1
+    err = capsys.readouterr().err
+    assert "the router did not start" in err
+    assert "cannot start replica bad (/nonexistent/serve)" in err + caplog.text  # uvicorn's log, on stderr
+    assert "stopped replica ok" in caplog.text  # the one launched before the failure does not outlive it
+    assert time.monotonic() - started < 30
