@@ -298,9 +298,11 @@ def _add_optional_commands(sub: Any) -> None:
         add_serve_command(sub)
     from .bench.cli import add_bench_command
     from .convert import add_convert_command
+    from .router.cli import add_router_command
 
     add_bench_command(sub)
     add_convert_command(sub)
+    add_router_command(sub)
 
 
 def _fail(message: str) -> int:
