@@ -682,6 +682,10 @@ def _layer_params(weights: dict[str, Any], prefix: str, experts: range, *, group
     # moe_experts wants [E, 2I, D] gate/up stacked (gate first) and [E, D, I] down.
     p["experts.gate_up"] = _stack([[a, b] for a, b in zip(w1, w3)], dtype)
     p["experts.down"] = _stack([[w] for w in w2], dtype)
+    packed = [isinstance(p[k], QuantizedWeight) for k in ("experts.gate_up", "experts.down")]
+    if packed[0] != packed[1]:  # one side was dequantized (a split through MXFP4 groups): both float
+        key = "experts.gate_up" if packed[0] else "experts.down"
+        p[key] = p[key].dequantize(dtype)
     shared = (p.pop("ffn.shared_experts.w1.weight"), p.pop("ffn.shared_experts.w3.weight"))
     p["shared.gate_up"] = _fuse(prefix, *shared, dtype)
     wo_a = p.get("attn.wo_a.weight")
