@@ -52,13 +52,18 @@ class PackedMxfp4(Protocol):
 def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """MXFP4 ``data`` ``[..., n, k/2]`` with ``scale`` ``[..., n, ceil(k/32)]`` as ``dtype`` ``[..., n, k]``."""
     dev = data.device
-    table = torch.tensor(_E2M1, dtype=torch.float32, device=dev)
+    # E2M1 values times powers of two are exact in bfloat16 (8 exponent bits, as E8M0 has), so a
+    # bfloat16 result is computed in bfloat16; float16 (5 exponent bits) goes through float32.
+    work = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    table = torch.tensor(_E2M1, dtype=work, device=dev)
     byte = torch.arange(256, device=dev)
     pairs = torch.stack((table[byte & 0xF], table[byte >> 4]), dim=-1)  # each byte's (even, odd) values
-    values = pairs[data.view(torch.uint8).long()].flatten(-2)
+    # index_select over the flat bytes: several times faster than advanced indexing on the CPU.
+    codes = data.view(torch.uint8).reshape(-1).int()
+    values = pairs.index_select(0, codes).view(*data.shape[:-1], 2 * data.shape[-1])
     exponent = torch.arange(256, device=dev) - 127
-    powers = torch.ldexp(torch.ones(256, device=dev), exponent).masked_fill(exponent == 128, float("nan"))
-    factors = powers[scale.view(torch.uint8).long()]
+    powers = torch.ldexp(torch.ones(256, device=dev), exponent).masked_fill(exponent == 128, float("nan")).to(work)
+    factors = powers.index_select(0, scale.view(torch.uint8).reshape(-1).int()).view(scale.shape)
     k = values.shape[-1]
     if k % GROUP == 0:  # whole groups: scale each as a block, no spread copy of the scales
         grouped = values.reshape(*values.shape[:-1], k // GROUP, GROUP) * factors.unsqueeze(-1)

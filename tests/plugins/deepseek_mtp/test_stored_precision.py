@@ -61,6 +61,12 @@ def test_mxfp4_stacks_decode_as_the_published_format(experts: Any) -> None:
     assert torch.equal(mx.dequantize_mxfp4(gate_up.data, gate_up.scale), gate_up_f)
     assert torch.equal(mx.dequantize_mxfp4(down.data, down.scale), down_f)
     assert torch.equal(gate_up.dequantize(), gate_up_f)  # QuantizedWeight's own reference
+    # Every byte under every finite exponent: bfloat16 (computed in bfloat16) is exact too.
+    every = torch.arange(256, dtype=torch.uint8).view(torch.int8).expand(255, 256)
+    exps = torch.arange(255, dtype=torch.uint8).view(torch.float8_e8m0fnu)[:, None].expand(255, 16)
+    want = _fp4_decode(every, exps)
+    assert torch.equal(mx.dequantize_mxfp4(every, exps), want)
+    assert torch.equal(mx.dequantize_mxfp4(every, exps, torch.bfloat16).float(), want)
     nan = torch.full((1, 1), 255, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     assert mx.dequantize_mxfp4(torch.ones(1, 16, dtype=torch.int8), nan).isnan().all()
 
