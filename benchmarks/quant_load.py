@@ -3,6 +3,7 @@
 python benchmarks/quant_load.py --shape qwen3-0.6b --formats float32,bfloat16,fp8,w8a8 --dir /tmp/ql
 python benchmarks/quant_load.py --measure /tmp/ql/fp8          # one load, JSON on stdout
 python benchmarks/quant_load.py --linear                        # quant_linear per scheme, ms per call
+python benchmarks/quant_load.py --deepseek --dir /tmp/ql         # tiny-deepseek-v4-fp8: stored vs dequantized
 
 Each format's checkpoint is written from one random float model (Qwen3 names and shapes):
 ``float32`` / ``bfloat16`` as is, ``fp8`` block-FP8 (e4m3, 128x128 ``weight_scale_inv`` blocks,
@@ -12,6 +13,13 @@ elsewhere). Every load runs in a fresh process through the real Qwen executor on
 (``dtype="auto"``: the checkpoint's own dtype); the resident memory it reports is the process's
 RSS (anonymous + file-backed + shared, from /proc/self/status) after loading minus before, against
 the checkpoint's tensor bytes.
+
+``--deepseek`` loads ``tiny-deepseek-v4-fp8`` (DeepSeek-V4's release layout: FP8 E4M3 projections
+with UE8M0 128x128 block scales, MXFP4 routed experts, bfloat16 elsewhere) through the DeepSeek
+executor twice, each in a fresh process: kept in its stored precision (the default) and dequantized
+at load (``stored_precision = False``); per load the time, the bytes the executor's weights hold
+(``weight_bytes``: each weight storage once) against the checkpoint's tensor bytes (MTP layer
+loaded), and greedy decode tokens per second (no speculation, one thread) at concurrency 1 and 8.
 """
 
 from __future__ import annotations
@@ -200,7 +208,15 @@ def measure(path: Path, fmt: str) -> dict[str, Any]:
     }
 
 
-_DTYPES_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn", "I8": "int8"}
+_DTYPES_NAMES = {
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I8": "int8",
+    "I64": "int64",
+}
 
 
 def _dtype_table() -> dict[str, Any]:
@@ -263,6 +279,99 @@ def _linear_cases(xs: dict[Any, Any], weights: list[Any], fp8: list[Any], int8: 
     }
 
 
+def _deepseek_decode(ex: Any, info: Any, concurrency: int, new_tokens: int) -> float:
+    """Greedy decode tokens per second of ``concurrency`` requests of 16 prompt tokens (after their
+    prefill), driven like the core drives the executor (tests' FakeCore)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.plugins.deepseek_mtp.helpers import FakeCore
+
+    core = FakeCore(ex, info, num_blocks=64 * concurrency)
+    prompts = {f"r{i}": [(7 * i + 31 * j) % 8000 + 3 for j in range(16)] for i in range(concurrency)}
+    logits = ex.execute(core.batch([(rid, ids, 0, 1) for rid, ids in prompts.items()]))
+    last = logits.argmax(-1).tolist()
+    t0 = time.perf_counter()
+    for step in range(new_tokens):
+        entries = [(rid, [last[i]], 16 + step, 1) for i, rid in enumerate(prompts)]
+        last = ex.execute(core.batch(entries)).argmax(-1).tolist()
+    return concurrency * new_tokens / (time.perf_counter() - t0)
+
+
+def measure_deepseek(path: Path, stored: bool, new_tokens: int = 32) -> dict[str, Any]:
+    """One DeepSeek-V4 load of ``path`` (stored precision or dequantized) and its decode speed."""
+    import torch
+
+    from pypto_serving.config import ServingSettings
+    from pypto_serving_deepseek_mtp import DeepseekMTPExecutor
+
+    # One intra-op thread: on a shared 2-core machine more threads oversubscribe it (10x slower here).
+    torch.set_num_threads(1)
+
+    def load(mtp: bool) -> tuple[Any, Any]:
+        spec = {"method": "mtp", "num_speculative_tokens": 1} if mtp else None
+        settings = ServingSettings(
+            model=str(path), device="cpu", dtype="auto", block_size=16, max_num_seqs=8, speculative_config=spec
+        )
+        ex = DeepseekMTPExecutor(settings)
+        ex.stored_precision = stored
+        return ex, ex.load()
+
+    # The first load (without the MTP layer; it decodes below) takes the one-time costs (imports,
+    # kernel registry, allocator arenas); the timed one reads the whole checkpoint, MTP layer included.
+    plain, plain_info = load(mtp=False)
+    t0 = time.perf_counter()
+    ex, _ = load(mtp=True)
+    seconds = time.perf_counter() - t0
+    return {
+        "mode": "stored" if stored else "dequantized",
+        "checkpoint_bytes": _tensor_bytes(path),
+        "held_bytes": ex.weight_bytes(),
+        "load_seconds": round(seconds, 3),
+        "dtype": str(ex.dtype),
+        "threads": torch.get_num_threads(),
+        "decode_tok_s": {c: round(_deepseek_decode(plain, plain_info, c, new_tokens), 1) for c in (1, 8)},
+    }
+
+
+def _tensor_bytes(path: Path) -> int:
+    """The tensor bytes of the checkpoint's safetensors files (their headers excluded)."""
+    import torch
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                view = f.get_slice(name)
+                numel = 1
+                for n in view.get_shape():
+                    numel *= n
+                total += numel * torch.empty((), dtype=_DTYPES[view.get_dtype()]).element_size()
+    return total
+
+
+def deepseek_table(directory: Path) -> None:
+    from pypto_serving_deepseek_mtp.plugin import write_tiny_fp8
+
+    path = write_tiny_fp8(directory / "tiny-deepseek-v4-fp8")
+    print(f"{'weights':12} {'ckpt MiB':>8} {'held MiB':>8} {'x ckpt':>7} {'load s':>7} {'tok/s c1':>9} {'tok/s c8':>9}")
+    for mode in ("stored", "dequantized"):
+        command = [sys.executable, __file__, "--measure-deepseek", str(path), "--mode", mode]
+        run = subprocess.run(
+            command, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"}, check=False
+        )
+        if run.returncode:
+            print(mode, "failed:", run.stderr[-2000:])
+            continue
+        r = json.loads(run.stdout.strip().splitlines()[-1])
+        mb = 1 / (1 << 20)
+        tok = r["decode_tok_s"]
+        print(
+            f"{mode:12} {r['checkpoint_bytes'] * mb:8.2f} {r['held_bytes'] * mb:8.2f} "
+            f"{r['held_bytes'] / r['checkpoint_bytes']:7.2f} {r['load_seconds']:7.3f} "
+            f"{tok['1']:9.1f} {tok['8']:9.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
@@ -271,8 +380,17 @@ def main() -> None:
     parser.add_argument("--measure", type=Path, help="load this checkpoint and print its numbers as JSON")
     parser.add_argument("--format", default="float32", help="the --measure checkpoint's format (for the warm-up)")
     parser.add_argument("--linear", action="store_true", help="time quant_linear per scheme instead")
+    parser.add_argument("--deepseek", action="store_true", help="tiny-deepseek-v4-fp8: stored vs dequantized")
+    parser.add_argument("--measure-deepseek", type=Path, help="one DeepSeek load and decode, JSON on stdout")
+    parser.add_argument("--mode", choices=("stored", "dequantized"), default="stored")
     args = parser.parse_args()
     _DTYPES.update(_dtype_table())
+    if args.deepseek:
+        deepseek_table(args.dir)
+        return
+    if args.measure_deepseek is not None:
+        print(json.dumps(measure_deepseek(args.measure_deepseek, args.mode == "stored")))
+        return
     if args.linear:
         time_linears()
         return

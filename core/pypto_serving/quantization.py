@@ -86,6 +86,9 @@ class QuantizedWeight:
     - ``w8a8_static``: ``data`` int8 and msModelSlim's ``input_scale``/``input_offset`` (``[1]``),
       ``deq_scale`` (``[out]``, float32 or int64 holding float32 bits) and ``quant_bias`` (int32
       ``[out]``): ``y = (round(x / input_scale + input_offset) @ data.T + quant_bias) * deq_scale``.
+    - ``mxfp4`` (routed experts, stacked: ``pypto_kernels.mxfp4_moe_experts`` multiplies by them):
+      ``data`` int8 ``[..., out, in/2]``, two E2M1 codes a byte (low nibble the even column);
+      ``scale`` ``float8_e8m0fnu [..., out, ceil(in/32)]``; ``block`` is ``(1, 32)``.
     """
 
     scheme: str
@@ -121,6 +124,10 @@ class QuantizedWeight:
         For ``w8a8_static`` the weight alone is ``data * deq_scale / input_scale``."""
         if self.scheme == "fp8_block":
             return dequantize_fp8_blocks(self.data, self.scale, self.block).to(dtype)
+        if self.scheme == "mxfp4":
+            rows = self.data.reshape(-1, self.data.shape[-1])
+            values = dequantize_mxfp4(rows, self.scale.reshape(-1, self.scale.shape[-1]))
+            return values.reshape(*self.data.shape[:-1], -1).to(dtype)
         if self.scheme == "w8a8_static":
             assert self.deq_scale is not None and self.input_scale is not None
             deq = deq_scale_as_float(self.deq_scale)

@@ -20,6 +20,7 @@ from .deepseek import apply_interleaved_rope, grouped_linear, interleaved_rope_c
 from .device import npu_available, select_device
 from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
+from .mxfp4 import dequantize_mxfp4, mxfp4_moe_experts
 from .norm import add_rms_norm, rms_norm
 from .quant import QuantizedLinearWeight, dequantize_weight, quant_linear, quantize_per_token
 from .registry import (
@@ -45,6 +46,7 @@ __all__ = [
     "apply_rope",
     "available_kernels",
     "compressor_pool",
+    "dequantize_mxfp4",
     "dequantize_weight",
     "describe_kernel",
     "dispatch",
@@ -57,6 +59,7 @@ __all__ = [
     "interleaved_rope_cos_sin",
     "load_backends",
     "moe_experts",
+    "mxfp4_moe_experts",
     "npu_available",
     "paged_attention",
     "quant_linear",

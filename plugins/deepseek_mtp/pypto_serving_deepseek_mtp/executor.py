@@ -10,16 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pypto_kernels import describe_kernel, interleaved_rope_cos_sin, select_device
 from pypto_serving import BatchInput, CacheGroupSpec, DraftSampler, Executor, ExecutorInfo, read_generation_config
 from pypto_serving.parallel import ParallelContext
-from pypto_serving.quantization import read_quantization_config
+from pypto_serving.quantization import QuantizedWeight, read_quantization_config
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
-from .model import FP32_SUFFIXES, CompressorRing, DeepseekV4Model, Segments, _layer_params
+from .model import FP32_SUFFIXES, CompressorRing, DeepseekV4Model, Params, Segments, _layer_params, linear
 from .sharding import ShardPlan
 from .weights import load_weights, mtp_depths
 
@@ -151,7 +150,10 @@ class DeepseekMTPExecutor(Executor):
     def __init__(self, settings: Any) -> None:
         self.settings = settings
         self.model: DeepseekV4Model | None = None
-        self.mtp_layers: list[dict[str, torch.Tensor]] = []
+        self.mtp_layers: list[Params] = []
+        # Quantized checkpoints keep their stored precision (FP8 projections, MXFP4 experts); False
+        # dequantizes them at load (the comparison the tests and benchmarks/quant_load.py make).
+        self.stored_precision = True
         self.num_draft = 0
         self.slots: dict[str, int] = {}
         self.free_slots: list[int] = []
@@ -177,14 +179,14 @@ class DeepseekMTPExecutor(Executor):
         dtype = _DTYPES.get(cfg.torch_dtype, torch.bfloat16) if s.dtype == "auto" else _DTYPES[s.dtype]
         quantization = read_quantization_config(raw, str(model_dir / "config.json"))
         plan = self._shard_plan(cfg)
-        weights = load_weights(model_dir, device, dtype, FP32_SUFFIXES, quantization, plan)
+        weights = load_weights(model_dir, device, dtype, FP32_SUFFIXES, quantization, plan, self.stored_precision)
 
         spec = s.speculative_config
         self._check_speculation(spec, mtp_depths(weights), cfg, model_dir)
         self.use_mtp = spec is not None and spec.method == "mtp"
         if self.use_mtp:
             for d in range(mtp_depths(weights)):
-                self.mtp_layers.append(self._mtp_params(weights, d, plan.experts))
+                self.mtp_layers.append(self._mtp_params(weights, d, plan, dtype))
 
         block_size = int(s.block_size)
         self.model = DeepseekV4Model(cfg, weights, device, dtype, block_size, plan.parallel, plan.experts)
@@ -250,12 +252,13 @@ class DeepseekMTPExecutor(Executor):
             )
         self.num_draft = k
 
-    def _mtp_params(self, weights: dict[str, torch.Tensor], d: int, experts: range) -> dict[str, torch.Tensor]:
+    def _mtp_params(self, weights: dict[str, Any], d: int, plan: ShardPlan, dtype: torch.dtype) -> Params:
         prefix = f"mtp.{d}."
         if any(k.startswith(prefix + "attn.compressor.") for k in weights):
             raise MtpConfigError(f"{prefix}* has a compressed-attention block; only sliding-window MTP is supported")
         try:
-            p = _layer_params(weights, prefix, experts)
+            groups = plan.cfg.o_groups // plan.parallel.world_size
+            p = _layer_params(weights, prefix, plan.experts, groups=groups, dtype=dtype)
         except ValueError as e:
             raise MtpConfigError(f"MTP layer {d}: {e}") from None
         needed = [
@@ -283,6 +286,13 @@ class DeepseekMTPExecutor(Executor):
         for kind in dict.fromkeys(cfg.layer_types):
             used = ", ".join(f"{k} runs {describe_kernel(k, self.device)}" for k in kernels[kind])
             logger.info("%s layers: %s", kind, used)
+        assert self.model is not None
+        stored = {v.scheme for p in self.model.layers for v in p.values() if isinstance(v, QuantizedWeight)}
+        if "fp8_block" in stored:
+            backend = describe_kernel("quant_linear", self.device, scheme="fp8_block", dtype=self.dtype)
+            logger.info("FP8 projections (kept as stored): quant_linear runs %s", backend)
+        if "mxfp4" in stored:
+            logger.info("MXFP4 routed experts (kept packed): %s", describe_kernel("mxfp4_moe_experts", self.device))
 
     def _cache_groups(self, cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> list[CacheGroupSpec]:
         elem = torch.tensor([], dtype=dtype).element_size()
@@ -388,6 +398,25 @@ class DeepseekMTPExecutor(Executor):
             if slot is not None:
                 self.free_slots.append(slot)
             self.mtp_state.pop(rid, None)
+
+    def weights_held(self) -> list[torch.Tensor]:
+        """Every tensor of the weights this executor holds (stored-precision ones as their data and
+        scales), not the caches or the RoPE tables."""
+        assert self.model is not None
+        m = self.model
+        out = [m.embed, m.head, m.norm, *m.hc_head]
+        for p in [*m.layers, *self.mtp_layers]:
+            for v in p.values():
+                if isinstance(v, QuantizedWeight):
+                    out += [v.data, v.scale]
+                elif isinstance(v, torch.Tensor):
+                    out.append(v)
+        return out
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold in memory: each storage once (a tied head, fused views)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.weights_held()}
+        return sum(storages.values())
 
     def shutdown(self) -> None:
         if self.model is not None:
@@ -640,7 +669,7 @@ class DeepseekMTPExecutor(Executor):
         )
         e = ops.rms_norm(m.embed_tokens(tok), p["enorm.weight"], cfg.rms_norm_eps)
         h = ops.rms_norm(hidden, p["hnorm.weight"], cfg.rms_norm_eps)
-        x = F.linear(e, p["e_proj.weight"]).unsqueeze(1) + F.linear(h, p["h_proj.weight"])
+        x = linear(e, p["e_proj.weight"]).unsqueeze(1) + linear(h, p["h_proj.weight"])
         # An MTP block is a sliding layer: it only reads the main RoPE table.
         inv, scaling = m.inv_freq["main"]
         rope = {"main": interleaved_rope_cos_sin(positions, inv, scaling)}

@@ -17,9 +17,10 @@ tokens are simply overwritten when the real tokens arrive.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,8 @@ from pypto_kernels import (
     indexer_topk,
     interleaved_rope_cos_sin,
     moe_experts,
+    mxfp4_moe_experts,
+    quant_linear,
     rope_inv_freq,
     sink_attention,
     topk_routing,
@@ -41,10 +44,49 @@ from pypto_kernels import (
 from pypto_kernels.attention import FP8_CACHE_MAX, quantize_cache_rows
 from pypto_kernels.compressed_attention import _put, _take
 from pypto_serving.parallel import ParallelContext, expert_parallel_moe, vocab_parallel_embedding
+from pypto_serving.quantization import QuantizedWeight
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .emission import EmitPlan, EmitShape, build_emit_plan
+
+logger = logging.getLogger(__name__)
+
+#: One block's parameters: tensors, and the projections and routed experts kept in the checkpoint's
+#: stored precision as :class:`QuantizedWeight` (FP8 linears, MXFP4 experts).
+Params = dict[str, Any]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """``x @ weight.T``: stored-precision weights through ``quant_linear`` (no float copy of them)."""
+    if isinstance(weight, QuantizedWeight):
+        out: torch.Tensor = quant_linear(x, weight)
+        return out
+    return F.linear(x, weight)
+
+
+def grouped_projection(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, groups: int) -> torch.Tensor:
+    """``grouped_linear`` (V4's block-diagonal ``wo_a``) for a float or a block-FP8 weight: group
+    ``g`` meets its rows of the FP8 weight, a row range of whole scale blocks (checked at load)."""
+    if not isinstance(weight, QuantizedWeight):
+        out: torch.Tensor = grouped_linear(x, weight, groups)
+        return out
+    rows = weight.data.shape[0] // groups
+    step = rows // weight.block[0]
+    parts = [
+        quant_linear(
+            x[:, g],
+            QuantizedWeight(
+                "fp8_block",
+                weight.data[g * rows : (g + 1) * rows],
+                weight.scale[g * step : (g + 1) * step],
+                weight.block,
+            ),
+        )
+        for g in range(groups)
+    ]
+    return torch.cat(parts, dim=-1)
+
 
 # Parameters the reference keeps in float32 whatever the checkpoint dtype (mixing and norm weights, and
 # the compressors' projections, which the reference runs in float32).
@@ -236,7 +278,7 @@ class DeepseekV4Model:
     def __init__(
         self,
         cfg: DeepseekV4Config,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Any],
         device: torch.device,
         dtype: torch.dtype,
         block_size: int,
@@ -257,7 +299,10 @@ class DeepseekV4Model:
         self.head = weights.get("head.weight", self.embed)
         self.norm = weights["norm.weight"]
         self.hc_head = (weights["hc_head_fn"], weights["hc_head_base"], weights["hc_head_scale"])
-        self.layers = [_layer_params(weights, f"layers.{i}.", self.experts) for i in range(cfg.num_hidden_layers)]
+        self.layers = [
+            _layer_params(weights, f"layers.{i}.", self.experts, groups=self.local_groups, dtype=dtype)
+            for i in range(cfg.num_hidden_layers)
+        ]
         self.inv_freq: dict[str, tuple[torch.Tensor, float]] = {}
         for name, params in (("main", cfg.rope_main), ("compress", cfg.rope_compress)):
             inv, scaling = rope_inv_freq(
@@ -323,7 +368,7 @@ class DeepseekV4Model:
 
     def decoder_layer(
         self,
-        p: dict[str, torch.Tensor],
+        p: Params,
         x: torch.Tensor,
         seg: Segments,
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
@@ -356,9 +401,9 @@ class DeepseekV4Model:
         h = ops.rms_norm(collapsed, p["ffn_norm.weight"], cfg.rms_norm_eps)
         return hc_merge(x, self.moe(p, h, seg.input_ids), post, comb)
 
-    def moe(self, p: dict[str, torch.Tensor], h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def moe(self, p: Params, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        logits = F.linear(h, p["ffn.gate.weight"])
+        logits = linear(h, p["ffn.gate.weight"])
         if "ffn.gate.tid2eid" in p:  # hash routing: a frozen token -> experts table picks the experts
             ids = p["ffn.gate.tid2eid"][input_ids].long()
             weights = ops.router_scores(logits, cfg.scoring_func).gather(1, ids)
@@ -377,11 +422,13 @@ class DeepseekV4Model:
 
         def experts(x: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
             act = lambda gu: ops.clamped_swiglu(gu, limit)  # noqa: E731 - one-line activation
-            return moe_experts(x, p["experts.gate_up"], p["experts.down"], w, i, activation=act)
+            gate_up, down = p["experts.gate_up"], p["experts.down"]
+            if isinstance(gate_up, QuantizedWeight):  # MXFP4: dequantised per routed expert, per call
+                out: torch.Tensor = mxfp4_moe_experts(x, gate_up, down, w, i, activation=act)
+                return out
+            return moe_experts(x, gate_up, down, w, i, activation=act)
 
-        shared = F.linear(
-            ops.clamped_swiglu(F.linear(h, p["shared.gate_up"]), limit), p["ffn.shared_experts.w2.weight"]
-        )
+        shared = linear(ops.clamped_swiglu(linear(h, p["shared.gate_up"]), limit), p["ffn.shared_experts.w2.weight"])
         if len(self.experts) < cfg.n_routed_experts:
             # Expert parallel: tokens travel to the ranks holding their experts and back (all-to-all).
             routed = expert_parallel_moe(h, weights, ids, experts, cfg.n_routed_experts, self.parallel)
@@ -392,7 +439,7 @@ class DeepseekV4Model:
 
     def attention(
         self,
-        p: dict[str, torch.Tensor],
+        p: Params,
         h: torch.Tensor,
         seg: Segments,
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
@@ -404,10 +451,10 @@ class DeepseekV4Model:
         cfg = self.cfg
         t = h.shape[0]
         cos, sin = rope["main" if kind == SLIDING else "compress"]
-        q_res = ops.rms_norm(F.linear(h, p["attn.wq_a.weight"]), p["attn.q_norm.weight"], cfg.rms_norm_eps)
-        q = F.linear(q_res, p["attn.wq_b.weight"]).view(t, self.local_heads, cfg.head_dim)
+        q_res = ops.rms_norm(linear(h, p["attn.wq_a.weight"]), p["attn.q_norm.weight"], cfg.rms_norm_eps)
+        q = linear(q_res, p["attn.wq_b.weight"]).view(t, self.local_heads, cfg.head_dim)
         q = apply_interleaved_rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
-        kv = ops.rms_norm(F.linear(h, p["attn.wkv.weight"]), p["attn.norm.weight"], cfg.rms_norm_eps)
+        kv = ops.rms_norm(linear(h, p["attn.wkv.weight"]), p["attn.norm.weight"], cfg.rms_norm_eps)
         kv = apply_interleaved_rope(kv, cos, sin)
 
         n_tok = seg.starts[-1]
@@ -438,25 +485,25 @@ class DeepseekV4Model:
         out = apply_interleaved_rope(out, cos, -sin)
         # This rank's output groups (its heads) project to a partial sum of the output.
         grouped = out.reshape(t, self.local_groups, -1)
-        o = grouped_linear(grouped, p["attn.wo_a.weight"], self.local_groups)
-        return self.parallel.all_reduce(F.linear(o, p["attn.wo_b.weight"]))
+        o = grouped_projection(grouped, p["attn.wo_a.weight"], self.local_groups)
+        return self.parallel.all_reduce(linear(o, p["attn.wo_b.weight"]))
 
     def _index_queries(
-        self, p: dict[str, torch.Tensor], h: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, p: Params, h: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The lightning indexer's queries ``[T, Hi, Di]`` (with RoPE) and per-head weights ``[T, Hi]``.
 
         Each rank projects its slice of the index heads and the slices are gathered, so every rank
         scores every head and picks the same top-k, the one a single rank picks."""
         cfg, t = self.cfg, h.shape[0]
-        iq = F.linear(q_res, p["attn.indexer.wq_b.weight"]).view(t, -1, cfg.index_head_dim)
+        iq = linear(q_res, p["attn.indexer.wq_b.weight"]).view(t, -1, cfg.index_head_dim)
         iq = self.parallel.all_gather(iq, dim=1)
-        iw = self.parallel.all_gather(F.linear(h, p["attn.indexer.weights_proj.weight"]), dim=-1)
+        iw = self.parallel.all_gather(linear(h, p["attn.indexer.weights_proj.weight"]), dim=-1)
         return apply_interleaved_rope(iq, cos, sin), iw.float() * cfg.index_n_heads**-0.5
 
     def _attend(
         self,
-        p: dict[str, torch.Tensor],
+        p: Params,
         q: torch.Tensor,
         seg: Segments,
         flat_swa: torch.Tensor,
@@ -549,7 +596,7 @@ class DeepseekV4Model:
 
     # ------------------------------------------------------------------ compressors
 
-    def _emit_entries(self, p: dict[str, torch.Tensor], h: torch.Tensor, seg: Segments, layer: int, kind: str) -> None:
+    def _emit_entries(self, p: Params, h: torch.Tensor, seg: Segments, layer: int, kind: str) -> None:
         """(Re)write the compressed entries whose windows close in this step, for every request at
         once, and record this step's compressor inputs in the rings."""
         gi = self.group_index[layer]
@@ -586,7 +633,7 @@ class DeepseekV4Model:
 
     def _compress(
         self,
-        p: dict[str, torch.Tensor],
+        p: Params,
         prefix: str,
         h: torch.Tensor,
         plan: EmitPlan,
@@ -619,10 +666,12 @@ class DeepseekV4Model:
         ring_gate.index_copy_(0, plan.ring_dst, gate)
 
 
-def _layer_params(weights: dict[str, torch.Tensor], prefix: str, experts: range) -> dict[str, torch.Tensor]:
+def _layer_params(weights: dict[str, Any], prefix: str, experts: range, *, groups: int, dtype: torch.dtype) -> Params:
     """Take one block's tensors out of ``weights`` (prefix stripped) and pre-pack the weights of
     ``experts``; taking them out lets each expert's own tensor go once it is packed, so loading
-    peaks at the model plus one layer's experts."""
+    peaks at the model plus one layer's experts. MXFP4 experts stay packed; FP8 projections stay
+    FP8 where the model's fused and grouped (``groups`` output groups of ``wo_a``) uses of them meet
+    whole scale blocks, else are dequantized into ``dtype``."""
     p = {k[len(prefix) :]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
     try:
         w1 = [p.pop(f"ffn.experts.{e}.w1.weight") for e in experts]
@@ -631,8 +680,37 @@ def _layer_params(weights: dict[str, torch.Tensor], prefix: str, experts: range)
     except KeyError as e:
         raise ValueError(f"checkpoint is missing expert weight {prefix}{e.args[0]}") from None
     # moe_experts wants [E, 2I, D] gate/up stacked (gate first) and [E, D, I] down.
-    p["experts.gate_up"] = torch.stack([torch.cat([a, b], dim=0) for a, b in zip(w1, w3)])
-    p["experts.down"] = torch.stack(w2)
-    p["shared.gate_up"] = torch.cat([p["ffn.shared_experts.w1.weight"], p.pop("ffn.shared_experts.w3.weight")])
-    del p["ffn.shared_experts.w1.weight"]
+    p["experts.gate_up"] = _stack([[a, b] for a, b in zip(w1, w3)], dtype)
+    p["experts.down"] = _stack([[w] for w in w2], dtype)
+    packed = [isinstance(p[k], QuantizedWeight) for k in ("experts.gate_up", "experts.down")]
+    if packed[0] != packed[1]:  # one side was dequantized (a split through MXFP4 groups): both float
+        key = "experts.gate_up" if packed[0] else "experts.down"
+        p[key] = p[key].dequantize(dtype)
+    shared = (p.pop("ffn.shared_experts.w1.weight"), p.pop("ffn.shared_experts.w3.weight"))
+    p["shared.gate_up"] = _fuse(prefix, *shared, dtype)
+    wo_a = p.get("attn.wo_a.weight")
+    if isinstance(wo_a, QuantizedWeight) and (wo_a.data.shape[0] // groups) % wo_a.block[0]:
+        logger.warning("%sattn.wo_a.weight: dequantized at load; its output groups cut through its FP8 blocks", prefix)
+        p["attn.wo_a.weight"] = wo_a.dequantize(dtype)
     return p
+
+
+def _stack(experts: list[list[Any]], dtype: torch.dtype) -> Any:
+    """Each expert's matrices concatenated by rows, stacked: packed MXFP4 when every one is, else float."""
+    if experts and all(isinstance(w, QuantizedWeight) and w.scheme == "mxfp4" for e in experts for w in e):
+        data = torch.stack([torch.cat([w.data for w in e]) for e in experts])
+        scale = torch.stack([torch.cat([w.scale for w in e]) for e in experts])
+        return QuantizedWeight("mxfp4", data, scale, experts[0][0].block)
+    floats = [[w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in e] for e in experts]
+    return torch.stack([torch.cat(e, dim=0) for e in floats])
+
+
+def _fuse(prefix: str, w1: Any, w3: Any, dtype: torch.dtype) -> Any:
+    """The shared expert's gate and up projections as one matrix: FP8 when ``w1`` ends on a block
+    edge (each keeps its own scale rows), else float (dequantized, with a warning)."""
+    if isinstance(w1, QuantizedWeight) and isinstance(w3, QuantizedWeight) and w1.data.shape[0] % w1.block[0] == 0:
+        return QuantizedWeight("fp8_block", torch.cat([w1.data, w3.data]), torch.cat([w1.scale, w3.scale]), w1.block)
+    if isinstance(w1, QuantizedWeight) or isinstance(w3, QuantizedWeight):
+        logger.warning("%sffn.shared_experts.w1/w3: dequantized at load; fused they cut through FP8 blocks", prefix)
+    parts = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in (w1, w3)]
+    return torch.cat(parts)

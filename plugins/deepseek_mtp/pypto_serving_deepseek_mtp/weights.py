@@ -13,14 +13,19 @@ Two namings are read (docs/deepseek_mtp.md lists both):
 
 Each tensor is read with ``safe_open(...).get_slice`` and only this rank's part of it
 (:class:`.sharding.ShardPlan`), so a rank's peak is its share of the model plus one tensor.
-Quantized tensors are decoded as ``config.json`` describes them (block FP8 with ``weight_scale_inv``
+Quantized tensors are read as ``config.json`` describes them (block FP8 with ``weight_scale_inv``
 or the release's E8M0 ``X.scale``, MXFP4 routed experts; docs/deepseek_mtp.md, Quantized
-checkpoints), and refused by name where they do not match that description.
+checkpoints), and refused by name where they do not match that description. With ``stored=True``
+(what the executor loads) the projections the model multiplies through ``pypto_kernels.quant_linear``
+and the MXFP4 routed experts stay in their stored precision as
+:class:`~pypto_serving.quantization.QuantizedWeight` (the bytes as stored, FP8 block scales decoded
+to float32); without it, or where this rank's part cuts through a scale block, they are dequantized.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
@@ -35,6 +40,7 @@ from pypto_serving.quantization import (
     SCALE_SUFFIX,
     CheckpointFormat,
     QuantizationConfig,
+    QuantizedWeight,
     UnsupportedQuantizationError,
     decode_ue8m0,
     dequantize_mxfp4,
@@ -42,6 +48,11 @@ from pypto_serving.quantization import (
 )
 
 from .sharding import ShardPlan, TensorPart
+
+logger = logging.getLogger(__name__)
+
+#: A loaded tensor: a float (or integer) tensor, or a weight kept in its stored precision.
+Loaded = torch.Tensor | QuantizedWeight
 
 _TOP_LEVEL = {
     "embed_tokens.weight": "embed.weight",
@@ -93,6 +104,11 @@ _E8M0 = "F8_E8M0"
 #: DeepSeek's release names a weight's scales ``P.scale`` beside ``P.weight``.
 RELEASE_SCALE = ".scale"
 _ROUTED = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+#: FP8 weights the model multiplies through ``quant_linear`` (model.linear), so they may stay FP8.
+_STORED_FP8 = re.compile(
+    r"^(?:layers|mtp)\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b|indexer\.weights_proj)"
+    r"|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$"
+)
 
 
 def normalise_name(name: str) -> str:
@@ -119,7 +135,8 @@ def load_weights(
     fp32_suffixes: tuple[str, ...],
     quantization: QuantizationConfig | None = None,
     plan: ShardPlan | None = None,
-) -> dict[str, torch.Tensor]:
+    stored: bool = False,
+) -> dict[str, Loaded]:
     """This rank's part (``plan``; everything without one) of every tensor of the checkpoint, floats
     cast to ``dtype`` except the float32-kept ones, read one tensor at a time.
 
@@ -128,7 +145,8 @@ def load_weights(
     stands in when there is no config.json). FP8 weights are dequantized with their block scales
     (``X.weight_scale_inv``, or the release's ``X.scale`` in E8M0) and MXFP4 routed experts with
     their E8M0 group scales, only the blocks of this rank's part; a tensor that does not match the
-    description is refused by name."""
+    description is refused by name. With ``stored`` they stay as stored instead (see the module
+    docstring), except parts that cut through a scale block, which are dequantized with a warning."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
@@ -138,15 +156,30 @@ def load_weights(
         if config.is_file()
         else CheckpointFormat(fp8=quantization)
     )
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Loaded] = {}
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
         where = {key: f for f in handles for key in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
-        reader = _Reader(where, fmt, plan)
+        reader = _Reader(where, fmt, plan, stored)
         for key in where:
             for name, t in reader.read(key):
-                out[name] = _cast(name, t, dtype, fp32_suffixes).to(device)
+                out[name] = (
+                    _place(t, device)
+                    if isinstance(t, QuantizedWeight)
+                    else _cast(name, t, dtype, fp32_suffixes).to(device)
+                )
+    if reader.dequantized:
+        logger.warning(
+            "%d quantized weight(s) dequantized at load: this rank's tensor-parallel part cuts through "
+            "their scale blocks (FP8 blocks or 32-value MXFP4 groups), e.g. %s",
+            len(reader.dequantized),
+            ", ".join(reader.dequantized[:4]),
+        )
     return out
+
+
+def _place(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight:
+    return QuantizedWeight(weight.scheme, weight.data.to(device), weight.scale.to(device), weight.block)
 
 
 def scale_pairs(keys: Iterable[str]) -> dict[str, str]:
@@ -179,14 +212,16 @@ def scale_pairs(keys: Iterable[str]) -> dict[str, str]:
 class _Reader:
     """Reads tensors by checkpoint key: only this rank's part, quantized ones dequantized with their scales."""
 
-    def __init__(self, where: dict[str, Any], fmt: CheckpointFormat, plan: ShardPlan | None) -> None:
+    def __init__(self, where: dict[str, Any], fmt: CheckpointFormat, plan: ShardPlan | None, stored: bool) -> None:
         self.where = where
         self.fmt = fmt
         self.plan = plan
+        self.stored = stored
+        self.dequantized: list[str] = []  # kept-as-stored candidates whose part cuts through a scale block
         self.scales = scale_pairs(where)
         self._scale_keys = set(self.scales.values())
 
-    def read(self, key: str) -> Iterator[tuple[str, torch.Tensor]]:
+    def read(self, key: str) -> Iterator[tuple[str, Loaded]]:
         """(normalised name, this rank's part) of checkpoint tensor ``key``; scales yield nothing."""
         if key in self._scale_keys:
             return
@@ -209,10 +244,28 @@ class _Reader:
             return
         scale = self.where[self.scales[key]].get_slice(self.scales[key])
         if kind == "mxfp4":
-            yield name, _mxfp4_part(key, sl, scale, shape, part)
+            _check_mxfp4_grid(key, scale, shape)
+            if self._keep(name, shape, part, (1, MXFP4_GROUP)):
+                yield name, _mxfp4_stored(sl, scale, shape, part)
+            else:
+                yield name, _mxfp4_part(sl, scale, shape, part)
+            return
+        assert self.fmt.fp8 is not None  # _kind returns "fp8" only with a block-FP8 description
+        block = self.fmt.fp8.block
+        _check_fp8_grid(key, scale, block, shape)
+        if _STORED_FP8.match(name) and self._keep(name, shape, part, block):
+            yield name, _fp8_stored(sl, scale, block, shape, part)
         else:
-            assert self.fmt.fp8 is not None  # _kind returns "fp8" only with a block-FP8 description
-            yield name, _fp8_part(key, sl, scale, self.fmt.fp8.block, shape, part)
+            yield name, _fp8_part(sl, scale, block, shape, part)
+
+    def _keep(self, name: str, full: list[int], part: TensorPart | None, block: tuple[int, int]) -> bool:
+        """Whether ``name`` stays as stored: loading stored, and this rank's part made of whole blocks."""
+        if not self.stored:
+            return False
+        if _whole_blocks(_spans(full, part), full, block):
+            return True
+        self.dequantized.append(name)
+        return False
 
     def _kind(self, key: str, name: str, dtype: str) -> str:
         """``"mxfp4"``, ``"fp8"`` or ``"plain"`` for tensor ``key`` stored as ``dtype``; refuses one
@@ -301,11 +354,12 @@ def _spans(full: list[int], part: TensorPart | None) -> list[slice]:
     return spans
 
 
-def _fp8_part(
-    key: str, sl: Any, scale_sl: Any, block: tuple[int, int], full: list[int], part: TensorPart | None
-) -> torch.Tensor:
-    """This rank's part of block-FP8 weight ``key`` (shape ``full``) times its scales, in float32:
-    only the scale blocks the part covers are expanded."""
+def _whole_blocks(spans: list[slice], full: list[int], block: tuple[int, int]) -> bool:
+    """Whether every span starts on a block edge and ends on one (or at the matrix's end)."""
+    return all(s.start % b == 0 and (s.stop % b == 0 or s.stop == n) for s, n, b in zip(spans, full, block))
+
+
+def _check_fp8_grid(key: str, scale_sl: Any, block: tuple[int, int], full: list[int]) -> None:
     if len(full) != 2:
         raise UnsupportedQuantizationError(f"fp8 weight {key} of shape {full} is not a matrix")
     want = [-(-n // b) for n, b in zip(full, block)]
@@ -314,9 +368,27 @@ def _fp8_part(
             f"fp8 weight {key} of shape {full} needs scales of shape {want} for {block[0]}x{block[1]} blocks, "
             f"got {list(scale_sl.get_shape())}"
         )
+
+
+def _float_scales(raw: torch.Tensor) -> torch.Tensor:
+    return decode_ue8m0(raw) if raw.dtype == torch.float8_e8m0fnu else raw.float()
+
+
+def _fp8_stored(
+    sl: Any, scale_sl: Any, block: tuple[int, int], full: list[int], part: TensorPart | None
+) -> QuantizedWeight:
+    """This rank's part (whole blocks) of a block-FP8 weight as stored, its scales as float32."""
+    rows, cols = _spans(full, part)
+    grid = [slice(s.start // b, -(-s.stop // b)) for s, b in zip((rows, cols), block)]
+    scale = _float_scales(scale_sl[grid[0], grid[1]])
+    return QuantizedWeight("fp8_block", sl[rows, cols].contiguous(), scale.contiguous(), block)
+
+
+def _fp8_part(sl: Any, scale_sl: Any, block: tuple[int, int], full: list[int], part: TensorPart | None) -> torch.Tensor:
+    """This rank's part of a block-FP8 weight (shape ``full``) times its scales, in float32: only
+    the scale blocks the part covers are expanded."""
     spans = _spans(full, part)
-    raw = scale_sl[:]
-    scales = decode_ue8m0(raw) if raw.dtype == torch.float8_e8m0fnu else raw.float()
+    scales = _float_scales(scale_sl[:])
     for dim, (span, b) in enumerate(zip(spans, block)):
         first, last = span.start // b, (span.stop - 1) // b
         scales = scales.narrow(dim, first, last - first + 1).repeat_interleave(b, dim)
@@ -325,9 +397,7 @@ def _fp8_part(
     return weight.float() * scales
 
 
-def _mxfp4_part(key: str, sl: Any, scale_sl: Any, full: list[int], part: TensorPart | None) -> torch.Tensor:
-    """This rank's part of MXFP4 expert ``key`` (``full`` = [out, in] values) in float32: the bytes
-    and scales of the 32-value groups the part touches are read and decoded, then trimmed to it."""
+def _check_mxfp4_grid(key: str, scale_sl: Any, full: list[int]) -> None:
     out, inp = full
     want = [out, -(-inp // MXFP4_GROUP)]
     if list(scale_sl.get_shape()) != want:
@@ -335,6 +405,20 @@ def _mxfp4_part(key: str, sl: Any, scale_sl: Any, full: list[int], part: TensorP
             f"mxfp4 expert {key} packed as {[out, inp // 2]} needs float8_e8m0fnu scales of shape {want} "
             f"(one per {MXFP4_GROUP} values), got {list(scale_sl.get_shape())}"
         )
+
+
+def _mxfp4_stored(sl: Any, scale_sl: Any, full: list[int], part: TensorPart | None) -> QuantizedWeight:
+    """This rank's part (whole 32-value groups) of an MXFP4 expert as stored: bytes and E8M0 scales."""
+    rows, cols = _spans(full, part)
+    packed = sl[rows, cols.start // 2 : cols.stop // 2].contiguous()
+    scale = scale_sl[rows, cols.start // MXFP4_GROUP : -(-cols.stop // MXFP4_GROUP)].contiguous()
+    return QuantizedWeight("mxfp4", packed, scale, (1, MXFP4_GROUP))
+
+
+def _mxfp4_part(sl: Any, scale_sl: Any, full: list[int], part: TensorPart | None) -> torch.Tensor:
+    """This rank's part of an MXFP4 expert (``full`` = [out, in] values) in float32: the bytes and
+    scales of the 32-value groups the part touches are read and decoded, then trimmed to it."""
+    inp = full[1]
     rows, cols = _spans(full, part)
     first, last = cols.start // MXFP4_GROUP, -(-cols.stop // MXFP4_GROUP)
     packed = sl[rows, first * MXFP4_GROUP // 2 : min(last * MXFP4_GROUP, inp) // 2]
@@ -353,7 +437,7 @@ def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, fp32_suffixes: tuple[s
     return t
 
 
-def mtp_depths(weights: dict[str, torch.Tensor]) -> int:
+def mtp_depths(weights: dict[str, Loaded]) -> int:
     """Number of consecutive ``mtp.{d}.*`` layers present (0, 1, ...)."""
     found = {int(m.group(1)) for k in weights if (m := _MTP.match(k))}
     n = 0

@@ -22,6 +22,7 @@ verification's final read): it records each read's shape and returns zeros in it
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -163,8 +164,9 @@ class HostReads:
 
 
 def fake_cuda(x: Any, memo: dict[int, Any] | None = None) -> Any:
-    """An empty fake cuda tensor like ``x`` (same shape and dtype), recursively through dicts, lists
-    and tuples; call inside the fake mode. Shared tensors stay shared."""
+    """An empty fake cuda tensor like ``x`` (same shape and dtype), recursively through dicts, lists,
+    tuples and dataclasses (stored-precision weights); call inside the fake mode. Shared tensors stay
+    shared."""
     memo = {} if memo is None else memo
     if id(x) in memo:
         return memo[id(x)]
@@ -174,6 +176,8 @@ def fake_cuda(x: Any, memo: dict[int, Any] | None = None) -> Any:
         out = {k: fake_cuda(v, memo) for k, v in x.items()}
     elif isinstance(x, list | tuple):
         out = type(x)(fake_cuda(v, memo) for v in x)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):  # a QuantizedWeight: its tensors
+        out = dataclasses.replace(x, **{f.name: fake_cuda(getattr(x, f.name), memo) for f in dataclasses.fields(x)})
     else:
         return x
     memo[id(x)] = out

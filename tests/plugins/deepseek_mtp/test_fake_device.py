@@ -65,10 +65,21 @@ class Setup:
     more: list[Any]  # steps after ``batches``: the batched emission and drafting paths
 
 
+@pytest.fixture(scope="module")
+def release_copy(checkpoints: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``mixed_yarn`` in DeepSeek's release layout, kept in its stored precision at run time: FP8
+    projections (8x16 blocks, which ``wo_a``'s output groups meet whole) and MXFP4 routed experts."""
+    from pypto_serving_deepseek_mtp.release import write_release_layout
+
+    dest = tmp_path_factory.mktemp("release")
+    write_release_layout(checkpoints["mixed_yarn"].path, dest, (8, 16))
+    return dest
+
+
 @pytest.fixture(params=["mixed_yarn", "csa_heavy"])
-def fake_executor(checkpoints: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
+def fake_executor(checkpoints: Any, release_copy: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
     """The executor on fake cuda plus four prebuilt steps (batches are laid out on the host first)."""
-    ex, info = _executor(checkpoints[request.param].path)
+    ex, info = _executor(release_copy if request.param == "release" else checkpoints[request.param].path)
     core = FakeCore(ex, info, num_blocks=BLOCKS)
     a = list(range(3, 12))  # request a: 9 prompt tokens, prefilled in two chunks (4 + 5)
     b = list(range(20, 26))  # request b: 6 prompt tokens, then a decode step verifying K drafts
@@ -235,3 +246,33 @@ def test_sampled_drafting_and_rejection_verification_stay_on_the_device(
         )
     assert host.shapes == [(2 + (1 + K),)]  # emitted count, bad flag, then the 1 + K token slots
     assert verdict == [[]]  # the zeros HostReads answered: nothing emitted, logits finite
+
+
+@pytest.mark.parametrize("fake_executor", ["release"], indirect=True)
+def test_stored_precision_weights_stay_on_the_device(fake_executor: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The release copy on the fake device: FP8 projections (``quant_linear``) and packed MXFP4
+    experts (the CUDA path that gathers and dequantises the routed experts) run a prefill chunk and
+    a verification step with drafting, reading nothing on the host but the drafts."""
+    import pypto_kernels.mxfp4 as mx
+    from pypto_serving.quantization import QuantizedWeight
+
+    ex = fake_executor.ex
+    params = [*ex.model.layers, *ex.mtp_layers]
+    stored = [(k, v) for p in params for k, v in p.items() if isinstance(v, QuantizedWeight)]
+    assert {v.scheme for _, v in stored} == {"fp8_block", "mxfp4"}
+    assert {k for k, v in stored if v.scheme == "fp8_block"} >= {"attn.wo_a.weight", "shared.gate_up", "e_proj.weight"}
+    assert all(v.data.device == CUDA and v.scale.device == CUDA for _, v in stored)
+    chunks: list[int] = []
+    grouped = mx.moe_experts
+
+    def spy(x: torch.Tensor, gate_up: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        chunks.append(gate_up.shape[0])
+        return grouped(x, gate_up, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "moe_experts", spy)
+    monkeypatch.setattr(executor_mod, "read_drafts", lambda drafts: [0] * drafts.shape[0])
+    for batch, acc in zip(fake_executor.batches[:2], [[[], [7]], [[8], [40, 9]]]):
+        logits = ex.execute(batch)
+        assert logits.device.type == "cuda" and logits.shape == (sum(batch.num_logits), fake_executor.vocab)
+        ex.propose_drafts(batch, acc)
+    assert chunks and max(chunks) <= len(ex.model.experts)  # the gathered path ran (the reference reads counts)

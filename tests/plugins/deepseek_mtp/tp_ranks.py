@@ -77,7 +77,12 @@ def _elements(ex: Any) -> int:
     m = ex.model
     tensors = [m.embed, m.head, m.norm, *m.hc_head]
     tensors += [t for p in [*m.layers, *ex.mtp_layers] for t in p.values()]
-    return sum(t.numel() for t in {id(t): t for t in tensors}.values())
+    # A weight kept in its stored precision counts the values it stands for (MXFP4: two a byte).
+    values = {
+        id(t): t.data.numel() * (2 if t.scheme == "mxfp4" else 1) if hasattr(t, "scheme") else t.numel()
+        for t in tensors
+    }
+    return sum(values.values())
 
 
 def _rank_main(rank: int, world_size: int, port: int, scenarios: list[Scenario], out_dir: str) -> None:
