@@ -510,6 +510,10 @@ class EngineCore:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": s.num_preemptions,
             "kv_usage": self.kv.usage,
+            "kv_usage_per_group": {
+                name: 1.0 - pool.num_free / pool.num_blocks if pool.num_blocks else 0.0
+                for name, pool in self.kv.pools.items()
+            },
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "spec_drafted": s.num_drafted,

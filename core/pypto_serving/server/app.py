@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -150,6 +151,11 @@ def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:
     async def metrics_route() -> Response:
         ctx.metrics.update_engine(llm.stats, llm.dead_reason is not None)
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics/json")
+    async def metrics_json() -> dict[str, Any]:
+        ctx.metrics.update_engine(llm.stats, llm.dead_reason is not None)
+        return {"time": time.time(), **ctx.metrics.render_json()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

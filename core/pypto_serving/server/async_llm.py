@@ -451,8 +451,8 @@ class AsyncLLM:
         for out in outputs:
             with self._lock:
                 stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-            if out.finished and self.metrics is not None:
-                self.metrics.observe_finished(out)
+            if self.metrics is not None:  # a finished output is observed as one, tokens included
+                (self.metrics.observe_finished if out.finished else self.metrics.observe_output)(out)
             if out.finished and self.on_finished is not None:  # before the stream sees the end
                 self.on_finished(out.request_id)
             if stream is not None:

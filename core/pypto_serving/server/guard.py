@@ -72,7 +72,7 @@ class _Guard:
         self.app = app
         self.limit = settings.max_request_body_bytes
         self.keys = [k.encode() for k in settings.api_key]
-        self.open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics"})
+        self.open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics", "/metrics/json"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
