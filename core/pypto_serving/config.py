@@ -377,6 +377,22 @@ class ServingSettings(BaseSettings):
         description="Largest response a request may ask for, estimated from n, prompts, max_tokens and logprobs "
         "before it runs; past it the request is a 400 naming this setting.",
     )
+    dashboard_history_path: Path | None = Field(
+        None,
+        description="SQLite file keeping the /dashboard history across restarts (created if missing); unset: an "
+        "in-memory database, lost when the server exits.",
+    )
+    dashboard_history_retention: float = Field(
+        6 * 3600.0, gt=0, description="Seconds of history /dashboard keeps; older samples are deleted."
+    )
+    dashboard_history_max_bytes: int = Field(
+        32 * 1024**2,
+        ge=64 * 1024,
+        description="Largest size of the dashboard's SQLite history; past it the oldest samples are deleted.",
+    )
+    dashboard_sample_interval: float = Field(
+        5.0, gt=0, description="Seconds between two samples of the metrics stored in the dashboard's history."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level.")
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -519,6 +535,10 @@ SERVER_ONLY = frozenset(
         "data_parallel_routing",
         "tool_call_parser",
         "reasoning_parser",
+        "dashboard_history_path",
+        "dashboard_history_retention",
+        "dashboard_history_max_bytes",
+        "dashboard_sample_interval",
     }
 )
 

@@ -23,6 +23,7 @@ from .. import __version__
 from ..config import ServingSettings
 from ..heap import freeze_startup_heap
 from ..metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from .dashboard import add_dashboard_routes, start_sampler
 from .data_parallel import ServingLLM
 from .guard import _Guard
 from .openai_requests import (
@@ -79,7 +80,10 @@ def build_app(llm: ServingLLM, settings: ServingSettings | None = None, *, manag
         if manage_engine:
             llm.start()
         freeze_startup_heap()
+        app.state.sampler = start_sampler(ctx)
         yield
+        sampler, app.state.sampler = app.state.sampler, None
+        await asyncio.to_thread(sampler.stop)
         if manage_engine:
             # uvicorn has already waited (up to shutdown_timeout) for in-flight responses; abort the rest.
             await asyncio.to_thread(llm.shutdown, max(5.0, settings.shutdown_timeout))
@@ -124,6 +128,7 @@ def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
     _add_info_routes(app, ctx)
     _add_generation_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
+    add_dashboard_routes(app, ctx)
 
 
 def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:

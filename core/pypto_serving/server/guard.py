@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from ..config import ServingSettings
 from .protocol import error_body
@@ -91,6 +92,9 @@ class _Guard:
     async def _guarded(self, scope: Scope, receive: Receive, exchange: _Exchange) -> None:
         send = exchange.send
         if self.keys and scope["path"] not in self.open_paths and not self._authorized(scope):
+            if scope["path"] == "/dashboard":  # a browser: a form that stores the key in the cookie
+                await _send_login_page(send)
+                return
             await _send_json(
                 send,
                 401,
@@ -151,6 +155,10 @@ class _Guard:
     def _authorized(self, scope: Scope) -> bool:
         value = _header(scope, b"authorization") or ""
         scheme, _, token = value.partition(" ")
+        if not value and str(scope["path"]).startswith("/dashboard"):
+            # A page a browser navigates to cannot send a header: the dashboard's routes (read-only)
+            # also take the key from the cookie its login form sets.
+            scheme, token = "bearer", _cookie(scope, DASHBOARD_COOKIE) or ""
         if scheme.lower() != "bearer" or not token:
             return False
         # The raw bytes, never stripped: str.strip() also drops \xa0 and \x85, so a blank token would
@@ -177,6 +185,29 @@ class _Guard:
 def _printable(text: str) -> str:
     """``text`` with control characters escaped, so a crafted path cannot forge log lines."""
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+DASHBOARD_COOKIE = "pypto_serving_key"
+_LOGIN_PAGE = b"""<!doctype html><html><head><meta charset="utf-8"><title>pypto-serving dashboard</title></head>
+<body><form id="f"><label>API key <input id="k" type="password" autofocus></label> <button>Open</button></form>
+<script>document.getElementById("f").onsubmit = (e) => { e.preventDefault();
+document.cookie = "pypto_serving_key=" + encodeURIComponent(document.getElementById("k").value)
+  + "; path=/; SameSite=Strict"; location.reload(); };</script></body></html>"""
+
+
+async def _send_login_page(send: Send) -> None:
+    headers = [(b"content-type", b"text/html; charset=utf-8"), (b"content-length", str(len(_LOGIN_PAGE)).encode())]
+    await send({"type": "http.response.start", "status": 401, "headers": [*headers, (b"cache-control", b"no-store")]})
+    await send({"type": "http.response.body", "body": _LOGIN_PAGE})
+
+
+def _cookie(scope: Scope, name: str) -> str | None:
+    """The value of cookie ``name``, URL-decoded to its bytes (as latin-1 text, like a header's)."""
+    for part in (_header(scope, b"cookie") or "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return unquote_to_bytes(value).decode("latin-1")
+    return None
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
