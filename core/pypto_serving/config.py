@@ -377,6 +377,20 @@ class ServingSettings(BaseSettings):
         description="Largest response a request may ask for, estimated from n, prompts, max_tokens and logprobs "
         "before it runs; past it the request is a 400 naming this setting.",
     )
+    request_timeline_capacity: int = Field(
+        1000,
+        ge=0,
+        le=1_000_000,
+        description="Finished requests whose timelines /v1/requests/{id}/timeline keeps, the oldest forgotten "
+        "first (0 = none).",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        min_length=1,
+        description="OTLP/HTTP traces endpoint (e.g. http://localhost:4318/v1/traces) that receives one "
+        "OpenTelemetry trace per finished request (needs the 'otel' extra); unset: off, nothing of OpenTelemetry "
+        "imported.",
+    )
     dashboard_history_path: Path | None = Field(
         None,
         description="SQLite file keeping the /dashboard history across restarts (created if missing); unset: an "
@@ -536,6 +550,8 @@ SERVER_ONLY = frozenset(
         "tool_call_parser",
         "reasoning_parser",
         "dashboard_history_path",
+        "request_timeline_capacity",
+        "otlp_traces_endpoint",
         "dashboard_history_retention",
         "dashboard_history_max_bytes",
         "dashboard_sample_interval",

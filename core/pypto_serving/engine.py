@@ -428,9 +428,26 @@ class EngineCore:
         return self._collect()
 
     def schedule(self) -> SchedulerOutput | None:
+        preemptions = self.scheduler.stats.num_preemptions
         out = self.scheduler.schedule()
         self._touch(self.scheduler.take_failed())
+        if out is not None:
+            self._note_step(out, preemptions != self.scheduler.stats.num_preemptions)
         return out
+
+    def _note_step(self, out: SchedulerOutput, preempted: bool) -> None:
+        """The timeline events of a scheduled step: each prefill chunk (an entry over prompt positions,
+        or over several tokens: a recompute after preemption), and the preemptions it made."""
+        now = time.monotonic()
+        for req, entry in zip(out.requests, out.command.entries):
+            n = len(entry.token_ids)
+            if n > 1 or (n and entry.start_pos < req.num_prompt_tokens):
+                req.metrics.note("prefill_chunk", now, entry.start_pos, n)
+        if preempted:  # rare: only then are the waiting requests looked at
+            for req in self.scheduler.waiting:
+                events = req.metrics.events
+                if req.status is RequestStatus.PREEMPTED and (not events or events[-1][0] != "preempted"):
+                    req.metrics.note("preempted", now)
 
     def submit(self, out: SchedulerOutput) -> None:
         self.worker.submit(out.command)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -155,6 +155,7 @@ class ServerMetrics:
         self._totals: _TotalsTracker[_Total] = _TotalsTracker()
         self._replicas: _ReplicaSeries | None = None
         self._lock = threading.Lock()
+        self.on_finished: Callable[[RequestOutput], None] | None = None  # the server's request timelines
         self._seen: dict[str, _Seen] = {}  # live user requests: what their latest output showed
 
     def observe_finished(self, out: RequestOutput) -> None:
@@ -166,6 +167,8 @@ class ServerMetrics:
         self.cached_prompt_tokens.labels(m).inc(out.num_cached_tokens)
         if out.metrics is not None:
             self._observe_latencies(out.metrics, max((len(c.token_ids) for c in out.outputs), default=0))
+        if self.on_finished is not None:
+            self.on_finished(out)
 
     def _observe_latencies(self, t: RequestMetrics, n: int) -> None:
         """The per-request histograms of a finished request with ``n`` output tokens (its longest choice)."""

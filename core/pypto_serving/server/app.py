@@ -53,6 +53,7 @@ from .protocol import (
 )
 from .responses import _chat_body, _completion_body, _json_response, _run_all
 from .streaming import _sse, _start_stream
+from .timeline import add_timeline_route, timeline_store
 
 __all__ = ["build_app", "served_model_name"]
 
@@ -73,6 +74,8 @@ def build_app(llm: ServingLLM, settings: ServingSettings | None = None, *, manag
     name = served_model_name(settings)
     metrics = llm.metrics or ServerMetrics(name)
     llm.metrics = metrics
+    timelines = timeline_store(settings, name)
+    metrics.on_finished = timelines.add
     ctx = _Ctx(settings, llm, metrics, name)
 
     @contextlib.asynccontextmanager
@@ -87,11 +90,13 @@ def build_app(llm: ServingLLM, settings: ServingSettings | None = None, *, manag
         if manage_engine:
             # uvicorn has already waited (up to shutdown_timeout) for in-flight responses; abort the rest.
             await asyncio.to_thread(llm.shutdown, max(5.0, settings.shutdown_timeout))
+        await asyncio.to_thread(timelines.shutdown)  # sends the spans still batched
 
     app = FastAPI(title="pypto-serving", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     _add_error_handlers(app)
     _add_routes(app, ctx)
+    add_timeline_route(app, timelines)
     llm.plugins.add_routes(app)
     app.add_middleware(_Guard, settings=settings)  # type: ignore[arg-type]
     return app
