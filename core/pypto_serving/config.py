@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -335,6 +344,15 @@ class ServingSettings(BaseSettings):
         default_factory=list, description="Accepted Bearer keys; empty = no auth."
     )
     protect_metrics: bool = Field(False, description="Require the API key for /metrics too.")
+    admin_api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Bearer keys of the admin routes (/start_profile, /stop_profile); empty = those routes answer 403.",
+    )
+    profile_dir: Path | None = Field(
+        None,
+        description="Directory of the Chrome traces /stop_profile writes (unset: pypto-serving-profiles in the "
+        "system's temporary directory).",
+    )
     max_request_body_bytes: int = Field(1024**2, gt=0, description="Largest accepted HTTP body.")
     max_waiting_requests: int = Field(1024, gt=0, description="Waiting-queue length beyond which requests get 503.")
     shutdown_timeout: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
@@ -411,7 +429,7 @@ class ServingSettings(BaseSettings):
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "admin_api_key", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
         if isinstance(v, str):  # "a,b" or a JSON list, from the environment or a flag
@@ -420,14 +438,14 @@ class ServingSettings(BaseSettings):
             return [k for k in v.split(",") if k]
         return v
 
-    @field_validator("api_key")
+    @field_validator("api_key", "admin_api_key")
     @classmethod
-    def _usable_keys(cls, v: list[str]) -> list[str]:
+    def _usable_keys(cls, v: list[str], info: ValidationInfo) -> list[str]:
         """An empty or whitespace-padded key is refused: HTTP strips a header's surrounding blanks,
         so such a key either matches a blank token (anyone gets in) or can never match."""
         for i, key in enumerate(v):
             if not key or key != key.strip() or not key.isprintable():
-                raise ValueError(f"api_key entry {i} is empty, whitespace-padded or not printable")
+                raise ValueError(f"{info.field_name} entry {i} is empty, whitespace-padded or not printable")
         return v
 
     @model_validator(mode="after")
@@ -506,7 +524,7 @@ def _config_path(init: PydanticBaseSettingsSource, env: PydanticBaseSettingsSour
     return None
 
 
-_SECRET_SETTINGS = frozenset({"api_key"})
+_SECRET_SETTINGS = frozenset({"api_key", "admin_api_key"})
 
 
 def _explain(error: ValidationError, layers: list[tuple[str, dict[str, Any]]]) -> str:
@@ -551,6 +569,8 @@ SERVER_ONLY = frozenset(
         "reasoning_parser",
         "dashboard_history_path",
         "request_timeline_capacity",
+        "admin_api_key",
+        "profile_dir",
         "otlp_traces_endpoint",
         "dashboard_history_retention",
         "dashboard_history_max_bytes",

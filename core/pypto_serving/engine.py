@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import random
+import shutil
 import time
 import weakref
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from .kv_cache import KVCacheManager
 from .messages import StepResult
 from .model_files import check_max_model_len, sampling_defaults
 from .plugins import PluginError, PluginManager
+from .profiler import ProfileControl, TraceProfiler, phase
 from .request import CompletionOutput, OutputState, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .speculative import CORE_DRAFTERS, SpecPolicy
@@ -195,6 +197,7 @@ class EngineCore:
             self.plugins.select_spec_policy(settings.speculative_config.policy)
         self.plugins.configure(settings)
         self.dead_reason: str | None = None
+        self._profiler = TraceProfiler()
         self.worker = WorkerClient(
             exec_spec.factory, settings, mode=settings.worker_mode, timeout=settings.step_timeout
         )
@@ -429,7 +432,8 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput | None:
         preemptions = self.scheduler.stats.num_preemptions
-        out = self.scheduler.schedule()
+        with phase("schedule"):
+            out = self.scheduler.schedule()
         self._touch(self.scheduler.take_failed())
         if out is not None:
             self._note_step(out, preemptions != self.scheduler.stats.num_preemptions)
@@ -457,6 +461,10 @@ class EngineCore:
 
     def apply(self, out: SchedulerOutput, result: StepResult) -> None:
         """Apply a step result; a failed step fails the requests it carried."""
+        with phase("apply"):
+            self._apply(out, result)
+
+    def _apply(self, out: SchedulerOutput, result: StepResult) -> None:
         self.scheduler.grammars_compiled(result.grammars_ready)
         if result.error is not None:
             failed = self.scheduler.fail([r.request_id for r in out.requests], f"step failed: {result.error}")
@@ -519,6 +527,20 @@ class EngineCore:
             if out.finished:
                 self._users.pop(head.out.user_request_id, None)
         return outs
+
+    def profile(self, start: bool, path: str) -> None:
+        """Start a profile of this process and the worker, or stop both: this process's Chrome trace
+        goes to ``<path>.engine.json``, the worker's to ``<path>.worker.json`` (see profiler.py)."""
+        engine, worker = (
+            ProfileControl(start, "" if start else f"{path}.{part}.json") for part in ("engine", "worker")
+        )
+        if self.worker.mode == "inproc":  # one process, one profiler: the same trace under both names
+            self._profiler.control(engine)
+            if not start:
+                shutil.copyfile(engine.path, worker.path)
+            return
+        self.worker.profile(worker)
+        self._profiler.control(engine)
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats

@@ -40,6 +40,7 @@ from .openai_requests import (
     _sampling_params,
     _tool_choice_spec,
 )
+from .profiling import add_profile_routes
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -97,6 +98,7 @@ def build_app(llm: ServingLLM, settings: ServingSettings | None = None, *, manag
     _add_error_handlers(app)
     _add_routes(app, ctx)
     add_timeline_route(app, timelines)
+    add_profile_routes(app, ctx)
     llm.plugins.add_routes(app)
     app.add_middleware(_Guard, settings=settings)  # type: ignore[arg-type]
     return app

@@ -152,6 +152,11 @@ class DataParallelLLM:
     def vocab_size(self) -> int:
         return self.replicas[0].vocab_size
 
+    def profile(self, start: bool, path: str) -> None:
+        """Each replica's profile (replica ``i`` writes ``<path>-r<i>.engine.json`` and ``.worker.json``)."""
+        for i, r in enumerate(self.replicas):
+            r.profile(start, f"{path}-r{i}")
+
     def num_waiting(self) -> int:
         return sum(r.num_waiting() for r in self.replicas)
 

@@ -73,6 +73,7 @@ class _Guard:
         self.app = app
         self.limit = settings.max_request_body_bytes
         self.keys = [k.encode() for k in settings.api_key]
+        self.admin_keys = [k.encode() for k in settings.admin_api_key]
         self.open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics", "/metrics/json"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -91,7 +92,10 @@ class _Guard:
 
     async def _guarded(self, scope: Scope, receive: Receive, exchange: _Exchange) -> None:
         send = exchange.send
-        if self.keys and scope["path"] not in self.open_paths and not self._authorized(scope):
+        if scope["path"] in ADMIN_PATHS:
+            if not self._admitted(scope):
+                return await self._refuse_admin(send)
+        elif self.keys and scope["path"] not in self.open_paths and not self._authorized(scope):
             if scope["path"] == "/dashboard":  # a browser: a form that stores the key in the cookie
                 await _send_login_page(send)
                 return
@@ -152,7 +156,18 @@ class _Guard:
             more = bool(msg.get("more_body", False))
         return b"".join(chunks)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _admitted(self, scope: Scope) -> bool:
+        return bool(self.admin_keys) and self._authorized(scope, self.admin_keys)
+
+    async def _refuse_admin(self, send: Send) -> None:
+        if self.admin_keys:
+            body = error_body("missing or invalid admin key", "authentication_error", None, "invalid_api_key")
+            await _send_json(send, 401, body, {"www-authenticate": "Bearer"})
+        else:
+            body = error_body("admin routes are off: set admin_api_key", "permission_error", None, "admin_disabled")
+            await _send_json(send, 403, body)
+
+    def _authorized(self, scope: Scope, keys: list[bytes] | None = None) -> bool:
         value = _header(scope, b"authorization") or ""
         scheme, _, token = value.partition(" ")
         if not value and str(scope["path"]).startswith("/dashboard"):
@@ -165,7 +180,8 @@ class _Guard:
         # match an empty key and "key\xa0" the key itself (empty keys are refused at start-up too).
         given = token.encode("latin-1")
         ok = False
-        for key in self.keys:  # compare against every key so timing does not reveal which one matched
+        # Compared against every key, so timing does not reveal which one matched.
+        for key in self.keys if keys is None else keys:
             ok |= hmac.compare_digest(given, key)
         return ok
 
@@ -187,6 +203,8 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
+# Routes that take only the admin key (admin_api_key), never the API key.
+ADMIN_PATHS = frozenset({"/start_profile", "/stop_profile"})
 DASHBOARD_COOKIE = "pypto_serving_key"
 _LOGIN_PAGE = b"""<!doctype html><html><head><meta charset="utf-8"><title>pypto-serving dashboard</title></head>
 <body><form id="f"><label>API key <input id="k" type="password" autofocus></label> <button>Open</button></form>
