@@ -208,3 +208,13 @@ def test_an_unreadable_history_file_is_set_aside(tmp_path: Path) -> None:
     assert h.read(0, 10) == [(1.0, {"a": 1.0})]
     h.close()
     assert (tmp_path / "h.sqlite.unreadable").read_bytes().startswith(b"not a database")
+
+
+def test_the_page_and_the_history_keep_the_same_families() -> None:
+    from pypto_serving.server.dashboard import static_file
+    from pypto_serving.server.history import DASHBOARD_FAMILIES
+
+    js = static_file("dashboard.js").decode()
+    block = re.search(r"const FAMILIES = new Set\(\[(.*?)\]\);", js, re.S)
+    assert block is not None
+    assert set(re.findall(r'"([a-z0-9_]+)"', block.group(1))) == DASHBOARD_FAMILIES
