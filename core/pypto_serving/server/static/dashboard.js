@@ -85,6 +85,7 @@
   function chartSpecs(last) {
     const groups = labelled(last, "kv_cache_group_usage_perc", "group");
     const positions = labelled(last, "spec_decode_num_accepted_tokens_per_pos_total", "position");
+    const method = Object.keys(labelled(last, "spec_decode_config", "method"))[0];
     const pct = (hist) => [0.5, 0.9, 0.99].map((q) => [`p${q * 100}`, (a, b) => quantile(a, b, hist, q)]);
     return [
       ["tokens", "Tokens / s", [
@@ -98,7 +99,7 @@
         ...Object.entries(groups).map(([g, key]) => [g, (a, b) => v(b, key)])]],
       ["prefix", "Prefix-cache hit rate", [
         ["hits / queried tokens", (a, b) => ratio(a, b, "prefix_cache_hits_total", "prefix_cache_queries_total")]]],
-      ["spec", "Speculative acceptance", [
+      ["spec", "Speculative acceptance" + (method ? ` (${method})` : ""), [
         ["accepted / drafted", (a, b) => ratio(a, b, "spec_decode_num_accepted_tokens_total",
           "spec_decode_num_draft_tokens_total")],
         ...Object.entries(positions).map(([p, key]) =>
@@ -136,7 +137,7 @@
   }
 
   function draw(id, title, labels, data) {
-    const key = labels.join("|");
+    const key = [title, ...labels].join("|");
     let c = charts[id];
     if (c && c.key !== key) { c.plot.destroy(); c.box.remove(); c = undefined; }
     if (!c) {
