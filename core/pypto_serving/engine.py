@@ -534,10 +534,10 @@ class EngineCore:
         engine, worker = (
             ProfileControl(start, "" if start else f"{path}.{part}.json") for part in ("engine", "worker")
         )
-        if self.worker.mode == "inproc":  # one process, one profiler: the same trace under both names
-            self._profiler.control(engine)
+        if self.worker.mode == "inproc":  # one process, one profiler (the worker's): one trace, both names
+            self.worker.profile(worker)
             if not start:
-                shutil.copyfile(engine.path, worker.path)
+                shutil.copyfile(worker.path, engine.path)
             return
         self.worker.profile(worker)
         self._profiler.control(engine)

@@ -148,7 +148,7 @@ def _serve_steps(conn: Connection, runner: ModelRunner) -> None:
     (:meth:`ModelRunner.stage`), so on an accelerator it runs while step N's device work does. The
     results are those of the plain order: staging refuses what could differ."""
     early: WorkerCommand | ProfileControl | msgspec.DecodeError | None = None
-    profiler = TraceProfiler()
+    profiler = TraceProfiler(lambda: getattr(runner.executor, "model", None))
     while True:
         if isinstance(early, msgspec.DecodeError):
             raise early  # a malformed command fails where the plain order would, after the reply before it
@@ -272,7 +272,7 @@ def _serve_ranks(conn: Connection | None, group: RankGroup, runner: ModelRunner,
     same order; rank 0 answers. While the engine is idle rank 0 broadcasts an empty heartbeat, so
     the other ranks' wait never reaches the collectives' timeout."""
     heartbeat = min(5.0, settings.step_timeout / 4)
-    profiler = TraceProfiler()
+    profiler = TraceProfiler(lambda: getattr(runner.executor, "model", None))
     while True:
         raw = _next_command(conn, group, heartbeat)
         if not raw:
@@ -407,7 +407,8 @@ class WorkerClient:
             check_parallel_settings(settings, engine=True)
         self._ranks: list[BaseProcess] = []  # tensor parallel: this node's ranks after rank 0
         self._parallel = getattr(settings, "tensor_parallel_size", 1) > 1
-        self._profiler = TraceProfiler()  # the in-process worker's (a spawned one has its own)
+        # The in-process worker's profiler (a spawned one has its own); the engine's then stays off.
+        self._profiler = TraceProfiler(lambda: getattr(getattr(self._runner, "executor", None), "model", None))
         if mode == "inproc":
             self._runner: ModelRunner | None = ModelRunner(factory(settings), settings)
             self.info = self._runner.load()
