@@ -55,7 +55,7 @@ def _print_table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
 
 
 # Settings whose values are credentials: `config show` prints one "***" per entry instead.
-SECRET_SETTINGS = ("api_key",)
+SECRET_SETTINGS = ("api_key", "admin_api_key")
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:

@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -346,6 +355,15 @@ class ServingSettings(BaseSettings):
         default_factory=list, description="Accepted Bearer keys; empty = no auth."
     )
     protect_metrics: bool = Field(False, description="Require the API key for /metrics too.")
+    admin_api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Bearer keys of the admin routes (/start_profile, /stop_profile); empty = those routes answer 403.",
+    )
+    profile_dir: Path | None = Field(
+        None,
+        description="Directory of the Chrome traces /stop_profile writes (unset: pypto-serving-profiles in the "
+        "system's temporary directory).",
+    )
     max_request_body_bytes: int = Field(1024**2, gt=0, description="Largest accepted HTTP body.")
     max_waiting_requests: int = Field(1024, gt=0, description="Waiting-queue length beyond which requests get 503.")
     shutdown_timeout: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for in-flight requests.")
@@ -403,11 +421,41 @@ class ServingSettings(BaseSettings):
         description="Most bytes (as JSON, input items included) of all stored /v1/responses responses; past it "
         "the least recently used go first, and a larger response alone is not kept.",
     )
+    request_timeline_capacity: int = Field(
+        1000,
+        ge=0,
+        le=1_000_000,
+        description="Finished requests whose timelines /v1/requests/{id}/timeline keeps, the oldest forgotten "
+        "first (0 = none).",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        min_length=1,
+        description="OTLP/HTTP traces endpoint (e.g. http://localhost:4318/v1/traces) that receives one "
+        "OpenTelemetry trace per finished request (needs the 'otel' extra); unset: off, nothing of OpenTelemetry "
+        "imported.",
+    )
+    dashboard_history_path: Path | None = Field(
+        None,
+        description="SQLite file keeping the /dashboard history across restarts (created if missing); unset: an "
+        "in-memory database, lost when the server exits.",
+    )
+    dashboard_history_retention: float = Field(
+        6 * 3600.0, gt=0, description="Seconds of history /dashboard keeps; older samples are deleted."
+    )
+    dashboard_history_max_bytes: int = Field(
+        32 * 1024**2,
+        ge=64 * 1024,
+        description="Largest size of the dashboard's SQLite history; past it the oldest samples are deleted.",
+    )
+    dashboard_sample_interval: float = Field(
+        5.0, gt=0, description="Seconds between two samples of the metrics stored in the dashboard's history."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level.")
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "admin_api_key", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
         if isinstance(v, str):  # "a,b" or a JSON list, from the environment or a flag
@@ -416,14 +464,14 @@ class ServingSettings(BaseSettings):
             return [k for k in v.split(",") if k]
         return v
 
-    @field_validator("api_key")
+    @field_validator("api_key", "admin_api_key")
     @classmethod
-    def _usable_keys(cls, v: list[str]) -> list[str]:
+    def _usable_keys(cls, v: list[str], info: ValidationInfo) -> list[str]:
         """An empty or whitespace-padded key is refused: HTTP strips a header's surrounding blanks,
         so such a key either matches a blank token (anyone gets in) or can never match."""
         for i, key in enumerate(v):
             if not key or key != key.strip() or not key.isprintable():
-                raise ValueError(f"api_key entry {i} is empty, whitespace-padded or not printable")
+                raise ValueError(f"{info.field_name} entry {i} is empty, whitespace-padded or not printable")
         return v
 
     @model_validator(mode="after")
@@ -502,7 +550,7 @@ def _config_path(init: PydanticBaseSettingsSource, env: PydanticBaseSettingsSour
     return None
 
 
-_SECRET_SETTINGS = frozenset({"api_key"})
+_SECRET_SETTINGS = frozenset({"api_key", "admin_api_key"})
 
 
 def _explain(error: ValidationError, layers: list[tuple[str, dict[str, Any]]]) -> str:
@@ -548,6 +596,14 @@ SERVER_ONLY = frozenset(
         "response_store_max_entries",
         "response_store_max_age",
         "response_store_max_bytes",
+        "dashboard_history_path",
+        "request_timeline_capacity",
+        "admin_api_key",
+        "profile_dir",
+        "otlp_traces_endpoint",
+        "dashboard_history_retention",
+        "dashboard_history_max_bytes",
+        "dashboard_sample_interval",
     }
 )
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import random
+import shutil
 import time
 import weakref
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from .kv_cache import KVCacheManager
 from .messages import StepResult
 from .model_files import check_max_model_len, sampling_defaults
 from .plugins import PluginError, PluginManager
+from .profiler import ProfileControl, TraceProfiler, phase
 from .request import CompletionOutput, OutputState, Request, RequestOutput, RequestStatus, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .speculative import CORE_DRAFTERS, SpecPolicy
@@ -198,6 +200,7 @@ class EngineCore:
             self.plugins.select_spec_policy(settings.speculative_config.policy)
         self.plugins.configure(settings)
         self.dead_reason: str | None = None
+        self._profiler = TraceProfiler()
         self.worker = WorkerClient(
             exec_spec.factory, settings, mode=settings.worker_mode, timeout=settings.step_timeout
         )
@@ -435,9 +438,27 @@ class EngineCore:
         return self._collect()
 
     def schedule(self) -> SchedulerOutput | None:
-        out = self.scheduler.schedule()
+        preemptions = self.scheduler.stats.num_preemptions
+        with phase("schedule"):
+            out = self.scheduler.schedule()
         self._touch(self.scheduler.take_failed())
+        if out is not None:
+            self._note_step(out, preemptions != self.scheduler.stats.num_preemptions)
         return out
+
+    def _note_step(self, out: SchedulerOutput, preempted: bool) -> None:
+        """The timeline events of a scheduled step: each prefill chunk (an entry over prompt positions,
+        or over several tokens: a recompute after preemption), and the preemptions it made."""
+        now = time.monotonic()
+        for req, entry in zip(out.requests, out.command.entries):
+            n = len(entry.token_ids)
+            if n > 1 or (n and entry.start_pos < req.num_prompt_tokens):
+                req.metrics.note("prefill_chunk", now, entry.start_pos, n)
+        if preempted:  # rare: only then are the waiting requests looked at
+            for req in self.scheduler.waiting:
+                events = req.metrics.events
+                if req.status is RequestStatus.PREEMPTED and (not events or events[-1][0] != "preempted"):
+                    req.metrics.note("preempted", now)
 
     def submit(self, out: SchedulerOutput) -> None:
         self.worker.submit(out.command)
@@ -447,6 +468,10 @@ class EngineCore:
 
     def apply(self, out: SchedulerOutput, result: StepResult) -> None:
         """Apply a step result; a failed step fails the requests it carried."""
+        with phase("apply"):
+            self._apply(out, result)
+
+    def _apply(self, out: SchedulerOutput, result: StepResult) -> None:
         self.scheduler.grammars_compiled(result.grammars_ready)
         if result.error is not None:
             failed = self.scheduler.fail([r.request_id for r in out.requests], f"step failed: {result.error}")
@@ -510,6 +535,20 @@ class EngineCore:
                 self._users.pop(head.out.user_request_id, None)
         return outs
 
+    def profile(self, start: bool, path: str) -> None:
+        """Start a profile of this process and the worker, or stop both: this process's Chrome trace
+        goes to ``<path>.engine.json``, the worker's to ``<path>.worker.json`` (see profiler.py)."""
+        engine, worker = (
+            ProfileControl(start, "" if start else f"{path}.{part}.json") for part in ("engine", "worker")
+        )
+        if self.worker.mode == "inproc":  # one process, one profiler (the worker's): one trace, both names
+            self.worker.profile(worker)
+            if not start:
+                shutil.copyfile(worker.path, engine.path)
+            return
+        self.worker.profile(worker)
+        self._profiler.control(engine)
+
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
         return {
@@ -517,6 +556,10 @@ class EngineCore:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": s.num_preemptions,
             "kv_usage": self.kv.usage,
+            "kv_usage_per_group": {
+                name: 1.0 - pool.num_free / pool.num_blocks if pool.num_blocks else 0.0
+                for name, pool in self.kv.pools.items()
+            },
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "spec_drafted": s.num_drafted,

@@ -14,17 +14,18 @@ Each replica's totals are tracked on their own, so a replica's restart adds to t
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .request import RequestOutput
+from .request import RequestMetrics, RequestOutput
 
-__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics", "registry_json"]
 
 K = TypeVar("K")
 # A running total's counter: its name and the values of its labels past the engine's own.
@@ -49,6 +50,9 @@ _ENGINE_COUNTERS = {
     "spec_decode_num_draft_tokens": "Draft tokens proposed.",
     "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
     "worker_restarts": "Times a dead worker was replaced by a fresh one.",
+    "spec_decode_num_drafts": "Request-steps that verified drafts (per-position acceptance = per_pos / this).",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens of those lookups found cached.",
 }
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 # The engine's running totals (stats key) behind the counters.
@@ -56,7 +60,14 @@ _TOTALS = {
     "num_preemptions": "num_preemptions",
     "spec_drafted": "spec_decode_num_draft_tokens",
     "spec_accepted": "spec_decode_num_accepted_tokens",
+    "spec_verify_steps": "spec_decode_num_drafts",
+    "prefix_cache_queries": "prefix_cache_queries",
+    "prefix_cache_hits": "prefix_cache_hits",
 }
+_GROUP_USAGE = "kv_cache_group_usage_perc"
+# Requests whose last token time is remembered for the inter-token latency: more live requests than
+# this means outputs of requests that never finished (a lost stream), and the oldest are forgotten.
+_MAX_TRACKED = 65536
 
 
 class ServerMetrics:
@@ -74,7 +85,7 @@ class ServerMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            f"{_PREFIX}_prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
+            f"{_PREFIX}_prompt_tokens", "Prompt tokens, counted with a request's first output.", labels, registry=r
         )
         self.generation_tokens = Counter(
             f"{_PREFIX}_generation_tokens", "Generated tokens of finished requests.", labels, registry=r
@@ -106,6 +117,34 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.itl = Histogram(
+            f"{_PREFIX}_inter_token_latency_seconds",
+            "Time between two outputs of a request's tokens (one per engine step that gave it tokens).",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            f"{_PREFIX}_request_queue_time_seconds",
+            "Arrival to first scheduled (time in the waiting queue).",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            f"{_PREFIX}_request_prefill_time_seconds",
+            "First scheduled to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            f"{_PREFIX}_request_decode_time_seconds",
+            "First token to last token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.spec_config = Gauge(
             f"{_PREFIX}_spec_decode_config",
             "1 for the speculative decoding in use: drafting method, policy and deepest k (absent when off).",
@@ -116,26 +155,58 @@ class ServerMetrics:
         self._totals: _TotalsTracker[_Total] = _TotalsTracker()
         self._replicas: _ReplicaSeries | None = None
         self._lock = threading.Lock()
+        self.on_finished: Callable[[RequestOutput], None] | None = None  # the server's request timelines
+        self._seen: dict[str, _Seen] = {}  # live user requests: what their latest output showed
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record one finished user request (called from the engine thread; prometheus-client locks)."""
         m = self._model
+        self.observe_output(out)
         for c in out.outputs:
             self.requests.labels(m, c.finish_reason or "unknown").inc()
-            self.generation_tokens.labels(m).inc(len(c.token_ids))
-        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
         self.cached_prompt_tokens.labels(m).inc(out.num_cached_tokens)
-        t = out.metrics
-        if t is None:
-            return
+        if out.metrics is not None:
+            self._observe_latencies(out.metrics, max((len(c.token_ids) for c in out.outputs), default=0))
+        if self.on_finished is not None:
+            self.on_finished(out)
+
+    def _observe_latencies(self, t: RequestMetrics, n: int) -> None:
+        """The per-request histograms of a finished request with ``n`` output tokens (its longest choice)."""
+        m = self._model
+        if t.first_scheduled_time is not None:
+            self.queue_time.labels(m).observe(max(0.0, t.first_scheduled_time - t.arrival_time))
+            if t.first_token_time is not None:
+                self.prefill_time.labels(m).observe(max(0.0, t.first_token_time - t.first_scheduled_time))
         if t.first_token_time is not None:
             self.ttft.labels(m).observe(max(0.0, t.first_token_time - t.arrival_time))
-            n = max(len(c.token_ids) for c in out.outputs) if out.outputs else 0
-            if n > 1 and t.last_token_time is not None:
-                self.tpot.labels(m).observe(max(0.0, t.last_token_time - t.first_token_time) / (n - 1))
+            if t.last_token_time is not None:
+                self.decode_time.labels(m).observe(max(0.0, t.last_token_time - t.first_token_time))
+                if n > 1:
+                    self.tpot.labels(m).observe(max(0.0, t.last_token_time - t.first_token_time) / (n - 1))
         end = t.finished_time or t.last_token_time
         if end is not None:
             self.e2e.labels(m).observe(max(0.0, end - t.arrival_time))
+
+    def observe_output(self, out: RequestOutput) -> None:
+        """Any output of a user request (the engine thread passes every step's): the tokens it adds to
+        the request's previous output are counted as they come (so tokens/s is live, not lumped at the
+        finish; the prompt counts with the first output), and a newer last token time is one
+        inter-token latency. A finished output forgets the request."""
+        t = out.metrics
+        last = t.last_token_time if t is not None else None
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        with self._lock:
+            seen = self._seen.pop(out.request_id, None) if out.finished else self._seen.get(out.request_id)
+            if not out.finished:
+                if seen is None and len(self._seen) >= _MAX_TRACKED:
+                    del self._seen[next(iter(self._seen))]
+                self._seen[out.request_id] = _Seen(last, tokens)
+        if seen is None:
+            self.prompt_tokens.labels(self._model).inc(len(out.prompt_token_ids))
+        if tokens > (seen.tokens if seen else 0):
+            self.generation_tokens.labels(self._model).inc(tokens - (seen.tokens if seen else 0))
+        if seen is not None and seen.last_token_time is not None and last is not None and last > seen.last_token_time:
+            self.itl.labels(self._model).observe(last - seen.last_token_time)
 
     def observe_restart(self) -> None:
         self.engine.counters["worker_restarts"].labels(self._model).inc()
@@ -195,6 +266,24 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def render_json(self) -> dict[str, Any]:
+        """The samples of :meth:`render`, as JSON (``/metrics/json``)."""
+        return registry_json(self.registry)
+
+
+def registry_json(registry: CollectorRegistry) -> dict[str, Any]:
+    """Every metric family of ``registry`` with its samples, named as the text exposition names them
+    (a counter's samples end in ``_total``, a histogram's in ``_bucket``/``_sum``/``_count``). A value
+    that is not finite (a NaN gauge, never one of ours) becomes ``null``: JSON has no NaN."""
+    families = []
+    for family in registry.collect():
+        samples = [
+            {"name": s.name, "labels": s.labels, "value": s.value if math.isfinite(s.value) else None}
+            for s in family.samples
+        ]
+        families.append({"name": family.name, "type": family.type, "help": family.documentation, "samples": samples})
+    return {"families": families}
+
 
 class _EngineSeries:
     """The gauges and counters refreshed from engine snapshots, under one name prefix and label set."""
@@ -208,6 +297,12 @@ class _EngineSeries:
         }
         self.counters[_PER_POS] = Counter(
             f"{prefix}_{_PER_POS}", "Accepted drafts by draft position.", [*labels, "position"], registry=registry
+        )
+        self.group_usage = Gauge(
+            f"{prefix}_{_GROUP_USAGE}",
+            "Fraction of one KV cache group's blocks in use (0..1).",
+            [*labels, "group"],
+            registry=registry,
         )
 
     def refresh(self, labels: tuple[str, ...], stats: Mapping[str, Any], dead: bool) -> None:
@@ -225,6 +320,8 @@ class _EngineSeries:
         }
         for name, value in values.items():
             self.gauges[name].labels(*labels).set(value)
+        for group, usage in stats.get("kv_usage_per_group", {}).items():
+            self.group_usage.labels(*labels, group).set(usage)
         for name in _ENGINE_COUNTERS:  # present at 0 from the first snapshot: rate() sees the first increment
             self.counters[name].labels(*labels)
 
@@ -239,6 +336,14 @@ def _running_totals(stats: Mapping[str, Any]) -> dict[_Total, float]:
     for pos, n in enumerate(stats.get("spec_accepted_per_pos", [])):
         totals[_PER_POS, (str(pos),)] = n
     return totals
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What the latest output of a live user request showed: its last token time and token count."""
+
+    last_token_time: float | None
+    tokens: int
 
 
 @dataclass(slots=True)

@@ -227,6 +227,21 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # What happened between arrival and finish, for the request's timeline (the times above are the
+    # rest of it): (kind, monotonic time, first position, tokens), kind "prefill_chunk" or
+    # "preempted"; at most MAX_TIMELINE_EVENTS, the later ones only counted in ``events_dropped``.
+    events: list[tuple[str, float, int, int]] = field(default_factory=list)
+    events_dropped: int = 0
+
+    def note(self, kind: str, t: float, start: int = 0, num_tokens: int = 0) -> None:
+        if len(self.events) < MAX_TIMELINE_EVENTS:
+            self.events.append((kind, t, start, num_tokens))
+        else:
+            self.events_dropped += 1
+
+
+MAX_TIMELINE_EVENTS = 64
+"""Events one request's timeline keeps (each crosses the process boundary with every output)."""
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ import torch
 from .executor import BatchInput, Executor, ExecutorInfo
 from .input_batch import InputBatch, StepArrays
 from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, WireSampling
+from .profiler import phase
 from .sampler import (
     DeviceSample,
     LogitEdits,
@@ -223,7 +224,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     def step(self, cmd: StepCommand) -> StepResult:
         """Run ``cmd`` whole: :meth:`launch`, then :meth:`finish`, nothing staged between them."""
-        return self.finish(self.launch(cmd))
+        with phase("launch"):
+            launched = self.launch(cmd)
+        with phase("finish"):
+            return self.finish(launched)
 
     def launch(self, cmd: StepCommand) -> LaunchedStep:
         """A step's first part: finished requests leave, new requests and blocks enter (unless
@@ -344,9 +348,11 @@ class ModelRunner:
         step.batch, step.rows = self._build_batch(step.cmd.entries)
         masks = self._start_masks(step.rows)
         try:
-            logits = self.executor.execute(step.batch)
+            with phase("forward"):
+                logits = self.executor.execute(step.batch)
             logits = self._split_prompt_rows(step, logits)
-            self._launch_sample(step, logits, masks)
+            with phase("sample"):
+                self._launch_sample(step, logits, masks)
         finally:
             if masks is not None:
                 masks.exception()  # the fill is done before anything else touches the grammars

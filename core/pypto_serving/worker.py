@@ -54,6 +54,7 @@ from .messages import (
     StepResult,
     WorkerCommand,
 )
+from .profiler import ProfileControl, TraceProfiler, phase
 from .runner import ModelRunner
 
 __all__ = ["WorkerClient", "WorkerDiedError", "WorkerError", "serve_node"]
@@ -61,7 +62,8 @@ __all__ = ["WorkerClient", "WorkerDiedError", "WorkerError", "serve_node"]
 logger = logging.getLogger(__name__)
 
 _encoder = msgspec.msgpack.Encoder()
-_cmd_decoder = msgspec.msgpack.Decoder(WorkerCommand)  # type: ignore[arg-type]
+# Profile controls travel in order with the steps (see profiler.py); only the worker's loops know them.
+_cmd_decoder = msgspec.msgpack.Decoder(WorkerCommand | ProfileControl)  # type: ignore[arg-type]
 
 
 class WorkerError(RuntimeError):
@@ -145,7 +147,8 @@ def _serve_steps(conn: Connection, runner: ModelRunner) -> None:
     before step N's result is back) and the host work of it that needs nothing of step N is staged
     (:meth:`ModelRunner.stage`), so on an accelerator it runs while step N's device work does. The
     results are those of the plain order: staging refuses what could differ."""
-    early: WorkerCommand | msgspec.DecodeError | None = None
+    early: WorkerCommand | ProfileControl | msgspec.DecodeError | None = None
+    profiler = TraceProfiler(lambda: getattr(runner.executor, "model", None))
     while True:
         if isinstance(early, msgspec.DecodeError):
             raise early  # a malformed command fails where the plain order would, after the reply before it
@@ -156,23 +159,30 @@ def _serve_steps(conn: Connection, runner: ModelRunner) -> None:
         if isinstance(msg, InitCache | ProfileMemory):
             conn.send_bytes(_encoder.encode(_lifecycle(runner, msg)))
             continue
-        launched = runner.launch(msg)
+        if isinstance(msg, ProfileControl):
+            profiler.control(msg)
+            continue
+        with phase("launch"):
+            launched = runner.launch(msg)
         if conn.poll(0):
             early = _receive_early(conn)
             if isinstance(early, StepCommand):
                 runner.stage(early)
-        conn.send_bytes(_encoder.encode(runner.finish(launched)))
+        with phase("finish"):
+            result = runner.finish(launched)
+        conn.send_bytes(_encoder.encode(result))
 
 
-def _receive(conn: Connection) -> WorkerCommand | None:
+def _receive(conn: Connection) -> WorkerCommand | ProfileControl | None:
     """The next command; None once the engine is gone (the pipe closed)."""
     try:
-        return _cmd_decoder.decode(conn.recv_bytes())
+        msg: WorkerCommand | ProfileControl = _cmd_decoder.decode(conn.recv_bytes())
     except (EOFError, OSError):
         return None
+    return msg
 
 
-def _receive_early(conn: Connection) -> WorkerCommand | msgspec.DecodeError:
+def _receive_early(conn: Connection) -> WorkerCommand | ProfileControl | msgspec.DecodeError:
     """The command waiting in the pipe, taken while a step is in flight: a closed pipe reads as a
     Shutdown and a malformed command as its error, both acted on after the step's reply."""
     try:
@@ -262,6 +272,7 @@ def _serve_ranks(conn: Connection | None, group: RankGroup, runner: ModelRunner,
     same order; rank 0 answers. While the engine is idle rank 0 broadcasts an empty heartbeat, so
     the other ranks' wait never reaches the collectives' timeout."""
     heartbeat = min(5.0, settings.step_timeout / 4)
+    profiler = TraceProfiler(lambda: getattr(runner.executor, "model", None))
     while True:
         raw = _next_command(conn, group, heartbeat)
         if not raw:
@@ -269,6 +280,10 @@ def _serve_ranks(conn: Connection | None, group: RankGroup, runner: ModelRunner,
         msg = _cmd_decoder.decode(raw)
         if isinstance(msg, Shutdown):
             return
+        if isinstance(msg, ProfileControl):  # rank 0's process is profiled, the others run on
+            if conn is not None:
+                profiler.control(msg)
+            continue
         reply, fatal = _run_on_ranks(group, runner, settings, msg)
         if conn is not None:
             conn.send_bytes(_encoder.encode(reply))
@@ -392,6 +407,8 @@ class WorkerClient:
             check_parallel_settings(settings, engine=True)
         self._ranks: list[BaseProcess] = []  # tensor parallel: this node's ranks after rank 0
         self._parallel = getattr(settings, "tensor_parallel_size", 1) > 1
+        # The in-process worker's profiler (a spawned one has its own); the engine's then stays off.
+        self._profiler = TraceProfiler(lambda: getattr(getattr(self._runner, "executor", None), "model", None))
         if mode == "inproc":
             self._runner: ModelRunner | None = ModelRunner(factory(settings), settings)
             self.info = self._runner.load()
@@ -431,6 +448,14 @@ class WorkerClient:
             for p in (proc, *self._ranks):
                 p.start()
         child.close()
+
+    def profile(self, msg: ProfileControl) -> None:
+        """Start or stop the worker's profile, in order with the steps submitted (nothing answers)."""
+        if self._runner is not None:
+            self._profiler.control(msg)
+        elif self.dead_reason is None:
+            with contextlib.suppress(BrokenPipeError, OSError):  # a dead worker is noticed by the steps
+                self._conn.send_bytes(_encoder.encode(msg))
 
     def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
         if self._runner is not None:

@@ -178,12 +178,12 @@ def test_throughput_reports_speculation(fake_model: Path) -> None:
 class _LiveServer:
     """The app on uvicorn in a thread (as the server tests' live_server fixture does)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, **overrides: Any) -> None:
         import uvicorn
 
         from pypto_serving.server import AsyncLLM, build_app
 
-        self.llm = AsyncLLM(_fake_settings(model_dir), _fake_plugins())
+        self.llm = AsyncLLM(_fake_settings(model_dir, **overrides), _fake_plugins())
         self.llm.wait_ready(60)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -237,6 +237,23 @@ def test_serve_command_against_a_running_server(live_url: str, tmp_path: Path, c
     assert (fig["completed"], fig["output_tokens"]) == (4, 16)
     assert fig["ttft_ms"]["p50"] <= fig["e2e_ms"]["p50"]
     assert "ttft_ms p99" in capsys.readouterr().out
+
+
+def test_serve_command_wraps_the_run_in_a_profile(fake_model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("pypto_serving_sync_sched")
+    server = _LiveServer(fake_model, admin_api_key=["adm"], profile_dir=tmp_path / "traces")
+    try:
+        out = tmp_path / "serve.json"
+        argv = ["bench", "serve", "--base-url", server.url, "--vocab-size", str(VOCAB), "--num-prompts", "2"]
+        argv += ["--input-len", "2", "4", "--max-tokens", "3", "--json", str(out), "--profile", "--profile-key", "adm"]
+        assert main(argv) == 0
+        traces = [Path(p) for p in json.loads(out.read_text())["profile_traces"]]
+        assert [p.parent for p in traces] == [tmp_path / "traces"] * 2
+        assert "forward" in {e.get("name") for e in json.loads(traces[1].read_text())["traceEvents"]}
+        with pytest.raises(SystemExit, match="401"):
+            main([*argv[:-1], "wrong"])
+    finally:
+        server.stop()
 
 
 def test_serve_reports_failed_requests(live_url: str) -> None:

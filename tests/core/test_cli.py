@@ -31,6 +31,14 @@ SERVER_ONLY = [
     "data_parallel_routing",
     "tool_call_parser",
     "reasoning_parser",
+    "admin_api_key",
+    "profile_dir",
+    "request_timeline_capacity",
+    "otlp_traces_endpoint",
+    "dashboard_history_path",
+    "dashboard_history_retention",
+    "dashboard_history_max_bytes",
+    "dashboard_sample_interval",
 ]
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,13 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-warmup", action="store_true", help="no untimed 2-token request before the run")
     g.add_argument("--bearer", metavar="KEY", help="API key to send (default: none)")
     g.add_argument(
+        "--profile",
+        action="store_true",
+        help="wrap the run in /start_profile and /stop_profile and report the Chrome traces (a started server "
+        "gets a one-off admin key; a --base-url server needs --profile-key)",
+    )
+    g.add_argument("--profile-key", metavar="KEY", help="the admin key of the --base-url server, for --profile")
+    g.add_argument(
         "--server-timeout",
         type=float,
         default=300.0,
@@ -151,6 +159,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # Everything that can fail without a server fails before one is started (minutes on a big model).
     import_httpx()
     prompts = _serve_prompts(args)
+    if args.profile and not args.base_url:
+        args.profile_key = args.setting_admin_api_key = secrets.token_hex(16)  # the started server's
+    if args.profile and not args.profile_key:
+        raise SystemExit("bench serve --profile with --base-url needs --profile-key (the server's admin key)")
     if args.base_url:
         return _report(_serve_against(args, args.base_url, prompts), args.json)
     with started_server(args) as url:
@@ -198,9 +210,25 @@ def _serve_against(args: argparse.Namespace, url: str, prompts: list[list[int] |
         logprobs=args.logprobs,
         warmup=not args.no_warmup,
     )
-    result = run_serve(config)
+    if not args.profile:
+        result = run_serve(config)
+    else:
+        _profile_call(url, "/start_profile", args.profile_key)
+        result = run_serve(config)
+        result["profile_traces"] = _profile_call(url, "/stop_profile", args.profile_key)["traces"]
     result["prompt_format"] = args.prompt_format
     return result
+
+
+def _profile_call(url: str, route: str, key: str) -> dict[str, Any]:
+    """POST an admin profile route; a refusal ends the benchmark with the server's message."""
+    from .serve import import_httpx
+
+    r = import_httpx().post(url.rstrip("/") + route, headers={"authorization": f"Bearer {key}"}, timeout=300.0)
+    if r.status_code != 200:
+        raise SystemExit(f"bench serve --profile: {route} answered {r.status_code}: {r.text}")
+    body: dict[str, Any] = r.json()
+    return body
 
 
 def _decode_all(model: str | None, prompts: list[list[int]]) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from ..config import ServingSettings
 from ..heap import freeze_startup_heap
 from ..metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .anthropic import add_anthropic_routes
+from .dashboard import add_dashboard_routes, start_sampler
 from .data_parallel import ServingLLM
 from .guard import _Guard
 from .openai_requests import (
@@ -39,6 +41,7 @@ from .openai_requests import (
     _sampling_params,
     _tool_choice_spec,
 )
+from .profiling import add_profile_routes
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -53,6 +56,7 @@ from .protocol import (
 from .responses import _chat_body, _completion_body, _json_response, _run_all
 from .responses_api import add_responses_routes
 from .streaming import _sse, _start_stream
+from .timeline import add_timeline_route, timeline_store
 
 __all__ = ["build_app", "served_model_name"]
 
@@ -73,6 +77,8 @@ def build_app(llm: ServingLLM, settings: ServingSettings | None = None, *, manag
     name = served_model_name(settings)
     metrics = llm.metrics or ServerMetrics(name)
     llm.metrics = metrics
+    timelines = timeline_store(settings, name)
+    metrics.on_finished = timelines.add
     ctx = _Ctx(settings, llm, metrics, name)
 
     @contextlib.asynccontextmanager
@@ -80,15 +86,21 @@ def build_app(llm: ServingLLM, settings: ServingSettings | None = None, *, manag
         if manage_engine:
             llm.start()
         freeze_startup_heap()
+        app.state.sampler = start_sampler(ctx)
         yield
+        sampler, app.state.sampler = app.state.sampler, None
+        await asyncio.to_thread(sampler.stop)
         if manage_engine:
             # uvicorn has already waited (up to shutdown_timeout) for in-flight responses; abort the rest.
             await asyncio.to_thread(llm.shutdown, max(5.0, settings.shutdown_timeout))
+        await asyncio.to_thread(timelines.shutdown)  # sends the spans still batched
 
     app = FastAPI(title="pypto-serving", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     _add_error_handlers(app)
     _add_routes(app, ctx)
+    add_timeline_route(app, timelines)
+    add_profile_routes(app, ctx)
     llm.plugins.add_routes(app)
     app.add_middleware(_Guard, settings=settings)  # type: ignore[arg-type]
     return app
@@ -127,6 +139,7 @@ def _add_routes(app: FastAPI, ctx: _Ctx) -> None:
     add_responses_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
     add_anthropic_routes(app, ctx)  # /v1/messages: Anthropic's Messages API on the chat machinery
+    add_dashboard_routes(app, ctx)
 
 
 def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:
@@ -154,6 +167,11 @@ def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:
     async def metrics_route() -> Response:
         ctx.metrics.update_engine(llm.stats, llm.dead_reason is not None)
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics/json")
+    async def metrics_json() -> dict[str, Any]:
+        ctx.metrics.update_engine(llm.stats, llm.dead_reason is not None)
+        return {"time": time.time(), **ctx.metrics.render_json()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

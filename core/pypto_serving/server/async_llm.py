@@ -49,6 +49,7 @@ from .engine_proc import (
     CoreProcess,
     CoreReady,
     CoreStopped,
+    ProfileCmd,
     RestartCmd,
     StopCmd,
     rebuild_error,
@@ -103,7 +104,13 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Stop
+@dataclass(slots=True)
+class _Profile:
+    start: bool
+    path: str
+
+
+_Command = _Add | _Abort | _Stop | _Profile
 
 
 @dataclass(slots=True)
@@ -307,6 +314,14 @@ class AsyncLLM:
         else:
             self._cmds.put(_Abort(request_id))
 
+    def profile(self, start: bool, path: str) -> None:
+        """Start the engine's and worker's profiles, or stop them and write their Chrome traces to
+        ``<path>.engine.json`` and ``<path>.worker.json`` (fire and forget: the files tell when done)."""
+        if self.process_mode:
+            self._send(ProfileCmd(start, path))
+        else:
+            self._cmds.put(_Profile(start, path))
+
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs until finished. Leaving early (cancellation, disconnect) aborts the request."""
         return stream_outputs(lambda: self.add_request(request_id, prompt, params), lambda: self.abort(request_id))
@@ -421,9 +436,12 @@ class AsyncLLM:
             if engine.dead_reason is not None:
                 return engine.dead_reason
 
-    def _handle(self, engine: EngineCore, cmd: _Add | _Abort, stopping: bool) -> None:
+    def _handle(self, engine: EngineCore, cmd: _Add | _Abort | _Profile, stopping: bool) -> None:
         if isinstance(cmd, _Abort):
             engine.abort(cmd.request_id)
+            return
+        if isinstance(cmd, _Profile):
+            engine.profile(cmd.start, cmd.path)
             return
         with self._lock:
             self._pending_seqs -= cmd.num_seqs
@@ -451,8 +469,8 @@ class AsyncLLM:
         for out in outputs:
             with self._lock:
                 stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-            if out.finished and self.metrics is not None:
-                self.metrics.observe_finished(out)
+            if self.metrics is not None:  # a finished output is observed as one, tokens included
+                (self.metrics.observe_finished if out.finished else self.metrics.observe_output)(out)
             if out.finished and self.on_finished is not None:  # before the stream sees the end
                 self.on_finished(out.request_id)
             if stream is not None:

@@ -152,6 +152,11 @@ class DataParallelLLM:
     def vocab_size(self) -> int:
         return self.replicas[0].vocab_size
 
+    def profile(self, start: bool, path: str) -> None:
+        """Each replica's profile (replica ``i`` writes ``<path>-r<i>.engine.json`` and ``.worker.json``)."""
+        for i, r in enumerate(self.replicas):
+            r.profile(start, f"{path}-r{i}")
+
     def num_waiting(self) -> int:
         return sum(r.num_waiting() for r in self.replicas)
 
@@ -161,6 +166,8 @@ class DataParallelLLM:
         snaps = [dict(r.stats) for r in self.replicas]
         out: dict[str, Any] = {key: sum(s.get(key, 0) for s in snaps) for key in _SUMMED}
         out["kv_usage"] = sum(s.get("kv_usage", 0.0) for s in snaps) / len(snaps)
+        groups = [s.get("kv_usage_per_group", {}) for s in snaps]
+        out["kv_usage_per_group"] = {g: sum(u.get(g, 0.0) for u in groups) / len(snaps) for g in groups[0]}
         per_pos = [s.get("spec_accepted_per_pos", []) for s in snaps]
         out["spec_accepted_per_pos"] = [sum(col) for col in zip(*per_pos)] if all(per_pos) else []
         steps = out["spec_verify_steps"]
@@ -236,6 +243,9 @@ class _ReplicaMetrics(ServerMetrics):
 
     def observe_finished(self, out: RequestOutput) -> None:
         self.shared.observe_replica_finished(self.index, out)
+
+    def observe_output(self, out: RequestOutput) -> None:
+        self.shared.observe_output(out)
 
     def observe_restart(self) -> None:
         self.shared.observe_replica_restart(self.index)

@@ -56,6 +56,7 @@ __all__ = [
     "CoreProcess",
     "CoreReady",
     "CoreStopped",
+    "ProfileCmd",
     "RestartCmd",
     "StopCmd",
     "rebuild_error",
@@ -86,7 +87,14 @@ class RestartCmd(msgspec.Struct, frozen=True, tag=True):
     """Build a fresh engine (new worker, model reloaded) after the core reported a dead one."""
 
 
-CoreCommand = AddCmd | AbortCmd | StopCmd | RestartCmd
+class ProfileCmd(msgspec.Struct, frozen=True, tag=True):
+    """Start the engine's and worker's profiles, or stop them and write their traces (``EngineCore.profile``)."""
+
+    start: bool
+    path: str
+
+
+CoreCommand = AddCmd | AbortCmd | StopCmd | RestartCmd | ProfileCmd
 
 
 # --------------------------------------------------------------------------- core -> server
@@ -386,6 +394,8 @@ class _CoreLoop:
                         engine.abort(rid)
                 elif isinstance(cmd, AbortCmd):
                     engine.abort(cmd.request_id)
+                elif isinstance(cmd, ProfileCmd):
+                    engine.profile(cmd.start, cmd.path)
                 elif isinstance(cmd, AddCmd):
                     added.append(self._add(engine, cmd, stopping, outputs))
             stepped = engine.has_unfinished()

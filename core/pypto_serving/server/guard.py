@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from ..config import ServingSettings
 from .anthropic import ANTHROPIC_PATH, anthropic_error_body
@@ -74,7 +75,8 @@ class _Guard:
         self.app = app
         self.limit = settings.max_request_body_bytes
         self.keys = [k.encode() for k in settings.api_key]
-        self.open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics"})
+        self.admin_keys = [k.encode() for k in settings.admin_api_key]
+        self.open_paths = {"/health"} | (set() if settings.protect_metrics else {"/metrics", "/metrics/json"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -92,7 +94,13 @@ class _Guard:
 
     async def _guarded(self, scope: Scope, receive: Receive, exchange: _Exchange) -> None:
         send = exchange.send
-        if self.keys and scope["path"] not in self.open_paths and not self._authorized(scope):
+        if scope["path"] in ADMIN_PATHS:
+            if not self._admitted(scope):
+                return await self._refuse_admin(send)
+        elif self.keys and scope["path"] not in self.open_paths and not self._authorized(scope):
+            if scope["path"] == "/dashboard":  # a browser: a form that stores the key in the cookie
+                await _send_login_page(send)
+                return
             await _send_json(
                 send,
                 401,
@@ -148,19 +156,37 @@ class _Guard:
             more = bool(msg.get("more_body", False))
         return b"".join(chunks)
 
-    def _authorized(self, scope: Scope) -> bool:
-        """A Bearer token, or (as Anthropic's clients send it) an ``x-api-key`` header, that is a key."""
+    def _admitted(self, scope: Scope) -> bool:
+        return bool(self.admin_keys) and self._authorized(scope, self.admin_keys)
+
+    async def _refuse_admin(self, send: Send) -> None:
+        if self.admin_keys:
+            body = error_body("missing or invalid admin key", "authentication_error", None, "invalid_api_key")
+            await _send_json(send, 401, body, {"www-authenticate": "Bearer"})
+        else:
+            body = error_body("admin routes are off: set admin_api_key", "permission_error", None, "admin_disabled")
+            await _send_json(send, 403, body)
+
+    def _authorized(self, scope: Scope, keys: list[bytes] | None = None) -> bool:
+        """A Bearer token, or (as Anthropic's clients send it) an ``x-api-key`` header, that is one of
+        ``keys`` (default: the API keys)."""
         value = _header(scope, b"authorization") or ""
         scheme, _, token = value.partition(" ")
         bearer = token if scheme.lower() == "bearer" and token else None
-        return any(self._is_key(t) for t in (bearer, _header(scope, b"x-api-key")) if t)
+        tokens = [t for t in (bearer, _header(scope, b"x-api-key")) if t]
+        if not value and str(scope["path"]).startswith("/dashboard"):
+            # A page a browser navigates to cannot send a header: the dashboard's routes (read-only)
+            # also take the key from the cookie its login form sets.
+            tokens.append(_cookie(scope, DASHBOARD_COOKIE) or "")
+        return any(self._is_key(t, keys) for t in tokens if t)
 
-    def _is_key(self, token: str) -> bool:
+    def _is_key(self, token: str, keys: list[bytes] | None) -> bool:
         # The raw bytes, never stripped: str.strip() also drops \xa0 and \x85, so a blank token would
         # match an empty key and "key\xa0" the key itself (empty keys are refused at start-up too).
         given = token.encode("latin-1")
         ok = False
-        for key in self.keys:  # compare against every key so timing does not reveal which one matched
+        # Compared against every key, so timing does not reveal which one matched.
+        for key in self.keys if keys is None else keys:
             ok |= hmac.compare_digest(given, key)
         return ok
 
@@ -180,6 +206,31 @@ def _error(scope: Scope, status: int, message: str, type: str, code: str) -> dic
 def _printable(text: str) -> str:
     """``text`` with control characters escaped, so a crafted path cannot forge log lines."""
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+# Routes that take only the admin key (admin_api_key), never the API key.
+ADMIN_PATHS = frozenset({"/start_profile", "/stop_profile"})
+DASHBOARD_COOKIE = "pypto_serving_key"
+_LOGIN_PAGE = b"""<!doctype html><html><head><meta charset="utf-8"><title>pypto-serving dashboard</title></head>
+<body><form id="f"><label>API key <input id="k" type="password" autofocus></label> <button>Open</button></form>
+<script>document.getElementById("f").onsubmit = (e) => { e.preventDefault();
+document.cookie = "pypto_serving_key=" + encodeURIComponent(document.getElementById("k").value)
+  + "; path=/; SameSite=Strict"; location.reload(); };</script></body></html>"""
+
+
+async def _send_login_page(send: Send) -> None:
+    headers = [(b"content-type", b"text/html; charset=utf-8"), (b"content-length", str(len(_LOGIN_PAGE)).encode())]
+    await send({"type": "http.response.start", "status": 401, "headers": [*headers, (b"cache-control", b"no-store")]})
+    await send({"type": "http.response.body", "body": _LOGIN_PAGE})
+
+
+def _cookie(scope: Scope, name: str) -> str | None:
+    """The value of cookie ``name``, URL-decoded to its bytes (as latin-1 text, like a header's)."""
+    for part in (_header(scope, b"cookie") or "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return unquote_to_bytes(value).decode("latin-1")
+    return None
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
