@@ -14,6 +14,7 @@ length) are checked in ``openai_requests``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
@@ -184,6 +185,11 @@ def _loads_body(body: bytes, max_depth: int) -> Any:
     raise json.JSONDecodeError(reason, "", 0) from None
 
 
+# Bodies larger than this are parsed (decoded, depth-checked) in a worker thread, so the streams and
+# /health the event loop serves keep going meanwhile; smaller ones take under a millisecond.
+_PARSE_OFF_LOOP_BYTES = 64 * 1024
+
+
 class _BoundedJSONRequest(Request):
     """A request whose JSON body is parsed by :func:`loads_bounded`."""
 
@@ -191,7 +197,11 @@ class _BoundedJSONRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = _loads_body(await self.body(), self.max_depth)
+            body = await self.body()
+            if len(body) > _PARSE_OFF_LOOP_BYTES:  # tens of ms of parsing: off the event loop
+                self._json = await asyncio.to_thread(_loads_body, body, self.max_depth)
+            else:
+                self._json = _loads_body(body, self.max_depth)
         return self._json
 
 
@@ -243,8 +253,19 @@ def _unicode_text(text: str) -> str:
 
 
 def _unicode_json(value: Any) -> Any:
-    """Refuses a JSON value any of whose strings (keys included) holds a lone surrogate. Iterative, so
-    deep nesting cannot exhaust the stack."""
+    """Refuses a JSON value any of whose strings (keys included) holds a lone surrogate. Checked at C
+    speed on the value's JSON text (a walk in Python holds the event loop for tens of ms on a body of
+    thousands of schema branches); only a value that fails is walked, to name where."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        _name_surrogate(value)
+    return value
+
+
+def _name_surrogate(value: Any) -> None:
+    """Raises the error naming where in ``value`` a string holds a lone surrogate. Iterative, so deep
+    nesting cannot exhaust the stack."""
     stack: list[tuple[str, Any]] = [("", value)]
     while stack:
         path, item = stack.pop()
@@ -266,7 +287,6 @@ def _unicode_json(value: Any) -> Any:
                 {"where": where},
             )
         stack.extend(reversed(children))
-    return value
 
 
 Text = Annotated[str, Strict(), AfterValidator(_unicode_text)]
