@@ -241,6 +241,7 @@ class SchedState:
     publish_at: int = 0  # confirmed tokens from which KVCacheManager.publish() can publish a block
     awaiting_prefill: bool = False  # a terminal prefill is in flight (for executors with a barrier)
     has_sampled: bool = False  # sampled since (re)admission: only then can the worker hold drafts
+    proposed: int = 0  # drafts the worker proposes after the last sampling entry: the next decode's most
     sent_to_worker: bool = False  # the worker holds state for it (to be released on finish/preempt)
     blocks_sent: dict[str, int] = field(default_factory=dict)  # per group: table length the worker holds
     entries_sent: int = 0  # the sum of ``blocks_sent``: compared with KVState.num_entries per step

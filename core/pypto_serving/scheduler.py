@@ -140,6 +140,7 @@ class Scheduler:
         self._text_stop = text_stop
         self._observe: Callable[[StepObservation], None] | None = getattr(spec_policy, "observe", None)
         self._draft_depth: Callable[[], int | None] | None = getattr(spec_policy, "draft_depth", None)
+        self._drafts: SpecPolicy = getattr(spec_policy, "drafts", spec_policy)
         self._rejections = 0  # requests whose drafts were rejected, since the last observation
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -263,7 +264,8 @@ class Scheduler:
     def _schedule(self, step: _StepBuilder, reqs: list[Request], admitting: bool = False) -> None:
         """The one path of every entry: each request's decode (plus draft slots) or next prefill chunk
         (``admitting``: its first), while the budget lasts, with blocks (see :meth:`_blocks_for`)."""
-        barrier, plain = self.info.prefill_barrier, not (step.uniform or self.info.max_draft_tokens or admitting)
+        drafting = self.info.max_draft_tokens > 0
+        barrier, plain = self.info.prefill_barrier, not (step.uniform or drafting or admitting)
         add_entry, add_request, budget = step.entries.append, step.requests.append, step.budget
         for req in reqs:
             if budget <= 0:
@@ -299,16 +301,15 @@ class Scheduler:
                     rejected_seen=s.rejected,
                     new_block_ids=self._send(step, req) if req.kv.num_entries != s.entries_sent else {},
                     sample=sample,
+                    num_propose=self._proposal(req, pending + 1 + k) if sample and drafting else 0,
                 )
             )
             add_request(req)
             budget -= num_new + k
             req.num_computed_tokens = end
-            if sample:  # a sampling entry reserves 1 + k output placeholders
-                s.has_sampled = True
+            if sample:  # a sampling entry reserves 1 + k output placeholders; a terminal prefill chunk awaits
+                s.has_sampled, s.awaiting_prefill = True, s.awaiting_prefill or not decode
                 req.num_output_placeholders = held + 1 + k
-                if not decode:
-                    s.awaiting_prefill = True  # a terminal prefill chunk
         step.budget = budget
 
     def _shape(self, step: _StepBuilder, req: Request, num_new: int, decode: bool, budget: int) -> tuple[int, int]:
@@ -320,7 +321,9 @@ class Scheduler:
             if step.uniform and not step.admits("decode"):
                 return 0, 0
             if req.sched.has_sampled and self.info.max_draft_tokens:  # drafts exist only after a step sampled
-                return 1, self.spec_policy(req, self._max_k(req, budget - 1))
+                # At most the drafts the worker was asked to propose after the request's last sample.
+                max_k = min(self._max_k(req, budget - 1), req.sched.proposed)
+                return 1, self.spec_policy(req, max_k) if max_k > 0 else 0
             return 1, 0
         if step.uniform and not step.admits("prefill"):
             return 0, 0
@@ -394,6 +397,15 @@ class Scheduler:
             return 0
         return min(num_new, cap)
 
+    def _proposal(self, req: Request, pending: int) -> int:
+        """The drafts the worker proposes for ``req`` after a sampling entry that leaves ``pending``
+        tokens once applied: the policy's decision for the next decode (its ``drafts`` method where it
+        has one, else the policy itself), within the drafting depth and the request's room. Recorded,
+        since that decode verifies at most these."""
+        cap = min(self.info.max_draft_tokens, req.sched.pending_limit - pending - 1)
+        req.sched.proposed = self._drafts(req, cap) if cap > 0 else 0
+        return req.sched.proposed
+
     def _max_k(self, req: Request, budget_left: int) -> int:
         room = req.sched.pending_limit - (req.num_tokens + req.num_output_placeholders)
         return max(0, min(self.info.max_draft_tokens, budget_left, room - 1))
@@ -414,6 +426,7 @@ class Scheduler:
         s.valid_from = step.step_id
         s.rejected = s.confirmed = s.publish_at = 0
         s.awaiting_prefill = s.has_sampled = False
+        s.proposed = 0
         self._release_worker_state(req)
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)

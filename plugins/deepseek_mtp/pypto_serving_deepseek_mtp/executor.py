@@ -88,9 +88,15 @@ class _Drafting:
     pieces: list[torch.Tensor] = field(default_factory=list)  # per depth: the tokens it drafted
     sampler: DraftSampler | None = None  # chooses the drafts (None: argmax)
     count: int = 0  # drafts in ``pieces``
+    want: dict[int, int] = field(default_factory=dict)  # batch row -> drafts it proposes (its drafting depths)
+    catch_up: set[int] = field(default_factory=set)  # sampling rows that run every active depth this step
 
     def __post_init__(self) -> None:
         self.refs = {r: [] for r in self.work}
+
+    def drafts_at(self, r: int, d: int) -> bool:
+        """Whether batch row ``r`` drafts a token at depth ``d`` (it sampled and proposes more than ``d``)."""
+        return self.work[r][1] and d < self.want.get(r, 0)
 
     def add(self, tokens: torch.Tensor) -> None:
         self.pieces.append(tokens)
@@ -316,7 +322,8 @@ class DeepseekMTPExecutor(Executor):
 
         # Sliding attention reads the last sliding_window positions of ``swa`` (every layer, compressed
         # ones included), so older blocks can go back to the pool. An MTP depth computes positions up to
-        # num_draft + 1 behind the confirmed count (it needs the tokens after them), hence its margin.
+        # num_draft + 1 behind the confirmed count (it needs the tokens after them), or up to CARRY_LEN
+        # more for a request that deferred it (_plan_depths), hence its margin.
         groups = [group("swa", cfg.num_hidden_layers, cfg.head_dim, window=cfg.sliding_window)]
         if n_csa:
             groups.append(group("csa_kv", n_csa, cfg.head_dim, cfg.csa_rate))
@@ -324,7 +331,7 @@ class DeepseekMTPExecutor(Executor):
         if n_hca:
             groups.append(group("hca_kv", n_hca, cfg.head_dim, cfg.hca_rate))
         if self.use_mtp:
-            mtp_window = cfg.sliding_window + self.num_draft + 1
+            mtp_window = cfg.sliding_window + CARRY_LEN + self.num_draft + 1
             groups += [group(f"mtp{d}", 1, cfg.head_dim, window=mtp_window) for d in range(self.num_draft)]
         return groups
 
@@ -448,6 +455,7 @@ class DeepseekMTPExecutor(Executor):
         for st, _ in work.values():
             st.active = min(st.active, cap)
         step = _Drafting(work, seg.ring_slots, fresh=[streams], fresh_rows=[rows], sampler=sampler)
+        _plan_depths(step, batch.num_drafts)
         for d in range(max((st.active for st, _ in work.values()), default=0)):
             ran = self._draft_depth(d, step, batch)
             self._carry(d, step)
@@ -517,9 +525,9 @@ class DeepseekMTPExecutor(Executor):
         pick_rows: list[int] = []  # the batch row each of them drafts for
         made: dict[int, tuple[int, int, int]] = {}
         for r, c, last in rows.spans:
-            st, sampling = step.work[r]
+            st = step.work[r][0]
             made[r] = (c, off, last - c + 1)
-            if sampling:
+            if step.drafts_at(r, d):
                 step.refs[r].append(step.count + len(picks))
                 picks.append(off + last - c)
                 pick_rows.append(r)
@@ -567,8 +575,11 @@ class DeepseekMTPExecutor(Executor):
         for r, (st, sampling) in step.work.items():
             if d >= st.active:
                 continue
+            drafts = step.drafts_at(r, d)
+            if sampling and not drafts and r not in step.catch_up:
+                continue  # deferred: its inputs wait in the carry ring (see _plan_depths)
             c = st.frontier[d]
-            last = st.n - 1 if sampling else st.n - 1 - d
+            last = st.n - 1 if drafts else st.n - 1 - d
             if last < c:
                 continue
             src = self._sources(d, step, r, st, c, last)
@@ -653,6 +664,24 @@ class DeepseekMTPExecutor(Executor):
         return self.model.logits(
             streams, hc=(p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"]), norm=p["norm.weight"]
         )
+
+
+def _plan_depths(step: _Drafting, num_drafts: list[int] | None) -> None:
+    """Which depths each request runs this step (``step.want``, ``step.catch_up``).
+
+    A sampling request runs the depths of the drafts it proposes (``BatchInput.num_drafts``, within
+    its active depths); the others it defers: they run nothing for it, its frontier there stays, and
+    the inputs they will need stay in the carry ring, which holds ``CARRY_LEN`` positions a depth.
+    Once a deferred depth's frontier is about to fall out of the ring, the request catches up: every
+    active depth runs over its canonical positions (no draft, no head), so no depth's MTP KV ever has
+    a hole, and the request drafts exactly whenever it is asked to again. Rows that did not sample
+    (prefill chunks) run every active depth over their canonical positions, as ever."""
+    for r, (st, sampling) in step.work.items():
+        n = -1 if num_drafts is None or r >= len(num_drafts) else num_drafts[r]
+        want = st.active if n < 0 else min(n, st.active)
+        step.want[r] = want
+        if sampling and want < st.active and st.n - min(st.frontier[: st.active]) >= CARRY_LEN - st.active:
+            step.catch_up.add(r)
 
 
 def make_executor(settings: Any) -> DeepseekMTPExecutor:
