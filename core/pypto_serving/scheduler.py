@@ -264,8 +264,7 @@ class Scheduler:
     def _schedule(self, step: _StepBuilder, reqs: list[Request], admitting: bool = False) -> None:
         """The one path of every entry: each request's decode (plus draft slots) or next prefill chunk
         (``admitting``: its first), while the budget lasts, with blocks (see :meth:`_blocks_for`)."""
-        drafting = self.info.max_draft_tokens > 0
-        barrier, plain = self.info.prefill_barrier, not (step.uniform or drafting or admitting)
+        barrier, plain = self.info.prefill_barrier, not (step.uniform or self.info.max_draft_tokens or admitting)
         add_entry, add_request, budget = step.entries.append, step.requests.append, step.budget
         for req in reqs:
             if budget <= 0:
@@ -301,15 +300,16 @@ class Scheduler:
                     rejected_seen=s.rejected,
                     new_block_ids=self._send(step, req) if req.kv.num_entries != s.entries_sent else {},
                     sample=sample,
-                    num_propose=self._proposal(req, pending + 1 + k) if sample and drafting else 0,
+                    num_propose=0 if plain or not sample else self._proposal(req, pending + 1 + k),
                 )
             )
             add_request(req)
             budget -= num_new + k
             req.num_computed_tokens = end
-            if sample:  # a sampling entry reserves 1 + k output placeholders; a terminal prefill chunk awaits
-                s.has_sampled, s.awaiting_prefill = True, s.awaiting_prefill or not decode
+            if sample:  # a sampling entry reserves 1 + k output placeholders
                 req.num_output_placeholders = held + 1 + k
+                if not decode:
+                    s.awaiting_prefill = True  # a terminal prefill chunk
         step.budget = budget
 
     def _shape(self, step: _StepBuilder, req: Request, num_new: int, decode: bool, budget: int) -> tuple[int, int]:
@@ -320,11 +320,10 @@ class Scheduler:
         if decode:
             if step.uniform and not step.admits("decode"):
                 return 0, 0
-            if req.sched.has_sampled and self.info.max_draft_tokens:  # drafts exist only after a step sampled
-                # At most the drafts the worker was asked to propose after the request's last sample.
-                max_k = min(self._max_k(req, budget - 1), req.sched.proposed)
-                return 1, self.spec_policy(req, max_k) if max_k > 0 else 0
-            return 1, 0
+            # At most the drafts the worker was asked to propose after the request's last sample (none
+            # before one since its admission: drafts exist only after a step sampled).
+            max_k = min(self._max_k(req, budget - 1), req.sched.proposed)
+            return 1, self.spec_policy(req, max_k) if max_k > 0 else 0
         if step.uniform and not step.admits("prefill"):
             return 0, 0
         return self._chunk(num_new, budget), 0
@@ -425,8 +424,7 @@ class Scheduler:
         s = req.sched
         s.valid_from = step.step_id
         s.rejected = s.confirmed = s.publish_at = 0
-        s.awaiting_prefill = s.has_sampled = False
-        s.proposed = 0
+        s.awaiting_prefill, s.proposed = False, 0
         self._release_worker_state(req)
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
