@@ -90,6 +90,7 @@ class _Drafting:
     count: int = 0  # drafts in ``pieces``
     want: dict[int, int] = field(default_factory=dict)  # batch row -> drafts it proposes (its drafting depths)
     catch_up: set[int] = field(default_factory=set)  # sampling rows that run every active depth this step
+    starts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> per depth, its first position
 
     def __post_init__(self) -> None:
         self.refs = {r: [] for r in self.work}
@@ -455,7 +456,7 @@ class DeepseekMTPExecutor(Executor):
         for st, _ in work.values():
             st.active = min(st.active, cap)
         step = _Drafting(work, seg.ring_slots, fresh=[streams], fresh_rows=[rows], sampler=sampler)
-        _plan_depths(step, batch.num_drafts)
+        _plan_depths(step, batch.num_drafts, self.cfg.sliding_window)
         for d in range(max((st.active for st, _ in work.values()), default=0)):
             ran = self._draft_depth(d, step, batch)
             self._carry(d, step)
@@ -578,7 +579,7 @@ class DeepseekMTPExecutor(Executor):
             drafts = step.drafts_at(r, d)
             if sampling and not drafts and r not in step.catch_up:
                 continue  # deferred: its inputs wait in the carry ring (see _plan_depths)
-            c = st.frontier[d]
+            c = step.starts[r][d]
             last = st.n - 1 if drafts else st.n - 1 - d
             if last < c:
                 continue
@@ -666,8 +667,9 @@ class DeepseekMTPExecutor(Executor):
         )
 
 
-def _plan_depths(step: _Drafting, num_drafts: list[int] | None) -> None:
-    """Which depths each request runs this step (``step.want``, ``step.catch_up``).
+def _plan_depths(step: _Drafting, num_drafts: list[int] | None, window: int) -> None:
+    """Which depths each request runs this step (``step.want``, ``step.catch_up``), and from which
+    position (``step.starts``, see :func:`_first_positions`).
 
     A sampling request runs the depths of the drafts it proposes (``BatchInput.num_drafts``, within
     its active depths); the others it defers: they run nothing for it, its frontier there stays, and
@@ -682,6 +684,30 @@ def _plan_depths(step: _Drafting, num_drafts: list[int] | None) -> None:
         step.want[r] = want
         if sampling and want < st.active and st.n - min(st.frontier[: st.active]) >= CARRY_LEN - st.active:
             step.catch_up.add(r)
+        # Per depth: the last position whose output it needs now (a draft's), -1 when deferred.
+        last = [st.n - 1 if sampling and d < want else st.n - d for d in range(st.active)]
+        if sampling and r not in step.catch_up:
+            last = [x if d < want else -1 for d, x in enumerate(last)]
+        step.starts[r] = _first_positions(st, last, window)
+
+
+def _first_positions(st: MtpState, last: list[int], window: int) -> list[int]:
+    """Per depth, the first position a request's run computes: its frontier, or later where nothing
+    reads the positions before. An MTP block is a sliding layer: its KV at a position depends on that
+    position's input only, and its output at ``j`` reads its KV at ``(j - window, j]``. So depth ``d``
+    needs KV from ``(q - window`` on, ``q`` being the lowest of: the first position its later queries
+    take (its next frontier, ``n - d``), the position of the draft it picks now (``last[d]``, -1: the
+    depth is deferred), and where the next depth's inputs start (its run's start, or, deferred, its
+    frontier). A long prefill thus runs each depth over its last positions only."""
+    starts = list(st.frontier)
+    need = st.n  # the first position whose output the next depth reads (none past the last depth)
+    for d in reversed(range(st.active)):
+        if last[d] < 0:
+            need = st.frontier[d]
+            continue
+        q = min(st.n - d, last[d], need)
+        starts[d] = need = max(st.frontier[d], q - window + 1)
+    return starts
 
 
 def make_executor(settings: Any) -> DeepseekMTPExecutor:

@@ -179,6 +179,40 @@ def test_requests_proposing_fewer_drafts_skip_those_mtp_depths(checkpoints, monk
     assert greedy_generate(FakeCore(ex, info), prompts, 40, k=3, num_drafts=_want) == base
 
 
+def test_a_long_prefill_runs_each_mtp_depth_over_its_window_only(checkpoints, monkeypatch):
+    """An MTP block is a sliding layer, so a prefill computes each depth only over the positions a
+    later query or the next depth reads (the last ``sliding_window`` ones for the deepest): far fewer
+    rows than the prompt, and the drafts still equal the full-recompute reference's at every step."""
+    ckpt = checkpoints["mixed_yarn"]
+    ex, info = make_executor(ckpt.path, k=3)
+    window = ex.cfg.sliding_window
+    first: dict[int, int] = {}  # depth -> rows of the first (prefill) step's MTP forward
+    run_mtp = type(ex)._run_mtp
+
+    def counting(self, d, spans, *args):
+        if len(first) < 3 and d not in first:
+            first[d] = sum(last - c + 1 for _, c, last in spans)
+        return run_mtp(self, d, spans, *args)
+
+    monkeypatch.setattr(type(ex), "_run_mtp", counting)
+    rng = random.Random(9)
+    checked: list[str] = []
+
+    def check(batch, histories, drafts):
+        for rid, dr in zip(batch.request_ids, drafts):
+            if dr:
+                assert dr == reference_drafts(ckpt, histories[rid], 3), (rid, len(histories[rid]))
+                checked.append(rid)
+
+    prompt = _prompt(41, 5 * window)
+    greedy_generate(FakeCore(ex, info), {"a": prompt}, 10, k=3, on_step=check, accept=lambda n: rng.randint(0, n))
+    assert len(checked) >= 4
+    # The deepest depth (2) computes from n - 2 - window + 1, where its next query's window starts,
+    # to the draft at n - 1; each shallower one from window - 1 before the next one's first input.
+    n = len(prompt)
+    assert first == {2: window + 1, 1: 2 * window, 0: 3 * window - 1} and first[0] < n - 1, first
+
+
 def test_preemption_and_slot_reuse_keep_drafts_exact(checkpoints):
     """A preempted request recomputes from scratch and a new request reusing its ring slot and MTP
     state starts clean: drafts still equal the full-recompute reference at every step."""
