@@ -300,7 +300,7 @@ class Scheduler:
                     rejected_seen=s.rejected,
                     new_block_ids=self._send(step, req) if req.kv.num_entries != s.entries_sent else {},
                     sample=sample,
-                    num_propose=0 if plain or not sample else self._proposal(req, pending + 1 + k),
+                    num_propose=0 if plain or not sample else self._proposal(req),
                 )
             )
             add_request(req)
@@ -396,12 +396,14 @@ class Scheduler:
             return 0
         return min(num_new, cap)
 
-    def _proposal(self, req: Request, pending: int) -> int:
-        """The drafts the worker proposes for ``req`` after a sampling entry that leaves ``pending``
-        tokens once applied: the policy's decision for the next decode (its ``drafts`` method where it
-        has one, else the policy itself), within the drafting depth and the request's room. Recorded,
-        since that decode verifies at most these."""
-        cap = min(self.info.max_draft_tokens, req.sched.pending_limit - pending - 1)
+    def _proposal(self, req: Request) -> int:
+        """The drafts the worker proposes for ``req`` after a sampling entry: the policy's decision
+        for its next decode (its ``drafts`` method where it has one, else the policy itself), within
+        the drafting depth. Recorded, since that decode verifies at most these. Not capped by the
+        request's room: that depends on the outputs seen, which under async scheduling lag by the step
+        in flight, and rejection-sampled tokens depend on the drafts proposed (the worker caps what it
+        verifies near the end the same way in both strategies, ``ModelRunner._drafts_to_verify``)."""
+        cap = self.info.max_draft_tokens
         req.sched.proposed = self._drafts(req, cap) if cap > 0 else 0
         return req.sched.proposed
 
