@@ -116,6 +116,10 @@ class BatchInput:
     :param draft_depth: the most drafts per request that :meth:`Executor.propose_drafts` should make
         after this step (the speculative policy's drafting depth, so a drafter whose every depth
         costs a forward can skip the depths that do not pay); ``None``: the configured depth.
+    :param num_drafts: per request in batch order, the most drafts to propose for it after this step
+        (``ScheduledEntry.num_propose``: 0 for a request whose next decode verifies none, so a drafter
+        whose every depth costs a forward leaves it out; -1: up to ``draft_depth``); ``None``: up to
+        ``draft_depth`` for every request.
     """
 
     request_ids: list[str]
@@ -131,6 +135,7 @@ class BatchInput:
     seq_lens_host: list[int]
     input_ids_host: list[int]
     draft_depth: int | None = None
+    num_drafts: list[int] | None = None
 
 
 class Executor(abc.ABC):

@@ -134,7 +134,8 @@ class KVCacheManager:
 
     # -- capacity
     def blocks_needed(self, group: CacheGroupSpec, num_tokens: int) -> int:
-        return math.ceil(math.ceil(num_tokens / group.tokens_per_entry) / group.block_size)
+        # ceil(ceil(n / per_entry) / block_size) == ceil(n / tokens_per_block), in integers.
+        return -(-num_tokens // group.tokens_per_block)
 
     @property
     def usage(self) -> float:
@@ -167,7 +168,7 @@ class KVCacheManager:
                 known.append(parent)
         # ``known`` may hold more (a prefix lookup hashes the whole prompt): only full blocks
         # within ``num_tokens`` may be returned, or publish() would cache unwritten blocks.
-        return known[: num_tokens // tpb]
+        return known if len(known) == full else known[:full]
 
     def find_cached_prefix(self, request: Request) -> int:
         """Take the longest cached prefix for a fresh request; returns the tokens it covers.
@@ -222,13 +223,16 @@ class KVCacheManager:
             # No new full block since the last call: the common decode step (and clamping cannot add one).
             return (state.published + 1) * self._min_tpb
         num_tokens = min(num_tokens, request.num_tokens)
+        # Only the blocks that became full since the last call: the earlier ones are published.
+        done = state.published * self._min_tpb
         published = state.published = num_tokens // self._min_tpb
         for g in self.groups:
             blocks = state.block_ids.get(g.name, [])
-            pool = self.pools[g.name]
-            for block, h in zip(blocks, self._chain_hashes(request, g, num_tokens)):
-                if block != FREED:
-                    pool.publish(block, h)
+            pool, tpb = self.pools[g.name], g.tokens_per_block
+            keys = self._chain_hashes(request, g, num_tokens)
+            for i in range(done // tpb, min(len(blocks), len(keys))):
+                if blocks[i] != FREED:
+                    pool.publish(blocks[i], keys[i])
         return (published + 1) * self._min_tpb
 
     def release_outside_window(self, request: Request, first_pos: int) -> None:

@@ -112,7 +112,10 @@ class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     positions for rejections the scheduler had not yet seen. ``new_block_ids`` are the blocks appended
     to each cache group's table since the request's previous entry (all of them in its first entry
     after it (re)entered the worker): the worker keeps the tables, so a step message grows with what
-    changed, not with running requests x blocks.
+    changed, not with running requests x blocks. ``num_propose`` is how many drafts the worker
+    proposes for the request after this step (the speculative policy's decision for its next decode,
+    which verifies at most that many; 0: none, so a drafter whose every depth costs a forward skips
+    the request; -1: as many as the drafter and ``StepCommand.draft_depth`` allow).
     """
 
     request_id: str
@@ -123,6 +126,7 @@ class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     rejected_seen: int
     new_block_ids: dict[str, list[int]]
     sample: bool
+    num_propose: int = -1
 
 
 class GrammarCompile(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

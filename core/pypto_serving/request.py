@@ -258,7 +258,9 @@ class SchedState:
     confirmed: int = 0  # tokens whose KV a finished step confirmed (publishable to the prefix cache)
     publish_at: int = 0  # confirmed tokens from which KVCacheManager.publish() can publish a block
     awaiting_prefill: bool = False  # a terminal prefill is in flight (for executors with a barrier)
-    has_sampled: bool = False  # sampled since (re)admission: only then can the worker hold drafts
+    # Drafts the worker proposes after the last sampling entry (0 before one since (re)admission):
+    # the most the next decode verifies.
+    proposed: int = 0
     sent_to_worker: bool = False  # the worker holds state for it (to be released on finish/preempt)
     blocks_sent: dict[str, int] = field(default_factory=dict)  # per group: table length the worker holds
     entries_sent: int = 0  # the sum of ``blocks_sent``: compared with KVState.num_entries per step

@@ -515,14 +515,14 @@ class ModelRunner:
         assert step.batch is not None
         depth = step.cmd.draft_depth
         step.batch.draft_depth = depth
+        step.batch.num_drafts = [r.entry.num_propose for r in step.rows]
         if self._ngram is not None:
             sampled = [r for r in step.rows if r.req.request_id in result.sampled]
-            drafting = [r.req for r in sampled if _wants_drafts(r)] if depth != 0 else []
+            drafting = [r.req for r in sampled if r.entry.num_propose != 0] if depth != 0 else []
             proposed = self._ngram.propose([st.history for st in drafting]) if drafting else []
             drafted = {st.request_id: drafts for st, drafts in zip(drafting, proposed)}
             for r in sampled:
-                drafts = drafted.get(r.req.request_id, [])
-                r.req.drafts = list(drafts if depth is None else drafts[:depth])
+                r.req.drafts = _capped(drafted.get(r.req.request_id, []), depth, r.entry.num_propose)
                 r.req.draft_probs = None
             return
         # Only requests the policy can give drafts get accepted tokens: the executor drafts for no other row.
@@ -537,7 +537,7 @@ class ModelRunner:
         )
         for i, (r, drafts) in enumerate(zip(step.rows, proposals)):
             if r.req.request_id in result.sampled:
-                r.req.drafts = list(drafts if depth is None else drafts[:depth])
+                r.req.drafts = _capped(drafts, depth, r.entry.num_propose)
                 r.req.draft_probs = None if sampler is None else sampler.probs(i, len(r.req.drafts))
 
     def _draft_sampler(self, rows: list[StepRow], result: StepResult) -> DraftSampler | None:
@@ -546,7 +546,7 @@ class ModelRunner:
         draws: dict[int, DraftRow] = {}
         for i, r in enumerate(rows):
             st = r.req
-            if st.request_id in result.sampled and st.rejection_sampled and _wants_drafts(r):
+            if st.request_id in result.sampled and st.rejection_sampled and r.entry.num_propose != 0:
                 knobs = {name: getattr(st.sampling, name) for name in _DRAFT_KNOBS}
                 draws[i] = DraftRow(**knobs, seed=st.seed, first_index=st.num_outputs)
         return DraftSampler(draws) if draws else None
@@ -708,13 +708,11 @@ def _last_sampled(st: WorkerRequest) -> int:
     return st.last_sampled
 
 
-def _wants_drafts(row: StepRow) -> bool:
-    """Whether the request of ``row`` drafts for its next step. The scheduler asks the speculative
-    policy for ``k`` at every decode of a request that has sampled and sends it as ``num_draft``, so a
-    decode with ``num_draft == 0`` is a request the policy gives no drafts: drafting for it would be
-    thrown away. Prefill entries carry no ``k`` (the policy is not asked), so they draft."""
-    is_decode = len(row.tokens) == 1 and row.start >= row.req.num_prompt
-    return row.entry.num_draft > 0 or not is_decode
+def _capped(drafts: list[int], depth: int | None, num_propose: int) -> list[int]:
+    """``drafts`` cut to the step's drafting depth and to the entry's ``num_propose`` (-1: no cap):
+    the request's next decode verifies at most that many."""
+    cap = len(drafts) if depth is None else depth
+    return list(drafts[: cap if num_propose < 0 else min(cap, num_propose)])
 
 
 def _row(st: WorkerRequest) -> RowParams:

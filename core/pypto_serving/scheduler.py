@@ -238,6 +238,7 @@ class Scheduler:
         self._text_stop = text_stop
         self._observe: Callable[[StepObservation], None] | None = getattr(spec_policy, "observe", None)
         self._draft_depth: Callable[[], int | None] | None = getattr(spec_policy, "draft_depth", None)
+        self._drafts: SpecPolicy = getattr(spec_policy, "drafts", spec_policy)
         self._rejections = 0  # requests whose drafts were rejected, since the last observation
         self.waiting: _FcfsQueue | _PriorityQueue = (
             _FcfsQueue() if config.policy == "fcfs" else _PriorityQueue(config.priority_max_wait_s, clock)
@@ -400,13 +401,13 @@ class Scheduler:
                     rejected_seen=s.rejected,
                     new_block_ids=self._send(step, req) if req.kv.num_entries != s.entries_sent else {},
                     sample=sample,
+                    num_propose=0 if plain or not sample else self._proposal(req),
                 )
             )
             add_request(req)
             budget -= num_new + k
             req.num_computed_tokens = end
             if sample:  # a sampling entry reserves 1 + k output placeholders
-                s.has_sampled = True
                 req.num_output_placeholders = held + 1 + k
                 if not decode:
                     s.awaiting_prefill = True  # a terminal prefill chunk
@@ -420,9 +421,10 @@ class Scheduler:
         if decode:
             if step.uniform and not step.admits("decode"):
                 return 0, 0
-            if req.sched.has_sampled and self.info.max_draft_tokens:  # drafts exist only after a step sampled
-                return 1, self.spec_policy(req, self._max_k(req, budget - 1))
-            return 1, 0
+            # At most the drafts the worker was asked to propose after the request's last sample (none
+            # before one since its admission: drafts exist only after a step sampled).
+            max_k = min(self._max_k(req, budget - 1), req.sched.proposed)
+            return 1, self.spec_policy(req, max_k) if max_k > 0 else 0
         if step.uniform and not step.admits("prefill"):
             return 0, 0
         return self._chunk(num_new, budget), 0
@@ -518,6 +520,17 @@ class Scheduler:
             return 0
         return min(num_new, cap)
 
+    def _proposal(self, req: Request) -> int:
+        """The drafts the worker proposes for ``req`` after a sampling entry: the policy's decision
+        for its next decode (its ``drafts`` method where it has one, else the policy itself), within
+        the drafting depth. Recorded, since that decode verifies at most these. Not capped by the
+        request's room: that depends on the outputs seen, which under async scheduling lag by the step
+        in flight, and rejection-sampled tokens depend on the drafts proposed (the worker caps what it
+        verifies near the end the same way in both strategies, ``ModelRunner._drafts_to_verify``)."""
+        cap = self.info.max_draft_tokens
+        req.sched.proposed = self._drafts(req, cap) if cap > 0 else 0
+        return req.sched.proposed
+
     def _max_k(self, req: Request, budget_left: int) -> int:
         room = req.sched.pending_limit - (req.num_tokens + req.num_output_placeholders)
         return max(0, min(self.info.max_draft_tokens, budget_left, room - 1))
@@ -537,7 +550,7 @@ class Scheduler:
         s = req.sched
         s.valid_from = step.step_id
         s.rejected = s.confirmed = s.publish_at = 0
-        s.awaiting_prefill = s.has_sampled = False
+        s.awaiting_prefill, s.proposed = False, 0
         self._release_worker_state(req)
         self.stats.num_preemptions += 1
         self.waiting.requeue(req)

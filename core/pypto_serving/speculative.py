@@ -4,9 +4,12 @@ A policy is a :data:`SpecPolicy`, called as ``policy(request, max_k) -> k`` for 
 step on an executor that drafts. ``max_k`` is the scheduler's cap (remaining token budget,
 ``max_tokens``, context length, the drafting depth); a policy returns ``0 <= k <= max_k``. A policy
 object may also have an ``observe(obs: StepObservation)`` method: the scheduler then calls it with
-every step's size, time and acceptance once the step's result is applied; and a
+every step's size, time and acceptance once the step's result is applied; a
 ``draft_depth() -> int | None`` method: the scheduler sends its value with each step, and the worker
-proposes at most that many drafts per request after the step (``None``: the configured depth).
+proposes at most that many drafts per request after the step (``None``: the configured depth); and a
+``drafts(request, max_k) -> int`` method: after each sampling entry the scheduler asks it how many
+drafts the worker proposes for that request (``ScheduledEntry.num_propose``), and the request's next
+decode verifies at most that many (without it, the policy itself is asked).
 
 Speculation never changes what a request outputs (verification is exact at every temperature: greedy
 requests by comparison, sampled ones by rejection sampling, penalties, bans and ``min_tokens``
@@ -15,7 +18,9 @@ positions pays. The default, ``adaptive``, speculates for greedy and sampled req
 
 Drafting itself costs work (an MTP depth is a decoder layer), so the worker drafts only for requests
 the configured policy can give drafts (:func:`drafts_for`): none under ``none``, the greedy ones
-without penalties under ``greedy``.
+without penalties under ``greedy``; and, per step, only as many drafts per request as the scheduler
+asked for with the request's entry (the policy's decision for its next decode): a request given
+``k = 0`` runs no MTP depth, one given ``k = 1`` only the first.
 """
 
 from __future__ import annotations
@@ -270,12 +275,20 @@ class AdaptivePolicy:
 
     def __call__(self, request: Request, max_k: int) -> int:
         top = min(self.k, max_k, self.depth)
-        if top <= 0:
-            return 0
-        if not self.cost.ready:
+        if top > 0 and not self.cost.ready:
             # One draft fewer every other step varies the step's size by one token per request,
             # enough to fit the slope, at the cost of one token rather than all of them.
             return top if self.steps % 2 == 0 else top - 1
+        return self.drafts(request, max_k)
+
+    def drafts(self, request: Request, max_k: int) -> int:
+        """The drafts to propose for ``request`` after a step: the ``k`` its next decode may verify,
+        without the alternation that fits the step cost (it needs the deepest ``k`` drafted)."""
+        top = min(self.k, max_k, self.depth)
+        if top <= 0:
+            return 0
+        if not self.cost.ready:
+            return top
         a, b = self.cost.coefficients()
         share = b * self.num_decodes
         rho = share / (a + share) if a + share > 0 else 1.0

@@ -136,7 +136,7 @@ def _ngram_runner() -> ModelRunner:
     return runner
 
 
-def _sampled_entry(rid: str, *, decode: bool, num_draft: int) -> ScheduledEntry:
+def _sampled_entry(rid: str, *, decode: bool, num_draft: int, num_propose: int = -1) -> ScheduledEntry:
     return ScheduledEntry(
         request_id=rid,
         token_ids=[] if decode else PROMPT,
@@ -146,11 +146,13 @@ def _sampled_entry(rid: str, *, decode: bool, num_draft: int) -> ScheduledEntry:
         rejected_seen=0,
         new_block_ids={} if decode else {"kv": [0, 1]},
         sample=True,
+        num_propose=num_propose,
     )
 
 
-def _run_two_steps(n: int, num_draft: int = 2) -> tuple[ModelRunner, StepResult]:
-    """Prefill ``n`` requests (seeds 0 .. n-1, temperature 1), then one decode verifying ``num_draft``."""
+def _run_two_steps(n: int, num_draft: int = 2, num_propose: int = -1) -> tuple[ModelRunner, StepResult]:
+    """Prefill ``n`` requests (seeds 0 .. n-1, temperature 1), then one decode verifying ``num_draft``
+    and proposing ``num_propose`` drafts after it."""
     runner = _ngram_runner()
     sp = wire_sampling(SamplingParams(temperature=1.0), ())
     rids = [f"r{i}" for i in range(n)]
@@ -160,7 +162,8 @@ def _run_two_steps(n: int, num_draft: int = 2) -> tuple[ModelRunner, StepResult]
     ]
     first = runner.step(StepCommand(0, new, [_sampled_entry(r, decode=False, num_draft=0) for r in rids], []))
     assert first.error is None and all(first.sampled[r] == [2] for r in rids)
-    second = runner.step(StepCommand(1, [], [_sampled_entry(r, decode=True, num_draft=num_draft) for r in rids], []))
+    decodes = [_sampled_entry(r, decode=True, num_draft=num_draft, num_propose=num_propose) for r in rids]
+    second = runner.step(StepCommand(1, [], decodes, []))
     assert second.error is None, second.error
     return runner, second
 
@@ -220,15 +223,28 @@ def _shifted(exact: dict[tuple[int, ...], float], shift: float) -> dict[tuple[in
     return {s: (w / P[3] * a if s[0] == 3 and len(s) > 1 else w / (1 - P[3]) * (1 - a)) for s, w in exact.items()}
 
 
-def test_a_decode_given_no_drafts_costs_no_ngram_proposal() -> None:
-    """A decode the speculative policy gives k = 0 (``num_draft == 0``) drafts nothing for its next
-    step: the n-gram drafter is not even asked (its drafts would be thrown away). A prefill, which
-    carries no k, still drafts."""
+def test_an_entry_proposing_no_drafts_costs_no_ngram_proposal() -> None:
+    """An entry whose next decode the speculative policy gives k = 0 (``num_propose == 0``) drafts
+    nothing after its step: the n-gram drafter is not even asked (its drafts would be thrown away);
+    one proposing 1 keeps one draft."""
     _proposed.clear()
-    runner, res = _run_two_steps(2, num_draft=0)
-    # The prefill step asked for both histories; the decode given k = 0 asked for none.
+    runner, res = _run_two_steps(2, num_draft=2, num_propose=0)
+    # The prefill step asked for both histories; the decode proposing none asked for none.
     assert len(_proposed) == 1 and len(_proposed[0]) == 2
     assert res.sampled["r0"] and all(st.drafts == [] for st in runner.states.values())
     _proposed.clear()
-    runner, res = _run_two_steps(2, num_draft=2)
-    assert len(_proposed) == 2 and len(_proposed[1]) == 2  # a decode given k > 0 drafts again
+    runner, res = _run_two_steps(2, num_draft=2, num_propose=1)
+    assert len(_proposed) == 2 and len(_proposed[1]) == 2  # a decode proposing drafts drafts again
+
+
+def test_an_entry_keeps_at_most_the_drafts_it_proposes() -> None:
+    """The drafter's drafts are cut to the entry's ``num_propose`` (-1: the drafter's depth)."""
+    sp = wire_sampling(SamplingParams(temperature=1.0), ())
+    drafts = []
+    for num_propose in (-1, 1):
+        runner = _ngram_runner()
+        new = [NewRequestData(request_id="r", prompt_token_ids=PROMPT, output_token_ids=[], sampling=sp, seed=0)]
+        entry = _sampled_entry("r", decode=False, num_draft=0, num_propose=num_propose)
+        assert runner.step(StepCommand(0, new, [entry], [])).error is None
+        drafts.append(runner.states["r"].drafts)
+    assert drafts == [[3, 4], [3]]

@@ -98,7 +98,15 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
     # The host copies agree with what the tensors hold (the tensors are on "meta", so from the step).
     assert batch.query_start_loc_host == [0, 5, 6] and batch.seq_lens_host == [5, 1]
     assert batch.input_ids_host == [1, 2, 3, 4, 5, 6]
-    host = {"request_ids", "num_logits", "query_start_loc_host", "seq_lens_host", "input_ids_host", "draft_depth"}
+    host = {
+        "request_ids",
+        "num_logits",
+        "query_start_loc_host",
+        "seq_lens_host",
+        "input_ids_host",
+        "draft_depth",
+        "num_drafts",
+    }
     assert set(BatchInput.__dataclass_fields__) == {*(f.split("[")[0] for f in expected), *host}
 
 

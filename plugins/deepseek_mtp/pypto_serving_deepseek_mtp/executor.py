@@ -87,9 +87,16 @@ class _Drafting:
     pieces: list[torch.Tensor] = field(default_factory=list)  # per depth: the tokens it drafted
     sampler: DraftSampler | None = None  # chooses the drafts (None: argmax)
     count: int = 0  # drafts in ``pieces``
+    want: dict[int, int] = field(default_factory=dict)  # batch row -> drafts it proposes (its drafting depths)
+    catch_up: set[int] = field(default_factory=set)  # sampling rows that run every active depth this step
+    starts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> per depth, its first position
 
     def __post_init__(self) -> None:
         self.refs = {r: [] for r in self.work}
+
+    def drafts_at(self, r: int, d: int) -> bool:
+        """Whether batch row ``r`` drafts a token at depth ``d`` (it sampled and proposes more than ``d``)."""
+        return self.work[r][1] and d < self.want.get(r, 0)
 
     def add(self, tokens: torch.Tensor) -> None:
         self.pieces.append(tokens)
@@ -326,7 +333,8 @@ class DeepseekMTPExecutor(Executor):
 
         # Sliding attention reads the last sliding_window positions of ``swa`` (every layer, compressed
         # ones included), so older blocks can go back to the pool. An MTP depth computes positions up to
-        # num_draft + 1 behind the confirmed count (it needs the tokens after them), hence its margin.
+        # num_draft + 1 behind the confirmed count (it needs the tokens after them), or up to CARRY_LEN
+        # more for a request that deferred it (_plan_depths), hence its margin.
         groups = [group("swa", cfg.num_hidden_layers, cfg.head_dim, window=cfg.sliding_window)]
         if n_csa:
             groups.append(group("csa_kv", n_csa, cfg.head_dim, cfg.csa_rate))
@@ -334,7 +342,7 @@ class DeepseekMTPExecutor(Executor):
         if n_hca:
             groups.append(group("hca_kv", n_hca, cfg.head_dim, cfg.hca_rate))
         if self.use_mtp:
-            mtp_window = cfg.sliding_window + self.num_draft + 1
+            mtp_window = cfg.sliding_window + CARRY_LEN + self.num_draft + 1
             groups += [group(f"mtp{d}", 1, cfg.head_dim, window=mtp_window) for d in range(self.num_draft)]
         return groups
 
@@ -477,6 +485,7 @@ class DeepseekMTPExecutor(Executor):
         for st, _ in work.values():
             st.active = min(st.active, cap)
         step = _Drafting(work, seg.ring_slots, fresh=[streams], fresh_rows=[rows], sampler=sampler)
+        _plan_depths(step, batch.num_drafts, self.cfg.sliding_window)
         for d in range(max((st.active for st, _ in work.values()), default=0)):
             ran = self._draft_depth(d, step, batch)
             self._carry(d, step)
@@ -546,9 +555,9 @@ class DeepseekMTPExecutor(Executor):
         pick_rows: list[int] = []  # the batch row each of them drafts for
         made: dict[int, tuple[int, int, int]] = {}
         for r, c, last in rows.spans:
-            st, sampling = step.work[r]
+            st = step.work[r][0]
             made[r] = (c, off, last - c + 1)
-            if sampling:
+            if step.drafts_at(r, d):
                 step.refs[r].append(step.count + len(picks))
                 picks.append(off + last - c)
                 pick_rows.append(r)
@@ -596,8 +605,11 @@ class DeepseekMTPExecutor(Executor):
         for r, (st, sampling) in step.work.items():
             if d >= st.active:
                 continue
-            c = st.frontier[d]
-            last = st.n - 1 if sampling else st.n - 1 - d
+            drafts = step.drafts_at(r, d)
+            if sampling and not drafts and r not in step.catch_up:
+                continue  # deferred: its inputs wait in the carry ring (see _plan_depths)
+            c = step.starts[r][d]
+            last = st.n - 1 if drafts else st.n - 1 - d
             if last < c:
                 continue
             src = self._sources(d, step, r, st, c, last)
@@ -682,6 +694,49 @@ class DeepseekMTPExecutor(Executor):
         return self.model.logits(
             streams, hc=(p["hc_head_fn"], p["hc_head_base"], p["hc_head_scale"]), norm=p["norm.weight"]
         )
+
+
+def _plan_depths(step: _Drafting, num_drafts: list[int] | None, window: int) -> None:
+    """Which depths each request runs this step (``step.want``, ``step.catch_up``), and from which
+    position (``step.starts``, see :func:`_first_positions`).
+
+    A sampling request runs the depths of the drafts it proposes (``BatchInput.num_drafts``, within
+    its active depths); the others it defers: they run nothing for it, its frontier there stays, and
+    the inputs they will need stay in the carry ring, which holds ``CARRY_LEN`` positions a depth.
+    Once a deferred depth's frontier is about to fall out of the ring, the request catches up: every
+    active depth runs over its canonical positions (no draft, no head), so no depth's MTP KV ever has
+    a hole, and the request drafts exactly whenever it is asked to again. Rows that did not sample
+    (prefill chunks) run every active depth over their canonical positions, as ever."""
+    for r, (st, sampling) in step.work.items():
+        n = -1 if num_drafts is None or r >= len(num_drafts) else num_drafts[r]
+        want = st.active if n < 0 else min(n, st.active)
+        step.want[r] = want
+        if sampling and want < st.active and st.n - min(st.frontier[: st.active]) >= CARRY_LEN - st.active:
+            step.catch_up.add(r)
+        # Per depth: the last position whose output it needs now (a draft's), -1 when deferred.
+        last = [st.n - 1 if sampling and d < want else st.n - d for d in range(st.active)]
+        if sampling and r not in step.catch_up:
+            last = [x if d < want else -1 for d, x in enumerate(last)]
+        step.starts[r] = _first_positions(st, last, window)
+
+
+def _first_positions(st: MtpState, last: list[int], window: int) -> list[int]:
+    """Per depth, the first position a request's run computes: its frontier, or later where nothing
+    reads the positions before. An MTP block is a sliding layer: its KV at a position depends on that
+    position's input only, and its output at ``j`` reads its KV at ``(j - window, j]``. So depth ``d``
+    needs KV from ``(q - window`` on, ``q`` being the lowest of: the first position its later queries
+    take (its next frontier, ``n - d``), the position of the draft it picks now (``last[d]``, -1: the
+    depth is deferred), and where the next depth's inputs start (its run's start, or, deferred, its
+    frontier). A long prefill thus runs each depth over its last positions only."""
+    starts = list(st.frontier)
+    need = st.n  # the first position whose output the next depth reads (none past the last depth)
+    for d in reversed(range(st.active)):
+        if last[d] < 0:
+            need = st.frontier[d]
+            continue
+        q = min(st.n - d, last[d], need)
+        starts[d] = need = max(st.frontier[d], q - window + 1)
+    return starts
 
 
 def make_executor(settings: Any) -> DeepseekMTPExecutor:

@@ -197,10 +197,12 @@ def greedy_generate(
     on_step: Any = None,
     accept: Any = None,
     draft_depth: Any = None,
+    num_drafts: Any = None,
 ) -> dict[str, list[int]]:
     """Drive the executor like the core: chunked prefill, greedy verification of MTP drafts, and
     optional preemption (release + recompute from scratch) once a request has N output tokens.
-    ``draft_depth(step) -> int | None`` sets each step's ``BatchInput.draft_depth``."""
+    ``draft_depth(step) -> int | None`` sets each step's ``BatchInput.draft_depth``, and
+    ``num_drafts(step, request_id) -> int`` its ``BatchInput.num_drafts``."""
     steps = 0
     out = {rid: [] for rid in prompts}
     done = dict.fromkeys(prompts, 0)  # tokens whose KV is computed
@@ -251,6 +253,8 @@ def greedy_generate(
             accepted.append(acc)
         if draft_depth is not None:
             batch.draft_depth = draft_depth(steps)
+        if num_drafts is not None:
+            batch.num_drafts = [num_drafts(steps, rid) for rid in batch.request_ids]
         steps += 1
         new = core.ex.propose_drafts(batch, accepted)
         for rid, dr in zip(batch.request_ids, new):

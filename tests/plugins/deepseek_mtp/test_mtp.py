@@ -119,6 +119,100 @@ def test_a_lowered_drafting_depth_keeps_drafts_exact(checkpoints):
     assert greedy_generate(FakeCore(ex, info), prompts, 16, k=3, chunk=4, draft_depth=depth) == base
 
 
+def _want(step: int, rid: str) -> int:
+    """Drafts each request proposes per step: ``a`` none for 30 steps (longer than the carry ring
+    holds, so its deferred depths catch up), then all 3; ``b`` cycles through 0-3; ``c`` all."""
+    if rid == "a":
+        return 0 if 2 <= step < 32 else 3
+    return step % 4 if rid == "b" else -1
+
+
+def test_requests_proposing_fewer_drafts_skip_those_mtp_depths(checkpoints, monkeypatch):
+    """A request proposing ``p`` drafts after a step (``BatchInput.num_drafts``) runs only MTP depths
+    below ``p``: one proposing none joins no MTP forward, except to catch up before the carry ring
+    would lose the inputs of a deferred depth (every few steps, no head). Its MTP caches stay
+    canonical: whenever it drafts again its drafts equal the full-recompute reference's, and it gets
+    exactly the drafts it asked for; greedy output equals no speculation's."""
+    ckpt = checkpoints["mixed_yarn"]
+    ex, info = make_executor(ckpt.path, k=3)
+    ran: list[tuple[int, str]] = []  # (depth, request) of every row an MTP forward took
+    run_mtp = type(ex)._run_mtp
+
+    def counting(self, d, spans, *args):
+        ran.extend((d, self._last[0].request_ids[r]) for r, _, _ in spans)
+        return run_mtp(self, d, spans, *args)
+
+    monkeypatch.setattr(type(ex), "_run_mtp", counting)
+    rng = random.Random(5)
+    steps: list[dict[tuple[int, str], int]] = []
+    checked: list[str] = []
+
+    def check(batch, histories, drafts):
+        step = len(steps)
+        steps.append({key: ran.count(key) for key in set(ran)})
+        ran.clear()
+        for rid, dr in zip(batch.request_ids, drafts):
+            want, sampled = _want(step, rid), batch.num_logits[batch.request_ids.index(rid)] > 0
+            if sampled and want != 0:
+                assert len(dr) == (3 if want < 0 else want), (step, rid, dr)
+                assert dr == reference_drafts(ckpt, histories[rid], 3)[: len(dr)], (step, rid)
+                checked.append(rid)
+            elif sampled:
+                assert dr == [], (step, rid)
+
+    prompts = {"a": _prompt(31, 7), "b": _prompt(32, 5), "c": _prompt(33, 6)}
+    greedy_generate(
+        FakeCore(ex, info), prompts, 48, k=3, on_step=check, accept=lambda n: rng.randint(0, n), num_drafts=_want
+    )
+    assert {"a", "b", "c"} <= set(checked) and checked.count("a") >= 3
+    # "a" proposing none: in a few of its 30 steps it catches up (every depth), otherwise it runs none.
+    deferred = [s for s in steps[3:32]]
+    catch_ups = [s for s in deferred if (0, "a") in s]
+    assert 1 <= len(catch_ups) <= len(deferred) // 5, len(catch_ups)
+    assert all((1, "a") in s and (2, "a") in s for s in catch_ups)
+    # "b" proposing 1: depth 0 only, but for a catch-up now and then.
+    one = [s for i, s in enumerate(steps) if i < 34 and _want(i, "b") == 1 and (0, "b") in s]
+    assert one and sum((1, "b") in s for s in one) <= len(one) // 3
+    base_ex, base_info = make_executor(ckpt.path)
+    base = greedy_generate(FakeCore(base_ex, base_info), prompts, 40)
+    ex, info = make_executor(ckpt.path, k=3)
+    assert greedy_generate(FakeCore(ex, info), prompts, 40, k=3, num_drafts=_want) == base
+
+
+def test_a_long_prefill_runs_each_mtp_depth_over_its_window_only(checkpoints, monkeypatch):
+    """An MTP block is a sliding layer, so a prefill computes each depth only over the positions a
+    later query or the next depth reads (the last ``sliding_window`` ones for the deepest): far fewer
+    rows than the prompt, and the drafts still equal the full-recompute reference's at every step."""
+    ckpt = checkpoints["mixed_yarn"]
+    ex, info = make_executor(ckpt.path, k=3)
+    window = ex.cfg.sliding_window
+    first: dict[int, int] = {}  # depth -> rows of the first (prefill) step's MTP forward
+    run_mtp = type(ex)._run_mtp
+
+    def counting(self, d, spans, *args):
+        if len(first) < 3 and d not in first:
+            first[d] = sum(last - c + 1 for _, c, last in spans)
+        return run_mtp(self, d, spans, *args)
+
+    monkeypatch.setattr(type(ex), "_run_mtp", counting)
+    rng = random.Random(9)
+    checked: list[str] = []
+
+    def check(batch, histories, drafts):
+        for rid, dr in zip(batch.request_ids, drafts):
+            if dr:
+                assert dr == reference_drafts(ckpt, histories[rid], 3), (rid, len(histories[rid]))
+                checked.append(rid)
+
+    prompt = _prompt(41, 5 * window)
+    greedy_generate(FakeCore(ex, info), {"a": prompt}, 10, k=3, on_step=check, accept=lambda n: rng.randint(0, n))
+    assert len(checked) >= 4
+    # The deepest depth (2) computes from n - 2 - window + 1, where its next query's window starts,
+    # to the draft at n - 1; each shallower one from window - 1 before the next one's first input.
+    n = len(prompt)
+    assert first == {2: window + 1, 1: 2 * window, 0: 3 * window - 1} and first[0] < n - 1, first
+
+
 def test_preemption_and_slot_reuse_keep_drafts_exact(checkpoints):
     """A preempted request recomputes from scratch and a new request reusing its ring slot and MTP
     state starts clean: drafts still equal the full-recompute reference at every step."""
