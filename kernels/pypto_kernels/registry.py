@@ -52,6 +52,7 @@ KERNEL_NAMES: frozenset[str] = frozenset(
         "indexer_topk",
         "sink_attention",
         "quant_linear",
+        "linear",
     }
 )
 
@@ -60,7 +61,7 @@ BACKENDS: frozenset[str] = frozenset({"npu", "cuda", "cpu"})
 
 #: Kernels whose CPU calls look up a fast path; every other kernel runs its reference on the CPU
 #: directly, so the CPU decode loop pays no registry lookup per call.
-CPU_FAST_KERNELS: frozenset[str] = frozenset({"quant_linear"})
+CPU_FAST_KERNELS: frozenset[str] = frozenset({"quant_linear", "linear"})
 
 
 @dataclass(frozen=True)
