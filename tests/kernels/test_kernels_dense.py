@@ -39,6 +39,7 @@ def test_onednn_matches_reference_on_ragged_shapes(shape: tuple[int, int], dtype
     bias = torch.randn(out_f).to(dtype)
     packed = K.pack_linear(w, 64, library="onednn")
     assert packed is not None and packed.library == "onednn" and (packed.min_rows, packed.max_rows) == (1, NEVER)
+    assert packed.weight is None and torch.equal(packed.plain(), w)  # only the packed copy is held
     for rows in ROWS:
         x = torch.randn(rows, in_f).to(dtype)
         for b in (None, bias):
@@ -54,8 +55,9 @@ def test_mkl_runs_packed_at_its_batch_and_plain_elsewhere(shape: tuple[int, int]
     out_f, in_f = shape
     w = _weight(out_f, in_f, torch.float32)
     bias = torch.randn(out_f)
-    packed = K.pack_linear(w, batch)  # the rule: float32 -> MKL at exactly the full batch
+    packed = K.pack_linear(w, batch, library="mkl")
     assert packed is not None and packed.library == "mkl" and packed.min_rows == packed.max_rows == batch
+    assert packed.weight is w  # MKL's op needs the plain matrix beside its copy
     for rows in ROWS:
         x = torch.randn(rows, in_f)
         for b in (None, bias):
@@ -79,10 +81,9 @@ def test_transposed_view_weight() -> None:
 
 def test_packing_rule() -> None:
     assert K.packing_rule(torch.bfloat16, 64) == ("onednn", 1, NEVER)
-    if torch.backends.mkl.is_available():
-        assert K.packing_rule(torch.float32, 64) == ("mkl", 64, 64)
-    assert K.packing_rule(torch.float32, 1) is None  # one row: MKL's GEMV over the plain matrix
+    assert K.packing_rule(torch.float32, 64) is None  # MKL's packing is opt-in: it doubles the memory
     assert K.packing_rule(torch.float16, 64) is None
+    assert K.pack_linear(_weight(8, 8, torch.float32), 64) is None
     assert K.pack_linear(_weight(8, 8, torch.float16), 64) is None
     assert K.pack_linear(torch.empty(8, 8, device="meta"), 64) is None
     with pytest.raises(ValueError, match="unknown packing library"):

@@ -97,10 +97,10 @@ def packed_linear(x: torch.Tensor, weight: PackedLinearWeight, bias: torch.Tenso
     copy for calls within its row counts, ``F.linear`` over the plain matrix for the others."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not weight.min_rows <= rows <= weight.max_rows:
-        return F.linear(x, weight.weight, bias)
+        return F.linear(x, weight.plain(), bias)
     out: torch.Tensor
     if weight.library == "mkl":
-        out = torch.ops.mkl._mkl_linear(x, weight.packed, weight.weight, bias, weight.max_rows)
+        out = torch.ops.mkl._mkl_linear(x, weight.packed, weight.plain(), bias, weight.max_rows)
     else:
         out = torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     return out
@@ -117,9 +117,7 @@ def explain_linear(**features: Any) -> str | None:
 
 def supports_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None = None) -> bool:
     return (
-        isinstance(weight, PackedLinearWeight)
-        and x.dtype == weight.weight.dtype
-        and (bias is None or bias.dtype == x.dtype)
+        isinstance(weight, PackedLinearWeight) and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
     )
 
 

@@ -39,10 +39,11 @@ class QwenExecutor(Executor):
     ``settings.executor_options`` (all optional): ``graph_mode`` (``auto``, ``eager``, ``inductor``,
     ``cudagraph``, ``npugraph``, ``aot_eager``), ``graph_batch_sizes`` (the decode buckets) and
     ``graph_warmup`` (``load`` or ``lazy``); see :mod:`pypto_serving_qwen.graph`. ``cpu_linear``
-    (``auto``, ``mkl``, ``onednn``, ``reference``): on the CPU in eager mode, ``auto`` gives the
-    projections and the output projection packed copies by :func:`pypto_kernels.packing_rule`
-    (float32: MKL's, for a full batch of ``max_num_seqs`` rows; bfloat16: oneDNN's, every row
-    count), ``mkl`` / ``onednn`` that library's, ``reference`` none.
+    (``auto``, ``mkl``, ``onednn``, ``reference``): on the CPU in eager mode, ``auto`` packs by
+    :func:`pypto_kernels.packing_rule` (bfloat16 projections: oneDNN's layout, in place of the plain
+    weights; float32: none), ``onednn`` every float projection so, ``mkl`` every float32 projection
+    and the output projection for MKL's packed SGEMM at a full batch of ``max_num_seqs`` rows (beside
+    the plain weights: twice their memory), ``reference`` none.
 
     With ``tensor_parallel_size > 1`` the worker runs one executor per rank inside torch.distributed's
     default process group; each loads and holds its shards (:mod:`pypto_serving_qwen.sharding`), its

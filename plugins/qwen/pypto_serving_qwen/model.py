@@ -519,7 +519,9 @@ class QwenForCausalLM(nn.Module):
         (:func:`pypto_kernels.pack_linear` for a full decode batch of ``batch_rows``; ``library`` None:
         its rule); returns how many matrices got one. CPU only, after loading."""
         count = pack_projections(self, batch_rows, library)
-        head = K.pack_linear(self.lm_head_t.data.t(), batch_rows, library=library)
+        # lm_head_t stays a parameter (it is the tied embedding too): only MKL's copy, which needs the
+        # plain matrix anyway, is made beside it; a oneDNN copy would hold the weight twice.
+        head = K.pack_linear(self.lm_head_t.data.t(), batch_rows, library=library) if library == "mkl" else None
         if head is not None:
             self.lm_head_packed = head
             count += 1

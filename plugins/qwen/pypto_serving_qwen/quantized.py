@@ -123,7 +123,7 @@ def weight_targets(
     whole = src.start == 0 and src.stop == full
     part = None if whole else src
     if not isinstance(weight, QuantizedWeight):
-        plain = weight.weight if isinstance(weight, K.PackedLinearWeight) else weight.data
+        plain = weight.plain() if isinstance(weight, K.PackedLinearWeight) else weight.data
         dest = plain[rows] if dim == 0 else plain
         return {name: [WeightTarget(dest, (name,), part, dim, full)]}
     data = weight.data[rows] if dim == 0 else weight.data
