@@ -116,7 +116,8 @@ def worker_cores(settings: ServingSettings) -> list[int] | None:
         if not set(cores) <= set(allowed):
             raise ValueError(f"worker_cpu_bind {settings.worker_cpu_bind!r} names cores outside {allowed}")
         return cores
-    threads = settings.worker_threads or len(allowed)
+    # Unset worker_threads: torch's default in the child, the same as here (OMP_NUM_THREADS, else the cores).
+    threads = settings.worker_threads or torch.get_num_threads()
     return allowed[-threads:] if threads <= len(allowed) else None
 
 
@@ -147,14 +148,13 @@ def _worker_environment(settings: ServingSettings) -> Iterator[None]:
 
 
 def _pin_threads(settings: ServingSettings) -> None:
-    """The spawned worker's thread count, and its CPU affinity where it is pinned (threads it creates
-    later, such as OpenMP's, inherit the affinity; OMP_PLACES then binds each to its own core)."""
+    """The spawned worker's thread count (``worker_threads``), and its CPU affinity where it is pinned
+    (threads it creates later, such as OpenMP's, inherit it; OMP_PLACES then binds each to its own core)."""
     cores = worker_cores(settings)
     if cores is not None and os.environ.get("OMP_PLACES") == _places(cores):  # not when the user placed them
         os.sched_setaffinity(0, cores)
-    threads = settings.worker_threads or (len(cores) if cores is not None else None)
-    if threads:
-        torch.set_num_threads(threads)
+    if settings.worker_threads:
+        torch.set_num_threads(settings.worker_threads)
 
 
 def _worker_main(
