@@ -311,6 +311,16 @@ class ServingSettings(BaseSettings):
         "(for cores shared with other jobs; 2x slower at 64 streams on dedicated cores), 'active' spins. An "
         "OMP_WAIT_POLICY already set in the environment always wins.",
     )
+    worker_cpu_bind: str = Field(
+        "auto",
+        pattern=r"^(auto|off|\d+(-\d+)?(,\d+(-\d+)?)*)$",
+        description="Cores a spawned single-rank worker's compute threads are pinned to, one thread per core "
+        "(OMP_PLACES / OMP_PROC_BIND, and the worker's CPU affinity): 'auto' takes the last worker_threads of the "
+        "cores this process may use (unset: torch's thread count, OMP_NUM_THREADS or every core), leaving the "
+        "first ones to the engine core and server, and pins nothing when there are fewer cores than threads; "
+        "'off' pins nothing; or a list such as '0-3' or '2,3'. OMP_PLACES or OMP_PROC_BIND already set in the "
+        "environment wins.",
+    )
     seed: int = Field(0, description="Seed for model initialisation and unseeded sampling.")
     max_worker_restarts: int = Field(
         3,

@@ -94,20 +94,69 @@ def _refuse_spawn_while_bootstrapping() -> None:
         os._exit(_UNGUARDED_MAIN_EXIT)
 
 
+def _core_list(spec: str) -> list[int]:
+    """``'0-3,6'`` -> ``[0, 1, 2, 3, 6]``."""
+    cores: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores.extend(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def worker_cores(settings: ServingSettings) -> list[int] | None:
+    """The cores a spawned worker's compute threads are pinned to (``worker_cpu_bind``), or None.
+
+    Only a single-rank worker is pinned (ranks would share the cores); ``auto`` leaves the first cores
+    to the engine core and server, and pins nothing when there are fewer cores than threads.
+    :raises ValueError: a listed core this process may not run on.
+    """
+    if settings.worker_cpu_bind == "off" or settings.tensor_parallel_size > 1:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if settings.worker_cpu_bind != "auto":
+        cores = _core_list(settings.worker_cpu_bind)
+        if not set(cores) <= set(allowed):
+            raise ValueError(f"worker_cpu_bind {settings.worker_cpu_bind!r} names cores outside {allowed}")
+        return cores
+    # Unset worker_threads: torch's default in the child, the same as here (OMP_NUM_THREADS, else the cores).
+    threads = settings.worker_threads or torch.get_num_threads()
+    return allowed[-threads:] if threads <= len(allowed) else None
+
+
+def _places(cores: list[int]) -> str:
+    return ",".join(f"{{{c}}}" for c in cores)
+
+
 @contextlib.contextmanager
 def _worker_environment(settings: ServingSettings) -> Iterator[None]:
-    """Environment a spawned worker starts with: OpenMP reads its wait policy once, when the child
-    loads torch, so it is set around ``Process.start`` (spawn copies the environment then) and
-    restored after. A policy the user exported wins."""
-    policy = settings.worker_omp_wait_policy
-    if policy == "inherit" or "OMP_WAIT_POLICY" in os.environ:
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = policy.upper()
+    """Environment a spawned worker starts with: OpenMP reads its wait policy and thread places once,
+    when the child loads torch, so they are set around ``Process.start`` (spawn copies the environment
+    then) and restored after. Variables the user exported win."""
+    env: dict[str, str] = {}
+    if settings.worker_omp_wait_policy != "inherit":
+        env["OMP_WAIT_POLICY"] = settings.worker_omp_wait_policy.upper()
+    cores = worker_cores(settings)
+    if cores is not None and not {"OMP_PLACES", "OMP_PROC_BIND"} & set(os.environ):
+        # One place per core, thread i on place i: no thread migrates, none shares a core with another.
+        env["OMP_PLACES"] = _places(cores)
+        env["OMP_PROC_BIND"] = "close"
+    env = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(env)
     try:
         yield
     finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
+        for key in env:
+            os.environ.pop(key, None)
+
+
+def _pin_threads(settings: ServingSettings) -> None:
+    """The spawned worker's thread count (``worker_threads``), and its CPU affinity where it is pinned
+    (threads it creates later, such as OpenMP's, inherit it; OMP_PLACES then binds each to its own core)."""
+    cores = worker_cores(settings)
+    if cores is not None and os.environ.get("OMP_PLACES") == _places(cores):  # not when the user placed them
+        os.sched_setaffinity(0, cores)
+    if settings.worker_threads:
+        torch.set_num_threads(settings.worker_threads)
 
 
 def _worker_main(
@@ -121,8 +170,7 @@ def _worker_main(
         if conn is not None:
             conn.send_bytes(_encoder.encode(Loaded(None, _format_error(e))))
         return
-    if settings.worker_threads:
-        torch.set_num_threads(settings.worker_threads)
+    _pin_threads(settings)
     if settings.tensor_parallel_size > 1:
         _rank_main(conn, factory, settings, rank)
         return

@@ -17,6 +17,7 @@ from .activation import silu_and_mul
 from .attention import paged_attention, varlen_attention, write_kv_cache
 from .compressed_attention import compressor_pool, indexer_topk, sink_attention
 from .deepseek import apply_interleaved_rope, grouped_linear, interleaved_rope_cos_sin
+from .dense import PackedLinearWeight, linear, pack_linear, packing_rule
 from .device import npu_available, select_device
 from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KERNEL_NAMES",
+    "PackedLinearWeight",
     "QuantizedLinearWeight",
     "__version__",
     "add_rms_norm",
@@ -57,10 +59,13 @@ __all__ = [
     "hc_sinkhorn_mix",
     "indexer_topk",
     "interleaved_rope_cos_sin",
+    "linear",
     "load_backends",
     "moe_experts",
     "mxfp4_moe_experts",
     "npu_available",
+    "pack_linear",
+    "packing_rule",
     "paged_attention",
     "quant_linear",
     "quantize_per_token",

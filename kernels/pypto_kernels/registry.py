@@ -53,6 +53,7 @@ KERNEL_NAMES: frozenset[str] = frozenset(
         "sink_attention",
         "quant_linear",
         "mxfp4_moe_experts",
+        "linear",
     }
 )
 
@@ -61,7 +62,7 @@ BACKENDS: frozenset[str] = frozenset({"npu", "cuda", "cpu"})
 
 #: Kernels whose CPU calls look up a fast path; every other kernel runs its reference on the CPU
 #: directly, so the CPU decode loop pays no registry lookup per call.
-CPU_FAST_KERNELS: frozenset[str] = frozenset({"quant_linear"})
+CPU_FAST_KERNELS: frozenset[str] = frozenset({"quant_linear", "linear"})
 
 
 @dataclass(frozen=True)

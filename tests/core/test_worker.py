@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from pypto_serving import EngineDeadError, SamplingParams
 from tests.fakes import next_token, reference_tokens
@@ -257,3 +258,49 @@ def test_the_worker_starts_with_the_openmp_wait_policy(
     )
     assert llm.engine.worker.info.architecture == seen
     assert os.environ.get("OMP_WAIT_POLICY") == exported
+
+
+@pytest.mark.parametrize(("bind", "threads"), [("auto", 1), ("auto", None), ("off", 1), ("last", None)])
+def test_the_worker_pins_its_threads_to_cores(
+    make_llm: Callable[..., Any], monkeypatch: Any, bind: str, threads: int | None
+) -> None:
+    """``worker_cpu_bind``: the spawned worker's OpenMP places and its CPU affinity are the chosen cores
+    (auto: the last ``worker_threads`` of this process's cores), one thread per core; 'off' leaves both
+    alone; this process's environment is left as it was."""
+    for name in ("OMP_PLACES", "OMP_PROC_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    allowed = sorted(os.sched_getaffinity(0))
+    spec = str(allowed[-1]) if bind == "last" else bind
+    llm = make_llm(
+        worker_mode="process",
+        worker_cpu_bind=spec,
+        worker_threads=threads,
+        executor_options={"architecture_from_env": "OMP_PLACES"},
+    )
+    pid = llm.engine.worker._proc.pid
+    # Each thread's own mask: OpenMP binds its initial thread to the first place at start-up, and the
+    # threads of its pool to the others when a parallel region first runs (the fake executor runs none).
+    masks = [os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
+    if bind == "off":
+        assert llm.engine.worker.info.architecture == ""
+        assert sorted(set().union(*masks)) == allowed
+    else:
+        # Unset worker_threads: torch's thread count here, which the spawned worker inherits (OMP_NUM_THREADS).
+        want = allowed[-(threads or torch.get_num_threads()) :] if bind == "auto" else allowed[-1:]
+        assert llm.engine.worker.info.architecture == ",".join(f"{{{c}}}" for c in want)
+        assert set().union(*masks) <= set(want) and os.sched_getaffinity(pid) == {want[0]}
+    assert "OMP_PLACES" not in os.environ and "OMP_PROC_BIND" not in os.environ
+
+
+def test_worker_cpu_bind_refuses_cores_it_may_not_use() -> None:
+    from pypto_serving.config import ServingSettings
+    from pypto_serving.worker import worker_cores
+
+    outside = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match="names cores outside"):
+        worker_cores(ServingSettings(worker_cpu_bind=f"0,{outside}"))
+    with pytest.raises(ValueError, match="worker_cpu_bind"):
+        ServingSettings(worker_cpu_bind="all")
+    too_many = len(os.sched_getaffinity(0)) + 1
+    assert worker_cores(ServingSettings(worker_threads=too_many)) is None  # oversubscribed: nothing pinned
+    assert worker_cores(ServingSettings(worker_cpu_bind="0", tensor_parallel_size=2)) is None

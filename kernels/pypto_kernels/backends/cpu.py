@@ -8,6 +8,10 @@
   reference, exact up to float rounding. Chosen over ``torch._weight_int8pack_mm`` (weight-only,
   bfloat16 activations) by measurement, see docs/benchmarks.md.
 - ``w8a8_static`` runs the reference.
+
+Dense linears (:func:`pypto_kernels.linear`) whose weight carries a packed copy
+(:func:`pypto_kernels.pack_linear`) multiply it, through MKL's packed SGEMM or oneDNN, for calls
+within the copy's row counts; other calls run ``F.linear``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..dense import PackedLinearWeight
 from ..quant import QuantizedLinearWeight, quantize_per_token
 
 #: Values of one dequantised band of an FP8 weight (4 MiB in float32): large enough that the matmul
@@ -25,6 +30,7 @@ from ..quant import QuantizedLinearWeight, quantize_per_token
 BAND_ELEMENTS = 1 << 20
 
 QUANT_LINEAR_LABEL = "cpu: fp8 band-wise dequantising matmul / int8 _int_mm"
+LINEAR_LABEL = "cpu: weights packed at load (mkl._mkl_linear / mkldnn._linear_pointwise)"
 
 
 def _band_rows(weight: QuantizedLinearWeight) -> int:
@@ -86,7 +92,37 @@ def supports_quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: 
     return explain_quant_linear(scheme=weight.scheme) is None
 
 
+def packed_linear(x: torch.Tensor, weight: PackedLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: the packed
+    copy for calls within its row counts, ``F.linear`` over the plain matrix for the others."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not weight.min_rows <= rows <= weight.max_rows:
+        return F.linear(x, weight.plain(), bias)
+    out: torch.Tensor
+    if weight.library == "mkl":
+        out = torch.ops.mkl._mkl_linear(x, weight.packed, weight.plain(), bias, weight.max_rows)
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+    return out
+
+
+def explain_linear(**features: Any) -> str | None:
+    if not features.get("packed", True):
+        return "the weight has no packed copy (pypto_kernels.pack_linear)"
+    dtype = features.get("dtype")
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} is not packed"
+    return None
+
+
+def supports_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None = None) -> bool:
+    return (
+        isinstance(weight, PackedLinearWeight) and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
+    )
+
+
 def register(add: Callable[..., None]) -> None:
+    add("linear", "cpu", packed_linear, supports_linear, label=LINEAR_LABEL, explain=explain_linear)
     add(
         "quant_linear",
         "cpu",

@@ -28,13 +28,22 @@ KV_GROUP = "kv"  # the single cache group: one K and one V entry per token per l
 #: Graph modes that replay on the device without Python; refused over several ranks (see _plan_shards).
 _DEVICE_GRAPH_MODES = frozenset({"cudagraph", "npugraph"})
 
+#: ``executor_options["cpu_linear"]`` -> the library :meth:`QwenForCausalLM.pack_linears` packs for
+#: (None: :func:`pypto_kernels.packing_rule`); ``reference`` is absent: nothing is packed.
+_CPU_LINEAR = {"auto": None, "mkl": "mkl", "onednn": "onednn"}
+
 
 class QwenExecutor(Executor):
     """Loads a local HF checkpoint into :class:`QwenForCausalLM` and runs one forward per step.
 
     ``settings.executor_options`` (all optional): ``graph_mode`` (``auto``, ``eager``, ``inductor``,
     ``cudagraph``, ``npugraph``, ``aot_eager``), ``graph_batch_sizes`` (the decode buckets) and
-    ``graph_warmup`` (``load`` or ``lazy``); see :mod:`pypto_serving_qwen.graph`.
+    ``graph_warmup`` (``load`` or ``lazy``); see :mod:`pypto_serving_qwen.graph`. ``cpu_linear``
+    (``auto``, ``mkl``, ``onednn``, ``reference``): on the CPU in eager mode, ``auto`` packs by
+    :func:`pypto_kernels.packing_rule` (bfloat16 projections: oneDNN's layout, in place of the plain
+    weights; float32: none), ``onednn`` every float projection so, ``mkl`` every float32 projection
+    and the output projection for MKL's packed SGEMM at a full batch of ``max_num_seqs`` rows (beside
+    the plain weights: twice their memory), ``reference`` none.
 
     With ``tensor_parallel_size > 1`` the worker runs one executor per rank inside torch.distributed's
     default process group; each loads and holds its shards (:mod:`pypto_serving_qwen.sharding`), its
@@ -80,6 +89,7 @@ class QwenExecutor(Executor):
         named = model.named_quantized_weights()
         finish_loading([w for _, w in named], [n for n, _ in named])
         model.eval()
+        self._pack_linears(model)
         self.config, self.model = cfg, model
         self._log_kernels(cfg)
 
@@ -108,6 +118,21 @@ class QwenExecutor(Executor):
             generation_defaults=generation_defaults,
             kv_cache_dtypes=("auto", "fp8"),
         )
+
+    def _pack_linears(self, model: QwenForCausalLM) -> None:
+        """oneDNN-packed weight copies for the eager CPU forward (``executor_options["cpu_linear"]``);
+        captured graphs and other devices keep the plain weights."""
+        choice = self.settings.executor_options.get("cpu_linear", "auto")
+        if choice not in (*_CPU_LINEAR, "reference"):
+            known = [*_CPU_LINEAR, "reference"]
+            raise ValueError(f"executor_options cpu_linear must be one of {known}, got {choice!r}")
+        mode = self.graph_options.mode if self.graph_options is not None else "eager"
+        if choice == "reference" or self.device.type != "cpu" or mode != "eager":
+            return
+        count = model.pack_linears(self.settings.max_num_seqs, _CPU_LINEAR[choice])
+        rule = K.packing_rule(self.dtype, self.settings.max_num_seqs) if choice == "auto" else (choice,)
+        label = K.describe_kernel("linear", self.device, dtype=self.dtype)
+        logger.info("%d float matrices packed (%s): linear runs %s", count, rule, label)
 
     def _kv_cache_dtype(self) -> torch.dtype:
         """The cache's element type: the model's, or ``fp8`` where the eager paged kernels run (the

@@ -26,7 +26,7 @@ from pypto_serving.parallel import expert_parallel_moe, vocab_parallel_embedding
 
 from .graph import decode_attention, moe_experts, static_decode_attention, write_kv
 from .loader import QuantPlan, QwenConfig, WeightTarget
-from .quantized import QuantizedWeight, Weight, linear, make_weight, weight_targets
+from .quantized import QuantizedWeight, Weight, linear, make_weight, pack_projections, weight_targets
 from .sharding import QwenSharding
 
 logger = logging.getLogger(__name__)
@@ -429,6 +429,8 @@ class QwenForCausalLM(nn.Module):
         # Under tensor parallelism both hold this rank's vocabulary rows only.
         self.lm_head_t = _param((cfg.hidden_size, vocab), device, dtype)
         self.embed = self.lm_head_t.t() if cfg.tie_word_embeddings else _param((vocab, cfg.hidden_size), device, dtype)
+        # Set by pack_linears: ``lm_head_t.t()`` (a view) with a packed copy of it.
+        self.lm_head_packed: K.PackedLinearWeight | None = None
         self.layers = nn.ModuleList(
             QwenDecoderLayer(cfg, i, device, dtype, shards, plan) for i in range(cfg.num_layers)
         )
@@ -505,4 +507,22 @@ class QwenForCausalLM(nn.Module):
         """Float32 logits of the rows given: the final norm and the (vocab-sized) output projection,
         only for the sampled rows; each rank's vocabulary slice is gathered into the full rows."""
         hidden, _ = K.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
-        return self.shards.ctx.all_gather(torch.matmul(hidden, self.lm_head_t).float(), dim=-1)
+        if self.lm_head_packed is not None:
+            # Outside the packed row counts this is F.linear over lm_head_t's transpose: the matmul's product.
+            logits: torch.Tensor = K.linear(hidden, self.lm_head_packed)
+        else:
+            logits = torch.matmul(hidden, self.lm_head_t)
+        return self.shards.ctx.all_gather(logits.float(), dim=-1)
+
+    def pack_linears(self, batch_rows: int, library: str | None = None) -> int:
+        """Give the float projections and the output projection packed copies
+        (:func:`pypto_kernels.pack_linear` for a full decode batch of ``batch_rows``; ``library`` None:
+        its rule); returns how many matrices got one. CPU only, after loading."""
+        count = pack_projections(self, batch_rows, library)
+        # lm_head_t stays a parameter (it is the tied embedding too): only MKL's copy, which needs the
+        # plain matrix anyway, is made beside it; a oneDNN copy would hold the weight twice.
+        head = K.pack_linear(self.lm_head_t.data.t(), batch_rows, library=library) if library == "mkl" else None
+        if head is not None:
+            self.lm_head_packed = head
+            count += 1
+        return count

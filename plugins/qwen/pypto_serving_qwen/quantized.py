@@ -20,9 +20,21 @@ from pypto_serving.quantization import QuantizedWeight
 
 from .loader import CheckpointError, WeightTarget
 
-__all__ = ["QuantizedWeight", "Weight", "finish_loading", "linear", "make_weight", "weight_targets"]
+__all__ = [
+    "PROJECTIONS",
+    "QuantizedWeight",
+    "Weight",
+    "finish_loading",
+    "linear",
+    "make_weight",
+    "pack_projections",
+    "weight_targets",
+]
 
-Weight = nn.Parameter | QuantizedWeight
+Weight = nn.Parameter | QuantizedWeight | K.PackedLinearWeight
+
+#: The projections of a decoder layer (q/k/v and gate/up fused at load).
+PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 _FP8_DATA = ("F8_E4M3",)
 _INT8_DATA = ("I8",)
@@ -66,7 +78,29 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if isinstance(weight, QuantizedWeight):
         out: torch.Tensor = K.quant_linear(x, weight, bias)
         return out
+    if isinstance(weight, K.PackedLinearWeight):
+        packed: torch.Tensor = K.linear(x, weight, bias)
+        return packed
     return F.linear(x, weight, bias)
+
+
+def pack_projections(model: nn.Module, batch_rows: int, library: str | None) -> int:
+    """Give every float projection of ``model`` a packed copy (:func:`pypto_kernels.pack_linear` for a
+    full decode batch of ``batch_rows``; ``library`` None: its rule); returns how many got one. A
+    packed projection stops being a registered parameter (its plain matrix stays, in the wrapper)."""
+    count = 0
+    for module in model.modules():
+        for attr in PROJECTIONS:
+            value = module._parameters.get(attr)
+            if value is None:
+                continue
+            packed = K.pack_linear(value.data, batch_rows, library=library)
+            if packed is None:
+                continue
+            del module._parameters[attr]
+            setattr(module, attr, packed)
+            count += 1
+    return count
 
 
 def _blocks(part: slice, step: int, total: int, name: str) -> slice:
@@ -89,7 +123,8 @@ def weight_targets(
     whole = src.start == 0 and src.stop == full
     part = None if whole else src
     if not isinstance(weight, QuantizedWeight):
-        dest = weight.data[rows] if dim == 0 else weight.data
+        plain = weight.plain() if isinstance(weight, K.PackedLinearWeight) else weight.data
+        dest = plain[rows] if dim == 0 else plain
         return {name: [WeightTarget(dest, (name,), part, dim, full)]}
     data = weight.data[rows] if dim == 0 else weight.data
     stored = _FP8_DATA if weight.scheme == "fp8_block" else _INT8_DATA

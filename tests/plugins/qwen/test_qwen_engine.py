@@ -105,6 +105,23 @@ def test_greedy_matches_transformers(
     assert _generate(make_llm(path), prompts) == _hf_greedy(hf_reference(path), prompts)
 
 
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_greedy_matches_transformers_with_packed_linears(
+    name: str,
+    library: str,
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    make_llm: Callable[..., Any],
+) -> None:
+    """Float32 greedy decoding is token for token transformers' with every projection packed: MKL's
+    copy for the 8-row decode steps of max_num_seqs=8, or oneDNN's for every step."""
+    path = qwen_checkpoints(name)
+    prompts = _prompts(320, PROMPT_LENGTHS, seed=10)
+    llm = make_llm(path, max_num_seqs=8, executor_options={"cpu_linear": library})
+    assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
+
+
 def test_chunked_prefill(
     qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any], make_llm: Callable[..., Any]
 ) -> None:

@@ -230,3 +230,53 @@ def test_tied_embeddings_share_storage(qwen_checkpoints: Callable[[str], Path]) 
     assert ex.model is not None
     assert ex.model.lm_head_t.data_ptr() == ex.model.embed.data_ptr()
     assert ex.model.embed.shape == ex.model.lm_head_t.t().shape
+
+
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen2_tied"])
+def test_packed_linears_parity(
+    name: str,
+    library: str,
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every projection and the output projection packed (MKL for a 3-row batch, or oneDNN at every
+    row count): the mixed schedule's logits still match transformers, and the packed kernels ran."""
+    calls: list[int] = []
+    for op in ("mkl._mkl_linear", "mkldnn._linear_pointwise"):
+        space, attr = op.split(".")
+        real = getattr(getattr(torch.ops, space), attr)
+        monkeypatch.setattr(
+            getattr(torch.ops, space), attr, lambda *a, _real=real, **k: calls.append(a[0].shape[0]) or _real(*a, **k)
+        )
+    path = qwen_checkpoints(name)
+    ex = _executor(path, max_num_seqs=3, executor_options={"cpu_linear": library})
+    assert ex.model is not None
+    attn, mlp = ex.model.layers[0].self_attn, ex.model.layers[0].mlp
+    head = [ex.model.lm_head_packed] if library == "mkl" else []  # a oneDNN copy would hold it twice
+    assert (ex.model.lm_head_packed is None) == (library == "onednn")
+    for weight in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight, *head):
+        assert isinstance(weight, pypto_kernels.PackedLinearWeight) and weight.library == library
+    seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [13, 21, 9], seed=1), strict=True))  # type: ignore[attr-defined]
+    schedule = [[("a", 9), ("b", 6)], [("a", 1), ("b", 8), ("c", 5)], [("b", 6), ("a", 1), ("c", 1)]]
+    schedule += [[("a", 1), ("b", 1), ("c", 1)], [("c", 1), ("a", 1)]]
+    _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL)
+    # MKL's copy serves exactly the 3-row steps (the all-decode step's layers and its 3 logits rows).
+    assert calls and (set(calls) == {3} if library == "mkl" else len(set(calls)) > 3)
+
+
+def test_cpu_linear_auto_and_reference(qwen_checkpoints: Callable[[str], Path]) -> None:
+    """auto: bfloat16 projections packed for oneDNN (in place of the plain weights), float32 plain."""
+    path = qwen_checkpoints("qwen3")
+    bf16 = _executor(path, dtype="bfloat16")
+    assert bf16.model is not None and bf16.model.lm_head_packed is None
+    qkv = bf16.model.layers[0].self_attn.qkv_weight
+    assert isinstance(qkv, pypto_kernels.PackedLinearWeight) and (qkv.library, qkv.weight) == ("onednn", None)
+    fp32 = _executor(path)
+    assert fp32.model is not None and isinstance(fp32.model.layers[0].self_attn.qkv_weight, torch.nn.Parameter)
+    plain = _executor(path, dtype="bfloat16", executor_options={"cpu_linear": "reference"})
+    assert plain.model is not None and plain.model.lm_head_packed is None
+    assert isinstance(plain.model.layers[0].self_attn.qkv_weight, torch.nn.Parameter)
+    with pytest.raises(ValueError, match="cpu_linear must be one of"):
+        _executor(path, executor_options={"cpu_linear": "blas"})

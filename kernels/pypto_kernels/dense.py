@@ -1,0 +1,116 @@
+"""Dense linear layers whose weights may carry a copy packed once, at load, for a CPU GEMM library.
+
+:func:`linear` is ``F.linear``; its reference ignores any packed copy. A weight wrapped by
+:func:`pack_linear` as a :class:`PackedLinearWeight` keeps the plain ``[out, in]`` matrix (the
+reference's operand, and what calls outside the packed copy's row counts multiply) beside one packed
+layout of it, which the CPU fast path (:mod:`pypto_kernels.backends.cpu`) multiplies:
+
+- ``mkl``: MKL's packed SGEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``),
+  float32. MKL packs for one row count, and torch's op runs it only at exactly that count (any other
+  falls back to the plain matrix), so it serves the batch the engine runs most, ``max_num_seqs``
+  decode rows, and the plain matrix stays beside it: twice the weight memory.
+- ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` /
+  ``_linear_pointwise``), any row count, float32 or bfloat16. It serves every call, so the plain
+  matrix is dropped (no extra memory); the reference rebuilds it (``to_dense``) when asked.
+
+The packed and plain products accumulate in different orders, so they agree to float rounding, not
+bit for bit. Which layout a weight gets is a rule on its dtype and the engine's batch
+(:func:`packing_rule`), not a timing taken at load: a measurement on a shared machine would choose
+differently from run to run, and with it the rounding of every logit. The measurements behind the
+rule are in docs/benchmarks.md ("Packed matrix products on the CPU").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .registry import dispatch
+
+__all__ = ["LIBRARIES", "NEVER", "PackedLinearWeight", "linear", "pack_linear", "packing_rule"]
+
+#: A row count no call reaches: ``max_rows`` of a copy serving every count from ``min_rows`` on.
+NEVER = 1 << 62
+
+#: The packed layouts :func:`pack_linear` makes.
+LIBRARIES = ("mkl", "onednn")
+
+
+@dataclass(slots=True)
+class PackedLinearWeight:
+    """A float ``[out, in]`` linear weight and its copy packed for ``library``.
+
+    :param weight: the plain matrix (may be a transposed view, e.g. of an output projection stored
+        ``[in, out]``); calls outside ``min_rows..max_rows`` multiply it. None for ``onednn``, which
+        serves every call: :meth:`plain` rebuilds it from the packed copy.
+    :param packed: the packed copy (an opaque oneDNN tensor).
+    :param library: ``mkl`` or ``onednn`` (see the module doc).
+    :param min_rows: the fewest rows (product of the leading dimensions) a call runs packed with.
+    :param max_rows: the most (for ``mkl``, equal to ``min_rows``: the one count it was packed for).
+    """
+
+    weight: torch.Tensor | None
+    packed: torch.Tensor
+    library: str
+    min_rows: int
+    max_rows: int
+
+    def plain(self) -> torch.Tensor:
+        """The ``[out, in]`` matrix (rebuilt from the packed copy when it was dropped: a full copy)."""
+        return self.weight if self.weight is not None else self.packed.to_dense()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+
+def packing_rule(dtype: torch.dtype, batch_rows: int) -> tuple[str, int, int] | None:
+    """``(library, min_rows, max_rows)`` for a CPU weight of ``dtype`` in an engine whose full decode
+    batch is ``batch_rows``, or None (plain ``F.linear`` everywhere). Measured on an AVX-512 CPU
+    (docs/benchmarks.md): bfloat16 through oneDNN at every row count (1.2-2x ``F.linear`` at 1-16 rows,
+    about even at 64). Float32 stays plain: oneDNN's float32 path was slower than MKL's GEMV at one
+    row, and MKL's packed SGEMM (1.1-1.7x at exactly its batch) keeps the plain matrix beside its
+    copy, twice the weights' memory, so it is opt-in (``pack_linear(..., library="mkl")``)."""
+    del batch_rows  # float32's MKL packing, the one rule that needs it, is opt-in
+    if dtype == torch.bfloat16:
+        return ("onednn", 1, NEVER)
+    return None
+
+
+def pack_linear(weight: torch.Tensor, batch_rows: int, *, library: str | None = None) -> PackedLinearWeight | None:
+    """``weight`` with a packed copy (:func:`packing_rule` for ``batch_rows``, or ``library`` at every
+    row count it serves); None where nothing is packed: a weight off the CPU, of another dtype, or a
+    torch without the library. A ``onednn`` result no longer references ``weight``: once the caller
+    drops it, only the packed copy is held."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if library is None:
+        rule = packing_rule(weight.dtype, batch_rows)
+    elif library == "mkl":
+        mkl = weight.dtype == torch.float32 and torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
+        rule = ("mkl", batch_rows, batch_rows) if mkl else None
+    elif library == "onednn":
+        rule = ("onednn", 1, NEVER)
+    else:
+        raise ValueError(f"unknown packing library {library!r}; choose from {list(LIBRARIES)}")
+    if rule is None or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return None
+    kind, lo, hi = rule
+    with torch.inference_mode():
+        plain = weight.detach()
+        if kind == "mkl":
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(plain, lo)
+            return PackedLinearWeight(weight, packed, kind, lo, hi)
+        packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
+    return PackedLinearWeight(None, packed, kind, lo, hi)
+
+
+@dispatch("linear")
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedLinearWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` (``F.linear``); a :class:`PackedLinearWeight`'s plain matrix is used."""
+    plain = weight.plain() if isinstance(weight, PackedLinearWeight) else weight
+    return F.linear(x, plain, bias)

@@ -1,0 +1,106 @@
+"""Packed dense linears (pypto_kernels.linear / pack_linear): every packed path against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pypto_kernels as K
+from pypto_kernels.backends import cpu
+from pypto_kernels.dense import NEVER
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+
+# Odd sizes on purpose: no multiple of a SIMD width or a packing block.
+SHAPES = [(37, 53), (129, 67), (256, 131)]
+ROWS = [1, 3, 64, 67]
+
+
+def _weight(out_f: int, in_f: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype)
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    # Different accumulation orders: float32 agrees to a few ulps of the row's scale, bfloat16 to its rounding.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype
+    assert float((ours.float() - ref.float()).abs().max()) <= tol * max(1.0, float(ref.float().abs().max()))
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_onednn_matches_reference_on_ragged_shapes(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    out_f, in_f = shape
+    w = _weight(out_f, in_f, dtype)
+    bias = torch.randn(out_f).to(dtype)
+    packed = K.pack_linear(w, 64, library="onednn")
+    assert packed is not None and packed.library == "onednn" and (packed.min_rows, packed.max_rows) == (1, NEVER)
+    assert packed.weight is None and torch.equal(packed.plain(), w)  # only the packed copy is held
+    for rows in ROWS:
+        x = torch.randn(rows, in_f).to(dtype)
+        for b in (None, bias):
+            _close(K.linear(x, packed, b), F.linear(x, w, b), dtype)
+    x3 = torch.randn(2, 3, in_f).to(dtype)  # leading dimensions are rows too
+    _close(K.linear(x3, packed), F.linear(x3, w), dtype)
+
+
+@needs_mkl
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("batch", [3, 67])
+def test_mkl_runs_packed_at_its_batch_and_plain_elsewhere(shape: tuple[int, int], batch: int) -> None:
+    out_f, in_f = shape
+    w = _weight(out_f, in_f, torch.float32)
+    bias = torch.randn(out_f)
+    packed = K.pack_linear(w, batch, library="mkl")
+    assert packed is not None and packed.library == "mkl" and packed.min_rows == packed.max_rows == batch
+    assert packed.weight is w  # MKL's op needs the plain matrix beside its copy
+    for rows in ROWS:
+        x = torch.randn(rows, in_f)
+        for b in (None, bias):
+            out = K.linear(x, packed, b)
+            if rows == batch:
+                _close(out, F.linear(x, w, b), torch.float32)
+            else:  # outside the packed row count: exactly the reference
+                assert torch.equal(out, F.linear(x, w, b))
+
+
+@needs_onednn
+def test_transposed_view_weight() -> None:
+    """The output projection is stored [in, out]; its packed copy is of the [out, in] view."""
+    w_t = _weight(67, 129, torch.float32).t().contiguous()
+    for library, batch in (("onednn", 64), ("mkl", 5)):
+        packed = K.pack_linear(w_t.t(), batch, library=library)
+        assert packed is not None
+        x = torch.randn(5, 129)
+        _close(K.linear(x, packed), torch.matmul(x, w_t), torch.float32)
+
+
+def test_packing_rule() -> None:
+    assert K.packing_rule(torch.bfloat16, 64) == ("onednn", 1, NEVER)
+    assert K.packing_rule(torch.float32, 64) is None  # MKL's packing is opt-in: it doubles the memory
+    assert K.packing_rule(torch.float16, 64) is None
+    assert K.pack_linear(_weight(8, 8, torch.float32), 64) is None
+    assert K.pack_linear(_weight(8, 8, torch.float16), 64) is None
+    assert K.pack_linear(torch.empty(8, 8, device="meta"), 64) is None
+    with pytest.raises(ValueError, match="unknown packing library"):
+        K.pack_linear(_weight(8, 8, torch.float32), 4, library="blas")
+
+
+@needs_onednn
+def test_reference_and_fallbacks_ignore_the_packed_copy() -> None:
+    w = _weight(53, 37, torch.float32)
+    packed = K.pack_linear(w, 64, library="onednn")
+    assert packed is not None
+    x = torch.randn(3, 37)
+    assert torch.equal(K.reference_kernel("linear")(x, packed), F.linear(x, w))
+    assert torch.equal(K.linear(x, w), F.linear(x, w))  # a plain tensor weight is F.linear
+    # A call in another dtype than the packed copy's is declined and runs the reference (which refuses it).
+    assert not cpu.supports_linear(x.double(), packed)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        K.linear(x.double(), packed)
+    assert K.describe_kernel("linear", "cpu", dtype=torch.float32) == cpu.LINEAR_LABEL
+    assert K.describe_kernel("linear", "cpu", packed=False).startswith("reference")
