@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from pypto_kernels import describe_kernel, interleaved_rope_cos_sin, select_device
 from pypto_serving import BatchInput, CacheGroupSpec, DraftSampler, Executor, ExecutorInfo, read_generation_config
@@ -685,7 +686,8 @@ class DeepseekMTPExecutor(Executor):
         # An MTP block is a sliding layer: it only reads the main RoPE table.
         inv, scaling = m.inv_freq["main"]
         rope = {"main": interleaved_rope_cos_sin(positions, inv, scaling)}
-        return m.decoder_layer(p, x, mseg, rope, layer=-1, kind=SLIDING, swa=m.caches[group][0], swa_group=group)
+        with record_function(f"layer mtp{d}"):
+            return m.decoder_layer(p, x, mseg, rope, layer=-1, kind=SLIDING, swa=m.caches[group][0], swa_group=group)
 
     def _mtp_logits(self, d: int, streams: torch.Tensor) -> torch.Tensor:
         """Depth ``d``'s logits of the rows that draft a token."""

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from pypto_kernels import (
     apply_interleaved_rope,
@@ -337,16 +338,9 @@ class DeepseekV4Model:
         x = self.embed_streams(seg.input_ids)
         rope = self._rope_tables(seg.positions)
         for i, p in enumerate(self.layers):
-            x = self.decoder_layer(
-                p,
-                x,
-                seg,
-                rope,
-                layer=i,
-                kind=self.cfg.layer_types[i],
-                swa=self.caches["swa"][i],
-                swa_group="swa",
-            )
+            kind = self.cfg.layer_types[i]
+            with record_function(f"layer {kind}"):
+                x = self.decoder_layer(p, x, seg, rope, layer=i, kind=kind, swa=self.caches["swa"][i], swa_group="swa")
         return x
 
     def logits(
@@ -388,7 +382,9 @@ class DeepseekV4Model:
             cfg.rms_norm_eps,
         )
         h = ops.rms_norm(collapsed, p["attn_norm.weight"], cfg.rms_norm_eps)
-        x = hc_merge(x, self.attention(p, h, seg, rope, layer, kind, swa, swa_group), post, comb)
+        with record_function(f"attention {kind}"):
+            attn = self.attention(p, h, seg, rope, layer, kind, swa, swa_group)
+        x = hc_merge(x, attn, post, comb)
         post, comb, collapsed = hc_sinkhorn_mix(
             x,
             p["hc_ffn_fn"],
@@ -399,7 +395,9 @@ class DeepseekV4Model:
             cfg.rms_norm_eps,
         )
         h = ops.rms_norm(collapsed, p["ffn_norm.weight"], cfg.rms_norm_eps)
-        return hc_merge(x, self.moe(p, h, seg.input_ids), post, comb)
+        with record_function("moe"):
+            ffn = self.moe(p, h, seg.input_ids)
+        return hc_merge(x, ffn, post, comb)
 
     def moe(self, p: Params, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
