@@ -39,6 +39,9 @@ SERVER_ONLY = [
     "dashboard_history_retention",
     "dashboard_history_max_bytes",
     "dashboard_sample_interval",
+    "response_store_max_entries",
+    "response_store_max_age",
+    "response_store_max_bytes",
 ]
 
 
