@@ -186,7 +186,9 @@ class ServingSettings(BaseSettings):
         description="LoRA adapters loaded at start, each 'name=path' of a PEFT adapter directory; a request selects "
         "one by its model name (comma-separated or a JSON list; the flag takes several).",
     )
-    max_loras: int = Field(4, ge=1, description="Most LoRA adapters loaded at once (lora_modules beyond it are refused).")
+    max_loras: int = Field(
+        4, ge=1, description="Most LoRA adapters loaded at once (lora_modules beyond it are refused)."
+    )
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have.")
     executor: str = Field("auto", description="Executor plugin name; 'auto' picks by config.json architectures.")
     scheduler: str = Field(

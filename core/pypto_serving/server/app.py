@@ -185,9 +185,7 @@ def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:
             card["max_model_len"] = llm.max_model_len
         # Each LoRA adapter is a model of its own whose parent is the base model, as vLLM lists them
         # (without its directory: the server's file layout is not the client's business).
-        adapters = [
-            {**card, "id": name, "parent": ctx.model_name} for name in lora_paths(ctx.settings)
-        ]
+        adapters = [{**card, "id": name, "parent": ctx.model_name} for name in lora_paths(ctx.settings)]
         return {"object": "list", "data": [card, *adapters]}
 
 

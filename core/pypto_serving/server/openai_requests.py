@@ -79,6 +79,11 @@ def _check_model(ctx: _Ctx, model: str | None) -> None:
         )
 
 
+def _shown_model(ctx: _Ctx, lora: str | None) -> str:
+    """The ``model`` a response names: the request's LoRA adapter, or the base model's name."""
+    return ctx.model_name if lora is None else lora
+
+
 def _check_ready(ctx: _Ctx) -> None:
     if ctx.llm.dead_reason is not None:
         raise APIError(503, f"the engine failed: {ctx.llm.dead_reason}", type="server_error", code="engine_dead")

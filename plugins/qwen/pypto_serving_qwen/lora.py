@@ -79,7 +79,9 @@ def _read_config(name: str, path: Path, max_rank: int) -> tuple[int, float]:
     return rank, alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
 
 
-def read_adapter(name: str, path: str | Path, max_rank: int, shapes: dict[tuple[int, str], tuple[int, int]]) -> LoraAdapter:
+def read_adapter(
+    name: str, path: str | Path, max_rank: int, shapes: dict[tuple[int, str], tuple[int, int]]
+) -> LoraAdapter:
     """Read a PEFT adapter directory. ``shapes``: ``(out, in)`` of every projection LoRA may target,
     by ``(layer, target)``; a weight for anything else, or of another shape, is refused."""
     root = Path(path)
@@ -100,8 +102,12 @@ def read_adapter(name: str, path: str | Path, max_rank: int, shapes: dict[tuple[
         out, inp = shapes[(layer, target)]
         if b is None or a.shape != (rank, inp) or b.shape != (out, rank):
             got = (tuple(a.shape), None if b is None else tuple(b.shape))
-            raise _refuse(name, root, f"layer {layer} {target}: A/B shapes {got} do not fit the base model's "
-                                      f"({rank}, {inp}) / ({out}, {rank})")
+            raise _refuse(
+                name,
+                root,
+                f"layer {layer} {target}: A/B shapes {got} do not fit the base model's "
+                f"({rank}, {inp}) / ({out}, {rank})",
+            )
         adapter.pairs[(layer, target)] = (a, b * scale)
     return adapter
 

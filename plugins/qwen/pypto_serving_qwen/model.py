@@ -501,7 +501,9 @@ class QwenForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, QwenDecoderLayer)
             attn = layer.self_attn
-            attn.lora_qkv = LoraLinear(adapters, i, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), h, ctx, self.dtype, dev)
+            attn.lora_qkv = LoraLinear(
+                adapters, i, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), h, ctx, self.dtype, dev
+            )
             attn.lora_o = LoraLinear(adapters, i, ("o_proj",), (h,), q, ctx, self.dtype, dev)
             if isinstance(layer.mlp, QwenMLP):
                 inter = cfg.intermediate_size

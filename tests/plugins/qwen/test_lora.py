@@ -167,3 +167,58 @@ def test_bad_adapters_are_refused(adapters: dict[str, Path], tmp_path: Path, mak
         ServingSettings(lora_modules=["no-path"])
     with pytest.raises(ValueError, match="graph_mode='inductor'"):
         make_llm(lora_modules=[f"a={adapters['attn']}"], executor_options={"graph_mode": "inductor"})
+
+
+def test_server_selects_adapters_by_model(
+    adapters: dict[str, Path], qwen_checkpoints: Callable[[str], Path], make_llm: Callable[..., LLM]
+) -> None:
+    """Concurrent completions naming three adapters and the base model: each request's tokens are its
+    merged model's; /v1/models lists the adapters under the base; an unknown model is a 404."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from pypto_serving.server import AsyncLLM, build_app
+
+    base = qwen_checkpoints("qwen3")
+    settings = ServingSettings(
+        model=str(base),
+        served_model_name="base",
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        max_model_len=128,
+        worker_mode="inproc",
+        lora_modules=_modules(adapters),
+        max_lora_rank=8,
+    )
+    models = ["attn", "base", "mlp", "mixed", "attn", "mixed"]
+    prompts = _prompts(len(models))
+    server = AsyncLLM(settings)
+    try:
+        server.wait_ready(120)
+        with TestClient(build_app(server, manage_engine=False)) as client:
+            listed = client.get("/v1/models").json()["data"]
+            missing = client.post("/v1/completions", json={"model": "nope", "prompt": [5, 6], "max_tokens": 2})
+
+            def complete(model: str, prompt: list[int]) -> Any:
+                body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0}
+                return client.post("/v1/completions", json={**body, "ignore_eos": True})
+
+            with ThreadPoolExecutor(len(models)) as pool:
+                replies = list(pool.map(complete, models, prompts))
+    finally:
+        server.shutdown(10)
+    assert [(m["id"], m.get("parent")) for m in listed] == [
+        ("base", None),
+        ("attn", "base"),
+        ("mlp", "base"),
+        ("mixed", "base"),
+    ]
+    assert missing.status_code == 404 and "'nope' does not exist" in missing.json()["error"]["message"]
+    for r in replies:
+        assert r.status_code == 200, r.text
+    got = [[int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]] for r in replies]
+    refs = {m: _merged(base, adapters.get(m)) for m in set(models)}
+    assert got == [_hf_greedy(refs[m], p) for m, p in zip(models, prompts, strict=True)]
+    assert [r.json()["model"] for r in replies] == models
