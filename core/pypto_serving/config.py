@@ -708,14 +708,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser, *, server: bool = Tr
         kind = _flag_type(info.annotation)
         help_text = (info.description or "") + (" (JSON)" if kind == "json" else "") + _default_text(info)
         # --lora-modules takes several name=path words, as vLLM's flag does.
-        many: dict[str, Any] = {"nargs": "+"} if name == "lora_modules" else {}
+        many: dict[str, Any] = {"nargs": "+", "metavar": "NAME=PATH"} if name == "lora_modules" else {}
         group.add_argument(
             flag,
             dest=f"setting_{name}",
             default=None,
-            metavar=_metavar(info),
             help=help_text.replace("%", "%%"),
-            **many,
+            **{"metavar": _metavar(info), **many},
         )
 
 
@@ -726,8 +725,8 @@ def settings_from_args(args: argparse.Namespace) -> ServingSettings:
         value = getattr(args, f"setting_{name}", None)
         if value is None:
             continue
-        if isinstance(value, list):  # a flag taking several words (--lora-modules)
-            value = json.dumps(value)
+        if isinstance(value, list):  # a flag taking several words (--lora-modules), each may hold a comma list
+            value = ",".join(value)
         if _flag_type(info.annotation) == "json":
             try:
                 value = json.loads(value)

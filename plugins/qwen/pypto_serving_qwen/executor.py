@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import pypto_kernels as K
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
-from pypto_serving.config import lora_paths
 from pypto_serving.parallel import ParallelContext
 
 from .capture import DecodeGraphs, GraphStats
@@ -145,7 +144,8 @@ class QwenExecutor(Executor):
         capture (the captured decode step holds no per-token adapter input) and with tensor
         parallelism (adapters are not sharded)."""
         s = self.settings
-        paths = lora_paths(s)
+        # name=path entries, already checked by the settings (names unique, at most max_loras).
+        paths = dict(entry.split("=", 1) for entry in s.lora_modules)
         if not paths:
             return
         mode = self.graph_options.mode if self.graph_options is not None else "eager"
