@@ -222,3 +222,17 @@ def test_server_selects_adapters_by_model(
     refs = {m: _merged(base, adapters.get(m)) for m in set(models)}
     assert got == [_hf_greedy(refs[m], p) for m, p in zip(models, prompts, strict=True)]
     assert [r.json()["model"] for r in replies] == models
+
+
+def test_lora_modules_flag_takes_several_adapters() -> None:
+    import argparse
+
+    from pypto_serving.config import add_settings_arguments, lora_paths, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    for words in (["a=/x", "b=/y"], ["a=/x,b=/y"]):
+        settings = settings_from_args(parser.parse_args(["--lora-modules", *words]))
+        assert lora_paths(settings) == {"a": "/x", "b": "/y"}
+    with pytest.raises(ValueError, match="names each adapter once"):
+        ServingSettings(lora_modules="a=/x,a=/y")
