@@ -207,6 +207,7 @@ def test_server_selects_adapters_by_model(
 
             with ThreadPoolExecutor(len(models)) as pool:
                 replies = list(pool.map(complete, models, prompts))
+            streamed = client.post("/v1/completions", json={"model": "mlp", "prompt": [5, 6], "stream": True})
     finally:
         server.shutdown(10)
     assert [(m["id"], m.get("parent")) for m in listed] == [
@@ -222,6 +223,8 @@ def test_server_selects_adapters_by_model(
     refs = {m: _merged(base, adapters.get(m)) for m in set(models)}
     assert got == [_hf_greedy(refs[m], p) for m, p in zip(models, prompts, strict=True)]
     assert [r.json()["model"] for r in replies] == models
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert chunks and {c["model"] for c in chunks} == {"mlp"}
 
 
 def test_lora_modules_flag_takes_several_adapters() -> None:
