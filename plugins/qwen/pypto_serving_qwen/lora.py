@@ -69,8 +69,9 @@ def _read_config(name: str, path: Path, max_rank: int) -> tuple[int, float]:
             raise _refuse(name, path, f"{key} is not supported")
     if cfg.get("bias", "none") != "none":
         raise _refuse(name, path, f"bias={cfg['bias']!r} is not supported, only 'none'")
+    # A string is PEFT's regex or "all-linear": the weights the file holds are checked one by one instead.
     targets = cfg.get("target_modules") or []
-    unknown = sorted(set([targets] if isinstance(targets, str) else targets) - set(TARGETS))
+    unknown = [] if isinstance(targets, str) else sorted(set(targets) - set(TARGETS))
     if unknown:
         raise _refuse(name, path, f"target modules {unknown} are not supported; LoRA applies to {list(TARGETS)}")
     rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
