@@ -36,7 +36,7 @@ from pydantic_settings import (
 
 from .devices import default_block_size, device_kind
 
-__all__ = ["ServingSettings", "SettingsError", "SpeculativeConfig", "add_settings_arguments"]
+__all__ = ["ServingSettings", "SettingsError", "SpeculativeConfig", "add_settings_arguments", "lora_name", "lora_paths"]
 
 ENV_PREFIX = "PYPTO_SERVING_"
 
@@ -47,6 +47,19 @@ TORCHRUN_ENV = {
     "nnodes": "NNODES",
     "node_rank": "NODE_RANK",
 }
+
+
+def lora_name(entry: str) -> str:
+    """The adapter name of a ``lora_modules`` entry ``name=path``; a malformed entry is a ValueError."""
+    name, sep, path = entry.partition("=")
+    if not sep or not name.strip() or not path.strip() or name != name.strip():
+        raise ValueError(f"lora_modules entry {entry!r} is not 'name=path' (a PEFT adapter directory)")
+    return name
+
+
+def lora_paths(settings: ServingSettings) -> dict[str, str]:
+    """``lora_modules`` as adapter name -> directory, in the order given."""
+    return {lora_name(e): e.partition("=")[2] for e in settings.lora_modules}
 
 
 class SettingsError(ValueError):
@@ -168,6 +181,15 @@ class ServingSettings(BaseSettings):
         None, description="Model name reported by the API (default: the model directory's name)."
     )
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model directory).")
+    lora_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="LoRA adapters loaded at start, each 'name=path' of a PEFT adapter directory; a request selects "
+        "one by its model name (comma-separated or a JSON list; the flag takes several).",
+    )
+    max_loras: int = Field(
+        4, ge=1, description="Most LoRA adapters loaded at once (lora_modules beyond it are refused)."
+    )
+    max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have.")
     executor: str = Field("auto", description="Executor plugin name; 'auto' picks by config.json architectures.")
     scheduler: str = Field(
         "auto",
@@ -465,7 +487,7 @@ class ServingSettings(BaseSettings):
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
-    @field_validator("api_key", "admin_api_key", mode="before")
+    @field_validator("api_key", "admin_api_key", "lora_modules", mode="before")
     @classmethod
     def _split_keys(cls, v: Any) -> Any:
         if isinstance(v, str):  # "a,b" or a JSON list, from the environment or a flag
@@ -483,6 +505,24 @@ class ServingSettings(BaseSettings):
             if not key or key != key.strip() or not key.isprintable():
                 raise ValueError(f"{info.field_name} entry {i} is empty, whitespace-padded or not printable")
         return v
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_pairs(cls, v: list[str]) -> list[str]:
+        """Each entry is ``name=path`` with a name used once: the name is what requests select by."""
+        names = [lora_name(entry) for entry in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"lora_modules names each adapter once; repeated: {dup}")
+        return v
+
+    @model_validator(mode="after")
+    def _lora_limit(self) -> ServingSettings:
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(
+                f"lora_modules has {len(self.lora_modules)} adapters but max_loras={self.max_loras}; raise max_loras"
+            )
+        return self
 
     @model_validator(mode="after")
     def _device_block_size(self) -> ServingSettings:
@@ -667,8 +707,14 @@ def add_settings_arguments(parser: argparse.ArgumentParser, *, server: bool = Tr
         flag = "--" + name.replace("_", "-")
         kind = _flag_type(info.annotation)
         help_text = (info.description or "") + (" (JSON)" if kind == "json" else "") + _default_text(info)
+        # --lora-modules takes several name=path words, as vLLM's flag does.
+        many: dict[str, Any] = {"nargs": "+", "metavar": "NAME=PATH"} if name == "lora_modules" else {}
         group.add_argument(
-            flag, dest=f"setting_{name}", default=None, metavar=_metavar(info), help=help_text.replace("%", "%%")
+            flag,
+            dest=f"setting_{name}",
+            default=None,
+            help=help_text.replace("%", "%%"),
+            **{"metavar": _metavar(info), **many},
         )
 
 
@@ -679,6 +725,8 @@ def settings_from_args(args: argparse.Namespace) -> ServingSettings:
         value = getattr(args, f"setting_{name}", None)
         if value is None:
             continue
+        if isinstance(value, list):  # a flag taking several words (--lora-modules), each may hold a comma list
+            value = ",".join(value)
         if _flag_type(info.annotation) == "json":
             try:
                 value = json.loads(value)

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from .config import ServingSettings, SettingsError
+from .config import ServingSettings, SettingsError, lora_paths
 from .executor import CacheGroupSpec, ExecutorInfo
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
@@ -359,6 +359,7 @@ class EngineCore:
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.check_vocab(vocab)
+        _check_lora(self.settings, params)
         if params.priority and self.settings.scheduling_policy != "priority":
             raise ValueError(PRIORITY_NEEDS_POLICY.format(params.priority))
         if params.stop and self.tokenizer is None:
@@ -605,21 +606,37 @@ def _check_encodable(ids: list[int], params: SamplingParams) -> None:
 _wire_check = msgspec.msgpack.Encoder()
 
 
+def _check_lora(settings: ServingSettings, params: SamplingParams) -> None:
+    """A request's adapter must be one loaded at start (``lora_modules``)."""
+    if params.lora is not None and params.lora not in lora_paths(settings):
+        known = sorted(lora_paths(settings))
+        raise ValueError(f"unknown LoRA adapter {params.lora!r}; loaded: {known or 'none (lora_modules is empty)'}")
+
+
 def _per_prompt(
-    num_prompts: int, sampling_params: SamplingParams | Sequence[SamplingParams], priority: Sequence[int] | None
+    num_prompts: int,
+    sampling_params: SamplingParams | Sequence[SamplingParams],
+    priority: Sequence[int] | None,
+    lora: str | Sequence[str | None] | None = None,
 ) -> list[SamplingParams]:
-    """``LLM.generate``'s parameters of each prompt, with its priority when ``priority`` is given."""
+    """``LLM.generate``'s parameters of each prompt, with its priority when ``priority`` is given and
+    its LoRA adapter when ``lora`` is (one name for all, or one name or None per prompt)."""
     if isinstance(sampling_params, SamplingParams):
         params = [sampling_params] * num_prompts
     else:
         params = list(sampling_params)
     if len(params) != num_prompts:
         raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
-    if priority is None:
+    if priority is not None:
+        if len(priority) != num_prompts:
+            raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts")
+        params = [replace(sp, priority=p) for sp, p in zip(params, priority)]
+    if lora is None:
         return params
-    if len(priority) != num_prompts:
-        raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts")
-    return [replace(sp, priority=p) for sp, p in zip(params, priority)]
+    loras = [lora] * num_prompts if isinstance(lora, str) else list(lora)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {len(loras)} LoRA adapters for {num_prompts} prompts")
+    return [replace(sp, lora=name) for sp, name in zip(params, loras)]
 
 
 class LLM:
@@ -679,9 +696,11 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in input order.
-        ``priority``: one per prompt (vLLM's), for ``scheduling_policy = "priority"``.
+        ``priority``: one per prompt (vLLM's), for ``scheduling_policy = "priority"``. ``lora``: the
+        adapter (a ``lora_modules`` name) of every prompt, or one per prompt (None: the base model).
 
         Raises :class:`EngineDeadError` if the worker dies meanwhile; the next call starts a new one."""
         engine = self._live_engine()
@@ -690,7 +709,7 @@ class LLM:
         prompt_list = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
-        params = _per_prompt(len(prompt_list), sampling_params, priority)
+        params = _per_prompt(len(prompt_list), sampling_params, priority, lora)
         ids = self._add_all(engine, prompt_list, params)
         results: dict[str, RequestOutput] = {}
         bar = None

@@ -120,6 +120,8 @@ class BatchInput:
         (``ScheduledEntry.num_propose``: 0 for a request whose next decode verifies none, so a drafter
         whose every depth costs a forward leaves it out; -1: up to ``draft_depth``); ``None``: up to
         ``draft_depth`` for every request.
+    :param loras: per request in batch order, its LoRA adapter's name (``lora_modules``; None: the
+        base model); ``None`` when no request of the step has one (host list).
     """
 
     request_ids: list[str]
@@ -136,6 +138,7 @@ class BatchInput:
     input_ids_host: list[int]
     draft_depth: int | None = None
     num_drafts: list[int] | None = None
+    loras: list[str | None] | None = None
 
 
 class Executor(abc.ABC):

@@ -155,6 +155,12 @@ class KVCacheManager:
         return min(need, math.ceil(span / group.tokens_per_block))
 
     # -- prefix cache
+    def _root(self, request: Request, group: CacheGroupSpec) -> bytes:
+        """The chain's seed: the group, and the request's LoRA adapter, whose K/V differ from the base
+        model's for the same tokens, so a cached prefix is never shared across adapters."""
+        lora = request.sampling_params.lora
+        return root_key(self.hash_name, group.name if lora is None else f"{group.name}\0lora:{lora}")
+
     def _chain_hashes(self, request: Request, group: CacheGroupSpec, num_tokens: int) -> list[bytes]:
         """Chained keys of the request's full blocks covering its first ``num_tokens`` tokens."""
         known = request.kv.hashes.setdefault(group.name, [])
@@ -162,7 +168,7 @@ class KVCacheManager:
         full = num_tokens // tpb
         if len(known) < full:
             tokens = request.token_slice(len(known) * tpb, full * tpb)
-            parent = known[-1] if known else root_key(self.hash_name, group.name)
+            parent = known[-1] if known else self._root(request, group)
             for i in range(0, len(tokens), tpb):
                 parent = block_key(self.hash_name, parent, tokens[i : i + tpb])
                 known.append(parent)

@@ -57,6 +57,7 @@ class WireSampling(msgspec.Struct, frozen=True, kw_only=True):
     # derived: the user gave a seed (not the engine): a seeded sampled request's drafts are verified by
     # sample-and-compare, so its tokens never depend on which drafts a step verified.
     seeded: bool = False
+    lora: str | None = None  # the request's LoRA adapter by name (None: the base model)
 
 
 #: The wire fields computed from a request rather than copied from its SamplingParams.

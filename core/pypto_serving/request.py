@@ -79,6 +79,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # logprobs of every prompt token (after the first), plus the top ones
     # Under scheduling_policy "priority": lower is served first (vLLM's sense); under "fcfs" only 0 is accepted.
     priority: int = 0
+    # The LoRA adapter (a name in lora_modules) whose weights compute this request; None: the base model.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

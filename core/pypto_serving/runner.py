@@ -408,6 +408,7 @@ class ModelRunner:
             query_start_loc_host=t.query_start_loc_host,
             seq_lens_host=t.seq_lens_host,
             input_ids_host=ids,
+            loras=_batch_loras(self.states, entries),
         )
         return batch, rows
 
@@ -783,3 +784,9 @@ def _accept(targets: list[int], drafts: list[int]) -> list[int]:
             break
         kept.append(targets[j + 1])
     return kept
+
+
+def _batch_loras(states: dict[str, WorkerRequest], entries: list[ScheduledEntry]) -> list[str | None] | None:
+    """Each entry's LoRA adapter in batch order, or None when every request runs the base model."""
+    loras = [states[e.request_id].sampling.lora for e in entries]
+    return loras if any(name is not None for name in loras) else None

@@ -98,6 +98,7 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
     # The host copies agree with what the tensors hold (the tensors are on "meta", so from the step).
     assert batch.query_start_loc_host == [0, 5, 6] and batch.seq_lens_host == [5, 1]
     assert batch.input_ids_host == [1, 2, 3, 4, 5, 6]
+    assert batch.loras is None  # no request names a LoRA adapter
     host = {
         "request_ids",
         "num_logits",
@@ -106,6 +107,7 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
         "input_ids_host",
         "draft_depth",
         "num_drafts",
+        "loras",
     }
     assert set(BatchInput.__dataclass_fields__) == {*(f.split("[")[0] for f in expected), *host}
 
@@ -165,6 +167,7 @@ def test_the_wire_struct_is_sampling_params_copied_by_name() -> None:
         "bad_words_token_ids": [[1, 2], [3]],
         "prompt_logprobs": 1,
         "max_tokens": 9,
+        "lora": "adapter",
     }
     assert set(values) == set(COPIED)  # a new copied field needs a value here
     wire = wire_sampling(SamplingParams(**values), (2,))

@@ -446,6 +446,7 @@ def _chat_request(req: _MessagesFields) -> tuple[ChatCompletionRequest, str | No
     """The chat-completions request ``req`` means, and its prefill (see :func:`_chat_messages`)."""
     messages, prefill = _chat_messages(req)
     body: dict[str, Any] = {"messages": messages, "add_generation_prompt": prefill is None, **_chat_tools(req)}
+    body["model"] = req.model  # a LoRA adapter's name selects it, as on the chat route
     if req.thinking is not None:  # Qwen3's and DeepSeek's templates read the switch by this name
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     fmt = req.output_config.format if req.output_config is not None else None

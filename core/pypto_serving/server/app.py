@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..config import ServingSettings
+from ..config import ServingSettings, lora_paths
 from ..heap import freeze_startup_heap
 from ..metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .anthropic import add_anthropic_routes
@@ -183,7 +183,10 @@ def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:
         }
         if llm.ready and llm.engine is not None:
             card["max_model_len"] = llm.max_model_len
-        return {"object": "list", "data": [card]}
+        # Each LoRA adapter is a model of its own whose parent is the base model, as vLLM lists them
+        # (without its directory: the server's file layout is not the client's business).
+        adapters = [{**card, "id": name, "parent": ctx.model_name} for name in lora_paths(ctx.settings)]
+        return {"object": "list", "data": [card, *adapters]}
 
 
 def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:

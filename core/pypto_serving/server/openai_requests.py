@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ServingSettings
+from ..config import ServingSettings, lora_paths
 from ..engine import PRIORITY_NEEDS_POLICY, EngineDeadError
 from ..metrics import ServerMetrics
 from ..model_files import sampling_defaults
@@ -68,13 +68,20 @@ class _Ctx:
 
 
 def _check_model(ctx: _Ctx, model: str | None) -> None:
-    if model is not None and model != ctx.model_name:
+    """The base model's name, a LoRA adapter's (``lora_modules``), or none; anything else is a 404."""
+    if model is not None and model != ctx.model_name and model not in lora_paths(ctx.settings):
+        served = [ctx.model_name, *lora_paths(ctx.settings)]
         raise APIError(
             404,
-            f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
+            f"the model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
             param="model",
             code="model_not_found",
         )
+
+
+def _shown_model(ctx: _Ctx, lora: str | None) -> str:
+    """The ``model`` a response names: the request's LoRA adapter, or the base model's name."""
+    return ctx.model_name if lora is None else lora
 
 
 def _check_ready(ctx: _Ctx) -> None:
@@ -464,6 +471,7 @@ def _sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             structured=structured,
+            lora=req.model if req.model in lora_paths(ctx.settings) else None,
             **_token_fields(ctx, req),
             **kw,
         )

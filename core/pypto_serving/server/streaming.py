@@ -17,7 +17,7 @@ from ..engine import EngineDeadError
 from ..parsers import OutputParser
 from ..request import CompletionOutput, RequestOutput, SamplingParams
 from .async_llm import EngineFailure
-from .openai_requests import _Ctx, _engine_error, _Prompt, _request_ids
+from .openai_requests import _Ctx, _engine_error, _Prompt, _request_ids, _shown_model
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .responses import (
     _chat_finish_reason,
@@ -185,7 +185,7 @@ class _StreamRunner:
                 "id": self.rid,
                 "object": obj,
                 "created": self.created,
-                "model": self.ctx.model_name,
+                "model": _shown_model(self.ctx, self.params[0].lora),
                 "choices": [],
                 "usage": _usage(self.prompts, outs),
             }
@@ -225,7 +225,7 @@ class _StreamRunner:
                             "id": self.rid,
                             "object": "text_completion",
                             "created": self.created,
-                            "model": self.ctx.model_name,
+                            "model": _shown_model(self.ctx, self.params[0].lora),
                             "choices": [choice],
                             **({"usage": None} if include_usage else {}),
                         }
@@ -244,7 +244,7 @@ class _StreamRunner:
                 "id": self.rid,
                 "object": "chat.completion.chunk",
                 "created": self.created,
-                "model": self.ctx.model_name,
+                "model": _shown_model(self.ctx, self.params[0].lora),
                 "choices": [choice],
                 **({"usage": None} if include_usage else {}),
             }

@@ -7,6 +7,7 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import pypto_kernels as K
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
@@ -15,6 +16,7 @@ from pypto_serving.parallel import ParallelContext
 from .capture import DecodeGraphs, GraphStats
 from .graph import GraphOptions, parse_graph_options
 from .loader import QwenConfig, load_weights, plan_quantization, read_config, resolve_dtype
+from .lora import LoraContext, read_adapter
 from .model import AttentionMetadata, KVCache, QwenForCausalLM
 from .quantized import finish_loading
 from .sharding import QwenSharding
@@ -62,6 +64,8 @@ class QwenExecutor(Executor):
         self.graph_options: GraphOptions | None = None
         self.graphs: DecodeGraphs | None = None
         self.eager_steps = 0
+        self.lora: LoraContext | None = None
+        self.lora_slots: dict[str, int] = {}  # adapter name -> its slot in the stacked weights (0: base)
 
     def load(self) -> ExecutorInfo:
         s = self.settings
@@ -89,6 +93,7 @@ class QwenExecutor(Executor):
         named = model.named_quantized_weights()
         finish_loading([w for _, w in named], [n for n, _ in named])
         model.eval()
+        self._attach_loras(model)
         self._pack_linears(model)
         self.config, self.model = cfg, model
         self._log_kernels(cfg)
@@ -133,6 +138,38 @@ class QwenExecutor(Executor):
         rule = K.packing_rule(self.dtype, self.settings.max_num_seqs) if choice == "auto" else (choice,)
         label = K.describe_kernel("linear", self.device, dtype=self.dtype)
         logger.info("%d float matrices packed (%s): linear runs %s", count, rule, label)
+
+    def _attach_loras(self, model: QwenForCausalLM) -> None:
+        """Read ``lora_modules``' PEFT adapters and stack them into the model. Refused with graph
+        capture (the captured decode step holds no per-token adapter input) and with tensor
+        parallelism (adapters are not sharded)."""
+        s = self.settings
+        # name=path entries, already checked by the settings (names unique, at most max_loras).
+        paths = dict(entry.split("=", 1) for entry in s.lora_modules)
+        if not paths:
+            return
+        mode = self.graph_options.mode if self.graph_options is not None else "eager"
+        if mode != "eager":
+            raise ValueError(
+                f"lora_modules is not supported with executor_options graph_mode={mode!r}: captured decode "
+                "graphs take no per-token adapter; use graph_mode='eager'"
+            )
+        if model.shards.ctx.enabled:
+            raise ValueError("lora_modules is not supported with tensor_parallel_size > 1: adapters are not sharded")
+        shapes = model.lora_shapes()
+        adapters = [read_adapter(name, path, s.max_lora_rank, shapes) for name, path in paths.items()]
+        self.lora = model.attach_loras(adapters)
+        self.lora_slots = {a.name: i for i, a in enumerate(adapters, start=1)}
+        logger.info("LoRA adapters %s (ranks %s) loaded", list(self.lora_slots), [a.rank for a in adapters])
+
+    def _lora_onehot(self, batch: BatchInput) -> torch.Tensor | None:
+        """Each token's adapter slot as a one-hot ``[T, slots]`` (None: the whole step runs the base)."""
+        if batch.loras is None or self.lora is None:
+            return None
+        slots = [0 if name is None else self.lora_slots[name] for name in batch.loras]
+        lens = [end - start for start, end in pairwise(batch.query_start_loc_host)]
+        per_token = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lens))
+        return F.one_hot(per_token, len(self.lora_slots) + 1).to(device=self.device, dtype=self.dtype)
 
     def _kv_cache_dtype(self) -> torch.dtype:
         """The cache's element type: the model's, or ``fp8`` where the eager paged kernels run (the
@@ -277,6 +314,8 @@ class QwenExecutor(Executor):
             query_lens_host=[end - start for start, end in pairwise(qsl)],
             seq_lens_host=batch.seq_lens_host,
         )
+        if self.lora is not None:
+            self.lora.onehot = self._lora_onehot(batch)
         with torch.inference_mode():
             logits: torch.Tensor = self.model(
                 batch.input_ids, batch.positions, meta, self.kv_caches, batch.logits_indices

@@ -26,6 +26,7 @@ from pypto_serving.parallel import expert_parallel_moe, vocab_parallel_embedding
 
 from .graph import decode_attention, moe_experts, static_decode_attention, write_kv
 from .loader import QuantPlan, QwenConfig, WeightTarget
+from .lora import LoraAdapter, LoraContext, LoraLinear
 from .quantized import QuantizedWeight, Weight, linear, make_weight, pack_projections, weight_targets
 from .sharding import QwenSharding
 
@@ -142,6 +143,8 @@ class QwenAttention(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.layer_windows[layer]
+        self.lora_qkv: LoraLinear | None = None  # set by QwenForCausalLM.attach_loras
+        self.lora_o: LoraLinear | None = None
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
         cfg, q, kv, d = self.cfg, self.q_size, self.kv_size, self.cfg.head_dim
@@ -173,6 +176,8 @@ class QwenAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        if self.lora_qkv is not None:
+            qkv = self.lora_qkv.add_delta(x, qkv)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         q = qkv[:, :q_end].reshape(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -183,7 +188,11 @@ class QwenAttention(nn.Module):
         q, k = K.apply_rope(q, k, cos, sin)
         out = self._attend(q, k, v, cache, meta)
         # Row-parallel o_proj: each rank's heads give a partial sum; the bias is added once, after it.
-        hidden = self.shards.ctx.all_reduce(linear(out.reshape(num_tokens, self.q_size), self.o_weight))
+        attended = out.reshape(num_tokens, self.q_size)
+        projected = linear(attended, self.o_weight)
+        if self.lora_o is not None:
+            projected = self.lora_o.add_delta(attended, projected)
+        hidden = self.shards.ctx.all_reduce(projected)
         return hidden if self.o_bias is None else hidden + self.o_bias
 
     def _attend(
@@ -249,6 +258,8 @@ class QwenMLP(nn.Module):
         down = _scheme(plan, f"{prefix}.down_proj.weight", cuts=edges[1:], dim=1)
         self.gate_up_weight: Weight = make_weight((2 * i, cfg.hidden_size), device, dtype, gate_up, _block(plan), 2)
         self.down_weight: Weight = make_weight((cfg.hidden_size, i), device, dtype, down, _block(plan))
+        self.lora_gate_up: LoraLinear | None = None  # set by QwenForCausalLM.attach_loras
+        self.lora_down: LoraLinear | None = None
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
         i, rows, full = self.intermediate, self.shards.intermediate, self.full
@@ -260,8 +271,11 @@ class QwenMLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = linear(K.silu_and_mul(linear(x, self.gate_up_weight)), self.down_weight)
-        return self.shards.ctx.all_reduce(partial)
+        if self.lora_gate_up is None or self.lora_down is None:
+            partial = linear(K.silu_and_mul(linear(x, self.gate_up_weight)), self.down_weight)
+            return self.shards.ctx.all_reduce(partial)
+        act = K.silu_and_mul(self.lora_gate_up.add_delta(x, linear(x, self.gate_up_weight)))
+        return self.shards.ctx.all_reduce(self.lora_down.add_delta(act, linear(act, self.down_weight)))
 
 
 class QwenSparseMoe(nn.Module):
@@ -464,6 +478,40 @@ class QwenForCausalLM(nn.Module):
             else:
                 required |= set(layer_targets)
         return out, required
+
+    def lora_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """``(out, in)`` of every projection an adapter may target, by ``(layer, PEFT module name)``:
+        attention in every layer, the MLP in dense layers (routed experts take no adapter)."""
+        cfg, d = self.cfg, self.cfg.head_dim
+        h, q, kv = cfg.hidden_size, cfg.num_heads * d, cfg.num_kv_heads * d
+        shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        for i, layer in enumerate(self.layers):
+            shapes |= {(i, "q_proj"): (q, h), (i, "k_proj"): (kv, h), (i, "v_proj"): (kv, h), (i, "o_proj"): (h, q)}
+            if isinstance(layer.mlp, QwenMLP):
+                inter = cfg.intermediate_size
+                shapes |= {(i, "gate_proj"): (inter, h), (i, "up_proj"): (inter, h), (i, "down_proj"): (h, inter)}
+        return shapes
+
+    def attach_loras(self, adapters: list[LoraAdapter]) -> LoraContext:
+        """Stack ``adapters`` (slot ``i + 1`` for ``adapters[i]``) into every projection; returns the
+        context whose per-token one-hot selects each token's adapter. One rank only (refused under
+        tensor parallelism by the executor, so the shapes are the full checkpoint's)."""
+        ctx, cfg, dev = LoraContext(), self.cfg, self.lm_head_t.device
+        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, QwenDecoderLayer)
+            attn = layer.self_attn
+            attn.lora_qkv = LoraLinear(
+                adapters, i, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), h, ctx, self.dtype, dev
+            )
+            attn.lora_o = LoraLinear(adapters, i, ("o_proj",), (h,), q, ctx, self.dtype, dev)
+            if isinstance(layer.mlp, QwenMLP):
+                inter = cfg.intermediate_size
+                layer.mlp.lora_gate_up = LoraLinear(
+                    adapters, i, ("gate_proj", "up_proj"), (inter, inter), h, ctx, self.dtype, dev
+                )
+                layer.mlp.lora_down = LoraLinear(adapters, i, ("down_proj",), (h,), inter, ctx, self.dtype, dev)
+        return ctx
 
     def quantized_weights(self) -> list[QuantizedWeight]:
         """The projections kept in their stored precision."""

@@ -1,0 +1,155 @@
+"""Multi-LoRA: PEFT adapters read at start and applied to a mixed batch in one pass per projection.
+
+Every adapter's low-rank pair of a projection is padded to the largest rank ``R`` and stacked with a
+zero slot 0 (the base model): ``A`` ``[S, R, in]`` and ``B`` ``[S, out, R]`` for ``S = adapters + 1``,
+the scale (``lora_alpha / r``, or ``/ sqrt(r)`` under rsLoRA) folded into ``B``. A step gives each
+token its request's slot, and the delta of every token is two matmuls over the flattened stacks:
+``x @ A_all`` (``[T, S*R]``, every slot's shrink), the columns of the other slots zeroed by the
+token's one-hot slot, then ``@ B_all`` (the expand). No Python loop runs over rows or adapters, and
+the extra work per token is ``S * R * (in + out)`` multiply-adds: small beside the base projection
+for a handful of adapters of modest rank (``max_loras``, ``max_lora_rank`` bound it).
+
+A fused projection (q/k/v, gate/up) stacks its parts' ``A`` side by side and their ``B`` block-
+diagonally, so it too is two matmuls; a part an adapter does not target stays zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+__all__ = ["TARGETS", "LoraAdapter", "LoraContext", "LoraLinear", "read_adapter"]
+
+#: The projections an adapter may target (PEFT's module names in Qwen checkpoints).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    """One PEFT adapter: its rank, scale and ``(A [r, in], B [out, r])`` per ``(layer, target)``."""
+
+    name: str
+    rank: int
+    scale: float
+    pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LoraContext:
+    """The step's per-token slot one-hot ``[T, S]`` (None: no token has an adapter), shared by every
+    :class:`LoraLinear` of one model and set by the executor before each forward."""
+
+    onehot: torch.Tensor | None = None
+
+
+def _refuse(name: str, path: Path, why: str) -> ValueError:
+    return ValueError(f"LoRA adapter {name!r} ({path}): {why}")
+
+
+def _read_config(name: str, path: Path, max_rank: int) -> tuple[int, float]:
+    """The adapter's rank and scale; refuses what this executor cannot apply exactly."""
+    cfg_file = path / "adapter_config.json"
+    if not cfg_file.is_file() or not (path / "adapter_model.safetensors").is_file():
+        raise _refuse(name, path, "not a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise _refuse(name, path, f"peft_type {cfg.get('peft_type')!r} is not supported, only LORA")
+    if cfg.get("modules_to_save"):
+        raise _refuse(name, path, f"modules_to_save {cfg['modules_to_save']} (fully trained modules) is not supported")
+    for key in ("use_dora", "rank_pattern", "alpha_pattern", "trainable_token_indices"):
+        if cfg.get(key):
+            raise _refuse(name, path, f"{key} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise _refuse(name, path, f"bias={cfg['bias']!r} is not supported, only 'none'")
+    # A string is PEFT's regex or "all-linear": the weights the file holds are checked one by one instead.
+    targets = cfg.get("target_modules") or []
+    unknown = [] if isinstance(targets, str) else sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise _refuse(name, path, f"target modules {unknown} are not supported; LoRA applies to {list(TARGETS)}")
+    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    if rank > max_rank:
+        raise _refuse(name, path, f"rank {rank} exceeds max_lora_rank={max_rank}")
+    return rank, alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+
+
+def read_adapter(
+    name: str, path: str | Path, max_rank: int, shapes: dict[tuple[int, str], tuple[int, int]]
+) -> LoraAdapter:
+    """Read a PEFT adapter directory. ``shapes``: ``(out, in)`` of every projection LoRA may target,
+    by ``(layer, target)``; a weight for anything else, or of another shape, is refused."""
+    root = Path(path)
+    rank, scale = _read_config(name, root, max_rank)
+    tensors = load_file(str(root / "adapter_model.safetensors"))
+    halves: dict[tuple[int, str, str], torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None or (int(m[1]), m[2]) not in shapes:
+            what = "embedding or LM-head adapters are" if "embed" in key or "lm_head" in key else "this weight is"
+            raise _refuse(name, root, f"{key}: {what} not supported (LoRA applies to {list(TARGETS)} of dense layers)")
+        halves[(int(m[1]), m[2], m[3])] = tensor.float()
+    adapter = LoraAdapter(name, rank, scale)
+    for (layer, target, half), a in halves.items():
+        if half != "A":
+            continue
+        b = halves.get((layer, target, "B"))
+        out, inp = shapes[(layer, target)]
+        if b is None or a.shape != (rank, inp) or b.shape != (out, rank):
+            got = (tuple(a.shape), None if b is None else tuple(b.shape))
+            raise _refuse(
+                name,
+                root,
+                f"layer {layer} {target}: A/B shapes {got} do not fit the base model's "
+                f"({rank}, {inp}) / ({out}, {rank})",
+            )
+        adapter.pairs[(layer, target)] = (a, b * scale)
+    return adapter
+
+
+class LoraLinear(torch.nn.Module):
+    """The stacked LoRA weights of one (possibly fused) projection: ``parts`` its targets, ``outs``
+    their output widths in the fused order, ``inp`` the input width."""
+
+    def __init__(
+        self,
+        adapters: list[LoraAdapter],
+        layer: int,
+        parts: tuple[str, ...],
+        outs: tuple[int, ...],
+        inp: int,
+        ctx: LoraContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.ctx, self.slots, self.parts = ctx, len(adapters) + 1, len(parts)
+        rank = max(a.rank for a in adapters)
+        self.rank = rank
+        a_all = torch.zeros(self.parts, self.slots, rank, inp)
+        b_all = torch.zeros(sum(outs), self.parts, self.slots, rank)
+        row = 0
+        for p, (target, out) in enumerate(zip(parts, outs, strict=True)):
+            for s, adapter in enumerate(adapters, start=1):
+                pair = adapter.pairs.get((layer, target))
+                if pair is not None:
+                    a_all[p, s, : adapter.rank] = pair[0]
+                    b_all[row : row + out, p, s, : adapter.rank] = pair[1]
+            row += out
+        self.a_all = a_all.reshape(-1, inp).to(device=device, dtype=dtype)  # [P*S*R, in]
+        self.b_all = b_all.reshape(sum(outs), -1).to(device=device, dtype=dtype)  # [out, P*S*R]
+
+    def add_delta(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """``base`` plus every token's own adapter's delta (nothing when no token has one)."""
+        onehot = self.ctx.onehot
+        if onehot is None:
+            return base
+        shrunk = F.linear(x, self.a_all).view(x.shape[0], self.parts, self.slots, self.rank)
+        masked = shrunk * onehot.to(shrunk.dtype)[:, None, :, None]
+        return base + F.linear(masked.view(x.shape[0], -1), self.b_all)

@@ -1,0 +1,241 @@
+"""Multi-LoRA on the Qwen executor: three random PEFT adapters (different ranks, targets, rsLoRA) and
+the base model mixed in one batch give, request by request, transformers' greedy tokens with that
+adapter merged (``merge_and_unload``); prefix-cache hits never cross adapters; unusable adapters are
+refused with clear errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pypto_serving import LLM, SamplingParams
+from pypto_serving.config import ServingSettings
+
+peft = pytest.importorskip("peft")
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+#: name -> (rank, alpha, targets, rslora)
+ADAPTERS: dict[str, tuple[int, int, list[str], bool]] = {
+    "attn": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
+    "mlp": (8, 16, ["gate_proj", "up_proj", "down_proj"], True),
+    "mixed": (2, 6, ["q_proj", "v_proj", "o_proj", "down_proj", "up_proj"], False),
+}
+
+
+def _make_adapter(base: Path, dst: Path, seed: int, rank: int, alpha: int, targets: list[str], rslora: bool) -> Path:
+    """A PEFT adapter over ``base`` with every LoRA weight drawn at random (PEFT's init zeroes B,
+    which would make every adapter the base model)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora)
+    wrapped = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    wrapped.save_pretrained(str(dst))
+    return dst
+
+
+def _merged(base: Path, adapter: Path | None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    if adapter is None:
+        return model
+    return peft.PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+
+
+def _hf_greedy(hf: Any, prompt: list[int]) -> list[int]:
+    tokens: list[int] = []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = hf(input_ids=torch.tensor([prompt + tokens])).logits
+            tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def adapters(qwen_checkpoints: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base, root = qwen_checkpoints("qwen3"), tmp_path_factory.mktemp("loras")
+    return {
+        name: _make_adapter(base, root / name, seed, *spec)
+        for seed, (name, spec) in enumerate(ADAPTERS.items(), start=1)
+    }
+
+
+@pytest.fixture
+def make_llm(qwen_checkpoints: Callable[[str], Path]) -> Iterator[Callable[..., LLM]]:
+    made: list[LLM] = []
+
+    def make(**settings: Any) -> LLM:
+        values: dict[str, Any] = dict(
+            device="cpu", dtype="float32", block_size=4, max_model_len=128, worker_mode="inproc", seed=0
+        )
+        llm = LLM(model=str(qwen_checkpoints("qwen3")), **{**values, **settings})
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.shutdown()
+
+
+def _modules(adapters: dict[str, Path]) -> list[str]:
+    return [f"{name}={path}" for name, path in adapters.items()]
+
+
+def _prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(4, 320, (5 + 3 * i,), generator=gen).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("cpu_linear", ["reference", "onednn"])
+def test_mixed_batch_matches_merged_adapters(
+    cpu_linear: str, adapters: dict[str, Path], qwen_checkpoints: Callable[[str], Path], make_llm: Callable[..., LLM]
+) -> None:
+    """Eight requests of three adapters and the base in one batch: each equals its merged model."""
+    base = qwen_checkpoints("qwen3")
+    loras: list[str | None] = ["attn", None, "mlp", "mixed", "mixed", "attn", None, "mlp"]
+    prompts = _prompts(len(loras))
+    llm = make_llm(lora_modules=_modules(adapters), max_lora_rank=8, executor_options={"cpu_linear": cpu_linear})
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora=loras)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    refs = {name: _merged(base, None if name is None else adapters[name]) for name in set(loras)}
+    want = [_hf_greedy(refs[name], p) for name, p in zip(loras, prompts, strict=True)]
+    assert got == want
+    # The adapters change the output: a broken delta (e.g. always zero) could not pass.
+    assert len({tuple(_hf_greedy(refs[n], prompts[0])) for n in refs}) == len(refs)
+
+
+def test_prefix_cache_never_crosses_adapters(adapters: dict[str, Path], make_llm: Callable[..., LLM]) -> None:
+    prompt = _prompts(1)[0] * 4  # 20 tokens: four whole blocks of 4 to share
+    llm = make_llm(lora_modules=_modules(adapters), max_lora_rank=8, enable_prefix_caching=True)
+    first = llm.generate([prompt], GREEDY, use_tqdm=False, lora="attn")[0]
+    other = llm.generate([prompt], GREEDY, use_tqdm=False, lora="mlp")[0]
+    base = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora="attn")[0]
+    assert [o.num_cached_tokens for o in (first, other, base)] == [0, 0, 0]
+    assert again.num_cached_tokens > 0  # the same adapter does hit
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_unknown_adapter_is_refused(adapters: dict[str, Path], make_llm: Callable[..., LLM]) -> None:
+    llm = make_llm(lora_modules=_modules(adapters), max_lora_rank=8)
+    with pytest.raises(ValueError, match=r"unknown LoRA adapter 'nope'; loaded: \['attn', 'mixed', 'mlp'\]"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora="nope")
+
+
+def _edited(src: Path, dst: Path, **config: Any) -> Path:
+    dst.mkdir()
+    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**cfg, **config}))
+    return dst
+
+
+def test_bad_adapters_are_refused(adapters: dict[str, Path], tmp_path: Path, make_llm: Callable[..., LLM]) -> None:
+    with pytest.raises(ValueError, match="rank 8 exceeds max_lora_rank=4"):
+        make_llm(lora_modules=[f"mlp={adapters['mlp']}"], max_lora_rank=4)
+    saved = _edited(adapters["attn"], tmp_path / "saved", modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match=r"modules_to_save \['lm_head'\] .* is not supported"):
+        make_llm(lora_modules=[f"s={saved}"])
+    embed = _edited(adapters["attn"], tmp_path / "embed", target_modules=["q_proj", "embed_tokens"])
+    with pytest.raises(ValueError, match=r"target modules \['embed_tokens'\] are not supported"):
+        make_llm(lora_modules=[f"e={embed}"])
+    narrow = _edited(adapters["attn"], tmp_path / "narrow")
+    tensors = load_file(str(narrow / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "lora_A" in k)
+    tensors[key] = tensors[key][:, :32].contiguous()  # an adapter of a model with hidden size 32
+    save_file(tensors, str(narrow / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="do not fit the base model's"):
+        make_llm(lora_modules=[f"n={narrow}"])
+    with pytest.raises(ValueError, match="not a PEFT adapter directory"):
+        make_llm(lora_modules=[f"x={tmp_path}"])
+    with pytest.raises(ValueError, match="lora_modules has 3 adapters but max_loras=2"):
+        ServingSettings(lora_modules=_modules(adapters), max_loras=2)
+    with pytest.raises(ValueError, match="is not 'name=path'"):
+        ServingSettings(lora_modules=["no-path"])
+    with pytest.raises(ValueError, match="graph_mode='inductor'"):
+        make_llm(lora_modules=[f"a={adapters['attn']}"], executor_options={"graph_mode": "inductor"})
+
+
+def test_server_selects_adapters_by_model(
+    adapters: dict[str, Path], qwen_checkpoints: Callable[[str], Path], make_llm: Callable[..., LLM]
+) -> None:
+    """Concurrent completions naming three adapters and the base model: each request's tokens are its
+    merged model's; /v1/models lists the adapters under the base; an unknown model is a 404."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from pypto_serving.server import AsyncLLM, build_app
+
+    base = qwen_checkpoints("qwen3")
+    settings = ServingSettings(
+        model=str(base),
+        served_model_name="base",
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        max_model_len=128,
+        worker_mode="inproc",
+        lora_modules=_modules(adapters),
+        max_lora_rank=8,
+    )
+    models = ["attn", "base", "mlp", "mixed", "attn", "mixed"]
+    prompts = _prompts(len(models))
+    server = AsyncLLM(settings)
+    try:
+        server.wait_ready(120)
+        with TestClient(build_app(server, manage_engine=False)) as client:
+            listed = client.get("/v1/models").json()["data"]
+            missing = client.post("/v1/completions", json={"model": "nope", "prompt": [5, 6], "max_tokens": 2})
+
+            def complete(model: str, prompt: list[int]) -> Any:
+                body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0}
+                return client.post("/v1/completions", json={**body, "ignore_eos": True})
+
+            with ThreadPoolExecutor(len(models)) as pool:
+                replies = list(pool.map(complete, models, prompts))
+            streamed = client.post("/v1/completions", json={"model": "mlp", "prompt": [5, 6], "stream": True})
+    finally:
+        server.shutdown(10)
+    assert [(m["id"], m.get("parent")) for m in listed] == [
+        ("base", None),
+        ("attn", "base"),
+        ("mlp", "base"),
+        ("mixed", "base"),
+    ]
+    assert missing.status_code == 404 and "'nope' does not exist" in missing.json()["error"]["message"]
+    for r in replies:
+        assert r.status_code == 200, r.text
+    got = [[int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]] for r in replies]
+    refs = {m: _merged(base, adapters.get(m)) for m in set(models)}
+    assert got == [_hf_greedy(refs[m], p) for m, p in zip(models, prompts, strict=True)]
+    assert [r.json()["model"] for r in replies] == models
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert chunks and {c["model"] for c in chunks} == {"mlp"}
+
+
+def test_lora_modules_flag_takes_several_adapters() -> None:
+    import argparse
+
+    from pypto_serving.config import add_settings_arguments, lora_paths, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    for words in (["a=/x", "b=/y"], ["a=/x,b=/y"]):
+        settings = settings_from_args(parser.parse_args(["--lora-modules", *words]))
+        assert lora_paths(settings) == {"a": "/x", "b": "/y"}
+    with pytest.raises(ValueError, match="names each adapter once"):
+        ServingSettings(lora_modules="a=/x,a=/y")
