@@ -319,6 +319,12 @@ def test_cuda_describe_kernel(clean_registry: None, flash_attn_calls: list[dict[
     assert "host" in pypto_kernels.describe_kernel("paged_attention", "cuda", host_lengths=False)
     assert pypto_kernels.describe_kernel("write_kv_cache", "cuda") == cuda_backend.WRITE_KV_CACHE_LABEL
     assert pypto_kernels.describe_kernel("paged_attention", "cpu") == cpu_backend.PAGED_ATTENTION_LABEL
+    small = {"num_kv_heads": 2, "head_dim": 64, "cache_dtype": torch.float32}
+    assert pypto_kernels.describe_kernel("paged_attention", "cpu", **small) == cpu_backend.PAGED_ATTENTION_LABEL
+    wide = pypto_kernels.describe_kernel(
+        "paged_attention", "cpu", num_kv_heads=8, head_dim=128, cache_dtype=torch.float32
+    )
+    assert wide.startswith("reference") and "4096 bytes" in wide
     assert pypto_kernels.describe_kernel("moe_experts", "cuda") == "reference"
 
 
