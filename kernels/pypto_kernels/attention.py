@@ -299,8 +299,28 @@ def paged_attention(
     if needed > block_tables.shape[1]:
         raise ValueError(f"seq_lens need {needed} blocks but block_tables has {block_tables.shape[1]} columns")
     tables = block_tables.to(device=query.device, dtype=torch.int64)
+    spans = _spans(q_lens, kv_lens, block_size, sliding_window)
+    _attend_spans(query, key_cache, value_cache, tables, spans, out, scale, sliding_window, sinks, k_scale, v_scale)
+    return out
+
+
+def _attend_spans(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,
+    spans: list[_Span],
+    out: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    k_scale: float | None,
+    v_scale: float | None,
+) -> None:
+    """Attend ``spans`` request by request into ``out``, their blocks gathered a few MiB at a time."""
+    block_size = key_cache.shape[1]
     block_bytes = key_cache[0].numel() * key_cache.element_size()
-    for chunk in _gather_chunks(_spans(q_lens, kv_lens, block_size, sliding_window), block_bytes):
+    for chunk in _gather_chunks(spans, block_bytes):
         keys = _gather_blocks(key_cache, tables, chunk, query.dtype, k_scale)
         values = _gather_blocks(value_cache, tables, chunk, query.dtype, v_scale)
         base = 0
@@ -309,9 +329,8 @@ def paged_attention(
             keys_r, values_r = keys[start : start + span.hi - span.lo], values[start : start + span.hi - span.lo]
             rows = slice(span.row, span.row + span.num_queries)
             first = span.hi - span.num_queries - span.lo
-            _attend_request(query[rows], keys_r, values_r, first, scale, True, sliding_window, sinks, out[rows])
+            _attend_request(query[rows], keys_r, values_r, first, scale, True, window, sinks, out[rows])
             base += (span.end_block - span.first_block) * block_size
-    return out
 
 
 @dispatch("varlen_attention")
@@ -459,3 +478,129 @@ def _reference_paged_attention(
 
     out = _masked_attention(q_pad, k_pad, v_pad, q_pos, q_valid, seq_lens, scale, True, sliding_window, sinks)
     return _unpad_output(out, query_start_loc, num_tokens).to(query.dtype)
+
+
+# The CPU fast path: every decode row of a step (one query) in a few batched matmuls.
+
+#: Bytes of padded K (and as many of V) one batched decode group gathers: rows are sorted by their
+#: block count and cut into groups under this size, so padding stays small and the copy cache-sized.
+_DECODE_GROUP_BYTES = 2 << 20
+
+
+def _decode_groups(spans: list[_Span], block_bytes: int) -> list[list[_Span]]:
+    """Decode spans sorted by block count, cut so that rows x longest row x ``block_bytes`` fits the budget."""
+    ordered = sorted(spans, key=lambda s: s.end_block - s.first_block)
+    groups: list[list[_Span]] = []
+    for span in ordered:
+        width = span.end_block - span.first_block
+        if not groups or (len(groups[-1]) + 1) * width * block_bytes > _DECODE_GROUP_BYTES:
+            groups.append([])
+        groups[-1].append(span)
+    return groups
+
+
+def _padded_blocks(tables: torch.Tensor, group: list[_Span], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ids [B, W] of each row's blocks (padding repeats its first block) and the hidden-key mask
+    [B, W * block_size] (True where a key lies outside the row's range [lo, hi))."""
+    device = tables.device
+    width = max(s.end_block - s.first_block for s in group)
+    geometry = torch.tensor([(s.request, s.first_block, s.end_block, s.lo, s.hi) for s in group], dtype=torch.int64).to(
+        device
+    )
+    request, first, end, lo, hi = geometry.unbind(1)
+    cols = first[:, None] + torch.arange(width, device=device)[None, :]
+    real = cols < end[:, None]
+    ids = tables[request[:, None], cols.clamp(max=tables.shape[1] - 1)]
+    ids = torch.where(real, ids, ids[:, :1])
+    key_pos = (first * block_size)[:, None] + torch.arange(width * block_size, device=device)[None, :]
+    hidden = (key_pos < lo[:, None]) | (key_pos >= hi[:, None])
+    return ids, hidden
+
+
+def _gather_padded(cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
+    """Blocks ``ids`` [B, W] of ``cache`` as [B, W * block_size, Hkv, D] (FP8 dequantized to ``dtype``)."""
+    rows, width = ids.shape
+    if cache.dtype not in FP8_CACHE_MAX:
+        return cache.index_select(0, ids.flatten()).view(rows, width * cache.shape[1], *cache.shape[2:])
+    raw = cache.view(torch.uint8).index_select(0, ids.flatten()).view(cache.dtype)
+    out = raw.to(dtype) if scale is None or scale == 1.0 else raw.to(dtype) * scale
+    return out.view(rows, width * cache.shape[1], *cache.shape[2:])
+
+
+def _attend_decode_group(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    hidden: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """q [B, Hq, D] over padded keys/values [B, L, Hkv, D] with ``hidden`` [B, L] keys masked; [B, Hq, Dv].
+
+    One bmm per KV head over all rows (its query heads are the rows of each matrix), so grouped-query
+    attention never repeats K/V; the softmax is float32 as in :func:`_softmax_attend`.
+    """
+    rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    group = num_q_heads // num_kv_heads
+    qh = q.to(keys.dtype).view(rows, num_kv_heads, group, head_dim)
+    scores = torch.stack([torch.bmm(qh[:, h], keys[:, :, h].transpose(1, 2)) for h in range(num_kv_heads)], 1)
+    scores = scores.float().mul_(scale).masked_fill_(hidden[:, None, None, :], float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(device=q.device, dtype=torch.float32).view(1, num_kv_heads, group, 1)
+        norm = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink)
+        probs = scores.sub_(norm).exp_()
+    # Padded and stale slots may hold anything (even NaN from torch.empty): zero them, 0 * NaN is NaN.
+    slots = values.view(rows * values.shape[1], -1)
+    slots.index_fill_(0, hidden.flatten().nonzero().squeeze(1), 0.0)
+    probs = probs.to(values.dtype)
+    outs = [torch.bmm(probs[:, h], values[:, :, h]) for h in range(num_kv_heads)]
+    return torch.stack(outs, 1).view(rows, num_q_heads, -1)
+
+
+def batched_decode_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    *,
+    query_lens_host: Sequence[int] | None = None,
+    seq_lens_host: Sequence[int] | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention` with every decode row (one query) batched: rows sorted by length, cut
+    into groups of bounded padded size, each group's K/V gathered once into a padded tensor and
+    attended with one masked matmul/softmax/matmul per KV head. Longer query runs go request by
+    request as in the reference. Same contract and results as the reference, to float rounding."""
+    num_tokens = query.shape[0]
+    out = query.new_zeros((num_tokens, query.shape[1], value_cache.shape[-1]))
+    if num_tokens == 0 or seq_lens.numel() == 0:
+        return out
+    q_lens = _query_lens(query_start_loc, query_lens_host)
+    kv_lens = [int(s) for s in (seq_lens_host if seq_lens_host is not None else seq_lens.tolist())]
+    block_size = key_cache.shape[1]
+    needed = -(-max(kv_lens) // block_size)
+    if needed > block_tables.shape[1]:
+        raise ValueError(f"seq_lens need {needed} blocks but block_tables has {block_tables.shape[1]} columns")
+    tables = block_tables.to(device=query.device, dtype=torch.int64)
+    spans = _spans(q_lens, kv_lens, block_size, sliding_window)
+    decode = [s for s in spans if s.num_queries == 1]
+    block_bytes = key_cache[0].numel() * key_cache.element_size()
+    for group in _decode_groups(decode, block_bytes):
+        ids, hidden = _padded_blocks(tables, group, block_size)
+        keys = _gather_padded(key_cache, ids, query.dtype, k_scale)
+        values = _gather_padded(value_cache, ids, query.dtype, v_scale)
+        rows = torch.tensor([s.row for s in group], dtype=torch.int64, device=query.device)
+        res = _attend_decode_group(query.index_select(0, rows), keys, values, hidden, scale, sinks)
+        out.index_copy_(0, rows, res.to(out.dtype))
+    prefill = [s for s in spans if s.num_queries > 1]
+    _attend_spans(query, key_cache, value_cache, tables, prefill, out, scale, sliding_window, sinks, k_scale, v_scale)
+    return out

@@ -442,3 +442,73 @@ def test_write_and_paged_attention_read_nothing_back_on_a_fake_cuda_device() -> 
             assert out.device == cuda and out.shape == (7, 8, 16)
         with pytest.raises(DataDependentOutputException):  # without them it reads qsl/seq_lens back
             paged_attention.reference(*args)  # type: ignore[attr-defined]
+
+
+# The CPU fast path batches a step's decode rows; the per-request loop stays the reference.
+
+#: The lengths a batched decode group pads together: one token, either side of a block edge, long.
+DECODE_EDGE_LENGTHS = [1, 15, 16, 17, 300]
+
+
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2)])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("group_bytes", [1, None], ids=["row-per-group", "default"])
+def test_batched_decode_matches_the_request_loop_on_ragged_lengths(
+    monkeypatch: pytest.MonkeyPatch,
+    num_q_heads: int,
+    num_kv_heads: int,
+    window: int | None,
+    with_sinks: bool,
+    group_bytes: int | None,
+) -> None:
+    if group_bytes is not None:
+        monkeypatch.setattr(attention_module, "_DECODE_GROUP_BYTES", group_bytes)
+    # Decode rows of every edge length beside a prefill chunk and an idle request, in a NaN-filled cache.
+    batch = [(1, n) for n in DECODE_EDGE_LENGTHS] + [(5, 40), (0, 9), (1, 33)]
+    gen = torch.Generator().manual_seed(num_q_heads + (window or 0))
+    data = build_paged_batch(batch, 16, num_q_heads, num_kv_heads, 16, 16, torch.float32, gen)
+    sinks = torch.randn(num_q_heads, generator=gen) if with_sinks else None
+    args = [data[name] for name in PAGED_ARGS]
+    batched = attention_module.batched_decode_paged_attention(*args, 0.25, window, sinks)
+    loop = attention_module.paged_attention.reference(*args, 0.25, window, sinks)  # type: ignore[attr-defined]
+    assert torch.isfinite(batched).all()
+    torch.testing.assert_close(batched, loop, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched, expected_paged(data, 0.25, window, sinks), atol=1e-5, rtol=1e-5)
+
+
+def test_batched_decode_fp8_and_bf16_caches_match_the_request_loop() -> None:
+    gen = torch.Generator().manual_seed(3)
+    batch = [(1, n) for n in DECODE_EDGE_LENGTHS]
+    data = build_paged_batch(batch, 16, 8, 2, 16, 16, torch.bfloat16, gen)
+    args = [data[name] for name in PAGED_ARGS]
+    batched = attention_module.batched_decode_paged_attention(*args, 0.25)
+    loop = attention_module.paged_attention.reference(*args, 0.25)  # type: ignore[attr-defined]
+    torch.testing.assert_close(batched, loop, atol=2e-2, rtol=2e-2)
+    fp8 = [args[0], args[1].to(torch.float8_e4m3fn), args[2].to(torch.float8_e4m3fn), *args[3:]]
+    scales = {"k_scale": 0.5, "v_scale": 2.0}
+    batched = attention_module.batched_decode_paged_attention(*fp8, 0.25, **scales)
+    loop = attention_module.paged_attention.reference(*fp8, 0.25, **scales)  # type: ignore[attr-defined]
+    torch.testing.assert_close(batched, loop, atol=2e-2, rtol=2e-2)
+
+
+class _MatmulCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.mm):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_cpu_decode_step_is_a_few_matmuls_not_two_per_request() -> None:
+    # 64 decode rows of a small model: the request loop runs 128 matmuls, the batched path one per
+    # KV head for scores and one for values, per group of rows.
+    gen = torch.Generator().manual_seed(5)
+    data = build_paged_batch([(1, 32 + 5 * r) for r in range(64)], 16, 4, 2, 16, 16, torch.float32, gen)
+    with _MatmulCount() as count:
+        out = _paged(data, 0.25)
+    assert count.calls <= 2 * 2 * 4
+    torch.testing.assert_close(out, expected_paged(data, 0.25, None, None), atol=1e-5, rtol=1e-5)

@@ -24,6 +24,7 @@ import torch
 import pypto_kernels
 from pypto_kernels import registry
 from pypto_kernels.attention import _reference_paged_attention
+from pypto_kernels.backends import cpu as cpu_backend
 from pypto_kernels.backends import cuda as cuda_backend
 
 # (q_len, seq_len): a prefill over two blocks, a chunk after a long cached prefix, decodes on and
@@ -317,7 +318,13 @@ def test_cuda_describe_kernel(clean_registry: None, flash_attn_calls: list[dict[
     assert "256" in pypto_kernels.describe_kernel("paged_attention", "cuda", block_size=16)
     assert "host" in pypto_kernels.describe_kernel("paged_attention", "cuda", host_lengths=False)
     assert pypto_kernels.describe_kernel("write_kv_cache", "cuda") == cuda_backend.WRITE_KV_CACHE_LABEL
-    assert pypto_kernels.describe_kernel("paged_attention", "cpu") == "reference"
+    assert pypto_kernels.describe_kernel("paged_attention", "cpu") == cpu_backend.PAGED_ATTENTION_LABEL
+    small = {"num_kv_heads": 2, "head_dim": 64, "cache_dtype": torch.float32}
+    assert pypto_kernels.describe_kernel("paged_attention", "cpu", **small) == cpu_backend.PAGED_ATTENTION_LABEL
+    wide = pypto_kernels.describe_kernel(
+        "paged_attention", "cpu", num_kv_heads=8, head_dim=128, cache_dtype=torch.float32
+    )
+    assert wide.startswith("reference") and "4096 bytes" in wide
     assert pypto_kernels.describe_kernel("moe_experts", "cuda") == "reference"
 
 

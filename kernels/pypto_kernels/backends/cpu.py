@@ -12,6 +12,12 @@
 Dense linears (:func:`pypto_kernels.linear`) whose weight carries a packed copy
 (:func:`pypto_kernels.pack_linear`) multiply it, through MKL's packed SGEMM or oneDNN, for calls
 within the copy's row counts; other calls run ``F.linear``.
+
+``paged_attention`` batches a step's decode rows (:func:`pypto_kernels.attention.batched_decode_paged_attention`):
+a few padded gathers and one bmm per KV head instead of two small matmuls per request. That wins
+where a cached token is narrow (per-request overhead dominates the loop: 1.2-2.2x at 512 bytes per
+token); where it is wide the gather's memory traffic dominates both and padding makes the batch the
+slower (0.93x at 4 KiB), so those caches keep the loop (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..attention import batched_decode_paged_attention
 from ..dense import PackedLinearWeight
 from ..quant import QuantizedLinearWeight, quantize_per_token
+from . import paged_attention_features
 
 #: Values of one dequantised band of an FP8 weight (4 MiB in float32): large enough that the matmul
 #: per band stays efficient, small against any real weight.
 BAND_ELEMENTS = 1 << 20
 
 QUANT_LINEAR_LABEL = "cpu: fp8 band-wise dequantising matmul / int8 _int_mm"
+PAGED_ATTENTION_LABEL = "cpu: decode rows batched (padded gather, one bmm per KV head)"
 LINEAR_LABEL = "cpu: weights packed at load (mkl._mkl_linear / mkldnn._linear_pointwise)"
 
 
@@ -121,7 +130,33 @@ def supports_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None =
     )
 
 
+#: Widest cached token (bytes of one token's K over all KV heads) the batched decode path takes.
+BATCHED_DECODE_MAX_TOKEN_BYTES = 1024
+
+
+def explain_paged_attention(**features: Any) -> str | None:
+    heads, dim, dtype = features.get("num_kv_heads"), features.get("head_dim"), features.get("cache_dtype")
+    if heads is None or dim is None or dtype is None:
+        return None
+    width = heads * dim * torch.empty((), dtype=dtype).element_size()
+    if width > BATCHED_DECODE_MAX_TOKEN_BYTES:
+        return f"{width} bytes per cached token: the request loop is faster above {BATCHED_DECODE_MAX_TOKEN_BYTES}"
+    return None
+
+
+def supports_paged_attention(*args: Any, **kwargs: Any) -> bool:
+    return explain_paged_attention(**paged_attention_features(*args, **kwargs)) is None
+
+
 def register(add: Callable[..., None]) -> None:
+    add(
+        "paged_attention",
+        "cpu",
+        batched_decode_paged_attention,
+        supports_paged_attention,
+        label=PAGED_ATTENTION_LABEL,
+        explain=explain_paged_attention,
+    )
     add("linear", "cpu", packed_linear, supports_linear, label=LINEAR_LABEL, explain=explain_linear)
     add(
         "quant_linear",
