@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import math
-import signal
 import sys
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 
 from ..config import SettingsError
+from ..graceful import ReturningServer
 from .config import RouterSettings, add_router_arguments, router_settings_from_args
 
 __all__ = ["add_router_command", "run_router"]
@@ -50,21 +47,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return run_router(settings)
 
 
-class _RouterServer(uvicorn.Server):
-    """uvicorn whose SIGINT/SIGTERM end in a normal return (exit 0) after the graceful shutdown,
-    instead of uvicorn re-raising the signal."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+class _RouterServer(ReturningServer):
+    """uvicorn whose SIGINT/SIGTERM end in a normal return (exit 0) after the graceful shutdown."""
 
 
 def run_router(settings: RouterSettings) -> int:

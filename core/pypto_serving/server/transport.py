@@ -18,13 +18,9 @@ Two things uvicorn does not do by itself:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-import signal
 import socket
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import h11
@@ -32,6 +28,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..config import ServingSettings
+from ..graceful import ReturningServer
 from .data_parallel import ServingLLM
 
 __all__ = ["ServingServer", "timed_h11", "uvicorn_config"]
@@ -126,7 +123,7 @@ def uvicorn_config(app: Any, settings: ServingSettings) -> uvicorn.Config:
     )
 
 
-class ServingServer(uvicorn.Server):
+class ServingServer(ReturningServer):
     """uvicorn that drains like a serving engine should.
 
     uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which makes the process die by the
@@ -140,18 +137,6 @@ class ServingServer(uvicorn.Server):
         super().__init__(config)
         self.llm = llm
         self.shutdown_timeout = shutdown_timeout
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         loop = asyncio.get_running_loop()
