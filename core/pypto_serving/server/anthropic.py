@@ -55,6 +55,7 @@ from .openai_requests import (
     _render_chat,
     _request_grammar,
     _sampling_params,
+    _shown_model,
     _tool_choice_spec,
     _validate_ids,
 )
@@ -535,7 +536,14 @@ def _blocks(parsed: ParsedOutput, show_thinking: bool) -> list[dict[str, Any]]:
 
 
 def _message_body(
-    ctx: _Ctx, rid: str, prompt: _Prompt, out: RequestOutput, parsers: Callable[[], OutputParser] | None, show: bool
+    ctx: _Ctx,
+    rid: str,
+    prompt: _Prompt,
+    out: RequestOutput,
+    parsers: Callable[[], OutputParser] | None,
+    *,
+    show: bool,
+    lora: str | None,
 ) -> dict[str, Any]:
     (c,) = out.outputs
     parsed = parsers().parse(c.text) if parsers is not None else ParsedOutput(content=c.text)
@@ -544,7 +552,7 @@ def _message_body(
         "id": rid,
         "type": "message",
         "role": "assistant",
-        "model": ctx.model_name,
+        "model": _shown_model(ctx, lora),
         "content": _blocks(parsed, show),
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
@@ -632,7 +640,7 @@ class _MessageStream:
             "id": self.rid,
             "type": "message",
             "role": "assistant",
-            "model": self.ctx.model_name,
+            "model": _shown_model(self.ctx, runner.params[0].lora),
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
@@ -765,7 +773,7 @@ async def _create(ctx: _Ctx, req: MessagesRequest, raw: Request) -> Response:
         runner = await _start_stream(ctx, rid, [prompt], params)
         return _sse(_MessageStream(ctx, rid, prompt, parsers, show).events(runner))
     (out,) = await _run_all(ctx, rid, [prompt], params, raw)
-    return await _json_response(_message_body, ctx, rid, prompt, out, parsers, show)
+    return await _json_response(_message_body, ctx, rid, prompt, out, parsers, show=show, lora=params[0].lora)
 
 
 def add_anthropic_routes(app: FastAPI, ctx: _Ctx) -> None:

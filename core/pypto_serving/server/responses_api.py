@@ -44,6 +44,7 @@ from .openai_requests import (
     _Prompt,
     _request_grammar,
     _sampling_params,
+    _shown_model,
     _tool_choice_spec,
 )
 from .protocol import (
@@ -625,7 +626,7 @@ def _body(
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
-        "model": ctx.model_name,
+        "model": _shown_model(ctx, plan.params[0].lora),
         "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id,
