@@ -207,3 +207,16 @@ def test_the_command_refuses_a_router_without_replicas(capsys: pytest.CaptureFix
     assert "no replicas" in capsys.readouterr().err
     assert main(["router", "--replica", "http://h:1/v1"]) == 2
     assert "without a path" in capsys.readouterr().err
+
+
+def test_prefix_hashes_are_per_model() -> None:
+    """A prefix shared under another model (a LoRA adapter, or the base) is no prefix-cache hit on the
+    replica that served it, so it does not attract the request."""
+    settings = RouterSettings(replicas=[ReplicaConfig(url="http://a")], prefix_block_tokens=2)
+    prompt = {"prompt": list(range(8)), "max_tokens": 1}
+    base = request_profile(prompt, None, settings).block_hashes
+    adapter = request_profile({**prompt, "model": "style"}, None, settings).block_hashes
+    again = request_profile({**prompt, "model": "style"}, None, settings).block_hashes
+    assert len(base) == len(adapter) == 4
+    assert not set(base) & set(adapter)
+    assert adapter == again

@@ -120,10 +120,12 @@ def _prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
     return total
 
 
-def chain_hashes(blocks: list[bytes], settings: RouterSettings) -> tuple[bytes, ...]:
-    """Chained hashes of the leading blocks: each hash covers its block and every block before it."""
+def chain_hashes(blocks: list[bytes], settings: RouterSettings, model: str = "") -> tuple[bytes, ...]:
+    """Chained hashes of the leading blocks: each hash covers its block and every block before it, and
+    starts from the request's ``model`` (a LoRA adapter's KV differs from the base model's, so a
+    prefix shared under another adapter is no prefix-cache hit)."""
     out: list[bytes] = []
-    parent = b""
+    parent = hashlib.blake2b(model.encode(), digest_size=16).digest() if model else b""
     for block in blocks[: settings.prefix_max_blocks]:
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         out.append(parent)
@@ -140,7 +142,9 @@ def request_profile(body: Any, session: str | None, settings: RouterSettings) ->
     n = body.get("n")
     n = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 1024 else 1
     cost = (_prompt_tokens(body, settings.chars_per_token) + budget) * n
-    hashes = chain_hashes(_prompt_blocks(body, settings), settings) if settings.prefix_routing else ()
+    model = body.get("model")
+    name = model if isinstance(model, str) else ""
+    hashes = chain_hashes(_prompt_blocks(body, settings), settings, name) if settings.prefix_routing else ()
     return RequestProfile(cost=max(1, cost), block_hashes=hashes, session=session)
 
 
