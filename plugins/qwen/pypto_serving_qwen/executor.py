@@ -7,7 +7,6 @@ from itertools import pairwise
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import pypto_kernels as K
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
@@ -168,8 +167,9 @@ class QwenExecutor(Executor):
             return None
         slots = [0 if name is None else self.lora_slots[name] for name in batch.loras]
         lens = [end - start for start, end in pairwise(batch.query_start_loc_host)]
-        per_token = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lens))
-        return F.one_hot(per_token, len(self.lora_slots) + 1).to(device=self.device, dtype=self.dtype)
+        # Built on the host from host lists and uploaded once: nothing of it is read back.
+        per_token = [slot for slot, n in zip(slots, lens, strict=True) for _ in range(n)]
+        return torch.eye(len(self.lora_slots) + 1, dtype=self.dtype)[per_token].to(self.device)
 
     def _kv_cache_dtype(self) -> torch.dtype:
         """The cache's element type: the model's, or ``fp8`` where the eager paged kernels run (the

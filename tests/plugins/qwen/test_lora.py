@@ -239,3 +239,36 @@ def test_lora_modules_flag_takes_several_adapters() -> None:
         assert lora_paths(settings) == {"a": "/x", "b": "/y"}
     with pytest.raises(ValueError, match="names each adapter once"):
         ServingSettings(lora_modules="a=/x,a=/y")
+
+
+def test_mixed_adapters_run_on_the_device(adapters: dict[str, Path], qwen_checkpoints: Callable[[str], Path]) -> None:
+    """Device discipline with adapters: a prefill and a decode step mixing three adapters and the base
+    run on a fake CUDA device with no host read (the one-hot is uploaded, never read back)."""
+    import dataclasses
+
+    from pypto_serving_qwen.loader import read_config
+    from pypto_serving_qwen.lora import read_adapter
+    from pypto_serving_qwen.model import QwenForCausalLM
+    from tests.plugins.qwen.fake_cuda import fake_cuda, on_device
+    from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder
+    from tests.plugins.qwen.test_fake_device import BLOCK_SIZE, NUM_BLOCKS, _execute, _fake_executor
+
+    path = qwen_checkpoints("qwen3")
+    builder = PagedBatchBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    steps = [
+        ([("a", list(range(4, 13))), ("b", list(range(5, 11))), ("c", list(range(6, 9)))], ["attn", None, "mixed"]),
+        ([("a", [7]), ("b", [8]), ("c", [9]), ("d", list(range(30, 35)))], ["attn", None, "mixed", "mlp"]),
+    ]
+    # Adapters are read from disk before the fake device exists (their shapes from a real CPU model).
+    shapes = QwenForCausalLM(read_config(path), torch.device("cpu"), torch.float32).lora_shapes()
+    loaded = [read_adapter(name, p, 8, shapes) for name, p in adapters.items()]
+    with fake_cuda() as mode:
+        for adapter in loaded:  # the read weights become fake (CPU) tensors, moved to the device below
+            adapter.pairs = {k: (mode.from_tensor(a), mode.from_tensor(b)) for k, (a, b) in adapter.pairs.items()}
+        ex = _fake_executor(path, torch.float32)
+        assert ex.model is not None and ex.config is not None
+        ex.lora = ex.model.attach_loras(loaded)
+        ex.lora_slots = {a.name: i for i, a in enumerate(loaded, start=1)}
+        for chunks, names in steps:
+            batch = dataclasses.replace(on_device(builder.step(chunks, all_logits=False)), loras=names)
+            _execute(ex, batch, ex.config.vocab_size)
