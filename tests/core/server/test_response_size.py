@@ -88,7 +88,10 @@ def _synthetic_body(kind: str, n: int, k: int | None, pk: int | None, echo: bool
     prompt_lps = None if scored is None else [None, *(entry(t, scored) for t in pids[1:])]
     out = RequestOutput("r", None, pids, outs, True, prompt_logprobs=prompt_lps)
     prompt = _Prompt(pids, tok.decode(pids))
-    ctx: Any = SimpleNamespace(llm=SimpleNamespace(tokenizer=tok, max_model_len=4096), model_name="m")
+    from pypto_serving.config import ServingSettings
+
+    llm = SimpleNamespace(tokenizer=tok, max_model_len=4096)
+    ctx: Any = SimpleNamespace(llm=llm, model_name="m", settings=ServingSettings())
     req: Any
     if kind == "chat":
         req = ChatCompletionRequest(
