@@ -288,10 +288,28 @@ def paged_attention(
     sequence lengths that spare the host read of the device tensors; they must match them. An FP8
     cache is read back chunk by chunk in the query dtype times ``k_scale`` / ``v_scale``.
     """
-    num_tokens = query.shape[0]
-    out = query.new_zeros((num_tokens, query.shape[1], value_cache.shape[-1]))
-    if num_tokens == 0 or seq_lens.numel() == 0:
+    out = query.new_zeros((query.shape[0], query.shape[1], value_cache.shape[-1]))
+    if query.shape[0] == 0 or seq_lens.numel() == 0:
         return out
+    tables, spans = _tables_and_spans(
+        query, key_cache, block_tables, query_start_loc, seq_lens, sliding_window, query_lens_host, seq_lens_host
+    )
+    _attend_spans(query, key_cache, value_cache, tables, spans, out, scale, sliding_window, sinks, k_scale, v_scale)
+    return out
+
+
+def _tables_and_spans(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None,
+    query_lens_host: Sequence[int] | None,
+    seq_lens_host: Sequence[int] | None,
+) -> tuple[torch.Tensor, list[_Span]]:
+    """The block tables on the query's device as int64 and each request's span, checked against the
+    tables' width (a non-empty batch)."""
     q_lens = _query_lens(query_start_loc, query_lens_host)
     kv_lens = [int(s) for s in (seq_lens_host if seq_lens_host is not None else seq_lens.tolist())]
     block_size = key_cache.shape[1]
@@ -299,9 +317,7 @@ def paged_attention(
     if needed > block_tables.shape[1]:
         raise ValueError(f"seq_lens need {needed} blocks but block_tables has {block_tables.shape[1]} columns")
     tables = block_tables.to(device=query.device, dtype=torch.int64)
-    spans = _spans(q_lens, kv_lens, block_size, sliding_window)
-    _attend_spans(query, key_cache, value_cache, tables, spans, out, scale, sliding_window, sinks, k_scale, v_scale)
-    return out
+    return tables, _spans(q_lens, kv_lens, block_size, sliding_window)
 
 
 def _attend_spans(
@@ -318,6 +334,7 @@ def _attend_spans(
     v_scale: float | None,
 ) -> None:
     """Attend ``spans`` request by request into ``out``, their blocks gathered a few MiB at a time."""
+    block_size = key_cache.shape[1]
     block_size = key_cache.shape[1]
     block_bytes = key_cache[0].numel() * key_cache.element_size()
     for chunk in _gather_chunks(spans, block_bytes):
@@ -580,19 +597,14 @@ def batched_decode_paged_attention(
     into groups of bounded padded size, each group's K/V gathered once into a padded tensor and
     attended with one masked matmul/softmax/matmul per KV head. Longer query runs go request by
     request as in the reference. Same contract and results as the reference, to float rounding."""
-    num_tokens = query.shape[0]
-    out = query.new_zeros((num_tokens, query.shape[1], value_cache.shape[-1]))
-    if num_tokens == 0 or seq_lens.numel() == 0:
+    out = query.new_zeros((query.shape[0], query.shape[1], value_cache.shape[-1]))
+    if query.shape[0] == 0 or seq_lens.numel() == 0:
         return out
-    q_lens = _query_lens(query_start_loc, query_lens_host)
-    kv_lens = [int(s) for s in (seq_lens_host if seq_lens_host is not None else seq_lens.tolist())]
-    block_size = key_cache.shape[1]
-    needed = -(-max(kv_lens) // block_size)
-    if needed > block_tables.shape[1]:
-        raise ValueError(f"seq_lens need {needed} blocks but block_tables has {block_tables.shape[1]} columns")
-    tables = block_tables.to(device=query.device, dtype=torch.int64)
-    spans = _spans(q_lens, kv_lens, block_size, sliding_window)
+    tables, spans = _tables_and_spans(
+        query, key_cache, block_tables, query_start_loc, seq_lens, sliding_window, query_lens_host, seq_lens_host
+    )
     decode = [s for s in spans if s.num_queries == 1]
+    block_size = key_cache.shape[1]
     block_bytes = key_cache[0].numel() * key_cache.element_size()
     for group in _decode_groups(decode, block_bytes):
         ids, hidden = _padded_blocks(tables, group, block_size)
