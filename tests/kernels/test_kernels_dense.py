@@ -11,6 +11,7 @@ from pypto_kernels.backends import cpu
 from pypto_kernels.dense import NEVER
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+BF16_ONEDNN = K.onednn_supports(torch.bfloat16)
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
 
 # Odd sizes on purpose: no multiple of a SIMD width or a packing block.
@@ -34,6 +35,8 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_onednn_matches_reference_on_ragged_shapes(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and not BF16_ONEDNN:
+        pytest.skip("this CPU lacks oneDNN's bf16 instructions (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX)")
     out_f, in_f = shape
     w = _weight(out_f, in_f, dtype)
     bias = torch.randn(out_f).to(dtype)
@@ -80,7 +83,7 @@ def test_transposed_view_weight() -> None:
 
 
 def test_packing_rule() -> None:
-    assert K.packing_rule(torch.bfloat16, 64) == ("onednn", 1, NEVER)
+    assert K.packing_rule(torch.bfloat16, 64) == (("onednn", 1, NEVER) if BF16_ONEDNN else None)
     assert K.packing_rule(torch.float32, 64) is None  # MKL's packing is opt-in: it doubles the memory
     assert K.packing_rule(torch.float16, 64) is None
     assert K.pack_linear(_weight(8, 8, torch.float32), 64) is None
@@ -104,3 +107,19 @@ def test_reference_and_fallbacks_ignore_the_packed_copy() -> None:
         K.linear(x.double(), packed)
     assert K.describe_kernel("linear", "cpu", dtype=torch.float32) == cpu.LINEAR_LABEL
     assert K.describe_kernel("linear", "cpu", packed=False).startswith("reference")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bf16", [True, False])
+def test_bf16_packing_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, bf16: bool) -> None:
+    """A CPU without oneDNN's bf16 instructions (torch's reorder fails there at load) keeps bf16
+    weights plain under the default rule and refuses an explicit oneDNN request with the reason."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: bf16)
+    assert K.onednn_supports(torch.bfloat16) is bf16 and K.onednn_supports(torch.float32)
+    assert K.packing_rule(torch.bfloat16, 64) == (("onednn", 1, NEVER) if bf16 else None)
+    w = _weight(8, 8, torch.bfloat16)
+    if bf16:
+        return
+    assert K.pack_linear(w, 64) is None
+    with pytest.raises(ValueError, match=r"cannot pack torch\.bfloat16 weights on this CPU"):
+        K.pack_linear(w, 64, library="onednn")
