@@ -299,8 +299,11 @@ class DeepseekMTPExecutor(Executor):
         if "fp8_block" in stored:
             backend = describe_kernel("quant_linear", self.device, scheme="fp8_block", dtype=self.dtype)
             logger.info("FP8 projections (kept as stored): quant_linear runs %s", backend)
-        if "mxfp4" in stored:
-            logger.info("MXFP4 routed experts (kept packed): %s", describe_kernel("mxfp4_moe_experts", self.device))
+        stacks = [p["experts.gate_up"] for p in self.model.layers]
+        experts = {w.scheme for w in stacks if isinstance(w, QuantizedWeight)}
+        if experts:
+            backend = describe_kernel("quant_moe_experts", self.device)
+            logger.info("routed experts kept as stored (%s): %s", ", ".join(sorted(experts)), backend)
 
     def _cache_groups(self, cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> list[CacheGroupSpec]:
         elem = torch.tensor([], dtype=dtype).element_size()
@@ -417,7 +420,7 @@ class DeepseekMTPExecutor(Executor):
         for p in [*m.layers, *self.mtp_layers]:
             for v in p.values():
                 if isinstance(v, QuantizedWeight):
-                    out += [v.data, v.scale]
+                    out += v.tensors()
                 elif isinstance(v, torch.Tensor):
                     out.append(v)
         return out

@@ -17,7 +17,7 @@ Quantized tensors are read as ``config.json`` describes them (block FP8 with ``w
 or the release's E8M0 ``X.scale``, MXFP4 routed experts; docs/deepseek_mtp.md, Quantized
 checkpoints), and refused by name where they do not match that description. With ``stored=True``
 (what the executor loads) the projections the model multiplies through ``pypto_kernels.quant_linear``
-and the MXFP4 routed experts stay in their stored precision as
+and the routed experts (MXFP4 or block FP8) stay in their stored precision as
 :class:`~pypto_serving.quantization.QuantizedWeight` (the bytes as stored, FP8 block scales decoded
 to float32); without it, or where this rank's part cuts through a scale block, they are dequantized.
 """
@@ -164,9 +164,7 @@ def load_weights(
         for key in where:
             for name, t in reader.read(key):
                 out[name] = (
-                    _place(t, device)
-                    if isinstance(t, QuantizedWeight)
-                    else _cast(name, t, dtype, fp32_suffixes).to(device)
+                    t.to(device) if isinstance(t, QuantizedWeight) else _cast(name, t, dtype, fp32_suffixes).to(device)
                 )
     if reader.dequantized:
         logger.warning(
@@ -176,10 +174,6 @@ def load_weights(
             ", ".join(reader.dequantized[:4]),
         )
     return out
-
-
-def _place(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight:
-    return QuantizedWeight(weight.scheme, weight.data.to(device), weight.scale.to(device), weight.block)
 
 
 def scale_pairs(keys: Iterable[str]) -> dict[str, str]:
@@ -253,7 +247,7 @@ class _Reader:
         assert self.fmt.fp8 is not None  # _kind returns "fp8" only with a block-FP8 description
         block = self.fmt.fp8.block
         _check_fp8_grid(key, scale, block, shape)
-        if _STORED_FP8.match(name) and self._keep(name, shape, part, block):
+        if (_STORED_FP8.match(name) or _ROUTED.match(name)) and self._keep(name, shape, part, block):
             yield name, _fp8_stored(sl, scale, block, shape, part)
         else:
             yield name, _fp8_part(sl, scale, block, shape, part)
