@@ -67,26 +67,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Ten
 
 
 def grouped_projection(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, groups: int) -> torch.Tensor:
-    """``grouped_linear`` (V4's block-diagonal ``wo_a``) for a float or a block-FP8 weight: group
-    ``g`` meets its rows of the FP8 weight, a row range of whole scale blocks (checked at load)."""
+    """``grouped_linear`` (V4's block-diagonal ``wo_a``) for a float or a stored-precision weight:
+    group ``g`` meets its rows of the weight (for block FP8 a row range of whole scale blocks,
+    checked at load) and their scales."""
     if not isinstance(weight, QuantizedWeight):
         out: torch.Tensor = grouped_linear(x, weight, groups)
         return out
     rows = weight.data.shape[0] // groups
-    step = rows // weight.block[0]
-    parts = [
-        quant_linear(
-            x[:, g],
-            QuantizedWeight(
-                "fp8_block",
-                weight.data[g * rows : (g + 1) * rows],
-                weight.scale[g * step : (g + 1) * step],
-                weight.block,
-            ),
-        )
-        for g in range(groups)
-    ]
+    parts = [quant_linear(x[:, g], _row_range(weight, g * rows, (g + 1) * rows)) for g in range(groups)]
     return torch.cat(parts, dim=-1)
+
+
+def _row_range(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Rows ``start:stop`` of a stored-precision matrix (views), with their scales."""
+    br = weight.block[0]
+    scale = weight.scale[start // br : stop // br] if weight.scheme == "fp8_block" else weight.scale[start:stop]
+    offset = None if weight.offset is None else weight.offset[start:stop]
+    return QuantizedWeight(weight.scheme, weight.data[start:stop], scale, weight.block, offset)
 
 
 # Parameters the reference keeps in float32 whatever the checkpoint dtype (mixing and norm weights, and
@@ -740,10 +737,16 @@ def _with_zero_offset(w: QuantizedWeight) -> QuantizedWeight:
 
 
 def _fuse(prefix: str, w1: Any, w3: Any, dtype: torch.dtype) -> Any:
-    """The shared expert's gate and up projections as one matrix: FP8 when ``w1`` ends on a block
-    edge (each keeps its own scale rows), else float (dequantized, with a warning)."""
-    if isinstance(w1, QuantizedWeight) and isinstance(w3, QuantizedWeight) and w1.data.shape[0] % w1.block[0] == 0:
-        return QuantizedWeight("fp8_block", torch.cat([w1.data, w3.data]), torch.cat([w1.scale, w3.scale]), w1.block)
+    """The shared expert's gate and up projections as one matrix: as stored when both are stored
+    alike and ``w1`` ends on a block edge (each keeps its own scale rows; W8A8 scales are per row),
+    else float (dequantized, with a warning)."""
+    if (
+        isinstance(w1, QuantizedWeight)
+        and isinstance(w3, QuantizedWeight)
+        and (w1.scheme, w1.block) == (w3.scheme, w3.block)
+        and w1.data.shape[0] % w1.block[0] == 0
+    ):
+        return _stack_stored([[w1, w3]]).expert(0)
     if isinstance(w1, QuantizedWeight) or isinstance(w3, QuantizedWeight):
         logger.warning("%sffn.shared_experts.w1/w3: dequantized at load; fused they cut through FP8 blocks", prefix)
     parts = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in (w1, w3)]

@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 
 from pypto_serving.quantization import (
+    MODELSLIM_DESCRIPTION,
     MXFP4_GROUP,
     SCALE_SUFFIX,
     CheckpointFormat,
@@ -45,6 +46,7 @@ from pypto_serving.quantization import (
     decode_ue8m0,
     dequantize_mxfp4,
     read_checkpoint_format,
+    read_modelslim_description,
 )
 
 from .sharding import ShardPlan, TensorPart
@@ -156,11 +158,17 @@ def load_weights(
         if config.is_file()
         else CheckpointFormat(fp8=quantization)
     )
+    modelslim = read_modelslim_description(model_dir)
+    if modelslim is not None and fmt.fp8 is not None:
+        raise UnsupportedQuantizationError(
+            f"{model_dir}: both config.json (quantization_config: {fmt.describe()}) and "
+            f"{MODELSLIM_DESCRIPTION} describe the weights; keep the one that matches the tensors"
+        )
     out: dict[str, Loaded] = {}
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
         where = {key: f for f in handles for key in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
-        reader = _Reader(where, fmt, plan, stored)
+        reader = _Reader(where, fmt, plan, stored, modelslim.tensors if modelslim is not None else {})
         for key in where:
             for name, t in reader.read(key):
                 out[name] = (
@@ -206,14 +214,24 @@ def scale_pairs(keys: Iterable[str]) -> dict[str, str]:
 class _Reader:
     """Reads tensors by checkpoint key: only this rank's part, quantized ones dequantized with their scales."""
 
-    def __init__(self, where: dict[str, Any], fmt: CheckpointFormat, plan: ShardPlan | None, stored: bool) -> None:
+    def __init__(
+        self,
+        where: dict[str, Any],
+        fmt: CheckpointFormat,
+        plan: ShardPlan | None,
+        stored: bool,
+        w8a8: dict[str, str],
+    ) -> None:
         self.where = where
         self.fmt = fmt
         self.plan = plan
         self.stored = stored
+        self.w8a8 = {k: v for k, v in w8a8.items() if k.endswith(".weight")}  # msModelSlim's weights
         self.dequantized: list[str] = []  # kept-as-stored candidates whose part cuts through a scale block
         self.scales = scale_pairs(where)
         self._scale_keys = set(self.scales.values())
+        # msModelSlim's per-channel tensors are read with their weight.
+        self._scale_keys |= {k + s for k in self.w8a8 for s in W8A8_SUFFIXES if k + s in where}
 
     def read(self, key: str) -> Iterator[tuple[str, Loaded]]:
         """(normalised name, this rank's part) of checkpoint tensor ``key``; scales yield nothing."""
@@ -232,6 +250,11 @@ class _Reader:
         if kind == "mxfp4":
             shape = [shape[0], 2 * shape[1]]  # the values, not the bytes, are what a rank splits
         part = self.plan.part_of(name, shape) if self.plan is not None else None
+        if kind == "w8a8":
+            weight = _w8a8_part(self.where, key, sl, _spans(shape, part))
+            keep = self.stored and (_STORED_FP8.match(name) or _ROUTED.match(name))
+            yield name, weight if keep else weight.dequantize()
+            return
         if kind == "plain":
             index = () if part is None else (slice(None),) * part.dim + (part.part,)
             yield name, sl[index] if index else sl[:]
@@ -266,6 +289,9 @@ class _Reader:
         the checkpoint's description does not allow."""
         fmt = self.fmt
         routed = _ROUTED.match(name) is not None
+        if key in self.w8a8:
+            self._check_w8a8(key, dtype)
+            return "w8a8"
         if routed and fmt.expert_dtype == "fp4" and dtype not in _FP8:  # FP8 experts read as FP8
             if dtype not in _PACKED:
                 raise self._error(
@@ -284,9 +310,36 @@ class _Reader:
             return "fp8"
         if routed and dtype in _PACKED:
             raise self._error(key, f"is {dtype}: a packed expert needs expert_dtype='fp4' in config.json")
+        if dtype in _PACKED and key.endswith(".weight"):
+            raise self._error(key, f"is {dtype} but neither config.json nor {MODELSLIM_DESCRIPTION} quantizes it")
         if key in self.scales:
             raise self._error(self.scales[key], f"scales {key}, which is {dtype}, not a quantized weight")
         return "plain"
+
+    def _check_w8a8(self, key: str, dtype: str) -> None:
+        """Refuses a weight msModelSlim's description quantizes that this loader cannot read as
+        dynamic W8A8: static W8A8, a non-int8 weight, missing or malformed per-channel tensors."""
+        kind = {"w8a8_dynamic": "W8A8_DYNAMIC", "w8a8_static": "W8A8"}[self.w8a8[key]]
+        where = f"({MODELSLIM_DESCRIPTION}: {kind})"
+        if kind != "W8A8_DYNAMIC":
+            raise UnsupportedQuantizationError(
+                f"{key} is static W8A8 {where}; the DeepSeek executor reads W8A8_DYNAMIC (per-token activations) only"
+            )
+        if dtype != "I8":
+            raise UnsupportedQuantizationError(f"{key} is {dtype}; W8A8_DYNAMIC expects int8 [out, in] {where}")
+        out = self.where[key].get_slice(key).get_shape()[0]
+        for suffix in W8A8_SUFFIXES:
+            name = key + suffix
+            if name not in self.where:
+                if suffix == "_offset":
+                    continue  # symmetric: no offset
+                raise UnsupportedQuantizationError(f"{key} has no scales: expected {name}, float32 [{out}, 1] {where}")
+            sl = self.where[name].get_slice(name)
+            if sl.get_dtype() not in ("F32", "BF16", "F16") or list(sl.get_shape()) not in ([out], [out, 1]):
+                raise UnsupportedQuantizationError(
+                    f"{name} is {sl.get_dtype()} {list(sl.get_shape())}; expected float32 [{out}, 1] "
+                    f"(one per output channel of {key}) {where}"
+                )
 
     def _fp8_scale(self, key: str) -> tuple[tuple[str, ...], str]:
         """(the dtypes allowed, the expectation in words) for an FP8 weight's scales."""
@@ -389,6 +442,26 @@ def _fp8_part(sl: Any, scale_sl: Any, block: tuple[int, int], full: list[int], p
         scales = scales.narrow(dim, span.start - first * b, span.stop - span.start)
     weight: torch.Tensor = sl[spans[0], spans[1]]
     return weight.float() * scales
+
+
+#: msModelSlim's per-channel tensors of a W8A8 weight ``X.weight``: ``X.weight_scale``, ``X.weight_offset``.
+W8A8_SUFFIXES = ("_scale", "_offset")
+
+
+def _w8a8_part(where: dict[str, Any], key: str, sl: Any, spans: list[slice]) -> QuantizedWeight:
+    """This rank's part (``spans``: rows, columns) of a W8A8_DYNAMIC weight with its rows' scales and
+    offsets (dropped when all zero: symmetric)."""
+    rows, cols = spans
+
+    def channels(suffix: str) -> torch.Tensor | None:
+        name = key + suffix
+        return where[name].get_slice(name)[rows].float().reshape(-1).contiguous() if name in where else None
+
+    scale, offset = channels("_scale"), channels("_offset")
+    assert scale is not None  # _check_w8a8 refused a weight without one
+    if offset is not None and not offset.any():
+        offset = None
+    return QuantizedWeight("w8a8_dynamic", sl[rows, cols].contiguous(), scale, (1, 1), offset)
 
 
 def _check_mxfp4_grid(key: str, scale_sl: Any, full: list[int]) -> None:
