@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from .activation import silu_and_mul
 from .moe import moe_experts
 from .mxfp4 import dequantize_mxfp4
-from .quant import quantize_per_token
+from .quant import fp8_values, quantize_per_token
 from .registry import dispatch
 
 __all__ = [
@@ -69,7 +69,7 @@ class QuantizedExperts(Protocol):
 def _fp8_blocks(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """Block-FP8 ``data [..., n, k]`` with ``scale [..., ceil(n/br), ceil(k/bc)]`` as ``dtype``."""
     (br, bc), (n, k) = block, data.shape[-2:]
-    values, factors = data.to(torch.float32), scale.to(torch.float32)
+    values, factors = fp8_values(data, torch.float32), scale.to(torch.float32)
     if n % br == 0 and k % bc == 0:  # whole blocks: broadcast the grid, no spread copy of the scales
         lead = values.shape[:-2]
         tiles = values.reshape(*lead, n // br, br, k // bc, bc)
