@@ -295,10 +295,18 @@ class DeepseekMTPExecutor(Executor):
             used = ", ".join(f"{k} runs {describe_kernel(k, self.device)}" for k in kernels[kind])
             logger.info("%s layers: %s", kind, used)
         assert self.model is not None
-        stored = {v.scheme for p in self.model.layers for v in p.values() if isinstance(v, QuantizedWeight)}
+        stored = {
+            v.scheme
+            for p in self.model.layers
+            for k, v in p.items()
+            if isinstance(v, QuantizedWeight) and not k.startswith("experts.")
+        }
         if "fp8_block" in stored:
             backend = describe_kernel("quant_linear", self.device, scheme="fp8_block", dtype=self.dtype)
             logger.info("FP8 projections (kept as stored): quant_linear runs %s", backend)
+        if "w8a8_dynamic" in stored:
+            backend = describe_kernel("quant_linear", self.device, scheme="w8a8_dynamic", dtype=self.dtype)
+            logger.info("W8A8 projections (kept int8): quant_linear runs %s", backend)
         stacks = [p["experts.gate_up"] for p in self.model.layers]
         experts = {w.scheme for w in stacks if isinstance(w, QuantizedWeight)}
         if experts:
