@@ -15,9 +15,11 @@ RSS (anonymous + file-backed + shared, from /proc/self/status) after loading min
 the checkpoint's tensor bytes.
 
 ``--deepseek`` loads ``tiny-deepseek-v4-fp8`` (DeepSeek-V4's release layout: FP8 E4M3 projections
-with UE8M0 128x128 block scales, MXFP4 routed experts, bfloat16 elsewhere) through the DeepSeek
-executor twice, each in a fresh process: kept in its stored precision (the default) and dequantized
-at load (``stored_precision = False``); per load the time, the bytes the executor's weights hold
+with UE8M0 128x128 block scales, MXFP4 routed experts, bfloat16 elsewhere), the same with block-FP8
+routed experts (DeepSeek-V3 style), and msModelSlim's W8A8_DYNAMIC copy of the embedded model (int8
+projections and experts, float32 elsewhere), each through the DeepSeek executor twice, each in a
+fresh process: kept in its stored precision (the default) and dequantized at load
+(``stored_precision = False``); per load the time, the bytes the executor's weights hold
 (``weight_bytes``: each weight storage once) against the checkpoint's tensor bytes (MTP layer
 loaded), and greedy decode tokens per second (no speculation, one thread) at concurrency 1 and 8.
 """
@@ -349,24 +351,45 @@ def _tensor_bytes(path: Path) -> int:
     return total
 
 
-def deepseek_table(directory: Path) -> None:
-    from pypto_serving_deepseek_mtp.plugin import write_tiny_fp8
+def deepseek_checkpoints(directory: Path) -> dict[str, Path]:
+    """The embedded DeepSeek-V4 in each stored format: the release (FP8 + MXFP4 experts), FP8 experts
+    (DeepSeek-V3 style), msModelSlim W8A8_DYNAMIC (the tests' quantiser, written once)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from pypto_serving_deepseek_mtp.plugin import TINY_DEEPSEEK_V4, write_tiny_fp8
+    from pypto_serving_deepseek_mtp.release import write_release_layout
+    from tests.plugins.deepseek_mtp.test_w8a8 import w8a8_copy
 
-    path = write_tiny_fp8(directory / "tiny-deepseek-v4-fp8")
-    print(f"{'weights':12} {'ckpt MiB':>8} {'held MiB':>8} {'x ckpt':>7} {'load s':>7} {'tok/s c1':>9} {'tok/s c8':>9}")
+    out = {"fp8+mxfp4": write_tiny_fp8(directory / "tiny-deepseek-v4-fp8")}
+    out["fp8 experts"] = directory / "tiny-deepseek-v4-fp8-experts"
+    if not out["fp8 experts"].is_dir():
+        out["fp8 experts"].mkdir(parents=True)
+        write_release_layout(TINY_DEEPSEEK_V4, out["fp8 experts"], expert_dtype="fp8")
+    out["w8a8"] = directory / "tiny-deepseek-v4-w8a8"
+    if not out["w8a8"].is_dir():
+        w8a8_copy(TINY_DEEPSEEK_V4, out["w8a8"], directory / "tiny-deepseek-v4-w8a8-values")
+    return out
+
+
+def deepseek_table(directory: Path) -> None:
+    print(f"{'weights':24} {'ckpt MiB':>8} {'held MiB':>8} {'x ckpt':>7} {'load s':>7} {'tok/s c1':>9} {'tok/s c8':>9}")
+    for name, path in deepseek_checkpoints(directory).items():
+        _deepseek_rows(name, path)
+
+
+def _deepseek_rows(name: str, path: Path) -> None:
     for mode in ("stored", "dequantized"):
         command = [sys.executable, __file__, "--measure-deepseek", str(path), "--mode", mode]
         run = subprocess.run(
             command, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": "0"}, check=False
         )
         if run.returncode:
-            print(mode, "failed:", run.stderr[-2000:])
+            print(name, mode, "failed:", run.stderr[-2000:])
             continue
         r = json.loads(run.stdout.strip().splitlines()[-1])
         mb = 1 / (1 << 20)
         tok = r["decode_tok_s"]
         print(
-            f"{mode:12} {r['checkpoint_bytes'] * mb:8.2f} {r['held_bytes'] * mb:8.2f} "
+            f"{name + ', ' + mode:24} {r['checkpoint_bytes'] * mb:8.2f} {r['held_bytes'] * mb:8.2f} "
             f"{r['held_bytes'] / r['checkpoint_bytes']:7.2f} {r['load_seconds']:7.3f} "
             f"{tok['1']:9.1f} {tok['8']:9.1f}"
         )
@@ -380,7 +403,7 @@ def main() -> None:
     parser.add_argument("--measure", type=Path, help="load this checkpoint and print its numbers as JSON")
     parser.add_argument("--format", default="float32", help="the --measure checkpoint's format (for the warm-up)")
     parser.add_argument("--linear", action="store_true", help="time quant_linear per scheme instead")
-    parser.add_argument("--deepseek", action="store_true", help="tiny-deepseek-v4-fp8: stored vs dequantized")
+    parser.add_argument("--deepseek", action="store_true", help="tiny DeepSeek-V4 per format: stored vs dequantized")
     parser.add_argument("--measure-deepseek", type=Path, help="one DeepSeek load and decode, JSON on stdout")
     parser.add_argument("--mode", choices=("stored", "dequantized"), default="stored")
     args = parser.parse_args()

@@ -268,7 +268,8 @@ class ServingSettings(BaseSettings):
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto",
         description="KV cache element type (vLLM's name): 'auto' stores K/V in the model dtype; 'fp8' stores "
-        "float8_e4m3fn with a per-tensor scale of 1.0 (half or a quarter of the bytes per block), written quantised "
+        "float8_e4m3fn over the checkpoint's k_scale/v_scale (per tensor or per KV head; Qwen) or else a scale of 1.0 "
+        "(half or a quarter of the bytes per block), written quantised "
         "and read dequantised. Executors that do not support it refuse to start.",
     )
     gpu_memory_utilization: float | None = Field(

@@ -74,6 +74,9 @@ MODELSLIM_DESCRIPTION = "quant_model_description.json"
 _MODELSLIM_TYPES = {"W8A8_DYNAMIC": "w8a8_dynamic", "W8A8": "w8a8_static", "FLOAT": None}
 
 
+_TENSOR_FIELDS = ("data", "scale", "offset", "input_scale", "input_offset", "deq_scale", "quant_bias")
+
+
 @dataclass(slots=True)
 class QuantizedWeight:
     """A linear weight kept in its stored precision; ``pypto_kernels.quant_linear`` multiplies by it.
@@ -86,9 +89,13 @@ class QuantizedWeight:
     - ``w8a8_static``: ``data`` int8 and msModelSlim's ``input_scale``/``input_offset`` (``[1]``),
       ``deq_scale`` (``[out]``, float32 or int64 holding float32 bits) and ``quant_bias`` (int32
       ``[out]``): ``y = (round(x / input_scale + input_offset) @ data.T + quant_bias) * deq_scale``.
-    - ``mxfp4`` (routed experts, stacked: ``pypto_kernels.mxfp4_moe_experts`` multiplies by them):
-      ``data`` int8 ``[..., out, in/2]``, two E2M1 codes a byte (low nibble the even column);
-      ``scale`` ``float8_e8m0fnu [..., out, ceil(in/32)]``; ``block`` is ``(1, 32)``.
+    - ``mxfp4`` (routed experts): ``data`` int8 ``[..., out, in/2]``, two E2M1 codes a byte (low
+      nibble the even column); ``scale`` ``float8_e8m0fnu [..., out, ceil(in/32)]``; ``block`` is
+      ``(1, 32)``.
+
+    Routed experts are stacked ``[E, out, in]`` (``pypto_kernels.quant_moe_experts`` multiplies by
+    them): ``mxfp4``, ``fp8_block`` (``scale [E, ceil(out/br), ceil(in/bc)]``) or ``w8a8_dynamic``
+    (``scale`` and ``offset`` ``[E, out]``).
     """
 
     scheme: str
@@ -105,23 +112,32 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return (int(self.data.shape[0]), int(self.data.shape[1]))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The data and every scale tensor held, each once (``scale`` and ``deq_scale`` may be one)."""
+        found = (getattr(self, f) for f in _TENSOR_FIELDS)
+        return list({id(t): t for t in found if t is not None}.values())
+
     def nbytes(self) -> int:
-        """Bytes held: the data and every scale tensor (``scale`` and ``deq_scale`` may be one tensor)."""
-        tensors = (
-            self.data,
-            self.scale,
-            self.offset,
-            self.input_scale,
-            self.input_offset,
-            self.deq_scale,
-            self.quant_bias,
-        )
-        unique = {id(t): t for t in tensors if t is not None}
-        return sum(t.numel() * t.element_size() for t in unique.values())
+        """Bytes held: the data and every scale tensor."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def expert(self, index: int) -> QuantizedWeight:
+        """Matrix ``index`` of a stack of experts (views of the stack's tensors)."""
+        offset = None if self.offset is None else self.offset[index]
+        return QuantizedWeight(self.scheme, self.data[index], self.scale[index], self.block, offset)
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """The same weight with every tensor on ``device``."""
+        moved = {f: getattr(self, f) for f in _TENSOR_FIELDS}
+        moved = {f: None if t is None else t.to(device) for f, t in moved.items()}
+        return QuantizedWeight(self.scheme, block=self.block, **moved)  # type: ignore[arg-type]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight (a full-size copy: for tests and references, never the serving path).
-        For ``w8a8_static`` the weight alone is ``data * deq_scale / input_scale``."""
+        For ``w8a8_static`` the weight alone is ``data * deq_scale / input_scale``; a stack of
+        experts (3-d ``data``) is dequantised expert by expert."""
+        if self.data.dim() == 3 and self.scheme != "mxfp4":
+            return torch.stack([self.expert(e).dequantize(dtype) for e in range(self.data.shape[0])])
         if self.scheme == "fp8_block":
             return dequantize_fp8_blocks(self.data, self.scale, self.block).to(dtype)
         if self.scheme == "mxfp4":

@@ -21,9 +21,10 @@ from .dense import PackedLinearWeight, linear, onednn_supports, pack_linear, pac
 from .device import npu_available, select_device
 from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
-from .mxfp4 import dequantize_mxfp4, mxfp4_moe_experts
+from .mxfp4 import dequantize_mxfp4
 from .norm import add_rms_norm, rms_norm
 from .quant import QuantizedLinearWeight, dequantize_weight, quant_linear, quantize_per_token
+from .quant_moe import dequantize_experts, quant_moe_experts
 from .registry import (
     KERNEL_NAMES,
     available_kernels,
@@ -48,6 +49,7 @@ __all__ = [
     "apply_rope",
     "available_kernels",
     "compressor_pool",
+    "dequantize_experts",
     "dequantize_mxfp4",
     "dequantize_weight",
     "describe_kernel",
@@ -62,13 +64,13 @@ __all__ = [
     "linear",
     "load_backends",
     "moe_experts",
-    "mxfp4_moe_experts",
     "npu_available",
     "onednn_supports",
     "pack_linear",
     "packing_rule",
     "paged_attention",
     "quant_linear",
+    "quant_moe_experts",
     "quantize_per_token",
     "reference_kernel",
     "register_kernel",

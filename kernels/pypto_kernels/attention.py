@@ -39,6 +39,10 @@ _TILE_ELEMENTS = 1 << 21
 _GATHER_BYTES = 2 << 20
 
 
+#: A KV cache scale: per tensor (a float or 0-d tensor) or per KV head (a ``[Hkv]`` tensor).
+CacheScale = float | torch.Tensor | None
+
+
 @dispatch("write_kv_cache")
 def write_kv_cache(
     key: torch.Tensor,
@@ -47,14 +51,14 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: CacheScale = None,
+    v_scale: CacheScale = None,
 ) -> None:
     """Scatter this step's K/V [T, Hkv, D] into the paged caches in place.
 
-    An FP8 cache (``float8_e4m3fn``) stores each row divided by its per-tensor scale (``k_scale``,
-    ``v_scale``; 1.0 when not given), saturated to the format's range; :func:`paged_attention`
-    multiplies it back when it reads.
+    An FP8 cache (``float8_e4m3fn``) stores each row divided by its scale (``k_scale``, ``v_scale``:
+    a float or 0-d tensor per tensor, or a ``[Hkv]`` tensor per KV head; 1.0 when not given),
+    saturated to the format's range; :func:`paged_attention` multiplies it back when it reads.
 
     Token ``t`` goes to slot ``slot_mapping[t]``: block ``slot // block_size``, offset
     ``slot % block_size``. Every slot must be a real one (``0 <= slot < blocks * block_size``) and
@@ -68,19 +72,39 @@ def write_kv_cache(
     _scatter_rows(value_cache, slots, value, v_scale)
 
 
-#: KV cache dtypes stored with a per-tensor scale, and the largest finite value of each.
+#: KV cache dtypes stored with a scale, and the largest finite value of each.
 FP8_CACHE_MAX = {torch.float8_e4m3fn: 448.0}
 
 
-def quantize_cache_rows(rows: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
-    """``rows`` as a cache of ``dtype`` stores them: FP8 divided by ``scale`` and saturated, others cast."""
+def _head_factor(scale: CacheScale) -> float | torch.Tensor | None:
+    """``scale`` shaped to multiply ``[..., Hkv, D]`` rows (a per-head ``[Hkv]`` tensor as
+    ``[Hkv, 1]``); None for no scaling. A float 1.0 is no scaling; a tensor is never compared on the
+    host (that would read it back)."""
+    if scale is None or (isinstance(scale, float | int) and scale == 1.0):
+        return None
+    if isinstance(scale, torch.Tensor):
+        return scale.float().reshape(-1, 1) if scale.dim() == 1 else scale.float()
+    return float(scale)
+
+
+def quantize_cache_rows(rows: torch.Tensor, dtype: torch.dtype, scale: CacheScale) -> torch.Tensor:
+    """``rows`` ``[..., Hkv, D]`` as a cache of ``dtype`` stores them: FP8 divided by ``scale``
+    (per tensor or per KV head) and saturated, others cast."""
     if dtype not in FP8_CACHE_MAX:
         return rows.to(dtype)
     limit = FP8_CACHE_MAX[dtype]
-    return (rows.float() / (1.0 if scale is None else scale)).clamp(-limit, limit).to(dtype)
+    factor = _head_factor(scale)
+    values = rows.float() if factor is None else rows.float() / factor
+    return values.clamp(-limit, limit).to(dtype)
 
 
-def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float | None) -> None:
+def _dequantized(raw: torch.Tensor, dtype: torch.dtype, scale: CacheScale) -> torch.Tensor:
+    """FP8 cache rows ``[..., Hkv, D]`` in ``dtype``, times their scale."""
+    factor = _head_factor(scale)
+    return raw.to(dtype) if factor is None else (raw.to(dtype) * factor).to(dtype)
+
+
+def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: CacheScale) -> None:
     """``cache`` [blocks, block_size, ...] at flat ``slots`` <- ``rows`` (cast to the cache dtype)."""
     rows = quantize_cache_rows(rows, cache.dtype, scale)
     if cache.dtype in FP8_CACHE_MAX:  # the CPU's index_copy_ has no FP8 kernel; the bytes are what move
@@ -250,7 +274,7 @@ def _gather_chunks(spans: list[_Span], block_bytes: int) -> list[list[_Span]]:
 
 
 def _gather_blocks(
-    cache: torch.Tensor, tables: torch.Tensor, chunk: list[_Span], dtype: torch.dtype, scale: float | None
+    cache: torch.Tensor, tables: torch.Tensor, chunk: list[_Span], dtype: torch.dtype, scale: CacheScale
 ) -> torch.Tensor:
     """The chunk's blocks, request after request, as [tokens, Hkv, D] (one index_select): in the cache
     dtype, or for an FP8 cache dequantized to ``dtype`` (times ``scale``)."""
@@ -259,7 +283,7 @@ def _gather_blocks(
     if cache.dtype not in FP8_CACHE_MAX:
         return cache.index_select(0, index).flatten(0, 1)
     raw = cache.view(torch.uint8).index_select(0, index).view(cache.dtype).flatten(0, 1)
-    return raw.to(dtype) if scale is None or scale == 1.0 else raw.to(dtype) * scale
+    return _dequantized(raw, dtype, scale)
 
 
 @dispatch("paged_attention")
@@ -276,8 +300,8 @@ def paged_attention(
     *,
     query_lens_host: Sequence[int] | None = None,
     seq_lens_host: Sequence[int] | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: CacheScale = None,
+    v_scale: CacheScale = None,
 ) -> torch.Tensor:
     """Causal attention of a flat mixed batch (prefill, chunked prefill, decode) over a paged KV cache.
 
@@ -330,8 +354,8 @@ def _attend_spans(
     scale: float,
     window: int | None,
     sinks: torch.Tensor | None,
-    k_scale: float | None,
-    v_scale: float | None,
+    k_scale: CacheScale,
+    v_scale: CacheScale,
 ) -> None:
     """Attend ``spans`` request by request into ``out``, their blocks gathered a few MiB at a time."""
     block_size = key_cache.shape[1]
@@ -534,13 +558,13 @@ def _padded_blocks(tables: torch.Tensor, group: list[_Span], block_size: int) ->
     return ids, hidden
 
 
-def _gather_padded(cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, scale: float | None) -> torch.Tensor:
+def _gather_padded(cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype, scale: CacheScale) -> torch.Tensor:
     """Blocks ``ids`` [B, W] of ``cache`` as [B, W * block_size, Hkv, D] (FP8 dequantized to ``dtype``)."""
     rows, width = ids.shape
     if cache.dtype not in FP8_CACHE_MAX:
         return cache.index_select(0, ids.flatten()).view(rows, width * cache.shape[1], *cache.shape[2:])
     raw = cache.view(torch.uint8).index_select(0, ids.flatten()).view(cache.dtype)
-    out = raw.to(dtype) if scale is None or scale == 1.0 else raw.to(dtype) * scale
+    out = _dequantized(raw, dtype, scale)
     return out.view(rows, width * cache.shape[1], *cache.shape[2:])
 
 
@@ -590,8 +614,8 @@ def batched_decode_paged_attention(
     *,
     query_lens_host: Sequence[int] | None = None,
     seq_lens_host: Sequence[int] | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
+    k_scale: CacheScale = None,
+    v_scale: CacheScale = None,
 ) -> torch.Tensor:
     """:func:`paged_attention` with every decode row (one query) batched: rows sorted by length, cut
     into groups of bounded padded size, each group's K/V gathered once into a padded tensor and

@@ -47,6 +47,16 @@ class QuantizedLinearWeight(Protocol):
     quant_bias: torch.Tensor | None
 
 
+def fp8_values(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 ``data`` as ``dtype`` (float32 or bfloat16 hold every FP8 value exactly). On the CPU through
+    a 256-entry table indexed by the bytes: 4.5x faster than the element-wise conversion there (no
+    CPU instruction converts FP8; measured, docs/benchmarks.md), the same values."""
+    if data.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return data.to(dtype)
+    table = torch.arange(256, dtype=torch.uint8).view(data.dtype).to(dtype)
+    return table.index_select(0, data.reshape(-1).view(torch.uint8).int()).view(data.shape)
+
+
 def spread_block_scales(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
     """Per-element scales of a ``shape`` weight from its per-block ``scale`` grid (float32)."""
     rows, cols = block

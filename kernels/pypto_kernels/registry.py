@@ -52,7 +52,7 @@ KERNEL_NAMES: frozenset[str] = frozenset(
         "indexer_topk",
         "sink_attention",
         "quant_linear",
-        "mxfp4_moe_experts",
+        "quant_moe_experts",
         "linear",
     }
 )

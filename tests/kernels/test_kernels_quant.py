@@ -245,3 +245,17 @@ def test_quantized_weight_dequantize_follows_each_scheme() -> None:
     )
     assert torch.equal(static.dequantize(), dyn.data.float() * 2)  # deq_scale / input_scale = weight scale
     assert static.nbytes() == 6 * 9 + 6 * 4 + 4 + 4 + 6 * 4  # deq_scale counted once
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_table_decoding_equals_the_conversion(fmt: torch.dtype) -> None:
+    """The CPU's byte-table decoding gives every FP8 code's value (NaNs included) as ``.to`` does,
+    for contiguous and strided tensors."""
+    from pypto_kernels.quant import fp8_values
+
+    every = torch.arange(256, dtype=torch.uint8).view(fmt).reshape(16, 16)
+    for data in (every, every[:, 3:11], every.t()):
+        for dtype in (torch.float32, torch.bfloat16):
+            got, want = fp8_values(data, dtype), data.to(dtype)
+            assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())

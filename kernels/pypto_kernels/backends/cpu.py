@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..attention import batched_decode_paged_attention
 from ..dense import PackedLinearWeight
-from ..quant import QuantizedLinearWeight, quantize_per_token
+from ..quant import QuantizedLinearWeight, fp8_values, quantize_per_token
 from . import paged_attention_features
 
 #: Values of one dequantised band of an FP8 weight (4 MiB in float32): large enough that the matmul
@@ -50,7 +50,7 @@ def _band_rows(weight: QuantizedLinearWeight) -> int:
 def _dequantized_band(weight: QuantizedLinearWeight, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``start:stop`` (``start`` on a block boundary) of the FP8 weight, in ``dtype``."""
     br, bc = weight.block
-    band = weight.data[start:stop].to(dtype)
+    band = fp8_values(weight.data[start:stop], dtype)
     scale = weight.scale[start // br : -(-stop // br)].to(dtype)
     n, k = band.shape
     if n % br == 0 and k % bc == 0:  # whole blocks: broadcast the grid, no spread copy

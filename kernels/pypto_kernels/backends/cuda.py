@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..mxfp4 import gathered_mxfp4_moe_experts
+from ..quant_moe import gathered_quant_moe_experts
 from . import paged_attention_features, unknown_options, write_kv_cache_features
 
 #: FlashAttention-2 paged KV: "Paged KV cache block size must be divisible by 256" (mha_varlen_fwd).
@@ -42,7 +42,7 @@ _FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_ATTN_MAX_HEAD_DIM = 256
 
 PAGED_ATTENTION_LABEL = "cuda: flash-attn varlen (block table)"
-MXFP4_MOE_LABEL = "cuda: routed experts gathered and dequantised per step, grouped matmuls (no host read)"
+QUANT_MOE_LABEL = "cuda: routed experts gathered and dequantised per step, grouped matmuls (no host read)"
 WRITE_KV_CACHE_LABEL = "cuda: index_copy_ scatter by slot"
 
 
@@ -229,7 +229,7 @@ def register(add: Callable[..., None]) -> None:
         label=QUANT_LINEAR_LABEL,
         explain=explain_quant_linear,
     )
-    add("mxfp4_moe_experts", "cuda", gathered_mxfp4_moe_experts, label=MXFP4_MOE_LABEL)
+    add("quant_moe_experts", "cuda", gathered_quant_moe_experts, label=QUANT_MOE_LABEL)
 
 
 # --------------------------------------------------------------------------- FP8 block-scaled linears

@@ -295,12 +295,23 @@ class DeepseekMTPExecutor(Executor):
             used = ", ".join(f"{k} runs {describe_kernel(k, self.device)}" for k in kernels[kind])
             logger.info("%s layers: %s", kind, used)
         assert self.model is not None
-        stored = {v.scheme for p in self.model.layers for v in p.values() if isinstance(v, QuantizedWeight)}
+        stored = {
+            v.scheme
+            for p in self.model.layers
+            for k, v in p.items()
+            if isinstance(v, QuantizedWeight) and not k.startswith("experts.")
+        }
         if "fp8_block" in stored:
             backend = describe_kernel("quant_linear", self.device, scheme="fp8_block", dtype=self.dtype)
             logger.info("FP8 projections (kept as stored): quant_linear runs %s", backend)
-        if "mxfp4" in stored:
-            logger.info("MXFP4 routed experts (kept packed): %s", describe_kernel("mxfp4_moe_experts", self.device))
+        if "w8a8_dynamic" in stored:
+            backend = describe_kernel("quant_linear", self.device, scheme="w8a8_dynamic", dtype=self.dtype)
+            logger.info("W8A8 projections (kept int8): quant_linear runs %s", backend)
+        stacks = [p["experts.gate_up"] for p in self.model.layers]
+        experts = {w.scheme for w in stacks if isinstance(w, QuantizedWeight)}
+        if experts:
+            backend = describe_kernel("quant_moe_experts", self.device)
+            logger.info("routed experts kept as stored (%s): %s", ", ".join(sorted(experts)), backend)
 
     def _cache_groups(self, cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> list[CacheGroupSpec]:
         elem = torch.tensor([], dtype=dtype).element_size()
@@ -417,7 +428,7 @@ class DeepseekMTPExecutor(Executor):
         for p in [*m.layers, *self.mtp_layers]:
             for v in p.values():
                 if isinstance(v, QuantizedWeight):
-                    out += [v.data, v.scale]
+                    out += v.tensors()
                 elif isinstance(v, torch.Tensor):
                     out.append(v)
         return out

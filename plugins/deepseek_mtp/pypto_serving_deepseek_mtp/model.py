@@ -36,8 +36,8 @@ from pypto_kernels import (
     indexer_topk,
     interleaved_rope_cos_sin,
     moe_experts,
-    mxfp4_moe_experts,
     quant_linear,
+    quant_moe_experts,
     rope_inv_freq,
     sink_attention,
     topk_routing,
@@ -67,26 +67,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Ten
 
 
 def grouped_projection(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, groups: int) -> torch.Tensor:
-    """``grouped_linear`` (V4's block-diagonal ``wo_a``) for a float or a block-FP8 weight: group
-    ``g`` meets its rows of the FP8 weight, a row range of whole scale blocks (checked at load)."""
+    """``grouped_linear`` (V4's block-diagonal ``wo_a``) for a float or a stored-precision weight:
+    group ``g`` meets its rows of the weight (for block FP8 a row range of whole scale blocks,
+    checked at load) and their scales."""
     if not isinstance(weight, QuantizedWeight):
         out: torch.Tensor = grouped_linear(x, weight, groups)
         return out
     rows = weight.data.shape[0] // groups
-    step = rows // weight.block[0]
-    parts = [
-        quant_linear(
-            x[:, g],
-            QuantizedWeight(
-                "fp8_block",
-                weight.data[g * rows : (g + 1) * rows],
-                weight.scale[g * step : (g + 1) * step],
-                weight.block,
-            ),
-        )
-        for g in range(groups)
-    ]
+    parts = [quant_linear(x[:, g], _row_range(weight, g * rows, (g + 1) * rows)) for g in range(groups)]
     return torch.cat(parts, dim=-1)
+
+
+def _row_range(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Rows ``start:stop`` of a stored-precision matrix (views), with their scales."""
+    br = weight.block[0]
+    scale = weight.scale[start // br : stop // br] if weight.scheme == "fp8_block" else weight.scale[start:stop]
+    offset = None if weight.offset is None else weight.offset[start:stop]
+    return QuantizedWeight(weight.scheme, weight.data[start:stop], scale, weight.block, offset)
 
 
 # Parameters the reference keeps in float32 whatever the checkpoint dtype (mixing and norm weights, and
@@ -421,8 +418,8 @@ class DeepseekV4Model:
         def experts(x: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
             act = lambda gu: ops.clamped_swiglu(gu, limit)  # noqa: E731 - one-line activation
             gate_up, down = p["experts.gate_up"], p["experts.down"]
-            if isinstance(gate_up, QuantizedWeight):  # MXFP4: dequantised per routed expert, per call
-                out: torch.Tensor = mxfp4_moe_experts(x, gate_up, down, w, i, activation=act)
+            if isinstance(gate_up, QuantizedWeight):  # stored precision: dequantised per routed expert, per call
+                out: torch.Tensor = quant_moe_experts(x, gate_up, down, w, i, activation=act)
                 return out
             return moe_experts(x, gate_up, down, w, i, activation=act)
 
@@ -667,7 +664,8 @@ class DeepseekV4Model:
 def _layer_params(weights: dict[str, Any], prefix: str, experts: range, *, groups: int, dtype: torch.dtype) -> Params:
     """Take one block's tensors out of ``weights`` (prefix stripped) and pre-pack the weights of
     ``experts``; taking them out lets each expert's own tensor go once it is packed, so loading
-    peaks at the model plus one layer's experts. MXFP4 experts stay packed; FP8 projections stay
+    peaks at the model plus one layer's experts. Stored-precision experts stay so (stacked by
+    :func:`_stack_stored`); FP8 projections stay
     FP8 where the model's fused and grouped (``groups`` output groups of ``wo_a``) uses of them meet
     whole scale blocks, else are dequantized into ``dtype``."""
     p = {k[len(prefix) :]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
@@ -694,20 +692,61 @@ def _layer_params(weights: dict[str, Any], prefix: str, experts: range, *, group
 
 
 def _stack(experts: list[list[Any]], dtype: torch.dtype) -> Any:
-    """Each expert's matrices concatenated by rows, stacked: packed MXFP4 when every one is, else float."""
-    if experts and all(isinstance(w, QuantizedWeight) and w.scheme == "mxfp4" for e in experts for w in e):
-        data = torch.stack([torch.cat([w.data for w in e]) for e in experts])
-        scale = torch.stack([torch.cat([w.scale for w in e]) for e in experts])
-        return QuantizedWeight("mxfp4", data, scale, experts[0][0].block)
+    """Each expert's matrices concatenated by rows, stacked: as stored when every one is stored in one
+    scheme and block (:func:`_stack_stored`), else float."""
+    every = [w for e in experts for w in e]
+    kinds = {(w.scheme, w.block) if isinstance(w, QuantizedWeight) else None for w in every}
+    if len(kinds) == 1 and None not in kinds:
+        return _stack_stored(experts)
     floats = [[w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in e] for e in experts]
     return torch.stack([torch.cat(e, dim=0) for e in floats])
 
 
+def _stack_stored(experts: list[list[QuantizedWeight]]) -> QuantizedWeight:
+    """The stack ``quant_moe_experts`` multiplies by. Scales follow their rows: MXFP4 and W8A8 scales
+    are per row; FP8 block rows stay blocks where each matrix but the last of an expert ends on a
+    block edge, else every row gets its blocks' scales (block ``(1, bc)``, ``4 / bc`` bytes a value)."""
+    first = experts[0][0]
+    scheme, (br, bc) = first.scheme, first.block
+    block = first.block
+    if scheme == "fp8_block" and any(w.data.shape[0] % br for e in experts for w in e[:-1]):
+        experts = [[_rows_scaled(w) for w in e] for e in experts]
+        block = (1, bc)
+
+    def stacked(field: str) -> torch.Tensor:
+        return torch.stack([torch.cat([getattr(w, field) for w in e]) for e in experts])
+
+    offset = None
+    if scheme == "w8a8_dynamic" and any(w.offset is not None for e in experts for w in e):
+        experts = [[w if w.offset is not None else _with_zero_offset(w) for w in e] for e in experts]
+        offset = stacked("offset").reshape(len(experts), -1)
+    scale = stacked("scale")
+    if scheme == "w8a8_dynamic":
+        scale = scale.reshape(len(experts), -1)
+    return QuantizedWeight(scheme, stacked("data"), scale, block, offset)
+
+
+def _rows_scaled(w: QuantizedWeight) -> QuantizedWeight:
+    """A block-FP8 matrix with one scale row per row (block ``(1, bc)``)."""
+    rows = w.scale.repeat_interleave(w.block[0], dim=0)[: w.data.shape[0]]
+    return QuantizedWeight(w.scheme, w.data, rows.contiguous(), (1, w.block[1]))
+
+
+def _with_zero_offset(w: QuantizedWeight) -> QuantizedWeight:
+    return QuantizedWeight(w.scheme, w.data, w.scale, w.block, torch.zeros_like(w.scale))
+
+
 def _fuse(prefix: str, w1: Any, w3: Any, dtype: torch.dtype) -> Any:
-    """The shared expert's gate and up projections as one matrix: FP8 when ``w1`` ends on a block
-    edge (each keeps its own scale rows), else float (dequantized, with a warning)."""
-    if isinstance(w1, QuantizedWeight) and isinstance(w3, QuantizedWeight) and w1.data.shape[0] % w1.block[0] == 0:
-        return QuantizedWeight("fp8_block", torch.cat([w1.data, w3.data]), torch.cat([w1.scale, w3.scale]), w1.block)
+    """The shared expert's gate and up projections as one matrix: as stored when both are stored
+    alike and ``w1`` ends on a block edge (each keeps its own scale rows; W8A8 scales are per row),
+    else float (dequantized, with a warning)."""
+    if (
+        isinstance(w1, QuantizedWeight)
+        and isinstance(w3, QuantizedWeight)
+        and (w1.scheme, w1.block) == (w3.scheme, w3.block)
+        and w1.data.shape[0] % w1.block[0] == 0
+    ):
+        return _stack_stored([[w1, w3]]).expert(0)
     if isinstance(w1, QuantizedWeight) or isinstance(w3, QuantizedWeight):
         logger.warning("%sffn.shared_experts.w1/w3: dequantized at load; fused they cut through FP8 blocks", prefix)
     parts = [w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in (w1, w3)]

@@ -55,13 +55,16 @@ def release_name(key: str) -> str:
     return re.sub(r"(^|\.)attn\.norm\.weight$", r"\1attn.kv_norm.weight", name)
 
 
-def release_tensors(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """Tensor ``name`` (a release name) as the release stores it, with its scales if quantized."""
+def release_tensors(
+    name: str, tensor: torch.Tensor, block: tuple[int, int], expert_dtype: str = "fp4"
+) -> dict[str, torch.Tensor]:
+    """Tensor ``name`` (a release name) as the release stores it, with its scales if quantized;
+    routed experts as MXFP4 (``expert_dtype="fp4"``) or block FP8 (``"fp8"``, DeepSeek-V3 style)."""
     stem = name.removesuffix(".weight")
-    if _ROUTED.match(name):
+    if _ROUTED.match(name) and expert_dtype == "fp4":
         packed, scale = quantize_mxfp4(tensor)
         return {name: packed, f"{stem}.scale": scale}
-    if _FP8.match(name):
+    if _FP8.match(name) or _ROUTED.match(name):
         q, scale = quantize_fp8_ue8m0(tensor, block)
         return {name: q, f"{stem}.scale": scale}
     if not tensor.is_floating_point():
@@ -69,16 +72,19 @@ def release_tensors(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> 
     return {name: tensor.to(torch.float32 if _FLOAT32.match(name) else torch.bfloat16)}
 
 
-def write_release_layout(src: str | Path, dest: str | Path, block: tuple[int, int] = RELEASE_BLOCK) -> None:
+def write_release_layout(
+    src: str | Path, dest: str | Path, block: tuple[int, int] = RELEASE_BLOCK, expert_dtype: str = "fp4"
+) -> None:
     """Write the model directory ``src`` into ``dest`` (which exists) in the release layout: one
     ``model.safetensors``, ``config.json`` with the release's ``quantization_config`` and
-    ``expert_dtype``, the tokenizer and generation config copied."""
+    ``expert_dtype`` (``"fp8"``: block-FP8 routed experts instead of MXFP4), the tokenizer and
+    generation config copied."""
     src, dest = Path(src), Path(dest)
     out: dict[str, torch.Tensor] = {}
     for path in sorted(src.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                out.update(release_tensors(release_name(key), f.get_tensor(key), block))
+                out.update(release_tensors(release_name(key), f.get_tensor(key), block, expert_dtype))
     save_file(out, str(dest / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {
@@ -87,7 +93,7 @@ def write_release_layout(src: str | Path, dest: str | Path, block: tuple[int, in
         "scale_fmt": "ue8m0",
         "weight_block_size": list(block),
     }
-    config["expert_dtype"] = "fp4"
+    config["expert_dtype"] = expert_dtype
     config["dtype"] = config["torch_dtype"] = "bfloat16"
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in _SIDE_FILES:

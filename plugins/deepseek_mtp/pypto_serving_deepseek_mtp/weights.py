@@ -17,7 +17,7 @@ Quantized tensors are read as ``config.json`` describes them (block FP8 with ``w
 or the release's E8M0 ``X.scale``, MXFP4 routed experts; docs/deepseek_mtp.md, Quantized
 checkpoints), and refused by name where they do not match that description. With ``stored=True``
 (what the executor loads) the projections the model multiplies through ``pypto_kernels.quant_linear``
-and the MXFP4 routed experts stay in their stored precision as
+and the routed experts (MXFP4 or block FP8) stay in their stored precision as
 :class:`~pypto_serving.quantization.QuantizedWeight` (the bytes as stored, FP8 block scales decoded
 to float32); without it, or where this rank's part cuts through a scale block, they are dequantized.
 """
@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 
 from pypto_serving.quantization import (
+    MODELSLIM_DESCRIPTION,
     MXFP4_GROUP,
     SCALE_SUFFIX,
     CheckpointFormat,
@@ -45,6 +46,7 @@ from pypto_serving.quantization import (
     decode_ue8m0,
     dequantize_mxfp4,
     read_checkpoint_format,
+    read_modelslim_description,
 )
 
 from .sharding import ShardPlan, TensorPart
@@ -156,17 +158,21 @@ def load_weights(
         if config.is_file()
         else CheckpointFormat(fp8=quantization)
     )
+    modelslim = read_modelslim_description(model_dir)
+    if modelslim is not None and fmt.fp8 is not None:
+        raise UnsupportedQuantizationError(
+            f"{model_dir}: both config.json (quantization_config: {fmt.describe()}) and "
+            f"{MODELSLIM_DESCRIPTION} describe the weights; keep the one that matches the tensors"
+        )
     out: dict[str, Loaded] = {}
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
         where = {key: f for f in handles for key in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
-        reader = _Reader(where, fmt, plan, stored)
+        reader = _Reader(where, fmt, plan, stored, modelslim.tensors if modelslim is not None else {})
         for key in where:
             for name, t in reader.read(key):
                 out[name] = (
-                    _place(t, device)
-                    if isinstance(t, QuantizedWeight)
-                    else _cast(name, t, dtype, fp32_suffixes).to(device)
+                    t.to(device) if isinstance(t, QuantizedWeight) else _cast(name, t, dtype, fp32_suffixes).to(device)
                 )
     if reader.dequantized:
         logger.warning(
@@ -176,10 +182,6 @@ def load_weights(
             ", ".join(reader.dequantized[:4]),
         )
     return out
-
-
-def _place(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight:
-    return QuantizedWeight(weight.scheme, weight.data.to(device), weight.scale.to(device), weight.block)
 
 
 def scale_pairs(keys: Iterable[str]) -> dict[str, str]:
@@ -212,14 +214,24 @@ def scale_pairs(keys: Iterable[str]) -> dict[str, str]:
 class _Reader:
     """Reads tensors by checkpoint key: only this rank's part, quantized ones dequantized with their scales."""
 
-    def __init__(self, where: dict[str, Any], fmt: CheckpointFormat, plan: ShardPlan | None, stored: bool) -> None:
+    def __init__(
+        self,
+        where: dict[str, Any],
+        fmt: CheckpointFormat,
+        plan: ShardPlan | None,
+        stored: bool,
+        w8a8: dict[str, str],
+    ) -> None:
         self.where = where
         self.fmt = fmt
         self.plan = plan
         self.stored = stored
+        self.w8a8 = {k: v for k, v in w8a8.items() if k.endswith(".weight")}  # msModelSlim's weights
         self.dequantized: list[str] = []  # kept-as-stored candidates whose part cuts through a scale block
         self.scales = scale_pairs(where)
         self._scale_keys = set(self.scales.values())
+        # msModelSlim's per-channel tensors are read with their weight.
+        self._scale_keys |= {k + s for k in self.w8a8 for s in W8A8_SUFFIXES if k + s in where}
 
     def read(self, key: str) -> Iterator[tuple[str, Loaded]]:
         """(normalised name, this rank's part) of checkpoint tensor ``key``; scales yield nothing."""
@@ -238,6 +250,11 @@ class _Reader:
         if kind == "mxfp4":
             shape = [shape[0], 2 * shape[1]]  # the values, not the bytes, are what a rank splits
         part = self.plan.part_of(name, shape) if self.plan is not None else None
+        if kind == "w8a8":
+            weight = _w8a8_part(self.where, key, sl, _spans(shape, part))
+            keep = self.stored and (_STORED_FP8.match(name) or _ROUTED.match(name))
+            yield name, weight if keep else weight.dequantize()
+            return
         if kind == "plain":
             index = () if part is None else (slice(None),) * part.dim + (part.part,)
             yield name, sl[index] if index else sl[:]
@@ -253,7 +270,7 @@ class _Reader:
         assert self.fmt.fp8 is not None  # _kind returns "fp8" only with a block-FP8 description
         block = self.fmt.fp8.block
         _check_fp8_grid(key, scale, block, shape)
-        if _STORED_FP8.match(name) and self._keep(name, shape, part, block):
+        if (_STORED_FP8.match(name) or _ROUTED.match(name)) and self._keep(name, shape, part, block):
             yield name, _fp8_stored(sl, scale, block, shape, part)
         else:
             yield name, _fp8_part(sl, scale, block, shape, part)
@@ -272,6 +289,9 @@ class _Reader:
         the checkpoint's description does not allow."""
         fmt = self.fmt
         routed = _ROUTED.match(name) is not None
+        if key in self.w8a8:
+            self._check_w8a8(key, dtype)
+            return "w8a8"
         if routed and fmt.expert_dtype == "fp4" and dtype not in _FP8:  # FP8 experts read as FP8
             if dtype not in _PACKED:
                 raise self._error(
@@ -290,9 +310,36 @@ class _Reader:
             return "fp8"
         if routed and dtype in _PACKED:
             raise self._error(key, f"is {dtype}: a packed expert needs expert_dtype='fp4' in config.json")
+        if dtype in _PACKED and key.endswith(".weight"):
+            raise self._error(key, f"is {dtype} but neither config.json nor {MODELSLIM_DESCRIPTION} quantizes it")
         if key in self.scales:
             raise self._error(self.scales[key], f"scales {key}, which is {dtype}, not a quantized weight")
         return "plain"
+
+    def _check_w8a8(self, key: str, dtype: str) -> None:
+        """Refuses a weight msModelSlim's description quantizes that this loader cannot read as
+        dynamic W8A8: static W8A8, a non-int8 weight, missing or malformed per-channel tensors."""
+        kind = {"w8a8_dynamic": "W8A8_DYNAMIC", "w8a8_static": "W8A8"}[self.w8a8[key]]
+        where = f"({MODELSLIM_DESCRIPTION}: {kind})"
+        if kind != "W8A8_DYNAMIC":
+            raise UnsupportedQuantizationError(
+                f"{key} is static W8A8 {where}; the DeepSeek executor reads W8A8_DYNAMIC (per-token activations) only"
+            )
+        if dtype != "I8":
+            raise UnsupportedQuantizationError(f"{key} is {dtype}; W8A8_DYNAMIC expects int8 [out, in] {where}")
+        out = self.where[key].get_slice(key).get_shape()[0]
+        for suffix in W8A8_SUFFIXES:
+            name = key + suffix
+            if name not in self.where:
+                if suffix == "_offset":
+                    continue  # symmetric: no offset
+                raise UnsupportedQuantizationError(f"{key} has no scales: expected {name}, float32 [{out}, 1] {where}")
+            sl = self.where[name].get_slice(name)
+            if sl.get_dtype() not in ("F32", "BF16", "F16") or list(sl.get_shape()) not in ([out], [out, 1]):
+                raise UnsupportedQuantizationError(
+                    f"{name} is {sl.get_dtype()} {list(sl.get_shape())}; expected float32 [{out}, 1] "
+                    f"(one per output channel of {key}) {where}"
+                )
 
     def _fp8_scale(self, key: str) -> tuple[tuple[str, ...], str]:
         """(the dtypes allowed, the expectation in words) for an FP8 weight's scales."""
@@ -395,6 +442,26 @@ def _fp8_part(sl: Any, scale_sl: Any, block: tuple[int, int], full: list[int], p
         scales = scales.narrow(dim, span.start - first * b, span.stop - span.start)
     weight: torch.Tensor = sl[spans[0], spans[1]]
     return weight.float() * scales
+
+
+#: msModelSlim's per-channel tensors of a W8A8 weight ``X.weight``: ``X.weight_scale``, ``X.weight_offset``.
+W8A8_SUFFIXES = ("_scale", "_offset")
+
+
+def _w8a8_part(where: dict[str, Any], key: str, sl: Any, spans: list[slice]) -> QuantizedWeight:
+    """This rank's part (``spans``: rows, columns) of a W8A8_DYNAMIC weight with its rows' scales and
+    offsets (dropped when all zero: symmetric)."""
+    rows, cols = spans
+
+    def channels(suffix: str) -> torch.Tensor | None:
+        name = key + suffix
+        return where[name].get_slice(name)[rows].float().reshape(-1).contiguous() if name in where else None
+
+    scale, offset = channels("_scale"), channels("_offset")
+    assert scale is not None  # _check_w8a8 refused a weight without one
+    if offset is not None and not offset.any():
+        offset = None
+    return QuantizedWeight("w8a8_dynamic", sl[rows, cols].contiguous(), scale, (1, 1), offset)
 
 
 def _check_mxfp4_grid(key: str, scale_sl: Any, full: list[int]) -> None:

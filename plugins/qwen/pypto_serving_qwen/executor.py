@@ -14,9 +14,9 @@ from pypto_serving.parallel import ParallelContext
 
 from .capture import DecodeGraphs, GraphStats
 from .graph import GraphOptions, parse_graph_options
-from .loader import QwenConfig, load_weights, plan_quantization, read_config, resolve_dtype
+from .loader import QwenConfig, load_weights, plan_quantization, read_config, read_kv_scales, resolve_dtype
 from .lora import LoraContext, read_adapter
-from .model import AttentionMetadata, KVCache, QwenForCausalLM
+from .model import AttentionMetadata, KVCache, QwenAttention, QwenForCausalLM
 from .quantized import finish_loading
 from .sharding import QwenSharding
 
@@ -89,6 +89,8 @@ class QwenExecutor(Executor):
         model = QwenForCausalLM(cfg, self.device, self.dtype, shards, plan_quantization(s.model, cfg))
         targets, required = model.weight_targets()
         load_weights(s.model, targets, required, cfg.quantization)
+        if cache_dtype == torch.float8_e4m3fn:
+            self._set_kv_scales(model, cfg, shards.kv_heads)
         named = model.named_quantized_weights()
         finish_loading([w for _, w in named], [n for n, _ in named])
         model.eval()
@@ -208,6 +210,20 @@ class QwenExecutor(Executor):
     def _layout(self, cfg: QwenConfig) -> QwenSharding:
         """The loaded model's layout (one rank when no model is loaded yet)."""
         return self.model.shards if self.model is not None else QwenSharding.single(cfg)
+
+    def _set_kv_scales(self, model: QwenForCausalLM, cfg: QwenConfig, heads: slice) -> None:
+        """Give each layer the checkpoint's FP8 KV cache scales of this rank's KV heads (vLLM's
+        ``self_attn.k_scale`` / ``v_scale``); a layer without them keeps 1.0."""
+        scales = read_kv_scales(self.settings.model, cfg.num_layers, cfg.num_kv_heads)
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            assert isinstance(attn, QwenAttention)
+            if (i, "k") in scales or (i, "v") in scales:
+                k, v = (scales.get((i, w), torch.ones(cfg.num_kv_heads))[heads] for w in "kv")
+                attn.kv_scales = (k.to(self.device), v.to(self.device))
+        if scales:
+            per_head = any(bool((t != t[0]).any()) for t in scales.values())
+            logger.info("FP8 KV cache: %s scales from the checkpoint", "per-head" if per_head else "per-tensor")
 
     def _kv_heads(self, cfg: QwenConfig) -> int:
         """The KV heads this rank's cache holds."""

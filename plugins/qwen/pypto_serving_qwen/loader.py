@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +72,9 @@ _SAFETENSORS_DTYPES = {
 _INTEGER_NAMES = {"I8": "torch.int8", "U8": "torch.uint8", "I32": "torch.int32", "I64": "torch.int64"}
 
 # Checkpoint entries that are derived state, not weights (older exports saved RoPE buffers).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".self_attn.k_scale", ".self_attn.v_scale")
+#: A layer's FP8 KV cache scales as vLLM reads them: ``model.layers.N.self_attn.k_scale`` / ``v_scale``.
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
 class CheckpointError(ValueError):
@@ -585,3 +588,30 @@ def _dequantized_part(view: Any, scale: torch.Tensor, target: WeightTarget, bloc
     piece = view[(*lead, slice(aligned, stop))]
     piece_scale = scale[(*lead, slice(aligned // step, -(-stop // step)))]
     return dequantize_fp8_blocks(piece, piece_scale, block).narrow(dim, first - aligned, stop - first)
+
+
+def read_kv_scales(model_dir: str | Path, num_layers: int, num_kv_heads: int) -> dict[tuple[int, str], torch.Tensor]:
+    """The checkpoint's FP8 KV cache scales, ``(layer, "k" | "v") -> float32 [num_kv_heads]``: each
+    ``model.layers.N.self_attn.k_scale`` / ``v_scale`` per tensor (``[]`` or ``[1]``, spread over the
+    heads) or per KV head (``[num_kv_heads]``); the cache stores ``K / scale`` and reads back
+    ``stored * scale``. Empty when the checkpoint has none (the cache then uses 1.0).
+
+    :raises CheckpointError: a scale of another shape, a non-float or non-positive scale, or a layer
+        out of range, naming the tensor and what was expected.
+    """
+    out: dict[tuple[int, str], torch.Tensor] = {}
+    for name, shard, handle in _iter_tensors(_shard_files(_model_dir(model_dir))):
+        m = _KV_SCALE.match(name)
+        if m is None:
+            continue
+        layer, which = int(m.group(1)), m.group(2)
+        value = handle.get_tensor(name)
+        if layer >= num_layers or list(value.shape) not in ([], [1], [num_kv_heads]) or not value.is_floating_point():
+            raise CheckpointError(
+                f"KV cache scale {name!r} in {shard.name} is {value.dtype} {list(value.shape)}; expected a float "
+                f"per tensor ([] or [1]) or per KV head ([{num_kv_heads}]) for one of {num_layers} layers"
+            )
+        if not bool((value > 0).all()):
+            raise CheckpointError(f"KV cache scale {name!r} in {shard.name} has a value <= 0: {value.tolist()}")
+        out[layer, which] = value.float().reshape(-1).expand(num_kv_heads).contiguous()
+    return out

@@ -143,6 +143,9 @@ class QwenAttention(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.layer_windows[layer]
+        # FP8 KV cache scales of this rank's KV heads ([heads] float32), from the checkpoint where it
+        # has them (set by the executor); None: 1.0, as vLLM without calibrated scales.
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lora_qkv: LoraLinear | None = None  # set by QwenForCausalLM.attach_loras
         self.lora_o: LoraLinear | None = None
 
@@ -200,9 +203,13 @@ class QwenAttention(nn.Module):
     ) -> torch.Tensor:
         key_cache, value_cache = cache
         if meta.path == "paged":
-            # An FP8 cache (kv_cache_dtype = "fp8") holds K/V over a per-tensor scale of 1.0, as vLLM's
-            # default without calibrated scales; the kernels quantise on write and dequantise on read.
-            fp8: dict[str, Any] = {"k_scale": 1.0, "v_scale": 1.0} if key_cache.dtype == torch.float8_e4m3fn else {}
+            # An FP8 cache (kv_cache_dtype = "fp8") holds K/V over the checkpoint's per-tensor or per-head
+            # scales, else 1.0 (vLLM's default without calibrated scales); the kernels quantise on
+            # write and dequantise on read.
+            fp8: dict[str, Any] = {}
+            if key_cache.dtype == torch.float8_e4m3fn:
+                k_scale, v_scale = self.kv_scales if self.kv_scales is not None else (1.0, 1.0)
+                fp8 = {"k_scale": k_scale, "v_scale": v_scale}
             K.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, **fp8)
             out: torch.Tensor = K.paged_attention(
                 q,

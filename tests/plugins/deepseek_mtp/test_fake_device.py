@@ -68,18 +68,28 @@ class Setup:
 @pytest.fixture(scope="module")
 def release_copy(checkpoints: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``mixed_yarn`` in DeepSeek's release layout, kept in its stored precision at run time: FP8
-    projections (8x16 blocks, which ``wo_a``'s output groups meet whole) and MXFP4 routed experts."""
+    projections (8x16 blocks, which ``wo_a``'s output groups meet whole) and MXFP4 routed experts
+    (``release``), or block-FP8 routed experts (``release-fp8-experts``); or msModelSlim's W8A8
+    (``w8a8``: int8 projections and experts, per-token int8 activations)."""
     from pypto_serving_deepseek_mtp.release import write_release_layout
 
-    dest = tmp_path_factory.mktemp("release")
-    write_release_layout(checkpoints["mixed_yarn"].path, dest, (8, 16))
-    return dest
+    from .test_w8a8 import w8a8_copy
+
+    out = {}
+    for name, experts in (("release", "fp4"), ("release-fp8-experts", "fp8")):
+        out[name] = tmp_path_factory.mktemp(name)
+        write_release_layout(checkpoints["mixed_yarn"].path, out[name], (8, 16), expert_dtype=experts)
+    root = tmp_path_factory.mktemp("w8a8")
+    w8a8_copy(checkpoints["mixed_yarn"].path, root / "w8a8", root / "plain")
+    out["w8a8"] = root / "w8a8"
+    return out
 
 
 @pytest.fixture(params=["mixed_yarn", "csa_heavy"])
 def fake_executor(checkpoints: Any, release_copy: Any, request: pytest.FixtureRequest) -> Iterator[Setup]:
     """The executor on fake cuda plus four prebuilt steps (batches are laid out on the host first)."""
-    ex, info = _executor(release_copy if request.param == "release" else checkpoints[request.param].path)
+    path = release_copy[request.param] if request.param in release_copy else checkpoints[request.param].path
+    ex, info = _executor(path)
     core = FakeCore(ex, info, num_blocks=BLOCKS)
     a = list(range(3, 12))  # request a: 9 prompt tokens, prefilled in two chunks (4 + 5)
     b = list(range(20, 26))  # request b: 6 prompt tokens, then a decode step verifying K drafts
@@ -248,20 +258,23 @@ def test_sampled_drafting_and_rejection_verification_stay_on_the_device(
     assert verdict == [[]]  # the zeros HostReads answered: nothing emitted, logits finite
 
 
-@pytest.mark.parametrize("fake_executor", ["release"], indirect=True)
+@pytest.mark.parametrize("fake_executor", ["release", "release-fp8-experts", "w8a8"], indirect=True)
 def test_stored_precision_weights_stay_on_the_device(fake_executor: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The release copy on the fake device: FP8 projections (``quant_linear``) and packed MXFP4
-    experts (the CUDA path that gathers and dequantises the routed experts) run a prefill chunk and
-    a verification step with drafting, reading nothing on the host but the drafts."""
-    import pypto_kernels.mxfp4 as mx
+    """The release copies on the fake device: FP8 projections (``quant_linear``) and packed MXFP4
+    or block-FP8 experts (the CUDA path that gathers and dequantises the routed experts) run a
+    prefill chunk and a verification step with drafting, reading nothing on the host but the drafts."""
+    import pypto_kernels.quant_moe as mx
     from pypto_serving.quantization import QuantizedWeight
 
     ex = fake_executor.ex
     params = [*ex.model.layers, *ex.mtp_layers]
     stored = [(k, v) for p in params for k, v in p.items() if isinstance(v, QuantizedWeight)]
-    assert {v.scheme for _, v in stored} == {"fp8_block", "mxfp4"}
-    assert {k for k, v in stored if v.scheme == "fp8_block"} >= {"attn.wo_a.weight", "shared.gate_up", "e_proj.weight"}
-    assert all(v.data.device == CUDA and v.scale.device == CUDA for _, v in stored)
+    experts = ex.model.layers[0]["experts.down"].scheme
+    assert {v.scheme for _, v in stored} == ({"w8a8_dynamic"} if experts == "w8a8_dynamic" else {"fp8_block", experts})
+    assert all(isinstance(p[k], QuantizedWeight) for p in params for k in ("experts.gate_up", "experts.down"))
+    projections = {k for k, _ in stored if not k.startswith("experts.")}
+    assert projections >= {"attn.wo_a.weight", "shared.gate_up", "e_proj.weight"}
+    assert all(t.device == CUDA for _, v in stored for t in v.tensors())
     chunks: list[int] = []
     grouped = mx.moe_experts
 

@@ -1,9 +1,12 @@
 """DeepSeek-V4 checkpoints served in their stored precision: FP8 (UE8M0 block scales) projections
-stay FP8 and run through ``quant_linear``; MXFP4 routed experts stay packed and ``mxfp4_moe_experts``
-dequantises only the experts a step routes to.
+stay FP8 and run through ``quant_linear``; routed experts stay as stored (MXFP4 packed, or block
+FP8 with their scales) and ``quant_moe_experts`` dequantises only the experts a step routes to.
 
 - The expert kernel (reference and the gathered, host-read-free fast path) against this test's
-  independent MXFP4 decoder (test_release_layout's quantiser, written from the published format).
+  independent MXFP4 and FP8 decoders (test_release_layout's quantiser, written from the published
+  format).
+- A checkpoint whose routed experts are block FP8 (``expert_dtype = "fp8"``) keeps them FP8 and
+  decodes as when they are dequantised at load.
 - The same release-layout checkpoint loaded as stored and dequantised at load gives the same greedy
   tokens and MTP drafts, and logits within float32 rounding; with FP8 blocks that the grouped
   ``wo_a`` meets whole (kept FP8) and blocks it cuts (dequantised with a warning).
@@ -24,11 +27,12 @@ import torch
 from safetensors import safe_open
 
 import pypto_kernels.mxfp4 as mx
+import pypto_kernels.quant_moe as qm
 from pypto_kernels.moe import looped_moe_experts
 from pypto_serving.quantization import QuantizedWeight
 
 from .helpers import Checkpoint, FakeCore, greedy_generate
-from .test_release_layout import _fp4_decode, _fp4_encode
+from .test_release_layout import _fp4_decode, _fp4_encode, _fp8_decode, _fp8_encode
 
 ATOL = 1e-4
 
@@ -76,16 +80,16 @@ def test_mxfp4_experts_match_the_float_experts(experts: Any, chunk: int, monkeyp
     """Reference and gathered path against the float MoE over the independently decoded experts,
     with dropped routes (id E, expert parallel) and experts no token picks."""
     gate_up, gate_up_f, down, down_f = experts
-    monkeypatch.setattr(mx, "GATHER_EXPERTS", chunk)
+    monkeypatch.setattr(qm, "GATHER_EXPERTS", chunk)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(7, 64, generator=gen)
     ids = torch.tensor([[0, 3], [3, 5], [0, 5], [3, 0], [5, 5], [0, 3], [3, 3]])  # 5 = dropped; 1, 2, 4 idle
     weights = torch.rand(7, 2, generator=gen)
     want = looped_moe_experts(x, gate_up_f, down_f, weights, ids)
-    torch.testing.assert_close(mx.mxfp4_moe_experts.reference(x, gate_up, down, weights, ids), want)
-    torch.testing.assert_close(mx.gathered_mxfp4_moe_experts(x, gate_up, down, weights, ids), want)
-    torch.testing.assert_close(mx.mxfp4_moe_experts(x, gate_up, down, weights, ids), want)  # CPU dispatch
-    for impl in (mx.mxfp4_moe_experts.reference, mx.gathered_mxfp4_moe_experts):
+    torch.testing.assert_close(qm.quant_moe_experts.reference(x, gate_up, down, weights, ids), want)
+    torch.testing.assert_close(qm.gathered_quant_moe_experts(x, gate_up, down, weights, ids), want)
+    torch.testing.assert_close(qm.quant_moe_experts(x, gate_up, down, weights, ids), want)  # CPU dispatch
+    for impl in (qm.quant_moe_experts.reference, qm.gathered_quant_moe_experts):
         assert impl(x[:0], gate_up, down, weights[:0], ids[:0]).shape == (0, 64)
 
 
@@ -98,13 +102,44 @@ def test_only_the_routed_experts_are_dequantised(experts: Any, monkeypatch: pyte
         seen.append(data.shape[0] if data.dim() == 3 else 1)
         return decode(data, scale, dtype)
 
-    monkeypatch.setattr(mx, "dequantize_mxfp4", spy)
+    monkeypatch.setattr(qm, "dequantize_mxfp4", spy)
     x, weights, ids = torch.randn(1, 64), torch.ones(1, 2), torch.tensor([[4, 1]])
-    mx.mxfp4_moe_experts.reference(x, gate_up, down, weights, ids)
+    qm.quant_moe_experts.reference(x, gate_up, down, weights, ids)
     assert seen == [1, 1, 1, 1]  # experts 1 and 4: gate/up and down each
     seen.clear()
-    mx.gathered_mxfp4_moe_experts(x, gate_up, down, weights, ids)
+    qm.gathered_quant_moe_experts(x, gate_up, down, weights, ids)
     assert seen == [2, 2]  # the two routed experts of five, gathered once per stack
+
+
+def _fp8_experts(
+    n: int, rows: int, cols: int, block: tuple[int, int], gen: torch.Generator
+) -> tuple[QuantizedWeight, torch.Tensor]:
+    """``n`` random ``[rows, cols]`` experts as block FP8 (stacked, float32 scales) and their values."""
+    data, scales, exact = [], [], []
+    for _ in range(n):
+        q, s = _fp8_encode(torch.randn(rows, cols, generator=gen) * torch.logspace(-2, 0.5, cols), block)
+        data.append(q)
+        scales.append(s.view(torch.uint8).double().sub(127).exp2().float())
+        exact.append(_fp8_decode(q, s, block))
+    return QuantizedWeight("fp8_block", torch.stack(data), torch.stack(scales), block), torch.stack(exact)
+
+
+@pytest.mark.parametrize("block", [(16, 16), (16, 24)], ids=["whole-blocks", "ragged-blocks"])
+def test_fp8_experts_match_the_float_experts(block: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block-FP8 expert stacks (whole and ragged 16x24 blocks) through the reference and the gathered
+    path against the float MoE over the independently decoded experts; a stack holds its bytes."""
+    gen = torch.Generator().manual_seed(2)
+    gate_up, gate_up_f = _fp8_experts(5, 2 * 48, 64, block, gen)
+    down, down_f = _fp8_experts(5, 64, 48, block, gen)
+    assert torch.equal(gate_up.dequantize(), gate_up_f)
+    assert torch.equal(qm.dequantize_experts(down, 3, torch.float32), down_f[3])
+    x = torch.randn(7, 64, generator=gen)
+    ids = torch.tensor([[0, 3], [3, 5], [0, 5], [3, 0], [5, 5], [0, 3], [3, 3]])
+    weights = torch.rand(7, 2, generator=gen)
+    want = looped_moe_experts(x, gate_up_f, down_f, weights, ids)
+    torch.testing.assert_close(qm.quant_moe_experts.reference(x, gate_up, down, weights, ids), want)
+    monkeypatch.setattr(qm, "GATHER_EXPERTS", 1)
+    torch.testing.assert_close(qm.gathered_quant_moe_experts(x, gate_up, down, weights, ids), want)
 
 
 # ----------------------------------------------------------------------------- the executor
@@ -158,6 +193,10 @@ def release(checkpoints: dict[str, Checkpoint], tmp_path_factory: pytest.TempPat
         dest = tmp_path_factory.mktemp(f"release{block[0]}x{block[1]}")
         write_release_layout(checkpoints["mixed_yarn"].path, dest, block)
         out[f"{block[0]}x{block[1]}"] = dest
+    # DeepSeek-V3 style: the routed experts block FP8 too, in blocks that w1's rows do not fill.
+    dest = tmp_path_factory.mktemp("release-fp8-experts")
+    write_release_layout(checkpoints["mixed_yarn"].path, dest, (24, 16), expert_dtype="fp8")
+    out["fp8-experts"] = dest
     return out
 
 
@@ -181,6 +220,24 @@ def test_stored_precision_decodes_as_dequantized_at_load(
     want = _generate(*_executor(release[block], stored=False), prompts)
     assert got[0] == want[0] and got[2] == want[2]
     assert any(any(d) for d in got[2])
+    for a, b in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)
+
+
+def test_fp8_routed_experts_stay_fp8_and_decode_as_dequantized_at_load(release: dict[str, Path]) -> None:
+    """``expert_dtype = "fp8"``: each layer's routed experts are one FP8 stack per projection (w1's
+    rows end inside a 24-row block, so every row carries its blocks' scales), never floats; greedy
+    tokens and drafts equal those of the same checkpoint dequantised at load, logits within 1e-4."""
+    prompts = {"a": [5, 17, 3, 60, 41, 8, 22, 90, 1], "b": [33, 2, 71]}
+    stored, info = _executor(release["fp8-experts"], stored=True)
+    for p in [*stored.model.layers, *stored.mtp_layers]:
+        gate_up, down = p["experts.gate_up"], p["experts.down"]
+        assert isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight)
+        assert (gate_up.scheme, gate_up.data.dtype, down.scheme) == ("fp8_block", torch.float8_e4m3fn, "fp8_block")
+        assert gate_up.block == (1, 16) and down.block == (24, 16) and gate_up.scale.shape[1] == gate_up.data.shape[1]
+    got = _generate(stored, info, prompts)
+    want = _generate(*_executor(release["fp8-experts"], stored=False), prompts)
+    assert got[0] == want[0] and got[2] == want[2]
     for a, b in zip(got[1], want[1], strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)
 
@@ -240,3 +297,16 @@ def test_tiny_fp8_holds_its_checkpoint_bytes(tmp_path: Path) -> None:
     prompts = {"a": [12, 400, 33, 7, 1500, 9, 64], "b": [3, 2000, 81]}
     got, want = _generate(stored, info, prompts), _generate(dequantized, info_d, prompts)
     assert got[0] == want[0] and got[2] == want[2]
+
+
+def test_fp8_experts_hold_their_checkpoint_bytes(tmp_path: Path) -> None:
+    """The embedded model with block-FP8 routed experts (128x128 UE8M0 blocks, DeepSeek-V3 style):
+    the experts stay FP8 and the weights held are at most 1.1x the checkpoint's bytes."""
+    from pypto_serving_deepseek_mtp.plugin import TINY_DEEPSEEK_V4
+    from pypto_serving_deepseek_mtp.release import write_release_layout
+
+    write_release_layout(TINY_DEEPSEEK_V4, tmp_path, expert_dtype="fp8")
+    stored, _ = _executor(tmp_path, stored=True, k=0, dtype="auto")
+    assert {p["experts.down"].scheme for p in stored.model.layers} == {"fp8_block"}
+    held, ckpt = stored.weight_bytes(), _checkpoint_bytes(tmp_path)
+    assert held <= 1.1 * ckpt, (held, ckpt)

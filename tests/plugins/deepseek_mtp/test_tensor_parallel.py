@@ -4,7 +4,8 @@ tensor namings the loader reads.
 One pair of ranks runs every scenario (tp_ranks.run): greedy generation with MTP k=2 on the tiny
 checkpoint made predictable (so drafts are accepted and multi-token commits happen), under
 tensor-parallel MoE, expert parallel, chunked prefill, a block-FP8 copy whose blocks straddle the
-rank boundaries, and a copy saved under transformers' names. Each must give, on both ranks, the
+rank boundaries, the release layout, a copy whose routed experts stay block FP8 (tensor and expert
+parallel), and a copy saved under transformers' names. Each must give, on both ranks, the
 single rank's greedy tokens and MTP drafts exactly, and its logits within 1e-4 (float32: the
 all-reduces sum partial products in another order than one rank does, so bitwise equality is not
 expected; the measured gap is about 3e-6).
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from pypto_serving.parallel import ParallelContext
 from pypto_serving_deepseek_mtp import DeepseekConfigError, parse_config
+from pypto_serving_deepseek_mtp.release import write_release_layout
 from pypto_serving_deepseek_mtp.sharding import ShardPlan, TensorPart
 
 from .helpers import Checkpoint, make_predictable
@@ -125,6 +127,10 @@ def test_two_ranks_match_one(predictable: Path, checkpoints: dict[str, Checkpoin
     plain = str(checkpoints["mixed_yarn"].path)
     release, release_exact = tmp_path / "release", tmp_path / "release_exact"
     convert_to_release_layout(predictable, release, release_exact)  # UE8M0 FP8, MXFP4 experts
+    fp8_experts = tmp_path / "fp8_experts"
+    fp8_experts.mkdir()
+    # Block-FP8 routed experts kept FP8 on each rank: 8x8 blocks, which the ranks' halves meet whole.
+    write_release_layout(predictable, fp8_experts, (8, 8), expert_dtype="fp8")
     cases = {
         "tensor-parallel MoE": (Scenario(path), Scenario(path)),
         "expert parallel": (Scenario(path, expert_parallel=True), Scenario(path)),
@@ -133,6 +139,8 @@ def test_two_ranks_match_one(predictable: Path, checkpoints: dict[str, Checkpoin
         "release layout": (Scenario(str(release)), Scenario(str(release_exact))),
         "release layout, expert parallel": (Scenario(str(release), expert_parallel=True), Scenario(str(release_exact))),
         "transformers names": (Scenario(str(hf_names)), Scenario(plain)),
+        "fp8 experts": (Scenario(str(fp8_experts)), Scenario(str(fp8_experts))),
+        "fp8 experts, expert parallel": (Scenario(str(fp8_experts), expert_parallel=True), Scenario(str(fp8_experts))),
     }
     ranks = run_ranks([tp for tp, _ in cases.values()], tmp_path)
     for i, (what, (_, one)) in enumerate(cases.items()):

@@ -102,13 +102,21 @@ def test_prefill_then_mixed_chunked_prefill_and_decode_on_the_device(
             _execute(ex, on_device(builder.step(chunks, all_logits=False)), ex.config.vocab_size)
 
 
-def test_an_fp8_cache_is_written_and_read_on_the_device(qwen_checkpoints: Callable[[str], Path]) -> None:
-    """kv_cache_dtype = "fp8": quantising writes and dequantising reads add no host read or device mix."""
+@pytest.mark.parametrize("per_head", [False, True], ids=["scale-1.0", "per-head-scales"])
+def test_an_fp8_cache_is_written_and_read_on_the_device(
+    qwen_checkpoints: Callable[[str], Path], per_head: bool
+) -> None:
+    """kv_cache_dtype = "fp8": quantising writes and dequantising reads add no host read or device mix,
+    with scale 1.0 or the checkpoint's per-head scales (device tensors, never compared on the host)."""
     builder = PagedBatchBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
     steps = [[("a", list(range(4, 13))), ("b", list(range(5, 11)))], [("a", [7]), ("b", list(range(20, 25)))]]
+    path = qwen_checkpoints("qwen3")  # written outside the fake mode (transformers saves real tensors)
     with fake_cuda():
-        ex = _fake_executor(qwen_checkpoints("qwen3"), torch.bfloat16, kv_cache_dtype="fp8")
+        ex = _fake_executor(path, torch.bfloat16, kv_cache_dtype="fp8")
         assert ex.config is not None and ex.kv_caches[0][0].dtype == torch.float8_e4m3fn
+        for layer in ex.model.layers if per_head and ex.model is not None else []:
+            heads = layer.self_attn.num_kv_heads
+            layer.self_attn.kv_scales = (torch.ones(heads, device=CUDA), torch.ones(heads, device=CUDA))
         for chunks in steps:
             _execute(ex, on_device(builder.step(chunks, all_logits=False)), ex.config.vocab_size)
 
