@@ -89,9 +89,10 @@ class BlockPool:
             del self.free[block]
         self.ref_cnt[block] += 1
 
-    def release(self, blocks: Sequence[int]) -> None:
-        # Release tail-first so a request's last blocks are evicted before its shared prefix.
-        for block in reversed(blocks):
+    def release(self, blocks: Sequence[int], *, tail_first: bool = True) -> None:
+        """Give back ``blocks``; unreferenced ones join the free queue. Tail-first by default, so a
+        request's last blocks are evicted before its shared prefix."""
+        for block in reversed(blocks) if tail_first else blocks:
             self.ref_cnt[block] -= 1
             assert self.ref_cnt[block] >= 0, f"block {block} released twice"
             if self.ref_cnt[block] == 0:
@@ -290,7 +291,8 @@ class KVCacheManager:
             start = freed.get(g.name, 0)
             end = min(len(blocks), max(0, first_pos - g.window_tokens + 1) // g.tokens_per_block)
             if end > start:
-                self.pools[g.name].release([b for b in blocks[start:end] if b != FREED])
+                # Head-first: a window's earliest blocks serve only the shortest hits, so they go first.
+                self.pools[g.name].release([b for b in blocks[start:end] if b != FREED], tail_first=False)
                 blocks[start:end] = [FREED] * (end - start)
                 freed[g.name] = end
 

@@ -142,8 +142,9 @@ def test_a_prefix_hit_needs_only_the_window_blocks_before_it() -> None:
     kv.publish(a, 29)
     kv.release_outside_window(a, 17)  # window from 12: swa entries 0..2 go back, still cached
     assert a.kv.block_ids["swa"][:3] == [FREED] * 3
-    # Free queue: the 8 never-used swa blocks, then a's entries released tail-first (2, 1, 0).
-    assert list(kv.pools["swa"].free) == [*range(8, 16), swa[2], swa[1], swa[0]]
+    # Free queue: the 8 never-used swa blocks, then a's entries released head-first (0, 1, 2): a
+    # window's earliest blocks serve only the shortest hits, so they are evicted first.
+    assert list(kv.pools["swa"].free) == [*range(8, 16), swa[0], swa[1], swa[2]]
 
     # A hit at 28 reads swa positions 23..27 (window 6) and every full position: swa entries 5, 6
     # and full entries 0..6. The swa entries before are neither taken nor revived.
@@ -151,16 +152,16 @@ def test_a_prefix_hit_needs_only_the_window_blocks_before_it() -> None:
     assert kv.find_cached_prefix(b) == 28
     assert b.kv.block_ids == {"swa": [FREED] * 5 + swa[5:7], "full": full[:7]}
     assert b.kv.window_freed == {"swa": 5}
-    assert list(kv.pools["swa"].free) == [*range(8, 16), swa[2], swa[1], swa[0]]
+    assert list(kv.pools["swa"].free) == [*range(8, 16), swa[0], swa[1], swa[2]]
     assert kv.group_hits == {"swa": 28, "full": 28}
     kv.check_invariants([a, b])
     kv.free(b)
 
-    # Another request's 9 swa blocks take the 8 unused ones and evict a's entry 2 (tokens 8..11).
+    # Another request's 9 swa blocks take the 8 unused ones and evict a's entry 0 (tokens 0..3).
     c = Request("c", list(range(100, 136)), SamplingParams())
     assert kv.allocate(c, 36)
     kv.publish(c, 36)
-    assert c.kv.block_ids["swa"][8] == swa[2]  # a's content of entry 2 is gone
+    assert c.kv.block_ids["swa"][8] == swa[0]  # a's content of entry 0 is gone
     # The chain of keys still runs from block 0 (it comes from the tokens), and a hit at 28 needs
     # only swa entries 5, 6: the evicted early entry does not cut it.
     d = Request("d", prompt, SamplingParams())
@@ -169,17 +170,17 @@ def test_a_prefix_hit_needs_only_the_window_blocks_before_it() -> None:
     kv.check_invariants([a, c, d])
     kv.free(d)
 
-    # Evicting entries 1 and 0 as well changes nothing either.
+    # Evicting entries 1 and 2 as well changes nothing either.
     e = Request("e", [200] * 8, SamplingParams())
     assert kv.allocate(e, 8)
-    assert e.kv.block_ids["swa"] == [swa[1], swa[0]]
+    assert e.kv.block_ids["swa"] == [swa[1], swa[2]]
     f = Request("f", prompt, SamplingParams())
     assert kv.find_cached_prefix(f) == 28
     kv.free(f)
-    # Once a's window entries go too (a finishes, then two requests take 2 + 2 swa blocks: the free
-    # queue holds a's 5 and 6 first, then 4, 3), the longest hit is where the swa blocks it needs
-    # are cached: 12 needs positions 7..11, entries 1 and 2, evicted; 8 needs 3..7, entries 0, 1,
-    # evicted; 4 needs 0..3, entry 0: evicted. The full group alone could serve 28.
+    # Once a's window entries go too (a finishes, releasing its entries 7..3 tail-first, then two
+    # requests take 2 + 2 swa blocks: 7, 6, 5, 4), a hit at p needs entries (p - 5) // 4 .. p // 4 - 1:
+    # only entry 3 is left, and 16 needs 2, 3 (2 evicted), 20 needs 3, 4: nothing hits. The full
+    # group alone could serve 28.
     kv.free(a)
     others = [Request("x", [300] * 8, SamplingParams()), Request("y", [400] * 8, SamplingParams())]
     for r in others:
