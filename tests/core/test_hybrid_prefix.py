@@ -70,14 +70,17 @@ def test_a_hit_takes_only_the_blocks_it_reads() -> None:
     kv, a = _served()
     b = Request("b", [*PROMPT[:50], 99, 98, 97], SamplingParams())
     assert kv.find_cached_prefix(b) == 48
-    assert b.kv.block_ids == {
-        "swa": [FREED] * 10 + a["swa"][10:12],  # positions 41..47
-        "csa_kv": a["csa_kv"][:6],
-        "csa_index": a["csa_index"][:6],
-        "csa_state": [FREED] * 5 + a["csa_state"][5:6],  # the snapshot at 48
-        "hca_kv": a["hca_kv"][:3],
-        "mtp0": [FREED] * 12,
-    }
+    assert (
+        b.kv.block_ids
+        == {
+            "swa": [FREED] * 10 + a["swa"][10:12],  # positions 41..47
+            "csa_kv": a["csa_kv"][:6],
+            "csa_index": a["csa_index"][:6],
+            "csa_state": [FREED] * 5 + a["csa_state"][5:6],  # the snapshot at 48
+            "hca_kv": a["hca_kv"][:3],
+            "mtp0": [FREED] * 12,
+        }
+    )
     assert kv.group_hits == dict.fromkeys(kv.group_hits, 48)
     kv.check_invariants([b])
     # b grows from its FREED entries on, and gives everything back.

@@ -713,7 +713,8 @@ class DeepseekV4Model:
             snap = state[gi].index_select(0, blocks).reshape(len(starts) * m, -1)
             for name in ("kv", "index"):
                 ring = self.rings[(layer, name)]
-                rows = [slot * ring.ring_len + pos % ring.ring_len for slot, hit in starts.values() for pos in range(hit - m, hit)]
+                n = ring.ring_len
+                rows = [slot * n + pos % n for slot, hit in starts.values() for pos in range(hit - m, hit)]
                 dst = torch.tensor(rows, device=dev)
                 half = snap[:, cols[name]]
                 width = half.shape[-1] // 2

@@ -95,7 +95,9 @@ def _run(path: Path, scheduler: str, prefix_caching: bool) -> dict[str, Any]:
         out["accepted"] = stats["spec_accepted"]
         out["preemptions"] = stats["num_preemptions"]
         engine.kv.check_invariants([])
-        out["leaked"] = {name: p.num_blocks - p.num_free for name, p in engine.kv.pools.items() if p.num_free != p.num_blocks}
+        out["leaked"] = {
+            name: p.num_blocks - p.num_free for name, p in engine.kv.pools.items() if p.num_free != p.num_blocks
+        }
     finally:
         llm.shutdown()
     return out
