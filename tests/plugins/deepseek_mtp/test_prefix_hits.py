@@ -124,3 +124,38 @@ def test_hits_past_evicted_window_blocks_equal_recomputation(path: Path, schedul
     assert per_group["mtp0"] == per_group["mtp1"] == cached["hits"] + 2 * HIT  # a's and the filler's 32
     assert cached["leaked"] == {} and cold["leaked"] == {}
     assert cached["accepted"] > 0  # hit requests draft again once their MTP KV is rebuilt
+
+
+def test_after_a_hit_drafts_are_the_full_recompute_ones_once_exact(checkpoints: Any) -> None:
+    """The executor alone, a hit laid out by hand: request b starts at position 32 over request a's
+    blocks (every group but MTP). Its greedy tokens equal b computed from scratch (the CSA rings come
+    back from the snapshot at 32), and every draft it proposes is the full-recompute reference's:
+    with window 4, depth d drafts only once the last committed position is 32 + 3 * (d + 1) or more."""
+    from .helpers import FakeCore, greedy_generate, make_executor
+    from .test_mtp import reference_drafts
+
+    ckpt = checkpoints["mixed_yarn"]
+    a_prompt, k = _tokens(7, 37), 2
+    b_prompt = [*a_prompt[:32], 5, 6]
+    cold = greedy_generate(FakeCore(*make_executor(ckpt.path, k=k)), {"b": b_prompt}, 14, k=k)
+
+    core = FakeCore(*make_executor(ckpt.path, k=k))
+    greedy_generate(core, {"a": a_prompt}, 3, k=k)  # a's blocks stay in the fake core's tables
+    core.blocks["b"] = {name: [] for name in core.groups}
+    for name, g in core.groups.items():
+        if not name.startswith("mtp"):
+            core.blocks["b"][name] = core.blocks["a"][name][: 32 // g.tokens_per_block]
+    drafted: list[tuple[int, int]] = []  # (last committed position, drafts)
+
+    def check(batch: Any, histories: dict[str, list[int]], drafts: list[list[int]]) -> None:
+        for rid, dr in zip(batch.request_ids, drafts):
+            n = len(histories[rid]) - 1
+            drafted.append((n, len(dr)))
+            if dr:
+                assert dr == reference_drafts(ckpt, histories[rid], k)[: len(dr)], (n, dr)
+            assert len(dr) <= min(k, max(0, (n - 1 - 32) // 3)), (n, dr)
+
+    hit = greedy_generate(core, {"b": b_prompt}, 14, k=k, start={"b": 32}, on_step=check)
+    assert hit == cold
+    assert drafted[0] == (34, 0)  # nothing exact yet right after the hit
+    assert any(n_drafts == k for _, n_drafts in drafted)  # both depths draft once exact
