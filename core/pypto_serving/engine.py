@@ -563,6 +563,7 @@ class EngineCore:
             },
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
+            "prefix_cache_hits_per_group": dict(self.kv.group_hits),
             "spec_drafted": s.num_drafted,
             "spec_accepted": s.num_accepted,
             "spec_accepted_per_pos": list(s.accepted_per_pos),

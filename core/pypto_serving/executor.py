@@ -38,6 +38,12 @@ class CacheGroupSpec:
         before the window of every position still to be computed, so a request holds O(window)
         blocks of this group, not O(sequence); their entries in the worker's tables go stale and
         must never be read. ``None``: every entry stays readable.
+    :param hit_lookback_tokens: how many positions before a prefix hit at ``p`` the computation from
+        ``p`` on reads in this group, so a hit needs only the cached blocks holding positions
+        ``p - hit_lookback_tokens .. p - 1`` (keys still chain from the first block). ``None``: the
+        window for a sliding-window group (``window_tokens - 1``), every earlier position for the
+        others. ``0``: the executor rebuilds what it needs after a hit (the group needs no cached
+        block and publishes none).
     """
 
     name: str
@@ -47,10 +53,18 @@ class CacheGroupSpec:
     prefix_caching: bool = True
     no_prefix_caching_reason: str = ""
     window_tokens: int | None = None
+    hit_lookback_tokens: int | None = None
 
     @property
     def tokens_per_block(self) -> int:
         return self.block_size * self.tokens_per_entry
+
+    @property
+    def hit_lookback(self) -> int | None:
+        """Positions before a prefix hit that the computation from the hit reads (None: all)."""
+        if self.hit_lookback_tokens is not None:
+            return self.hit_lookback_tokens
+        return None if self.window_tokens is None else self.window_tokens - 1
 
 
 @dataclass(slots=True)

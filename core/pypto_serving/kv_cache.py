@@ -89,9 +89,10 @@ class BlockPool:
             del self.free[block]
         self.ref_cnt[block] += 1
 
-    def release(self, blocks: Sequence[int]) -> None:
-        # Release tail-first so a request's last blocks are evicted before its shared prefix.
-        for block in reversed(blocks):
+    def release(self, blocks: Sequence[int], *, tail_first: bool = True) -> None:
+        """Give back ``blocks``; unreferenced ones join the free queue. Tail-first by default, so a
+        request's last blocks are evicted before its shared prefix."""
+        for block in reversed(blocks) if tail_first else blocks:
             self.ref_cnt[block] -= 1
             assert self.ref_cnt[block] >= 0, f"block {block} released twice"
             if self.ref_cnt[block] == 0:
@@ -131,6 +132,10 @@ class KVCacheManager:
         self._min_tpb = min(g.tokens_per_block for g in self.groups)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found cached
+        # Per group: the prompt tokens that group alone could have served (a hit is the longest
+        # prefix every group serves, so these show which group caps it).
+        self.group_hits = dict.fromkeys((g.name for g in self.groups), 0)
+        self._publishing = [g for g in self.groups if g.hit_lookback != 0]
 
     # -- capacity
     def blocks_needed(self, group: CacheGroupSpec, num_tokens: int) -> int:
@@ -179,30 +184,34 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> int:
         """Take the longest cached prefix for a fresh request; returns the tokens it covers.
 
+        A hit at ``p`` needs, in each group, only the cached blocks that the computation from ``p``
+        reads (:attr:`CacheGroupSpec.hit_lookback`: a sliding window's last blocks, every block of a
+        full group, none of a group the executor rebuilds); the hit is the longest ``p`` that every
+        group serves. The keys still chain from block 0 (they come from the tokens, not the cache).
         The hit never covers the last prompt token, so the first output is always computed."""
         if not self.prefix_caching or request.kv.num_entries:
             return 0
-        limit = (request.num_tokens - 1) // self._hash_unit * self._hash_unit
+        unit = self._hash_unit
+        limit = (request.num_tokens - 1) // unit * unit
         self.prefix_queries += request.num_prompt_tokens
-        hit = limit
-        found: dict[str, list[int]] = {}
-        for g in self.groups:
-            pool = self.pools[g.name]
-            blocks = []
-            for h in self._chain_hashes(request, g, limit):
-                b = pool.cached.get(h)
-                if b is None:
-                    break
-                blocks.append(b)
-            found[g.name] = blocks
-            hit = min(hit, len(blocks) * g.tokens_per_block // self._hash_unit * self._hash_unit)
+        found = {g.name: self._cached_blocks(request, g, limit) for g in self.groups}
+        serves = {g.name: self._servable(g, found[g.name]) for g in self.groups}
+        candidates = range(limit, 0, -unit)
+        by_group = {name: next((p for p in candidates if ok(p)), 0) for name, ok in serves.items()}
+        for name, best in by_group.items():
+            self.group_hits[name] += best
+        request.kv.group_hits = by_group
+        hit = next((p for p in candidates if all(ok(p) for ok in serves.values())), 0)
         if hit == 0:
             return 0
         for g in self.groups:
-            blocks = found[g.name][: hit // g.tokens_per_block]
+            lo, end = self._first_needed(g, hit), hit // g.tokens_per_block
+            blocks = [b for b in found[g.name][lo:end] if b is not None]
             for b in blocks:
                 self.pools[g.name].take_cached(b)
-            request.kv.block_ids[g.name] = list(blocks)
+            request.kv.block_ids[g.name] = [FREED] * lo + blocks
+            if lo:
+                request.kv.window_freed[g.name] = lo
         self._tables_grew(request.kv)
         # The request computes from ``hit`` on, so a window group's hit blocks before that window
         # go back at once: held until the first step confirms, they could take the whole pool and
@@ -211,9 +220,37 @@ class KVCacheManager:
         self.prefix_hits += hit
         return hit
 
+    def _cached_blocks(self, request: Request, group: CacheGroupSpec, limit: int) -> list[int | None]:
+        """Per full block of the request's first ``limit`` tokens, the cached block with its key."""
+        if group.hit_lookback == 0:  # the group needs no cached block (nor publishes any)
+            return [None] * (limit // group.tokens_per_block)
+        cached = self.pools[group.name].cached
+        return [cached.get(h) for h in self._chain_hashes(request, group, limit)]
+
+    def _first_needed(self, group: CacheGroupSpec, hit: int) -> int:
+        """The first block of ``group`` that a hit at ``hit`` needs (earlier entries stay FREED)."""
+        back = group.hit_lookback
+        return 0 if back is None else max(0, hit - back) // group.tokens_per_block
+
+    def _servable(self, group: CacheGroupSpec, blocks: list[int | None]) -> Callable[[int], bool]:
+        """Whether ``group`` serves a hit at ``p`` (a multiple of its block's tokens): every block
+        from :meth:`_first_needed` to the hit is cached."""
+        runs: list[int] = []  # runs[i]: consecutive cached blocks ending at block i
+        for b in blocks:
+            runs.append(runs[-1] + 1 if runs and b is not None else int(b is not None))
+
+        def serves(p: int) -> bool:
+            end = p // group.tokens_per_block
+            need = end - self._first_needed(group, p)
+            return need <= 0 or runs[end - 1] >= need
+
+        return serves
+
     def cancel_prefix_hit(self, request: Request, hit: int) -> None:
         """Undo :meth:`find_cached_prefix` for a request that could not be admitted after all, so
         the retry neither holds blocks meanwhile nor counts twice in the hit-rate statistics."""
+        for name, best in request.kv.group_hits.items():
+            self.group_hits[name] -= best
         self.free(request)
         self.prefix_queries -= request.num_prompt_tokens
         self.prefix_hits -= hit
@@ -232,7 +269,7 @@ class KVCacheManager:
         # Only the blocks that became full since the last call: the earlier ones are published.
         done = state.published * self._min_tpb
         published = state.published = num_tokens // self._min_tpb
-        for g in self.groups:
+        for g in self._publishing:
             blocks = state.block_ids.get(g.name, [])
             pool, tpb = self.pools[g.name], g.tokens_per_block
             keys = self._chain_hashes(request, g, num_tokens)
@@ -254,7 +291,8 @@ class KVCacheManager:
             start = freed.get(g.name, 0)
             end = min(len(blocks), max(0, first_pos - g.window_tokens + 1) // g.tokens_per_block)
             if end > start:
-                self.pools[g.name].release([b for b in blocks[start:end] if b != FREED])
+                # Head-first: a window's earliest blocks serve only the shortest hits, so they go first.
+                self.pools[g.name].release([b for b in blocks[start:end] if b != FREED], tail_first=False)
                 blocks[start:end] = [FREED] * (end - start)
                 freed[g.name] = end
 

@@ -65,6 +65,8 @@ _TOTALS = {
     "prefix_cache_hits": "prefix_cache_hits",
 }
 _GROUP_USAGE = "kv_cache_group_usage_perc"
+_GROUP_HITS = "prefix_cache_group_hits"
+_GROUP_HIT_RATE = "prefix_cache_group_hit_rate"
 # Requests whose last token time is remembered for the inter-token latency: more live requests than
 # this means outputs of requests that never finished (a lost stream), and the oldest are forgotten.
 _MAX_TRACKED = 65536
@@ -304,6 +306,18 @@ class _EngineSeries:
             [*labels, "group"],
             registry=registry,
         )
+        self.counters[_GROUP_HITS] = Counter(
+            f"{prefix}_{_GROUP_HITS}",
+            "Queried prompt tokens one KV cache group alone could have served (a hit is the shortest).",
+            [*labels, "group"],
+            registry=registry,
+        )
+        self.group_hit_rate = Gauge(
+            f"{prefix}_{_GROUP_HIT_RATE}",
+            "Per KV cache group: prefix_cache_group_hits / prefix_cache_queries.",
+            [*labels, "group"],
+            registry=registry,
+        )
 
     def refresh(self, labels: tuple[str, ...], stats: Mapping[str, Any], dead: bool) -> None:
         """Set the gauges from one snapshot (counters move only through :meth:`add`)."""
@@ -322,6 +336,8 @@ class _EngineSeries:
             self.gauges[name].labels(*labels).set(value)
         for group, usage in stats.get("kv_usage_per_group", {}).items():
             self.group_usage.labels(*labels, group).set(usage)
+        for group, hits in stats.get("prefix_cache_hits_per_group", {}).items():
+            self.group_hit_rate.labels(*labels, group).set(hits / queries if queries else 0.0)
         for name in _ENGINE_COUNTERS:  # present at 0 from the first snapshot: rate() sees the first increment
             self.counters[name].labels(*labels)
 
@@ -335,6 +351,8 @@ def _running_totals(stats: Mapping[str, Any]) -> dict[_Total, float]:
     totals: dict[_Total, float] = {(name, ()): stats.get(key, 0) for key, name in _TOTALS.items()}
     for pos, n in enumerate(stats.get("spec_accepted_per_pos", [])):
         totals[_PER_POS, (str(pos),)] = n
+    for group, n in stats.get("prefix_cache_hits_per_group", {}).items():
+        totals[_GROUP_HITS, (group,)] = n
     return totals
 
 

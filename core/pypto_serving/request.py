@@ -290,6 +290,7 @@ class KVState:
     hashes: dict[str, list[bytes]] = field(default_factory=dict)  # per group: chained keys of full blocks
     published: int = 0  # full blocks (of the smallest kind) published to the prefix cache
     window_freed: dict[str, int] = field(default_factory=dict)  # per windowed group: leading entries freed
+    group_hits: dict[str, int] = field(default_factory=dict)  # per group: its longest servable prefix at lookup
 
 
 @dataclass(slots=True)

@@ -133,7 +133,7 @@ def _window_and_full() -> KVCacheManager:
     return KVCacheManager(groups, {"swa": 16, "full": 32})
 
 
-def test_a_prefix_hit_is_cut_where_a_window_block_is_evicted() -> None:
+def test_a_prefix_hit_needs_only_the_window_blocks_before_it() -> None:
     kv = _window_and_full()
     prompt = list(range(1, 30))  # 29 tokens: 7 full blocks, a hit covers at most 28
     a = Request("a", prompt, SamplingParams())
@@ -142,46 +142,60 @@ def test_a_prefix_hit_is_cut_where_a_window_block_is_evicted() -> None:
     kv.publish(a, 29)
     kv.release_outside_window(a, 17)  # window from 12: swa entries 0..2 go back, still cached
     assert a.kv.block_ids["swa"][:3] == [FREED] * 3
-    # Free queue: the 8 never-used swa blocks, then a's entries released tail-first (2, 1, 0).
-    assert list(kv.pools["swa"].free) == [*range(8, 16), swa[2], swa[1], swa[0]]
+    # Free queue: the 8 never-used swa blocks, then a's entries released head-first (0, 1, 2): a
+    # window's earliest blocks serve only the shortest hits, so they are evicted first.
+    assert list(kv.pools["swa"].free) == [*range(8, 16), swa[0], swa[1], swa[2]]
 
-    # Every block of the chain is still cached in both groups: the whole prefix hits.
+    # A hit at 28 reads swa positions 23..27 (window 6) and every full position: swa entries 5, 6
+    # and full entries 0..6. The swa entries before are neither taken nor revived.
     b = Request("b", prompt, SamplingParams())
     assert kv.find_cached_prefix(b) == 28
-    # b computes from position 28 on, whose window starts at 23: swa entries 0..4 go back at once.
     assert b.kv.block_ids == {"swa": [FREED] * 5 + swa[5:7], "full": full[:7]}
-    assert list(kv.pools["swa"].free) == [*range(8, 16), swa[2], swa[1], swa[0]]
+    assert b.kv.window_freed == {"swa": 5}
+    assert list(kv.pools["swa"].free) == [*range(8, 16), swa[0], swa[1], swa[2]]
+    assert kv.group_hits == {"swa": 28, "full": 28}
     kv.check_invariants([a, b])
     kv.free(b)
 
-    # Another request's 9 swa blocks take the 8 unused ones and evict a's entry 2 (tokens 8..11).
+    # Another request's 9 swa blocks take the 8 unused ones and evict a's entry 0 (tokens 0..3).
     c = Request("c", list(range(100, 136)), SamplingParams())
     assert kv.allocate(c, 36)
     kv.publish(c, 36)
-    assert c.kv.block_ids["swa"][8] == swa[2]  # a's content of entry 2 is gone
-    # The full group still caches all 7 blocks and the swa group entries 0, 1 and 3..6 (a holds
-    # 3..6), but the chain breaks at entry 2: the hit is cut to the 8 tokens cached in every group.
-    assert all(kv.pools["full"].block_hash[blk] is not None for blk in full[:7])
-    assert all(kv.pools["swa"].block_hash[blk] is not None for blk in swa[3:7])
+    assert c.kv.block_ids["swa"][8] == swa[0]  # a's content of entry 0 is gone
+    # The chain of keys still runs from block 0 (it comes from the tokens), and a hit at 28 needs
+    # only swa entries 5, 6: the evicted early entry does not cut it.
     d = Request("d", prompt, SamplingParams())
-    assert kv.find_cached_prefix(d) == 8
-    assert d.kv.block_ids == {"swa": swa[:2], "full": full[:2]}
+    assert kv.find_cached_prefix(d) == 28
+    assert d.kv.block_ids == {"swa": [FREED] * 5 + swa[5:7], "full": full[:7]}
     kv.check_invariants([a, c, d])
     kv.free(d)
 
-    # Evicting entries 1 and 0 as well (the head of the free queue now) leaves nothing to hit.
+    # Evicting entries 1 and 2 as well changes nothing either.
     e = Request("e", [200] * 8, SamplingParams())
     assert kv.allocate(e, 8)
-    assert e.kv.block_ids["swa"] == [swa[1], swa[0]]
+    assert e.kv.block_ids["swa"] == [swa[1], swa[2]]
     f = Request("f", prompt, SamplingParams())
-    assert kv.find_cached_prefix(f) == 0
-    assert f.kv.block_ids == {}
-    # A prefix all of whose blocks are still cached (c's, in both groups) still hits.
-    g = Request("g", [*range(100, 120), 7], SamplingParams())
-    assert kv.find_cached_prefix(g) == 20
-    assert g.kv.block_ids == {"swa": [FREED] * 3 + c.kv.block_ids["swa"][3:5], "full": c.kv.block_ids["full"][:5]}
-    kv.check_invariants([a, c, e, g])
-    for r in (a, c, e, g):
+    assert kv.find_cached_prefix(f) == 28
+    kv.free(f)
+    # Once a's window entries go too (a finishes, releasing its entries 7..3 tail-first, then two
+    # requests take 2 + 2 swa blocks: 7, 6, 5, 4), a hit at p needs entries (p - 5) // 4 .. p // 4 - 1:
+    # only entry 3 is left, and 16 needs 2, 3 (2 evicted), 20 needs 3, 4: nothing hits. The full
+    # group alone could serve 28.
+    kv.free(a)
+    others = [Request("x", [300] * 8, SamplingParams()), Request("y", [400] * 8, SamplingParams())]
+    for r in others:
+        assert kv.allocate(r, 8)
+    hits = dict(kv.group_hits)
+    g = Request("g", prompt, SamplingParams())
+    assert kv.find_cached_prefix(g) == 0
+    assert g.kv.block_ids == {}
+    assert kv.group_hits["full"] - hits["full"] == 28 and kv.group_hits["swa"] - hits["swa"] < 28
+    # A prefix all of whose needed blocks are still cached (c's) hits.
+    h = Request("h", [*range(100, 120), 7], SamplingParams())
+    assert kv.find_cached_prefix(h) == 20
+    assert h.kv.block_ids == {"swa": [FREED] * 3 + c.kv.block_ids["swa"][3:5], "full": c.kv.block_ids["full"][:5]}
+    kv.check_invariants([c, e, h, *others])
+    for r in (c, e, h, *others):
         kv.free(r)
     kv.check_invariants([])
     assert kv.pools["swa"].num_free == 16 and kv.pools["full"].num_free == 32

@@ -31,6 +31,7 @@ class EmitShape:
     overlap: bool
     ring_len: int
     ring_rows: int  # rows of the flat ring (slots * ring_len); this step's rows follow them
+    snapshot_every: int = 0  # positions between compressor-state snapshots (0: none are kept)
 
 
 @dataclass(slots=True)
@@ -77,6 +78,19 @@ class EmitPlan:
     entries: Emitted | None
     ring_src: torch.Tensor | None  # batch rows recorded in the rings (None: all, in order)
     ring_dst: torch.Tensor  # their flat ring rows
+    snapshots: Snapshots | None = None  # the compressor-state snapshots this step writes
+
+
+@dataclass(slots=True)
+class Snapshots:
+    """Compressor-state snapshots a step writes: at each multiple ``E`` of ``snapshot_every`` that a
+    request's rows reach, the source rows of positions ``[E - rate, E)`` (what the entry after ``E``
+    reads from before it), so a prefix-cache hit at ``E`` can restart the compressor exactly. Snapshot
+    ``j`` (``E = (j + 1) * snapshot_every``) goes to entry ``j`` of the request's state table."""
+
+    src: torch.Tensor  # [S * rate] rows of the source tensor (flat ring then batch rows)
+    req: torch.Tensor  # [S] request of each snapshot
+    index: torch.Tensor  # [S] its table entry j
 
 
 def build_emit_plan(
@@ -91,6 +105,7 @@ def build_emit_plan(
     entries: list[tuple[int, int]] = []
     ring_src: list[int] = []
     ring_dst: list[int] = []
+    snaps: tuple[list[int], list[int], list[int]] = ([], [], [])
     for r, (a, b) in enumerate(itertools.pairwise(starts)):
         p0, slot = pos0[r], ring_slots[r]
 
@@ -102,11 +117,20 @@ def build_emit_plan(
             prev.append([row((w - 1) * m + i) if w > 0 else 0 for i in range(m)])
             missing.append(w == 0)
             entries.append((r, w))
+        every = shape.snapshot_every
+        for end in range((p0 // every + 1) * every, p0 + b - a + 1, every) if every else ():
+            snaps[0].extend(row(pos) for pos in range(end - m, end))
+            snaps[1].append(r)
+            snaps[2].append(end // every - 1)
         # Only a request's last ring_len rows can be read again; older ones would collide in the ring.
         keep = max(a, b - ring_len)
         ring_src += range(keep, b)
         ring_dst += [slot * ring_len + (p0 + t - a) % ring_len for t in range(keep, b)]
-    return _upload(shape, prev, cur, missing, entries, (ring_src, ring_dst, starts[-1]), device)
+    plan = _upload(shape, prev, cur, missing, entries, (ring_src, ring_dst, starts[-1]), device)
+    if snaps[1]:
+        src, req, index = (torch.tensor(x, device=device, dtype=torch.long) for x in snaps)
+        plan.snapshots = Snapshots(src=src, req=req, index=index)
+    return plan
 
 
 def _upload(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from pypto_serving.quantization import QuantizedWeight, read_quantization_config
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
-from .model import FP32_SUFFIXES, CompressorRing, DeepseekV4Model, Params, Segments, _layer_params, linear
+from .model import FP32_SUFFIXES, STATE_GROUP, CompressorRing, DeepseekV4Model, Params, Segments, _layer_params, linear
 from .sharding import ShardPlan
 from .weights import load_weights, mtp_depths
 
@@ -61,12 +62,24 @@ class MtpState:
     tokens: dict[int, int] = field(default_factory=dict)
     frontier: list[int] = field(default_factory=list)
     carried: list[tuple[int, int]] = field(default_factory=list)  # per depth: (first, last) in the ring
+    origin: int = 0  # the prefix-cache hit the request started at (0: it computed every position)
 
     def __post_init__(self) -> None:
-        self.frontier = [0] * self.depth
+        self.frontier = [self.origin] * self.depth
+        self.hv = max(self.hv, self.origin)
         self.carried = [(0, -1)] * self.depth
         if self.active < 0:
             self.active = self.depth
+
+    def exact_depths(self, window: int) -> int:
+        """How many depths draft exactly at the last committed position (``n - 1``). After a hit at
+        ``origin`` nothing before it was computed here: depth 0's KV is exact from ``origin`` (its
+        inputs are the main model's streams), so its output from ``origin + window - 1`` (its window
+        then holds no position before the hit), depth 1's KV from there, and so on: depth ``d``'s
+        output is exact from ``origin + (d + 1) * (window - 1)``."""
+        if not self.origin:
+            return self.active
+        return min(self.active, max(0, (self.n - 1 - self.origin) // max(1, window - 1)))
 
 
 def read_drafts(drafts: torch.Tensor) -> list[int]:
@@ -167,6 +180,7 @@ class DeepseekMTPExecutor(Executor):
         self.free_slots: list[int] = []
         self.num_slots = 0
         self.mtp_state: dict[str, MtpState] = {}
+        self.hit_starts: dict[str, int] = {}  # request -> the prefix-cache hit it started at
         self.carry: list[torch.Tensor] = []  # per MTP depth: [slots, CARRY_LEN, hc, D] canonical inputs
         self.cache_dtype = torch.float32  # the paged caches' element type, set at load
         self._last: tuple[BatchInput, Segments, torch.Tensor] | None = None
@@ -314,23 +328,13 @@ class DeepseekMTPExecutor(Executor):
             logger.info("routed experts kept as stored (%s): %s", ", ".join(sorted(experts)), backend)
 
     def _cache_groups(self, cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> list[CacheGroupSpec]:
+        """The paged groups (docs/deepseek_mtp.md, "Cache groups"). Every group serves exact prefix
+        hits: a hit at ``p`` needs the ``swa`` window before ``p``, every compressed entry and indexer
+        key, and the CSA compressor-state snapshot at ``p`` (``csa_state``); the MTP groups need
+        nothing cached: a request starting at a hit rebuilds its MTP KV and drafts once it is exact."""
         elem = torch.tensor([], dtype=dtype).element_size()
         n_csa = cfg.layer_types.count(CSA)
         n_hca = cfg.layer_types.count(HCA)
-        has_compressed = bool(n_csa or n_hca)
-        no_prefix = ""
-        if has_compressed:
-            no_prefix = (
-                "compressor running state (the last source tokens' projections) is per-request executor "
-                "state that a prefix-cache hit would skip, so reused blocks would not be exact"
-            )
-        elif self.use_mtp:
-            no_prefix = (
-                "MTP drafting state (per-depth hidden carry) is per-request executor state that a "
-                "prefix-cache hit would skip"
-            )
-        # All groups share one switch: a hit is only exact when every kind of state is reused together.
-        pc = not no_prefix
 
         def group(name: str, layers: int, width: int, tpe: int = 1, window: int | None = None) -> CacheGroupSpec:
             return CacheGroupSpec(
@@ -338,8 +342,6 @@ class DeepseekMTPExecutor(Executor):
                 block_size=block_size,
                 bytes_per_block=layers * block_size * width * elem,
                 tokens_per_entry=tpe,
-                prefix_caching=pc,
-                no_prefix_caching_reason=no_prefix,
                 window_tokens=window,
             )
 
@@ -351,11 +353,26 @@ class DeepseekMTPExecutor(Executor):
         if n_csa:
             groups.append(group("csa_kv", n_csa, cfg.head_dim, cfg.csa_rate))
             groups.append(group("csa_index", n_csa, cfg.index_head_dim, cfg.csa_rate))
+            # One snapshot per CSA block: the last m rows of both compressors' rings (kv and gate,
+            # float32 like the rings); a hit reads only the one ending at it.
+            row = 2 * (2 * cfg.head_dim) + 2 * (2 * cfg.index_head_dim)
+            groups.append(
+                CacheGroupSpec(
+                    name=STATE_GROUP,
+                    block_size=1,
+                    bytes_per_block=n_csa * cfg.csa_rate * row * 4,
+                    tokens_per_entry=block_size * cfg.csa_rate,
+                    hit_lookback_tokens=1,
+                )
+            )
         if n_hca:
             groups.append(group("hca_kv", n_hca, cfg.head_dim, cfg.hca_rate))
         if self.use_mtp:
             mtp_window = cfg.sliding_window + CARRY_LEN + self.num_draft + 1
-            groups += [group(f"mtp{d}", 1, cfg.head_dim, window=mtp_window) for d in range(self.num_draft)]
+            groups += [
+                dataclasses.replace(group(f"mtp{d}", 1, cfg.head_dim, window=mtp_window), hit_lookback_tokens=0)
+                for d in range(self.num_draft)
+            ]
         return groups
 
     # ------------------------------------------------------------------ caches and slots
@@ -370,6 +387,12 @@ class DeepseekMTPExecutor(Executor):
             "hca_kv": cfg.layer_types.count(HCA),
         }
         for g in self.groups:
+            if g.name == STATE_GROUP:  # [CSA layers, blocks, m, row] in float32, as the rings
+                n_csa = layers["csa_kv"]
+                row = g.bytes_per_block // (4 * n_csa * cfg.csa_rate)
+                snapshots = (n_csa, num_blocks[g.name], cfg.csa_rate, row)
+                self.model.caches[g.name] = torch.zeros(snapshots, device=self.device, dtype=torch.float32)
+                continue
             width = cfg.index_head_dim if g.name == "csa_index" else cfg.head_dim
             n_layers = layers.get(g.name, 1)
             self.model.caches[g.name] = torch.zeros(
@@ -392,15 +415,14 @@ class DeepseekMTPExecutor(Executor):
                     self.num_slots, ring_len, 2 * cfg.index_head_dim, self.device, torch.float32
                 )
 
-    def _slot(self, request_id: str, first_pos: int) -> int:
+    def _slot(self, request_id: str, first_pos: int, hits: dict[str, int]) -> int:
+        """The request's ring slot; a request new to the executor at ``first_pos > 0`` starts at a
+        prefix-cache hit and is recorded in ``hits``."""
         slot = self.slots.get(request_id)
         if slot is not None:
             return slot
-        if first_pos != 0 and self.model is not None and self.model.rings:
-            raise RuntimeError(
-                f"request {request_id!r} starts at position {first_pos} without compressor state; this "
-                "executor needs every request computed from position 0 (prefix caching is off for its groups)"
-            )
+        if first_pos:
+            hits[request_id] = first_pos
         if not self.free_slots:  # more live requests than max_num_seqs (e.g. preempted ones): grow
             old, self.num_slots = self.num_slots, self.num_slots * 2
             self.free_slots = list(range(self.num_slots - 1, old - 1, -1))
@@ -418,6 +440,7 @@ class DeepseekMTPExecutor(Executor):
             if slot is not None:
                 self.free_slots.append(slot)
             self.mtp_state.pop(rid, None)
+            self.hit_starts.pop(rid, None)
 
     def weights_held(self) -> list[torch.Tensor]:
         """Every tensor of the weights this executor holds (stored-precision ones as their data and
@@ -459,7 +482,13 @@ class DeepseekMTPExecutor(Executor):
             if pos0[r] == 0 and starts[r] < starts[r + 1]:
                 # A request (re)starting from scratch: drop anything left from an earlier life.
                 self.mtp_state.pop(rid, None)
-        slots = [self._slot(rid, pos0[r]) for r, rid in enumerate(batch.request_ids)]
+        hits: dict[str, int] = {}
+        slots = [self._slot(rid, pos0[r], hits) for r, rid in enumerate(batch.request_ids)]
+        if hits:
+            self.hit_starts.update(hits)
+            rows = {r: (slots[r], pos0[r]) for r, rid in enumerate(batch.request_ids) if rid in hits}
+            if STATE_GROUP in batch.block_tables:
+                self.model.restore_compressor_state(rows, batch.block_tables[STATE_GROUP])
         seg = Segments(
             starts=starts,
             pos0=pos0,
@@ -529,8 +558,8 @@ class DeepseekMTPExecutor(Executor):
                 continue
             s = seg.pos0[r]
             st = self.mtp_state.get(rid)
-            if s == 0:
-                st = MtpState(k)
+            if s == 0 or (st is None and self.hit_starts.get(rid) == s):
+                st = MtpState(k, origin=s)  # a fresh request, or one starting at a prefix-cache hit
             elif st is None or st.hv != s:
                 # State lost or out of step (should not happen): stop drafting for this request rather
                 # than risk drafts from stale state; verification keeps the output exact regardless.
@@ -722,9 +751,13 @@ def _plan_depths(step: _Drafting, num_drafts: list[int] | None, window: int) -> 
     (prefill chunks) run every active depth over their canonical positions, as ever."""
     for r, (st, sampling) in step.work.items():
         n = -1 if num_drafts is None or r >= len(num_drafts) else num_drafts[r]
-        want = st.active if n < 0 else min(n, st.active)
+        exact = st.exact_depths(window)
+        want = min(st.active if n < 0 else n, exact)
         step.want[r] = want
-        if sampling and want < st.active and st.n - min(st.frontier[: st.active]) >= CARRY_LEN - st.active:
+        # A request still rebuilding its MTP KV after a prefix-cache hit (exact < active) runs every
+        # depth, like a catch-up, and drafts only from the exact ones.
+        behind = st.n - min(st.frontier[: st.active], default=st.n) >= CARRY_LEN - st.active
+        if sampling and want < st.active and (exact < st.active or behind):
             step.catch_up.add(r)
         # Per depth: the last position whose output it needs now (a draft's), -1 when deferred.
         last = [st.n - 1 if sampling and d < want else st.n - d for d in range(st.active)]

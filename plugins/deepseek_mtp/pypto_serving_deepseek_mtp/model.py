@@ -51,6 +51,10 @@ from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .emission import EmitPlan, EmitShape, build_emit_plan
 
+STATE_GROUP = "csa_state"
+"""The cache group of CSA compressor-state snapshots, one per ``state_every`` positions: what a
+prefix-cache hit restarts the compressor rings from."""
+
 logger = logging.getLogger(__name__)
 
 #: One block's parameters: tensors, and the projections and routed experts kept in the checkpoint's
@@ -319,6 +323,8 @@ class DeepseekV4Model:
                 counts[kind] += 1
         self.caches: dict[str, torch.Tensor] = {}
         self.rings: dict[tuple[int, str], CompressorRing] = {}
+        # Positions between CSA compressor-state snapshots: one per block of the CSA groups.
+        self.state_every = block_size * cfg.compress_rates.get(CSA, 1)
 
     # ------------------------------------------------------------------ public entry points
 
@@ -593,14 +599,27 @@ class DeepseekV4Model:
 
     def _emit_entries(self, p: Params, h: torch.Tensor, seg: Segments, layer: int, kind: str) -> None:
         """(Re)write the compressed entries whose windows close in this step, for every request at
-        once, and record this step's compressor inputs in the rings."""
+        once, and record this step's compressor inputs in the rings (and, on CSA layers, the state
+        snapshots a prefix-cache hit restarts from: :meth:`state_columns`)."""
         gi = self.group_index[layer]
         group = "csa_kv" if kind == CSA else "hca_kv"
         plan = self._emit_plan(seg, layer, kind)
-        self._compress(p, "attn.compressor.", h, plan, self.rings[(layer, "kv")], self.caches[group][gi], seg, group)
+        state = self.caches.get(STATE_GROUP) if kind == CSA else None
+        cols = self.state_columns()
+        snap = None if state is None else (state[gi], seg.block_tables[STATE_GROUP], cols["kv"])
+        kv_ring = self.rings[(layer, "kv")]
+        self._compress(p, "attn.compressor.", h, plan, kv_ring, (self.caches[group][gi], group), seg, snap)
         if kind == CSA:
             ring, cache = self.rings[(layer, "index")], self.caches["csa_index"][gi]
-            self._compress(p, "attn.indexer.compressor.", h, plan, ring, cache, seg, "csa_index")
+            snap = None if state is None else (state[gi], seg.block_tables[STATE_GROUP], cols["index"])
+            self._compress(p, "attn.indexer.compressor.", h, plan, ring, (cache, "csa_index"), seg, snap)
+
+    def state_columns(self) -> dict[str, slice]:
+        """Where each CSA compressor's rows sit in a ``csa_state`` snapshot row: its ring's kv row
+        then its gate row (the kv compressor first, then the indexer's)."""
+        cfg = self.cfg
+        kv, index = 2 * cfg.head_dim, 2 * cfg.index_head_dim
+        return {"kv": slice(0, 2 * kv), "index": slice(2 * kv, 2 * kv + 2 * index)}
 
     def _emit_plan(self, seg: Segments, layer: int, kind: str) -> EmitPlan:
         """``seg``'s emission plan for layers of ``kind``, built once per forward and shared by them."""
@@ -614,6 +633,7 @@ class DeepseekV4Model:
                     overlap=kind == CSA,
                     ring_len=ring.ring_len,
                     ring_rows=ring.kv.shape[0] * ring.ring_len,
+                    snapshot_every=self.state_every if kind == CSA and STATE_GROUP in self.caches else 0,
                 ),
                 seg.starts,
                 seg.pos0,
@@ -633,32 +653,70 @@ class DeepseekV4Model:
         h: torch.Tensor,
         plan: EmitPlan,
         ring: CompressorRing,
-        cache: torch.Tensor,
+        out: tuple[torch.Tensor, str],
         seg: Segments,
-        group: str,
+        snap: tuple[torch.Tensor, torch.Tensor, slice] | None,
     ) -> None:
         """One compressor over the whole batch: pool the plan's entries from the ring (earlier tokens)
-        and this step's projections, write them to ``cache``, then this step's projections to the ring."""
+        and this step's projections, write them to the ``out`` cache group, the plan's state snapshots
+        to ``snap`` (the layer's state cache, its block table, this compressor's columns), then this
+        step's projections to the ring."""
+        cache, group = out
         h32 = h.float()  # the reference's compressor runs in float32 whatever the model dtype
         kv = F.linear(h32, p[prefix + "wkv.weight"])
         gate = F.linear(h32, p[prefix + "wgate.weight"])
         width = kv.shape[-1]
         ring_kv, ring_gate = ring.kv.view(-1, width), ring.gate.view(-1, width)
+        src_kv = torch.cat([ring_kv, kv.to(ring_kv.dtype)])
+        src_gate = torch.cat([ring_gate, gate])
         e = plan.entries
         if e is not None:
-            src_kv = e.gather(torch.cat([ring_kv, kv.to(ring_kv.dtype)]), 0.0)
-            src_gate = e.gather(torch.cat([ring_gate, gate]), float("-inf"))
+            src = e.gather(src_kv, 0.0), e.gather(src_gate, float("-inf"))
             first = 1 if plan.overlap else 0
-            pooled = compressor_pool(src_kv, src_gate, p[prefix + "ape"], plan.rate, first, plan.overlap)
+            pooled = compressor_pool(*src, p[prefix + "ape"], plan.rate, first, plan.overlap)
             pooled = ops.rms_norm(pooled, p[prefix + "norm.weight"], self.cfg.rms_norm_eps)
             assert e.rope is not None
             pooled = apply_interleaved_rope(pooled, *e.rope)
             flat = cache.view(-1, cache.shape[-1])
             _cache_write(flat, e.cache_slots(group, seg.block_tables[group], self.block_size), pooled)
+        shots = plan.snapshots
+        if snap is not None and shots is not None:
+            state, table, cols = snap
+            rows = torch.cat([src_kv.index_select(0, shots.src), src_gate.index_select(0, shots.src)], dim=-1)
+            blocks = table[shots.req, shots.index].long()
+            state[:, :, cols].index_copy_(0, blocks, rows.view(len(shots.index), plan.rate, -1))
         if plan.ring_src is not None:
             kv, gate = kv.index_select(0, plan.ring_src), gate.index_select(0, plan.ring_src)
         ring_kv.index_copy_(0, plan.ring_dst, kv.to(ring_kv.dtype))
         ring_gate.index_copy_(0, plan.ring_dst, gate)
+
+    def restore_compressor_state(self, starts: dict[int, tuple[int, int]], table: torch.Tensor) -> None:
+        """Refill the CSA compressor rings of requests that start at a prefix-cache hit: ``starts``
+        maps batch row -> (ring slot, hit position), ``table`` is the batch's ``csa_state`` block
+        table. Snapshot ``hit // state_every - 1`` holds the rows of positions ``[hit - m, hit)``, the
+        only earlier rows the entries from ``hit`` on read (HCA, without overlap, reads none)."""
+        state = self.caches.get(STATE_GROUP)
+        if state is None or not starts:
+            return
+        m = self.cfg.compress_rates[CSA]
+        dev = state.device
+        req = torch.tensor(list(starts), device=dev)
+        index = torch.tensor([hit // self.state_every - 1 for _, hit in starts.values()], device=dev)
+        blocks = table[req, index].long()
+        cols = self.state_columns()
+        for layer, gi in self.group_index.items():
+            if self.cfg.layer_types[layer] != CSA:
+                continue
+            snap = state[gi].index_select(0, blocks).reshape(len(starts) * m, -1)
+            for name in ("kv", "index"):
+                ring = self.rings[(layer, name)]
+                n = ring.ring_len
+                rows = [slot * n + pos % n for slot, hit in starts.values() for pos in range(hit - m, hit)]
+                dst = torch.tensor(rows, device=dev)
+                half = snap[:, cols[name]]
+                width = half.shape[-1] // 2
+                ring.kv.view(-1, width).index_copy_(0, dst, half[:, :width].to(ring.kv.dtype))
+                ring.gate.view(-1, width).index_copy_(0, dst, half[:, width:])
 
 
 def _layer_params(weights: dict[str, Any], prefix: str, experts: range, *, groups: int, dtype: torch.dtype) -> Params:

@@ -121,6 +121,14 @@ def test_prefix_cache_counters_are_the_engines_totals(make_client: Any) -> None:
     hits = _value(client, "pypto_serving_prefix_cache_hits_total")
     assert (queries, hits) == (llm.stats["prefix_cache_queries"], llm.stats["prefix_cache_hits"])
     assert queries == 34 and hits == 16
+    # One group: it alone serves what the hit serves; its rate is the overall one.
+    assert _value(client, "pypto_serving_prefix_cache_group_hits_total", group="kv") == 16
+    assert llm.stats["prefix_cache_hits_per_group"] == {"kv": 16}
+    wait_for(
+        lambda: _value(client, "pypto_serving_prefix_cache_group_hit_rate", group="kv") == 16 / 34,
+        5,
+        "the group's hit rate",
+    )
     # The engine thread's snapshot after the last step may land between a scrape and the read of stats.
     wait_for(
         lambda: _value(client, "pypto_serving_kv_cache_group_usage_perc", group="kv") == llm.stats["kv_usage"],

@@ -198,14 +198,16 @@ def greedy_generate(
     accept: Any = None,
     draft_depth: Any = None,
     num_drafts: Any = None,
+    start: dict[str, int] | None = None,
 ) -> dict[str, list[int]]:
     """Drive the executor like the core: chunked prefill, greedy verification of MTP drafts, and
     optional preemption (release + recompute from scratch) once a request has N output tokens.
     ``draft_depth(step) -> int | None`` sets each step's ``BatchInput.draft_depth``, and
-    ``num_drafts(step, request_id) -> int`` its ``BatchInput.num_drafts``."""
+    ``num_drafts(step, request_id) -> int`` its ``BatchInput.num_drafts``. ``start`` gives the
+    requests that begin at a prefix-cache hit their first position (their tables hold the hit's blocks)."""
     steps = 0
     out = {rid: [] for rid in prompts}
-    done = dict.fromkeys(prompts, 0)  # tokens whose KV is computed
+    done = {rid: (start or {}).get(rid, 0) for rid in prompts}  # tokens whose KV is computed
     drafts: dict[str, list[int]] = {rid: [] for rid in prompts}
     preempt_at = dict(preempt_at or {})
     while any(len(out[r]) < max_new for r in prompts):

@@ -133,7 +133,18 @@ def _run(setup: dict[str, Any], k: int, scheduler: str | None = None) -> Run:
         mode = "process" if k == PROCESS_K else "inproc"
         # Policy fixed: every decode granted k drafts, so the checks below can count them exactly
         # (the default, adaptive, varies k and the drafting depth: its own test is further down).
-        run = Run(setup["path"], k, scheduler, mode, setup["params"], policy="fixed", num_kv_blocks=PRESSURE_BLOCKS)
+        # Prefix caching off: a preempted request coming back at a prefix-cache hit rebuilds its MTP
+        # KV before it drafts again (test_prefix_hits.py), which the exact draft count below excludes.
+        run = Run(
+            setup["path"],
+            k,
+            scheduler,
+            mode,
+            setup["params"],
+            policy="fixed",
+            num_kv_blocks=PRESSURE_BLOCKS,
+            enable_prefix_caching=False,
+        )
         assert run.scheduler == predicted
         setup["runs"][key] = run
     return setup["runs"][key]

@@ -63,6 +63,7 @@ class Setup:
     vocab: int
     batches: list[Any]
     more: list[Any]  # steps after ``batches``: the batched emission and drafting paths
+    hit: Any  # a request's first step at a prefix-cache hit (position 16), beside a decode
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,7 @@ def fake_executor(checkpoints: Any, release_copy: Any, request: pytest.FixtureRe
         # d's next chunk reads the MTP input its first chunk left in the carry ring.
         core.batch([("d", list(range(73, 85)), 3, 1), ("a", [53], len(a) + 3, 1)]),
     ]
+    hit = core.batch([("h", list(range(90, 96)), 16, 1), ("a", [52], len(a) + 2, 1)])  # after `batches`
     with fake_mode(), CudaBindings():
         model, memo = ex.model, {}
         for name in ("embed", "head", "norm", "hc_head", "layers", "inv_freq"):
@@ -121,7 +123,8 @@ def fake_executor(checkpoints: Any, release_copy: Any, request: pytest.FixtureRe
         ex.mtp_layers = fake_cuda(ex.mtp_layers, memo)
         ex.device = model.device = torch.device("cuda")
         ex.init_kv_cache({g.name: BLOCKS for g in info.cache_groups})
-        yield Setup(ex, info.vocab_size, [_fake_batch(s) for s in steps], [_fake_batch(s) for s in more])
+        batches, later = [_fake_batch(s) for s in steps], [_fake_batch(s) for s in more]
+        yield Setup(ex, info.vocab_size, batches, later, _fake_batch(hit))
 
 
 def test_fake_cuda_catches_host_reads_and_device_mixing() -> None:
@@ -209,6 +212,30 @@ def test_batched_emission_and_drafting_stay_on_the_device(
     assert [tuple(t.shape) for t in reads[4:]] == [(3 * K,), (2 * K,)]
     assert all(c.device.type == "cuda" for c in ex.carry)
     assert ex.mtp_state["d"].carried[0][1] >= 0  # the ring did hold d's carried input
+
+
+def test_a_prefix_hit_start_stays_on_the_device(fake_executor: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request first seen at a prefix-cache hit: its CSA rings refilled from the compressor snapshot
+    (the table's entry gathered on the device), its MTP state started at the hit; no host read."""
+    ex = fake_executor.ex
+    reads: list[torch.Tensor] = []
+
+    def read_drafts(drafts: torch.Tensor) -> list[int]:
+        reads.append(drafts)
+        return [0] * drafts.shape[0]
+
+    monkeypatch.setattr(executor_mod, "read_drafts", read_drafts)
+    accepted = [[[], [7]], [[8], [40, 9]], [[10], [43]], [[11], [12], [13]]]
+    for batch, acc in zip(fake_executor.batches, accepted):
+        ex.execute(batch)
+        ex.propose_drafts(batch, acc)
+    batch = fake_executor.hit
+    logits = ex.execute(batch)
+    assert logits.device.type == "cuda" and logits.shape == (2, fake_executor.vocab)
+    assert ex.hit_starts == {"h": 16}
+    drafts = ex.propose_drafts(batch, [[19], [14]])
+    assert ex.mtp_state["h"].origin == 16
+    assert len(drafts[0]) < K and len(drafts[1]) == K  # h drafts only what is exact so soon after its hit
 
 
 def test_caches_and_rings_live_on_the_device(fake_executor: Setup) -> None:

@@ -39,7 +39,9 @@ def test_the_fp8_caches_hold_the_float_values_rounded_through_e4m3(monkeypatch: 
     ids = tokenize(TINY_DEEPSEEK_V4, inspect.getsource(json.decoder))[:160]
     exact, exact_bytes = _logits("auto", ids)
     fp8, fp8_bytes = _logits("fp8", ids)
-    assert set(exact_bytes) == {"swa", "csa_kv", "csa_index", "hca_kv"}
+    assert set(exact_bytes) == {"swa", "csa_kv", "csa_index", "csa_state", "hca_kv"}
+    # The CSA compressor snapshots stay float32, like the rings they restore.
+    assert fp8_bytes.pop("csa_state") == exact_bytes.pop("csa_state")
     assert all(fp8_bytes[g] * 4 == exact_bytes[g] for g in exact_bytes)
     err = (fp8 - exact).abs()
     assert 0 < err.mean() < 0.1 and (fp8.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
