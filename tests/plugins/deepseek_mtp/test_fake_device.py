@@ -63,7 +63,7 @@ class Setup:
     vocab: int
     batches: list[Any]
     more: list[Any]  # steps after ``batches``: the batched emission and drafting paths
-    hit: Any  # a request's first step at a prefix-cache hit (position 16), beside a decode
+    hit: Any  # after ``more``: a request's first step at a prefix-cache hit, beside a decode
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,8 @@ def fake_executor(checkpoints: Any, release_copy: Any, request: pytest.FixtureRe
         # d's next chunk reads the MTP input its first chunk left in the carry ring.
         core.batch([("d", list(range(73, 85)), 3, 1), ("a", [53], len(a) + 3, 1)]),
     ]
-    hit = core.batch([("h", list(range(90, 96)), 16, 1), ("a", [52], len(a) + 2, 1)])  # after `batches`
+    # After ``more``: a request first seen at a prefix-cache hit (position 16) beside a decode.
+    hit = core.batch([("h", list(range(90, 96)), 16, 1), ("a", [54], len(a) + 4, 1)])
     with fake_mode(), CudaBindings():
         model, memo = ex.model, {}
         for name in ("embed", "head", "norm", "hc_head", "layers", "inv_freq"):
@@ -187,7 +188,8 @@ def test_batched_emission_and_drafting_stay_on_the_device(
     fake_executor: Setup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Windows closing for several requests in one step, a row-wise attention group of decodes and
-    verifications, a non-sampling chunk and the carry ring read after it: still no host read."""
+    verifications, a non-sampling chunk and the carry ring read after it, then a request starting at a
+    prefix-cache hit: still no host read."""
     ex = fake_executor.ex
     reads: list[torch.Tensor] = []
 
@@ -212,28 +214,12 @@ def test_batched_emission_and_drafting_stay_on_the_device(
     assert [tuple(t.shape) for t in reads[4:]] == [(3 * K,), (2 * K,)]
     assert all(c.device.type == "cuda" for c in ex.carry)
     assert ex.mtp_state["d"].carried[0][1] >= 0  # the ring did hold d's carried input
-
-
-def test_a_prefix_hit_start_stays_on_the_device(fake_executor: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request first seen at a prefix-cache hit: its CSA rings refilled from the compressor snapshot
-    (the table's entry gathered on the device), its MTP state started at the hit; no host read."""
-    ex = fake_executor.ex
-    reads: list[torch.Tensor] = []
-
-    def read_drafts(drafts: torch.Tensor) -> list[int]:
-        reads.append(drafts)
-        return [0] * drafts.shape[0]
-
-    monkeypatch.setattr(executor_mod, "read_drafts", read_drafts)
-    accepted = [[[], [7]], [[8], [40, 9]], [[10], [43]], [[11], [12], [13]]]
-    for batch, acc in zip(fake_executor.batches, accepted):
-        ex.execute(batch)
-        ex.propose_drafts(batch, acc)
-    batch = fake_executor.hit
-    logits = ex.execute(batch)
+    # A request starting at a prefix-cache hit: its CSA rings refilled from the compressor snapshot
+    # (the table's entry gathered on the device), its MTP state started at the hit.
+    logits = ex.execute(fake_executor.hit)
     assert logits.device.type == "cuda" and logits.shape == (2, fake_executor.vocab)
     assert ex.hit_starts == {"h": 16}
-    drafts = ex.propose_drafts(batch, [[19], [14]])
+    drafts = ex.propose_drafts(fake_executor.hit, [[19], [14]])
     assert ex.mtp_state["h"].origin == 16
     assert len(drafts[0]) < K and len(drafts[1]) == K  # h drafts only what is exact so soon after its hit
 

@@ -5,7 +5,7 @@ window) blocks of its chain. Requests sharing the system prompt still hit: a hit
 window before it, every compressed entry and indexer key, the CSA compressor snapshot at the hit and
 no MTP block (the executor rebuilds the MTP KV and drafts once exact). Their outputs, greedy and
 seeded sampling, equal a run with prefix caching off, under the sync and async strategies, and no
-block of any group is leaked.
+block of any group is leaked (one request is aborted mid-run, some are preempted).
 """
 
 from __future__ import annotations
@@ -71,12 +71,16 @@ def _run(path: Path, scheduler: str, prefix_caching: bool) -> dict[str, Any]:
     assert engine is not None
     out: dict[str, Any] = {"tokens": {}}
 
-    def drain() -> None:
+    def drain(abort_at: int = -1) -> None:
+        steps = 0
         while engine.has_unfinished():
             for o in engine.step():
-                if o.finished:
+                if o.finished and o.request_id != "gone":
                     out["tokens"][o.request_id] = list(o.outputs[0].token_ids)
             engine.kv.check_invariants(engine.scheduler.live_requests())
+            steps += 1
+            if steps == abort_at:
+                engine.abort("gone")
 
     try:
         engine.add_request("a", [*SYSTEM, *_tokens(1, TAIL_LEN)], _params(0))
@@ -88,7 +92,8 @@ def _run(path: Path, scheduler: str, prefix_caching: bool) -> dict[str, Any]:
         before = engine.stats()["prefix_cache_hits"]
         for i in range(1, 5):
             engine.add_request(f"q{i}", [*SYSTEM, *_tokens(1 + i, TAIL_LEN)], _params(i))
-        drain()
+        engine.add_request("gone", [*SYSTEM, *_tokens(9, TAIL_LEN)], _params(0))  # aborted mid-run
+        drain(abort_at=3)
         stats = engine.stats()
         out["hits"] = stats["prefix_cache_hits"] - before
         out["per_group"] = stats["prefix_cache_hits_per_group"]
@@ -114,8 +119,8 @@ def test_hits_past_evicted_window_blocks_equal_recomputation(path: Path, schedul
     # (a hit needing the whole swa chain from block 0, as before, would have been 0); a request
     # preempted (the four do not fit together) hits again on its way back, its outputs included.
     assert not cached["first_swa_block_cached"]
-    assert cached["hits"] >= 4 * HIT
-    assert cached["hits"] == 4 * HIT or cached["preemptions"] > 0
+    assert cached["hits"] >= 5 * HIT  # q1..q4 and the aborted request
+    assert cached["hits"] == 5 * HIT or cached["preemptions"] > 0
     # Per group, what it alone could serve, over every lookup of the run (a's and the filler's
     # included): never below the hits; an MTP group needs no cached block, so it never limits one.
     per_group = cached["per_group"]
