@@ -62,7 +62,7 @@ BACKENDS: frozenset[str] = frozenset({"npu", "cuda", "cpu"})
 
 #: Kernels whose CPU calls look up a fast path; every other kernel runs its reference on the CPU
 #: directly, so the CPU decode loop pays no registry lookup per call.
-CPU_FAST_KERNELS: frozenset[str] = frozenset({"quant_linear", "linear", "paged_attention"})
+CPU_FAST_KERNELS: frozenset[str] = frozenset({"quant_linear", "linear", "paged_attention", "quant_moe_experts"})
 
 
 @dataclass(frozen=True)

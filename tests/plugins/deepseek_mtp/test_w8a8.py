@@ -32,7 +32,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import pypto_kernels.backends.cpu as cpu
 import pypto_kernels.quant_moe as qm
+from pypto_kernels import describe_kernel
 from pypto_kernels.moe import looped_moe_experts
 from pypto_serving.quantization import QuantizedWeight, UnsupportedQuantizationError
 
@@ -125,8 +127,8 @@ def test_w8a8_stays_int8_and_tracks_its_float_values(copies: tuple[Path, Path]) 
 
 
 def test_w8a8_fast_paths_decode_as_the_reference(copies: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The int8 checkpoint with MTP drafting: the CPU's int8 linears (``torch._int_mm``) give the
-    greedy tokens and drafts of the reference (dequantise per call), logits within 1e-4."""
+    """The int8 checkpoint with MTP drafting: the CPU's int8 linears and experts (``torch._int_mm``)
+    give the greedy tokens and drafts of the references (dequantise per call), logits within 1e-4."""
     import pypto_kernels
     import pypto_serving_deepseek_mtp.model as model_mod
 
@@ -134,6 +136,7 @@ def test_w8a8_fast_paths_decode_as_the_reference(copies: tuple[Path, Path], monk
     prompts = {"a": [5, 17, 3, 60, 41, 8, 22, 90, 1], "b": [33, 2, 71]}
     got = _generate(*_executor(w8a8, stored=True), prompts)
     monkeypatch.setattr(model_mod, "quant_linear", pypto_kernels.quant_linear.reference)
+    monkeypatch.setattr(model_mod, "quant_moe_experts", pypto_kernels.quant_moe_experts.reference)
     want = _generate(*_executor(w8a8, stored=True), prompts)
     assert got[0] == want[0] and got[2] == want[2]
     assert any(any(d) for d in got[2])
@@ -167,6 +170,12 @@ def test_w8a8_experts_match_the_per_token_int8_reference(monkeypatch: pytest.Mon
     monkeypatch.setattr(qm, "GATHER_EXPERTS", 2)
     torch.testing.assert_close(qm.gathered_quant_moe_experts(x, *stacks, weights, ids), want)
     assert torch.equal(stacks[0].dequantize(), floats[0])
+    # The CPU's int8 path (torch._int_mm, no dequantised weight) for calls of few routes.
+    assert cpu.supports_quant_moe_experts(x, *stacks, weights, ids)
+    assert not cpu.supports_quant_moe_experts(x.repeat(3, 1), *stacks, weights.repeat(3, 1), ids.repeat(3, 1))
+    torch.testing.assert_close(cpu.int8_moe_experts(x, *stacks, weights, ids), want)
+    torch.testing.assert_close(qm.quant_moe_experts(x, *stacks, weights, ids), want)  # CPU dispatch
+    assert describe_kernel("quant_moe_experts", "cpu", scheme="w8a8_dynamic", routes=14) == cpu.INT8_MOE_LABEL
 
 
 def test_a_rank_reads_its_part_of_the_int8_weights(copies: tuple[Path, Path]) -> None:
