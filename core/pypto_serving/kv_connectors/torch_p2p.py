@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -240,6 +241,9 @@ class TorchP2PConnector(KVConnector):
                 self._event(item.transfer_id, "pulled", None)
 
     def _connect(self, host: str, port: int) -> _Conn:
+        # A refused connection fails at once; TCPStore's client would retry for its whole timeout.
+        with socket.create_connection((host, port), timeout=min(self.timeout, 5.0)):
+            pass
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout))
         number = int(store.add("conns", 1)) - 1
         store.set(f"conn/{number}", "1")

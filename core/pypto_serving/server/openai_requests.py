@@ -472,6 +472,7 @@ def _sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             structured=structured,
             lora=req.model if req.model in lora_paths(ctx.settings) else None,
+            kv_transfer_params=req.kv_transfer_params,
             **_token_fields(ctx, req),
             **kw,
         )
@@ -485,6 +486,8 @@ def _sampling_params(
     if params.stop and ctx.llm.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer.json in the model directory", param="stop")
     _check_context(ctx, prompts, max_tokens, max_tokens_param)
+    if req.kv_transfer_params is not None and len(prompts) > 1:
+        raise APIError(400, "kv_transfer_params applies to one prompt; send one request per prompt", param="kv_transfer_params")
     return [params, *(copy.copy(params) for _ in prompts[1:])]
 
 

@@ -288,7 +288,7 @@ def _completion_body(
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_rows
             choices.append(choice)
-    return {
+    body = {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
@@ -296,6 +296,15 @@ def _completion_body(
         "choices": choices,
         "usage": _usage(prompts, outs),
     }
+    return _with_kv_transfer(body, outs)
+
+
+def _with_kv_transfer(body: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
+    """A prefill engine's answer carries what the decode engine's request needs (vLLM's field)."""
+    params = outs[0].kv_transfer_params if len(outs) == 1 else None
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return body
 
 
 def _computed(req: CompletionRequest | ChatCompletionRequest) -> int:
@@ -365,4 +374,4 @@ def _chat_body(
         body["prompt_logprobs"] = _vllm_prompt_logprobs(
             ctx, prompt.ids, out.prompt_logprobs, req.prompt_logprobs, req.prompt_logprobs
         )
-    return body
+    return _with_kv_transfer(body, [out])
