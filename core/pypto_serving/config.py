@@ -582,7 +582,7 @@ class ServingSettings(BaseSettings):
         role = self.kv_role or (cfg.kv_role if cfg is not None else None)
         if role is None:
             return None
-        return (cfg or KVTransferConfig()).model_copy(update={"kv_role": role})
+        return (cfg or KVTransferConfig.model_validate({})).model_copy(update={"kv_role": role})
 
     @model_validator(mode="after")
     def _device_block_size(self) -> ServingSettings:

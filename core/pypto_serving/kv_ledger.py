@@ -88,22 +88,32 @@ class KVTransferLedger:
         params = req.sampling_params.kv_transfer_params or {}
         role = self.config.kv_role
         if params.get("do_remote_decode") and role not in ("prefill", "both"):
-            raise ValueError(f"kv_transfer_params.do_remote_decode needs kv_role 'prefill' or 'both' (this engine: {role})")
+            raise ValueError(
+                f"kv_transfer_params.do_remote_decode needs kv_role 'prefill' or 'both' (this engine: {role})"
+            )
         if params.get("do_remote_prefill"):
             if role not in ("decode", "both"):
-                raise ValueError(f"kv_transfer_params.do_remote_prefill needs kv_role 'decode' or 'both' (this engine: {role})")
+                raise ValueError(
+                    f"kv_transfer_params.do_remote_prefill needs kv_role 'decode' or 'both' (this engine: {role})"
+                )
             self._check_source(req, params)
         if n != 1 and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
             raise ValueError("kv_transfer_params needs n=1 (one sequence per transferred prompt)")
 
     def _check_source(self, req: Request, params: dict[str, Any]) -> None:
-        missing = [k for k in ("transfer_id", "remote_host", "remote_port", "num_tokens", "prompt_digest") if k not in params]
+        missing = [
+            k for k in ("transfer_id", "remote_host", "remote_port", "num_tokens", "prompt_digest") if k not in params
+        ]
         if missing:
-            raise ValueError(f"kv_transfer_params lacks {', '.join(missing)} (pass the prefill response's kv_transfer_params)")
+            raise ValueError(
+                f"kv_transfer_params lacks {', '.join(missing)} (pass the prefill response's kv_transfer_params)"
+            )
         if params["prompt_digest"] != prompt_digest(req.prompt_token_ids):
             raise ValueError("kv_transfer_params belong to another prompt: send the decode engine the prefill's prompt")
         if params["num_tokens"] != req.num_prompt_tokens - 1:
-            raise ValueError(f"kv_transfer_params.num_tokens={params['num_tokens']!r}; this prompt needs {req.num_prompt_tokens - 1}")
+            raise ValueError(
+                f"kv_transfer_params.num_tokens={params['num_tokens']!r}; this prompt needs {req.num_prompt_tokens - 1}"
+            )
 
     # -- prefill side
     def hold(self, req: Request) -> bool:

@@ -55,7 +55,9 @@ class PluginInfo:
     provides: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
 
 
-S = TypeVar("S", ExecutorSpec, KVConnectorSpec, SchedulerSpec, SpecPolicySpec, ModelSpec, ToolParserSpec, ReasoningParserSpec)
+S = TypeVar(
+    "S", ExecutorSpec, KVConnectorSpec, SchedulerSpec, SpecPolicySpec, ModelSpec, ToolParserSpec, ReasoningParserSpec
+)
 
 
 @dataclass(slots=True)

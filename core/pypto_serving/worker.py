@@ -489,7 +489,9 @@ class WorkerClient:
             raise WorkerError(f"the executor failed to load: {loaded.error}")
         self.info = loaded.info
 
-    def _start(self, factory: Callable[[Any], Executor], settings: Any, kv_factory: Callable[[Any], Any] | None) -> None:
+    def _start(
+        self, factory: Callable[[Any], Executor], settings: Any, kv_factory: Callable[[Any], Any] | None
+    ) -> None:
         """Spawn the worker: rank 0 on the pipe, and with tensor parallelism this node's other ranks.
         One node without a ``master_port`` meets on a free port."""
         tp = settings.tensor_parallel_size > 1

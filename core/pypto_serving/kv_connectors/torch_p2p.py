@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from ..config import KVTransferConfig
 from ..hookspecs import KVConnectorSpec, hookimpl
@@ -88,7 +89,7 @@ def _wait_key(store: Any, key: str, timeout: float, closed: threading.Event) -> 
 
 
 def _group(store: Any, number: int, rank: int, timeout: float) -> Any:
-    prefixed = dist.PrefixStore(f"pg{number}/", store)
+    prefixed = PrefixStore(f"pg{number}/", store)
     return dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=timeout))
 
 
@@ -116,7 +117,7 @@ class TorchP2PConnector(KVConnector):
         if self.config.kv_role == "decode":
             return {}
         cfg = self.config
-        self._store = dist.TCPStore(
+        self._store = TCPStore(
             cfg.kv_ip, cfg.kv_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout)
         )
         self._spawn(self._accept_loop, "kv-accept")
@@ -199,7 +200,10 @@ class TorchP2PConnector(KVConnector):
         offer = self._take_offer(transfer_id)
         ack = f"c{number}/ack/{seq}"
         if offer is None:
-            why = f"the prefill engine holds no KV for transfer {transfer_id!r} (already pulled, or freed after kv_transfer_timeout)"
+            why = (
+                f"the prefill engine holds no KV for transfer {transfer_id!r} "
+                "(already pulled, or freed after kv_transfer_timeout)"
+            )
             self._store.set(ack, json.dumps({"error": why}))
             return True
         error: str | None = None
@@ -207,7 +211,9 @@ class TorchP2PConnector(KVConnector):
         try:
             buf = gather_blocks(self._caches, offer.blocks, torch.device("cpu"))
             counts = {g: len(b) for g, b in offer.blocks.items()}
-            self._store.set(ack, json.dumps({"nbytes": buf.numel(), "layout": layout_digest(self._caches), "counts": counts}))
+            self._store.set(
+                ack, json.dumps({"nbytes": buf.numel(), "layout": layout_digest(self._caches), "counts": counts})
+            )
             group.send([buf], 1, seq).wait()
             done = _wait_key(self._store, f"c{number}/done/{seq}", self.timeout, self._closed).decode()
             error = None if done == "ok" else done
@@ -236,7 +242,11 @@ class TorchP2PConnector(KVConnector):
                 self._event(item.transfer_id, "pulled", str(e))
             except Exception as e:  # the connection broke: the next pull forms a new one
                 self._conns.pop(address, None)
-                self._event(item.transfer_id, "pulled", f"the KV transfer from {address[0]}:{address[1]} failed: {type(e).__name__}: {e}")
+                self._event(
+                    item.transfer_id,
+                    "pulled",
+                    f"the KV transfer from {address[0]}:{address[1]} failed: {type(e).__name__}: {e}",
+                )
             else:
                 self._event(item.transfer_id, "pulled", None)
 
@@ -244,7 +254,7 @@ class TorchP2PConnector(KVConnector):
         # A refused connection fails at once; TCPStore's client would retry for its whole timeout.
         with socket.create_connection((host, port), timeout=min(self.timeout, 5.0)):
             pass
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout))
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout))
         number = int(store.add("conns", 1)) - 1
         store.set(f"conn/{number}", "1")
         return _Conn(store, _group(store, number, 1, self.timeout), number)
