@@ -126,7 +126,7 @@ def test_a_decode_pull_owns_its_blocks_until_the_event_and_a_failure_frees_them(
 
 
 def test_an_aborted_pull_is_freed_when_the_connector_lets_go() -> None:
-    ledger, sent, _ = _ledger("decode")
+    ledger, _sent, _ = _ledger("decode")
     req = _decode_request()
     ledger.start_pull(req)
     assert ledger.abort("d") is None  # the connector may be writing the blocks
