@@ -34,7 +34,9 @@ from .kv_cache import FREED, KVCacheManager
 from .kv_transfer import KVCaches, KVConnector, TransferEvent
 from .request import Request, RequestStatus
 
-__all__ = ["KVTransferLedger", "prompt_digest", "start_kv_service"]
+__all__ = ["TRANSFER_FAILED", "KVTransferLedger", "prompt_digest", "start_kv_service"]
+
+TRANSFER_FAILED = "KV transfer failed"  # the start of a failed pull's error (the server answers 502)
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +218,7 @@ class KVTransferLedger:
             self.stats["kv_pull_failed"] += event.error is not None
             self.kv.free(req)
             status = RequestStatus.FINISHED_ABORTED if pull.aborted else RequestStatus.FINISHED_ERROR
-            _finish(req, status, None if pull.aborted else f"KV transfer failed: {event.error}")
+            _finish(req, status, None if pull.aborted else f"{TRANSFER_FAILED}: {event.error}")
             return req, False
         self.stats["kv_pulled"] += 1
         return req, True

@@ -17,6 +17,7 @@ from fastapi import Request, Response
 
 from ..config import lora_paths
 from ..engine import EngineDeadError
+from ..kv_ledger import TRANSFER_FAILED
 from ..parsers import OutputParser, ParsedToolCall
 from ..request import CompletionOutput, RequestOutput, SamplingParams
 from .async_llm import EngineFailure
@@ -100,8 +101,16 @@ async def _run_all(
     for out in outs:
         failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
         if failed is not None:
-            raise APIError(500, _failure_message(ctx, failed), type="server_error", code="generation_failed")
+            raise _failed_choice_error(ctx, failed)
     return list(outs)
+
+
+def _failed_choice_error(ctx: _Ctx, c: CompletionOutput) -> APIError:
+    """A failed choice's answer: a KV transfer from a prefill engine that failed is that upstream's
+    failure (502 ``kv_transfer_failed``), anything else this server's (500 ``generation_failed``)."""
+    if c.error is not None and c.error.startswith(TRANSFER_FAILED):
+        return APIError(502, _failure_message(ctx, c), type="server_error", code="kv_transfer_failed")
+    return APIError(500, _failure_message(ctx, c), type="server_error", code="generation_failed")
 
 
 def _failure_message(ctx: _Ctx, c: CompletionOutput) -> str:

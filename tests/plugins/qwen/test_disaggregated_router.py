@@ -74,6 +74,23 @@ def test_the_router_splits_a_completion_over_the_pair(pair: tuple[LiveServer, Li
         router.stop()
 
 
+def test_a_stale_transfer_is_a_502_naming_it_and_the_server_serves_on(
+    pair: tuple[LiveServer, LiveServer, Any, Any],
+) -> None:
+    prefill, decode, _, d_llm = pair
+    body = {"prompt": "def main(", "max_tokens": 4, "temperature": 0}
+    first = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(f"{prefill.url}/v1/completions", json=first, timeout=60).json()["kv_transfer_params"]
+    ok = httpx.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+    stale = httpx.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+    assert ok.status_code == 200
+    assert stale.status_code == 502 and stale.json()["error"]["code"] == "kv_transfer_failed"
+    assert "holds no KV" in stale.json()["error"]["message"]
+    assert httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60).status_code == 200
+    engine = d_llm.engine
+    assert sum(p.num_free for p in engine.kv.pools.values()) == sum(p.num_blocks for p in engine.kv.pools.values())
+
+
 def test_a_decode_server_refuses_foreign_kv_transfer_params(pair: tuple[LiveServer, LiveServer, Any, Any]) -> None:
     _, decode, _, _ = pair
     bad = {"do_remote_prefill": True, "transfer_id": "x", "remote_host": "127.0.0.1", "remote_port": 1}
