@@ -574,6 +574,11 @@ class ServingSettings(BaseSettings):
         cfg = self.kv_transfer_config
         if cfg is not None and cfg.kv_role is not None and self.kv_role is not None and cfg.kv_role != self.kv_role:
             raise ValueError(f"kv_role={self.kv_role!r} contradicts kv_transfer_config.kv_role={cfg.kv_role!r}")
+        if cfg is not None and cfg.kv_port and self.data_parallel_size > 1:
+            raise ValueError(
+                f"kv_transfer_config.kv_port={cfg.kv_port} with data_parallel_size={self.data_parallel_size}: each "
+                "replica's connector needs its own port; use kv_port 0 (a free one each)"
+            )
         return self
 
     def kv_transfer(self) -> KVTransferConfig | None:

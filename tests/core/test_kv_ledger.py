@@ -168,3 +168,15 @@ def test_requests_a_role_cannot_serve_are_refused(role: str, change: dict[str, A
     req.sampling_params.kv_transfer_params = params
     with pytest.raises(ValueError, match=match):
         ledger.check(req, 1)
+
+
+def test_the_settings_take_vllm_roles_and_refuse_contradictions() -> None:
+    from pypto_serving import ServingSettings
+
+    assert ServingSettings(kv_transfer_config={"kv_role": "kv_consumer"}).kv_transfer().kv_role == "decode"  # type: ignore[union-attr]
+    assert ServingSettings(kv_role="prefill").kv_transfer().kv_port == 0  # type: ignore[union-attr]
+    assert ServingSettings().kv_transfer() is None
+    with pytest.raises(ValueError, match="contradicts"):
+        ServingSettings(kv_role="prefill", kv_transfer_config={"kv_role": "decode"})
+    with pytest.raises(ValueError, match="its own port"):
+        ServingSettings(kv_role="prefill", kv_transfer_config={"kv_port": 14579}, data_parallel_size=2)
