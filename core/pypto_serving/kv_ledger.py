@@ -99,6 +99,8 @@ class KVTransferLedger:
                     f"kv_transfer_params.do_remote_prefill needs kv_role 'decode' or 'both' (this engine: {role})"
                 )
             self._check_source(req, params)
+            if req.sampling_params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs needs every prompt token computed here: not with do_remote_prefill")
         if n != 1 and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
             raise ValueError("kv_transfer_params needs n=1 (one sequence per transferred prompt)")
 

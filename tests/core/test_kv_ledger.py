@@ -157,12 +157,14 @@ def test_a_pull_without_room_waits_and_starts_on_a_later_tick() -> None:
         ("decode", {"prompt_digest": "x"}, "another prompt"),
         ("decode", {"num_tokens": 3}, "num_tokens"),
         ("decode", {"transfer_id": None}, "lacks transfer_id"),
+        ("decode", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )
 def test_requests_a_role_cannot_serve_are_refused(role: str, change: dict[str, Any], match: str) -> None:
     ledger, _, _ = _ledger(role)
     req = _decode_request()
     params = dict(req.sampling_params.kv_transfer_params or {})
+    req.sampling_params.prompt_logprobs = change.pop("prompt_logprobs", None)
     params.update(change)
     params = {k: v for k, v in params.items() if v is not None}
     req.sampling_params.kv_transfer_params = params
