@@ -269,8 +269,9 @@ class EngineCore:
 
     def _setup_kv_transfer(self) -> None:
         """The ledger of disaggregated serving, over the connector the worker just started."""
-        cfg, conn = self.settings.kv_transfer(), self.worker.kv_conn
+        cfg, conn = self.settings.kv_transfer(), getattr(self.worker, "kv_conn", None)
         self.kvx: KVTransferLedger | None = None
+        self._kv_conn = conn
         if cfg is None or conn is None:
             return
         windowed = [g.name for g in self.info.cache_groups if g.window_tokens is not None]
@@ -286,7 +287,7 @@ class EngineCore:
     def _poll_kv(self) -> None:
         """Apply the KV connector's events: free held blocks, fail or admit pulled requests. While only
         pulls are pending it waits a few ms for an event instead of spinning."""
-        kvx, conn = self.kvx, self.worker.kv_conn
+        kvx, conn = self.kvx, self._kv_conn
         if kvx is None or conn is None:
             return
         kvx.tick()
@@ -660,9 +661,9 @@ class EngineCore:
         if self.dead_reason is None:
             with contextlib.suppress(Exception):  # shutting down anyway
                 self.strategy.drain()
-        if self.worker.kv_conn is not None:
+        if self._kv_conn is not None:
             with contextlib.suppress(OSError):
-                self.worker.kv_conn.send(("close",))
+                self._kv_conn.send(("close",))
         self.worker.close()
 
 
