@@ -101,6 +101,10 @@ def _drive(args: argparse.Namespace, decode: _Loop, send_long: Callable[[int], N
         send_long(i)
         time.sleep(args.every)
     decode.wait(streams)
+    decode.wait([f"L{i}" for i in range(args.long)])  # every transfer done before the engines close
+    failed = [r for r, out in decode.finished.items() if out.outputs[0].error is not None]
+    if failed:
+        raise SystemExit(f"requests failed: {failed}")
     return _tpot(decode.times, streams)
 
 
