@@ -7,8 +7,9 @@ Public API: :class:`LLM` (offline generation), :class:`SamplingParams`, :class:`
 along, :data:`SpecPolicy` with the :class:`StepObservation` a policy observes, and the
 :class:`ToolParserSpec` / :class:`ReasoningParserSpec` of the server's output parsers).
 
-Besides this root, plugins import the ``__all__`` of three public submodules:
-:mod:`pypto_serving.parallel`, :mod:`pypto_serving.quantization` and :mod:`pypto_serving.parsers`
+Besides this root, plugins import the ``__all__`` of four public submodules:
+:mod:`pypto_serving.parallel`, :mod:`pypto_serving.quantization`, :mod:`pypto_serving.parsers` and
+:mod:`pypto_serving.kv_transfer`
 (see docs/plugins.md, "The public surface"); every other module is internal.
 """
 
@@ -17,6 +18,7 @@ from .engine import LLM, EngineCore, EngineDeadError
 from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
 from .hookspecs import (
     ExecutorSpec,
+    KVConnectorSpec,
     ModelSpec,
     ReasoningParserSpec,
     SchedulerSpec,
@@ -46,6 +48,7 @@ __all__ = [
     "Executor",
     "ExecutorInfo",
     "ExecutorSpec",
+    "KVConnectorSpec",
     "ModelSpec",
     "PluginError",
     "PluginManager",

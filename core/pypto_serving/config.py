@@ -107,6 +107,40 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+KV_ROLE_ALIASES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
+
+class KVTransferConfig(BaseModel):
+    """Disaggregated prefill and decode, shaped like vLLM's ``kv_transfer_config`` (docs/disaggregated.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kv_connector: str = Field(
+        "torch_p2p", min_length=1, description="KV connector plugin moving blocks between engines ('torch_p2p')."
+    )
+    kv_role: Literal["prefill", "decode", "both"] | None = Field(
+        None,
+        description="'prefill' offers finished prompts' KV, 'decode' pulls it, 'both' does either (vLLM's "
+        "kv_producer, kv_consumer and kv_both are accepted); unset: the kv_role setting.",
+    )
+    kv_ip: str = Field("127.0.0.1", description="Address a prefill engine's connector listens on and advertises.")
+    kv_port: int = Field(0, ge=0, le=65535, description="Port of a prefill engine's connector (0: a free one).")
+    kv_connector_extra_config: dict[str, Any] = Field(
+        default_factory=dict, description="Options for the connector plugin (torch_p2p: 'timeout' seconds)."
+    )
+    kv_transfer_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a prefill engine holds a finished request's blocks for a decode engine to pull; "
+        "then they are freed and a later pull fails.",
+    )
+
+    @field_validator("kv_role", mode="before")
+    @classmethod
+    def _vllm_role(cls, v: Any) -> Any:
+        return KV_ROLE_ALIASES.get(v, v) if isinstance(v, str) else v
+
+
 class _FileSettingsSource(PydanticBaseSettingsSource):
     """Reads the TOML/YAML file whose path came in through the higher-priority sources."""
 
@@ -206,6 +240,17 @@ class ServingSettings(BaseSettings):
         "file ({method = 'mtp', num_speculative_tokens = 2}), as a mapping in a YAML file.",
     )
     executor_options: dict[str, Any] = Field(default_factory=dict, description="Options for the executor plugin.")
+    kv_role: Literal["prefill", "decode", "both"] | None = Field(
+        None,
+        description="Disaggregated serving: 'prefill' computes prompts and offers their KV, 'decode' pulls it and "
+        "continues (docs/disaggregated.md); unset: co-located. Fills kv_transfer_config.kv_role.",
+    )
+    kv_transfer_config: KVTransferConfig | None = Field(
+        None,
+        description='The KV connector of disaggregated serving, e.g. {"kv_connector": "torch_p2p", "kv_role": '
+        '"prefill", "kv_port": 14579} (as JSON on the command line); unset with kv_role set: the defaults.',
+    )
+
     tool_call_parser: str = Field(
         "auto",
         description="Tool-call parser plugin for chat requests with tools: 'auto' picks by the executor's "
@@ -524,6 +569,26 @@ class ServingSettings(BaseSettings):
                 f"lora_modules has {len(self.lora_modules)} adapters but max_loras={self.max_loras}; raise max_loras"
             )
         return self
+
+    @model_validator(mode="after")
+    def _kv_roles_agree(self) -> ServingSettings:
+        cfg = self.kv_transfer_config
+        if cfg is not None and cfg.kv_role is not None and self.kv_role is not None and cfg.kv_role != self.kv_role:
+            raise ValueError(f"kv_role={self.kv_role!r} contradicts kv_transfer_config.kv_role={cfg.kv_role!r}")
+        if cfg is not None and cfg.kv_port and self.data_parallel_size > 1:
+            raise ValueError(
+                f"kv_transfer_config.kv_port={cfg.kv_port} with data_parallel_size={self.data_parallel_size}: each "
+                "replica's connector needs its own port; use kv_port 0 (a free one each)"
+            )
+        return self
+
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The KV-transfer configuration in effect (its ``kv_role`` filled in), or None when co-located."""
+        cfg = self.kv_transfer_config
+        role = self.kv_role or (cfg.kv_role if cfg is not None else None)
+        if role is None:
+            return None
+        return (cfg or KVTransferConfig.model_validate({})).model_copy(update={"kv_role": role})
 
     @model_validator(mode="after")
     def _device_block_size(self) -> ServingSettings:

@@ -21,6 +21,7 @@ from .config import ServingSettings, SettingsError, lora_paths
 from .executor import CacheGroupSpec, ExecutorInfo
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
+from .kv_ledger import KVTransferLedger
 from .messages import StepResult
 from .model_files import check_max_model_len, sampling_defaults
 from .plugins import PluginError, PluginManager
@@ -74,6 +75,7 @@ def _output(choices: list[Request]) -> RequestOutput:
         num_cached_tokens=head.num_cached_tokens,
         metrics=head.metrics,
         prompt_logprobs=_prompt_logprobs(head),
+        kv_transfer_params=head.out.kv_transfer_params,
     )
 
 
@@ -202,7 +204,11 @@ class EngineCore:
         self.dead_reason: str | None = None
         self._profiler = TraceProfiler()
         self.worker = WorkerClient(
-            exec_spec.factory, settings, mode=settings.worker_mode, timeout=settings.step_timeout
+            exec_spec.factory,
+            settings,
+            mode=settings.worker_mode,
+            timeout=settings.step_timeout,
+            kv_factory=self._kv_connector_factory(),
         )
         try:
             self._setup(exec_spec.name)
@@ -248,8 +254,61 @@ class EngineCore:
         self._users: dict[str, list[Request]] = {}
         self._rng = random.Random(settings.seed)
         self._changed: list[Request] = []  # heads (choices[0]) of user requests with an output due
+        self._setup_kv_transfer()
         self.strategy: StepStrategy = sched_spec.factory(self)
         logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_spec.name, num_blocks)
+
+    def _kv_connector_factory(self) -> Any:
+        """The KV connector's factory when this engine has a ``kv_role`` (disaggregated serving)."""
+        cfg = self.settings.kv_transfer()
+        if cfg is None:
+            return None
+        if self.settings.tensor_parallel_size > 1:
+            raise SettingsError("kv_role with tensor_parallel_size > 1 is not supported yet")
+        return self.plugins.kv_connectors.get(cfg.kv_connector).factory
+
+    def _setup_kv_transfer(self) -> None:
+        """The ledger of disaggregated serving, over the connector the worker just started."""
+        cfg, conn = self.settings.kv_transfer(), getattr(self.worker, "kv_conn", None)
+        self.kvx: KVTransferLedger | None = None
+        self._kv_conn = conn
+        if cfg is None or conn is None:
+            return
+        windowed = [g.name for g in self.info.cache_groups if g.window_tokens is not None]
+        if windowed:
+            raise SettingsError(f"kv_role does not support sliding-window cache groups yet ({', '.join(windowed)})")
+        if not conn.poll(60):
+            raise RuntimeError("the worker's KV connector did not start within 60s")
+        kind, address = conn.recv()
+        assert kind == "address", kind
+        self.kvx = KVTransferLedger(cfg, self.kv, conn.send, address)
+        self.scheduler.hold_kv = self.kvx.hold
+
+    def _poll_kv(self) -> None:
+        """Apply the KV connector's events: free held blocks, fail or admit pulled requests. While only
+        pulls are pending it waits a few ms for an event instead of spinning."""
+        kvx, conn = self.kvx, self._kv_conn
+        if kvx is None or conn is None:
+            return
+        kvx.tick()
+        wait = 0.005 if kvx.pulls and not self.scheduler.has_unfinished() else 0.0
+        try:
+            while conn.poll(wait):
+                wait = 0.0
+                req, ok = kvx.on_event(conn.recv())
+                if req is not None and ok:
+                    self._admit_pulled(req)
+                elif req is not None:
+                    self._touch([req])
+        except (EOFError, OSError):
+            return  # the worker is gone: check_worker reports it
+
+    def _admit_pulled(self, req: Request) -> None:
+        """A decode request whose prompt KV arrived: it enters the scheduler as a prefix hit of it."""
+        hit = req.num_prompt_tokens - 1
+        self.scheduler.add_request(req)
+        req.num_computed_tokens = req.num_cached_tokens = req.metrics.num_cached_tokens = hit
+        req.sched.confirmed = hit
 
     def _new_scheduler(self, policy: SpecPolicy) -> Scheduler:
         """The scheduler over this engine's KV manager, planning with the drafting depth in effect."""
@@ -375,13 +434,24 @@ class EngineCore:
             )
         _check_encodable(ids, params)
         children = self._choices(request_id, text, ids, params)
+        self._enqueue(children)
+        self._users[request_id] = children
+
+    def _enqueue(self, children: list[Request]) -> None:
+        """Into the scheduler, or first through a KV pull (a decode engine's ``do_remote_prefill``)."""
+        head = children[0]
+        if self.kvx is not None:
+            self.kvx.check(head, len(children))
+            if (head.sampling_params.kv_transfer_params or {}).get("do_remote_prefill") and self.kvx.start_pull(head):
+                return
+        elif head.sampling_params.kv_transfer_params:
+            raise ValueError("kv_transfer_params needs an engine with a kv_role (this one serves co-located)")
         try:
             for req in children:
                 self.scheduler.add_request(req)  # validates; nothing is admitted until the next step
         except ValueError:  # a choice's id is taken ("r-1" by another request): none of them runs
             self.scheduler.abort([c.request_id for c in children if self.scheduler.requests.get(c.request_id) is c])
             raise
-        self._users[request_id] = children
 
     def _choices(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> list[Request]:
         """The ``n`` sequences of a user request, sharing one ``choices`` list (their ``out`` section)."""
@@ -409,6 +479,9 @@ class EngineCore:
         if choices is None:
             return
         self.scheduler.abort([c.request_id for c in choices])
+        if self.kvx is not None:
+            for c in choices:
+                self.kvx.abort(c.request_id)
         self._touch(choices)
 
     def has_unfinished(self) -> bool:
@@ -420,6 +493,7 @@ class EngineCore:
         unexpected error inside the step marks the engine dead (``dead_reason``) and fails every live
         request instead of raising: the owner replaces a dead engine with a fresh one."""
         if self.dead_reason is None:
+            self._poll_kv()
             try:
                 self.strategy.step()
             except WorkerDiedError as e:
@@ -436,6 +510,8 @@ class EngineCore:
             reason = self.worker.check_alive()
             if reason is not None:
                 self._die(reason)
+            else:
+                self._poll_kv()
         return self._collect()
 
     def schedule(self) -> SchedulerOutput | None:
@@ -523,6 +599,8 @@ class EngineCore:
         self.dead_reason = reason
         live = [r.request_id for r in self.scheduler.live_requests()]
         self._touch(self.scheduler.fail(live, reason))
+        if self.kvx is not None:
+            self._touch(self.kvx.fail_pulls(reason))
 
     def _collect(self) -> list[RequestOutput]:
         """The outputs due, oldest user request first; a finished user request is dropped after it."""
@@ -571,6 +649,7 @@ class EngineCore:
             "spec_mean_accepted_length": s.num_accepted / s.num_verify_steps if s.num_verify_steps else 0.0,
             **self._spec_config_stats(),
             "num_steps": s.num_steps,
+            **(self.kvx.stats if self.kvx is not None else {}),
         }
 
     def _spec_config_stats(self) -> dict[str, Any]:
@@ -583,6 +662,9 @@ class EngineCore:
         if self.dead_reason is None:
             with contextlib.suppress(Exception):  # shutting down anyway
                 self.strategy.drain()
+        if self._kv_conn is not None:
+            with contextlib.suppress(OSError):
+                self._kv_conn.send(("close",))
         self.worker.close()
 
 

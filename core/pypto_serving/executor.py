@@ -209,6 +209,12 @@ class Executor(abc.ABC):
         """
         return self.propose_drafts(batch, accepted)
 
+    def kv_cache_blocks(self) -> dict[str, list[torch.Tensor]] | None:
+        """The cache tensors of each group, each indexed by block id on its first dimension, for a
+        KV connector to read and write blocks (disaggregated serving). ``None`` (the default): the
+        executor's KV cannot be moved, e.g. it keeps per-request state outside the paged blocks."""
+        return None
+
     def release(self, request_ids: list[str]) -> None:  # noqa: B027 - optional hook
         """Forget per-request state.
 

@@ -32,6 +32,7 @@ import pluggy
 if TYPE_CHECKING:
     from .config import ServingSettings
     from .executor import Executor
+    from .kv_transfer import KVConnectorFactory
     from .parsers import ReasoningParser, ToolParser
     from .spec_policy import SpecPolicy
     from .strategy import StepStrategy, StrategyHost
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PROJECT_NAME",
     "ExecutorSpec",
+    "KVConnectorSpec",
     "ModelSpec",
     "ReasoningParserSpec",
     "SchedulerSpec",
@@ -107,6 +109,21 @@ class SpecPolicySpec:
 
     name: str
     factory: Callable[[ServingSettings], SpecPolicy]
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KVConnectorSpec:
+    """A KV connector a plugin offers: it moves KV blocks between engines (see :mod:`pypto_serving.kv_transfer`).
+
+    :param name: the name ``kv_transfer_config.kv_connector`` selects it by; unique across installed plugins.
+    :param factory: ``factory(config) -> KVConnector``, called once in the worker process (a module-level
+        function: the worker imports it by reference).
+    :param description: one line for ``pypto-serving plugins``.
+    """
+
+    name: str
+    factory: KVConnectorFactory
     description: str = ""
 
 
@@ -202,6 +219,17 @@ def pypto_serving_register_spec_policies() -> list[SpecPolicySpec]:  # type: ign
     capacity for. The core registers ``none``, ``greedy``, ``fixed`` and ``adaptive`` through this hook as well.
 
     :return: the plugin's policy descriptors.
+    """
+
+
+@hookspec
+def pypto_serving_register_kv_connectors() -> list[KVConnectorSpec]:  # type: ignore[empty-body]
+    """Return the KV connectors this plugin provides (disaggregated prefill and decode).
+
+    Called once at start-up in the engine process. The core registers ``torch_p2p`` through this hook
+    as well.
+
+    :return: the plugin's KV-connector descriptors.
     """
 
 

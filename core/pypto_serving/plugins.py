@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 from .hookspecs import (
     PROJECT_NAME,
     ExecutorSpec,
+    KVConnectorSpec,
     ModelSpec,
     ReasoningParserSpec,
     SchedulerSpec,
@@ -54,7 +55,9 @@ class PluginInfo:
     provides: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
 
 
-S = TypeVar("S", ExecutorSpec, SchedulerSpec, SpecPolicySpec, ModelSpec, ToolParserSpec, ReasoningParserSpec)
+S = TypeVar(
+    "S", ExecutorSpec, KVConnectorSpec, SchedulerSpec, SpecPolicySpec, ModelSpec, ToolParserSpec, ReasoningParserSpec
+)
 
 
 @dataclass(slots=True)
@@ -108,6 +111,7 @@ class PluginManager:
         self.models = _Registry("model", ModelSpec)
         self.tool_parsers = _Registry("tool parser", ToolParserSpec)
         self.reasoning_parsers = _Registry("reasoning parser", ReasoningParserSpec)
+        self.kv_connectors = _Registry("KV connector", KVConnectorSpec)
         self._collect()
 
     # -- loading
@@ -154,6 +158,7 @@ class PluginManager:
             ("pypto_serving_register_models", self.models),
             ("pypto_serving_register_tool_parsers", self.tool_parsers),
             ("pypto_serving_register_reasoning_parsers", self.reasoning_parsers),
+            ("pypto_serving_register_kv_connectors", self.kv_connectors),
         )
         for hook_name, registry in registries:
             registry.hint = hint
@@ -336,10 +341,14 @@ def require_model(plugins: PluginManager, settings: ServingSettings, command: st
 def _core_plugin() -> type:
     """The core's own hook implementations (speculative policies, output parsers) as one plugin."""
     from . import speculative
+    from .kv_connectors import torch_p2p
     from .parsers import builtin
 
     hooks = {
-        n: staticmethod(getattr(m, n)) for m in (speculative, builtin) for n in dir(m) if n.startswith("pypto_serving_")
+        n: staticmethod(getattr(m, n))
+        for m in (speculative, builtin, torch_p2p)
+        for n in dir(m)
+        if n.startswith("pypto_serving_")
     }
     return type("CorePlugin", (), hooks)
 

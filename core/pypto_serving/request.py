@@ -81,6 +81,9 @@ class SamplingParams:
     priority: int = 0
     # The LoRA adapter (a name in lora_modules) whose weights compute this request; None: the base model.
     lora: str | None = None
+    # Disaggregated serving (vLLM's field): {"do_remote_decode": true} on a prefill engine; the prefill
+    # output's kv_transfer_params on a decode engine (docs/disaggregated.md).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -305,6 +308,7 @@ class OutputState:
     detokenizer: Any = None  # an IncrementalDetokenizer: text output and stop strings
     changed: bool = False  # on choices[0]: an output is due (the engine's list of changed requests holds it)
     logged: bool = False  # on choices[0]: the failures of a finished request were logged (once)
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's offer of this request's KV
 
 
 @dataclass(slots=True, eq=False)
@@ -403,3 +407,5 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then each token's logprob
     # and the top ones (complete once the prompt is computed, which the first output follows).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # On a prefill engine (kv_role "prefill"), once finished: what a decode engine's request carries.
+    kv_transfer_params: dict[str, Any] | None = None

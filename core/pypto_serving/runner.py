@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,6 +192,8 @@ class ModelRunner:
         self._mask_thread: ThreadPoolExecutor | None = None  # made by the first constrained step
         self._staged: _Staged | None = None  # the next step's admissions and blocks, taken early
         self._compiles_of: StepCommand | None = None  # the last command whose grammars were taken
+        self.kv_link: tuple[Callable[[Any], Any], Any] | None = None  # a KV connector's factory and pipe
+        self._kv_thread: threading.Thread | None = None
 
     def load(self) -> ExecutorInfo:
         self.info = self.executor.load()
@@ -204,8 +208,24 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
         self.executor.init_kv_cache(num_blocks)
+        if self.kv_link is not None:
+            self._start_kv_service(*self.kv_link)
+
+    def _start_kv_service(self, factory: Callable[[Any], Any], conn: Any) -> None:
+        """Disaggregated serving: the KV connector over the caches just allocated (kv_ledger.py)."""
+        from .kv_ledger import start_kv_service
+
+        caches = self.executor.kv_cache_blocks()
+        if caches is None:
+            raise TypeError(
+                f"{type(self.executor).__name__} cannot move its KV cache (kv_cache_blocks() is None), so it "
+                "cannot serve a kv_role; unset kv_role"
+            )
+        self._kv_thread = start_kv_service(factory(self.settings.kv_transfer()), caches, conn)
 
     def shutdown(self) -> None:
+        if self._kv_thread is not None:  # the engine closed the connector before this: let it finish
+            self._kv_thread.join(timeout=10)
         if self._mask_thread is not None:
             self._mask_thread.shutdown(wait=True)
         self.executor.shutdown()

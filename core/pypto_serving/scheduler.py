@@ -251,6 +251,9 @@ class Scheduler:
         self._forget: list[str] = []  # structured requests finished since the last command
         self._next_step = 0  # the id of the next command (ids grow by one per command sent)
         self._arrivals = itertools.count()
+        # Disaggregated serving: keeps a finished request's blocks for a decode engine (True) instead
+        # of freeing them (kv_ledger.py); None: every finished request's blocks are freed.
+        self.hold_kv: Callable[[Request], bool] | None = None
         self.stats = SchedulerStats(accepted_per_pos=[0] * max(1, executor_info.max_draft_tokens))
 
     # ------------------------------------------------------------------ requests
@@ -695,7 +698,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if self.hold_kv is None or not self.hold_kv(req):
+            self.kv.free(req)
         req.num_output_placeholders = 0
         self._release_worker_state(req)
         if req.sampling_params.structured is not None:

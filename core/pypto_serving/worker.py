@@ -160,7 +160,11 @@ def _pin_threads(settings: ServingSettings) -> None:
 
 
 def _worker_main(
-    conn: Connection | None, factory: Callable[[Any], Executor], settings_json: str, rank: int = 0
+    conn: Connection | None,
+    factory: Callable[[Any], Executor],
+    settings_json: str,
+    rank: int = 0,
+    kv_link: tuple[Callable[[Any], Any], Connection] | None = None,
 ) -> None:
     """Entry point of a spawned worker process: rank 0 talks to the engine over ``conn``; the other
     tensor-parallel ranks (no ``conn``) follow rank 0's broadcasts."""
@@ -177,6 +181,7 @@ def _worker_main(
     assert conn is not None
     try:
         runner = ModelRunner(factory(settings), settings)
+        runner.kv_link = kv_link
         info = runner.load()
         freeze_startup_heap()
         conn.send_bytes(_encoder.encode(Loaded(info)))
@@ -445,8 +450,12 @@ class WorkerClient:
         *,
         mode: str = "process",
         timeout: float = 600.0,
+        kv_factory: Callable[[Any], Any] | None = None,
     ) -> None:
+        """``kv_factory``: the KV connector's factory (disaggregated serving); the worker then runs it
+        beside the caches and :attr:`kv_conn` carries its messages (:mod:`pypto_serving.kv_ledger`)."""
         self.mode = mode
+        self.kv_conn: Connection | None = None
         self.timeout = timeout
         self._pending: deque[StepResult] = deque()
         self._in_flight = 0
@@ -459,12 +468,15 @@ class WorkerClient:
         self._profiler = TraceProfiler(lambda: getattr(getattr(self._runner, "executor", None), "model", None))
         if mode == "inproc":
             self._runner: ModelRunner | None = ModelRunner(factory(settings), settings)
+            if kv_factory is not None:
+                self.kv_conn, child = mp.Pipe()
+                self._runner.kv_link = (kv_factory, child)
             self.info = self._runner.load()
             self._proc: BaseProcess | None = None
             return
         self._runner = None
         _refuse_spawn_while_bootstrapping()
-        self._start(factory, settings)
+        self._start(factory, settings, kv_factory)
         try:
             raw = self._recv(timeout=max(timeout, 600.0), what="loading the model")
         except WorkerDiedError:
@@ -477,7 +489,9 @@ class WorkerClient:
             raise WorkerError(f"the executor failed to load: {loaded.error}")
         self.info = loaded.info
 
-    def _start(self, factory: Callable[[Any], Executor], settings: Any) -> None:
+    def _start(
+        self, factory: Callable[[Any], Executor], settings: Any, kv_factory: Callable[[Any], Any] | None
+    ) -> None:
         """Spawn the worker: rank 0 on the pipe, and with tensor parallelism this node's other ranks.
         One node without a ``master_port`` meets on a free port."""
         tp = settings.tensor_parallel_size > 1
@@ -486,8 +500,12 @@ class WorkerClient:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         payload = settings.model_dump_json()
+        kv_link = None
+        if kv_factory is not None:
+            self.kv_conn, kv_child = ctx.Pipe()
+            kv_link = (kv_factory, kv_child)
         proc: BaseProcess = ctx.Process(
-            target=_worker_main, args=(child, factory, payload), daemon=True, name="pypto-worker"
+            target=_worker_main, args=(child, factory, payload, 0, kv_link), daemon=True, name="pypto-worker"
         )
         self._proc = proc
         local = RankLayout.of(settings).local_ranks[1:] if tp else range(0)
@@ -496,6 +514,8 @@ class WorkerClient:
             for p in (proc, *self._ranks):
                 p.start()
         child.close()
+        if kv_link is not None:
+            kv_link[1].close()
 
     def profile(self, msg: ProfileControl) -> None:
         """Start or stop the worker's profile, in order with the steps submitted (nothing answers)."""

@@ -119,7 +119,9 @@ REPO = Path(__file__).resolve().parents[2]
 # Plugin sources: the built-in plugins and the third-party example the docs print.
 PLUGIN_SOURCES = (REPO / "plugins", REPO / "tests" / "fixtures" / "thirdparty_executor")
 # The submodules docs/plugins.md declares public: a plugin imports the names of their ``__all__``.
-PUBLIC_MODULES = frozenset({f"{PACKAGE}.parallel", f"{PACKAGE}.parsers", f"{PACKAGE}.quantization"})
+PUBLIC_MODULES = frozenset(
+    {f"{PACKAGE}.parallel", f"{PACKAGE}.parsers", f"{PACKAGE}.quantization", f"{PACKAGE}.kv_transfer"}
+)
 
 
 def _public_names(module: str) -> set[str]:

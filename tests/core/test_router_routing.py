@@ -190,14 +190,18 @@ def test_every_router_setting_is_documented() -> None:
             assert field.description and field.description in text, f"docs/router.md: stale description of {name}"
 
 
-def test_the_docs_router_file_loads(tmp_path: Path) -> None:
+def test_the_docs_router_files_load(tmp_path: Path) -> None:
     blocks = DOC.read_text().split("```toml\n")[1:]
-    assert len(blocks) == 1
-    path = tmp_path / "router.toml"
-    path.write_text(blocks[0].split("```")[0])
-    s = load_router_settings(path)
+    assert len(blocks) == 2
+    loaded = []
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"router{i}.toml"
+        path.write_text(block.split("```")[0])
+        loaded.append(load_router_settings(path))
+    s, pairs = loaded
     assert [r.name for r in s.replicas] == ["local-a", "local-b", "gpu-host"]
     assert s.replicas[1].env == {"OMP_NUM_THREADS": "4"} and s.replicas[0].command is not None
+    assert [r.role for r in pairs.replicas] == ["prefill", "decode"]
 
 
 def test_the_command_refuses_a_router_without_replicas(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -42,6 +42,11 @@ class ReplicaConfig(BaseModel):
         None,
         description="Bearer token the router sends to this replica; unset = the client's Authorization header "
         "is passed on.",
+    )
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both",
+        description="'prefill' and 'decode' replicas (served with --kv-role) form disaggregated pairs: a completion "
+        "goes to a prefill replica with max_tokens 1, then with its kv_transfer_params to a decode replica.",
     )
 
     @field_validator("url")

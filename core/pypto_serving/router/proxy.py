@@ -54,6 +54,7 @@ _HOP = frozenset(
     }
 )
 _SSE_BREAK = b"\n\n"
+_GENERATING = ("/v1/completions", "/v1/chat/completions")  # the routes a prefill/decode pair splits
 _MAX_PENDING = 1 << 20  # an SSE "event" this long without a boundary is relayed as it is
 
 
@@ -116,8 +117,14 @@ class Forwarder:
     async def _send(self, request: Request, body: bytes, profile: RequestProfile) -> Response:
         tried: list[str] = []
         failure: str | None = None
+        excluded = self._role_names("prefill")  # prefill replicas answer only the first half of a pair
+        if excluded and request.method == "POST" and request.url.path in _GENERATING:
+            prefilled = await self._prefill(request, body, profile)
+            if isinstance(prefilled, Response):
+                return prefilled
+            body, excluded = prefilled, excluded + self._role_names("both")
         while len(tried) <= self.settings.max_retries:
-            choice = self.router.choose(profile, exclude=tried)
+            choice = self.router.choose(profile, exclude=[*excluded, *tried])
             if choice is None:
                 break
             if tried:
@@ -170,6 +177,47 @@ class Forwarder:
             return f"replica {replica.name} answered 503"
         release = _once(lambda: self.router.finished(replica.name, profile))
         return _Relay(upstream, replica, release, self.metrics)
+
+    def _role_names(self, role: str) -> list[str]:
+        return [name for name, r in self.replicas.items() if r.config.role == role]
+
+    async def _prefill(self, request: Request, body: bytes, profile: RequestProfile) -> bytes | Response:
+        """The first half of a disaggregated pair: the prompt to a prefill replica (one output token, not
+        streamed); returns the body for a decode replica, with the prefill's ``kv_transfer_params``."""
+        data = _json_or_none(body, request)
+        if not isinstance(data, dict):
+            return body  # not JSON: a decode replica answers the 400
+        choice = self.router.choose(profile, exclude=self._role_names("decode") + self._role_names("both"))
+        if choice is None:
+            return error_response(503, "no prefill replica is available", "no_replica", {"retry-after": "1"})
+        replica = self.replicas[choice.replica]
+        first = {k: v for k, v in data.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        first.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        self.router.started(replica.name, profile)
+        self.metrics.requests.labels(replica.name).inc()
+        try:
+            answer = await replica.client.post(
+                request.url.path, content=json.dumps(first).encode(), headers=_forward_headers(request, replica)
+            )
+        except (httpx.HTTPError, OSError) as e:
+            replica.mark_down(f"replica {replica.name}: {type(e).__name__}: {e}")
+            return error_response(
+                502, f"prefill replica {replica.name} failed: {type(e).__name__}: {e}", "replica_failed"
+            )
+        finally:
+            self.router.finished(replica.name, profile)
+        if answer.status_code != 200:
+            return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+        try:
+            params = answer.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            message = (
+                f"prefill replica {replica.name} returned no kv_transfer_params (is it served with --kv-role prefill?)"
+            )
+            return error_response(502, message, "replica_failed")
+        return json.dumps({**data, "kv_transfer_params": params}).encode()
 
     def _another(self, replica: Replica, profile: RequestProfile) -> bool:
         return any(r.routable and r.name != replica.name for r in self.router.replicas.values())

@@ -472,6 +472,7 @@ def _sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             structured=structured,
             lora=req.model if req.model in lora_paths(ctx.settings) else None,
+            kv_transfer_params=req.kv_transfer_params,
             **_token_fields(ctx, req),
             **kw,
         )
@@ -484,12 +485,19 @@ def _sampling_params(
         raise _sampling_error(str(e), isinstance(req, ChatCompletionRequest), max_tokens_param) from None
     if params.stop and ctx.llm.tokenizer is None:
         raise APIError(400, "stop strings need a tokenizer.json in the model directory", param="stop")
-    _check_context(ctx, prompts, max_tokens, max_tokens_param)
+    _check_context(ctx, prompts, max_tokens, max_tokens_param, req.kv_transfer_params is not None)
     return [params, *(copy.copy(params) for _ in prompts[1:])]
 
 
-def _check_context(ctx: _Ctx, prompts: list[_Prompt], max_tokens: int | None, max_tokens_param: str) -> None:
-    """400 ``context_length_exceeded`` when a prompt plus ``max_tokens`` does not fit the context."""
+def _check_context(
+    ctx: _Ctx, prompts: list[_Prompt], max_tokens: int | None, max_tokens_param: str, transfers: bool = False
+) -> None:
+    """400 ``context_length_exceeded`` when a prompt plus ``max_tokens`` does not fit the context; 400 for
+    ``kv_transfer_params`` (``transfers``) over several prompts: one transfer belongs to one prompt."""
+    if transfers and len(prompts) > 1:
+        raise APIError(
+            400, "kv_transfer_params applies to one prompt; send one request per prompt", param="kv_transfer_params"
+        )
     if max_tokens is None:
         return
     for prompt in prompts:

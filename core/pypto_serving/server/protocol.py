@@ -377,6 +377,9 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: Bool = False
     prompt_logprobs: Int64 | None = None  # vLLM's: the prompt tokens' logprobs, with this many top ones
     priority: Int64 = 0  # vLLM's: lower is served first, under scheduling_policy "priority" only
+    # vLLM's disaggregated serving: {"do_remote_decode": true} to a prefill engine; its answer's params to a
+    # decode engine (docs/disaggregated.md).
+    kv_transfer_params: JSONObject | None = None
     # Structured output: at most one of these (see openai_requests._structured_spec).
     response_format: ResponseFormat | None = None
     guided_json: JSONObject | Text | None = None

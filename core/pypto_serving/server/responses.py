@@ -17,6 +17,7 @@ from fastapi import Request, Response
 
 from ..config import lora_paths
 from ..engine import EngineDeadError
+from ..kv_ledger import TRANSFER_FAILED
 from ..parsers import OutputParser, ParsedToolCall
 from ..request import CompletionOutput, RequestOutput, SamplingParams
 from .async_llm import EngineFailure
@@ -100,8 +101,16 @@ async def _run_all(
     for out in outs:
         failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
         if failed is not None:
-            raise APIError(500, _failure_message(ctx, failed), type="server_error", code="generation_failed")
+            raise _failed_choice_error(ctx, failed)
     return list(outs)
+
+
+def _failed_choice_error(ctx: _Ctx, c: CompletionOutput) -> APIError:
+    """A failed choice's answer: a KV transfer from a prefill engine that failed is that upstream's
+    failure (502 ``kv_transfer_failed``), anything else this server's (500 ``generation_failed``)."""
+    if c.error is not None and c.error.startswith(TRANSFER_FAILED):
+        return APIError(502, _failure_message(ctx, c), type="server_error", code="kv_transfer_failed")
+    return APIError(500, _failure_message(ctx, c), type="server_error", code="generation_failed")
 
 
 def _failure_message(ctx: _Ctx, c: CompletionOutput) -> str:
@@ -288,7 +297,7 @@ def _completion_body(
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_rows
             choices.append(choice)
-    return {
+    body = {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
@@ -296,6 +305,15 @@ def _completion_body(
         "choices": choices,
         "usage": _usage(prompts, outs),
     }
+    return _with_kv_transfer(body, outs)
+
+
+def _with_kv_transfer(body: dict[str, Any], outs: list[RequestOutput]) -> dict[str, Any]:
+    """A prefill engine's answer carries what the decode engine's request needs (vLLM's field)."""
+    params = outs[0].kv_transfer_params if len(outs) == 1 else None
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return body
 
 
 def _computed(req: CompletionRequest | ChatCompletionRequest) -> int:
@@ -365,4 +383,4 @@ def _chat_body(
         body["prompt_logprobs"] = _vllm_prompt_logprobs(
             ctx, prompt.ids, out.prompt_logprobs, req.prompt_logprobs, req.prompt_logprobs
         )
-    return body
+    return _with_kv_transfer(body, [out])

@@ -278,6 +278,10 @@ class QwenExecutor(Executor):
         if capture:
             self._init_graphs(cfg, scratch_block=blocks - 1)
 
+    def kv_cache_blocks(self) -> dict[str, list[torch.Tensor]] | None:
+        """Every layer's key and value cache: all state of a request lives in its blocks."""
+        return {KV_GROUP: [t for pair in self.kv_caches for t in pair]}
+
     def _init_graphs(self, cfg: QwenConfig, scratch_block: int) -> None:
         assert self.graph_options is not None and self.model is not None
         for key_cache, value_cache in self.kv_caches:

@@ -1,0 +1,1 @@
+"""The built-in KV connectors (see :mod:`pypto_serving.kv_transfer`)."""

@@ -1,0 +1,311 @@
+"""``torch_p2p``: KV blocks over ``torch.distributed`` point-to-point (gloo).
+
+The producer (a prefill engine's worker) hosts a ``TCPStore`` at ``kv_ip:kv_port``: the control
+channel. A consumer (a decode engine's worker) connects once per producer: it takes a connection
+number from the store, and both sides form a two-rank ``ProcessGroupGloo`` over a prefix of the store
+(producer rank 0, consumer rank 1). A pull then is: the consumer writes the transfer id under the
+connection's next sequence number; the producer answers with the offer's size and layout (or why
+there is none), sends the packed blocks with ``send`` tagged by the sequence number, and waits for
+the consumer's ``done``; only then does it report ``sent``, so a producer frees nothing a consumer
+still reads. A connection that fails is dropped (the next pull forms a new one) and fails only the
+transfer in flight on it.
+
+The KV bytes travel only through gloo; the store carries the small JSON control messages. Caches on
+an accelerator are staged through host memory (gloo moves host tensors); an NCCL/HCCL group sending
+device buffers directly is not built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+from ..config import KVTransferConfig
+from ..hookspecs import KVConnectorSpec, hookimpl
+from ..kv_transfer import (
+    KVCaches,
+    KVConnector,
+    TransferEvent,
+    blocks_nbytes,
+    gather_blocks,
+    layout_digest,
+    scatter_blocks,
+)
+
+__all__ = ["TorchP2PConnector", "make_connector", "pypto_serving_register_kv_connectors"]
+
+# Store keys are polled (a blocking ``wait`` logs a warning at each timeout): 1 ms at first, backing
+# off to 10 ms while nothing comes, so an idle connection costs ~100 round trips a second.
+_POLL_MIN_S, _POLL_MAX_S = 0.001, 0.01
+
+
+class TransferError(RuntimeError):
+    """A transfer failed; the message says why."""
+
+
+@dataclass(slots=True)
+class _Offer:
+    blocks: dict[str, list[int]]
+    busy: bool = False  # a send is in flight
+    withdrawn: bool = False  # withdraw() came during the send: report once it ends
+
+
+@dataclass(slots=True)
+class _Conn:
+    """One consumer -> producer connection: the store, the two-rank group, the next sequence number."""
+
+    store: Any
+    group: Any
+    number: int
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class _Pull:
+    transfer_id: str
+    source: dict[str, Any]
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _wait_key(store: Any, key: str, timeout: float, closed: threading.Event) -> bytes:
+    """The value of ``key`` once it is set; TransferError after ``timeout`` or on close."""
+    deadline, pause = time.monotonic() + timeout, _POLL_MIN_S
+    while not store.check([key]):
+        if closed.is_set():
+            raise TransferError("the connector is closing")
+        if time.monotonic() > deadline:
+            raise TransferError(f"no answer within {timeout:.0f}s (the peer stopped answering)")
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_MAX_S)
+    value: bytes = store.get(key)
+    return value
+
+
+def _group(store: Any, number: int, rank: int, timeout: float) -> Any:
+    prefixed = PrefixStore(f"pg{number}/", store)
+    return dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=timeout))
+
+
+class TorchP2PConnector(KVConnector):
+    """See the module docstring. ``kv_connector_extra_config``: ``timeout`` (seconds a control answer or
+    a transfer may take, default 30)."""
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        self.config = config
+        self.timeout = float(config.kv_connector_extra_config.get("timeout", 30.0))
+        self._caches: KVCaches = {}
+        self._lock = threading.Lock()
+        self._events: list[TransferEvent] = []
+        self._offers: dict[str, _Offer] = {}
+        self._closed = threading.Event()
+        self._pulls: queue.Queue[_Pull | None] = queue.Queue()
+        self._conns: dict[tuple[str, int], _Conn] = {}
+        self._store: Any = None
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle
+    def start(self, caches: KVCaches) -> dict[str, Any]:
+        self._caches = caches
+        self._spawn(self._pull_loop, "kv-pull")
+        if self.config.kv_role == "decode":
+            return {}
+        cfg = self.config
+        self._store = TCPStore(
+            cfg.kv_ip, cfg.kv_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout)
+        )
+        self._spawn(self._accept_loop, "kv-accept")
+        return {"remote_host": cfg.kv_ip, "remote_port": int(self._store.port), "layout": layout_digest(caches)}
+
+    def _spawn(self, target: Any, name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._pulls.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for conn in self._conns.values():  # the producers end their side of each connection
+            with contextlib.suppress(Exception):
+                conn.store.set(f"c{conn.number}/req/{conn.seq}", json.dumps({"bye": True}))
+        # Destroyed here, not at interpreter exit, where gloo's and the store's threads may outlive them.
+        self._conns.clear()
+        self._store = None
+
+    def poll(self) -> list[TransferEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _event(self, transfer_id: str, kind: Any, error: str | None) -> None:
+        with self._lock:
+            self._events.append(TransferEvent(transfer_id, kind, error))
+
+    # -- producer
+    def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
+        with self._lock:
+            self._offers[transfer_id] = _Offer({g: list(b) for g, b in blocks.items()})
+
+    def withdraw(self, transfer_id: str) -> None:
+        with self._lock:
+            offer = self._offers.get(transfer_id)
+            if offer is None:
+                return
+            if offer.busy:
+                offer.withdrawn = True  # the send in flight reports the end
+                return
+            del self._offers[transfer_id]
+            self._events.append(TransferEvent(transfer_id, "sent", "withdrawn before a decode engine pulled it"))
+
+    def _accept_loop(self) -> None:
+        number = 0
+        while not self._closed.is_set():
+            if self._store.check([f"conn/{number}"]):
+                self._spawn(self._serve_conn, f"kv-serve-{number}", number)
+                number += 1
+            else:
+                time.sleep(0.01)
+
+    def _serve_conn(self, number: int) -> None:
+        try:
+            group = _group(self._store, number, 0, self.timeout)
+        except Exception:
+            return  # the consumer went away before the group formed: its pull failed on its side
+        seq, pause = 0, _POLL_MIN_S
+        while not self._closed.is_set():
+            key = f"c{number}/req/{seq}"
+            if not self._store.check([key]):
+                time.sleep(pause)
+                pause = min(2 * pause, _POLL_MAX_S)
+                continue
+            pause = _POLL_MIN_S
+            message = json.loads(self._store.get(key))
+            if message.get("bye"):
+                return  # the consumer closed this connection
+            transfer_id = message["transfer_id"]
+            if not self._serve_one(group, number, seq, transfer_id):
+                return  # the connection broke: the consumer forms a new one
+            seq += 1
+
+    def _take_offer(self, transfer_id: str) -> _Offer | None:
+        with self._lock:
+            offer = self._offers.get(transfer_id)
+            if offer is None or offer.busy:
+                return None
+            offer.busy = True
+            return offer
+
+    def _serve_one(self, group: Any, number: int, seq: int, transfer_id: str) -> bool:
+        """Send one offer; False when the connection broke."""
+        offer = self._take_offer(transfer_id)
+        ack = f"c{number}/ack/{seq}"
+        if offer is None:
+            why = (
+                f"the prefill engine holds no KV for transfer {transfer_id!r} "
+                "(already pulled, or freed after kv_transfer_timeout)"
+            )
+            self._store.set(ack, json.dumps({"error": why}))
+            return True
+        error: str | None = None
+        broken = False
+        try:
+            buf = gather_blocks(self._caches, offer.blocks, torch.device("cpu"))
+            counts = {g: len(b) for g, b in offer.blocks.items()}
+            self._store.set(
+                ack, json.dumps({"nbytes": buf.numel(), "layout": layout_digest(self._caches), "counts": counts})
+            )
+            group.send([buf], 1, seq).wait()
+            done = _wait_key(self._store, f"c{number}/done/{seq}", self.timeout, self._closed).decode()
+            error = None if done == "ok" else done
+        except Exception as e:
+            error, broken = f"sending the KV failed: {type(e).__name__}: {e}", True
+        with self._lock:
+            del self._offers[transfer_id]
+            self._events.append(TransferEvent(transfer_id, "sent", error))
+        return not broken
+
+    # -- consumer
+    def pull(self, transfer_id: str, source: dict[str, Any], blocks: dict[str, list[int]]) -> None:
+        self._pulls.put(_Pull(transfer_id, source, {g: list(b) for g, b in blocks.items()}))
+
+    def _pull_loop(self) -> None:
+        while True:
+            item = self._pulls.get()
+            if item is None:
+                return
+            address = (str(item.source.get("remote_host")), int(item.source.get("remote_port", 0)))
+            try:
+                conn = self._conns.get(address) or self._connect(*address)
+                self._conns[address] = conn
+                self._pull_one(conn, item)
+            except TransferError as e:
+                self._event(item.transfer_id, "pulled", str(e))
+            except Exception as e:  # the connection broke: the next pull forms a new one
+                self._conns.pop(address, None)
+                self._event(
+                    item.transfer_id,
+                    "pulled",
+                    f"the KV transfer from {address[0]}:{address[1]} failed: {type(e).__name__}: {e}",
+                )
+            else:
+                self._event(item.transfer_id, "pulled", None)
+
+    def _connect(self, host: str, port: int) -> _Conn:
+        # A refused connection fails at once; TCPStore's client would retry for its whole timeout.
+        with socket.create_connection((host, port), timeout=min(self.timeout, 5.0)):
+            pass
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout))
+        number = int(store.add("conns", 1)) - 1
+        store.set(f"conn/{number}", "1")
+        return _Conn(store, _group(store, number, 1, self.timeout), number)
+
+    def _pull_one(self, conn: _Conn, item: _Pull) -> None:
+        seq, conn.seq = conn.seq, conn.seq + 1
+        conn.store.set(f"c{conn.number}/req/{seq}", json.dumps({"transfer_id": item.source.get("transfer_id")}))
+        ack = json.loads(_wait_key(conn.store, f"c{conn.number}/ack/{seq}", self.timeout, self._closed))
+        if "error" in ack:
+            raise TransferError(ack["error"])
+        buf = torch.empty(int(ack["nbytes"]), dtype=torch.uint8)
+        conn.group.recv([buf], 0, seq).wait()  # taken whatever follows, so the stream stays in step
+        problem = self._mismatch(ack, item.blocks)
+        if problem is None:
+            scatter_blocks(self._caches, item.blocks, buf)
+        conn.store.set(f"c{conn.number}/done/{seq}", "ok" if problem is None else problem)
+        if problem is not None:
+            raise TransferError(problem)
+
+    def _mismatch(self, ack: dict[str, Any], blocks: dict[str, list[int]]) -> str | None:
+        if ack["layout"] != layout_digest(self._caches):
+            return "the prefill and decode engines' KV caches differ in layout (model, dtype or block_size)"
+        counts = {g: len(b) for g, b in blocks.items()}
+        if ack["counts"] != counts or int(ack["nbytes"]) != blocks_nbytes(self._caches, blocks):
+            return f"the prefill engine offers blocks {ack['counts']}, the decode engine expects {counts}"
+        return None
+
+
+def make_connector(config: KVTransferConfig) -> KVConnector:
+    """Module-level factory: the worker process imports it by reference."""
+    return TorchP2PConnector(config)
+
+
+@hookimpl
+def pypto_serving_register_kv_connectors() -> list[KVConnectorSpec]:
+    return [
+        KVConnectorSpec(
+            name="torch_p2p",
+            factory=make_connector,
+            description="KV blocks over torch.distributed point-to-point (gloo), control over a TCPStore",
+        )
+    ]

@@ -1,0 +1,280 @@
+"""Disaggregated prefill and decode: the engine's block bookkeeping of KV transfers, and the worker
+thread that drives a :class:`~pypto_serving.kv_transfer.KVConnector`.
+
+Flow (vLLM's disaggregated proxy flow): a request to the prefill engine carries
+``kv_transfer_params = {"do_remote_decode": true}`` (usually with ``max_tokens = 1``). It runs as
+any request; when it finishes, its blocks covering the first ``prompt - 1`` tokens are *held*
+(published to the connector) instead of freed, and its output carries the ``kv_transfer_params`` a
+decode engine needs. The same prompt sent to the decode engine with those params *pulls*: the engine
+allocates blocks for ``prompt - 1`` tokens, the connector fills them, and only then does the request
+enter the scheduler, as a prefix-cache hit of ``prompt - 1`` tokens: the decode engine computes the
+last prompt token and samples every output token itself, so sampling (seeds, penalties, stop strings,
+logprobs) never crosses engines and the outputs equal co-located serving.
+
+Every block a transfer touches is owned by exactly one record until the connector says it no longer
+touches it (a ``sent`` or ``pulled`` event): a held request until ``sent`` (after the pull, a failed
+send, or a withdrawal at ``kv_transfer_timeout``), a pulling request until ``pulled``. A failed pull
+fails its request with the reason and frees its blocks; it never reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .config import KVTransferConfig
+from .kv_cache import FREED, KVCacheManager
+from .kv_transfer import KVCaches, KVConnector, TransferEvent
+from .request import Request, RequestStatus
+
+__all__ = ["TRANSFER_FAILED", "KVTransferLedger", "prompt_digest", "start_kv_service"]
+
+TRANSFER_FAILED = "KV transfer failed"  # the start of a failed pull's error (the server answers 502)
+
+logger = logging.getLogger(__name__)
+
+Send = Callable[[tuple[Any, ...]], None]
+
+
+def prompt_digest(ids: list[int]) -> str:
+    """Ties a transfer to its prompt: the decode request must send the same tokens."""
+    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()[:32]
+
+
+@dataclass(slots=True)
+class _Held:
+    request: Request
+    deadline: float
+    withdrawn: bool = False
+
+
+@dataclass(slots=True)
+class _Pull:
+    request: Request
+    source: dict[str, Any]
+    num_tokens: int
+    started: bool = False
+    aborted: bool = False
+
+
+class KVTransferLedger:
+    """Which blocks each transfer holds, on either side, and when they are freed."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv: KVCacheManager,
+        send: Send,
+        address: dict[str, Any],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self._send = send
+        self.address = address
+        self._clock = clock
+        self.held: dict[str, _Held] = {}  # prefill side, by transfer id
+        self.pulls: dict[str, _Pull] = {}  # decode side, by transfer id (the request id)
+        self.stats = {"kv_sent": 0, "kv_send_failed": 0, "kv_pulled": 0, "kv_pull_failed": 0}
+
+    # -- checks on add
+    def check(self, req: Request, n: int) -> None:
+        """Refuse a request whose ``kv_transfer_params`` this engine's role cannot serve."""
+        params = req.sampling_params.kv_transfer_params or {}
+        role = self.config.kv_role
+        if params.get("do_remote_decode") and role not in ("prefill", "both"):
+            raise ValueError(
+                f"kv_transfer_params.do_remote_decode needs kv_role 'prefill' or 'both' (this engine: {role})"
+            )
+        if params.get("do_remote_prefill"):
+            if role not in ("decode", "both"):
+                raise ValueError(
+                    f"kv_transfer_params.do_remote_prefill needs kv_role 'decode' or 'both' (this engine: {role})"
+                )
+            self._check_source(req, params)
+            if req.sampling_params.prompt_logprobs is not None:
+                raise ValueError("prompt_logprobs needs every prompt token computed here: not with do_remote_prefill")
+        if n != 1 and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
+            raise ValueError("kv_transfer_params needs n=1 (one sequence per transferred prompt)")
+
+    def _check_source(self, req: Request, params: dict[str, Any]) -> None:
+        missing = [
+            k for k in ("transfer_id", "remote_host", "remote_port", "num_tokens", "prompt_digest") if k not in params
+        ]
+        if missing:
+            raise ValueError(
+                f"kv_transfer_params lacks {', '.join(missing)} (pass the prefill response's kv_transfer_params)"
+            )
+        if params["prompt_digest"] != prompt_digest(req.prompt_token_ids):
+            raise ValueError("kv_transfer_params belong to another prompt: send the decode engine the prefill's prompt")
+        if params["num_tokens"] != req.num_prompt_tokens - 1:
+            raise ValueError(
+                f"kv_transfer_params.num_tokens={params['num_tokens']!r}; this prompt needs {req.num_prompt_tokens - 1}"
+            )
+
+    # -- prefill side
+    def hold(self, req: Request) -> bool:
+        """Called as a request finishes: keep the blocks of a ``do_remote_decode`` request that
+        finished normally (published to the connector); False: free them as usual."""
+        params = req.sampling_params.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or req.status is RequestStatus.FINISHED_ERROR:
+            return False
+        if req.status is RequestStatus.FINISHED_ABORTED:
+            return False
+        num_tokens = req.num_prompt_tokens - 1
+        blocks = self._trim(req, num_tokens)
+        tid = f"{req.request_id}@{id(req):x}"
+        req.out.kv_transfer_params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": tid,
+            "num_tokens": num_tokens,
+            "prompt_digest": prompt_digest(req.prompt_token_ids),
+            **self.address,
+        }
+        if not any(blocks.values()):
+            return False  # a one-token prompt: nothing to move, the decode engine computes it all
+        self.held[tid] = _Held(req, self._clock() + self.config.kv_transfer_timeout)
+        self._send(("publish", tid, blocks))
+        return True
+
+    def _trim(self, req: Request, num_tokens: int) -> dict[str, list[int]]:
+        """Free the blocks past the first ``num_tokens`` tokens; the rest is what a decode engine pulls."""
+        kept: dict[str, list[int]] = {}
+        for g in self.kv.groups:
+            table = req.kv.block_ids.get(g.name, [])
+            n = self.kv.blocks_needed(g, num_tokens)
+            extra = [b for b in table[n:] if b != FREED]
+            self.kv.pools[g.name].release(extra)
+            del table[n:]
+            kept[g.name] = list(table)
+        return kept
+
+    # -- decode side
+    def start_pull(self, req: Request) -> bool:
+        """Begin a ``do_remote_prefill`` request; False when there is nothing to pull (it goes to the
+        scheduler at once)."""
+        params = dict(req.sampling_params.kv_transfer_params or {})
+        if int(params["num_tokens"]) == 0:
+            return False
+        self.pulls[req.request_id] = _Pull(req, params, int(params["num_tokens"]))
+        self._try_start(self.pulls[req.request_id])
+        return True
+
+    def _try_start(self, pull: _Pull) -> None:
+        """Allocate the blocks and ask the connector; without room the pull waits for a later tick."""
+        if pull.started or not self.kv.allocate(pull.request, pull.num_tokens):
+            return
+        pull.started = True
+        blocks = {g: list(b) for g, b in pull.request.kv.block_ids.items()}
+        self._send(("pull", pull.request.request_id, pull.source, blocks))
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a pulling request: at once when its pull has not started (returned, finished);
+        otherwise when the connector reports the pull's end."""
+        pull = self.pulls.get(request_id)
+        if pull is None:
+            return None
+        if pull.started:
+            pull.aborted = True
+            return None
+        del self.pulls[request_id]
+        _finish(pull.request, RequestStatus.FINISHED_ABORTED, None)
+        return pull.request
+
+    # -- events
+    def tick(self) -> None:
+        """Withdraw held blocks past their deadline; start pulls that now have room."""
+        now = self._clock()
+        for tid, held in self.held.items():
+            if not held.withdrawn and now > held.deadline:
+                held.withdrawn = True
+                self._send(("withdraw", tid))
+        for pull in self.pulls.values():
+            if not pull.started:
+                self._try_start(pull)
+
+    def on_event(self, event: TransferEvent) -> tuple[Request | None, bool]:
+        """Apply one connector event; returns a decode request whose pull ended (or None) and whether
+        it succeeded (it may compute)."""
+        if event.kind == "sent":
+            held = self.held.pop(event.transfer_id, None)
+            if held is not None:
+                self.stats["kv_sent" if event.error is None else "kv_send_failed"] += 1
+                if event.error is not None:
+                    logger.warning("KV transfer %s not completed: %s", event.transfer_id, event.error)
+                self.kv.free(held.request)
+            return None, False
+        pull = self.pulls.pop(event.transfer_id, None)
+        if pull is None:
+            return None, False
+        req = pull.request
+        if event.error is not None or pull.aborted:
+            self.stats["kv_pull_failed"] += event.error is not None
+            self.kv.free(req)
+            status = RequestStatus.FINISHED_ABORTED if pull.aborted else RequestStatus.FINISHED_ERROR
+            _finish(req, status, None if pull.aborted else f"{TRANSFER_FAILED}: {event.error}")
+            return req, False
+        self.stats["kv_pulled"] += 1
+        return req, True
+
+    def fail_pulls(self, reason: str) -> list[Request]:
+        """The engine died: every pulling request fails (the worker and its blocks are gone)."""
+        failed = [p.request for p in self.pulls.values()]
+        for req in failed:
+            _finish(req, RequestStatus.FINISHED_ERROR, reason)
+        self.pulls.clear()
+        return failed
+
+    def owners(self) -> list[Request]:
+        """Requests holding blocks outside the scheduler (for the KV invariants)."""
+        return [h.request for h in self.held.values()] + [p.request for p in self.pulls.values()]
+
+
+def _finish(req: Request, status: RequestStatus, error: str | None) -> None:
+    req.status = status
+    req.error = error
+    req.metrics.finished_time = time.monotonic()
+
+
+# ---------------------------------------------------------------------- worker side
+def start_kv_service(connector: KVConnector, caches: KVCaches, conn: Connection) -> threading.Thread:
+    """Start the connector on ``caches`` and a thread relaying the engine's messages to it and its
+    events back; the first message sent is the connector's address."""
+    conn.send(("address", connector.start(caches)))
+    thread = threading.Thread(target=_relay, args=(connector, conn), name="kv-service", daemon=True)
+    thread.start()
+    return thread
+
+
+def _relay(connector: KVConnector, conn: Connection) -> None:
+    try:
+        while True:
+            while conn.poll(0.002):
+                msg = conn.recv()
+                if msg[0] == "close":
+                    return
+                _dispatch(connector, msg)
+            for event in connector.poll():
+                conn.send(event)
+    except (EOFError, OSError):
+        return  # the engine is gone
+    finally:
+        connector.close()
+
+
+def _dispatch(connector: KVConnector, msg: tuple[Any, ...]) -> None:
+    kind = msg[0]
+    if kind == "publish":
+        connector.publish(msg[1], msg[2])
+    elif kind == "withdraw":
+        connector.withdraw(msg[1])
+    elif kind == "pull":
+        connector.pull(msg[1], msg[2], msg[3])

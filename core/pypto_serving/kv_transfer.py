@@ -1,0 +1,158 @@
+"""The KV-transfer contract: a :class:`KVConnector` moves the blocks of a request's cache groups
+between engines (disaggregated prefill and decode), and later between an engine and a slower tier.
+
+A connector lives in the worker process, beside the executor's caches, and every call the core makes
+on it returns at once: the work runs on the connector's own threads (or transfer engine), and its
+outcome comes back as a :class:`TransferEvent` from :meth:`KVConnector.poll`. The core's side of a
+transfer is block bookkeeping only (:mod:`pypto_serving.kv_ledger`): it hands the connector block ids
+it holds, and frees them only once an event says the connector no longer touches them.
+
+The two halves of a transfer:
+
+* **Producer** (``kv_role = "prefill"``): :meth:`KVConnector.publish` offers the blocks of a finished
+  prefill under a transfer id; the connector sends them to whichever consumer asks for that id, then
+  reports ``sent`` (with or without an error). :meth:`KVConnector.withdraw` takes an offer back (a
+  timeout, or shutdown); a send in flight ends first; ``sent`` follows either way.
+* **Consumer** (``kv_role = "decode"``): :meth:`KVConnector.pull` fills blocks the engine allocated
+  from a producer's offer, described by the ``source`` the producer's response carried; ``pulled``
+  follows, and only a ``pulled`` without an error lets the request compute on those blocks.
+
+Every group of :attr:`pypto_serving.ExecutorInfo.cache_groups` is moved the same way: the executor
+names the tensors of each group (:meth:`pypto_serving.Executor.kv_cache_blocks`), each indexed by
+block id on its first dimension; :func:`gather_blocks` and :func:`scatter_blocks` pack and unpack them.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import KVTransferConfig
+
+__all__ = [
+    "KVCaches",
+    "KVConnector",
+    "KVConnectorFactory",
+    "TransferEvent",
+    "blocks_nbytes",
+    "gather_blocks",
+    "layout_digest",
+    "scatter_blocks",
+]
+
+KVCaches = Mapping[str, Sequence["torch.Tensor"]]
+"""Per cache group name, the tensors holding its blocks, each with the block id on dimension 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferEvent:
+    """The outcome of one transfer, as :meth:`KVConnector.poll` reports it.
+
+    :param transfer_id: the id given to :meth:`KVConnector.publish` or :meth:`KVConnector.pull`.
+    :param kind: ``sent``: a producer no longer reads the published blocks (sent, failed, or
+        withdrawn): the engine may free them. ``pulled``: a consumer no longer writes the blocks it was
+        given; with ``error`` None they hold the source's KV in full.
+    :param error: why the transfer failed; None when it succeeded.
+    """
+
+    transfer_id: str
+    kind: Literal["sent", "pulled"]
+    error: str | None = None
+
+
+class KVConnector(abc.ABC):
+    """Moves KV blocks between engines (or tiers). Lives in the worker process; no call blocks."""
+
+    @abc.abstractmethod
+    def start(self, caches: KVCaches) -> dict[str, Any]:
+        """Take the executor's cache tensors (after ``init_kv_cache``) and start serving.
+
+        :param caches: per cache group, its tensors, each indexed by block id on dimension 0.
+        :return: where peers reach this connector (JSON-serialisable), copied into the
+            ``kv_transfer_params`` of every published transfer; ``{}`` for a consumer.
+        """
+
+    @abc.abstractmethod
+    def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
+        """Producer: offer ``blocks`` (per group, in sequence order) under ``transfer_id`` until a
+        consumer pulls them or :meth:`withdraw`; a ``sent`` event ends the offer."""
+
+    @abc.abstractmethod
+    def withdraw(self, transfer_id: str) -> None:
+        """Producer: end the offer; a send in flight finishes (or fails) first. A ``sent`` event
+        follows unless one was already reported; unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def pull(self, transfer_id: str, source: dict[str, Any], blocks: dict[str, list[int]]) -> None:
+        """Consumer: copy the offer ``source`` describes into ``blocks`` (per group, paired in order
+        with the offer's); a ``pulled`` event follows.
+
+        :param transfer_id: this pull's id, which its event carries (the consumer's request id).
+        :param source: the producer's ``kv_transfer_params``: its :meth:`start` address, and the
+            offer's ``transfer_id`` (the id it was published under).
+        """
+
+    @abc.abstractmethod
+    def poll(self) -> list[TransferEvent]:
+        """The transfers that ended since the last call."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop threads and drop connections; transfers in flight end with an error."""
+
+
+KVConnectorFactory = Callable[["KVTransferConfig"], KVConnector]
+"""``factory(config) -> KVConnector``, called once in the worker process (a module-level function)."""
+
+
+def layout_digest(caches: KVCaches, blocks: dict[str, list[int]] | None = None) -> str:
+    """A digest of the per-block shape and dtype of every cache tensor: two engines can exchange
+    blocks only when theirs are equal."""
+    desc = {g: [(list(t.shape[1:]), str(t.dtype)) for t in ts] for g, ts in sorted(caches.items())}
+    return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+
+
+def blocks_nbytes(caches: KVCaches, blocks: dict[str, list[int]]) -> int:
+    """Bytes :func:`gather_blocks` packs for ``blocks``."""
+    total = 0
+    for group, ids in blocks.items():
+        for t in caches[group]:
+            total += len(ids) * t[0].numel() * t.element_size()
+    return total
+
+
+def gather_blocks(caches: KVCaches, blocks: dict[str, list[int]], device: torch.device | None = None) -> torch.Tensor:
+    """``blocks`` of every tensor, packed into one flat uint8 tensor (groups in sorted order, then
+    tensors, then blocks), on ``device`` (default: the caches')."""
+    import torch
+
+    parts = []
+    for group in sorted(blocks):
+        ids = blocks[group]
+        for t in caches[group]:
+            index = torch.tensor(ids, dtype=torch.long, device=t.device)
+            parts.append(t.index_select(0, index).reshape(-1).view(torch.uint8))
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return flat if device is None else flat.to(device)
+
+
+def scatter_blocks(caches: KVCaches, blocks: dict[str, list[int]], flat: torch.Tensor) -> None:
+    """Write a :func:`gather_blocks` buffer into ``blocks`` (the same groups and counts)."""
+    import torch
+
+    at = 0
+    for group in sorted(blocks):
+        ids = blocks[group]
+        for t in caches[group]:
+            n = len(ids) * t[0].numel() * t.element_size()
+            part = flat[at : at + n].to(t.device).view(t.dtype).view(len(ids), *t.shape[1:])
+            t.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=t.device), part)
+            at += n
+    if at != flat.numel():
+        raise ValueError(f"KV buffer of {flat.numel()} bytes for blocks of {at} bytes")

@@ -1,0 +1,184 @@
+"""The block bookkeeping of KV transfers (kv_ledger.py) against the KV manager's invariants: every block
+a transfer touches has one owner until the connector's event, and then goes back to the pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pypto_serving.config import KVTransferConfig
+from pypto_serving.executor import CacheGroupSpec
+from pypto_serving.kv_cache import KVCacheManager
+from pypto_serving.kv_ledger import KVTransferLedger, prompt_digest
+from pypto_serving.kv_transfer import TransferEvent
+from pypto_serving.request import Request, RequestStatus, SamplingParams
+
+GROUPS = [CacheGroupSpec("kv", 4, 64), CacheGroupSpec("idx", 4, 16, tokens_per_entry=2)]  # 8 tokens per idx block
+ADDRESS = {"remote_host": "127.0.0.1", "remote_port": 1}
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _ledger(role: str, timeout: float = 5.0) -> tuple[KVTransferLedger, list[tuple[Any, ...]], Clock]:
+    kv = KVCacheManager(GROUPS, {"kv": 16, "idx": 8}, enable_prefix_caching=False)
+    sent: list[tuple[Any, ...]] = []
+    clock = Clock()
+    cfg = KVTransferConfig(kv_role=role, kv_transfer_timeout=timeout)  # type: ignore[call-arg]
+    return KVTransferLedger(cfg, kv, sent.append, ADDRESS, clock), sent, clock
+
+
+def _free(ledger: KVTransferLedger) -> dict[str, int]:
+    return {name: pool.num_free for name, pool in ledger.kv.pools.items()}
+
+
+FULL = {"kv": 16, "idx": 8}
+
+
+def _finished_prefill(ledger: KVTransferLedger, n: int) -> Request:
+    """A do_remote_decode request that computed its ``n`` prompt tokens and one output."""
+    req = Request("p", list(range(n)), SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    assert ledger.kv.allocate(req, n + 1)
+    req.output_token_ids.append(7)
+    req.status = RequestStatus.FINISHED_LENGTH
+    return req
+
+
+def test_a_prefill_holds_the_prompt_blocks_until_they_are_sent() -> None:
+    ledger, sent, _ = _ledger("prefill")
+    req = _finished_prefill(ledger, 13)  # 14 tokens: kv 4 blocks, idx 2 blocks
+    assert ledger.hold(req)
+    # 12 prompt tokens move: kv keeps 3 blocks, idx 2; the kv block of the 13th and 14th token is freed.
+    ((kind, tid, blocks),) = sent
+    assert kind == "publish" and {g: len(b) for g, b in blocks.items()} == {"kv": 3, "idx": 2}
+    assert _free(ledger) == {"kv": 13, "idx": 6}
+    ledger.kv.check_invariants(ledger.owners())
+    params = req.out.kv_transfer_params
+    assert params is not None and params["transfer_id"] == tid and params["num_tokens"] == 12
+    assert params["prompt_digest"] == prompt_digest(req.prompt_token_ids) and params["remote_port"] == 1
+    ledger.on_event(TransferEvent(tid, "sent"))
+    assert _free(ledger) == FULL and not ledger.held
+    ledger.kv.check_invariants([])
+
+
+def test_an_unpulled_offer_is_withdrawn_at_the_timeout_and_freed_on_the_event() -> None:
+    ledger, sent, clock = _ledger("prefill", timeout=2.0)
+    assert ledger.hold(_finished_prefill(ledger, 9))
+    tid = sent[0][1]
+    clock.now = 1.0
+    ledger.tick()
+    assert len(sent) == 1  # not yet
+    clock.now = 2.5
+    ledger.tick()
+    ledger.tick()
+    assert sent[1:] == [("withdraw", tid)]  # once
+    assert _free(ledger) != FULL  # the connector may still be sending: freed only on its event
+    ledger.on_event(TransferEvent(tid, "sent", "withdrawn"))
+    assert _free(ledger) == FULL
+    assert ledger.stats["kv_send_failed"] == 1
+
+
+def test_failed_or_aborted_prefills_and_plain_requests_are_not_held() -> None:
+    ledger, sent, _ = _ledger("prefill")
+    for status in (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED):
+        req = _finished_prefill(ledger, 9)
+        req.status = status
+        assert not ledger.hold(req)
+        ledger.kv.free(req)
+    plain = Request("q", [1, 2, 3], SamplingParams())
+    assert not ledger.hold(plain)
+    assert not sent and _free(ledger) == FULL
+
+
+def _decode_request(n: int = 13, rid: str = "d") -> Request:
+    prompt = list(range(n))
+    params = {
+        "do_remote_prefill": True,
+        "transfer_id": "t",
+        "num_tokens": n - 1,
+        "prompt_digest": prompt_digest(prompt),
+        **ADDRESS,
+    }
+    return Request(rid, prompt, SamplingParams(kv_transfer_params=params))
+
+
+def test_a_decode_pull_owns_its_blocks_until_the_event_and_a_failure_frees_them() -> None:
+    ledger, sent, _ = _ledger("decode")
+    ok, bad = _decode_request(rid="ok"), _decode_request(rid="bad")
+    for req in (ok, bad):
+        ledger.check(req, 1)
+        assert ledger.start_pull(req)
+    assert [m[0] for m in sent] == ["pull", "pull"]
+    assert {g: len(b) for g, b in sent[0][3].items()} == {"kv": 3, "idx": 2}  # 12 tokens
+    ledger.kv.check_invariants(ledger.owners())
+    req, good = ledger.on_event(TransferEvent("bad", "pulled", "peer died"))
+    assert req is bad and not good and bad.status is RequestStatus.FINISHED_ERROR
+    assert bad.error == "KV transfer failed: peer died" and not bad.kv.block_ids
+    req, good = ledger.on_event(TransferEvent("ok", "pulled"))
+    assert req is ok and good and ok.kv.capacity >= 12
+    ledger.kv.free(ok)
+    assert _free(ledger) == FULL
+
+
+def test_an_aborted_pull_is_freed_when_the_connector_lets_go() -> None:
+    ledger, _sent, _ = _ledger("decode")
+    req = _decode_request()
+    ledger.start_pull(req)
+    assert ledger.abort("d") is None  # the connector may be writing the blocks
+    assert _free(ledger) != FULL
+    done, good = ledger.on_event(TransferEvent("d", "pulled"))
+    assert done is req and not good and req.status is RequestStatus.FINISHED_ABORTED
+    assert _free(ledger) == FULL
+
+
+def test_a_pull_without_room_waits_and_starts_on_a_later_tick() -> None:
+    ledger, sent, _ = _ledger("decode")
+    hog = Request("hog", [0], SamplingParams())
+    assert ledger.kv.allocate(hog, 16 * 4)  # every kv block
+    req = _decode_request()
+    assert ledger.start_pull(req) and not sent
+    assert ledger.abort("d") is req and req.status is RequestStatus.FINISHED_ABORTED  # never started: at once
+    req = _decode_request(rid="d2")
+    ledger.start_pull(req)
+    ledger.kv.free(hog)
+    ledger.tick()
+    assert [m[0] for m in sent] == ["pull"]
+
+
+@pytest.mark.parametrize(
+    ("role", "change", "match"),
+    [
+        ("prefill", {}, "needs kv_role 'decode'"),
+        ("decode", {"prompt_digest": "x"}, "another prompt"),
+        ("decode", {"num_tokens": 3}, "num_tokens"),
+        ("decode", {"transfer_id": None}, "lacks transfer_id"),
+        ("decode", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ],
+)
+def test_requests_a_role_cannot_serve_are_refused(role: str, change: dict[str, Any], match: str) -> None:
+    ledger, _, _ = _ledger(role)
+    req = _decode_request()
+    params = dict(req.sampling_params.kv_transfer_params or {})
+    req.sampling_params.prompt_logprobs = change.pop("prompt_logprobs", None)
+    params.update(change)
+    params = {k: v for k, v in params.items() if v is not None}
+    req.sampling_params.kv_transfer_params = params
+    with pytest.raises(ValueError, match=match):
+        ledger.check(req, 1)
+
+
+def test_the_settings_take_vllm_roles_and_refuse_contradictions() -> None:
+    from pypto_serving import ServingSettings
+
+    assert ServingSettings(kv_transfer_config={"kv_role": "kv_consumer"}).kv_transfer().kv_role == "decode"  # type: ignore[union-attr]
+    assert ServingSettings(kv_role="prefill").kv_transfer().kv_port == 0  # type: ignore[union-attr]
+    assert ServingSettings().kv_transfer() is None
+    with pytest.raises(ValueError, match="contradicts"):
+        ServingSettings(kv_role="prefill", kv_transfer_config={"kv_role": "decode"})
+    with pytest.raises(ValueError, match="its own port"):
+        ServingSettings(kv_role="prefill", kv_transfer_config={"kv_port": 14579}, data_parallel_size=2)

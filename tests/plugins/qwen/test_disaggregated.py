@@ -1,0 +1,192 @@
+"""Disaggregated prefill and decode on the embedded tiny Qwen3 with the ``torch_p2p`` (gloo) connector.
+
+The prefill engine's worker runs in its own process (it holds the KV and the connector's TCPStore);
+the decode engine pulls over loopback. The reference is the prefill engine serving the same
+requests co-located, so the decode engine never computed these prompts itself: its outputs equal
+the reference only if the transferred blocks carry the prompt's KV.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pypto_serving import LLM, SamplingParams
+
+COMMON: dict[str, Any] = {
+    "model": "tiny-qwen3",
+    "device": "cpu",
+    "num_kv_blocks": 48,
+    "max_model_len": 256,
+    "block_size": 16,
+}
+PROMPTS = [
+    [535, 2271, 681, 201, 535, 431, 385, 65, 305, 65, 305, 201, 33, 44, 55, 66, 77, 88, 99, 100, 5],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
+    list(range(400, 434)),
+]
+N_OUT = 8
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[LLM]:
+    llm = LLM(kv_role="prefill", worker_mode="process", scheduler="sync", **COMMON)
+    yield llm
+    llm.shutdown()
+
+
+def _params(seeded: bool, **kw: Any) -> SamplingParams:
+    if seeded:
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=N_OUT, ignore_eos=True, **kw)
+    return SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, **kw)
+
+
+def _prefill(prefill: LLM, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    outs = prefill.generate(
+        prompts,
+        SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        use_tqdm=False,
+    )
+    params = [o.kv_transfer_params for o in outs]
+    assert all(p is not None and p["num_tokens"] == len(q) - 1 for p, q in zip(params, prompts))
+    return params  # type: ignore[return-value]
+
+
+def _free_blocks(llm: LLM) -> int:
+    return sum(p.num_free for p in llm._engine().kv.pools.values())
+
+
+def _all_blocks(llm: LLM) -> int:
+    return sum(p.num_blocks for p in llm._engine().kv.pools.values())
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "async"])
+def test_decode_continues_where_prefill_stopped(prefill: LLM, scheduler: str) -> None:
+    with LLM(kv_role="decode", worker_mode="inproc", scheduler=scheduler, **COMMON) as decode:
+        for seeded in (False, True):
+            reference = prefill.generate(PROMPTS, _params(seeded), use_tqdm=False)
+            offers = _prefill(prefill, PROMPTS)
+            outs = [
+                decode.generate([p], _params(seeded, kv_transfer_params=o), use_tqdm=False)[0]
+                for p, o in zip(PROMPTS, offers)
+            ]
+            for ref, out, prompt in zip(reference, outs, PROMPTS):
+                assert out.outputs[0].error is None
+                assert out.num_cached_tokens == len(prompt) - 1  # the KV came over, not recomputed
+                assert out.outputs[0].token_ids == ref.outputs[0].token_ids, (seeded, prompt[:3])
+        engine = decode._engine()
+        assert engine.kvx is not None and engine.kvx.stats["kv_pulled"] == 2 * len(PROMPTS)
+        engine.kv.check_invariants(engine.scheduler.live_requests())
+        assert _free_blocks(decode) == _all_blocks(decode)
+    # The prefill engine freed every held block once the decode engine had pulled it.
+    deadline = time.monotonic() + 10
+    while prefill._engine().kvx.held and time.monotonic() < deadline:  # type: ignore[union-attr]
+        prefill._engine().check_worker()
+        time.sleep(0.02)
+    assert _free_blocks(prefill) == _all_blocks(prefill)
+
+
+def test_a_stale_offer_fails_the_request_with_a_clear_error(prefill: LLM) -> None:
+    """An offer pulled once is gone: a second pull fails only that request, and frees its blocks."""
+    with LLM(kv_role="decode", worker_mode="inproc", scheduler="sync", **COMMON) as decode:
+        (offer,) = _prefill(prefill, PROMPTS[:1])
+        first = decode.generate(PROMPTS[:1], _params(False, kv_transfer_params=offer), use_tqdm=False)[0]
+        again = decode.generate(PROMPTS[:1], _params(False, kv_transfer_params=offer), use_tqdm=False)[0]
+        assert first.outputs[0].error is None
+        assert again.outputs[0].finish_reason == "error"
+        assert "holds no KV" in (again.outputs[0].error or "")
+        assert _free_blocks(decode) == _all_blocks(decode)
+        with pytest.raises(ValueError, match="another prompt"):
+            decode.generate(PROMPTS[1:2], _params(False, kv_transfer_params=offer), use_tqdm=False)
+
+
+def test_held_blocks_are_freed_after_the_transfer_timeout() -> None:
+    cfg = {"kv_transfer_timeout": 0.3}
+    with LLM(kv_role="prefill", kv_transfer_config=cfg, worker_mode="inproc", scheduler="sync", **COMMON) as p:
+        _prefill(p, PROMPTS)
+        engine = p._engine()
+        assert engine.kvx is not None and len(engine.kvx.held) == len(PROMPTS)
+        assert _free_blocks(p) < _all_blocks(p)
+        deadline = time.monotonic() + 10
+        while engine.kvx.held and time.monotonic() < deadline:
+            engine.check_worker()
+            time.sleep(0.05)
+        assert not engine.kvx.held
+        assert _free_blocks(p) == _all_blocks(p)
+
+
+def test_a_killed_prefill_fails_only_its_requests_and_leaks_no_block() -> None:
+    """The prefill worker is killed while the decode engine pulls its offers: it is stopped (SIGSTOP)
+    before the pulls start, so each pull has asked for its blocks and waits, then killed. The decode
+    engine fails exactly those requests with the reason, frees their blocks and serves on."""
+    extra = {"kv_connector_extra_config": {"timeout": 5}}
+    victim = LLM(kv_role="prefill", worker_mode="process", scheduler="sync", kv_transfer_config=extra, **COMMON)
+    try:
+        with LLM(
+            kv_role="decode", worker_mode="inproc", scheduler="sync", kv_transfer_config=extra, **COMMON
+        ) as decode:
+            warm = _prefill(victim, PROMPTS[:1])  # a first pull forms the connection
+            assert decode.generate(PROMPTS[:1], _params(False, kv_transfer_params=warm[0]), use_tqdm=False)[0]
+            offers = _prefill(victim, PROMPTS)
+            engine = decode._engine()
+            pid = victim._engine().worker.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            for i, (prompt, offer) in enumerate(zip(PROMPTS, offers)):
+                engine.add_request(f"pd-{i}", prompt, _params(False, kv_transfer_params=offer))
+            engine.add_request("local", PROMPTS[0], _params(False))  # co-located: unaffected
+            engine.step()
+            time.sleep(0.2)  # the first pull has asked the stopped producer and waits
+            os.kill(pid, signal.SIGKILL)
+            outs: dict[str, Any] = {}
+            deadline = time.monotonic() + 30
+            while engine.has_unfinished() and time.monotonic() < deadline:
+                outs.update({o.request_id: o for o in engine.step() if o.finished})
+            assert not engine.has_unfinished()
+            assert outs["local"].outputs[0].error is None and len(outs["local"].outputs[0].token_ids) == N_OUT
+            for i in range(len(PROMPTS)):
+                assert outs[f"pd-{i}"].outputs[0].finish_reason == "error"
+                assert "KV transfer failed" in (outs[f"pd-{i}"].outputs[0].error or "")
+            assert engine.kvx is not None and engine.kvx.stats["kv_pull_failed"] == len(PROMPTS)
+            engine.kv.check_invariants(engine.scheduler.live_requests())
+            assert _free_blocks(decode) == _all_blocks(decode)
+            assert engine.dead_reason is None
+            again = decode.generate(PROMPTS[1:2], _params(False), use_tqdm=False)[0]
+            assert len(again.outputs[0].token_ids) == N_OUT
+    finally:
+        victim.shutdown()
+
+
+def test_a_killed_decode_leaves_no_block_held_on_the_prefill_side() -> None:
+    """The decode worker is killed while it pulls: whether the prefill engine's connector was sending
+    or still waiting for the pull, it lets go (a failed send, or the offer withdrawn at
+    kv_transfer_timeout) and the prefill engine frees every held block."""
+    cfg = {"kv_transfer_timeout": 1.0, "kv_connector_extra_config": {"timeout": 2}}
+    with LLM(kv_role="prefill", kv_transfer_config=cfg, worker_mode="inproc", scheduler="sync", **COMMON) as p:
+        victim = LLM(kv_role="decode", kv_transfer_config=cfg, worker_mode="process", scheduler="sync", **COMMON)
+        try:
+            offers = _prefill(p, PROMPTS)
+            engine = victim._engine()
+            pid = engine.worker.pid
+            assert pid is not None
+            for i, (prompt, offer) in enumerate(zip(PROMPTS, offers)):
+                engine.add_request(f"pd-{i}", prompt, _params(False, kv_transfer_params=offer))
+            os.kill(pid, signal.SIGKILL)
+            held = p._engine().kvx
+            assert held is not None
+            deadline = time.monotonic() + 15
+            while held.held and time.monotonic() < deadline:
+                p._engine().check_worker()
+                time.sleep(0.05)
+            assert not held.held
+            assert _free_blocks(p) == _all_blocks(p)
+            p._engine().kv.check_invariants([])
+            again = p.generate(PROMPTS[:1], _params(False), use_tqdm=False)[0]  # the prefill engine serves on
+            assert len(again.outputs[0].token_ids) == N_OUT
+        finally:
+            victim.shutdown()

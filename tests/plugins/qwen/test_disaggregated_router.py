@@ -1,0 +1,99 @@
+"""A prefill/decode pair behind ``pypto-serving router``: real servers (tiny Qwen3, the torch_p2p
+connector over loopback), the router sends each completion to the prefill replica with max_tokens 1,
+then with its ``kv_transfer_params`` to the decode replica, and streams the decode replica's answer.
+The reference is the prefill server answering the same request co-located."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.core.server.conftest import LiveServer
+from tests.core.server.router_helpers import RouterThread
+from tests.core.server.server_helpers import parse_sse
+
+pytest.importorskip("pypto_serving_sync_sched")
+
+SETTINGS: dict[str, Any] = {
+    "model": "tiny-qwen3",
+    "device": "cpu",
+    "num_kv_blocks": 48,
+    "max_model_len": 256,
+    "block_size": 16,
+    "worker_mode": "inproc",
+    "engine_mode": "thread",
+    "scheduler": "sync",
+}
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[LiveServer, LiveServer, Any, Any]]:
+    from pypto_serving import PluginManager, ServingSettings
+    from pypto_serving.server import AsyncLLM, build_app
+
+    made = []
+    for role in ("prefill", "decode"):
+        llm = AsyncLLM(ServingSettings(kv_role=role, **SETTINGS), PluginManager())
+        llm.wait_ready(120)
+        made.append((LiveServer(build_app(llm, manage_engine=False), llm=llm), llm))
+    (p, p_llm), (d, d_llm) = made
+    yield p, d, p_llm, d_llm
+    for server, llm in made:
+        server.stop()
+        llm.shutdown(10)
+
+
+def test_the_router_splits_a_completion_over_the_pair(pair: tuple[LiveServer, LiveServer, Any, Any]) -> None:
+    from pypto_serving.router import RouterSettings
+
+    prefill, decode, _, d_llm = pair
+    replicas = [
+        {"url": prefill.url, "name": "p", "role": "prefill"},
+        {"url": decode.url, "name": "d", "role": "decode"},
+    ]
+    router = RouterThread(RouterSettings(replicas=replicas, health_interval=0.2))
+    try:
+        body = {"prompt": "import os\nimport sys\n\ndef main(", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        reference = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-pypto-replica"] == "d"
+        assert answer.json()["choices"][0]["text"] == reference
+        with httpx.stream("POST", f"{router.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            events, done = parse_sse(r.read().decode())
+        assert done and "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == reference
+        chat = {"messages": [{"role": "user", "content": "class Config:"}], "max_tokens": 8, "temperature": 0}
+        ref_chat = httpx.post(f"{prefill.url}/v1/chat/completions", json=chat, timeout=60).json()
+        got_chat = httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=60).json()
+        assert got_chat["choices"][0]["message"] == ref_chat["choices"][0]["message"]
+        assert d_llm.stats["kv_pulled"] == 3
+    finally:
+        router.stop()
+
+
+def test_a_stale_transfer_is_a_502_naming_it_and_the_server_serves_on(
+    pair: tuple[LiveServer, LiveServer, Any, Any],
+) -> None:
+    prefill, decode, _, d_llm = pair
+    body = {"prompt": "def main(", "max_tokens": 4, "temperature": 0}
+    first = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(f"{prefill.url}/v1/completions", json=first, timeout=60).json()["kv_transfer_params"]
+    ok = httpx.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+    stale = httpx.post(f"{decode.url}/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+    assert ok.status_code == 200
+    assert stale.status_code == 502 and stale.json()["error"]["code"] == "kv_transfer_failed"
+    assert "holds no KV" in stale.json()["error"]["message"]
+    assert httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60).status_code == 200
+    engine = d_llm.engine
+    assert sum(p.num_free for p in engine.kv.pools.values()) == sum(p.num_blocks for p in engine.kv.pools.values())
+
+
+def test_a_decode_server_refuses_foreign_kv_transfer_params(pair: tuple[LiveServer, LiveServer, Any, Any]) -> None:
+    _, decode, _, _ = pair
+    bad = {"do_remote_prefill": True, "transfer_id": "x", "remote_host": "127.0.0.1", "remote_port": 1}
+    body = {"prompt": "abc", "max_tokens": 2, "kv_transfer_params": {**bad, "num_tokens": 2, "prompt_digest": "0"}}
+    answer = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 400 and "another prompt" in answer.text
