@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "MODELSLIM_DESCRIPTION",
     "QUANT_SCHEMES",
     "SCALE_SUFFIX",
     "Fp8BlockDequantizer",
