@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pypto_serving.config import ServingSettings, read_config_file
+from pypto_serving.config import SERVER_ONLY, ServingSettings, read_config_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
@@ -18,6 +18,17 @@ def test_every_setting_is_documented() -> None:
     for name, field in ServingSettings.model_fields.items():
         assert f"| `{name}` |" in text, f"docs/configuration.md lacks {name}"
         assert field.description and field.description in text, f"docs/configuration.md: stale description of {name}"
+
+
+def test_the_server_only_list_is_complete() -> None:
+    """The sentence that tells which settings `generate` leaves out names each of them (or its
+    `prefix_*` family)."""
+    text = DOC.read_text()
+    sentence = text[text.index("`generate` leaves out") :].split(").", 1)[0]
+    named = set(re.findall(r"`(\w+)`", sentence))
+    families = [n[:-1] for n in re.findall(r"`(\w+_)\*`", sentence)]
+    missing = [n for n in SERVER_ONLY if n not in named and not any(n.startswith(f) for f in families)]
+    assert not missing, f"docs/configuration.md's server-only list lacks {sorted(missing)}"
 
 
 def test_the_readme_says_how_to_reach_the_installed_command() -> None:
