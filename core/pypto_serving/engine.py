@@ -17,11 +17,12 @@ from typing import Any
 
 import msgspec
 
-from .config import ServingSettings, SettingsError, lora_paths
+from .config import ServingSettings, SettingsError
 from .executor import CacheGroupSpec, ExecutorInfo
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
-from .messages import StepResult
+from .lora import LoraError, LoraRegistry
+from .messages import LoadLora, StepResult
 from .model_files import check_max_model_len, sampling_defaults
 from .plugins import PluginError, PluginManager
 from .profiler import ProfileControl, TraceProfiler, phase
@@ -248,6 +249,7 @@ class EngineCore:
         self._users: dict[str, list[Request]] = {}
         self._rng = random.Random(settings.seed)
         self._changed: list[Request] = []  # heads (choices[0]) of user requests with an output due
+        self.loras = LoraRegistry.of(settings)
         self.strategy: StepStrategy = sched_spec.factory(self)
         logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_spec.name, num_blocks)
 
@@ -359,7 +361,7 @@ class EngineCore:
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.check_vocab(vocab)
-        _check_lora(self.settings, params)
+        params = self.loras.select(params)  # the adapter's key, which the worker and the prefix cache know
         if params.priority and self.settings.scheduling_policy != "priority":
             raise ValueError(PRIORITY_NEEDS_POLICY.format(params.priority))
         if params.stop and self.tokenizer is None:
@@ -403,6 +405,47 @@ class EngineCore:
                 )
             children.append(req)
         return children
+
+    def load_lora(self, name: str, path: str) -> float:
+        """Load the PEFT adapter directory ``path`` as ``name`` into a free slot; returns the seconds
+        the steps stood still meanwhile (the in-flight ones are applied first: the worker loads
+        between steps). :raises LoraError: refused (its ``status`` says why); EngineDeadError: the
+        worker died meanwhile (the live requests fail with it)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        adapter = self.loras.plan_load(name, path)
+        started = time.monotonic()
+        try:
+            self.strategy.drain()
+            done = self.worker.load_lora(LoadLora(adapter.key, adapter.path, adapter.slot))
+        except Exception as e:
+            self._die(f"loading LoRA adapter {name!r} failed: {type(e).__name__}: {e}")
+            raise EngineDeadError(str(self.dead_reason)) from None
+        stalled = time.monotonic() - started
+        if not done.ok:
+            error = done.error or "unknown error"
+            refused = error.startswith("ValueError: ")
+            raise LoraError(400 if refused else 500, error.removeprefix("ValueError: "))
+        self.loras.commit(name, adapter)
+        logger.info(
+            "LoRA adapter %r loaded from %s into slot %d; steps stalled %.1f ms",
+            name,
+            path,
+            adapter.slot,
+            stalled * 1e3,
+        )
+        return stalled
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``: new requests naming it are refused at once, those that
+        selected it before run to their end, then its slot is free (:meth:`_release_loras`).
+        :raises LoraError: (404) no such adapter is served."""
+        self.loras.unload(name)
+        self._release_loras()
+
+    def _release_loras(self) -> None:
+        if self.loras.unloading:
+            self.loras.release({r.sampling_params.lora for r in self.scheduler.live_requests()})
 
     def abort(self, request_id: str) -> None:
         choices = self._users.get(request_id)
@@ -526,6 +569,7 @@ class EngineCore:
 
     def _collect(self) -> list[RequestOutput]:
         """The outputs due, oldest user request first; a finished user request is dropped after it."""
+        self._release_loras()
         outs = []
         changed, self._changed = self._changed, []
         for head in sorted(changed, key=lambda r: r.out.created):
@@ -570,6 +614,7 @@ class EngineCore:
             "spec_mean_accepted_length": s.num_accepted / s.num_verify_steps if s.num_verify_steps else 0.0,
             **self._spec_config_stats(),
             "num_steps": s.num_steps,
+            "lora_adapters": self.loras.names,
         }
 
     def _spec_config_stats(self) -> dict[str, Any]:
@@ -604,13 +649,6 @@ def _check_encodable(ids: list[int], params: SamplingParams) -> None:
 
 
 _wire_check = msgspec.msgpack.Encoder()
-
-
-def _check_lora(settings: ServingSettings, params: SamplingParams) -> None:
-    """A request's adapter must be one loaded at start (``lora_modules``)."""
-    if params.lora is not None and params.lora not in lora_paths(settings):
-        known = sorted(lora_paths(settings))
-        raise ValueError(f"unknown LoRA adapter {params.lora!r}; loaded: {known or 'none (lora_modules is empty)'}")
 
 
 def _per_prompt(
@@ -682,8 +720,20 @@ class LLM:
         logger.warning("starting a new worker; the previous one failed: %s", engine.dead_reason)
         self.engine = None
         engine.shutdown()
+        # The adapters served now, run-time loads included, are the new engine's lora_modules.
+        self.settings = self.settings.with_overrides(
+            lora_modules=engine.loras.entries(), enable_lora=engine.loras.enabled
+        )
         self.engine = EngineCore(self.settings, self._plugins)
         return self.engine
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter directory ``path`` as ``name`` (see :meth:`EngineCore.load_lora`)."""
+        self._live_engine().load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (see :meth:`EngineCore.unload_lora`)."""
+        self._live_engine().unload_lora(name)
 
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the checkpoint's ``generation_config.json`` defaults applied."""

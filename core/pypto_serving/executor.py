@@ -120,8 +120,9 @@ class BatchInput:
         (``ScheduledEntry.num_propose``: 0 for a request whose next decode verifies none, so a drafter
         whose every depth costs a forward leaves it out; -1: up to ``draft_depth``); ``None``: up to
         ``draft_depth`` for every request.
-    :param loras: per request in batch order, its LoRA adapter's name (``lora_modules``; None: the
-        base model); ``None`` when no request of the step has one (host list).
+    :param loras: per request in batch order, its LoRA adapter's key (an adapter of ``lora_modules``:
+        its name; one loaded at run time: the key of :meth:`Executor.load_lora`; None: the base model);
+        ``None`` when no request of the step has one (host list).
     """
 
     request_ids: list[str]
@@ -194,6 +195,15 @@ class Executor(abc.ABC):
         :meth:`propose_drafts` count as point masses and are verified by sample-and-compare.
         """
         return self.propose_drafts(batch, accepted)
+
+    def load_lora(self, key: str, path: str, slot: int) -> None:
+        """Load the PEFT adapter directory ``path`` into adapter slot ``slot`` (1 .. ``max_loras``,
+        one the engine has freed), replacing what the slot held; requests then name it by ``key`` in
+        :attr:`BatchInput.loras`. Called between steps. Executors without LoRA keep this default.
+
+        :raises ValueError: the adapter cannot be served (the message says why; nothing changed).
+        """
+        raise ValueError(f"the {type(self).__name__} executor does not serve LoRA adapters")
 
     def release(self, request_ids: list[str]) -> None:  # noqa: B027 - optional hook
         """Forget per-request state.

@@ -217,4 +217,13 @@ class MemoryProfile(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
 
-WorkerCommand = StepCommand | InitCache | ProfileMemory | Shutdown
+class LoadLora(msgspec.Struct, frozen=True, tag=True):
+    """Load a PEFT adapter into a free slot between steps (``Executor.load_lora``); answered by an
+    :class:`InitDone` whose ``error`` says why the adapter was refused."""
+
+    key: str
+    path: str
+    slot: int
+
+
+WorkerCommand = StepCommand | InitCache | ProfileMemory | LoadLora | Shutdown

@@ -48,6 +48,7 @@ class LoraContext:
     :class:`LoraLinear` of one model and set by the executor before each forward."""
 
     onehot: torch.Tensor | None = None
+    slots: int = 1  # the stacks' slot count (slot 0: the base model), the one-hot's width
 
 
 def _refuse(name: str, path: Path, why: str) -> ValueError:
@@ -56,6 +57,8 @@ def _refuse(name: str, path: Path, why: str) -> ValueError:
 
 def _read_config(name: str, path: Path, max_rank: int) -> tuple[int, float]:
     """The adapter's rank and scale; refuses what this executor cannot apply exactly."""
+    if not path.is_dir():
+        raise _refuse(name, path, "no such directory")
     cfg_file = path / "adapter_config.json"
     if not cfg_file.is_file() or not (path / "adapter_model.safetensors").is_file():
         raise _refuse(name, path, "not a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)")
@@ -115,11 +118,12 @@ def read_adapter(
 
 class LoraLinear(torch.nn.Module):
     """The stacked LoRA weights of one (possibly fused) projection: ``parts`` its targets, ``outs``
-    their output widths in the fused order, ``inp`` the input width."""
+    their output widths in the fused order, ``inp`` the input width. Slots are written one adapter
+    at a time (:meth:`write`), at start or at run time; the stacks grow to the highest slot and the
+    largest rank written, so their cost follows the adapters loaded, not ``max_loras``."""
 
     def __init__(
         self,
-        adapters: list[LoraAdapter],
         layer: int,
         parts: tuple[str, ...],
         outs: tuple[int, ...],
@@ -129,21 +133,38 @@ class LoraLinear(torch.nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        self.ctx, self.slots, self.parts = ctx, len(adapters) + 1, len(parts)
-        rank = max(a.rank for a in adapters)
-        self.rank = rank
-        a_all = torch.zeros(self.parts, self.slots, rank, inp)
-        b_all = torch.zeros(sum(outs), self.parts, self.slots, rank)
+        self.ctx, self.layer, self.targets, self.outs, self.inp = ctx, layer, parts, outs, inp
+        self.parts, self.slots, self.rank = len(parts), 1, 1
+        self.a_all = torch.zeros(self.parts, inp, dtype=dtype, device=device)  # [P*S*R, in]
+        self.b_all = torch.zeros(sum(outs), self.parts, dtype=dtype, device=device)  # [out, P*S*R]
+
+    def _resize(self, slots: int, rank: int) -> None:
+        """Grow the stacks to ``slots`` slots of rank ``rank``, keeping what the old ones hold."""
+        p, s, r, out = self.parts, self.slots, self.rank, sum(self.outs)
+        a = self.a_all.new_zeros(p, slots, rank, self.inp)
+        b = self.b_all.new_zeros(out, p, slots, rank)
+        a[:, :s, :r] = self.a_all.view(p, s, r, self.inp)
+        b[:, :, :s, :r] = self.b_all.view(out, p, s, r)
+        self.a_all, self.b_all = a.view(-1, self.inp), b.view(out, -1)
+        self.slots, self.rank = slots, rank
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter``'s pairs of this projection into ``slot`` (whatever it held is replaced;
+        a part the adapter does not target stays zero)."""
+        if slot >= self.slots or adapter.rank > self.rank:
+            self._resize(max(self.slots, slot + 1), max(self.rank, adapter.rank))
+        out = sum(self.outs)
+        a = self.a_all.view(self.parts, self.slots, self.rank, self.inp)
+        b = self.b_all.view(out, self.parts, self.slots, self.rank)
+        a[:, slot].zero_()
+        b[:, :, slot].zero_()
         row = 0
-        for p, (target, out) in enumerate(zip(parts, outs, strict=True)):
-            for s, adapter in enumerate(adapters, start=1):
-                pair = adapter.pairs.get((layer, target))
-                if pair is not None:
-                    a_all[p, s, : adapter.rank] = pair[0]
-                    b_all[row : row + out, p, s, : adapter.rank] = pair[1]
-            row += out
-        self.a_all = a_all.reshape(-1, inp).to(device=device, dtype=dtype)  # [P*S*R, in]
-        self.b_all = b_all.reshape(sum(outs), -1).to(device=device, dtype=dtype)  # [out, P*S*R]
+        for p, (target, width) in enumerate(zip(self.targets, self.outs, strict=True)):
+            pair = adapter.pairs.get((self.layer, target))
+            if pair is not None:
+                a[p, slot, : adapter.rank] = pair[0]
+                b[row : row + width, p, slot, : adapter.rank] = pair[1]
+            row += width
 
     def add_delta(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """``base`` plus every token's own adapter's delta (nothing when no token has one)."""
