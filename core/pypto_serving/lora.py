@@ -63,13 +63,13 @@ class LoraRegistry:
 
     def select(self, params: SamplingParams) -> SamplingParams:
         """``params`` with its adapter's name replaced by the adapter's key; an adapter that is not
-        served (never loaded, or unloaded) is a ValueError."""
+        served (never loaded, or unloaded) is a LoraError (404)."""
         if params.lora is None:
             return params
         adapter = self.adapters.get(params.lora)
         if adapter is None:
             known = sorted(self.adapters) or "none (lora_modules is empty)"
-            raise ValueError(f"unknown LoRA adapter {params.lora!r}; loaded: {known}")
+            raise LoraError(404, f"unknown LoRA adapter {params.lora!r}; loaded: {known}")
         return params if adapter.key == params.lora else replace(params, lora=adapter.key)
 
     def plan_load(self, name: str, path: str) -> LoadedAdapter:

@@ -272,3 +272,77 @@ def test_mixed_adapters_run_on_the_device(adapters: dict[str, Path], qwen_checkp
         for chunks, names in steps:
             batch = dataclasses.replace(on_device(builder.step(chunks, all_logits=False)), loras=names)
             _execute(ex, batch, ex.config.vocab_size)
+
+
+# ---------------------------------------------------------------------------- loads at run time
+
+
+def _drive(engine: Any, outs: dict[str, Any], steps: int | None = None) -> None:
+    """Step the engine ``steps`` times (None: until nothing is left), keeping the finished outputs."""
+    while (steps is None and engine.has_unfinished()) or (steps is not None and steps > 0):
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        steps = None if steps is None else steps - 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_load_and_unload_while_requests_run(
+    async_scheduling: bool,
+    adapters: dict[str, Path],
+    qwen_checkpoints: Callable[[str], Path],
+    make_llm: Callable[..., LLM],
+) -> None:
+    """Requests of the base and of an adapter are mid-generation when another adapter loads and the
+    first unloads: every request's tokens are its merged model's; a request naming the unloaded
+    adapter is refused at once (404), its running request finishes, and only then is its slot free."""
+    from dataclasses import replace
+
+    from pypto_serving.lora import LoraError
+
+    llm = make_llm(
+        lora_modules=[f"attn={adapters['attn']}"], max_lora_rank=8, max_loras=2, async_scheduling=async_scheduling
+    )
+    engine, prompts, outs = llm.engine, _prompts(5), {}
+    assert engine is not None and engine.scheduler_name == ("async" if async_scheduling else "sync")
+    engine.add_request("base", prompts[0], GREEDY)
+    engine.add_request("attn", prompts[1], replace(GREEDY, lora="attn"))
+    _drive(engine, outs, 3)
+    assert not outs and engine.has_unfinished()  # both run while the adapter loads
+    assert engine.load_lora("mlp", str(adapters["mlp"])) >= 0.0
+    engine.add_request("mlp", prompts[2], replace(GREEDY, lora="mlp"))
+    _drive(engine, outs, 2)
+    engine.unload_lora("attn")
+    assert engine.stats()["lora_adapters"] == ["mlp"]
+    with pytest.raises(LoraError, match="unknown LoRA adapter 'attn'") as refused:
+        engine.add_request("attn-late", prompts[3], replace(GREEDY, lora="attn"))
+    assert refused.value.status == 404
+    # The unloaded adapter's request still runs, so its slot is held: the two slots are taken.
+    assert "attn" not in outs
+    with pytest.raises(LoraError, match="no free LoRA slot") as full:
+        engine.load_lora("mixed", str(adapters["mixed"]))
+    assert full.value.status == 409
+    _drive(engine, outs)
+    engine.load_lora("mixed", str(adapters["mixed"]))  # the slot is free once attn's request ended
+    engine.add_request("mixed", prompts[4], replace(GREEDY, lora="mixed"))
+    _drive(engine, outs)
+    base, order = qwen_checkpoints("qwen3"), {"base": 0, "attn": 1, "mlp": 2, "mixed": 4}
+    assert sorted(outs) == sorted(order)
+    refs = {n: _hf_greedy(_merged(base, adapters.get(n)), prompts[i]) for n, i in order.items()}
+    assert {n: list(outs[n].outputs[0].token_ids) for n in order} == refs
+
+
+def test_prefix_cache_never_crosses_a_reloaded_name(
+    adapters: dict[str, Path], qwen_checkpoints: Callable[[str], Path], make_llm: Callable[..., LLM]
+) -> None:
+    """A name unloaded and loaded again (here with another adapter, into the same slot) is a new
+    adapter: the KV cached under the old one is never served to it, while it hits its own."""
+    prompt, base = _prompts(1)[0] * 4, qwen_checkpoints("qwen3")
+    llm = make_llm(lora_modules=[f"attn={adapters['attn']}"], max_lora_rank=8, enable_prefix_caching=True)
+    first = llm.generate([prompt], GREEDY, use_tqdm=False, lora="attn")[0]
+    llm.unload_lora("attn")
+    llm.load_lora("attn", str(adapters["mixed"]))
+    reloaded = llm.generate([prompt], GREEDY, use_tqdm=False, lora="attn")[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora="attn")[0]
+    assert (first.num_cached_tokens, reloaded.num_cached_tokens) == (0, 0)
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == reloaded.outputs[0].token_ids
+    assert list(reloaded.outputs[0].token_ids) == _hf_greedy(_merged(base, adapters["mixed"]), prompt)
+    assert reloaded.outputs[0].token_ids != first.outputs[0].token_ids
