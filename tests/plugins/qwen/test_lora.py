@@ -346,3 +346,113 @@ def test_prefix_cache_never_crosses_a_reloaded_name(
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == reloaded.outputs[0].token_ids
     assert list(reloaded.outputs[0].token_ids) == _hf_greedy(_merged(base, adapters["mixed"]), prompt)
     assert reloaded.outputs[0].token_ids != first.outputs[0].token_ids
+
+
+def test_server_loads_and_unloads_adapters_under_load(
+    adapters: dict[str, Path], qwen_checkpoints: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Through the admin routes of a server (engine-core process): an adapter loaded while requests
+    of the base and of another adapter run, then that one unloaded: every reply's tokens are its
+    merged model's, /v1/models follows, and each refusal has its 4xx."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from pypto_serving.server import AsyncLLM, build_app
+
+    base = qwen_checkpoints("qwen3")
+    settings = ServingSettings(
+        model=str(base),
+        served_model_name="base",
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        max_model_len=128,
+        worker_mode="inproc",
+        lora_modules=[f"attn={adapters['attn']}"],
+        max_lora_rank=4,
+        max_loras=2,
+        admin_api_key=["admin-secret"],
+    )
+    admin = {"Authorization": "Bearer admin-secret"}
+    prompts = _prompts(3)
+    embed = _edited(adapters["attn"], tmp_path / "embed", target_modules=["q_proj", "embed_tokens"])
+    server = AsyncLLM(settings)
+    try:
+        server.wait_ready(120)
+        with TestClient(build_app(server, manage_engine=False)) as client:
+
+            def complete(model: str, prompt: list[int]) -> Any:
+                body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0}
+                return client.post("/v1/completions", json={**body, "ignore_eos": True})
+
+            def admin_post(route: str, name: str, path: Path | str | None = None) -> Any:
+                body = {"lora_name": name} if path is None else {"lora_name": name, "lora_path": str(path)}
+                return client.post(f"/v1/{route}_lora_adapter", json=body, headers=admin)
+
+            with ThreadPoolExecutor(3) as pool:
+                running = [pool.submit(complete, m, p) for m, p in (("base", prompts[0]), ("attn", prompts[1]))]
+                loaded = admin_post("load", "mixed", adapters["mixed"])
+                mixed = pool.submit(complete, "mixed", prompts[2])
+                unloaded = admin_post("unload", "attn")
+                late = complete("attn", prompts[1])
+                replies = [f.result() for f in (*running, mixed)]
+            listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+            other = admin_post("load", "other", adapters["mixed"])  # attn's slot is free once its request ended
+            refused = {
+                "no admin key": client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}),
+                "duplicate": admin_post("load", "mixed", adapters["mixed"]),
+                "base name": admin_post("load", "base", adapters["mixed"]),
+                "no slot": admin_post("load", "third", adapters["mixed"]),
+            }
+            admin_post("unload", "mixed")
+            admin_post("unload", "other")
+            refused |= {
+                "missing dir": admin_post("load", "x", tmp_path / "nowhere"),
+                "not peft": admin_post("load", "x", tmp_path),
+                "rank": admin_post("load", "x", adapters["mlp"]),
+                "targets": admin_post("load", "x", embed),
+                "unknown": admin_post("unload", "nope"),
+            }
+            after = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    finally:
+        server.shutdown(10)
+    assert [r.status_code for r in (loaded, unloaded, other)] == [200, 200, 200], (loaded.text, unloaded.text)
+    assert late.status_code == 404 and "'attn' does not exist" in late.json()["error"]["message"]
+    for r in replies:
+        assert r.status_code == 200, r.text
+    got = [[int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]] for r in replies]
+    names = ["base", "attn", "mixed"]
+    assert got == [_hf_greedy(_merged(base, adapters.get(n)), p) for n, p in zip(names, prompts, strict=True)]
+    assert (listed, after) == (["base", "mixed"], ["base"])
+    statuses = {why: r.status_code for why, r in refused.items()}
+    assert statuses == {
+        "no admin key": 401,
+        "duplicate": 409,
+        "base name": 409,
+        "no slot": 409,
+        "missing dir": 400,
+        "not peft": 400,
+        "rank": 400,
+        "targets": 400,
+        "unknown": 404,
+    }, {why: r.text for why, r in refused.items()}
+    messages = {why: r.json()["error"]["message"] for why, r in refused.items()}
+    assert "already loaded" in messages["duplicate"] and "no free LoRA slot" in messages["no slot"]
+    assert "no such directory" in messages["missing dir"] and "not a PEFT adapter" in messages["not peft"]
+    assert "rank 8 exceeds max_lora_rank=4" in messages["rank"] and "embed_tokens" in messages["targets"]
+
+
+def test_loading_needs_lora_enabled(adapters: dict[str, Path], make_llm: Callable[..., LLM]) -> None:
+    from pypto_serving.lora import LoraError
+
+    llm = make_llm()
+    with pytest.raises(LoraError, match="LoRA is not enabled") as off:
+        llm.load_lora("attn", str(adapters["attn"]))
+    assert off.value.status == 400
+    with pytest.raises(LoraError, match="'nope' is not loaded") as missing:
+        llm.unload_lora("nope")
+    assert missing.value.status == 404
+    enabled = make_llm(enable_lora=True, max_lora_rank=8)
+    enabled.load_lora("attn", str(adapters["attn"]))  # LoRA on with no adapter at start
+    assert enabled.engine is not None and enabled.engine.stats()["lora_adapters"] == ["attn"]
