@@ -10,7 +10,7 @@ import random
 import shutil
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from .executor import CacheGroupSpec, ExecutorInfo
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
 from .lora import LoraError, LoraRegistry
-from .messages import LoadLora, StepResult
+from .messages import InitDone, LoadLora, ReadLora, StepResult
 from .model_files import check_max_model_len, sampling_defaults
 from .plugins import PluginError, PluginManager
 from .profiler import ProfileControl, TraceProfiler, phase
@@ -406,35 +406,45 @@ class EngineCore:
             children.append(req)
         return children
 
-    def load_lora(self, name: str, path: str) -> float:
-        """Load the PEFT adapter directory ``path`` as ``name`` into a free slot; returns the seconds
-        the steps stood still meanwhile (the in-flight ones are applied first: the worker loads
-        between steps). :raises LoraError: refused (its ``status`` says why); EngineDeadError: the
-        worker died meanwhile (the live requests fail with it)."""
+    def load_lora(self, name: str, path: str, on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> float:
+        """Load the PEFT adapter directory ``path`` as ``name`` into a free slot. The worker reads it
+        in the background while this keeps stepping the running requests (their outputs go to
+        ``on_outputs``; without it the steps wait for the read); they stand still only while it is
+        copied into the slot between two steps. Returns those seconds.
+        :raises LoraError: refused (its ``status`` says why); EngineDeadError: the engine died
+        meanwhile (the live requests fail with it)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         adapter = self.loras.plan_load(name, path)
-        started = time.monotonic()
-        try:
-            self.strategy.drain()
-            done = self.worker.load_lora(LoadLora(adapter.key, adapter.path, adapter.slot))
-        except Exception as e:
-            self._die(f"loading LoRA adapter {name!r} failed: {type(e).__name__}: {e}")
-            raise EngineDeadError(str(self.dead_reason)) from None
-        stalled = time.monotonic() - started
+        self.worker.read_lora(ReadLora(adapter.key, path))
+        self.loras.reading.add(adapter.key)
+        # Without on_outputs nobody would see the outputs of steps run now: they wait for the read.
+        while on_outputs is not None and adapter.key in self.loras.reading and self.has_unfinished():
+            on_outputs(self.step())
+            if self.dead_reason is not None:
+                break
+        self.loras.reading.discard(adapter.key)
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        stalled, done = self._install_lora(LoadLora(adapter.key, path, adapter.slot))
         if not done.ok:
             error = done.error or "unknown error"
             refused = error.startswith("ValueError: ")
             raise LoraError(400 if refused else 500, error.removeprefix("ValueError: "))
         self.loras.commit(name, adapter)
-        logger.info(
-            "LoRA adapter %r loaded from %s into slot %d; steps stalled %.1f ms",
-            name,
-            path,
-            adapter.slot,
-            stalled * 1e3,
-        )
+        logger.info("LoRA adapter %r loaded into slot %d; steps stood still %.1f ms", name, adapter.slot, stalled * 1e3)
         return stalled
+
+    def _install_lora(self, cmd: LoadLora) -> tuple[float, InitDone]:
+        """The worker installs a read adapter between steps (the ones in flight are applied first)."""
+        started = time.monotonic()
+        try:
+            self.strategy.drain()
+            done = self.worker.install_lora(cmd)
+        except Exception as e:
+            self._die(f"loading a LoRA adapter failed: {type(e).__name__}: {e}")
+            raise EngineDeadError(str(self.dead_reason)) from None
+        return time.monotonic() - started, done
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter ``name``: new requests naming it are refused at once, those that
@@ -517,6 +527,7 @@ class EngineCore:
 
     def _apply(self, out: SchedulerOutput, result: StepResult) -> None:
         self.scheduler.grammars_compiled(result.grammars_ready)
+        self.loras.reading.difference_update(result.loras_read)
         if result.error is not None:
             failed = self.scheduler.fail([r.request_id for r in out.requests], f"step failed: {result.error}")
             logger.error("step %d failed: %s", result.step_id, result.error)
@@ -728,7 +739,8 @@ class LLM:
         return self.engine
 
     def load_lora(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter directory ``path`` as ``name`` (see :meth:`EngineCore.load_lora`)."""
+        """Serve the PEFT adapter directory ``path`` as ``name`` (see :meth:`EngineCore.load_lora`;
+        no request runs between ``generate`` calls)."""
         self._live_engine().load_lora(name, path)
 
     def unload_lora(self, name: str) -> None:

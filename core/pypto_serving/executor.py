@@ -121,7 +121,7 @@ class BatchInput:
         whose every depth costs a forward leaves it out; -1: up to ``draft_depth``); ``None``: up to
         ``draft_depth`` for every request.
     :param loras: per request in batch order, its LoRA adapter's key (an adapter of ``lora_modules``:
-        its name; one loaded at run time: the key of :meth:`Executor.load_lora`; None: the base model);
+        its name; one loaded at run time: the key of :meth:`Executor.install_lora`; None: the base model);
         ``None`` when no request of the step has one (host list).
     """
 
@@ -196,13 +196,19 @@ class Executor(abc.ABC):
         """
         return self.propose_drafts(batch, accepted)
 
-    def load_lora(self, key: str, path: str, slot: int) -> None:
-        """Load the PEFT adapter directory ``path`` into adapter slot ``slot`` (1 .. ``max_loras``,
-        one the engine has freed), replacing what the slot held; requests then name it by ``key`` in
-        :attr:`BatchInput.loras`. Called between steps. Executors without LoRA keep this default.
+    def read_lora(self, key: str, path: str) -> Any:
+        """Read and check the PEFT adapter directory ``path`` for :meth:`install_lora`. Runs in a
+        background thread of the worker while steps run, so it must not touch what a step uses
+        (the model's weights, caches or per-request state). Executors without LoRA keep this default.
 
-        :raises ValueError: the adapter cannot be served (the message says why; nothing changed).
+        :raises ValueError: the adapter cannot be served (the message says why).
         """
+        raise ValueError(f"the {type(self).__name__} executor does not serve LoRA adapters")
+
+    def install_lora(self, key: str, adapter: Any, slot: int) -> None:
+        """Put an adapter :meth:`read_lora` returned into adapter slot ``slot`` (1 .. ``max_loras``,
+        one the engine has freed), replacing what the slot held; requests then name it by ``key``
+        in :attr:`BatchInput.loras`. Called between steps: the steps wait for it, so it only copies."""
         raise ValueError(f"the {type(self).__name__} executor does not serve LoRA adapters")
 
     def release(self, request_ids: list[str]) -> None:  # noqa: B027 - optional hook

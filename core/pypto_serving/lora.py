@@ -46,6 +46,7 @@ class LoraRegistry:
     adapters: dict[str, LoadedAdapter] = field(default_factory=dict)  # served, by name, in load order
     unloading: list[LoadedAdapter] = field(default_factory=list)  # unloaded, their requests still running
     loads: int = 0  # adapters loaded at run time so far (each key's count)
+    reading: set[str] = field(default_factory=set)  # keys the worker reads in the background
 
     @classmethod
     def of(cls, settings: ServingSettings) -> LoraRegistry:

@@ -50,6 +50,7 @@ from .messages import (
     LoadLora,
     MemoryProfile,
     ProfileMemory,
+    ReadLora,
     Shutdown,
     StepCommand,
     StepResult,
@@ -211,6 +212,9 @@ def _serve_steps(conn: Connection, runner: ModelRunner) -> None:
         if isinstance(msg, ProfileControl):
             profiler.control(msg)
             continue
+        if isinstance(msg, ReadLora):  # read in the background while the steps go on; not answered
+            runner.lora_reads.start(msg.key, msg.path)
+            continue
         with phase("launch"):
             launched = runner.launch(msg)
         if conn.poll(0):
@@ -249,7 +253,7 @@ def _lifecycle(runner: ModelRunner, msg: InitCache | ProfileMemory | LoadLora) -
         if isinstance(msg, ProfileMemory):
             return profile_memory(runner, msg.num_tokens)
         if isinstance(msg, LoadLora):
-            runner.executor.load_lora(msg.key, msg.path, msg.slot)
+            runner.install_lora(msg)
         else:
             runner.init_kv_cache(msg.num_blocks)
         return InitDone(True)
@@ -338,6 +342,9 @@ def _serve_ranks(conn: Connection | None, group: RankGroup, runner: ModelRunner,
         if isinstance(msg, ProfileControl):  # rank 0's process is profiled, the others run on
             if conn is not None:
                 profiler.control(msg)
+            continue
+        if isinstance(msg, ReadLora):  # every rank reads; not answered
+            runner.lora_reads.start(msg.key, msg.path)
             continue
         reply, fatal = _run_on_ranks(group, runner, settings, msg)
         if conn is not None:
@@ -521,10 +528,19 @@ class WorkerClient:
         if not done.ok:
             raise WorkerError(f"the executor failed to allocate its KV cache: {done.error}")
 
-    def load_lora(self, cmd: LoadLora) -> InitDone:
-        """Load an adapter between steps (none may be in flight); the answer says whether it loaded."""
+    def read_lora(self, cmd: ReadLora) -> None:
+        """Start the worker's background read of an adapter, in order with the steps (not answered:
+        a step result lists it in ``loras_read`` once read)."""
+        if self._runner is not None:
+            self._runner.lora_reads.start(cmd.key, cmd.path)
+        elif self.dead_reason is None:
+            with contextlib.suppress(BrokenPipeError, OSError):  # a dead worker is noticed by the steps
+                self._conn.send_bytes(_encoder.encode(cmd))
+
+    def install_lora(self, cmd: LoadLora) -> InitDone:
+        """Install an adapter between steps (none may be in flight); the answer says whether it did."""
         if self._in_flight:
-            raise RuntimeError("load_lora() while steps are in flight")
+            raise RuntimeError("install_lora() while steps are in flight")
         if self._runner is not None:
             done = _lifecycle(self._runner, cmd)
         else:

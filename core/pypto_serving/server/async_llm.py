@@ -508,7 +508,7 @@ class AsyncLLM:
             if cmd.path is None:
                 engine.unload_lora(cmd.name)
             else:
-                engine.load_lora(cmd.name, cmd.path)
+                engine.load_lora(cmd.name, cmd.path, on_outputs=self._dispatch)
         except Exception as e:
             cmd.done.set_exception(e)
             return

@@ -442,6 +442,14 @@ class _CoreLoop:
         self.live.add(cmd.request_id)
         return AddResult(cmd.request_id)
 
+    def _emit(self, engine: Any, outputs: list[RequestOutput]) -> None:
+        """The outputs of steps run while an adapter loads (the loop's own steps send theirs)."""
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
+        if outputs:
+            self._send(CoreOutputs(outputs, [], engine.stats(), None))
+
     def _lora(self, engine: Any, cmd: LoraCmd) -> AddResult:
         """Load or unload an adapter; the adapters served then are what a restarted engine loads."""
         from ..engine import EngineDeadError
@@ -451,7 +459,7 @@ class _CoreLoop:
             if cmd.path is None:
                 engine.unload_lora(cmd.name)
             else:
-                engine.load_lora(cmd.name, cmd.path)
+                engine.load_lora(cmd.name, cmd.path, on_outputs=lambda outs: self._emit(engine, outs))
         except LoraError as e:
             return AddResult(cmd.request_id, str(e), f"lora{e.status}")
         except EngineDeadError as e:

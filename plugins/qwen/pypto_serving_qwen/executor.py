@@ -15,7 +15,7 @@ from pypto_serving.parallel import ParallelContext
 from .capture import DecodeGraphs, GraphStats
 from .graph import GraphOptions, parse_graph_options
 from .loader import QwenConfig, load_weights, plan_quantization, read_config, resolve_dtype
-from .lora import LoraContext, read_adapter
+from .lora import LoraAdapter, LoraContext, read_adapter
 from .model import AttentionMetadata, KVCache, QwenForCausalLM
 from .quantized import finish_loading
 from .sharding import QwenSharding
@@ -163,17 +163,21 @@ class QwenExecutor(Executor):
         self.lora_slots = {a.name: i for i, a in enumerate(adapters, start=1)}
         logger.info("LoRA adapters %s (ranks %s) loaded", list(self.lora_slots), [a.rank for a in adapters])
 
-    def load_lora(self, key: str, path: str, slot: int) -> None:
-        """Read the PEFT adapter at ``path`` and put it into ``slot`` (replacing the adapter the
-        engine freed there); requests then select it by ``key``. Everything is checked before the
-        stacks change, so a refused adapter leaves them as they were."""
+    def read_lora(self, key: str, path: str) -> LoraAdapter:
+        """Read and check the PEFT adapter at ``path`` (in a background thread while steps run: it
+        reads the model's shapes only), its weights already in the model's dtype."""
         if self.lora is None or self.model is None:
             raise ValueError("LoRA is not enabled: start with enable_lora (or lora_modules) to load adapters")
-        name = key.partition("\0")[0]
-        adapter = read_adapter(name, path, self.settings.max_lora_rank, self.model.lora_shapes())
+        adapter = read_adapter(key.partition("\0")[0], path, self.settings.max_lora_rank, self.model.lora_shapes())
+        adapter.pairs = {k: (a.to(self.dtype), b.to(self.dtype)) for k, (a, b) in adapter.pairs.items()}
+        return adapter
+
+    def install_lora(self, key: str, adapter: Any, slot: int) -> None:
+        """Copy a read adapter into ``slot`` (replacing the adapter the engine freed there)."""
+        assert self.lora is not None and self.model is not None and isinstance(adapter, LoraAdapter)
         self.model.write_lora(self.lora, slot, adapter)
         self.lora_slots = {k: s for k, s in self.lora_slots.items() if s != slot} | {key: slot}
-        logger.info("LoRA adapter %r (rank %d) loaded into slot %d", name, adapter.rank, slot)
+        logger.info("LoRA adapter %r (rank %d) loaded into slot %d", adapter.name, adapter.rank, slot)
 
     def _lora_onehot(self, batch: BatchInput) -> torch.Tensor | None:
         """Each token's adapter slot as a one-hot ``[T, slots]`` (None: the whole step runs the base)."""
