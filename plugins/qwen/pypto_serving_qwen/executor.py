@@ -159,7 +159,8 @@ class QwenExecutor(Executor):
             raise ValueError(f"{what} is not supported with tensor_parallel_size > 1: adapters are not sharded")
         shapes = model.lora_shapes()
         adapters = [read_adapter(name, path, s.max_lora_rank, shapes) for name, path in paths.items()]
-        self.lora = model.attach_loras(adapters)
+        # Every slot is made now: a run-time load then copies into its slot, nothing else moves.
+        self.lora = model.attach_loras(adapters, s.max_loras + 1)
         self.lora_slots = {a.name: i for i, a in enumerate(adapters, start=1)}
         logger.info("LoRA adapters %s (ranks %s) loaded", list(self.lora_slots), [a.rank for a in adapters])
 
