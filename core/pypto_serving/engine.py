@@ -173,6 +173,14 @@ def check_kv_cache_dtype(kv_cache_dtype: str, info: ExecutorInfo, executor_name:
         )
 
 
+def check_lora_support(settings: ServingSettings, info: ExecutorInfo, executor_name: str) -> None:
+    """Refuse LoRA settings for an executor that does not apply adapters (``supports_lora``): its
+    requests naming an adapter would run the base model."""
+    if (settings.lora_modules or settings.enable_lora) and not info.supports_lora:
+        what = "lora_modules" if settings.lora_modules else "enable_lora"
+        raise SettingsError(f"{what} is set, but the {executor_name} executor does not serve LoRA adapters")
+
+
 def read_architecture(model: str | None) -> str | None:
     if model is None:
         return None
@@ -215,6 +223,7 @@ class EngineCore:
         settings = self.settings
         info = self.info = self.worker.info
         check_kv_cache_dtype(settings.kv_cache_dtype, info, executor_name)
+        check_lora_support(settings, info, executor_name)
         sched_spec = self._choose_strategy(executor_name)
         self.scheduler_name = sched_spec.name
         # The drafting depth in effect (the executor's, or the core drafter's): the scheduler plans with

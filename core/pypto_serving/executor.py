@@ -70,6 +70,10 @@ class ExecutorInfo:
     :param prefill_barrier: a request's first decode waits for the result of its last prefill step.
     :param generation_defaults: the checkpoint's sampling defaults (from ``generation_config.json``).
     :param kv_cache_dtypes: the ``kv_cache_dtype`` settings it honours; the engine refuses any other.
+    :param supports_lora: it applies LoRA adapters (``lora_modules``, ``enable_lora``: it reads
+        ``lora_modules`` itself and implements :meth:`Executor.read_lora` and
+        :meth:`Executor.install_lora`); the engine refuses LoRA settings otherwise, so a request
+        naming an adapter never runs the base model silently.
     """
 
     cache_groups: list[CacheGroupSpec]
@@ -84,6 +88,7 @@ class ExecutorInfo:
     prefill_barrier: bool = False
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    supports_lora: bool = False
 
 
 @dataclass(slots=True, kw_only=True)

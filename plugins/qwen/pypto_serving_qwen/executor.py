@@ -121,6 +121,7 @@ class QwenExecutor(Executor):
             can_verify_drafts=True,  # any number of query rows per request, as in chunked prefill
             generation_defaults=generation_defaults,
             kv_cache_dtypes=("auto", "fp8"),
+            supports_lora=True,
         )
 
     def _pack_linears(self, model: QwenForCausalLM) -> None:
