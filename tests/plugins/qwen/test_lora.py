@@ -457,3 +457,25 @@ def test_loading_needs_lora_enabled(adapters: dict[str, Path], make_llm: Callabl
     enabled = make_llm(enable_lora=True, max_lora_rank=8)
     enabled.load_lora("attn", str(adapters["attn"]))  # LoRA on with no adapter at start
     assert enabled.engine is not None and enabled.engine.stats()["lora_adapters"] == ["attn"]
+
+
+def test_a_new_engine_serves_the_adapters_loaded_at_run_time(
+    adapters: dict[str, Path], make_llm: Callable[..., LLM]
+) -> None:
+    """After a failure the LLM starts a new engine with the adapters served at that moment: one
+    loaded at run time is still served, one unloaded is not."""
+    from pypto_serving.lora import LoraError
+
+    prompt = _prompts(1)[0]
+    llm = make_llm(lora_modules=[f"attn={adapters['attn']}"], max_lora_rank=8)
+    llm.load_lora("mlp", str(adapters["mlp"]))
+    llm.unload_lora("attn")
+    before = llm.generate([prompt], GREEDY, use_tqdm=False, lora="mlp")[0]
+    old = llm.engine
+    assert old is not None
+    old._die("a simulated worker failure")
+    after = llm.generate([prompt], GREEDY, use_tqdm=False, lora="mlp")[0]
+    assert llm.engine is not old and llm.settings.lora_modules == [f"mlp={adapters['mlp']}"]
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
+    with pytest.raises(LoraError, match="unknown LoRA adapter 'attn'"):
+        llm.generate([prompt], GREEDY, use_tqdm=False, lora="attn")
