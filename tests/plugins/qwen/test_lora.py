@@ -167,6 +167,8 @@ def test_bad_adapters_are_refused(adapters: dict[str, Path], tmp_path: Path, mak
         ServingSettings(lora_modules=["no-path"])
     with pytest.raises(ValueError, match="graph_mode='inductor'"):
         make_llm(lora_modules=[f"a={adapters['attn']}"], executor_options={"graph_mode": "inductor"})
+    with pytest.raises(ValueError, match="enable_lora is not supported with executor_options graph_mode='inductor'"):
+        make_llm(enable_lora=True, executor_options={"graph_mode": "inductor"})
 
 
 def test_server_selects_adapters_by_model(
