@@ -87,6 +87,8 @@ class FakeExecutor(Executor):
             max_draft_tokens=int(o.get("max_draft", 0)),
             can_verify_drafts=bool(o.get("verify_drafts", False)),
             prefill_barrier=bool(o.get("barrier", False)),
+            # It names adapters only (their weights are ignored): the server's adapter tests use it.
+            supports_lora=bool(o.get("lora", True)),
         )
 
     def init_kv_cache(self, num_blocks: dict[str, int]) -> None:

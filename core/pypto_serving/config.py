@@ -224,6 +224,11 @@ class ServingSettings(BaseSettings):
         4, ge=1, description="Most LoRA adapters loaded at once (lora_modules beyond it are refused)."
     )
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have.")
+    enable_lora: bool = Field(
+        False,
+        description="Serve LoRA adapters loaded at run time (POST /v1/load_lora_adapter) even when lora_modules is "
+        "empty; lora_modules alone enables LoRA.",
+    )
     executor: str = Field("auto", description="Executor plugin name; 'auto' picks by config.json architectures.")
     scheduler: str = Field(
         "auto",

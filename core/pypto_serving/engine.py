@@ -10,19 +10,20 @@ import random
 import shutil
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from .config import ServingSettings, SettingsError, lora_paths
+from .config import ServingSettings, SettingsError
 from .executor import CacheGroupSpec, ExecutorInfo
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
 from .kv_ledger import KVTransferLedger
-from .messages import StepResult
+from .lora import LoraError, LoraRegistry
+from .messages import InitDone, LoadLora, ReadLora, StepResult
 from .model_files import check_max_model_len, sampling_defaults
 from .plugins import PluginError, PluginManager
 from .profiler import ProfileControl, TraceProfiler, phase
@@ -174,6 +175,14 @@ def check_kv_cache_dtype(kv_cache_dtype: str, info: ExecutorInfo, executor_name:
         )
 
 
+def check_lora_support(settings: ServingSettings, info: ExecutorInfo, executor_name: str) -> None:
+    """Refuse LoRA settings for an executor that does not apply adapters (``supports_lora``): its
+    requests naming an adapter would run the base model."""
+    if (settings.lora_modules or settings.enable_lora) and not info.supports_lora:
+        what = "lora_modules" if settings.lora_modules else "enable_lora"
+        raise SettingsError(f"{what} is set, but the {executor_name} executor does not serve LoRA adapters")
+
+
 def read_architecture(model: str | None) -> str | None:
     if model is None:
         return None
@@ -220,6 +229,7 @@ class EngineCore:
         settings = self.settings
         info = self.info = self.worker.info
         check_kv_cache_dtype(settings.kv_cache_dtype, info, executor_name)
+        check_lora_support(settings, info, executor_name)
         sched_spec = self._choose_strategy(executor_name)
         self.scheduler_name = sched_spec.name
         # The drafting depth in effect (the executor's, or the core drafter's): the scheduler plans with
@@ -255,6 +265,7 @@ class EngineCore:
         self._rng = random.Random(settings.seed)
         self._changed: list[Request] = []  # heads (choices[0]) of user requests with an output due
         self._setup_kv_transfer()
+        self.loras = LoraRegistry.of(settings)
         self.strategy: StepStrategy = sched_spec.factory(self)
         logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_spec.name, num_blocks)
 
@@ -418,7 +429,7 @@ class EngineCore:
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.check_vocab(vocab)
-        _check_lora(self.settings, params)
+        params = self.loras.select(params)  # the adapter's key, which the worker and the prefix cache know
         if params.priority and self.settings.scheduling_policy != "priority":
             raise ValueError(PRIORITY_NEEDS_POLICY.format(params.priority))
         if params.stop and self.tokenizer is None:
@@ -473,6 +484,57 @@ class EngineCore:
                 )
             children.append(req)
         return children
+
+    def load_lora(self, name: str, path: str, on_outputs: Callable[[list[RequestOutput]], None] | None = None) -> float:
+        """Load the PEFT adapter directory ``path`` as ``name`` into a free slot. The worker reads it
+        in the background while this keeps stepping the running requests (their outputs go to
+        ``on_outputs``; without it the steps wait for the read); they stand still only while it is
+        copied into the slot between two steps. Returns those seconds.
+        :raises LoraError: refused (its ``status`` says why); EngineDeadError: the engine died
+        meanwhile (the live requests fail with it)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        adapter = self.loras.plan_load(name, path)
+        self.worker.read_lora(ReadLora(adapter.key, path))
+        self.loras.reading.add(adapter.key)
+        # Without on_outputs nobody would see the outputs of steps run now: they wait for the read.
+        while on_outputs is not None and adapter.key in self.loras.reading and self.has_unfinished():
+            on_outputs(self.step())
+            if self.dead_reason is not None:
+                break
+        self.loras.reading.discard(adapter.key)
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        stalled, done = self._install_lora(LoadLora(adapter.key, path, adapter.slot))
+        if not done.ok:
+            error = done.error or "unknown error"
+            refused = error.startswith("ValueError: ")
+            raise LoraError(400 if refused else 500, error.removeprefix("ValueError: "))
+        self.loras.commit(name, adapter)
+        logger.info("LoRA adapter %r loaded into slot %d; steps stood still %.1f ms", name, adapter.slot, stalled * 1e3)
+        return stalled
+
+    def _install_lora(self, cmd: LoadLora) -> tuple[float, InitDone]:
+        """The worker installs a read adapter between steps (the ones in flight are applied first)."""
+        started = time.monotonic()
+        try:
+            self.strategy.drain()
+            done = self.worker.install_lora(cmd)
+        except Exception as e:
+            self._die(f"loading a LoRA adapter failed: {type(e).__name__}: {e}")
+            raise EngineDeadError(str(self.dead_reason)) from None
+        return time.monotonic() - started, done
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``: new requests naming it are refused at once, those that
+        selected it before run to their end, then its slot is free (:meth:`_release_loras`).
+        :raises LoraError: (404) no such adapter is served."""
+        self.loras.unload(name)
+        self._release_loras()
+
+    def _release_loras(self) -> None:
+        if self.loras.unloading:
+            self.loras.release({r.sampling_params.lora for r in self.scheduler.live_requests()})
 
     def abort(self, request_id: str) -> None:
         choices = self._users.get(request_id)
@@ -550,6 +612,7 @@ class EngineCore:
 
     def _apply(self, out: SchedulerOutput, result: StepResult) -> None:
         self.scheduler.grammars_compiled(result.grammars_ready)
+        self.loras.reading.difference_update(result.loras_read)
         if result.error is not None:
             failed = self.scheduler.fail([r.request_id for r in out.requests], f"step failed: {result.error}")
             logger.error("step %d failed: %s", result.step_id, result.error)
@@ -604,6 +667,7 @@ class EngineCore:
 
     def _collect(self) -> list[RequestOutput]:
         """The outputs due, oldest user request first; a finished user request is dropped after it."""
+        self._release_loras()
         outs = []
         changed, self._changed = self._changed, []
         for head in sorted(changed, key=lambda r: r.out.created):
@@ -650,6 +714,7 @@ class EngineCore:
             **self._spec_config_stats(),
             "num_steps": s.num_steps,
             **(self.kvx.stats if self.kvx is not None else {}),
+            "lora_adapters": self.loras.names,
         }
 
     def _spec_config_stats(self) -> dict[str, Any]:
@@ -687,13 +752,6 @@ def _check_encodable(ids: list[int], params: SamplingParams) -> None:
 
 
 _wire_check = msgspec.msgpack.Encoder()
-
-
-def _check_lora(settings: ServingSettings, params: SamplingParams) -> None:
-    """A request's adapter must be one loaded at start (``lora_modules``)."""
-    if params.lora is not None and params.lora not in lora_paths(settings):
-        known = sorted(lora_paths(settings))
-        raise ValueError(f"unknown LoRA adapter {params.lora!r}; loaded: {known or 'none (lora_modules is empty)'}")
 
 
 def _per_prompt(
@@ -765,8 +823,21 @@ class LLM:
         logger.warning("starting a new worker; the previous one failed: %s", engine.dead_reason)
         self.engine = None
         engine.shutdown()
+        # The adapters served now, run-time loads included, are the new engine's lora_modules.
+        self.settings = self.settings.with_overrides(
+            lora_modules=engine.loras.entries(), enable_lora=engine.loras.enabled
+        )
         self.engine = EngineCore(self.settings, self._plugins)
         return self.engine
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter directory ``path`` as ``name`` (see :meth:`EngineCore.load_lora`;
+        no request runs between ``generate`` calls)."""
+        self._live_engine().load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (see :meth:`EngineCore.unload_lora`)."""
+        self._live_engine().unload_lora(name)
 
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the checkpoint's ``generation_config.json`` defaults applied."""

@@ -84,6 +84,10 @@ class ExecutorInfo:
     :param prefill_barrier: a request's first decode waits for the result of its last prefill step.
     :param generation_defaults: the checkpoint's sampling defaults (from ``generation_config.json``).
     :param kv_cache_dtypes: the ``kv_cache_dtype`` settings it honours; the engine refuses any other.
+    :param supports_lora: it applies LoRA adapters (``lora_modules``, ``enable_lora``: it reads
+        ``lora_modules`` itself and implements :meth:`Executor.read_lora` and
+        :meth:`Executor.install_lora`); the engine refuses LoRA settings otherwise, so a request
+        naming an adapter never runs the base model silently.
     """
 
     cache_groups: list[CacheGroupSpec]
@@ -98,6 +102,7 @@ class ExecutorInfo:
     prefill_barrier: bool = False
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    supports_lora: bool = False
 
 
 @dataclass(slots=True, kw_only=True)
@@ -134,8 +139,9 @@ class BatchInput:
         (``ScheduledEntry.num_propose``: 0 for a request whose next decode verifies none, so a drafter
         whose every depth costs a forward leaves it out; -1: up to ``draft_depth``); ``None``: up to
         ``draft_depth`` for every request.
-    :param loras: per request in batch order, its LoRA adapter's name (``lora_modules``; None: the
-        base model); ``None`` when no request of the step has one (host list).
+    :param loras: per request in batch order, its LoRA adapter's key (an adapter of ``lora_modules``:
+        its name; one loaded at run time: the key of :meth:`Executor.install_lora`; None: the base model);
+        ``None`` when no request of the step has one (host list).
     """
 
     request_ids: list[str]
@@ -214,6 +220,21 @@ class Executor(abc.ABC):
         KV connector to read and write blocks (disaggregated serving). ``None`` (the default): the
         executor's KV cannot be moved, e.g. it keeps per-request state outside the paged blocks."""
         return None
+
+    def read_lora(self, key: str, path: str) -> Any:
+        """Read and check the PEFT adapter directory ``path`` for :meth:`install_lora`. Runs in a
+        background thread of the worker while steps run, so it must not touch what a step uses
+        (the model's weights, caches or per-request state). Executors without LoRA keep this default.
+
+        :raises ValueError: the adapter cannot be served (the message says why).
+        """
+        raise ValueError(f"the {type(self).__name__} executor does not serve LoRA adapters")
+
+    def install_lora(self, key: str, adapter: Any, slot: int) -> None:
+        """Put an adapter :meth:`read_lora` returned into adapter slot ``slot`` (1 .. ``max_loras``,
+        one the engine has freed), replacing what the slot held; requests then name it by ``key``
+        in :attr:`BatchInput.loras`. Called between steps: the steps wait for it, so it only copies."""
+        raise ValueError(f"the {type(self).__name__} executor does not serve LoRA adapters")
 
     def release(self, request_ids: list[str]) -> None:  # noqa: B027 - optional hook
         """Forget per-request state.

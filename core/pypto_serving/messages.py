@@ -178,6 +178,8 @@ class StepResult(msgspec.Struct):
     # Requests whose grammar (StepCommand.compile_grammars) finished compiling, or failed to, since
     # the previous result: the scheduler admits them without any step waiting on the compile.
     grammars_ready: list[str] = []
+    # Adapters (ReadLora keys) whose background read ended, well or not, since the previous result.
+    loras_read: list[str] = []
 
 
 # Worker lifecycle messages, private to the engine <-> worker pipe (see worker.py).
@@ -217,4 +219,22 @@ class MemoryProfile(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
 
-WorkerCommand = StepCommand | InitCache | ProfileMemory | Shutdown
+class ReadLora(msgspec.Struct, frozen=True, tag=True):
+    """Start reading a PEFT adapter in the background (``Executor.read_lora``) while steps run; not
+    answered: a later :class:`StepResult` lists its key in ``loras_read`` once the read ended."""
+
+    key: str
+    path: str
+
+
+class LoadLora(msgspec.Struct, frozen=True, tag=True):
+    """Install the adapter read for ``key`` (read now if no :class:`ReadLora` came first) into a
+    free slot between steps (``Executor.install_lora``); answered by an :class:`InitDone` whose
+    ``error`` says why the adapter was refused."""
+
+    key: str
+    path: str
+    slot: int
+
+
+WorkerCommand = StepCommand | InitCache | ProfileMemory | ReadLora | LoadLora | Shutdown

@@ -30,7 +30,7 @@ import torch
 
 from .executor import BatchInput, Executor, ExecutorInfo
 from .input_batch import InputBatch, StepArrays
-from .messages import NewRequestData, ScheduledEntry, StepCommand, StepResult, WireSampling
+from .messages import LoadLora, NewRequestData, ScheduledEntry, StepCommand, StepResult, WireSampling
 from .profiler import phase
 from .sampler import (
     DeviceSample,
@@ -173,6 +173,38 @@ class _Staged:
     error: Exception | None
 
 
+class LoraReads:
+    """LoRA adapters the executor reads in a background thread while steps run (``ReadLora``),
+    kept until the ``LoadLora`` that installs them takes them; :meth:`done` names the reads that
+    ended since its previous call, for the step result."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self._pool: ThreadPoolExecutor | None = None  # made at the first read
+        self._reads: dict[str, Future[Any]] = {}
+        self._reported: set[str] = set()
+
+    def start(self, key: str, path: str) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pypto-lora-read")
+        self._reads[key] = self._pool.submit(self.executor.read_lora, key, path)
+
+    def done(self) -> list[str]:
+        ended = [k for k, f in self._reads.items() if f.done() and k not in self._reported]
+        self._reported.update(ended)
+        return ended
+
+    def take(self, key: str, path: str) -> Any:
+        """The adapter read for ``key`` (its read's error raised), or read now when none was started."""
+        read = self._reads.pop(key, None)
+        self._reported.discard(key)
+        return self.executor.read_lora(key, path) if read is None else read.result()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 class ModelRunner:
     #: Fill a step's grammar masks on a thread while its forward runs (llguidance and numpy release
     #: the GIL) rather than before it; the masks are the same either way. None: when the forward
@@ -189,6 +221,7 @@ class ModelRunner:
         self._ngram = _ngram_drafter(settings)
         self._drafts_for = drafts_for(settings)  # the requests the policy can give drafts: only they draft
         self._grammars = GrammarCompiler(getattr(settings, "tokenizer", None) or getattr(settings, "model", None))
+        self.lora_reads = LoraReads(executor)
         self._mask_thread: ThreadPoolExecutor | None = None  # made by the first constrained step
         self._staged: _Staged | None = None  # the next step's admissions and blocks, taken early
         self._compiles_of: StepCommand | None = None  # the last command whose grammars were taken
@@ -223,9 +256,15 @@ class ModelRunner:
             )
         self._kv_thread = start_kv_service(factory(self.settings.kv_transfer()), caches, conn)
 
+    def install_lora(self, cmd: LoadLora) -> None:
+        """Install an adapter between steps: the one read in the background for its key (waiting for
+        the read if it still runs), or read now."""
+        self.executor.install_lora(cmd.key, self.lora_reads.take(cmd.key, cmd.path), cmd.slot)
+
     def shutdown(self) -> None:
         if self._kv_thread is not None:  # the engine closed the connector before this: let it finish
             self._kv_thread.join(timeout=10)
+        self.lora_reads.shutdown()
         if self._mask_thread is not None:
             self._mask_thread.shutdown(wait=True)
         self.executor.shutdown()
@@ -277,6 +316,7 @@ class ModelRunner:
         finished compiling meanwhile (failed steps too: readiness is not the step's)."""
         result = self._finish(step)
         result.grammars_ready = self._grammars.compiled()
+        result.loras_read = self.lora_reads.done()
         return result
 
     def _finish(self, step: LaunchedStep) -> StepResult:

@@ -47,8 +47,10 @@ from .messages import (
     InitCache,
     InitDone,
     Loaded,
+    LoadLora,
     MemoryProfile,
     ProfileMemory,
+    ReadLora,
     Shutdown,
     StepCommand,
     StepResult,
@@ -209,11 +211,14 @@ def _serve_steps(conn: Connection, runner: ModelRunner) -> None:
         early = None
         if msg is None or isinstance(msg, Shutdown):
             return
-        if isinstance(msg, InitCache | ProfileMemory):
+        if isinstance(msg, InitCache | ProfileMemory | LoadLora):
             conn.send_bytes(_encoder.encode(_lifecycle(runner, msg)))
             continue
         if isinstance(msg, ProfileControl):
             profiler.control(msg)
+            continue
+        if isinstance(msg, ReadLora):  # read in the background while the steps go on; not answered
+            runner.lora_reads.start(msg.key, msg.path)
             continue
         with phase("launch"):
             launched = runner.launch(msg)
@@ -245,17 +250,23 @@ def _receive_early(conn: Connection) -> WorkerCommand | ProfileControl | msgspec
     return Shutdown() if msg is None else msg
 
 
-def _lifecycle(runner: ModelRunner, msg: InitCache | ProfileMemory) -> InitDone | MemoryProfile:
-    """Run a cache-planning command; a failure is reported, not raised (the engine decides)."""
+def _lifecycle(runner: ModelRunner, msg: InitCache | ProfileMemory | LoadLora) -> InitDone | MemoryProfile:
+    """Run a cache-planning or adapter-loading command; a failure is reported, not raised (the
+    engine decides). A refused adapter (ValueError) is reported by its message alone: it is the
+    client's answer."""
     try:
         if isinstance(msg, ProfileMemory):
             return profile_memory(runner, msg.num_tokens)
-        runner.init_kv_cache(msg.num_blocks)
+        if isinstance(msg, LoadLora):
+            runner.install_lora(msg)
+        else:
+            runner.init_kv_cache(msg.num_blocks)
         return InitDone(True)
     except BaseException as e:
         if isinstance(msg, ProfileMemory):
             return MemoryProfile(ok=False, error=_format_error(e))
-        return InitDone(False, _format_error(e))
+        refused = isinstance(msg, LoadLora) and isinstance(e, ValueError)
+        return InitDone(False, f"ValueError: {e}" if refused else _format_error(e))
 
 
 def _format_error(e: BaseException) -> str:
@@ -337,6 +348,9 @@ def _serve_ranks(conn: Connection | None, group: RankGroup, runner: ModelRunner,
             if conn is not None:
                 profiler.control(msg)
             continue
+        if isinstance(msg, ReadLora):  # every rank reads; not answered
+            runner.lora_reads.start(msg.key, msg.path)
+            continue
         reply, fatal = _run_on_ranks(group, runner, settings, msg)
         if conn is not None:
             conn.send_bytes(_encoder.encode(reply))
@@ -366,7 +380,7 @@ def _run_on_ranks(
         every = [msgspec.msgpack.decode(r, type=MemoryProfile) for r in group.all_gather_bytes(_encoder.encode(mine))]
         per_host = RankLayout.of(settings).per_node if runner.device.type == "cpu" else 1
         return combine_profiles(every, settings.gpu_memory_utilization or 1.0, per_host), None
-    if isinstance(msg, InitCache):
+    if isinstance(msg, InitCache | LoadLora):
         done = _lifecycle(runner, msg)
         dones = [msgspec.msgpack.decode(r, type=InitDone) for r in group.all_gather_bytes(_encoder.encode(done))]
         bad = [f"rank {r}: {d.error}" for r, d in enumerate(dones) if not d.ok]
@@ -533,6 +547,27 @@ class WorkerClient:
         done = msgspec.msgpack.decode(self._recv(self.timeout, "allocating the KV cache"), type=InitDone)
         if not done.ok:
             raise WorkerError(f"the executor failed to allocate its KV cache: {done.error}")
+
+    def read_lora(self, cmd: ReadLora) -> None:
+        """Start the worker's background read of an adapter, in order with the steps (not answered:
+        a step result lists it in ``loras_read`` once read)."""
+        if self._runner is not None:
+            self._runner.lora_reads.start(cmd.key, cmd.path)
+        elif self.dead_reason is None:
+            with contextlib.suppress(BrokenPipeError, OSError):  # a dead worker is noticed by the steps
+                self._conn.send_bytes(_encoder.encode(cmd))
+
+    def install_lora(self, cmd: LoadLora) -> InitDone:
+        """Install an adapter between steps (none may be in flight); the answer says whether it did."""
+        if self._in_flight:
+            raise RuntimeError("install_lora() while steps are in flight")
+        if self._runner is not None:
+            done = _lifecycle(self._runner, cmd)
+        else:
+            self._conn.send_bytes(_encoder.encode(cmd))
+            done = msgspec.msgpack.decode(self._recv(self.timeout, "loading a LoRA adapter"), type=InitDone)
+        assert isinstance(done, InitDone)
+        return done
 
     def profile_memory(self, num_tokens: int) -> MemoryProfile:
         """Device memory and the peak of a ``num_tokens`` forward (see :mod:`pypto_serving.memory`)."""

@@ -93,3 +93,13 @@ def test_a_choice_whose_id_is_taken_fails_the_whole_request(make_llm: Callable[.
         outs += engine.step()
     assert [o.request_id for o in outs if o.finished] == ["a-1"]
     assert not engine.scheduler.has_unfinished()
+
+
+def test_lora_settings_need_an_executor_that_applies_adapters(make_llm: Callable[..., Any], tmp_path: Any) -> None:
+    """An executor that does not declare ``supports_lora`` would run a request naming an adapter on
+    the base model: its LoRA settings are refused at start instead."""
+    with pytest.raises(SettingsError, match="lora_modules is set, but the fake executor does not serve LoRA"):
+        make_llm(lora_modules=[f"a={tmp_path}"], executor_options={"lora": False})
+    with pytest.raises(SettingsError, match="enable_lora is set, but the fake executor does not serve LoRA"):
+        make_llm(enable_lora=True, executor_options={"lora": False})
+    assert make_llm(executor_options={"lora": False}).engine.loras.enabled is False

@@ -20,13 +20,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..config import ServingSettings, lora_paths
+from ..config import ServingSettings
 from ..heap import freeze_startup_heap
 from ..metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .anthropic import add_anthropic_routes
 from .dashboard import add_dashboard_routes, start_sampler
 from .data_parallel import ServingLLM
 from .guard import _Guard
+from .lora_admin import add_lora_routes
 from .openai_requests import (
     _chat_prompt,
     _check_capacity,
@@ -39,6 +40,7 @@ from .openai_requests import (
     _render_chat,
     _request_grammar,
     _sampling_params,
+    _served_adapters,
     _tool_choice_spec,
 )
 from .profiling import add_profile_routes
@@ -101,6 +103,7 @@ def build_app(llm: ServingLLM, settings: ServingSettings | None = None, *, manag
     _add_routes(app, ctx)
     add_timeline_route(app, timelines)
     add_profile_routes(app, ctx)
+    add_lora_routes(app, ctx)
     llm.plugins.add_routes(app)
     app.add_middleware(_Guard, settings=settings)  # type: ignore[arg-type]
     return app
@@ -185,7 +188,7 @@ def _add_info_routes(app: FastAPI, ctx: _Ctx) -> None:
             card["max_model_len"] = llm.max_model_len
         # Each LoRA adapter is a model of its own whose parent is the base model, as vLLM lists them
         # (without its directory: the server's file layout is not the client's business).
-        adapters = [{**card, "id": name, "parent": ctx.model_name} for name in lora_paths(ctx.settings)]
+        adapters = [{**card, "id": name, "parent": ctx.model_name} for name in _served_adapters(ctx)]
         return {"object": "list", "data": [card, *adapters]}
 
 

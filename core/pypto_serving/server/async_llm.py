@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import msgspec
 from ..config import ServingSettings
 from ..engine import EngineCore, EngineDeadError
 from ..executor import ExecutorInfo
+from ..lora import LoraError
 from ..metrics import ServerMetrics
 from ..plugins import PluginManager
 from ..request import CompletionOutput, RequestOutput, SamplingParams
@@ -49,6 +51,7 @@ from .engine_proc import (
     CoreProcess,
     CoreReady,
     CoreStopped,
+    LoraCmd,
     ProfileCmd,
     RestartCmd,
     StopCmd,
@@ -110,7 +113,14 @@ class _Profile:
     path: str
 
 
-_Command = _Add | _Abort | _Stop | _Profile
+@dataclass(slots=True)
+class _Lora:
+    name: str
+    path: str | None  # None: unload
+    done: concurrent.futures.Future[None]
+
+
+_Command = _Add | _Abort | _Stop | _Profile | _Lora
 
 
 @dataclass(slots=True)
@@ -322,6 +332,28 @@ class AsyncLLM:
         else:
             self._cmds.put(_Profile(start, path))
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter directory ``path`` as ``name`` (``EngineCore.load_lora``); raises
+        LoraError when refused, EngineDeadError when the engine is down."""
+        await self._lora(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (``EngineCore.unload_lora``); LoraError (404) if not served."""
+        await self._lora(name, None)
+
+    async def _lora(self, name: str, path: str | None) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        if self.process_mode:
+            token = f"lora-{uuid.uuid4().hex}"
+            with self._lock:
+                self._adds[token] = _PendingAdd(done, 0)
+            self._send(LoraCmd(token, name, path))
+        else:
+            self._cmds.put(_Lora(name, path, done))
+        await asyncio.wrap_future(done)
+
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs until finished. Leaving early (cancellation, disconnect) aborts the request."""
         return stream_outputs(lambda: self.add_request(request_id, prompt, params), lambda: self.abort(request_id))
@@ -436,12 +468,15 @@ class AsyncLLM:
             if engine.dead_reason is not None:
                 return engine.dead_reason
 
-    def _handle(self, engine: EngineCore, cmd: _Add | _Abort | _Profile, stopping: bool) -> None:
+    def _handle(self, engine: EngineCore, cmd: _Add | _Abort | _Profile | _Lora, stopping: bool) -> None:
         if isinstance(cmd, _Abort):
             engine.abort(cmd.request_id)
             return
         if isinstance(cmd, _Profile):
             engine.profile(cmd.start, cmd.path)
+            return
+        if isinstance(cmd, _Lora):
+            self._handle_lora(engine, cmd)
             return
         with self._lock:
             self._pending_seqs -= cmd.num_seqs
@@ -463,6 +498,24 @@ class AsyncLLM:
         with self._lock:
             self._streams[cmd.request_id] = cmd.stream
         self.stats = engine.stats()  # so back-pressure sees the new waiting request at once
+        cmd.done.set_result(None)
+
+    def _handle_lora(self, engine: EngineCore, cmd: _Lora) -> None:
+        """Load or unload an adapter; the adapters served then are what a restarted engine loads."""
+        if not cmd.done.set_running_or_notify_cancel():
+            return
+        try:
+            if cmd.path is None:
+                engine.unload_lora(cmd.name)
+            else:
+                engine.load_lora(cmd.name, cmd.path, on_outputs=self._dispatch)
+        except Exception as e:
+            cmd.done.set_exception(e)
+            return
+        self.settings = self.settings.with_overrides(
+            lora_modules=engine.loras.entries(), enable_lora=engine.loras.enabled
+        )
+        self.stats = engine.stats()  # before the answer: /v1/models and the model check read it
         cmd.done.set_result(None)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -621,13 +674,13 @@ class AsyncLLM:
                     return msg.dead_reason
 
     def _apply(self, msg: CoreOutputs) -> None:
-        for added in msg.added:
-            self._settle(added)
-        self._dispatch(msg.outputs)
-        if msg.stats:
+        if msg.stats:  # first: an adapter's load is answered once the stats name it
             self.stats = msg.stats
             if self.metrics is not None:
                 self.metrics.update_engine(self.stats, False)
+        for added in msg.added:
+            self._settle(added)
+        self._dispatch(msg.outputs)
 
     def _settle(self, added: AddResult) -> None:
         with self._lock:
@@ -696,7 +749,7 @@ class AsyncLLM:
 
     def _fail_adds(self, reason: str, *, sent_only: bool = False) -> None:
         with self._lock:
-            held = {c.request_id for c in self._held if isinstance(c, AddCmd)} if sent_only else set()
+            held = {c.request_id for c in self._held if isinstance(c, AddCmd | LoraCmd)} if sent_only else set()
             failed = [rid for rid in self._adds if rid not in held]
             if not sent_only:
                 self._held = []
@@ -751,6 +804,8 @@ def _failed_output(request_id: str, n: int, reason: str) -> RequestOutput:
 def _add_error(added: AddResult) -> Exception:
     """The exception ``EngineCore.add_request`` raised in the core, as the class the handlers expect."""
     message = added.error or ""
+    if added.kind.startswith("lora"):
+        return LoraError(int(added.kind[4:]), message)
     if added.kind == "value":
         return ValueError(message)
     if added.kind == "dead":

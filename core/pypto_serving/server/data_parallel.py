@@ -18,6 +18,7 @@ replica's own snapshot (with its outstanding tokens and whether it is down for g
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
 import threading
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from ..config import ServingSettings
+from ..lora import LoraError
 from ..metrics import ServerMetrics
 from ..plugins import PluginManager
 from ..request import RequestOutput, SamplingParams
@@ -160,6 +162,31 @@ class DataParallelLLM:
     def num_waiting(self) -> int:
         return sum(r.num_waiting() for r in self.replicas)
 
+    async def load_lora(self, name: str, path: str) -> None:
+        """The adapter into every replica, or none: a replica that refuses it (or fails) has the
+        replicas that loaded it before unload it again, and its error is raised."""
+        loaded: list[AsyncLLM] = []
+        try:
+            for replica in self.replicas:
+                await replica.load_lora(name, path)
+                loaded.append(replica)
+        except BaseException:
+            for replica in loaded:
+                with contextlib.suppress(Exception):
+                    await replica.unload_lora(name)
+            raise
+
+    async def unload_lora(self, name: str) -> None:
+        """The adapter out of every replica that serves it; LoraError (404) when none does."""
+        refused: list[LoraError] = []
+        for replica in self.replicas:
+            try:
+                await replica.unload_lora(name)
+            except LoraError as e:
+                refused.append(e)
+        if len(refused) == len(self.replicas):
+            raise refused[0]
+
     @property
     def stats(self) -> dict[str, Any]:
         """The replicas' engine statistics summed (KV usage averaged), with each one's own snapshot."""
@@ -174,6 +201,8 @@ class DataParallelLLM:
         out["spec_mean_accepted_length"] = out["spec_accepted"] / steps if steps else 0.0
         for key in ("spec_method", "spec_policy", "spec_k"):
             out[key] = snaps[0].get(key)
+        # Every replica serves the same adapters (loads and unloads go to all): the first that says.
+        out["lora_adapters"] = next((s["lora_adapters"] for s in snaps if "lora_adapters" in s), None)
         with self._lock:
             loads = list(self._load)
         dead = [r.dead_reason is not None for r in self.replicas]

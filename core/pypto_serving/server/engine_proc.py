@@ -56,6 +56,7 @@ __all__ = [
     "CoreProcess",
     "CoreReady",
     "CoreStopped",
+    "LoraCmd",
     "ProfileCmd",
     "RestartCmd",
     "StopCmd",
@@ -94,7 +95,16 @@ class ProfileCmd(msgspec.Struct, frozen=True, tag=True):
     path: str
 
 
-CoreCommand = AddCmd | AbortCmd | StopCmd | RestartCmd | ProfileCmd
+class LoraCmd(msgspec.Struct, frozen=True, tag=True):
+    """Load adapter ``name`` from ``path`` (None: unload it); answered by an :class:`AddResult` under
+    ``request_id`` (a token of the server's), whose ``kind`` ``lora<status>`` names a refusal."""
+
+    request_id: str
+    name: str
+    path: str | None
+
+
+CoreCommand = AddCmd | AbortCmd | StopCmd | RestartCmd | ProfileCmd | LoraCmd
 
 
 # --------------------------------------------------------------------------- core -> server
@@ -398,6 +408,8 @@ class _CoreLoop:
                     engine.profile(cmd.start, cmd.path)
                 elif isinstance(cmd, AddCmd):
                     added.append(self._add(engine, cmd, stopping, outputs))
+                elif isinstance(cmd, LoraCmd):
+                    added.append(self._lora(engine, cmd))
             stepped = engine.has_unfinished()
             self.step_started = time.monotonic() if stepped else None
             outputs += engine.step() if stepped else engine.check_worker()
@@ -415,16 +427,48 @@ class _CoreLoop:
         """Add one request; a worker that died since the last poll refuses it (the server answers 503
         ``restarting``) instead of taking it into a step that would fail on a broken pipe."""
         from ..engine import EngineDeadError
+        from ..lora import LoraError
 
         try:
             if stopping:
                 raise EngineDeadError("the server is shutting down")
             outputs += engine.check_worker()  # one non-blocking waitpid; fails the live requests if dead
             engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+        except LoraError as e:  # an adapter not served: 404 as the server's own model check says
+            return AddResult(cmd.request_id, str(e), f"lora{e.status}")
         except Exception as e:  # this request's fault (or a bug it triggered): it alone fails
             kind = "value" if isinstance(e, ValueError) else "dead" if isinstance(e, EngineDeadError) else "other"
             return AddResult(cmd.request_id, str(e) if kind != "other" else f"{type(e).__name__}: {e}", kind)
         self.live.add(cmd.request_id)
+        return AddResult(cmd.request_id)
+
+    def _emit(self, engine: Any, outputs: list[RequestOutput]) -> None:
+        """The outputs of steps run while an adapter loads (the loop's own steps send theirs)."""
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
+        if outputs:
+            self._send(CoreOutputs(outputs, [], engine.stats(), None))
+
+    def _lora(self, engine: Any, cmd: LoraCmd) -> AddResult:
+        """Load or unload an adapter; the adapters served then are what a restarted engine loads."""
+        from ..engine import EngineDeadError
+        from ..lora import LoraError
+
+        try:
+            if cmd.path is None:
+                engine.unload_lora(cmd.name)
+            else:
+                engine.load_lora(cmd.name, cmd.path, on_outputs=lambda outs: self._emit(engine, outs))
+        except LoraError as e:
+            return AddResult(cmd.request_id, str(e), f"lora{e.status}")
+        except EngineDeadError as e:
+            return AddResult(cmd.request_id, str(e), "dead")
+        except Exception as e:  # a bug it triggered: reported, the engine goes on
+            return AddResult(cmd.request_id, f"{type(e).__name__}: {e}", "other")
+        self.settings = self.settings.with_overrides(
+            lora_modules=engine.loras.entries(), enable_lora=engine.loras.enabled
+        )
         return AddResult(cmd.request_id)
 
     def _refuse_held(self, reason: str) -> None:

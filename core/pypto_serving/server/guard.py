@@ -209,7 +209,7 @@ def _printable(text: str) -> str:
 
 
 # Routes that take only the admin key (admin_api_key), never the API key.
-ADMIN_PATHS = frozenset({"/start_profile", "/stop_profile"})
+ADMIN_PATHS = frozenset({"/start_profile", "/stop_profile", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 DASHBOARD_COOKIE = "pypto_serving_key"
 _LOGIN_PAGE = b"""<!doctype html><html><head><meta charset="utf-8"><title>pypto-serving dashboard</title></head>
 <body><form id="f"><label>API key <input id="k" type="password" autofocus></label> <button>Open</button></form>

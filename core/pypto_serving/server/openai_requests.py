@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import ServingSettings, lora_paths
 from ..engine import PRIORITY_NEEDS_POLICY, EngineDeadError
+from ..lora import LoraError
 from ..metrics import ServerMetrics
 from ..model_files import sampling_defaults
 from ..parsers import OutputParser
@@ -67,10 +68,22 @@ class _Ctx:
     grammars: GrammarChecker | None = None  # made at the first grammar (_grammar_checker)
 
 
+def _served_adapters(ctx: _Ctx) -> list[str]:
+    """The LoRA adapters served now: the engine's, after run-time loads and unloads (its stats say
+    them), or ``lora_modules`` before the engine has said."""
+    names = (getattr(ctx.llm, "stats", None) or {}).get("lora_adapters")
+    return list(lora_paths(ctx.settings)) if names is None else list(names)
+
+
+def _lora_of(ctx: _Ctx, model: str | None) -> str | None:
+    """The adapter a request's ``model`` names (checked by :func:`_check_model`), None: the base model."""
+    return None if model is None or model == ctx.model_name else model
+
+
 def _check_model(ctx: _Ctx, model: str | None) -> None:
-    """The base model's name, a LoRA adapter's (``lora_modules``), or none; anything else is a 404."""
-    if model is not None and model != ctx.model_name and model not in lora_paths(ctx.settings):
-        served = [ctx.model_name, *lora_paths(ctx.settings)]
+    """The base model's name, a LoRA adapter's (served now), or none; anything else is a 404."""
+    if model is not None and model != ctx.model_name and model not in _served_adapters(ctx):
+        served = [ctx.model_name, *_served_adapters(ctx)]
         raise APIError(
             404,
             f"the model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
@@ -471,7 +484,7 @@ def _sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             structured=structured,
-            lora=req.model if req.model in lora_paths(ctx.settings) else None,
+            lora=_lora_of(ctx, req.model),
             kv_transfer_params=req.kv_transfer_params,
             **_token_fields(ctx, req),
             **kw,
@@ -690,6 +703,8 @@ def _engine_error(e: BaseException) -> APIError:
         return APIError(503, str(e), type="server_error", code="shutting_down", headers={"retry-after": "5"})
     if isinstance(e, EngineDeadError | EngineFailure):
         return APIError(503, f"the engine is unavailable: {e}", type="server_error", code="engine_dead")
+    if isinstance(e, LoraError):  # an adapter unloaded after the model check
+        return APIError(e.status, str(e), param="model", code="model_not_found" if e.status == 404 else None)
     return APIError(400, str(e), param=_guess_param(str(e)))
 
 

@@ -15,13 +15,12 @@ from typing import Any, ParamSpec
 import msgspec
 from fastapi import Request, Response
 
-from ..config import lora_paths
 from ..engine import EngineDeadError
 from ..kv_ledger import TRANSFER_FAILED
 from ..parsers import OutputParser, ParsedToolCall
 from ..request import CompletionOutput, RequestOutput, SamplingParams
 from .async_llm import EngineFailure
-from .openai_requests import _Ctx, _engine_error, _Prompt, _request_ids, _shown_model
+from .openai_requests import _Ctx, _engine_error, _lora_of, _Prompt, _request_ids, _shown_model
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 _P = ParamSpec("_P")
@@ -301,7 +300,7 @@ def _completion_body(
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": _shown_model(ctx, req.model if req.model in lora_paths(ctx.settings) else None),
+        "model": _shown_model(ctx, _lora_of(ctx, req.model)),
         "choices": choices,
         "usage": _usage(prompts, outs),
     }
@@ -375,7 +374,7 @@ def _chat_body(
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": _shown_model(ctx, req.model if req.model in lora_paths(ctx.settings) else None),
+        "model": _shown_model(ctx, _lora_of(ctx, req.model)),
         "choices": [_chat_choice(ctx, c, top_n, parsers) for c in out.outputs],
         "usage": _usage([prompt], [out]),
     }

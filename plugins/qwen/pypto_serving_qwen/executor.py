@@ -15,7 +15,7 @@ from pypto_serving.parallel import ParallelContext
 from .capture import DecodeGraphs, GraphStats
 from .graph import GraphOptions, parse_graph_options
 from .loader import QwenConfig, load_weights, plan_quantization, read_config, read_kv_scales, resolve_dtype
-from .lora import LoraContext, read_adapter
+from .lora import LoraAdapter, LoraContext, read_adapter
 from .model import AttentionMetadata, KVCache, QwenAttention, QwenForCausalLM
 from .quantized import finish_loading
 from .sharding import QwenSharding
@@ -123,6 +123,7 @@ class QwenExecutor(Executor):
             can_verify_drafts=True,  # any number of query rows per request, as in chunked prefill
             generation_defaults=generation_defaults,
             kv_cache_dtypes=("auto", "fp8"),
+            supports_lora=True,
         )
 
     def _pack_linears(self, model: QwenForCausalLM) -> None:
@@ -141,27 +142,46 @@ class QwenExecutor(Executor):
         logger.info("%d float matrices packed (%s): linear runs %s", count, rule, label)
 
     def _attach_loras(self, model: QwenForCausalLM) -> None:
-        """Read ``lora_modules``' PEFT adapters and stack them into the model. Refused with graph
-        capture (the captured decode step holds no per-token adapter input) and with tensor
-        parallelism (adapters are not sharded)."""
+        """With LoRA enabled (``enable_lora`` or ``lora_modules``), give the model its adapter stacks
+        and read ``lora_modules``' PEFT adapters into them. Refused with graph capture (the captured
+        decode step holds no per-token adapter input) and with tensor parallelism (adapters are not
+        sharded)."""
         s = self.settings
         # name=path entries, already checked by the settings (names unique, at most max_loras).
         paths = dict(entry.split("=", 1) for entry in s.lora_modules)
-        if not paths:
+        if not paths and not getattr(s, "enable_lora", False):
             return
+        what = "lora_modules" if paths else "enable_lora"
         mode = self.graph_options.mode if self.graph_options is not None else "eager"
         if mode != "eager":
             raise ValueError(
-                f"lora_modules is not supported with executor_options graph_mode={mode!r}: captured decode "
+                f"{what} is not supported with executor_options graph_mode={mode!r}: captured decode "
                 "graphs take no per-token adapter; use graph_mode='eager'"
             )
         if model.shards.ctx.enabled:
-            raise ValueError("lora_modules is not supported with tensor_parallel_size > 1: adapters are not sharded")
+            raise ValueError(f"{what} is not supported with tensor_parallel_size > 1: adapters are not sharded")
         shapes = model.lora_shapes()
         adapters = [read_adapter(name, path, s.max_lora_rank, shapes) for name, path in paths.items()]
-        self.lora = model.attach_loras(adapters)
+        # Every slot is made now: a run-time load then copies into its slot, nothing else moves.
+        self.lora = model.attach_loras(adapters, s.max_loras + 1)
         self.lora_slots = {a.name: i for i, a in enumerate(adapters, start=1)}
         logger.info("LoRA adapters %s (ranks %s) loaded", list(self.lora_slots), [a.rank for a in adapters])
+
+    def read_lora(self, key: str, path: str) -> LoraAdapter:
+        """Read and check the PEFT adapter at ``path`` (in a background thread while steps run: it
+        reads the model's shapes only), its weights already in the model's dtype."""
+        if self.lora is None or self.model is None:
+            raise ValueError("LoRA is not enabled: start with enable_lora (or lora_modules) to load adapters")
+        adapter = read_adapter(key.partition("\0")[0], path, self.settings.max_lora_rank, self.model.lora_shapes())
+        adapter.pairs = {k: (a.to(self.dtype), b.to(self.dtype)) for k, (a, b) in adapter.pairs.items()}
+        return adapter
+
+    def install_lora(self, key: str, adapter: Any, slot: int) -> None:
+        """Copy a read adapter into ``slot`` (replacing the adapter the engine freed there)."""
+        assert self.lora is not None and self.model is not None and isinstance(adapter, LoraAdapter)
+        self.model.write_lora(self.lora, slot, adapter)
+        self.lora_slots = {k: s for k, s in self.lora_slots.items() if s != slot} | {key: slot}
+        logger.info("LoRA adapter %r (rank %d) loaded into slot %d", adapter.name, adapter.rank, slot)
 
     def _lora_onehot(self, batch: BatchInput) -> torch.Tensor | None:
         """Each token's adapter slot as a one-hot ``[T, slots]`` (None: the whole step runs the base)."""
@@ -171,7 +191,7 @@ class QwenExecutor(Executor):
         lens = [end - start for start, end in pairwise(batch.query_start_loc_host)]
         # Built on the host from host lists and uploaded once: nothing of it is read back.
         per_token = [slot for slot, n in zip(slots, lens, strict=True) for _ in range(n)]
-        return torch.eye(len(self.lora_slots) + 1, dtype=self.dtype)[per_token].to(self.device)
+        return torch.eye(self.lora.slots, dtype=self.dtype)[per_token].to(self.device)
 
     def _kv_cache_dtype(self) -> torch.dtype:
         """The cache's element type: the model's, or ``fp8`` where the eager paged kernels run (the

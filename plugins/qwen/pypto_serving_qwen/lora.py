@@ -1,13 +1,15 @@
 """Multi-LoRA: PEFT adapters read at start and applied to a mixed batch in one pass per projection.
 
 Every adapter's low-rank pair of a projection is padded to the largest rank ``R`` and stacked with a
-zero slot 0 (the base model): ``A`` ``[S, R, in]`` and ``B`` ``[S, out, R]`` for ``S = adapters + 1``,
+zero slot 0 (the base model): ``A`` ``[S, R, in]`` and ``B`` ``[S, R, out]`` (free slots are zero),
 the scale (``lora_alpha / r``, or ``/ sqrt(r)`` under rsLoRA) folded into ``B``. A step gives each
 token its request's slot, and the delta of every token is two matmuls over the flattened stacks:
 ``x @ A_all`` (``[T, S*R]``, every slot's shrink), the columns of the other slots zeroed by the
-token's one-hot slot, then ``@ B_all`` (the expand). No Python loop runs over rows or adapters, and
-the extra work per token is ``S * R * (in + out)`` multiply-adds: small beside the base projection
-for a handful of adapters of modest rank (``max_loras``, ``max_lora_rank`` bound it).
+token's one-hot slot, then ``@ B_all`` (the expand, kept as ``[S*R, out]``). No Python loop runs
+over rows or adapters, and the extra work per token is ``S * R * (in + out)`` multiply-adds, for
+``S = max_loras + 1`` slots and ``R`` the largest rank loaded: small beside the base projection for
+a handful of slots of modest rank (``max_loras``, ``max_lora_rank`` bound it). Only steps where some
+token has an adapter pay it.
 
 A fused projection (q/k/v, gate/up) stacks its parts' ``A`` side by side and their ``B`` block-
 diagonally, so it too is two matmuls; a part an adapter does not target stays zero.
@@ -48,6 +50,7 @@ class LoraContext:
     :class:`LoraLinear` of one model and set by the executor before each forward."""
 
     onehot: torch.Tensor | None = None
+    slots: int = 1  # the stacks' slot count (slot 0: the base model), the one-hot's width
 
 
 def _refuse(name: str, path: Path, why: str) -> ValueError:
@@ -56,6 +59,8 @@ def _refuse(name: str, path: Path, why: str) -> ValueError:
 
 def _read_config(name: str, path: Path, max_rank: int) -> tuple[int, float]:
     """The adapter's rank and scale; refuses what this executor cannot apply exactly."""
+    if not path.is_dir():
+        raise _refuse(name, path, "no such directory")
     cfg_file = path / "adapter_config.json"
     if not cfg_file.is_file() or not (path / "adapter_model.safetensors").is_file():
         raise _refuse(name, path, "not a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)")
@@ -109,17 +114,21 @@ def read_adapter(
                 f"layer {layer} {target}: A/B shapes {got} do not fit the base model's "
                 f"({rank}, {inp}) / ({out}, {rank})",
             )
-        adapter.pairs[(layer, target)] = (a, b * scale)
+        # B is kept column-major (its transpose contiguous): a slot of the stacks holds B transposed.
+        adapter.pairs[(layer, target)] = (a, (b * scale).t().contiguous().t())
     return adapter
 
 
 class LoraLinear(torch.nn.Module):
     """The stacked LoRA weights of one (possibly fused) projection: ``parts`` its targets, ``outs``
-    their output widths in the fused order, ``inp`` the input width."""
+    their output widths in the fused order, ``inp`` the input width, ``slots`` the slots made at
+    once (the executor makes ``max_loras + 1``). Slots are written one adapter at a time
+    (:meth:`write`), at start or at run time; the stacks grow to the largest rank written (and to a
+    slot beyond ``slots``), copying what they hold, so their cost follows the ranks loaded, not
+    ``max_lora_rank``."""
 
     def __init__(
         self,
-        adapters: list[LoraAdapter],
         layer: int,
         parts: tuple[str, ...],
         outs: tuple[int, ...],
@@ -127,23 +136,42 @@ class LoraLinear(torch.nn.Module):
         ctx: LoraContext,
         dtype: torch.dtype,
         device: torch.device,
+        slots: int = 1,
     ) -> None:
         super().__init__()
-        self.ctx, self.slots, self.parts = ctx, len(adapters) + 1, len(parts)
-        rank = max(a.rank for a in adapters)
-        self.rank = rank
-        a_all = torch.zeros(self.parts, self.slots, rank, inp)
-        b_all = torch.zeros(sum(outs), self.parts, self.slots, rank)
+        self.ctx, self.layer, self.targets, self.outs, self.inp = ctx, layer, parts, outs, inp
+        self.parts, self.slots, self.rank = len(parts), slots, 1
+        # Both stacks keep a slot's rows contiguous (B transposed), so writing one slot copies whole
+        # rows: a strided copy into B's columns costs seconds for a large adapter on the CPU.
+        self.a_all = torch.zeros(self.parts * slots, inp, dtype=dtype, device=device)  # [P*S*R, in]
+        self.b_all = torch.zeros(self.parts * slots, sum(outs), dtype=dtype, device=device)  # [P*S*R, out]
+
+    def _resize(self, slots: int, rank: int) -> None:
+        """Grow the stacks to ``slots`` slots of rank ``rank``, keeping what the old ones hold."""
+        p, s, r, out = self.parts, self.slots, self.rank, sum(self.outs)
+        a = self.a_all.new_zeros(p, slots, rank, self.inp)
+        b = self.b_all.new_zeros(p, slots, rank, out)
+        a[:, :s, :r] = self.a_all.view(p, s, r, self.inp)
+        b[:, :s, :r] = self.b_all.view(p, s, r, out)
+        self.a_all, self.b_all = a.view(-1, self.inp), b.view(-1, out)
+        self.slots, self.rank = slots, rank
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter``'s pairs of this projection into ``slot`` (whatever it held is replaced;
+        a part the adapter does not target stays zero)."""
+        if slot >= self.slots or adapter.rank > self.rank:
+            self._resize(max(self.slots, slot + 1), max(self.rank, adapter.rank))
+        a = self.a_all.view(self.parts, self.slots, self.rank, self.inp)
+        b = self.b_all.view(self.parts, self.slots, self.rank, sum(self.outs))
+        a[:, slot].zero_()
+        b[:, slot].zero_()
         row = 0
-        for p, (target, out) in enumerate(zip(parts, outs, strict=True)):
-            for s, adapter in enumerate(adapters, start=1):
-                pair = adapter.pairs.get((layer, target))
-                if pair is not None:
-                    a_all[p, s, : adapter.rank] = pair[0]
-                    b_all[row : row + out, p, s, : adapter.rank] = pair[1]
-            row += out
-        self.a_all = a_all.reshape(-1, inp).to(device=device, dtype=dtype)  # [P*S*R, in]
-        self.b_all = b_all.reshape(sum(outs), -1).to(device=device, dtype=dtype)  # [out, P*S*R]
+        for p, (target, width) in enumerate(zip(self.targets, self.outs, strict=True)):
+            pair = adapter.pairs.get((self.layer, target))
+            if pair is not None:
+                a[p, slot, : adapter.rank] = pair[0]
+                b[p, slot, : adapter.rank, row : row + width] = pair[1].t()
+            row += width
 
     def add_delta(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """``base`` plus every token's own adapter's delta (nothing when no token has one)."""
@@ -152,4 +180,4 @@ class LoraLinear(torch.nn.Module):
             return base
         shrunk = F.linear(x, self.a_all).view(x.shape[0], self.parts, self.slots, self.rank)
         masked = shrunk * onehot.to(shrunk.dtype)[:, None, :, None]
-        return base + F.linear(masked.view(x.shape[0], -1), self.b_all)
+        return base + masked.view(x.shape[0], -1) @ self.b_all

@@ -499,26 +499,36 @@ class QwenForCausalLM(nn.Module):
                 shapes |= {(i, "gate_proj"): (inter, h), (i, "up_proj"): (inter, h), (i, "down_proj"): (h, inter)}
         return shapes
 
-    def attach_loras(self, adapters: list[LoraAdapter]) -> LoraContext:
-        """Stack ``adapters`` (slot ``i + 1`` for ``adapters[i]``) into every projection; returns the
+    def attach_loras(self, adapters: list[LoraAdapter], slots: int = 0) -> LoraContext:
+        """Give every projection LoRA stacks of ``slots`` slots (at least one per adapter and the
+        base's) and write ``adapters`` into them (slot ``i + 1`` for ``adapters[i]``); returns the
         context whose per-token one-hot selects each token's adapter. One rank only (refused under
         tensor parallelism by the executor, so the shapes are the full checkpoint's)."""
-        ctx, cfg, dev = LoraContext(), self.cfg, self.lm_head_t.device
+        slots = max(slots, len(adapters) + 1)
+        ctx, cfg, dev = LoraContext(slots=slots), self.cfg, self.lm_head_t.device
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, QwenDecoderLayer)
             attn = layer.self_attn
-            attn.lora_qkv = LoraLinear(
-                adapters, i, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), h, ctx, self.dtype, dev
-            )
-            attn.lora_o = LoraLinear(adapters, i, ("o_proj",), (h,), q, ctx, self.dtype, dev)
+            attn.lora_qkv = LoraLinear(i, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), h, ctx, self.dtype, dev, slots)
+            attn.lora_o = LoraLinear(i, ("o_proj",), (h,), q, ctx, self.dtype, dev, slots)
             if isinstance(layer.mlp, QwenMLP):
                 inter = cfg.intermediate_size
                 layer.mlp.lora_gate_up = LoraLinear(
-                    adapters, i, ("gate_proj", "up_proj"), (inter, inter), h, ctx, self.dtype, dev
+                    i, ("gate_proj", "up_proj"), (inter, inter), h, ctx, self.dtype, dev, slots
                 )
-                layer.mlp.lora_down = LoraLinear(adapters, i, ("down_proj",), (h,), inter, ctx, self.dtype, dev)
+                layer.mlp.lora_down = LoraLinear(i, ("down_proj",), (h,), inter, ctx, self.dtype, dev, slots)
+        for slot, adapter in enumerate(adapters, start=1):
+            self.write_lora(ctx, slot, adapter)
         return ctx
+
+    def write_lora(self, ctx: LoraContext, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` into ``slot`` of every projection's stacks (after :meth:`attach_loras`);
+        the stacks grow together, so ``ctx.slots`` is every stack's slot count."""
+        stacks = [m for m in self.modules() if isinstance(m, LoraLinear)]
+        for stack in stacks:
+            stack.write(slot, adapter)
+        ctx.slots = max(stack.slots for stack in stacks)
 
     def quantized_weights(self) -> list[QuantizedWeight]:
         """The projections kept in their stored precision."""

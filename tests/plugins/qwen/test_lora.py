@@ -167,6 +167,8 @@ def test_bad_adapters_are_refused(adapters: dict[str, Path], tmp_path: Path, mak
         ServingSettings(lora_modules=["no-path"])
     with pytest.raises(ValueError, match="graph_mode='inductor'"):
         make_llm(lora_modules=[f"a={adapters['attn']}"], executor_options={"graph_mode": "inductor"})
+    with pytest.raises(ValueError, match="enable_lora is not supported with executor_options graph_mode='inductor'"):
+        make_llm(enable_lora=True, executor_options={"graph_mode": "inductor"})
 
 
 def test_server_selects_adapters_by_model(
@@ -272,3 +274,210 @@ def test_mixed_adapters_run_on_the_device(adapters: dict[str, Path], qwen_checkp
         for chunks, names in steps:
             batch = dataclasses.replace(on_device(builder.step(chunks, all_logits=False)), loras=names)
             _execute(ex, batch, ex.config.vocab_size)
+
+
+# ---------------------------------------------------------------------------- loads at run time
+
+
+def _drive(engine: Any, outs: dict[str, Any], steps: int | None = None) -> None:
+    """Step the engine ``steps`` times (None: until nothing is left), keeping the finished outputs."""
+    while (steps is None and engine.has_unfinished()) or (steps is not None and steps > 0):
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        steps = None if steps is None else steps - 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_load_and_unload_while_requests_run(
+    async_scheduling: bool,
+    adapters: dict[str, Path],
+    qwen_checkpoints: Callable[[str], Path],
+    make_llm: Callable[..., LLM],
+) -> None:
+    """Requests of the base and of an adapter are mid-generation when another adapter loads and the
+    first unloads: every request's tokens are its merged model's; a request naming the unloaded
+    adapter is refused at once (404), its running request finishes, and only then is its slot free."""
+    from dataclasses import replace
+
+    from pypto_serving.lora import LoraError
+
+    llm = make_llm(
+        lora_modules=[f"attn={adapters['attn']}"], max_lora_rank=8, max_loras=2, async_scheduling=async_scheduling
+    )
+    engine, prompts, outs = llm.engine, _prompts(5), {}
+    assert engine is not None and engine.scheduler_name == ("async" if async_scheduling else "sync")
+    engine.add_request("base", prompts[0], GREEDY)
+    engine.add_request("attn", prompts[1], replace(GREEDY, lora="attn"))
+    _drive(engine, outs, 3)
+    assert not outs and engine.has_unfinished()  # both run while the adapter loads
+    keep = lambda done: outs.update({o.request_id: o for o in done if o.finished})  # noqa: E731
+    assert engine.load_lora("mlp", str(adapters["mlp"]), on_outputs=keep) >= 0.0
+    engine.add_request("mlp", prompts[2], replace(GREEDY, lora="mlp"))
+    _drive(engine, outs, 2)
+    engine.unload_lora("attn")
+    assert engine.stats()["lora_adapters"] == ["mlp"]
+    with pytest.raises(LoraError, match="unknown LoRA adapter 'attn'") as refused:
+        engine.add_request("attn-late", prompts[3], replace(GREEDY, lora="attn"))
+    assert refused.value.status == 404
+    # The unloaded adapter's request still runs, so its slot is held: the two slots are taken.
+    assert "attn" not in outs
+    with pytest.raises(LoraError, match="no free LoRA slot") as full:
+        engine.load_lora("mixed", str(adapters["mixed"]))
+    assert full.value.status == 409
+    _drive(engine, outs)
+    engine.load_lora("mixed", str(adapters["mixed"]))  # the slot is free once attn's request ended
+    engine.add_request("mixed", prompts[4], replace(GREEDY, lora="mixed"))
+    _drive(engine, outs)
+    base, order = qwen_checkpoints("qwen3"), {"base": 0, "attn": 1, "mlp": 2, "mixed": 4}
+    assert sorted(outs) == sorted(order)
+    refs = {n: _hf_greedy(_merged(base, adapters.get(n)), prompts[i]) for n, i in order.items()}
+    assert {n: list(outs[n].outputs[0].token_ids) for n in order} == refs
+
+
+def test_prefix_cache_never_crosses_a_reloaded_name(
+    adapters: dict[str, Path], qwen_checkpoints: Callable[[str], Path], make_llm: Callable[..., LLM]
+) -> None:
+    """A name unloaded and loaded again (here with another adapter, into the same slot) is a new
+    adapter: the KV cached under the old one is never served to it, while it hits its own."""
+    prompt, base = _prompts(1)[0] * 4, qwen_checkpoints("qwen3")
+    llm = make_llm(lora_modules=[f"attn={adapters['attn']}"], max_lora_rank=8, enable_prefix_caching=True)
+    first = llm.generate([prompt], GREEDY, use_tqdm=False, lora="attn")[0]
+    llm.unload_lora("attn")
+    llm.load_lora("attn", str(adapters["mixed"]))
+    reloaded = llm.generate([prompt], GREEDY, use_tqdm=False, lora="attn")[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora="attn")[0]
+    assert (first.num_cached_tokens, reloaded.num_cached_tokens) == (0, 0)
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == reloaded.outputs[0].token_ids
+    assert list(reloaded.outputs[0].token_ids) == _hf_greedy(_merged(base, adapters["mixed"]), prompt)
+    assert reloaded.outputs[0].token_ids != first.outputs[0].token_ids
+
+
+def test_server_loads_and_unloads_adapters_under_load(
+    adapters: dict[str, Path], qwen_checkpoints: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Through the admin routes of a server (engine-core process): an adapter loaded while requests
+    of the base and of another adapter run, then that one unloaded: every reply's tokens are its
+    merged model's, /v1/models follows, and each refusal has its 4xx."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from pypto_serving.server import AsyncLLM, build_app
+
+    base = qwen_checkpoints("qwen3")
+    settings = ServingSettings(
+        model=str(base),
+        served_model_name="base",
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        max_model_len=128,
+        worker_mode="inproc",
+        lora_modules=[f"attn={adapters['attn']}"],
+        max_lora_rank=4,
+        max_loras=2,
+        admin_api_key=["admin-secret"],
+    )
+    admin = {"Authorization": "Bearer admin-secret"}
+    prompts = _prompts(3)
+    embed = _edited(adapters["attn"], tmp_path / "embed", target_modules=["q_proj", "embed_tokens"])
+    server = AsyncLLM(settings)
+    try:
+        server.wait_ready(120)
+        with TestClient(build_app(server, manage_engine=False)) as client:
+
+            def complete(model: str, prompt: list[int]) -> Any:
+                body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 0}
+                return client.post("/v1/completions", json={**body, "ignore_eos": True})
+
+            def admin_post(route: str, name: str, path: Path | str | None = None) -> Any:
+                body = {"lora_name": name} if path is None else {"lora_name": name, "lora_path": str(path)}
+                return client.post(f"/v1/{route}_lora_adapter", json=body, headers=admin)
+
+            with ThreadPoolExecutor(3) as pool:
+                running = [pool.submit(complete, m, p) for m, p in (("base", prompts[0]), ("attn", prompts[1]))]
+                loaded = admin_post("load", "mixed", adapters["mixed"])
+                mixed = pool.submit(complete, "mixed", prompts[2])
+                unloaded = admin_post("unload", "attn")
+                late = complete("attn", prompts[1])
+                replies = [f.result() for f in (*running, mixed)]
+            listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+            other = admin_post("load", "other", adapters["mixed"])  # attn's slot is free once its request ended
+            refused = {
+                "no admin key": client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}),
+                "duplicate": admin_post("load", "mixed", adapters["mixed"]),
+                "base name": admin_post("load", "base", adapters["mixed"]),
+                "no slot": admin_post("load", "third", adapters["mixed"]),
+            }
+            admin_post("unload", "mixed")
+            admin_post("unload", "other")
+            refused |= {
+                "missing dir": admin_post("load", "x", tmp_path / "nowhere"),
+                "not peft": admin_post("load", "x", tmp_path),
+                "rank": admin_post("load", "x", adapters["mlp"]),
+                "targets": admin_post("load", "x", embed),
+                "unknown": admin_post("unload", "nope"),
+            }
+            after = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    finally:
+        server.shutdown(10)
+    assert [r.status_code for r in (loaded, unloaded, other)] == [200, 200, 200], (loaded.text, unloaded.text)
+    assert late.status_code == 404 and "'attn' does not exist" in late.json()["error"]["message"]
+    for r in replies:
+        assert r.status_code == 200, r.text
+    got = [[int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]] for r in replies]
+    names = ["base", "attn", "mixed"]
+    assert got == [_hf_greedy(_merged(base, adapters.get(n)), p) for n, p in zip(names, prompts, strict=True)]
+    assert (listed, after) == (["base", "mixed"], ["base"])
+    statuses = {why: r.status_code for why, r in refused.items()}
+    assert statuses == {
+        "no admin key": 401,
+        "duplicate": 409,
+        "base name": 409,
+        "no slot": 409,
+        "missing dir": 400,
+        "not peft": 400,
+        "rank": 400,
+        "targets": 400,
+        "unknown": 404,
+    }, {why: r.text for why, r in refused.items()}
+    messages = {why: r.json()["error"]["message"] for why, r in refused.items()}
+    assert "already loaded" in messages["duplicate"] and "no free LoRA slot" in messages["no slot"]
+    assert "no such directory" in messages["missing dir"] and "not a PEFT adapter" in messages["not peft"]
+    assert "rank 8 exceeds max_lora_rank=4" in messages["rank"] and "embed_tokens" in messages["targets"]
+
+
+def test_loading_needs_lora_enabled(adapters: dict[str, Path], make_llm: Callable[..., LLM]) -> None:
+    from pypto_serving.lora import LoraError
+
+    llm = make_llm()
+    with pytest.raises(LoraError, match="LoRA is not enabled") as off:
+        llm.load_lora("attn", str(adapters["attn"]))
+    assert off.value.status == 400
+    with pytest.raises(LoraError, match="'nope' is not loaded") as missing:
+        llm.unload_lora("nope")
+    assert missing.value.status == 404
+    enabled = make_llm(enable_lora=True, max_lora_rank=8)
+    enabled.load_lora("attn", str(adapters["attn"]))  # LoRA on with no adapter at start
+    assert enabled.engine is not None and enabled.engine.stats()["lora_adapters"] == ["attn"]
+
+
+def test_a_new_engine_serves_the_adapters_loaded_at_run_time(
+    adapters: dict[str, Path], make_llm: Callable[..., LLM]
+) -> None:
+    """After a failure the LLM starts a new engine with the adapters served at that moment: one
+    loaded at run time is still served, one unloaded is not."""
+    from pypto_serving.lora import LoraError
+
+    prompt = _prompts(1)[0]
+    llm = make_llm(lora_modules=[f"attn={adapters['attn']}"], max_lora_rank=8)
+    llm.load_lora("mlp", str(adapters["mlp"]))
+    llm.unload_lora("attn")
+    before = llm.generate([prompt], GREEDY, use_tqdm=False, lora="mlp")[0]
+    old = llm.engine
+    assert old is not None
+    old._die("a simulated worker failure")
+    after = llm.generate([prompt], GREEDY, use_tqdm=False, lora="mlp")[0]
+    assert llm.engine is not old and llm.settings.lora_modules == [f"mlp={adapters['mlp']}"]
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
+    with pytest.raises(LoraError, match="unknown LoRA adapter 'attn'"):
+        llm.generate([prompt], GREEDY, use_tqdm=False, lora="attn")
