@@ -584,14 +584,15 @@ class QwenForCausalLM(nn.Module):
         return ctx
 
     def quantized_weights(self) -> list[QuantizedWeight]:
-        """The projections kept in their stored precision."""
+        """The projections and routed expert stacks kept in their stored precision."""
         return [w for _, w in self.named_quantized_weights()]
 
     def named_quantized_weights(self) -> list[tuple[str, QuantizedWeight]]:
-        """(module path and attribute, weight) of every projection kept in its stored precision."""
+        """(module path and attribute, weight) of every projection and expert stack kept in its stored
+        precision."""
         found: list[tuple[str, QuantizedWeight]] = []
         for path, module in self.named_modules():
-            for attr in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            for attr in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "gate_up", "down"):
                 value = getattr(module, attr, None)
                 if isinstance(value, QuantizedWeight):
                     found.append((f"{path}.{attr}", value))
