@@ -105,17 +105,30 @@ def _block(plan: QuantPlan | None) -> tuple[int, int]:
     return plan.block if plan is not None else (1, 1)
 
 
-def _fp8_experts(shape: tuple[int, int, int], device: torch.device, block: tuple[int, int]) -> QuantizedWeight:
-    """An empty block-FP8 expert stack ``[E, out, in]`` with its ``[E, ceil(out/br), ceil(in/bc)]`` scales."""
+def _stored_experts(
+    scheme: str, shape: tuple[int, int, int], device: torch.device, block: tuple[int, int]
+) -> QuantizedWeight:
+    """An empty expert stack ``[E, out, in]``: block-FP8 with ``[E, ceil(out/br), ceil(in/bc)]``
+    scales, or dynamic W8A8 int8 with per-row ``[E, out]`` scales and offsets."""
     e, rows, cols = shape
-    data = torch.empty(shape, device=device, dtype=torch.float8_e4m3fn)
-    scale = torch.empty((e, -(-rows // block[0]), -(-cols // block[1])), device=device)
-    return QuantizedWeight("fp8_block", data, scale, block)
+    if scheme == "fp8_block":
+        data = torch.empty(shape, device=device, dtype=torch.float8_e4m3fn)
+        scale = torch.empty((e, -(-rows // block[0]), -(-cols // block[1])), device=device)
+        return QuantizedWeight(scheme, data, scale, block)
+    data = torch.empty(shape, device=device, dtype=torch.int8)
+    scale, offset = (torch.empty((e, rows), device=device) for _ in range(2))
+    return QuantizedWeight(scheme, data, scale, offset=offset)
 
 
 def _expert(stack: QuantizedWeight, index: int) -> QuantizedWeight:
-    """Expert ``index`` of ``stack`` as a 2-D weight viewing the stack's storage (the loader fills it)."""
-    return QuantizedWeight(stack.scheme, stack.data[index], stack.scale[index], stack.block)
+    """Expert ``index`` of ``stack`` as a 2-D weight viewing the stack's storage (the loader fills it);
+    W8A8 scales and offsets as the checkpoint's ``[out, 1]``."""
+    if stack.scheme == "fp8_block":
+        return QuantizedWeight(stack.scheme, stack.data[index], stack.scale[index], stack.block)
+    assert stack.offset is not None
+    return QuantizedWeight(
+        stack.scheme, stack.data[index], stack.scale[index, :, None], offset=stack.offset[index, :, None]
+    )
 
 
 def _target(dest: torch.Tensor, name: str, rows: slice, full: int, dim: int = 0) -> WeightTarget:
@@ -320,17 +333,18 @@ class QwenSparseMoe(nn.Module):
         self.router_weight = _param((cfg.num_experts, h), device, dtype)
         self.gate_up: nn.Parameter | QuantizedWeight
         self.down: nn.Parameter | QuantizedWeight
-        if self._expert_scheme(plan, prefix) == "fp8_block":
-            assert plan is not None
-            self.gate_up = _fp8_experts((e, 2 * i, h), device, plan.block)
-            self.down = _fp8_experts((e, h, i), device, plan.block)
+        scheme = self._expert_scheme(plan, prefix)
+        if scheme is not None:
+            self.gate_up = _stored_experts(scheme, (e, 2 * i, h), device, _block(plan))
+            self.down = _stored_experts(scheme, (e, h, i), device, _block(plan))
         else:
             self.gate_up = _param((e, 2 * i, h), device, dtype)
             self.down = _param((e, h, i), device, dtype)
 
     def _expert_scheme(self, plan: QuantPlan | None, prefix: str) -> str | None:
-        """``fp8_block`` when every local expert is block-FP8 and this rank's gate/up/down parts are
-        whole scale blocks (the experts then stay FP8); None dequantizes them at load."""
+        """The scheme every local expert is stored in (``fp8_block``: only when this rank's gate/up/down
+        parts are whole scale blocks; ``w8a8_dynamic``), kept as stored; None: float (FP8 dequantized
+        at load)."""
         names = [self._expert_names(prefix, e) for e in self.local_experts()]
         if plan is None or not names:
             return None
@@ -351,7 +365,7 @@ class QwenSparseMoe(nn.Module):
             for name in self._expert_names(prefix, e):
                 out[name] = []
         if isinstance(self.gate_up, QuantizedWeight):
-            out.update(self._fp8_targets(prefix))
+            out.update(self._stored_targets(prefix))
             return out
         # Released Qwen-MoE checkpoints store one matrix per expert; stack them into [E, 2I, H] / [E, H, I].
         for e in self.local_experts():
@@ -362,9 +376,10 @@ class QwenSparseMoe(nn.Module):
         out.update(self._stacked_targets(prefix))
         return out
 
-    def _fp8_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
-        """Each expert's FP8 data and ``weight_scale_inv`` copied as stored into its place in the stacks
-        (per-expert checkpoints only: a stacked FP8 layout is not published)."""
+    def _stored_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
+        """Each expert's data and scales (FP8 ``weight_scale_inv``, W8A8 ``weight_scale`` and
+        ``weight_offset``) copied as stored into its place in the stacks (per-expert checkpoints only:
+        a stacked quantized layout is not published)."""
         assert isinstance(self.gate_up, QuantizedWeight) and isinstance(self.down, QuantizedWeight)
         i, rows, full, first = self.intermediate, self.shards.moe_intermediate, self.full, self.shards.experts.start
         out: dict[str, list[WeightTarget]] = {}
@@ -405,15 +420,15 @@ class QwenSparseMoe(nn.Module):
         names = {f"{prefix}.gate.weight"}
         for e in self.local_experts():
             names.update(self._expert_names(prefix, e))
-        if isinstance(self.gate_up, QuantizedWeight):  # FP8 experts need their scales too
-            names |= {n + "_scale_inv" for n in names if ".experts." in n}
+        if isinstance(self.gate_up, QuantizedWeight):  # stored experts need their scales too
+            names |= set(self._stored_targets(prefix))
         return names
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.router_weight)
         weights, ids = K.topk_routing(router_logits, self.top_k, self.norm_topk_prob)
-        # A captured decode step calls the kernel as one op (graph.py); eager calls it directly. FP8
-        # experts stay FP8: quant_moe_experts dequantizes only the experts a step routes to.
+        # A captured decode step calls the kernel as one op (graph.py); eager calls it directly. Stored
+        # (FP8, int8) experts stay so: quant_moe_experts dequantizes only the experts a step routes to.
         if isinstance(self.gate_up, QuantizedWeight):
             experts: Callable[..., torch.Tensor] = K.quant_moe_experts
         else:
