@@ -11,9 +11,9 @@ bfloat16 elsewhere, as Qwen3-FP8 is published) and ``w8a8`` msModelSlim dynamic 
 per-channel ``weight_scale`` / ``weight_offset``, ``quant_model_description.json``; bfloat16
 elsewhere). Shape ``small-moe`` is Qwen3-MoE (per-expert matrices, as Qwen3-30B-A3B-FP8 stores
 them; the experts quantised like the projections). Every load runs in a fresh process through the
-real Qwen executor on the CPU (``dtype="auto"``: the checkpoint's own dtype); the resident memory it reports is the process's
-RSS (anonymous + file-backed + shared, from /proc/self/status) after loading minus before, against
-the checkpoint's tensor bytes.
+real Qwen executor on the CPU (``dtype="auto"``: the checkpoint's own dtype); the resident memory
+it reports is the process's RSS (anonymous + file-backed + shared, from /proc/self/status) after
+loading minus before, against the checkpoint's tensor bytes.
 
 ``--deepseek`` loads ``tiny-deepseek-v4-fp8`` (DeepSeek-V4's release layout: FP8 E4M3 projections
 with UE8M0 128x128 block scales, MXFP4 routed experts, bfloat16 elsewhere), the same with block-FP8
