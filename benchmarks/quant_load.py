@@ -9,10 +9,11 @@ Each format's checkpoint is written from one random float model (Qwen3 names and
 ``float32`` / ``bfloat16`` as is, ``fp8`` block-FP8 (e4m3, 128x128 ``weight_scale_inv`` blocks,
 bfloat16 elsewhere, as Qwen3-FP8 is published) and ``w8a8`` msModelSlim dynamic W8A8 (int8 with
 per-channel ``weight_scale`` / ``weight_offset``, ``quant_model_description.json``; bfloat16
-elsewhere). Every load runs in a fresh process through the real Qwen executor on the CPU
-(``dtype="auto"``: the checkpoint's own dtype); the resident memory it reports is the process's
-RSS (anonymous + file-backed + shared, from /proc/self/status) after loading minus before, against
-the checkpoint's tensor bytes.
+elsewhere). Shape ``small-moe`` is Qwen3-MoE (per-expert matrices, as Qwen3-30B-A3B-FP8 stores
+them; the experts quantised like the projections). Every load runs in a fresh process through the
+real Qwen executor on the CPU (``dtype="auto"``: the checkpoint's own dtype); the resident memory
+it reports is the process's RSS (anonymous + file-backed + shared, from /proc/self/status) after
+loading minus before, against the checkpoint's tensor bytes.
 
 ``--deepseek`` loads ``tiny-deepseek-v4-fp8`` (DeepSeek-V4's release layout: FP8 E4M3 projections
 with UE8M0 128x128 block scales, MXFP4 routed experts, bfloat16 elsewhere), the same with block-FP8
@@ -48,6 +49,18 @@ SHAPES: dict[str, dict[str, int]] = {
     },
     # About 30 M parameters: big enough that weights dominate the RSS, small enough for a test.
     "small": {"layers": 6, "hidden": 512, "heads": 8, "kv_heads": 4, "head_dim": 64, "inter": 2048, "vocab": 16384},
+    # The same with Qwen3-MoE routed experts (8 of 512, top-2) in every layer: the FP8 experts' bytes.
+    "small-moe": {
+        "layers": 6,
+        "hidden": 512,
+        "heads": 8,
+        "kv_heads": 4,
+        "head_dim": 64,
+        "inter": 2048,
+        "vocab": 16384,
+        "experts": 8,
+        "moe_inter": 512,
+    },
     # Loaded once before measuring, so one-time costs (lazy imports, allocator arenas) are not counted.
     "tiny": {"layers": 1, "hidden": 256, "heads": 2, "kv_heads": 1, "head_dim": 128, "inter": 256, "vocab": 512},
 }
@@ -65,9 +78,20 @@ def _rss() -> dict[str, int]:
 
 
 def _config(shape: dict[str, int], dtype: str) -> dict[str, Any]:
+    moe = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": shape.get("experts", 0),
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": shape.get("moe_inter", 0),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
+        **(moe if shape.get("experts") else {}),
         "vocab_size": shape["vocab"],
         "hidden_size": shape["hidden"],
         "intermediate_size": shape["inter"],
@@ -101,6 +125,13 @@ def _float_tensors(shape: dict[str, int]) -> dict[str, Any]:
             "mlp.up_proj": (i, h),
             "mlp.down_proj": (h, i),
         }
+        if shape.get("experts"):  # per-expert matrices and the router replace the dense MLP
+            e, m = shape["experts"], shape["moe_inter"]
+            dims = {k: v for k, v in dims.items() if k.startswith("self_attn")}
+            dims["mlp.gate"] = (e, h)
+            for x in range(e):
+                dims.update({f"mlp.experts.{x}.{n}_proj": (m, h) for n in ("gate", "up")})
+                dims[f"mlp.experts.{x}.down_proj"] = (h, m)
         for name, dim in dims.items():
             out[f"{p}.{name}.weight"] = torch.randn(dim, generator=g) * dim[1] ** -0.5
         for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):

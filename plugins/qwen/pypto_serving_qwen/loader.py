@@ -363,9 +363,9 @@ class QuantPlan:
 def plan_quantization(model_dir: str | Path, config: QwenConfig) -> QuantPlan | None:
     """The stored-precision plan from the checkpoint's own description: FP8 tensors as the
     safetensors headers list them (under a block-FP8 quantization_config), msModelSlim's per-tensor
-    types. Routed experts are not planned (FP8 experts are dequantized at load).
+    types. Routed experts are planned too (block-FP8 or W8A8_DYNAMIC, run by ``quant_moe_experts``).
 
-    :raises CheckpointError: static W8A8 or quantized experts under msModelSlim (not served yet).
+    :raises CheckpointError: static W8A8 routed experts under msModelSlim (not served yet).
     """
     quant = config.quantization
     if quant is None:
@@ -376,13 +376,13 @@ def plan_quantization(model_dir: str | Path, config: QwenConfig) -> QuantPlan | 
             for name, _, handle in _iter_tensors(_shard_files(_model_dir(model_dir)))
             if handle.get_slice(name).get_dtype() in _TORCH_DTYPE_NAMES
         }
-        return QuantPlan({n: "fp8_block" for n in fp8 if ".experts." not in n}, quant.block)
+        return QuantPlan(dict.fromkeys(fp8, "fp8_block"), quant.block)
     weights = {n: s for n, s in quant.tensors.items() if n.endswith(".weight")}
-    experts = sorted(n for n in weights if ".experts." in n)
-    if experts:
+    static = sorted(n for n, s in weights.items() if ".experts." in n and s == "w8a8_static")
+    if static:
         raise CheckpointError(
-            f"quant_model_description.json quantizes routed experts ({experts[0]}, ...); the Qwen "
-            "executor serves W8A8 dense linears only (int8 experts are not read yet)"
+            f"quant_model_description.json quantizes routed experts as static W8A8 ({static[0]}, ...); the "
+            "Qwen executor reads W8A8_DYNAMIC experts only (per-tensor input scales of experts are not read)"
         )
     return QuantPlan(weights)
 

@@ -14,6 +14,7 @@ slices, so every rank returns the same full logits.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,32 @@ def _scheme(plan: QuantPlan | None, *names: str, cuts: tuple[int, ...] = (), dim
 
 def _block(plan: QuantPlan | None) -> tuple[int, int]:
     return plan.block if plan is not None else (1, 1)
+
+
+def _stored_experts(
+    scheme: str, shape: tuple[int, int, int], device: torch.device, block: tuple[int, int]
+) -> QuantizedWeight:
+    """An empty expert stack ``[E, out, in]``: block-FP8 with ``[E, ceil(out/br), ceil(in/bc)]``
+    scales, or dynamic W8A8 int8 with per-row ``[E, out]`` scales and offsets."""
+    e, rows, cols = shape
+    if scheme == "fp8_block":
+        data = torch.empty(shape, device=device, dtype=torch.float8_e4m3fn)
+        scale = torch.empty((e, -(-rows // block[0]), -(-cols // block[1])), device=device)
+        return QuantizedWeight(scheme, data, scale, block)
+    data = torch.empty(shape, device=device, dtype=torch.int8)
+    scale, offset = (torch.empty((e, rows), device=device) for _ in range(2))
+    return QuantizedWeight(scheme, data, scale, offset=offset)
+
+
+def _expert(stack: QuantizedWeight, index: int) -> QuantizedWeight:
+    """Expert ``index`` of ``stack`` as a 2-D weight viewing the stack's storage (the loader fills it);
+    W8A8 scales and offsets as the checkpoint's ``[out, 1]``."""
+    if stack.scheme == "fp8_block":
+        return QuantizedWeight(stack.scheme, stack.data[index], stack.scale[index], stack.block)
+    assert stack.offset is not None
+    return QuantizedWeight(
+        stack.scheme, stack.data[index], stack.scale[index, :, None], offset=stack.offset[index, :, None]
+    )
 
 
 def _target(dest: torch.Tensor, name: str, rows: slice, full: int, dim: int = 0) -> WeightTarget:
@@ -289,15 +316,42 @@ class QwenSparseMoe(nn.Module):
     """Routed experts: this rank's part of every expert (tensor-parallel MoE) or its whole experts
     (expert parallel); the router is replicated."""
 
-    def __init__(self, cfg: QwenConfig, device: torch.device, dtype: torch.dtype, shards: QwenSharding) -> None:
+    def __init__(
+        self,
+        cfg: QwenConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        shards: QwenSharding,
+        plan: QuantPlan | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         e, h = _size(shards.experts), cfg.hidden_size
         self.shards, self.num_experts, self.full = shards, cfg.num_experts, cfg.moe_intermediate_size
         self.intermediate = i = _size(shards.moe_intermediate)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router_weight = _param((cfg.num_experts, h), device, dtype)
-        self.gate_up = _param((e, 2 * i, h), device, dtype)
-        self.down = _param((e, h, i), device, dtype)
+        self.gate_up: nn.Parameter | QuantizedWeight
+        self.down: nn.Parameter | QuantizedWeight
+        scheme = self._expert_scheme(plan, prefix)
+        if scheme is not None:
+            self.gate_up = _stored_experts(scheme, (e, 2 * i, h), device, _block(plan))
+            self.down = _stored_experts(scheme, (e, h, i), device, _block(plan))
+        else:
+            self.gate_up = _param((e, 2 * i, h), device, dtype)
+            self.down = _param((e, h, i), device, dtype)
+
+    def _expert_scheme(self, plan: QuantPlan | None, prefix: str) -> str | None:
+        """The scheme every local expert is stored in (``fp8_block``: only when this rank's gate/up/down
+        parts are whole scale blocks; ``w8a8_dynamic``), kept as stored; None: float (FP8 dequantized
+        at load)."""
+        names = [self._expert_names(prefix, e) for e in self.local_experts()]
+        if plan is None or not names:
+            return None
+        edges = (self.intermediate, *_edges(self.shards.moe_intermediate, self.full))
+        gate_up = _scheme(plan, *(n for gate, up, _ in names for n in (gate, up)), cuts=edges)
+        down = _scheme(plan, *(down for _, _, down in names), cuts=edges[1:], dim=1)
+        return gate_up if gate_up == down else None
 
     def _expert_names(self, prefix: str, e: int) -> tuple[str, str, str]:
         gate, up, down = (f"{prefix}.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down"))
@@ -310,6 +364,9 @@ class QwenSparseMoe(nn.Module):
         for e in range(self.num_experts):  # another rank's experts (expert parallel) are skipped
             for name in self._expert_names(prefix, e):
                 out[name] = []
+        if isinstance(self.gate_up, QuantizedWeight):
+            out.update(self._stored_targets(prefix))
+            return out
         # Released Qwen-MoE checkpoints store one matrix per expert; stack them into [E, 2I, H] / [E, H, I].
         for e in self.local_experts():
             gate, up, down = self._expert_names(prefix, e)
@@ -317,6 +374,21 @@ class QwenSparseMoe(nn.Module):
             out[up] = [_target(self.gate_up.data[e - first, i:], up, rows, full)]
             out[down] = [_target(self.down.data[e - first], down, rows, full, dim=1)]
         out.update(self._stacked_targets(prefix))
+        return out
+
+    def _stored_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
+        """Each expert's data and scales (FP8 ``weight_scale_inv``, W8A8 ``weight_scale`` and
+        ``weight_offset``) copied as stored into its place in the stacks (per-expert checkpoints only:
+        a stacked quantized layout is not published)."""
+        assert isinstance(self.gate_up, QuantizedWeight) and isinstance(self.down, QuantizedWeight)
+        i, rows, full, first = self.intermediate, self.shards.moe_intermediate, self.full, self.shards.experts.start
+        out: dict[str, list[WeightTarget]] = {}
+        for e in self.local_experts():
+            gate, up, down = self._expert_names(prefix, e)
+            gate_up, down_w = (_expert(w, e - first) for w in (self.gate_up, self.down))
+            out.update(weight_targets(gate_up, gate, slice(0, i), rows, full))
+            out.update(weight_targets(gate_up, up, slice(i, 2 * i), rows, full))
+            out.update(weight_targets(down_w, down, slice(None), rows, full, dim=1))
         return out
 
     def _stacked_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
@@ -348,13 +420,19 @@ class QwenSparseMoe(nn.Module):
         names = {f"{prefix}.gate.weight"}
         for e in self.local_experts():
             names.update(self._expert_names(prefix, e))
+        if isinstance(self.gate_up, QuantizedWeight):  # stored experts need their scales too
+            names |= set(self._stored_targets(prefix))
         return names
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.router_weight)
         weights, ids = K.topk_routing(router_logits, self.top_k, self.norm_topk_prob)
-        # A captured decode step calls the kernel as one op (graph.py); eager calls it directly.
-        experts = moe_experts if torch.compiler.is_compiling() else K.moe_experts
+        # A captured decode step calls the kernel as one op (graph.py); eager calls it directly. Stored
+        # (FP8, int8) experts stay so: quant_moe_experts dequantizes only the experts a step routes to.
+        if isinstance(self.gate_up, QuantizedWeight):
+            experts: Callable[..., torch.Tensor] = K.quant_moe_experts
+        else:
+            experts = moe_experts if torch.compiler.is_compiling() else K.moe_experts
         if self.shards.expert_parallel:
             return expert_parallel_moe(
                 x,
@@ -385,7 +463,7 @@ class QwenDecoderLayer(nn.Module):
         self.self_attn = QwenAttention(cfg, layer, device, dtype, shards, plan)
         self.mlp: QwenMLP | QwenSparseMoe
         if cfg.is_moe_layer(layer):
-            self.mlp = QwenSparseMoe(cfg, device, dtype, shards)
+            self.mlp = QwenSparseMoe(cfg, device, dtype, shards, plan, f"model.layers.{layer}.mlp")
         else:
             self.mlp = QwenMLP(cfg, device, dtype, shards, plan, f"model.layers.{layer}.mlp")
 
@@ -531,14 +609,15 @@ class QwenForCausalLM(nn.Module):
         ctx.slots = max(stack.slots for stack in stacks)
 
     def quantized_weights(self) -> list[QuantizedWeight]:
-        """The projections kept in their stored precision."""
+        """The projections and routed expert stacks kept in their stored precision."""
         return [w for _, w in self.named_quantized_weights()]
 
     def named_quantized_weights(self) -> list[tuple[str, QuantizedWeight]]:
-        """(module path and attribute, weight) of every projection kept in its stored precision."""
+        """(module path and attribute, weight) of every projection and expert stack kept in its stored
+        precision."""
         found: list[tuple[str, QuantizedWeight]] = []
         for path, module in self.named_modules():
-            for attr in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            for attr in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "gate_up", "down"):
                 value = getattr(module, attr, None)
                 if isinstance(value, QuantizedWeight):
                     found.append((f"{path}.{attr}", value))

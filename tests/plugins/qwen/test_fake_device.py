@@ -22,7 +22,7 @@ from pypto_serving import BatchInput, CacheGroupSpec, ExecutorInfo, SamplingPara
 from pypto_serving.messages import NewRequestData, ScheduledEntry, wire_sampling
 from pypto_serving.runner import ModelRunner
 from pypto_serving_qwen.executor import KV_GROUP, QwenExecutor
-from pypto_serving_qwen.loader import read_config
+from pypto_serving_qwen.loader import QuantPlan, QwenConfig, read_config
 from pypto_serving_qwen.model import QwenForCausalLM
 from tests.plugins.qwen.fake_cuda import CUDA, fake_cuda, on_device
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
@@ -35,6 +35,7 @@ CASES = [
     ("qwen3_moe", torch.bfloat16),
     ("qwen3_sliding", torch.bfloat16),
     ("qwen2", torch.float32),  # q/k/v biases, no q/k norms
+    ("qwen3_moe+fp8_experts", torch.bfloat16),  # block-FP8 experts through quant_moe_experts
 ]
 
 
@@ -44,12 +45,26 @@ def fake() -> Iterator[FakeTensorMode]:
         yield mode
 
 
-def _fake_executor(path: Path, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> QwenExecutor:
+def _fp8_experts(cfg: QwenConfig) -> QuantPlan:
+    """A plan keeping every routed expert block-FP8 (as a Qwen3-FP8 checkpoint's would)."""
+    names = [
+        f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"
+        for layer in range(cfg.num_layers)
+        for e in range(cfg.num_experts)
+        for proj in ("gate", "up", "down")
+    ]
+    return QuantPlan(dict.fromkeys(names, "fp8_block"), (16, 16))
+
+
+def _fake_executor(
+    path: Path, dtype: torch.dtype, kv_cache_dtype: str = "auto", fp8_experts: bool = False
+) -> QwenExecutor:
     """A QwenExecutor whose model, parameters and caches are fake CUDA tensors (no weights to load)."""
     ex = QwenExecutor(qwen_settings(path, block_size=BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype))
     ex.config = read_config(path)
     ex.device, ex.dtype = CUDA, dtype
-    ex.model = QwenForCausalLM(ex.config, CUDA, dtype).eval()
+    plan = _fp8_experts(ex.config) if fp8_experts else None
+    ex.model = QwenForCausalLM(ex.config, CUDA, dtype, plan=plan).eval()
     ex.init_kv_cache({KV_GROUP: NUM_BLOCKS})
     return ex
 
@@ -57,6 +72,7 @@ def _fake_executor(path: Path, dtype: torch.dtype, kv_cache_dtype: str = "auto")
 def _tensors(ex: QwenExecutor, batch: BatchInput) -> list[torch.Tensor]:
     assert ex.model is not None
     tensors = [*ex.model.parameters(), *ex.model.buffers(), *(t for kv in ex.kv_caches for t in kv)]
+    tensors += [t for w in ex.model.quantized_weights() for t in w.tensors()]
     values = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     flat = [v for value in values for v in (value.values() if isinstance(value, dict) else [value])]
     return tensors + [t for t in flat if isinstance(t, torch.Tensor)]
@@ -88,7 +104,7 @@ def test_the_harness_catches_host_reads_and_device_mixing(fake: FakeTensorMode) 
 def test_prefill_then_mixed_chunked_prefill_and_decode_on_the_device(
     name: str, dtype: torch.dtype, qwen_checkpoints: Callable[[str], Path]
 ) -> None:
-    path = qwen_checkpoints(name)
+    path = qwen_checkpoints(name.split("+")[0])
     builder = PagedBatchBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)  # draws its block order here
     steps = [
         [("a", list(range(4, 13))), ("b", list(range(5, 11)))],  # a: whole prompt, b: first chunk
@@ -96,8 +112,9 @@ def test_prefill_then_mixed_chunked_prefill_and_decode_on_the_device(
         [("c", [9]), ("a", [8])],  # decodes only
     ]
     with fake_cuda():
-        ex = _fake_executor(path, dtype)
-        assert ex.config is not None
+        ex = _fake_executor(path, dtype, fp8_experts=name.endswith("+fp8_experts"))
+        assert ex.config is not None and ex.model is not None
+        assert bool(ex.model.quantized_weights()) == name.endswith("+fp8_experts")
         for chunks in steps:
             _execute(ex, on_device(builder.step(chunks, all_logits=False)), ex.config.vocab_size)
 

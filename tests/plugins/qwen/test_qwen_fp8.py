@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pypto_serving.quantization import UnsupportedQuantizationError
+from pypto_serving.quantization import QuantizedWeight, UnsupportedQuantizationError
 from pypto_serving_qwen.executor import QwenExecutor
 from pypto_serving_qwen.loader import CheckpointError
+from pypto_serving_qwen.model import QwenSparseMoe
 from tests.core.test_quantization import quantize
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 
@@ -93,3 +94,41 @@ def test_other_quantization_methods_are_refused_by_name(
     (awq / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedQuantizationError, match="quant_method='awq' is not supported"):
         QwenExecutor(qwen_settings(awq)).load()
+
+
+def _tensor_bytes(path: Path) -> int:
+    (shard,) = path.glob("*.safetensors")
+    return sum(t.numel() * t.element_size() for t in load_file(str(shard)).values())
+
+
+def test_fp8_moe_experts_stay_fp8_and_match_the_dequantized_copy(
+    tmp_path: Path, qwen_checkpoints: Callable[[str], Path]
+) -> None:
+    """Qwen3-MoE's routed experts (one FP8 matrix and ``weight_scale_inv`` per expert, as Qwen3-FP8
+    publishes them) are held FP8 and run through quant_moe_experts: the same greedy tokens as the
+    float32 checkpoint holding the values they stand for, and no float copy of any expert."""
+    fp8 = _fp8_copy(qwen_checkpoints("qwen3_moe"), tmp_path / "fp8", dequantized=tmp_path / "dequantized")
+    runs = []
+    for path in (tmp_path / "dequantized", fp8):
+        ex = QwenExecutor(qwen_settings(path))
+        ex.load()
+        ex.init_kv_cache({"kv": 16})
+        builder, ids = PagedBatchBuilder(4, 16), [3, 17, 5, 99, 42, 7, 250, 11]
+        logits = [ex.execute(builder.step([("s", ids)]))]
+        for _ in range(4):  # greedy decode steps
+            logits.append(ex.execute(builder.step([("s", [int(logits[-1][-1].argmax())])])))
+        runs.append((ex, torch.cat(logits)))
+    (plain, exact), (ex, got) = runs
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert torch.allclose(got, exact, rtol=1e-4, atol=1e-4)
+    assert ex.model is not None and plain.model is not None
+    moe = [layer.mlp for layer in ex.model.layers if isinstance(layer.mlp, QwenSparseMoe)]
+    assert moe and all(
+        isinstance(w, QuantizedWeight) and w.data.dtype == torch.float8_e4m3fn for m in moe for w in (m.gate_up, m.down)
+    )
+    # Held weights: float parameters plus the FP8 data and scales (projections and expert stacks).
+    held = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+    held += sum(w.nbytes() for w in ex.model.quantized_weights())
+    dequantized = sum(p.numel() * p.element_size() for p in plain.model.parameters())
+    written = _tensor_bytes(fp8)
+    assert held <= 1.1 * written < dequantized, (held, written, dequantized)

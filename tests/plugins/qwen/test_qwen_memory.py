@@ -30,9 +30,12 @@ def _bench() -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("fmt", ["float32", "fp8", "w8a8"])
-def test_resident_weights_stay_within_the_checkpoint_bytes(tmp_path: Path, fmt: str) -> None:
-    written = _bench().write_checkpoint(tmp_path / fmt, "small", fmt)
+@pytest.mark.parametrize(
+    ("shape", "fmt"),
+    [("small", "float32"), ("small", "fp8"), ("small", "w8a8"), ("small-moe", "fp8")],  # MoE: FP8 routed experts
+)
+def test_resident_weights_stay_within_the_checkpoint_bytes(tmp_path: Path, shape: str, fmt: str) -> None:
+    written = _bench().write_checkpoint(tmp_path / fmt, shape, fmt)
     run = subprocess.run(
         [sys.executable, str(BENCH), "--measure", str(tmp_path / fmt), "--format", fmt],
         capture_output=True,
