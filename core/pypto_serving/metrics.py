@@ -53,6 +53,10 @@ _ENGINE_COUNTERS = {
     "spec_decode_num_drafts": "Request-steps that verified drafts (per-position acceptance = per_pos / this).",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens of those lookups found cached.",
+    "kv_transfer_sent": "Disaggregated prefill: requests whose KV a decode engine pulled completely.",
+    "kv_transfer_send_failed": "Disaggregated prefill: offered KV whose send failed or timed out.",
+    "kv_transfer_pulled": "Disaggregated decode: requests whose KV arrived completely.",
+    "kv_transfer_pull_failed": "Disaggregated decode: requests failed by their KV transfer.",
 }
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 # The engine's running totals (stats key) behind the counters.
@@ -63,6 +67,10 @@ _TOTALS = {
     "spec_verify_steps": "spec_decode_num_drafts",
     "prefix_cache_queries": "prefix_cache_queries",
     "prefix_cache_hits": "prefix_cache_hits",
+    "kv_sent": "kv_transfer_sent",
+    "kv_send_failed": "kv_transfer_send_failed",
+    "kv_pulled": "kv_transfer_pulled",
+    "kv_pull_failed": "kv_transfer_pull_failed",
 }
 _GROUP_USAGE = "kv_cache_group_usage_perc"
 _GROUP_HITS = "prefix_cache_group_hits"

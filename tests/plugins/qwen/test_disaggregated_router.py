@@ -13,7 +13,7 @@ import pytest
 
 from tests.core.server.conftest import LiveServer
 from tests.core.server.router_helpers import RouterThread
-from tests.core.server.server_helpers import parse_sse
+from tests.core.server.server_helpers import parse_sse, wait_for
 
 pytest.importorskip("pypto_serving_sync_sched")
 
@@ -27,6 +27,13 @@ SETTINGS: dict[str, Any] = {
     "engine_mode": "thread",
     "scheduler": "sync",
 }
+
+
+def _metric(url: str, name: str) -> float:
+    """The value of ``pypto_serving_<name>`` in the server's /metrics (summed over its label sets)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    rows = [line for line in text.splitlines() if line.startswith(f"pypto_serving_{name}")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in rows)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +77,10 @@ def test_the_router_splits_a_completion_over_the_pair(pair: tuple[LiveServer, Li
         got_chat = httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=60).json()
         assert got_chat["choices"][0]["message"] == ref_chat["choices"][0]["message"]
         assert d_llm.stats["kv_pulled"] == 3
+        # The transfers are counted in each server's /metrics (refreshed from the engine stats).
+        wait_for(lambda: _metric(decode.url, "kv_transfer_pulled_total") >= 3, 10, "the decode pulls in /metrics")
+        wait_for(lambda: _metric(prefill.url, "kv_transfer_sent_total") >= 3, 10, "the prefill sends in /metrics")
+        assert _metric(decode.url, "kv_transfer_pull_failed_total") == 0
     finally:
         router.stop()
 
