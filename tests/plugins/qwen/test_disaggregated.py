@@ -33,6 +33,10 @@ PROMPTS = [
 N_OUT = 8
 
 
+# Every prefill engine here (and most decode engines) runs the sync strategy.
+pytestmark = pytest.mark.requires_plugin("sync_sched")
+
+
 @pytest.fixture(scope="module")
 def prefill() -> Iterator[LLM]:
     llm = LLM(kv_role="prefill", worker_mode="process", scheduler="sync", **COMMON)
@@ -65,7 +69,7 @@ def _all_blocks(llm: LLM) -> int:
     return sum(p.num_blocks for p in llm._engine().kv.pools.values())
 
 
-@pytest.mark.parametrize("scheduler", ["sync", "async"])
+@pytest.mark.parametrize("scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
 def test_decode_continues_where_prefill_stopped(prefill: LLM, scheduler: str) -> None:
     with LLM(kv_role="decode", worker_mode="inproc", scheduler=scheduler, **COMMON) as decode:
         for seeded in (False, True):

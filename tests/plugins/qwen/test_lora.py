@@ -286,7 +286,13 @@ def _drive(engine: Any, outs: dict[str, Any], steps: int | None = None) -> None:
         steps = None if steps is None else steps - 1
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize(
+    "async_scheduling",
+    [
+        pytest.param(False, marks=pytest.mark.requires_plugin("sync_sched")),
+        pytest.param(True, marks=pytest.mark.requires_plugin("async_sched")),
+    ],
+)
 def test_load_and_unload_while_requests_run(
     async_scheduling: bool,
     adapters: dict[str, Path],
