@@ -11,6 +11,11 @@ enter the scheduler, as a prefix-cache hit of ``prompt - 1`` tokens: the decode 
 last prompt token and samples every output token itself, so sampling (seeds, penalties, stop strings,
 logprobs) never crosses engines and the outputs equal co-located serving.
 
+With hit-aligned cache groups (sliding windows, snapshots: :attr:`KVCacheManager.hit_aligned`) a
+computation starts only at a multiple of the hit unit, so the transfer covers ``prompt - 1`` rounded
+down to it: the prefill side takes that prefix-cache hit on the request's own blocks, each side gives
+back the entries a start there never reads, and only held (not FREED) entries move, in table order.
+
 Every block a transfer touches is owned by exactly one record until the connector says it no longer
 touches it (a ``sent`` or ``pulled`` event): a held request until ``sent`` (after the pull, a failed
 send, or a withdrawal at ``kv_transfer_timeout``), a pulling request until ``pulled``. A failed pull
