@@ -238,3 +238,20 @@ def test_windowed_groups_move_the_blocks_a_start_at_the_hit_unit_reads() -> None
     for ledger in (prefill, decode):
         ledger.kv.check_invariants([])
         assert all(p.num_free == p.num_blocks for p in ledger.kv.pools.values())
+
+
+def test_an_evicted_window_block_shortens_the_offer() -> None:
+    """A window block the start needs was given back and reused meanwhile: the offer falls to the
+    longest start still served (here none: nothing moves, the request's blocks are freed)."""
+    sent: list[tuple[Any, ...]] = []
+    prefill = _windowed_ledger("prefill", sent)
+    req = _finished_prefill(prefill, 21)
+    prefill.kv.publish(req, 22)
+    prefill.kv.release_outside_window(req, 21)
+    taken = prefill.kv.pools["win"].allocate(13)  # every free win block, then blocks 0..2 evicted
+    assert not prefill.hold(req)
+    assert not sent and req.out.kv_transfer_params is not None and req.out.kv_transfer_params["num_tokens"] == 0
+    prefill.kv.free(req)
+    prefill.kv.pools["win"].release(taken)
+    prefill.kv.check_invariants([])
+    assert all(p.num_free == p.num_blocks for p in prefill.kv.pools.values())

@@ -56,10 +56,11 @@ def _params(seeded: bool, **kw: Any) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, **kw)
 
 
-def test_decode_continues_from_the_transferred_hit(prefill: LLM) -> None:
+@pytest.mark.parametrize("scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
+def test_decode_continues_from_the_transferred_hit(prefill: LLM, scheduler: str) -> None:
     expect = [(len(p) - 1) // UNIT * UNIT for p in PROMPTS]
     assert expect == [64, 64, 0]
-    with LLM(kv_role="decode", worker_mode="inproc", **COMMON) as decode:
+    with LLM(kv_role="decode", worker_mode="inproc", **{**COMMON, "scheduler": scheduler}) as decode:
         for seeded in (False, True):
             offers = [
                 o.kv_transfer_params
