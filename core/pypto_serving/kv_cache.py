@@ -245,9 +245,9 @@ class KVCacheManager:
         """Give back the blocks a computation from ``hit`` never reads (the entries before each
         group's :meth:`_first_needed`), as :meth:`take_prefix` leaves a hit's tables."""
         for g in self.groups:
-            lo = self._first_needed(g, hit)
             blocks = request.kv.block_ids.get(g.name, [])
-            if lo and blocks:
+            lo = min(self._first_needed(g, hit), len(blocks))
+            if lo:
                 self.pools[g.name].release([b for b in blocks[:lo] if b != FREED], tail_first=False)
                 blocks[:lo] = [FREED] * lo
                 request.kv.window_freed[g.name] = lo
