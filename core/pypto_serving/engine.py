@@ -285,9 +285,13 @@ class EngineCore:
         self._kv_conn = conn
         if cfg is None or conn is None:
             return
-        windowed = [g.name for g in self.info.cache_groups if g.window_tokens is not None]
-        if windowed:
-            raise SettingsError(f"kv_role does not support sliding-window cache groups yet ({', '.join(windowed)})")
+        if cfg.kv_role in ("prefill", "both") and self.kv.hit_aligned and not self.kv.prefix_caching:
+            # Its offers are prefix-cache hits on the request's own blocks (window blocks given back
+            # during the prefill are taken again from the cache).
+            raise SettingsError(
+                "kv_role 'prefill' on an executor with sliding-window or snapshot cache groups needs "
+                "enable_prefix_caching (and every cache group caching prefixes)"
+            )
         if not conn.poll(60):
             raise RuntimeError("the worker's KV connector did not start within 60s")
         kind, address = conn.recv()
@@ -316,7 +320,7 @@ class EngineCore:
 
     def _admit_pulled(self, req: Request) -> None:
         """A decode request whose prompt KV arrived: it enters the scheduler as a prefix hit of it."""
-        hit = req.num_prompt_tokens - 1
+        hit = int((req.sampling_params.kv_transfer_params or {})["num_tokens"])
         self.scheduler.add_request(req)
         req.num_computed_tokens = req.num_cached_tokens = req.metrics.num_cached_tokens = hit
         req.sched.confirmed = hit

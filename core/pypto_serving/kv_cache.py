@@ -191,19 +191,26 @@ class KVCacheManager:
         The hit never covers the last prompt token, so the first output is always computed."""
         if not self.prefix_caching or request.kv.num_entries:
             return 0
-        unit = self._hash_unit
-        limit = (request.num_tokens - 1) // unit * unit
+        limit = (request.num_tokens - 1) // self._hash_unit * self._hash_unit
         self.prefix_queries += request.num_prompt_tokens
+        hit, by_group = self.take_prefix(request, limit)
+        for name, best in by_group.items():
+            self.group_hits[name] += best
+        request.kv.group_hits = by_group
+        self.prefix_hits += hit
+        return hit
+
+    def take_prefix(self, request: Request, limit: int) -> tuple[int, dict[str, int]]:
+        """Take the cached blocks of the longest hit up to ``limit`` (a multiple of the hash unit)
+        for a request holding none; returns the hit and, per group, the hit that group alone serves."""
+        unit = self._hash_unit
         found = {g.name: self._cached_blocks(request, g, limit) for g in self.groups}
         serves = {g.name: self._servable(g, found[g.name]) for g in self.groups}
         candidates = range(limit, 0, -unit)
         by_group = {name: next((p for p in candidates if ok(p)), 0) for name, ok in serves.items()}
-        for name, best in by_group.items():
-            self.group_hits[name] += best
-        request.kv.group_hits = by_group
         hit = next((p for p in candidates if all(ok(p) for ok in serves.values())), 0)
         if hit == 0:
-            return 0
+            return 0, by_group
         for g in self.groups:
             lo, end = self._first_needed(g, hit), hit // g.tokens_per_block
             blocks = [b for b in found[g.name][lo:end] if b is not None]
@@ -217,8 +224,33 @@ class KVCacheManager:
         # go back at once: held until the first step confirms, they could take the whole pool and
         # leave the request unable to grow (never admitted, or failed as too big for the cache).
         self.release_outside_window(request, hit)
-        self.prefix_hits += hit
-        return hit
+        return hit, by_group
+
+    # -- KV transfer (disaggregated serving)
+    @property
+    def hit_aligned(self) -> bool:
+        """Whether a computation may start only at a multiple of the hash unit: some group's state
+        at ``p`` is not the plain prefix of its blocks (a window, a snapshot, a rebuilt group)."""
+        return any(g.hit_lookback is not None for g in self.groups)
+
+    @property
+    def hit_unit(self) -> int:
+        return self._hash_unit
+
+    def transfer_tokens(self, num_tokens: int) -> int:
+        """The longest prefix of ``num_tokens`` tokens that a request can start computing after."""
+        return num_tokens // self._hash_unit * self._hash_unit if self.hit_aligned else num_tokens
+
+    def restrict_to_hit(self, request: Request, hit: int) -> None:
+        """Give back the blocks a computation from ``hit`` never reads (the entries before each
+        group's :meth:`_first_needed`), as :meth:`take_prefix` leaves a hit's tables."""
+        for g in self.groups:
+            blocks = request.kv.block_ids.get(g.name, [])
+            lo = min(self._first_needed(g, hit), len(blocks))
+            if lo:
+                self.pools[g.name].release([b for b in blocks[:lo] if b != FREED], tail_first=False)
+                blocks[:lo] = [FREED] * lo
+                request.kv.window_freed[g.name] = lo
 
     def _cached_blocks(self, request: Request, group: CacheGroupSpec, limit: int) -> list[int | None]:
         """Per full block of the request's first ``limit`` tokens, the cached block with its key."""

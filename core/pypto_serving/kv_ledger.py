@@ -11,6 +11,11 @@ enter the scheduler, as a prefix-cache hit of ``prompt - 1`` tokens: the decode 
 last prompt token and samples every output token itself, so sampling (seeds, penalties, stop strings,
 logprobs) never crosses engines and the outputs equal co-located serving.
 
+With hit-aligned cache groups (sliding windows, snapshots: :attr:`KVCacheManager.hit_aligned`) a
+computation starts only at a multiple of the hit unit, so the transfer covers ``prompt - 1`` rounded
+down to it: the prefill side takes that prefix-cache hit on the request's own blocks, each side gives
+back the entries a start there never reads, and only held (not FREED) entries move, in table order.
+
 Every block a transfer touches is owned by exactly one record until the connector says it no longer
 touches it (a ``sent`` or ``pulled`` event): a held request until ``sent`` (after the pull, a failed
 send, or a withdrawal at ``kv_transfer_timeout``), a pulling request until ``pulled``. A failed pull
@@ -114,10 +119,12 @@ class KVTransferLedger:
             )
         if params["prompt_digest"] != prompt_digest(req.prompt_token_ids):
             raise ValueError("kv_transfer_params belong to another prompt: send the decode engine the prefill's prompt")
-        if params["num_tokens"] != req.num_prompt_tokens - 1:
-            raise ValueError(
-                f"kv_transfer_params.num_tokens={params['num_tokens']!r}; this prompt needs {req.num_prompt_tokens - 1}"
-            )
+        n, limit = params["num_tokens"], self.kv.transfer_tokens(req.num_prompt_tokens - 1)
+        # A prefill engine whose hit unit aligns transfers may offer less than the limit (window
+        # blocks evicted before it held them): any hit position up to it.
+        shorter = self.kv.hit_aligned and isinstance(n, int) and 0 <= n < limit and n % self.kv.hit_unit == 0
+        if n != limit and not shorter:
+            raise ValueError(f"kv_transfer_params.num_tokens={n!r}; this prompt needs {limit}")
 
     # -- prefill side
     def hold(self, req: Request) -> bool:
@@ -128,8 +135,7 @@ class KVTransferLedger:
             return False
         if req.status is RequestStatus.FINISHED_ABORTED:
             return False
-        num_tokens = req.num_prompt_tokens - 1
-        blocks = self._trim(req, num_tokens)
+        num_tokens, blocks = self._offer(req)
         tid = f"{req.request_id}@{id(req):x}"
         req.out.kv_transfer_params = {
             "do_remote_prefill": True,
@@ -144,6 +150,19 @@ class KVTransferLedger:
         self.held[tid] = _Held(req, self._clock() + self.config.kv_transfer_timeout)
         self._send(("publish", tid, blocks))
         return True
+
+    def _offer(self, req: Request) -> tuple[int, dict[str, list[int]]]:
+        """The tokens a decode engine can start after and the blocks it pulls for them (per group,
+        the entries a computation from there reads, in order). With hit-aligned groups (sliding
+        windows, snapshots) that is a prefix-cache hit on the request's own published blocks: its
+        window blocks already given back are taken again from the prefix cache."""
+        if not self.kv.hit_aligned:
+            num_tokens = req.num_prompt_tokens - 1
+            return num_tokens, self._trim(req, num_tokens)
+        limit = self.kv.transfer_tokens(req.num_prompt_tokens - 1)
+        self.kv.free(req)
+        num_tokens = self.kv.take_prefix(req, limit)[0] if self.kv.prefix_caching else 0
+        return num_tokens, _held_blocks(req)
 
     def _trim(self, req: Request, num_tokens: int) -> dict[str, list[int]]:
         """Free the blocks past the first ``num_tokens`` tokens; the rest is what a decode engine pulls."""
@@ -173,7 +192,8 @@ class KVTransferLedger:
         if pull.started or not self.kv.allocate(pull.request, pull.num_tokens):
             return
         pull.started = True
-        blocks = {g: list(b) for g, b in pull.request.kv.block_ids.items()}
+        self.kv.restrict_to_hit(pull.request, pull.num_tokens)
+        blocks = _held_blocks(pull.request)
         self._send(("pull", pull.request.request_id, pull.source, blocks))
 
     def abort(self, request_id: str) -> Request | None:
@@ -236,6 +256,11 @@ class KVTransferLedger:
     def owners(self) -> list[Request]:
         """Requests holding blocks outside the scheduler (for the KV invariants)."""
         return [h.request for h in self.held.values()] + [p.request for p in self.pulls.values()]
+
+
+def _held_blocks(req: Request) -> dict[str, list[int]]:
+    """Per group, the blocks a request holds in table order (FREED entries move nothing)."""
+    return {g: [b for b in table if b != FREED] for g, table in req.kv.block_ids.items()}
 
 
 def _finish(req: Request, status: RequestStatus, error: str | None) -> None:

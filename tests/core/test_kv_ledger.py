@@ -9,7 +9,7 @@ import pytest
 
 from pypto_serving.config import KVTransferConfig
 from pypto_serving.executor import CacheGroupSpec
-from pypto_serving.kv_cache import KVCacheManager
+from pypto_serving.kv_cache import FREED, KVCacheManager
 from pypto_serving.kv_ledger import KVTransferLedger, prompt_digest
 from pypto_serving.kv_transfer import TransferEvent
 from pypto_serving.request import Request, RequestStatus, SamplingParams
@@ -182,3 +182,76 @@ def test_the_settings_take_vllm_roles_and_refuse_contradictions() -> None:
         ServingSettings(kv_role="prefill", kv_transfer_config={"kv_role": "decode"})
     with pytest.raises(ValueError, match="its own port"):
         ServingSettings(kv_role="prefill", kv_transfer_config={"kv_port": 14579}, data_parallel_size=2)
+
+
+# A sliding window of 8 tokens (4 a block) and a group of 8 tokens a block: a computation can start
+# only at multiples of 8 (the hit unit), and from a start at p it reads the window blocks from p - 7.
+WINDOWED = [CacheGroupSpec("win", 4, 64, window_tokens=8), CacheGroupSpec("full", 4, 16, tokens_per_entry=2)]
+
+
+def _windowed_ledger(role: str, sent: list[tuple[Any, ...]]) -> KVTransferLedger:
+    kv = KVCacheManager(WINDOWED, {"win": 16, "full": 8})
+    cfg = KVTransferConfig(kv_role=role)  # type: ignore[call-arg]
+    return KVTransferLedger(cfg, kv, sent.append, ADDRESS)
+
+
+def test_windowed_groups_move_the_blocks_a_start_at_the_hit_unit_reads() -> None:
+    """The prefill side offers ``prompt - 1`` rounded down to the hit unit; the window blocks given
+    back during the prefill (FREED entries) that the start reads come back from the prefix cache, the
+    ones it never reads are not sent; the decode side gives back the same entries, so both sides'
+    block lists pair up, and every block is freed after the events."""
+    sent: list[tuple[Any, ...]] = []
+    prefill = _windowed_ledger("prefill", sent)
+    req = _finished_prefill(prefill, 21)  # 22 tokens: win 6 blocks, full 3
+    prefill.kv.publish(req, 22)
+    win_ids = list(req.kv.block_ids["win"])
+    prefill.kv.release_outside_window(req, 21)  # win blocks 0..2 go back (still cached)
+    assert req.kv.block_ids["win"][:3] == [FREED] * 3
+    assert prefill.hold(req)
+    ((_, tid, offered),) = sent
+    assert req.out.kv_transfer_params is not None and req.out.kv_transfer_params["num_tokens"] == 16
+    # A start at 16 reads positions 9..15 of the window: win blocks 2 (given back, taken again from
+    # the cache) and 3; full blocks 0 and 1. Nothing past 16 and no earlier window block moves.
+    assert offered == {"win": win_ids[2:4], "full": req.kv.block_ids["full"]}
+    assert len(offered["full"]) == 2 and req.kv.block_ids["win"][:2] == [FREED] * 2
+    prefill.kv.check_invariants(prefill.owners())
+
+    decode = _windowed_ledger("decode", sent)
+    dreq = _decode_request(22, "d")
+    params = dreq.sampling_params.kv_transfer_params
+    assert params is not None
+    params["num_tokens"] = 20  # not a start the hit unit allows
+    with pytest.raises(ValueError, match="this prompt needs 16"):
+        decode.check(dreq, 1)
+    params["num_tokens"] = 16
+    decode.check(dreq, 1)
+    assert decode.start_pull(dreq)
+    kind, _rid, _source, wanted = sent[-1]
+    assert kind == "pull" and {g: len(b) for g, b in wanted.items()} == {"win": 2, "full": 2}
+    assert dreq.kv.block_ids["win"][:2] == [FREED] * 2 and len(dreq.kv.block_ids["win"]) == 4
+    decode.kv.check_invariants(decode.owners())
+
+    prefill.on_event(TransferEvent(tid, "sent"))
+    pulled, ok = decode.on_event(TransferEvent("d", "pulled"))
+    assert pulled is dreq and ok
+    decode.kv.free(dreq)
+    for ledger in (prefill, decode):
+        ledger.kv.check_invariants([])
+        assert all(p.num_free == p.num_blocks for p in ledger.kv.pools.values())
+
+
+def test_an_evicted_window_block_shortens_the_offer() -> None:
+    """A window block the start needs was given back and reused meanwhile: the offer falls to the
+    longest start still served (here none: nothing moves, the request's blocks are freed)."""
+    sent: list[tuple[Any, ...]] = []
+    prefill = _windowed_ledger("prefill", sent)
+    req = _finished_prefill(prefill, 21)
+    prefill.kv.publish(req, 22)
+    prefill.kv.release_outside_window(req, 21)
+    taken = prefill.kv.pools["win"].allocate(13)  # every free win block, then blocks 0..2 evicted
+    assert not prefill.hold(req)
+    assert not sent and req.out.kv_transfer_params is not None and req.out.kv_transfer_params["num_tokens"] == 0
+    prefill.kv.free(req)
+    prefill.kv.pools["win"].release(taken)
+    prefill.kv.check_invariants([])
+    assert all(p.num_free == p.num_blocks for p in prefill.kv.pools.values())

@@ -415,6 +415,15 @@ class DeepseekMTPExecutor(Executor):
                     self.num_slots, ring_len, 2 * cfg.index_head_dim, self.device, torch.float32
                 )
 
+    def kv_cache_blocks(self) -> dict[str, list[torch.Tensor]] | None:
+        """Every group's per-layer caches (block id first), the ``csa_state`` snapshots and the MTP
+        groups included. A decode engine starts a pulled request as a prefix-cache hit, which needs
+        nothing outside the blocks: the compressor rings restart from the snapshot at the hit and
+        the MTP KV and carry are rebuilt (a hit's MTP tables are all given back, so none moves)."""
+        assert self.model is not None
+        # Each cache is [layers, blocks, ...]: one view per layer, writes land in the cache itself.
+        return {name: list(cache.unbind(0)) for name, cache in self.model.caches.items()}
+
     def _slot(self, request_id: str, first_pos: int, hits: dict[str, int]) -> int:
         """The request's ring slot; a request new to the executor at ``first_pos > 0`` starts at a
         prefix-cache hit and is recorded in ``hits``."""

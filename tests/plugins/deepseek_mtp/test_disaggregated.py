@@ -1,0 +1,103 @@
+"""Disaggregated prefill and decode on the embedded tiny DeepSeek-V4 with MTP (k=2).
+
+A decode engine starts a pulled request as a prefix-cache hit (docs/deepseek_mtp.md): the prefill
+engine offers the longest hit its prompt allows (``prompt - 1`` rounded down to the hit unit, 64
+tokens at block size 4, the ``hca_kv`` block), the blocks every cache group reads from there (the ``swa`` window, every
+compressed entry and indexer key, the CSA compressor snapshot at the hit, no MTP block), and the
+decode engine computes the rest of the prompt. The reference is the prefill engine serving the same
+requests co-located; a prompt shorter than one hit unit moves nothing and is computed whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from pypto_serving import LLM, SamplingParams
+
+from ..qwen.test_disaggregated import _all_blocks, _free_blocks
+
+pytestmark = pytest.mark.requires_plugin("sync_sched")
+
+COMMON: dict[str, Any] = {
+    "model": "tiny-deepseek-v4",
+    "device": "cpu",
+    "block_size": 4,
+    "num_kv_blocks": 96,
+    "max_model_len": 160,
+    "scheduler": "sync",
+    "speculative_config": {"method": "mtp", "num_speculative_tokens": 2, "policy": "fixed"},
+}
+UNIT = 64  # the hit unit at block size 4: lcm of the groups' tokens per block
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [_tokens(1, 100), _tokens(2, 70), _tokens(3, 20)]  # 64 tokens move twice; 20 < one unit
+N_OUT = 8
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[LLM]:
+    llm = LLM(kv_role="prefill", worker_mode="process", **COMMON)
+    yield llm
+    llm.shutdown()
+
+
+def _params(seeded: bool, **kw: Any) -> SamplingParams:
+    if seeded:
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=N_OUT, ignore_eos=True, **kw)
+    return SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
+def test_decode_continues_from_the_transferred_hit(prefill: LLM, scheduler: str) -> None:
+    expect = [(len(p) - 1) // UNIT * UNIT for p in PROMPTS]
+    assert expect == [64, 64, 0]
+    with LLM(kv_role="decode", worker_mode="inproc", **{**COMMON, "scheduler": scheduler}) as decode:
+        for seeded in (False, True):
+            offers = [
+                o.kv_transfer_params
+                for o in prefill.generate(
+                    PROMPTS,
+                    SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                    use_tqdm=False,
+                )
+            ]
+            assert [o["num_tokens"] for o in offers] == expect  # type: ignore[index]
+            outs = [
+                decode.generate([p], _params(seeded, kv_transfer_params=o), use_tqdm=False)[0]
+                for p, o in zip(PROMPTS, offers)
+            ]
+            reference = prefill.generate(PROMPTS, _params(seeded), use_tqdm=False)
+            for ref, out, n in zip(reference, outs, expect):
+                assert out.outputs[0].error is None
+                assert out.num_cached_tokens == n  # the KV came over, not recomputed
+                assert out.outputs[0].token_ids == ref.outputs[0].token_ids, (seeded, n)
+        engine = decode._engine()
+        assert engine.kvx is not None and engine.kvx.stats["kv_pulled"] == 2 * sum(n > 0 for n in expect)
+        assert engine.stats()["spec_accepted"] > 0  # drafting resumed after the transferred hit
+        engine.kv.check_invariants(engine.scheduler.live_requests())
+        assert _free_blocks(decode) == _all_blocks(decode)
+    deadline = time.monotonic() + 10
+    while prefill._engine().kvx.held and time.monotonic() < deadline:  # type: ignore[union-attr]
+        prefill._engine().check_worker()
+        time.sleep(0.02)
+    assert _free_blocks(prefill) == _all_blocks(prefill)
+
+
+def test_an_offer_must_be_a_hit_position(prefill: LLM) -> None:
+    """A num_tokens the decode engine could not start after is refused (400), not computed from."""
+    with LLM(kv_role="decode", worker_mode="inproc", **COMMON) as decode:
+        bad = {"do_remote_prefill": True, "transfer_id": "x", "remote_host": "127.0.0.1", "remote_port": 1}
+        from pypto_serving.kv_ledger import prompt_digest
+
+        bad |= {"prompt_digest": prompt_digest(PROMPTS[0]), "num_tokens": 96}
+        with pytest.raises(ValueError, match="this prompt needs 64"):
+            decode.generate(PROMPTS[:1], _params(False, kv_transfer_params=bad), use_tqdm=False)
