@@ -194,3 +194,29 @@ def test_a_killed_decode_leaves_no_block_held_on_the_prefill_side() -> None:
             assert len(again.outputs[0].token_ids) == N_OUT
         finally:
             victim.shutdown()
+
+
+def test_a_moe_decode_continues_where_prefill_stopped(qwen_checkpoints: Any) -> None:
+    """Qwen3-MoE (routed experts beside the attention): the decode engine's greedy tokens equal the
+    prefill engine's co-located ones from the transferred KV alone."""
+    moe: dict[str, Any] = {
+        "model": str(qwen_checkpoints("qwen3_moe")),
+        "device": "cpu",
+        "dtype": "float32",
+        "num_kv_blocks": 32,
+        "max_model_len": 128,
+        "block_size": 4,
+        "scheduler": "sync",
+        "worker_mode": "inproc",
+    }
+    prompts = [[(7 * i + 3) % 300 for i in range(n)] for n in (13, 22)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(kv_role="prefill", **moe) as p, LLM(kv_role="decode", **moe) as d:
+        reference = p.generate(prompts, greedy, use_tqdm=False)
+        offers = _prefill(p, prompts)
+        for prompt, offer, ref in zip(prompts, offers, reference):
+            again = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, kv_transfer_params=offer)
+            out = d.generate([prompt], again, use_tqdm=False)[0]
+            assert out.outputs[0].error is None and out.num_cached_tokens == len(prompt) - 1
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert _free_blocks(d) == _all_blocks(d)
