@@ -49,6 +49,26 @@ def _one_torch_thread() -> Iterator[None]:
         os.environ["OMP_NUM_THREADS"] = env
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``PYPTO_TESTS_ONLY=<word>`` (tox's ``*-async`` envs set ``async``) keeps only the tests about
+    that strategy: those whose id names it (a file, a test or a parameter) or that require a plugin
+    named with it. Everything else runs unchanged in the matching ``*-sync`` env and in ``all``, so a
+    plugin-combination env runs what depends on its combination, not the whole suite again."""
+    import os
+
+    only = os.environ.get("PYPTO_TESTS_ONLY", "").lower()
+    if not only:
+        return
+    keep, drop = [], []
+    for item in items:
+        plugins = [str(a) for m in item.iter_markers(name="requires_plugin") for a in m.args]
+        about = only in item.nodeid.lower() or any(only in p for p in plugins)
+        (keep if about else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers(name="requires_plugin"):
         for name in mark.args:
