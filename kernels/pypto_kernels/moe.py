@@ -74,6 +74,25 @@ def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     return x.device.type == "cuda" and x.dtype == torch.bfloat16 and aligned
 
 
+def routes_by_expert(
+    ids: torch.Tensor, weights: torch.Tensor, num_experts: int, dtype: torch.dtype
+) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """``(expert, count, token rows, route weights)`` of each expert with routes, in expert order:
+    the routes sorted by expert (stable), their counts read to the host once. Dropped routes (id
+    ``num_experts``) sort last and are never listed."""
+    top_k = ids.shape[1]
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()[:num_experts]
+    token_of, flat_weights = order // top_k, weights.reshape(-1)[order].to(dtype)
+    out, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            out.append((expert, count, token_of[rows], flat_weights[rows]))
+            start += count
+    return out
+
+
 def looped_moe_experts(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -88,24 +107,13 @@ def looped_moe_experts(
     dtypes and devices :func:`grouped_mm_supported` rejects and as the tests' reference.
     Routes with id ``E`` (dropped, see :func:`moe_experts`) sort last and are never computed.
     """
-    num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
-    if num_tokens == 0:
+    if ids.shape[0] == 0:
         return out
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()[: gate_up.shape[0]]
-    token_of = order // top_k
-    flat_weights = weights.reshape(-1)[order].to(x.dtype)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        tokens = token_of[start : start + count]
+    for expert, _, tokens, route_weights in routes_by_expert(ids, weights, gate_up.shape[0], x.dtype):
         hidden = activation(F.linear(x[tokens], gate_up[expert]))
-        hidden = F.linear(hidden, down[expert]) * flat_weights[start : start + count, None]
+        hidden = F.linear(hidden, down[expert]) * route_weights[:, None]
         out.index_add_(0, tokens, hidden.to(out.dtype))
-        start += count
     return out
 
 

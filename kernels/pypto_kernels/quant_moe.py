@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .activation import silu_and_mul
-from .moe import moe_experts
+from .moe import moe_experts, routes_by_expert
 from .mxfp4 import dequantize_mxfp4
 from .quant import fp8_values, quantize_per_token
 from .registry import dispatch
@@ -136,26 +136,14 @@ def quant_moe_experts(
     Reference: one expert at a time, only those with tokens (the counts are read to the host),
     each dequantised into ``x.dtype`` for its two matmuls and dropped.
     """
-    num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
-    n_experts = gate_up.data.shape[0]
-    if num_tokens == 0:
+    if ids.shape[0] == 0:
         return out
     xs, act = _per_token_inputs(gate_up, x, activation)
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=n_experts).tolist()[:n_experts]
-    token_of = order // top_k
-    flat_weights = weights.reshape(-1)[order].to(x.dtype)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        tokens = token_of[start : start + count]
+    for expert, _, tokens, route_weights in routes_by_expert(ids, weights, gate_up.data.shape[0], x.dtype):
         hidden = act(F.linear(xs[tokens], dequantize_experts(gate_up, expert, x.dtype)))
-        hidden = F.linear(hidden, dequantize_experts(down, expert, x.dtype)) * flat_weights[start : start + count, None]
+        hidden = F.linear(hidden, dequantize_experts(down, expert, x.dtype)) * route_weights[:, None]
         out.index_add_(0, tokens, hidden.to(out.dtype))
-        start += count
     return out
 
 
