@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 from collections.abc import Callable, Iterator
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,24 +52,96 @@ def _one_torch_thread() -> Iterator[None]:
         os.environ["OMP_NUM_THREADS"] = env
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``PYPTO_TESTS_ONLY=<word>`` (tox's ``*-async`` envs set ``async``) keeps only the tests about
-    that strategy: those whose id names it (a file, a test or a parameter) or that require a plugin
-    named with it. Everything else runs unchanged in the matching ``*-sync`` env and in ``all``, so a
-    plugin-combination env runs what depends on its combination, not the whole suite again."""
-    import os
+# The plugins whose test directory a `*-sync` tox env owns (it runs them with that plugin and sync).
+_SINGLE_PLUGIN_DIRS = ("qwen", "deepseek_mtp")
+# Skip reasons that mean "a distribution the `all` env has is missing here".
+_MISSING_DIST = re.compile(r"pypto_serving_|plugin \w+ not installed|schemathesis|pypto-serving-")
 
-    only = os.environ.get("PYPTO_TESTS_ONLY", "").lower()
-    if not only:
+
+def _required_plugins(item: pytest.Item) -> list[str]:
+    return [str(a) for m in item.iter_markers(name="requires_plugin") for a in m.args]
+
+
+def _about(item: pytest.Item, word: str) -> bool:
+    """The test is about ``word`` (a strategy): its id names it or it requires a plugin named so."""
+    return word in item.nodeid.lower() or any(word in p for p in _required_plugins(item))
+
+
+def _single_env_plugin(item: pytest.Item) -> str | None:
+    """The plugin whose `*-sync` env runs ``item`` (None: only `all` does, or an `*-async` env).
+
+    Tests under ``tests/plugins/<plugin>/`` that are not about the async strategy and require no
+    other plugin than their own and ``sync_sched`` run there; the `*-sync` env checks that none of
+    them skips for a missing distribution (:func:`pytest_runtest_logreport`), so `all` can leave them
+    out without losing one."""
+    parts = item.path.relative_to(Path(__file__).parent).parts
+    if len(parts) < 3 or parts[0] != "plugins" or parts[1] not in _SINGLE_PLUGIN_DIRS:
+        return None
+    if _about(item, "async") or not set(_required_plugins(item)) <= {parts[1], "sync_sched"}:
+        return None
+    return parts[1]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``PYPTO_TESTS_SCOPE`` makes each tox env run what depends on its combination, not the whole
+    suite again: ``async`` (the ``*-async`` envs) keeps the tests about the async strategy (their id
+    names it, or they require a plugin named with it); ``multi`` (the ``all`` env) leaves out the
+    tests a ``*-sync`` env owns (:func:`_single_env_plugin`); ``sync`` and unset keep everything."""
+    scope = os.environ.get("PYPTO_TESTS_SCOPE", "").lower()
+    if scope == "async":
+        keep = [item for item in items if _about(item, "async")]
+    elif scope == "multi":
+        keep = [item for item in items if _single_env_plugin(item) is None]
+    else:
         return
-    keep, drop = [], []
-    for item in items:
-        plugins = [str(a) for m in item.iter_markers(name="requires_plugin") for a in m.args]
-        about = only in item.nodeid.lower() or any(only in p for p in plugins)
-        (keep if about else drop).append(item)
+    drop = [item for item in items if item not in set(keep)]
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+class _SyncEnvGuard:
+    """``PYPTO_TESTS_SCOPE=sync`` (the ``*-sync`` envs): fail the run when a test this env owns
+    (:func:`_single_env_plugin`) skips for a missing distribution. ``all`` leaves those tests out,
+    so one would run nowhere; marked ``requires_plugin(<name>)``, ``all`` runs it."""
+
+    def __init__(self) -> None:
+        self.owned: set[str] = set()
+        self.lost: list[str] = []
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        self.owned = {item.nodeid for item in items if _single_env_plugin(item) is not None}
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        parts = Path(report.fspath).parts
+        owned_dir = next((p for p in _SINGLE_PLUGIN_DIRS if "plugins" in parts and p in parts), None)
+        if report.skipped and owned_dir and plugin_installed(owned_dir) and _missing_dist(report):
+            self.lost.append(f"{report.nodeid}: {_skip_reason(report)}")
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.skipped and report.nodeid in self.owned and _missing_dist(report):
+            self.lost.append(f"{report.nodeid}: {_skip_reason(report)}")
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.lost:
+            lines = "\n  ".join(self.lost)
+            print(f"\nERROR: tests this env owns skipped for a missing distribution:\n  {lines}")
+            print("Mark each with pytest.mark.requires_plugin(<plugin>) so that the `all` env runs it.")
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYPTO_TESTS_SCOPE", "").lower() == "sync":
+        config.pluginmanager.register(_SyncEnvGuard(), "pypto-sync-env-guard")
+
+
+def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
+
+
+def _missing_dist(report: pytest.CollectReport | pytest.TestReport) -> bool:
+    return bool(_MISSING_DIST.search(_skip_reason(report)))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
