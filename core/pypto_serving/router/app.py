@@ -8,7 +8,9 @@ Routes:
 * ``GET /health``: 200 while at least one replica takes requests, else 503;
 * ``GET /metrics``: Prometheus text (``pypto_router_*``);
 * ``GET /router/replicas``: each replica's state; ``POST /router/replicas/{name}/drain`` and
-  ``.../undrain``: a drained replica gets no new request and finishes those it has.
+  ``.../undrain``: a drained replica gets no new request and finishes those it has;
+* ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``admin_token``): to every
+  replica (see ``lora.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .config import RouterSettings
+from .lora import LORA_PATHS, LoraBroadcast
 from .metrics import RouterMetrics
-from .proxy import Forwarder, error_response
+from .proxy import Forwarder, error_response, read_body
 from .replicas import Replica, launch, make_replica, poll_health, poll_once, stop
 from .routing import Router
 
@@ -51,6 +54,7 @@ class RouterState:
         self.router = Router(settings, {name: r.load for name, r in self.replicas.items()})
         self.metrics = RouterMetrics()
         self.forwarder = Forwarder(settings, self.router, self.replicas, self.metrics)
+        self.lora = LoraBroadcast(self.replicas)
         self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -59,8 +63,8 @@ class RouterState:
         for replica in replicas:
             if replica.config.command:
                 launch(replica, self.settings)
-        await asyncio.gather(*(poll_once(r, self.settings) for r in replicas))
-        self._poller = asyncio.create_task(poll_health(replicas, self.settings))
+        await asyncio.gather(*(poll_once(r, self.settings, self.lora.sync) for r in replicas))
+        self._poller = asyncio.create_task(poll_health(replicas, self.settings, self.lora.sync))
 
     async def stop(self) -> None:
         if self._poller is not None:
@@ -97,6 +101,7 @@ def build_router_app(settings: RouterSettings) -> Starlette:
         Route("/router/replicas", partial(_admin, state, _list), methods=["GET"]),
         Route("/router/replicas/{name}/drain", partial(_admin, state, _drain), methods=["POST"]),
         Route("/router/replicas/{name}/undrain", partial(_admin, state, _undrain), methods=["POST"]),
+        *(Route(p, partial(_lora, state), methods=["POST"]) for p in LORA_PATHS),
         *(Route(p, partial(_api, state), methods=_METHODS) for p in ("/tokenize", "/detokenize", "/version")),
         Route("/v1/{rest:path}", partial(_api, state), methods=_METHODS),
     ]
@@ -149,7 +154,7 @@ async def _api(state: RouterState, request: Request) -> Response:
     return await state.forwarder.handle(request)
 
 
-async def _admin(state: RouterState, action: _Action, request: Request) -> Response:
+def _refuse_admin(state: RouterState, request: Request) -> Response | None:
     token = state.settings.admin_token
     if token is None:
         return error_response(403, "the admin routes are off: set admin_token", "admin_disabled")
@@ -157,6 +162,22 @@ async def _admin(state: RouterState, action: _Action, request: Request) -> Respo
         return error_response(
             401, "missing or invalid admin token", "invalid_admin_token", {"www-authenticate": "Bearer"}
         )
+    return None
+
+
+async def _lora(state: RouterState, request: Request) -> Response:
+    if (refused := _refuse_admin(state, request)) is not None:
+        return refused
+    limit = state.settings.max_request_body_bytes
+    body = await read_body(request, limit)
+    if body is None:
+        return error_response(413, f"request body is larger than max_request_body_bytes={limit}", "request_too_large")
+    return await state.lora.handle(request.url.path, body)
+
+
+async def _admin(state: RouterState, action: _Action, request: Request) -> Response:
+    if (refused := _refuse_admin(state, request)) is not None:
+        return refused
     name = str(request.path_params.get("name", ""))
     if name and name not in state.replicas:
         return error_response(404, f"no replica named {name!r}", "unknown_replica")

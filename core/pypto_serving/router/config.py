@@ -43,6 +43,11 @@ class ReplicaConfig(BaseModel):
         description="Bearer token the router sends to this replica; unset = the client's Authorization header "
         "is passed on.",
     )
+    admin_api_key: str | None = Field(
+        None,
+        description="The replica's admin key, sent as Bearer with the LoRA adapter loads and unloads the router "
+        "passes on to every replica; unset = none sent.",
+    )
     role: Literal["both", "prefill", "decode"] = Field(
         "both",
         description="'prefill' and 'decode' replicas (served with --kv-role) form disaggregated pairs: a completion "
@@ -196,7 +201,8 @@ def _explain(error: ValidationError) -> str:
     lines = []
     for err in error.errors():
         loc = ".".join(str(p) for p in err["loc"])
-        shown = "<redacted>" if err["loc"][:1] in (("api_key",), ("admin_token",)) else repr(err.get("input"))
+        secret = any(part in ("api_key", "admin_token", "admin_api_key") for part in err["loc"])
+        shown = "<redacted>" if secret else repr(err.get("input"))
         lines.append(f"invalid router setting {loc}={shown}: {err['msg']}")
     return "\n".join(lines)
 

@@ -34,7 +34,7 @@ from .metrics import RouterMetrics
 from .replicas import Replica
 from .routing import RequestProfile, Router, request_profile
 
-__all__ = ["Forwarder", "error_response"]
+__all__ = ["Forwarder", "error_response", "read_body"]
 
 logger = logging.getLogger("pypto_serving.router")
 
@@ -81,7 +81,7 @@ class Forwarder:
 
     async def handle(self, request: Request) -> Response:
         try:
-            body = await _read_body(request, self.settings.max_request_body_bytes)
+            body = await read_body(request, self.settings.max_request_body_bytes)
         except ClientDisconnect:
             return Response(status_code=499)
         if body is None:
@@ -235,7 +235,7 @@ def _once(fn: Callable[[], None]) -> Callable[[], None]:
     return call
 
 
-async def _read_body(request: Request, limit: int) -> bytes | None:
+async def read_body(request: Request, limit: int) -> bytes | None:
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         return None

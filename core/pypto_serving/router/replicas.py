@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -25,7 +26,7 @@ import httpx
 from .config import ReplicaConfig, RouterSettings
 from .routing import ReplicaLoad
 
-__all__ = ["Replica", "launch", "poll_health", "stop"]
+__all__ = ["Recover", "Replica", "launch", "poll_health", "stop"]
 
 logger = logging.getLogger("pypto_serving.router")
 
@@ -101,14 +102,23 @@ def make_replica(config: ReplicaConfig, settings: RouterSettings) -> Replica:
     return Replica(config=config, load=ReplicaLoad(config.name), client=client, health_client=health_client)
 
 
-async def poll_once(replica: Replica, settings: RouterSettings) -> None:
+# Run when a replica that was not healthy answers /health: why it must stay out of routing, or None.
+Recover = Callable[[Replica], Awaitable[str | None]]
+
+
+async def poll_once(replica: Replica, settings: RouterSettings, recover: Recover | None = None) -> None:
     try:
         response = await replica.health_client.get("/health")
     except httpx.HTTPError as e:
         reason = f"/health: {type(e).__name__}: {e}"
     else:
         if response.status_code == 200:
-            replica.mark_up()
+            held_back = None if replica.load.healthy or recover is None else await recover(replica)
+            if held_back is None:
+                replica.mark_up()
+                return
+            replica.last_error = held_back
+            logger.warning("replica %s stays out of routing: %s", replica.name, held_back)
             return
         reason = f"/health answered {response.status_code}: {response.text[:200]}"
     if replica.process is not None and (code := replica.process.poll()) is not None:
@@ -118,11 +128,11 @@ async def poll_once(replica: Replica, settings: RouterSettings) -> None:
         replica.mark_down(reason)
 
 
-async def poll_health(replicas: list[Replica], settings: RouterSettings) -> None:
+async def poll_health(replicas: list[Replica], settings: RouterSettings, recover: Recover | None = None) -> None:
     """Poll every replica's /health forever (cancelled at shutdown)."""
     while True:
         started = time.monotonic()
-        await asyncio.gather(*(poll_once(r, settings) for r in replicas))
+        await asyncio.gather(*(poll_once(r, settings, recover) for r in replicas))
         await asyncio.sleep(max(0.0, settings.health_interval - (time.monotonic() - started)))
 
 
