@@ -136,6 +136,15 @@ class RouterSettings(BaseSettings):
     stop_timeout: float = Field(
         30.0, gt=0, description="Seconds a launched replica gets after SIGTERM before it is killed."
     )
+    restart_replicas: bool = Field(
+        True, description="Start a launched replica again when its process exits (a crash, a kill)."
+    )
+    restart_delay: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds before a launched replica that exited is started again; doubled (up to 60) while it "
+        "keeps exiting within a minute of its start.",
+    )
     shutdown_timeout: float = Field(30.0, ge=0, description="Seconds in-flight requests get at shutdown.")
     log_level: str = Field("info", description="Log level: debug, info, warning, error.")
 

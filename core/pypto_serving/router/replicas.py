@@ -30,6 +30,9 @@ __all__ = ["Recover", "Replica", "launch", "poll_health", "stop"]
 
 logger = logging.getLogger("pypto_serving.router")
 
+# A launched replica exiting within this long of its start waits twice as long before the next one.
+_YOUNG_S, _MAX_DELAY_S = 60.0, 60.0
+
 
 @dataclass(slots=True)
 class Replica:
@@ -44,6 +47,11 @@ class Replica:
     last_error: str | None = None
     process: subprocess.Popen[bytes] | None = None
     log: IO[bytes] | None = field(default=None, repr=False)
+    started_at: float = 0.0  # monotonic time of the last launch
+    restarts: int = 0
+    last_exit_code: int | None = None  # of the last launched process that exited
+    restart_at: float | None = None  # when an exited process is started again
+    restart_delay: float = 0.0  # the wait before that start
 
     @property
     def name(self) -> str:
@@ -79,6 +87,8 @@ class Replica:
             "last_error": self.last_error,
             "pid": None if process is None else process.pid,
             "exit_code": None if process is None else process.poll(),
+            "restarts": self.restarts,
+            "last_exit_code": self.last_exit_code,
         }
 
 
@@ -107,6 +117,8 @@ Recover = Callable[[Replica], Awaitable[str | None]]
 
 
 async def poll_once(replica: Replica, settings: RouterSettings, recover: Recover | None = None) -> None:
+    if settings.restart_replicas:
+        supervise(replica, settings)
     try:
         response = await replica.health_client.get("/health")
     except httpx.HTTPError as e:
@@ -155,7 +167,43 @@ def launch(replica: Replica, settings: RouterSettings) -> None:
     except OSError as e:
         replica.log.close()
         raise OSError(f"cannot start replica {replica.name} ({command[0]}): {e.strerror or e}") from e
+    replica.started_at = time.monotonic()
     logger.info("started replica %s (pid %d), log %s", replica.name, replica.process.pid, path)
+
+
+def supervise(replica: Replica, settings: RouterSettings) -> None:
+    """Start a launched replica again once its process has exited: after ``restart_delay``, doubled
+    (up to a minute) while it keeps exiting within a minute of its start, so a replica that cannot
+    come up does not spin. Until it answers /health again it takes no requests."""
+    process, now = replica.process, time.monotonic()
+    if process is None or process.poll() is None:
+        return
+    if replica.restart_at is None:
+        young = now - replica.started_at < _YOUNG_S
+        replica.restart_delay = min(2 * replica.restart_delay, _MAX_DELAY_S) if young else settings.restart_delay
+        replica.restart_delay = max(replica.restart_delay, settings.restart_delay)
+        replica.restart_at = now + replica.restart_delay
+        replica.last_exit_code = process.returncode
+        replica.mark_down(f"its process exited with code {process.returncode}")
+        logger.warning(
+            "replica %s exited (code %s): starting it again in %.1fs",
+            replica.name,
+            process.returncode,
+            replica.restart_delay,
+        )
+        return
+    if now < replica.restart_at:
+        return
+    replica.restart_at = None
+    if replica.log is not None:
+        replica.log.close()
+    try:
+        launch(replica, settings)
+    except OSError as e:
+        logger.error("%s", e)
+        replica.started_at = now  # counts as dying young: the next try waits longer
+        return
+    replica.restarts += 1
 
 
 def stop(replica: Replica, timeout: float) -> None:

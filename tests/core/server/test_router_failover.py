@@ -1,9 +1,9 @@
 """Failover of ``pypto-serving router``: the router runs as the real command, launches its two replica
-processes from its TOML config (each a fake-executor server), and one replica is killed with
-SIGKILL while streams run on both. Only the killed replica's streams fail, each with an SSE error
-event and ``[DONE]`` (no hang); the other's finish; the killed replica's sessions move; SIGTERM to the
-router stops the replica it launched. A request whose replica refuses the connection is sent once
-to another replica."""
+processes from its TOML config (each a fake-executor server), and one replica is killed with SIGKILL
+while streams run on both. Only the killed replica's streams fail, each with an SSE error event and
+``[DONE]`` (no hang); the other's finish; the killed replica's sessions move, and come back once the
+router has started it again; SIGTERM to the router stops the replicas it launched. A request whose
+replica refuses the connection is sent once to another replica."""
 
 from __future__ import annotations
 
@@ -38,7 +38,12 @@ def _toml_list(items: list[str]) -> str:
 @pytest.fixture
 def launched(fake_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
     """(router URL, router process, log dir): a router that launched two replica processes."""
-    lines = ['admin_token = "t0ken"', "health_interval = 0.2", f'log_dir = "{tmp_path / "logs"}"']
+    lines = [
+        'admin_token = "t0ken"',
+        "health_interval = 0.2",
+        "restart_delay = 2.0",
+        f'log_dir = "{tmp_path / "logs"}"',
+    ]
     for name in ("r0", "r1"):
         port = free_port()
         command = [sys.executable, "-m", "tests.core.server.router_helpers", str(fake_model_dir), str(port), "0.01"]
@@ -120,16 +125,29 @@ def test_killing_a_replica_fails_only_its_streams_and_its_sessions_move(
         )
         assert r.status_code == 200 and r.headers["x-pypto-replica"] == "r1", r.text
     state = _replicas(url)
-    assert state["r0"]["healthy"] is False and state["r0"]["exit_code"] == -signal.SIGKILL
+    assert state["r0"]["healthy"] is False and state["r0"]["last_exit_code"] == -signal.SIGKILL
     assert state["r1"]["healthy"] is True and state["r1"]["in_flight"] == 0
     text = httpx.get(url + "/metrics").text
     assert metric(text, 'pypto_router_replica_failures_total{replica="r0",stage="response"}') == len(on["r0"])
     assert metric(text, 'pypto_router_session_affinity_total{result="miss"}') >= 1
     assert (logs / "r0.log").stat().st_size > 0 and (logs / "r1.log").stat().st_size > 0
+    # The router starts r0 again (restart_delay later); once healthy it takes its sessions back.
+    wait_for(lambda: _replicas(url)["r0"]["healthy"], 120, "r0 started again")
+    again = _replicas(url)["r0"]
+    assert again["restarts"] == 1 and again["pid"] != pids["r0"] and again["exit_code"] is None
+    back = [i for i in range(8) if _routed(url, f"s{i}") == "r0"]
+    assert back, "no session returned to the restarted r0"
     router.send_signal(signal.SIGTERM)
     assert router.wait(60) == 0
-    with pytest.raises(ProcessLookupError):
-        os.kill(pids["r1"], 0)  # stopped with the router
+    for pid in (pids["r1"], again["pid"]):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped with the router
+
+
+def _routed(url: str, sid: str) -> str:
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers={"x-session-id": sid})
+    assert r.status_code == 200, r.text
+    return r.headers["x-pypto-replica"]
 
 
 def test_a_refused_request_is_retried_once_elsewhere(fake_model_dir: Path) -> None:
