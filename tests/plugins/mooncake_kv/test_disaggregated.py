@@ -117,3 +117,33 @@ def test_a_killed_prefill_fails_only_its_requests_and_leaks_no_block() -> None:
             assert engine.dead_reason is None
     finally:
         victim.shutdown()
+
+
+def test_a_killed_decode_leaves_no_block_held_on_the_prefill_side() -> None:
+    """The decode worker is killed while it pulls: whether the prefill engine's connector was serving
+    the read or still waiting for it, it lets go (the connection's end, or the offer withdrawn at
+    kv_transfer_timeout) and the prefill engine frees every held block and serves on."""
+    cfg = {**MOONCAKE, "kv_transfer_timeout": 1.0}
+    with LLM(kv_role="prefill", kv_transfer_config=cfg, worker_mode="inproc", scheduler="sync", **COMMON) as p:
+        victim = LLM(kv_role="decode", kv_transfer_config=cfg, worker_mode="process", scheduler="sync", **COMMON)
+        try:
+            offers = _prefill(p, PROMPTS)
+            engine = victim._engine()
+            pid = engine.worker.pid
+            assert pid is not None
+            for i, (prompt, offer) in enumerate(zip(PROMPTS, offers)):
+                engine.add_request(f"pd-{i}", prompt, _params(False, kv_transfer_params=offer))
+            os.kill(pid, signal.SIGKILL)
+            held = p._engine().kvx
+            assert held is not None
+            deadline = time.monotonic() + 15
+            while held.held and time.monotonic() < deadline:
+                p._engine().check_worker()
+                time.sleep(0.05)
+            assert not held.held
+            assert _free_blocks(p) == _all_blocks(p)
+            p._engine().kv.check_invariants([])
+            again = p.generate(PROMPTS[:1], _params(False), use_tqdm=False)[0]
+            assert len(again.outputs[0].token_ids) == N_OUT
+        finally:
+            victim.shutdown()

@@ -1,12 +1,15 @@
-"""The read batch a pull hands the transfer engine, checked by carrying it out by hand: both sides'
-caches are views into one byte arena, so each ``(local, remote, length)`` entry is a slice copy."""
+"""The ``mooncake`` connector without a transfer engine: the read batch a pull hands the engine
+(checked by carrying it out by hand: both sides' caches are views into one byte arena, so each
+``(local, remote, length)`` entry is a slice copy), its settings, and its error without the engine."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
 
-from pypto_serving_mooncake_kv import read_plan, regions, storages
+from pypto_serving_mooncake_kv import MooncakeConnector, read_plan, regions, storages
 
 BLOCKS = 10
 
@@ -63,3 +66,28 @@ def test_views_of_one_allocation_register_once() -> None:
 def test_a_block_must_be_contiguous() -> None:
     with pytest.raises(ValueError, match="not contiguous"):
         regions({"kv": [torch.zeros(4, 6, 5)[:, :, :2]]})
+
+
+def test_settings_pass_through_kv_connector_extra_config() -> None:
+    from pypto_serving.config import KVTransferConfig
+
+    extra = {"protocol": "rdma", "device_name": "mlx5_0", "local_hostname": "10.0.0.2", "timeout": 3}
+    conn = MooncakeConnector(
+        KVTransferConfig(kv_connector="mooncake", kv_role="decode", kv_connector_extra_config=extra)
+    )
+    assert (conn.protocol, conn.device_name, conn.local_hostname, conn.timeout) == ("rdma", "mlx5_0", "10.0.0.2", 3.0)
+    assert conn.metadata_server == "P2PHANDSHAKE"
+    default = MooncakeConnector(KVTransferConfig(kv_connector="mooncake", kv_role="prefill", kv_ip="10.0.0.1"))
+    assert (default.protocol, default.local_hostname) == ("tcp", "10.0.0.1")
+    with pytest.raises(ValueError, match="unknown \\['protcol'\\]"):
+        MooncakeConnector(KVTransferConfig(kv_connector="mooncake", kv_connector_extra_config={"protcol": "tcp"}))
+
+
+def test_without_the_transfer_engine_start_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pypto_serving.config import KVTransferConfig
+
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # the import fails, as without the wheel
+    conn = MooncakeConnector(KVTransferConfig(kv_connector="mooncake", kv_role="prefill"))
+    with pytest.raises(RuntimeError, match=r"pip install 'pypto-serving-mooncake-kv\[cpu\]'"):
+        conn.start({"kv": [torch.zeros(4, 8)]})
+    conn.close()
