@@ -260,6 +260,7 @@ class MooncakeConnector(KVConnector):
             for address in self._registered:
                 self._engine.unregister_memory(address)
             self._registered.clear()
+            self._engine = None  # its destructor stops the engine's threads and closes its ports
 
     def poll(self) -> list[TransferEvent]:
         with self._lock:
