@@ -116,7 +116,10 @@ class KVTransferConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kv_connector: str = Field(
-        "torch_p2p", min_length=1, description="KV connector plugin moving blocks between engines ('torch_p2p')."
+        "torch_p2p",
+        min_length=1,
+        description="KV connector plugin moving blocks between engines ('torch_p2p' built in; 'mooncake' from its "
+        "plugin, docs/disaggregated.md).",
     )
     kv_role: Literal["prefill", "decode", "both"] | None = Field(
         None,
@@ -126,7 +129,9 @@ class KVTransferConfig(BaseModel):
     kv_ip: str = Field("127.0.0.1", description="Address a prefill engine's connector listens on and advertises.")
     kv_port: int = Field(0, ge=0, le=65535, description="Port of a prefill engine's connector (0: a free one).")
     kv_connector_extra_config: dict[str, Any] = Field(
-        default_factory=dict, description="Options for the connector plugin (torch_p2p: 'timeout' seconds)."
+        default_factory=dict,
+        description="Options for the connector plugin (torch_p2p: 'timeout' seconds; mooncake: 'protocol', "
+        "'device_name', 'metadata_server', 'local_hostname', 'timeout').",
     )
     kv_transfer_timeout: float = Field(
         60.0,

@@ -1,0 +1,98 @@
+"""Two ``mooncake`` connectors in this process, a producer and a consumer, over Mooncake's TCP
+transport: the bytes a pull writes are exactly the offered blocks' (checked against the core's
+``gather_blocks`` of both caches), nothing else changes, and every failure is one event with the reason."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pypto_serving.config import KVTransferConfig
+from pypto_serving.kv_transfer import KVCaches, TransferEvent, gather_blocks
+from pypto_serving_mooncake_kv import MooncakeConnector
+
+from .conftest import mooncake_engine_missing
+
+_why = mooncake_engine_missing()
+pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
+
+
+def _caches(seed: int, swa_dtype: torch.dtype = torch.bfloat16) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, 8, 4, 16, generator=g)  # two layers' views of one allocation
+    return {"kv": list(kv.unbind(0)), "swa": [torch.randn(8, 3, generator=g).to(swa_dtype)]}
+
+
+def _connector(role: str, caches: KVCaches) -> tuple[MooncakeConnector, dict[str, object]]:
+    cfg = KVTransferConfig(kv_connector="mooncake", kv_role=role, kv_connector_extra_config={"timeout": 5})
+    conn = MooncakeConnector(cfg)
+    return conn, conn.start(caches)
+
+
+def _events(*conns: MooncakeConnector, n: int) -> list[TransferEvent]:
+    events: list[TransferEvent] = []
+    deadline = time.monotonic() + 10
+    while len(events) < n and time.monotonic() < deadline:
+        for c in conns:
+            events += c.poll()
+        time.sleep(0.01)
+    return sorted(events, key=lambda e: e.kind)
+
+
+Producer = tuple[MooncakeConnector, dict[str, list[torch.Tensor]], dict[str, object]]
+
+
+@pytest.fixture
+def producer() -> Iterator[Producer]:
+    src = _caches(1)
+    conn, address = _connector("prefill", src)
+    yield conn, src, address
+    conn.close()
+
+
+def test_a_pull_writes_exactly_the_offered_blocks(producer: Producer) -> None:
+    prod, src, address = producer
+    dst = _caches(2)
+    before = {g: [t.clone() for t in ts] for g, ts in dst.items()}
+    cons, _ = _connector("decode", dst)
+    try:
+        offered, into = {"kv": [1, 2, 3, 7], "swa": [5]}, {"kv": [6, 0, 1, 4], "swa": [2]}
+        prod.publish("t1", offered)
+        cons.pull("r1", {**address, "transfer_id": "t1"}, into)
+        assert _events(prod, cons, n=2) == [TransferEvent("r1", "pulled"), TransferEvent("t1", "sent")]
+        assert torch.equal(gather_blocks(dst, into), gather_blocks(src, offered))
+        rest = {g: [b for b in range(8) if b not in into[g]] for g in into}
+        assert torch.equal(gather_blocks(dst, rest), gather_blocks(before, rest))  # nothing else written
+    finally:
+        cons.close()
+
+
+def test_failures_are_one_event_each_with_the_reason(producer: Producer) -> None:
+    prod, _, address = producer
+    with socket.create_connection((str(address["remote_host"]), int(str(address["remote_port"])))) as s:
+        s.sendall(b"nonsense\n")  # a client breaking the protocol is dropped; the producer serves on
+        assert s.recv(16) == b""
+    other = _caches(3, swa_dtype=torch.float32)  # another layout
+    cons, _ = _connector("decode", other)
+    try:
+        prod.publish("t1", {"kv": [1], "swa": [1]})
+        cons.pull("r1", {**address, "transfer_id": "t1"}, {"kv": [0], "swa": [0]})
+        pulled, sent = _events(prod, cons, n=2)
+        assert pulled.transfer_id == "r1" and "differ in layout" in (pulled.error or "")
+        assert sent.transfer_id == "t1" and "differ in layout" in (sent.error or "")
+        cons.pull("r2", {**address, "transfer_id": "t1"}, {"kv": [0], "swa": [0]})  # the offer is gone
+        (gone,) = _events(cons, n=1)
+        assert "holds no KV" in (gone.error or "")
+        prod.publish("t2", {"kv": [1], "swa": [1]})
+        prod.withdraw("t2")
+        (withdrawn,) = _events(prod, n=1)
+        assert withdrawn == TransferEvent("t2", "sent", "withdrawn before a decode engine pulled it")
+        cons.pull("r3", {**address, "remote_port": 1, "transfer_id": "t3"}, {"kv": [0], "swa": [0]})
+        (refused,) = _events(cons, n=1)
+        assert refused.transfer_id == "r3" and "failed" in (refused.error or "")
+    finally:
+        cons.close()
