@@ -48,6 +48,12 @@ __all__ = ["TorchP2PConnector", "make_connector", "pypto_serving_register_kv_con
 # Store keys are polled (a blocking ``wait`` logs a warning at each timeout): 1 ms at first, backing
 # off to 10 ms while nothing comes, so an idle connection costs ~100 round trips a second.
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.01
+# A pull may reach the producer before its publish does: the engine process answers the prefill
+# request once it has sent the publish down the worker's pipe, and the worker's relay thread hands it
+# on a moment later (longer on a loaded host, and with tensor parallelism for every rank). The
+# producer waits that long for an offer it has not seen; one it has ended fails at once.
+_PUBLISH_GRACE_S = 5.0
+_ENDED_KEPT = 4096  # transfer ids whose end is remembered, newest kept
 
 
 class TransferError(RuntimeError):
@@ -108,6 +114,7 @@ class TorchP2PConnector(KVConnector):
         self._lock = threading.Lock()
         self._events: list[TransferEvent] = []
         self._offers: dict[str, _Offer] = {}
+        self._ended: dict[str, None] = {}  # offers sent or withdrawn, oldest first (bounded)
         self._closed = threading.Event()
         self._pulls: queue.Queue[_Pull | None] = queue.Queue()
         self._conns: dict[tuple[str, int], _Conn] = {}
@@ -157,6 +164,7 @@ class TorchP2PConnector(KVConnector):
     def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
         with self._lock:
             self._offers[transfer_id] = _Offer({g: list(b) for g, b in blocks.items()})
+            self._ended.pop(transfer_id, None)
 
     def withdraw(self, transfer_id: str) -> None:
         with self._lock:
@@ -166,8 +174,7 @@ class TorchP2PConnector(KVConnector):
             if offer.busy:
                 offer.withdrawn = True  # the send in flight reports the end
                 return
-            del self._offers[transfer_id]
-            self._events.append(TransferEvent(transfer_id, "sent", "withdrawn before a decode engine pulled it"))
+            self._end_offer(transfer_id, "withdrawn before a decode engine pulled it")
 
     def _accept_loop(self) -> None:
         number = 0
@@ -199,13 +206,29 @@ class TorchP2PConnector(KVConnector):
                 return  # the connection broke: the consumer forms a new one
             seq += 1
 
+    def _end_offer(self, transfer_id: str, error: str | None) -> None:
+        """Drop an offer and report its end (under the lock)."""
+        del self._offers[transfer_id]
+        self._events.append(TransferEvent(transfer_id, "sent", error))
+        self._ended[transfer_id] = None
+        if len(self._ended) > _ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
+
     def _take_offer(self, transfer_id: str) -> _Offer | None:
-        with self._lock:
-            offer = self._offers.get(transfer_id)
-            if offer is None or offer.busy:
+        """The offer, marked busy; None when it ended, is busy, or is not published within the grace."""
+        deadline, pause = time.monotonic() + min(_PUBLISH_GRACE_S, self.timeout), _POLL_MIN_S
+        while True:
+            with self._lock:
+                offer = self._offers.get(transfer_id)
+                if offer is not None and not offer.busy:
+                    offer.busy = True
+                    return offer
+                if offer is not None or transfer_id in self._ended:
+                    return None
+            if time.monotonic() > deadline or self._closed.is_set():
                 return None
-            offer.busy = True
-            return offer
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
 
     def _serve_one(self, group: Any, number: int, seq: int, transfer_id: str) -> bool:
         """Send one offer; False when the connection broke."""
@@ -232,8 +255,7 @@ class TorchP2PConnector(KVConnector):
         except Exception as e:
             error, broken = f"sending the KV failed: {type(e).__name__}: {e}", True
         with self._lock:
-            del self._offers[transfer_id]
-            self._events.append(TransferEvent(transfer_id, "sent", error))
+            self._end_offer(transfer_id, error)
         return not broken
 
     # -- consumer
