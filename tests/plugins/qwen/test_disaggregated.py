@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -228,9 +229,27 @@ def test_a_moe_decode_continues_where_prefill_stopped(qwen_checkpoints: Any) -> 
 TP2: dict[str, Any] = {**COMMON, "tensor_parallel_size": 2, "worker_threads": 1}
 
 
+def _free_port_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` free now on loopback."""
+    for _ in range(50):
+        with contextlib.ExitStack() as stack:
+            first = stack.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            second = stack.enter_context(socket.socket())
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two consecutive free ports")
+
+
 @pytest.fixture(scope="module")
 def prefill_tp2() -> Iterator[LLM]:
-    llm = LLM(kv_role="prefill", scheduler="sync", **TP2)
+    """A TP=2 prefill engine at a fixed kv_port: rank r's connector listens on kv_port + r."""
+    cfg = {"kv_port": _free_port_pair()}
+    llm = LLM(kv_role="prefill", scheduler="sync", kv_transfer_config=cfg, **TP2)
     yield llm
     llm.shutdown()
 
@@ -250,32 +269,26 @@ def _wait_sent(llm: LLM) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
-def test_a_tp2_decode_continues_where_a_tp2_prefill_stopped(
-    prefill_tp2: LLM, scheduler: str, request: pytest.FixtureRequest
-) -> None:
+def test_a_tp2_decode_continues_where_a_tp2_prefill_stopped(prefill_tp2: LLM, decode_tp2: LLM) -> None:
     """The reference is the prefill engine's own co-located TP=2 output: the decode engine computed
-    only the last prompt token, so its tokens match only if both ranks' shards arrived."""
-    with contextlib.ExitStack() as stack:
-        if scheduler == "sync":
-            decode: LLM = request.getfixturevalue("decode_tp2")
-        else:
-            decode = stack.enter_context(LLM(kv_role="decode", scheduler=scheduler, **TP2))
-        engine = decode._engine()
-        assert engine.kvx is not None and len(engine.worker.kv_conns) == 2
-        pulled = engine.kvx.stats["kv_pulled"]
-        for seeded in (False, True):
-            reference = prefill_tp2.generate(PROMPTS[:2], _params(seeded), use_tqdm=False)
-            offers = _prefill(prefill_tp2, PROMPTS[:2])
-            ports = [r["remote_port"] for r in offers[0]["ranks"]]
-            assert len(set(ports)) == 2  # one connector per rank
-            for prompt, offer, ref in zip(PROMPTS, offers, reference):
-                out = decode.generate([prompt], _params(seeded, kv_transfer_params=offer), use_tqdm=False)[0]
-                assert out.outputs[0].error is None and out.num_cached_tokens == len(prompt) - 1
-                assert out.outputs[0].token_ids == ref.outputs[0].token_ids, (seeded, prompt[:3])
-        assert engine.kvx.stats["kv_pulled"] == pulled + 4 and engine.kvx.stats["kv_pull_failed"] == 0
-        engine.kv.check_invariants(engine.scheduler.live_requests())
-        assert _free_blocks(decode) == _all_blocks(decode)
+    only the last prompt token, so its tokens match only if both ranks' shards arrived. (The async
+    strategy with TP=2: tests/plugins/deepseek_mtp/test_disaggregated.py.)"""
+    decode = decode_tp2
+    engine = decode._engine()
+    assert engine.kvx is not None and len(engine.worker.kv_conns) == 2
+    pulled = engine.kvx.stats["kv_pulled"]
+    for seeded in (False, True):
+        reference = prefill_tp2.generate(PROMPTS[:2], _params(seeded), use_tqdm=False)
+        offers = _prefill(prefill_tp2, PROMPTS[:2])
+        port = prefill_tp2._engine().settings.kv_transfer().kv_port  # type: ignore[union-attr]
+        assert [r["remote_port"] for r in offers[0]["ranks"]] == [port, port + 1]  # one connector per rank
+        for prompt, offer, ref in zip(PROMPTS, offers, reference):
+            out = decode.generate([prompt], _params(seeded, kv_transfer_params=offer), use_tqdm=False)[0]
+            assert out.outputs[0].error is None and out.num_cached_tokens == len(prompt) - 1
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids, (seeded, prompt[:3])
+    assert engine.kvx.stats["kv_pulled"] == pulled + 4 and engine.kvx.stats["kv_pull_failed"] == 0
+    engine.kv.check_invariants(engine.scheduler.live_requests())
+    assert _free_blocks(decode) == _all_blocks(decode)
     _wait_sent(prefill_tp2)
     assert prefill_tp2._engine().kvx.stats["kv_send_failed"] == 0  # type: ignore[union-attr]
     assert _free_blocks(prefill_tp2) == _all_blocks(prefill_tp2)
@@ -302,3 +315,11 @@ def test_a_pull_from_another_tensor_parallel_size_fails_only_that_request(decode
         assert again.outputs[0].error is None and len(again.outputs[0].token_ids) == N_OUT
         _wait_sent(p)
         assert _free_blocks(p) == _all_blocks(p)
+
+
+def test_kv_role_with_ranks_on_other_hosts_is_refused() -> None:
+    """Each rank's connector talks to the engine over a pipe: ranks on other hosts have none."""
+    from pypto_serving.config import SettingsError
+
+    with pytest.raises(SettingsError, match="kv_role with nnodes > 1 is not supported"):
+        LLM(kv_role="prefill", tensor_parallel_size=2, nnodes=2, master_port=29999, **COMMON)
