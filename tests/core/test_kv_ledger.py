@@ -184,6 +184,8 @@ def test_the_settings_take_vllm_roles_and_refuse_contradictions() -> None:
         ServingSettings(kv_role="prefill", kv_transfer_config={"kv_role": "decode"})
     with pytest.raises(ValueError, match="its own port"):
         ServingSettings(kv_role="prefill", kv_transfer_config={"kv_port": 14579}, data_parallel_size=2)
+    with pytest.raises(ValueError, match="rank r's connector listens on kv_port \\+ r, past 65535"):
+        ServingSettings(kv_role="prefill", kv_transfer_config={"kv_port": 65535}, tensor_parallel_size=2)
 
 
 # A sliding window of 8 tokens (4 a block) and a group of 8 tokens a block: a computation can start
