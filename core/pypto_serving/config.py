@@ -132,7 +132,8 @@ class KVTransferConfig(BaseModel):
         "connector listens on kv_port + r.",
     )
     kv_connector_extra_config: dict[str, Any] = Field(
-        default_factory=dict, description="Options for the connector plugin (torch_p2p: 'timeout' seconds)."
+        default_factory=dict,
+        description="Options for the connector plugin (torch_p2p: 'timeout' seconds, 'pull_threads').",
     )
     kv_transfer_timeout: float = Field(
         60.0,

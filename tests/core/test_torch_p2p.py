@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from pypto_serving.config import KVTransferConfig
@@ -18,8 +19,8 @@ def _caches(seed: int) -> dict[str, list[torch.Tensor]]:
     return {"kv": [torch.randn(8, 2, 4, generator=g), torch.randn(8, 2, 4, generator=g)]}
 
 
-def _connector(role: str) -> TorchP2PConnector:
-    extra = {"timeout": 10}
+def _connector(role: str, **extra: Any) -> TorchP2PConnector:
+    extra = {"timeout": 10, **extra}
     return TorchP2PConnector(KVTransferConfig(kv_role=role, kv_connector_extra_config=extra))  # type: ignore[call-arg]
 
 
@@ -58,3 +59,30 @@ def test_a_pull_that_arrives_before_its_publish_waits_for_it() -> None:
     finally:
         consumer.close()
         producer.close()
+
+
+def test_pulls_run_side_by_side_on_their_own_connections() -> None:
+    """A pull waiting at its producer (for an offer still to come) does not hold up the next pull:
+    it runs on a second pull thread, over a connection of its own."""
+    producer, consumer = _connector("prefill"), _connector("decode", pull_threads=2)
+    theirs, ours = _caches(1), _caches(2)
+    try:
+        address: dict[str, Any] = producer.start(theirs)
+        consumer.start(ours)
+        producer.publish("ready", {"kv": [0, 7]})
+        consumer.pull("slow", {**address, "transfer_id": "later"}, {"kv": [1]})
+        time.sleep(0.1)
+        consumer.pull("fast", {**address, "transfer_id": "ready"}, {"kv": [2, 3]})
+        assert _event(consumer, timeout=3.0) == TransferEvent("fast", "pulled", None)  # "slow" still waits
+        producer.publish("later", {"kv": [4]})
+        assert _event(consumer) == TransferEvent("slow", "pulled", None)
+        for mine, src in zip(ours["kv"], theirs["kv"]):
+            assert torch.equal(mine[1:4], src[[4, 0, 7]])
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_pull_thread_count_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="pull_threads=0"):
+        _connector("decode", pull_threads=0)

@@ -8,7 +8,8 @@ connection's next sequence number; the producer answers with the offer's size an
 there is none), sends the packed blocks with ``send`` tagged by the sequence number, and waits for
 the consumer's ``done``; only then does it report ``sent``, so a producer frees nothing a consumer
 still reads. A connection that fails is dropped (the next pull forms a new one) and fails only the
-transfer in flight on it.
+transfer in flight on it. A consumer runs its pulls on ``pull_threads`` threads, each over connections
+of its own (one per producer), so a slow producer holds up only its thread's queue.
 
 The KV bytes travel only through gloo; the store carries the small JSON control messages. Caches on
 an accelerator are staged through host memory (gloo moves host tensors); an NCCL/HCCL group sending
@@ -105,11 +106,16 @@ def _group(store: Any, number: int, rank: int, timeout: float) -> Any:
 
 class TorchP2PConnector(KVConnector):
     """See the module docstring. ``kv_connector_extra_config``: ``timeout`` (seconds a control answer or
-    a transfer may take, default 30)."""
+    a transfer may take, default 30), ``pull_threads`` (a consumer's pulls in flight at once, each
+    thread on its own connections, default 2)."""
 
     def __init__(self, config: KVTransferConfig) -> None:
         self.config = config
-        self.timeout = float(config.kv_connector_extra_config.get("timeout", 30.0))
+        extra = config.kv_connector_extra_config
+        self.timeout = float(extra.get("timeout", 30.0))
+        self.pull_threads = extra.get("pull_threads", 2)
+        if not isinstance(self.pull_threads, int) or isinstance(self.pull_threads, bool) or self.pull_threads < 1:
+            raise ValueError(f"kv_connector_extra_config.pull_threads={self.pull_threads!r}: give a count >= 1")
         self._caches: KVCaches = {}
         self._lock = threading.Lock()
         self._events: list[TransferEvent] = []
@@ -117,14 +123,16 @@ class TorchP2PConnector(KVConnector):
         self._ended: dict[str, None] = {}  # offers sent or withdrawn, oldest first (bounded)
         self._closed = threading.Event()
         self._pulls: queue.Queue[_Pull | None] = queue.Queue()
-        self._conns: dict[tuple[str, int], _Conn] = {}
+        self._conns: list[dict[tuple[str, int], _Conn]] = []  # per pull thread, by producer address
         self._store: Any = None
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle
     def start(self, caches: KVCaches) -> dict[str, Any]:
         self._caches = caches
-        self._spawn(self._pull_loop, "kv-pull")
+        for i in range(self.pull_threads):
+            self._conns.append({})
+            self._spawn(self._pull_loop, f"kv-pull-{i}", self._conns[-1])
         if self.config.kv_role == "decode":
             return {}
         cfg = self.config
@@ -141,10 +149,11 @@ class TorchP2PConnector(KVConnector):
 
     def close(self) -> None:
         self._closed.set()
-        self._pulls.put(None)
+        for _ in self._conns:
+            self._pulls.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
-        for conn in self._conns.values():  # the producers end their side of each connection
+        for conn in (c for conns in self._conns for c in conns.values()):  # the producers end their side
             with contextlib.suppress(Exception):
                 conn.store.set(f"c{conn.number}/req/{conn.seq}", json.dumps({"bye": True}))
         # Destroyed here, not at interpreter exit, where gloo's and the store's threads may outlive them.
@@ -262,20 +271,21 @@ class TorchP2PConnector(KVConnector):
     def pull(self, transfer_id: str, source: dict[str, Any], blocks: dict[str, list[int]]) -> None:
         self._pulls.put(_Pull(transfer_id, source, {g: list(b) for g, b in blocks.items()}))
 
-    def _pull_loop(self) -> None:
+    def _pull_loop(self, conns: dict[tuple[str, int], _Conn]) -> None:
+        """One pull thread: the next queued pull, over this thread's connection to its producer."""
         while True:
             item = self._pulls.get()
             if item is None:
                 return
             address = (str(item.source.get("remote_host")), int(item.source.get("remote_port", 0)))
             try:
-                conn = self._conns.get(address) or self._connect(*address)
-                self._conns[address] = conn
+                conn = conns.get(address) or self._connect(*address)
+                conns[address] = conn
                 self._pull_one(conn, item)
             except TransferError as e:
                 self._event(item.transfer_id, "pulled", str(e))
             except Exception as e:  # the connection broke: the next pull forms a new one
-                self._conns.pop(address, None)
+                conns.pop(address, None)
                 self._event(
                     item.transfer_id,
                     "pulled",
