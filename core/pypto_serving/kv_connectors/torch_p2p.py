@@ -107,13 +107,13 @@ def _group(store: Any, number: int, rank: int, timeout: float) -> Any:
 class TorchP2PConnector(KVConnector):
     """See the module docstring. ``kv_connector_extra_config``: ``timeout`` (seconds a control answer or
     a transfer may take, default 30), ``pull_threads`` (a consumer's pulls in flight at once, each
-    thread on its own connections, default 2)."""
+    thread on its own connections, default 1)."""
 
     def __init__(self, config: KVTransferConfig) -> None:
         self.config = config
         extra = config.kv_connector_extra_config
         self.timeout = float(extra.get("timeout", 30.0))
-        self.pull_threads = extra.get("pull_threads", 2)
+        self.pull_threads = extra.get("pull_threads", 1)
         if not isinstance(self.pull_threads, int) or isinstance(self.pull_threads, bool) or self.pull_threads < 1:
             raise ValueError(f"kv_connector_extra_config.pull_threads={self.pull_threads!r}: give a count >= 1")
         self._caches: KVCaches = {}
