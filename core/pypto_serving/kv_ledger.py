@@ -20,6 +20,10 @@ Every block a transfer touches is owned by exactly one record until the connecto
 touches it (a ``sent`` or ``pulled`` event): a held request until ``sent`` (after the pull, a failed
 send, or a withdrawal at ``kv_transfer_timeout``), a pulling request until ``pulled``. A failed pull
 fails its request with the reason and frees its blocks; it never reaches the scheduler.
+
+With tensor parallelism every rank runs a connector over its own shard of the caches, and
+:class:`KVLinks` makes them look like one to the ledger (rank ``r`` pulls from the prefill engine's
+rank ``r``; a transfer ends when every rank reported it).
 """
 
 from __future__ import annotations
