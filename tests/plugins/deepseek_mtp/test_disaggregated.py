@@ -104,11 +104,11 @@ def test_an_offer_must_be_a_hit_position(prefill: LLM) -> None:
 
 
 @pytest.mark.parametrize("scheduler", [pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
-def test_tp2_ranks_move_their_shards_of_every_cache_group(scheduler: str) -> None:
+def test_tp2_ranks_move_their_copies_of_every_cache_group(scheduler: str) -> None:
     """Tensor parallelism (2 ranks, MTP k=2, the async strategy): one engine with ``kv_role = "both"``
-    pulls its own offers, so rank ``r``'s connector sends its shard of every cache group to rank
-    ``r``'s, into blocks the decode request allocated fresh. The pulled requests' tokens equal the
-    engine's own co-located ones only if every rank's shard arrived (one engine, not a pair: half
+    pulls its own offers, so rank ``r``'s connector sends its copy of every cache group (replicated
+    over the ranks) to rank ``r``'s, into blocks the decode request allocated fresh. The pulled
+    requests' tokens equal the engine's own co-located ones only if every rank's copy arrived (one engine, not a pair: half
     the start-up; tests/plugins/qwen/test_disaggregated.py runs a TP=2 prefill and decode engine)."""
     tp = {**COMMON, "scheduler": scheduler, "tensor_parallel_size": 2, "worker_threads": 1, "dtype": "float32"}
     with LLM(kv_role="both", **tp) as llm:
