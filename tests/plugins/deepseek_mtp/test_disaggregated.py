@@ -108,8 +108,9 @@ def test_tp2_ranks_move_their_copies_of_every_cache_group(scheduler: str) -> Non
     """Tensor parallelism (2 ranks, MTP k=2, the async strategy): one engine with ``kv_role = "both"``
     pulls its own offers, so rank ``r``'s connector sends its copy of every cache group (replicated
     over the ranks) to rank ``r``'s, into blocks the decode request allocated fresh. The pulled
-    requests' tokens equal the engine's own co-located ones only if every rank's copy arrived (one engine, not a pair: half
-    the start-up; tests/plugins/qwen/test_disaggregated.py runs a TP=2 prefill and decode engine)."""
+    requests' tokens equal the engine's own co-located ones only if every rank's copy arrived (each
+    rank attends with its own copy). One engine, not a pair: half the start-up;
+    tests/plugins/qwen/test_disaggregated.py runs a TP=2 prefill and a TP=2 decode engine."""
     tp = {**COMMON, "scheduler": scheduler, "tensor_parallel_size": 2, "worker_threads": 1, "dtype": "float32"}
     with LLM(kv_role="both", **tp) as llm:
         engine = llm._engine()
