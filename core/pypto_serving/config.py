@@ -127,11 +127,17 @@ class KVTransferConfig(BaseModel):
         "kv_producer, kv_consumer and kv_both are accepted); unset: the kv_role setting.",
     )
     kv_ip: str = Field("127.0.0.1", description="Address a prefill engine's connector listens on and advertises.")
-    kv_port: int = Field(0, ge=0, le=65535, description="Port of a prefill engine's connector (0: a free one).")
+    kv_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of a prefill engine's connector (0: a free one); with tensor parallelism rank r's "
+        "connector listens on kv_port + r.",
+    )
     kv_connector_extra_config: dict[str, Any] = Field(
         default_factory=dict,
-        description="Options for the connector plugin (torch_p2p: 'timeout' seconds; mooncake: 'protocol', "
-        "'device_name', 'metadata_server', 'local_hostname', 'timeout').",
+        description="Options for the connector plugin (torch_p2p: 'timeout' seconds, 'pull_threads'; mooncake: "
+        "'protocol', 'device_name', 'metadata_server', 'local_hostname', 'timeout').",
     )
     kv_transfer_timeout: float = Field(
         60.0,
@@ -589,6 +595,11 @@ class ServingSettings(BaseSettings):
             raise ValueError(
                 f"kv_transfer_config.kv_port={cfg.kv_port} with data_parallel_size={self.data_parallel_size}: each "
                 "replica's connector needs its own port; use kv_port 0 (a free one each)"
+            )
+        if cfg is not None and cfg.kv_port + self.tensor_parallel_size - 1 > 65535:
+            raise ValueError(
+                f"kv_transfer_config.kv_port={cfg.kv_port} with tensor_parallel_size={self.tensor_parallel_size}: "
+                "rank r's connector listens on kv_port + r, past 65535; lower kv_port"
             )
         return self
 

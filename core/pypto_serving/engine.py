@@ -21,7 +21,7 @@ from .config import ServingSettings, SettingsError
 from .executor import CacheGroupSpec, ExecutorInfo
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
-from .kv_ledger import KVTransferLedger
+from .kv_ledger import KVLinks, KVTransferLedger
 from .lora import LoraError, LoraRegistry
 from .messages import InitDone, LoadLora, ReadLora, StepResult
 from .model_files import check_max_model_len, sampling_defaults
@@ -274,16 +274,20 @@ class EngineCore:
         cfg = self.settings.kv_transfer()
         if cfg is None:
             return None
-        if self.settings.tensor_parallel_size > 1:
-            raise SettingsError("kv_role with tensor_parallel_size > 1 is not supported yet")
+        if self.settings.nnodes > 1:
+            # Every rank's connector talks to the engine over its own pipe: ranks on other hosts have none.
+            raise SettingsError(
+                "kv_role with nnodes > 1 is not supported: every tensor-parallel rank of a prefill or decode "
+                "engine must run on the engine's host (nnodes=1)"
+            )
         return self.plugins.kv_connectors.get(cfg.kv_connector).factory
 
     def _setup_kv_transfer(self) -> None:
         """The ledger of disaggregated serving, over the connector the worker just started."""
-        cfg, conn = self.settings.kv_transfer(), getattr(self.worker, "kv_conn", None)
+        cfg, conns = self.settings.kv_transfer(), getattr(self.worker, "kv_conns", None)
         self.kvx: KVTransferLedger | None = None
-        self._kv_conn = conn
-        if cfg is None or conn is None:
+        self._kv_links = KVLinks(conns) if conns else None
+        if cfg is None or self._kv_links is None:
             return
         if cfg.kv_role in ("prefill", "both") and self.kv.hit_aligned and not self.kv.prefix_caching:
             # Its offers are prefix-cache hits on the request's own blocks (window blocks given back
@@ -292,31 +296,28 @@ class EngineCore:
                 "kv_role 'prefill' on an executor with sliding-window or snapshot cache groups needs "
                 "enable_prefix_caching (and every cache group caching prefixes)"
             )
-        if not conn.poll(60):
-            raise RuntimeError("the worker's KV connector did not start within 60s")
-        kind, address = conn.recv()
-        assert kind == "address", kind
-        self.kvx = KVTransferLedger(cfg, self.kv, conn.send, address)
+        address = self._kv_links.start(timeout=60)
+        self.kvx = KVTransferLedger(cfg, self.kv, self._kv_links.send, address)
         self.scheduler.hold_kv = self.kvx.hold
 
     def _poll_kv(self) -> None:
         """Apply the KV connector's events: free held blocks, fail or admit pulled requests. While only
         pulls are pending it waits a few ms for an event instead of spinning."""
-        kvx, conn = self.kvx, self._kv_conn
-        if kvx is None or conn is None:
+        kvx, links = self.kvx, self._kv_links
+        if kvx is None or links is None:
             return
         kvx.tick()
         wait = 0.005 if kvx.pulls and not self.scheduler.has_unfinished() else 0.0
         try:
-            while conn.poll(wait):
-                wait = 0.0
-                req, ok = kvx.on_event(conn.recv())
-                if req is not None and ok:
-                    self._admit_pulled(req)
-                elif req is not None:
-                    self._touch([req])
+            events = links.events(wait)
         except (EOFError, OSError):
             return  # the worker is gone: check_worker reports it
+        for event in events:
+            req, ok = kvx.on_event(event)
+            if req is not None and ok:
+                self._admit_pulled(req)
+            elif req is not None:
+                self._touch([req])
 
     def _admit_pulled(self, req: Request) -> None:
         """A decode request whose prompt KV arrived: it enters the scheduler as a prefix hit of it."""
@@ -731,9 +732,8 @@ class EngineCore:
         if self.dead_reason is None:
             with contextlib.suppress(Exception):  # shutting down anyway
                 self.strategy.drain()
-        if self._kv_conn is not None:
-            with contextlib.suppress(OSError):
-                self._kv_conn.send(("close",))
+        if self._kv_links is not None:
+            self._kv_links.close()
         self.worker.close()
 
 

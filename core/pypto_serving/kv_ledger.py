@@ -20,10 +20,15 @@ Every block a transfer touches is owned by exactly one record until the connecto
 touches it (a ``sent`` or ``pulled`` event): a held request until ``sent`` (after the pull, a failed
 send, or a withdrawal at ``kv_transfer_timeout``), a pulling request until ``pulled``. A failed pull
 fails its request with the reason and frees its blocks; it never reaches the scheduler.
+
+With tensor parallelism every rank runs a connector over its own shard of the caches, and
+:class:`KVLinks` makes them look like one to the ledger (rank ``r`` pulls from the prefill engine's
+rank ``r``; a transfer ends when every rank reported it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import struct
@@ -32,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 from .config import KVTransferConfig
@@ -39,7 +45,7 @@ from .kv_cache import FREED, KVCacheManager
 from .kv_transfer import KVCaches, KVConnector, TransferEvent
 from .request import Request, RequestStatus
 
-__all__ = ["TRANSFER_FAILED", "KVTransferLedger", "prompt_digest", "start_kv_service"]
+__all__ = ["TRANSFER_FAILED", "KVLinks", "KVTransferLedger", "prompt_digest", "start_kv_service"]
 
 TRANSFER_FAILED = "KV transfer failed"  # the start of a failed pull's error (the server answers 502)
 
@@ -267,6 +273,106 @@ def _finish(req: Request, status: RequestStatus, error: str | None) -> None:
     req.status = status
     req.error = error
     req.metrics.finished_time = time.monotonic()
+
+
+# ---------------------------------------------------------------------- the engine's links
+@dataclass(slots=True)
+class _Tally:
+    """The ranks still to report a transfer's end, and the first error one reported."""
+
+    left: int
+    error: str | None = None
+
+
+class KVLinks:
+    """The engine process's side of the worker's KV connectors, one pipe per tensor-parallel rank.
+
+    Each rank holds a shard of every cache group and runs its own connector over it; rank ``r`` of a
+    decode engine pulls from rank ``r`` of the prefill engine. To the ledger the ranks look like one
+    connector: every message goes to every rank, and a transfer ends when every rank has reported it
+    (with the first error any rank reported), since until then some rank may still read or write its
+    blocks. A pull from a prefill engine of another ``tensor_parallel_size`` fails here, unsent."""
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self.conns = conns
+        self._tally: dict[tuple[str, str], _Tally] = {}
+        self._refused: list[TransferEvent] = []  # pulls failed here, reported by the next events()
+
+    def start(self, timeout: float) -> dict[str, Any]:
+        """The connectors' address: rank 0's, and with several ranks every rank's under ``ranks``
+        (a decode engine's rank ``r`` pulls from ``ranks[r]``)."""
+        addresses = []
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(timeout):
+                raise RuntimeError(f"the KV connector of worker rank {rank} did not start within {timeout:.0f}s")
+            kind, address = conn.recv()
+            assert kind == "address", kind
+            addresses.append(address)
+        return addresses[0] if len(addresses) == 1 else {**addresses[0], "ranks": addresses}
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Pass a ledger message (publish, withdraw, pull, close) to every rank."""
+        kind, n = msg[0], len(self.conns)
+        if kind == "pull":
+            problem = self._mismatch(msg[2])
+            if problem is not None:
+                self._refused.append(TransferEvent(msg[1], "pulled", problem))
+                return
+            self._tally[("pulled", msg[1])] = _Tally(n)
+            for rank, conn in enumerate(self.conns):
+                conn.send(("pull", msg[1], _rank_source(msg[2], rank, n), msg[3]))
+            return
+        if kind == "publish":
+            self._tally[("sent", msg[1])] = _Tally(n)
+        for conn in self.conns:
+            conn.send(msg)
+
+    def _mismatch(self, source: dict[str, Any]) -> str | None:
+        ranks = source.get("ranks", [source])
+        if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
+            return "kv_transfer_params.ranks is not a list of the prefill engine's rank addresses"
+        if len(ranks) != len(self.conns):
+            return (
+                f"the prefill engine runs tensor_parallel_size={len(ranks)} and this decode engine "
+                f"{len(self.conns)}: the KV moves rank to rank, so both need the same tensor_parallel_size"
+            )
+        return None
+
+    def events(self, wait: float) -> list[TransferEvent]:
+        """The transfers every rank has reported the end of, waiting up to ``wait`` seconds for a
+        first rank's event when none is due. :raises EOFError, OSError: a rank's pipe closed."""
+        ended, self._refused = self._refused, []
+        for conn in wait_any(self.conns, timeout=0.0 if ended else wait):
+            assert isinstance(conn, Connection)
+            while conn.poll():
+                event = self._tallied(conn.recv(), self.conns.index(conn))
+                if event is not None:
+                    ended.append(event)
+        return ended
+
+    def _tallied(self, event: TransferEvent, rank: int) -> TransferEvent | None:
+        key = (event.kind, event.transfer_id)
+        tally = self._tally.get(key)
+        if tally is None:
+            return event  # not one the ledger started: it ignores it
+        tally.left -= 1
+        if tally.error is None and event.error is not None:
+            tally.error = event.error if len(self.conns) == 1 else f"rank {rank}: {event.error}"
+        if tally.left:
+            return None
+        del self._tally[key]
+        return TransferEvent(event.transfer_id, event.kind, tally.error)
+
+    def close(self) -> None:
+        """Stop every rank's connector (transfers in flight end with an error)."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(("close",))
+
+
+def _rank_source(source: dict[str, Any], rank: int, n: int) -> dict[str, Any]:
+    """The offer as rank ``rank`` of ``n`` pulls it: from the prefill engine's rank of the same index."""
+    return source if n == 1 else {**source, **source["ranks"][rank]}
 
 
 # ---------------------------------------------------------------------- worker side

@@ -226,6 +226,7 @@ class ModelRunner:
         self._staged: _Staged | None = None  # the next step's admissions and blocks, taken early
         self._compiles_of: StepCommand | None = None  # the last command whose grammars were taken
         self.kv_link: tuple[Callable[[Any], Any], Any] | None = None  # a KV connector's factory and pipe
+        self.kv_rank = 0  # this worker's tensor-parallel rank: its connector listens on kv_port + kv_rank
         self._kv_thread: threading.Thread | None = None
 
     def load(self) -> ExecutorInfo:
@@ -254,7 +255,10 @@ class ModelRunner:
                 f"{type(self.executor).__name__} cannot move its KV cache (kv_cache_blocks() is None), so it "
                 "cannot serve a kv_role; unset kv_role"
             )
-        self._kv_thread = start_kv_service(factory(self.settings.kv_transfer()), caches, conn)
+        config = self.settings.kv_transfer()
+        if config.kv_port and self.kv_rank:  # each rank's connector listens on a port of its own
+            config = config.model_copy(update={"kv_port": config.kv_port + self.kv_rank})
+        self._kv_thread = start_kv_service(factory(config), caches, conn)
 
     def install_lora(self, cmd: LoadLora) -> None:
         """Install an adapter between steps: the one read in the background for its key (waiting for

@@ -178,7 +178,7 @@ def _worker_main(
         return
     _pin_threads(settings)
     if settings.tensor_parallel_size > 1:
-        _rank_main(conn, factory, settings, rank)
+        _rank_main(conn, factory, settings, rank, kv_link)
         return
     assert conn is not None
     try:
@@ -278,17 +278,23 @@ class _GroupSetupError(RuntimeError):
 
 
 def _rank_main(
-    conn: Connection | None, factory: Callable[[Any], Executor], settings: ServingSettings, rank: int
+    conn: Connection | None,
+    factory: Callable[[Any], Executor],
+    settings: ServingSettings,
+    rank: int,
+    kv_link: tuple[Callable[[Any], Any], Connection] | None = None,
 ) -> None:
     """A tensor-parallel rank: join the group, load in agreement with the other ranks, then run rank
     0's commands until a Shutdown. A failed collective (a peer died or hung) ends the process with
-    :data:`RANK_LOST_EXIT`, so the engine restarts the whole group."""
+    :data:`RANK_LOST_EXIT`, so the engine restarts the whole group. ``kv_link``: this rank's KV
+    connector and its own pipe to the engine (disaggregated serving: each rank moves its shard)."""
     die_with_parent()
     layout = RankLayout.of(settings)
     own = settings.model_copy(update={"device": rank_device(settings.device, layout.local_index(rank))})
     try:
         group = join_group(own, rank)
         runner = _load_ranks(group, factory, own)
+        runner.kv_link, runner.kv_rank = kv_link, rank
     except BaseException as e:
         why = str(e) if isinstance(e, _GroupSetupError) else f"rank {rank} could not join the group: {_format_error(e)}"
         _report(rank, why)
@@ -429,10 +435,20 @@ def serve_node(factory: Callable[[Any], Executor], settings: ServingSettings) ->
         logger.warning("ranks exited with %s: starting them again to rejoin node 0's group", codes)
 
 
-def _rank_process(ctx: Any, factory: Callable[[Any], Executor], payload: str, rank: int) -> BaseProcess:
-    """A rank after rank 0: no pipe, it follows rank 0's broadcasts."""
+def _rank_process(
+    ctx: Any,
+    factory: Callable[[Any], Executor],
+    payload: str,
+    rank: int,
+    kv_link: tuple[Callable[[Any], Any], Connection] | None = None,
+) -> BaseProcess:
+    """A rank after rank 0: no pipe for commands, it follows rank 0's broadcasts (its KV connector,
+    if any, has its own pipe to the engine)."""
     proc: BaseProcess = ctx.Process(
-        target=_worker_main, args=(None, factory, payload, rank), daemon=True, name=f"pypto-worker-rank{rank}"
+        target=_worker_main,
+        args=(None, factory, payload, rank, kv_link),
+        daemon=True,
+        name=f"pypto-worker-rank{rank}",
     )
     return proc
 
@@ -466,10 +482,11 @@ class WorkerClient:
         timeout: float = 600.0,
         kv_factory: Callable[[Any], Any] | None = None,
     ) -> None:
-        """``kv_factory``: the KV connector's factory (disaggregated serving); the worker then runs it
-        beside the caches and :attr:`kv_conn` carries its messages (:mod:`pypto_serving.kv_ledger`)."""
+        """``kv_factory``: the KV connector's factory (disaggregated serving); every rank of the worker
+        then runs one beside its caches and :attr:`kv_conns` (one pipe per rank, rank 0 first) carry
+        their messages (:mod:`pypto_serving.kv_ledger`)."""
         self.mode = mode
-        self.kv_conn: Connection | None = None
+        self.kv_conns: list[Connection] = []
         self.timeout = timeout
         self._pending: deque[StepResult] = deque()
         self._in_flight = 0
@@ -483,7 +500,8 @@ class WorkerClient:
         if mode == "inproc":
             self._runner: ModelRunner | None = ModelRunner(factory(settings), settings)
             if kv_factory is not None:
-                self.kv_conn, child = mp.Pipe()
+                kv_conn, child = mp.Pipe()
+                self.kv_conns = [kv_conn]
                 self._runner.kv_link = (kv_factory, child)
             self.info = self._runner.load()
             self._proc: BaseProcess | None = None
@@ -514,22 +532,30 @@ class WorkerClient:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         payload = settings.model_dump_json()
-        kv_link = None
-        if kv_factory is not None:
-            self.kv_conn, kv_child = ctx.Pipe()
-            kv_link = (kv_factory, kv_child)
+        local = list(RankLayout.of(settings).local_ranks) if tp else [0]
+        kv_links = [self._kv_link(ctx, kv_factory) for _ in local]
         proc: BaseProcess = ctx.Process(
-            target=_worker_main, args=(child, factory, payload, 0, kv_link), daemon=True, name="pypto-worker"
+            target=_worker_main, args=(child, factory, payload, 0, kv_links[0]), daemon=True, name="pypto-worker"
         )
         self._proc = proc
-        local = RankLayout.of(settings).local_ranks[1:] if tp else range(0)
-        self._ranks = [_rank_process(ctx, factory, payload, r) for r in local]
+        self._ranks = [_rank_process(ctx, factory, payload, r, link) for r, link in zip(local[1:], kv_links[1:])]
         with _worker_environment(settings):
             for p in (proc, *self._ranks):
                 p.start()
         child.close()
-        if kv_link is not None:
-            kv_link[1].close()
+        for link in kv_links:
+            if link is not None:
+                link[1].close()
+
+    def _kv_link(
+        self, ctx: Any, kv_factory: Callable[[Any], Any] | None
+    ) -> tuple[Callable[[Any], Any], Connection] | None:
+        """A rank's KV connector and the child end of its pipe (the engine keeps the other end)."""
+        if kv_factory is None:
+            return None
+        conn, child = ctx.Pipe()
+        self.kv_conns.append(conn)
+        return kv_factory, child
 
     def profile(self, msg: ProfileControl) -> None:
         """Start or stop the worker's profile, in order with the steps submitted (nothing answers)."""

@@ -3,6 +3,8 @@ a transfer touches has one owner until the connector's event, and then goes back
 
 from __future__ import annotations
 
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from pypto_serving.config import KVTransferConfig
 from pypto_serving.executor import CacheGroupSpec
 from pypto_serving.kv_cache import FREED, KVCacheManager
-from pypto_serving.kv_ledger import KVTransferLedger, prompt_digest
+from pypto_serving.kv_ledger import KVLinks, KVTransferLedger, prompt_digest
 from pypto_serving.kv_transfer import TransferEvent
 from pypto_serving.request import Request, RequestStatus, SamplingParams
 
@@ -182,6 +184,8 @@ def test_the_settings_take_vllm_roles_and_refuse_contradictions() -> None:
         ServingSettings(kv_role="prefill", kv_transfer_config={"kv_role": "decode"})
     with pytest.raises(ValueError, match="its own port"):
         ServingSettings(kv_role="prefill", kv_transfer_config={"kv_port": 14579}, data_parallel_size=2)
+    with pytest.raises(ValueError, match="rank r's connector listens on kv_port \\+ r, past 65535"):
+        ServingSettings(kv_role="prefill", kv_transfer_config={"kv_port": 65535}, tensor_parallel_size=2)
 
 
 # A sliding window of 8 tokens (4 a block) and a group of 8 tokens a block: a computation can start
@@ -255,3 +259,79 @@ def test_an_evicted_window_block_shortens_the_offer() -> None:
     prefill.kv.pools["win"].release(taken)
     prefill.kv.check_invariants([])
     assert all(p.num_free == p.num_blocks for p in prefill.kv.pools.values())
+
+
+# -- KVLinks: the engine's side of one connector per tensor-parallel rank
+RANK_ADDRESSES = [{"remote_host": "h", "remote_port": 10 + r, "layout": "x"} for r in range(2)]
+
+
+def _links(n: int) -> tuple[KVLinks, list[Connection]]:
+    """Links over ``n`` in-process pipes, each rank's end already having sent its connector's address."""
+    pairs = [Pipe() for _ in range(n)]
+    for rank, (_, worker) in enumerate(pairs):
+        worker.send(("address", RANK_ADDRESSES[rank]))
+    links = KVLinks([engine for engine, _ in pairs])
+    return links, [worker for _, worker in pairs]
+
+
+def _received(worker: Connection) -> list[Any]:
+    got = []
+    while worker.poll(0):
+        got.append(worker.recv())
+    return got
+
+
+def test_links_over_one_rank_pass_messages_and_events_unchanged() -> None:
+    links, (worker,) = _links(1)
+    assert links.start(timeout=1) == RANK_ADDRESSES[0]
+    links.send(("publish", "t", {"kv": [1, 2]}))
+    links.send(("pull", "r", {**RANK_ADDRESSES[0], "transfer_id": "u"}, {"kv": [3]}))
+    assert _received(worker) == [
+        ("publish", "t", {"kv": [1, 2]}),
+        ("pull", "r", {**RANK_ADDRESSES[0], "transfer_id": "u"}, {"kv": [3]}),
+    ]
+    worker.send(TransferEvent("t", "sent", "boom"))
+    assert links.events(1.0) == [TransferEvent("t", "sent", "boom")]
+
+
+def test_a_transfer_over_ranks_ends_when_every_rank_reported_it_with_any_ranks_error() -> None:
+    links, workers = _links(2)
+    address = links.start(timeout=1)
+    assert address["remote_port"] == 10 and address["ranks"] == RANK_ADDRESSES
+    links.send(("publish", "t", {"kv": [1, 2]}))
+    assert [_received(w) for w in workers] == [[("publish", "t", {"kv": [1, 2]})]] * 2
+    workers[0].send(TransferEvent("t", "sent"))
+    assert links.events(0.05) == []  # rank 1 may still read its blocks
+    workers[1].send(TransferEvent("t", "sent", "peer gone"))
+    assert links.events(1.0) == [TransferEvent("t", "sent", "rank 1: peer gone")]
+    # A pull goes to each rank with the address of the prefill engine's rank of the same index.
+    source = {**address, "transfer_id": "t2"}
+    links.send(("pull", "r", source, {"kv": [5]}))
+    for rank, worker in enumerate(workers):
+        ((kind, rid, rank_source, blocks),) = _received(worker)
+        assert (kind, rid, blocks) == ("pull", "r", {"kv": [5]})
+        assert rank_source["remote_port"] == 10 + rank and rank_source["transfer_id"] == "t2"
+    workers[1].send(TransferEvent("r", "pulled"))
+    workers[0].send(TransferEvent("r", "pulled"))
+    assert links.events(1.0) == [TransferEvent("r", "pulled", None)]
+    links.close()
+    assert [_received(w) for w in workers] == [[("close",)]] * 2
+
+
+@pytest.mark.parametrize(("decode_ranks", "source_ranks"), [(1, 2), (2, 1)])
+def test_a_pull_across_tensor_parallel_sizes_fails_unsent(decode_ranks: int, source_ranks: int) -> None:
+    links, workers = _links(decode_ranks)
+    links.start(timeout=1)
+    source: dict[str, Any] = {**RANK_ADDRESSES[0], "transfer_id": "t"}
+    if source_ranks > 1:
+        source["ranks"] = RANK_ADDRESSES[:source_ranks]
+    links.send(("pull", "r", source, {"kv": [1]}))
+    assert all(_received(w) == [] for w in workers)
+    ((event,),) = [links.events(0.0)]
+    assert event.transfer_id == "r" and event.kind == "pulled"
+    assert event.error == (
+        f"the prefill engine runs tensor_parallel_size={source_ranks} and this decode engine {decode_ranks}: "
+        "the KV moves rank to rank, so both need the same tensor_parallel_size"
+    )
+    links.send(("pull", "q", {**source, "ranks": "nonsense"}, {"kv": [1]}))
+    assert links.events(0.0)[0].error == "kv_transfer_params.ranks is not a list of the prefill engine's rank addresses"

@@ -8,7 +8,8 @@ connection's next sequence number; the producer answers with the offer's size an
 there is none), sends the packed blocks with ``send`` tagged by the sequence number, and waits for
 the consumer's ``done``; only then does it report ``sent``, so a producer frees nothing a consumer
 still reads. A connection that fails is dropped (the next pull forms a new one) and fails only the
-transfer in flight on it.
+transfer in flight on it. A consumer runs its pulls on ``pull_threads`` threads, each over connections
+of its own (one per producer), so a slow producer holds up only its thread's queue.
 
 The KV bytes travel only through gloo; the store carries the small JSON control messages. Caches on
 an accelerator are staged through host memory (gloo moves host tensors); an NCCL/HCCL group sending
@@ -48,6 +49,12 @@ __all__ = ["TorchP2PConnector", "make_connector", "pypto_serving_register_kv_con
 # Store keys are polled (a blocking ``wait`` logs a warning at each timeout): 1 ms at first, backing
 # off to 10 ms while nothing comes, so an idle connection costs ~100 round trips a second.
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.01
+# A pull may reach the producer before its publish does: the engine process answers the prefill
+# request once it has sent the publish down the worker's pipe, and the worker's relay thread hands it
+# on a moment later (longer on a loaded host, and with tensor parallelism for every rank). The
+# producer waits that long for an offer it has not seen; one it has ended fails at once.
+_PUBLISH_GRACE_S = 5.0
+_ENDED_KEPT = 4096  # transfer ids whose end is remembered, newest kept
 
 
 class TransferError(RuntimeError):
@@ -99,25 +106,33 @@ def _group(store: Any, number: int, rank: int, timeout: float) -> Any:
 
 class TorchP2PConnector(KVConnector):
     """See the module docstring. ``kv_connector_extra_config``: ``timeout`` (seconds a control answer or
-    a transfer may take, default 30)."""
+    a transfer may take, default 30), ``pull_threads`` (a consumer's pulls in flight at once, each
+    thread on its own connections, default 1)."""
 
     def __init__(self, config: KVTransferConfig) -> None:
         self.config = config
-        self.timeout = float(config.kv_connector_extra_config.get("timeout", 30.0))
+        extra = config.kv_connector_extra_config
+        self.timeout = float(extra.get("timeout", 30.0))
+        self.pull_threads = extra.get("pull_threads", 1)
+        if not isinstance(self.pull_threads, int) or isinstance(self.pull_threads, bool) or self.pull_threads < 1:
+            raise ValueError(f"kv_connector_extra_config.pull_threads={self.pull_threads!r}: give a count >= 1")
         self._caches: KVCaches = {}
         self._lock = threading.Lock()
         self._events: list[TransferEvent] = []
         self._offers: dict[str, _Offer] = {}
+        self._ended: dict[str, None] = {}  # offers sent or withdrawn, oldest first (bounded)
         self._closed = threading.Event()
         self._pulls: queue.Queue[_Pull | None] = queue.Queue()
-        self._conns: dict[tuple[str, int], _Conn] = {}
+        self._conns: list[dict[tuple[str, int], _Conn]] = []  # per pull thread, by producer address
         self._store: Any = None
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle
     def start(self, caches: KVCaches) -> dict[str, Any]:
         self._caches = caches
-        self._spawn(self._pull_loop, "kv-pull")
+        for i in range(self.pull_threads):
+            self._conns.append({})
+            self._spawn(self._pull_loop, f"kv-pull-{i}", self._conns[-1])
         if self.config.kv_role == "decode":
             return {}
         cfg = self.config
@@ -134,10 +149,11 @@ class TorchP2PConnector(KVConnector):
 
     def close(self) -> None:
         self._closed.set()
-        self._pulls.put(None)
+        for _ in self._conns:
+            self._pulls.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
-        for conn in self._conns.values():  # the producers end their side of each connection
+        for conn in (c for conns in self._conns for c in conns.values()):  # the producers end their side
             with contextlib.suppress(Exception):
                 conn.store.set(f"c{conn.number}/req/{conn.seq}", json.dumps({"bye": True}))
         # Destroyed here, not at interpreter exit, where gloo's and the store's threads may outlive them.
@@ -157,6 +173,7 @@ class TorchP2PConnector(KVConnector):
     def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
         with self._lock:
             self._offers[transfer_id] = _Offer({g: list(b) for g, b in blocks.items()})
+            self._ended.pop(transfer_id, None)
 
     def withdraw(self, transfer_id: str) -> None:
         with self._lock:
@@ -166,8 +183,7 @@ class TorchP2PConnector(KVConnector):
             if offer.busy:
                 offer.withdrawn = True  # the send in flight reports the end
                 return
-            del self._offers[transfer_id]
-            self._events.append(TransferEvent(transfer_id, "sent", "withdrawn before a decode engine pulled it"))
+            self._end_offer(transfer_id, "withdrawn before a decode engine pulled it")
 
     def _accept_loop(self) -> None:
         number = 0
@@ -199,13 +215,29 @@ class TorchP2PConnector(KVConnector):
                 return  # the connection broke: the consumer forms a new one
             seq += 1
 
+    def _end_offer(self, transfer_id: str, error: str | None) -> None:
+        """Drop an offer and report its end (under the lock)."""
+        del self._offers[transfer_id]
+        self._events.append(TransferEvent(transfer_id, "sent", error))
+        self._ended[transfer_id] = None
+        if len(self._ended) > _ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
+
     def _take_offer(self, transfer_id: str) -> _Offer | None:
-        with self._lock:
-            offer = self._offers.get(transfer_id)
-            if offer is None or offer.busy:
+        """The offer, marked busy; None when it ended, is busy, or is not published within the grace."""
+        deadline, pause = time.monotonic() + min(_PUBLISH_GRACE_S, self.timeout), _POLL_MIN_S
+        while True:
+            with self._lock:
+                offer = self._offers.get(transfer_id)
+                if offer is not None and not offer.busy:
+                    offer.busy = True
+                    return offer
+                if offer is not None or transfer_id in self._ended:
+                    return None
+            if time.monotonic() > deadline or self._closed.is_set():
                 return None
-            offer.busy = True
-            return offer
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
 
     def _serve_one(self, group: Any, number: int, seq: int, transfer_id: str) -> bool:
         """Send one offer; False when the connection broke."""
@@ -232,28 +264,28 @@ class TorchP2PConnector(KVConnector):
         except Exception as e:
             error, broken = f"sending the KV failed: {type(e).__name__}: {e}", True
         with self._lock:
-            del self._offers[transfer_id]
-            self._events.append(TransferEvent(transfer_id, "sent", error))
+            self._end_offer(transfer_id, error)
         return not broken
 
     # -- consumer
     def pull(self, transfer_id: str, source: dict[str, Any], blocks: dict[str, list[int]]) -> None:
         self._pulls.put(_Pull(transfer_id, source, {g: list(b) for g, b in blocks.items()}))
 
-    def _pull_loop(self) -> None:
+    def _pull_loop(self, conns: dict[tuple[str, int], _Conn]) -> None:
+        """One pull thread: the next queued pull, over this thread's connection to its producer."""
         while True:
             item = self._pulls.get()
             if item is None:
                 return
             address = (str(item.source.get("remote_host")), int(item.source.get("remote_port", 0)))
             try:
-                conn = self._conns.get(address) or self._connect(*address)
-                self._conns[address] = conn
+                conn = conns.get(address) or self._connect(*address)
+                conns[address] = conn
                 self._pull_one(conn, item)
             except TransferError as e:
                 self._event(item.transfer_id, "pulled", str(e))
             except Exception as e:  # the connection broke: the next pull forms a new one
-                self._conns.pop(address, None)
+                conns.pop(address, None)
                 self._event(
                     item.transfer_id,
                     "pulled",

@@ -101,3 +101,39 @@ def test_an_offer_must_be_a_hit_position(prefill: LLM) -> None:
         bad |= {"prompt_digest": prompt_digest(PROMPTS[0]), "num_tokens": 96}
         with pytest.raises(ValueError, match="this prompt needs 64"):
             decode.generate(PROMPTS[:1], _params(False, kv_transfer_params=bad), use_tqdm=False)
+
+
+@pytest.mark.parametrize("scheduler", [pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
+def test_tp2_ranks_move_their_copies_of_every_cache_group(scheduler: str) -> None:
+    """Tensor parallelism (2 ranks, MTP k=2, the async strategy): one engine with ``kv_role = "both"``
+    pulls its own offers, so rank ``r``'s connector sends its copy of every cache group (replicated
+    over the ranks) to rank ``r``'s, into blocks the decode request allocated fresh. The pulled
+    requests' tokens equal the engine's own co-located ones only if every rank's copy arrived (each
+    rank attends with its own copy). One engine, not a pair: half the start-up;
+    tests/plugins/qwen/test_disaggregated.py runs a TP=2 prefill and a TP=2 decode engine."""
+    tp = {**COMMON, "scheduler": scheduler, "tensor_parallel_size": 2, "worker_threads": 1, "dtype": "float32"}
+    with LLM(kv_role="both", **tp) as llm:
+        engine = llm._engine()
+        assert engine.kvx is not None and len(engine.worker.kv_conns) == 2
+        for seeded in (False, True):
+            reference = llm.generate(PROMPTS[:1], _params(seeded), use_tqdm=False)
+            offers = [
+                o.kv_transfer_params
+                for o in llm.generate(
+                    PROMPTS[:1],
+                    SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                    use_tqdm=False,
+                )
+            ]
+            assert [(o["num_tokens"], len(o["ranks"])) for o in offers] == [(UNIT, 2)]  # type: ignore[index]
+            for prompt, offer, ref in zip(PROMPTS, offers, reference):
+                out = llm.generate([prompt], _params(seeded, kv_transfer_params=offer), use_tqdm=False)[0]
+                assert out.outputs[0].error is None and out.num_cached_tokens == UNIT
+                assert out.outputs[0].token_ids == ref.outputs[0].token_ids, seeded
+        deadline = time.monotonic() + 10
+        while engine.kvx.held and time.monotonic() < deadline:
+            engine.check_worker()
+            time.sleep(0.02)
+        assert engine.kvx.stats == {"kv_sent": 2, "kv_send_failed": 0, "kv_pulled": 2, "kv_pull_failed": 0}
+        engine.kv.check_invariants(engine.scheduler.live_requests())
+        assert _free_blocks(llm) == _all_blocks(llm)

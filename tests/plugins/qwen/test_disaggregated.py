@@ -8,8 +8,10 @@ the reference only if the transferred blocks carry the prompt's KV.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -220,3 +222,104 @@ def test_a_moe_decode_continues_where_prefill_stopped(qwen_checkpoints: Any) -> 
             assert out.outputs[0].error is None and out.num_cached_tokens == len(prompt) - 1
             assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         assert _free_blocks(d) == _all_blocks(d)
+
+
+# -- tensor parallelism: each rank of the prefill engine sends its shard of the KV (its KV heads) to
+# the same rank of the decode engine, over connectors of its own.
+TP2: dict[str, Any] = {**COMMON, "tensor_parallel_size": 2, "worker_threads": 1}
+
+
+def _free_port_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` free now on loopback."""
+    for _ in range(50):
+        with contextlib.ExitStack() as stack:
+            first = stack.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            second = stack.enter_context(socket.socket())
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def prefill_tp2() -> Iterator[LLM]:
+    """A TP=2 prefill engine at a fixed kv_port: rank r's connector listens on kv_port + r."""
+    cfg = {"kv_port": _free_port_pair()}
+    llm = LLM(kv_role="prefill", scheduler="sync", kv_transfer_config=cfg, **TP2)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def decode_tp2() -> Iterator[LLM]:
+    llm = LLM(kv_role="decode", scheduler="sync", **TP2)
+    yield llm
+    llm.shutdown()
+
+
+def _wait_sent(llm: LLM) -> None:
+    """Until the prefill engine has heard every held transfer's end (and freed its blocks)."""
+    deadline = time.monotonic() + 10
+    while llm._engine().kvx.held and time.monotonic() < deadline:  # type: ignore[union-attr]
+        llm._engine().check_worker()
+        time.sleep(0.02)
+
+
+def test_a_tp2_decode_continues_where_a_tp2_prefill_stopped(prefill_tp2: LLM, decode_tp2: LLM) -> None:
+    """The reference is the prefill engine's own co-located TP=2 output: the decode engine computed
+    only the last prompt token, so its tokens match only if both ranks' shards arrived. (The async
+    strategy with TP=2: tests/plugins/deepseek_mtp/test_disaggregated.py.)"""
+    decode = decode_tp2
+    engine = decode._engine()
+    assert engine.kvx is not None and len(engine.worker.kv_conns) == 2
+    pulled = engine.kvx.stats["kv_pulled"]
+    for seeded in (False, True):
+        reference = prefill_tp2.generate(PROMPTS[:2], _params(seeded), use_tqdm=False)
+        offers = _prefill(prefill_tp2, PROMPTS[:2])
+        port = prefill_tp2._engine().settings.kv_transfer().kv_port  # type: ignore[union-attr]
+        assert [r["remote_port"] for r in offers[0]["ranks"]] == [port, port + 1]  # one connector per rank
+        for prompt, offer, ref in zip(PROMPTS, offers, reference):
+            out = decode.generate([prompt], _params(seeded, kv_transfer_params=offer), use_tqdm=False)[0]
+            assert out.outputs[0].error is None and out.num_cached_tokens == len(prompt) - 1
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids, (seeded, prompt[:3])
+    assert engine.kvx.stats["kv_pulled"] == pulled + 4 and engine.kvx.stats["kv_pull_failed"] == 0
+    engine.kv.check_invariants(engine.scheduler.live_requests())
+    assert _free_blocks(decode) == _all_blocks(decode)
+    _wait_sent(prefill_tp2)
+    assert prefill_tp2._engine().kvx.stats["kv_send_failed"] == 0  # type: ignore[union-attr]
+    assert _free_blocks(prefill_tp2) == _all_blocks(prefill_tp2)
+
+
+def test_a_pull_from_another_tensor_parallel_size_fails_only_that_request(decode_tp2: LLM) -> None:
+    """A TP=1 prefill engine's offer cannot fill a TP=2 decode engine's shards: the pull fails with
+    the reason, frees its blocks, and the decode engine serves on; the prefill engine frees the offer
+    at its kv_transfer_timeout."""
+    cfg = {"kv_transfer_timeout": 0.5}
+    with LLM(kv_role="prefill", kv_transfer_config=cfg, worker_mode="inproc", scheduler="sync", **COMMON) as p:
+        (offer,) = _prefill(p, PROMPTS[:1])
+        engine = decode_tp2._engine()
+        failed = engine.kvx.stats["kv_pull_failed"]  # type: ignore[union-attr]
+        out = decode_tp2.generate(PROMPTS[:1], _params(False, kv_transfer_params=offer), use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "error"
+        assert out.outputs[0].error == (
+            "KV transfer failed: the prefill engine runs tensor_parallel_size=1 and this decode engine 2: "
+            "the KV moves rank to rank, so both need the same tensor_parallel_size"
+        )
+        assert engine.kvx.stats["kv_pull_failed"] == failed + 1  # type: ignore[union-attr]
+        assert _free_blocks(decode_tp2) == _all_blocks(decode_tp2)
+        again = decode_tp2.generate(PROMPTS[:1], _params(False), use_tqdm=False)[0]  # co-located: unaffected
+        assert again.outputs[0].error is None and len(again.outputs[0].token_ids) == N_OUT
+        _wait_sent(p)
+        assert _free_blocks(p) == _all_blocks(p)
+
+
+def test_kv_role_with_ranks_on_other_hosts_is_refused() -> None:
+    """Each rank's connector talks to the engine over a pipe: ranks on other hosts have none."""
+    from pypto_serving.config import SettingsError
+
+    with pytest.raises(SettingsError, match="kv_role with nnodes > 1 is not supported"):
+        LLM(kv_role="prefill", tensor_parallel_size=2, nnodes=2, master_port=29999, **COMMON)

@@ -1,0 +1,88 @@
+"""The ``torch_p2p`` connector on its own: two connectors in one process over loopback, moving blocks of
+small CPU caches; what arrives is compared with the producer's blocks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from pypto_serving.config import KVTransferConfig
+from pypto_serving.kv_connectors.torch_p2p import TorchP2PConnector
+from pypto_serving.kv_transfer import TransferEvent
+
+
+def _caches(seed: int) -> dict[str, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return {"kv": [torch.randn(8, 2, 4, generator=g), torch.randn(8, 2, 4, generator=g)]}
+
+
+def _connector(role: str, **extra: Any) -> TorchP2PConnector:
+    extra = {"timeout": 10, **extra}
+    return TorchP2PConnector(KVTransferConfig(kv_role=role, kv_connector_extra_config=extra))  # type: ignore[call-arg]
+
+
+def _event(connector: TorchP2PConnector, timeout: float = 10.0) -> TransferEvent:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events = connector.poll()
+        if events:
+            (event,) = events
+            return event
+        time.sleep(0.01)
+    raise AssertionError("no event")
+
+
+def test_a_pull_that_arrives_before_its_publish_waits_for_it() -> None:
+    """The engine answers a prefill request once the publish is on its way to the worker, so a decode
+    engine's pull can reach the producer first (seen with tensor parallelism on a loaded host): the
+    producer waits for the offer. A pull of an offer it has ended fails at once."""
+    producer, consumer = _connector("prefill"), _connector("decode")
+    theirs, ours = _caches(1), _caches(2)
+    try:
+        address: dict[str, Any] = producer.start(theirs)
+        consumer.start(ours)
+        consumer.pull("r", {**address, "transfer_id": "t"}, {"kv": [1, 2]})
+        time.sleep(0.3)  # the pull waits at the producer
+        producer.publish("t", {"kv": [5, 6]})
+        assert _event(consumer) == TransferEvent("r", "pulled", None)
+        assert _event(producer) == TransferEvent("t", "sent", None)
+        for mine, src in zip(ours["kv"], theirs["kv"]):
+            assert torch.equal(mine[1:3], src[5:7])
+        start = time.monotonic()
+        consumer.pull("r2", {**address, "transfer_id": "t"}, {"kv": [3, 4]})
+        again = _event(consumer)
+        assert again.kind == "pulled" and "holds no KV for transfer 't'" in (again.error or "")
+        assert time.monotonic() - start < 2.0  # not the grace for an offer still to come
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_pulls_run_side_by_side_on_their_own_connections() -> None:
+    """A pull waiting at its producer (for an offer still to come) does not hold up the next pull:
+    it runs on a second pull thread, over a connection of its own."""
+    producer, consumer = _connector("prefill"), _connector("decode", pull_threads=2)
+    theirs, ours = _caches(1), _caches(2)
+    try:
+        address: dict[str, Any] = producer.start(theirs)
+        consumer.start(ours)
+        producer.publish("ready", {"kv": [0, 7]})
+        consumer.pull("slow", {**address, "transfer_id": "later"}, {"kv": [1]})
+        time.sleep(0.1)
+        consumer.pull("fast", {**address, "transfer_id": "ready"}, {"kv": [2, 3]})
+        assert _event(consumer, timeout=3.0) == TransferEvent("fast", "pulled", None)  # "slow" still waits
+        producer.publish("later", {"kv": [4]})
+        assert _event(consumer) == TransferEvent("slow", "pulled", None)
+        for mine, src in zip(ours["kv"], theirs["kv"]):
+            assert torch.equal(mine[1:4], src[[4, 0, 7]])
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_pull_thread_count_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="pull_threads=0"):
+        _connector("decode", pull_threads=0)
