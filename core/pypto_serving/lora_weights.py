@@ -37,6 +37,9 @@ __all__ = ["LoraAdapter", "LoraContext", "LoraStack", "read_adapter", "slot_oneh
 
 _KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 
+#: An executor's reason why a module (a PEFT module path or target name) takes no adapter, or None.
+Explain = Callable[[str], str | None]
+
 
 @dataclass(slots=True)
 class LoraAdapter:
@@ -73,7 +76,9 @@ def _leaf_names(shapes: dict[str, tuple[int, int]]) -> list[str]:
     return sorted({m.rpartition(".")[2] for m in shapes})
 
 
-def _check_targets(name: str, path: Path, cfg: dict[str, object], shapes: dict[str, tuple[int, int]]) -> None:
+def _check_targets(
+    name: str, path: Path, cfg: dict[str, object], shapes: dict[str, tuple[int, int]], explain: Explain | None
+) -> None:
     """Refuse ``target_modules`` that name no adaptable projection (PEFT's rule: a module path equal
     to a target or ending in ``.target``) and ``target_parameters`` (parameter adapters, as of
     routed experts). A string is PEFT's regex or "all-linear": its weights are checked one by one."""
@@ -81,14 +86,18 @@ def _check_targets(name: str, path: Path, cfg: dict[str, object], shapes: dict[s
     if not isinstance(targets, str) and isinstance(targets, list | tuple):
         unknown = sorted(t for t in targets if not any(m == t or m.endswith(f".{t}") for m in shapes))
         if unknown:
+            whys = [f"{t}: {why}" for t in unknown if explain is not None and (why := explain(t))]
+            said = f" ({'; '.join(whys)})" if whys else ""
             known = _leaf_names(shapes)
-            raise _refuse(name, path, f"target modules {unknown} are not supported; LoRA applies to {known}")
+            raise _refuse(name, path, f"target modules {unknown} are not supported{said}; LoRA applies to {known}")
     if cfg.get("target_parameters"):
         why = f"target_parameters {cfg['target_parameters']} (parameter adapters, e.g. of routed experts)"
         raise _refuse(name, path, f"{why} are not supported; LoRA applies to {_leaf_names(shapes)}")
 
 
-def _read_config(name: str, path: Path, max_rank: int, shapes: dict[str, tuple[int, int]]) -> tuple[int, float]:
+def _read_config(
+    name: str, path: Path, max_rank: int, shapes: dict[str, tuple[int, int]], explain: Explain | None
+) -> tuple[int, float]:
     """The adapter's rank and scale; refuses what an executor cannot apply exactly."""
     if not path.is_dir():
         raise _refuse(name, path, "no such directory")
@@ -105,7 +114,7 @@ def _read_config(name: str, path: Path, max_rank: int, shapes: dict[str, tuple[i
             raise _refuse(name, path, f"{key} is not supported")
     if cfg.get("bias", "none") != "none":
         raise _refuse(name, path, f"bias={cfg['bias']!r} is not supported, only 'none'")
-    _check_targets(name, path, cfg, shapes)
+    _check_targets(name, path, cfg, shapes, explain)
     rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
     if rank > max_rank:
         raise _refuse(name, path, f"rank {rank} exceeds max_lora_rank={max_rank}")
@@ -116,7 +125,7 @@ def _halves(
     name: str,
     root: Path,
     shapes: dict[str, tuple[int, int]],
-    explain: Callable[[str], str | None] | None,
+    explain: Explain | None,
 ) -> dict[tuple[str, str], torch.Tensor]:
     """The adapter file's ``A`` and ``B`` halves by (module path, half); a weight of a module that
     takes no adapter is refused, naming it (``explain(module)``: the executor's reason, if any)."""
@@ -141,13 +150,13 @@ def read_adapter(
     path: str | Path,
     max_rank: int,
     shapes: dict[str, tuple[int, int]],
-    explain: Callable[[str], str | None] | None = None,
+    explain: Explain | None = None,
 ) -> LoraAdapter:
     """Read a PEFT adapter directory. ``shapes``: ``(out, in)`` of every projection LoRA may target,
     by PEFT module path; a weight for anything else (``explain`` may say why that module takes none),
     or of another shape, is refused."""
     root = Path(path)
-    rank, scale = _read_config(name, root, max_rank, shapes)
+    rank, scale = _read_config(name, root, max_rank, shapes, explain)
     halves = _halves(name, root, shapes, explain)
     adapter = LoraAdapter(name, rank, scale)
     for (module, half), a in halves.items():

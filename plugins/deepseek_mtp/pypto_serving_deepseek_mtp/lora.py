@@ -39,6 +39,7 @@ _STACKS = {
     "ffn.shared_experts.w2.weight": ("mlp.shared_experts.down_proj",),
 }
 _LAYER = re.compile(r"^model\.layers\.\d+\.")
+_ROUTED = re.compile(r"(?:^|\.)(?:experts|gate)(?:\.|$)")  # not shared_experts, gate_proj
 
 
 def _shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, int]]:
@@ -63,16 +64,17 @@ def lora_shapes(cfg: DeepseekV4Config) -> dict[str, tuple[int, int]]:
 
 
 def explain(module: str) -> str | None:
-    """Why ``module`` (a PEFT module path) takes no adapter, where DeepSeek-V4 has a reason."""
+    """Why ``module`` (a PEFT module path, or a target name) takes no adapter, where DeepSeek-V4 has
+    a reason."""
     leaf = _LAYER.sub("", module)
-    if leaf == "self_attn.o_a_proj":
+    if leaf.endswith("o_a_proj"):
         return "the grouped o_a_proj takes no adapter (PEFT's LoRA layer cannot run on it)"
-    if leaf.startswith("self_attn.compressor."):
+    if "compressor." in leaf or "indexer." in leaf:
         return (
             "compressor and indexer projections take no adapter (target 'self_attn.kv_proj' or "
             "'self_attn.q_b_proj' to adapt the attention's own)"
         )
-    if leaf.startswith(("mlp.experts", "mlp.gate")):
+    if _ROUTED.search(leaf):
         return "routed experts and the router take no adapter"
     if module.startswith("mtp"):
         return "the MTP layers take no adapter"
