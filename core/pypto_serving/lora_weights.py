@@ -60,7 +60,9 @@ class LoraContext:
     slots: int = 1  # the stacks' slot count (slot 0: the base model), the one-hot's width
 
 
-def slot_onehot(slots: list[int], rows: list[int], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def slot_onehot(
+    slots: list[int], rows: list[int], width: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Each token's slot as a one-hot ``[T, width]``: request ``r`` has ``rows[r]`` tokens of slot
     ``slots[r]``. Built on the host from host lists and uploaded once: nothing of it is read back."""
     per_token = [slot for slot, n in zip(slots, rows, strict=True) for _ in range(n)]

@@ -251,7 +251,9 @@ class DeepseekMTPExecutor(Executor):
             return
         if plan.parallel.world_size > 1:
             what = "lora_modules" if paths else "enable_lora"
-            raise DeepseekConfigError(f"{what} is not supported with tensor_parallel_size > 1: adapters are not sharded")
+            raise DeepseekConfigError(
+                f"{what} is not supported with tensor_parallel_size > 1: adapters are not sharded"
+            )
         assert self.model is not None
         shapes = lora_shapes(self.cfg)
         adapters = [read_adapter(name, path, s.max_lora_rank, shapes, explain) for name, path in paths.items()]

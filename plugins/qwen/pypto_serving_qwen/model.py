@@ -572,7 +572,8 @@ class QwenForCausalLM(nn.Module):
         shapes: dict[str, tuple[int, int]] = {}
         for i, layer in enumerate(self.layers):
             attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            shapes |= {attn + "q_proj": (q, h), attn + "k_proj": (kv, h), attn + "v_proj": (kv, h), attn + "o_proj": (h, q)}
+            shapes |= {attn + "q_proj": (q, h), attn + "k_proj": (kv, h), attn + "v_proj": (kv, h)}
+            shapes[attn + "o_proj"] = (h, q)
             if isinstance(layer.mlp, QwenMLP):
                 inter = cfg.intermediate_size
                 shapes |= {mlp + "gate_proj": (inter, h), mlp + "up_proj": (inter, h), mlp + "down_proj": (h, inter)}
