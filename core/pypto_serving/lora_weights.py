@@ -64,9 +64,9 @@ def slot_onehot(
     slots: list[int], rows: list[int], width: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """Each token's slot as a one-hot ``[T, width]``: request ``r`` has ``rows[r]`` tokens of slot
-    ``slots[r]``. Built on the host from host lists and uploaded once: nothing of it is read back."""
-    per_token = [slot for slot, n in zip(slots, rows, strict=True) for _ in range(n)]
-    return torch.eye(width, dtype=dtype)[per_token].to(device)
+    ``slots[r]``. The per-token slots come from host lists and are uploaded once; nothing is read back."""
+    per_token = torch.tensor([slot for slot, n in zip(slots, rows, strict=True) for _ in range(n)], device=device)
+    return torch.eye(width, dtype=dtype, device=device).index_select(0, per_token)
 
 
 def _refuse(name: str, path: Path, why: str) -> ValueError:

@@ -197,3 +197,40 @@ def test_load_and_unload_at_run_time(
         llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora="attn")
     assert [list(o.outputs[0].token_ids) for o in first] == [refs["attn"][0], refs[None][1]]
     assert [list(o.outputs[0].token_ids) for o in second] == [refs["mlp"][0], refs[None][1]]
+
+
+def test_adapters_stay_on_the_device(base: Path, adapters: dict[str, Path]) -> None:
+    """Device discipline with adapters: a step of three requests of two adapters and the base runs on
+    a fake CUDA device with no host read (the per-token slots are uploaded, nothing is read back).
+    One step only: fake tensors make each step cost seconds, and the adapter path is the same for
+    every row kind (test_fake_device covers decodes, verifications and drafting without adapters)."""
+    import dataclasses
+
+    from pypto_serving.lora_weights import read_adapter
+    from pypto_serving_deepseek_mtp.lora import attach_loras, explain, lora_shapes
+
+    from .fake_cuda import CudaBindings, fake_cuda, fake_mode
+    from .helpers import FakeCore
+    from .test_fake_device import BLOCKS, _executor, _fake_batch
+
+    ex, info = _executor(base)
+    core = FakeCore(ex, info, num_blocks=BLOCKS)
+    entries = [("a", list(range(3, 12)), 0, 1), ("b", list(range(20, 26)), 0, 1), ("c", list(range(60, 65)), 0, 1)]
+    batch = core.batch(entries)
+    # Adapters are read from disk before the fake device exists.
+    loaded = [read_adapter(name, path, 4, lora_shapes(ex.cfg), explain) for name, path in adapters.items()]
+    with fake_mode(), CudaBindings():
+        model, memo = ex.model, {}
+        for name in ("embed", "head", "norm", "hc_head", "layers", "inv_freq"):
+            setattr(model, name, fake_cuda(getattr(model, name), memo))
+        ex.mtp_layers = fake_cuda(ex.mtp_layers, memo)
+        ex.device = model.device = torch.device("cuda")
+        ex.init_kv_cache({g.name: BLOCKS for g in info.cache_groups})
+        for adapter in loaded:
+            adapter.pairs = fake_cuda(adapter.pairs, memo)
+        ex.lora = attach_loras(model.layers, ex.cfg, loaded, 3, ex.dtype, ex.device)
+        ex.lora_slots = {a.name: i for i, a in enumerate(loaded, start=1)}
+        logits = ex.execute(dataclasses.replace(_fake_batch(batch), loras=["attn", None, "mlp"]))
+        assert logits.device.type == "cuda" and logits.shape == (3, info.vocab_size)
+        assert ex.lora.onehot is not None and ex.lora.onehot.device.type == "cuda"
+        assert ex.lora.onehot.shape == (len(batch.input_ids_host), 3)
