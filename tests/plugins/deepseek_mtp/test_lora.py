@@ -234,3 +234,19 @@ def test_adapters_stay_on_the_device(base: Path, adapters: dict[str, Path]) -> N
         assert logits.device.type == "cuda" and logits.shape == (3, info.vocab_size)
         assert ex.lora.onehot is not None and ex.lora.onehot.device.type == "cuda"
         assert ex.lora.onehot.shape == (len(batch.input_ids_host), 3)
+
+
+def test_tensor_parallel_lora_is_refused(base: Path) -> None:
+    """Adapters are not sharded: LoRA under tensor parallelism is refused at load, naming the setting
+    (the rank layout stubbed: a real process group of two ranks costs a spawn)."""
+    from types import SimpleNamespace
+
+    from .helpers import make_executor
+
+    ex, _ = make_executor(base)
+    settings = ex.settings
+    two_ranks = SimpleNamespace(parallel=SimpleNamespace(world_size=2))
+    for setting, what in ((dict(enable_lora=True), "enable_lora"), (dict(lora_modules=["a=/x"]), "lora_modules")):
+        ex.settings = settings.model_copy(update=setting)
+        with pytest.raises(ValueError, match=f"{what} is not supported with tensor_parallel_size > 1"):
+            ex._attach_loras(two_ranks)
