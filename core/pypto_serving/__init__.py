@@ -7,9 +7,9 @@ Public API: :class:`LLM` (offline generation), :class:`SamplingParams`, :class:`
 along, :data:`SpecPolicy` with the :class:`StepObservation` a policy observes, and the
 :class:`ToolParserSpec` / :class:`ReasoningParserSpec` of the server's output parsers).
 
-Besides this root, plugins import the ``__all__`` of four public submodules:
-:mod:`pypto_serving.parallel`, :mod:`pypto_serving.quantization`, :mod:`pypto_serving.parsers` and
-:mod:`pypto_serving.kv_transfer`
+Besides this root, plugins import the ``__all__`` of five public submodules:
+:mod:`pypto_serving.parallel`, :mod:`pypto_serving.quantization`, :mod:`pypto_serving.parsers`,
+:mod:`pypto_serving.kv_transfer` and :mod:`pypto_serving.lora_weights`
 (see docs/plugins.md, "The public surface"); every other module is internal.
 """
 

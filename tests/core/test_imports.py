@@ -120,7 +120,13 @@ REPO = Path(__file__).resolve().parents[2]
 PLUGIN_SOURCES = (REPO / "plugins", REPO / "tests" / "fixtures" / "thirdparty_executor")
 # The submodules docs/plugins.md declares public: a plugin imports the names of their ``__all__``.
 PUBLIC_MODULES = frozenset(
-    {f"{PACKAGE}.parallel", f"{PACKAGE}.parsers", f"{PACKAGE}.quantization", f"{PACKAGE}.kv_transfer"}
+    {
+        f"{PACKAGE}.parallel",
+        f"{PACKAGE}.parsers",
+        f"{PACKAGE}.quantization",
+        f"{PACKAGE}.kv_transfer",
+        f"{PACKAGE}.lora_weights",
+    }
 )
 
 

@@ -15,11 +15,13 @@ from torch.profiler import record_function
 
 from pypto_kernels import describe_kernel, interleaved_rope_cos_sin, select_device
 from pypto_serving import BatchInput, CacheGroupSpec, DraftSampler, Executor, ExecutorInfo, read_generation_config
+from pypto_serving.lora_weights import LoraAdapter, LoraContext, read_adapter, slot_onehot
 from pypto_serving.parallel import ParallelContext
 from pypto_serving.quantization import QuantizedWeight, read_quantization_config
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
+from .lora import attach_loras, explain, lora_shapes, write_lora
 from .model import FP32_SUFFIXES, STATE_GROUP, CompressorRing, DeepseekV4Model, Params, Segments, _layer_params, linear
 from .sharding import ShardPlan
 from .weights import load_weights, mtp_depths
@@ -184,6 +186,8 @@ class DeepseekMTPExecutor(Executor):
         self.carry: list[torch.Tensor] = []  # per MTP depth: [slots, CARRY_LEN, hc, D] canonical inputs
         self.cache_dtype = torch.float32  # the paged caches' element type, set at load
         self._last: tuple[BatchInput, Segments, torch.Tensor] | None = None
+        self.lora: LoraContext | None = None
+        self.lora_slots: dict[str, int] = {}  # adapter key -> its slot in the stacked weights (0: base)
 
     # ------------------------------------------------------------------ load
 
@@ -213,6 +217,7 @@ class DeepseekMTPExecutor(Executor):
         block_size = int(s.block_size)
         self.model = DeepseekV4Model(cfg, weights, device, dtype, block_size, plan.parallel, plan.experts)
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self._attach_loras(plan)
         # kv_cache_dtype = "fp8": every cache group holds float8_e4m3fn entries (scale 1.0, model.py).
         fp8 = getattr(s, "kv_cache_dtype", "auto") == "fp8"
         self.cache_dtype = torch.float8_e4m3fn if fp8 else dtype
@@ -232,7 +237,55 @@ class DeepseekMTPExecutor(Executor):
             prefill_barrier=False,
             generation_defaults=generation_defaults,
             kv_cache_dtypes=("auto", "fp8"),
+            supports_lora=True,
         )
+
+    def _attach_loras(self, plan: ShardPlan) -> None:
+        """With LoRA enabled (``enable_lora`` or ``lora_modules``), give the main model's layers their
+        adapter stacks and read ``lora_modules``' PEFT adapters into them (see :mod:`.lora`; the MTP
+        layers take none). Refused with tensor parallelism (adapters are not sharded)."""
+        s = self.settings
+        # name=path entries, already checked by the settings (names unique, at most max_loras).
+        paths = dict(entry.split("=", 1) for entry in s.lora_modules)
+        if not paths and not getattr(s, "enable_lora", False):
+            return
+        if plan.parallel.world_size > 1:
+            what = "lora_modules" if paths else "enable_lora"
+            raise DeepseekConfigError(
+                f"{what} is not supported with tensor_parallel_size > 1: adapters are not sharded"
+            )
+        assert self.model is not None
+        shapes = lora_shapes(self.cfg)
+        adapters = [read_adapter(name, path, s.max_lora_rank, shapes, explain) for name, path in paths.items()]
+        # Every slot is made now: a run-time load then copies into its slot, nothing else moves.
+        self.lora = attach_loras(self.model.layers, self.cfg, adapters, s.max_loras + 1, self.dtype, self.device)
+        self.lora_slots = {a.name: i for i, a in enumerate(adapters, start=1)}
+        logger.info("LoRA adapters %s (ranks %s) loaded", list(self.lora_slots), [a.rank for a in adapters])
+
+    def read_lora(self, key: str, path: str) -> LoraAdapter:
+        """Read and check the PEFT adapter at ``path`` (in a background thread while steps run: it
+        reads the config's shapes only), its weights already in the model's dtype."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: start with enable_lora (or lora_modules) to load adapters")
+        shapes = lora_shapes(self.cfg)
+        adapter = read_adapter(key.partition("\0")[0], path, self.settings.max_lora_rank, shapes, explain)
+        adapter.pairs = {k: (a.to(self.dtype), b.to(self.dtype)) for k, (a, b) in adapter.pairs.items()}
+        return adapter
+
+    def install_lora(self, key: str, adapter: Any, slot: int) -> None:
+        """Copy a read adapter into ``slot`` (replacing the adapter the engine freed there)."""
+        assert self.lora is not None and self.model is not None and isinstance(adapter, LoraAdapter)
+        write_lora(self.model.layers, self.lora, slot, adapter)
+        self.lora_slots = {k: s for k, s in self.lora_slots.items() if s != slot} | {key: slot}
+        logger.info("LoRA adapter %r (rank %d) loaded into slot %d", adapter.name, adapter.rank, slot)
+
+    def _lora_onehot(self, batch: BatchInput) -> torch.Tensor | None:
+        """Each token's adapter slot as a one-hot ``[T, slots]`` (None: the whole step runs the base)."""
+        if batch.loras is None or self.lora is None:
+            return None
+        slots = [0 if name is None else self.lora_slots[name] for name in batch.loras]
+        lens = [end - start for start, end in pairwise(batch.query_start_loc_host)]
+        return slot_onehot(slots, lens, self.lora.slots, self.dtype, self.device)
 
     def _shard_plan(self, cfg: DeepseekV4Config) -> ShardPlan:
         """This rank's tensor-parallel layout; refuses a world size that does not divide what it splits
@@ -506,6 +559,8 @@ class DeepseekMTPExecutor(Executor):
             block_tables={k: v.long() for k, v in batch.block_tables.items()},
             ring_slots=slots,
         )
+        if self.lora is not None:
+            self.lora.onehot = self._lora_onehot(batch)
         streams = self.model.forward(seg)
         self._last = (batch, seg, streams)
         return self.model.logits(streams[batch.logits_indices])

@@ -70,6 +70,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Ten
     return F.linear(x, weight)
 
 
+def adapted_linear(p: Params, key: str, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x, p[key])`` plus each token's LoRA adapter's delta where the layer has adapter
+    stacks (``p["lora." + key]``, see :mod:`.lora`; MTP layers have none)."""
+    out = linear(x, p[key])
+    stack = p.get("lora." + key)
+    return out if stack is None else stack.add_delta(x, out)
+
+
 def grouped_projection(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, groups: int) -> torch.Tensor:
     """``grouped_linear`` (V4's block-diagonal ``wo_a``) for a float or a stored-precision weight:
     group ``g`` meets its rows of the weight (for block FP8 a row range of whole scale blocks,
@@ -429,7 +437,8 @@ class DeepseekV4Model:
                 return out
             return moe_experts(x, gate_up, down, w, i, activation=act)
 
-        shared = linear(ops.clamped_swiglu(linear(h, p["shared.gate_up"]), limit), p["ffn.shared_experts.w2.weight"])
+        gate_up = ops.clamped_swiglu(adapted_linear(p, "shared.gate_up", h), limit)
+        shared = adapted_linear(p, "ffn.shared_experts.w2.weight", gate_up)
         if len(self.experts) < cfg.n_routed_experts:
             # Expert parallel: tokens travel to the ranks holding their experts and back (all-to-all).
             routed = expert_parallel_moe(h, weights, ids, experts, cfg.n_routed_experts, self.parallel)
@@ -452,10 +461,10 @@ class DeepseekV4Model:
         cfg = self.cfg
         t = h.shape[0]
         cos, sin = rope["main" if kind == SLIDING else "compress"]
-        q_res = ops.rms_norm(linear(h, p["attn.wq_a.weight"]), p["attn.q_norm.weight"], cfg.rms_norm_eps)
-        q = linear(q_res, p["attn.wq_b.weight"]).view(t, self.local_heads, cfg.head_dim)
+        q_res = ops.rms_norm(adapted_linear(p, "attn.wq_a.weight", h), p["attn.q_norm.weight"], cfg.rms_norm_eps)
+        q = adapted_linear(p, "attn.wq_b.weight", q_res).view(t, self.local_heads, cfg.head_dim)
         q = apply_interleaved_rope(ops.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
-        kv = ops.rms_norm(linear(h, p["attn.wkv.weight"]), p["attn.norm.weight"], cfg.rms_norm_eps)
+        kv = ops.rms_norm(adapted_linear(p, "attn.wkv.weight", h), p["attn.norm.weight"], cfg.rms_norm_eps)
         kv = apply_interleaved_rope(kv, cos, sin)
 
         n_tok = seg.starts[-1]
@@ -487,7 +496,7 @@ class DeepseekV4Model:
         # This rank's output groups (its heads) project to a partial sum of the output.
         grouped = out.reshape(t, self.local_groups, -1)
         o = grouped_projection(grouped, p["attn.wo_a.weight"], self.local_groups)
-        return self.parallel.all_reduce(linear(o, p["attn.wo_b.weight"]))
+        return self.parallel.all_reduce(adapted_linear(p, "attn.wo_b.weight", o))
 
     def _index_queries(
         self, p: Params, h: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

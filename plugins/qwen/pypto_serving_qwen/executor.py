@@ -10,12 +10,12 @@ import torch
 
 import pypto_kernels as K
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
+from pypto_serving.lora_weights import LoraAdapter, LoraContext, read_adapter, slot_onehot
 from pypto_serving.parallel import ParallelContext
 
 from .capture import DecodeGraphs, GraphStats
 from .graph import GraphOptions, parse_graph_options
 from .loader import QwenConfig, load_weights, plan_quantization, read_config, read_kv_scales, resolve_dtype
-from .lora import LoraAdapter, LoraContext, read_adapter
 from .model import AttentionMetadata, KVCache, QwenAttention, QwenForCausalLM
 from .quantized import finish_loading
 from .sharding import QwenSharding
@@ -189,9 +189,7 @@ class QwenExecutor(Executor):
             return None
         slots = [0 if name is None else self.lora_slots[name] for name in batch.loras]
         lens = [end - start for start, end in pairwise(batch.query_start_loc_host)]
-        # Built on the host from host lists and uploaded once: nothing of it is read back.
-        per_token = [slot for slot, n in zip(slots, lens, strict=True) for _ in range(n)]
-        return torch.eye(self.lora.slots, dtype=self.dtype)[per_token].to(self.device)
+        return slot_onehot(slots, lens, self.lora.slots, self.dtype, self.device)
 
     def _kv_cache_dtype(self) -> torch.dtype:
         """The cache's element type: the model's, or ``fp8`` where the eager paged kernels run (the

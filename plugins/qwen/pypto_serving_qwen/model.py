@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import pypto_kernels as K
+from pypto_serving.lora_weights import LoraAdapter, LoraContext, LoraStack
 from pypto_serving.parallel import expert_parallel_moe, vocab_parallel_embedding
 
 from .graph import decode_attention, moe_experts, static_decode_attention, write_kv
 from .loader import QuantPlan, QwenConfig, WeightTarget
-from .lora import LoraAdapter, LoraContext, LoraLinear
 from .quantized import QuantizedWeight, Weight, linear, make_weight, pack_projections, weight_targets
 from .sharding import QwenSharding
 
@@ -173,8 +173,8 @@ class QwenAttention(nn.Module):
         # FP8 KV cache scales of this rank's KV heads ([heads] float32), from the checkpoint where it
         # has them (set by the executor); None: 1.0, as vLLM without calibrated scales.
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.lora_qkv: LoraLinear | None = None  # set by QwenForCausalLM.attach_loras
-        self.lora_o: LoraLinear | None = None
+        self.lora_qkv: LoraStack | None = None  # set by QwenForCausalLM.attach_loras
+        self.lora_o: LoraStack | None = None
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
         cfg, q, kv, d = self.cfg, self.q_size, self.kv_size, self.cfg.head_dim
@@ -292,8 +292,8 @@ class QwenMLP(nn.Module):
         down = _scheme(plan, f"{prefix}.down_proj.weight", cuts=edges[1:], dim=1)
         self.gate_up_weight: Weight = make_weight((2 * i, cfg.hidden_size), device, dtype, gate_up, _block(plan), 2)
         self.down_weight: Weight = make_weight((cfg.hidden_size, i), device, dtype, down, _block(plan))
-        self.lora_gate_up: LoraLinear | None = None  # set by QwenForCausalLM.attach_loras
-        self.lora_down: LoraLinear | None = None
+        self.lora_gate_up: LoraStack | None = None  # set by QwenForCausalLM.attach_loras
+        self.lora_down: LoraStack | None = None
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
         i, rows, full = self.intermediate, self.shards.intermediate, self.full
@@ -564,17 +564,19 @@ class QwenForCausalLM(nn.Module):
                 required |= set(layer_targets)
         return out, required
 
-    def lora_shapes(self) -> dict[tuple[int, str], tuple[int, int]]:
-        """``(out, in)`` of every projection an adapter may target, by ``(layer, PEFT module name)``:
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(out, in)`` of every projection an adapter may target, by PEFT module path:
         attention in every layer, the MLP in dense layers (routed experts take no adapter)."""
         cfg, d = self.cfg, self.cfg.head_dim
         h, q, kv = cfg.hidden_size, cfg.num_heads * d, cfg.num_kv_heads * d
-        shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        shapes: dict[str, tuple[int, int]] = {}
         for i, layer in enumerate(self.layers):
-            shapes |= {(i, "q_proj"): (q, h), (i, "k_proj"): (kv, h), (i, "v_proj"): (kv, h), (i, "o_proj"): (h, q)}
+            attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            shapes |= {attn + "q_proj": (q, h), attn + "k_proj": (kv, h), attn + "v_proj": (kv, h)}
+            shapes[attn + "o_proj"] = (h, q)
             if isinstance(layer.mlp, QwenMLP):
                 inter = cfg.intermediate_size
-                shapes |= {(i, "gate_proj"): (inter, h), (i, "up_proj"): (inter, h), (i, "down_proj"): (h, inter)}
+                shapes |= {mlp + "gate_proj": (inter, h), mlp + "up_proj": (inter, h), mlp + "down_proj": (h, inter)}
         return shapes
 
     def attach_loras(self, adapters: list[LoraAdapter], slots: int = 0) -> LoraContext:
@@ -588,14 +590,15 @@ class QwenForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, QwenDecoderLayer)
             attn = layer.self_attn
-            attn.lora_qkv = LoraLinear(i, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), h, ctx, self.dtype, dev, slots)
-            attn.lora_o = LoraLinear(i, ("o_proj",), (h,), q, ctx, self.dtype, dev, slots)
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            qkv = (a + "q_proj", a + "k_proj", a + "v_proj")
+            attn.lora_qkv = LoraStack(qkv, (q, kv, kv), h, ctx, self.dtype, dev, slots)
+            attn.lora_o = LoraStack((a + "o_proj",), (h,), q, ctx, self.dtype, dev, slots)
             if isinstance(layer.mlp, QwenMLP):
                 inter = cfg.intermediate_size
-                layer.mlp.lora_gate_up = LoraLinear(
-                    i, ("gate_proj", "up_proj"), (inter, inter), h, ctx, self.dtype, dev, slots
-                )
-                layer.mlp.lora_down = LoraLinear(i, ("down_proj",), (h,), inter, ctx, self.dtype, dev, slots)
+                gate_up = (m + "gate_proj", m + "up_proj")
+                layer.mlp.lora_gate_up = LoraStack(gate_up, (inter, inter), h, ctx, self.dtype, dev, slots)
+                layer.mlp.lora_down = LoraStack((m + "down_proj",), (h,), inter, ctx, self.dtype, dev, slots)
         for slot, adapter in enumerate(adapters, start=1):
             self.write_lora(ctx, slot, adapter)
         return ctx
@@ -603,7 +606,7 @@ class QwenForCausalLM(nn.Module):
     def write_lora(self, ctx: LoraContext, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` into ``slot`` of every projection's stacks (after :meth:`attach_loras`);
         the stacks grow together, so ``ctx.slots`` is every stack's slot count."""
-        stacks = [m for m in self.modules() if isinstance(m, LoraLinear)]
+        stacks = [m for m in self.modules() if isinstance(m, LoraStack)]
         for stack in stacks:
             stack.write(slot, adapter)
         ctx.slots = max(stack.slots for stack in stacks)

@@ -248,8 +248,8 @@ def test_mixed_adapters_run_on_the_device(adapters: dict[str, Path], qwen_checkp
     run on a fake CUDA device with no host read (the one-hot is uploaded, never read back)."""
     import dataclasses
 
+    from pypto_serving.lora_weights import read_adapter
     from pypto_serving_qwen.loader import read_config
-    from pypto_serving_qwen.lora import read_adapter
     from pypto_serving_qwen.model import QwenForCausalLM
     from tests.plugins.qwen.fake_cuda import fake_cuda, on_device
     from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder

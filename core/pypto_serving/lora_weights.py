@@ -1,4 +1,10 @@
-"""Multi-LoRA: PEFT adapters read at start and applied to a mixed batch in one pass per projection.
+"""Multi-LoRA for executors: PEFT adapters read and checked against a model's projections, and the
+stacks that apply the adapters of a mixed batch in one pass per projection (public: executors use
+it, see docs/plugins.md).
+
+An executor names the projections an adapter may target by their PEFT module paths (the model's
+transformers names under ``base_model.model.``, e.g. ``model.layers.0.self_attn.q_proj``) with their
+``(out, in)`` shapes; :func:`read_adapter` refuses anything else by name.
 
 Every adapter's low-rank pair of a projection is padded to the largest rank ``R`` and stacked with a
 zero slot 0 (the base model): ``A`` ``[S, R, in]`` and ``B`` ``[S, R, out]`` (free slots are zero),
@@ -20,45 +26,81 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
-__all__ = ["TARGETS", "LoraAdapter", "LoraContext", "LoraLinear", "read_adapter"]
+__all__ = ["LoraAdapter", "LoraContext", "LoraStack", "read_adapter", "slot_onehot"]
 
-#: The projections an adapter may target (PEFT's module names in Qwen checkpoints).
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
+
+#: An executor's reason why a module (a PEFT module path or target name) takes no adapter, or None.
+Explain = Callable[[str], str | None]
 
 
 @dataclass(slots=True)
 class LoraAdapter:
-    """One PEFT adapter: its rank, scale and ``(A [r, in], B [out, r])`` per ``(layer, target)``."""
+    """One PEFT adapter: its rank, scale and ``(A [r, in], B [out, r])`` (B scaled) per module path."""
 
     name: str
     rank: int
     scale: float
-    pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class LoraContext:
     """The step's per-token slot one-hot ``[T, S]`` (None: no token has an adapter), shared by every
-    :class:`LoraLinear` of one model and set by the executor before each forward."""
+    :class:`LoraStack` of one model and set by the executor before each forward."""
 
     onehot: torch.Tensor | None = None
     slots: int = 1  # the stacks' slot count (slot 0: the base model), the one-hot's width
+
+
+def slot_onehot(
+    slots: list[int], rows: list[int], width: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Each token's slot as a one-hot ``[T, width]``: request ``r`` has ``rows[r]`` tokens of slot
+    ``slots[r]``. The per-token slots come from host lists and are uploaded once; nothing is read back."""
+    per_token = torch.tensor([slot for slot, n in zip(slots, rows, strict=True) for _ in range(n)], device=device)
+    return torch.eye(width, dtype=dtype, device=device).index_select(0, per_token)
 
 
 def _refuse(name: str, path: Path, why: str) -> ValueError:
     return ValueError(f"LoRA adapter {name!r} ({path}): {why}")
 
 
-def _read_config(name: str, path: Path, max_rank: int) -> tuple[int, float]:
-    """The adapter's rank and scale; refuses what this executor cannot apply exactly."""
+def _leaf_names(shapes: dict[str, tuple[int, int]]) -> list[str]:
+    """The module names an adapter may target (the last part of each path), for error messages."""
+    return sorted({m.rpartition(".")[2] for m in shapes})
+
+
+def _check_targets(
+    name: str, path: Path, cfg: dict[str, object], shapes: dict[str, tuple[int, int]], explain: Explain | None
+) -> None:
+    """Refuse ``target_modules`` that name no adaptable projection (PEFT's rule: a module path equal
+    to a target or ending in ``.target``) and ``target_parameters`` (parameter adapters, as of
+    routed experts). A string is PEFT's regex or "all-linear": its weights are checked one by one."""
+    targets = cfg.get("target_modules") or []
+    if not isinstance(targets, str) and isinstance(targets, list | tuple):
+        unknown = sorted(t for t in targets if not any(m == t or m.endswith(f".{t}") for m in shapes))
+        if unknown:
+            whys = [f"{t}: {why}" for t in unknown if explain is not None and (why := explain(t))]
+            said = f" ({'; '.join(whys)})" if whys else ""
+            known = _leaf_names(shapes)
+            raise _refuse(name, path, f"target modules {unknown} are not supported{said}; LoRA applies to {known}")
+    if cfg.get("target_parameters"):
+        why = f"target_parameters {cfg['target_parameters']} (parameter adapters, e.g. of routed experts)"
+        raise _refuse(name, path, f"{why} are not supported; LoRA applies to {_leaf_names(shapes)}")
+
+
+def _read_config(
+    name: str, path: Path, max_rank: int, shapes: dict[str, tuple[int, int]], explain: Explain | None
+) -> tuple[int, float]:
+    """The adapter's rank and scale; refuses what an executor cannot apply exactly."""
     if not path.is_dir():
         raise _refuse(name, path, "no such directory")
     cfg_file = path / "adapter_config.json"
@@ -74,62 +116,78 @@ def _read_config(name: str, path: Path, max_rank: int) -> tuple[int, float]:
             raise _refuse(name, path, f"{key} is not supported")
     if cfg.get("bias", "none") != "none":
         raise _refuse(name, path, f"bias={cfg['bias']!r} is not supported, only 'none'")
-    # A string is PEFT's regex or "all-linear": the weights the file holds are checked one by one instead.
-    targets = cfg.get("target_modules") or []
-    unknown = [] if isinstance(targets, str) else sorted(set(targets) - set(TARGETS))
-    if unknown:
-        raise _refuse(name, path, f"target modules {unknown} are not supported; LoRA applies to {list(TARGETS)}")
+    _check_targets(name, path, cfg, shapes, explain)
     rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
     if rank > max_rank:
         raise _refuse(name, path, f"rank {rank} exceeds max_lora_rank={max_rank}")
     return rank, alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
 
 
+def _halves(
+    name: str,
+    root: Path,
+    shapes: dict[str, tuple[int, int]],
+    explain: Explain | None,
+) -> dict[tuple[str, str], torch.Tensor]:
+    """The adapter file's ``A`` and ``B`` halves by (module path, half); a weight of a module that
+    takes no adapter is refused, naming it (``explain(module)``: the executor's reason, if any)."""
+    from safetensors.torch import load_file  # the executors that read adapters depend on it
+
+    halves: dict[tuple[str, str], torch.Tensor] = {}
+    for key, tensor in load_file(str(root / "adapter_model.safetensors")).items():
+        m = _KEY.match(key)
+        if m is None or m[1] not in shapes:
+            module = key if m is None else m[1]
+            why = explain(module) if explain is not None and m is not None else None
+            if why is None and ("embed" in key or "lm_head" in key):
+                why = "embedding or LM-head adapters are not supported"
+            why = why or f"module {module!r} takes no adapter"
+            raise _refuse(name, root, f"{key}: {why} (LoRA applies to {_leaf_names(shapes)})")
+        halves[(m[1], m[2])] = tensor.float()
+    return halves
+
+
 def read_adapter(
-    name: str, path: str | Path, max_rank: int, shapes: dict[tuple[int, str], tuple[int, int]]
+    name: str,
+    path: str | Path,
+    max_rank: int,
+    shapes: dict[str, tuple[int, int]],
+    explain: Explain | None = None,
 ) -> LoraAdapter:
     """Read a PEFT adapter directory. ``shapes``: ``(out, in)`` of every projection LoRA may target,
-    by ``(layer, target)``; a weight for anything else, or of another shape, is refused."""
+    by PEFT module path; a weight for anything else (``explain`` may say why that module takes none),
+    or of another shape, is refused."""
     root = Path(path)
-    rank, scale = _read_config(name, root, max_rank)
-    tensors = load_file(str(root / "adapter_model.safetensors"))
-    halves: dict[tuple[int, str, str], torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        m = _KEY.match(key)
-        if m is None or (int(m[1]), m[2]) not in shapes:
-            what = "embedding or LM-head adapters are" if "embed" in key or "lm_head" in key else "this weight is"
-            raise _refuse(name, root, f"{key}: {what} not supported (LoRA applies to {list(TARGETS)} of dense layers)")
-        halves[(int(m[1]), m[2], m[3])] = tensor.float()
+    rank, scale = _read_config(name, root, max_rank, shapes, explain)
+    halves = _halves(name, root, shapes, explain)
     adapter = LoraAdapter(name, rank, scale)
-    for (layer, target, half), a in halves.items():
+    for (module, half), a in halves.items():
         if half != "A":
             continue
-        b = halves.get((layer, target, "B"))
-        out, inp = shapes[(layer, target)]
+        b = halves.get((module, "B"))
+        out, inp = shapes[module]
         if b is None or a.shape != (rank, inp) or b.shape != (out, rank):
             got = (tuple(a.shape), None if b is None else tuple(b.shape))
             raise _refuse(
                 name,
                 root,
-                f"layer {layer} {target}: A/B shapes {got} do not fit the base model's "
-                f"({rank}, {inp}) / ({out}, {rank})",
+                f"{module}: A/B shapes {got} do not fit the base model's ({rank}, {inp}) / ({out}, {rank})",
             )
         # B is kept column-major (its transpose contiguous): a slot of the stacks holds B transposed.
-        adapter.pairs[(layer, target)] = (a, (b * scale).t().contiguous().t())
+        adapter.pairs[module] = (a, (b * scale).t().contiguous().t())
     return adapter
 
 
-class LoraLinear(torch.nn.Module):
-    """The stacked LoRA weights of one (possibly fused) projection: ``parts`` its targets, ``outs``
-    their output widths in the fused order, ``inp`` the input width, ``slots`` the slots made at
-    once (the executor makes ``max_loras + 1``). Slots are written one adapter at a time
+class LoraStack(torch.nn.Module):
+    """The stacked LoRA weights of one (possibly fused) projection: ``parts`` its PEFT module paths,
+    ``outs`` their output widths in the fused order, ``inp`` the input width, ``slots`` the slots
+    made at once (executors make ``max_loras + 1``). Slots are written one adapter at a time
     (:meth:`write`), at start or at run time; the stacks grow to the largest rank written (and to a
     slot beyond ``slots``), copying what they hold, so their cost follows the ranks loaded, not
     ``max_lora_rank``."""
 
     def __init__(
         self,
-        layer: int,
         parts: tuple[str, ...],
         outs: tuple[int, ...],
         inp: int,
@@ -139,7 +197,7 @@ class LoraLinear(torch.nn.Module):
         slots: int = 1,
     ) -> None:
         super().__init__()
-        self.ctx, self.layer, self.targets, self.outs, self.inp = ctx, layer, parts, outs, inp
+        self.ctx, self.targets, self.outs, self.inp = ctx, parts, outs, inp
         self.parts, self.slots, self.rank = len(parts), slots, 1
         # Both stacks keep a slot's rows contiguous (B transposed), so writing one slot copies whole
         # rows: a strided copy into B's columns costs seconds for a large adapter on the CPU.
@@ -167,7 +225,7 @@ class LoraLinear(torch.nn.Module):
         b[:, slot].zero_()
         row = 0
         for p, (target, width) in enumerate(zip(self.targets, self.outs, strict=True)):
-            pair = adapter.pairs.get((self.layer, target))
+            pair = adapter.pairs.get(target)
             if pair is not None:
                 a[p, slot, : adapter.rank] = pair[0]
                 b[p, slot, : adapter.rank, row : row + width] = pair[1].t()
