@@ -12,6 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from .executor import CacheGroupSpec, ExecutorInfo
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
 from .kv_ledger import KVTransferLedger
+from .kv_tiers import TierLedger, tier_identity
 from .lora import LoraError, LoraRegistry
 from .messages import InitDone, LoadLora, ReadLora, StepResult
 from .model_files import check_max_model_len, sampling_defaults
@@ -270,19 +272,51 @@ class EngineCore:
         logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_spec.name, num_blocks)
 
     def _kv_connector_factory(self) -> Any:
-        """The KV connector's factory when this engine has a ``kv_role`` (disaggregated serving)."""
-        cfg = self.settings.kv_transfer()
+        """The KV connector's factory when this engine has a ``kv_role`` (disaggregated serving) or
+        offload tiers (the tier connector, docs/kv_tiers.md)."""
+        cfg, s = self.settings.kv_transfer(), self.settings
+        if s.kv_offload():
+            if cfg is not None:
+                raise SettingsError("kv_offload tiers with a kv_role are not supported yet; unset one of them")
+            if s.tensor_parallel_size > 1:
+                raise SettingsError("kv_offload tiers with tensor_parallel_size > 1 are not supported yet")
+            from .kv_connectors.tiers import TierSpec, make_tier_connector
+
+            spec = TierSpec(s.kv_offload_host_bytes > 0, s.kv_offload_disk_path, tier_identity(s))
+            return partial(make_tier_connector, spec)
         if cfg is None:
             return None
-        if self.settings.tensor_parallel_size > 1:
+        if s.tensor_parallel_size > 1:
             raise SettingsError("kv_role with tensor_parallel_size > 1 is not supported yet")
         return self.plugins.kv_connectors.get(cfg.kv_connector).factory
+
+    def _setup_tiers(self) -> None:
+        """The offload tiers' ledger, over the tier connector the worker just started."""
+        self.tiers: TierLedger | None = None
+        s, conn = self.settings, self._kv_conn
+        if not s.kv_offload() or conn is None:
+            return
+        if not self.kv.prefix_caching or self.kv.hit_aligned or len({g.tokens_per_block for g in self.kv.groups}) > 1:
+            groups = ", ".join(g.name for g in self.kv.groups)
+            raise SettingsError(
+                f"kv_offload tiers need cache groups that all cache full-attention prefixes with one block size "
+                f"(this executor's: {groups}, with sliding-window, snapshot or rebuilt groups as on DeepSeek-V4, "
+                "is not supported yet); unset kv_offload_host_bytes and kv_offload_disk_path"
+            )
+        if not conn.poll(60):
+            raise RuntimeError("the worker's KV tier connector did not start within 60s")
+        kind, address = conn.recv()
+        assert kind == "address", kind
+        self.tiers = TierLedger(
+            self.kv, conn.send, address, host_bytes=s.kv_offload_host_bytes, disk_bytes=s.kv_offload_disk_bytes
+        )
 
     def _setup_kv_transfer(self) -> None:
         """The ledger of disaggregated serving, over the connector the worker just started."""
         cfg, conn = self.settings.kv_transfer(), getattr(self.worker, "kv_conn", None)
         self.kvx: KVTransferLedger | None = None
         self._kv_conn = conn
+        self._setup_tiers()
         if cfg is None or conn is None:
             return
         if cfg.kv_role in ("prefill", "both") and self.kv.hit_aligned and not self.kv.prefix_caching:
@@ -303,6 +337,8 @@ class EngineCore:
         """Apply the KV connector's events: free held blocks, fail or admit pulled requests. While only
         pulls are pending it waits a few ms for an event instead of spinning."""
         kvx, conn = self.kvx, self._kv_conn
+        if self.tiers is not None:
+            self._poll_tiers()
         if kvx is None or conn is None:
             return
         kvx.tick()
@@ -315,6 +351,27 @@ class EngineCore:
                     self._admit_pulled(req)
                 elif req is not None:
                     self._touch([req])
+        except (EOFError, OSError):
+            return  # the worker is gone: check_worker reports it
+
+    def _poll_tiers(self) -> None:
+        """Send the offload tiers' stores; apply the tier connector's events (admit loaded requests)."""
+        tiers, conn = self.tiers, self._kv_conn
+        assert tiers is not None and conn is not None
+        tiers.flush()
+        wait = 0.005 if tiers.loads and not self.scheduler.has_unfinished() else 0.0
+        try:
+            while conn.poll(wait):
+                wait = 0.0
+                req, hit = tiers.on_event(conn.recv())
+                if req is None:
+                    continue
+                if hit < 0:
+                    self._touch([req])
+                    continue
+                self.scheduler.add_request(req)
+                req.num_computed_tokens = req.num_cached_tokens = req.metrics.num_cached_tokens = hit
+                req.sched.confirmed = hit
         except (EOFError, OSError):
             return  # the worker is gone: check_worker reports it
 
@@ -455,6 +512,8 @@ class EngineCore:
     def _enqueue(self, children: list[Request]) -> None:
         """Into the scheduler, or first through a KV pull (a decode engine's ``do_remote_prefill``)."""
         head = children[0]
+        if self.tiers is not None and len(children) == 1 and self.tiers.start(head):
+            return
         if self.kvx is not None:
             self.kvx.check(head, len(children))
             if (head.sampling_params.kv_transfer_params or {}).get("do_remote_prefill") and self.kvx.start_pull(head):
@@ -545,9 +604,11 @@ class EngineCore:
         if choices is None:
             return
         self.scheduler.abort([c.request_id for c in choices])
-        if self.kvx is not None:
-            for c in choices:
+        for c in choices:
+            if self.kvx is not None:
                 self.kvx.abort(c.request_id)
+            if self.tiers is not None:
+                self.tiers.abort(c.request_id)
         self._touch(choices)
 
     def has_unfinished(self) -> bool:
@@ -668,6 +729,8 @@ class EngineCore:
         self._touch(self.scheduler.fail(live, reason))
         if self.kvx is not None:
             self._touch(self.kvx.fail_pulls(reason))
+        if self.tiers is not None:
+            self._touch(self.tiers.fail_loads(reason))
 
     def _collect(self) -> list[RequestOutput]:
         """The outputs due, oldest user request first; a finished user request is dropped after it."""
@@ -718,6 +781,7 @@ class EngineCore:
             **self._spec_config_stats(),
             "num_steps": s.num_steps,
             **(self.kvx.stats if self.kvx is not None else {}),
+            **(self.tiers.snapshot() if self.tiers is not None else {}),
             "lora_adapters": self.loras.names,
         }
 
