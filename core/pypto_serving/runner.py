@@ -252,7 +252,7 @@ class ModelRunner:
         if caches is None:
             raise TypeError(
                 f"{type(self.executor).__name__} cannot move its KV cache (kv_cache_blocks() is None), so it "
-                "cannot serve a kv_role or offload tiers; unset kv_role (and kv_offload_host_bytes, kv_offload_disk_path)"
+                "cannot serve a kv_role or offload tiers; unset kv_role, kv_offload_host_bytes and kv_offload_disk_path"
             )
         self._kv_thread = start_kv_service(factory(self.settings.kv_transfer()), caches, conn)
 
