@@ -280,8 +280,11 @@ class TierLedger:
         return [load.request for load in self.loads.values()]
 
     def held(self) -> list[dict[str, list[int]]]:
-        """The device blocks that stores in flight hold (for the KV invariants)."""
-        return list(self.storing.values())
+        """The device blocks that stores (pending or in flight) hold (for the KV invariants)."""
+        pending: dict[str, list[int]] = {}
+        for group, block, _ in self._pending:
+            pending.setdefault(group, []).append(block)
+        return [*self.storing.values(), pending]
 
     def snapshot(self) -> dict[str, Any]:
         """The stats, with each tier's bytes in use now."""

@@ -188,6 +188,10 @@ class TierConnector(KVConnector):
             self._thread.join(timeout=10)
 
     # -- the connector's thread: one job at a time, in the order sent
+    def wait_idle(self) -> None:
+        """Wait until every job sent so far is done (tests; the engine never waits)."""
+        self._jobs.join()
+
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
@@ -196,6 +200,8 @@ class TierConnector(KVConnector):
                 if job[0] in ("tier_store", "load"):
                     kind = "sent" if job[0] == "tier_store" else "pulled"
                     self._events.put(TransferEvent(job[1], kind, f"{type(e).__name__}: {e}"))  # type: ignore[arg-type]
+            finally:
+                self._jobs.task_done()
 
     def _do(self, job: tuple[Any, ...]) -> None:
         kind = job[0]
