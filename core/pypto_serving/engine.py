@@ -307,9 +307,10 @@ class EngineCore:
             raise RuntimeError("the worker's KV tier connector did not start within 60s")
         kind, address = conn.recv()
         assert kind == "address", kind
-        self.tiers = TierLedger(
+        self.tiers = tiers = TierLedger(
             self.kv, conn.send, address, host_bytes=s.kv_offload_host_bytes, disk_bytes=s.kv_offload_disk_bytes
         )
+        self.scheduler.kv_in_transit = lambda: bool(tiers.storing or tiers.loads or any(tiers.held()))
 
     def _setup_kv_transfer(self) -> None:
         """The ledger of disaggregated serving, over the connector the worker just started."""
@@ -363,15 +364,12 @@ class EngineCore:
         try:
             while conn.poll(wait):
                 wait = 0.0
-                req, hit = tiers.on_event(conn.recv())
-                if req is None:
-                    continue
-                if hit < 0:
+                req, schedule = tiers.on_event(conn.recv())
+                if req is not None and schedule:
+                    # First in line, so its lookup takes the blocks just loaded before anything evicts them.
+                    self.scheduler.add_request(req, first=True)
+                elif req is not None:
                     self._touch([req])
-                    continue
-                self.scheduler.add_request(req)
-                req.num_computed_tokens = req.num_cached_tokens = req.metrics.num_cached_tokens = hit
-                req.sched.confirmed = hit
         except (EOFError, OSError):
             return  # the worker is gone: check_worker reports it
 
@@ -512,8 +510,10 @@ class EngineCore:
     def _enqueue(self, children: list[Request]) -> None:
         """Into the scheduler, or first through a KV pull (a decode engine's ``do_remote_prefill``)."""
         head = children[0]
-        if self.tiers is not None and len(children) == 1 and self.tiers.start(head):
-            return
+        if self.tiers is not None and len(children) == 1:
+            self.scheduler.check_request(head)
+            if self.tiers.start(head):
+                return
         if self.kvx is not None:
             self.kvx.check(head, len(children))
             if (head.sampling_params.kv_transfer_params or {}).get("do_remote_prefill") and self.kvx.start_pull(head):

@@ -13,11 +13,13 @@ on it, so it never joins the free queue, is never handed out again, and a cached
 (a computation starts after the blocks it hits). A host tier over its bound spills its least recently
 used blocks to the disk tier (or drops them); the disk tier drops its own. A key lives in one tier.
 
-Loading is the decode side of disaggregated serving (:mod:`pypto_serving.kv_ledger`): a fresh
+Loading is like the decode side of disaggregated serving (:mod:`pypto_serving.kv_ledger`): a fresh
 request whose prompt continues past its device hit in the tiers takes the device hit, gets blocks
 for the rest, and waits outside the scheduler (others keep running) while the connector fills them;
-then it enters the scheduler as a prefix hit of what arrived. A missing or corrupt block ends the
-hit there: the request computes the rest itself, so a tier never yields wrong KV, only a shorter hit.
+then the blocks that arrived join the device cache, the request gives its blocks back and enters the
+scheduler, whose prefix lookup hits them. (Waiting in the queue it holds no block, so it never keeps
+the requests ahead of it from fitting.) A missing or corrupt block ends the hit there: the request
+computes the rest itself, so a tier never yields wrong KV, only a shorter hit.
 """
 
 from __future__ import annotations
@@ -223,9 +225,9 @@ class TierLedger:
             load.aborted = True
 
     # -- events
-    def on_event(self, event: TransferEvent) -> tuple[Request | None, int]:
-        """Apply one connector event; returns a request whose load ended (or None) and the prefix
-        hit it enters the scheduler with (-1: it was aborted and is finished)."""
+    def on_event(self, event: TransferEvent) -> tuple[Request | None, bool]:
+        """Apply one connector event; returns a request whose load ended (or None) and whether it
+        goes to the scheduler (False: it was aborted, and is finished)."""
         detail = event.detail or {}
         if event.kind == "sent":
             held = self.storing.pop(event.transfer_id, {})
@@ -234,38 +236,39 @@ class TierLedger:
             if event.error is not None:
                 logger.warning("KV offload store %s failed: %s", event.transfer_id, event.error)
             self.stats["kv_offload_bytes_down"] += int(detail.get("bytes", 0))
-            return None, 0
+            return None, False
         load = self.loads.pop(event.transfer_id, None)
         if load is None:
-            return None, 0
+            return None, False
         return load.request, self._loaded(load, event, detail)
 
-    def _loaded(self, load: _Load, event: TransferEvent, detail: dict[str, Any]) -> int:
-        req, unit, groups = load.request, self.kv.hit_unit, len(self.kv.groups)
+    def _loaded(self, load: _Load, event: TransferEvent, detail: dict[str, Any]) -> bool:
+        """A load ended: the blocks that arrived intact join the device cache, and the request gives
+        back every block and goes to the scheduler, whose lookup takes its hit from the device cache.
+        Waiting there it holds nothing, so it never blocks the requests ahead of it."""
+        req = load.request
         for key in detail.get("bad", []):
             for tier in self.tiers.values():
                 tier.pop(bytes.fromhex(key))
         if load.aborted:
             self.kv.free(req)
             _finish(req, RequestStatus.FINISHED_ABORTED)
-            return -1
-        positions = int(detail.get("good", 0)) // groups if event.error is not None else len(load.tiers)
+            return False
+        positions = int(detail.get("good", 0)) // len(self.kv.groups) if event.error else len(load.tiers)
         if event.error is not None:
             self.stats["kv_offload_load_failed"] += 1
             logger.warning("KV offload load for %s cut short: %s", req.request_id, event.error)
         self.stats["kv_offload_loads"] += 1
         self.stats["kv_offload_load_seconds"] += self._clock() - load.started
         self.stats["kv_offload_bytes_up"] += int(detail.get("bytes", 0))
-        if positions == 0:  # nothing arrived: a plain request again (the scheduler looks it up anew)
-            self.kv.cancel_prefix_hit(req, load.device_hit)
-            return 0
-        hit = load.device_hit + positions * unit
-        self.kv.truncate(req, hit)
-        self.kv.publish(req, hit)  # the loaded blocks join the device cache
-        self.kv.prefix_hits += positions * unit
+        if positions:
+            hit = load.device_hit + positions * self.kv.hit_unit
+            self.kv.truncate(req, hit)
+            self.kv.publish(req, hit)
         for name in load.tiers[:positions]:
-            self.stats["kv_offload_hits_per_tier"][name] += unit
-        return hit
+            self.stats["kv_offload_hits_per_tier"][name] += self.kv.hit_unit
+        self.kv.cancel_prefix_hit(req, load.device_hit)  # the scheduler looks it up (and counts it) again
+        return True
 
     def fail_loads(self, reason: str) -> list[Request]:
         """The engine died: every loading request fails (the worker and its blocks are gone)."""

@@ -53,7 +53,7 @@ class Tiers:
         self.ledger = TierLedger(
             self.kv, lambda m: _dispatch(self.conn, m), self.address, host_bytes=host, disk_bytes=disk
         )
-        self.ended: list[tuple[Request | None, int]] = []
+        self.ended: list[tuple[Request | None, bool]] = []
 
     def settle(self) -> None:
         """Send the pending stores and apply events until no store or load is in flight."""
@@ -108,9 +108,8 @@ def _load(t: Tiers, rid: str, tokens: list[int]) -> tuple[Request, int]:
     req = Request(rid, tokens, SamplingParams(max_tokens=1))
     assert t.ledger.start(req)
     t.settle()
-    ((ended, hit),) = t.ended[-1:]
-    assert ended is req
-    return req, hit
+    assert t.ended[-1] == (req, True) and not req.kv.num_entries  # to the scheduler, holding nothing
+    return req, t.kv.find_cached_prefix(req)  # the scheduler's lookup: the loaded blocks are cached
 
 
 def test_a_store_holds_its_device_blocks_until_read_and_a_load_brings_the_bytes_back() -> None:
@@ -230,7 +229,7 @@ def test_an_abort_during_a_load_frees_its_blocks_when_the_load_ends() -> None:
     t.ledger.abort("b")
     t.check([])  # the load still owns its blocks
     t.settle()
-    assert t.ended[-1] == (req, -1) and req.status is RequestStatus.FINISHED_ABORTED
+    assert t.ended[-1] == (req, False) and req.status is RequestStatus.FINISHED_ABORTED
     assert t.kv.pools["kv"].num_free == NUM_BLOCKS
     t.check([])
     t.close()

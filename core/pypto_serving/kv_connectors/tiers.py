@@ -37,7 +37,15 @@ import torch
 
 from ..kv_transfer import KVCaches, KVConnector, TransferEvent, gather_blocks, layout_digest, scatter_blocks
 
-__all__ = ["DiskFile", "TierConnector", "TierSpec", "make_tier_connector", "read_block_file", "write_block_file"]
+__all__ = [
+    "DiskFile",
+    "TierConnector",
+    "TierSpec",
+    "make_tier_connector",
+    "read_block_file",
+    "read_header",
+    "write_block_file",
+]
 
 _MAGIC = b"PYPTO-KV-BLOCK 1\n"
 _SUFFIX = ".kvb"
