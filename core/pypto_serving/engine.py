@@ -185,6 +185,21 @@ def check_lora_support(settings: ServingSettings, info: ExecutorInfo, executor_n
         raise SettingsError(f"{what} is set, but the {executor_name} executor does not serve LoRA adapters")
 
 
+def check_kv_offload(settings: ServingSettings, info: ExecutorInfo, executor_name: str) -> None:
+    """Offload tiers store and load whole prefixes of every group's blocks: each group must cache
+    plain full-attention prefixes, with one block size."""
+    groups = info.cache_groups
+    plain = all(g.prefix_caching and g.hit_lookback is None for g in groups)
+    if settings.kv_offload() and (not plain or len({g.tokens_per_block for g in groups}) > 1):
+        names = ", ".join(g.name for g in groups)
+        raise SettingsError(
+            f"kv_offload tiers need cache groups that all cache full-attention prefixes with one block size; "
+            f"the {executor_name} executor's groups ({names}) include sliding-window, snapshot, rebuilt or "
+            "uncached ones (DeepSeek-V4), which the tiers do not serve yet; unset kv_offload_host_bytes and "
+            "kv_offload_disk_path"
+        )
+
+
 def read_architecture(model: str | None) -> str | None:
     if model is None:
         return None
@@ -232,6 +247,7 @@ class EngineCore:
         info = self.info = self.worker.info
         check_kv_cache_dtype(settings.kv_cache_dtype, info, executor_name)
         check_lora_support(settings, info, executor_name)
+        check_kv_offload(settings, info, executor_name)
         sched_spec = self._choose_strategy(executor_name)
         self.scheduler_name = sched_spec.name
         # The drafting depth in effect (the executor's, or the core drafter's): the scheduler plans with
@@ -296,13 +312,6 @@ class EngineCore:
         s, conn = self.settings, self._kv_conn
         if not s.kv_offload() or conn is None:
             return
-        if not self.kv.prefix_caching or self.kv.hit_aligned or len({g.tokens_per_block for g in self.kv.groups}) > 1:
-            groups = ", ".join(g.name for g in self.kv.groups)
-            raise SettingsError(
-                f"kv_offload tiers need cache groups that all cache full-attention prefixes with one block size "
-                f"(this executor's: {groups}, with sliding-window, snapshot or rebuilt groups as on DeepSeek-V4, "
-                "is not supported yet); unset kv_offload_host_bytes and kv_offload_disk_path"
-            )
         if not conn.poll(60):
             raise RuntimeError("the worker's KV tier connector did not start within 60s")
         kind, address = conn.recv()

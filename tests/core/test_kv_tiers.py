@@ -246,3 +246,18 @@ def test_an_abort_during_a_load_frees_its_blocks_when_the_load_ends() -> None:
 def test_tier_settings_are_checked_together(settings: dict[str, Any], error: str) -> None:
     with pytest.raises(ValueError, match=error):
         ServingSettings(**settings)
+
+
+@pytest.mark.parametrize(
+    ("settings", "error"),
+    [
+        ({"executor_options": {"window": 8}}, "tiers need cache groups that all cache full-attention prefixes"),
+        ({}, "cannot move its KV cache"),  # the fake executor exposes no cache tensors
+        ({"kv_role": "decode"}, "with a kv_role are not supported yet"),
+    ],
+)
+def test_engines_the_tiers_cannot_serve_refuse_to_start(
+    make_llm: Any, settings: dict[str, Any], error: str, tmp_path: Path
+) -> None:
+    with pytest.raises((ValueError, TypeError), match=error):
+        make_llm(kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes=1 << 20, **settings)

@@ -16,6 +16,7 @@ import pytest
 from pypto_serving import LLM, SamplingParams
 from pypto_serving.engine import EngineCore
 from pypto_serving.kv_cache import FREED
+from pypto_serving.metrics import ServerMetrics
 from pypto_serving.request import Request
 
 COMMON: dict[str, Any] = {
@@ -115,6 +116,14 @@ def test_later_turns_come_back_from_host_and_disk_with_the_same_outputs(
         # Every block loaded was counted as a hit of its tier (the aborted requests' loads too).
         assert stats["kv_offload_bytes_up"] == (hits["host"] + hits["disk"]) // 16 * block_bytes
         assert stats["kv_offload_bytes_down"] >= 16 * block_bytes  # each distinct block went down once
+        # The same numbers on /metrics.
+        metrics = ServerMetrics("m")
+        metrics.update_engine(stats, dead=False)
+        sample = metrics.registry.get_sample_value
+        for tier in ("host", "disk"):
+            assert sample("pypto_serving_prefix_cache_tier_hits_total", {"model_name": "m", "tier": tier}) == hits[tier]
+        assert sample("pypto_serving_kv_offload_bytes_up_total", {"model_name": "m"}) == stats["kv_offload_bytes_up"]
+        assert sample("pypto_serving_kv_offload_loads_total", {"model_name": "m"}) == stats["kv_offload_loads"] > 0
 
 
 def test_a_restart_finds_the_disk_blocks_and_a_corrupt_file_is_a_shorter_hit(
