@@ -806,6 +806,8 @@ class EngineCore:
                 self.strategy.drain()
         if self._kv_conn is not None:
             with contextlib.suppress(OSError):
+                if self.tiers is not None:
+                    self.tiers.flush()  # the connector finishes what it was sent before it closes
                 self._kv_conn.send(("close",))
         self.worker.close()
 
