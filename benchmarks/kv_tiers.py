@@ -4,7 +4,8 @@ in host memory, on disk, or recomputed.
 ``--conversations`` multi-turn chats (each turn resends the whole conversation plus a new user
 message) run round-robin, one request at a time, so that the KV of all conversations is several times
 the device cache (``--num-kv-blocks``) and every earlier turn's prefix has left the device by the
-time its next turn comes. Four engines serve the same workload:
+time its next turn comes. Four engines serve the same workload, request by request in turn (so
+whatever else loads the machine weighs on them alike), and must give the same tokens:
 
 * ``device``: a device cache large enough for everything (the prefix is always on the device);
 * ``host``: the small device cache over a host-memory tier (``kv_offload_host_bytes``);
@@ -37,51 +38,66 @@ def _conversations(args: argparse.Namespace) -> list[list[list[int]]]:
     def msg(n: int) -> list[int]:
         return [rng.randrange(3, 2000) for _ in range(n)]
 
-    return [[msg(args.first_len)] + [msg(args.turn_len) for _ in range(args.turns - 1)] for _ in range(args.conversations)]
+    return [
+        [msg(args.first_len)] + [msg(args.turn_len) for _ in range(args.turns - 1)] for _ in range(args.conversations)
+    ]
 
 
-def run_engine(args: argparse.Namespace, name: str, **tiers: Any) -> dict[str, Any]:
-    blocks = args.num_kv_blocks * (8 if name == "device" else 1)
+def _engine(args: argparse.Namespace, name: str, tiers: dict[str, Any]) -> LLM:
     llm = LLM(
         model=args.model,
         device=args.device,
         worker_mode="inproc",
         block_size=args.block_size,
-        num_kv_blocks=blocks,
+        num_kv_blocks=args.num_kv_blocks * (8 if name == "device" else 1),
         max_model_len=args.max_model_len,
         **tiers,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate([[1] * args.first_len] * 2, params, use_tqdm=False)  # warm up (allocators, kernels)
-    history: list[list[int]] = [[] for _ in range(args.conversations)]
-    ttft: list[float] = []
+    llm.generate([[1] * args.first_len] * 2, _params(args), use_tqdm=False)  # warm up (allocators, kernels)
+    return llm
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+
+def run(args: argparse.Namespace, engines: dict[str, LLM]) -> list[dict[str, Any]]:
+    """The workload on every engine, interleaved request by request (the engines share whatever else
+    loads the machine alike); the outputs must agree."""
+    conversations = _conversations(args)
+    history: list[list[int]] = [[] for _ in conversations]
+    ttft: dict[str, list[float]] = {name: [] for name in engines}
     later_prompt_tokens = 0
-    try:
-        for turn in range(args.turns):
-            for c, messages in enumerate(_conversations(args)):
-                prompt = history[c] + messages[turn]
-                out = llm.generate([prompt], params, use_tqdm=False)[0]
-                history[c] = prompt + list(out.outputs[0].token_ids)
-                m = out.metrics
-                if turn > 0 and m is not None and m.first_token_time is not None:
-                    ttft.append(m.first_token_time - m.arrival_time)
-                    later_prompt_tokens += len(prompt)
-        stats = llm._engine().stats()
-    finally:
-        llm.shutdown()
+    for turn in range(args.turns):
+        for c, messages in enumerate(conversations):
+            prompt = history[c] + messages[turn]
+            outs = {name: llm.generate([prompt], _params(args), use_tqdm=False)[0] for name, llm in engines.items()}
+            tokens = {tuple(o.outputs[0].token_ids) for o in outs.values()}
+            assert len(tokens) == 1, f"engines disagree on conversation {c} turn {turn}"
+            history[c] = prompt + list(next(iter(tokens)))
+            if turn == 0:
+                continue
+            later_prompt_tokens += len(prompt)
+            for name, o in outs.items():
+                assert o.metrics is not None and o.metrics.first_token_time is not None
+                ttft[name].append(o.metrics.first_token_time - o.metrics.arrival_time)
+    return [_report(name, llm, ttft[name], later_prompt_tokens) for name, llm in engines.items()]
+
+
+def _report(name: str, llm: LLM, ttft: list[float], later_prompt_tokens: int) -> dict[str, Any]:
+    stats = llm._engine().stats()
     hits = stats.get("kv_offload_hits_per_tier", {})
+    loads = max(1, stats.get("kv_offload_loads", 0))
     return {
         "engine": name,
-        "device_blocks": blocks,
-        "ttft_mean_ms": round(1000 * statistics.mean(ttft), 2),
-        "ttft_median_ms": round(1000 * statistics.median(ttft), 2),
+        "device_blocks": sum(p.num_blocks for p in llm._engine().kv.pools.values()),
+        "ttft_later_turns_mean_ms": round(1000 * statistics.mean(ttft), 1),
+        "ttft_later_turns_median_ms": round(1000 * statistics.median(ttft), 1),
         "prefix_hit_rate": round(stats["prefix_cache_hits"] / max(1, stats["prefix_cache_queries"]), 3),
-        "tier_hit_rate": {t: round(n / max(1, later_prompt_tokens), 3) for t, n in hits.items()},
+        "tier_hit_rate_later_turns": {t: round(n / max(1, later_prompt_tokens), 3) for t, n in hits.items()},
         "bytes_down": stats.get("kv_offload_bytes_down", 0),
         "bytes_up": stats.get("kv_offload_bytes_up", 0),
-        "mean_load_ms": round(
-            1000 * stats.get("kv_offload_load_seconds", 0.0) / max(1, stats.get("kv_offload_loads", 0)), 2
-        ),
+        "mean_load_ms": round(1000 * stats.get("kv_offload_load_seconds", 0.0) / loads, 2),
     }
 
 
@@ -101,14 +117,19 @@ def main() -> None:
     ap.add_argument("--disk-bytes", type=int, default=4 << 30)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as disk:
-        engines = [
-            ("device", {}),
-            ("host", {"kv_offload_host_bytes": args.host_bytes}),
-            ("disk", {"kv_offload_disk_path": disk, "kv_offload_disk_bytes": args.disk_bytes}),
-            ("recompute", {}),
-        ]
-        for name, tiers in engines:
-            print(json.dumps(run_engine(args, name, **tiers)), flush=True)
+        tiers: dict[str, dict[str, Any]] = {
+            "device": {},
+            "host": {"kv_offload_host_bytes": args.host_bytes},
+            "disk": {"kv_offload_disk_path": disk, "kv_offload_disk_bytes": args.disk_bytes},
+            "recompute": {},
+        }
+        engines = {name: _engine(args, name, t) for name, t in tiers.items()}
+        try:
+            for row in run(args, engines):
+                print(json.dumps(row), flush=True)
+        finally:
+            for llm in engines.values():
+                llm.shutdown()
 
 
 if __name__ == "__main__":
