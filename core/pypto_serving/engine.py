@@ -375,12 +375,22 @@ class EngineCore:
                 wait = 0.0
                 req, schedule = tiers.on_event(conn.recv())
                 if req is not None and schedule:
-                    # First in line, so its lookup takes the blocks just loaded before anything evicts them.
-                    self.scheduler.add_request(req, first=True)
+                    self._admit_loaded(req)
                 elif req is not None:
                     self._touch([req])
         except (EOFError, OSError):
             return  # the worker is gone: check_worker reports it
+
+    def _admit_loaded(self, req: Request) -> None:
+        """A request whose tier blocks arrived (they are in the device cache now): first in line, so its
+        lookup takes them before anything evicts them. Its id may have been taken meanwhile by a choice
+        of another request ("r-1"): then it fails alone (it holds no block)."""
+        try:
+            self.scheduler.add_request(req, first=True)
+        except ValueError as e:
+            req.status, req.error = RequestStatus.FINISHED_ERROR, str(e)
+            req.metrics.finished_time = time.monotonic()
+            self._touch([req])
 
     def _admit_pulled(self, req: Request) -> None:
         """A decode request whose prompt KV arrived: it enters the scheduler as a prefix hit of it."""

@@ -152,3 +152,23 @@ def test_a_restart_finds_the_disk_blocks_and_a_corrupt_file_is_a_shorter_hit(
         assert stats["kv_offload_hits_per_tier"] == {"disk": 96} and stats["kv_offload_load_failed"] == 1
         _settle(engine)
         assert all(b != FREED for b in engine.kv.pools[group.name].cached.values())
+
+
+def test_a_loaded_request_whose_id_a_choice_took_meanwhile_fails_alone() -> None:
+    """User request "a-0" loads its prefix; meanwhile request "a" with n=2 names a choice "a-0": the
+    loaded one fails with the reason when its load ends, the other runs, no block leaks."""
+    with LLM(scheduler="sync", kv_offload_host_bytes=1 << 24, **COMMON) as llm:
+        engine = llm._engine()
+        llm.generate(TURN1, _params(False, 0))  # 16 blocks through a 12-block cache: the first prefix left it
+        _settle(engine)
+        engine.add_request("a-0", TURN1[0], _params(False, 0))
+        assert engine.tiers is not None and "a-0" in engine.tiers.loads
+        engine.add_request("a", TURN1[1], SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True))
+        done: dict[str, Any] = {}
+        for _ in range(1000):
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+            if len(done) == 2:
+                break
+        assert "already in use" in (done["a-0"].outputs[0].error or "")
+        assert [c.error for c in done["a"].outputs] == [None, None]
+        _settle(engine)
