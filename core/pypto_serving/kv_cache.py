@@ -193,14 +193,15 @@ class KVCacheManager:
         """The chain keys of ``group``'s full blocks within the request's first ``num_tokens`` tokens."""
         return self._chain_hashes(request, group, num_tokens)
 
-    def truncate(self, request: Request, num_tokens: int) -> None:
-        """Give back the request's blocks past its first ``num_tokens`` tokens."""
-        for g in self.groups:
-            table = request.kv.block_ids.get(g.name, [])
-            n = self.blocks_needed(g, num_tokens)
-            self.pools[g.name].release([b for b in table[n:] if b != FREED])
-            del table[n:]
-        self._tables_grew(request.kv)
+    def servable_hit(self, found: dict[str, list[int | None]], limit: int) -> int:
+        """The longest hit up to ``limit`` (a multiple of the hash unit) that every group serves from
+        ``found`` (per group, per full block: an available block, or None)."""
+        serves = [self._servable(g, found[g.name]) for g in self.groups]
+        return next((p for p in range(limit, 0, -self._hash_unit) if all(ok(p) for ok in serves)), 0)
+
+    def needed_blocks(self, group: CacheGroupSpec, hit: int) -> range:
+        """The table positions of ``group`` that a hit at ``hit`` needs cached."""
+        return range(self._first_needed(group, hit), hit // group.tokens_per_block)
 
     def find_cached_prefix(self, request: Request) -> int:
         """Take the longest cached prefix for a fresh request; returns the tokens it covers.

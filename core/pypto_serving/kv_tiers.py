@@ -77,8 +77,8 @@ class TierIndex:
 @dataclass(slots=True)
 class _Load:
     request: Request
-    device_hit: int  # tokens hit on the device before the tiers' part
-    tiers: list[str]  # per loaded block position, the tier it comes from
+    entries: list[tuple[str, int, bytes, str]]  # (group, device block, key, tier) in the order sent
+    held: dict[str, list[int]]  # every device block the load holds: the hit's cached ones and the filled ones
     started: float
     aborted: bool = False
 
@@ -100,6 +100,7 @@ class TierLedger:
         self._send = send
         self._clock = clock
         self.block_bytes: dict[str, int] = address["block_bytes"]
+        self._tokens_per_block = {g.name: g.tokens_per_block for g in kv.groups}
         self.tiers: dict[str, TierIndex] = {}
         if host_bytes:
             self.tiers["host"] = TierIndex("host", host_bytes)
@@ -176,44 +177,63 @@ class TierLedger:
 
     # -- loading
     def start(self, req: Request) -> bool:
-        """Begin a fresh request whose prompt continues past its device hit in the tiers: take the
-        device hit, allocate the rest and ask the connector. False: it goes to the scheduler as usual
-        (nothing in the tiers, or no room for the blocks now)."""
+        """Begin a fresh request whose longest hit grows when the tiers' blocks count: hold the
+        hit's device blocks, allocate the missing ones and ask the connector to fill them. False:
+        it goes to the scheduler as usual (the tiers add nothing, or no room for the blocks now)."""
         if not self.tiers or not self.kv.prefix_caching or req.kv.num_entries:
             return False
         if req.sampling_params.prompt_logprobs is not None:  # every prompt position is computed
             return False
-        device, found = self._lookup(req, self.kv.hit_limit(req))
-        if not found:
+        plan = self._plan(req)
+        if plan is None:
             return False
-        unit = self.kv.hit_unit
-        hit = self.kv.find_cached_prefix(req)
-        if hit != device * unit or not self.kv.allocate(req, (device + len(found)) * unit):
-            self.kv.cancel_prefix_hit(req, hit)
+        cached, missing = plan
+        pools = self.kv.pools
+        for group, blocks in cached.items():
+            for b in blocks:
+                pools[group].take_cached(b)  # out of the free queue: no allocation below evicts it
+        if any(len(keys) > pools[group].num_free for group, keys in missing.items()):
+            for group, blocks in cached.items():
+                pools[group].release(blocks)
             return False
-        entries, tiers = [], []
-        for position in found:
-            tiers.append(position[0][2])
-            for group, key, tier in position:
-                self.tiers[tier].entries.move_to_end(key)
-                entries.append((group, key.hex(), tier))
-        blocks = {g.name: req.kv.block_ids[g.name][device:] for g in self.kv.groups}
-        self.loads[req.request_id] = _Load(req, hit, tiers, self._clock())
-        self._send(("pull", req.request_id, {"tier_load": entries}, blocks))
+        filled = {group: pools[group].allocate(len(keys)) for group, keys in missing.items()}
+        entries = [(g, b, k, t) for g, keys in missing.items() for b, (k, t) in zip(filled[g], keys)]
+        held = {g: cached.get(g, []) + filled.get(g, []) for g in {*cached, *filled}}
+        self.loads[req.request_id] = _Load(req, entries, held, self._clock())
+        for _, _, key, tier in entries:
+            self.tiers[tier].entries.move_to_end(key)
+        source = {"tier_load": [(g, k.hex(), t) for g, _, k, t in entries]}
+        self._send(("pull", req.request_id, source, filled))
         return True
 
-    def _lookup(self, req: Request, limit: int) -> tuple[int, list[list[tuple[str, bytes, str]]]]:
-        """The request's device hit (in blocks) and, per block position after it that every group
-        finds in a tier, each group's ``(group, key, tier)``."""
-        chains = [(g.name, self.kv.prefix_keys(req, g, limit)) for g in self.kv.groups]
-        device = min(_run(keys, self.kv.pools[name].cached) for name, keys in chains)
-        found = []
-        for i in range(device, min(len(keys) for _, keys in chains)):
-            position = [(name, keys[i], self._tier_of(keys[i])) for name, keys in chains]
-            if any(tier is None for _, _, tier in position):
-                break
-            found.append([(name, key, tier) for name, key, tier in position if tier is not None])
-        return device, found
+    def _plan(self, req: Request) -> tuple[dict[str, list[int]], dict[str, list[tuple[bytes, str]]]] | None:
+        """The longest hit counting the tiers' blocks, if longer than the device's alone: per group,
+        the cached device blocks it needs and the ``(key, tier)`` of those a tier holds. Each group
+        needs only the blocks a computation from the hit reads (:meth:`KVCacheManager.needed_blocks`)."""
+        kv, limit = self.kv, self.kv.hit_limit(req)
+        keys = {g.name: kv.prefix_keys(req, g, limit) if g.hit_lookback != 0 else [] for g in kv.groups}
+        device = {g.name: [kv.pools[g.name].cached.get(k) for k in keys[g.name]] for g in kv.groups}
+        tier = {name: [self._tier_of(k) for k in ks] for name, ks in keys.items()}
+        either = {
+            name: [d if d is not None else (-1 if t else None) for d, t in zip(device[name], tier[name])]
+            for name in keys
+        }
+        for g in kv.groups:  # a group that needs no block (rebuilt) serves every hit
+            if g.hit_lookback == 0:
+                device[g.name] = either[g.name] = [None] * (limit // g.tokens_per_block)
+        hit = kv.servable_hit(either, limit)
+        if hit <= kv.servable_hit(device, limit):
+            return None
+        cached: dict[str, list[int]] = {}
+        missing: dict[str, list[tuple[bytes, str]]] = {}
+        for g in kv.groups:
+            for i in kv.needed_blocks(g, hit):
+                block, where = device[g.name][i], tier[g.name][i]
+                if block is not None:
+                    cached.setdefault(g.name, []).append(block)
+                elif where is not None:
+                    missing.setdefault(g.name, []).append((keys[g.name][i], where))
+        return cached, missing
 
     def _tier_of(self, key: bytes) -> str | None:
         return next((name for name, t in self.tiers.items() if key in t.entries), None)
@@ -243,31 +263,29 @@ class TierLedger:
         return load.request, self._loaded(load, event, detail)
 
     def _loaded(self, load: _Load, event: TransferEvent, detail: dict[str, Any]) -> bool:
-        """A load ended: the blocks that arrived intact join the device cache, and the request gives
-        back every block and goes to the scheduler, whose lookup takes its hit from the device cache.
+        """A load ended: the blocks that arrived intact join the device cache, the load's blocks go
+        back, and the request goes to the scheduler, whose lookup takes its hit from the device cache.
         Waiting there it holds nothing, so it never blocks the requests ahead of it."""
         req = load.request
         for key in detail.get("bad", []):
             for tier in self.tiers.values():
                 tier.pop(bytes.fromhex(key))
+        good = len(load.entries) if event.error is None else int(detail.get("good", 0))
+        if not load.aborted:
+            for group, block, key, name in load.entries[:good]:
+                self.kv.pools[group].publish(block, key)
+                self.stats["kv_offload_hits_per_tier"][name] += self._tokens_per_block[group]
+        for group, blocks in load.held.items():
+            self.kv.pools[group].release(blocks)
         if load.aborted:
-            self.kv.free(req)
             _finish(req, RequestStatus.FINISHED_ABORTED)
             return False
-        positions = int(detail.get("good", 0)) // len(self.kv.groups) if event.error else len(load.tiers)
         if event.error is not None:
             self.stats["kv_offload_load_failed"] += 1
             logger.warning("KV offload load for %s cut short: %s", req.request_id, event.error)
         self.stats["kv_offload_loads"] += 1
         self.stats["kv_offload_load_seconds"] += self._clock() - load.started
         self.stats["kv_offload_bytes_up"] += int(detail.get("bytes", 0))
-        if positions:
-            hit = load.device_hit + positions * self.kv.hit_unit
-            self.kv.truncate(req, hit)
-            self.kv.publish(req, hit)
-        for name in load.tiers[:positions]:
-            self.stats["kv_offload_hits_per_tier"][name] += self.kv.hit_unit
-        self.kv.cancel_prefix_hit(req, load.device_hit)  # the scheduler looks it up (and counts it) again
         return True
 
     def fail_loads(self, reason: str) -> list[Request]:
@@ -279,15 +297,16 @@ class TierLedger:
         return failed
 
     def owners(self) -> list[Request]:
-        """Requests holding blocks outside the scheduler (for the KV invariants)."""
-        return [load.request for load in self.loads.values()]
+        """Requests holding blocks outside the scheduler (for the KV invariants): none, a load holds
+        its blocks itself (:meth:`held`)."""
+        return []
 
     def held(self) -> list[dict[str, list[int]]]:
         """The device blocks that stores (pending or in flight) hold (for the KV invariants)."""
         pending: dict[str, list[int]] = {}
         for group, block, _ in self._pending:
             pending.setdefault(group, []).append(block)
-        return [*self.storing.values(), pending]
+        return [*self.storing.values(), *(load.held for load in self.loads.values()), pending]
 
     def snapshot(self) -> dict[str, Any]:
         """The stats, with each tier's bytes in use now."""
@@ -311,12 +330,9 @@ def tier_identity(settings: Any) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
-def _run(keys: list[bytes], cached: dict[bytes, int]) -> int:
-    """How many leading keys are cached."""
-    n = 0
-    while n < len(keys) and keys[n] in cached:
-        n += 1
-    return n
+def _available(block: int | None, tier: str | None) -> int | None:
+    """A block position's availability for a hit: its device block, -1 when only a tier has it."""
+    return block if block is not None else (-1 if tier is not None else None)
 
 
 def _finish(req: Request, status: RequestStatus, error: str | None = None) -> None:
