@@ -186,17 +186,12 @@ def check_lora_support(settings: ServingSettings, info: ExecutorInfo, executor_n
 
 
 def check_kv_offload(settings: ServingSettings, info: ExecutorInfo, executor_name: str) -> None:
-    """Offload tiers store and load whole prefixes of every group's blocks: each group must cache
-    plain full-attention prefixes, with one block size."""
-    groups = info.cache_groups
-    plain = all(g.prefix_caching and g.hit_lookback is None for g in groups)
-    if settings.kv_offload() and (not plain or len({g.tokens_per_block for g in groups}) > 1):
-        names = ", ".join(g.name for g in groups)
+    """Offload tiers hold prefix-cache blocks: every cache group must cache prefixes."""
+    if settings.kv_offload() and not all(g.prefix_caching for g in info.cache_groups):
+        names = ", ".join(g.name for g in info.cache_groups if not g.prefix_caching)
         raise SettingsError(
-            f"kv_offload tiers need cache groups that all cache full-attention prefixes with one block size; "
-            f"the {executor_name} executor's groups ({names}) include sliding-window, snapshot, rebuilt or "
-            "uncached ones (DeepSeek-V4), which the tiers do not serve yet; unset kv_offload_host_bytes and "
-            "kv_offload_disk_path"
+            f"kv_offload tiers need the prefix cache, which the {executor_name} executor's cache groups "
+            f"{names} do not allow; unset kv_offload_host_bytes and kv_offload_disk_path"
         )
 
 

@@ -251,7 +251,6 @@ def test_tier_settings_are_checked_together(settings: dict[str, Any], error: str
 @pytest.mark.parametrize(
     ("settings", "error"),
     [
-        ({"executor_options": {"window": 8}}, "tiers need cache groups that all cache full-attention prefixes"),
         ({}, "cannot move its KV cache"),  # the fake executor exposes no cache tensors
         ({"kv_role": "decode"}, "with a kv_role are not supported yet"),
     ],
