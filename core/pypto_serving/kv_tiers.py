@@ -13,13 +13,16 @@ on it, so it never joins the free queue, is never handed out again, and a cached
 (a computation starts after the blocks it hits). A host tier over its bound spills its least recently
 used blocks to the disk tier (or drops them); the disk tier drops its own. A key lives in one tier.
 
-Loading is like the decode side of disaggregated serving (:mod:`pypto_serving.kv_ledger`): a fresh
-request whose prompt continues past its device hit in the tiers takes the device hit, gets blocks
-for the rest, and waits outside the scheduler (others keep running) while the connector fills them;
-then the blocks that arrived join the device cache, the request gives its blocks back and enters the
-scheduler, whose prefix lookup hits them. (Waiting in the queue it holds no block, so it never keeps
-the requests ahead of it from fitting.) A missing or corrupt block ends the hit there: the request
-computes the rest itself, so a tier never yields wrong KV, only a shorter hit.
+Loading is like the decode side of disaggregated serving (:mod:`pypto_serving.kv_ledger`): for a
+fresh request, the longest hit counting the tiers' blocks as cached (per cache group only the blocks
+a computation from the hit reads: a sliding window's last blocks, a snapshot at the hit, no block of
+a rebuilt group) is compared with the device's own; when longer, the hit's device blocks are held,
+blocks are allocated for the ones only a tier has, and the request waits outside the scheduler
+(others keep running) while the connector fills them. Then the blocks that arrived join the device
+cache, the load's blocks go back and the request enters the scheduler first in line, whose prefix
+lookup takes them. (Waiting in the queue it holds no block, so it never keeps the requests ahead of
+it from fitting.) A missing or corrupt block is never published: the request's hit is what the
+device cache then serves, and it computes the rest itself, so a tier never yields wrong KV.
 """
 
 from __future__ import annotations
