@@ -240,12 +240,11 @@ class TierConnector(KVConnector):
         return buf
 
     def _sync(self) -> None:
-        """Wait for this thread's copies on an accelerator (a no-op on the CPU)."""
-        for ts in self._caches.values():
-            for t in ts:
-                if t.device.type == "cuda":
-                    torch.cuda.synchronize(t.device)
-                    return
+        """Wait for this thread's copies on an accelerator (``torch.cuda`` or ``torch.npu``; a no-op
+        on the CPU), so an event never precedes the bytes it reports."""
+        device = next((t.device for ts in self._caches.values() for t in ts), None)
+        if device is not None and device.type != "cpu":
+            getattr(torch, device.type).synchronize(device)
 
     def _write(self, group: str, key: str, payload: torch.Tensor) -> None:
         assert self.spec.disk_path is not None
