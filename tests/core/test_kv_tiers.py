@@ -260,3 +260,15 @@ def test_engines_the_tiers_cannot_serve_refuse_to_start(
 ) -> None:
     with pytest.raises((ValueError, TypeError), match=error):
         make_llm(kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes=1 << 20, **settings)
+
+
+def test_an_executor_whose_groups_refuse_prefix_caching_refuses_the_tiers() -> None:
+    from pypto_serving.config import SettingsError
+    from pypto_serving.engine import check_kv_offload
+    from pypto_serving.executor import ExecutorInfo
+
+    groups = [CacheGroupSpec("kv", 4, 64), CacheGroupSpec("state", 1, 64, prefix_caching=False)]
+    info = ExecutorInfo(cache_groups=groups, vocab_size=8, max_model_len=64)
+    check_kv_offload(ServingSettings(), info, "toy")  # no tiers: nothing to refuse
+    with pytest.raises(SettingsError, match="cache groups state do not allow"):
+        check_kv_offload(ServingSettings(kv_offload_host_bytes=1 << 20), info, "toy")
