@@ -138,8 +138,8 @@ class KVCacheManager:
         # prefix every group serves, so these show which group caps it).
         self.group_hits = dict.fromkeys((g.name for g in self.groups), 0)
         self._publishing = [g for g in self.groups if g.hit_lookback != 0]
-        # Told of every block newly cached, as (group, block, key): the offload tiers copy it down.
-        self.on_publish: Callable[[str, int, bytes], None] | None = None
+        # Told of every block newly cached, as (request, group, block, key): the offload tiers copy it down.
+        self.on_publish: Callable[[Request, str, int, bytes], None] | None = None
 
     # -- capacity
     def blocks_needed(self, group: CacheGroupSpec, num_tokens: int) -> int:
@@ -329,7 +329,7 @@ class KVCacheManager:
             keys = self._chain_hashes(request, g, num_tokens)
             for i in range(done // tpb, min(len(blocks), len(keys))):
                 if blocks[i] != FREED and pool.publish(blocks[i], keys[i]) and self.on_publish is not None:
-                    self.on_publish(g.name, blocks[i], keys[i])
+                    self.on_publish(request, g.name, blocks[i], keys[i])
         return (published + 1) * self._min_tpb
 
     def release_outside_window(self, request: Request, first_pos: int) -> None:

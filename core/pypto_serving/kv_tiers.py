@@ -138,9 +138,13 @@ class TierLedger:
         self._evict("disk")
 
     # -- copying down
-    def on_publish(self, group: str, block: int, key: bytes) -> None:
-        """A block the device cache just published: hold it for a store unless a tier has its key."""
-        if not self.tiers or key in self._pending_keys or any(key in t.entries for t in self.tiers.values()):
+    def on_publish(self, req: Request, group: str, block: int, key: bytes) -> None:
+        """A block the device cache just published: hold it for a store unless a tier has its key.
+        A LoRA request's blocks stay on the device: their keys name the adapter by its load in this
+        process, which a restart (and so the disk tier) would reuse for whatever adapter it loads."""
+        if not self.tiers or req.sampling_params.lora is not None:
+            return
+        if key in self._pending_keys or any(key in t.entries for t in self.tiers.values()):
             return
         self.kv.pools[group].take_cached(block)  # released at the store's ``sent`` event
         self._pending.append((group, block, key))
@@ -185,8 +189,8 @@ class TierLedger:
         it goes to the scheduler as usual (the tiers add nothing, or no room for the blocks now)."""
         if not self.tiers or not self.kv.prefix_caching or req.kv.num_entries:
             return False
-        if req.sampling_params.prompt_logprobs is not None:  # every prompt position is computed
-            return False
+        if req.sampling_params.prompt_logprobs is not None or req.sampling_params.lora is not None:
+            return False  # every prompt position is computed; no LoRA block is in a tier
         plan = self._plan(req)
         if plan is None:
             return False

@@ -272,3 +272,20 @@ def test_an_executor_whose_groups_refuse_prefix_caching_refuses_the_tiers() -> N
     check_kv_offload(ServingSettings(), info, "toy")  # no tiers: nothing to refuse
     with pytest.raises(SettingsError, match="cache groups state do not allow"):
         check_kv_offload(ServingSettings(kv_offload_host_bytes=1 << 20), info, "toy")
+
+
+def test_lora_blocks_stay_on_the_device(tmp_path: Path) -> None:
+    """An adapter's chain keys name its load in this process; a restart could give another adapter
+    the same key, so no tier (the disk survives restarts) holds or serves a LoRA request's blocks."""
+    t = Tiers(host=10 * BLOCK_BYTES, disk=10 * BLOCK_BYTES, path=tmp_path)
+    req = Request("l", PROMPT, SamplingParams(max_tokens=1, lora="adapter#1"))
+    assert t.kv.allocate(req, len(PROMPT))
+    t.kv.publish(req, len(PROMPT))
+    assert len(t.kv.pools["kv"].cached) == 4 and t.ledger.held() == [{}]
+    t.kv.free(req)
+    t.kv.free(t.compute("a", PROMPT))  # the same tokens without the adapter: stored
+    t.settle()
+    assert len(t.ledger.tiers["host"].entries) == 4
+    t.evict_device()
+    assert not t.ledger.start(Request("m", PROMPT, SamplingParams(max_tokens=1, lora="adapter#1")))
+    t.check([])
