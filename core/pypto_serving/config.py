@@ -346,6 +346,24 @@ class ServingSettings(BaseSettings):
         "sha256",
         description="Digest keying prefix-cache blocks (over the parent block's key and the block's token ids).",
     )
+    kv_offload_host_bytes: int = Field(
+        0,
+        ge=0,
+        description="Host-memory tier under the device prefix cache (vLLM's name): bytes of CPU memory holding "
+        "prefix-cache blocks copied down when published, found again by a prompt that misses the device "
+        "(docs/kv_tiers.md); 0: off. Its least recently used blocks spill to the disk tier, if any.",
+    )
+    kv_offload_disk_path: str | None = Field(
+        None,
+        description="Directory of the disk tier under the device prefix cache and the host tier: one verified "
+        "file per block, kept across restarts for the same checkpoint and cache layout (docs/kv_tiers.md); "
+        "unset: no disk tier.",
+    )
+    kv_offload_disk_bytes: int = Field(
+        0,
+        ge=0,
+        description="Bytes the disk tier (kv_offload_disk_path) may hold; its least recently used files go first.",
+    )
 
     # -- device & worker
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -602,6 +620,22 @@ class ServingSettings(BaseSettings):
                 "rank r's connector listens on kv_port + r, past 65535; lower kv_port"
             )
         return self
+
+    @model_validator(mode="after")
+    def _kv_offload_tiers(self) -> ServingSettings:
+        """The tiers' settings go together: each needs the prefix cache, the disk a path and a bound."""
+        disk, host = self.kv_offload_disk_path, self.kv_offload_host_bytes
+        if disk is not None and self.kv_offload_disk_bytes == 0:
+            raise ValueError("kv_offload_disk_path needs kv_offload_disk_bytes > 0 (the disk tier's bound)")
+        if disk is None and self.kv_offload_disk_bytes:
+            raise ValueError("kv_offload_disk_bytes needs kv_offload_disk_path (the disk tier's directory)")
+        if (host or disk is not None) and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_host_bytes / kv_offload_disk_path need enable_prefix_caching")
+        return self
+
+    def kv_offload(self) -> bool:
+        """Whether a host or disk tier sits under the device prefix cache."""
+        return self.kv_offload_host_bytes > 0 or self.kv_offload_disk_path is not None
 
     def kv_transfer(self) -> KVTransferConfig | None:
         """The KV-transfer configuration in effect (its ``kv_role`` filled in), or None when co-located."""

@@ -12,6 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from .executor import CacheGroupSpec, ExecutorInfo
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
 from .kv_ledger import KVLinks, KVTransferLedger
+from .kv_tiers import TierLedger, tier_identity
 from .lora import LoraError, LoraRegistry
 from .messages import InitDone, LoadLora, ReadLora, StepResult
 from .model_files import check_max_model_len, sampling_defaults
@@ -183,6 +185,16 @@ def check_lora_support(settings: ServingSettings, info: ExecutorInfo, executor_n
         raise SettingsError(f"{what} is set, but the {executor_name} executor does not serve LoRA adapters")
 
 
+def check_kv_offload(settings: ServingSettings, info: ExecutorInfo, executor_name: str) -> None:
+    """Offload tiers hold prefix-cache blocks: every cache group must cache prefixes."""
+    if settings.kv_offload() and not all(g.prefix_caching for g in info.cache_groups):
+        names = ", ".join(g.name for g in info.cache_groups if not g.prefix_caching)
+        raise SettingsError(
+            f"kv_offload tiers need the prefix cache, which the {executor_name} executor's cache groups "
+            f"{names} do not allow; unset kv_offload_host_bytes and kv_offload_disk_path"
+        )
+
+
 def read_architecture(model: str | None) -> str | None:
     if model is None:
         return None
@@ -230,6 +242,7 @@ class EngineCore:
         info = self.info = self.worker.info
         check_kv_cache_dtype(settings.kv_cache_dtype, info, executor_name)
         check_lora_support(settings, info, executor_name)
+        check_kv_offload(settings, info, executor_name)
         sched_spec = self._choose_strategy(executor_name)
         self.scheduler_name = sched_spec.name
         # The drafting depth in effect (the executor's, or the core drafter's): the scheduler plans with
@@ -270,8 +283,18 @@ class EngineCore:
         logger.info("engine ready: executor=%s scheduler=%s kv blocks=%s", executor_name, sched_spec.name, num_blocks)
 
     def _kv_connector_factory(self) -> Any:
-        """The KV connector's factory when this engine has a ``kv_role`` (disaggregated serving)."""
-        cfg = self.settings.kv_transfer()
+        """The KV connector's factory when this engine has a ``kv_role`` (disaggregated serving) or
+        offload tiers (the tier connector, docs/kv_tiers.md)."""
+        cfg, s = self.settings.kv_transfer(), self.settings
+        if s.kv_offload():
+            if cfg is not None:
+                raise SettingsError("kv_offload tiers with a kv_role are not supported yet; unset one of them")
+            if s.tensor_parallel_size > 1:
+                raise SettingsError("kv_offload tiers with tensor_parallel_size > 1 are not supported yet")
+            from .kv_connectors.tiers import TierSpec, make_tier_connector
+
+            spec = TierSpec(s.kv_offload_host_bytes > 0, s.kv_offload_disk_path, tier_identity(s))
+            return partial(make_tier_connector, spec)
         if cfg is None:
             return None
         if self.settings.nnodes > 1:
@@ -282,11 +305,29 @@ class EngineCore:
             )
         return self.plugins.kv_connectors.get(cfg.kv_connector).factory
 
+    def _setup_tiers(self) -> None:
+        """The offload tiers' ledger, over the tier connector the worker just started."""
+        self.tiers: TierLedger | None = None
+        s, conn = self.settings, self._kv_conn
+        if not s.kv_offload() or conn is None:
+            return
+        if not conn.poll(60):
+            raise RuntimeError("the worker's KV tier connector did not start within 60s")
+        kind, address = conn.recv()
+        assert kind == "address", kind
+        self.tiers = tiers = TierLedger(
+            self.kv, conn.send, address, host_bytes=s.kv_offload_host_bytes, disk_bytes=s.kv_offload_disk_bytes
+        )
+        self.scheduler.kv_in_transit = lambda: bool(tiers.storing or tiers.loads or any(tiers.held()))
+
     def _setup_kv_transfer(self) -> None:
         """The ledger of disaggregated serving, over the connector the worker just started."""
         cfg, conns = self.settings.kv_transfer(), getattr(self.worker, "kv_conns", None)
         self.kvx: KVTransferLedger | None = None
-        self._kv_links = KVLinks(conns) if conns else None
+        # The tiers' pipe: tiers run without a kv_role and with one rank, so rank 0's is the only one.
+        self._kv_conn = conns[0] if conns and cfg is None else None
+        self._kv_links = KVLinks(conns) if conns and cfg is not None else None
+        self._setup_tiers()
         if cfg is None or self._kv_links is None:
             return
         if cfg.kv_role in ("prefill", "both") and self.kv.hit_aligned and not self.kv.prefix_caching:
@@ -304,6 +345,8 @@ class EngineCore:
         """Apply the KV connector's events: free held blocks, fail or admit pulled requests. While only
         pulls are pending it waits a few ms for an event instead of spinning."""
         kvx, links = self.kvx, self._kv_links
+        if self.tiers is not None:
+            self._poll_tiers()
         if kvx is None or links is None:
             return
         kvx.tick()
@@ -318,6 +361,34 @@ class EngineCore:
                 self._admit_pulled(req)
             elif req is not None:
                 self._touch([req])
+
+    def _poll_tiers(self) -> None:
+        """Send the offload tiers' stores; apply the tier connector's events (admit loaded requests)."""
+        tiers, conn = self.tiers, self._kv_conn
+        assert tiers is not None and conn is not None
+        tiers.flush()
+        wait = 0.005 if tiers.loads and not self.scheduler.has_unfinished() else 0.0
+        try:
+            while conn.poll(wait):
+                wait = 0.0
+                req, schedule = tiers.on_event(conn.recv())
+                if req is not None and schedule:
+                    self._admit_loaded(req)
+                elif req is not None:
+                    self._touch([req])
+        except (EOFError, OSError):
+            return  # the worker is gone: check_worker reports it
+
+    def _admit_loaded(self, req: Request) -> None:
+        """A request whose tier blocks arrived (they are in the device cache now): first in line, so its
+        lookup takes them before anything evicts them. Its id may have been taken meanwhile by a choice
+        of another request ("r-1"): then it fails alone (it holds no block)."""
+        try:
+            self.scheduler.add_request(req, first=True)
+        except ValueError as e:
+            req.status, req.error = RequestStatus.FINISHED_ERROR, str(e)
+            req.metrics.finished_time = time.monotonic()
+            self._touch([req])
 
     def _admit_pulled(self, req: Request) -> None:
         """A decode request whose prompt KV arrived: it enters the scheduler as a prefix hit of it."""
@@ -456,6 +527,10 @@ class EngineCore:
     def _enqueue(self, children: list[Request]) -> None:
         """Into the scheduler, or first through a KV pull (a decode engine's ``do_remote_prefill``)."""
         head = children[0]
+        if self.tiers is not None and len(children) == 1:
+            self.scheduler.check_request(head)
+            if self.tiers.start(head):
+                return
         if self.kvx is not None:
             self.kvx.check(head, len(children))
             if (head.sampling_params.kv_transfer_params or {}).get("do_remote_prefill") and self.kvx.start_pull(head):
@@ -546,9 +621,11 @@ class EngineCore:
         if choices is None:
             return
         self.scheduler.abort([c.request_id for c in choices])
-        if self.kvx is not None:
-            for c in choices:
+        for c in choices:
+            if self.kvx is not None:
                 self.kvx.abort(c.request_id)
+            if self.tiers is not None:
+                self.tiers.abort(c.request_id)
         self._touch(choices)
 
     def has_unfinished(self) -> bool:
@@ -669,6 +746,8 @@ class EngineCore:
         self._touch(self.scheduler.fail(live, reason))
         if self.kvx is not None:
             self._touch(self.kvx.fail_pulls(reason))
+        if self.tiers is not None:
+            self._touch(self.tiers.fail_loads(reason))
 
     def _collect(self) -> list[RequestOutput]:
         """The outputs due, oldest user request first; a finished user request is dropped after it."""
@@ -719,6 +798,7 @@ class EngineCore:
             **self._spec_config_stats(),
             "num_steps": s.num_steps,
             **(self.kvx.stats if self.kvx is not None else {}),
+            **(self.tiers.snapshot() if self.tiers is not None else {}),
             "lora_adapters": self.loras.names,
         }
 
@@ -732,6 +812,10 @@ class EngineCore:
         if self.dead_reason is None:
             with contextlib.suppress(Exception):  # shutting down anyway
                 self.strategy.drain()
+        if self.tiers is not None and self._kv_conn is not None:
+            with contextlib.suppress(OSError):
+                self.tiers.flush()  # the connector finishes what it was sent before it closes
+                self._kv_conn.send(("close",))
         if self._kv_links is not None:
             self._kv_links.close()
         self.worker.close()

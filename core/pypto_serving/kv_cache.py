@@ -16,7 +16,7 @@ import math
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .executor import CacheGroupSpec
@@ -98,11 +98,13 @@ class BlockPool:
             if self.ref_cnt[block] == 0:
                 self.free[block] = None
 
-    def publish(self, block: int, h: bytes) -> None:
+    def publish(self, block: int, h: bytes) -> bool:
+        """Cache ``block`` under key ``h``; False when an identical block already is (or this one)."""
         if h in self.cached or self.block_hash[block] is not None:
-            return  # an identical block is already cached, or this one already is
+            return False
         self.block_hash[block] = h
         self.cached[h] = block
+        return True
 
 
 class KVCacheManager:
@@ -136,6 +138,8 @@ class KVCacheManager:
         # prefix every group serves, so these show which group caps it).
         self.group_hits = dict.fromkeys((g.name for g in self.groups), 0)
         self._publishing = [g for g in self.groups if g.hit_lookback != 0]
+        # Told of every block newly cached, as (request, group, block, key): the offload tiers copy it down.
+        self.on_publish: Callable[[Request, str, int, bytes], None] | None = None
 
     # -- capacity
     def blocks_needed(self, group: CacheGroupSpec, num_tokens: int) -> int:
@@ -181,6 +185,24 @@ class KVCacheManager:
         # within ``num_tokens`` may be returned, or publish() would cache unwritten blocks.
         return known if len(known) == full else known[:full]
 
+    def hit_limit(self, request: Request) -> int:
+        """The longest prefix a hit may cover: whole hash units, never the last token."""
+        return (request.num_tokens - 1) // self._hash_unit * self._hash_unit
+
+    def prefix_keys(self, request: Request, group: CacheGroupSpec, num_tokens: int) -> list[bytes]:
+        """The chain keys of ``group``'s full blocks within the request's first ``num_tokens`` tokens."""
+        return self._chain_hashes(request, group, num_tokens)
+
+    def servable_hit(self, found: dict[str, list[int | None]], limit: int) -> int:
+        """The longest hit up to ``limit`` (a multiple of the hash unit) that every group serves from
+        ``found`` (per group, per full block: an available block, or None)."""
+        serves = [self._servable(g, found[g.name]) for g in self.groups]
+        return next((p for p in range(limit, 0, -self._hash_unit) if all(ok(p) for ok in serves)), 0)
+
+    def needed_blocks(self, group: CacheGroupSpec, hit: int) -> range:
+        """The table positions of ``group`` that a hit at ``hit`` needs cached."""
+        return range(self._first_needed(group, hit), hit // group.tokens_per_block)
+
     def find_cached_prefix(self, request: Request) -> int:
         """Take the longest cached prefix for a fresh request; returns the tokens it covers.
 
@@ -191,7 +213,7 @@ class KVCacheManager:
         The hit never covers the last prompt token, so the first output is always computed."""
         if not self.prefix_caching or request.kv.num_entries:
             return 0
-        limit = (request.num_tokens - 1) // self._hash_unit * self._hash_unit
+        limit = self.hit_limit(request)
         self.prefix_queries += request.num_prompt_tokens
         hit, by_group = self.take_prefix(request, limit)
         for name, best in by_group.items():
@@ -306,8 +328,8 @@ class KVCacheManager:
             pool, tpb = self.pools[g.name], g.tokens_per_block
             keys = self._chain_hashes(request, g, num_tokens)
             for i in range(done // tpb, min(len(blocks), len(keys))):
-                if blocks[i] != FREED:
-                    pool.publish(blocks[i], keys[i])
+                if blocks[i] != FREED and pool.publish(blocks[i], keys[i]) and self.on_publish is not None:
+                    self.on_publish(request, g.name, blocks[i], keys[i])
         return (published + 1) * self._min_tpb
 
     def release_outside_window(self, request: Request, first_pos: int) -> None:
@@ -359,13 +381,15 @@ class KVCacheManager:
         request.kv = KVState()
 
     # -- invariants
-    def check_invariants(self, live: Sequence[Request]) -> None:
-        """free + in use == total; ref counts equal owners; no freed block owned."""
+    def check_invariants(self, live: Sequence[Request], held: Sequence[Mapping[str, Sequence[int]]] = ()) -> None:
+        """free + in use == total; ref counts equal owners; no freed block owned. ``held``: blocks
+        owned outside any request (per group; the offload tiers' stores in flight)."""
         for g in self.groups:
             pool = self.pools[g.name]
             owners = [0] * pool.num_blocks
-            for r in live:
-                for b in r.kv.block_ids.get(g.name, []):
+            tables = [r.kv.block_ids.get(g.name, []) for r in live] + [h.get(g.name, []) for h in held]
+            for table in tables:
+                for b in table:
                     if b != FREED:
                         owners[b] += 1
             assert owners == pool.ref_cnt, f"group {g.name}: ref counts {pool.ref_cnt} != owners {owners}"

@@ -409,3 +409,5 @@ def _dispatch(connector: KVConnector, msg: tuple[Any, ...]) -> None:
         connector.withdraw(msg[1])
     elif kind == "pull":
         connector.pull(msg[1], msg[2], msg[3])
+    else:
+        connector.message(msg)

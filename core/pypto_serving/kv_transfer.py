@@ -60,11 +60,14 @@ class TransferEvent:
         withdrawn): the engine may free them. ``pulled``: a consumer no longer writes the blocks it was
         given; with ``error`` None they hold the source's KV in full.
     :param error: why the transfer failed; None when it succeeded.
+    :param detail: what a connector adds for its ledger (the offload tiers: bytes moved, and how
+        much of a failed load arrived intact).
     """
 
     transfer_id: str
     kind: Literal["sent", "pulled"]
     error: str | None = None
+    detail: dict[str, Any] | None = None
 
 
 class KVConnector(abc.ABC):
@@ -102,6 +105,11 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def poll(self) -> list[TransferEvent]:
         """The transfers that ended since the last call."""
+
+    def message(self, msg: tuple[Any, ...]) -> None:
+        """A message of a connector's own protocol (the offload tiers' stores and moves), relayed
+        in order with the others."""
+        raise NotImplementedError(f"{type(self).__name__} takes no {msg[0]!r} message")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop threads and drop connections; transfers in flight end with an error."""

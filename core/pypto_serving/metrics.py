@@ -57,6 +57,11 @@ _ENGINE_COUNTERS = {
     "kv_transfer_send_failed": "Disaggregated prefill: offered KV whose send failed or timed out.",
     "kv_transfer_pulled": "Disaggregated decode: requests whose KV arrived completely.",
     "kv_transfer_pull_failed": "Disaggregated decode: requests failed by their KV transfer.",
+    "kv_offload_bytes_down": "KV offload tiers: bytes of prefix-cache blocks copied from the device down to a tier.",
+    "kv_offload_bytes_up": "KV offload tiers: bytes of prefix-cache blocks loaded from a tier back to the device.",
+    "kv_offload_loads": "KV offload tiers: loads of a prompt's blocks from the tiers.",
+    "kv_offload_load_seconds": "KV offload tiers: seconds from a load's start to its end, summed over the loads.",
+    "kv_offload_load_failed": "KV offload tiers: loads cut short by a missing or corrupt block (recomputed).",
 }
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 # The engine's running totals (stats key) behind the counters.
@@ -71,10 +76,17 @@ _TOTALS = {
     "kv_send_failed": "kv_transfer_send_failed",
     "kv_pulled": "kv_transfer_pulled",
     "kv_pull_failed": "kv_transfer_pull_failed",
+    "kv_offload_bytes_down": "kv_offload_bytes_down",
+    "kv_offload_bytes_up": "kv_offload_bytes_up",
+    "kv_offload_loads": "kv_offload_loads",
+    "kv_offload_load_seconds": "kv_offload_load_seconds",
+    "kv_offload_load_failed": "kv_offload_load_failed",
 }
 _GROUP_USAGE = "kv_cache_group_usage_perc"
 _GROUP_HITS = "prefix_cache_group_hits"
 _GROUP_HIT_RATE = "prefix_cache_group_hit_rate"
+_TIER_HITS = "prefix_cache_tier_hits"
+_TIER_BYTES = "kv_offload_tier_bytes"
 # Requests whose last token time is remembered for the inter-token latency: more live requests than
 # this means outputs of requests that never finished (a lost stream), and the oldest are forgotten.
 _MAX_TRACKED = 65536
@@ -320,6 +332,18 @@ class _EngineSeries:
             [*labels, "group"],
             registry=registry,
         )
+        self.counters[_TIER_HITS] = Counter(
+            f"{prefix}_{_TIER_HITS}",
+            "Queried prompt tokens served by a KV offload tier (host, disk) after missing the device cache.",
+            [*labels, "tier"],
+            registry=registry,
+        )
+        self.tier_bytes = Gauge(
+            f"{prefix}_{_TIER_BYTES}",
+            "Bytes of prefix-cache blocks a KV offload tier (host, disk) holds.",
+            [*labels, "tier"],
+            registry=registry,
+        )
         self.group_hit_rate = Gauge(
             f"{prefix}_{_GROUP_HIT_RATE}",
             "Per KV cache group: prefix_cache_group_hits / prefix_cache_queries.",
@@ -346,6 +370,8 @@ class _EngineSeries:
             self.group_usage.labels(*labels, group).set(usage)
         for group, hits in stats.get("prefix_cache_hits_per_group", {}).items():
             self.group_hit_rate.labels(*labels, group).set(hits / queries if queries else 0.0)
+        for tier, used in stats.get("kv_offload_bytes_per_tier", {}).items():
+            self.tier_bytes.labels(*labels, tier).set(used)
         for name in _ENGINE_COUNTERS:  # present at 0 from the first snapshot: rate() sees the first increment
             self.counters[name].labels(*labels)
 
@@ -361,6 +387,8 @@ def _running_totals(stats: Mapping[str, Any]) -> dict[_Total, float]:
         totals[_PER_POS, (str(pos),)] = n
     for group, n in stats.get("prefix_cache_hits_per_group", {}).items():
         totals[_GROUP_HITS, (group,)] = n
+    for tier, n in stats.get("kv_offload_hits_per_tier", {}).items():
+        totals[_TIER_HITS, (tier,)] = n
     return totals
 
 

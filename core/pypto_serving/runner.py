@@ -253,10 +253,10 @@ class ModelRunner:
         if caches is None:
             raise TypeError(
                 f"{type(self.executor).__name__} cannot move its KV cache (kv_cache_blocks() is None), so it "
-                "cannot serve a kv_role; unset kv_role"
+                "cannot serve a kv_role or offload tiers; unset kv_role, kv_offload_host_bytes and kv_offload_disk_path"
             )
         config = self.settings.kv_transfer()
-        if config.kv_port and self.kv_rank:  # each rank's connector listens on a port of its own
+        if config is not None and config.kv_port and self.kv_rank:  # each rank listens on a port of its own
             config = config.model_copy(update={"kv_port": config.kv_port + self.kv_rank})
         self._kv_thread = start_kv_service(factory(config), caches, conn)
 

@@ -254,10 +254,30 @@ class Scheduler:
         # Disaggregated serving: keeps a finished request's blocks for a decode engine (True) instead
         # of freeing them (kv_ledger.py); None: every finished request's blocks are freed.
         self.hold_kv: Callable[[Request], bool] | None = None
+        # Whether blocks are held outside the scheduler for a while (the offload tiers' copies): a
+        # request alone that cannot grow then waits for them instead of failing as too big.
+        self.kv_in_transit: Callable[[], bool] = lambda: False
         self.stats = SchedulerStats(accepted_per_pos=[0] * max(1, executor_info.max_draft_tokens))
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, *, first: bool = False) -> None:
+        """Queue a request (``first``: ahead of the waiting ones, as a preempted one is)."""
+        self.check_request(request)
+        request.status = RequestStatus.WAITING
+        request.sched = self._new_state(request)
+        self.requests[request.request_id] = request
+        if first:
+            self.waiting.requeue(request)
+        else:
+            self.waiting.add(request)
+        spec = request.sampling_params.structured
+        if spec is not None:
+            self._compiles.append(
+                GrammarCompile(request_id=request.request_id, spec=spec, eos=tuple(request.eos_token_ids))
+            )
+
+    def check_request(self, request: Request) -> None:
+        """Refuse a request this scheduler can never run (ValueError), before it is queued."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         limit = self.config.max_model_len
@@ -273,15 +293,6 @@ class Scheduler:
             )
         if not self.kv.can_ever_fit(request.num_prompt_tokens + 1):
             raise ValueError(f"prompt of {request.num_prompt_tokens} tokens does not fit in the whole KV cache")
-        request.status = RequestStatus.WAITING
-        request.sched = self._new_state(request)
-        self.requests[request.request_id] = request
-        self.waiting.add(request)
-        spec = request.sampling_params.structured
-        if spec is not None:
-            self._compiles.append(
-                GrammarCompile(request_id=request.request_id, spec=spec, eos=tuple(request.eos_token_ids))
-            )
 
     def _new_state(self, request: Request) -> SchedState:
         """A fresh record, with the stop rule's inputs derived once from the sampling parameters."""
@@ -446,7 +457,7 @@ class Scheduler:
                     return False, given_back
                 given_back += self._preempt(outranked, step)
                 continue
-            if self.running == [req]:
+            if self.running == [req] and not self.kv_in_transit():
                 self._failed += self.fail([req.request_id], "the KV cache is too small for this request alone")
                 return False, given_back
             victim = max(self.running, key=self.waiting.victim_key)
