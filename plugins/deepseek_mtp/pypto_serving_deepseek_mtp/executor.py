@@ -21,7 +21,7 @@ from pypto_serving.quantization import QuantizedWeight, read_quantization_config
 
 from . import ops
 from .config import CSA, HCA, SLIDING, DeepseekConfigError, DeepseekV4Config, load_config
-from .lora import attach_loras, explain, lora_shapes, write_lora
+from .lora import attach_loras, explain, lora_shapes, shard_adapter, write_lora
 from .model import FP32_SUFFIXES, STATE_GROUP, CompressorRing, DeepseekV4Model, Params, Segments, _layer_params, linear
 from .sharding import ShardPlan
 from .weights import load_weights, mtp_depths
@@ -243,32 +243,31 @@ class DeepseekMTPExecutor(Executor):
     def _attach_loras(self, plan: ShardPlan) -> None:
         """With LoRA enabled (``enable_lora`` or ``lora_modules``), give the main model's layers their
         adapter stacks and read ``lora_modules``' PEFT adapters into them (see :mod:`.lora`; the MTP
-        layers take none). Refused with tensor parallelism (adapters are not sharded)."""
+        layers take none; each tensor-parallel rank keeps its part of every adapter)."""
         s = self.settings
         # name=path entries, already checked by the settings (names unique, at most max_loras).
         paths = dict(entry.split("=", 1) for entry in s.lora_modules)
         if not paths and not getattr(s, "enable_lora", False):
             return
-        if plan.parallel.world_size > 1:
-            what = "lora_modules" if paths else "enable_lora"
-            raise DeepseekConfigError(
-                f"{what} is not supported with tensor_parallel_size > 1: adapters are not sharded"
-            )
         assert self.model is not None
-        shapes = lora_shapes(self.cfg)
-        adapters = [read_adapter(name, path, s.max_lora_rank, shapes, explain) for name, path in paths.items()]
+        shapes, cfg = lora_shapes(self.cfg), self.cfg
+        read = [read_adapter(name, path, s.max_lora_rank, shapes, explain) for name, path in paths.items()]
+        adapters = [shard_adapter(a, cfg, plan.parallel) for a in read]
         # Every slot is made now: a run-time load then copies into its slot, nothing else moves.
-        self.lora = attach_loras(self.model.layers, self.cfg, adapters, s.max_loras + 1, self.dtype, self.device)
+        slots = s.max_loras + 1
+        self.lora = attach_loras(self.model.layers, cfg, adapters, slots, self.dtype, self.device, plan.parallel)
         self.lora_slots = {a.name: i for i, a in enumerate(adapters, start=1)}
         logger.info("LoRA adapters %s (ranks %s) loaded", list(self.lora_slots), [a.rank for a in adapters])
 
     def read_lora(self, key: str, path: str) -> LoraAdapter:
         """Read and check the PEFT adapter at ``path`` (in a background thread while steps run: it
-        reads the config's shapes only), its weights already in the model's dtype."""
-        if self.lora is None:
+        reads the config's shapes only), its weights already in the model's dtype and cut to this
+        tensor-parallel rank (every rank reads the adapter)."""
+        if self.lora is None or self.model is None:
             raise ValueError("LoRA is not enabled: start with enable_lora (or lora_modules) to load adapters")
         shapes = lora_shapes(self.cfg)
-        adapter = read_adapter(key.partition("\0")[0], path, self.settings.max_lora_rank, shapes, explain)
+        whole = read_adapter(key.partition("\0")[0], path, self.settings.max_lora_rank, shapes, explain)
+        adapter = shard_adapter(whole, self.cfg, self.model.parallel)
         adapter.pairs = {k: (a.to(self.dtype), b.to(self.dtype)) for k, (a, b) in adapter.pairs.items()}
         return adapter
 

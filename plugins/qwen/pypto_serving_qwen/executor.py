@@ -143,9 +143,9 @@ class QwenExecutor(Executor):
 
     def _attach_loras(self, model: QwenForCausalLM) -> None:
         """With LoRA enabled (``enable_lora`` or ``lora_modules``), give the model its adapter stacks
-        and read ``lora_modules``' PEFT adapters into them. Refused with graph capture (the captured
-        decode step holds no per-token adapter input) and with tensor parallelism (adapters are not
-        sharded)."""
+        and read ``lora_modules``' PEFT adapters into them (each rank reads them whole and keeps its
+        part, see :meth:`QwenForCausalLM.shard_lora`). Refused with graph capture (the captured
+        decode step holds no per-token adapter input)."""
         s = self.settings
         # name=path entries, already checked by the settings (names unique, at most max_loras).
         paths = dict(entry.split("=", 1) for entry in s.lora_modules)
@@ -158,10 +158,8 @@ class QwenExecutor(Executor):
                 f"{what} is not supported with executor_options graph_mode={mode!r}: captured decode "
                 "graphs take no per-token adapter; use graph_mode='eager'"
             )
-        if model.shards.ctx.enabled:
-            raise ValueError(f"{what} is not supported with tensor_parallel_size > 1: adapters are not sharded")
         shapes = model.lora_shapes()
-        adapters = [read_adapter(name, path, s.max_lora_rank, shapes) for name, path in paths.items()]
+        adapters = [model.shard_lora(read_adapter(n, path, s.max_lora_rank, shapes)) for n, path in paths.items()]
         # Every slot is made now: a run-time load then copies into its slot, nothing else moves.
         self.lora = model.attach_loras(adapters, s.max_loras + 1)
         self.lora_slots = {a.name: i for i, a in enumerate(adapters, start=1)}
@@ -169,10 +167,12 @@ class QwenExecutor(Executor):
 
     def read_lora(self, key: str, path: str) -> LoraAdapter:
         """Read and check the PEFT adapter at ``path`` (in a background thread while steps run: it
-        reads the model's shapes only), its weights already in the model's dtype."""
+        reads the model's shapes only), its weights already in the model's dtype and cut to this
+        tensor-parallel rank (every rank reads the adapter)."""
         if self.lora is None or self.model is None:
             raise ValueError("LoRA is not enabled: start with enable_lora (or lora_modules) to load adapters")
-        adapter = read_adapter(key.partition("\0")[0], path, self.settings.max_lora_rank, self.model.lora_shapes())
+        whole = read_adapter(key.partition("\0")[0], path, self.settings.max_lora_rank, self.model.lora_shapes())
+        adapter = self.model.shard_lora(whole)
         adapter.pairs = {k: (a.to(self.dtype), b.to(self.dtype)) for k, (a, b) in adapter.pairs.items()}
         return adapter
 

@@ -581,12 +581,13 @@ class QwenForCausalLM(nn.Module):
 
     def attach_loras(self, adapters: list[LoraAdapter], slots: int = 0) -> LoraContext:
         """Give every projection LoRA stacks of ``slots`` slots (at least one per adapter and the
-        base's) and write ``adapters`` into them (slot ``i + 1`` for ``adapters[i]``); returns the
-        context whose per-token one-hot selects each token's adapter. One rank only (refused under
-        tensor parallelism by the executor, so the shapes are the full checkpoint's)."""
+        base's) and write ``adapters`` into them (slot ``i + 1`` for ``adapters[i]``, each already
+        cut to this rank by :meth:`shard_lora`); returns the context whose per-token one-hot selects
+        each token's adapter. The stacks have this rank's widths: its rows of the column-parallel
+        projections' outputs, its columns of the row-parallel ones' inputs."""
         slots = max(slots, len(adapters) + 1)
-        ctx, cfg, dev = LoraContext(slots=slots), self.cfg, self.lm_head_t.device
-        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        ctx, cfg, dev, sh = LoraContext(slots=slots), self.cfg, self.lm_head_t.device, self.shards
+        h, q, kv = cfg.hidden_size, _size(sh.q_heads) * cfg.head_dim, _size(sh.kv_heads) * cfg.head_dim
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, QwenDecoderLayer)
             attn = layer.self_attn
@@ -595,13 +596,37 @@ class QwenForCausalLM(nn.Module):
             attn.lora_qkv = LoraStack(qkv, (q, kv, kv), h, ctx, self.dtype, dev, slots)
             attn.lora_o = LoraStack((a + "o_proj",), (h,), q, ctx, self.dtype, dev, slots)
             if isinstance(layer.mlp, QwenMLP):
-                inter = cfg.intermediate_size
+                inter = layer.mlp.intermediate
                 gate_up = (m + "gate_proj", m + "up_proj")
                 layer.mlp.lora_gate_up = LoraStack(gate_up, (inter, inter), h, ctx, self.dtype, dev, slots)
                 layer.mlp.lora_down = LoraStack((m + "down_proj",), (h,), inter, ctx, self.dtype, dev, slots)
         for slot, adapter in enumerate(adapters, start=1):
             self.write_lora(ctx, slot, adapter)
         return ctx
+
+    def shard_lora(self, adapter: LoraAdapter) -> LoraAdapter:
+        """This rank's part of ``adapter`` (read whole, with the checkpoint's shapes; itself on one
+        rank), cut as the base weights are: a column-parallel projection (q/k/v, gate/up) keeps the
+        rows of ``B`` of this rank's output rows and all of ``A``; a row-parallel one (o_proj,
+        down_proj) keeps the columns of ``A`` of this rank's input and all of ``B``. The row-parallel
+        delta of a rank's input part is then a partial sum, added to the base's partial output before
+        the layer's all-reduce, so the ranks' sum holds the whole delta exactly once."""
+        if not self.shards.ctx.enabled:
+            return adapter
+        sh, d = self.shards, self.cfg.head_dim
+        q_rows, kv_rows = _scaled(sh.q_heads, d), _scaled(sh.kv_heads, d)
+        out_rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
+        out_rows |= {"gate_proj": sh.intermediate, "up_proj": sh.intermediate}
+        in_cols = {"o_proj": q_rows, "down_proj": sh.intermediate}
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for module, (a, b) in adapter.pairs.items():
+            leaf = module.rpartition(".")[2]
+            if leaf in out_rows:
+                # B stays column-major (its transpose contiguous), as read_adapter keeps it.
+                pairs[module] = (a, b[out_rows[leaf]].t().contiguous().t())
+            else:
+                pairs[module] = (a[:, in_cols[leaf]].contiguous(), b)
+        return LoraAdapter(adapter.name, adapter.rank, adapter.scale, pairs)
 
     def write_lora(self, ctx: LoraContext, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` into ``slot`` of every projection's stacks (after :meth:`attach_loras`);

@@ -3,7 +3,7 @@ their low-rank parts, the shared expert; rsLoRA) and the base model mixed in one
 by request, transformers' greedy tokens with that adapter merged (``merge_and_unload``), with MTP
 speculation off and on (the MTP layers take no adapter; the main model verifies every draft, so the
 tokens stay exact); modules that take no adapter are refused by name; adapters load and unload at
-run time."""
+run time, and on two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -236,17 +236,31 @@ def test_adapters_stay_on_the_device(base: Path, adapters: dict[str, Path]) -> N
         assert ex.lora.onehot.shape == (len(batch.input_ids_host), 3)
 
 
-def test_tensor_parallel_lora_is_refused(base: Path) -> None:
-    """Adapters are not sharded: LoRA under tensor parallelism is refused at load, naming the setting
-    (the rank layout stubbed: a real process group of two ranks costs a spawn)."""
-    from types import SimpleNamespace
-
-    from .helpers import make_executor
-
-    ex, _ = make_executor(base)
-    settings = ex.settings
-    two_ranks = SimpleNamespace(parallel=SimpleNamespace(world_size=2))
-    for setting, what in ((dict(enable_lora=True), "enable_lora"), (dict(lora_modules=["a=/x"]), "lora_modules")):
-        ex.settings = settings.model_copy(update=setting)
-        with pytest.raises(ValueError, match=f"{what} is not supported with tensor_parallel_size > 1"):
-            ex._attach_loras(two_ranks)
+def test_tensor_parallel_ranks_serve_their_parts_of_the_adapters(
+    base: Path, adapters: dict[str, Path], refs: dict[str | None, list[list[int]]]
+) -> None:
+    """Two ranks (spawned processes), each holding its part of every adapter (q_b_proj and the shared
+    gate/up by output rows, o_b_proj and the shared down_proj by input columns, the replicated
+    q_a_proj and kv_proj whole): requests of one adapter loaded at start, one loaded at run time (every
+    rank reads it and installs its part) and the base, in one batch, give the merged models' tokens."""
+    llm = LLM(
+        model=str(base),
+        plugins=plugin_manager(),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        seed=0,
+        tensor_parallel_size=2,
+        worker_mode="process",
+        lora_modules=[f"attn={adapters['attn']}"],
+        max_lora_rank=4,
+        max_loras=2,
+    )
+    try:
+        assert llm.engine is not None and len(llm.engine.worker.pids) == 2
+        llm.load_lora("mlp", str(adapters["mlp"]))
+        loras: list[str | None] = ["attn", None, "mlp", "mlp", "attn", None]
+        outs = llm.generate(_prompts(NUM_PROMPTS), GREEDY, use_tqdm=False, lora=loras)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [refs[name][i] for i, name in enumerate(loras)]
