@@ -139,8 +139,9 @@ class KVCacheManager:
 
     # -- capacity
     def blocks_needed(self, group: CacheGroupSpec, num_tokens: int) -> int:
-        # ceil(ceil(n / per_entry) / block_size) == ceil(n / tokens_per_block), in integers.
-        return -(-num_tokens // group.tokens_per_block)
+        # ceil(ceil(n / per_entry) / block_size) == ceil(n / tokens_per_block), in integers; a
+        # shifted group's entries run ``slot_shift`` past the tokens.
+        return -(-(num_tokens + group.slot_shift) // group.tokens_per_block)
 
     @property
     def usage(self) -> float:
@@ -348,9 +349,9 @@ class KVCacheManager:
 
     def _tables_grew(self, state: KVState) -> None:
         """Recompute what the tables cover (a table's FREED entries keep their positions)."""
-        lengths = [(len(state.block_ids.get(g.name, [])), g.tokens_per_block) for g in self.groups]
-        state.capacity = min(n * tokens_per_block for n, tokens_per_block in lengths)
-        state.num_entries = sum(n for n, _ in lengths)
+        lengths = [len(state.block_ids.get(g.name, [])) for g in self.groups]
+        state.capacity = min(n * g.tokens_per_block - g.slot_shift for n, g in zip(lengths, self.groups))
+        state.num_entries = sum(lengths)
 
     def free(self, request: Request) -> None:
         """Give back every block of the request and forget its keys (a fresh :class:`KVState`)."""

@@ -136,7 +136,7 @@ class FakeCore:
     def _ensure(self, rid: str, num_tokens: int) -> None:
         table = self.blocks.setdefault(rid, {g: [] for g in self.groups})
         for name, g in self.groups.items():
-            need = math.ceil(math.ceil(num_tokens / g.tokens_per_entry) / g.block_size)
+            need = math.ceil(math.ceil((num_tokens + g.slot_shift) / g.tokens_per_entry) / g.block_size)
             while len(table[name]) < need:
                 table[name].append(self.free[name].pop())
 
