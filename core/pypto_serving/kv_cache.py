@@ -253,6 +253,15 @@ class KVCacheManager:
                 blocks[:lo] = [FREED] * lo
                 request.kv.window_freed[g.name] = lo
 
+    def blocks_before(self, request: Request, hit: int) -> dict[str, list[int]]:
+        """Per group, the blocks a request holds for the entries before a hit at ``hit``, in table
+        order: what a transfer of that hit moves (a shifted group's table runs past them)."""
+        out = {}
+        for g in self.groups:
+            table = request.kv.block_ids.get(g.name, [])[: hit // g.tokens_per_block]
+            out[g.name] = [b for b in table if b != FREED]
+        return out
+
     def _cached_blocks(self, request: Request, group: CacheGroupSpec, limit: int) -> list[int | None]:
         """Per full block of the request's first ``limit`` tokens, the cached block with its key."""
         if group.hit_lookback == 0:  # the group needs no cached block (nor publishes any)
