@@ -80,8 +80,11 @@ class MtpState:
             self.active = self.depth
 
     def exact_depths(self, window: int) -> int:
-        """How many depths draft exactly at the last committed position (``n - 1``). After a hit at
-        ``origin`` nothing before it was computed here: depth 0's KV is exact from ``origin`` (its
+        """How many depths draft exactly at the last committed position (``n - 1``): every active one,
+        unless the request started at a hit whose MTP state did not come from the prefix cache (a
+        position that is not a multiple of the hit unit; ``restored`` otherwise, see
+        ``DeepseekMTPExecutor._restore_mtp``). Then nothing before ``origin`` was computed here:
+        depth 0's KV is exact from ``origin`` (its
         inputs are the main model's streams), so its output from ``origin + window - 1`` (its window
         then holds no position before the hit), depth 1's KV from there, and so on: depth ``d``'s
         output is exact from ``origin + (d + 1) * (window - 1)``."""

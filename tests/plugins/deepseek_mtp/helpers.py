@@ -104,9 +104,7 @@ def build_checkpoint(tmp: Path, n_mtp: int = 0, seed: int = 0, **overrides: Any)
     return ckpt
 
 
-def make_executor(
-    path: Path, k: int = 0, block_size: int = 4, max_num_seqs: int = 4, **more: Any
-) -> tuple[Any, Any]:
+def make_executor(path: Path, k: int = 0, block_size: int = 4, max_num_seqs: int = 4, **more: Any) -> tuple[Any, Any]:
     from pypto_serving.config import ServingSettings
     from pypto_serving_deepseek_mtp import DeepseekMTPExecutor
 
