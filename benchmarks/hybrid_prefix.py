@@ -78,7 +78,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     served = sum(o.num_cached_tokens or 0 for o in outs) / sum(len(p) for p in prompts)
     rate = hits / queries if queries else 0.0
-    return {"served": served, "queries": queries, "hits": hits, "rate": rate, "groups": groups, "wall": wall}
+    drafted = after["spec_drafted"] - before["spec_drafted"]
+    accepted = after["spec_accepted"] - before["spec_accepted"]
+    return {
+        "served": served,
+        "queries": queries,
+        "hits": hits,
+        "rate": rate,
+        "groups": groups,
+        "wall": wall,
+        "drafted": drafted,
+        "accepted": accepted,
+    }
 
 
 def main() -> None:
@@ -99,6 +110,7 @@ def main() -> None:
     if out["queries"]:
         print("  per group (alone):", ", ".join(f"{g} {n / out['queries']:.0%}" for g, n in out["groups"].items()))
     print(f"  {args.requests} requests in {out['wall']:.2f} s")
+    print(f"  drafts verified {out['drafted']}, accepted {out['accepted']}")
 
 
 if __name__ == "__main__":

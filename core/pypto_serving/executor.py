@@ -44,6 +44,11 @@ class CacheGroupSpec:
         window for a sliding-window group (``window_tokens - 1``), every earlier position for the
         others. ``0``: the executor rebuilds what it needs after a hit (the group needs no cached
         block and publishes none).
+    :param slot_shift: the group keeps position ``i``'s entry at index ``i + slot_shift`` (tokens per
+        entry 1), so its tables cover ``slot_shift`` entries past the request's tokens. A block then
+        holds entries that are a function of the tokens before its end when an entry at ``i`` depends
+        on the ``slot_shift`` tokens after ``i`` (an MTP depth's KV), so it is cached and hit like a
+        plain block; the lookback and the window count entries, not positions.
     """
 
     name: str
@@ -54,6 +59,7 @@ class CacheGroupSpec:
     no_prefix_caching_reason: str = ""
     window_tokens: int | None = None
     hit_lookback_tokens: int | None = None
+    slot_shift: int = 0
 
     @property
     def tokens_per_block(self) -> int:

@@ -143,8 +143,9 @@ class KVCacheManager:
 
     # -- capacity
     def blocks_needed(self, group: CacheGroupSpec, num_tokens: int) -> int:
-        # ceil(ceil(n / per_entry) / block_size) == ceil(n / tokens_per_block), in integers.
-        return -(-num_tokens // group.tokens_per_block)
+        # ceil(ceil(n / per_entry) / block_size) == ceil(n / tokens_per_block), in integers; a
+        # shifted group's entries run ``slot_shift`` past the tokens.
+        return -(-(num_tokens + group.slot_shift) // group.tokens_per_block)
 
     @property
     def usage(self) -> float:
@@ -274,6 +275,15 @@ class KVCacheManager:
                 blocks[:lo] = [FREED] * lo
                 request.kv.window_freed[g.name] = lo
 
+    def blocks_before(self, request: Request, hit: int) -> dict[str, list[int]]:
+        """Per group, the blocks a request holds for the entries before a hit at ``hit``, in table
+        order: what a transfer of that hit moves (a shifted group's table runs past them)."""
+        out = {}
+        for g in self.groups:
+            table = request.kv.block_ids.get(g.name, [])[: hit // g.tokens_per_block]
+            out[g.name] = [b for b in table if b != FREED]
+        return out
+
     def _cached_blocks(self, request: Request, group: CacheGroupSpec, limit: int) -> list[int | None]:
         """Per full block of the request's first ``limit`` tokens, the cached block with its key."""
         if group.hit_lookback == 0:  # the group needs no cached block (nor publishes any)
@@ -370,9 +380,9 @@ class KVCacheManager:
 
     def _tables_grew(self, state: KVState) -> None:
         """Recompute what the tables cover (a table's FREED entries keep their positions)."""
-        lengths = [(len(state.block_ids.get(g.name, [])), g.tokens_per_block) for g in self.groups]
-        state.capacity = min(n * tokens_per_block for n, tokens_per_block in lengths)
-        state.num_entries = sum(n for n, _ in lengths)
+        lengths = [len(state.block_ids.get(g.name, [])) for g in self.groups]
+        state.capacity = min(n * g.tokens_per_block - g.slot_shift for n, g in zip(lengths, self.groups))
+        state.num_entries = sum(lengths)
 
     def free(self, request: Request) -> None:
         """Give back every block of the request and forget its keys (a fresh :class:`KVState`)."""

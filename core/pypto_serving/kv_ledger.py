@@ -199,7 +199,10 @@ class KVTransferLedger:
             return
         pull.started = True
         self.kv.restrict_to_hit(pull.request, pull.num_tokens)
-        blocks = _held_blocks(pull.request)
+        # A hit's blocks: a group whose entries are shifted past the positions (an MTP window) holds
+        # one more block than the prefill engine offers, which the decode engine computes itself.
+        hit = self.kv.hit_aligned
+        blocks = self.kv.blocks_before(pull.request, pull.num_tokens) if hit else _held_blocks(pull.request)
         self._send(("pull", pull.request.request_id, pull.source, blocks))
 
     def abort(self, request_id: str) -> Request | None:

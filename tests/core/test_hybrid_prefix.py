@@ -16,7 +16,9 @@ from pypto_serving.request import Request, SamplingParams
 #   csa_index  the indexer keys, the same shape
 #   csa_state  one compressor snapshot a CSA block (8 tokens), the one ending at p
 #   hca_kv     16 tokens a block (4 entries of 4), every block before p
-#   mtp0       4 tokens a block, window 12, nothing (the executor rebuilds it after a hit)
+#   mtp0       4 entries a block, position i at entry i + 1 (its KV depends on token i + 1), window
+#              12; a hit at p reads entries p-7..p-1 (positions p-8..p-2)
+#   mtp_state  one MTP input snapshot a hit unit (16 tokens), the one ending at p
 # The hit unit is lcm(4, 8, 16) = 16 tokens.
 GROUPS = [
     CacheGroupSpec("swa", 4, 1, window_tokens=8),
@@ -24,7 +26,8 @@ GROUPS = [
     CacheGroupSpec("csa_index", 4, 1, tokens_per_entry=2),
     CacheGroupSpec("csa_state", 1, 1, tokens_per_entry=8, hit_lookback_tokens=1),
     CacheGroupSpec("hca_kv", 4, 1, tokens_per_entry=4),
-    CacheGroupSpec("mtp0", 4, 1, window_tokens=12, hit_lookback_tokens=0),
+    CacheGroupSpec("mtp0", 4, 1, window_tokens=12, hit_lookback_tokens=7, slot_shift=1),
+    CacheGroupSpec("mtp_state", 1, 1, tokens_per_entry=16, hit_lookback_tokens=1),
 ]
 PROMPT = list(range(1, 54))  # 53 tokens: a hit covers at most 48 (the last token is computed)
 
@@ -55,15 +58,19 @@ def _evict(kv: KVCacheManager, group: str, block: int) -> None:
 def test_what_is_published_per_group() -> None:
     kv, a = _served()
     cached = {g.name: sorted(kv.pools[g.name].cached.values()) for g in GROUPS}
-    # Full blocks of 53 tokens: 13 swa, 6 of each CSA group, 6 snapshots, 3 HCA; MTP none.
+    # Full blocks of 53 tokens: 13 swa, 6 of each CSA group, 6 snapshots, 3 HCA, 13 MTP (entries
+    # 0..51: a block ending at entry e holds positions up to e - 1, a function of the tokens before
+    # e), 3 MTP snapshots; a's table of 53 tokens has 14 MTP blocks (entry 53 is position 52's).
     assert cached == {
         "swa": sorted(a["swa"][:13]),
         "csa_kv": sorted(a["csa_kv"][:6]),
         "csa_index": sorted(a["csa_index"][:6]),
         "csa_state": sorted(a["csa_state"][:6]),
         "hca_kv": sorted(a["hca_kv"][:3]),
-        "mtp0": [],
+        "mtp0": sorted(a["mtp0"][:13]),
+        "mtp_state": sorted(a["mtp_state"][:3]),
     }
+    assert len(a["mtp0"]) == 14
 
 
 def test_a_hit_takes_only_the_blocks_it_reads() -> None:
@@ -78,14 +85,16 @@ def test_a_hit_takes_only_the_blocks_it_reads() -> None:
             "csa_index": a["csa_index"][:6],
             "csa_state": [FREED] * 5 + a["csa_state"][5:6],  # the snapshot at 48
             "hca_kv": a["hca_kv"][:3],
-            "mtp0": [FREED] * 12,
+            "mtp0": [FREED] * 10 + a["mtp0"][10:12],  # entries 41..47
+            "mtp_state": [FREED] * 2 + a["mtp_state"][2:3],  # the snapshot at 48
         }
     )
     assert kv.group_hits == dict.fromkeys(kv.group_hits, 48)
     kv.check_invariants([b])
     # b grows from its FREED entries on, and gives everything back.
     assert kv.allocate(b, 60)
-    assert [len(t) for t in b.kv.block_ids.values()] == [15, 8, 8, 8, 4, 15]
+    assert [len(t) for t in b.kv.block_ids.values()] == [15, 8, 8, 8, 4, 16, 4]
+    assert b.kv.capacity == 60  # mtp0's 16 blocks cover entries 0..63, positions 0..62
     kv.check_invariants([b])
     kv.free(b)
     kv.check_invariants([])
@@ -102,6 +111,9 @@ CASES = [
     ("csa_state", [5], 32, "the snapshot at 48 is gone; 32 needs only the one at 32 (entry 3)"),
     ("csa_state", [0, 1, 2, 3, 4], 48, "48 needs only the snapshot at 48"),
     ("hca_kv", [2], 32, "every HCA entry before the hit is read"),
+    ("mtp0", [10], 32, "48 reads mtp0 entries 41..47; 32 reads 25..31 (blocks 6..7)"),
+    ("mtp0", range(10), 48, "the early MTP window blocks are not read from 48"),
+    ("mtp_state", [2], 32, "the MTP snapshot at 48 is gone; 32 needs only the one at 32"),
 ]
 
 
@@ -115,7 +127,8 @@ def test_the_hit_is_the_longest_prefix_every_group_serves(group: str, evicted: l
     # Per group, what it alone serves: the others are untouched (48), this one caps the hit.
     assert kv.group_hits == {**dict.fromkeys(kv.group_hits, 48), group: hit}
     if hit:
-        lookback_start = {"swa": (hit - 7) // 4, "csa_state": (hit - 1) // 8, "mtp0": hit // 4}
+        lookback_start = {"swa": (hit - 7) // 4, "csa_state": (hit - 1) // 8, "mtp0": (hit - 7) // 4}
+        lookback_start["mtp_state"] = (hit - 1) // 16
         for g in GROUPS:
             lo, end = lookback_start.get(g.name, 0), hit // g.tokens_per_block
             assert r.kv.block_ids[g.name] == [FREED] * lo + a[g.name][lo:end]

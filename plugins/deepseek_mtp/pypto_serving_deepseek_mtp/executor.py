@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -41,6 +41,11 @@ class MtpConfigError(ValueError):
 #: earlier steps are the few positions past its frontier (at most ``num_draft + 1``).
 CARRY_LEN = 2 * MAX_DRAFT_TOKENS + 4
 
+MTP_STATE_GROUP = "mtp_state"
+"""The cache group of MTP input snapshots, one per hit unit: entry ``E / unit - 1`` holds, per depth
+``d``, that depth's input at position ``E - d - 1`` (depth ``d - 1``'s output, the main model's
+streams for ``d = 0``), the one input a computation from a prefix hit at ``E`` cannot make itself."""
+
 
 @dataclass
 class MtpState:
@@ -65,6 +70,7 @@ class MtpState:
     frontier: list[int] = field(default_factory=list)
     carried: list[tuple[int, int]] = field(default_factory=list)  # per depth: (first, last) in the ring
     origin: int = 0  # the prefix-cache hit the request started at (0: it computed every position)
+    restored: bool = False  # the MTP state at ``origin`` came from the prefix cache (exact at once)
 
     def __post_init__(self) -> None:
         self.frontier = [self.origin] * self.depth
@@ -74,12 +80,15 @@ class MtpState:
             self.active = self.depth
 
     def exact_depths(self, window: int) -> int:
-        """How many depths draft exactly at the last committed position (``n - 1``). After a hit at
-        ``origin`` nothing before it was computed here: depth 0's KV is exact from ``origin`` (its
+        """How many depths draft exactly at the last committed position (``n - 1``): every active one,
+        unless the request started at a hit whose MTP state did not come from the prefix cache (a
+        position that is not a multiple of the hit unit; ``restored`` otherwise, see
+        ``DeepseekMTPExecutor._restore_mtp``). Then nothing before ``origin`` was computed here:
+        depth 0's KV is exact from ``origin`` (its
         inputs are the main model's streams), so its output from ``origin + window - 1`` (its window
         then holds no position before the hit), depth 1's KV from there, and so on: depth ``d``'s
         output is exact from ``origin + (d + 1) * (window - 1)``."""
-        if not self.origin:
+        if not self.origin or self.restored:
             return self.active
         return min(self.active, max(0, (self.n - 1 - self.origin) // max(1, window - 1)))
 
@@ -183,6 +192,9 @@ class DeepseekMTPExecutor(Executor):
         self.num_slots = 0
         self.mtp_state: dict[str, MtpState] = {}
         self.hit_starts: dict[str, int] = {}  # request -> the prefix-cache hit it started at
+        # The positions a prefix hit may start at are multiples of this (0: prefix caching off):
+        # MTP depths compute what a hit there needs (_first_positions) and snapshot its inputs.
+        self.hit_unit = 0
         self.carry: list[torch.Tensor] = []  # per MTP depth: [slots, CARRY_LEN, hc, D] canonical inputs
         self.cache_dtype = torch.float32  # the paged caches' element type, set at load
         self._last: tuple[BatchInput, Segments, torch.Tensor] | None = None
@@ -382,8 +394,9 @@ class DeepseekMTPExecutor(Executor):
     def _cache_groups(self, cfg: DeepseekV4Config, block_size: int, dtype: torch.dtype) -> list[CacheGroupSpec]:
         """The paged groups (docs/deepseek_mtp.md, "Cache groups"). Every group serves exact prefix
         hits: a hit at ``p`` needs the ``swa`` window before ``p``, every compressed entry and indexer
-        key, and the CSA compressor-state snapshot at ``p`` (``csa_state``); the MTP groups need
-        nothing cached: a request starting at a hit rebuilds its MTP KV and drafts once it is exact."""
+        key, the CSA compressor-state snapshot at ``p`` (``csa_state``), each MTP depth's window
+        before ``p`` (``mtp{d}``, shifted so a block is a function of its prefix) and the MTP input
+        snapshot at ``p`` (``mtp_state``), so a request starting at a hit drafts at once."""
         elem = torch.tensor([], dtype=dtype).element_size()
         n_csa = cfg.layer_types.count(CSA)
         n_hca = cfg.layer_types.count(HCA)
@@ -420,12 +433,41 @@ class DeepseekMTPExecutor(Executor):
         if n_hca:
             groups.append(group("hca_kv", n_hca, cfg.head_dim, cfg.hca_rate))
         if self.use_mtp:
-            mtp_window = cfg.sliding_window + CARRY_LEN + self.num_draft + 1
-            groups += [
-                dataclasses.replace(group(f"mtp{d}", 1, cfg.head_dim, window=mtp_window), hit_lookback_tokens=0)
-                for d in range(self.num_draft)
-            ]
+            groups += self._mtp_groups(cfg, groups, block_size, elem)
         return groups
+
+    def _mtp_groups(
+        self, cfg: DeepseekV4Config, groups: list[CacheGroupSpec], block_size: int, elem: int
+    ) -> list[CacheGroupSpec]:
+        """Depth ``d``'s KV at position ``i`` depends on the tokens up to ``i + d + 1``, so ``mtp{d}``
+        keeps it at entry ``i + d + 1`` (``slot_shift``): its block ending at ``E`` is then a function
+        of the tokens before ``E`` and is cached like a ``swa`` block. A hit at ``E`` recomputes depth
+        ``d`` from ``E - d - 1`` (entry ``E``), reading the window's ``sliding_window - 1`` entries
+        before it, and takes that depth's input at ``E - d - 1`` from ``mtp_state``."""
+        # The window also keeps the positions a deferred depth still computes (see _plan_depths).
+        mtp_window = cfg.sliding_window + CARRY_LEN + self.num_draft + 1
+        unit = math.lcm(*(g.tokens_per_block for g in groups))
+        self.hit_unit = unit if getattr(self.settings, "enable_prefix_caching", True) else 0
+        width = cfg.hc_mult * cfg.hidden_size * torch.tensor([], dtype=self.dtype).element_size()
+        out = [
+            CacheGroupSpec(
+                name=f"mtp{d}",
+                block_size=block_size,
+                bytes_per_block=block_size * cfg.head_dim * elem,
+                window_tokens=mtp_window,
+                hit_lookback_tokens=cfg.sliding_window - 1,
+                slot_shift=d + 1,
+            )
+            for d in range(self.num_draft)
+        ]
+        snap = CacheGroupSpec(
+            name=MTP_STATE_GROUP,
+            block_size=1,
+            bytes_per_block=self.num_draft * width,
+            tokens_per_entry=unit,
+            hit_lookback_tokens=1,
+        )
+        return [*out, snap]
 
     # ------------------------------------------------------------------ caches and slots
 
@@ -445,6 +487,11 @@ class DeepseekMTPExecutor(Executor):
                 snapshots = (n_csa, num_blocks[g.name], cfg.csa_rate, row)
                 self.model.caches[g.name] = torch.zeros(snapshots, device=self.device, dtype=torch.float32)
                 continue
+            if g.name == MTP_STATE_GROUP:  # [depths, blocks, hc, D] in the carry rings' dtype
+                snapshots = (self.num_draft, num_blocks[g.name], cfg.hc_mult, cfg.hidden_size)
+                self.model.caches[g.name] = torch.zeros(snapshots, device=self.device, dtype=self.dtype)
+                continue
+            self.model.slot_shift[g.name] = g.slot_shift
             width = cfg.index_head_dim if g.name == "csa_index" else cfg.head_dim
             n_layers = layers.get(g.name, 1)
             self.model.caches[g.name] = torch.zeros(
@@ -468,10 +515,11 @@ class DeepseekMTPExecutor(Executor):
                 )
 
     def kv_cache_blocks(self) -> dict[str, list[torch.Tensor]] | None:
-        """Every group's per-layer caches (block id first), the ``csa_state`` snapshots and the MTP
-        groups included. A decode engine starts a pulled request as a prefix-cache hit, which needs
-        nothing outside the blocks: the compressor rings restart from the snapshot at the hit and
-        the MTP KV and carry are rebuilt (a hit's MTP tables are all given back, so none moves)."""
+        """Every group's per-layer caches (block id first; per depth for ``mtp_state``), the snapshots
+        and the MTP groups included. A decode engine starts a pulled request as a prefix-cache hit,
+        which needs nothing outside the blocks: the compressor rings restart from the ``csa_state``
+        snapshot at the hit, the MTP carry from the ``mtp_state`` one, and the MTP windows move with
+        the other groups' blocks."""
         assert self.model is not None
         # Each cache is [layers, blocks, ...]: one view per layer, writes land in the cache itself.
         return {name: list(cache.unbind(0)) for name, cache in self.model.caches.items()}
@@ -589,7 +637,7 @@ class DeepseekMTPExecutor(Executor):
         for st, _ in work.values():
             st.active = min(st.active, cap)
         step = _Drafting(work, seg.ring_slots, fresh=[streams], fresh_rows=[rows], sampler=sampler)
-        _plan_depths(step, batch.num_drafts, self.cfg.sliding_window)
+        _plan_depths(step, batch.num_drafts, self.cfg.sliding_window, self.hit_unit)
         for d in range(max((st.active for st, _ in work.values()), default=0)):
             ran = self._draft_depth(d, step, batch)
             self._carry(d, step)
@@ -615,6 +663,7 @@ class DeepseekMTPExecutor(Executor):
         work: dict[int, tuple[MtpState, bool]] = {}
         rows: dict[int, tuple[int, int, int]] = {}
         ids = batch.input_ids_host
+        restore: list[tuple[int, MtpState]] = []
         for r, rid in enumerate(batch.request_ids):
             a, b = seg.rows(r)
             if a == b:
@@ -623,6 +672,8 @@ class DeepseekMTPExecutor(Executor):
             st = self.mtp_state.get(rid)
             if s == 0 or (st is None and self.hit_starts.get(rid) == s):
                 st = MtpState(k, origin=s)  # a fresh request, or one starting at a prefix-cache hit
+                if s:
+                    restore.append((r, st))
             elif st is None or st.hv != s:
                 # State lost or out of step (should not happen): stop drafting for this request rather
                 # than risk drafts from stale state; verification keeps the output exact regardless.
@@ -645,7 +696,32 @@ class DeepseekMTPExecutor(Executor):
                 st.n = s + valid - 1
             self.mtp_state[rid] = st
             work[r] = (st, sampling)
+        self._restore_mtp(restore, seg)
         return work, rows
+
+    def _restore_mtp(self, starts: list[tuple[int, MtpState]], seg: Segments) -> None:
+        """Start the MTP state of requests at a prefix-cache hit ``p`` from the cache: depth ``d``'s
+        KV before ``p - d - 1`` is in its cached window blocks, its input at ``p - d - 1`` in the
+        ``mtp_state`` snapshot ending at ``p`` (copied to its carry ring, one gather per depth); it
+        computes from ``p - d - 1`` on, so every depth drafts exactly from the first step."""
+        unit = self.hit_unit
+        starts = [(r, st) for r, st in starts if unit and st.origin % unit == 0 and st.origin > st.depth]
+        if not starts or MTP_STATE_GROUP not in seg.block_tables:
+            return
+        assert seg.ring_slots is not None and self.model is not None
+        dev = self.device
+        req = torch.tensor([r for r, _ in starts], device=dev)
+        index = torch.tensor([st.origin // self.hit_unit - 1 for _, st in starts], device=dev)
+        blocks = seg.block_tables[MTP_STATE_GROUP][req, index].long()
+        snaps = self.model.caches[MTP_STATE_GROUP]
+        for d in range(self.num_draft):
+            rows = [seg.ring_slots[r] * CARRY_LEN + (st.origin - d - 1) % CARRY_LEN for r, st in starts]
+            flat = self.carry[d].view(-1, *self.carry[d].shape[2:])
+            flat.index_copy_(0, torch.tensor(rows, device=dev), snaps[d].index_select(0, blocks).to(flat.dtype))
+        for _, st in starts:
+            st.restored = True
+            st.frontier = [st.origin - d - 1 for d in range(st.depth)]
+            st.carried = [(st.origin - d - 1, st.origin - d - 1) for d in range(st.depth)]
 
     def _draft_depth(self, d: int, step: _Drafting, batch: BatchInput) -> bool:
         """Run MTP depth ``d`` over every request's pending positions at once; False when none has any."""
@@ -682,11 +758,13 @@ class DeepseekMTPExecutor(Executor):
             return
         src: list[int] = []
         dst: list[int] = []
+        snaps: list[tuple[int, int, int]] = []  # (fresh row, batch row, mtp_state entry)
         for r, (p, row, n) in step.fresh_rows[d].items():
             st = step.work[r][0]
             if d >= st.active:
                 continue
             hi = p + n - 1 if d == 0 else min(p + n - 1, st.n - d)
+            snaps += [(row + i - p, r, (i + d + 1) // self.hit_unit - 1) for i in self._snapshot_at(d, st, p, hi)]
             lo = max(p, st.frontier[d], hi - CARRY_LEN + 1)
             if hi < lo:
                 continue
@@ -701,6 +779,32 @@ class DeepseekMTPExecutor(Executor):
             dev = self.device
             picked = step.fresh[d].index_select(0, torch.tensor(src, device=dev))
             flat.index_copy_(0, torch.tensor(dst, device=dev), picked.to(flat.dtype))
+        if snaps:
+            self._write_snapshots(d, step.fresh[d], snaps)
+
+    def _snapshot_at(self, d: int, st: MtpState, first: int, last: int) -> range:
+        """Positions among ``[first, last]`` (depth ``d``'s canonical inputs of this step) whose input a
+        hit at a later multiple ``E`` of the hit unit takes from ``mtp_state``: ``E - d - 1``."""
+        unit = self.hit_unit
+        if not unit or d >= st.active:
+            return range(0)
+        lo = max(first + d + 1, st.origin + 1)
+        e0 = -(-lo // unit) * unit
+        return range(e0 - d - 1, last + 1, unit)
+
+    def _write_snapshots(self, d: int, fresh: torch.Tensor, snaps: list[tuple[int, int, int]]) -> None:
+        """Write depth ``d``'s inputs ``(fresh row, batch row, entry)`` to the requests' ``mtp_state``
+        entries, block ids gathered from the step's table on the device."""
+        assert self._last is not None and self.model is not None
+        table = self._last[1].block_tables.get(MTP_STATE_GROUP)
+        if table is None:
+            return
+        dev = self.device
+        req = torch.tensor([r for _, r, _ in snaps], device=dev)
+        entry = torch.tensor([e for _, _, e in snaps], device=dev)
+        rows = fresh.index_select(0, torch.tensor([i for i, _, _ in snaps], device=dev))
+        cache = self.model.caches[MTP_STATE_GROUP][d]
+        cache.index_copy_(0, table[req, entry].long(), rows.to(cache.dtype))
 
     def _depth_inputs(self, d: int, step: _Drafting, batch: BatchInput) -> _DepthInputs:
         """Host bookkeeping of depth ``d``: which positions each request (re)computes, where their
@@ -801,7 +905,7 @@ class DeepseekMTPExecutor(Executor):
         )
 
 
-def _plan_depths(step: _Drafting, num_drafts: list[int] | None, window: int) -> None:
+def _plan_depths(step: _Drafting, num_drafts: list[int] | None, window: int, unit: int = 0) -> None:
     """Which depths each request runs this step (``step.want``, ``step.catch_up``), and from which
     position (``step.starts``, see :func:`_first_positions`).
 
@@ -826,17 +930,20 @@ def _plan_depths(step: _Drafting, num_drafts: list[int] | None, window: int) -> 
         last = [st.n - 1 if sampling and d < want else st.n - d for d in range(st.active)]
         if sampling and r not in step.catch_up:
             last = [x if d < want else -1 for d, x in enumerate(last)]
-        step.starts[r] = _first_positions(st, last, window)
+        step.starts[r] = _first_positions(st, last, window, unit)
 
 
-def _first_positions(st: MtpState, last: list[int], window: int) -> list[int]:
+def _first_positions(st: MtpState, last: list[int], window: int, unit: int = 0) -> list[int]:
     """Per depth, the first position a request's run computes: its frontier, or later where nothing
     reads the positions before. An MTP block is a sliding layer: its KV at a position depends on that
     position's input only, and its output at ``j`` reads its KV at ``(j - window, j]``. So depth ``d``
     needs KV from ``(q - window`` on, ``q`` being the lowest of: the first position its later queries
     take (its next frontier, ``n - d``), the position of the draft it picks now (``last[d]``, -1: the
     depth is deferred), and where the next depth's inputs start (its run's start, or, deferred, its
-    frontier). A long prefill thus runs each depth over its last positions only."""
+    frontier). A long prefill thus runs each depth over its last positions only, and with prefix
+    caching (``unit``: the hit unit) also over what a later hit at a multiple ``E`` of it reads: the
+    KV before ``E - d - 1`` in the window and the output at ``E - d - 2`` (the next depth's input
+    that ``mtp_state`` snapshots), once the tokens before ``E`` are known."""
     starts = list(st.frontier)
     need = st.n  # the first position whose output the next depth reads (none past the last depth)
     for d in reversed(range(st.active)):
@@ -844,6 +951,10 @@ def _first_positions(st: MtpState, last: list[int], window: int) -> list[int]:
             need = st.frontier[d]
             continue
         q = min(st.n - d, last[d], need)
+        if unit:
+            e = max(unit, -(-(st.frontier[d] + d + 2) // unit) * unit)  # the first hit still to serve
+            if e <= st.n + 1:
+                q = min(q, e - d - 2)
         starts[d] = need = max(st.frontier[d], q - window + 1)
     return starts
 

@@ -330,6 +330,8 @@ class DeepseekV4Model:
                 self.group_index[i] = counts[kind]
                 counts[kind] += 1
         self.caches: dict[str, torch.Tensor] = {}
+        # Per sliding group: the entry index of position ``i`` is ``i + shift`` (CacheGroupSpec.slot_shift).
+        self.slot_shift: dict[str, int] = {}
         self.rings: dict[tuple[int, str], CompressorRing] = {}
         # Positions between CSA compressor-state snapshots: one per block of the CSA groups.
         self.state_every = block_size * cfg.compress_rates.get(CSA, 1)
@@ -472,7 +474,7 @@ class DeepseekV4Model:
         write = _slots(
             seg.block_tables[swa_group],
             _rows(seg, h.device).req,
-            seg.positions[:n_tok],
+            seg.positions[:n_tok] + self.slot_shift.get(swa_group, 0),
             self.block_size,
             flat_swa.shape[0],
             for_write=True,
@@ -529,7 +531,8 @@ class DeepseekV4Model:
         # Each request's keys: its sliding ones (a prefix of the padded Lw) then its compressed entries.
         key_lens = [max(0, p0 + n - max(0, p0 - window + 1)) for p0, n in zip(seg.pos0, seg.q_lens)]
         lw = max(key_lens, default=0)
-        keys, mask = self._sliding_keys(flat_swa, seg.block_tables[swa_group], seg, rows, seg.positions, lw)
+        shift = self.slot_shift.get(swa_group, 0)
+        keys, mask = self._sliding_keys(flat_swa, seg.block_tables[swa_group], seg, rows, seg.positions, lw, shift)
         if kind != SLIDING:
             entries, visible, n_entries = self._compressed_keys(index, seg, rows, layer, kind)
             key_lens = [lw + n for n in n_entries]
@@ -546,17 +549,26 @@ class DeepseekV4Model:
         )
 
     def _sliding_keys(
-        self, flat_swa: torch.Tensor, swa_bt: torch.Tensor, seg: Segments, rows: _Rows, qpos: torch.Tensor, lw: int
+        self,
+        flat_swa: torch.Tensor,
+        swa_bt: torch.Tensor,
+        seg: Segments,
+        rows: _Rows,
+        qpos: torch.Tensor,
+        lw: int,
+        shift: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sliding keys of request r: positions ``[max(0, pos0 - window + 1), last]``, padded to ``[R, lw]``
-        (``lw``, the longest, from the host); plus the per-row mask ``[T, lw]``."""
+        (``lw``, the longest, from the host; position ``i`` at entry ``i + shift``); plus the per-row
+        mask ``[T, lw]``."""
         window = self.cfg.sliding_window
         k0 = (rows.pos0 - window + 1).clamp(min=0)
         kpos = k0[:, None] + torch.arange(lw, device=flat_swa.device)[None, :]
         k_valid = kpos <= rows.last[:, None]
         req_rows = torch.arange(len(seg.pos0), device=flat_swa.device)[:, None].expand(-1, lw)
         safe = torch.where(k_valid, kpos, k0[:, None])
-        keys = _cache_read(flat_swa, _slots(swa_bt, req_rows, safe, self.block_size, flat_swa.shape[0]), self.dtype)
+        slots = _slots(swa_bt, req_rows, safe + shift, self.block_size, flat_swa.shape[0])
+        keys = _cache_read(flat_swa, slots, self.dtype)
         diff = qpos[:, None] - kpos[rows.req]
         return keys, (diff >= 0) & (diff < window) & k_valid[rows.req]
 

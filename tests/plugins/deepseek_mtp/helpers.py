@@ -104,7 +104,7 @@ def build_checkpoint(tmp: Path, n_mtp: int = 0, seed: int = 0, **overrides: Any)
     return ckpt
 
 
-def make_executor(path: Path, k: int = 0, block_size: int = 4, max_num_seqs: int = 4) -> tuple[Any, Any]:
+def make_executor(path: Path, k: int = 0, block_size: int = 4, max_num_seqs: int = 4, **more: Any) -> tuple[Any, Any]:
     from pypto_serving.config import ServingSettings
     from pypto_serving_deepseek_mtp import DeepseekMTPExecutor
 
@@ -116,6 +116,7 @@ def make_executor(path: Path, k: int = 0, block_size: int = 4, max_num_seqs: int
         block_size=block_size,
         speculative_config=spec,
         max_num_seqs=max_num_seqs,
+        **more,
     )
     ex = DeepseekMTPExecutor(settings)
     info = ex.load()
@@ -136,7 +137,7 @@ class FakeCore:
     def _ensure(self, rid: str, num_tokens: int) -> None:
         table = self.blocks.setdefault(rid, {g: [] for g in self.groups})
         for name, g in self.groups.items():
-            need = math.ceil(math.ceil(num_tokens / g.tokens_per_entry) / g.block_size)
+            need = math.ceil(math.ceil((num_tokens + g.slot_shift) / g.tokens_per_entry) / g.block_size)
             while len(table[name]) < need:
                 table[name].append(self.free[name].pop())
 

@@ -2,16 +2,18 @@
 
 A decode engine starts a pulled request as a prefix-cache hit (docs/deepseek_mtp.md): the prefill
 engine offers the longest hit its prompt allows (``prompt - 1`` rounded down to the hit unit, 64
-tokens at block size 4, the ``hca_kv`` block), the blocks every cache group reads from there (the ``swa`` window, every
-compressed entry and indexer key, the CSA compressor snapshot at the hit, no MTP block), and the
-decode engine computes the rest of the prompt. The reference is the prefill engine serving the same
-requests co-located; a prompt shorter than one hit unit moves nothing and is computed whole.
+tokens at block size 4, the ``hca_kv`` block), the blocks every cache group reads from there (the
+``swa`` window, every compressed entry and indexer key, the CSA compressor snapshot at the hit, each
+MTP depth's window and the MTP input snapshot), and the decode engine computes the rest of the prompt.
+The reference is the prefill engine serving the same requests co-located; a prompt shorter than one
+hit unit moves nothing and is computed whole.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -50,6 +52,16 @@ def prefill() -> Iterator[LLM]:
     llm.shutdown()
 
 
+@contextmanager
+def _spec_delta(llm: LLM, into: list[tuple[int, int, int]]) -> Iterator[None]:
+    """Append the drafts verified, accepted and the verify steps of the engine's work in the block."""
+    keys = ("spec_drafted", "spec_accepted", "spec_verify_steps")
+    before = [llm._engine().stats()[k] for k in keys]
+    yield
+    after = [llm._engine().stats()[k] for k in keys]
+    into.append((after[0] - before[0], after[1] - before[1], after[2] - before[2]))
+
+
 def _params(seeded: bool, **kw: Any) -> SamplingParams:
     if seeded:
         return SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=N_OUT, ignore_eos=True, **kw)
@@ -60,7 +72,11 @@ def _params(seeded: bool, **kw: Any) -> SamplingParams:
 def test_decode_continues_from_the_transferred_hit(prefill: LLM, scheduler: str) -> None:
     expect = [(len(p) - 1) // UNIT * UNIT for p in PROMPTS]
     assert expect == [64, 64, 0]
-    with LLM(kv_role="decode", worker_mode="inproc", **{**COMMON, "scheduler": scheduler}) as decode:
+    whole_settings = {**COMMON, "scheduler": scheduler, "enable_prefix_caching": False}
+    with (
+        LLM(kv_role="decode", worker_mode="inproc", **{**COMMON, "scheduler": scheduler}) as decode,
+        LLM(worker_mode="inproc", **whole_settings) as whole,
+    ):
         for seeded in (False, True):
             offers = [
                 o.kv_transfer_params
@@ -71,18 +87,27 @@ def test_decode_continues_from_the_transferred_hit(prefill: LLM, scheduler: str)
                 )
             ]
             assert [o["num_tokens"] for o in offers] == expect  # type: ignore[index]
-            outs = [
-                decode.generate([p], _params(seeded, kv_transfer_params=o), use_tqdm=False)[0]
-                for p, o in zip(PROMPTS, offers)
-            ]
+            outs, drafting = [], []
+            for p, o in zip(PROMPTS, offers):
+                with _spec_delta(decode, drafting):
+                    outs.append(decode.generate([p], _params(seeded, kv_transfer_params=o), use_tqdm=False)[0])
             reference = prefill.generate(PROMPTS, _params(seeded), use_tqdm=False)
+            ref_drafting: list[tuple[int, int, int]] = []
+            for p in PROMPTS:
+                with _spec_delta(whole, ref_drafting):
+                    whole.generate([p], _params(seeded), use_tqdm=False)
             for ref, out, n in zip(reference, outs, expect):
                 assert out.outputs[0].error is None
                 assert out.num_cached_tokens == n  # the KV came over, not recomputed
                 assert out.outputs[0].token_ids == ref.outputs[0].token_ids, (seeded, n)
+            # Each transferred request drafts from its first decode step, exactly as computing the
+            # whole prompt under the same strategy does: as many drafts verified and accepted in as
+            # many steps (the 70-token prompt computes 6 positions past the hit, too few to rebuild
+            # the MTP KV in).
+            assert drafting == ref_drafting, seeded
+            assert seeded or all(accepted > 0 for _, accepted, _ in drafting[:2]), drafting
         engine = decode._engine()
         assert engine.kvx is not None and engine.kvx.stats["kv_pulled"] == 2 * sum(n > 0 for n in expect)
-        assert engine.stats()["spec_accepted"] > 0  # drafting resumed after the transferred hit
         engine.kv.check_invariants(engine.scheduler.live_requests())
         assert _free_blocks(decode) == _all_blocks(decode)
     deadline = time.monotonic() + 10

@@ -56,11 +56,13 @@ def test_unknown_layer_type(checkpoints, tmp_path):
 def test_cache_groups_and_prefix_caching(checkpoints):
     _, info = make_executor(checkpoints["mixed_yarn"].path, k=2)
     groups = {g.name: g for g in info.cache_groups}
-    assert set(groups) == {"swa", "csa_kv", "csa_index", "csa_state", "hca_kv", "mtp0", "mtp1"}
+    assert set(groups) == {"swa", "csa_kv", "csa_index", "csa_state", "hca_kv", "mtp0", "mtp1", "mtp_state"}
     assert groups["csa_kv"].tokens_per_entry == 2 and groups["hca_kv"].tokens_per_entry == 4
     # Every group serves exact prefix hits. What a hit at p needs: the sliding window before p (4
     # tokens: positions p-3..p-1), every compressed entry and indexer key, the one CSA compressor
-    # snapshot ending at p (one per CSA block: 4 entries of 2 tokens), and no MTP block (rebuilt).
+    # snapshot ending at p (one per CSA block: 4 entries of 2 tokens), each MTP depth's window
+    # before entry p (its position i at entry i + d + 1) and the one MTP input snapshot ending at p
+    # (one per hit unit, 16 tokens).
     assert all(g.prefix_caching and not g.no_prefix_caching_reason for g in info.cache_groups)
     lookback = {name: g.hit_lookback for name, g in groups.items()}
     assert lookback == {
@@ -69,9 +71,12 @@ def test_cache_groups_and_prefix_caching(checkpoints):
         "csa_index": None,
         "csa_state": 1,
         "hca_kv": None,
-        "mtp0": 0,
-        "mtp1": 0,
+        "mtp0": 3,
+        "mtp1": 3,
+        "mtp_state": 1,
     }
+    assert [groups[f"mtp{d}"].slot_shift for d in range(2)] == [1, 2]
+    assert groups["mtp_state"].tokens_per_block == 16
     assert groups["csa_state"].tokens_per_block == groups["csa_kv"].tokens_per_block == 8
     _, plain = make_executor(checkpoints["sliding_only"].path)
     assert [(g.name, g.prefix_caching) for g in plain.cache_groups] == [("swa", True)]

@@ -179,12 +179,14 @@ def test_requests_proposing_fewer_drafts_skip_those_mtp_depths(checkpoints, monk
     assert greedy_generate(FakeCore(ex, info), prompts, 40, k=3, num_drafts=_want) == base
 
 
-def test_a_long_prefill_runs_each_mtp_depth_over_its_window_only(checkpoints, monkeypatch):
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no_prefix_caching", "prefix_caching"])
+def test_a_long_prefill_runs_each_mtp_depth_over_its_window_only(checkpoints, monkeypatch, prefix_caching):
     """An MTP block is a sliding layer, so a prefill computes each depth only over the positions a
     later query or the next depth reads (the last ``sliding_window`` ones for the deepest): far fewer
-    rows than the prompt, and the drafts still equal the full-recompute reference's at every step."""
+    rows than the prompt, and the drafts still equal the full-recompute reference's at every step.
+    With prefix caching, also over what a later hit at 16 (the hit unit) reads."""
     ckpt = checkpoints["mixed_yarn"]
-    ex, info = make_executor(ckpt.path, k=3)
+    ex, info = make_executor(ckpt.path, k=3, enable_prefix_caching=prefix_caching)
     window = ex.cfg.sliding_window
     first: dict[int, int] = {}  # depth -> rows of the first (prefill) step's MTP forward
     run_mtp = type(ex)._run_mtp
@@ -210,7 +212,14 @@ def test_a_long_prefill_runs_each_mtp_depth_over_its_window_only(checkpoints, mo
     # The deepest depth (2) computes from n - 2 - window + 1, where its next query's window starts,
     # to the draft at n - 1; each shallower one from window - 1 before the next one's first input.
     n = len(prompt)
-    assert first == {2: window + 1, 1: 2 * window, 0: 3 * window - 1} and first[0] < n - 1, first
+    if not prefix_caching:
+        assert first == {2: window + 1, 1: 2 * window, 0: 3 * window - 1} and first[0] < n - 1, first
+        return
+    # A hit at 16 reads depth d's KV at 16 - d - window .. 16 - d - 2 and snapshots its input at
+    # 16 - d - 1: the deepest depth then starts at 16 - 2 - 2 - window + 1 (its query at 12), and each
+    # shallower one window - 1 before the next one's first input, as above.
+    assert window == 4 and n == 20 and ex.hit_unit == 16
+    assert first == {2: 11, 1: 14, 0: 17}, first
 
 
 def test_preemption_and_slot_reuse_keep_drafts_exact(checkpoints):

@@ -2,10 +2,11 @@
 
 A shared system prompt is computed once; an unrelated request then evicts the first ``swa`` (sliding
 window) blocks of its chain. Requests sharing the system prompt still hit: a hit needs only the
-window before it, every compressed entry and indexer key, the CSA compressor snapshot at the hit and
-no MTP block (the executor rebuilds the MTP KV and drafts once exact). Their outputs, greedy and
-seeded sampling, equal a run with prefix caching off, under the sync and async strategies, and no
-block of any group is leaked (one request is aborted mid-run, some are preempted).
+window before it, every compressed entry and indexer key, the CSA compressor snapshot at the hit,
+each MTP depth's window and the MTP input snapshot at the hit. Their outputs, greedy and seeded
+sampling, equal a run with prefix caching off, under the sync and async strategies, and no block of
+any group is leaked (one request is aborted mid-run, some are preempted). Requests whose prompt ends
+just past the hit draft, and have drafts accepted, from their first decode step.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.requires_plugin("sync_sched")
 BLOCKS = 24  # per group
 SYSTEM_LEN, TAIL_LEN, NEW = 40, 6, 12
 HIT = 32  # (40 + 6 - 1) // 16 * 16: the longest hit that leaves the last prompt token to compute
+SHORT, SHORT_SEED = 2, 40  # tokens past the hit of the prompts that decode right after it, their seed
 SCHEDULERS = ["sync", "async"]
 
 
@@ -71,12 +73,17 @@ def _run(path: Path, scheduler: str, prefix_caching: bool) -> dict[str, Any]:
     assert engine is not None
     out: dict[str, Any] = {"tokens": {}}
 
+    first_decode: dict[str, tuple[int, int]] = {}  # request -> (drafted, accepted) at its first decode result
+
     def drain(abort_at: int = -1) -> None:
         steps = 0
         while engine.has_unfinished():
             for o in engine.step():
                 if o.finished and o.request_id != "gone":
                     out["tokens"][o.request_id] = list(o.outputs[0].token_ids)
+            for req in engine.scheduler.live_requests():
+                if len(req.output_token_ids) > 1 and req.request_id not in first_decode:
+                    first_decode[req.request_id] = (req.spec_drafted, req.spec_accepted)
             engine.kv.check_invariants(engine.scheduler.live_requests())
             steps += 1
             if steps == abort_at:
@@ -94,6 +101,10 @@ def _run(path: Path, scheduler: str, prefix_caching: bool) -> dict[str, Any]:
             engine.add_request(f"q{i}", [*SYSTEM, *_tokens(1 + i, TAIL_LEN)], _params(i))
         engine.add_request("gone", [*SYSTEM, *_tokens(9, TAIL_LEN)], _params(0))  # aborted mid-run
         drain(abort_at=3)
+        for i in range(2):  # the hit's 32 tokens, then 2 more to compute: no MTP position past the hit
+            engine.add_request(f"short{i}", [*SYSTEM[:HIT], *_tokens(SHORT_SEED + i, SHORT)], _params(i))
+        drain()
+        out["first_decode"] = {rid: v for rid, v in first_decode.items() if rid.startswith("short")}
         stats = engine.stats()
         out["hits"] = stats["prefix_cache_hits"] - before
         out["per_group"] = stats["prefix_cache_hits_per_group"]
@@ -114,21 +125,26 @@ def test_hits_past_evicted_window_blocks_equal_recomputation(path: Path, schedul
         pytest.importorskip("pypto_serving_async_sched")
     cached, cold = _run(path, scheduler, True), _run(path, scheduler, False)
     assert cached["tokens"] == cold["tokens"]
-    assert set(cached["tokens"]) == {"a", "filler", "q1", "q2", "q3", "q4"}
+    assert set(cached["tokens"]) == {"a", "filler", "q1", "q2", "q3", "q4", "short0", "short1"}
     # The shared prefix's first window block is gone, yet each of the four requests hits 32 tokens
     # (a hit needing the whole swa chain from block 0, as before, would have been 0); a request
     # preempted (the four do not fit together) hits again on its way back, its outputs included.
     assert not cached["first_swa_block_cached"]
-    assert cached["hits"] >= 5 * HIT  # q1..q4 and the aborted request
-    assert cached["hits"] == 5 * HIT or cached["preemptions"] > 0
+    assert cached["hits"] >= 7 * HIT  # q1..q4, the aborted request and the two short ones
+    assert cached["hits"] == 7 * HIT or cached["preemptions"] > 0
     # Per group, what it alone could serve, over every lookup of the run (a's and the filler's
-    # included): never below the hits; an MTP group needs no cached block, so it never limits one.
+    # included): never below the hits. The MTP windows (their entries shifted by d + 1) and the MTP
+    # snapshot are cached like the others: a's prefix serves the hits, the filler's none.
     per_group = cached["per_group"]
-    assert set(per_group) == {"swa", "csa_kv", "csa_index", "csa_state", "hca_kv", "mtp0", "mtp1"}
+    groups = {"swa", "csa_kv", "csa_index", "csa_state", "hca_kv", "mtp0", "mtp1", "mtp_state"}
+    assert set(per_group) == groups
     assert all(v >= cached["hits"] for v in per_group.values())
-    assert per_group["mtp0"] == per_group["mtp1"] == cached["hits"] + 2 * HIT  # a's and the filler's 32
     assert cached["leaked"] == {} and cold["leaked"] == {}
-    assert cached["accepted"] > 0  # hit requests draft again once their MTP KV is rebuilt
+    # The short requests start at the hit with their MTP state from the cache: their first decode
+    # step already verifies both depths' drafts (rebuilding the MTP KV instead drafts nothing for 3
+    # positions per depth past the hit), as many accepted as computing the whole prompt gets.
+    assert cached["first_decode"] == cold["first_decode"]
+    assert cached["first_decode"]["short0"] == (2, 2) and cached["first_decode"]["short1"][0] == 2
 
 
 def test_after_a_hit_drafts_are_the_full_recompute_ones_once_exact(checkpoints: Any) -> None:
@@ -148,8 +164,7 @@ def test_after_a_hit_drafts_are_the_full_recompute_ones_once_exact(checkpoints: 
     greedy_generate(core, {"a": a_prompt}, 3, k=k)  # a's blocks stay in the fake core's tables
     core.blocks["b"] = {name: [] for name in core.groups}
     for name, g in core.groups.items():
-        if not name.startswith("mtp"):
-            core.blocks["b"][name] = core.blocks["a"][name][: 32 // g.tokens_per_block]
+        core.blocks["b"][name] = core.blocks["a"][name][: 32 // g.tokens_per_block]
     drafted: list[tuple[int, int]] = []  # (last committed position, drafts)
 
     def check(batch: Any, histories: dict[str, list[int]], drafts: list[list[int]]) -> None:
@@ -158,9 +173,8 @@ def test_after_a_hit_drafts_are_the_full_recompute_ones_once_exact(checkpoints: 
             drafted.append((n, len(dr)))
             if dr:
                 assert dr == reference_drafts(ckpt, histories[rid], k)[: len(dr)], (n, dr)
-            assert len(dr) <= min(k, max(0, (n - 1 - 32) // 3)), (n, dr)
+            assert len(dr) == k, (n, dr)
 
     hit = greedy_generate(core, {"b": b_prompt}, 14, k=k, start={"b": 32}, on_step=check)
     assert hit == cold
-    assert drafted[0] == (34, 0)  # nothing exact yet right after the hit
-    assert any(n_drafts == k for _, n_drafts in drafted)  # both depths draft once exact
+    assert drafted[0] == (34, k)  # both depths draft exactly right after the hit
