@@ -26,14 +26,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LoraAdapter", "LoraContext", "LoraStack", "read_adapter", "slot_onehot"]
+__all__ = ["LoraAdapter", "LoraContext", "LoraStack", "batch_onehot", "read_adapter", "slot_onehot"]
 
 _KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 
@@ -67,6 +68,21 @@ def slot_onehot(
     ``slots[r]``. The per-token slots come from host lists and are uploaded once; nothing is read back."""
     per_token = torch.tensor([slot for slot, n in zip(slots, rows, strict=True) for _ in range(n)], device=device)
     return torch.eye(width, dtype=dtype, device=device).index_select(0, per_token)
+
+
+def batch_onehot(
+    loras: Sequence[str | None],
+    query_start_loc: Sequence[int],
+    lora_slots: dict[str, int],
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """:func:`slot_onehot` of a step: each request's adapter (``None``: the base, slot 0) by its name's
+    slot, over its query tokens (``query_start_loc``, the host copy of the step's offsets)."""
+    slots = [0 if name is None else lora_slots[name] for name in loras]
+    rows = [end - start for start, end in pairwise(query_start_loc)]
+    return slot_onehot(slots, rows, width, dtype, device)
 
 
 def _refuse(name: str, path: Path, why: str) -> ValueError:

@@ -15,7 +15,7 @@ from torch.profiler import record_function
 
 from pypto_kernels import describe_kernel, interleaved_rope_cos_sin, select_device
 from pypto_serving import BatchInput, CacheGroupSpec, DraftSampler, Executor, ExecutorInfo, read_generation_config
-from pypto_serving.lora_weights import LoraAdapter, LoraContext, read_adapter, slot_onehot
+from pypto_serving.lora_weights import LoraAdapter, LoraContext, batch_onehot, read_adapter
 from pypto_serving.parallel import ParallelContext
 from pypto_serving.quantization import QuantizedWeight, read_quantization_config
 
@@ -294,9 +294,9 @@ class DeepseekMTPExecutor(Executor):
         """Each token's adapter slot as a one-hot ``[T, slots]`` (None: the whole step runs the base)."""
         if batch.loras is None or self.lora is None:
             return None
-        slots = [0 if name is None else self.lora_slots[name] for name in batch.loras]
-        lens = [end - start for start, end in pairwise(batch.query_start_loc_host)]
-        return slot_onehot(slots, lens, self.lora.slots, self.dtype, self.device)
+        return batch_onehot(
+            batch.loras, batch.query_start_loc_host, self.lora_slots, self.lora.slots, self.dtype, self.device
+        )
 
     def _shard_plan(self, cfg: DeepseekV4Config) -> ShardPlan:
         """This rank's tensor-parallel layout; refuses a world size that does not divide what it splits

@@ -10,7 +10,7 @@ import torch
 
 import pypto_kernels as K
 from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
-from pypto_serving.lora_weights import LoraAdapter, LoraContext, read_adapter, slot_onehot
+from pypto_serving.lora_weights import LoraAdapter, LoraContext, batch_onehot, read_adapter
 from pypto_serving.parallel import ParallelContext
 
 from .capture import DecodeGraphs, GraphStats
@@ -187,9 +187,9 @@ class QwenExecutor(Executor):
         """Each token's adapter slot as a one-hot ``[T, slots]`` (None: the whole step runs the base)."""
         if batch.loras is None or self.lora is None:
             return None
-        slots = [0 if name is None else self.lora_slots[name] for name in batch.loras]
-        lens = [end - start for start, end in pairwise(batch.query_start_loc_host)]
-        return slot_onehot(slots, lens, self.lora.slots, self.dtype, self.device)
+        return batch_onehot(
+            batch.loras, batch.query_start_loc_host, self.lora_slots, self.lora.slots, self.dtype, self.device
+        )
 
     def _kv_cache_dtype(self) -> torch.dtype:
         """The cache's element type: the model's, or ``fp8`` where the eager paged kernels run (the
