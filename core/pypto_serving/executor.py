@@ -128,7 +128,7 @@ class BatchInput:
     :param seq_lens: ``[R]`` int32 cached tokens of each request after this step, on ``device``.
     :param block_tables: per cache group, ``[R, max_blocks]`` int32 block ids (padded with 0), on ``device``.
     :param slot_mapping: per cache group whose entries are single tokens, ``[T]`` int64 cache slot of
-        each token, on ``device``.
+        each token (of its entry ``position + slot_shift`` in a shifted group), on ``device``.
     :param logits_indices: int64 rows to return logits for, on ``device``: ``sum(num_logits)`` of
         them plus the prompt rows of requests asking for prompt logprobs. An executor that returns
         the sampled rows only (``sum(num_logits)`` of them, in order) fails just those requests.

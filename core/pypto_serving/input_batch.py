@@ -234,8 +234,8 @@ class InputBatch:
         parts = [step.input_ids, positions, qsl, seq_lens, logits_idx, step.rows]
         slot_groups = [t for t in self.tables.values() if t.spec.tokens_per_entry == 1]
         for t in slot_groups:
-            bs = t.spec.block_size
-            parts += [row_of_token * t.table.shape[1] + positions // bs, positions % bs]
+            bs, entries = t.spec.block_size, positions + t.spec.slot_shift  # a shifted group's entry index
+            parts += [row_of_token * t.table.shape[1] + entries // bs, entries % bs]
         for t in self.tables.values():
             parts += t.pending()
         dev = self.staging.send(parts)

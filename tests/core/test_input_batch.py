@@ -156,3 +156,23 @@ def test_freed_window_entries_are_written_as_block_zero() -> None:
     ib.remove([])
     assert ib.block_ids("a", "kv") == [0, 0, 7, 9]
     assert ib.tables["kv"].table.tolist()[0][:5] == [0, 0, 7, 9, 0]
+
+
+def test_a_shifted_group_maps_each_token_to_its_shifted_entry() -> None:
+    """A group with ``slot_shift`` keeps position ``i`` at entry ``i + slot_shift``: its slot mapping
+    points there (it pointed at entry ``i``, the previous position's entry, before)."""
+    groups = [CacheGroupSpec("kv", 2, 1), CacheGroupSpec("mtp", 2, 1, slot_shift=1)]
+    ib = InputBatch(groups=groups, max_model_len=8, device=torch.device("cpu"), rows=2)
+    row = ib.add("a")
+    ib.append_blocks(row, {"kv": [5, 6], "mtp": [7, 8, 9]})
+    one = np.array([row], dtype=np.int64)
+    arrays = StepArrays(
+        rows=one,
+        starts=np.array([0], dtype=np.int64),
+        query_lens=np.array([4], dtype=np.int64),
+        num_logits=np.array([1], dtype=np.int64),
+        input_ids=np.arange(4, dtype=np.int64),
+    )
+    got = ib.prepare(arrays)
+    assert got.slot_mapping["kv"].tolist() == [10, 11, 12, 13]  # entries 0..3 in blocks 5, 6
+    assert got.slot_mapping["mtp"].tolist() == [15, 16, 17, 18]  # entries 1..4 in blocks 7, 8, 9
