@@ -75,6 +75,10 @@ AGREED_SETTINGS = (
     "max_num_seqs",
     "speculative_config",
     "seed",
+    "max_loras",
+    "max_lora_rank",
+    "enable_lora",
+    "lora_modules",
 )
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -252,6 +256,8 @@ def _agreed_settings(settings: Any) -> dict[str, Any]:
     dumped: dict[str, Any] = settings.model_dump(mode="json", include=set(AGREED_SETTINGS))
     # The device kind must agree; the index is each rank's own.
     dumped["device"] = settings.device.partition(":")[0]
+    # Every rank loads the same adapters into the same slots; each host reads them from its own path.
+    dumped["lora_modules"] = [entry.partition("=")[0] for entry in settings.lora_modules]
     return dumped
 
 

@@ -271,6 +271,18 @@ def test_nodes_with_different_settings_are_refused(toy_site: Path) -> None:
 # -- the pieces, without processes
 
 
+def test_the_ranks_agree_on_lora_settings_but_not_on_adapter_paths() -> None:
+    """Ranks with other LoRA limits or adapters would put adapters in different slots: compared,
+    while each host may keep its adapters in its own directory."""
+    from pypto_serving.distributed import _agreed_settings
+
+    base = ServingSettings(lora_modules=["a=/host0/a"], max_loras=2)
+    assert _agreed_settings(base) == _agreed_settings(ServingSettings(lora_modules=["a=/host1/a"], max_loras=2))
+    for other in ({"lora_modules": ["b=/host0/a"]}, {"max_loras": 3}, {"max_lora_rank": 8}, {"enable_lora": True}):
+        differs = ServingSettings(**{"lora_modules": ["a=/host0/a"], "max_loras": 2, **other})
+        assert _agreed_settings(differs) != _agreed_settings(base), other
+
+
 def test_settings_that_cannot_form_a_group_are_refused() -> None:
     with pytest.raises(SettingsError, match="needs worker_mode='process'"):
         toy_llm(tensor_parallel_size=2, worker_mode="inproc")
