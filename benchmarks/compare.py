@@ -14,10 +14,17 @@ bytes read + written per second), and from it the weights-over-bandwidth floor o
 (every decode step reads all weights once: weight bytes / bandwidth). Greedy outputs are compared
 token for token with the first pypto-serving run; mismatches are reported, not hidden.
 
+``--precision bfloat16`` runs every engine in bfloat16 (float32 accumulation); ``--precision int8``
+runs our W8A8_DYNAMIC conversion of the checkpoint (``pypto-serving convert --to w8a8``, int8
+per-channel weights, activations quantised per token) against CTranslate2's ``int8`` (HF and vLLM CPU
+have no comparable CPU path and are reported as not run). Outputs of quantised engines are compared
+with ours as they come: two int8 schemes round differently.
+
     python benchmarks/make_models.py --out /work/models small
     python benchmarks/compare.py --model /work/models/qwen3-small --contention \\
         --out-md compare.md --out-png compare.png
     python benchmarks/compare.py --model M --peers none     # pypto-serving only (smoke test)
+    python benchmarks/compare.py --model M --peers ct2 --precision int8
 
 The plot needs matplotlib, which is not a project dependency: it is drawn with the first python
 that has it (this one, else the hf peer's venv); without one the PNG is skipped with a note.
@@ -43,6 +50,11 @@ from pypto_serving.bench import make_prompts, prompt_vocab_size
 HERE = Path(__file__).resolve().parent
 PEERS = ("hf", "ct2", "vllm")
 PEER_LABELS = {"hf": "HF transformers", "ct2": "CTranslate2", "vllm": "vLLM CPU"}
+#: The precisions each peer runs here: int8 is CTranslate2's ``int8`` (int8 weights, activations
+#: quantised per row at run time) against our W8A8_DYNAMIC checkpoint (``pypto-serving convert --to
+#: w8a8``: int8 per-channel weights, per-token activations); HF and vLLM CPU have no such path here.
+PRECISIONS = ("float32", "bfloat16", "int8")
+PEER_PRECISIONS = {"hf": {"float32", "bfloat16"}, "ct2": set(PRECISIONS), "vllm": {"float32", "bfloat16"}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,6 +63,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peers", default=",".join(PEERS), help="comma list of hf,ct2,vllm, or none (default: all)")
     p.add_argument("--peers-dir", default="/work/peers", help="where the peers' venvs are (default: %(default)s)")
     p.add_argument("--schedulers", default="sync,async", help="pypto-serving schedulers (default: %(default)s)")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="float32",
+        help="weights and activations of every engine (int8: W8A8, converted once into the work dir; peers without "
+        "a comparable path are reported as not run)",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--max-tokens", type=int, default=128)
@@ -71,10 +90,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- engines
-def engines(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """name, python, runner, extra job keys, extra env; peers without a venv are marked missing."""
+def engines(args: argparse.Namespace, pypto_model: str) -> list[dict[str, Any]]:
+    """name, python, runner, extra job keys, extra env; peers without a venv are marked missing, those
+    without the precision ``unsupported``."""
+    ours = {"model": pypto_model, "dtype": "bfloat16" if args.precision == "bfloat16" else "float32"}
     out = [
-        {"name": f"pypto-serving ({s})", "python": sys.executable, "runner": "run_pypto.py", "job": {"scheduler": s}}
+        {
+            "name": f"pypto-serving ({s})",
+            "python": sys.executable,
+            "runner": "run_pypto.py",
+            "job": {"scheduler": s, **ours},
+        }
         for s in args.schedulers.split(",")
         if s
     ]
@@ -92,6 +118,7 @@ def engines(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "job": {},
                 "env": env if peer == "vllm" else {},
                 "missing": not python.exists(),
+                "unsupported": args.precision not in PEER_PRECISIONS[peer],
             }
         )
     return out
@@ -152,8 +179,29 @@ def _time(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def weight_bytes(model: str) -> int:
-    return sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+def weight_bytes(model: str, precision: str = "float32") -> int:
+    """Bytes of weights a decode step reads: the checkpoint's files, halved for a float32 checkpoint run
+    in bfloat16 (an int8 run reads its converted checkpoint's files)."""
+    stored = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+    if precision == "bfloat16" and _checkpoint_dtype(model) == "float32":
+        return stored // 2
+    return stored
+
+
+def _checkpoint_dtype(model: str) -> str:
+    config = json.loads((Path(model) / "config.json").read_text())
+    return str(config.get("torch_dtype") or config.get("dtype") or "float32")
+
+
+def w8a8_checkpoint(model: str, work: Path) -> str:
+    """``model`` converted once to W8A8 (``pypto-serving convert --to w8a8``) under ``work``."""
+    out = work / ("w8a8-" + Path(model).name)
+    if not (out / "quant_model_description.json").exists():
+        print(f"compare: converting {model} to W8A8 in {out}", file=sys.stderr, flush=True)
+        convert = "import sys; from pypto_serving.cli import main; sys.exit(main())"
+        cli = [sys.executable, "-c", convert, "convert", "--to", "w8a8", model, str(out)]
+        subprocess.run(cli, check=True, stdout=sys.stderr)
+    return str(out)
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
@@ -199,7 +247,8 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         f"Machine: {report['machine']}. Model: `{args.model}` ({report['weight_bytes'] / 2**20:,.0f} MiB of weights).",
         f"Workload: {args.num_prompts} prompts of {args.input_len[0]}..{args.input_len[1]} random token ids "
         f"(seed {args.seed}) x {args.max_tokens} new tokens, greedy, EOS ignored, all at once; concurrency 1: "
-        f"one {args.latency_prompt_len}-token prompt, median of {args.repeats}. Threads per engine: {args.threads}.",
+        f"one {args.latency_prompt_len}-token prompt, median of {args.repeats}. Threads per engine: {args.threads}. "
+        f"Precision: {args.precision}.",
         "",
         "| engine | version | load s | req/s | output tok/s | total tok/s | wall s | c=1 TPOT ms | TPOT / floor |"
         + (" c=1 TPOT ms, contended |" if args.contention else "")
@@ -217,8 +266,10 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
 
 
 def _row(args: argparse.Namespace, r: dict[str, Any], floor: float) -> str:
-    if "error" in r or r.get("missing"):
-        why = "not installed" if r.get("missing") else f"failed: {r['error']}"
+    if "error" in r or r.get("missing") or r.get("unsupported"):
+        why = "not installed" if r.get("missing") else f"failed: {r['error']}" if "error" in r else "not run"
+        if not r.get("missing") and "error" not in r:
+            why = f"no {args.precision} path: not run"
         cols = 8 + (1 if args.contention else 0)
         return f"| {r['name']} | {why} |" + " - |" * cols
     t, lat = r.get("throughput", {}), r.get("latency", {})
@@ -307,12 +358,14 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "threads": args.threads,
         "max_num_seqs": args.max_num_seqs,
         "work_dir": str(work),
+        "precision": args.precision,
         "phases": ["latency"] if args.no_throughput else ["throughput", "latency"],
     }
+    ours = w8a8_checkpoint(job["model"], work) if args.precision == "int8" else job["model"]
     results = []
-    for engine in engines(args):
-        if engine.get("missing"):
-            results.append({"name": engine["name"], "missing": True})
+    for engine in engines(args, ours):
+        if engine.get("missing") or engine.get("unsupported"):
+            results.append({"name": engine["name"], "missing": engine.get("missing", False), "unsupported": True})
             continue
         r = {"name": engine["name"], **run_engine(engine, job, work, "main", args.timeout)}
         if args.contention and "error" not in r:
@@ -322,10 +375,11 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         results.append(r)
     compare_outputs(results)
     bandwidth = memory_bandwidth(args.bandwidth_mib, args.threads)
-    weights = weight_bytes(args.model)
+    weights = weight_bytes(ours, args.precision)
     return {
         "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "machine": machine(),
+        "precision": args.precision,
         "weight_bytes": weights,
         "bandwidth_gbs": bandwidth / 1e9,
         "floor_ms": weights / bandwidth * 1000,

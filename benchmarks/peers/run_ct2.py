@@ -1,5 +1,6 @@
-"""CTranslate2 peer: the checkpoint converted once with ``ct2-transformers-converter`` (float32,
-cached under the job's ``work_dir``), then ``Generator.generate_batch`` greedy with the prompt
+"""CTranslate2 peer: the checkpoint converted once with ``ct2-transformers-converter`` to the job's
+precision (float32, bfloat16 or int8: int8 weights, activations quantised at run time; cached under
+the job's ``work_dir``) and run in it, then ``Generator.generate_batch`` greedy with the prompt
 forwarded at once (``include_prompt_in_result=False``), EOS ignored (``end_token=[]``).
 
     /work/peers/ct2/bin/python benchmarks/peers/run_ct2.py JOB.json OUT.json
@@ -15,11 +16,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common
 
 
-def convert(model: str, work_dir: str) -> str:
-    out = os.path.join(work_dir, "ct2-" + os.path.basename(os.path.normpath(model)))
+def convert(model: str, work_dir: str, precision: str) -> str:
+    out = os.path.join(work_dir, f"ct2-{precision}-" + os.path.basename(os.path.normpath(model)))
     if not os.path.isfile(os.path.join(out, "model.bin")):
         converter = os.path.join(os.path.dirname(sys.executable), "ct2-transformers-converter")
-        cmd = [converter, "--model", model, "--output_dir", out, "--quantization", "float32", "--force"]
+        cmd = [converter, "--model", model, "--output_dir", out, "--quantization", precision, "--force"]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
     return out
 
@@ -28,8 +29,9 @@ def load(job: dict) -> _common.Generate:
     import ctranslate2
     from tokenizers import Tokenizer
 
-    path = convert(job["model"], job.get("work_dir", "/tmp"))
-    gen = ctranslate2.Generator(path, device="cpu", intra_threads=job.get("threads", 2), compute_type="float32")
+    precision = job.get("precision", "float32")
+    path = convert(job["model"], job.get("work_dir", "/tmp"), precision)
+    gen = ctranslate2.Generator(path, device="cpu", intra_threads=job.get("threads", 2), compute_type=precision)
     tok = Tokenizer.from_file(os.path.join(job["model"], "tokenizer.json"))
     batch = job.get("max_num_seqs", 64)
 

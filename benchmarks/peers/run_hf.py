@@ -1,5 +1,6 @@
 """HF transformers peer: batched greedy ``generate`` (left padding, all prompts in batches of
-``max_num_seqs``), EOS ignored (no eos_token_id), float32, ``threads`` intra-op threads.
+``max_num_seqs``), EOS ignored (no eos_token_id), the job's precision (float32 or bfloat16),
+``threads`` intra-op threads.
 
     /work/peers/hf/bin/python benchmarks/peers/run_hf.py JOB.json OUT.json
 """
@@ -18,7 +19,8 @@ def load(job: dict) -> _common.Generate:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(job.get("threads", 2))
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if job.get("precision") == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype).eval()
     pad = 151643 if model.config.vocab_size > 151643 else 0
     batch = job.get("max_num_seqs", 64)
 

@@ -19,7 +19,7 @@ def load(job: dict) -> _common.Generate:
 
     llm = LLM(
         model=job["model"],
-        dtype=job.get("dtype", "float32"),
+        dtype="bfloat16" if job.get("precision") == "bfloat16" else "float32",
         max_num_seqs=job.get("max_num_seqs", 64),
         max_model_len=job.get("max_model_len", 2048),
         enable_prefix_caching=False,
