@@ -354,7 +354,7 @@ class KVTransferLedger:
             _finish(req, status, None if pull.aborted else f"{TRANSFER_FAILED}: {event.error}")
             return req, False
         self.stats["kv_pulled"] += 1
-        self.stats["kv_parts_pulled"] += int((event.detail or {}).get("parts", 0))
+        self.stats["kv_parts_pulled"] += int((event.detail or {}).get("parts", 1))  # a whole offer: one part
         return req, True
 
     def _on_sent(self, event: TransferEvent) -> None:
@@ -364,7 +364,7 @@ class KVTransferLedger:
         if held is None and stream is None:
             return
         self.stats["kv_sent" if event.error is None else "kv_send_failed"] += 1
-        self.stats["kv_parts_sent"] += int((event.detail or {}).get("parts", 0)) if event.error is None else 0
+        self.stats["kv_parts_sent"] += int((event.detail or {}).get("parts", 1)) if event.error is None else 0
         if event.error is not None:
             logger.warning("KV transfer %s not completed: %s", event.transfer_id, event.error)
         if stream is not None:

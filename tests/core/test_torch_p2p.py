@@ -73,7 +73,8 @@ def test_pulls_run_side_by_side_on_their_own_connections() -> None:
         consumer.pull("slow", {**address, "transfer_id": "later"}, {"kv": [1]})
         time.sleep(0.1)
         consumer.pull("fast", {**address, "transfer_id": "ready"}, {"kv": [2, 3]})
-        assert _event(consumer, timeout=3.0) == TransferEvent("fast", "pulled", None, {"parts": 1})  # "slow" still waits
+        # "slow" still waits
+        assert _event(consumer, timeout=3.0) == TransferEvent("fast", "pulled", None, {"parts": 1})
         producer.publish("later", {"kv": [4]})
         assert _event(consumer) == TransferEvent("slow", "pulled", None, {"parts": 1})
         for mine, src in zip(ours["kv"], theirs["kv"]):

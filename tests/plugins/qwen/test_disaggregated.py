@@ -344,7 +344,8 @@ def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool, abort_aft
     request is added), stepping both engines in turn; ``abort_after``: abort the prefill after that
     many steps. Returns the decode output."""
     pe, de = p._engine(), d._engine()
-    first = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "stream_kv": True})
+    streamed = {"do_remote_decode": True, "stream_kv": True}
+    first = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params=streamed)
     pe.add_request(rid, prompt, first)
     offer = pe.kv_transfer_params(rid)
     assert offer is not None and offer["kv_streamed"] and offer["num_tokens"] == len(prompt) - 1
@@ -410,6 +411,6 @@ def test_a_streamed_transfer_withdrawn_mid_prefill_fails_only_its_request(stream
 
 
 def test_stream_kv_is_refused_where_it_cannot_apply(stream_pair: tuple[LLM, LLM]) -> None:
-    p, d = stream_pair
+    _, d = stream_pair
     with pytest.raises(ValueError, match="stream_kv applies to a prefill request"):
         d.generate([LONG[0]], _params(False, kv_transfer_params={"stream_kv": True}), use_tqdm=False)
