@@ -327,15 +327,22 @@ def test_kv_role_with_ranks_on_other_hosts_is_refused() -> None:
 
 # -- streamed transfers (stream_kv): the decode engine pulls the prompt's blocks chunk by chunk while
 # the prefill engine computes them, and starts only once the last part arrived.
-STREAM: dict[str, Any] = {**COMMON, "max_num_batched_tokens": 16, "worker_mode": "inproc", "scheduler": "sync"}
+STREAM: dict[str, Any] = {**COMMON, "max_num_batched_tokens": 16, "worker_mode": "inproc"}
 # Five prefill chunks of 16 tokens each: 74 tokens, 5 blocks move. Each test prefills its own prompts
 # (a prefix-cache hit on the prefill engine would compute them in one step).
 LONG = [[(37 * i + 11 * k) % 900 for i in range(75)] for k in range(1, 4)]
 
 
-@pytest.fixture(scope="module")
-def stream_pair() -> Iterator[tuple[LLM, LLM]]:
-    with LLM(kv_role="prefill", **STREAM) as p, LLM(kv_role="decode", **STREAM) as d:
+@pytest.fixture(
+    scope="module", params=["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))]
+)
+def stream_pair(request: pytest.FixtureRequest) -> Iterator[tuple[LLM, LLM]]:
+    """Both engines on one strategy (async: a step's chunk is published when its result is applied,
+    one step later than it was scheduled)."""
+    with (
+        LLM(kv_role="prefill", scheduler=request.param, **STREAM) as p,
+        LLM(kv_role="decode", scheduler=request.param, **STREAM) as d,
+    ):
         yield p, d
 
 
