@@ -241,8 +241,7 @@ class KVTransferLedger:
         or was aborted); the pinned parts are freed with the offer's end."""
         req, tid = stream.request, stream.transfer_id
         if stream.ended:
-            self._unpin(stream.pinned)
-            return False
+            return False  # the offer ended early; its pinned parts are already freed
         finished = req.status not in (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED)
         held = _Held(req, self._clock() + self.config.kv_transfer_timeout, keep=finished, pinned=stream.pinned)
         self.held[tid] = held
@@ -368,7 +367,8 @@ class KVTransferLedger:
         if event.error is not None:
             logger.warning("KV transfer %s not completed: %s", event.transfer_id, event.error)
         if stream is not None:
-            stream.ended = True  # the request runs on; its end frees the pinned parts
+            stream.ended = True  # the request runs on, publishing nothing more
+            self._unpin(stream.pinned)
         if held is not None:
             if held.keep:
                 self.kv.free(held.request)
