@@ -370,8 +370,9 @@ class TorchP2PConnector(KVConnector):
         part, final = 0, False
         while not final:
             key = f"c{conn.number}/ack/{seq}" + (f"/{part}" if part else "")
-            # A later part waits for the prefill to compute it: longer than the producer waits for it.
-            wait = self.timeout + (_PUBLISH_GRACE_S if part else 0.0)
+            # A streamed part waits for the prefill to compute it: longer than the producer waits for
+            # it, so the producer's verdict (an error part) comes first.
+            wait = self.timeout + (_PUBLISH_GRACE_S if part or item.source.get("kv_streamed") else 0.0)
             ack = json.loads(_wait_key(conn.store, key, wait, self._closed))
             if "error" in ack:
                 raise TransferError(ack["error"])
