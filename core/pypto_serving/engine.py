@@ -551,6 +551,7 @@ class EngineCore:
             raise
         if self.kvx is not None and (head.sampling_params.kv_transfer_params or {}).get("stream_kv"):
             self.kvx.open_stream(head)  # its kv_transfer_params are known now: a decode engine may pull
+            self._touch([head])  # an output carries them at once (a streamed response's first chunk)
 
     def _choices(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> list[Request]:
         """The ``n`` sequences of a user request, sharing one ``choices`` list (their ``out`` section)."""
