@@ -397,6 +397,12 @@ class EngineCore:
         req.num_computed_tokens = req.num_cached_tokens = req.metrics.num_cached_tokens = hit
         req.sched.confirmed = hit
 
+    def kv_transfer_params(self, request_id: str) -> dict[str, Any] | None:
+        """A live prefill request's offer, for a decode engine: with ``stream_kv`` from the moment it is
+        added (the decode engine pulls while the prefill computes), else None until it finishes."""
+        req = self.scheduler.requests.get(request_id)
+        return None if req is None else req.out.kv_transfer_params
+
     def _new_scheduler(self, policy: SpecPolicy) -> Scheduler:
         """The scheduler over this engine's KV manager, planning with the drafting depth in effect."""
         settings = self.settings
@@ -543,6 +549,9 @@ class EngineCore:
         except ValueError:  # a choice's id is taken ("r-1" by another request): none of them runs
             self.scheduler.abort([c.request_id for c in children if self.scheduler.requests.get(c.request_id) is c])
             raise
+        if self.kvx is not None and (head.sampling_params.kv_transfer_params or {}).get("stream_kv"):
+            self.kvx.open_stream(head)  # its kv_transfer_params are known now: a decode engine may pull
+            self._touch([head])  # an output carries them at once (a streamed response's first chunk)
 
     def _choices(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> list[Request]:
         """The ``n`` sequences of a user request, sharing one ``choices`` list (their ``out`` section)."""
@@ -691,6 +700,9 @@ class EngineCore:
         """Apply a step result; a failed step fails the requests it carried."""
         with phase("apply"):
             self._apply(out, result)
+            if self.kvx is not None and self.kvx.streams and result.error is None:  # the chunks' KV is written
+                ends = [e.start_pos + len(e.token_ids) for e in out.command.entries]
+                self.kvx.publish_computed(out.requests, ends)
 
     def _apply(self, out: SchedulerOutput, result: StepResult) -> None:
         self.scheduler.grammars_compiled(result.grammars_ready)

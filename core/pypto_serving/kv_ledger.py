@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
 from typing import Any
@@ -64,6 +64,21 @@ class _Held:
     request: Request
     deadline: float
     withdrawn: bool = False
+    keep: bool = True  # the request's blocks are held (False: a withdrawn stream's request freed them)
+    pinned: dict[str, list[int]] = field(default_factory=dict)  # a stream's parts, referenced apart
+
+
+@dataclass(slots=True)
+class _Stream:
+    """A prefill whose offer grows chunk by chunk (``stream_kv``): the blocks published so far, each
+    referenced by the offer itself (a preempted or aborted request frees its own references)."""
+
+    request: Request
+    transfer_id: str
+    num_tokens: int
+    published: dict[str, int]
+    pinned: dict[str, list[int]]
+    ended: bool = False  # the connector ended the offer early (a failed send): nothing more goes out
 
 
 @dataclass(slots=True)
@@ -93,7 +108,15 @@ class KVTransferLedger:
         self._clock = clock
         self.held: dict[str, _Held] = {}  # prefill side, by transfer id
         self.pulls: dict[str, _Pull] = {}  # decode side, by transfer id (the request id)
-        self.stats = {"kv_sent": 0, "kv_send_failed": 0, "kv_pulled": 0, "kv_pull_failed": 0}
+        self.streams: dict[str, _Stream] = {}  # prefill side, growing offers by transfer id
+        self.stats = {
+            "kv_sent": 0,
+            "kv_send_failed": 0,
+            "kv_pulled": 0,
+            "kv_pull_failed": 0,
+            "kv_parts_sent": 0,
+            "kv_parts_pulled": 0,
+        }
 
     # -- checks on add
     def check(self, req: Request, n: int) -> None:
@@ -112,8 +135,22 @@ class KVTransferLedger:
             self._check_source(req, params)
             if req.sampling_params.prompt_logprobs is not None:
                 raise ValueError("prompt_logprobs needs every prompt token computed here: not with do_remote_prefill")
+        if params.get("stream_kv"):
+            self._check_stream(params)
         if n != 1 and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
             raise ValueError("kv_transfer_params needs n=1 (one sequence per transferred prompt)")
+
+    def _check_stream(self, params: dict[str, Any]) -> None:
+        if not params.get("do_remote_decode"):
+            raise ValueError("kv_transfer_params.stream_kv applies to a prefill request (do_remote_decode)")
+        if not self.address.get("streams"):
+            connector = self.config.kv_connector
+            raise ValueError(f"kv_transfer_params.stream_kv: the KV connector {connector!r} cannot stream")
+        if self.kv.hit_aligned:
+            raise ValueError(
+                "kv_transfer_params.stream_kv: this model's caches move from a hit position chosen when the "
+                "prefill ends (sliding windows, snapshots); send the request without stream_kv"
+            )
 
     def _check_source(self, req: Request, params: dict[str, Any]) -> None:
         missing = [
@@ -137,11 +174,24 @@ class KVTransferLedger:
         """Called as a request finishes: keep the blocks of a ``do_remote_decode`` request that
         finished normally (published to the connector); False: free them as usual."""
         params = req.sampling_params.kv_transfer_params
+        stream = self.streams.pop(f"{req.request_id}@{id(req):x}", None)
+        if stream is not None:
+            return self._hold_stream(stream)
         if not params or not params.get("do_remote_decode") or req.status is RequestStatus.FINISHED_ERROR:
             return False
         if req.status is RequestStatus.FINISHED_ABORTED:
             return False
         num_tokens, blocks = self._offer(req)
+        tid = self._describe(req, num_tokens)
+        if not any(blocks.values()):
+            return False  # a one-token prompt: nothing to move, the decode engine computes it all
+        self.held[tid] = _Held(req, self._clock() + self.config.kv_transfer_timeout)
+        self._send(("publish", tid, blocks))
+        return True
+
+    def _describe(self, req: Request, num_tokens: int, **more: Any) -> str:
+        """Set the request's output ``kv_transfer_params`` (what a decode engine pulls with); returns
+        the transfer id."""
         tid = f"{req.request_id}@{id(req):x}"
         req.out.kv_transfer_params = {
             "do_remote_prefill": True,
@@ -149,13 +199,69 @@ class KVTransferLedger:
             "transfer_id": tid,
             "num_tokens": num_tokens,
             "prompt_digest": prompt_digest(req.prompt_token_ids),
+            **more,
             **self.address,
         }
-        if not any(blocks.values()):
-            return False  # a one-token prompt: nothing to move, the decode engine computes it all
-        self.held[tid] = _Held(req, self._clock() + self.config.kv_transfer_timeout)
-        self._send(("publish", tid, blocks))
+        return tid
+
+    # -- prefill side, streamed (stream_kv): the offer opens as the request is added and grows by the
+    # full blocks of each computed prefill chunk; the request's end publishes the rest (or withdraws).
+    def open_stream(self, req: Request) -> None:
+        """Open the growing offer of a ``stream_kv`` request as it is added: its ``kv_transfer_params``
+        are final from now on (``EngineCore.kv_transfer_params``), so a decode engine can pull during the prefill."""
+        num_tokens = req.num_prompt_tokens - 1
+        tid = self._describe(req, num_tokens, kv_streamed=True)
+        if num_tokens == 0:
+            return  # a one-token prompt: nothing to move
+        names = [g.name for g in self.kv.groups]
+        self.streams[tid] = _Stream(req, tid, num_tokens, dict.fromkeys(names, 0), {g: [] for g in names})
+        self._send(("publish_part", tid, {g: [] for g in names}, False, True))
+
+    def publish_computed(self, requests: list[Request], ends: list[int]) -> None:
+        """After a step's result: publish the blocks its prefill chunks filled (request ``i``'s tokens
+        before ``ends[i]`` are computed) as the next parts of their streams."""
+        for req, end in zip(requests, ends):
+            stream = self.streams.get(f"{req.request_id}@{id(req):x}")
+            if stream is None or stream.ended:
+                continue
+            done = min(end, stream.num_tokens)
+            part: dict[str, list[int]] = {}
+            for g in self.kv.groups:
+                full, table = done // g.tokens_per_block, req.kv.block_ids.get(g.name, [])
+                part[g.name] = table[stream.published[g.name] : full]
+                stream.published[g.name] += len(part[g.name])
+                for block in part[g.name]:  # the offer's own reference: a preempted request frees its own
+                    self.kv.pools[g.name].take_cached(block)
+                stream.pinned[g.name] += part[g.name]
+            if any(part.values()):
+                self._send(("publish_part", stream.transfer_id, part, False, False))
+
+    def _hold_stream(self, stream: _Stream) -> bool:
+        """The streamed request finished: publish its last blocks (or withdraw the offer when it failed
+        or was aborted); the pinned parts are freed with the offer's end."""
+        req, tid = stream.request, stream.transfer_id
+        if stream.ended:
+            return False  # the offer ended early; its pinned parts are already freed
+        finished = req.status not in (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED)
+        held = _Held(req, self._clock() + self.config.kv_transfer_timeout, keep=finished, pinned=stream.pinned)
+        self.held[tid] = held
+        if not finished:
+            held.withdrawn = True
+            self._send(("withdraw", tid))
+            return False
+        self._trim(req, stream.num_tokens)
+        rest = {g: [b for b in t[stream.published.get(g, 0) :] if b != FREED] for g, t in req.kv.block_ids.items()}
+        self._send(("publish_part", tid, rest, True, False))
         return True
+
+    def _unpin(self, pinned: dict[str, list[int]]) -> None:
+        for group, blocks in pinned.items():
+            self.kv.pools[group].release(blocks)
+        pinned.clear()
+
+    def pinned(self) -> list[dict[str, list[int]]]:
+        """Blocks streamed offers reference apart from their requests (for the KV invariants)."""
+        return [s.pinned for s in self.streams.values()] + [h.pinned for h in self.held.values()]
 
     def _offer(self, req: Request) -> tuple[int, dict[str, list[int]]]:
         """The tokens a decode engine can start after and the blocks it pulls for them (per group,
@@ -234,12 +340,7 @@ class KVTransferLedger:
         """Apply one connector event; returns a decode request whose pull ended (or None) and whether
         it succeeded (it may compute)."""
         if event.kind == "sent":
-            held = self.held.pop(event.transfer_id, None)
-            if held is not None:
-                self.stats["kv_sent" if event.error is None else "kv_send_failed"] += 1
-                if event.error is not None:
-                    logger.warning("KV transfer %s not completed: %s", event.transfer_id, event.error)
-                self.kv.free(held.request)
+            self._on_sent(event)
             return None, False
         pull = self.pulls.pop(event.transfer_id, None)
         if pull is None:
@@ -252,7 +353,26 @@ class KVTransferLedger:
             _finish(req, status, None if pull.aborted else f"{TRANSFER_FAILED}: {event.error}")
             return req, False
         self.stats["kv_pulled"] += 1
+        self.stats["kv_parts_pulled"] += int((event.detail or {}).get("parts", 1))  # a whole offer: one part
         return req, True
+
+    def _on_sent(self, event: TransferEvent) -> None:
+        """A producer's offer ended: free what it held (a stream still computing stops publishing)."""
+        held = self.held.pop(event.transfer_id, None)
+        stream = self.streams.get(event.transfer_id)
+        if held is None and stream is None:
+            return
+        self.stats["kv_sent" if event.error is None else "kv_send_failed"] += 1
+        self.stats["kv_parts_sent"] += int((event.detail or {}).get("parts", 1)) if event.error is None else 0
+        if event.error is not None:
+            logger.warning("KV transfer %s not completed: %s", event.transfer_id, event.error)
+        if stream is not None:
+            stream.ended = True  # the request runs on, publishing nothing more
+            self._unpin(stream.pinned)
+        if held is not None:
+            if held.keep:
+                self.kv.free(held.request)
+            self._unpin(held.pinned)
 
     def fail_pulls(self, reason: str) -> list[Request]:
         """The engine died: every pulling request fails (the worker and its blocks are gone)."""
@@ -264,7 +384,7 @@ class KVTransferLedger:
 
     def owners(self) -> list[Request]:
         """Requests holding blocks outside the scheduler (for the KV invariants)."""
-        return [h.request for h in self.held.values()] + [p.request for p in self.pulls.values()]
+        return [h.request for h in self.held.values() if h.keep] + [p.request for p in self.pulls.values()]
 
 
 def _held_blocks(req: Request) -> dict[str, list[int]]:
@@ -325,8 +445,9 @@ class KVLinks:
             for rank, conn in enumerate(self.conns):
                 conn.send(("pull", msg[1], _rank_source(msg[2], rank, n), msg[3]))
             return
-        if kind == "publish":
+        if kind == "publish" or (kind == "publish_part" and msg[4]):  # a whole offer, or a growing one's opening
             self._tally[("sent", msg[1])] = _Tally(n)
+            msg = msg[:4]
         for conn in self.conns:
             conn.send(msg)
 
@@ -364,7 +485,7 @@ class KVLinks:
         if tally.left:
             return None
         del self._tally[key]
-        return TransferEvent(event.transfer_id, event.kind, tally.error)
+        return TransferEvent(event.transfer_id, event.kind, tally.error, event.detail)
 
     def close(self) -> None:
         """Stop every rank's connector (transfers in flight end with an error)."""
@@ -408,6 +529,8 @@ def _dispatch(connector: KVConnector, msg: tuple[Any, ...]) -> None:
     kind = msg[0]
     if kind == "publish":
         connector.publish(msg[1], msg[2])
+    elif kind == "publish_part":
+        connector.publish_part(msg[1], msg[2], msg[3])
     elif kind == "withdraw":
         connector.withdraw(msg[1])
     elif kind == "pull":

@@ -12,7 +12,9 @@ The two halves of a transfer:
 * **Producer** (``kv_role = "prefill"``): :meth:`KVConnector.publish` offers the blocks of a finished
   prefill under a transfer id; the connector sends them to whichever consumer asks for that id, then
   reports ``sent`` (with or without an error). :meth:`KVConnector.withdraw` takes an offer back (a
-  timeout, or shutdown); a send in flight ends first; ``sent`` follows either way.
+  timeout, or shutdown); a send in flight ends first; ``sent`` follows either way. A connector whose
+  :attr:`KVConnector.streams` is True also takes an offer that grows (:meth:`KVConnector.publish_part`:
+  the blocks of each prefill chunk as it is computed) and sends it in parts while it grows.
 * **Consumer** (``kv_role = "decode"``): :meth:`KVConnector.pull` fills blocks the engine allocated
   from a producer's offer, described by the ``source`` the producer's response carried; ``pulled``
   follows, and only a ``pulled`` without an error lets the request compute on those blocks.
@@ -29,7 +31,7 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +63,7 @@ class TransferEvent:
         given; with ``error`` None they hold the source's KV in full.
     :param error: why the transfer failed; None when it succeeded.
     :param detail: what a connector adds for its ledger (the offload tiers: bytes moved, and how
-        much of a failed load arrived intact).
+        much of a failed load arrived intact; ``torch_p2p``: ``parts``, the parts an offer moved in).
     """
 
     transfer_id: str
@@ -72,6 +74,9 @@ class TransferEvent:
 
 class KVConnector(abc.ABC):
     """Moves KV blocks between engines (or tiers). Lives in the worker process; no call blocks."""
+
+    streams: ClassVar[bool] = False
+    """Whether :meth:`publish_part` works: an offer published in parts, pulled while it grows."""
 
     @abc.abstractmethod
     def start(self, caches: KVCaches) -> dict[str, Any]:
@@ -86,6 +91,14 @@ class KVConnector(abc.ABC):
     def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
         """Producer: offer ``blocks`` (per group, in sequence order) under ``transfer_id`` until a
         consumer pulls them or :meth:`withdraw`; a ``sent`` event ends the offer."""
+
+    def publish_part(self, transfer_id: str, blocks: dict[str, list[int]], final: bool) -> None:
+        """Producer (when :attr:`streams`): add ``blocks`` (per group, the next ones in sequence order)
+        to the offer ``transfer_id``, opening it on the first call; ``final``: the offer is complete.
+        A consumer may pull an open offer: it receives the parts as they come, and its ``pulled``
+        event reports success only after the final part arrived. :meth:`withdraw` ends an open offer
+        (a pull in progress fails); parts after an offer ended are ignored."""
+        raise NotImplementedError(f"{type(self).__name__} publishes whole offers only")
 
     @abc.abstractmethod
     def withdraw(self, transfer_id: str) -> None:

@@ -335,3 +335,87 @@ def test_a_pull_across_tensor_parallel_sizes_fails_unsent(decode_ranks: int, sou
     )
     links.send(("pull", "q", {**source, "ranks": "nonsense"}, {"kv": [1]}))
     assert links.events(0.0)[0].error == "kv_transfer_params.ranks is not a list of the prefill engine's rank addresses"
+
+
+# -- streamed offers (stream_kv): published chunk by chunk, each part referenced by the offer itself
+def _streaming(n: int) -> tuple[KVTransferLedger, list[tuple[Any, ...]], Request]:
+    ledger, sent, _ = _ledger("prefill")
+    ledger.address = {**ADDRESS, "streams": True}
+    params = {"do_remote_decode": True, "stream_kv": True}
+    req = Request("p", list(range(n)), SamplingParams(max_tokens=1, kv_transfer_params=params))
+    ledger.check(req, 1)
+    ledger.open_stream(req)
+    return ledger, sent, req
+
+
+def _check(ledger: KVTransferLedger, *live: Request) -> None:
+    ledger.kv.check_invariants([*live, *ledger.owners()], ledger.pinned())
+
+
+def test_a_streamed_offer_grows_by_the_full_blocks_of_each_chunk_and_survives_preemption() -> None:
+    ledger, sent, req = _streaming(21)  # 20 tokens move: kv 5 blocks, idx 3 (the last one partial)
+    tid = sent[0][1]
+    assert sent[0] == ("publish_part", tid, {"kv": [], "idx": []}, False, True)
+    assert req.out.kv_transfer_params is not None and req.out.kv_transfer_params["num_tokens"] == 20
+    assert ledger.kv.allocate(req, 10)
+    ledger.publish_computed([req], [10])  # 10 tokens computed: 2 kv blocks and 1 idx block are full
+    assert sent[1] == (
+        "publish_part",
+        tid,
+        {"kv": req.kv.block_ids["kv"][:2], "idx": req.kv.block_ids["idx"][:1]},
+        False,
+        False,
+    )
+    _check(ledger, req)
+    first = sent[1][2]
+    ledger.kv.free(req)  # preempted: its own references go, the offer's stay
+    assert all(ledger.kv.pools[g].ref_cnt[b] == 1 for g, bs in first.items() for b in bs)
+    _check(ledger)
+    assert ledger.kv.allocate(req, 16)
+    ledger.publish_computed([req], [16])  # recomputed: only the blocks past the published ones go out
+    assert sent[2][2] == {"kv": req.kv.block_ids["kv"][2:4], "idx": req.kv.block_ids["idx"][1:2]}
+    assert ledger.kv.allocate(req, 22)
+    ledger.publish_computed([req], [22])  # capped at the 20 tokens that move
+    assert sent[3][2] == {"kv": req.kv.block_ids["kv"][4:5], "idx": []}
+    req.output_token_ids.append(7)
+    req.status = RequestStatus.FINISHED_LENGTH
+    assert ledger.hold(req)
+    assert sent[4] == ("publish_part", tid, {"kv": [], "idx": req.kv.block_ids["idx"][2:3]}, True, False)
+    _check(ledger)
+    ledger.on_event(TransferEvent(tid, "sent", None, {"parts": 4}))
+    assert _free(ledger) == FULL and not ledger.held and not ledger.streams
+    assert ledger.stats["kv_sent"] == 1 and ledger.stats["kv_parts_sent"] == 4
+    ledger.kv.check_invariants([])
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
+def test_a_streamed_prefill_that_fails_withdraws_its_offer(status: RequestStatus) -> None:
+    ledger, sent, req = _streaming(21)
+    tid = sent[0][1]
+    assert ledger.kv.allocate(req, 16)
+    ledger.publish_computed([req], [16])
+    req.status = status
+    assert not ledger.hold(req)  # the scheduler frees the request's blocks ...
+    assert sent[-1] == ("withdraw", tid)
+    ledger.kv.free(req)
+    assert _free(ledger) != FULL  # ... the offer's parts stay until the connector lets go
+    _check(ledger)
+    ledger.on_event(TransferEvent(tid, "sent", "withdrawn"))
+    assert _free(ledger) == FULL and not ledger.held and ledger.stats["kv_send_failed"] == 1
+    ledger.kv.check_invariants([])
+
+
+def test_a_streamed_offer_whose_send_failed_publishes_nothing_more() -> None:
+    ledger, sent, req = _streaming(21)
+    tid = sent[0][1]
+    assert ledger.kv.allocate(req, 8)
+    ledger.publish_computed([req], [8])
+    ledger.on_event(TransferEvent(tid, "sent", "sending the KV failed: the decode engine went away"))
+    _check(ledger, req)  # the parts are freed at once; the request keeps its own blocks
+    assert ledger.kv.allocate(req, 16)
+    ledger.publish_computed([req], [16])
+    req.status = RequestStatus.FINISHED_LENGTH
+    assert not ledger.hold(req)  # nothing held: the scheduler frees it as any request
+    assert len(sent) == 2
+    ledger.kv.free(req)
+    assert _free(ledger) == FULL and not ledger.streams and not ledger.held

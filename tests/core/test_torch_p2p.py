@@ -47,8 +47,8 @@ def test_a_pull_that_arrives_before_its_publish_waits_for_it() -> None:
         consumer.pull("r", {**address, "transfer_id": "t"}, {"kv": [1, 2]})
         time.sleep(0.3)  # the pull waits at the producer
         producer.publish("t", {"kv": [5, 6]})
-        assert _event(consumer) == TransferEvent("r", "pulled", None)
-        assert _event(producer) == TransferEvent("t", "sent", None)
+        assert _event(consumer) == TransferEvent("r", "pulled", None, {"parts": 1})
+        assert _event(producer) == TransferEvent("t", "sent", None, {"parts": 1})
         for mine, src in zip(ours["kv"], theirs["kv"]):
             assert torch.equal(mine[1:3], src[5:7])
         start = time.monotonic()
@@ -73,9 +73,10 @@ def test_pulls_run_side_by_side_on_their_own_connections() -> None:
         consumer.pull("slow", {**address, "transfer_id": "later"}, {"kv": [1]})
         time.sleep(0.1)
         consumer.pull("fast", {**address, "transfer_id": "ready"}, {"kv": [2, 3]})
-        assert _event(consumer, timeout=3.0) == TransferEvent("fast", "pulled", None)  # "slow" still waits
+        # "slow" still waits
+        assert _event(consumer, timeout=3.0) == TransferEvent("fast", "pulled", None, {"parts": 1})
         producer.publish("later", {"kv": [4]})
-        assert _event(consumer) == TransferEvent("slow", "pulled", None)
+        assert _event(consumer) == TransferEvent("slow", "pulled", None, {"parts": 1})
         for mine, src in zip(ours["kv"], theirs["kv"]):
             assert torch.equal(mine[1:4], src[[4, 0, 7]])
     finally:
@@ -86,3 +87,57 @@ def test_pulls_run_side_by_side_on_their_own_connections() -> None:
 def test_a_pull_thread_count_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="pull_threads=0"):
         _connector("decode", pull_threads=0)
+
+
+def test_an_offer_published_in_parts_arrives_in_parts() -> None:
+    """A pull of an offer still growing (a prefill in progress) takes each part as it is published
+    and reports success only after the final one; every block lands where it belongs."""
+    producer, consumer = _connector("prefill"), _connector("decode")
+    theirs, ours = _caches(1), _caches(2)
+    before = [t.clone() for t in ours["kv"]]
+    try:
+        address: dict[str, Any] = producer.start(theirs)
+        consumer.start(ours)
+        producer.publish_part("t", {"kv": []}, False)
+        consumer.pull("r", {**address, "transfer_id": "t"}, {"kv": [1, 2, 3, 4]})
+        producer.publish_part("t", {"kv": [5]}, False)
+        time.sleep(0.3)
+        producer.publish_part("t", {"kv": [0, 7]}, False)
+        time.sleep(0.3)
+        assert consumer.poll() == []  # not complete before the final part
+        producer.publish_part("t", {"kv": [6]}, True)
+        assert _event(consumer) == TransferEvent("r", "pulled", None, {"parts": 3})
+        assert _event(producer) == TransferEvent("t", "sent", None, {"parts": 3})
+        for mine, src, old in zip(ours["kv"], theirs["kv"], before):
+            assert torch.equal(mine[1:5], src[[5, 0, 7, 6]])
+            assert torch.equal(mine[[0, 5, 6, 7]], old[[0, 5, 6, 7]])  # nothing else written
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_growing_offer_withdrawn_mid_pull_fails_the_pull() -> None:
+    """Withdrawn after its first part (the prefill request failed): the pull fails with the reason,
+    the producer reports the offer's end, later parts go nowhere, and the connection serves on."""
+    producer, consumer = _connector("prefill"), _connector("decode")
+    theirs, ours = _caches(1), _caches(2)
+    try:
+        address: dict[str, Any] = producer.start(theirs)
+        consumer.start(ours)
+        producer.publish_part("t", {"kv": [5]}, False)
+        consumer.pull("r", {**address, "transfer_id": "t"}, {"kv": [1, 2]})
+        time.sleep(0.3)
+        producer.withdraw("t")
+        failed = _event(consumer)
+        assert failed.kind == "pulled" and "withdrew the offer before its prefill completed" in (failed.error or "")
+        ended = _event(producer)
+        assert ended.kind == "sent" and ended.error is not None
+        producer.publish_part("t", {"kv": [6]}, True)  # too late: ignored
+        producer.publish("u", {"kv": [3]})
+        consumer.pull("r2", {**address, "transfer_id": "u"}, {"kv": [4]})
+        assert _event(consumer) == TransferEvent("r2", "pulled", None, {"parts": 1})
+        assert _event(producer) == TransferEvent("u", "sent", None, {"parts": 1})
+        assert producer.poll() == []
+    finally:
+        consumer.close()
+        producer.close()

@@ -6,7 +6,10 @@ number from the store, and both sides form a two-rank ``ProcessGroupGloo`` over 
 (producer rank 0, consumer rank 1). A pull then is: the consumer writes the transfer id under the
 connection's next sequence number; the producer answers with the offer's size and layout (or why
 there is none), sends the packed blocks with ``send`` tagged by the sequence number, and waits for
-the consumer's ``done``; only then does it report ``sent``, so a producer frees nothing a consumer
+the consumer's ``done``. An offer still growing (:meth:`TorchP2PConnector.publish_part`, a prefill
+in progress) goes in parts: each part's ack and buffer as its blocks are published, the last marked
+final, and the consumer answers ``done`` only after that one (a withdrawal in between ends the pull
+with an error part); only then does it report ``sent``, so a producer frees nothing a consumer
 still reads. A connection that fails is dropped (the next pull forms a new one) and fails only the
 transfer in flight on it. A consumer runs its pulls on ``pull_threads`` threads, each over connections
 of its own (one per producer), so a slow producer holds up only its thread's queue.
@@ -65,6 +68,7 @@ class TransferError(RuntimeError):
 class _Offer:
     blocks: dict[str, list[int]]
     busy: bool = False  # a send is in flight
+    final: bool = True  # complete (publish_part: until the final part, a pull waits for more)
     withdrawn: bool = False  # withdraw() came during the send: report once it ends
 
 
@@ -109,6 +113,8 @@ class TorchP2PConnector(KVConnector):
     a transfer may take, default 30), ``pull_threads`` (a consumer's pulls in flight at once, each
     thread on its own connections, default 1)."""
 
+    streams = True
+
     def __init__(self, config: KVTransferConfig) -> None:
         self.config = config
         extra = config.kv_connector_extra_config
@@ -140,7 +146,8 @@ class TorchP2PConnector(KVConnector):
             cfg.kv_ip, cfg.kv_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout)
         )
         self._spawn(self._accept_loop, "kv-accept")
-        return {"remote_host": cfg.kv_ip, "remote_port": int(self._store.port), "layout": layout_digest(caches)}
+        port, layout = int(self._store.port), layout_digest(caches)
+        return {"remote_host": cfg.kv_ip, "remote_port": port, "layout": layout, "streams": True}
 
     def _spawn(self, target: Any, name: str, *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -165,15 +172,26 @@ class TorchP2PConnector(KVConnector):
             events, self._events = self._events, []
         return events
 
-    def _event(self, transfer_id: str, kind: Any, error: str | None) -> None:
+    def _event(self, transfer_id: str, kind: Any, error: str | None, parts: int = 0) -> None:
         with self._lock:
-            self._events.append(TransferEvent(transfer_id, kind, error))
+            self._events.append(TransferEvent(transfer_id, kind, error, {"parts": parts}))
 
     # -- producer
     def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
         with self._lock:
             self._offers[transfer_id] = _Offer({g: list(b) for g, b in blocks.items()})
             self._ended.pop(transfer_id, None)
+
+    def publish_part(self, transfer_id: str, blocks: dict[str, list[int]], final: bool) -> None:
+        with self._lock:
+            offer = self._offers.get(transfer_id)
+            if offer is None:
+                if transfer_id in self._ended:
+                    return  # withdrawn, or failed: the prefill's later parts go nowhere
+                offer = self._offers[transfer_id] = _Offer({}, final=False)
+            for group, ids in blocks.items():
+                offer.blocks.setdefault(group, []).extend(ids)
+            offer.final = final
 
     def withdraw(self, transfer_id: str) -> None:
         with self._lock:
@@ -215,10 +233,10 @@ class TorchP2PConnector(KVConnector):
                 return  # the connection broke: the consumer forms a new one
             seq += 1
 
-    def _end_offer(self, transfer_id: str, error: str | None) -> None:
+    def _end_offer(self, transfer_id: str, error: str | None, parts: int = 0) -> None:
         """Drop an offer and report its end (under the lock)."""
         del self._offers[transfer_id]
-        self._events.append(TransferEvent(transfer_id, "sent", error))
+        self._events.append(TransferEvent(transfer_id, "sent", error, {"parts": parts}))
         self._ended[transfer_id] = None
         if len(self._ended) > _ENDED_KEPT:
             del self._ended[next(iter(self._ended))]
@@ -240,32 +258,71 @@ class TorchP2PConnector(KVConnector):
             pause = min(2 * pause, _POLL_MAX_S)
 
     def _serve_one(self, group: Any, number: int, seq: int, transfer_id: str) -> bool:
-        """Send one offer; False when the connection broke."""
+        """Send one offer, part by part as it grows; False when the connection broke."""
         offer = self._take_offer(transfer_id)
-        ack = f"c{number}/ack/{seq}"
         if offer is None:
             why = (
                 f"the prefill engine holds no KV for transfer {transfer_id!r} "
                 "(already pulled, or freed after kv_transfer_timeout)"
             )
-            self._store.set(ack, json.dumps({"error": why}))
+            self._store.set(f"c{number}/ack/{seq}", json.dumps({"error": why}))
             return True
         error: str | None = None
-        broken = False
+        broken, parts = False, 0
         try:
-            buf = gather_blocks(self._caches, offer.blocks, torch.device("cpu"))
-            counts = {g: len(b) for g, b in offer.blocks.items()}
-            self._store.set(
-                ack, json.dumps({"nbytes": buf.numel(), "layout": layout_digest(self._caches), "counts": counts})
-            )
-            group.send([buf], 1, seq).wait()
+            parts = self._send_parts(group, number, seq, offer)
             done = _wait_key(self._store, f"c{number}/done/{seq}", self.timeout, self._closed).decode()
             error = None if done == "ok" else done
+        except TransferError as e:  # the consumer was told (an error part): the stream stays in step
+            error = str(e)
         except Exception as e:
             error, broken = f"sending the KV failed: {type(e).__name__}: {e}", True
         with self._lock:
-            self._end_offer(transfer_id, error)
+            self._end_offer(transfer_id, error, parts)
         return not broken
+
+    def _send_parts(self, group: Any, number: int, seq: int, offer: _Offer) -> int:
+        """Send the offer's blocks as they are published, each part announced by an ack (part 0 at
+        ``ack/seq``, part p at ``ack/seq/p``); returns the parts sent. TransferError: the offer was
+        withdrawn, or did not grow within the timeout (the consumer got that as an error part)."""
+        sent: dict[str, int] = {}
+        part, final = 0, False
+        while not final:
+            key = f"c{number}/ack/{seq}" + (f"/{part}" if part else "")
+            try:
+                blocks, final = self._next_part(offer, sent)
+            except TransferError as e:
+                self._store.set(key, json.dumps({"error": str(e)}))
+                raise
+            buf = gather_blocks(self._caches, blocks, torch.device("cpu"))
+            counts = {g: len(b) for g, b in blocks.items()}
+            ack = {"nbytes": buf.numel(), "layout": layout_digest(self._caches), "counts": counts, "final": final}
+            self._store.set(key, json.dumps(ack))
+            if buf.numel():
+                group.send([buf], 1, seq).wait()
+            part += 1
+        return part
+
+    def _next_part(self, offer: _Offer, sent: dict[str, int]) -> tuple[dict[str, list[int]], bool]:
+        """The blocks published since the last part (``sent`` counts per group, advanced here) and
+        whether the offer is complete; waits up to the timeout for an open offer to grow."""
+        deadline, pause = time.monotonic() + self.timeout, _POLL_MIN_S
+        while True:
+            with self._lock:
+                if offer.withdrawn and not offer.final:
+                    raise TransferError("the prefill engine withdrew the offer before its prefill completed")
+                new = {g: b[sent.get(g, 0) :] for g, b in offer.blocks.items()}
+                final = offer.final
+            if final or any(new.values()):
+                for g, b in new.items():
+                    sent[g] = sent.get(g, 0) + len(b)
+                return new, final
+            if self._closed.is_set():
+                raise TransferError("the connector is closing")
+            if time.monotonic() > deadline:
+                raise TransferError(f"the prefill engine published no KV within {self.timeout:.0f}s")
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
 
     # -- consumer
     def pull(self, transfer_id: str, source: dict[str, Any], blocks: dict[str, list[int]]) -> None:
@@ -281,7 +338,7 @@ class TorchP2PConnector(KVConnector):
             try:
                 conn = conns.get(address) or self._connect(*address)
                 conns[address] = conn
-                self._pull_one(conn, item)
+                parts = self._pull_one(conn, item)
             except TransferError as e:
                 self._event(item.transfer_id, "pulled", str(e))
             except Exception as e:  # the connection broke: the next pull forms a new one
@@ -292,7 +349,7 @@ class TorchP2PConnector(KVConnector):
                     f"the KV transfer from {address[0]}:{address[1]} failed: {type(e).__name__}: {e}",
                 )
             else:
-                self._event(item.transfer_id, "pulled", None)
+                self._event(item.transfer_id, "pulled", None, parts)
 
     def _connect(self, host: str, port: int) -> _Conn:
         # A refused connection fails at once; TCPStore's client would retry for its whole timeout.
@@ -303,27 +360,51 @@ class TorchP2PConnector(KVConnector):
         store.set(f"conn/{number}", "1")
         return _Conn(store, _group(store, number, 1, self.timeout), number)
 
-    def _pull_one(self, conn: _Conn, item: _Pull) -> None:
+    def _pull_one(self, conn: _Conn, item: _Pull) -> int:
+        """Pull one offer, part by part, into ``item.blocks``; returns the parts. TransferError: it
+        failed (the producer was told, or told us)."""
         seq, conn.seq = conn.seq, conn.seq + 1
         conn.store.set(f"c{conn.number}/req/{seq}", json.dumps({"transfer_id": item.source.get("transfer_id")}))
-        ack = json.loads(_wait_key(conn.store, f"c{conn.number}/ack/{seq}", self.timeout, self._closed))
-        if "error" in ack:
-            raise TransferError(ack["error"])
-        buf = torch.empty(int(ack["nbytes"]), dtype=torch.uint8)
-        conn.group.recv([buf], 0, seq).wait()  # taken whatever follows, so the stream stays in step
-        problem = self._mismatch(ack, item.blocks)
-        if problem is None:
-            scatter_blocks(self._caches, item.blocks, buf)
+        got = {g: 0 for g in item.blocks}
+        problem: str | None = None
+        part, final = 0, False
+        while not final:
+            key = f"c{conn.number}/ack/{seq}" + (f"/{part}" if part else "")
+            # A streamed part waits for the prefill to compute it: longer than the producer waits for
+            # it, so the producer's verdict (an error part) comes first.
+            wait = self.timeout + (_PUBLISH_GRACE_S if part or item.source.get("kv_streamed") else 0.0)
+            ack = json.loads(_wait_key(conn.store, key, wait, self._closed))
+            if "error" in ack:
+                raise TransferError(ack["error"])
+            buf = torch.empty(int(ack["nbytes"]), dtype=torch.uint8)
+            if buf.numel():
+                conn.group.recv([buf], 0, seq).wait()  # taken whatever follows, so the stream stays in step
+            problem = problem or self._mismatch(ack, item.blocks, got)
+            if problem is None:
+                counts: dict[str, int] = ack["counts"]
+                scatter_blocks(self._caches, {g: item.blocks[g][got[g] : got[g] + n] for g, n in counts.items()}, buf)
+                for g, n in counts.items():
+                    got[g] += n
+            part, final = part + 1, bool(ack["final"])
+        expected = {g: len(b) for g, b in item.blocks.items()}
+        if problem is None and got != expected:
+            problem = f"the prefill engine offers blocks {got}, the decode engine expects {expected}"
         conn.store.set(f"c{conn.number}/done/{seq}", "ok" if problem is None else problem)
         if problem is not None:
             raise TransferError(problem)
+        return part
 
-    def _mismatch(self, ack: dict[str, Any], blocks: dict[str, list[int]]) -> str | None:
+    def _mismatch(self, ack: dict[str, Any], blocks: dict[str, list[int]], got: dict[str, int]) -> str | None:
+        """Why a part cannot fill the next of ``blocks`` (``got`` of each group filled so far); None: it can."""
         if ack["layout"] != layout_digest(self._caches):
             return "the prefill and decode engines' KV caches differ in layout (model, dtype or block_size)"
-        counts = {g: len(b) for g, b in blocks.items()}
-        if ack["counts"] != counts or int(ack["nbytes"]) != blocks_nbytes(self._caches, blocks):
-            return f"the prefill engine offers blocks {ack['counts']}, the decode engine expects {counts}"
+        counts: dict[str, int] = ack["counts"]
+        room = {g: len(b) - got[g] for g, b in blocks.items()}
+        if any(g not in room or n > room[g] for g, n in counts.items()):
+            return f"the prefill engine offers blocks {counts} more, the decode engine expects {room} more"
+        part = {g: blocks[g][got[g] : got[g] + n] for g, n in counts.items()}
+        if int(ack["nbytes"]) != blocks_nbytes(self._caches, part):
+            return f"the prefill engine sends {ack['nbytes']} bytes for blocks {counts}"
         return None
 
 

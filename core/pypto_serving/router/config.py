@@ -53,6 +53,12 @@ class ReplicaConfig(BaseModel):
         description="'prefill' and 'decode' replicas (served with --kv-role) form disaggregated pairs: a completion "
         "goes to a prefill replica with max_tokens 1, then with its kv_transfer_params to a decode replica.",
     )
+    stream_kv: bool = Field(
+        False,
+        description="For a 'prefill' replica (torch_p2p connector, a model without hit-aligned caches): it streams "
+        "the prompt's KV per prefill chunk; the router takes the kv_transfer_params from the first event of a "
+        "streamed prefill request and sends the decode request at once, while the prefill runs.",
+    )
 
     @field_validator("url")
     @classmethod

@@ -20,8 +20,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -78,6 +78,7 @@ class Forwarder:
     router: Router
     replicas: dict[str, Replica]
     metrics: RouterMetrics
+    _drains: set[asyncio.Future[None]] = field(default_factory=set)  # streamed prefills still being read
 
     async def handle(self, request: Request) -> Response:
         try:
@@ -195,6 +196,8 @@ class Forwarder:
         first.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         self.router.started(replica.name, profile)
         self.metrics.requests.labels(replica.name).inc()
+        if replica.config.stream_kv:
+            return await self._prefill_streamed(request, data, first, replica, profile)
         try:
             answer = await replica.client.post(
                 request.url.path, content=json.dumps(first).encode(), headers=_forward_headers(request, replica)
@@ -217,6 +220,41 @@ class Forwarder:
                 f"prefill replica {replica.name} returned no kv_transfer_params (is it served with --kv-role prefill?)"
             )
             return error_response(502, message, "replica_failed")
+        return json.dumps({**data, "kv_transfer_params": params}).encode()
+
+    async def _prefill_streamed(
+        self, request: Request, data: dict[str, Any], first: dict[str, Any], replica: Replica, profile: RequestProfile
+    ) -> bytes | Response:
+        """``stream_kv``: the prefill request streamed; its first event carries the offer, and the decode
+        body goes out at once while a task reads the rest of the prefill's stream (its load counted
+        until then)."""
+        first.update(stream=True, kv_transfer_params={"do_remote_decode": True, "stream_kv": True})
+        outgoing = replica.client.build_request(
+            "POST", request.url.path, content=json.dumps(first).encode(), headers=_forward_headers(request, replica)
+        )
+        try:
+            answer = await replica.client.send(outgoing, stream=True)
+        except (httpx.HTTPError, OSError) as e:
+            self.router.finished(replica.name, profile)
+            replica.mark_down(f"replica {replica.name}: {type(e).__name__}: {e}")
+            return error_response(
+                502, f"prefill replica {replica.name} failed: {type(e).__name__}: {e}", "replica_failed"
+            )
+        lines = answer.aiter_lines()
+        params = await _first_offer(lines) if answer.status_code == 200 else None
+        if params is None:
+            content = await answer.aread() if answer.status_code != 200 else b""
+            await answer.aclose()
+            self.router.finished(replica.name, profile)
+            if answer.status_code != 200:
+                return Response(content, answer.status_code, media_type=answer.headers.get("content-type"))
+            message = (
+                f"prefill replica {replica.name} streamed no kv_transfer_params (is it served with --kv-role prefill?)"
+            )
+            return error_response(502, message, "replica_failed")
+        task = asyncio.ensure_future(_drain(answer, lines, lambda: self.router.finished(replica.name, profile)))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
         return json.dumps({**data, "kv_transfer_params": params}).encode()
 
     def _another(self, replica: Replica, profile: RequestProfile) -> bool:
@@ -264,6 +302,29 @@ def _forward_headers(request: Request, replica: Replica) -> list[tuple[str, str]
         headers = [(k, v) for k, v in headers if k != "authorization"]
         headers.append(("authorization", f"Bearer {replica.config.api_key}"))
     return headers
+
+
+async def _first_offer(lines: AsyncIterator[str]) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of a streamed prefill answer's first event that has them; None when
+    the stream ends (or breaks) without."""
+    with contextlib.suppress(httpx.HTTPError, OSError, ValueError):
+        async for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                params = json.loads(line[len("data: ") :]).get("kv_transfer_params")
+                if isinstance(params, dict):
+                    return params
+    return None
+
+
+async def _drain(answer: httpx.Response, lines: AsyncIterator[str], release: Callable[[], None]) -> None:
+    """Read a streamed prefill answer to its end (the replica's request finishes), then count it done."""
+    try:
+        with contextlib.suppress(httpx.HTTPError, OSError):
+            async for _ in lines:
+                pass
+    finally:
+        await answer.aclose()
+        release()
 
 
 class _Relay(Response):

@@ -151,6 +151,8 @@ class _StreamRunner:
         self.created = int(time.time())
         self.finals: dict[int, RequestOutput] = {}
         self.latest: dict[int, RequestOutput] = {}  # each prompt's last output (its prompt logprobs)
+        self.kv_due: dict[str, Any] | None = None  # a prefill's kv_transfer_params, not streamed yet
+        self.kv_sent = False
 
     async def _items(self) -> AsyncGenerator[tuple[int, CompletionOutput, _ChoiceState, int, int, bool]]:
         """(prompt index, choice, state, token start, token end, finished now) for every change."""
@@ -158,6 +160,8 @@ class _StreamRunner:
         async with contextlib.aclosing(self.source):
             async for pi, out in self.source:
                 self.latest[pi] = out
+                if out.kv_transfer_params is not None and not self.kv_sent:  # one prompt: checked on add
+                    self.kv_due, self.kv_sent = out.kv_transfer_params, True
                 if out.finished:
                     self.finals[pi] = out
                 for c in out.outputs:
@@ -178,6 +182,13 @@ class _StreamRunner:
     def _failed_event(self, c: CompletionOutput) -> str:
         return _error_event(_failure_message(self.ctx, c))
 
+    def _kv_chunk(self, obj: str) -> str:
+        """A prefill's ``kv_transfer_params`` as soon as they are known: with ``stream_kv`` before the
+        prefill is computed, so a decode engine can pull while it runs (else with the last output)."""
+        params, self.kv_due = self.kv_due, None
+        chunk = {"id": self.rid, "object": obj, "created": self.created, "choices": [], "kv_transfer_params": params}
+        return _event({**chunk, "model": _shown_model(self.ctx, self.params[0].lora)})
+
     def _usage_chunk(self, obj: str) -> str:
         outs = [self.finals[i] for i in sorted(self.finals)]
         return _event(
@@ -196,6 +207,8 @@ class _StreamRunner:
         try:
             async with contextlib.aclosing(self._items()) as items:
                 async for pi, c, st, start, end, done in items:
+                    if self.kv_due is not None:
+                        yield self._kv_chunk("text_completion")
                     if c.finish_reason == "error":
                         yield self._failed_event(c)
                         yield _DONE
@@ -258,6 +271,8 @@ class _StreamRunner:
         try:
             async with contextlib.aclosing(self._items()) as items:
                 async for _pi, c, st, start, end, done in items:
+                    if self.kv_due is not None:
+                        yield self._kv_chunk("chat.completion.chunk")
                     if c.finish_reason == "error":
                         yield self._failed_event(c)
                         yield _DONE

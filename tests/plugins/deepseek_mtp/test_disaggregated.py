@@ -159,6 +159,13 @@ def test_tp2_ranks_move_their_copies_of_every_cache_group(scheduler: str) -> Non
         while engine.kvx.held and time.monotonic() < deadline:
             engine.check_worker()
             time.sleep(0.02)
-        assert engine.kvx.stats == {"kv_sent": 2, "kv_send_failed": 0, "kv_pulled": 2, "kv_pull_failed": 0}
+        assert engine.kvx.stats == {
+            "kv_sent": 2,
+            "kv_send_failed": 0,
+            "kv_pulled": 2,
+            "kv_pull_failed": 0,
+            "kv_parts_sent": 2,  # a whole offer moves in one part
+            "kv_parts_pulled": 2,
+        }
         engine.kv.check_invariants(engine.scheduler.live_requests())
         assert _free_blocks(llm) == _all_blocks(llm)

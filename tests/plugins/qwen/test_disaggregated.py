@@ -323,3 +323,101 @@ def test_kv_role_with_ranks_on_other_hosts_is_refused() -> None:
 
     with pytest.raises(SettingsError, match="kv_role with nnodes > 1 is not supported"):
         LLM(kv_role="prefill", tensor_parallel_size=2, nnodes=2, master_port=29999, **COMMON)
+
+
+# -- streamed transfers (stream_kv): the decode engine pulls the prompt's blocks chunk by chunk while
+# the prefill engine computes them, and starts only once the last part arrived.
+STREAM: dict[str, Any] = {**COMMON, "max_num_batched_tokens": 16, "worker_mode": "inproc"}
+# Five prefill chunks of 16 tokens each: 74 tokens, 5 blocks move. Each test prefills its own prompts
+# (a prefix-cache hit on the prefill engine would compute them in one step).
+LONG = [[(37 * i + 11 * k) % 900 for i in range(75)] for k in range(1, 4)]
+
+
+@pytest.fixture(
+    scope="module", params=["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))]
+)
+def stream_pair(request: pytest.FixtureRequest) -> Iterator[tuple[LLM, LLM]]:
+    """Both engines on one strategy (async: a step's chunk is published when its result is applied,
+    one step later than it was scheduled)."""
+    with (
+        LLM(kv_role="prefill", scheduler=request.param, **STREAM) as p,
+        LLM(kv_role="decode", scheduler=request.param, **STREAM) as d,
+    ):
+        yield p, d
+
+
+def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool, abort_after: int = 0) -> Any:
+    """Prefill ``prompt`` with stream_kv while ``d`` pulls it from the start (its params taken as the
+    request is added), stepping both engines in turn; ``abort_after``: abort the prefill after that
+    many steps. Returns the decode output."""
+    pe, de = p._engine(), d._engine()
+    streamed = {"do_remote_decode": True, "stream_kv": True}
+    first = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params=streamed)
+    pe.add_request(rid, prompt, first)
+    offer = pe.kv_transfer_params(rid)
+    assert offer is not None and offer["kv_streamed"] and offer["num_tokens"] == len(prompt) - 1
+    de.add_request(rid, prompt, _params(seeded, kv_transfer_params=offer))
+    de.step()  # the pull starts before the prefill computed anything
+    time.sleep(0.1)
+    outs: dict[str, Any] = {}
+    steps, deadline = 0, time.monotonic() + 60
+    while (pe.has_unfinished() or de.has_unfinished()) and time.monotonic() < deadline:
+        if pe.has_unfinished():
+            pe.step()
+            steps += 1
+            assert not de.scheduler.requests, "the decode engine admitted the request before its KV was complete"
+            time.sleep(0.05)  # each chunk's part goes out on its own
+            if steps == abort_after:
+                pe.abort(rid)
+        outs.update({o.request_id: o for o in de.step() if o.finished})
+    return outs[rid]
+
+
+def _all_free(llm: LLM) -> None:
+    engine = llm._engine()
+    deadline = time.monotonic() + 10
+    while engine.kvx.held and time.monotonic() < deadline:  # type: ignore[union-attr]
+        engine.check_worker()
+        time.sleep(0.02)
+    assert engine.kvx is not None and not engine.kvx.streams and not engine.kvx.held
+    engine.kv.check_invariants(engine.scheduler.live_requests(), engine.kvx.pinned())
+    assert _free_blocks(llm) == _all_blocks(llm)
+
+
+def test_a_streamed_transfer_moves_each_prefill_chunk_as_it_is_computed(stream_pair: tuple[LLM, LLM]) -> None:
+    """The reference is the decode engine's own co-located output; the streamed request computed only
+    the last prompt token, from KV that arrived in several parts while the prefill ran."""
+    p, d = stream_pair
+    de, pe = d._engine(), p._engine()
+    assert de.kvx is not None and pe.kvx is not None
+    for i, seeded in enumerate((False, True)):
+        reference = d.generate([LONG[i]], _params(seeded), use_tqdm=False)[0]
+        parts = de.kvx.stats["kv_parts_pulled"]
+        out = _stream(p, d, f"s-{i}", LONG[i], seeded)
+        assert out.outputs[0].error is None and out.num_cached_tokens == len(LONG[i]) - 1
+        assert out.outputs[0].token_ids == reference.outputs[0].token_ids, seeded
+        assert de.kvx.stats["kv_parts_pulled"] - parts >= 3  # not one part at the end of the prefill
+    assert de.kvx.stats["kv_pull_failed"] == 0
+    _all_free(d)
+    _all_free(p)
+    assert pe.kvx.stats["kv_sent"] >= 2 and pe.kvx.stats["kv_send_failed"] == 0
+
+
+def test_a_streamed_transfer_withdrawn_mid_prefill_fails_only_its_request(stream_pair: tuple[LLM, LLM]) -> None:
+    """The prefill request is aborted after two of its chunks: its growing offer is withdrawn, the
+    decode request fails with the reason (never computing from the parts it had), and both engines
+    free every block; each serves on."""
+    p, d = stream_pair
+    out = _stream(p, d, "w", LONG[2], False, abort_after=2)
+    assert out.outputs[0].finish_reason == "error"
+    assert "KV transfer failed: the prefill engine withdrew the offer" in (out.outputs[0].error or "")
+    _all_free(d)
+    _all_free(p)
+    again = d.generate([LONG[2]], _params(False), use_tqdm=False)[0]
+    assert again.outputs[0].error is None and len(again.outputs[0].token_ids) == N_OUT
+
+
+def test_stream_kv_is_refused_where_it_cannot_apply(stream_pair: tuple[LLM, LLM]) -> None:
+    _, d = stream_pair
+    with pytest.raises(ValueError, match="stream_kv applies to a prefill request"):
+        d.generate([LONG[0]], _params(False, kv_transfer_params={"stream_kv": True}), use_tqdm=False)

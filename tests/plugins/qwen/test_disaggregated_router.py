@@ -5,6 +5,7 @@ The reference is the prefill server answering the same request co-located."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,3 +109,63 @@ def test_a_decode_server_refuses_foreign_kv_transfer_params(pair: tuple[LiveServ
     body = {"prompt": "abc", "max_tokens": 2, "kv_transfer_params": {**bad, "num_tokens": 2, "prompt_digest": "0"}}
     answer = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
     assert answer.status_code == 400 and "another prompt" in answer.text
+
+
+def test_a_streamed_prefill_hands_out_its_kv_transfer_params_first(
+    pair: tuple[LiveServer, LiveServer, Any, Any],
+) -> None:
+    """``stream_kv`` over HTTP: a streamed prefill request's first SSE event carries the offer, before
+    the prefill finished; the decode server pulls with it while the prefill stream is still open."""
+    prefill, decode, p_llm, d_llm = pair
+    body = {"prompt": "import json\nimport re\n\nclass Parser:\n    def parse(", "max_tokens": 6, "temperature": 0}
+    reference = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    first = {
+        **body,
+        "max_tokens": 1,
+        "stream": True,
+        "kv_transfer_params": {"do_remote_decode": True, "stream_kv": True},
+    }
+    with httpx.stream("POST", f"{prefill.url}/v1/completions", json=first, timeout=60) as r:
+        lines = r.iter_lines()
+        head = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: ") :])
+        assert head["choices"] == [] and head["kv_transfer_params"]["kv_streamed"]  # before any token
+        pulled = {**body, "kv_transfer_params": head["kv_transfer_params"]}
+        got = httpx.post(f"{decode.url}/v1/completions", json=pulled, timeout=60)
+        events, done = parse_sse("\n".join(lines))
+    assert got.status_code == 200 and got.json()["choices"][0]["text"] == reference
+    assert done and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("kv_transfer_params" not in e for e in events)  # handed out once
+    wait_for(lambda: not p_llm.engine.kvx.held, 10, "the prefill engine's offer freed")
+    for engine in (p_llm.engine, d_llm.engine):
+        assert sum(p.num_free for p in engine.kv.pools.values()) == sum(p.num_blocks for p in engine.kv.pools.values())
+
+
+def test_the_router_sends_the_decode_request_as_a_streamed_prefill_starts(
+    pair: tuple[LiveServer, LiveServer, Any, Any],
+) -> None:
+    """A ``stream_kv`` prefill replica: the router forwards the decode request on the prefill's first
+    event (streamed answers too), and the prefill's stream is read to its end behind it."""
+    from pypto_serving.router import RouterSettings
+
+    prefill, decode, p_llm, d_llm = pair
+    replicas = [
+        {"url": prefill.url, "name": "p", "role": "prefill", "stream_kv": True},
+        {"url": decode.url, "name": "d", "role": "decode"},
+    ]
+    router = RouterThread(RouterSettings(replicas=replicas, health_interval=0.2))
+    try:
+        body = {"prompt": "def fib(n):\n    if n < 2:\n", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        reference = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        pulled, failed = d_llm.stats["kv_pulled"], d_llm.stats["kv_pull_failed"]
+        answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-pypto-replica"] == "d" and answer.json()["choices"][0]["text"] == reference
+        with httpx.stream("POST", f"{router.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            events, done = parse_sse(r.read().decode())
+        assert done and "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == reference
+        assert d_llm.stats["kv_pulled"] == pulled + 2 and d_llm.stats["kv_pull_failed"] == failed
+        wait_for(lambda: not p_llm.engine.kvx.held, 10, "the prefill engine's offers freed")
+        load = router.state.router.replicas["p"]
+        wait_for(lambda: load.in_flight == 0 and load.outstanding_tokens == 0, 10, "the prefill halves counted done")
+    finally:
+        router.stop()
