@@ -74,9 +74,14 @@ def make_weight(
     return QuantizedWeight(scheme, data, scale, offset=offset)
 
 
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, reduce_absmax: K.AbsmaxReduce | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias``; ``reduce_absmax``: ``x`` is a row-parallel rank's slice of each row
+    (``ParallelContext.absmax_reduce``), which a dynamic-W8A8 weight quantises with the whole row's
+    per-token scale, as one rank does."""
     if isinstance(weight, QuantizedWeight):
-        out: torch.Tensor = K.quant_linear(x, weight, bias)
+        out: torch.Tensor = K.quant_linear(x, weight, bias, reduce_absmax)
         return out
     if isinstance(weight, K.PackedLinearWeight):
         packed: torch.Tensor = K.linear(x, weight, bias)
