@@ -16,7 +16,8 @@ one), stacked per expert (``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]`` in 
   inputs are slices of the hidden rows: ``reduce_absmax`` (:data:`pypto_kernels.AbsmaxReduce`)
   turns each slice's absmax into the whole row's, so every rank quantises as one rank does. The
   reference and the CPU int8 path quantise all of a call's hidden rows at once (one reduction per
-  call); the gathered path once per chunk of experts.
+  call); the gathered path once per chunk of experts (per expert where the grouped matmul is
+  unavailable). Every rank routes the same tokens, so the ranks' reductions pair up.
 
 No float copy of the experts is kept: each call dequantises only the experts it routes tokens to,
 into the activations' dtype, and drops them after the matmuls.
