@@ -4,7 +4,8 @@ few decode steps, for Qwen3, Qwen3-MoE with split experts and with expert parall
 biases and a tied embedding, Qwen3 with attention biases, a KV head replicated over the ranks, a
 checkpoint in several safetensors files, a block-FP8 one and W8A8_DYNAMIC ones (dense, MoE split
 and expert parallel: the row-parallel projections quantise with the whole row's per-token scale, so
-their logits too are within summation-order error). Each rank reads exactly the parameters it holds (and the FP8 block scales) from the safetensors files, holds about half the model, and
+their logits too are within summation-order error). Each rank reads exactly the parameters it
+holds (and the FP8 block scales) from the safetensors files, holds about half the model, and
 reports a KV block of half the bytes. One spawned pair of ranks runs every case."""
 
 from __future__ import annotations
