@@ -32,7 +32,7 @@ from pypto_serving_qwen.sharding import QwenSharding
 from tests.distributed_helpers import run_ranks
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, make_qwen_checkpoint, qwen_settings
 from tests.plugins.qwen.test_qwen_fp8 import _fp8_copy
-from tests.plugins.qwen.test_qwen_w8a8 import _w8a8_copy
+from tests.plugins.qwen.test_qwen_w8a8 import _static_copy, _w8a8_copy
 
 WORLD = 2
 PROMPTS = {"a": [3, 17, 5, 99, 42, 7, 250], "b": [11, 300, 8, 64, 1]}
@@ -165,6 +165,7 @@ def _rank_cases(paths: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {name: _generate(paths[name], CASES[name]) for name in CASES}
     out["captured"] = _generate(paths["qwen3"], {"executor_options": GRAPHS})
     out["device_graph_refusal"] = _device_graph_refusal(paths["qwen3"])
+    out["static_w8a8"] = _generate(paths["static_w8a8"], {})
     return out
 
 
@@ -185,7 +186,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, qwen_checkpoints: Call
         "qwen3_bias": bias,  # o_proj's bias is added once, after the all-reduce
         "qwen3_sharded": qwen_checkpoints("qwen3_sharded"),  # slices read across safetensors files
     }
-    return {name: str(paths[name.split("+")[0]]) for name in CASES}
+    cases = {name: str(paths[name.split("+")[0]]) for name in CASES}
+    # Outside CASES: static W8A8's per-tensor scales are read once per fused weight, so what a rank
+    # reads is not what it holds (test_each_rank_reads_only_what_it_holds).
+    return cases | {"static_w8a8": str(_static_copy(qwen_checkpoints("qwen3"), root / "static_w8a8"))}
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +222,20 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(
     # Both ranks hold the very same logits, so their samplers draw the same tokens.
     for g0, g1 in zip(ranks[0][case]["logits"], ranks[1][case]["logits"], strict=True):
         assert torch.equal(g0, g1)
+
+
+def test_static_w8a8_ranks_give_the_logits_and_greedy_tokens_of_one(
+    checkpoints: dict[str, str], ranks: list[dict[str, Any]]
+) -> None:
+    """msModelSlim static W8A8: the per-tensor input scale quantises every rank's slice as one rank
+    does, and a row-parallel projection's quant_bias (the activation offset times the whole row's
+    weight sum) is added by one rank only, so the ranks' partial sums add up to one rank's."""
+    want = _generate(checkpoints["static_w8a8"], {})
+    for rank in ranks:
+        got = rank["static_w8a8"]
+        assert got["tokens"] == want["tokens"]
+        for g, w in zip(got["logits"], want["logits"], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 def _scale_elements(path: str) -> int:
