@@ -360,3 +360,33 @@ def test_split_w8a8_experts_halves_sum_to_the_whole(path: str, monkeypatch: pyte
 
     torch.testing.assert_close(_two_ranks(rank_out), whole, rtol=1e-5, atol=1e-4)
     assert (rank_out(0, None) + rank_out(1, None) - whole).abs().max() > 1e-3
+
+
+def test_row_parallel_w8a8_reads_nothing_on_the_host_of_a_fake_device() -> None:
+    """The whole-row scales stay on the device: the W8A8 linear (reference, which CUDA runs) and
+    the gathered experts hand ``reduce_absmax`` a device tensor and read nothing back."""
+    import pypto_kernels.quant_moe as qm
+    from tests.plugins.qwen.fake_cuda import CUDA, fake_cuda
+
+    handed: list[torch.Tensor] = []
+
+    def reduce(a: torch.Tensor) -> torch.Tensor:  # an all-reduce MAX is in place on the device
+        handed.append(a)
+        return a
+
+    with fake_cuda():
+        int8 = torch.empty(24, 32, dtype=torch.int8, device=CUDA)
+        weight = QuantizedWeight("w8a8_dynamic", int8, torch.empty(24, 1, device=CUDA))
+        out = pypto_kernels.quant_linear(torch.empty(5, 32, dtype=torch.bfloat16, device=CUDA), weight, None, reduce)
+        assert out.shape == (5, 24) and out.device == CUDA
+        gate_up, down = (
+            QuantizedWeight(
+                "w8a8_dynamic", torch.empty(4, n, k, dtype=torch.int8, device=CUDA), torch.empty(4, n, device=CUDA)
+            )
+            for n, k in ((16, 32), (32, 8))
+        )
+        x, weights = torch.empty(5, 32, dtype=torch.bfloat16, device=CUDA), torch.empty(5, 2, device=CUDA)
+        ids = torch.zeros(5, 2, dtype=torch.long, device=CUDA)
+        moe = qm.gathered_quant_moe_experts(x, gate_up, down, weights, ids, reduce_absmax=reduce)
+        assert moe.shape == (5, 32) and moe.device == CUDA
+    assert len(handed) >= 2 and all(a.device == CUDA and a.shape[-1] == 1 for a in handed)
