@@ -7,6 +7,9 @@ so an executor finds its place with :meth:`ParallelContext.current` and shards i
 
 - a column-parallel linear keeps its output sharded (no communication);
 - a row-parallel linear produces a partial sum that :meth:`ParallelContext.all_reduce` completes;
+  a row-parallel dynamic-W8A8 linear also takes each token's absmax over the whole row
+  (:meth:`ParallelContext.all_reduce_max`, handed to the kernel as
+  :attr:`ParallelContext.absmax_reduce`) so every rank quantises its slice with one rank's scale;
 - a vocab-parallel embedding looks up the ids its rank owns and all-reduces the rows;
 - a vocab-parallel LM head computes its slice of the logits and :meth:`ParallelContext.all_gather`
   concatenates them, so every rank holds the same full logits and samples the same tokens;
@@ -72,6 +75,19 @@ class ParallelContext:
         if self.enabled:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum of ``x`` over the ranks, in place; returns ``x``."""
+        if self.enabled:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
+    @property
+    def absmax_reduce(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What a row-parallel dynamic-W8A8 kernel takes as ``reduce_absmax`` (each token's absmax
+        over its slice to the whole row's): :meth:`all_reduce_max` with several ranks, None with one,
+        so a single rank runs no collective and no extra op."""
+        return self.all_reduce_max if self.enabled else None
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``x`` along ``dim`` in rank order (all shards have one shape)."""

@@ -23,7 +23,7 @@ from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
 from .mxfp4 import dequantize_mxfp4
 from .norm import add_rms_norm, rms_norm
-from .quant import QuantizedLinearWeight, dequantize_weight, quant_linear, quantize_per_token
+from .quant import AbsmaxReduce, QuantizedLinearWeight, dequantize_weight, quant_linear, quantize_per_token
 from .quant_moe import dequantize_experts, quant_moe_experts
 from .registry import (
     KERNEL_NAMES,
@@ -41,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "KERNEL_NAMES",
+    "AbsmaxReduce",
     "PackedLinearWeight",
     "QuantizedLinearWeight",
     "__version__",

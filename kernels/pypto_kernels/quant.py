@@ -11,6 +11,12 @@ Schemes:
 - ``"w8a8_dynamic"``: ``data`` int8, ``scale`` float32 ``[out]``, optional ``offset`` ``[out]``;
   ``W = (data - offset) * scale``. Activations are quantised per token (symmetric int8, scale
   ``absmax / 127``) as msModelSlim's dynamic W8A8 and the NPU's ``npu_dynamic_quant`` do.
+  A row-parallel linear (its input split over tensor-parallel ranks) passes ``reduce_absmax``
+  (:data:`AbsmaxReduce`): each token's absmax over its slice goes through it (an all-reduce MAX
+  over the group) before the scale is taken, so every rank quantises its slice with the scale one
+  rank computes over the whole row, and the ranks' partial sums add up to one rank's product (up
+  to float summation order). Without it the scales would be per slice, and the result would differ
+  from one rank's by the activations' int8 rounding.
 - ``"w8a8_static"``: msModelSlim's static W8A8: ``x_q = clamp(round(x / input_scale + input_offset))``,
   ``y = (x_q @ data.T + quant_bias) * deq_scale`` (``quant_bias`` int32 folds the float bias and the
   activation offset in; ``deq_scale = input_scale * weight_scale``).
@@ -21,6 +27,7 @@ path); the fast paths live in :mod:`pypto_kernels.backends` (``cpu``, ``cuda``, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -28,9 +35,20 @@ import torch.nn.functional as F
 
 from .registry import dispatch
 
-__all__ = ["QUANT_SCHEMES", "QuantizedLinearWeight", "dequantize_weight", "quant_linear", "quantize_per_token"]
+__all__ = [
+    "QUANT_SCHEMES",
+    "AbsmaxReduce",
+    "QuantizedLinearWeight",
+    "dequantize_weight",
+    "quant_linear",
+    "quantize_per_token",
+]
 
 QUANT_SCHEMES = frozenset({"fp8_block", "w8a8_dynamic", "w8a8_static"})
+
+#: ``absmax [rows, 1] float32 -> [rows, 1]``: each row's absmax over this rank's slice of the row to
+#: its absmax over the whole row (``ParallelContext.all_reduce_max`` under tensor parallelism).
+AbsmaxReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class QuantizedLinearWeight(Protocol):
@@ -79,11 +97,14 @@ def dequantize_weight(weight: QuantizedLinearWeight, dtype: torch.dtype = torch.
     return (centred * weight.scale.float().reshape(-1, 1)).to(dtype)
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token(x: torch.Tensor, reduce_absmax: AbsmaxReduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row: ``(x_q, scale)`` with ``x ~ x_q * scale``, ``scale = absmax / 127``
-    (float32 ``[rows, 1]``; an all-zero row gets scale 1 so nothing divides by zero)."""
+    (float32 ``[rows, 1]``; an all-zero row gets scale 1 so nothing divides by zero). ``x`` a slice
+    of each row (a row-parallel rank's): ``reduce_absmax`` gives the whole row's absmax."""
     xf = x.float()
     absmax = xf.abs().amax(dim=-1, keepdim=True)
+    if reduce_absmax is not None:
+        absmax = reduce_absmax(absmax)
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
     return torch.clamp(torch.round(xf / scale), -127, 127).to(torch.int8), scale
 
@@ -104,10 +125,17 @@ def static_deq_scale(deq_scale: torch.Tensor) -> torch.Tensor:
 
 
 @dispatch("quant_linear")
-def quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear(
+    x: torch.Tensor,
+    weight: QuantizedLinearWeight,
+    bias: torch.Tensor | None = None,
+    reduce_absmax: AbsmaxReduce | None = None,
+) -> torch.Tensor:
     """``x @ W.T + bias`` for a stored-precision ``weight`` (reference: dequantise, then one matmul).
 
-    ``x`` is ``[..., in]``; the result has ``x``'s dtype and shape ``[..., out]``.
+    ``x`` is ``[..., in]``; the result has ``x``'s dtype and shape ``[..., out]``. ``reduce_absmax``:
+    ``x`` is this rank's slice of each row of a row-parallel linear (``w8a8_dynamic`` quantises
+    with the whole row's scale; the other schemes' activation scales do not span ranks).
     """
     if weight.scheme == "w8a8_static":
         assert weight.input_scale is not None and weight.input_offset is not None
@@ -116,7 +144,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Ten
         acc = F.linear(x_q, weight.data.float()) + weight.quant_bias.float()
         out = acc * static_deq_scale(weight.deq_scale)
     elif weight.scheme == "w8a8_dynamic":
-        x_q, x_scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
+        x_q, x_scale = quantize_per_token(x.reshape(-1, x.shape[-1]), reduce_absmax)
         out = F.linear(x_q.float(), dequantize_weight(weight)) * x_scale
         out = out.reshape(*x.shape[:-1], -1)
     elif weight.scheme == "fp8_block":

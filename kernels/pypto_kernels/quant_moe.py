@@ -11,7 +11,13 @@ one), stacked per expert (``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]`` in 
 - ``"w8a8_dynamic"`` (msModelSlim): ``data`` int8 ``[E, N, K]``, ``scale`` float32 ``[E, N]`` and
   ``offset`` ``[E, N]`` or None; value ``(data - offset) * scale``. As msModelSlim's dynamic W8A8
   and the NPU's ``npu_dynamic_quant`` do, each matmul's input (the tokens, then the activated
-  hidden rows) is quantised per row to symmetric int8 (scale ``absmax / 127``) first.
+  hidden rows) is quantised per row to symmetric int8 (scale ``absmax / 127``) first. Where each
+  rank holds a slice of every expert's intermediate rows (tensor-parallel MoE), the down matmuls'
+  inputs are slices of the hidden rows: ``reduce_absmax`` (:data:`pypto_kernels.AbsmaxReduce`)
+  turns each slice's absmax into the whole row's, so every rank quantises as one rank does. The
+  reference and the CPU int8 path quantise all of a call's hidden rows at once (one reduction per
+  call); the gathered path once per chunk of experts (per expert where the grouped matmul is
+  unavailable). Every rank routes the same tokens, so the ranks' reductions pair up.
 
 No float copy of the experts is kept: each call dequantises only the experts it routes tokens to,
 into the activations' dtype, and drops them after the matmuls.
@@ -26,6 +32,7 @@ into the activations' dtype, and drops them after the matmuls.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -35,7 +42,7 @@ import torch.nn.functional as F
 from .activation import silu_and_mul
 from .moe import moe_experts, routes_by_expert
 from .mxfp4 import dequantize_mxfp4
-from .quant import fp8_values, quantize_per_token
+from .quant import AbsmaxReduce, fp8_values, quantize_per_token
 from .registry import dispatch
 
 __all__ = [
@@ -105,20 +112,21 @@ def dequantize_experts(weight: QuantizedExperts, index: int | torch.Tensor, dtyp
     raise ValueError(f"quant_moe_experts: unknown scheme {weight.scheme!r}; known: {sorted(EXPERT_SCHEMES)}")
 
 
-def _fake_quant(x: torch.Tensor) -> torch.Tensor:
+def _fake_quant(x: torch.Tensor, reduce_absmax: AbsmaxReduce | None = None) -> torch.Tensor:
     """``x`` quantised per row to int8 and back (what a per-token W8A8 matmul multiplies)."""
-    q, scale = quantize_per_token(x)
+    q, scale = quantize_per_token(x, reduce_absmax)
     return (q.to(torch.float32) * scale).to(x.dtype)
 
 
 def _per_token_inputs(
-    weight: QuantizedExperts, x: torch.Tensor, activation: Activation
+    weight: QuantizedExperts, x: torch.Tensor, activation: Activation, reduce_absmax: AbsmaxReduce | None = None
 ) -> tuple[torch.Tensor, Activation]:
     """The tokens and the activation as the scheme's matmuls see them: W8A8 quantises both matmuls'
-    inputs per row, the weight-only schemes leave them as they are."""
+    inputs per row (the hidden rows with the whole row's scale, ``reduce_absmax``), the weight-only
+    schemes leave them as they are."""
     if weight.scheme != "w8a8_dynamic":
         return x, activation
-    return _fake_quant(x), lambda h: _fake_quant(activation(h))
+    return _fake_quant(x), lambda h: _fake_quant(activation(h), reduce_absmax)
 
 
 @dispatch("quant_moe_experts")
@@ -129,21 +137,29 @@ def quant_moe_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     activation: Activation = silu_and_mul,
+    reduce_absmax: AbsmaxReduce | None = None,
 ) -> torch.Tensor:
     """Sum over k of ``weight * down_e(act(gate_up_e x))`` for each token's experts (``ids [T, k]``,
     ``weights [T, k]``), the experts stored as the module docstring says; id ``E`` is a dropped route.
+    ``reduce_absmax``: the experts' intermediate rows are split over tensor-parallel ranks (W8A8).
 
     Reference: one expert at a time, only those with tokens (the counts are read to the host),
-    each dequantised into ``x.dtype`` for its two matmuls and dropped.
+    each dequantised into ``x.dtype`` for its matmuls and dropped; every expert's hidden rows are
+    made before the down matmuls, so W8A8 quantises them in one call.
     """
     out = torch.zeros_like(x)
     if ids.shape[0] == 0:
         return out
-    xs, act = _per_token_inputs(gate_up, x, activation)
-    for expert, _, tokens, route_weights in routes_by_expert(ids, weights, gate_up.data.shape[0], x.dtype):
-        hidden = act(F.linear(xs[tokens], dequantize_experts(gate_up, expert, x.dtype)))
-        hidden = F.linear(hidden, dequantize_experts(down, expert, x.dtype)) * route_weights[:, None]
-        out.index_add_(0, tokens, hidden.to(out.dtype))
+    xs, _ = _per_token_inputs(gate_up, x, activation)
+    routes = routes_by_expert(ids, weights, gate_up.data.shape[0], x.dtype)
+    hidden = [activation(F.linear(xs[r[2]], dequantize_experts(gate_up, r[0], x.dtype))) for r in routes]
+    if gate_up.scheme == "w8a8_dynamic" and hidden:
+        rows = _fake_quant(torch.cat(hidden), reduce_absmax)
+        ends = itertools.accumulate(h.shape[0] for h in hidden)
+        hidden = [rows[end - h.shape[0] : end] for h, end in zip(hidden, ends, strict=True)]
+    for (expert, _, tokens, route_weights), h in zip(routes, hidden, strict=True):
+        routed = F.linear(h, dequantize_experts(down, expert, x.dtype)) * route_weights[:, None]
+        out.index_add_(0, tokens, routed.to(out.dtype))
     return out
 
 
@@ -154,6 +170,7 @@ def gathered_quant_moe_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     activation: Activation = silu_and_mul,
+    reduce_absmax: AbsmaxReduce | None = None,
 ) -> torch.Tensor:
     """:func:`quant_moe_experts` without a host read (see the module docstring).
 
@@ -169,7 +186,7 @@ def gathered_quant_moe_experts(
     routed = min(n_experts, num_tokens * top_k)
     if routed == 0:
         return out
-    xs, act = _per_token_inputs(gate_up, x, activation)
+    xs, act = _per_token_inputs(gate_up, x, activation, reduce_absmax)
     flat = ids.reshape(-1)
     hits = torch.zeros(n_experts + 1, dtype=torch.int32, device=ids.device)
     hits = hits.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))[:n_experts]

@@ -9,6 +9,7 @@ import importlib
 import itertools
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -219,6 +220,14 @@ def test_npu_w8a8_glue_matches_the_reference(monkeypatch: pytest.MonkeyPatch) ->
         want = quant_linear.reference(x, weight)
         assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     assert calls[:2] == ["npu_dynamic_quant", "npu_quant_matmul"]
+    # A row-parallel rank's slice: quantised with the scale reduce_absmax returns (npu_dynamic_quant
+    # takes none), the same arithmetic as the reference.
+    calls.clear()
+    weight, x = _int8((24, 64)), _x(6, 64, torch.bfloat16)
+    got = npu.quant_linear_w8a8(x, weight, None, lambda a: a * 2)
+    want = quant_linear.reference(x, weight, None, lambda a: a * 2)
+    assert calls == ["npu_quant_matmul"] and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(want.float(), quant_linear.reference(x, weight).float(), rtol=1e-3, atol=1e-3)
     assert not npu.supports_quant_linear(x, _int8((5, 3), offset=True))  # asymmetric: reference
     assert "scheme" in (npu.explain_quant_linear(scheme="fp8_block") or "")
 
@@ -259,3 +268,125 @@ def test_fp8_table_decoding_equals_the_conversion(fmt: torch.dtype) -> None:
             got, want = fp8_values(data, dtype), data.to(dtype)
             assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
             assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+# --------------------------------------------------------------------------- row-parallel W8A8
+
+
+def _two_ranks(run: Callable[[int, Callable[[torch.Tensor], torch.Tensor] | None], torch.Tensor]) -> torch.Tensor:
+    """The sum of two simulated tensor-parallel ranks' partial outputs, ``run(rank, reduce_absmax)``,
+    where each rank's ``reduce_absmax`` is the all-reduce MAX: a first pass records every absmax
+    each rank hands over (in call order), the second gives each call the maximum of both ranks'."""
+    seen: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def record(rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda a: seen[rank].append(a.clone()) or a
+
+    def reduce(rank: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        other = iter(seen[1 - rank])
+        return lambda a: torch.maximum(a, next(other))
+
+    for rank in (0, 1):
+        run(rank, record(rank))
+    assert len(seen[0]) == len(seen[1]) > 0
+    return run(0, reduce(0)) + run(1, reduce(1))
+
+
+def _columns(weight: QuantizedWeight, rank: int) -> QuantizedWeight:
+    """Rank ``rank``'s half of the input columns (a row-parallel part; scales are per output row)."""
+    half = weight.data.shape[-1] // 2
+    return QuantizedWeight(
+        weight.scheme, weight.data[..., rank * half : (rank + 1) * half], weight.scale, offset=weight.offset
+    )
+
+
+@pytest.mark.parametrize("path", ["reference", "cpu"])
+def test_row_parallel_w8a8_linear_halves_sum_to_the_whole(path: str) -> None:
+    """Each rank quantises its half of a row with the whole row's scale (``reduce_absmax``): the
+    partial products add up to one rank's result; with per-half scales they do not."""
+    weight, x = _int8((24, 64), offset=True), _x(9, 64) * torch.linspace(0.1, 3, 64)  # halves' ranges differ
+    fn = quant_linear.reference if path == "reference" else cpu_backend.quant_linear
+    whole = fn(x, weight)
+
+    def rank_out(rank: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+        return fn(x[:, rank * 32 : (rank + 1) * 32], _columns(weight, rank), None, reduce)
+
+    torch.testing.assert_close(_two_ranks(rank_out), whole, rtol=1e-5, atol=1e-4)
+    per_half = rank_out(0, None) + rank_out(1, None)
+    assert (per_half - whole).abs().max() > 1e-2  # what the ranks gave before: the test can fail
+
+
+def _split_experts(stack: QuantizedWeight, rank: int, gate_up: bool) -> QuantizedWeight:
+    """Rank ``rank``'s half of every expert's intermediate rows: gate and up rows of ``gate_up``
+    (``[E, 2I, H]``), the input columns of ``down`` (``[E, H, I]``)."""
+    if not gate_up:
+        return _columns(stack, rank)
+    i = stack.data.shape[1] // 2
+    rows = torch.cat([torch.arange(rank * i // 2, (rank + 1) * i // 2) + base for base in (0, i)])
+    offset = None if stack.offset is None else stack.offset[:, rows]
+    return QuantizedWeight(stack.scheme, stack.data[:, rows], stack.scale[:, rows], offset=offset)
+
+
+def _expert_stack(rows: int, cols: int, seed: int) -> QuantizedWeight:
+    """Five asymmetric int8 experts ``[5, rows, cols]`` with per-row scales and offsets."""
+    w = _int8((5 * rows, cols), offset=True, seed=seed)
+    assert w.offset is not None
+    return QuantizedWeight(
+        "w8a8_dynamic", w.data.view(5, rows, cols), w.scale.view(5, rows), offset=w.offset.view(5, rows)
+    )
+
+
+@pytest.mark.parametrize("path", ["reference", "gathered", "cpu"])
+def test_split_w8a8_experts_halves_sum_to_the_whole(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensor-parallel MoE: each rank holds half of every expert's intermediate rows, and the down
+    matmuls' inputs (halves of the hidden rows) are quantised with the whole rows' scales."""
+    import pypto_kernels.quant_moe as qm
+
+    monkeypatch.setattr(qm, "GATHER_EXPERTS", 2)  # the gathered path's reduction runs per chunk
+    stacks = [_expert_stack(48, 40, seed=4), _expert_stack(40, 24, seed=5)]
+    x = _x(7, 40, seed=6)
+    ids = torch.tensor([[0, 3], [3, 4], [0, 4], [3, 0], [4, 1], [0, 3], [3, 3]])
+    weights = torch.rand(7, 2, generator=torch.Generator().manual_seed(7))
+    fn = {
+        "reference": qm.quant_moe_experts.reference,
+        "gathered": qm.gathered_quant_moe_experts,
+        "cpu": cpu_backend.int8_moe_experts,
+    }[path]
+    whole = fn(x, *stacks, weights, ids)
+
+    def rank_out(rank: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+        gu, dn = _split_experts(stacks[0], rank, True), _split_experts(stacks[1], rank, False)
+        return fn(x, gu, dn, weights, ids, reduce_absmax=reduce)
+
+    torch.testing.assert_close(_two_ranks(rank_out), whole, rtol=1e-5, atol=1e-4)
+    assert (rank_out(0, None) + rank_out(1, None) - whole).abs().max() > 1e-3
+
+
+def test_row_parallel_w8a8_reads_nothing_on_the_host_of_a_fake_device() -> None:
+    """The whole-row scales stay on the device: the W8A8 linear (reference, which CUDA runs) and
+    the gathered experts hand ``reduce_absmax`` a device tensor and read nothing back."""
+    import pypto_kernels.quant_moe as qm
+    from tests.plugins.qwen.fake_cuda import CUDA, fake_cuda
+
+    handed: list[torch.Tensor] = []
+
+    def reduce(a: torch.Tensor) -> torch.Tensor:  # an all-reduce MAX is in place on the device
+        handed.append(a)
+        return a
+
+    with fake_cuda():
+        int8 = torch.empty(24, 32, dtype=torch.int8, device=CUDA)
+        weight = QuantizedWeight("w8a8_dynamic", int8, torch.empty(24, 1, device=CUDA))
+        out = pypto_kernels.quant_linear(torch.empty(5, 32, dtype=torch.bfloat16, device=CUDA), weight, None, reduce)
+        assert out.shape == (5, 24) and out.device == CUDA
+        gate_up, down = (
+            QuantizedWeight(
+                "w8a8_dynamic", torch.empty(4, n, k, dtype=torch.int8, device=CUDA), torch.empty(4, n, device=CUDA)
+            )
+            for n, k in ((16, 32), (32, 8))
+        )
+        x, weights = torch.empty(5, 32, dtype=torch.bfloat16, device=CUDA), torch.empty(5, 2, device=CUDA)
+        ids = torch.zeros(5, 2, dtype=torch.long, device=CUDA)
+        moe = qm.gathered_quant_moe_experts(x, gate_up, down, weights, ids, reduce_absmax=reduce)
+        assert moe.shape == (5, 32) and moe.device == CUDA
+    assert len(handed) >= 2 and all(a.device == CUDA and a.shape[-1] == 1 for a in handed)

@@ -3,7 +3,8 @@
 - ``fp8_block``: weight-only. The weight is dequantised a band of output rows at a time (a few
   scale-block rows, at most :data:`BAND_ELEMENTS` values) inside the matmul, so no full-size float
   copy of any weight exists at any time; the band is multiplied in the activation's dtype.
-- ``w8a8_dynamic``: activations quantised per token, then ``torch._int_mm`` (int8 x int8 -> int32,
+- ``w8a8_dynamic``: activations quantised per token (with the whole row's scale where a
+  row-parallel rank passes ``reduce_absmax``), then ``torch._int_mm`` (int8 x int8 -> int32,
   oneDNN's VNNI kernels on CPUs that have them) and one float rescale: the same arithmetic as the
   reference, exact up to float rounding. Chosen over ``torch._weight_int8pack_mm`` (weight-only,
   bfloat16 activations) by measurement, see docs/benchmarks.md.
@@ -38,7 +39,8 @@ import torch.nn.functional as F
 from ..activation import silu_and_mul
 from ..attention import batched_decode_paged_attention
 from ..dense import PackedLinearWeight
-from ..quant import QuantizedLinearWeight, fp8_values, quantize_per_token
+from ..moe import routes_by_expert
+from ..quant import AbsmaxReduce, QuantizedLinearWeight, fp8_values, quantize_per_token
 from ..quant_moe import QuantizedExperts
 from . import paged_attention_features
 
@@ -80,9 +82,11 @@ def _fp8_block(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tenso
     return out.reshape(*x.shape[:-1], out_rows).to(x.dtype)
 
 
-def _w8a8_dynamic(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def _w8a8_dynamic(
+    x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None, reduce_absmax: AbsmaxReduce | None
+) -> torch.Tensor:
     xs = x.reshape(-1, x.shape[-1])
-    x_q, x_scale = quantize_per_token(xs)
+    x_q, x_scale = quantize_per_token(xs, reduce_absmax)
     acc = torch._int_mm(x_q, weight.data.t()).float()
     if weight.offset is not None:  # (w - o) . x = w . x - o * sum(x)
         acc = acc - x_q.float().sum(dim=-1, keepdim=True) * weight.offset.float().reshape(1, -1)
@@ -92,11 +96,17 @@ def _w8a8_dynamic(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Te
     return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
-def quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The CPU path of :func:`pypto_kernels.quant_linear` (schemes ``supports_quant_linear`` accepts)."""
+def quant_linear(
+    x: torch.Tensor,
+    weight: QuantizedLinearWeight,
+    bias: torch.Tensor | None = None,
+    reduce_absmax: AbsmaxReduce | None = None,
+) -> torch.Tensor:
+    """The CPU path of :func:`pypto_kernels.quant_linear` (schemes ``supports_quant_linear`` accepts;
+    FP8 is weight-only, so ``reduce_absmax`` concerns W8A8 alone)."""
     if weight.scheme == "fp8_block":
         return _fp8_block(x, weight, bias)
-    return _w8a8_dynamic(x, weight, bias)
+    return _w8a8_dynamic(x, weight, bias, reduce_absmax)
 
 
 def explain_quant_linear(**features: Any) -> str | None:
@@ -106,7 +116,7 @@ def explain_quant_linear(**features: Any) -> str | None:
     return None
 
 
-def supports_quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None = None) -> bool:
+def supports_quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, *args: Any, **kwargs: Any) -> bool:
     return explain_quant_linear(scheme=weight.scheme) is None
 
 
@@ -177,25 +187,28 @@ def int8_moe_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+    reduce_absmax: AbsmaxReduce | None = None,
 ) -> torch.Tensor:
-    """:func:`pypto_kernels.quant_moe_experts` for W8A8 experts with int8 matmuls (module docstring)."""
+    """:func:`pypto_kernels.quant_moe_experts` for W8A8 experts with int8 matmuls (module docstring):
+    every expert's hidden rows first, quantised in one call (one ``reduce_absmax`` for a
+    tensor-parallel rank's slices), then the down matmuls."""
     out = torch.zeros_like(x)
-    n_experts, top_k = gate_up.data.shape[0], ids.shape[1]
     if ids.numel() == 0:
         return out
     x_q, x_scale = quantize_per_token(x)
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=n_experts).tolist()[:n_experts]
-    token_of, flat_weights = order // top_k, weights.reshape(-1)[order].float()
+    routes = routes_by_expert(ids, weights, gate_up.data.shape[0], torch.float32)
+    hidden = [
+        activation(_int8_expert_matmul(x_q[tokens], x_scale[tokens], gate_up, expert).to(x.dtype))
+        for expert, _, tokens, _ in routes
+    ]
+    if not hidden:
+        return out
+    h_q, h_scale = quantize_per_token(torch.cat(hidden), reduce_absmax)
     start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            tokens = token_of[start : start + count]
-            hidden = activation(_int8_expert_matmul(x_q[tokens], x_scale[tokens], gate_up, expert).to(x.dtype))
-            h_q, h_scale = quantize_per_token(hidden)
-            routed = _int8_expert_matmul(h_q, h_scale, down, expert) * flat_weights[start : start + count, None]
-            out.index_add_(0, tokens, routed.to(out.dtype))
+    for expert, count, tokens, route_weights in routes:
+        rows = slice(start, start + count)
+        routed = _int8_expert_matmul(h_q[rows], h_scale[rows], down, expert) * route_weights[:, None]
+        out.index_add_(0, tokens, routed.to(out.dtype))
         start += count
     return out
 

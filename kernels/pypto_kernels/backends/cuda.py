@@ -265,7 +265,7 @@ def explain_quant_linear(**features: Any) -> str | None:
     return None
 
 
-def supports_quant_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> bool:
+def supports_quant_linear(x: torch.Tensor, weight: Any, *args: Any, **kwargs: Any) -> bool:
     features = {
         "scheme": weight.scheme,
         "weight_dtype": weight.data.dtype,
@@ -276,12 +276,16 @@ def supports_quant_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | Non
     return explain_quant_linear(**features) is None
 
 
-def quant_linear_fp8(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear_fp8(
+    x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None, reduce_absmax: Any = None
+) -> torch.Tensor:
     """FP8 ``x @ W.T`` without dequantising ``W``: per block of ``bc`` input columns, the activations
     are quantised to e4m3 per token (DeepSeek's and Qwen3-FP8's dynamic 1 x 128 activation scheme)
     and ``torch._scaled_mm`` multiplies them by that column block of the weight with row-wise scales
     (per token for ``x``, per output row for ``W``: the block scale of the row's block); the partial
-    products add up in float32. Everything stays on the device: no host reads."""
+    products add up in float32. Everything stays on the device: no host reads. ``reduce_absmax``
+    is not needed: a row-parallel rank's part holds whole column blocks (the loader dequantises
+    parts that cut one), so each block's scale is one rank's alone."""
     br, bc = weight.block
     xs = x.reshape(-1, x.shape[-1])
     out_rows = weight.data.shape[0]

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch_npu
 
+from ..quant import AbsmaxReduce, quantize_per_token
 from ..registry import reference_kernel
 from . import paged_attention_features, unknown_options, write_kv_cache_features
 
@@ -272,18 +273,25 @@ def explain_quant_linear(**features: Any) -> str | None:
     return None
 
 
-def supports_quant_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> bool:
+def supports_quant_linear(x: torch.Tensor, weight: Any, *args: Any, **kwargs: Any) -> bool:
     features = {"scheme": weight.scheme, "offset": weight.offset is not None, "dtype": x.dtype}
     return explain_quant_linear(**features) is None
 
 
-def quant_linear_w8a8(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear_w8a8(
+    x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None, reduce_absmax: AbsmaxReduce | None = None
+) -> torch.Tensor:
     """Dynamic W8A8 as vllm-ascend runs it: ``npu_dynamic_quant`` quantises each token to int8 with
     scale ``absmax / 127`` (returned as float32 ``[tokens]``), and ``npu_quant_matmul(x1, x2, scale,
     pertoken_scale=..., output_dtype=...)`` computes ``(x1 @ x2) * scale * pertoken_scale`` with
-    ``x2`` the ``[in, out]`` view of the int8 weight and ``scale`` its per-channel float32 scales."""
+    ``x2`` the ``[in, out]`` view of the int8 weight and ``scale`` its per-channel float32 scales.
+    A row-parallel rank (``reduce_absmax``) quantises its slice with the whole row's scale instead:
+    ``npu_dynamic_quant`` takes no scale, so the same arithmetic runs as tensor ops."""
     xs = x.reshape(-1, x.shape[-1])
-    x_q, token_scale = torch_npu.npu_dynamic_quant(xs)
+    if reduce_absmax is None:
+        x_q, token_scale = torch_npu.npu_dynamic_quant(xs)
+    else:
+        x_q, token_scale = quantize_per_token(xs, reduce_absmax)
     out: torch.Tensor = torch_npu.npu_quant_matmul(
         x_q,
         weight.data.t(),

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from pypto_kernels import (
+    AbsmaxReduce,
     apply_interleaved_rope,
     compressor_pool,
     grouped_linear,
@@ -62,18 +63,22 @@ logger = logging.getLogger(__name__)
 Params = dict[str, Any]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    """``x @ weight.T``: stored-precision weights through ``quant_linear`` (no float copy of them)."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, reduce_absmax: AbsmaxReduce | None = None
+) -> torch.Tensor:
+    """``x @ weight.T``: stored-precision weights through ``quant_linear`` (no float copy of them);
+    ``reduce_absmax``: ``x`` is a row-parallel rank's slice of each row, which W8A8 quantises with
+    the whole row's per-token scale (``ParallelContext.absmax_reduce``)."""
     if isinstance(weight, QuantizedWeight):
-        out: torch.Tensor = quant_linear(x, weight)
+        out: torch.Tensor = quant_linear(x, weight, None, reduce_absmax)
         return out
     return F.linear(x, weight)
 
 
-def adapted_linear(p: Params, key: str, x: torch.Tensor) -> torch.Tensor:
+def adapted_linear(p: Params, key: str, x: torch.Tensor, reduce_absmax: AbsmaxReduce | None = None) -> torch.Tensor:
     """``linear(x, p[key])`` plus each token's LoRA adapter's delta where the layer has adapter
     stacks (``p["lora." + key]``, see :mod:`.lora`; MTP layers have none)."""
-    out = linear(x, p[key])
+    out = linear(x, p[key], reduce_absmax)
     stack = p.get("lora." + key)
     return out if stack is None else stack.add_delta(x, out)
 
@@ -430,18 +435,23 @@ class DeepseekV4Model:
                 cfg.routed_scaling_factor,
             )
         limit = cfg.swiglu_limit
+        # The shared expert's (and, tensor-parallel, the routed experts') intermediate rows are split
+        # over the ranks: W8A8 quantises their down matmuls' inputs with the whole rows' scales.
+        reduce = self.parallel.absmax_reduce
+        split_experts = len(self.experts) == cfg.n_routed_experts
 
         def experts(x: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
             act = lambda gu: ops.clamped_swiglu(gu, limit)  # noqa: E731 - one-line activation
             gate_up, down = p["experts.gate_up"], p["experts.down"]
             if isinstance(gate_up, QuantizedWeight):  # stored precision: dequantised per routed expert, per call
-                out: torch.Tensor = quant_moe_experts(x, gate_up, down, w, i, activation=act)
+                tp_reduce = reduce if split_experts else None
+                out: torch.Tensor = quant_moe_experts(x, gate_up, down, w, i, activation=act, reduce_absmax=tp_reduce)
                 return out
             return moe_experts(x, gate_up, down, w, i, activation=act)
 
         gate_up = ops.clamped_swiglu(adapted_linear(p, "shared.gate_up", h), limit)
-        shared = adapted_linear(p, "ffn.shared_experts.w2.weight", gate_up)
-        if len(self.experts) < cfg.n_routed_experts:
+        shared = adapted_linear(p, "ffn.shared_experts.w2.weight", gate_up, reduce)
+        if not split_experts:
             # Expert parallel: tokens travel to the ranks holding their experts and back (all-to-all).
             routed = expert_parallel_moe(h, weights, ids, experts, cfg.n_routed_experts, self.parallel)
             return routed + self.parallel.all_reduce(shared)
@@ -498,7 +508,7 @@ class DeepseekV4Model:
         # This rank's output groups (its heads) project to a partial sum of the output.
         grouped = out.reshape(t, self.local_groups, -1)
         o = grouped_projection(grouped, p["attn.wo_a.weight"], self.local_groups)
-        return self.parallel.all_reduce(adapted_linear(p, "attn.wo_b.weight", o))
+        return self.parallel.all_reduce(adapted_linear(p, "attn.wo_b.weight", o, self.parallel.absmax_reduce))
 
     def _index_queries(
         self, p: Params, h: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -219,7 +219,7 @@ class QwenAttention(nn.Module):
         out = self._attend(q, k, v, cache, meta)
         # Row-parallel o_proj: each rank's heads give a partial sum; the bias is added once, after it.
         attended = out.reshape(num_tokens, self.q_size)
-        projected = linear(attended, self.o_weight)
+        projected = linear(attended, self.o_weight, reduce_absmax=self.shards.ctx.absmax_reduce)
         if self.lora_o is not None:
             projected = self.lora_o.add_delta(attended, projected)
         hidden = self.shards.ctx.all_reduce(projected)
@@ -305,11 +305,15 @@ class QwenMLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Row-parallel down_proj: a W8A8 weight quantises this rank's intermediate rows with the scale
+        # of the whole row (one max all-reduce under tensor parallelism), as one rank does.
+        reduce = self.shards.ctx.absmax_reduce
         if self.lora_gate_up is None or self.lora_down is None:
-            partial = linear(K.silu_and_mul(linear(x, self.gate_up_weight)), self.down_weight)
+            partial = linear(K.silu_and_mul(linear(x, self.gate_up_weight)), self.down_weight, reduce_absmax=reduce)
             return self.shards.ctx.all_reduce(partial)
         act = K.silu_and_mul(self.lora_gate_up.add_delta(x, linear(x, self.gate_up_weight)))
-        return self.shards.ctx.all_reduce(self.lora_down.add_delta(act, linear(act, self.down_weight)))
+        down = linear(act, self.down_weight, reduce_absmax=reduce)
+        return self.shards.ctx.all_reduce(self.lora_down.add_delta(act, down))
 
 
 class QwenSparseMoe(nn.Module):
@@ -442,7 +446,14 @@ class QwenSparseMoe(nn.Module):
                 self.num_experts,
                 self.shards.ctx,
             )
-        out: torch.Tensor = experts(x, self.gate_up, self.down, weights, ids)
+        if isinstance(self.gate_up, QuantizedWeight):
+            # Every expert's intermediate rows are split: W8A8 quantises the down matmuls' inputs
+            # with the whole rows' scales (one max all-reduce under tensor parallelism).
+            out: torch.Tensor = experts(
+                x, self.gate_up, self.down, weights, ids, reduce_absmax=self.shards.ctx.absmax_reduce
+            )
+        else:
+            out = experts(x, self.gate_up, self.down, weights, ids)
         return self.shards.ctx.all_reduce(out)
 
 

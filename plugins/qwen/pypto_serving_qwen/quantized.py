@@ -74,9 +74,14 @@ def make_weight(
     return QuantizedWeight(scheme, data, scale, offset=offset)
 
 
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, reduce_absmax: K.AbsmaxReduce | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias``; ``reduce_absmax``: ``x`` is a row-parallel rank's slice of each row
+    (``ParallelContext.absmax_reduce``), which a dynamic-W8A8 weight quantises with the whole row's
+    per-token scale, as one rank does."""
     if isinstance(weight, QuantizedWeight):
-        out: torch.Tensor = K.quant_linear(x, weight, bias)
+        out: torch.Tensor = K.quant_linear(x, weight, bias, reduce_absmax)
         return out
     if isinstance(weight, K.PackedLinearWeight):
         packed: torch.Tensor = K.linear(x, weight, bias)
@@ -154,20 +159,22 @@ def _static_targets(
     """msModelSlim's static W8A8 tensors of linear ``prefix``: per-tensor ``input_scale`` /
     ``input_offset`` (``[1]``), per-output-row ``deq_scale`` and ``quant_bias``."""
     assert weight.input_scale is not None and weight.input_offset is not None and weight.quant_bias is not None
-    if dim != 0 and part is not None:
-        # quant_bias folds the activation offset times the whole row's weight sum: a rank holding
-        # part of each row cannot add it to its partial sum alone.
-        raise CheckpointError(f"{prefix}: static W8A8 row-parallel (tensor-parallel) splits are not supported")
     out: dict[str, list[WeightTarget]] = {}
     for suffix, tensor in (("input_scale", weight.input_scale), ("input_offset", weight.input_offset)):
         name = f"{prefix}.{suffix}"
         out[name] = [WeightTarget(tensor[index : index + 1], (name,), stored=("F32", "BF16", "F16"))]
-    for suffix, tensor, kinds in (
-        ("deq_scale", weight.scale, ("F32", "I64")),
-        ("quant_bias", weight.quant_bias, ("I32",)),
-    ):
+    # A row-parallel part (dim 1) keeps every output row's deq_scale. quant_bias folds the activation
+    # offset times the whole row's weight sum: added by the rank holding the first input columns
+    # only, so the ranks' int32 partial sums add up to one rank's; the others read it into a buffer
+    # they drop and keep zeros (the per-tensor input scale quantises every rank's slice alike).
+    bias_dest = weight.quant_bias
+    if dim != 0 and part is not None and part.start > 0:
+        weight.quant_bias.zero_()
+        bias_dest = torch.empty_like(weight.quant_bias)
+    for suffix, tensor, kinds in (("deq_scale", weight.scale, ("F32", "I64")), ("quant_bias", bias_dest, ("I32",))):
         name = f"{prefix}.{suffix}"
-        out[name] = [WeightTarget(tensor[rows] if dim == 0 else tensor, (name,), part, 0, full, stored=kinds)]
+        dest, row_part = (tensor[rows], part) if dim == 0 else (tensor, None)
+        out[name] = [WeightTarget(dest, (name,), row_part, 0, full, stored=kinds)]
     return out
 
 

@@ -5,7 +5,8 @@ One pair of ranks runs every scenario (tp_ranks.run): greedy generation with MTP
 checkpoint made predictable (so drafts are accepted and multi-token commits happen), under
 tensor-parallel MoE, expert parallel, chunked prefill, a block-FP8 copy whose blocks straddle the
 rank boundaries, the release layout, a copy whose routed experts stay block FP8 (tensor and expert
-parallel), and a copy saved under transformers' names. Each must give, on both ranks, the
+parallel), an msModelSlim W8A8_DYNAMIC copy (tensor and expert parallel) and a copy saved under
+transformers' names. Each must give, on both ranks, the
 single rank's greedy tokens and MTP drafts exactly, and its logits within 1e-4 (float32: the
 all-reduces sum partial products in another order than one rank does, so bitwise equality is not
 expected; the measured gap is about 3e-6).
@@ -29,6 +30,7 @@ from pypto_serving_deepseek_mtp.sharding import ShardPlan, TensorPart
 
 from .helpers import Checkpoint, make_predictable
 from .test_release_layout import convert as convert_to_release_layout
+from .test_w8a8 import w8a8_copy
 from .tp_ranks import Scenario, run, run_ranks
 
 ATOL = 1e-4
@@ -131,6 +133,10 @@ def test_two_ranks_match_one(predictable: Path, checkpoints: dict[str, Checkpoin
     fp8_experts.mkdir()
     # Block-FP8 routed experts kept FP8 on each rank: 8x8 blocks, which the ranks' halves meet whole.
     write_release_layout(predictable, fp8_experts, (8, 8), expert_dtype="fp8")
+    # msModelSlim W8A8_DYNAMIC: wo_b and the shared and routed experts' w2 are row-parallel, each rank
+    # quantising its slice of a row with the whole row's per-token scale, so the ranks match one rank.
+    w8a8, w8a8_plain = tmp_path / "w8a8", tmp_path / "w8a8_plain"
+    w8a8_copy(predictable, w8a8, w8a8_plain)
     cases = {
         "tensor-parallel MoE": (Scenario(path), Scenario(path)),
         "expert parallel": (Scenario(path, expert_parallel=True), Scenario(path)),
@@ -141,6 +147,8 @@ def test_two_ranks_match_one(predictable: Path, checkpoints: dict[str, Checkpoin
         "transformers names": (Scenario(str(hf_names)), Scenario(plain)),
         "fp8 experts": (Scenario(str(fp8_experts)), Scenario(str(fp8_experts))),
         "fp8 experts, expert parallel": (Scenario(str(fp8_experts), expert_parallel=True), Scenario(str(fp8_experts))),
+        "w8a8": (Scenario(str(w8a8)), Scenario(str(w8a8))),
+        "w8a8, expert parallel": (Scenario(str(w8a8), expert_parallel=True), Scenario(str(w8a8))),
     }
     ranks = run_ranks([tp for tp, _ in cases.values()], tmp_path)
     for i, (what, (_, one)) in enumerate(cases.items()):

@@ -2,8 +2,10 @@
 one rank: the same logits (float32, within summation-order error) and the same greedy tokens over a
 few decode steps, for Qwen3, Qwen3-MoE with split experts and with expert parallelism, Qwen2 with
 biases and a tied embedding, Qwen3 with attention biases, a KV head replicated over the ranks, a
-checkpoint in several safetensors files and a block-FP8 one. Each rank reads exactly the parameters
-it holds (and the FP8 block scales) from the safetensors files, holds about half the model, and
+checkpoint in several safetensors files, a block-FP8 one and W8A8_DYNAMIC ones (dense, MoE split
+and expert parallel: the row-parallel projections quantise with the whole row's per-token scale, so
+their logits too are within summation-order error). Each rank reads exactly the parameters it
+holds (and the FP8 block scales) from the safetensors files, holds about half the model, and
 reports a KV block of half the bytes. One spawned pair of ranks runs every case."""
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pypto_serving_qwen.sharding import QwenSharding
 from tests.distributed_helpers import run_ranks
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, make_qwen_checkpoint, qwen_settings
 from tests.plugins.qwen.test_qwen_fp8 import _fp8_copy
-from tests.plugins.qwen.test_qwen_w8a8 import _w8a8_copy
+from tests.plugins.qwen.test_qwen_w8a8 import _static_copy, _w8a8_copy
 
 WORLD = 2
 PROMPTS = {"a": [3, 17, 5, 99, 42, 7, 250], "b": [11, 300, 8, 64, 1]}
@@ -46,6 +48,7 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen3_fp8": {},
     "qwen3_moe_fp8": {},  # FP8 routed experts: every rank holds its block-aligned part of each
     "qwen3_moe_fp8+ep": {"enable_expert_parallel": True},
+    "qwen3_w8a8": {},  # W8A8_DYNAMIC projections: o_proj and down_proj quantise with the whole row's scale
     "qwen3_moe_w8a8": {},  # W8A8_DYNAMIC routed experts, int8 rows of every expert per rank
     "qwen3_moe_w8a8+ep": {"enable_expert_parallel": True},
     "qwen3_bias": {},
@@ -162,6 +165,7 @@ def _rank_cases(paths: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {name: _generate(paths[name], CASES[name]) for name in CASES}
     out["captured"] = _generate(paths["qwen3"], {"executor_options": GRAPHS})
     out["device_graph_refusal"] = _device_graph_refusal(paths["qwen3"])
+    out["static_w8a8"] = _generate(paths["static_w8a8"], {})
     return out
 
 
@@ -177,11 +181,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, qwen_checkpoints: Call
         "qwen3_kv1": kv1,
         "qwen3_fp8": _fp8_copy(qwen_checkpoints("qwen3"), root / "qwen3_fp8"),
         "qwen3_moe_fp8": _fp8_copy(qwen_checkpoints("qwen3_moe"), root / "qwen3_moe_fp8"),
+        "qwen3_w8a8": _w8a8_copy(qwen_checkpoints("qwen3"), root / "qwen3_w8a8"),
         "qwen3_moe_w8a8": _w8a8_copy(qwen_checkpoints("qwen3_moe"), root / "qwen3_moe_w8a8"),
         "qwen3_bias": bias,  # o_proj's bias is added once, after the all-reduce
         "qwen3_sharded": qwen_checkpoints("qwen3_sharded"),  # slices read across safetensors files
     }
-    return {name: str(paths[name.split("+")[0]]) for name in CASES}
+    cases = {name: str(paths[name.split("+")[0]]) for name in CASES}
+    # Outside CASES: static W8A8's per-tensor scales are read once per fused weight, so what a rank
+    # reads is not what it holds (test_each_rank_reads_only_what_it_holds).
+    return cases | {"static_w8a8": str(_static_copy(qwen_checkpoints("qwen3"), root / "static_w8a8"))}
 
 
 @pytest.fixture(scope="module")
@@ -207,17 +215,27 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(
         assert len(got["logits"]) == len(want["logits"]) == DECODE_STEPS + 1
         for g, w in zip(got["logits"], want["logits"], strict=True):
             assert g.shape == w.shape and g.shape[-1] == 320
-            if "w8a8" in case:
-                # Row-parallel projections (o_proj, down_proj, split experts' down): each rank quantises
-                # its half of every input row to int8 with that half's own scale, as any row-parallel
-                # dynamic W8A8 does, so the sums differ by rounding; the tokens do not.
-                rel = ((g - w).norm() / w.norm()).item()
-                assert rel < 0.02, rel
-            else:
-                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            # W8A8 too: the row-parallel projections (o_proj, down_proj, the split experts' down)
+            # quantise each rank's half of a row with the whole row's per-token scale, so the int8
+            # activations are one rank's and only the float summation order differs.
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
     # Both ranks hold the very same logits, so their samplers draw the same tokens.
     for g0, g1 in zip(ranks[0][case]["logits"], ranks[1][case]["logits"], strict=True):
         assert torch.equal(g0, g1)
+
+
+def test_static_w8a8_ranks_give_the_logits_and_greedy_tokens_of_one(
+    checkpoints: dict[str, str], ranks: list[dict[str, Any]]
+) -> None:
+    """msModelSlim static W8A8: the per-tensor input scale quantises every rank's slice as one rank
+    does, and a row-parallel projection's quant_bias (the activation offset times the whole row's
+    weight sum) is added by one rank only, so the ranks' partial sums add up to one rank's."""
+    want = _generate(checkpoints["static_w8a8"], {})
+    for rank in ranks:
+        got = rank["static_w8a8"]
+        assert got["tokens"] == want["tokens"]
+        for g, w in zip(got["logits"], want["logits"], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 def _scale_elements(path: str) -> int:
