@@ -58,7 +58,7 @@ def time_linears(rows: list[int], reps: int) -> None:
     transposed product, per shape and row count, the two interleaved."""
     gen = torch.Generator().manual_seed(0)
     print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s), float32")
-    print("| weight | rows | reference ms (best / median) | transposed ms (best / median) | speed-up (best) | bitwise |")
+    print("| weight | rows | reference ms, best / median | transposed ms, best / median | speed-up, best | bitwise |")
     print("|---|---:|---:|---:|---:|---|")
     for name, (out_f, in_f, layout) in LINEAR_SHAPES.items():
         stored = torch.randn((in_f, out_f) if layout == "in_out" else (out_f, in_f), generator=gen) / in_f**0.5
@@ -66,8 +66,8 @@ def time_linears(rows: list[int], reps: int) -> None:
         for n in rows:
             x = torch.randn(n, in_f, generator=gen)
             paths: dict[str, Callable[[], torch.Tensor]] = {
-                "ref": lambda: F.linear(x, weight),
-                "fast": lambda: cpu.transposed_linear(x, weight),
+                "ref": lambda x=x, w=weight: F.linear(x, w),
+                "fast": lambda x=x, w=weight: cpu.transposed_linear(x, w),
             }
             times: dict[str, list[float]] = {k: [] for k in paths}
             for _ in range(reps):
@@ -124,7 +124,8 @@ def profile_steps(args: argparse.Namespace) -> None:
             ex.execute(batch)
             walls[choice].append((time.perf_counter() - t0, attention[0]))
     K.paged_attention = inner  # type: ignore[assignment]
-    print(f"{cpu_model()}; {args.requests} decodes at ~{args.context} tokens of context, {torch.get_num_threads()} thread(s)")
+    threads = torch.get_num_threads()
+    print(f"{cpu_model()}; {args.requests} decodes at ~{args.context} tokens of context, {threads} thread(s)")
     for choice, steps in walls.items():
         wall = statistics.median(w for w, _ in steps)
         att = statistics.median(a for _, a in steps)
