@@ -122,9 +122,11 @@ def supports_quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, bias: 
 #: Fewest rows (product of the leading dimensions) a plain ``[in, out]``-stored weight is multiplied
 #: transposed at: below it MKL's transposed product takes a slow path (2-3x ``x @ W_t`` at 4-8 rows).
 TRANSPOSED_MIN_ROWS = 16
-#: Values of one chunk's transposed product (256 KiB of float32): small enough that transposing it
-#: into the output stays in the L2 cache (a 1 MiB chunk made the transposes 4x slower at 64 rows).
-TRANSPOSED_CHUNK_ELEMENTS = 1 << 16
+#: Values of one chunk's transposed product (4 MiB of float32; 16,384 output features at 64 rows). Each
+#: chunk is two parallel regions (its product and its transpose), and beside a busy process every
+#: region waits for a descheduled thread: 256 KiB chunks, as fast on a quiet machine, were 2-5x
+#: slower there in the median (docs/benchmarks.md), so the chunks are as large as the cache allows.
+TRANSPOSED_CHUNK_ELEMENTS = 1 << 20
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
