@@ -21,9 +21,10 @@ Dense linears (:func:`pypto_kernels.linear`) whose weight carries a packed copy
 within the copy's row counts; other calls run ``F.linear``. A float32 weight stored ``[in, out]``
 (passed as its ``[out, in]`` transposed view, as the Qwen output projection is) is multiplied
 transposed, in output chunks, at :data:`TRANSPOSED_MIN_ROWS` rows or more
-(:func:`transposed_linear`): MKL's product with the few rows as the GEMM's short side runs both
-threads where ``x @ W_t`` does not, 1.2-1.6x on the 151,936-row output projection at 16-64 rows
-(docs/benchmarks.md, "The output projection computed transposed"). It is a rule on the call's shape,
+(:func:`transposed_linear`): on two threads MKL's product with the few rows as the GEMM's short
+side was 1.05-1.7x ``x @ W_t`` on the 151,936-row output projection at 16-64 rows on a quiet machine
+(even on one thread; slower beside a busy process, docs/benchmarks.md, "The output projection
+computed transposed on the CPU"). It is a rule on the call's shape,
 not a timing, so the rounding of a given batch does not change from run to run.
 
 ``paged_attention`` batches a step's decode rows (:func:`pypto_kernels.attention.batched_decode_paged_attention`):
@@ -125,7 +126,7 @@ TRANSPOSED_MIN_ROWS = 16
 #: Values of one chunk's transposed product (4 MiB of float32; 16,384 output features at 64 rows). Each
 #: chunk is two parallel regions (its product and its transpose), and beside a busy process every
 #: region waits for a descheduled thread: 256 KiB chunks, as fast on a quiet machine, were 2-5x
-#: slower there in the median (docs/benchmarks.md), so the chunks are as large as the cache allows.
+#: slower there in the median (docs/benchmarks.md), so the chunks are 16x that, as fast when quiet.
 TRANSPOSED_CHUNK_ELEMENTS = 1 << 20
 
 
