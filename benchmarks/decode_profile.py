@@ -6,39 +6,93 @@ executor, prefills N requests to about C tokens of context each, then profiles d
 ``paged_attention``, and the operators with the most self CPU time.
 
     python benchmarks/decode_profile.py --model /work/models/qwen3-0.6b --requests 64 --context 260
+
+``--cpu-linear reference auto`` loads one executor per ``executor_options["cpu_linear"]`` value and
+alternates their decode steps (before / after on a shared, noisy machine); ``--linears`` instead
+times :func:`pypto_kernels.linear`'s CPU fast path against its reference per shape and row count (the
+output projection stored ``[in, out]``, and the Qwen3-0.6B shape's decoder projections multiplied
+transposed too, for comparison), interleaved, best and median of ``--reps``:
+
+    python benchmarks/decode_profile.py --linears --threads 2 --reps 15
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.plugins.qwen.qwen_fixtures
 
 import pypto_kernels as K
+from pypto_kernels.backends import cpu
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 
+#: name -> (weight [out, in] as stored: "in_out" for the output projection's [in, out] storage).
+LINEAR_SHAPES: dict[str, tuple[int, int, str]] = {
+    "head 256 x 151936 (small)": (151936, 256, "in_out"),
+    "head 1024 x 151936 (0.6B)": (151936, 1024, "in_out"),
+    "qkv 1024 -> 4096 (0.6B)": (4096, 1024, "out_in"),
+    "gate_up 1024 -> 6144 (0.6B)": (6144, 1024, "out_in"),
+    "down 3072 -> 1024 (0.6B)": (1024, 3072, "out_in"),
+}
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--context", type=int, default=260)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def time_linears(rows: list[int], reps: int) -> None:
+    """Reference (``F.linear``, i.e. ``x @ W_t`` for an ``[in, out]`` weight) against the chunked
+    transposed product, per shape and row count, the two interleaved."""
+    gen = torch.Generator().manual_seed(0)
+    print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s), float32")
+    print("| weight | rows | reference ms, best / median | transposed ms, best / median | speed-up, best | bitwise |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, (out_f, in_f, layout) in LINEAR_SHAPES.items():
+        stored = torch.randn((in_f, out_f) if layout == "in_out" else (out_f, in_f), generator=gen) / in_f**0.5
+        weight = stored.t() if layout == "in_out" else stored
+        for n in rows:
+            x = torch.randn(n, in_f, generator=gen)
+            paths: dict[str, Callable[[], torch.Tensor]] = {
+                "ref": lambda x=x, w=weight: F.linear(x, w),
+                "fast": lambda x=x, w=weight: cpu.transposed_linear(x, w),
+            }
+            times: dict[str, list[float]] = {k: [] for k in paths}
+            for _ in range(reps):
+                for key, fn in paths.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[key].append((time.perf_counter() - t0) * 1e3)
+            same = torch.equal(paths["ref"](), paths["fast"]())
+            best = {k: min(v) for k, v in times.items()}
+            med = {k: statistics.median(v) for k, v in times.items()}
+            print(
+                f"| {name} | {n} | {best['ref']:.2f} / {med['ref']:.2f} | {best['fast']:.2f} / {med['fast']:.2f} "
+                f"| {best['ref'] / best['fast']:.2f}x | {'yes' if same else 'no'} |",
+                flush=True,
+            )
+
+
+def _prepared(args: argparse.Namespace, cpu_linear: str) -> tuple[Any, PagedBatchBuilder, list[str]]:
+    """An executor with ``args.requests`` requests prefilled to ``args.context`` tokens."""
     from pypto_serving_qwen.executor import QwenExecutor
 
     block = 16
-    blocks = args.requests * (-(-(args.context + args.steps + 2) // block)) + 8
-    ex = QwenExecutor(qwen_settings(args.model, block_size=block))
+    blocks = args.requests * (-(-(args.context + args.steps * 2 + 2) // block)) + 8
+    settings = qwen_settings(args.model, block_size=block, executor_options={"cpu_linear": cpu_linear})
+    ex = QwenExecutor(settings)
     ex.load()
     ex.init_kv_cache({"kv": blocks})
     builder = PagedBatchBuilder(block, blocks)
@@ -46,6 +100,11 @@ def main() -> None:
     ids = {f"r{i}": torch.randint(10, 1000, (args.context,), generator=gen).tolist() for i in range(args.requests)}
     for rid, prompt in ids.items():  # one prefill per request, so no step is larger than one prompt
         ex.execute(builder.step([(rid, prompt)], all_logits=False))
+    return ex, builder, list(ids)
+
+
+def profile_steps(args: argparse.Namespace) -> None:
+    runs = {choice: _prepared(args, choice) for choice in args.cpu_linear}
     attention = [0.0]
     inner = K.paged_attention
 
@@ -56,22 +115,59 @@ def main() -> None:
         return out
 
     K.paged_attention = timed  # type: ignore[assignment]
-    walls = []
+    walls: dict[str, list[tuple[float, float]]] = {choice: [] for choice in runs}
     for _ in range(args.steps):
-        batch = builder.step([(rid, [7]) for rid in ids], all_logits=False)
-        attention[0] = 0.0
-        t0 = time.perf_counter()
-        ex.execute(batch)
-        walls.append((time.perf_counter() - t0, attention[0]))
+        for choice, (ex, builder, ids) in runs.items():  # interleaved: the neighbours' load hits both
+            batch = builder.step([(rid, [7]) for rid in ids], all_logits=False)
+            attention[0] = 0.0
+            t0 = time.perf_counter()
+            ex.execute(batch)
+            walls[choice].append((time.perf_counter() - t0, attention[0]))
     K.paged_attention = inner  # type: ignore[assignment]
-    wall = statistics.median(w for w, _ in walls)
-    att = statistics.median(a for _, a in walls)
-    print(f"{args.requests} decodes at ~{args.context} tokens of context, {torch.get_num_threads()} thread(s)")
-    print(f"decode step: {wall * 1e3:.1f} ms median of {args.steps}; paged_attention {att / wall:.0%} of it")
+    threads = torch.get_num_threads()
+    print(f"{cpu_model()}; {args.requests} decodes at ~{args.context} tokens of context, {threads} thread(s)")
+    for choice, steps in walls.items():
+        wall = statistics.median(w for w, _ in steps)
+        att = statistics.median(a for _, a in steps)
+        best = min(w for w, _ in steps)
+        print(
+            f"cpu_linear={choice}: decode step {wall * 1e3:.1f} ms median of {args.steps} (best {best * 1e3:.1f}); "
+            f"paged_attention {att / wall:.0%} of it"
+        )
+    ex, builder, ids = runs[args.cpu_linear[-1]]
     batch = builder.step([(rid, [7]) for rid in ids], all_logits=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         ex.execute(batch)
+    print(f"profile of one step, cpu_linear={args.cpu_linear[-1]}:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--context", type=int, default=260)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--cpu-linear",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "reference", "mkl", "onednn"],
+        help="executor_options cpu_linear per executor, their steps alternated",
+    )
+    ap.add_argument("--linears", action="store_true", help="time pypto_kernels.linear's CPU paths instead")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.linears:
+        time_linears(args.rows, args.reps)
+    elif args.model is None:
+        ap.error("--model is required unless --linears")
+    else:
+        profile_steps(args)
 
 
 if __name__ == "__main__":

@@ -123,3 +123,53 @@ def test_bf16_packing_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, bf16: boo
     assert K.pack_linear(w, 64) is None
     with pytest.raises(ValueError, match=r"cannot pack torch\.bfloat16 weights on this CPU"):
         K.pack_linear(w, 64, library="onednn")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 67])
+@pytest.mark.parametrize("shape", [(131, 4099), (64, 20001)])
+def test_transposed_product_matches_reference_on_ragged_shapes(
+    rows: int, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 weight stored [in, out] (the output projection) runs the chunked transposed product
+    from 16 rows, F.linear below; either way the reference's result."""
+    # Chunks of max(256, 16384 // rows) output features: several per call, the last one partial.
+    monkeypatch.setattr(cpu, "TRANSPOSED_CHUNK_ELEMENTS", 1 << 14)
+    in_f, out_f = shape
+    w_t = _weight(out_f, in_f, torch.float32, seed=rows).t().contiguous()
+    weight, bias = w_t.t(), torch.randn(out_f)
+    x = torch.randn(rows, in_f)
+    assert cpu.supports_linear(x, weight) == (rows >= cpu.TRANSPOSED_MIN_ROWS)
+    for b in (None, bias):
+        ref = F.linear(x, weight, b)
+        _close(K.linear(x, weight, b), ref, torch.float32)
+        _close(cpu.transposed_linear(x, weight, b), ref, torch.float32)  # the fast path itself, any row count
+        if rows < cpu.TRANSPOSED_MIN_ROWS:
+            assert torch.equal(K.linear(x, weight, b), ref)
+    x3 = torch.randn(2, rows, in_f)  # leading dimensions are rows too
+    _close(K.linear(x3, weight), torch.matmul(x3, w_t), torch.float32)
+
+
+def test_transposed_product_rule() -> None:
+    """Only float32 [in, out]-stored weights, eager, without autograd; [out, in] weights keep F.linear."""
+    w_t = _weight(300, 40, torch.float32).t().contiguous()
+    x = torch.randn(16, 40)
+    assert cpu.supports_linear(x, w_t.t())
+    assert not cpu.supports_linear(x, w_t.t().contiguous())  # stored [out, in]: F.linear's own layout
+    assert not cpu.supports_linear(x.double(), w_t.t().double())
+    assert not cpu.supports_linear(x.bfloat16(), w_t.t().bfloat16())
+    assert not cpu.supports_linear(x[:15], w_t.t())
+    assert not cpu.supports_linear(x.requires_grad_(), w_t.t())
+    with torch.no_grad():
+        assert cpu.supports_linear(x, w_t.t())
+    assert K.describe_kernel("linear", "cpu", packed=False, stored_in_out=True, rows=64) == cpu.LINEAR_LABEL
+    assert "below 16" in K.describe_kernel("linear", "cpu", packed=False, stored_in_out=True, rows=4)
+
+
+@needs_mkl
+def test_mkl_copy_outside_its_batch_takes_the_transposed_product() -> None:
+    w_t = _weight(4099, 129, torch.float32).t().contiguous()
+    packed = K.pack_linear(w_t.t(), 5, library="mkl")
+    assert packed is not None
+    for rows in (5, 3, 17):
+        x = torch.randn(rows, 129)
+        _close(K.linear(x, packed), torch.matmul(x, w_t), torch.float32)

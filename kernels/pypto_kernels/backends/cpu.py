@@ -19,7 +19,14 @@ more rows.
 
 Dense linears (:func:`pypto_kernels.linear`) whose weight carries a packed copy
 (:func:`pypto_kernels.pack_linear`) multiply it, through MKL's packed SGEMM or oneDNN, for calls
-within the copy's row counts; other calls run ``F.linear``.
+within the copy's row counts; other calls run ``F.linear``. A float32 weight stored ``[in, out]``
+(passed as its ``[out, in]`` transposed view, as the Qwen output projection is) is multiplied
+transposed, in output chunks, at :data:`TRANSPOSED_MIN_ROWS` rows or more
+(:func:`transposed_linear`): on two threads MKL's product with the few rows as the GEMM's short
+side was 1.05-1.7x ``x @ W_t`` on the 151,936-row output projection at 16-64 rows on a quiet machine
+(even on one thread; slower beside a busy process, docs/benchmarks.md, "The output projection
+computed transposed on the CPU"). It is a rule on the call's shape,
+not a timing, so the rounding of a given batch does not change from run to run.
 
 ``paged_attention`` batches a step's decode rows (:func:`pypto_kernels.attention.batched_decode_paged_attention`):
 a few padded gathers and one bmm per KV head instead of two small matmuls per request. That wins
@@ -50,7 +57,10 @@ BAND_ELEMENTS = 1 << 20
 
 QUANT_LINEAR_LABEL = "cpu: fp8 band-wise dequantising matmul / int8 _int_mm"
 PAGED_ATTENTION_LABEL = "cpu: decode rows batched (padded gather, one bmm per KV head)"
-LINEAR_LABEL = "cpu: weights packed at load (mkl._mkl_linear / mkldnn._linear_pointwise)"
+LINEAR_LABEL = (
+    "cpu: weights packed at load (mkl._mkl_linear / mkldnn._linear_pointwise); "
+    "[in, out]-stored float32 weights multiplied transposed in output chunks from 16 rows"
+)
 
 
 def _band_rows(weight: QuantizedLinearWeight) -> int:
@@ -120,12 +130,64 @@ def supports_quant_linear(x: torch.Tensor, weight: QuantizedLinearWeight, *args:
     return explain_quant_linear(scheme=weight.scheme) is None
 
 
-def packed_linear(x: torch.Tensor, weight: PackedLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: the packed
-    copy for calls within its row counts, ``F.linear`` over the plain matrix for the others."""
+#: Fewest rows (product of the leading dimensions) a plain ``[in, out]``-stored weight is multiplied
+#: transposed at: below it MKL's transposed product takes a slow path (2-3x ``x @ W_t`` at 4-8 rows).
+TRANSPOSED_MIN_ROWS = 16
+#: Values of one chunk's transposed product (4 MiB of float32; 16,384 output features at 64 rows). Each
+#: chunk is two parallel regions (its product and its transpose), and beside a busy process every
+#: region waits for a descheduled thread: 256 KiB chunks, as fast on a quiet machine, were 2-5x
+#: slower there in the median (docs/benchmarks.md), so the chunks are 16x that, as fast when quiet.
+TRANSPOSED_CHUNK_ELEMENTS = 1 << 20
+
+
+def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed as ``weight @ x.T`` a chunk of output features at a
+    time, each chunk transposed into place: no copy of the weight, one chunk-sized buffer."""
+    xs = x.reshape(-1, x.shape[-1])
+    rows, features = xs.shape[0], weight.shape[0]
+    out = torch.empty(rows, features, dtype=x.dtype, device=x.device)
+    step = max(256, TRANSPOSED_CHUNK_ELEMENTS // max(rows, 1))
+    buf = torch.empty(min(step, features), rows, dtype=x.dtype, device=x.device)
+    xt = xs.t()
+    for start in range(0, features, step):
+        n = min(step, features - start)
+        torch.mm(weight[start : start + n], xt, out=buf[:n])
+        out[:, start : start + n].copy_(buf[:n].t())
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], features)
+
+
+def transposed_rule(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`transposed_linear` runs this call: a float32 weight stored ``[in, out]`` (its
+    ``[out, in]`` view has unit stride down the output features), at least
+    :data:`TRANSPOSED_MIN_ROWS` rows, eager (a compiled graph keeps the reference's one product)."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2 or x.dim() < 1:
+        return False
+    if bias is not None and bias.dtype != x.dtype:
+        return False
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    stored_in_out = weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0]
+    # mm's out= takes no part in autograd: a differentiated call keeps F.linear.
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return stored_in_out and rows >= TRANSPOSED_MIN_ROWS and not grad and not torch.compiler.is_compiling()
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return transposed_linear(x, weight, bias) if transposed_rule(x, weight, bias) else F.linear(x, weight, bias)
+
+
+def packed_linear(
+    x: torch.Tensor, weight: PackedLinearWeight | torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: a packed
+    copy for calls within its row counts, the plain matrix (transposed in chunks where
+    :func:`transposed_rule` says so, else ``F.linear``) for the others."""
+    if not isinstance(weight, PackedLinearWeight):
+        return transposed_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not weight.min_rows <= rows <= weight.max_rows:
-        return F.linear(x, weight.plain(), bias)
+        return _plain_linear(x, weight.plain(), bias)
     out: torch.Tensor
     if weight.library == "mkl":
         out = torch.ops.mkl._mkl_linear(x, weight.packed, weight.plain(), bias, weight.max_rows)
@@ -135,15 +197,22 @@ def packed_linear(x: torch.Tensor, weight: PackedLinearWeight, bias: torch.Tenso
 
 
 def explain_linear(**features: Any) -> str | None:
-    if not features.get("packed", True):
-        return "the weight has no packed copy (pypto_kernels.pack_linear)"
     dtype = features.get("dtype")
+    if not features.get("packed", True):
+        if not features.get("stored_in_out", False) or dtype not in (None, torch.float32):
+            return "the weight has no packed copy (pypto_kernels.pack_linear) and is not float32 stored [in, out]"
+        rows = features.get("rows")
+        if rows is not None and rows < TRANSPOSED_MIN_ROWS:
+            return f"{rows} rows: the transposed product is slower below {TRANSPOSED_MIN_ROWS}"
+        return None
     if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} is not packed"
     return None
 
 
 def supports_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None = None) -> bool:
+    if isinstance(weight, torch.Tensor):
+        return transposed_rule(x, weight, bias)
     return (
         isinstance(weight, PackedLinearWeight) and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
     )

@@ -44,7 +44,9 @@ class QwenExecutor(Executor):
     :func:`pypto_kernels.packing_rule` (bfloat16 projections: oneDNN's layout, in place of the plain
     weights; float32: none), ``onednn`` every float projection so, ``mkl`` every float32 projection
     and the output projection for MKL's packed SGEMM at a full batch of ``max_num_seqs`` rows (beside
-    the plain weights: twice their memory), ``reference`` none.
+    the plain weights: twice their memory), ``reference`` none. Except with ``reference``, the output
+    projection runs :func:`pypto_kernels.linear`, whose CPU fast path multiplies the plain float32
+    ``lm_head_t`` transposed in chunks at 16 rows or more (no copy of it).
 
     With ``tensor_parallel_size > 1`` the worker runs one executor per rank inside torch.distributed's
     default process group; each loads and holds its shards (:mod:`pypto_serving_qwen.sharding`), its

@@ -541,6 +541,9 @@ class QwenForCausalLM(nn.Module):
         self.embed = self.lm_head_t.t() if cfg.tie_word_embeddings else _param((vocab, cfg.hidden_size), device, dtype)
         # Set by pack_linears: ``lm_head_t.t()`` (a view) with a packed copy of it.
         self.lm_head_packed: K.PackedLinearWeight | None = None
+        # Set by pack_linears (the eager CPU forward): the output projection runs pypto_kernels.linear
+        # over ``lm_head_t.t()``, whose CPU fast path multiplies it transposed from 16 rows.
+        self.lm_head_kernel = False
         self.layers = nn.ModuleList(
             QwenDecoderLayer(cfg, i, device, dtype, shards, plan) for i in range(cfg.num_layers)
         )
@@ -693,6 +696,9 @@ class QwenForCausalLM(nn.Module):
         if self.lm_head_packed is not None:
             # Outside the packed row counts this is F.linear over lm_head_t's transpose: the matmul's product.
             logits: torch.Tensor = K.linear(hidden, self.lm_head_packed)
+        elif self.lm_head_kernel:
+            # The reference (and the fast path's fallback) is F.linear over the view: the matmul's product.
+            logits = K.linear(hidden, self.lm_head_t.t())
         else:
             logits = torch.matmul(hidden, self.lm_head_t)
         return self.shards.ctx.all_gather(logits.float(), dim=-1)
@@ -700,11 +706,13 @@ class QwenForCausalLM(nn.Module):
     def pack_linears(self, batch_rows: int, library: str | None = None) -> int:
         """Give the float projections and the output projection packed copies
         (:func:`pypto_kernels.pack_linear` for a full decode batch of ``batch_rows``; ``library`` None:
-        its rule); returns how many matrices got one. CPU only, after loading."""
+        its rule); returns how many matrices got one. CPU only, after loading. The output projection
+        then runs :func:`pypto_kernels.linear` (packed, or transposed in chunks from 16 rows)."""
         count = pack_projections(self, batch_rows, library)
         # lm_head_t stays a parameter (it is the tied embedding too): only MKL's copy, which needs the
         # plain matrix anyway, is made beside it; a oneDNN copy would hold the weight twice.
         head = K.pack_linear(self.lm_head_t.data.t(), batch_rows, library=library) if library == "mkl" else None
+        self.lm_head_kernel = True
         if head is not None:
             self.lm_head_packed = head
             count += 1

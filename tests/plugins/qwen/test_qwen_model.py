@@ -284,3 +284,25 @@ def test_cpu_linear_auto_and_reference(qwen_checkpoints: Callable[[str], Path]) 
     assert isinstance(plain.model.layers[0].self_attn.qkv_weight, torch.nn.Parameter)
     with pytest.raises(ValueError, match="cpu_linear must be one of"):
         _executor(path, executor_options={"cpu_linear": "blas"})
+
+
+def test_output_projection_transposed_product_parity(
+    qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float32 defaults: the output projection runs pypto_kernels.linear, whose CPU fast path takes
+    the 21-row prefill's logits (transposed, in chunks) and not the 3-row decode's; both match
+    transformers. ``cpu_linear = "reference"`` keeps the plain matmul."""
+    from pypto_kernels.backends import cpu
+
+    calls: list[int] = []
+    real = cpu.transposed_linear
+    monkeypatch.setattr(cpu, "transposed_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    path = qwen_checkpoints("qwen3")
+    ex = _executor(path)
+    assert ex.model is not None and ex.model.lm_head_kernel and ex.model.lm_head_packed is None
+    seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [13, 1, 7]), strict=True))  # type: ignore[attr-defined]
+    schedule = [[("a", 12), ("b", 1), ("c", 6)], [("a", 1), ("c", 1)]]
+    assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 21
+    assert calls == [19]  # the prefill's logits rows; the 2-row decode stays below the threshold
+    plain = _executor(path, executor_options={"cpu_linear": "reference"})
+    assert plain.model is not None and not plain.model.lm_head_kernel
