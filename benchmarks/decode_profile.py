@@ -42,7 +42,12 @@ LINEAR_SHAPES: dict[str, tuple[int, int, str]] = {
     "head 1024 x 151936 (0.6B)": (151936, 1024, "in_out"),
     "qkv 1024 -> 4096 (0.6B)": (4096, 1024, "out_in"),
     "gate_up 1024 -> 6144 (0.6B)": (6144, 1024, "out_in"),
+    "o 2048 -> 1024 (0.6B)": (1024, 2048, "out_in"),
     "down 3072 -> 1024 (0.6B)": (1024, 3072, "out_in"),
+    "qkv 256 -> 512 (small)": (512, 256, "out_in"),
+    "o 256 -> 256 (small)": (256, 256, "out_in"),
+    "gate_up 256 -> 1536 (small)": (1536, 256, "out_in"),
+    "down 768 -> 256 (small)": (256, 768, "out_in"),
 }
 
 

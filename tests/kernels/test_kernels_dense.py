@@ -150,7 +150,8 @@ def test_transposed_product_matches_reference_on_ragged_shapes(
 
 
 def test_transposed_product_rule() -> None:
-    """Only float32 [in, out]-stored weights, eager, without autograd; [out, in] weights keep F.linear."""
+    """Only float32 [in, out]-stored weights (or large [out, in] ones, below), eager, without
+    autograd; small [out, in] weights keep F.linear."""
     w_t = _weight(300, 40, torch.float32).t().contiguous()
     x = torch.randn(16, 40)
     assert cpu.supports_linear(x, w_t.t())
@@ -163,6 +164,30 @@ def test_transposed_product_rule() -> None:
         assert cpu.supports_linear(x, w_t.t())
     assert K.describe_kernel("linear", "cpu", packed=False, stored_in_out=True, rows=64) == cpu.LINEAR_LABEL
     assert "below 16" in K.describe_kernel("linear", "cpu", packed=False, stored_in_out=True, rows=4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64, 128, 129])
+def test_large_out_in_weight_transposed_at_its_rows(rows: int) -> None:
+    """A contiguous [out, in] float32 weight of 512 Ki elements or more (a Qwen3-0.6B-sized decoder
+    projection) runs the transposed product at 2-128 rows, F.linear at others; always the reference's
+    result. A smaller one (the small shape's projections) keeps F.linear."""
+    weight, bias = _weight(1031, 520, torch.float32, seed=rows), torch.randn(1031)
+    assert weight.numel() >= cpu.TRANSPOSED_OUT_IN_MIN_ELEMENTS
+    x = torch.randn(rows, 520)
+    transposed = cpu.TRANSPOSED_OUT_IN_ROWS[0] <= rows <= cpu.TRANSPOSED_OUT_IN_ROWS[1]
+    assert cpu.supports_linear(x, weight) == transposed
+    for b in (None, bias):
+        ref = F.linear(x, weight, b)
+        _close(K.linear(x, weight, b), ref, torch.float32)
+        if not transposed:
+            assert torch.equal(K.linear(x, weight, b), ref)
+    small = _weight(768, 256, torch.float32)
+    assert not cpu.supports_linear(torch.randn(rows, 256), small)
+    assert not cpu.supports_linear(x, weight[:, :519])  # a strided slice is not the contiguous layout measured
+    reason = K.describe_kernel("linear", "cpu", packed=False, elements=small.numel(), rows=16)
+    assert "elements: the weight has no packed copy and the transposed product is slower below" in reason
+    reason = K.describe_kernel("linear", "cpu", packed=False, elements=weight.numel(), rows=rows)
+    assert (reason == cpu.LINEAR_LABEL) == transposed
 
 
 @needs_mkl

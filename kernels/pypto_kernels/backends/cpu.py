@@ -25,7 +25,9 @@ transposed, in output chunks, at :data:`TRANSPOSED_MIN_ROWS` rows or more
 (:func:`transposed_linear`): on two threads MKL's product with the few rows as the GEMM's short
 side was 1.05-1.7x ``x @ W_t`` on the 151,936-row output projection at 16-64 rows on a quiet machine
 (even on one thread; slower beside a busy process, docs/benchmarks.md, "The output projection
-computed transposed on the CPU"). It is a rule on the call's shape,
+computed transposed on the CPU"). A contiguous ``[out, in]`` weight (a decoder projection) is
+multiplied so too at 2-128 rows when it holds :data:`TRANSPOSED_OUT_IN_MIN_ELEMENTS` or more: 1.04-2.6x
+on Qwen3-0.6B's projections, slower on smaller ones. It is a rule on the call's shape,
 not a timing, so the rounding of a given batch does not change from run to run.
 
 ``paged_attention`` batches a step's decode rows (:func:`pypto_kernels.attention.batched_decode_paged_attention`):
@@ -59,7 +61,8 @@ QUANT_LINEAR_LABEL = "cpu: fp8 band-wise dequantising matmul / int8 _int_mm"
 PAGED_ATTENTION_LABEL = "cpu: decode rows batched (padded gather, one bmm per KV head)"
 LINEAR_LABEL = (
     "cpu: weights packed at load (mkl._mkl_linear / mkldnn._linear_pointwise); "
-    "[in, out]-stored float32 weights multiplied transposed in output chunks from 16 rows"
+    "plain float32 weights multiplied transposed in output chunks (stored [in, out]: from 16 rows; "
+    "[out, in] of 512 Ki elements or more: at 2-128 rows)"
 )
 
 
@@ -138,6 +141,14 @@ TRANSPOSED_MIN_ROWS = 16
 #: region waits for a descheduled thread: 256 KiB chunks, as fast on a quiet machine, were 2-5x
 #: slower there in the median (docs/benchmarks.md), so the chunks are 16x that, as fast when quiet.
 TRANSPOSED_CHUNK_ELEMENTS = 1 << 20
+#: Fewest elements of a contiguous ``[out, in]`` weight multiplied transposed (512 Ki, 2 MiB of
+#: float32): MKL's ``x @ W.T`` at 2-128 rows was 1.04-2.6x slower than ``W @ x.T`` from there up
+#: (a 512 x 1024 projection to Qwen3-0.6B's 1024 x 6144) and 1.1-3x faster below it (the small
+#: shape's 256-wide projections), on 2 threads (docs/benchmarks.md).
+TRANSPOSED_OUT_IN_MIN_ELEMENTS = 1 << 19
+#: Row counts (inclusive) a contiguous ``[out, in]`` weight is multiplied transposed at: one row is a
+#: GEMV either way (the reference 1.15x faster), and from 256 rows the reference is as fast or faster.
+TRANSPOSED_OUT_IN_ROWS = (2, 128)
 
 
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,18 +170,24 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def transposed_rule(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`transposed_linear` runs this call: a float32 weight stored ``[in, out]`` (its
-    ``[out, in]`` view has unit stride down the output features), at least
-    :data:`TRANSPOSED_MIN_ROWS` rows, eager (a compiled graph keeps the reference's one product)."""
+    """Whether :func:`transposed_linear` runs this call, by the shape measured to gain: a float32
+    weight stored ``[in, out]`` (its ``[out, in]`` view has unit stride down the output features) at
+    :data:`TRANSPOSED_MIN_ROWS` rows or more, or a contiguous ``[out, in]`` one of at least
+    :data:`TRANSPOSED_OUT_IN_MIN_ELEMENTS` at :data:`TRANSPOSED_OUT_IN_ROWS` rows; eager only (a
+    compiled graph keeps the reference's one product)."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2 or x.dim() < 1:
         return False
     if bias is not None and bias.dtype != x.dtype:
         return False
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    stored_in_out = weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0]
     # mm's out= takes no part in autograd: a differentiated call keeps F.linear.
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return stored_in_out and rows >= TRANSPOSED_MIN_ROWS and not grad and not torch.compiler.is_compiling()
+    if grad or torch.compiler.is_compiling():
+        return False
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0]:  # stored [in, out]
+        return rows >= TRANSPOSED_MIN_ROWS
+    lo, hi = TRANSPOSED_OUT_IN_ROWS
+    return weight.is_contiguous() and weight.numel() >= TRANSPOSED_OUT_IN_MIN_ELEMENTS and lo <= rows <= hi
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -197,16 +214,31 @@ def packed_linear(
 
 
 def explain_linear(**features: Any) -> str | None:
+    """Why a described call would run the reference; a plain (unpacked) weight is described by
+    ``stored_in_out`` (bool), ``elements`` (its size) and ``rows``."""
     dtype = features.get("dtype")
     if not features.get("packed", True):
-        if not features.get("stored_in_out", False) or dtype not in (None, torch.float32):
-            return "the weight has no packed copy (pypto_kernels.pack_linear) and is not float32 stored [in, out]"
-        rows = features.get("rows")
+        if dtype not in (None, torch.float32):
+            return f"the weight has no packed copy (pypto_kernels.pack_linear) and dtype {dtype} is not float32"
+        return _explain_transposed(features.get("stored_in_out", False), features.get("elements"), features.get("rows"))
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} is not packed"
+    return None
+
+
+def _explain_transposed(stored_in_out: bool, elements: int | None, rows: int | None) -> str | None:
+    if stored_in_out:
         if rows is not None and rows < TRANSPOSED_MIN_ROWS:
             return f"{rows} rows: the transposed product is slower below {TRANSPOSED_MIN_ROWS}"
         return None
-    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
-        return f"dtype {dtype} is not packed"
+    if elements is None or elements < TRANSPOSED_OUT_IN_MIN_ELEMENTS:
+        return (
+            f"{elements or 'an unknown number of'} elements: the weight has no packed copy and the transposed "
+            f"product is slower below {TRANSPOSED_OUT_IN_MIN_ELEMENTS}"
+        )
+    lo, hi = TRANSPOSED_OUT_IN_ROWS
+    if rows is not None and not lo <= rows <= hi:
+        return f"{rows} rows: an [out, in] weight is multiplied transposed at {lo}-{hi} rows"
     return None
 
 

@@ -45,8 +45,9 @@ class QwenExecutor(Executor):
     weights; float32: none), ``onednn`` every float projection so, ``mkl`` every float32 projection
     and the output projection for MKL's packed SGEMM at a full batch of ``max_num_seqs`` rows (beside
     the plain weights: twice their memory), ``reference`` none. Except with ``reference``, the output
-    projection runs :func:`pypto_kernels.linear`, whose CPU fast path multiplies the plain float32
-    ``lm_head_t`` transposed in chunks at 16 rows or more (no copy of it).
+    projection and every projection left plain run :func:`pypto_kernels.linear`, whose CPU fast path
+    multiplies the plain float32 ``lm_head_t`` transposed in chunks at 16 rows or more (no copy of it),
+    and decoder projections of 512 Ki elements or more so at 2-128 rows.
 
     With ``tensor_parallel_size > 1`` the worker runs one executor per rank inside torch.distributed's
     default process group; each loads and holds its shards (:mod:`pypto_serving_qwen.sharding`), its

@@ -174,6 +174,9 @@ class QwenAttention(nn.Module):
         # has them (set by the executor); None: 1.0, as vLLM without calibrated scales.
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lora_qkv: LoraStack | None = None  # set by QwenForCausalLM.attach_loras
+        # Set by QwenForCausalLM.pack_linears (the eager CPU forward): plain projections run
+        # pypto_kernels.linear, whose CPU fast path multiplies large float32 weights transposed.
+        self.kernel_linear = False
         self.lora_o: LoraStack | None = None
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
@@ -205,7 +208,7 @@ class QwenAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, kernel=self.kernel_linear)
         if self.lora_qkv is not None:
             qkv = self.lora_qkv.add_delta(x, qkv)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
@@ -219,7 +222,9 @@ class QwenAttention(nn.Module):
         out = self._attend(q, k, v, cache, meta)
         # Row-parallel o_proj: each rank's heads give a partial sum; the bias is added once, after it.
         attended = out.reshape(num_tokens, self.q_size)
-        projected = linear(attended, self.o_weight, reduce_absmax=self.shards.ctx.absmax_reduce)
+        projected = linear(
+            attended, self.o_weight, reduce_absmax=self.shards.ctx.absmax_reduce, kernel=self.kernel_linear
+        )
         if self.lora_o is not None:
             projected = self.lora_o.add_delta(attended, projected)
         hidden = self.shards.ctx.all_reduce(projected)
@@ -293,6 +298,7 @@ class QwenMLP(nn.Module):
         self.gate_up_weight: Weight = make_weight((2 * i, cfg.hidden_size), device, dtype, gate_up, _block(plan), 2)
         self.down_weight: Weight = make_weight((cfg.hidden_size, i), device, dtype, down, _block(plan))
         self.lora_gate_up: LoraStack | None = None  # set by QwenForCausalLM.attach_loras
+        self.kernel_linear = False  # as QwenAttention's
         self.lora_down: LoraStack | None = None
 
     def weight_targets(self, prefix: str) -> dict[str, list[WeightTarget]]:
@@ -307,12 +313,12 @@ class QwenMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Row-parallel down_proj: a W8A8 weight quantises this rank's intermediate rows with the scale
         # of the whole row (one max all-reduce under tensor parallelism), as one rank does.
-        reduce = self.shards.ctx.absmax_reduce
+        reduce, kernel = self.shards.ctx.absmax_reduce, self.kernel_linear
         if self.lora_gate_up is None or self.lora_down is None:
-            partial = linear(K.silu_and_mul(linear(x, self.gate_up_weight)), self.down_weight, reduce_absmax=reduce)
-            return self.shards.ctx.all_reduce(partial)
-        act = K.silu_and_mul(self.lora_gate_up.add_delta(x, linear(x, self.gate_up_weight)))
-        down = linear(act, self.down_weight, reduce_absmax=reduce)
+            act = K.silu_and_mul(linear(x, self.gate_up_weight, kernel=kernel))
+            return self.shards.ctx.all_reduce(linear(act, self.down_weight, reduce_absmax=reduce, kernel=kernel))
+        act = K.silu_and_mul(self.lora_gate_up.add_delta(x, linear(x, self.gate_up_weight, kernel=kernel)))
+        down = linear(act, self.down_weight, reduce_absmax=reduce, kernel=kernel)
         return self.shards.ctx.all_reduce(self.lora_down.add_delta(act, down))
 
 
@@ -707,12 +713,16 @@ class QwenForCausalLM(nn.Module):
         """Give the float projections and the output projection packed copies
         (:func:`pypto_kernels.pack_linear` for a full decode batch of ``batch_rows``; ``library`` None:
         its rule); returns how many matrices got one. CPU only, after loading. The output projection
-        then runs :func:`pypto_kernels.linear` (packed, or transposed in chunks from 16 rows)."""
+        and the projections left plain then run :func:`pypto_kernels.linear` (packed, or transposed in
+        chunks where its CPU rule says so)."""
         count = pack_projections(self, batch_rows, library)
         # lm_head_t stays a parameter (it is the tied embedding too): only MKL's copy, which needs the
         # plain matrix anyway, is made beside it; a oneDNN copy would hold the weight twice.
         head = K.pack_linear(self.lm_head_t.data.t(), batch_rows, library=library) if library == "mkl" else None
         self.lm_head_kernel = True
+        for module in self.modules():
+            if isinstance(module, (QwenAttention, QwenMLP)):
+                module.kernel_linear = True
         if head is not None:
             self.lm_head_packed = head
             count += 1

@@ -75,15 +75,22 @@ def make_weight(
 
 
 def linear(
-    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, reduce_absmax: K.AbsmaxReduce | None = None
+    x: torch.Tensor,
+    weight: Weight,
+    bias: torch.Tensor | None = None,
+    reduce_absmax: K.AbsmaxReduce | None = None,
+    *,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T + bias``; ``reduce_absmax``: ``x`` is a row-parallel rank's slice of each row
     (``ParallelContext.absmax_reduce``), which a dynamic-W8A8 weight quantises with the whole row's
-    per-token scale, as one rank does."""
+    per-token scale, as one rank does. ``kernel``: a plain weight runs :func:`pypto_kernels.linear`
+    (the eager CPU forward, whose fast path multiplies large float32 weights transposed), else
+    ``F.linear``."""
     if isinstance(weight, QuantizedWeight):
         out: torch.Tensor = K.quant_linear(x, weight, bias, reduce_absmax)
         return out
-    if isinstance(weight, K.PackedLinearWeight):
+    if kernel or isinstance(weight, K.PackedLinearWeight):
         packed: torch.Tensor = K.linear(x, weight, bias)
         return packed
     return F.linear(x, weight, bias)

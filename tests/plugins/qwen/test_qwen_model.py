@@ -306,3 +306,35 @@ def test_output_projection_transposed_product_parity(
     assert calls == [19]  # the prefill's logits rows; the 2-row decode stays below the threshold
     plain = _executor(path, executor_options={"cpu_linear": "reference"})
     assert plain.model is not None and not plain.model.lm_head_kernel
+
+
+def test_decoder_projections_transposed_product_parity(
+    qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float32 defaults: the decoder's plain projections run pypto_kernels.linear, whose CPU fast path
+    multiplies large [out, in] weights transposed at 2-128 rows (the threshold lowered here so the
+    tiny checkpoint's weights qualify); outputs match transformers, and every projection of the
+    19-row prefill and the 2-row decode really took the transposed product."""
+    from pypto_kernels.backends import cpu
+
+    monkeypatch.setattr(cpu, "TRANSPOSED_OUT_IN_MIN_ELEMENTS", 1)
+    calls: list[tuple[int, int]] = []
+    real = cpu.transposed_linear
+    monkeypatch.setattr(
+        cpu, "transposed_linear", lambda x, w, *a: calls.append((x.shape[0], w.shape[0])) or real(x, w, *a)
+    )
+    path = qwen_checkpoints("qwen3")
+    ex = _executor(path)
+    assert ex.model is not None and ex.model.layers[0].self_attn.kernel_linear and ex.model.layers[0].mlp.kernel_linear
+    seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [13, 1, 7]), strict=True))  # type: ignore[attr-defined]
+    schedule = [[("a", 12), ("b", 1), ("c", 6)], [("a", 1), ("c", 1)]]
+    assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 21
+    per_layer = 4  # qkv, o, gate_up, down
+    decoder = [c for c in calls if c[1] != ex.info.vocab_size]  # type: ignore[attr-defined]
+    layers = len(ex.model.layers)
+    assert sorted(r for r, _ in decoder) == [2] * (per_layer * layers) + [19] * (per_layer * layers)
+    calls.clear()
+    plain = _executor(path, executor_options={"cpu_linear": "reference"})
+    assert plain.model is not None and not plain.model.layers[0].self_attn.kernel_linear
+    _run_schedule(plain, hf_reference(path), seqs, schedule, FP32_TOL)
+    assert calls == []
