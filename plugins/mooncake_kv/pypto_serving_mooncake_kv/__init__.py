@@ -55,8 +55,9 @@ DEFAULTS: dict[str, Any] = {
     "device_name": "",  # RDMA/Ascend devices to use, comma-separated; "" lets Mooncake choose
     "metadata_server": "P2PHANDSHAKE",  # or an etcd / HTTP metadata server's address
     "local_hostname": None,  # the address this worker's transfer engine advertises; None: kv_ip
-    # Seconds a control answer may take. The read itself ends when Mooncake's transport ends it (its
-    # MC_TRANSFER_TIMEOUT, default 30 s): a read is never abandoned here while it may still write.
+    # Seconds a control answer (or a streamed offer's next part) may take. The read itself ends when
+    # Mooncake's transport ends it (its MC_TRANSFER_TIMEOUT, default 30 s): a read is never abandoned
+    # here while it may still write.
     "timeout": 30.0,
 }
 
