@@ -1,8 +1,7 @@
 """``stream_kv`` over the ``mooncake`` connector on the embedded tiny Qwen3: the decode engine reads
 the prompt's blocks through Mooncake's transfer engine (TCP) chunk by chunk while the prefill engine
-computes them, and starts only once the final part arrived. The reference is a
-co-located output (another engine's), so the streamed request's tokens equal it only if every part
-carried its KV."""
+computes them, and starts only once the final part arrived. The reference is a third engine serving
+co-located, so the streamed request's tokens equal it only if every part carried its KV."""
 
 from __future__ import annotations
 
