@@ -11,14 +11,22 @@ The control channel is a TCP socket of newline-separated JSON messages to the pr
 ``kv_ip:kv_port``; a decode worker keeps one connection per prefill engine. One pull is:
 
 1. consumer -> ``{"transfer_id": id}``;
-2. producer -> the offer: its block ids per group, where each cache tensor lies in the producer's
-   memory (base address and bytes between blocks), the layout digest; or ``{"error": why}``. The offer
-   is now busy: it is not withdrawn or freed while the read runs;
-3. the consumer checks layout and block counts, reads every block with one batch of the transfer
-   engine, and answers ``{"done": "ok"}`` (or the error);
+2. producer -> the offer's first part: its block ids per group, whether it is the final part, where
+   each cache tensor lies in the producer's memory (base address and bytes between blocks), the layout
+   digest; or ``{"error": why}``. The offer is now busy: it is not freed while the pull runs. A whole
+   offer (:meth:`MooncakeConnector.publish`) is one final part; one still growing
+   (:meth:`MooncakeConnector.publish_part`, a ``stream_kv`` prefill in progress) goes out part by
+   part, ``{"blocks": ..., "final": ...}`` as its blocks are published, or ``{"error": why}`` when it
+   is withdrawn before its final part (which ends the pull);
+3. the consumer checks layout and block counts of each part and reads its blocks with one batch of
+   the transfer engine as it comes; after the final part it answers ``{"done": "ok"}`` (or the error);
 4. producer -> ``{"ok": true}``, and only then does it report ``sent``: the consumer reports its
    ``pulled`` without an error only after this confirmation, so a producer that gave up waiting
    (``timeout``) and freed the blocks can never leave a decode engine computing on what it read.
+
+A pull can reach the producer before the engine's publish has reached the connector (the engine
+answers a request once the publish is on its way to the worker): the producer waits a moment for an
+offer it has not seen; one it has ended is refused at once.
 
 A connection that breaks (a peer died, stopped answering within ``timeout``, or sent nonsense) is
 closed and fails only the transfer in flight on it; the next pull opens a new one.
@@ -47,10 +55,17 @@ DEFAULTS: dict[str, Any] = {
     "device_name": "",  # RDMA/Ascend devices to use, comma-separated; "" lets Mooncake choose
     "metadata_server": "P2PHANDSHAKE",  # or an etcd / HTTP metadata server's address
     "local_hostname": None,  # the address this worker's transfer engine advertises; None: kv_ip
-    # Seconds a control answer may take. The read itself ends when Mooncake's transport ends it (its
-    # MC_TRANSFER_TIMEOUT, default 30 s): a read is never abandoned here while it may still write.
+    # Seconds a control answer (or a streamed offer's next part) may take. The read itself ends when
+    # Mooncake's transport ends it (its MC_TRANSFER_TIMEOUT, default 30 s): a read is never abandoned
+    # here while it may still write.
     "timeout": 30.0,
 }
+
+
+# How long the producer waits for an offer it has not seen (see the module docstring), and how many
+# ended offers it remembers (newest kept) to refuse their pulls at once.
+_PUBLISH_GRACE_S = 5.0
+_ENDED_KEPT = 4096
 
 
 class TransferError(RuntimeError):
@@ -114,8 +129,9 @@ class _Lines:
 @dataclass(slots=True)
 class _Offer:
     blocks: dict[str, list[int]]
-    busy: bool = False  # a consumer is reading it
-    withdrawn: bool = False  # withdraw() came during the read: report once it ends
+    busy: bool = False  # a consumer is pulling it
+    final: bool = True  # complete (publish_part: until the final part, a pull waits for more)
+    withdrawn: bool = False  # withdraw() came during the pull: report once it ends
 
 
 @dataclass(slots=True)
@@ -191,6 +207,8 @@ class MooncakeConnector(KVConnector):
     """See the module docstring. ``config`` is the engine's ``KVTransferConfig``; its
     ``kv_connector_extra_config`` takes the keys of :data:`DEFAULTS`."""
 
+    streams = True
+
     def __init__(self, config: Any) -> None:
         self.config = config
         extra = {**DEFAULTS, **config.kv_connector_extra_config}
@@ -209,6 +227,8 @@ class MooncakeConnector(KVConnector):
         self._lock = threading.Lock()
         self._events: list[TransferEvent] = []
         self._offers: dict[str, _Offer] = {}
+        self._grown = threading.Condition(self._lock)  # an offer was published, grew or was withdrawn
+        self._ended: dict[str, None] = {}  # offers sent or withdrawn, oldest first (bounded)
         self._closed = threading.Event()
         self._pulls: queue.Queue[_Pull | None] = queue.Queue()
         self._conns: dict[tuple[str, int], _Lines] = {}
@@ -241,6 +261,7 @@ class MooncakeConnector(KVConnector):
             "remote_port": self._listener.getsockname()[1],
             "engine": f"{self.local_hostname}:{self._engine.get_rpc_port()}",
             "layout": self._layout,
+            "streams": True,
         }
 
     def _spawn(self, target: Any, name: str, *args: Any) -> None:
@@ -269,14 +290,28 @@ class MooncakeConnector(KVConnector):
             events, self._events = self._events, []
         return events
 
-    def _event(self, transfer_id: str, kind: Any, error: str | None) -> None:
+    def _event(self, transfer_id: str, kind: Any, error: str | None, parts: int = 0) -> None:
         with self._lock:
-            self._events.append(TransferEvent(transfer_id, kind, error))
+            self._events.append(TransferEvent(transfer_id, kind, error, {"parts": parts} if parts else None))
 
     # -- producer
     def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
         with self._lock:
             self._offers[transfer_id] = _Offer({g: list(b) for g, b in blocks.items()})
+            self._ended.pop(transfer_id, None)
+            self._grown.notify_all()
+
+    def publish_part(self, transfer_id: str, blocks: dict[str, list[int]], final: bool) -> None:
+        with self._lock:
+            offer = self._offers.get(transfer_id)
+            if offer is None:
+                if transfer_id in self._ended:
+                    return  # withdrawn, or failed: the prefill's later parts go nowhere
+                offer = self._offers[transfer_id] = _Offer({}, final=False)
+            for group, ids in blocks.items():
+                offer.blocks.setdefault(group, []).extend(ids)
+            offer.final = final
+            self._grown.notify_all()
 
     def withdraw(self, transfer_id: str) -> None:
         with self._lock:
@@ -284,10 +319,18 @@ class MooncakeConnector(KVConnector):
             if offer is None:
                 return
             if offer.busy:
-                offer.withdrawn = True  # the read in flight reports the end
+                offer.withdrawn = True  # the pull in flight reports the end (an open offer's at once)
+                self._grown.notify_all()
                 return
-            del self._offers[transfer_id]
-            self._events.append(TransferEvent(transfer_id, "sent", "withdrawn before a decode engine pulled it"))
+            self._end_offer(transfer_id, "withdrawn before a decode engine pulled it")
+
+    def _end_offer(self, transfer_id: str, error: str | None, parts: int = 0) -> None:
+        """Drop an offer and report its end (under the lock)."""
+        del self._offers[transfer_id]
+        self._events.append(TransferEvent(transfer_id, "sent", error, {"parts": parts} if parts else None))
+        self._ended[transfer_id] = None
+        if len(self._ended) > _ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -315,16 +358,22 @@ class MooncakeConnector(KVConnector):
                 self._served.remove(lines)
 
     def _take_offer(self, transfer_id: str) -> _Offer | None:
+        """The offer, marked busy; None when it ended, is busy, or is not published within the grace."""
+        deadline = time.monotonic() + min(_PUBLISH_GRACE_S, self.timeout)
         with self._lock:
-            offer = self._offers.get(transfer_id)
-            if offer is None or offer.busy:
-                return None
-            offer.busy = True
-            return offer
+            while True:
+                offer = self._offers.get(transfer_id)
+                if offer is not None and not offer.busy:
+                    offer.busy = True
+                    return offer
+                left = deadline - time.monotonic()
+                if offer is not None or transfer_id in self._ended or left <= 0 or self._closed.is_set():
+                    return None
+                self._grown.wait(min(left, 0.2))
 
     def _serve_one(self, lines: _Lines, transfer_id: str) -> None:
-        """Offer one transfer's blocks and hold them until the consumer's ``done``; a broken
-        connection raises after the ``sent`` event is recorded."""
+        """Offer one transfer's blocks part by part and hold them until the consumer's ``done``; a
+        broken connection raises after the ``sent`` event is recorded."""
         offer = self._take_offer(transfer_id)
         if offer is None:
             why = (
@@ -334,15 +383,56 @@ class MooncakeConnector(KVConnector):
             lines.send({"error": why})
             return
         error: str | None = "the connection to the decode engine broke"
+        parts = 0
         try:
-            lines.send({"blocks": offer.blocks, "regions": self._regions, "layout": self._layout})
+            parts = self._send_parts(lines, offer)
             done = lines.recv(self.timeout)
             error = None if done.get("done") == "ok" else str(done.get("done"))
             lines.send({"ok": True})
+        except _Refused as e:  # the consumer was told (an error part): the connection stays in step
+            error = str(e)
         finally:
             with self._lock:
-                del self._offers[transfer_id]
-                self._events.append(TransferEvent(transfer_id, "sent", error))
+                self._end_offer(transfer_id, error, parts)
+
+    def _send_parts(self, lines: _Lines, offer: _Offer) -> int:
+        """Send the offer's blocks as they are published, the first part with where the caches lie;
+        returns the parts sent. _Refused: the offer was withdrawn, or did not grow within the
+        timeout (the consumer got that as an error part)."""
+        sent: dict[str, int] = {}
+        part, final = 0, False
+        while not final:
+            try:
+                blocks, final = self._next_part(offer, sent)
+            except _Refused as e:
+                lines.send({"error": str(e)})
+                raise
+            message: dict[str, Any] = {"blocks": blocks, "final": final}
+            if part == 0:
+                message.update(regions=self._regions, layout=self._layout)
+            lines.send(message)
+            part += 1
+        return part
+
+    def _next_part(self, offer: _Offer, sent: dict[str, int]) -> tuple[dict[str, list[int]], bool]:
+        """The blocks published since the last part (``sent`` counts per group, advanced here) and
+        whether the offer is complete; waits up to the timeout for an open offer to grow."""
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            while True:
+                if offer.withdrawn and not offer.final:
+                    raise _Refused("the prefill engine withdrew the offer before its prefill completed")
+                new = {g: b[sent.get(g, 0) :] for g, b in offer.blocks.items()}
+                if offer.final or any(new.values()):
+                    for g, b in new.items():
+                        sent[g] = sent.get(g, 0) + len(b)
+                    return new, offer.final
+                left = deadline - time.monotonic()
+                if self._closed.is_set():
+                    raise _Refused("the connector is closing")
+                if left <= 0:
+                    raise _Refused(f"the prefill engine published no KV within {self.timeout:.0f}s")
+                self._grown.wait(min(left, 0.2))
 
     # -- consumer
     def pull(self, transfer_id: str, source: dict[str, Any], blocks: dict[str, list[int]]) -> None:
@@ -357,7 +447,7 @@ class MooncakeConnector(KVConnector):
             try:
                 lines = self._conns.get(address) or self._connect(*address)
                 self._conns[address] = lines
-                self._pull_one(lines, item)
+                parts = self._pull_one(lines, item)
             except _Refused as e:  # the producer answered: the connection stays in step
                 self._event(item.transfer_id, "pulled", str(e))
             except TransferError as e:
@@ -371,7 +461,7 @@ class MooncakeConnector(KVConnector):
                     f"the KV transfer from {address[0]}:{address[1]} failed: {type(e).__name__}: {e}",
                 )
             else:
-                self._event(item.transfer_id, "pulled", None)
+                self._event(item.transfer_id, "pulled", None, parts)
 
     def _drop(self, address: tuple[str, int]) -> None:
         lines = self._conns.pop(address, None)
@@ -383,29 +473,62 @@ class MooncakeConnector(KVConnector):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Lines(sock, self._closed)
 
-    def _pull_one(self, lines: _Lines, item: _Pull) -> None:
+    def _pull_one(self, lines: _Lines, item: _Pull) -> int:
+        """Pull one offer, reading each part's blocks as it comes; returns the parts. _Refused: it
+        failed, and the producer was told (or told us)."""
         lines.send({"transfer_id": item.source.get("transfer_id")})
-        offer = lines.recv(self.timeout)
-        if "error" in offer:
-            raise _Refused(str(offer["error"]))
-        problem = self._mismatch(offer, item.blocks)
-        if problem is None:
-            plan = read_plan(self._regions, offer["regions"], item.blocks, offer["blocks"])
-            rc = self._engine.batch_transfer_sync_read(str(item.source.get("engine")), *plan)
-            if rc != 0:
-                problem = f"Mooncake's {self.protocol} read of the blocks failed (code {rc}); its log says why"
+        got = {g: 0 for g in item.blocks}
+        first: dict[str, Any] = {}
+        problem: str | None = None
+        part, final = 0, False
+        while not final:
+            # A streamed part waits for the prefill to compute it: longer than the producer waits for
+            # it, so the producer's verdict (an error part) comes first.
+            wait = self.timeout + (_PUBLISH_GRACE_S if part or item.source.get("kv_streamed") else 0.0)
+            message = lines.recv(wait)
+            if "error" in message:
+                raise _Refused(str(message["error"]))
+            first = first or message
+            problem = problem or self._read_part(item, first, message["blocks"], got)  # parts taken all the same
+            part, final = part + 1, bool(message["final"])
+        expected = {g: len(b) for g, b in item.blocks.items()}
+        if problem is None and got != expected:
+            problem = f"the prefill engine offers blocks {got}, the decode engine expects {expected}"
         lines.send({"done": "ok" if problem is None else problem})
-        lines.recv(self.timeout)  # the producer held the blocks throughout the read
+        lines.recv(self.timeout)  # the producer held the blocks throughout the reads
         if problem is not None:
             raise _Refused(problem)
+        return part
 
-    def _mismatch(self, offer: dict[str, Any], blocks: dict[str, list[int]]) -> str | None:
-        if offer.get("layout") != self._layout:
+    def _read_part(
+        self, item: _Pull, first: dict[str, Any], remote: dict[str, list[int]], got: dict[str, int]
+    ) -> str | None:
+        """Read one part's blocks into the next of ``item.blocks`` (``got`` per group filled so far,
+        advanced here); returns why it cannot, or None."""
+        problem = self._mismatch(first, remote, item.blocks, got)
+        if problem is not None:
+            return problem
+        local = {g: item.blocks[g][got[g] : got[g] + len(b)] for g, b in remote.items()}
+        for g, b in remote.items():
+            got[g] += len(b)
+        if not any(remote.values()):
+            return None
+        plan = read_plan(self._regions, first["regions"], local, remote)
+        rc = self._engine.batch_transfer_sync_read(str(item.source.get("engine")), *plan)
+        if rc != 0:
+            return f"Mooncake's {self.protocol} read of the blocks failed (code {rc}); its log says why"
+        return None
+
+    def _mismatch(
+        self, first: dict[str, Any], remote: dict[str, list[int]], blocks: dict[str, list[int]], got: dict[str, int]
+    ) -> str | None:
+        """Why a part cannot fill the next of ``blocks``; None: it can."""
+        if first.get("layout") != self._layout:
             return "the prefill and decode engines' KV caches differ in layout (model, dtype or block_size)"
-        counts = {g: len(b) for g, b in blocks.items()}
-        offered = {g: len(b) for g, b in offer["blocks"].items()}
-        if offered != counts:
-            return f"the prefill engine offers blocks {offered}, the decode engine expects {counts}"
+        counts = {g: len(b) for g, b in remote.items()}
+        room = {g: len(b) - got[g] for g, b in blocks.items()}
+        if any(g not in room or n > room[g] for g, n in counts.items()):
+            return f"the prefill engine offers blocks {counts} more, the decode engine expects {room} more"
         return None
 
 

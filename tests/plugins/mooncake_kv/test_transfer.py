@@ -1,6 +1,7 @@
 """Two ``mooncake`` connectors in this process, a producer and a consumer, over Mooncake's TCP
 transport: the bytes a pull writes are exactly the offered blocks' (checked against the core's
-``gather_blocks`` of both caches), nothing else changes, and every failure is one event with the reason."""
+``gather_blocks`` of both caches), whether the offer was whole or published in parts while the pull
+ran; nothing else changes, and every failure is one event with the reason."""
 
 from __future__ import annotations
 
@@ -63,7 +64,10 @@ def test_a_pull_writes_exactly_the_offered_blocks(producer: Producer) -> None:
         offered, into = {"kv": [1, 2, 3, 7], "swa": [5]}, {"kv": [6, 0, 1, 4], "swa": [2]}
         prod.publish("t1", offered)
         cons.pull("r1", {**address, "transfer_id": "t1"}, into)
-        assert _events(prod, cons, n=2) == [TransferEvent("r1", "pulled"), TransferEvent("t1", "sent")]
+        assert _events(prod, cons, n=2) == [
+            TransferEvent("r1", "pulled", None, {"parts": 1}),
+            TransferEvent("t1", "sent", None, {"parts": 1}),
+        ]
         assert torch.equal(gather_blocks(dst, into), gather_blocks(src, offered))
         rest = {g: [b for b in range(8) if b not in into[g]] for g in into}
         assert torch.equal(gather_blocks(dst, rest), gather_blocks(before, rest))  # nothing else written
@@ -96,3 +100,103 @@ def test_failures_are_one_event_each_with_the_reason(producer: Producer) -> None
         assert refused.transfer_id == "r3" and "failed" in (refused.error or "")
     finally:
         cons.close()
+
+
+def _consumer() -> tuple[MooncakeConnector, dict[str, list[torch.Tensor]]]:
+    dst = _caches(2)
+    cons, _ = _connector("decode", dst)
+    return cons, dst
+
+
+def test_an_offer_published_in_parts_arrives_in_parts(producer: Producer) -> None:
+    """A pull of an offer still growing (a prefill in progress) reads each part as it is published
+    and reports success only after the final one; every block lands where it belongs."""
+    prod, src, address = producer
+    cons, dst = _consumer()
+    before = {g: [t.clone() for t in ts] for g, ts in dst.items()}
+    try:
+        prod.publish_part("t", {"kv": [], "swa": []}, False)
+        into = {"kv": [1, 2, 3, 4], "swa": [0, 7]}
+        cons.pull("r", {**address, "transfer_id": "t", "kv_streamed": True}, into)
+        prod.publish_part("t", {"kv": [5]}, False)
+        time.sleep(0.3)
+        assert cons.poll() == [] and prod.poll() == []  # not complete before the final part
+        part = {"kv": [5]}
+        assert torch.equal(gather_blocks(dst, {"kv": [1]}), gather_blocks(src, part))  # read as it came
+        prod.publish_part("t", {"kv": [0, 7], "swa": [3]}, False)
+        time.sleep(0.3)
+        assert cons.poll() == []
+        prod.publish_part("t", {"kv": [6], "swa": [2]}, True)
+        assert _events(prod, cons, n=2) == [
+            TransferEvent("r", "pulled", None, {"parts": 3}),
+            TransferEvent("t", "sent", None, {"parts": 3}),
+        ]
+        offered = {"kv": [5, 0, 7, 6], "swa": [3, 2]}
+        assert torch.equal(gather_blocks(dst, into), gather_blocks(src, offered))
+        rest = {g: [b for b in range(8) if b not in into[g]] for g in into}
+        assert torch.equal(gather_blocks(dst, rest), gather_blocks(before, rest))  # nothing else written
+    finally:
+        cons.close()
+
+
+def test_a_growing_offer_withdrawn_mid_pull_fails_the_pull(producer: Producer) -> None:
+    """Withdrawn after its first part (the prefill request failed): the pull fails with the reason,
+    the producer reports the offer's end, later parts go nowhere, and the connection serves on."""
+    prod, src, address = producer
+    cons, dst = _consumer()
+    try:
+        prod.publish_part("t", {"kv": [5], "swa": []}, False)
+        cons.pull("r", {**address, "transfer_id": "t", "kv_streamed": True}, {"kv": [1, 2], "swa": []})
+        time.sleep(0.3)
+        prod.withdraw("t")
+        pulled, sent = _events(prod, cons, n=2)
+        assert pulled.transfer_id == "r" and "withdrew the offer before its prefill completed" in (pulled.error or "")
+        assert sent.transfer_id == "t" and sent.error is not None
+        prod.publish_part("t", {"kv": [6]}, True)  # too late: ignored
+        prod.publish("u", {"kv": [3], "swa": [4]})
+        cons.pull("r2", {**address, "transfer_id": "u"}, {"kv": [4], "swa": [5]})
+        assert _events(prod, cons, n=2) == [
+            TransferEvent("r2", "pulled", None, {"parts": 1}),
+            TransferEvent("u", "sent", None, {"parts": 1}),
+        ]
+        assert torch.equal(gather_blocks(dst, {"kv": [4], "swa": [5]}), gather_blocks(src, {"kv": [3], "swa": [4]}))
+        assert prod.poll() == []
+    finally:
+        cons.close()
+
+
+def test_a_pull_that_arrives_before_its_publish_waits_for_it(producer: Producer) -> None:
+    """The engine answers a request once its publish is on the way to the worker, so a pull can reach
+    the producer first: the producer waits for the offer. One it has ended is refused at once."""
+    prod, src, address = producer
+    cons, dst = _consumer()
+    try:
+        cons.pull("r", {**address, "transfer_id": "t"}, {"kv": [1], "swa": [1]})
+        time.sleep(0.3)  # the pull waits at the producer
+        prod.publish("t", {"kv": [6], "swa": [2]})
+        assert [e.error for e in _events(prod, cons, n=2)] == [None, None]
+        assert torch.equal(gather_blocks(dst, {"kv": [1], "swa": [1]}), gather_blocks(src, {"kv": [6], "swa": [2]}))
+        start = time.monotonic()
+        cons.pull("r2", {**address, "transfer_id": "t"}, {"kv": [1], "swa": [1]})
+        (again,) = _events(cons, n=1)
+        assert "holds no KV for transfer 't'" in (again.error or "")
+        assert time.monotonic() - start < 2.0  # not the grace for an offer still to come
+    finally:
+        cons.close()
+
+
+def test_a_producer_closing_mid_stream_fails_the_pull() -> None:
+    """The prefill engine shuts down while an offer still grows: the pull ends with the reason."""
+    src = _caches(1)
+    prod, address = _connector("prefill", src)
+    cons, _ = _connector("decode", _caches(2))
+    try:
+        prod.publish_part("t", {"kv": [5]}, False)
+        cons.pull("r", {**address, "transfer_id": "t", "kv_streamed": True}, {"kv": [1, 2]})
+        time.sleep(0.3)
+        prod.close()
+        (failed,) = _events(cons, n=1)
+        assert failed.transfer_id == "r" and "the connector is closing" in (failed.error or ""), failed
+    finally:
+        cons.close()
+        prod.close()
