@@ -15,6 +15,8 @@ With hit-aligned cache groups (sliding windows, snapshots: :attr:`KVCacheManager
 computation starts only at a multiple of the hit unit, so the transfer covers ``prompt - 1`` rounded
 down to it: the prefill side takes that prefix-cache hit on the request's own blocks, each side gives
 back the entries a start there never reads, and only held (not FREED) entries move, in table order.
+A streamed offer (``stream_kv``) fixes that hit as the request is added and publishes those entries
+chunk by chunk, each referenced by the offer itself.
 
 Every block a transfer touches is owned by exactly one record until the connector says it no longer
 touches it (a ``sent`` or ``pulled`` event): a held request until ``sent`` (after the pull, a failed
@@ -201,6 +203,8 @@ class KVTransferLedger:
 
     # -- prefill side, streamed (stream_kv): the offer opens as the request is added and grows by the
     # full blocks of each computed prefill chunk; the request's end publishes the rest (or withdraws).
+    # With hit-aligned groups the hit is fixed as the offer opens, and only the blocks a start there
+    # reads go out, each as soon as a chunk filled it.
     def open_stream(self, req: Request) -> None:
         """Open the growing offer of a ``stream_kv`` request as it is added: its ``kv_transfer_params``
         are final from now on (``EngineCore.kv_transfer_params``), so a decode engine can pull during the prefill."""

@@ -55,7 +55,7 @@ class ReplicaConfig(BaseModel):
     )
     stream_kv: bool = Field(
         False,
-        description="For a 'prefill' replica (torch_p2p connector, a model without hit-aligned caches): it streams "
+        description="For a 'prefill' replica (torch_p2p connector): it streams "
         "the prompt's KV per prefill chunk; the router takes the kv_transfer_params from the first event of a "
         "streamed prefill request and sends the decode request at once, while the prefill runs.",
     )

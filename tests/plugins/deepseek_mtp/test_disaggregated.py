@@ -186,7 +186,8 @@ def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool) -> Any:
     """Prefill ``prompt`` with stream_kv while ``d`` pulls it from the start, stepping both engines in
     turn; returns the decode output."""
     pe, de = p._engine(), d._engine()
-    first = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "stream_kv": True})
+    streamed = {"do_remote_decode": True, "stream_kv": True}
+    first = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params=streamed)
     pe.add_request(rid, prompt, first)
     offer = pe.kv_transfer_params(rid)
     assert offer is not None and offer["kv_streamed"] and offer["num_tokens"] == (len(prompt) - 1) // UNIT * UNIT
