@@ -224,7 +224,10 @@ class KVTransferLedger:
             if stream is None or stream.ended:
                 continue
             done = min(end, stream.num_tokens)
-            part = self._aligned_part(stream, done) if self.kv.hit_aligned else self._prefix_part(stream, done)
+            if self.kv.hit_aligned:  # a step preempted in flight confirmed nothing: no block of it is cached
+                part = self._aligned_part(stream, min(done, req.sched.confirmed))
+            else:
+                part = self._prefix_part(stream, done)
             if part is None:
                 self._abandon(stream)
                 continue

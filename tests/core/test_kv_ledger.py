@@ -423,7 +423,9 @@ def test_a_streamed_offer_whose_send_failed_publishes_nothing_more() -> None:
 
 # -- streamed offers with hit-aligned groups: the hit is fixed as the offer opens, and each part holds
 # the blocks a start there reads that the chunks so far filled.
-def _windowed_stream(sent: list[tuple[Any, ...]]) -> tuple[KVTransferLedger, Request, str]:
+def _windowed_stream(sent: list[tuple[Any, ...]], rest: bool = True) -> tuple[KVTransferLedger, Request, str]:
+    """A streamed 22-token prefill (a hit at 16) after its first 8-token chunk; ``rest``: and after a
+    step computing the other 14, its result applied up to the ledger's turn."""
     ledger = _windowed_ledger("prefill", sent)
     ledger.address = {**ADDRESS, "streams": True}
     params = {"do_remote_decode": True, "stream_kv": True}
@@ -432,12 +434,15 @@ def _windowed_stream(sent: list[tuple[Any, ...]]) -> tuple[KVTransferLedger, Req
     ledger.open_stream(req)
     assert req.out.kv_transfer_params is not None and req.out.kv_transfer_params["num_tokens"] == 16
     assert ledger.kv.allocate(req, 8)
+    req.sched.confirmed = 8  # the step's result is applied (the scheduler counts it before the ledger's turn)
     ledger.publish_computed([req], [8])  # 8 tokens: full block 0; win blocks 0, 1 lie before the hit's window
     assert sent[-1] == ("publish_part", sent[0][1], {"win": [], "full": req.kv.block_ids["full"][:1]}, False, False)
     # The rest of the prompt in one step: its result gives back win blocks 0..2 (published to the
     # prefix cache just before) ahead of the ledger's turn, though a start at 16 reads block 2.
     assert ledger.kv.allocate(req, 22)
-    ledger.kv.publish(req, 22)
+    if rest:
+        req.sched.confirmed = 22
+        ledger.kv.publish(req, 22)
     return ledger, req, sent[0][1]
 
 
@@ -483,3 +488,28 @@ def test_a_streamed_offer_whose_window_block_was_evicted_is_withdrawn() -> None:
     assert not ledger.held and not ledger.streams and ledger.stats["kv_send_failed"] == 1
     ledger.kv.check_invariants([])
     assert all(p.num_free == p.num_blocks for p in ledger.kv.pools.values())
+
+
+def test_a_streamed_step_preempted_in_flight_publishes_nothing() -> None:
+    """Async: the request was preempted while its step ran, so the step's result is discarded (its
+    blocks freed, nothing of it confirmed or cached); the ledger publishes nothing for it and keeps the
+    offer open (no withdrawal), and the recomputed chunks go out later."""
+    sent: list[tuple[Any, ...]] = []
+    ledger, req, tid = _windowed_stream(sent, rest=False)
+    parts = len(sent)
+    ledger.kv.free(req)
+    req.sched.confirmed = 0
+    ledger.publish_computed([req], [22])
+    assert len(sent) == parts and tid in ledger.streams and not ledger.held
+    _check(ledger, req)
+    assert ledger.kv.allocate(req, 22)
+    req.sched.confirmed = 22  # recomputed (here in one step)
+    ledger.publish_computed([req], [22])
+    assert sent[-1] == (
+        "publish_part",
+        tid,
+        {"win": req.kv.block_ids["win"][2:4], "full": req.kv.block_ids["full"][1:2]},
+        False,
+        False,
+    )
+    _check(ledger, req)
