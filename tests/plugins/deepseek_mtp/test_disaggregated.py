@@ -204,6 +204,18 @@ def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool) -> Any:
     return outs[rid]
 
 
+def _all_free(llm: LLM) -> None:
+    """Once the prefill engine's sends ended: no offer left open or held, every block free."""
+    engine = llm._engine()
+    deadline = time.monotonic() + 10
+    while engine.kvx.held and time.monotonic() < deadline:  # type: ignore[union-attr]
+        engine.check_worker()
+        time.sleep(0.02)
+    assert engine.kvx is not None and not engine.kvx.streams and not engine.kvx.held
+    engine.kv.check_invariants(engine.scheduler.live_requests(), engine.kvx.pinned())
+    assert _free_blocks(llm) == _all_blocks(llm)
+
+
 @pytest.mark.parametrize("scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
 def test_a_streamed_transfer_moves_the_hit_blocks_chunk_by_chunk(scheduler: str) -> None:
     """The reference is the decode engine's own co-located output (greedy, then seeded); the streamed
@@ -231,12 +243,28 @@ def test_a_streamed_transfer_moves_the_hit_blocks_chunk_by_chunk(scheduler: str)
             assert drafting[0] == drafting[1] and drafting[0][1] > 0, drafting
         assert de.kvx.stats["kv_pull_failed"] == 0 and de.kvx.stats["kv_pulled"] == 2
         for llm in (p, d):
-            engine = llm._engine()
-            deadline = time.monotonic() + 10
-            while engine.kvx.held and time.monotonic() < deadline:  # type: ignore[union-attr]
-                engine.check_worker()
-                time.sleep(0.02)
-            assert engine.kvx is not None and not engine.kvx.streams and not engine.kvx.held
-            engine.kv.check_invariants(engine.scheduler.live_requests(), engine.kvx.pinned())
-            assert _free_blocks(llm) == _all_blocks(llm)
+            _all_free(llm)
         assert pe.kvx.stats["kv_sent"] == 2 and pe.kvx.stats["kv_send_failed"] == 0
+
+
+def test_a_streamed_chunk_longer_than_the_window_moves_the_window_blocks_it_gave_back() -> None:
+    """136-token chunks: the first computes positions 0..135 of a 150-token prompt, and applying its
+    result gives back the ``swa`` blocks before position 73 (the window of 136), among them blocks 16
+    and 17 that a start at the hit (128) reads; its part takes them from the prefix cache, where the
+    same result published them. The output and drafting equal the decode engine's co-located run."""
+    settings = {**STREAM, "max_num_batched_tokens": 136}
+    prompt = _tokens(31, 150)
+    with LLM(kv_role="prefill", **settings) as p, LLM(kv_role="decode", **settings) as d:
+        de = d._engine()
+        assert de.kvx is not None
+        drafting: list[tuple[int, int, int]] = []
+        with _spec_delta(d, drafting):
+            reference = d.generate([prompt], _params(True), use_tqdm=False)[0]
+        with _spec_delta(d, drafting):
+            out = _stream(p, d, "w", prompt, True)
+        assert out.outputs[0].error is None and out.num_cached_tokens == 2 * UNIT
+        assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert drafting[0] == drafting[1], drafting
+        assert de.kvx.stats["kv_parts_pulled"] == 2  # the first chunk's part, then the final one
+        for llm in (p, d):
+            _all_free(llm)
