@@ -15,6 +15,8 @@ With hit-aligned cache groups (sliding windows, snapshots: :attr:`KVCacheManager
 computation starts only at a multiple of the hit unit, so the transfer covers ``prompt - 1`` rounded
 down to it: the prefill side takes that prefix-cache hit on the request's own blocks, each side gives
 back the entries a start there never reads, and only held (not FREED) entries move, in table order.
+A streamed offer (``stream_kv``) fixes that hit as the request is added and publishes those entries
+chunk by chunk, each referenced by the offer itself.
 
 Every block a transfer touches is owned by exactly one record until the connector says it no longer
 touches it (a ``sent`` or ``pulled`` event): a held request until ``sent`` (after the pull, a failed
@@ -78,7 +80,7 @@ class _Stream:
     num_tokens: int
     published: dict[str, int]
     pinned: dict[str, list[int]]
-    ended: bool = False  # the connector ended the offer early (a failed send): nothing more goes out
+    ended: bool = False  # the offer ended early (a failed send, a block it needs evicted): nothing more goes out
 
 
 @dataclass(slots=True)
@@ -146,11 +148,6 @@ class KVTransferLedger:
         if not self.address.get("streams"):
             connector = self.config.kv_connector
             raise ValueError(f"kv_transfer_params.stream_kv: the KV connector {connector!r} cannot stream")
-        if self.kv.hit_aligned:
-            raise ValueError(
-                "kv_transfer_params.stream_kv: this model's caches move from a hit position chosen when the "
-                "prefill ends (sliding windows, snapshots); send the request without stream_kv"
-            )
 
     def _check_source(self, req: Request, params: dict[str, Any]) -> None:
         missing = [
@@ -206,10 +203,12 @@ class KVTransferLedger:
 
     # -- prefill side, streamed (stream_kv): the offer opens as the request is added and grows by the
     # full blocks of each computed prefill chunk; the request's end publishes the rest (or withdraws).
+    # With hit-aligned groups the hit is fixed as the offer opens, and only the blocks a start there
+    # reads go out, each as soon as a chunk filled it.
     def open_stream(self, req: Request) -> None:
         """Open the growing offer of a ``stream_kv`` request as it is added: its ``kv_transfer_params``
         are final from now on (``EngineCore.kv_transfer_params``), so a decode engine can pull during the prefill."""
-        num_tokens = req.num_prompt_tokens - 1
+        num_tokens = self._stream_tokens(req)
         tid = self._describe(req, num_tokens, kv_streamed=True)
         if num_tokens == 0:
             return  # a one-token prompt: nothing to move
@@ -225,24 +224,83 @@ class KVTransferLedger:
             if stream is None or stream.ended:
                 continue
             done = min(end, stream.num_tokens)
-            part: dict[str, list[int]] = {}
-            for g in self.kv.groups:
-                full, table = done // g.tokens_per_block, req.kv.block_ids.get(g.name, [])
-                part[g.name] = table[stream.published[g.name] : full]
-                stream.published[g.name] += len(part[g.name])
-                for block in part[g.name]:  # the offer's own reference: a preempted request frees its own
-                    self.kv.pools[g.name].take_cached(block)
-                stream.pinned[g.name] += part[g.name]
+            if self.kv.hit_aligned:  # a step preempted in flight confirmed nothing: no block of it is cached
+                part = self._aligned_part(stream, min(done, req.sched.confirmed))
+            else:
+                part = self._prefix_part(stream, done)
+            if part is None:
+                self._abandon(stream)
+                continue
+            self._pin(stream, part)
             if any(part.values()):
                 self._send(("publish_part", stream.transfer_id, part, False, False))
+
+    def _stream_tokens(self, req: Request) -> int:
+        """The tokens a streamed offer moves, fixed as it opens: ``prompt - 1``, or with hit-aligned
+        groups what the whole offer moves while the request's blocks are cached (rounded down to the
+        hit unit; nothing without prefix caching, whose cache brings back given-back window blocks)."""
+        if not self.kv.hit_aligned:
+            return req.num_prompt_tokens - 1
+        return self.kv.transfer_tokens(req.num_prompt_tokens - 1) if self.kv.prefix_caching else 0
+
+    def _prefix_part(self, stream: _Stream, done: int) -> dict[str, list[int]]:
+        """The full blocks of the first ``done`` tokens not yet published (every group reads them all)."""
+        part: dict[str, list[int]] = {}
+        for g in self.kv.groups:
+            full, table = done // g.tokens_per_block, stream.request.kv.block_ids.get(g.name, [])
+            part[g.name] = table[stream.published[g.name] : full]
+            stream.published[g.name] += len(part[g.name])
+        return part
+
+    def _aligned_part(self, stream: _Stream, done: int) -> dict[str, list[int]] | None:
+        """With hit-aligned groups, the blocks a start at the offer's hit reads (per group
+        :meth:`KVCacheManager.needed_blocks`: a window's last blocks, a snapshot at the hit, every
+        compressed block) that the first ``done`` tokens fill and no part holds yet. A window block
+        the request already gave back comes from the prefix cache, where the step that filled it
+        published it just before (the window moves on as a step's result is applied, before
+        :meth:`publish_computed`); None: one was evicted since, the offer cannot complete."""
+        req, part = stream.request, dict[str, list[int]]()
+        for g in self.kv.groups:
+            need, table = self.kv.needed_blocks(g, stream.num_tokens), req.kv.block_ids.get(g.name, [])
+            start = max(need.start, stream.published[g.name])
+            end = min(need.stop, done // g.tokens_per_block)
+            blocks: list[int] = []
+            for i in range(start, end):
+                block: int | None = table[i] if i < len(table) and table[i] != FREED else None
+                if block is None:
+                    key = self.kv.prefix_keys(req, g, end * g.tokens_per_block)[i]
+                    block = self.kv.pools[g.name].cached.get(key)
+                if block is None:
+                    return None
+                blocks.append(block)
+            part[g.name] = blocks
+            stream.published[g.name] = max(start, end)
+        return part
+
+    def _pin(self, stream: _Stream, part: dict[str, list[int]]) -> None:
+        """The offer's own reference to each block of a part: a preempted request frees its own."""
+        for group, blocks in part.items():
+            for block in blocks:
+                self.kv.pools[group].take_cached(block)
+            stream.pinned[group] += blocks
+
+    def _abandon(self, stream: _Stream) -> None:
+        """A block the offer needs is gone: withdraw it (the decode engine's pull fails with the
+        reason); its parts stay referenced until the connector lets go, and nothing more goes out."""
+        stream.ended = True
+        held = _Held(stream.request, self._clock(), withdrawn=True, keep=False, pinned=stream.pinned)
+        self.held[stream.transfer_id], stream.pinned = held, {}
+        self._send(("withdraw", stream.transfer_id))
 
     def _hold_stream(self, stream: _Stream) -> bool:
         """The streamed request finished: publish its last blocks (or withdraw the offer when it failed
         or was aborted); the pinned parts are freed with the offer's end."""
         req, tid = stream.request, stream.transfer_id
         if stream.ended:
-            return False  # the offer ended early; its pinned parts are already freed
+            return False  # the offer ended early; its pinned parts are freed (or held until the connector lets go)
         finished = req.status not in (RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_ABORTED)
+        if finished and self.kv.hit_aligned:
+            return self._hold_aligned(stream)
         held = _Held(req, self._clock() + self.config.kv_transfer_timeout, keep=finished, pinned=stream.pinned)
         self.held[tid] = held
         if not finished:
@@ -253,6 +311,19 @@ class KVTransferLedger:
         rest = {g: [b for b in t[stream.published.get(g, 0) :] if b != FREED] for g, t in req.kv.block_ids.items()}
         self._send(("publish_part", tid, rest, True, False))
         return True
+
+    def _hold_aligned(self, stream: _Stream) -> bool:
+        """The final part of a hit-aligned stream: the rest of the blocks its hit reads, referenced by
+        the offer like the earlier parts, so the request's own blocks are freed as usual (False)."""
+        rest = self._aligned_part(stream, stream.num_tokens)
+        if rest is None:
+            self._abandon(stream)
+            return False
+        self._pin(stream, rest)
+        deadline = self._clock() + self.config.kv_transfer_timeout
+        self.held[stream.transfer_id] = _Held(stream.request, deadline, keep=False, pinned=stream.pinned)
+        self._send(("publish_part", stream.transfer_id, rest, True, False))
+        return False
 
     def _unpin(self, pinned: dict[str, list[int]]) -> None:
         for group, blocks in pinned.items():

@@ -419,3 +419,97 @@ def test_a_streamed_offer_whose_send_failed_publishes_nothing_more() -> None:
     assert len(sent) == 2
     ledger.kv.free(req)
     assert _free(ledger) == FULL and not ledger.streams and not ledger.held
+
+
+# -- streamed offers with hit-aligned groups: the hit is fixed as the offer opens, and each part holds
+# the blocks a start there reads that the chunks so far filled.
+def _windowed_stream(sent: list[tuple[Any, ...]], rest: bool = True) -> tuple[KVTransferLedger, Request, str]:
+    """A streamed 22-token prefill (a hit at 16) after its first 8-token chunk; ``rest``: and after a
+    step computing the other 14, its result applied up to the ledger's turn."""
+    ledger = _windowed_ledger("prefill", sent)
+    ledger.address = {**ADDRESS, "streams": True}
+    params = {"do_remote_decode": True, "stream_kv": True}
+    req = Request("p", list(range(22)), SamplingParams(max_tokens=1, kv_transfer_params=params))
+    ledger.check(req, 1)
+    ledger.open_stream(req)
+    assert req.out.kv_transfer_params is not None and req.out.kv_transfer_params["num_tokens"] == 16
+    assert ledger.kv.allocate(req, 8)
+    req.sched.confirmed = 8  # the step's result is applied (the scheduler counts it before the ledger's turn)
+    ledger.publish_computed([req], [8])  # 8 tokens: full block 0; win blocks 0, 1 lie before the hit's window
+    assert sent[-1] == ("publish_part", sent[0][1], {"win": [], "full": req.kv.block_ids["full"][:1]}, False, False)
+    # The rest of the prompt in one step: its result gives back win blocks 0..2 (published to the
+    # prefix cache just before) ahead of the ledger's turn, though a start at 16 reads block 2.
+    assert ledger.kv.allocate(req, 22)
+    if rest:
+        req.sched.confirmed = 22
+        ledger.kv.publish(req, 22)
+    return ledger, req, sent[0][1]
+
+
+def test_a_streamed_offer_of_windowed_groups_moves_the_hit_s_blocks_as_they_fill() -> None:
+    sent: list[tuple[Any, ...]] = []
+    ledger, req, tid = _windowed_stream(sent)
+    win, full = list(req.kv.block_ids["win"]), list(req.kv.block_ids["full"])
+    ledger.kv.release_outside_window(req, 22)
+    assert req.kv.block_ids["win"][:3] == [FREED] * 3
+    ledger.publish_computed([req], [22])  # capped at the hit (16): win 2 (from the cache) and 3, full 1
+    assert sent[-1] == ("publish_part", tid, {"win": win[2:4], "full": full[1:2]}, False, False)
+    _check(ledger, req)
+    req.output_token_ids.append(7)
+    req.status = RequestStatus.FINISHED_LENGTH
+    assert not ledger.hold(req)  # the offer references every block it moves: the request's go as usual
+    assert sent[-1] == ("publish_part", tid, {"win": [], "full": []}, True, False)
+    ledger.kv.free(req)
+    assert _free(ledger) == {"win": 14, "full": 6}
+    _check(ledger)
+    ledger.on_event(TransferEvent(tid, "sent", None, {"parts": 3}))
+    assert not ledger.held and not ledger.streams and ledger.stats["kv_parts_sent"] == 3
+    ledger.kv.check_invariants([])
+    assert all(p.num_free == p.num_blocks for p in ledger.kv.pools.values())
+
+
+def test_a_streamed_offer_whose_window_block_was_evicted_is_withdrawn() -> None:
+    """A window block the hit needs was given back and reused before the ledger took it: the offer
+    cannot complete, so it is withdrawn (the decode engine's pull fails with the reason) rather than
+    sent with a block of other content; nothing more goes out and every block is freed."""
+    sent: list[tuple[Any, ...]] = []
+    ledger, req, tid = _windowed_stream(sent)
+    ledger.kv.release_outside_window(req, 22)
+    taken = ledger.kv.pools["win"].allocate(13)  # every free win block: the cached ones are evicted
+    ledger.publish_computed([req], [22])
+    assert sent[-1] == ("withdraw", tid) and tid in ledger.held
+    ledger.kv.check_invariants([req, *ledger.owners()], [*ledger.pinned(), {"win": taken}])
+    req.output_token_ids.append(7)
+    req.status = RequestStatus.FINISHED_LENGTH
+    assert not ledger.hold(req) and sent[-1] == ("withdraw", tid)
+    ledger.kv.free(req)
+    ledger.kv.pools["win"].release(taken)
+    ledger.on_event(TransferEvent(tid, "sent", "withdrawn"))
+    assert not ledger.held and not ledger.streams and ledger.stats["kv_send_failed"] == 1
+    ledger.kv.check_invariants([])
+    assert all(p.num_free == p.num_blocks for p in ledger.kv.pools.values())
+
+
+def test_a_streamed_step_preempted_in_flight_publishes_nothing() -> None:
+    """Async: the request was preempted while its step ran, so the step's result is discarded (its
+    blocks freed, nothing of it confirmed or cached); the ledger publishes nothing for it and keeps the
+    offer open (no withdrawal), and the recomputed chunks go out later."""
+    sent: list[tuple[Any, ...]] = []
+    ledger, req, tid = _windowed_stream(sent, rest=False)
+    parts = len(sent)
+    ledger.kv.free(req)
+    req.sched.confirmed = 0
+    ledger.publish_computed([req], [22])
+    assert len(sent) == parts and tid in ledger.streams and not ledger.held
+    _check(ledger, req)
+    assert ledger.kv.allocate(req, 22)
+    req.sched.confirmed = 22  # recomputed (here in one step)
+    ledger.publish_computed([req], [22])
+    assert sent[-1] == (
+        "publish_part",
+        tid,
+        {"win": req.kv.block_ids["win"][2:4], "full": req.kv.block_ids["full"][1:2]},
+        False,
+        False,
+    )
+    _check(ledger, req)

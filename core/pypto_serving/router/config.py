@@ -55,10 +55,9 @@ class ReplicaConfig(BaseModel):
     )
     stream_kv: bool = Field(
         False,
-        description="For a 'prefill' replica (a connector that streams, torch_p2p or mooncake; a model without "
-        "hit-aligned caches): it streams the prompt's KV per prefill chunk; the router takes the kv_transfer_params "
-        "from the first event of a streamed prefill request and sends the decode request at once, while the "
-        "prefill runs.",
+        description="For a 'prefill' replica (a connector that streams: torch_p2p or mooncake): it streams "
+        "the prompt's KV per prefill chunk; the router takes the kv_transfer_params from the first event of a "
+        "streamed prefill request and sends the decode request at once, while the prefill runs.",
     )
 
     @field_validator("url")

@@ -169,3 +169,102 @@ def test_tp2_ranks_move_their_copies_of_every_cache_group(scheduler: str) -> Non
         }
         engine.kv.check_invariants(engine.scheduler.live_requests())
         assert _free_blocks(llm) == _all_blocks(llm)
+
+
+# -- streamed transfers (stream_kv): the offer's hit is fixed as the prefill is added (``prompt - 1``
+# rounded down to the hit unit, what the whole offer moves); each prefill chunk's result publishes
+# the blocks a start there reads that the chunk filled (every compressed and indexer block, the window
+# blocks from ``hit - 63`` on, the snapshots at the hit) and the decode engine pulls them as they come.
+STREAM: dict[str, Any] = {**COMMON, "max_num_batched_tokens": 16, "worker_mode": "inproc"}
+# Fresh prompts (a prefix-cache hit on the prefill engine would compute them in one step): 140 tokens
+# move a hit at 128, past one window (the prefill gives the window's first blocks back meanwhile);
+# 100 tokens a hit at 64.
+LONG = [_tokens(11, 134), _tokens(2, 70)]
+
+
+def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool) -> Any:
+    """Prefill ``prompt`` with stream_kv while ``d`` pulls it from the start, stepping both engines in
+    turn; returns the decode output."""
+    pe, de = p._engine(), d._engine()
+    streamed = {"do_remote_decode": True, "stream_kv": True}
+    first = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params=streamed)
+    pe.add_request(rid, prompt, first)
+    offer = pe.kv_transfer_params(rid)
+    assert offer is not None and offer["kv_streamed"] and offer["num_tokens"] == (len(prompt) - 1) // UNIT * UNIT
+    de.add_request(rid, prompt, _params(seeded, kv_transfer_params=offer))
+    de.step()  # the pull starts before the prefill computed anything
+    outs: dict[str, Any] = {}
+    deadline = time.monotonic() + 60
+    while (pe.has_unfinished() or de.has_unfinished()) and time.monotonic() < deadline:
+        if pe.has_unfinished():
+            pe.step()
+            assert not de.scheduler.requests, "the decode engine admitted the request before its KV was complete"
+            time.sleep(0.03)  # each chunk's part goes out on its own
+        outs.update({o.request_id: o for o in de.step() if o.finished})
+    return outs[rid]
+
+
+def _all_free(llm: LLM) -> None:
+    """Once the prefill engine's sends ended: no offer left open or held, every block free."""
+    engine = llm._engine()
+    deadline = time.monotonic() + 10
+    while engine.kvx.held and time.monotonic() < deadline:  # type: ignore[union-attr]
+        engine.check_worker()
+        time.sleep(0.02)
+    assert engine.kvx is not None and not engine.kvx.streams and not engine.kvx.held
+    engine.kv.check_invariants(engine.scheduler.live_requests(), engine.kvx.pinned())
+    assert _free_blocks(llm) == _all_blocks(llm)
+
+
+@pytest.mark.parametrize("scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
+def test_a_streamed_transfer_moves_the_hit_blocks_chunk_by_chunk(scheduler: str) -> None:
+    """The reference is the decode engine's own co-located output (greedy, then seeded); the streamed
+    request starts at the same hit as a whole offer's (test_decode_continues_from_the_transferred_hit)
+    and computes the rest of the prompt from KV that arrived in several parts while the prefill ran.
+    Both engines free every block. Under the async strategy a chunk's part goes out one step after
+    the chunk was scheduled, as its result is applied."""
+    settings = {**STREAM, "scheduler": scheduler}
+    with LLM(kv_role="prefill", **settings) as p, LLM(kv_role="decode", **settings) as d:
+        pe, de = p._engine(), d._engine()
+        assert pe.kvx is not None and de.kvx is not None
+        for i, (prompt, seeded) in enumerate(zip(LONG, (False, True))):
+            drafting: list[tuple[int, int, int]] = []
+            with _spec_delta(d, drafting):
+                reference = d.generate([prompt], _params(seeded), use_tqdm=False)[0]
+            parts = de.kvx.stats["kv_parts_pulled"]
+            with _spec_delta(d, drafting):
+                out = _stream(p, d, f"s-{i}", prompt, seeded)
+            assert out.outputs[0].error is None, out.outputs[0].error
+            assert out.num_cached_tokens == (len(prompt) - 1) // UNIT * UNIT  # the KV came over
+            assert out.outputs[0].token_ids == reference.outputs[0].token_ids, seeded
+            assert de.kvx.stats["kv_parts_pulled"] - parts >= 3  # not one part at the end of the prefill
+            # The MTP windows and input snapshot came over too: the same drafts verified and accepted
+            # in as many steps (the tokens alone would not show it at temperature 0).
+            assert drafting[0] == drafting[1] and drafting[0][1] > 0, drafting
+        assert de.kvx.stats["kv_pull_failed"] == 0 and de.kvx.stats["kv_pulled"] == 2
+        for llm in (p, d):
+            _all_free(llm)
+        assert pe.kvx.stats["kv_sent"] == 2 and pe.kvx.stats["kv_send_failed"] == 0
+
+
+def test_a_streamed_chunk_longer_than_the_window_moves_the_window_blocks_it_gave_back() -> None:
+    """136-token chunks: the first computes positions 0..135 of a 150-token prompt, and applying its
+    result gives back the ``swa`` blocks before position 73 (the window of 136), among them blocks 16
+    and 17 that a start at the hit (128) reads; its part takes them from the prefix cache, where the
+    same result published them. The output and drafting equal the decode engine's co-located run."""
+    settings = {**STREAM, "max_num_batched_tokens": 136}
+    prompt = _tokens(31, 150)
+    with LLM(kv_role="prefill", **settings) as p, LLM(kv_role="decode", **settings) as d:
+        de = d._engine()
+        assert de.kvx is not None
+        drafting: list[tuple[int, int, int]] = []
+        with _spec_delta(d, drafting):
+            reference = d.generate([prompt], _params(True), use_tqdm=False)[0]
+        with _spec_delta(d, drafting):
+            out = _stream(p, d, "w", prompt, True)
+        assert out.outputs[0].error is None and out.num_cached_tokens == 2 * UNIT
+        assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert drafting[0] == drafting[1], drafting
+        assert de.kvx.stats["kv_parts_pulled"] == 2  # the first chunk's part, then the final one
+        for llm in (p, d):
+            _all_free(llm)
