@@ -384,18 +384,29 @@ def _all_free(llm: LLM) -> None:
     assert _free_blocks(llm) == _all_blocks(llm)
 
 
-def test_a_streamed_transfer_moves_each_prefill_chunk_as_it_is_computed(stream_pair: tuple[LLM, LLM]) -> None:
-    """The reference is the decode engine's own co-located output; the streamed request computed only
-    the last prompt token, from KV that arrived in several parts while the prefill ran."""
+@pytest.fixture(scope="module")
+def stream_references() -> dict[tuple[int, bool], list[int]]:
+    """``LONG[i]``'s tokens (greedy, seeded) from a third engine serving co-located: the streamed
+    pair's decode engine never computes these prompts, so its free blocks never held their KV and a
+    part that was not moved leaves other bytes there."""
+    with LLM(**STREAM, scheduler="sync") as colocated:
+        outs = {(i, s): colocated.generate([LONG[i]], _params(s), use_tqdm=False)[0] for i in range(2) for s in (0, 1)}
+    return {(i, bool(s)): list(o.outputs[0].token_ids) for (i, s), o in outs.items()}
+
+
+def test_a_streamed_transfer_moves_each_prefill_chunk_as_it_is_computed(
+    stream_pair: tuple[LLM, LLM], stream_references: dict[tuple[int, bool], list[int]]
+) -> None:
+    """The reference is a third engine's co-located output; the streamed request computed only the
+    last prompt token, from KV that arrived in several parts while the prefill ran."""
     p, d = stream_pair
     de, pe = d._engine(), p._engine()
     assert de.kvx is not None and pe.kvx is not None
     for i, seeded in enumerate((False, True)):
-        reference = d.generate([LONG[i]], _params(seeded), use_tqdm=False)[0]
         parts = de.kvx.stats["kv_parts_pulled"]
         out = _stream(p, d, f"s-{i}", LONG[i], seeded)
         assert out.outputs[0].error is None and out.num_cached_tokens == len(LONG[i]) - 1
-        assert out.outputs[0].token_ids == reference.outputs[0].token_ids, seeded
+        assert out.outputs[0].token_ids == stream_references[i, seeded], seeded
         assert de.kvx.stats["kv_parts_pulled"] - parts >= 3  # not one part at the end of the prefill
     assert de.kvx.stats["kv_pull_failed"] == 0
     _all_free(d)
@@ -421,3 +432,42 @@ def test_stream_kv_is_refused_where_it_cannot_apply(stream_pair: tuple[LLM, LLM]
     _, d = stream_pair
     with pytest.raises(ValueError, match="stream_kv applies to a prefill request"):
         d.generate([LONG[0]], _params(False, kv_transfer_params={"stream_kv": True}), use_tqdm=False)
+
+
+def test_a_decode_killed_mid_stream_ends_only_that_transfer_on_the_prefill_side() -> None:
+    """The decode engine's worker is killed (SIGKILL) after two parts of a streamed pull arrived: the
+    prefill engine's connector fails that send (a broken connection, or no ``done`` within its
+    timeout), the prefill request still finishes, every block (the request's and the offer's pinned
+    parts) is freed, and the prefill engine serves on, a new streamed transfer included."""
+    cfg = {"kv_transfer_timeout": 1.0, "kv_connector_extra_config": {"timeout": 2}}
+    with LLM(kv_role="prefill", scheduler="sync", kv_transfer_config=cfg, **STREAM) as p:
+        pe = p._engine()
+        assert pe.kvx is not None
+        victim = LLM(kv_role="decode", scheduler="sync", kv_transfer_config=cfg, **{**STREAM, "worker_mode": "process"})
+        try:
+            de = victim._engine()
+            streamed = SamplingParams(max_tokens=1, kv_transfer_params={"do_remote_decode": True, "stream_kv": True})
+            pe.add_request("k", LONG[0], streamed)
+            de.add_request("k", LONG[0], _params(False, kv_transfer_params=pe.kv_transfer_params("k")))
+            de.step()  # the pull starts before the prefill computed anything
+            for _ in range(2):
+                pe.step()
+                time.sleep(0.1)  # the part goes out to the live decode worker
+            assert pe.kvx.streams and de.kvx is not None and de.kvx.pulls  # mid-stream on both sides
+            assert de.worker.pid is not None
+            os.kill(de.worker.pid, signal.SIGKILL)
+            outs: dict[str, Any] = {}
+            deadline = time.monotonic() + 20
+            while pe.has_unfinished() and time.monotonic() < deadline:
+                outs.update({o.request_id: o for o in pe.step() if o.finished})
+            assert outs["k"].outputs[0].error is None  # the prefill itself completed
+            _all_free(p)
+            assert pe.kvx.stats["kv_send_failed"] == 1 and pe.kvx.stats["kv_sent"] == 0
+        finally:
+            victim.shutdown()
+        assert pe.dead_reason is None
+        with LLM(kv_role="decode", scheduler="sync", kv_transfer_config=cfg, **STREAM) as d:
+            out = _stream(p, d, "after", LONG[1], False)
+        assert out.outputs[0].error is None and out.num_cached_tokens == len(LONG[1]) - 1
+        _all_free(p)
+        assert pe.kvx.stats["kv_sent"] == 1

@@ -6,6 +6,7 @@ The reference is the prefill server answering the same request co-located."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,8 @@ SETTINGS: dict[str, Any] = {
     "num_kv_blocks": 48,
     "max_model_len": 256,
     "block_size": 16,
+    # Prefills of more than 16 tokens take several steps: a streamed offer goes out before its end.
+    "max_num_batched_tokens": 16,
     "worker_mode": "inproc",
     "engine_mode": "thread",
     "scheduler": "sync",
@@ -140,11 +143,40 @@ def test_a_streamed_prefill_hands_out_its_kv_transfer_params_first(
         assert sum(p.num_free for p in engine.kv.pools.values()) == sum(p.num_blocks for p in engine.kv.pools.values())
 
 
+def _gate_until_pulled(monkeypatch: pytest.MonkeyPatch, prefill: Any, decode: Any) -> list[bool]:
+    """Make the prefill engine's steps after a streamed offer went out wait (up to 10 s) for a decode
+    engine's pull of that offer to start; returns, per offer, whether the pull started while the
+    prefill request was unfinished (its offer is still growing: ``kvx.streams``). An offer's first
+    step hands out its ``kv_transfer_params``; a router that waits for the prefill's end before it
+    sends the decode request leaves the pull unstarted, the wait times out and records False."""
+    engine, pulls = prefill.engine, decode.engine.kvx.pulls
+    step, handed_out, checked = engine.step, set(), set()
+    found: list[bool] = []
+
+    def started(tid: str) -> bool:
+        return any(p.started and p.source["transfer_id"] == tid for p in list(pulls.values()))
+
+    def gated() -> Any:
+        for tid in [t for t in engine.kvx.streams if t in handed_out and t not in checked]:
+            deadline = time.monotonic() + 10
+            while not started(tid) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            checked.add(tid)
+            found.append(started(tid) and tid in engine.kvx.streams)
+        handed_out.update(engine.kvx.streams)
+        return step()
+
+    monkeypatch.setattr(engine, "step", gated)
+    return found
+
+
 def test_the_router_sends_the_decode_request_as_a_streamed_prefill_starts(
-    pair: tuple[LiveServer, LiveServer, Any, Any],
+    pair: tuple[LiveServer, LiveServer, Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A ``stream_kv`` prefill replica: the router forwards the decode request on the prefill's first
-    event (streamed answers too), and the prefill's stream is read to its end behind it."""
+    event (streamed answers too), and the prefill's stream is read to its end behind it. The decode
+    engine's pull starts while the prefill still computes: its steps wait for the pull (see
+    :func:`_gate_until_pulled`), which only a router that overlaps them starts."""
     from pypto_serving.router import RouterSettings
 
     prefill, decode, p_llm, d_llm = pair
@@ -154,15 +186,23 @@ def test_the_router_sends_the_decode_request_as_a_streamed_prefill_starts(
     ]
     router = RouterThread(RouterSettings(replicas=replicas, health_interval=0.2))
     try:
-        body = {"prompt": "def fib(n):\n    if n < 2:\n", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        reference = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        # Two prompts of more than 16 tokens: each prefill takes two steps or more (a prefix-cache hit
+        # on the prefill engine would compute a repeated prompt in one).
+        fib = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
+        bodies = [{"prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True} for p in (fib, fib.upper())]
+        refs = [httpx.post(f"{decode.url}/v1/completions", json=b, timeout=60).json() for b in bodies]
+        assert all(r["usage"]["prompt_tokens"] > 16 for r in refs)
         pulled, failed = d_llm.stats["kv_pulled"], d_llm.stats["kv_pull_failed"]
-        answer = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        overlapped = _gate_until_pulled(monkeypatch, p_llm, d_llm)
+        answer = httpx.post(f"{router.url}/v1/completions", json=bodies[0], timeout=60)
         assert answer.status_code == 200, answer.text
-        assert answer.headers["x-pypto-replica"] == "d" and answer.json()["choices"][0]["text"] == reference
-        with httpx.stream("POST", f"{router.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert answer.headers["x-pypto-replica"] == "d"
+        assert answer.json()["choices"][0]["text"] == refs[0]["choices"][0]["text"]
+        with httpx.stream("POST", f"{router.url}/v1/completions", json={**bodies[1], "stream": True}, timeout=60) as r:
             events, done = parse_sse(r.read().decode())
-        assert done and "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == reference
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        assert done and text == refs[1]["choices"][0]["text"]
+        assert overlapped == [True, True]  # each pull started before its prefill finished
         assert d_llm.stats["kv_pulled"] == pulled + 2 and d_llm.stats["kv_pull_failed"] == failed
         wait_for(lambda: not p_llm.engine.kvx.held, 10, "the prefill engine's offers freed")
         load = router.state.router.replicas["p"]
