@@ -20,11 +20,17 @@ per-channel weights, activations quantised per token) against CTranslate2's ``in
 have no comparable CPU path and are reported as not run). Outputs of quantised engines are compared
 with ours as they come: two int8 schemes round differently.
 
+``--also bfloat16,w8a8,fp8`` adds rows to the same run: pypto-serving (sync) in bfloat16, over the W8A8
+conversion and over a block-FP8 conversion (``pypto-serving convert --to fp8``: FP8 E4M3 weights
+with 128x128 block scales, run weight-only), and with ``w8a8`` and the ``ct2`` peer CTranslate2 int8;
+each row's TPOT / floor uses the bytes that row's engine reads per step.
+
     python benchmarks/make_models.py --out /work/models small
     python benchmarks/compare.py --model /work/models/qwen3-small --contention \\
         --out-md compare.md --out-png compare.png
     python benchmarks/compare.py --model M --peers none     # pypto-serving only (smoke test)
     python benchmarks/compare.py --model M --peers ct2 --precision int8
+    python benchmarks/compare.py --model M --peers ct2 --also bfloat16,w8a8,fp8   # float32 run + these rows
 
 The plot needs matplotlib, which is not a project dependency: it is drawn with the first python
 that has it (this one, else the hf peer's venv); without one the PNG is skipped with a note.
@@ -37,6 +43,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,6 +61,12 @@ PEER_LABELS = {"hf": "HF transformers", "ct2": "CTranslate2", "vllm": "vLLM CPU"
 #: quantised per row at run time) against our W8A8_DYNAMIC checkpoint (``pypto-serving convert --to
 #: w8a8``: int8 per-channel weights, per-token activations); HF and vLLM CPU have no such path here.
 PRECISIONS = ("float32", "bfloat16", "int8")
+#: ``--also`` rows: label, our checkpoint conversion (None: the model as given), our dtype.
+ALSO = {
+    "bfloat16": ("bfloat16", None, "bfloat16"),
+    "w8a8": ("W8A8 int8", "w8a8", "float32"),
+    "fp8": ("FP8 weight-only", "fp8", "float32"),
+}
 PEER_PRECISIONS = {"hf": {"float32", "bfloat16"}, "ct2": set(PRECISIONS), "vllm": {"float32", "bfloat16"}}
 
 
@@ -69,6 +82,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="float32",
         help="weights and activations of every engine (int8: W8A8, converted once into the work dir; peers without "
         "a comparable path are reported as not run)",
+    )
+    p.add_argument(
+        "--also",
+        default="",
+        help="comma list of bfloat16,w8a8,fp8: pypto-serving (sync) rows in that precision in the same run (w8a8 "
+        "with the ct2 peer: a CTranslate2 int8 row too)",
     )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
@@ -121,6 +140,23 @@ def engines(args: argparse.Namespace, pypto_model: str) -> list[dict[str, Any]]:
                 "unsupported": args.precision not in PEER_PRECISIONS[peer],
             }
         )
+    return out + also_engines(args, peers)
+
+
+def also_engines(args: argparse.Namespace, peers: list[str]) -> list[dict[str, Any]]:
+    """The ``--also`` rows; ``convert`` names the conversion :func:`run_all` makes before running one."""
+    out = []
+    for key in [k.strip() for k in args.also.split(",") if k.strip()]:
+        if key not in ALSO:
+            raise SystemExit(f"unknown --also entry {key!r}; choose from {', '.join(ALSO)}")
+        label, convert, dtype = ALSO[key]
+        job = {"scheduler": "sync", "dtype": dtype, "precision": key}
+        row = {"name": f"pypto-serving (sync, {label})", "python": sys.executable, "runner": "run_pypto.py"}
+        out.append({**row, "job": job, "convert": convert})
+        if key == "w8a8" and "ct2" in peers:
+            python = Path(args.peers_dir) / "ct2" / "bin" / "python"
+            ct2 = {"name": "CTranslate2 (int8)", "python": str(python), "runner": "run_ct2.py"}
+            out.append({**ct2, "job": {"precision": "int8"}, "missing": not python.exists()})
     return out
 
 
@@ -193,14 +229,26 @@ def _checkpoint_dtype(model: str) -> str:
     return str(config.get("torch_dtype") or config.get("dtype") or "float32")
 
 
-def w8a8_checkpoint(model: str, work: Path) -> str:
-    """``model`` converted once to W8A8 (``pypto-serving convert --to w8a8``) under ``work``."""
-    out = work / ("w8a8-" + Path(model).name)
-    if not (out / "quant_model_description.json").exists():
-        print(f"compare: converting {model} to W8A8 in {out}", file=sys.stderr, flush=True)
+def also_weight_bytes(engine: dict[str, Any], model: str, work: Path) -> int:
+    """Bytes an ``--also`` row's engine reads per step: its converted checkpoint's files, the model
+    halved in bfloat16, CTranslate2's int8 ``model.bin`` (run_ct2.py's conversion)."""
+    job = engine["job"]
+    if engine["runner"] == "run_ct2.py":
+        ct2 = work / f"ct2-{job['precision']}-{Path(model).name}" / "model.bin"
+        return ct2.stat().st_size if ct2.exists() else 0
+    return weight_bytes(job.get("model", model), job["precision"])
+
+
+def converted_checkpoint(model: str, work: Path, fmt: str = "w8a8") -> str:
+    """``model`` converted once to ``fmt`` (``pypto-serving convert --to FMT``) under ``work``."""
+    out = work / (f"{fmt}-" + Path(model).name)
+    if not (out / "done").exists():
+        print(f"compare: converting {model} to {fmt} in {out}", file=sys.stderr, flush=True)
+        shutil.rmtree(out, ignore_errors=True)  # a conversion that did not finish
         convert = "import sys; from pypto_serving.cli import main; sys.exit(main())"
-        cli = [sys.executable, "-c", convert, "convert", "--to", "w8a8", model, str(out)]
+        cli = [sys.executable, "-c", convert, "convert", "--to", fmt, model, str(out)]
         subprocess.run(cli, check=True, stdout=sys.stderr)
+        (out / "done").touch()
     return str(out)
 
 
@@ -255,7 +303,9 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         + " greedy outputs vs reference |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.contention else "") + "---|",
     ]
-    lines += [_row(args, r, floor) for r in report["results"]]
+    bandwidth = report["bandwidth_gbs"] * 1e9
+    for r in report["results"]:  # an --also row's floor: the bytes its engine reads per step
+        lines.append(_row(args, r, r["weight_bytes"] / bandwidth * 1000 if "weight_bytes" in r else floor))
     lines += [
         "",
         f"Memory bandwidth (copy of {args.bandwidth_mib} MiB, read + write, best of 5): "
@@ -361,13 +411,17 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "precision": args.precision,
         "phases": ["latency"] if args.no_throughput else ["throughput", "latency"],
     }
-    ours = w8a8_checkpoint(job["model"], work) if args.precision == "int8" else job["model"]
+    ours = converted_checkpoint(job["model"], work) if args.precision == "int8" else job["model"]
     results = []
     for engine in engines(args, ours):
         if engine.get("missing") or engine.get("unsupported"):
             results.append({"name": engine["name"], "missing": engine.get("missing", False), "unsupported": True})
             continue
+        if engine.get("convert"):  # an --also row over a converted copy
+            engine["job"]["model"] = converted_checkpoint(args.model, work, engine["convert"])
         r = {"name": engine["name"], **run_engine(engine, job, work, "main", args.timeout)}
+        if "precision" in engine["job"]:  # an --also row: its own bytes per step
+            r["weight_bytes"] = also_weight_bytes(engine, args.model, work)
         if args.contention and "error" not in r:
             with CpuHog():
                 c = run_engine(engine, {**job, "phases": ["latency"]}, work, "contended", args.timeout)
