@@ -182,6 +182,19 @@ STREAM: dict[str, Any] = {**COMMON, "max_num_batched_tokens": 16, "worker_mode":
 LONG = [_tokens(11, 134), _tokens(2, 70)]
 
 
+def _references(settings: dict[str, Any], runs: list[tuple[list[int], bool]]) -> list[tuple[list[int], Any]]:
+    """Co-located outputs and drafting counts of ``runs`` (prompt, seeded) from an engine of their own,
+    so no stale copy of their KV sits in the decode engine's free blocks to hide a part never moved."""
+    out = []
+    with LLM(**settings) as ref:
+        for prompt, seeded in runs:
+            drafting: list[tuple[int, int, int]] = []
+            with _spec_delta(ref, drafting):
+                tokens = ref.generate([prompt], _params(seeded), use_tqdm=False)[0].outputs[0].token_ids
+            out.append((list(tokens), drafting[0]))
+    return out
+
+
 def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool) -> Any:
     """Prefill ``prompt`` with stream_kv while ``d`` pulls it from the start, stepping both engines in
     turn; returns the decode output."""
@@ -218,25 +231,25 @@ def _all_free(llm: LLM) -> None:
 
 @pytest.mark.parametrize("scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])
 def test_a_streamed_transfer_moves_the_hit_blocks_chunk_by_chunk(scheduler: str) -> None:
-    """The reference is the decode engine's own co-located output (greedy, then seeded); the streamed
+    """The reference is a third engine's co-located output (greedy, then seeded); the streamed
     request starts at the same hit as a whole offer's (test_decode_continues_from_the_transferred_hit)
     and computes the rest of the prompt from KV that arrived in several parts while the prefill ran.
     Both engines free every block. Under the async strategy a chunk's part goes out one step after
     the chunk was scheduled, as its result is applied."""
     settings = {**STREAM, "scheduler": scheduler}
+    runs = list(zip(LONG, (False, True)))
+    references = _references(settings, runs)
     with LLM(kv_role="prefill", **settings) as p, LLM(kv_role="decode", **settings) as d:
         pe, de = p._engine(), d._engine()
         assert pe.kvx is not None and de.kvx is not None
-        for i, (prompt, seeded) in enumerate(zip(LONG, (False, True))):
-            drafting: list[tuple[int, int, int]] = []
-            with _spec_delta(d, drafting):
-                reference = d.generate([prompt], _params(seeded), use_tqdm=False)[0]
+        for i, ((prompt, seeded), (tokens, expected)) in enumerate(zip(runs, references)):
+            drafting: list[tuple[int, int, int]] = [expected]
             parts = de.kvx.stats["kv_parts_pulled"]
             with _spec_delta(d, drafting):
                 out = _stream(p, d, f"s-{i}", prompt, seeded)
             assert out.outputs[0].error is None, out.outputs[0].error
             assert out.num_cached_tokens == (len(prompt) - 1) // UNIT * UNIT  # the KV came over
-            assert out.outputs[0].token_ids == reference.outputs[0].token_ids, seeded
+            assert out.outputs[0].token_ids == tokens, seeded
             assert de.kvx.stats["kv_parts_pulled"] - parts >= 3  # not one part at the end of the prefill
             # The MTP windows and input snapshot came over too: the same drafts verified and accepted
             # in as many steps (the tokens alone would not show it at temperature 0).
@@ -251,19 +264,18 @@ def test_a_streamed_chunk_longer_than_the_window_moves_the_window_blocks_it_gave
     """136-token chunks: the first computes positions 0..135 of a 150-token prompt, and applying its
     result gives back the ``swa`` blocks before position 73 (the window of 136), among them blocks 16
     and 17 that a start at the hit (128) reads; its part takes them from the prefix cache, where the
-    same result published them. The output and drafting equal the decode engine's co-located run."""
+    same result published them. The output and drafting equal a third engine's co-located run."""
     settings = {**STREAM, "max_num_batched_tokens": 136}
     prompt = _tokens(31, 150)
+    [(tokens, expected)] = _references(settings, [(prompt, True)])
     with LLM(kv_role="prefill", **settings) as p, LLM(kv_role="decode", **settings) as d:
         de = d._engine()
         assert de.kvx is not None
-        drafting: list[tuple[int, int, int]] = []
-        with _spec_delta(d, drafting):
-            reference = d.generate([prompt], _params(True), use_tqdm=False)[0]
+        drafting: list[tuple[int, int, int]] = [expected]
         with _spec_delta(d, drafting):
             out = _stream(p, d, "w", prompt, True)
         assert out.outputs[0].error is None and out.num_cached_tokens == 2 * UNIT
-        assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert out.outputs[0].token_ids == tokens
         assert drafting[0] == drafting[1], drafting
         assert de.kvx.stats["kv_parts_pulled"] == 2  # the first chunk's part, then the final one
         for llm in (p, d):
