@@ -8,7 +8,7 @@ either side. The engines find each other with Mooncake's peer-to-peer handshake 
 etcd or metadata server), unless ``metadata_server`` names one.
 
 The control channel is a TCP socket of newline-separated JSON messages to the prefill worker's
-``kv_ip:kv_port``; a decode worker keeps one connection per prefill engine. One pull is:
+``kv_ip:kv_port``; a decode worker's pull thread keeps one connection per prefill engine. One pull is:
 
 1. consumer -> ``{"transfer_id": id}``;
 2. producer -> the offer's first part: its block ids per group, whether it is the final part, where
@@ -28,8 +28,11 @@ A pull can reach the producer before the engine's publish has reached the connec
 answers a request once the publish is on its way to the worker): the producer waits a moment for an
 offer it has not seen; one it has ended is refused at once.
 
-A connection that breaks (a peer died, stopped answering within ``timeout``, or sent nonsense) is
-closed and fails only the transfer in flight on it; the next pull opens a new one.
+A consumer runs its pulls on ``pull_threads`` threads, each over connections of its own (one per
+prefill engine): a pull holds its thread until it ends (a streamed one until the prefill's final
+part), so with more threads other pulls go on meanwhile. A connection that breaks (a peer died,
+stopped answering within ``timeout``, or sent nonsense) is closed and fails only the transfer in
+flight on it; that thread's next pull opens a new one.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ DEFAULTS: dict[str, Any] = {
     # Mooncake's transport ends it (its MC_TRANSFER_TIMEOUT, default 30 s): a read is never abandoned
     # here while it may still write.
     "timeout": 30.0,
+    # Pulls in flight at once on a decode worker, each thread over connections of its own.
+    "pull_threads": 1,
 }
 
 
@@ -124,6 +129,13 @@ class _Lines:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def _drop(conns: dict[tuple[str, int], _Lines], address: tuple[str, int]) -> None:
+    """Close and forget a pull thread's connection to ``address`` (it broke)."""
+    lines = conns.pop(address, None)
+    if lines is not None:
+        lines.close()
 
 
 @dataclass(slots=True)
@@ -220,6 +232,9 @@ class MooncakeConnector(KVConnector):
         self.metadata_server = str(extra["metadata_server"])
         self.local_hostname = str(extra["local_hostname"] or config.kv_ip)
         self.timeout = float(extra["timeout"])
+        self.pull_threads = extra["pull_threads"]
+        if not isinstance(self.pull_threads, int) or isinstance(self.pull_threads, bool) or self.pull_threads < 1:
+            raise ValueError(f"kv_connector_extra_config.pull_threads={self.pull_threads!r}: give a count >= 1")
         self._engine: Any = None
         self._registered: list[int] = []
         self._regions: Regions = {}
@@ -231,7 +246,7 @@ class MooncakeConnector(KVConnector):
         self._ended: dict[str, None] = {}  # offers sent or withdrawn, oldest first (bounded)
         self._closed = threading.Event()
         self._pulls: queue.Queue[_Pull | None] = queue.Queue()
-        self._conns: dict[tuple[str, int], _Lines] = {}
+        self._conns: list[dict[tuple[str, int], _Lines]] = []  # per pull thread, by producer address
         self._served: list[_Lines] = []
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
@@ -250,7 +265,9 @@ class MooncakeConnector(KVConnector):
             if self._engine.register_memory(address, nbytes) != 0:
                 raise RuntimeError(f"Mooncake's transfer engine refused to register {nbytes} bytes of KV cache")
             self._registered.append(address)
-        self._spawn(self._pull_loop, "kv-pull")
+        for i in range(self.pull_threads):
+            self._conns.append({})
+            self._spawn(self._pull_loop, f"kv-pull-{i}", self._conns[-1])
         if self.config.kv_role == "decode":
             return {}
         self._listener = socket.create_server((self.config.kv_ip, self.config.kv_port))
@@ -271,10 +288,11 @@ class MooncakeConnector(KVConnector):
 
     def close(self) -> None:
         self._closed.set()
-        self._pulls.put(None)
+        for _ in self._conns:
+            self._pulls.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
-        for lines in [*self._conns.values(), *self._served]:
+        for lines in [*(c for conns in self._conns for c in conns.values()), *self._served]:
             lines.close()
         if self._listener is not None:
             self._listener.close()
@@ -438,23 +456,24 @@ class MooncakeConnector(KVConnector):
     def pull(self, transfer_id: str, source: dict[str, Any], blocks: dict[str, list[int]]) -> None:
         self._pulls.put(_Pull(transfer_id, source, {g: list(b) for g, b in blocks.items()}))
 
-    def _pull_loop(self) -> None:
+    def _pull_loop(self, conns: dict[tuple[str, int], _Lines]) -> None:
+        """One pull thread: the next queued pull, over this thread's connection to its producer."""
         while True:
             item = self._pulls.get()
             if item is None:
                 return
             address = (str(item.source.get("remote_host")), int(item.source.get("remote_port", 0)))
             try:
-                lines = self._conns.get(address) or self._connect(*address)
-                self._conns[address] = lines
+                lines = conns.get(address) or self._connect(*address)
+                conns[address] = lines
                 parts = self._pull_one(lines, item)
             except _Refused as e:  # the producer answered: the connection stays in step
                 self._event(item.transfer_id, "pulled", str(e))
             except TransferError as e:
-                self._drop(address)
+                _drop(conns, address)
                 self._event(item.transfer_id, "pulled", f"{address[0]}:{address[1]}: {e}")
             except Exception as e:  # the connection broke: the next pull opens a new one
-                self._drop(address)
+                _drop(conns, address)
                 self._event(
                     item.transfer_id,
                     "pulled",
@@ -462,11 +481,6 @@ class MooncakeConnector(KVConnector):
                 )
             else:
                 self._event(item.transfer_id, "pulled", None, parts)
-
-    def _drop(self, address: tuple[str, int]) -> None:
-        lines = self._conns.pop(address, None)
-        if lines is not None:
-            lines.close()
 
     def _connect(self, host: str, port: int) -> _Lines:
         sock = socket.create_connection((host, port), timeout=min(self.timeout, 5.0))
