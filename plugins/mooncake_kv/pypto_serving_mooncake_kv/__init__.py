@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pypto_serving import KVConnectorSpec, hookimpl
-from pypto_serving.kv_transfer import KVCaches, KVConnector, TransferEvent, layout_digest
+from pypto_serving.kv_transfer import KVCaches, KVConnector, Offer, Offers, TransferEvent, layout_digest
 
 __all__ = ["MooncakeConnector", "make_connector", "pypto_serving_register_kv_connectors"]
 
@@ -67,10 +67,8 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-# How long the producer waits for an offer it has not seen (see the module docstring), and how many
-# ended offers it remembers (newest kept) to refuse their pulls at once.
+# How long the producer waits for an offer it has not seen (see the module docstring).
 _PUBLISH_GRACE_S = 5.0
-_ENDED_KEPT = 4096
 
 
 class TransferError(RuntimeError):
@@ -136,14 +134,6 @@ def _drop(conns: dict[tuple[str, int], _Lines], address: tuple[str, int]) -> Non
     lines = conns.pop(address, None)
     if lines is not None:
         lines.close()
-
-
-@dataclass(slots=True)
-class _Offer:
-    blocks: dict[str, list[int]]
-    busy: bool = False  # a consumer is pulling it
-    final: bool = True  # complete (publish_part: until the final part, a pull waits for more)
-    withdrawn: bool = False  # withdraw() came during the pull: report once it ends
 
 
 @dataclass(slots=True)
@@ -241,9 +231,8 @@ class MooncakeConnector(KVConnector):
         self._layout = ""
         self._lock = threading.Lock()
         self._events: list[TransferEvent] = []
-        self._offers: dict[str, _Offer] = {}
+        self._offers = Offers()  # under the lock
         self._grown = threading.Condition(self._lock)  # an offer was published, grew or was withdrawn
-        self._ended: dict[str, None] = {}  # offers sent or withdrawn, oldest first (bounded)
         self._closed = threading.Event()
         self._pulls: queue.Queue[_Pull | None] = queue.Queue()
         self._conns: list[dict[tuple[str, int], _Lines]] = []  # per pull thread, by producer address
@@ -315,40 +304,24 @@ class MooncakeConnector(KVConnector):
     # -- producer
     def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
         with self._lock:
-            self._offers[transfer_id] = _Offer({g: list(b) for g, b in blocks.items()})
-            self._ended.pop(transfer_id, None)
+            self._offers.publish(transfer_id, blocks)
             self._grown.notify_all()
 
     def publish_part(self, transfer_id: str, blocks: dict[str, list[int]], final: bool) -> None:
         with self._lock:
-            offer = self._offers.get(transfer_id)
-            if offer is None:
-                if transfer_id in self._ended:
-                    return  # withdrawn, or failed: the prefill's later parts go nowhere
-                offer = self._offers[transfer_id] = _Offer({}, final=False)
-            for group, ids in blocks.items():
-                offer.blocks.setdefault(group, []).extend(ids)
-            offer.final = final
+            self._offers.publish_part(transfer_id, blocks, final)
             self._grown.notify_all()
 
     def withdraw(self, transfer_id: str) -> None:
         with self._lock:
-            offer = self._offers.get(transfer_id)
-            if offer is None:
-                return
-            if offer.busy:
-                offer.withdrawn = True  # the pull in flight reports the end (an open offer's at once)
-                self._grown.notify_all()
-                return
-            self._end_offer(transfer_id, "withdrawn before a decode engine pulled it")
+            if self._offers.withdraw(transfer_id):
+                self._end_offer(transfer_id, "withdrawn before a decode engine pulled it")
+            self._grown.notify_all()  # wakes a pull in flight: it reports the end (an open offer's at once)
 
     def _end_offer(self, transfer_id: str, error: str | None, parts: int = 0) -> None:
         """Drop an offer and report its end (under the lock)."""
-        del self._offers[transfer_id]
+        self._offers.end(transfer_id)
         self._events.append(TransferEvent(transfer_id, "sent", error, {"parts": parts} if parts else None))
-        self._ended[transfer_id] = None
-        if len(self._ended) > _ENDED_KEPT:
-            del self._ended[next(iter(self._ended))]
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -375,18 +348,15 @@ class MooncakeConnector(KVConnector):
             with contextlib.suppress(ValueError):
                 self._served.remove(lines)
 
-    def _take_offer(self, transfer_id: str) -> _Offer | None:
+    def _take_offer(self, transfer_id: str) -> Offer | None:
         """The offer, marked busy; None when it ended, is busy, or is not published within the grace."""
         deadline = time.monotonic() + min(_PUBLISH_GRACE_S, self.timeout)
         with self._lock:
             while True:
-                offer = self._offers.get(transfer_id)
-                if offer is not None and not offer.busy:
-                    offer.busy = True
-                    return offer
+                offer = self._offers.take(transfer_id)
                 left = deadline - time.monotonic()
-                if offer is not None or transfer_id in self._ended or left <= 0 or self._closed.is_set():
-                    return None
+                if offer is not None or self._offers.known(transfer_id) or left <= 0 or self._closed.is_set():
+                    return offer
                 self._grown.wait(min(left, 0.2))
 
     def _serve_one(self, lines: _Lines, transfer_id: str) -> None:
@@ -413,7 +383,7 @@ class MooncakeConnector(KVConnector):
             with self._lock:
                 self._end_offer(transfer_id, error, parts)
 
-    def _send_parts(self, lines: _Lines, offer: _Offer) -> int:
+    def _send_parts(self, lines: _Lines, offer: Offer) -> int:
         """Send the offer's blocks as they are published, the first part with where the caches lie;
         returns the parts sent. _Refused: the offer was withdrawn, or did not grow within the
         timeout (the consumer got that as an error part)."""
@@ -432,19 +402,16 @@ class MooncakeConnector(KVConnector):
             part += 1
         return part
 
-    def _next_part(self, offer: _Offer, sent: dict[str, int]) -> tuple[dict[str, list[int]], bool]:
-        """The blocks published since the last part (``sent`` counts per group, advanced here) and
-        whether the offer is complete; waits up to the timeout for an open offer to grow."""
+    def _next_part(self, offer: Offer, sent: dict[str, int]) -> tuple[dict[str, list[int]], bool]:
+        """:meth:`Offer.next_part`, waiting up to the timeout for an open offer to grow."""
         deadline = time.monotonic() + self.timeout
         with self._lock:
             while True:
                 if offer.withdrawn and not offer.final:
                     raise _Refused("the prefill engine withdrew the offer before its prefill completed")
-                new = {g: b[sent.get(g, 0) :] for g, b in offer.blocks.items()}
-                if offer.final or any(new.values()):
-                    for g, b in new.items():
-                        sent[g] = sent.get(g, 0) + len(b)
-                    return new, offer.final
+                part = offer.next_part(sent)
+                if part is not None:
+                    return part
                 left = deadline - time.monotonic()
                 if self._closed.is_set():
                     raise _Refused("the connector is closing")
