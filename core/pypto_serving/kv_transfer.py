@@ -30,7 +30,7 @@ import abc
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ __all__ = [
     "KVCaches",
     "KVConnector",
     "KVConnectorFactory",
+    "Offer",
+    "Offers",
     "TransferEvent",
     "blocks_nbytes",
     "gather_blocks",
@@ -130,6 +132,91 @@ class KVConnector(abc.ABC):
 
 KVConnectorFactory = Callable[["KVTransferConfig"], KVConnector]
 """``factory(config) -> KVConnector``, called once in the worker process (a module-level function)."""
+
+
+@dataclass(slots=True)
+class Offer:
+    """One offer a producer holds (see :class:`Offers`).
+
+    :param blocks: per group, the block ids published so far, in sequence order.
+    :param busy: a consumer is pulling it (the connector sets it when a pull takes the offer).
+    :param final: complete; False while a :meth:`KVConnector.publish_part` offer still grows.
+    :param withdrawn: :meth:`KVConnector.withdraw` came during the pull: the pull reports the end.
+    """
+
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+    busy: bool = False
+    final: bool = True
+    withdrawn: bool = False
+
+    def next_part(self, sent: dict[str, int]) -> tuple[dict[str, list[int]], bool] | None:
+        """The blocks published since the last part (``sent``: the blocks sent per group, advanced
+        here) and whether the offer is now complete; None while an open offer has nothing new."""
+        new = {g: b[sent.get(g, 0) :] for g, b in self.blocks.items()}
+        if not self.final and not any(new.values()):
+            return None
+        for g, b in new.items():
+            sent[g] = sent.get(g, 0) + len(b)
+        return new, self.final
+
+
+class Offers:
+    """A producer connector's offers by transfer id, the bookkeeping of :meth:`KVConnector.publish`,
+    :meth:`KVConnector.publish_part` and :meth:`KVConnector.withdraw`: an offer grows part by part,
+    and once it ended (sent, failed or withdrawn) its id is remembered (the newest ``ended_kept``), so
+    its late parts are ignored and its pulls refused at once. Not locked: the connector calls it under
+    its own lock, beside its events."""
+
+    def __init__(self, ended_kept: int = 4096) -> None:
+        self._offers: dict[str, Offer] = {}
+        self._ended: dict[str, None] = {}  # oldest first
+        self._ended_kept = ended_kept
+
+    def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
+        """A whole offer (a new one under an ended id too: the engine published it again)."""
+        self._offers[transfer_id] = Offer({g: list(b) for g, b in blocks.items()})
+        self._ended.pop(transfer_id, None)
+
+    def publish_part(self, transfer_id: str, blocks: dict[str, list[int]], final: bool) -> None:
+        """Grow the offer (the first part opens it); ignored once the offer ended."""
+        offer = self._offers.get(transfer_id)
+        if offer is None:
+            if transfer_id in self._ended:
+                return  # withdrawn, or failed: the prefill's later parts go nowhere
+            offer = self._offers[transfer_id] = Offer(final=False)
+        for group, ids in blocks.items():
+            offer.blocks.setdefault(group, []).extend(ids)
+        offer.final = final
+
+    def withdraw(self, transfer_id: str) -> bool:
+        """True: no pull holds the offer: the caller ends it (:meth:`end`) and reports its ``sent``;
+        False: it is unknown, or a pull holds it (marked ``withdrawn``: that pull reports the end)."""
+        offer = self._offers.get(transfer_id)
+        if offer is None:
+            return False
+        if offer.busy:
+            offer.withdrawn = True
+            return False
+        return True
+
+    def take(self, transfer_id: str) -> Offer | None:
+        """The offer, now marked busy; None when it is unknown, ended, or busy."""
+        offer = self._offers.get(transfer_id)
+        if offer is None or offer.busy:
+            return None
+        offer.busy = True
+        return offer
+
+    def known(self, transfer_id: str) -> bool:
+        """Published, or ended: a pull that finds no offer to take need not wait for it."""
+        return transfer_id in self._offers or transfer_id in self._ended
+
+    def end(self, transfer_id: str) -> None:
+        """Drop the offer and remember that it ended."""
+        del self._offers[transfer_id]
+        self._ended[transfer_id] = None
+        if len(self._ended) > self._ended_kept:
+            del self._ended[next(iter(self._ended))]
 
 
 def layout_digest(caches: KVCaches, blocks: dict[str, list[int]] | None = None) -> str:

@@ -11,7 +11,7 @@ import torch
 
 from pypto_serving.config import KVTransferConfig
 from pypto_serving.kv_connectors.torch_p2p import TorchP2PConnector
-from pypto_serving.kv_transfer import TransferEvent
+from pypto_serving.kv_transfer import Offers, TransferEvent
 
 
 def _caches(seed: int) -> dict[str, list[torch.Tensor]]:
@@ -141,3 +141,32 @@ def test_a_growing_offer_withdrawn_mid_pull_fails_the_pull() -> None:
     finally:
         consumer.close()
         producer.close()
+
+
+def test_the_offers_bookkeeping_both_connectors_share() -> None:
+    """``Offers`` (used by torch_p2p and mooncake): an offer grows part by part, a pull takes it once
+    and gets only what is new; after its end its late parts are ignored, and the oldest ended ids are
+    forgotten past ``ended_kept``."""
+    offers = Offers(ended_kept=2)
+    offers.publish_part("a", {"kv": [3]}, False)
+    offer = offers.take("a")
+    assert offer is not None and offer.busy and offers.take("a") is None  # one pull at a time
+    sent: dict[str, int] = {}
+    assert offer.next_part(sent) == ({"kv": [3]}, False)
+    assert offer.next_part(sent) is None  # nothing new yet
+    offers.publish_part("a", {"kv": [4, 5], "idx": [0]}, True)
+    assert offer.next_part(sent) == ({"kv": [4, 5], "idx": [0]}, True) and sent == {"kv": 3, "idx": 1}
+    assert offers.withdraw("a") is False and offer.withdrawn  # the pull in flight reports the end
+    offers.end("a")
+    offers.publish_part("a", {"kv": [6]}, True)  # after the end: ignored
+    assert offers.take("a") is None and offers.known("a") and not offers.known("b")
+    offers.publish("b", {"kv": [1]})
+    assert offers.withdraw("b") is True  # idle: the caller ends it
+    offers.end("b")
+    offers.publish("c", {"kv": []})
+    whole = offers.take("c")
+    assert whole is not None and whole.next_part({}) == ({"kv": []}, True)  # a whole offer: one final part
+    offers.end("c")
+    assert [offers.known(t) for t in "abc"] == [False, True, True]  # "a", the oldest, forgotten
+    offers.publish("b", {"kv": [2]})  # published again under an ended id
+    assert offers.take("b") is not None

@@ -40,6 +40,8 @@ from ..hookspecs import KVConnectorSpec, hookimpl
 from ..kv_transfer import (
     KVCaches,
     KVConnector,
+    Offer,
+    Offers,
     TransferEvent,
     blocks_nbytes,
     gather_blocks,
@@ -57,19 +59,10 @@ _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.01
 # on a moment later (longer on a loaded host, and with tensor parallelism for every rank). The
 # producer waits that long for an offer it has not seen; one it has ended fails at once.
 _PUBLISH_GRACE_S = 5.0
-_ENDED_KEPT = 4096  # transfer ids whose end is remembered, newest kept
 
 
 class TransferError(RuntimeError):
     """A transfer failed; the message says why."""
-
-
-@dataclass(slots=True)
-class _Offer:
-    blocks: dict[str, list[int]]
-    busy: bool = False  # a send is in flight
-    final: bool = True  # complete (publish_part: until the final part, a pull waits for more)
-    withdrawn: bool = False  # withdraw() came during the send: report once it ends
 
 
 @dataclass(slots=True)
@@ -125,8 +118,7 @@ class TorchP2PConnector(KVConnector):
         self._caches: KVCaches = {}
         self._lock = threading.Lock()
         self._events: list[TransferEvent] = []
-        self._offers: dict[str, _Offer] = {}
-        self._ended: dict[str, None] = {}  # offers sent or withdrawn, oldest first (bounded)
+        self._offers = Offers()  # under the lock
         self._closed = threading.Event()
         self._pulls: queue.Queue[_Pull | None] = queue.Queue()
         self._conns: list[dict[tuple[str, int], _Conn]] = []  # per pull thread, by producer address
@@ -179,29 +171,16 @@ class TorchP2PConnector(KVConnector):
     # -- producer
     def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
         with self._lock:
-            self._offers[transfer_id] = _Offer({g: list(b) for g, b in blocks.items()})
-            self._ended.pop(transfer_id, None)
+            self._offers.publish(transfer_id, blocks)
 
     def publish_part(self, transfer_id: str, blocks: dict[str, list[int]], final: bool) -> None:
         with self._lock:
-            offer = self._offers.get(transfer_id)
-            if offer is None:
-                if transfer_id in self._ended:
-                    return  # withdrawn, or failed: the prefill's later parts go nowhere
-                offer = self._offers[transfer_id] = _Offer({}, final=False)
-            for group, ids in blocks.items():
-                offer.blocks.setdefault(group, []).extend(ids)
-            offer.final = final
+            self._offers.publish_part(transfer_id, blocks, final)
 
     def withdraw(self, transfer_id: str) -> None:
         with self._lock:
-            offer = self._offers.get(transfer_id)
-            if offer is None:
-                return
-            if offer.busy:
-                offer.withdrawn = True  # the send in flight reports the end
-                return
-            self._end_offer(transfer_id, "withdrawn before a decode engine pulled it")
+            if self._offers.withdraw(transfer_id):  # else a send in flight reports the end
+                self._end_offer(transfer_id, "withdrawn before a decode engine pulled it")
 
     def _accept_loop(self) -> None:
         number = 0
@@ -235,23 +214,17 @@ class TorchP2PConnector(KVConnector):
 
     def _end_offer(self, transfer_id: str, error: str | None, parts: int = 0) -> None:
         """Drop an offer and report its end (under the lock)."""
-        del self._offers[transfer_id]
+        self._offers.end(transfer_id)
         self._events.append(TransferEvent(transfer_id, "sent", error, {"parts": parts}))
-        self._ended[transfer_id] = None
-        if len(self._ended) > _ENDED_KEPT:
-            del self._ended[next(iter(self._ended))]
 
-    def _take_offer(self, transfer_id: str) -> _Offer | None:
+    def _take_offer(self, transfer_id: str) -> Offer | None:
         """The offer, marked busy; None when it ended, is busy, or is not published within the grace."""
         deadline, pause = time.monotonic() + min(_PUBLISH_GRACE_S, self.timeout), _POLL_MIN_S
         while True:
             with self._lock:
-                offer = self._offers.get(transfer_id)
-                if offer is not None and not offer.busy:
-                    offer.busy = True
+                offer = self._offers.take(transfer_id)
+                if offer is not None or self._offers.known(transfer_id):
                     return offer
-                if offer is not None or transfer_id in self._ended:
-                    return None
             if time.monotonic() > deadline or self._closed.is_set():
                 return None
             time.sleep(pause)
@@ -281,7 +254,7 @@ class TorchP2PConnector(KVConnector):
             self._end_offer(transfer_id, error, parts)
         return not broken
 
-    def _send_parts(self, group: Any, number: int, seq: int, offer: _Offer) -> int:
+    def _send_parts(self, group: Any, number: int, seq: int, offer: Offer) -> int:
         """Send the offer's blocks as they are published, each part announced by an ack (part 0 at
         ``ack/seq``, part p at ``ack/seq/p``); returns the parts sent. TransferError: the offer was
         withdrawn, or did not grow within the timeout (the consumer got that as an error part)."""
@@ -303,20 +276,16 @@ class TorchP2PConnector(KVConnector):
             part += 1
         return part
 
-    def _next_part(self, offer: _Offer, sent: dict[str, int]) -> tuple[dict[str, list[int]], bool]:
-        """The blocks published since the last part (``sent`` counts per group, advanced here) and
-        whether the offer is complete; waits up to the timeout for an open offer to grow."""
+    def _next_part(self, offer: Offer, sent: dict[str, int]) -> tuple[dict[str, list[int]], bool]:
+        """:meth:`Offer.next_part`, waiting up to the timeout for an open offer to grow."""
         deadline, pause = time.monotonic() + self.timeout, _POLL_MIN_S
         while True:
             with self._lock:
                 if offer.withdrawn and not offer.final:
                     raise TransferError("the prefill engine withdrew the offer before its prefill completed")
-                new = {g: b[sent.get(g, 0) :] for g, b in offer.blocks.items()}
-                final = offer.final
-            if final or any(new.values()):
-                for g, b in new.items():
-                    sent[g] = sent.get(g, 0) + len(b)
-                return new, final
+                part = offer.next_part(sent)
+            if part is not None:
+                return part
             if self._closed.is_set():
                 raise TransferError("the connector is closing")
             if time.monotonic() > deadline:

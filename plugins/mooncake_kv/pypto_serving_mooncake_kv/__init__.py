@@ -8,7 +8,7 @@ either side. The engines find each other with Mooncake's peer-to-peer handshake 
 etcd or metadata server), unless ``metadata_server`` names one.
 
 The control channel is a TCP socket of newline-separated JSON messages to the prefill worker's
-``kv_ip:kv_port``; a decode worker keeps one connection per prefill engine. One pull is:
+``kv_ip:kv_port``; a decode worker's pull thread keeps one connection per prefill engine. One pull is:
 
 1. consumer -> ``{"transfer_id": id}``;
 2. producer -> the offer's first part: its block ids per group, whether it is the final part, where
@@ -28,8 +28,11 @@ A pull can reach the producer before the engine's publish has reached the connec
 answers a request once the publish is on its way to the worker): the producer waits a moment for an
 offer it has not seen; one it has ended is refused at once.
 
-A connection that breaks (a peer died, stopped answering within ``timeout``, or sent nonsense) is
-closed and fails only the transfer in flight on it; the next pull opens a new one.
+A consumer runs its pulls on ``pull_threads`` threads, each over connections of its own (one per
+prefill engine): a pull holds its thread until it ends (a streamed one until the prefill's final
+part), so with more threads other pulls go on meanwhile. A connection that breaks (a peer died,
+stopped answering within ``timeout``, or sent nonsense) is closed and fails only the transfer in
+flight on it; that thread's next pull opens a new one.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pypto_serving import KVConnectorSpec, hookimpl
-from pypto_serving.kv_transfer import KVCaches, KVConnector, TransferEvent, layout_digest
+from pypto_serving.kv_transfer import KVCaches, KVConnector, Offer, Offers, TransferEvent, layout_digest
 
 __all__ = ["MooncakeConnector", "make_connector", "pypto_serving_register_kv_connectors"]
 
@@ -59,13 +62,13 @@ DEFAULTS: dict[str, Any] = {
     # Mooncake's transport ends it (its MC_TRANSFER_TIMEOUT, default 30 s): a read is never abandoned
     # here while it may still write.
     "timeout": 30.0,
+    # Pulls in flight at once on a decode worker, each thread over connections of its own.
+    "pull_threads": 1,
 }
 
 
-# How long the producer waits for an offer it has not seen (see the module docstring), and how many
-# ended offers it remembers (newest kept) to refuse their pulls at once.
+# How long the producer waits for an offer it has not seen (see the module docstring).
 _PUBLISH_GRACE_S = 5.0
-_ENDED_KEPT = 4096
 
 
 class TransferError(RuntimeError):
@@ -126,12 +129,11 @@ class _Lines:
             self.sock.close()
 
 
-@dataclass(slots=True)
-class _Offer:
-    blocks: dict[str, list[int]]
-    busy: bool = False  # a consumer is pulling it
-    final: bool = True  # complete (publish_part: until the final part, a pull waits for more)
-    withdrawn: bool = False  # withdraw() came during the pull: report once it ends
+def _drop(conns: dict[tuple[str, int], _Lines], address: tuple[str, int]) -> None:
+    """Close and forget a pull thread's connection to ``address`` (it broke)."""
+    lines = conns.pop(address, None)
+    if lines is not None:
+        lines.close()
 
 
 @dataclass(slots=True)
@@ -220,18 +222,20 @@ class MooncakeConnector(KVConnector):
         self.metadata_server = str(extra["metadata_server"])
         self.local_hostname = str(extra["local_hostname"] or config.kv_ip)
         self.timeout = float(extra["timeout"])
+        self.pull_threads = extra["pull_threads"]
+        if not isinstance(self.pull_threads, int) or isinstance(self.pull_threads, bool) or self.pull_threads < 1:
+            raise ValueError(f"kv_connector_extra_config.pull_threads={self.pull_threads!r}: give a count >= 1")
         self._engine: Any = None
         self._registered: list[int] = []
         self._regions: Regions = {}
         self._layout = ""
         self._lock = threading.Lock()
         self._events: list[TransferEvent] = []
-        self._offers: dict[str, _Offer] = {}
+        self._offers = Offers()  # under the lock
         self._grown = threading.Condition(self._lock)  # an offer was published, grew or was withdrawn
-        self._ended: dict[str, None] = {}  # offers sent or withdrawn, oldest first (bounded)
         self._closed = threading.Event()
         self._pulls: queue.Queue[_Pull | None] = queue.Queue()
-        self._conns: dict[tuple[str, int], _Lines] = {}
+        self._conns: list[dict[tuple[str, int], _Lines]] = []  # per pull thread, by producer address
         self._served: list[_Lines] = []
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
@@ -250,7 +254,9 @@ class MooncakeConnector(KVConnector):
             if self._engine.register_memory(address, nbytes) != 0:
                 raise RuntimeError(f"Mooncake's transfer engine refused to register {nbytes} bytes of KV cache")
             self._registered.append(address)
-        self._spawn(self._pull_loop, "kv-pull")
+        for i in range(self.pull_threads):
+            self._conns.append({})
+            self._spawn(self._pull_loop, f"kv-pull-{i}", self._conns[-1])
         if self.config.kv_role == "decode":
             return {}
         self._listener = socket.create_server((self.config.kv_ip, self.config.kv_port))
@@ -271,10 +277,11 @@ class MooncakeConnector(KVConnector):
 
     def close(self) -> None:
         self._closed.set()
-        self._pulls.put(None)
+        for _ in self._conns:
+            self._pulls.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
-        for lines in [*self._conns.values(), *self._served]:
+        for lines in [*(c for conns in self._conns for c in conns.values()), *self._served]:
             lines.close()
         if self._listener is not None:
             self._listener.close()
@@ -297,40 +304,24 @@ class MooncakeConnector(KVConnector):
     # -- producer
     def publish(self, transfer_id: str, blocks: dict[str, list[int]]) -> None:
         with self._lock:
-            self._offers[transfer_id] = _Offer({g: list(b) for g, b in blocks.items()})
-            self._ended.pop(transfer_id, None)
+            self._offers.publish(transfer_id, blocks)
             self._grown.notify_all()
 
     def publish_part(self, transfer_id: str, blocks: dict[str, list[int]], final: bool) -> None:
         with self._lock:
-            offer = self._offers.get(transfer_id)
-            if offer is None:
-                if transfer_id in self._ended:
-                    return  # withdrawn, or failed: the prefill's later parts go nowhere
-                offer = self._offers[transfer_id] = _Offer({}, final=False)
-            for group, ids in blocks.items():
-                offer.blocks.setdefault(group, []).extend(ids)
-            offer.final = final
+            self._offers.publish_part(transfer_id, blocks, final)
             self._grown.notify_all()
 
     def withdraw(self, transfer_id: str) -> None:
         with self._lock:
-            offer = self._offers.get(transfer_id)
-            if offer is None:
-                return
-            if offer.busy:
-                offer.withdrawn = True  # the pull in flight reports the end (an open offer's at once)
-                self._grown.notify_all()
-                return
-            self._end_offer(transfer_id, "withdrawn before a decode engine pulled it")
+            if self._offers.withdraw(transfer_id):
+                self._end_offer(transfer_id, "withdrawn before a decode engine pulled it")
+            self._grown.notify_all()  # wakes a pull in flight: it reports the end (an open offer's at once)
 
     def _end_offer(self, transfer_id: str, error: str | None, parts: int = 0) -> None:
         """Drop an offer and report its end (under the lock)."""
-        del self._offers[transfer_id]
+        self._offers.end(transfer_id)
         self._events.append(TransferEvent(transfer_id, "sent", error, {"parts": parts} if parts else None))
-        self._ended[transfer_id] = None
-        if len(self._ended) > _ENDED_KEPT:
-            del self._ended[next(iter(self._ended))]
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -357,18 +348,15 @@ class MooncakeConnector(KVConnector):
             with contextlib.suppress(ValueError):
                 self._served.remove(lines)
 
-    def _take_offer(self, transfer_id: str) -> _Offer | None:
+    def _take_offer(self, transfer_id: str) -> Offer | None:
         """The offer, marked busy; None when it ended, is busy, or is not published within the grace."""
         deadline = time.monotonic() + min(_PUBLISH_GRACE_S, self.timeout)
         with self._lock:
             while True:
-                offer = self._offers.get(transfer_id)
-                if offer is not None and not offer.busy:
-                    offer.busy = True
-                    return offer
+                offer = self._offers.take(transfer_id)
                 left = deadline - time.monotonic()
-                if offer is not None or transfer_id in self._ended or left <= 0 or self._closed.is_set():
-                    return None
+                if offer is not None or self._offers.known(transfer_id) or left <= 0 or self._closed.is_set():
+                    return offer
                 self._grown.wait(min(left, 0.2))
 
     def _serve_one(self, lines: _Lines, transfer_id: str) -> None:
@@ -395,7 +383,7 @@ class MooncakeConnector(KVConnector):
             with self._lock:
                 self._end_offer(transfer_id, error, parts)
 
-    def _send_parts(self, lines: _Lines, offer: _Offer) -> int:
+    def _send_parts(self, lines: _Lines, offer: Offer) -> int:
         """Send the offer's blocks as they are published, the first part with where the caches lie;
         returns the parts sent. _Refused: the offer was withdrawn, or did not grow within the
         timeout (the consumer got that as an error part)."""
@@ -414,19 +402,16 @@ class MooncakeConnector(KVConnector):
             part += 1
         return part
 
-    def _next_part(self, offer: _Offer, sent: dict[str, int]) -> tuple[dict[str, list[int]], bool]:
-        """The blocks published since the last part (``sent`` counts per group, advanced here) and
-        whether the offer is complete; waits up to the timeout for an open offer to grow."""
+    def _next_part(self, offer: Offer, sent: dict[str, int]) -> tuple[dict[str, list[int]], bool]:
+        """:meth:`Offer.next_part`, waiting up to the timeout for an open offer to grow."""
         deadline = time.monotonic() + self.timeout
         with self._lock:
             while True:
                 if offer.withdrawn and not offer.final:
                     raise _Refused("the prefill engine withdrew the offer before its prefill completed")
-                new = {g: b[sent.get(g, 0) :] for g, b in offer.blocks.items()}
-                if offer.final or any(new.values()):
-                    for g, b in new.items():
-                        sent[g] = sent.get(g, 0) + len(b)
-                    return new, offer.final
+                part = offer.next_part(sent)
+                if part is not None:
+                    return part
                 left = deadline - time.monotonic()
                 if self._closed.is_set():
                     raise _Refused("the connector is closing")
@@ -438,23 +423,24 @@ class MooncakeConnector(KVConnector):
     def pull(self, transfer_id: str, source: dict[str, Any], blocks: dict[str, list[int]]) -> None:
         self._pulls.put(_Pull(transfer_id, source, {g: list(b) for g, b in blocks.items()}))
 
-    def _pull_loop(self) -> None:
+    def _pull_loop(self, conns: dict[tuple[str, int], _Lines]) -> None:
+        """One pull thread: the next queued pull, over this thread's connection to its producer."""
         while True:
             item = self._pulls.get()
             if item is None:
                 return
             address = (str(item.source.get("remote_host")), int(item.source.get("remote_port", 0)))
             try:
-                lines = self._conns.get(address) or self._connect(*address)
-                self._conns[address] = lines
+                lines = conns.get(address) or self._connect(*address)
+                conns[address] = lines
                 parts = self._pull_one(lines, item)
             except _Refused as e:  # the producer answered: the connection stays in step
                 self._event(item.transfer_id, "pulled", str(e))
             except TransferError as e:
-                self._drop(address)
+                _drop(conns, address)
                 self._event(item.transfer_id, "pulled", f"{address[0]}:{address[1]}: {e}")
             except Exception as e:  # the connection broke: the next pull opens a new one
-                self._drop(address)
+                _drop(conns, address)
                 self._event(
                     item.transfer_id,
                     "pulled",
@@ -462,11 +448,6 @@ class MooncakeConnector(KVConnector):
                 )
             else:
                 self._event(item.transfer_id, "pulled", None, parts)
-
-    def _drop(self, address: tuple[str, int]) -> None:
-        lines = self._conns.pop(address, None)
-        if lines is not None:
-            lines.close()
 
     def _connect(self, host: str, port: int) -> _Lines:
         sock = socket.create_connection((host, port), timeout=min(self.timeout, 5.0))

@@ -79,6 +79,11 @@ def test_settings_pass_through_kv_connector_extra_config() -> None:
     assert conn.metadata_server == "P2PHANDSHAKE"
     default = MooncakeConnector(KVTransferConfig(kv_connector="mooncake", kv_role="prefill", kv_ip="10.0.0.1"))
     assert (default.protocol, default.local_hostname) == ("tcp", "10.0.0.1")
+    assert default.pull_threads == 1
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"pull_threads={bad!r}: give a count >= 1"):
+            extra = {"pull_threads": bad}
+            MooncakeConnector(KVTransferConfig(kv_connector="mooncake", kv_connector_extra_config=extra))
     with pytest.raises(ValueError, match="unknown \\['protcol'\\]"):
         MooncakeConnector(KVTransferConfig(kv_connector="mooncake", kv_connector_extra_config={"protcol": "tcp"}))
 

@@ -28,8 +28,9 @@ def _caches(seed: int, swa_dtype: torch.dtype = torch.bfloat16) -> dict[str, lis
     return {"kv": list(kv.unbind(0)), "swa": [torch.randn(8, 3, generator=g).to(swa_dtype)]}
 
 
-def _connector(role: str, caches: KVCaches) -> tuple[MooncakeConnector, dict[str, object]]:
-    cfg = KVTransferConfig(kv_connector="mooncake", kv_role=role, kv_connector_extra_config={"timeout": 5})
+def _connector(role: str, caches: KVCaches, pull_threads: int = 1) -> tuple[MooncakeConnector, dict[str, object]]:
+    extra = {"timeout": 5, "pull_threads": pull_threads}
+    cfg = KVTransferConfig(kv_connector="mooncake", kv_role=role, kv_connector_extra_config=extra)
     conn = MooncakeConnector(cfg)
     return conn, conn.start(caches)
 
@@ -200,3 +201,32 @@ def test_a_producer_closing_mid_stream_fails_the_pull() -> None:
     finally:
         cons.close()
         prod.close()
+
+
+@pytest.mark.parametrize("pull_threads", [1, 2])
+def test_a_streamed_pull_holds_only_its_own_pull_thread(producer: Producer, pull_threads: int) -> None:
+    """A streamed pull waits on its thread for the prefill's next part: with one pull thread the next
+    pull queues behind it, with two it runs meanwhile, over a connection of its own."""
+    prod, src, address = producer
+    dst = _caches(2)
+    cons, _ = _connector("decode", dst, pull_threads=pull_threads)
+    try:
+        prod.publish_part("streamed", {"kv": [5], "swa": []}, False)
+        cons.pull("slow", {**address, "transfer_id": "streamed", "kv_streamed": True}, {"kv": [1, 2], "swa": []})
+        time.sleep(0.2)  # "slow" has its first part and waits for the next
+        prod.publish("ready", {"kv": [0, 7], "swa": [3]})
+        cons.pull("fast", {**address, "transfer_id": "ready"}, {"kv": [3, 4], "swa": [6]})
+        fast = TransferEvent("fast", "pulled", None, {"parts": 1})
+        if pull_threads == 2:
+            assert _events(cons, n=1) == [fast]
+        else:
+            time.sleep(0.5)
+            assert cons.poll() == []  # queued behind "slow"
+        prod.publish_part("streamed", {"kv": [6]}, True)
+        slow = TransferEvent("slow", "pulled", None, {"parts": 2})
+        assert _events(cons, n=1 if pull_threads == 2 else 2) == ([slow] if pull_threads == 2 else [slow, fast])
+        assert torch.equal(gather_blocks(dst, {"kv": [1, 2, 3, 4]}), gather_blocks(src, {"kv": [5, 6, 0, 7]}))
+        assert torch.equal(gather_blocks(dst, {"swa": [6]}), gather_blocks(src, {"swa": [3]}))
+        assert sorted(e.transfer_id for e in _events(prod, n=2)) == ["ready", "streamed"]
+    finally:
+        cons.close()
