@@ -45,7 +45,7 @@ from .sampler import (
 )
 from .spec_decode import DraftRow, DraftSampler, NgramDrafter, SpecRow, verify_sampled
 from .speculative import drafts_for
-from .structured import GrammarCompiler, HostMask, RequestGrammar, fill_step_mask
+from .structured import GRAMMAR_FAILED, GrammarCompiler, HostMask, RequestGrammar, fill_step_mask
 
 __all__ = ["LaunchedStep", "MissingSampledTokenError", "ModelRunner", "StepRow", "WorkerRequest"]
 
@@ -432,9 +432,9 @@ class ModelRunner:
                 )
                 # The grammar compiles on the compiler's thread; only a replay waits for it here.
                 if nr.output_token_ids and not st.grammar.advance(list(nr.output_token_ids)):
-                    st.grammar_error = f"structured output: {st.grammar.error}"
+                    st.grammar_error = f"{GRAMMAR_FAILED}{st.grammar.error}"
             except ValueError as e:
-                st.grammar_error = f"structured output: {e}"
+                st.grammar_error = f"{GRAMMAR_FAILED}{e}"
 
     def _append_blocks(self, entries: list[ScheduledEntry]) -> None:
         ib = self.input_batch
@@ -725,7 +725,7 @@ class ModelRunner:
             result.request_errors[rid] = _NOTHING_ALLOWED
             return
         if st.grammar is not None and not st.grammar.advance(kept):
-            result.request_errors[rid] = f"structured output: {st.grammar.error}"
+            result.request_errors[rid] = f"{GRAMMAR_FAILED}{st.grammar.error}"
             return
         for j in range(len(kept) - 1):
             result.num_accepted_per_pos[j] += 1

@@ -57,6 +57,7 @@ import torch
 from .request import StructuredSpec
 
 __all__ = [
+    "GRAMMAR_FAILED",
     "GrammarBudget",
     "GrammarBudgetError",
     "GrammarChecker",
@@ -129,6 +130,11 @@ def _what(spec: StructuredSpec) -> str:
     names = {"json": "the JSON schema", "json_object": "json_object", "regex": "the regex", "choice": "the choice list"}
     return names.get(spec.kind, "the grammar")
 
+
+#: How a request's error starts when its grammar failed in the worker (a lexer or parser limit met
+#: past the server's probe, or a replay after preemption): the client's grammar, not the server, is at
+#: fault, so the server answers a 400 naming the field that sent it.
+GRAMMAR_FAILED = "structured output: "
 
 # Steps the server's check walks past a grammar's first mask. llguidance builds its lexer lazily, so
 # some errors appear only once a token is consumed: a regex whose derivatives explode (``a{1000000}``:

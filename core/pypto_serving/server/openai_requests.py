@@ -581,6 +581,15 @@ async def _request_grammar(
     return spec
 
 
+def _grammar_field(
+    ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest, forced: StructuredSpec | None = None
+) -> str | None:
+    """The field that sent the request's grammar (None: it has none), which a 400 names when the
+    grammar fails in the worker past the server's check."""
+    asked = _grammar(ctx, req, forced)
+    return asked[0] if asked is not None else None
+
+
 def _grammar_checker(ctx: _Ctx) -> GrammarChecker:
     """The app's grammar checker, over the tokenizer the worker reads (made at the first grammar)."""
     if ctx.grammars is None:

@@ -19,6 +19,7 @@ from ..engine import EngineDeadError
 from ..kv_ledger import TRANSFER_FAILED
 from ..parsers import OutputParser, ParsedToolCall
 from ..request import CompletionOutput, RequestOutput, SamplingParams
+from ..structured import GRAMMAR_FAILED
 from .async_llm import EngineFailure
 from .openai_requests import _Ctx, _engine_error, _lora_of, _Prompt, _request_ids, _shown_model
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -77,9 +78,15 @@ async def _collect(ctx: _Ctx, rid: str, prompt: _Prompt, params: SamplingParams)
 
 
 async def _run_all(
-    ctx: _Ctx, rid: str, prompts: list[_Prompt], params: list[SamplingParams], raw: Request
+    ctx: _Ctx,
+    rid: str,
+    prompts: list[_Prompt],
+    params: list[SamplingParams],
+    raw: Request,
+    grammar_param: str | None = None,
 ) -> list[RequestOutput]:
-    """Run every prompt as its own engine request; a client disconnect or any failure aborts them all."""
+    """Run every prompt as its own engine request; a client disconnect or any failure aborts them all.
+    ``grammar_param``: the field that sent the request's grammar, named by a 400 when it fails."""
     ids = _request_ids(rid, len(prompts))
     tasks = [asyncio.ensure_future(_collect(ctx, i, p, sp)) for i, p, sp in zip(ids, prompts, params)]
     watcher = asyncio.ensure_future(_watch_disconnect(raw, tasks))
@@ -100,15 +107,18 @@ async def _run_all(
     for out in outs:
         failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
         if failed is not None:
-            raise _failed_choice_error(ctx, failed)
+            raise _failed_choice_error(ctx, failed, grammar_param)
     return list(outs)
 
 
-def _failed_choice_error(ctx: _Ctx, c: CompletionOutput) -> APIError:
+def _failed_choice_error(ctx: _Ctx, c: CompletionOutput, grammar_param: str | None = None) -> APIError:
     """A failed choice's answer: a KV transfer from a prefill engine that failed is that upstream's
-    failure (502 ``kv_transfer_failed``), anything else this server's (500 ``generation_failed``)."""
+    failure (502 ``kv_transfer_failed``), a grammar the worker could not follow the client's (400
+    ``invalid_grammar`` naming ``grammar_param``), anything else this server's (500 ``generation_failed``)."""
     if c.error is not None and c.error.startswith(TRANSFER_FAILED):
         return APIError(502, _failure_message(ctx, c), type="server_error", code="kv_transfer_failed")
+    if c.error is not None and c.error.startswith(GRAMMAR_FAILED):
+        return APIError(400, _failure_message(ctx, c), param=grammar_param, code="invalid_grammar")
     return APIError(500, _failure_message(ctx, c), type="server_error", code="generation_failed")
 
 

@@ -141,3 +141,29 @@ def test_serve_builds_the_checkers_tokenizer_before_the_first_grammar(
     r = client.post("/v1/completions", json={"prompt": "a", "guided_regex": "(ab)+", "max_tokens": 4})
     assert r.status_code == 200, r.text
     assert not [name for name in built if name.startswith("grammar-check")], built
+
+
+def test_a_grammar_failing_past_the_check_is_the_clients_400(client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llguidance builds its lexer lazily, so a grammar can pass the server's probe of its first
+    tokens and fail later in the worker (the fuzz test met such a regex). The server's check is
+    switched off here to reach that path with a grammar known to fail: the answer is a 400 naming
+    the field (it was ``500 generation_failed``), and a stream's error event says the same."""
+    from pypto_serving.structured import GrammarChecker
+
+    async def accept(self: GrammarChecker, spec: Any) -> None:
+        return None
+
+    monkeypatch.setattr(GrammarChecker, "check_async", accept)
+    body = {"prompt": "a", "guided_regex": "a{1000000}", "max_tokens": 4}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "guided_regex" and error["code"] == "invalid_grammar"
+    assert error["type"] == "invalid_request_error" and "too many expressions constructed" in error["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "guided_regex": "a{1000000}", "max_tokens": 4}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    failed = [e for e in events if '"error"' in e]
+    assert failed and '"invalid_grammar"' in failed[-1] and '"invalid_request_error"' in failed[-1], events
