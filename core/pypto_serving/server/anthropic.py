@@ -50,7 +50,6 @@ from .openai_requests import (
     _check_model,
     _check_ready,
     _Ctx,
-    _grammar_field,
     _output_parsers,
     _Prompt,
     _render_chat,
@@ -765,8 +764,7 @@ async def _create(ctx: _Ctx, req: MessagesRequest, raw: Request) -> Response:
     chat, prefill = _chat_request(req)
     prompt = await asyncio.to_thread(_prompt, ctx, chat, prefill)
     parsers = _output_parsers(ctx, chat, prompt)
-    forced = _tool_choice_spec(ctx, chat, parsers)
-    grammar = await _request_grammar(ctx, chat, forced)
+    field, grammar = await _request_grammar(ctx, chat, _tool_choice_spec(ctx, chat, parsers))
     params = _sampling_params(ctx, chat, [prompt], req.max_tokens, None, structured=grammar)
     _check_capacity(ctx, chat, [prompt], params)
     rid = f"msg_{uuid.uuid4().hex}"
@@ -774,7 +772,7 @@ async def _create(ctx: _Ctx, req: MessagesRequest, raw: Request) -> Response:
     if req.stream:
         runner = await _start_stream(ctx, rid, [prompt], params)
         return _sse(_MessageStream(ctx, rid, prompt, parsers, show).events(runner))
-    (out,) = await _run_all(ctx, rid, [prompt], params, raw, _grammar_field(ctx, chat, forced))
+    (out,) = await _run_all(ctx, rid, [prompt], params, raw, field)
     return await _json_response(_message_body, ctx, rid, prompt, out, parsers, show=show, lora=params[0].lora)
 
 

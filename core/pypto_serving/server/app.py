@@ -36,7 +36,6 @@ from .openai_requests import (
     _check_tool_choice,
     _completion_prompts,
     _Ctx,
-    _grammar_field,
     _output_parsers,
     _render_chat,
     _request_grammar,
@@ -202,7 +201,7 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         _check_ready(ctx)
         # The grammar compiles once per request, on the grammar checker's threads, within its budget;
         # first, so a grammar over it is refused before a thousand prompts are tokenized.
-        grammar = await _request_grammar(ctx, req)
+        field, grammar = await _request_grammar(ctx, req)
         # Tokenization runs off the event loop, so a long prompt never stalls other clients' streams.
         prompts = await asyncio.to_thread(_completion_prompts, ctx, req.prompt)
         params = _sampling_params(ctx, req, prompts, req.max_tokens, req.logprobs, structured=grammar)
@@ -210,7 +209,7 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse((await _start_stream(ctx, rid, prompts, params)).completion(req))
-        outs = await _run_all(ctx, rid, prompts, params, raw, _grammar_field(ctx, req))
+        outs = await _run_all(ctx, rid, prompts, params, raw, field)
         return await _json_response(_completion_body, ctx, rid, req, prompts, outs)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -225,8 +224,7 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        forced = _tool_choice_spec(ctx, req, parsers)
-        grammar = await _request_grammar(ctx, req, forced)
+        field, grammar = await _request_grammar(ctx, req, _tool_choice_spec(ctx, req, parsers))
         params = _sampling_params(
             ctx, req, [prompt], max_tokens, num_logprobs, max_tokens_param=param_name, structured=grammar
         )
@@ -234,7 +232,7 @@ def _add_generation_routes(app: FastAPI, ctx: _Ctx) -> None:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse((await _start_stream(ctx, rid, [prompt], params)).chat(req, parsers))
-        outs = await _run_all(ctx, rid, [prompt], params, raw, _grammar_field(ctx, req, forced))
+        outs = await _run_all(ctx, rid, [prompt], params, raw, field)
         return await _json_response(_chat_body, ctx, rid, req, prompt, outs[0], parsers)
 
 

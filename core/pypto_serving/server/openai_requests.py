@@ -564,13 +564,15 @@ def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | No
 
 async def _request_grammar(
     ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest, forced: StructuredSpec | None = None
-) -> StructuredSpec | None:
-    """The request's one grammar, checked once for the whole request before it is queued, on the
-    grammar checker's threads (never on the event loop, :class:`GrammarChecker`): every grammar
-    error is a 400 with llguidance's reason, a grammar over the budget a 400 naming the setting."""
+) -> tuple[str | None, StructuredSpec | None]:
+    """The request's one grammar and the field that sent it (None, None: it has none), checked once
+    for the whole request before it is queued, on the grammar checker's threads (never on the event
+    loop, :class:`GrammarChecker`): every grammar error is a 400 with llguidance's reason, a grammar
+    over the budget a 400 naming the setting. The field is what a 400 names should the grammar fail
+    in the worker past this check."""
     asked = _grammar(ctx, req, forced)
     if asked is None:
-        return None
+        return None, None
     param, spec = asked
     try:
         await _grammar_checker(ctx).check_async(spec)
@@ -578,16 +580,7 @@ async def _request_grammar(
         raise APIError(400, f"{param}: {e}", param=param, code="grammar_too_complex") from None
     except ValueError as e:
         raise APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
-    return spec
-
-
-def _grammar_field(
-    ctx: _Ctx, req: CompletionRequest | ChatCompletionRequest, forced: StructuredSpec | None = None
-) -> str | None:
-    """The field that sent the request's grammar (None: it has none), which a 400 names when the
-    grammar fails in the worker past the server's check."""
-    asked = _grammar(ctx, req, forced)
-    return asked[0] if asked is not None else None
+    return param, spec
 
 
 def _grammar_checker(ctx: _Ctx) -> GrammarChecker:

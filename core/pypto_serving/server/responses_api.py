@@ -758,7 +758,7 @@ async def _plan(ctx: _Ctx, store: ResponseStore, body: Any) -> _Plan:
         _check_tool_choice(chat)
         prompt = await asyncio.to_thread(_chat_prompt, ctx, chat)
         parsers = _output_parsers(ctx, chat, prompt)
-        grammar = await _request_grammar(ctx, chat, _tool_choice_spec(ctx, chat, parsers))
+        _, grammar = await _request_grammar(ctx, chat, _tool_choice_spec(ctx, chat, parsers))
         max_tokens = chat.max_completion_tokens
         params = _sampling_params(
             ctx, chat, [prompt], max_tokens, None, max_tokens_param="max_completion_tokens", structured=grammar

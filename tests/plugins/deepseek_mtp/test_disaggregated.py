@@ -21,7 +21,7 @@ import torch
 
 from pypto_serving import LLM, SamplingParams
 
-from ..qwen.test_disaggregated import _all_blocks, _free_blocks
+from ..qwen.test_disaggregated import _all_blocks, _all_free, _free_blocks
 
 pytestmark = pytest.mark.requires_plugin("sync_sched")
 
@@ -215,18 +215,6 @@ def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool) -> Any:
             time.sleep(0.03)  # each chunk's part goes out on its own
         outs.update({o.request_id: o for o in de.step() if o.finished})
     return outs[rid]
-
-
-def _all_free(llm: LLM) -> None:
-    """Once the prefill engine's sends ended: no offer left open or held, every block free."""
-    engine = llm._engine()
-    deadline = time.monotonic() + 10
-    while engine.kvx.held and time.monotonic() < deadline:  # type: ignore[union-attr]
-        engine.check_worker()
-        time.sleep(0.02)
-    assert engine.kvx is not None and not engine.kvx.streams and not engine.kvx.held
-    engine.kv.check_invariants(engine.scheduler.live_requests(), engine.kvx.pinned())
-    assert _free_blocks(llm) == _all_blocks(llm)
 
 
 @pytest.mark.parametrize("scheduler", ["sync", pytest.param("async", marks=pytest.mark.requires_plugin("async_sched"))])

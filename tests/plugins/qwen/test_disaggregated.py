@@ -374,6 +374,7 @@ def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool, abort_aft
 
 
 def _all_free(llm: LLM) -> None:
+    """Once the prefill engine's sends ended: no offer left open or held, every block free."""
     engine = llm._engine()
     deadline = time.monotonic() + 10
     while engine.kvx.held and time.monotonic() < deadline:  # type: ignore[union-attr]
