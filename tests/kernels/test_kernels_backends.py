@@ -321,10 +321,12 @@ def test_cuda_describe_kernel(clean_registry: None, flash_attn_calls: list[dict[
     assert pypto_kernels.describe_kernel("paged_attention", "cpu") == cpu_backend.PAGED_ATTENTION_LABEL
     small = {"num_kv_heads": 2, "head_dim": 64, "cache_dtype": torch.float32}
     assert pypto_kernels.describe_kernel("paged_attention", "cpu", **small) == cpu_backend.PAGED_ATTENTION_LABEL
-    wide = pypto_kernels.describe_kernel(
-        "paged_attention", "cpu", num_kv_heads=8, head_dim=128, cache_dtype=torch.float32
-    )
-    assert wide.startswith("reference") and "4096 bytes" in wide
+    # A float32 cache is read in place however wide its tokens; a gathered one only up to 1 KiB a token.
+    wide = {"num_kv_heads": 8, "head_dim": 128}
+    in_place = pypto_kernels.describe_kernel("paged_attention", "cpu", cache_dtype=torch.float32, **wide)
+    assert in_place == cpu_backend.PAGED_ATTENTION_LABEL
+    gathered = pypto_kernels.describe_kernel("paged_attention", "cpu", cache_dtype=torch.bfloat16, **wide)
+    assert gathered.startswith("reference") and "2048 bytes" in gathered
     assert pypto_kernels.describe_kernel("moe_experts", "cuda") == "reference"
 
 

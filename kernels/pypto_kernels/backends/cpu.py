@@ -30,11 +30,15 @@ multiplied so too at 2-128 rows when it holds :data:`TRANSPOSED_OUT_IN_MIN_ELEME
 on Qwen3-0.6B's projections, slower on smaller ones. It is a rule on the call's shape,
 not a timing, so the rounding of a given batch does not change from run to run.
 
-``paged_attention`` batches a step's decode rows (:func:`pypto_kernels.attention.batched_decode_paged_attention`):
-a few padded gathers and one bmm per KV head instead of two small matmuls per request. That wins
-where a cached token is narrow (per-request overhead dominates the loop: 1.2-2.2x at 512 bytes per
-token); where it is wide the gather's memory traffic dominates both and padding makes the batch the
-slower (0.93x at 4 KiB), so those caches keep the loop (docs/benchmarks.md).
+``paged_attention`` attends a step's decode rows at once
+(:func:`pypto_kernels.attention.batched_decode_paged_attention`). A float32 cache is read in
+place: the scores are one sampled sparse-dense product over the cache rows each decode row sees,
+the values one weighted ``embedding_bag``, and no K/V is copied (docs/benchmarks.md, "Decode
+attention read in place"). Other caches (bfloat16, FP8: torch's sampled product takes float32 and
+float64 only) take a few padded gathers and one bmm per KV head: a win where a cached token is
+narrow (per-request overhead dominates the loop: 1.2-2.2x at 512 bytes per token); where it is wide
+the gather's memory traffic dominates both and padding makes the batch the slower (0.93x at 4 KiB),
+so those caches keep the loop.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..activation import silu_and_mul
-from ..attention import batched_decode_paged_attention
+from ..attention import IN_PLACE_CACHE_DTYPES, batched_decode_paged_attention
 from ..dense import PackedLinearWeight
 from ..moe import routes_by_expert
 from ..quant import AbsmaxReduce, QuantizedLinearWeight, fp8_values, quantize_per_token
@@ -58,7 +62,10 @@ from . import paged_attention_features
 BAND_ELEMENTS = 1 << 20
 
 QUANT_LINEAR_LABEL = "cpu: fp8 band-wise dequantising matmul / int8 _int_mm"
-PAGED_ATTENTION_LABEL = "cpu: decode rows batched (padded gather, one bmm per KV head)"
+PAGED_ATTENTION_LABEL = (
+    "cpu: decode rows batched (float32 caches read in place: sampled_addmm scores, embedding_bag values; "
+    "others: padded gather, one bmm per KV head)"
+)
 LINEAR_LABEL = (
     "cpu: weights packed at load (mkl._mkl_linear / mkldnn._linear_pointwise); "
     "plain float32 weights multiplied transposed in output chunks (stored [in, out]: from 16 rows; "
@@ -250,13 +257,16 @@ def supports_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None =
     )
 
 
-#: Widest cached token (bytes of one token's K over all KV heads) the batched decode path takes.
+#: Widest cached token (bytes of one token's K over all KV heads) the padded decode path takes.
 BATCHED_DECODE_MAX_TOKEN_BYTES = 1024
 
 
 def explain_paged_attention(**features: Any) -> str | None:
     heads, dim, dtype = features.get("num_kv_heads"), features.get("head_dim"), features.get("cache_dtype")
     if heads is None or dim is None or dtype is None:
+        return None
+    in_place = dtype in IN_PLACE_CACHE_DTYPES and features.get("value_dtype", dtype) == dtype
+    if in_place and features.get("contiguous_cache", True):
         return None
     width = heads * dim * torch.empty((), dtype=dtype).element_size()
     if width > BATCHED_DECODE_MAX_TOKEN_BYTES:
