@@ -11,7 +11,8 @@ bfloat16 elsewhere, as Qwen3-FP8 is published) and ``w8a8`` msModelSlim dynamic 
 per-channel ``weight_scale`` / ``weight_offset``, ``quant_model_description.json``; bfloat16
 elsewhere). Shape ``small-moe`` is Qwen3-MoE (per-expert matrices, as Qwen3-30B-A3B-FP8 stores
 them; the experts quantised like the projections). Every load runs in a fresh process through the
-real Qwen executor on the CPU (``dtype="auto"``: the checkpoint's own dtype); the resident memory
+real Qwen executor on the CPU in the checkpoint's own dtype (its ``torch_dtype``, named: ``"auto"``
+would run a 16-bit checkpoint in float32 on a CPU without 16-bit instructions); the resident memory
 it reports is the process's RSS (anonymous + file-backed + shared, from /proc/self/status) after
 loading minus before, against the checkpoint's tensor bytes.
 
@@ -190,9 +191,15 @@ def _load(path: Path) -> Any:
     from pypto_serving.config import ServingSettings
     from pypto_serving_qwen.executor import QwenExecutor
 
-    ex = QwenExecutor(ServingSettings(model=str(path), device="cpu", dtype="auto", block_size=16))
+    ex = QwenExecutor(ServingSettings(model=str(path), device="cpu", dtype=_stored_dtype(path), block_size=16))
     ex.load()
     return ex
+
+
+def _stored_dtype(path: Path) -> str:
+    """The checkpoint's own dtype as a setting (``auto`` follows the CPU's 16-bit support instead)."""
+    config = json.loads((path / "config.json").read_text())
+    return str(config.get("torch_dtype") or config.get("dtype") or "auto")
 
 
 def measure(path: Path, fmt: str) -> dict[str, Any]:
@@ -342,7 +349,12 @@ def measure_deepseek(path: Path, stored: bool, new_tokens: int = 32) -> dict[str
     def load(mtp: bool) -> tuple[Any, Any]:
         spec = {"method": "mtp", "num_speculative_tokens": 1} if mtp else None
         settings = ServingSettings(
-            model=str(path), device="cpu", dtype="auto", block_size=16, max_num_seqs=8, speculative_config=spec
+            model=str(path),
+            device="cpu",
+            dtype=_stored_dtype(path),
+            block_size=16,
+            max_num_seqs=8,
+            speculative_config=spec,
         )
         ex = DeepseekMTPExecutor(settings)
         ex.stored_precision = stored

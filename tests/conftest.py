@@ -181,3 +181,15 @@ def make_llm(fake_pm: Any) -> Iterator[Callable[..., Any]]:
     yield factory
     for llm in built:
         llm.shutdown()
+
+
+@pytest.fixture
+def cpu_flags(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """Stand in for this CPU's feature flags: ``cpu_flags("avx512_bf16")`` makes ``dtype="auto"``
+    treat the CPU as one with bfloat16 instructions, ``cpu_flags()`` as one with none."""
+    import pypto_kernels.device as device
+
+    def use(*flags: str) -> None:
+        monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(flags))
+
+    return use

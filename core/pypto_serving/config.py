@@ -367,7 +367,11 @@ class ServingSettings(BaseSettings):
 
     # -- device & worker
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight/activation dtype; 'auto' follows torch_dtype in config.json."
+        "auto",
+        description=(
+            "Weight/activation dtype; 'auto' follows torch_dtype in config.json, except that a 16-bit "
+            "checkpoint runs in float32 on a CPU without instructions for its dtype (logged)."
+        ),
     )
     device: str = Field("auto", description="'auto' (npu > cuda > cpu), 'cpu', 'cuda', 'cuda:N' or 'npu'.")
     tensor_parallel_size: int = Field(

@@ -18,7 +18,7 @@ from .attention import paged_attention, varlen_attention, write_kv_cache
 from .compressed_attention import compressor_pool, indexer_topk, sink_attention
 from .deepseek import apply_interleaved_rope, grouped_linear, interleaved_rope_cos_sin
 from .dense import PackedLinearWeight, linear, onednn_supports, pack_linear, packing_rule
-from .device import npu_available, select_device
+from .device import auto_dtype, cpu_computes_natively, npu_available, select_device
 from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
 from .mxfp4 import dequantize_mxfp4
@@ -48,8 +48,10 @@ __all__ = [
     "add_rms_norm",
     "apply_interleaved_rope",
     "apply_rope",
+    "auto_dtype",
     "available_kernels",
     "compressor_pool",
+    "cpu_computes_natively",
     "dequantize_experts",
     "dequantize_mxfp4",
     "dequantize_weight",

@@ -86,3 +86,58 @@ def select_device(preference: str = "auto") -> torch.device:
     if index is not None and index >= count:
         raise ValueError(f"device {preference!r} requested but only {count} {kind} device(s) are visible")
     return torch.device(kind) if index is None else torch.device(kind, index)
+
+
+#: /proc/cpuinfo flags that mean native arithmetic in a 16-bit float dtype: x86 AVX-512 and AMX
+#: instructions, and Arm's ``bf16`` / half-precision SIMD features.
+NATIVE_CPU_FLAGS: dict[torch.dtype, tuple[str, ...]] = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16", "asimdhp"),
+}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm); empty
+    where the file is absent (not Linux), so such CPUs count as lacking every 16-bit feature."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+    except OSError:
+        return frozenset()
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return frozenset(flags)
+
+
+def cpu_computes_natively(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU (or one with ``flags``) has instructions for ``dtype`` products; float32 always."""
+    if dtype not in NATIVE_CPU_FLAGS:
+        return True
+    have = cpu_flags() if flags is None else flags
+    return any(flag in have for flag in NATIVE_CPU_FLAGS[dtype])
+
+
+def auto_dtype(stored: torch.dtype, device: torch.device, flags: frozenset[str] | None = None) -> torch.dtype:
+    """The dtype a checkpoint stored in ``stored`` runs in under ``dtype = "auto"``.
+
+    As stored, except a 16-bit checkpoint on a CPU without instructions for it runs in float32 and
+    says so: torch emulates bfloat16/float16 products there through float32 conversions, 22x slower
+    than float32 on the project's AVX2 machine (docs/benchmarks.md), at twice the weight memory.
+    ``flags`` stands in for this CPU's (tests).
+    """
+    if device.type != "cpu" or cpu_computes_natively(stored, flags):
+        return stored
+    logger.warning(
+        "dtype=auto: this CPU has no %s instructions (none of %s), so the %s checkpoint runs in float32 "
+        "(twice its weight memory, about 20x faster than emulated %s); set dtype=%s to keep it as stored",
+        stored,
+        ", ".join(NATIVE_CPU_FLAGS[stored]),
+        stored,
+        stored,
+        str(stored).removeprefix("torch."),
+    )
+    return torch.float32

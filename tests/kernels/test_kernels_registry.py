@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,3 +250,37 @@ def test_npu_backend_glue_with_stub_ops(clean_registry: None, monkeypatch: pytes
         cos, sin = pypto_kernels.rope_cos_sin(torch.arange(5) * 7, inv_freq, scaling, torch.float32)
         for fast, ref in zip(npu_backend.apply_rope(x, k, cos, sin), pypto_kernels.apply_rope(x, k, cos, sin)):
             torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("stored", "flags", "runs"),
+    [
+        (torch.bfloat16, {"avx2", "fma"}, torch.float32),  # AVX2 only: emulated bfloat16, upcast
+        (torch.bfloat16, {"avx512f", "avx512_bf16"}, torch.bfloat16),
+        (torch.bfloat16, {"amx_bf16"}, torch.bfloat16),
+        (torch.bfloat16, {"fp", "asimd", "bf16"}, torch.bfloat16),  # Arm's Features line
+        (torch.float16, {"avx512_bf16"}, torch.float32),  # bfloat16 instructions do not do float16
+        (torch.float16, {"avx512_fp16"}, torch.float16),
+        (torch.float32, set(), torch.float32),
+    ],
+)
+def test_auto_dtype_upcasts_only_what_the_cpu_cannot_compute(
+    stored: torch.dtype, flags: set[str], runs: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="pypto_kernels"):
+        assert pypto_kernels.auto_dtype(stored, torch.device("cpu"), frozenset(flags)) == runs
+    assert bool(caplog.records) == (runs != stored)
+    # Accelerators keep what is stored whatever the host CPU has.
+    assert pypto_kernels.auto_dtype(stored, torch.device("cuda"), frozenset()) == stored
+
+
+def test_cpu_flags_come_from_proc_cpuinfo() -> None:
+    from pypto_kernels.device import cpu_flags
+
+    flags = cpu_flags()
+    if not Path("/proc/cpuinfo").exists():
+        assert flags == frozenset()
+        return
+    text = Path("/proc/cpuinfo").read_text()
+    first = next(line for line in text.splitlines() if line.split(":")[0].strip() in ("flags", "Features"))
+    assert set(first.partition(":")[2].split()) <= flags and flags

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from pypto_kernels import describe_kernel, interleaved_rope_cos_sin, select_device
+from pypto_kernels import auto_dtype, describe_kernel, interleaved_rope_cos_sin, select_device
 from pypto_serving import BatchInput, CacheGroupSpec, DraftSampler, Executor, ExecutorInfo, read_generation_config
 from pypto_serving.lora_weights import LoraAdapter, LoraContext, batch_onehot, read_adapter
 from pypto_serving.parallel import ParallelContext
@@ -214,7 +214,8 @@ class DeepseekMTPExecutor(Executor):
         if archs and archs[0] != ARCHITECTURE:
             raise DeepseekConfigError(f"{model_dir} is a {archs[0]} checkpoint, not {ARCHITECTURE}")
         device = select_device(s.device)
-        dtype = _DTYPES.get(cfg.torch_dtype, torch.bfloat16) if s.dtype == "auto" else _DTYPES[s.dtype]
+        stored = _DTYPES.get(cfg.torch_dtype, torch.bfloat16)
+        dtype = auto_dtype(stored, device) if s.dtype == "auto" else _DTYPES[s.dtype]
         quantization = read_quantization_config(raw, str(model_dir / "config.json"))
         plan = self._shard_plan(cfg)
         weights = load_weights(model_dir, device, dtype, FP32_SUFFIXES, quantization, plan, self.stored_precision)

@@ -73,10 +73,10 @@ class QwenExecutor(Executor):
         s = self.settings
         cfg = read_config(s.model)
         self.device = K.select_device(s.device)
-        self.dtype = resolve_dtype(s.dtype, cfg, s.model)
-        if cfg.torch_dtype in ("bfloat16", "float16") and self.dtype == torch.float32:
-            # Only an explicit dtype setting gets here ('auto' keeps the checkpoint's dtype): the
-            # user's choice, so said at info level (the CLI keeps stderr to errors).
+        self.dtype = resolve_dtype(s.dtype, cfg, s.model, self.device)
+        if s.dtype != "auto" and cfg.torch_dtype in ("bfloat16", "float16") and self.dtype == torch.float32:
+            # The user's choice, so said at info level (the CLI keeps stderr to errors); 'auto' says
+            # why it upcasts on a CPU without 16-bit instructions itself (pypto_kernels.auto_dtype).
             logger.info(
                 "%s checkpoint loaded as float32 on %s because dtype=%r: twice its weight memory; "
                 "dtype='auto' keeps it as stored",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+import pypto_kernels as K
 from pypto_serving.quantization import (
     SCALE_SUFFIX,
     QuantizationConfig,
@@ -275,10 +276,14 @@ def _read_quantization(raw: dict[str, Any], path: Path) -> QuantizationConfig | 
     return declared if declared is not None else modelslim
 
 
-def resolve_dtype(setting: str, config: QwenConfig, model_dir: str | Path | None = None) -> torch.dtype:
+def resolve_dtype(
+    setting: str, config: QwenConfig, model_dir: str | Path | None = None, device: torch.device | None = None
+) -> torch.dtype:
     """``settings.dtype``; 'auto' follows the checkpoint's torch_dtype, else (config.json names
     none) the one 16-bit dtype its float tensors are stored in (read from ``model_dir``'s
-    safetensors headers, so a bfloat16 checkpoint is not silently doubled to float32), else float32."""
+    safetensors headers, so a bfloat16 checkpoint is not silently doubled to float32), else float32.
+    On a CPU (``device``) without instructions for a 16-bit dtype, 'auto' runs it in float32, logged
+    (:func:`pypto_kernels.auto_dtype`)."""
     name = config.torch_dtype if setting == "auto" else setting
     if name is None and model_dir is not None:
         name = _stored_float_dtype(_model_dir(model_dir))
@@ -289,6 +294,8 @@ def resolve_dtype(setting: str, config: QwenConfig, model_dir: str | Path | None
             f"unsupported dtype {name!r} (from config.json torch_dtype); use one of "
             "float32, bfloat16, float16 via the dtype setting"
         )
+    if setting == "auto" and device is not None:
+        return K.auto_dtype(_DTYPES[name], device)
     return _DTYPES[name]
 
 

@@ -287,8 +287,8 @@ def test_tiny_fp8_holds_its_checkpoint_bytes(tmp_path: Path) -> None:
 
     path = write_tiny_fp8(tmp_path / "tiny-deepseek-v4-fp8")
     ckpt = _checkpoint_bytes(path)
-    stored, info = _executor(path, stored=True, dtype="auto")
-    dequantized, info_d = _executor(path, stored=False, dtype="auto")
+    stored, info = _executor(path, stored=True, dtype="bfloat16")
+    dequantized, info_d = _executor(path, stored=False, dtype="bfloat16")
     assert stored.dtype == torch.bfloat16
     assert stored.weight_bytes() <= 1.1 * ckpt, (stored.weight_bytes(), ckpt)
     # bfloat16 embedding and head are most of this small model; its FP8 and MXFP4 weights alone
@@ -306,7 +306,7 @@ def test_fp8_experts_hold_their_checkpoint_bytes(tmp_path: Path) -> None:
     from pypto_serving_deepseek_mtp.release import write_release_layout
 
     write_release_layout(TINY_DEEPSEEK_V4, tmp_path, expert_dtype="fp8")
-    stored, _ = _executor(tmp_path, stored=True, k=0, dtype="auto")
+    stored, _ = _executor(tmp_path, stored=True, k=0, dtype="bfloat16")
     assert {p["experts.down"].scheme for p in stored.model.layers} == {"fp8_block"}
     held, ckpt = stored.weight_bytes(), _checkpoint_bytes(tmp_path)
     assert held <= 1.1 * ckpt, (held, ckpt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -193,13 +194,32 @@ def test_generation_config_eos_int_and_defaults(copy_ckpt: Callable[[str], Path]
     assert _load(path).eos_token_ids == [2]
 
 
-def test_dtype_auto_reads_torch_dtype(copy_ckpt: Callable[[str], Path]) -> None:
+def test_dtype_auto_reads_torch_dtype(copy_ckpt: Callable[[str], Path], cpu_flags: Callable[..., None]) -> None:
+    cpu_flags("avx512_bf16")
     path = copy_ckpt("qwen3")
     _edit_config(path, dtype=None, torch_dtype="bfloat16")
     ex = QwenExecutor(qwen_settings(path, dtype="auto"))
     ex.load()
     assert ex.dtype == torch.bfloat16
     assert ex.model is not None and ex.model.embed.dtype == torch.bfloat16
+
+
+def test_dtype_auto_runs_a_bf16_checkpoint_in_float32_on_a_cpu_without_bf16(
+    copy_ckpt: Callable[[str], Path], cpu_flags: Callable[..., None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Emulated bfloat16 is about 20x slower than float32 on such a CPU: 'auto' upcasts and says so;
+    an explicit dtype keeps the checkpoint as stored."""
+    cpu_flags("avx2", "fma")
+    path = copy_ckpt("qwen3")
+    _edit_config(path, dtype=None, torch_dtype="bfloat16")
+    with caplog.at_level(logging.WARNING, logger="pypto_kernels"):
+        ex = QwenExecutor(qwen_settings(path, dtype="auto"))
+        ex.load()
+    assert ex.dtype == torch.float32 and ex.model is not None and ex.model.embed.dtype == torch.float32
+    assert any("no torch.bfloat16 instructions" in r.getMessage() for r in caplog.records)
+    kept = QwenExecutor(qwen_settings(path, dtype="bfloat16"))
+    kept.load()
+    assert kept.dtype == torch.bfloat16
 
 
 def test_legacy_rope_fields(copy_ckpt: Callable[[str], Path]) -> None:

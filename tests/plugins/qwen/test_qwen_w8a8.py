@@ -257,9 +257,11 @@ def test_load_logs_which_kernel_runs_the_stored_projections(
 
 
 def test_a_16_bit_checkpoint_without_torch_dtype_loads_as_stored(
-    tmp_path: Path, qwen_checkpoints: Callable[[str], Path]
+    tmp_path: Path, qwen_checkpoints: Callable[[str], Path], cpu_flags: Callable[..., None]
 ) -> None:
-    """dtype='auto' with no torch_dtype in config.json follows the stored tensors, not float32."""
+    """dtype='auto' with no torch_dtype in config.json follows the stored tensors, not float32 (on a
+    CPU with bfloat16 instructions)."""
+    cpu_flags("avx512_bf16")
     path = tmp_path / "bf16"
     shutil.copytree(qwen_checkpoints("qwen3"), path)
     _edit(path, lambda t: t.update({n: v.bfloat16() for n, v in t.items()}))
