@@ -11,7 +11,9 @@ transformers batched generate), ``ct2`` (CTranslate2, converted with its convert
 
 Also measured in the same run: memory bandwidth (the best of a few copies of a large tensor,
 bytes read + written per second), and from it the weights-over-bandwidth floor of concurrency 1
-(every decode step reads all weights once: weight bytes / bandwidth). Greedy outputs are compared
+(every decode step reads all weights once: weight bytes / bandwidth), and torch's float32 and
+bfloat16 matmul peak, against which each engine's throughput run is reported as a share (the
+workload's FLOPs from config.json over its wall time). Greedy outputs are compared
 token for token with the first pypto-serving run; mismatches are reported, not hidden.
 
 ``--precision bfloat16`` runs every engine in bfloat16 (float32 accumulation); ``--precision int8``
@@ -209,6 +211,51 @@ def memory_bandwidth(mib: int, threads: int) -> float:
     return 2 * src.numel() * 4 / best
 
 
+def matmul_peak(dtype: str, threads: int) -> float:
+    """FLOP/s of torch's ``mm`` in ``dtype`` on ``threads`` threads: a [512, 2048] x [2048, 2048]
+    product (the shape class of a batched decoder projection, 4.3 GFLOP), best of 5 after a warm-up.
+    Where the CPU has no instructions for ``dtype`` (emulated: a thousand times slower) 16 rows."""
+    import torch
+
+    import pypto_kernels
+
+    torch.set_num_threads(threads)
+    kind = getattr(torch, dtype)
+    rows = 512 if pypto_kernels.cpu_computes_natively(kind) else 16
+    a, b = torch.randn(rows, 2048).to(kind), torch.randn(2048, 2048).to(kind)
+    torch.mm(a, b)
+    best = min(_time(lambda: torch.mm(a, b)) for _ in range(5))
+    return 2 * rows * 2048 * 2048 / best
+
+
+def matmul_params(config: dict[str, Any]) -> tuple[int, int]:
+    """Multiply-adds per token of a Qwen-style decoder's projections (routed experts counted at
+    ``num_experts_per_tok``, plus the router) and of its output projection, from config.json."""
+    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    heads, kv_heads = int(config["num_attention_heads"]), int(config.get("num_key_value_heads", 0) or 0)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    attention = hidden * head_dim * (2 * heads + 2 * (kv_heads or heads))  # q, k, v and o
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if experts:
+        per_token = int(config["num_experts_per_tok"]) * 3 * hidden * int(config["moe_intermediate_size"])
+        mlp = per_token + hidden * experts
+    else:
+        mlp = 3 * hidden * int(config["intermediate_size"])
+    return layers * (attention + mlp), hidden * int(config["vocab_size"])
+
+
+def workload_flops(config: dict[str, Any], prompt_lens: list[int], max_tokens: int) -> float:
+    """FLOPs the throughput workload needs: every prompt and output token through the decoder, every
+    output token through the output projection, and causal attention (QK and PV) over the context."""
+    decoder, head = matmul_params(config)
+    layers, heads = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    tokens = sum(prompt_lens) + len(prompt_lens) * max_tokens
+    # Token t of a sequence attends t + 1 keys; a prompt of p tokens grown to p + n holds positions 0..p+n-1.
+    pairs = sum((p + max_tokens) * (p + max_tokens + 1) // 2 for p in prompt_lens)
+    return 2.0 * (decoder * tokens + head * len(prompt_lens) * max_tokens) + 4.0 * layers * heads * head_dim * pairs
+
+
 def _time(fn: Any) -> float:
     start = time.perf_counter()
     fn()
@@ -298,29 +345,47 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         f"one {args.latency_prompt_len}-token prompt, median of {args.repeats}. Threads per engine: {args.threads}. "
         f"Precision: {args.precision}.",
         "",
-        "| engine | version | load s | req/s | output tok/s | total tok/s | wall s | c=1 TPOT ms | TPOT / floor |"
+        "| engine | version | load s | req/s | output tok/s | total tok/s | wall s | FLOP/s / peak |"
+        " c=1 TPOT ms | TPOT / floor |"
         + (" c=1 TPOT ms, contended |" if args.contention else "")
         + " greedy outputs vs reference |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.contention else "") + "---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.contention else "") + "---|",
     ]
     bandwidth = report["bandwidth_gbs"] * 1e9
     for r in report["results"]:  # an --also row's floor: the bytes its engine reads per step
-        lines.append(_row(args, r, r["weight_bytes"] / bandwidth * 1000 if "weight_bytes" in r else floor))
+        row_floor = r["weight_bytes"] / bandwidth * 1000 if "weight_bytes" in r else floor
+        lines.append(_row(args, r, row_floor, _peak_share(report, r)))
+    peaks = report["peak_gflops"]
     lines += [
         "",
         f"Memory bandwidth (copy of {args.bandwidth_mib} MiB, read + write, best of 5): "
         f"{report['bandwidth_gbs']:.1f} GB/s; weights-over-bandwidth floor at concurrency 1: {floor:.2f} ms per token.",
+        f"Matmul peak (torch.mm, [512, 2048] x [2048, 2048], {args.threads} threads, best of 5): float32 "
+        f"{peaks['float32']:,.1f} GFLOP/s, bfloat16 {peaks['bfloat16']:,.1f} GFLOP/s. The throughput workload "
+        f"needs {report['workload_gflop']:,.0f} GFLOP (projections, output projection for output tokens, causal "
+        "attention); FLOP/s / peak is that over each engine's wall time against the peak of its precision "
+        "(float32 for int8 rows); TPOT / floor is the inverse of the concurrency-1 share of bandwidth.",
     ]
     lines += _notes(report["results"])
     return "\n".join(lines) + "\n"
 
 
-def _row(args: argparse.Namespace, r: dict[str, Any], floor: float) -> str:
+def _peak_share(report: dict[str, Any], r: dict[str, Any]) -> float | None:
+    """Workload FLOPs over the row's wall time, against the peak of the row's precision."""
+    wall = r.get("throughput", {}).get("wall_s")
+    if not wall:
+        return None
+    precision = r.get("precision") or report["precision"]
+    peak = report["peak_gflops"]["bfloat16" if precision == "bfloat16" else "float32"]
+    return report["workload_gflop"] / wall / peak
+
+
+def _row(args: argparse.Namespace, r: dict[str, Any], floor: float, peak_share: float | None = None) -> str:
     if "error" in r or r.get("missing") or r.get("unsupported"):
         why = "not installed" if r.get("missing") else f"failed: {r['error']}" if "error" in r else "not run"
         if not r.get("missing") and "error" not in r:
             why = f"no {args.precision} path: not run"
-        cols = 8 + (1 if args.contention else 0)
+        cols = 9 + (1 if args.contention else 0)
         return f"| {r['name']} | {why} |" + " - |" * cols
     t, lat = r.get("throughput", {}), r.get("latency", {})
     tpot = lat.get("tpot_ms")
@@ -332,6 +397,7 @@ def _row(args: argparse.Namespace, r: dict[str, Any], floor: float) -> str:
         _f(t.get("output_tok_s")),
         _f(t.get("total_tok_s")),
         _f(t.get("wall_s"), "{:,.2f}"),
+        _f(100 * peak_share if peak_share is not None else None, "{:.0f}%"),
         _f(tpot, "{:,.2f}"),
         _f(tpot / floor if tpot and floor else None, "{:.2f}x"),
     ]
@@ -420,8 +486,9 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if engine.get("convert"):  # an --also row over a converted copy
             engine["job"]["model"] = converted_checkpoint(args.model, work, engine["convert"])
         r = {"name": engine["name"], **run_engine(engine, job, work, "main", args.timeout)}
-        if "precision" in engine["job"]:  # an --also row: its own bytes per step
+        if "precision" in engine["job"]:  # an --also row: its own bytes per step and precision
             r["weight_bytes"] = also_weight_bytes(engine, args.model, work)
+            r["precision"] = engine["job"]["precision"]
         if args.contention and "error" not in r:
             with CpuHog():
                 c = run_engine(engine, {**job, "phases": ["latency"]}, work, "contended", args.timeout)
@@ -430,6 +497,7 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     compare_outputs(results)
     bandwidth = memory_bandwidth(args.bandwidth_mib, args.threads)
     weights = weight_bytes(ours, args.precision)
+    config = json.loads((Path(args.model) / "config.json").read_text())
     return {
         "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "machine": machine(),
@@ -437,6 +505,8 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "weight_bytes": weights,
         "bandwidth_gbs": bandwidth / 1e9,
         "floor_ms": weights / bandwidth * 1000,
+        "peak_gflops": {dtype: matmul_peak(dtype, args.threads) / 1e9 for dtype in ("float32", "bfloat16")},
+        "workload_gflop": workload_flops(config, [len(p) for p in job["prompts"]], args.max_tokens) / 1e9,
         "results": results,
     }
 
