@@ -607,18 +607,35 @@ def _attend_decode_group(
 IN_PLACE_CACHE_DTYPES = (torch.float32, torch.float64)
 
 
+#: Entries (decode row x query head x key, padded to the group's longest row) of one in-place group:
+#: each of the plan's index arrays and the softmax matrix stays within a few tens of MiB whatever the
+#: step's rows and contexts (64 rows of 400 keys x 16 heads are one group).
+_IN_PLACE_ENTRIES = 1 << 22
+
+
 class _InPlacePlan(NamedTuple):
-    """Every (decode row, query head, visible key) triple of a step, as one sparse pattern.
+    """Every (decode row, query head, visible key) triple of a group of decode rows, as one sparse pattern.
 
     Pattern row ``r * Hq + h`` (row r's query head h) holds the flat K/V table rows
     ``slot * Hkv + h // group`` of the keys it sees, in key order; ``crow`` delimits the pattern rows
     (CSR) and ``padded`` places each entry in a dense ``[R * Hq, width]`` score matrix for the softmax,
     whose last column holds the sink when there is one."""
 
+    rows: torch.Tensor
     cols: torch.Tensor
     crow: torch.Tensor
     padded: torch.Tensor
     width: int
+
+
+def _in_place_groups(spans: list[_Span], num_q_heads: int) -> list[list[_Span]]:
+    """Decode spans sorted by key count, cut so that rows x heads x longest stays within the budget."""
+    groups: list[list[_Span]] = []
+    for span in sorted(spans, key=lambda s: s.hi - s.lo):
+        if not groups or (len(groups[-1]) + 1) * num_q_heads * (span.hi - span.lo) > _IN_PLACE_ENTRIES:
+            groups.append([])
+        groups[-1].append(span)
+    return groups
 
 
 def _in_place_plan(
@@ -636,7 +653,8 @@ def _in_place_plan(
     pos = lo[decode_row] + within
     slots = tables[request[decode_row], pos // block_size] * block_size + pos % block_size
     kv_head = (pattern_row % num_q_heads) // (num_q_heads // num_kv_heads)
-    return _InPlacePlan(slots * num_kv_heads + kv_head, crow, pattern_row * width + within, width)
+    rows = torch.tensor([s.row for s in spans], dtype=torch.int64, device=device)
+    return _InPlacePlan(rows, slots * num_kv_heads + kv_head, crow, pattern_row * width + within, width)
 
 
 class _PlanMemo:
@@ -650,18 +668,21 @@ class _PlanMemo:
 
     def __init__(self) -> None:
         # One tuple, replaced whole: a caller on another thread reads either entry, never a mix.
-        self.entry: tuple[tuple[object, ...], torch.Tensor, _InPlacePlan] | None = None
+        self.entry: tuple[tuple[object, ...], torch.Tensor, list[_InPlacePlan]] | None = None
 
     def get(
         self, tables: torch.Tensor, spans: list[_Span], block_size: int, heads: tuple[int, int], sink: bool
-    ) -> _InPlacePlan:
-        key = (tuple(spans), block_size, heads, sink, tables.shape, tables.device)
+    ) -> list[_InPlacePlan]:
+        key = (tuple(spans), block_size, heads, sink, tables.shape, tables.device, _IN_PLACE_ENTRIES)
         entry = self.entry
         if entry is not None and entry[0] == key and torch.equal(entry[1], tables):
             return entry[2]
-        plan = _in_place_plan(tables, spans, block_size, heads[0], heads[1], sink)
-        self.entry = (key, tables.clone(), plan)
-        return plan
+        plans = [
+            _in_place_plan(tables, group, block_size, heads[0], heads[1], sink)
+            for group in _in_place_groups(spans, heads[0])
+        ]
+        self.entry = (key, tables.clone(), plans)
+        return plans
 
 
 _PLANS = _PlanMemo()
@@ -713,10 +734,9 @@ def _decode_in_place(
     sinks: torch.Tensor | None,
 ) -> None:
     heads = (query.shape[1], key_cache.shape[2])
-    plan = _PLANS.get(tables, decode, key_cache.shape[1], heads, sinks is not None)
-    rows = torch.tensor([s.row for s in decode], dtype=torch.int64, device=query.device)
-    res = _attend_in_place(query.index_select(0, rows), key_cache, value_cache, plan, scale, sinks)
-    out.index_copy_(0, rows, res.to(out.dtype))
+    for plan in _PLANS.get(tables, decode, key_cache.shape[1], heads, sinks is not None):
+        res = _attend_in_place(query.index_select(0, plan.rows), key_cache, value_cache, plan, scale, sinks)
+        out.index_copy_(0, plan.rows, res.to(out.dtype))
 
 
 def _decode_padded(

@@ -465,8 +465,9 @@ def test_batched_decode_matches_the_request_loop_on_ragged_lengths(
     with_sinks: bool,
     group_bytes: int | None,
 ) -> None:
-    if group_bytes is not None:
+    if group_bytes is not None:  # one row per group, in both the padded and the in-place path
         monkeypatch.setattr(attention_module, "_DECODE_GROUP_BYTES", group_bytes)
+        monkeypatch.setattr(attention_module, "_IN_PLACE_ENTRIES", group_bytes)
     # Decode rows of every edge length beside a prefill chunk and an idle request, in a NaN-filled cache.
     batch = [(1, n) for n in DECODE_EDGE_LENGTHS] + [(5, 40), (0, 9), (1, 33)]
     gen = torch.Generator().manual_seed(num_q_heads + (window or 0))
