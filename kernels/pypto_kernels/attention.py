@@ -723,23 +723,7 @@ def _attend_in_place(
     return out.view(rows, num_q_heads, -1)
 
 
-def _decode_in_place(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    tables: torch.Tensor,
-    decode: list[_Span],
-    out: torch.Tensor,
-    scale: float,
-    sinks: torch.Tensor | None,
-) -> None:
-    heads = (query.shape[1], key_cache.shape[2])
-    for plan in _PLANS.get(tables, decode, key_cache.shape[1], heads, sinks is not None):
-        res = _attend_in_place(query.index_select(0, plan.rows), key_cache, value_cache, plan, scale, sinks)
-        out.index_copy_(0, plan.rows, res.to(out.dtype))
-
-
-def _decode_padded(
+def _attend_decode_rows(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -751,6 +735,13 @@ def _decode_padded(
     k_scale: CacheScale,
     v_scale: CacheScale,
 ) -> None:
+    """The decode rows into ``out``: read in place (groups of the step's plan) or gathered padded."""
+    if reads_in_place(key_cache, value_cache):
+        heads = (query.shape[1], key_cache.shape[2])
+        for plan in _PLANS.get(tables, decode, key_cache.shape[1], heads, sinks is not None):
+            res = _attend_in_place(query.index_select(0, plan.rows), key_cache, value_cache, plan, scale, sinks)
+            out.index_copy_(0, plan.rows, res.to(out.dtype))
+        return
     block_size = key_cache.shape[1]
     block_bytes = key_cache[0].numel() * key_cache.element_size()
     for group in _decode_groups(decode, block_bytes):
@@ -803,10 +794,8 @@ def batched_decode_paged_attention(
         query, key_cache, block_tables, query_start_loc, seq_lens, sliding_window, query_lens_host, seq_lens_host
     )
     decode = [s for s in spans if s.num_queries == 1]
-    if decode and reads_in_place(key_cache, value_cache):
-        _decode_in_place(query, key_cache, value_cache, tables, decode, out, scale, sinks)
-    elif decode:
-        _decode_padded(query, key_cache, value_cache, tables, decode, out, scale, sinks, k_scale, v_scale)
+    if decode:
+        _attend_decode_rows(query, key_cache, value_cache, tables, decode, out, scale, sinks, k_scale, v_scale)
     prefill = [s for s in spans if s.num_queries > 1]
     _attend_spans(query, key_cache, value_cache, tables, prefill, out, scale, sliding_window, sinks, k_scale, v_scale)
     return out
