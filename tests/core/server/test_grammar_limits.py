@@ -27,7 +27,9 @@ def client(fake_model_dir: Any) -> Any:
     from pypto_serving.server import build_app
     from tests.core.server.conftest import start_llm
 
-    llm = start_llm(fake_model_dir)
+    # These tests are about the library's own refusals: a compile budget no loaded 2-core runner
+    # reaches keeps them from becoming "did not compile within 5 s" (seen once with 4 jobs on 2 cores).
+    llm = start_llm(fake_model_dir, grammar_compile_timeout=120.0)
     with TestClient(build_app(llm, manage_engine=False), raise_server_exceptions=False) as c:
         yield c
     llm.shutdown(10)
