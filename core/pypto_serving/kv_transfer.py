@@ -33,15 +33,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from .config import KVTransferConfig
+
 if TYPE_CHECKING:
     import torch
-
-    from .config import KVTransferConfig
 
 __all__ = [
     "KVCaches",
     "KVConnector",
     "KVConnectorFactory",
+    "KVTransferConfig",
     "Offer",
     "Offers",
     "TransferEvent",
@@ -130,7 +131,7 @@ class KVConnector(abc.ABC):
         """Stop threads and drop connections; transfers in flight end with an error."""
 
 
-KVConnectorFactory = Callable[["KVTransferConfig"], KVConnector]
+KVConnectorFactory = Callable[[KVTransferConfig], KVConnector]
 """``factory(config) -> KVConnector``, called once in the worker process (a module-level function)."""
 
 

@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-from ..config import KVTransferConfig
 from ..hookspecs import KVConnectorSpec, hookimpl
 from ..kv_transfer import (
     KVCaches,
     KVConnector,
+    KVTransferConfig,
     Offer,
     Offers,
     TransferEvent,

@@ -48,7 +48,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pypto_serving import KVConnectorSpec, hookimpl
-from pypto_serving.kv_transfer import KVCaches, KVConnector, Offer, Offers, TransferEvent, layout_digest
+from pypto_serving.kv_transfer import (
+    KVCaches,
+    KVConnector,
+    KVTransferConfig,
+    Offer,
+    Offers,
+    TransferEvent,
+    layout_digest,
+)
 
 __all__ = ["MooncakeConnector", "make_connector", "pypto_serving_register_kv_connectors"]
 
@@ -211,7 +219,7 @@ class MooncakeConnector(KVConnector):
 
     streams = True
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: KVTransferConfig) -> None:
         self.config = config
         extra = {**DEFAULTS, **config.kv_connector_extra_config}
         unknown = sorted(set(extra) - set(DEFAULTS))
@@ -513,7 +521,7 @@ class MooncakeConnector(KVConnector):
         return None
 
 
-def make_connector(config: Any) -> KVConnector:
+def make_connector(config: KVTransferConfig) -> KVConnector:
     """Module-level factory: the worker process imports it by reference."""
     return MooncakeConnector(config)
 
