@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..engine import EngineDeadError
 from ..parsers import OutputParser, ParsedOutput, ParsedToolCall
 from ..request import RequestOutput, SamplingParams
+from ..structured import GRAMMAR_FAILED
 from .async_llm import EngineFailure
 from .openai_requests import (
     _chat_prompt,
@@ -608,6 +609,7 @@ class _Plan:
     parsers: Callable[[], OutputParser] | None
     params: list[SamplingParams]
     items: list[dict[str, Any]]
+    grammar_param: str | None = None  # the field that sent the grammar, in this API's terms
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -702,7 +704,8 @@ async def _typed_events(
         async with contextlib.aclosing(runner._items()) as items:
             async for _pi, c, st, _start, _end, done in items:
                 if c.finish_reason == "error":
-                    for event in _failure(ctx, plan, output, _failure_message(ctx, c)):
+                    grammar = c.error is not None and c.error.startswith(GRAMMAR_FAILED)
+                    for event in _failure(ctx, plan, output, _failure_message(ctx, c), grammar):
                         yield event
                     return
                 text = runner._delta_text(0, c, st, done)
@@ -722,12 +725,15 @@ async def _typed_events(
     yield {"type": f"response.{status}", "response": body}
 
 
-def _failure(ctx: _Ctx, plan: _Plan, output: _Output, message: str) -> list[dict[str, Any]]:
-    """An ``error`` event, then ``response.failed`` with what was generated before the failure."""
+def _failure(ctx: _Ctx, plan: _Plan, output: _Output, message: str, grammar: bool = False) -> list[dict[str, Any]]:
+    """An ``error`` event, then ``response.failed`` with what was generated before the failure; a
+    grammar that failed in the worker is the client's (``invalid_grammar`` naming its field, as the
+    non-streamed 400 does)."""
     body = _body(ctx, plan, "failed", output.items, None)
-    body["error"] = {"code": "server_error", "message": message}
+    code, param = ("invalid_grammar", plan.grammar_param) if grammar else ("generation_failed", None)
+    body["error"] = {"code": code if grammar else "server_error", "message": message}
     return [
-        {"type": "error", "code": "generation_failed", "message": message, "param": None},
+        {"type": "error", "code": code, "message": message, "param": param},
         {"type": "response.failed", "response": body},
     ]
 
@@ -758,13 +764,14 @@ async def _plan(ctx: _Ctx, store: ResponseStore, body: Any) -> _Plan:
         _check_tool_choice(chat)
         prompt = await asyncio.to_thread(_chat_prompt, ctx, chat)
         parsers = _output_parsers(ctx, chat, prompt)
-        _, grammar = await _request_grammar(ctx, chat, _tool_choice_spec(ctx, chat, parsers))
+        grammar_field, grammar = await _request_grammar(ctx, chat, _tool_choice_spec(ctx, chat, parsers))
         max_tokens = chat.max_completion_tokens
         params = _sampling_params(
             ctx, chat, [prompt], max_tokens, None, max_tokens_param="max_completion_tokens", structured=grammar
         )
         _check_capacity(ctx, chat, [prompt], params)
-    return _Plan(f"resp_{uuid.uuid4().hex}", req, chat, prompt, parsers, params, items)
+    grammar_param = _RENAMED.get(grammar_field, grammar_field) if grammar_field else None
+    return _Plan(f"resp_{uuid.uuid4().hex}", req, chat, prompt, parsers, params, items, grammar_param)
 
 
 async def _create(ctx: _Ctx, store: ResponseStore, body: Any, raw: Request) -> Response:
@@ -772,7 +779,7 @@ async def _create(ctx: _Ctx, store: ResponseStore, body: Any, raw: Request) -> R
     if plan.req.stream:
         runner = await _start_stream(ctx, plan.rid, [plan.prompt], plan.params)
         return _sse(_events(ctx, store, plan, runner))
-    outs = await _run_all(ctx, plan.rid, [plan.prompt], plan.params, raw)
+    outs = await _run_all(ctx, plan.rid, [plan.prompt], plan.params, raw, plan.grammar_param)
     built = await asyncio.to_thread(_final_body, ctx, plan, outs[0])
     _remember(store, plan, built)
     return Response(_ENCODE(built), media_type="application/json")

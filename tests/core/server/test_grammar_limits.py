@@ -6,6 +6,7 @@ checked, ``/health`` answers at once."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -169,3 +170,14 @@ def test_a_grammar_failing_past_the_check_is_the_clients_400(client: Any, monkey
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     failed = [e for e in events if '"error"' in e]
     assert failed and '"invalid_grammar"' in failed[-1] and '"invalid_request_error"' in failed[-1], events
+    # /v1/responses names the field as it calls it (text.format), streamed or not.
+    fmt = {"type": "json_schema", "name": "s", "schema": {"type": "string", "pattern": "^a{1000000}$"}}
+    answer = {"input": "hi", "text": {"format": fmt}, "max_output_tokens": 4, "store": False}
+    r = client.post("/v1/responses", json=answer)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "text.format" and r.json()["error"]["code"] == "invalid_grammar", r.text
+    with client.stream("POST", "/v1/responses", json={**answer, "stream": True}) as s:
+        typed = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    error = next(e for e in typed if e["type"] == "error")
+    assert error["code"] == "invalid_grammar" and error["param"] == "text.format", typed
+    assert typed[-1]["type"] == "response.failed" and typed[-1]["response"]["error"]["code"] == "invalid_grammar"
