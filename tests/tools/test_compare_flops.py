@@ -4,8 +4,6 @@ and its attention term equals a brute-force count of (query, key) pairs."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,15 +12,11 @@ pytest.importorskip("transformers.models.qwen3", reason="transformers with Qwen3
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
+from tests.scripts import load_script
 
 
 def _compare() -> Any:
-    spec = importlib.util.spec_from_file_location("compare_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/compare.py")
 
 
 def _linear_weights(model: torch.nn.Module) -> tuple[int, int]:

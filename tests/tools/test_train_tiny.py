@@ -21,17 +21,14 @@ pytest.importorskip("pypto_serving_qwen", reason="plugin qwen not installed")
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train_tiny.py"
+from tests.scripts import load_script
+
 PROMPT = "def read_config(path):\n    with open(path) as f:\n"
 NEW_TOKENS = 8
 
 
 def _load_script() -> Any:
-    spec = importlib.util.spec_from_file_location("train_tiny", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/train_tiny.py")
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pypto_serving_deepseek_mtp.plugin import TINY_DEEPSEEK_V4
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))  # benchmarks.* (the benchmarks do the same for themselves)
@@ -30,11 +31,7 @@ def _shipped() -> list[Path]:
 
 
 def _train_tiny() -> object:
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "tools" / "train_tiny.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/train_tiny.py")
 
 
 @pytest.mark.parametrize("model_dir", _shipped(), ids=lambda p: p.name)

@@ -10,7 +10,6 @@ allocator all show up here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,15 +18,13 @@ from types import ModuleType
 
 import pytest
 
+from tests.scripts import load_script
+
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "quant_load.py"
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("quant_load", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/quant_load.py")
 
 
 @pytest.mark.parametrize(
