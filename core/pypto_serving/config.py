@@ -427,6 +427,13 @@ class ServingSettings(BaseSettings):
         "'off' pins nothing; or a list such as '0-3' or '2,3'. OMP_PLACES or OMP_PROC_BIND already set in the "
         "environment wins.",
     )
+    worker_huge_pages: bool = Field(
+        True,
+        description="A spawned worker's torch allocates tensors of 2 MiB and more on transparent huge pages "
+        "(THP_MEM_ALLOC_ENABLE=1): a fresh step buffer such as 64 rows of logits then costs a few page faults "
+        "instead of thousands (1.1x a 64-stream CPU decode step, docs/benchmarks.md). A THP_MEM_ALLOC_ENABLE "
+        "already set in the environment wins.",
+    )
     seed: int = Field(0, description="Seed for model initialisation and unseeded sampling.")
     max_worker_restarts: int = Field(
         3,

@@ -132,11 +132,15 @@ def _places(cores: list[int]) -> str:
 @contextlib.contextmanager
 def _worker_environment(settings: ServingSettings) -> Iterator[None]:
     """Environment a spawned worker starts with: OpenMP reads its wait policy and thread places once,
-    when the child loads torch, so they are set around ``Process.start`` (spawn copies the environment
-    then) and restored after. Variables the user exported win."""
+    when the child loads torch, and torch its huge-page switch at its first allocation, so they are set
+    around ``Process.start`` (spawn copies the environment then) and restored after. Variables the user
+    exported win."""
     env: dict[str, str] = {}
     if settings.worker_omp_wait_policy != "inherit":
         env["OMP_WAIT_POLICY"] = settings.worker_omp_wait_policy.upper()
+    if settings.worker_huge_pages:
+        # torch's CPU allocator reads it once, at its first allocation in the child.
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     cores = worker_cores(settings)
     if cores is not None and not {"OMP_PLACES", "OMP_PROC_BIND"} & set(os.environ):
         # One place per core, thread i on place i: no thread migrates, none shares a core with another.

@@ -260,6 +260,25 @@ def test_the_worker_starts_with_the_openmp_wait_policy(
     assert os.environ.get("OMP_WAIT_POLICY") == exported
 
 
+@pytest.mark.parametrize(("huge_pages", "exported", "seen"), [(True, None, "1"), (False, None, ""), (True, "0", "0")])
+def test_the_worker_allocates_on_huge_pages(
+    make_llm: Callable[..., Any], monkeypatch: Any, huge_pages: bool, exported: str | None, seen: str
+) -> None:
+    """``worker_huge_pages``: a spawned worker starts with THP_MEM_ALLOC_ENABLE=1 unless the setting is
+    off or the user exported the variable; this process's environment is left as it was."""
+    if exported is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", exported)
+    llm = make_llm(
+        worker_mode="process",
+        worker_huge_pages=huge_pages,
+        executor_options={"architecture_from_env": "THP_MEM_ALLOC_ENABLE"},
+    )
+    assert llm.engine.worker.info.architecture == seen
+    assert os.environ.get("THP_MEM_ALLOC_ENABLE") == exported
+
+
 @pytest.mark.parametrize(("bind", "threads"), [("auto", 1), ("auto", None), ("off", 1), ("last", None)])
 def test_the_worker_pins_its_threads_to_cores(
     make_llm: Callable[..., Any], monkeypatch: Any, bind: str, threads: int | None
