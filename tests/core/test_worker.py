@@ -239,44 +239,36 @@ def test_context_manager_exit_stops_the_worker(fake_pm: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "exported", "seen"),
-    [("passive", None, "PASSIVE"), ("active", None, "ACTIVE"), ("inherit", None, ""), ("passive", "ACTIVE", "ACTIVE")],
+    ("setting", "value", "variable", "exported", "seen"),
+    [
+        ("worker_omp_wait_policy", "passive", "OMP_WAIT_POLICY", None, "PASSIVE"),
+        ("worker_omp_wait_policy", "active", "OMP_WAIT_POLICY", None, "ACTIVE"),
+        ("worker_omp_wait_policy", "inherit", "OMP_WAIT_POLICY", None, ""),
+        ("worker_omp_wait_policy", "passive", "OMP_WAIT_POLICY", "ACTIVE", "ACTIVE"),
+        ("worker_huge_pages", True, "THP_MEM_ALLOC_ENABLE", None, "1"),
+        ("worker_huge_pages", False, "THP_MEM_ALLOC_ENABLE", None, ""),
+        ("worker_huge_pages", True, "THP_MEM_ALLOC_ENABLE", "0", "0"),
+    ],
 )
-def test_the_worker_starts_with_the_openmp_wait_policy(
-    make_llm: Callable[..., Any], monkeypatch: Any, policy: str, exported: str | None, seen: str
+def test_the_worker_starts_with_its_environment(
+    make_llm: Callable[..., Any],
+    monkeypatch: Any,
+    setting: str,
+    value: Any,
+    variable: str,
+    exported: str | None,
+    seen: str,
 ) -> None:
-    """A spawned worker gets the configured OMP_WAIT_POLICY unless the user exported one; this process's
-    environment is left as it was."""
+    """A spawned worker gets the variable its setting asks for (OMP_WAIT_POLICY from
+    ``worker_omp_wait_policy``, THP_MEM_ALLOC_ENABLE=1 from ``worker_huge_pages``) unless the user
+    exported it; this process's environment is left as it was."""
     if exported is None:
-        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        monkeypatch.delenv(variable, raising=False)
     else:
-        monkeypatch.setenv("OMP_WAIT_POLICY", exported)
-    llm = make_llm(
-        worker_mode="process",
-        worker_omp_wait_policy=policy,
-        executor_options={"architecture_from_env": "OMP_WAIT_POLICY"},
-    )
+        monkeypatch.setenv(variable, exported)
+    llm = make_llm(worker_mode="process", executor_options={"architecture_from_env": variable}, **{setting: value})
     assert llm.engine.worker.info.architecture == seen
-    assert os.environ.get("OMP_WAIT_POLICY") == exported
-
-
-@pytest.mark.parametrize(("huge_pages", "exported", "seen"), [(True, None, "1"), (False, None, ""), (True, "0", "0")])
-def test_the_worker_allocates_on_huge_pages(
-    make_llm: Callable[..., Any], monkeypatch: Any, huge_pages: bool, exported: str | None, seen: str
-) -> None:
-    """``worker_huge_pages``: a spawned worker starts with THP_MEM_ALLOC_ENABLE=1 unless the setting is
-    off or the user exported the variable; this process's environment is left as it was."""
-    if exported is None:
-        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    else:
-        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", exported)
-    llm = make_llm(
-        worker_mode="process",
-        worker_huge_pages=huge_pages,
-        executor_options={"architecture_from_env": "THP_MEM_ALLOC_ENABLE"},
-    )
-    assert llm.engine.worker.info.architecture == seen
-    assert os.environ.get("THP_MEM_ALLOC_ENABLE") == exported
+    assert os.environ.get(variable) == exported
 
 
 @pytest.mark.parametrize(("bind", "threads"), [("auto", 1), ("auto", None), ("off", 1), ("last", None)])
