@@ -72,6 +72,7 @@ __all__ = [
     "bitmask_words",
     "check_spec",
     "fill_step_mask",
+    "grammar_failed",
     "grammar_text",
     "list_rows",
     "sparse_rows",
@@ -135,6 +136,12 @@ def _what(spec: StructuredSpec) -> str:
 #: past the server's probe, or a replay after preemption): the client's grammar, not the server, is at
 #: fault, so the server answers a 400 naming the field that sent it.
 GRAMMAR_FAILED = "structured output: "
+
+
+def grammar_failed(error: str | None) -> bool:
+    """Whether a sequence's ``error`` is its grammar failing in the worker (:data:`GRAMMAR_FAILED`)."""
+    return error is not None and error.startswith(GRAMMAR_FAILED)
+
 
 # Steps the server's check walks past a grammar's first mask. llguidance builds its lexer lazily, so
 # some errors appear only once a token is consumed: a regex whose derivatives explode (``a{1000000}``:

@@ -753,14 +753,16 @@ def _attend_decode_rows(
         out.index_copy_(0, rows, res.to(out.dtype))
 
 
+def in_place_caches(cache_dtype: torch.dtype, value_dtype: torch.dtype, contiguous: bool) -> bool:
+    """Whether :func:`batched_decode_paged_attention` reads caches of these dtypes (K, V) and layout
+    in place (the registry's ``explain`` asks it of a call's features)."""
+    return cache_dtype in IN_PLACE_CACHE_DTYPES and value_dtype == cache_dtype and contiguous
+
+
 def reads_in_place(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether :func:`batched_decode_paged_attention` reads these caches' decode rows in place."""
-    return (
-        key_cache.dtype in IN_PLACE_CACHE_DTYPES
-        and value_cache.dtype == key_cache.dtype
-        and key_cache.is_contiguous()
-        and value_cache.is_contiguous()
-    )
+    """:func:`in_place_caches` of these caches."""
+    contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
+    return in_place_caches(key_cache.dtype, value_cache.dtype, contiguous)
 
 
 def batched_decode_paged_attention(

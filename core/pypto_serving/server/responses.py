@@ -19,7 +19,7 @@ from ..engine import EngineDeadError
 from ..kv_ledger import TRANSFER_FAILED
 from ..parsers import OutputParser, ParsedToolCall
 from ..request import CompletionOutput, RequestOutput, SamplingParams
-from ..structured import GRAMMAR_FAILED
+from ..structured import grammar_failed
 from .async_llm import EngineFailure
 from .openai_requests import _Ctx, _engine_error, _lora_of, _Prompt, _request_ids, _shown_model
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -117,7 +117,7 @@ def _failed_choice_error(ctx: _Ctx, c: CompletionOutput, grammar_param: str | No
     ``invalid_grammar`` naming ``grammar_param``), anything else this server's (500 ``generation_failed``)."""
     if c.error is not None and c.error.startswith(TRANSFER_FAILED):
         return APIError(502, _failure_message(ctx, c), type="server_error", code="kv_transfer_failed")
-    if c.error is not None and c.error.startswith(GRAMMAR_FAILED):
+    if grammar_failed(c.error):
         return APIError(400, _failure_message(ctx, c), param=grammar_param, code="invalid_grammar")
     return APIError(500, _failure_message(ctx, c), type="server_error", code="generation_failed")
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..engine import EngineDeadError
 from ..parsers import OutputParser, ParsedOutput, ParsedToolCall
 from ..request import RequestOutput, SamplingParams
-from ..structured import GRAMMAR_FAILED
+from ..structured import grammar_failed
 from .async_llm import EngineFailure
 from .openai_requests import (
     _chat_prompt,
@@ -704,8 +704,7 @@ async def _typed_events(
         async with contextlib.aclosing(runner._items()) as items:
             async for _pi, c, st, _start, _end, done in items:
                 if c.finish_reason == "error":
-                    grammar = c.error is not None and c.error.startswith(GRAMMAR_FAILED)
-                    for event in _failure(ctx, plan, output, _failure_message(ctx, c), grammar):
+                    for event in _failure(ctx, plan, output, _failure_message(ctx, c), grammar_failed(c.error)):
                         yield event
                     return
                 text = runner._delta_text(0, c, st, done)
@@ -731,7 +730,7 @@ def _failure(ctx: _Ctx, plan: _Plan, output: _Output, message: str, grammar: boo
     non-streamed 400 does)."""
     body = _body(ctx, plan, "failed", output.items, None)
     code, param = ("invalid_grammar", plan.grammar_param) if grammar else ("generation_failed", None)
-    body["error"] = {"code": code if grammar else "server_error", "message": message}
+    body["error"] = {"code": "invalid_grammar" if grammar else "server_error", "message": message}
     return [
         {"type": "error", "code": code, "message": message, "param": param},
         {"type": "response.failed", "response": body},

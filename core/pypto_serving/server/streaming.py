@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from ..engine import EngineDeadError
 from ..parsers import OutputParser
 from ..request import CompletionOutput, RequestOutput, SamplingParams
-from ..structured import GRAMMAR_FAILED
+from ..structured import grammar_failed
 from .async_llm import EngineFailure
 from .openai_requests import _Ctx, _engine_error, _Prompt, _request_ids, _shown_model
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -181,7 +181,7 @@ class _StreamRunner:
         return delta
 
     def _failed_event(self, c: CompletionOutput) -> str:
-        if c.error is not None and c.error.startswith(GRAMMAR_FAILED):  # the client's grammar, as a 400 says
+        if grammar_failed(c.error):  # the client's grammar, as a 400 says
             return _event(error_body(_failure_message(self.ctx, c), "invalid_request_error", None, "invalid_grammar"))
         return _error_event(_failure_message(self.ctx, c))
 

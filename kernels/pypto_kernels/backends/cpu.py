@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..activation import silu_and_mul
-from ..attention import IN_PLACE_CACHE_DTYPES, batched_decode_paged_attention
+from ..attention import batched_decode_paged_attention, in_place_caches
 from ..dense import PackedLinearWeight
 from ..moe import routes_by_expert
 from ..quant import AbsmaxReduce, QuantizedLinearWeight, fp8_values, quantize_per_token
@@ -265,8 +265,7 @@ def explain_paged_attention(**features: Any) -> str | None:
     heads, dim, dtype = features.get("num_kv_heads"), features.get("head_dim"), features.get("cache_dtype")
     if heads is None or dim is None or dtype is None:
         return None
-    in_place = dtype in IN_PLACE_CACHE_DTYPES and features.get("value_dtype", dtype) == dtype
-    if in_place and features.get("contiguous_cache", True):
+    if in_place_caches(dtype, features.get("value_dtype", dtype), features.get("contiguous_cache", True)):
         return None
     width = heads * dim * torch.empty((), dtype=dtype).element_size()
     if width > BATCHED_DECODE_MAX_TOKEN_BYTES:
