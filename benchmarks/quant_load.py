@@ -187,11 +187,14 @@ def write_checkpoint(path: Path, shape_name: str, fmt: str) -> int:
     return sum(t.numel() * t.element_size() for t in out.values())
 
 
-def _load(path: Path) -> Any:
+def _load(path: Path, options: dict[str, Any] | None = None) -> Any:
     from pypto_serving.config import ServingSettings
     from pypto_serving_qwen.executor import QwenExecutor
 
-    ex = QwenExecutor(ServingSettings(model=str(path), device="cpu", dtype=_stored_dtype(path), block_size=16))
+    settings = ServingSettings(
+        model=str(path), device="cpu", dtype=_stored_dtype(path), block_size=16, executor_options=options or {}
+    )
+    ex = QwenExecutor(settings)
     ex.load()
     return ex
 
@@ -202,9 +205,10 @@ def _stored_dtype(path: Path) -> str:
     return str(config.get("torch_dtype") or config.get("dtype") or "auto")
 
 
-def measure(path: Path, fmt: str) -> dict[str, Any]:
+def measure(path: Path, fmt: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load ``path`` once in this process (after a warm-up load of a tiny checkpoint of the same
-    format); RSS before and after, load time, bytes held."""
+    format) with executor ``options``; RSS before and after, load time, bytes held, and the bytes of
+    the one packed copy made beside a plain matrix (a tied output projection's, ``copy_bytes``)."""
     import gc
     import tempfile
 
@@ -213,7 +217,7 @@ def measure(path: Path, fmt: str) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(Path(tmp), "tiny", fmt)
-        del _load(Path(tmp)).model
+        del _load(Path(tmp), options).model
         gc.collect()
 
     checkpoint = 0
@@ -226,16 +230,20 @@ def measure(path: Path, fmt: str) -> dict[str, Any]:
             checkpoint += numel * torch.empty((), dtype=_DTYPES[view.get_dtype()]).element_size()
     before = _rss()
     t0 = time.perf_counter()
-    ex = _load(path)
+    ex = _load(path, options)
     seconds = time.perf_counter() - t0
     after = _rss()
     assert ex.model is not None
     held = sum(p.numel() * p.element_size() for p in ex.model.parameters())
     stored = getattr(ex.model, "quantized_weights", list)  # absent before stored-precision weights
     held += sum(w.nbytes() for w in stored())
+    head = ex.model.lm_head_packed
+    beside = head is not None and head.weight is not None and head.library == "onednn"
     return {
         "checkpoint_bytes": checkpoint,
         "held_bytes": held,
+        # oneDNN's copy is opaque (no storage to count): it holds the matrix's values, no more.
+        "copy_bytes": head.weight.numel() * head.weight.element_size() if beside else 0,
         "resident_bytes": after["VmRSS"] - before["VmRSS"],
         "resident_by_kind": {k: after[k] - before.get(k, 0) for k in after if k != "VmHWM"},
         # VmHWM (this process's peak RSS; unlike ru_maxrss it does not inherit the parent's peak
@@ -445,6 +453,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/quant_load"))
     parser.add_argument("--measure", type=Path, help="load this checkpoint and print its numbers as JSON")
     parser.add_argument("--format", default="float32", help="the --measure checkpoint's format (for the warm-up)")
+    parser.add_argument("--executor-options", default="{}", help="the --measure load's executor_options (JSON)")
     parser.add_argument("--linear", action="store_true", help="time quant_linear per scheme instead")
     parser.add_argument("--deepseek", action="store_true", help="tiny DeepSeek-V4 per format: stored vs dequantized")
     parser.add_argument("--measure-deepseek", type=Path, help="one DeepSeek load and decode, JSON on stdout")
@@ -461,7 +470,7 @@ def main() -> None:
         time_linears()
         return
     if args.measure is not None:
-        print(json.dumps(measure(args.measure, args.format)))
+        print(json.dumps(measure(args.measure, args.format, json.loads(args.executor_options))))
         return
     print(f"shape {args.shape}: {SHAPES[args.shape]}")
     print(

@@ -11,10 +11,11 @@ layout of it, which the CPU fast path (:mod:`pypto_kernels.backends.cpu`) multip
   decode rows, and the plain matrix stays beside it: twice the weight memory.
 - ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` /
   ``_linear_pointwise``), any row count, float32 or bfloat16. It serves every call, so the plain
-  matrix is dropped (no extra memory); the reference rebuilds it (``to_dense``) when asked.
+  matrix is dropped (no extra memory); the reference rebuilds it (``to_dense``) when asked. A copy
+  packed with ``min_rows`` > 1 keeps the plain matrix for the fewer-row calls (twice the memory).
 
 The packed and plain products accumulate in different orders, so they agree to float rounding, not
-bit for bit. Which layout a weight gets is a rule on its dtype and the engine's batch
+bit for bit. Which layout a weight gets is a rule on its dtype, its size and the CPU's class
 (:func:`packing_rule`), not a timing taken at load: a measurement on a shared machine would choose
 differently from run to run, and with it the rounding of every logit. The measurements behind the
 rule are in docs/benchmarks.md ("Packed matrix products on the CPU").
@@ -27,9 +28,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import device
 from .registry import dispatch
 
-__all__ = ["LIBRARIES", "NEVER", "PackedLinearWeight", "linear", "onednn_supports", "pack_linear", "packing_rule"]
+__all__ = [
+    "LIBRARIES",
+    "NEVER",
+    "ONEDNN_FLOAT32_MIN_ELEMENTS",
+    "PackedLinearWeight",
+    "linear",
+    "onednn_supports",
+    "pack_linear",
+    "packing_rule",
+]
 
 #: A row count no call reaches: ``max_rows`` of a copy serving every count from ``min_rows`` on.
 NEVER = 1 << 62
@@ -77,29 +88,54 @@ def onednn_supports(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def packing_rule(dtype: torch.dtype, batch_rows: int) -> tuple[str, int, int] | None:
-    """``(library, min_rows, max_rows)`` for a CPU weight of ``dtype`` in an engine whose full decode
-    batch is ``batch_rows``, or None (plain ``F.linear`` everywhere). Measured on an AVX-512 CPU
-    (docs/benchmarks.md): bfloat16 through oneDNN at every row count (1.2-2x ``F.linear`` at 1-16 rows,
-    about even at 64); on a CPU without oneDNN's bf16 instructions (:func:`onednn_supports`) it stays
-    plain. Float32 stays plain: oneDNN's float32 path was slower than MKL's GEMV at one
-    row, and MKL's packed SGEMM (1.1-1.7x at exactly its batch) keeps the plain matrix beside its
-    copy, twice the weights' memory, so it is opt-in (``pack_linear(..., library="mkl")``)."""
+#: Fewest elements of a float32 weight :func:`packing_rule` packs for oneDNN on a CPU without
+#: AVX-512 (512 Ki, 2 MiB): smaller ones were slower packed at one row (0.4-0.6x on the 256-wide
+#: projections of the AVX2 machine, docs/benchmarks.md), larger ones 1.1-1.6x from 4 rows on.
+ONEDNN_FLOAT32_MIN_ELEMENTS = 1 << 19
+
+
+def packing_rule(
+    dtype: torch.dtype, batch_rows: int, *, elements: int | None = None, flags: frozenset[str] | None = None
+) -> tuple[str, int, int] | None:
+    """``(library, min_rows, max_rows)`` for a CPU weight of ``dtype`` (and ``elements`` values) in an
+    engine whose full decode batch is ``batch_rows``, or None (plain products everywhere); ``flags``
+    stands in for this CPU's feature flags (tests). Measured per CPU class (docs/benchmarks.md):
+
+    - bfloat16 through oneDNN at every row count (1.2-2x ``F.linear`` at 1-16 rows, about even at
+      64, on an AVX-512 CPU); on a CPU without oneDNN's bf16 instructions (:func:`onednn_supports`)
+      it stays plain.
+    - float32 on an x86 CPU without AVX-512 (the AVX2 AMD EPYC): oneDNN for weights of
+      :data:`ONEDNN_FLOAT32_MIN_ELEMENTS` or more, in place of the plain matrix: 1.1-1.6x the plain
+      product from 4 to 128 rows, even at one row on the largest; a 64-row decode step 1.05-1.07x.
+    - float32 elsewhere stays plain: on the AVX-512 CPU oneDNN's float32 path was slower than MKL's
+      GEMV at one row (0.5-0.85x), and MKL's packed SGEMM (1.1-1.7x at exactly its batch) keeps the
+      plain matrix beside its copy, twice the weights' memory, so it is opt-in
+      (``pack_linear(..., library="mkl")``)."""
     del batch_rows  # float32's MKL packing, the one rule that needs it, is opt-in
     if dtype == torch.bfloat16 and onednn_supports(dtype):
         return ("onednn", 1, NEVER)
+    if dtype == torch.float32 and elements is not None and elements >= ONEDNN_FLOAT32_MIN_ELEMENTS:
+        have = device.cpu_flags() if flags is None else flags
+        if "avx2" in have and "avx512f" not in have and onednn_supports(dtype):
+            return ("onednn", 1, NEVER)
     return None
 
 
-def pack_linear(weight: torch.Tensor, batch_rows: int, *, library: str | None = None) -> PackedLinearWeight | None:
+def pack_linear(
+    weight: torch.Tensor, batch_rows: int, *, library: str | None = None, min_rows: int = 1
+) -> PackedLinearWeight | None:
     """``weight`` with a packed copy (:func:`packing_rule` for ``batch_rows``, or ``library`` at every
     row count it serves); None where nothing is packed: a weight off the CPU, of another dtype, or a
-    torch without the library. A ``onednn`` result no longer references ``weight``: once the caller
-    drops it, only the packed copy is held."""
+    torch without the library. A ``onednn`` result serving every row count no longer references
+    ``weight``: once the caller drops it, only the packed copy is held. ``min_rows`` > 1 (``onednn``
+    only) keeps ``weight`` beside the copy for the calls of fewer rows (an output projection that is
+    also the embedding, whose one-row product is a GEMV best run on the plain matrix)."""
+    if min_rows > 1 and library != "onednn":
+        raise ValueError(f"min_rows applies to library='onednn' only, got library={library!r}")
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if library is None:
-        rule = packing_rule(weight.dtype, batch_rows)
+        rule = packing_rule(weight.dtype, batch_rows, elements=weight.numel())
     elif library == "mkl":
         mkl = weight.dtype == torch.float32 and torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
         rule = ("mkl", batch_rows, batch_rows) if mkl else None
@@ -109,7 +145,7 @@ def pack_linear(weight: torch.Tensor, batch_rows: int, *, library: str | None = 
                 f"oneDNN cannot pack {weight.dtype} weights on this CPU (its bf16 path needs AVX-512 BW/VL/DQ, "
                 "AVX-NE-CONVERT or AMX); use float32 or leave the choice to the default rule"
             )
-        rule = ("onednn", 1, NEVER)
+        rule = ("onednn", min_rows, NEVER)
     else:
         raise ValueError(f"unknown packing library {library!r}; choose from {list(LIBRARIES)}")
     if rule is None or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
@@ -121,7 +157,7 @@ def pack_linear(weight: torch.Tensor, batch_rows: int, *, library: str | None = 
             packed = torch.ops.mkl._mkl_reorder_linear_weight(plain, lo)
             return PackedLinearWeight(weight, packed, kind, lo, hi)
         packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
-    return PackedLinearWeight(None, packed, kind, lo, hi)
+    return PackedLinearWeight(weight if lo > 1 else None, packed, kind, lo, hi)
 
 
 @dispatch("linear")

@@ -42,12 +42,16 @@ class QwenExecutor(Executor):
     ``graph_warmup`` (``load`` or ``lazy``); see :mod:`pypto_serving_qwen.graph`. ``cpu_linear``
     (``auto``, ``mkl``, ``onednn``, ``reference``): on the CPU in eager mode, ``auto`` packs by
     :func:`pypto_kernels.packing_rule` (bfloat16 projections: oneDNN's layout, in place of the plain
-    weights; float32: none), ``onednn`` every float projection so, ``mkl`` every float32 projection
-    and the output projection for MKL's packed SGEMM at a full batch of ``max_num_seqs`` rows (beside
-    the plain weights: twice their memory), ``reference`` none. Except with ``reference``, the output
-    projection and every projection left plain run :func:`pypto_kernels.linear`, whose CPU fast path
-    multiplies the plain float32 ``lm_head_t`` transposed in chunks at 16 rows or more (no copy of it),
-    and decoder projections of 512 Ki elements or more so at 2-128 rows.
+    weights; float32 ones of 512 Ki elements or more on an x86 CPU without AVX-512 too; other float32:
+    none), the output projection by the same rule; ``onednn`` every float projection and the output
+    projection so, ``mkl`` every float32 projection and the output projection for MKL's packed SGEMM
+    at a full batch of ``max_num_seqs`` rows (beside the plain weights: twice their memory),
+    ``reference`` none. A tied output projection (the embedding too) keeps its plain matrix and gets a
+    copy beside it, the vocabulary matrix held twice, unless ``tied_head_copy`` is false
+    (:meth:`QwenForCausalLM.pack_linears`). Except with ``reference``, the output projection and every
+    projection left plain run :func:`pypto_kernels.linear`, whose CPU fast path multiplies the plain
+    float32 ``lm_head_t`` transposed in chunks at 16 rows or more (no copy of it), and decoder
+    projections of 512 Ki elements or more so at 2-128 rows. Any other key is refused at load.
 
     With ``tensor_parallel_size > 1`` the worker runs one executor per rank inside torch.distributed's
     default process group; each loads and holds its shards (:mod:`pypto_serving_qwen.sharding`), its
@@ -139,10 +143,21 @@ class QwenExecutor(Executor):
         mode = self.graph_options.mode if self.graph_options is not None else "eager"
         if choice == "reference" or self.device.type != "cpu" or mode != "eager":
             return
-        count = model.pack_linears(self.settings.max_num_seqs, _CPU_LINEAR[choice])
-        rule = K.packing_rule(self.dtype, self.settings.max_num_seqs) if choice == "auto" else (choice,)
+        tied_copy = self.settings.executor_options.get("tied_head_copy", True)
+        if not isinstance(tied_copy, bool):
+            raise ValueError(f"executor_options tied_head_copy must be true or false, got {tied_copy!r}")
+        count = model.pack_linears(self.settings.max_num_seqs, _CPU_LINEAR[choice], tied_head_copy=tied_copy)
+        head = model.lm_head_packed
         label = K.describe_kernel("linear", self.device, dtype=self.dtype)
-        logger.info("%d float matrices packed (%s): linear runs %s", count, rule, label)
+        logger.info(
+            "cpu_linear=%s: %d float matrices packed (output projection: %s): linear runs %s",
+            choice,
+            count,
+            "not packed"
+            if head is None
+            else f"{head.library}, {'beside' if head.weight is not None else 'in place of'} the plain matrix",
+            label,
+        )
 
     def _attach_loras(self, model: QwenForCausalLM) -> None:
         """With LoRA enabled (``enable_lora`` or ``lora_modules``), give the model its adapter stacks

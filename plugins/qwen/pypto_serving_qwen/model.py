@@ -33,6 +33,10 @@ from .sharding import QwenSharding
 
 logger = logging.getLogger(__name__)
 
+#: Fewest rows a tied output projection's oneDNN copy serves: one row is a GEMV, as fast or faster on
+#: the plain ``[in, out]`` matrix (0.9x packed); from two rows the copy is 1.3-2.5x (docs/benchmarks.md).
+HEAD_PACKED_MIN_ROWS = 2
+
 __all__ = ["AttentionMetadata", "KVCache", "QwenForCausalLM"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [blocks, block_size, Hkv, D]
@@ -545,7 +549,8 @@ class QwenForCausalLM(nn.Module):
         # Under tensor parallelism both hold this rank's vocabulary rows only.
         self.lm_head_t = _param((cfg.hidden_size, vocab), device, dtype)
         self.embed = self.lm_head_t.t() if cfg.tie_word_embeddings else _param((vocab, cfg.hidden_size), device, dtype)
-        # Set by pack_linears: ``lm_head_t.t()`` (a view) with a packed copy of it.
+        # Set by pack_linears: ``lm_head_t.t()`` (a view) with a packed copy of it, or (an untied head
+        # packed in place) the packed copy alone, ``lm_head_t`` then emptied.
         self.lm_head_packed: K.PackedLinearWeight | None = None
         # Set by pack_linears (the eager CPU forward): the output projection runs pypto_kernels.linear
         # over ``lm_head_t.t()``, whose CPU fast path multiplies it transposed from 16 rows.
@@ -709,21 +714,38 @@ class QwenForCausalLM(nn.Module):
             logits = torch.matmul(hidden, self.lm_head_t)
         return self.shards.ctx.all_gather(logits.float(), dim=-1)
 
-    def pack_linears(self, batch_rows: int, library: str | None = None) -> int:
+    def pack_linears(self, batch_rows: int, library: str | None = None, *, tied_head_copy: bool = True) -> int:
         """Give the float projections and the output projection packed copies
         (:func:`pypto_kernels.pack_linear` for a full decode batch of ``batch_rows``; ``library`` None:
         its rule); returns how many matrices got one. CPU only, after loading. The output projection
         and the projections left plain then run :func:`pypto_kernels.linear` (packed, or transposed in
-        chunks where its CPU rule says so)."""
+        chunks where its CPU rule says so). ``tied_head_copy`` False leaves a tied output projection
+        unpacked (see :meth:`_pack_head`)."""
         count = pack_projections(self, batch_rows, library)
-        # lm_head_t stays a parameter (it is the tied embedding too): only MKL's copy, which needs the
-        # plain matrix anyway, is made beside it; a oneDNN copy would hold the weight twice.
-        head = K.pack_linear(self.lm_head_t.data.t(), batch_rows, library=library) if library == "mkl" else None
         self.lm_head_kernel = True
         for module in self.modules():
             if isinstance(module, (QwenAttention, QwenMLP)):
                 module.kernel_linear = True
-        if head is not None:
-            self.lm_head_packed = head
-            count += 1
-        return count
+        tied = self.cfg.tie_word_embeddings
+        self.lm_head_packed = None if tied and not tied_head_copy else self._pack_head(batch_rows, library)
+        return count + (self.lm_head_packed is not None)
+
+    def _pack_head(self, batch_rows: int, library: str | None) -> K.PackedLinearWeight | None:
+        """The output projection's packed copy (``library``, or the rule's), or None. An untied head's
+        oneDNN copy replaces it (its plain matrix is freed). A tied head is the embedding too, so its
+        plain matrix stays and a copy sits beside it: the vocabulary matrix held twice, as vLLM's CPU
+        backend holds it; oneDNN's copy serves calls of :data:`HEAD_PACKED_MIN_ROWS` rows or more
+        (1.3-2.5x the plain products there), and one row stays a GEMV on the plain matrix
+        (docs/benchmarks.md, "The output projection packed")."""
+        plain, tied = self.lm_head_t.data.t(), self.cfg.tie_word_embeddings
+        if library is None:
+            rule = K.packing_rule(plain.dtype, batch_rows, elements=plain.numel())
+            library = rule[0] if rule is not None else None
+        if library is None:
+            return None
+        if library == "mkl":
+            return K.pack_linear(plain, batch_rows, library=library)
+        head = K.pack_linear(plain, batch_rows, library=library, min_rows=HEAD_PACKED_MIN_ROWS if tied else 1)
+        if head is not None and head.weight is None:
+            self.lm_head_t.data = self.lm_head_t.data.new_empty(0)  # only the packed copy is held
+        return head

@@ -254,10 +254,15 @@ def test_packed_linears_parity(
     ex = _executor(path, max_num_seqs=3, executor_options={"cpu_linear": library})
     assert ex.model is not None
     attn, mlp = ex.model.layers[0].self_attn, ex.model.layers[0].mlp
-    head = [ex.model.lm_head_packed] if library == "mkl" else []  # a oneDNN copy would hold it twice
-    assert (ex.model.lm_head_packed is None) == (library == "onednn")
-    for weight in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight, *head):
+    head = ex.model.lm_head_packed
+    for weight in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight, head):
         assert isinstance(weight, pypto_kernels.PackedLinearWeight) and weight.library == library
+    assert head is not None
+    if library == "onednn" and name != "qwen2_tied":  # an untied head's copy replaces it
+        assert head.weight is None and ex.model.lm_head_t.numel() == 0
+    else:  # MKL's copy, and a copy of a tied head (the embedding), sit beside the plain matrix
+        assert head.weight is not None and head.weight.data_ptr() == ex.model.lm_head_t.data_ptr()
+        assert head.min_rows == (3 if library == "mkl" else 2)
     seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [13, 21, 9], seed=1), strict=True))  # type: ignore[attr-defined]
     schedule = [[("a", 9), ("b", 6)], [("a", 1), ("b", 8), ("c", 5)], [("b", 6), ("a", 1), ("c", 1)]]
     schedule += [[("a", 1), ("b", 1), ("c", 1)], [("c", 1), ("a", 1)]]
@@ -279,11 +284,63 @@ def test_cpu_linear_auto_and_reference(qwen_checkpoints: Callable[[str], Path]) 
         assert isinstance(qkv, torch.nn.Parameter)
     fp32 = _executor(path)
     assert fp32.model is not None and isinstance(fp32.model.layers[0].self_attn.qkv_weight, torch.nn.Parameter)
+    assert fp32.model.lm_head_packed is None  # the tiny weights are below the float32 rule's size
     plain = _executor(path, dtype="bfloat16", executor_options={"cpu_linear": "reference"})
     assert plain.model is not None and plain.model.lm_head_packed is None
     assert isinstance(plain.model.layers[0].self_attn.qkv_weight, torch.nn.Parameter)
     with pytest.raises(ValueError, match="cpu_linear must be one of"):
         _executor(path, executor_options={"cpu_linear": "blas"})
+    with pytest.raises(ValueError, match="tied_head_copy must be true or false"):
+        _executor(path, executor_options={"tied_head_copy": "no"})
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("name", ["qwen3", "qwen2_tied"])
+def test_cpu_linear_auto_float32_on_avx2(
+    name: str,
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    cpu_flags: Callable[..., None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """auto on an x86 CPU without AVX-512: float32 projections of the rule's size go to oneDNN in place
+    of their plain matrices, an untied output projection too (its plain matrix freed), a tied one gets
+    a copy beside its plain matrix (the embedding) for 2+ rows unless ``tied_head_copy`` is false; the
+    logits still match transformers. On an AVX-512 CPU all stay plain."""
+    monkeypatch.setattr(pypto_kernels.dense, "ONEDNN_FLOAT32_MIN_ELEMENTS", 1)  # the tiny weights qualify
+    cpu_flags("avx2", "fma")
+    path = qwen_checkpoints(name)
+    ex = _executor(path, max_num_seqs=3)
+    assert ex.model is not None
+    qkv = ex.model.layers[0].self_attn.qkv_weight
+    assert isinstance(qkv, pypto_kernels.PackedLinearWeight) and (qkv.library, qkv.weight) == ("onednn", None)
+    head = ex.model.lm_head_packed
+    assert head is not None and head.library == "onednn"
+    if name == "qwen2_tied":
+        assert head.weight is not None and head.weight.data_ptr() == ex.model.embed.data_ptr()
+        assert head.min_rows == 2
+    else:
+        assert head.weight is None and ex.model.lm_head_t.numel() == 0
+    heads: list[int] = []  # rows of the output projection's packed calls
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(
+        torch.ops.mkldnn,
+        "_linear_pointwise",
+        lambda x, w, *a: (w is head.packed and heads.append(x.shape[0])) or real(x, w, *a),
+    )
+    seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [12, 7, 4], seed=2), strict=True))  # type: ignore[attr-defined]
+    schedule = [[("a", 11), ("b", 6), ("c", 3)], [("a", 1), ("b", 1)], [("c", 1)]]
+    assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 23
+    # The head ran packed on the 20- and 2-row logits; a one-row call runs packed only when untied.
+    assert heads == ([20, 2] if name == "qwen2_tied" else [20, 2, 1])
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", real)
+    if name == "qwen2_tied":
+        kept = _executor(path, max_num_seqs=3, executor_options={"tied_head_copy": False})
+        assert kept.model is not None and kept.model.lm_head_packed is None
+    cpu_flags("avx2", "avx512f")
+    wide = _executor(path, max_num_seqs=3)
+    assert wide.model is not None and wide.model.lm_head_packed is None
+    assert isinstance(wide.model.layers[0].self_attn.qkv_weight, torch.nn.Parameter)
 
 
 def test_output_projection_transposed_product_parity(
