@@ -8,7 +8,9 @@ executor, prefills N requests to about C tokens of context each, then profiles d
     python benchmarks/decode_profile.py --model /work/models/qwen3-0.6b --requests 64 --context 260
 
 ``--cpu-linear reference auto`` loads one executor per ``executor_options["cpu_linear"]`` value and
-alternates their decode steps (before / after on a shared, noisy machine); ``--linears`` instead
+alternates their decode steps (before / after on a shared, noisy machine; ``auto-avx512`` is ``auto``
+as an AVX-512 CPU's packing rule chooses: float32 plain); ``--heads`` times the output projection's
+plain paths against oneDNN's packed copy; ``--linears`` instead
 times :func:`pypto_kernels.linear`'s CPU fast path against its reference per shape and row count (the
 output projection stored ``[in, out]``, and the Qwen3-0.6B shape's decoder projections multiplied
 transposed too, for comparison), interleaved, best and median of ``--reps``:
@@ -90,15 +92,57 @@ def time_linears(rows: list[int], reps: int) -> None:
             )
 
 
+def time_heads(rows: list[int], reps: int) -> None:
+    """The 151,936-row output projection stored ``[in, out]`` as the Qwen executor keeps it: its plain
+    paths (``F.linear`` below 16 rows, the chunked transposed product from there) against oneDNN's
+    packed copy, per hidden size and row count, interleaved, best and median of ``reps``."""
+    gen = torch.Generator().manual_seed(0)
+    print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s), float32")
+    print("| hidden | rows | plain ms, best / median | oneDNN copy ms, best / median | speed-up, median |")
+    print("|---:|---:|---:|---:|---:|")
+    for hidden in (256, 1024):
+        stored = torch.randn(hidden, 151936, generator=gen) / hidden**0.5
+        packed = K.pack_linear(stored.t(), 64, library="onednn", min_rows=2)
+        assert packed is not None
+        for n in rows:
+            x = torch.randn(n, hidden, generator=gen)
+            paths: dict[str, Callable[[], torch.Tensor]] = {
+                "plain": lambda x=x, w=stored: K.linear(x, w.t()),
+                "packed": lambda x=x, p=packed.packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+            }
+            times: dict[str, list[float]] = {k: [] for k in paths}
+            for _ in range(reps):
+                for key, fn in paths.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[key].append((time.perf_counter() - t0) * 1e3)
+            best = {k: min(v) for k, v in times.items()}
+            med = {k: statistics.median(v) for k, v in times.items()}
+            print(
+                f"| {hidden} | {n} | {best['plain']:.1f} / {med['plain']:.1f} | {best['packed']:.1f} / "
+                f"{med['packed']:.1f} | {med['plain'] / med['packed']:.2f}x |",
+                flush=True,
+            )
+
+
 def _prepared(args: argparse.Namespace, cpu_linear: str) -> tuple[Any, PagedBatchBuilder, list[str]]:
-    """An executor with ``args.requests`` requests prefilled to ``args.context`` tokens."""
+    """An executor with ``args.requests`` requests prefilled to ``args.context`` tokens.
+    ``cpu_linear = "auto-avx512"`` is ``auto`` as an AVX-512 CPU's packing rule chooses (float32 plain)."""
+    import pypto_kernels.device as device
     from pypto_serving_qwen.executor import QwenExecutor
 
     block = 16
     blocks = args.requests * (-(-(args.context + args.steps * 2 + 2) // block)) + 8
-    settings = qwen_settings(args.model, block_size=block, executor_options={"cpu_linear": cpu_linear})
+    option = "auto" if cpu_linear == "auto-avx512" else cpu_linear
+    settings = qwen_settings(args.model, block_size=block, executor_options={"cpu_linear": option})
     ex = QwenExecutor(settings)
-    ex.load()
+    real_flags = device.cpu_flags
+    if cpu_linear == "auto-avx512":
+        device.cpu_flags = lambda: real_flags() | {"avx512f"}  # type: ignore[assignment]
+    try:
+        ex.load()
+    finally:
+        device.cpu_flags = real_flags  # type: ignore[assignment]
     ex.init_kv_cache({"kv": blocks})
     builder = PagedBatchBuilder(block, blocks)
     gen = torch.Generator().manual_seed(0)
@@ -158,16 +202,19 @@ def main() -> None:
         "--cpu-linear",
         nargs="+",
         default=["auto"],
-        choices=["auto", "reference", "mkl", "onednn"],
+        choices=["auto", "auto-avx512", "reference", "mkl", "onednn"],
         help="executor_options cpu_linear per executor, their steps alternated",
     )
     ap.add_argument("--linears", action="store_true", help="time pypto_kernels.linear's CPU paths instead")
+    ap.add_argument("--heads", action="store_true", help="time the output projection's CPU paths instead")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.linears:
+    if args.heads:
+        time_heads(args.rows, args.reps)
+    elif args.linears:
         time_linears(args.rows, args.reps)
     elif args.model is None:
         ap.error("--model is required unless --linears")
