@@ -60,6 +60,17 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _interleaved(paths: dict[str, Callable[[], torch.Tensor]], reps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Best and median ms of each path over ``reps`` rounds, the paths interleaved within a round."""
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(reps):
+        for key, fn in paths.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append((time.perf_counter() - t0) * 1e3)
+    return {k: min(v) for k, v in times.items()}, {k: statistics.median(v) for k, v in times.items()}
+
+
 def time_linears(rows: list[int], reps: int) -> None:
     """Reference (``F.linear``, i.e. ``x @ W_t`` for an ``[in, out]`` weight) against the chunked
     transposed product, per shape and row count, the two interleaved."""
@@ -76,15 +87,8 @@ def time_linears(rows: list[int], reps: int) -> None:
                 "ref": lambda x=x, w=weight: F.linear(x, w),
                 "fast": lambda x=x, w=weight: cpu.transposed_linear(x, w),
             }
-            times: dict[str, list[float]] = {k: [] for k in paths}
-            for _ in range(reps):
-                for key, fn in paths.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[key].append((time.perf_counter() - t0) * 1e3)
+            best, med = _interleaved(paths, reps)
             same = torch.equal(paths["ref"](), paths["fast"]())
-            best = {k: min(v) for k, v in times.items()}
-            med = {k: statistics.median(v) for k, v in times.items()}
             print(
                 f"| {name} | {n} | {best['ref']:.2f} / {med['ref']:.2f} | {best['fast']:.2f} / {med['fast']:.2f} "
                 f"| {best['ref'] / best['fast']:.2f}x | {'yes' if same else 'no'} |",
@@ -110,14 +114,7 @@ def time_heads(rows: list[int], reps: int) -> None:
                 "plain": lambda x=x, w=stored: K.linear(x, w.t()),
                 "packed": lambda x=x, p=packed.packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
             }
-            times: dict[str, list[float]] = {k: [] for k in paths}
-            for _ in range(reps):
-                for key, fn in paths.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[key].append((time.perf_counter() - t0) * 1e3)
-            best = {k: min(v) for k, v in times.items()}
-            med = {k: statistics.median(v) for k, v in times.items()}
+            best, med = _interleaved(paths, reps)
             print(
                 f"| {hidden} | {n} | {best['plain']:.1f} / {med['plain']:.1f} | {best['packed']:.1f} / "
                 f"{med['packed']:.1f} | {med['plain'] / med['packed']:.2f}x |",

@@ -210,8 +210,19 @@ def test_mkl_copy_outside_its_batch_takes_the_transposed_product() -> None:
         _close(K.linear(x, packed), torch.matmul(x, w_t), torch.float32)
 
 
+@pytest.fixture
+def onednn_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts of the oneDNN packed products run from here on."""
+    calls: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    return calls
+
+
 @needs_onednn
-def test_default_rule_packs_large_float32_weights_on_avx2(cpu_flags: Callable[..., None]) -> None:
+def test_default_rule_packs_large_float32_weights_on_avx2(
+    cpu_flags: Callable[..., None], onednn_rows: list[int]
+) -> None:
     """On an AVX2 CPU without AVX-512 a float32 weight of the threshold's size is packed for oneDNN in
     place of its plain matrix (which the reference rebuilds) and multiplies through it at every row
     count; one element fewer stays plain, and so does the same weight on an AVX-512 CPU."""
@@ -219,38 +230,30 @@ def test_default_rule_packs_large_float32_weights_on_avx2(cpu_flags: Callable[..
     w = _weight(ONEDNN_FLOAT32_MIN_ELEMENTS // 512, 512, torch.float32)
     packed = K.pack_linear(w, 64)
     assert packed is not None and (packed.library, packed.weight, packed.min_rows) == ("onednn", None, 1)
-    calls: list[int] = []
-    real = torch.ops.mkldnn._linear_pointwise
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-        for rows in ROWS:
-            x = torch.randn(rows, 512)
-            _close(K.linear(x, packed), F.linear(x, w), torch.float32)
-    assert calls == ROWS
+    for rows in ROWS:
+        x = torch.randn(rows, 512)
+        _close(K.linear(x, packed), F.linear(x, w), torch.float32)
+    assert onednn_rows == ROWS
     assert K.pack_linear(w[:, :-1].contiguous(), 64) is None  # one column fewer: below the threshold
     cpu_flags("avx2", "avx512f")
     assert K.pack_linear(w, 64) is None
 
 
 @needs_onednn
-def test_onednn_copy_beside_the_plain_matrix_serves_from_min_rows() -> None:
+def test_onednn_copy_beside_the_plain_matrix_serves_from_min_rows(onednn_rows: list[int]) -> None:
     """``min_rows`` keeps the plain matrix (a tied output projection is the embedding too): calls of
     fewer rows are exactly the plain product, the others run the packed copy."""
     w_t = _weight(300, 67, torch.float32).t().contiguous()  # stored [in, out], as the output projection
     packed = K.pack_linear(w_t.t(), 64, library="onednn", min_rows=2)
     assert packed is not None and packed.weight is not None and packed.weight.data_ptr() == w_t.data_ptr()
     assert (packed.min_rows, packed.max_rows) == (2, NEVER)
-    calls: list[int] = []
-    real = torch.ops.mkldnn._linear_pointwise
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-        for rows in ROWS:
-            x = torch.randn(rows, 67)
-            out = K.linear(x, packed)
-            if rows < 2:
-                assert torch.equal(out, F.linear(x, w_t.t()))
-            else:
-                _close(out, x @ w_t, torch.float32)
-    assert calls == [r for r in ROWS if r >= 2]
+    for rows in ROWS:
+        x = torch.randn(rows, 67)
+        out = K.linear(x, packed)
+        if rows < 2:
+            assert torch.equal(out, F.linear(x, w_t.t()))
+        else:
+            _close(out, x @ w_t, torch.float32)
+    assert onednn_rows == [r for r in ROWS if r >= 2]
     with pytest.raises(ValueError, match="min_rows applies to library='onednn' only"):
         K.pack_linear(w_t.t(), 64, library="mkl", min_rows=2)
