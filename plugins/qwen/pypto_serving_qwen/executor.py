@@ -140,12 +140,12 @@ class QwenExecutor(Executor):
         if choice not in (*_CPU_LINEAR, "reference"):
             known = [*_CPU_LINEAR, "reference"]
             raise ValueError(f"executor_options cpu_linear must be one of {known}, got {choice!r}")
-        mode = self.graph_options.mode if self.graph_options is not None else "eager"
-        if choice == "reference" or self.device.type != "cpu" or mode != "eager":
-            return
         tied_copy = self.settings.executor_options.get("tied_head_copy", True)
         if not isinstance(tied_copy, bool):
             raise ValueError(f"executor_options tied_head_copy must be true or false, got {tied_copy!r}")
+        mode = self.graph_options.mode if self.graph_options is not None else "eager"
+        if choice == "reference" or self.device.type != "cpu" or mode != "eager":
+            return
         count = model.pack_linears(self.settings.max_num_seqs, _CPU_LINEAR[choice], tied_head_copy=tied_copy)
         head = model.lm_head_packed
         label = K.describe_kernel("linear", self.device, dtype=self.dtype)

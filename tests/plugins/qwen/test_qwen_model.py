@@ -290,8 +290,9 @@ def test_cpu_linear_auto_and_reference(qwen_checkpoints: Callable[[str], Path]) 
     assert isinstance(plain.model.layers[0].self_attn.qkv_weight, torch.nn.Parameter)
     with pytest.raises(ValueError, match="cpu_linear must be one of"):
         _executor(path, executor_options={"cpu_linear": "blas"})
-    with pytest.raises(ValueError, match="tied_head_copy must be true or false"):
-        _executor(path, executor_options={"tied_head_copy": "no"})
+    for options in ({"tied_head_copy": "no"}, {"tied_head_copy": 0, "cpu_linear": "reference"}):
+        with pytest.raises(ValueError, match="tied_head_copy must be true or false"):
+            _executor(path, executor_options=options)  # refused even where nothing is packed
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
