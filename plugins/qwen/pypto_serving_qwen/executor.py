@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 from itertools import pairwise
 from typing import Any
@@ -34,13 +32,6 @@ _DEVICE_GRAPH_MODES = frozenset({"cudagraph", "npugraph"})
 #: ``executor_options["cpu_linear"]`` -> the library :meth:`QwenForCausalLM.pack_linears` packs for
 #: (None: :func:`pypto_kernels.packing_rule`); ``reference`` is absent: nothing is packed.
 _CPU_LINEAR = {"auto": None, "mkl": "mkl", "onednn": "onednn"}
-
-
-def _return_freed_heap() -> None:
-    """Give the heap the replaced plain matrices freed back to the OS: glibc keeps freed blocks below
-    its (dynamic) mmap threshold in its arenas, where they count as resident; elsewhere a no-op."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class QwenExecutor(Executor):
@@ -156,7 +147,6 @@ class QwenExecutor(Executor):
         if choice == "reference" or self.device.type != "cpu" or mode != "eager":
             return
         count = model.pack_linears(self.settings.max_num_seqs, _CPU_LINEAR[choice], tied_head_copy=tied_copy)
-        _return_freed_heap()
         head = model.lm_head_packed
         label = K.describe_kernel("linear", self.device, dtype=self.dtype)
         logger.info(
