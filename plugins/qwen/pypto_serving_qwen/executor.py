@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 from itertools import pairwise
 from typing import Any
@@ -32,6 +34,15 @@ _DEVICE_GRAPH_MODES = frozenset({"cudagraph", "npugraph"})
 #: ``executor_options["cpu_linear"]`` -> the library :meth:`QwenForCausalLM.pack_linears` packs for
 #: (None: :func:`pypto_kernels.packing_rule`); ``reference`` is absent: nothing is packed.
 _CPU_LINEAR = {"auto": None, "mkl": "mkl", "onednn": "onednn"}
+
+
+def _return_freed_heap() -> None:
+    """Give the heap the replaced plain matrices freed back to the OS: glibc serves them from its heap
+    once its dynamic mmap threshold has grown past their size (the loader's larger buffers grow it),
+    and keeps the freed blocks resident (1.10x the checkpoint on the memory test's float32 load
+    without this, 0.99x with it); elsewhere a no-op."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class QwenExecutor(Executor):
@@ -96,6 +107,7 @@ class QwenExecutor(Executor):
         model = QwenForCausalLM(cfg, self.device, self.dtype, shards, plan_quantization(s.model, cfg))
         targets, required = model.weight_targets()
         load_weights(s.model, targets, required, cfg.quantization)
+        del targets  # views of the plain matrices: packing below frees those it replaces
         if cache_dtype == torch.float8_e4m3fn:
             self._set_kv_scales(model, cfg, shards.kv_heads)
         named = model.named_quantized_weights()
@@ -147,6 +159,7 @@ class QwenExecutor(Executor):
         if choice == "reference" or self.device.type != "cpu" or mode != "eager":
             return
         count = model.pack_linears(self.settings.max_num_seqs, _CPU_LINEAR[choice], tied_head_copy=tied_copy)
+        _return_freed_heap()
         head = model.lm_head_packed
         label = K.describe_kernel("linear", self.device, dtype=self.dtype)
         logger.info(
