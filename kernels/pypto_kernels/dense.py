@@ -127,15 +127,18 @@ def pack_linear(
     """``weight`` with a packed copy (:func:`packing_rule` for ``batch_rows``, or ``library`` at every
     row count it serves); None where nothing is packed: a weight off the CPU, of another dtype, or a
     torch without the library. A ``onednn`` result serving every row count no longer references
-    ``weight``: once the caller drops it, only the packed copy is held. ``min_rows`` > 1 (``onednn``
-    only) keeps ``weight`` beside the copy for the calls of fewer rows (an output projection that is
-    also the embedding, whose one-row product is a GEMV best run on the plain matrix)."""
-    if min_rows > 1 and library != "onednn":
+    ``weight``: once the caller drops it, only the packed copy is held. ``min_rows`` > 1 (a oneDNN
+    copy, asked for or the rule's) keeps ``weight`` beside the copy for the calls of fewer rows (an
+    output projection that is also the embedding, whose one-row product is a GEMV best run on the
+    plain matrix)."""
+    if min_rows > 1 and library not in (None, "onednn"):
         raise ValueError(f"min_rows applies to library='onednn' only, got library={library!r}")
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if library is None:
         rule = packing_rule(weight.dtype, batch_rows, elements=weight.numel())
+        if rule is not None and rule[0] == "onednn":
+            rule = ("onednn", min_rows, rule[2])
     elif library == "mkl":
         mkl = weight.dtype == torch.float32 and torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
         rule = ("mkl", batch_rows, batch_rows) if mkl else None

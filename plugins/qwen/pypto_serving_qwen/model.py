@@ -738,11 +738,6 @@ class QwenForCausalLM(nn.Module):
         (1.3-2.5x the plain products there), and one row stays a GEMV on the plain matrix
         (docs/benchmarks.md, "The output projection packed")."""
         plain, tied = self.lm_head_t.data.t(), self.cfg.tie_word_embeddings
-        if library is None:
-            rule = K.packing_rule(plain.dtype, batch_rows, elements=plain.numel())
-            library = rule[0] if rule is not None else None
-        if library is None:
-            return None
         if library == "mkl":
             return K.pack_linear(plain, batch_rows, library=library)
         head = K.pack_linear(plain, batch_rows, library=library, min_rows=HEAD_PACKED_MIN_ROWS if tied else 1)
