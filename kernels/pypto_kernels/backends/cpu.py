@@ -265,7 +265,8 @@ def explain_paged_attention(**features: Any) -> str | None:
     heads, dim, dtype = features.get("num_kv_heads"), features.get("head_dim"), features.get("cache_dtype")
     if heads is None or dim is None or dtype is None:
         return None
-    if in_place_caches(dtype, features.get("value_dtype", dtype), features.get("contiguous_cache", True)):
+    dense = features.get("contiguous_cache", True) or features.get("head_major_cache", False)
+    if in_place_caches(dtype, features.get("value_dtype", dtype), dense):
         return None
     width = heads * dim * torch.empty((), dtype=dtype).element_size()
     if width > BATCHED_DECODE_MAX_TOKEN_BYTES:

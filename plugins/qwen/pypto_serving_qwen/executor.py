@@ -282,17 +282,20 @@ class QwenExecutor(Executor):
     def _log_kernels(self, cfg: QwenConfig) -> None:
         """Say which implementation runs each kind of attention layer on this device (fast path or reference)."""
         shards, cache_dtype = self._layout(cfg), self._kv_cache_dtype()
+        kv_heads = shards.kv_heads.stop - shards.kv_heads.start
+        head_major = K.paged_cache_layout(cache_dtype, self.device) == "head_major"
         common = {
             "dtype": self.dtype,
             "cache_dtype": cache_dtype,
             "value_dtype": cache_dtype,
             "block_size": self.settings.block_size,
             "num_heads": shards.q_heads.stop - shards.q_heads.start,
-            "num_kv_heads": shards.kv_heads.stop - shards.kv_heads.start,
+            "num_kv_heads": kv_heads,
             "head_dim": cfg.head_dim,
             "value_head_dim": cfg.head_dim,
             "host_lengths": True,
-            "contiguous_cache": True,
+            "contiguous_cache": not head_major,
+            "head_major_cache": head_major,
             "options": ["k_scale", "v_scale"] if cache_dtype == torch.float8_e4m3fn else [],
         }
         for window in sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w):
@@ -317,10 +320,11 @@ class QwenExecutor(Executor):
         # Uninitialised on purpose: zero-filling gigabytes of cache would dominate start-up, and no
         # slot is read before it is written (attention reads exactly seq_len keys of each request,
         # all written by this or an earlier step; tests fill the caches with NaN to prove it).
+        # In the layout this device's attention reads fastest (head-major for the CPU's in-place reads).
         self.kv_caches = [
             (
-                torch.empty(shape, device=self.device, dtype=cache_dtype),
-                torch.empty(shape, device=self.device, dtype=cache_dtype),
+                K.empty_paged_cache(shape, device=self.device, dtype=cache_dtype),
+                K.empty_paged_cache(shape, device=self.device, dtype=cache_dtype),
             )
             for _ in range(cfg.num_layers)
         ]
@@ -328,8 +332,9 @@ class QwenExecutor(Executor):
             self._init_graphs(cfg, scratch_block=blocks - 1)
 
     def kv_cache_blocks(self) -> dict[str, list[torch.Tensor]] | None:
-        """Every layer's key and value cache: all state of a request lives in its blocks."""
-        return {KV_GROUP: [t for pair in self.kv_caches for t in pair]}
+        """Every layer's key and value cache, dimensions in memory order (a block's bytes as they
+        lie): all state of a request lives in its blocks."""
+        return {KV_GROUP: [K.memory_order(t) for pair in self.kv_caches for t in pair]}
 
     def _init_graphs(self, cfg: QwenConfig, scratch_block: int) -> None:
         assert self.graph_options is not None and self.model is not None

@@ -178,6 +178,18 @@ def test_init_kv_cache_does_not_fill(qwen_checkpoints: Callable[[str], Path], mo
     monkeypatch.setattr(torch, "zeros", None)  # any fill through torch.zeros would fail
     ex.init_kv_cache({"kv": 3})
     assert len(ex.kv_caches) == 3 and ex.kv_caches[0][1].shape == (3, 4, 2, 16)
+    # Float32 on the CPU: head-major memory behind that shape, which transfers see in memory order.
+    assert all(pypto_kernels.attention.is_head_major(t) for pair in ex.kv_caches for t in pair)
+    blocks = ex.kv_cache_blocks()
+    assert blocks is not None and all(t.shape == (3, 2, 4, 16) and t.is_contiguous() for t in blocks["kv"])
+
+
+def test_bf16_kv_cache_is_token_major(qwen_checkpoints: Callable[[str], Path]) -> None:
+    """A cache the CPU does not read in place keeps the token-major layout the padded gather reads."""
+    ex = QwenExecutor(qwen_settings(qwen_checkpoints("qwen3"), dtype="bfloat16"))
+    ex.load()
+    ex.init_kv_cache({"kv": 3})
+    assert all(t.is_contiguous() and t.shape == (3, 4, 2, 16) for pair in ex.kv_caches for t in pair)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
