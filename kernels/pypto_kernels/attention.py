@@ -110,14 +110,22 @@ def _scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, 
     rows = quantize_cache_rows(rows, cache.dtype, scale)
     if cache.dtype in FP8_CACHE_MAX:  # the CPU's index_copy_ has no FP8 kernel; the bytes are what move
         cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
-    try:
-        # A view shares storage, so this writes a non-contiguous cache too when blocks and offsets merge.
-        flat = cache.view(-1, *cache.shape[2:])
-    except RuntimeError:  # they do not merge: index by (block, offset) instead
+    # A view shares storage, so a non-contiguous cache is written flat too when blocks and offsets
+    # merge; a head-major one's never do (checked first: a failed view costs a raised error a call).
+    flat = None if is_head_major(cache) else _flat_slots(cache)
+    if flat is None:  # index by (block, offset) instead
         block_size = cache.shape[1]
         cache.index_put_((slots // block_size, slots % block_size), rows)
         return
     flat.index_copy_(0, slots, rows)
+
+
+def _flat_slots(cache: torch.Tensor) -> torch.Tensor | None:
+    """``cache`` ``[blocks, block_size, ...]`` viewed ``[slots, ...]``, or None where no view exists."""
+    try:
+        return cache.view(-1, *cache.shape[2:])
+    except RuntimeError:
+        return None
 
 
 def _pad_queries(query: torch.Tensor, query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -815,7 +823,10 @@ def memory_order(cache: torch.Tensor) -> torch.Tensor:
 def is_head_major(cache: torch.Tensor) -> bool:
     """Whether ``cache`` ``[blocks, block_size, Hkv, D]`` is a view of a contiguous ``[blocks, Hkv,
     block_size, D]`` tensor (:func:`empty_paged_cache`'s CPU layout) and not also contiguous as it is."""
-    return cache.dim() == 4 and not cache.is_contiguous() and cache.transpose(1, 2).is_contiguous()
+    if cache.dim() != 4 or cache.is_contiguous():
+        return False
+    _, block_size, heads, dim = cache.shape  # strides compared directly: this runs several times a layer
+    return cache.stride() == (heads * block_size * dim, dim, block_size * dim, 1)
 
 
 def _table_rows(cache: torch.Tensor) -> torch.Tensor:
