@@ -184,12 +184,26 @@ def test_init_kv_cache_does_not_fill(qwen_checkpoints: Callable[[str], Path], mo
     assert blocks is not None and all(t.shape == (3, 2, 4, 16) and t.is_contiguous() for t in blocks["kv"])
 
 
-def test_bf16_kv_cache_is_token_major(qwen_checkpoints: Callable[[str], Path]) -> None:
-    """A cache the CPU does not read in place keeps the token-major layout the padded gather reads."""
+def test_bf16_kv_cache_is_token_major_and_exchanges_no_blocks_with_float32(
+    qwen_checkpoints: Callable[[str], Path],
+) -> None:
+    """A cache the CPU does not read in place keeps the token-major layout the padded gather reads.
+    Blocks move as their bytes lie, so engines of different layouts must not exchange them (the
+    layout digest differs even where only the layout does), while equal layouts round-trip blocks."""
+    from pypto_serving.kv_transfer import gather_blocks, layout_digest, scatter_blocks
+
     ex = QwenExecutor(qwen_settings(qwen_checkpoints("qwen3"), dtype="bfloat16"))
     ex.load()
     ex.init_kv_cache({"kv": 3})
     assert all(t.is_contiguous() and t.shape == (3, 4, 2, 16) for pair in ex.kv_caches for t in pair)
+    shape = (4, 16, 2, 8)
+    head_major = pypto_kernels.empty_paged_cache(shape, dtype=torch.float32, device="cpu")
+    head_major.copy_(torch.arange(head_major.numel(), dtype=torch.float32).view(shape))
+    ours = {"kv": [pypto_kernels.memory_order(head_major)]}
+    assert layout_digest(ours) != layout_digest({"kv": [head_major.contiguous()]})
+    other = pypto_kernels.empty_paged_cache(shape, dtype=torch.float32, device="cpu").fill_(-1)
+    scatter_blocks({"kv": [pypto_kernels.memory_order(other)]}, {"kv": [3]}, gather_blocks(ours, {"kv": [1]}))
+    assert torch.equal(other[3], head_major[1])
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
