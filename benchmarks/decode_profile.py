@@ -9,7 +9,8 @@ executor, prefills N requests to about C tokens of context each, then profiles d
 
 ``--cpu-linear reference auto`` loads one executor per ``executor_options["cpu_linear"]`` value and
 alternates their decode steps (before / after on a shared, noisy machine; ``auto-avx512`` is ``auto``
-as an AVX-512 CPU's packing rule chooses: float32 plain); ``--heads`` times the output projection's
+as an AVX-512 CPU's packing rule chooses: float32 plain); ``--kv-layout auto token_major`` does the
+same for the CPU's head-major KV caches against token-major ones; ``--heads`` times the output projection's
 plain paths against oneDNN's packed copy; ``--linears`` instead
 times :func:`pypto_kernels.linear`'s CPU fast path against its reference per shape and row count (the
 output projection stored ``[in, out]``, and the Qwen3-0.6B shape's decoder projections multiplied
@@ -122,12 +123,15 @@ def time_heads(rows: list[int], reps: int) -> None:
             )
 
 
-def _prepared(args: argparse.Namespace, cpu_linear: str) -> tuple[Any, PagedBatchBuilder, list[str]]:
-    """An executor with ``args.requests`` requests prefilled to ``args.context`` tokens.
-    ``cpu_linear = "auto-avx512"`` is ``auto`` as an AVX-512 CPU's packing rule chooses (float32 plain)."""
+def _prepared(args: argparse.Namespace, run: str) -> tuple[Any, PagedBatchBuilder, list[str]]:
+    """An executor with ``args.requests`` requests prefilled to ``args.context`` tokens, for ``run``
+    = ``cpu_linear[/token_major]``. ``cpu_linear = "auto-avx512"`` is ``auto`` as an AVX-512 CPU's
+    packing rule chooses (float32 plain); ``/token_major`` swaps the executor's KV caches for
+    contiguous (token-major) ones before the prefill, as they were before the CPU's head-major layout."""
     import pypto_kernels.device as device
     from pypto_serving_qwen.executor import QwenExecutor
 
+    cpu_linear, _, layout = run.partition("/")
     block = 16
     blocks = args.requests * (-(-(args.context + args.steps * 2 + 2) // block)) + 8
     option = "auto" if cpu_linear == "auto-avx512" else cpu_linear
@@ -141,6 +145,8 @@ def _prepared(args: argparse.Namespace, cpu_linear: str) -> tuple[Any, PagedBatc
     finally:
         device.cpu_flags = real_flags  # type: ignore[assignment]
     ex.init_kv_cache({"kv": blocks})
+    if layout == "token_major":
+        ex.kv_caches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in pair) for pair in ex.kv_caches]
     builder = PagedBatchBuilder(block, blocks)
     gen = torch.Generator().manual_seed(0)
     ids = {f"r{i}": torch.randint(10, 1000, (args.context,), generator=gen).tolist() for i in range(args.requests)}
@@ -150,7 +156,8 @@ def _prepared(args: argparse.Namespace, cpu_linear: str) -> tuple[Any, PagedBatc
 
 
 def profile_steps(args: argparse.Namespace) -> None:
-    runs = {choice: _prepared(args, choice) for choice in args.cpu_linear}
+    choices = [f"{c}/{layout}" if layout != "auto" else c for c in args.cpu_linear for layout in args.kv_layout]
+    runs = {choice: _prepared(args, choice) for choice in choices}
     attention = [0.0]
     inner = K.paged_attention
 
@@ -180,11 +187,11 @@ def profile_steps(args: argparse.Namespace) -> None:
             f"cpu_linear={choice}: decode step {wall * 1e3:.1f} ms median of {args.steps} (best {best * 1e3:.1f}); "
             f"paged_attention {att / wall:.0%} of it"
         )
-    ex, builder, ids = runs[args.cpu_linear[-1]]
+    ex, builder, ids = runs[choices[-1]]
     batch = builder.step([(rid, [7]) for rid in ids], all_logits=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         ex.execute(batch)
-    print(f"profile of one step, cpu_linear={args.cpu_linear[-1]}:")
+    print(f"profile of one step, cpu_linear={choices[-1]}:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
@@ -201,6 +208,14 @@ def main() -> None:
         default=["auto"],
         choices=["auto", "auto-avx512", "reference", "mkl", "onednn"],
         help="executor_options cpu_linear per executor, their steps alternated",
+    )
+    ap.add_argument(
+        "--kv-layout",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "token_major"],
+        help="KV cache layout per executor (auto: the executor's own, head-major for float32 on the CPU; "
+        "token_major: contiguous caches swapped in), their steps alternated",
     )
     ap.add_argument("--linears", action="store_true", help="time pypto_kernels.linear's CPU paths instead")
     ap.add_argument("--heads", action="store_true", help="time the output projection's CPU paths instead")
