@@ -268,3 +268,49 @@ def test_a_streamed_chunk_longer_than_the_window_moves_the_window_blocks_it_gave
         assert de.kvx.stats["kv_parts_pulled"] == 2  # the first chunk's part, then the final one
         for llm in (p, d):
             _all_free(llm)
+
+
+def test_tp2_streamed_transfer_moves_every_ranks_copy_chunk_by_chunk() -> None:
+    """Tensor parallelism (2 ranks) with stream_kv: one ``kv_role = "both"`` engine prefills a fresh
+    prompt with stream_kv and pulls that offer for a decode request of its own while the prefill runs,
+    so each prefill chunk's part goes from rank ``r``'s connector to rank ``r``'s, for every cache
+    group. The decode request is admitted only after the final part, starts at the offer's hit, and
+    its tokens and drafting equal the engine's co-located run of the same prompt (each rank attends
+    with its own copy, so a rank's missing part would change them); no block leaks."""
+    tp = {**STREAM, "worker_mode": "process", "tensor_parallel_size": 2, "worker_threads": 1, "dtype": "float32"}
+    prompt = LONG[0]
+    hit = (len(prompt) - 1) // UNIT * UNIT
+    with LLM(kv_role="both", **tp) as llm:
+        engine = llm._engine()
+        assert engine.kvx is not None and len(engine.worker.kv_conns) == 2
+        streamed = {"do_remote_decode": True, "stream_kv": True}
+        engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1, kv_transfer_params=streamed))
+        offer = engine.kv_transfer_params("p")
+        assert offer is not None and offer["kv_streamed"] and offer["num_tokens"] == hit and len(offer["ranks"]) == 2
+        drafting: list[tuple[int, int, int]] = []
+        outs: dict[str, Any] = {}
+        with _spec_delta(llm, drafting):
+            engine.add_request("d", prompt, _params(True, kv_transfer_params=offer))
+            deadline = time.monotonic() + 120
+            while engine.has_unfinished() and time.monotonic() < deadline:
+                prefilling = "p" not in outs
+                outs.update({o.request_id: o for o in engine.step() if o.finished})
+                if prefilling:
+                    assert "d" not in engine.scheduler.requests, "admitted before its KV was complete"
+                    time.sleep(0.03)  # each chunk's part goes out on its own
+        out = outs["d"]
+        assert out.outputs[0].error is None, out.outputs[0].error
+        assert out.num_cached_tokens == hit
+        assert engine.kvx.stats["kv_parts_pulled"] >= 3 and engine.kvx.stats["kv_pull_failed"] == 0
+        # Co-located, the same prompt (now a prefix-cache hit at the same position) and seed.
+        with _spec_delta(llm, drafting):
+            reference = llm.generate([prompt], _params(True), use_tqdm=False)[0]
+        assert reference.num_cached_tokens == hit
+        assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert drafting[0] == drafting[1] and drafting[0][1] > 0, drafting
+        deadline = time.monotonic() + 10
+        while engine.kvx.held and time.monotonic() < deadline:
+            engine.check_worker()
+            time.sleep(0.02)
+        engine.kv.check_invariants(engine.scheduler.live_requests())
+        assert _free_blocks(llm) == _all_blocks(llm)
