@@ -282,7 +282,6 @@ class QwenExecutor(Executor):
     def _log_kernels(self, cfg: QwenConfig) -> None:
         """Say which implementation runs each kind of attention layer on this device (fast path or reference)."""
         shards, cache_dtype = self._layout(cfg), self._kv_cache_dtype()
-        kv_heads = shards.kv_heads.stop - shards.kv_heads.start
         head_major = K.paged_cache_layout(cache_dtype, self.device) == "head_major"
         common = {
             "dtype": self.dtype,
@@ -290,7 +289,7 @@ class QwenExecutor(Executor):
             "value_dtype": cache_dtype,
             "block_size": self.settings.block_size,
             "num_heads": shards.q_heads.stop - shards.q_heads.start,
-            "num_kv_heads": kv_heads,
+            "num_kv_heads": shards.kv_heads.stop - shards.kv_heads.start,
             "head_dim": cfg.head_dim,
             "value_head_dim": cfg.head_dim,
             "host_lengths": True,
