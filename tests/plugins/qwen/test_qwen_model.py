@@ -349,17 +349,24 @@ def test_cpu_linear_auto_float32_on_avx2(
     else:
         assert head.weight is None and ex.model.lm_head_t.numel() == 0
     heads: list[int] = []  # rows of the output projection's packed calls
+    plain_rows: list[int] = []  # rows of its calls through oneDNN on the plain (tied) matrix
     real = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(
-        torch.ops.mkldnn,
-        "_linear_pointwise",
-        lambda x, w, *a: (w is head.packed and heads.append(x.shape[0])) or real(x, w, *a),
-    )
+
+    def counted(x: torch.Tensor, w: torch.Tensor, *a: Any) -> torch.Tensor:
+        if w is head.packed:
+            heads.append(x.shape[0])
+        elif head.weight is not None and not w.is_mkldnn and w.data_ptr() == head.weight.data_ptr():
+            plain_rows.append(x.shape[0])
+        return real(x, w, *a)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
     seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [12, 7, 4], seed=2), strict=True))  # type: ignore[attr-defined]
     schedule = [[("a", 11), ("b", 6), ("c", 3)], [("a", 1), ("b", 1)], [("c", 1)]]
     assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 23
-    # The head ran packed on the 20- and 2-row logits; a one-row call runs packed only when untied.
+    # The head ran packed on the 20- and 2-row logits; a one-row call runs packed when untied, and
+    # tied through oneDNN's GEMV on the plain matrix (the embedding), not MKL's.
     assert heads == ([20, 2] if name == "qwen2_tied" else [20, 2, 1])
+    assert plain_rows == ([1] if name == "qwen2_tied" else [])
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", real)
     if name == "qwen2_tied":
         kept = _executor(path, max_num_seqs=3, executor_options={"tied_head_copy": False})
