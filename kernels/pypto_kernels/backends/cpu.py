@@ -206,7 +206,7 @@ def _onednn_gemv(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None
     read a 151,936-row output projection stored ``[in, out]`` 1.1-1.5x faster than MKL's ``x @ W``
     (8.5 vs 12.9 ms at hidden 256, 27.1 vs 40.5 ms at 1024), and Qwen3-0.6B's decoder matrices
     ``[out, in]`` 1.5x faster than both ``F.linear`` and their packed copies, cold (docs/benchmarks.md)."""
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(1, x.shape[-1]), plain, bias, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.reshape(1, x.shape[-1]), plain, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], plain.shape[0])
 
 
