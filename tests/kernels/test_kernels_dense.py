@@ -242,7 +242,8 @@ def test_default_rule_packs_large_float32_weights_on_avx2(
 @needs_onednn
 def test_onednn_copy_beside_the_plain_matrix_serves_from_min_rows(onednn_rows: list[int]) -> None:
     """``min_rows`` keeps the plain matrix (a tied output projection is the embedding too): calls of
-    fewer rows are exactly the plain product, the others run the packed copy."""
+    fewer rows use the plain matrix (one row through oneDNN's GEMV on it, as stored), the others run
+    the packed copy."""
     w_t = _weight(300, 67, torch.float32).t().contiguous()  # stored [in, out], as the output projection
     packed = K.pack_linear(w_t.t(), 64, library="onednn", min_rows=2)
     assert packed is not None and packed.weight is not None and packed.weight.data_ptr() == w_t.data_ptr()
@@ -250,10 +251,14 @@ def test_onednn_copy_beside_the_plain_matrix_serves_from_min_rows(onednn_rows: l
     for rows in ROWS:
         x = torch.randn(rows, 67)
         out = K.linear(x, packed)
-        if rows < 2:
-            assert torch.equal(out, F.linear(x, w_t.t()))
-        else:
-            _close(out, x @ w_t, torch.float32)
-    assert onednn_rows == [r for r in ROWS if r >= 2]
+        _close(out, x @ w_t, torch.float32)
+    assert onednn_rows == ROWS  # one row included: the GEMV on the plain matrix
+    weights: list[torch.Tensor] = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, w, *a: weights.append(w) or real(x, w, *a))
+        K.linear(torch.randn(1, 67), packed)
+        K.linear(torch.randn(2, 67), packed)
+    assert not weights[0].is_mkldnn and weights[0].data_ptr() == w_t.data_ptr() and weights[1] is packed.packed
     with pytest.raises(ValueError, match="min_rows applies to library='onednn' only"):
         K.pack_linear(w_t.t(), 64, library="mkl", min_rows=2)
