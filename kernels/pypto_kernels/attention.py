@@ -714,13 +714,14 @@ _PLANS = _PlanMemo()
 
 def _attend_in_place(
     q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     plan: _InPlacePlan,
     scale: float,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Decode rows q [R, Hq, D] over the cache rows ``plan`` names, read where they lie; [R, Hq, Dv].
+    """Decode rows q [R, Hq, D] over the K/V table rows ``plan`` names (``keys``/``values``: the
+    caches' :func:`_table_rows`), read where they lie; [R, Hq, Dv].
 
     The scores are a sampled matrix product (``torch.sparse.sampled_addmm``: only the pattern's
     dot products, straight from the cache), the float32 softmax runs on them placed in a dense
@@ -728,7 +729,6 @@ def _attend_in_place(
     of the cache is copied, and grouped-query heads share K/V rows by index.
     """
     rows, num_q_heads, head_dim = q.shape
-    keys, values = _table_rows(key_cache), _table_rows(value_cache)
     size = (rows * num_q_heads, keys.shape[0])
     with warnings.catch_warnings():
         # torch calls sparse CSR tensors a beta API; this one is an index pattern only (the values are
@@ -763,8 +763,9 @@ def _attend_decode_rows(
     if reads_in_place(key_cache, value_cache):
         heads = (query.shape[1], key_cache.shape[2])
         head_major = is_head_major(key_cache)
+        keys, values = _table_rows(key_cache), _table_rows(value_cache)  # once for every group of the call
         for plan in _PLANS.get(tables, decode, key_cache.shape[1], heads, sinks is not None, head_major):
-            res = _attend_in_place(query.index_select(0, plan.rows), key_cache, value_cache, plan, scale, sinks)
+            res = _attend_in_place(query.index_select(0, plan.rows), keys, values, plan, scale, sinks)
             out.index_copy_(0, plan.rows, res.to(out.dtype))
         return
     block_size = key_cache.shape[1]
