@@ -185,11 +185,13 @@ def make_llm(fake_pm: Any) -> Iterator[Callable[..., Any]]:
 
 @pytest.fixture
 def cpu_flags(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
-    """Stand in for this CPU's feature flags: ``cpu_flags("avx512_bf16")`` makes ``dtype="auto"``
-    treat the CPU as one with bfloat16 instructions, ``cpu_flags()`` as one with none."""
+    """Stand in for this CPU's feature flags and vendor: ``cpu_flags("avx512_bf16")`` makes
+    ``dtype="auto"`` treat the CPU as one with bfloat16 instructions, ``cpu_flags()`` as one with
+    none; ``vendor`` (an Intel CPU unless given) decides the float32 packing rule on AVX-512."""
     import pypto_kernels.device as device
 
-    def use(*flags: str) -> None:
+    def use(*flags: str, vendor: str = "GenuineIntel") -> None:
         monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(flags))
+        monkeypatch.setattr(device, "cpu_vendor", lambda: vendor)
 
     return use

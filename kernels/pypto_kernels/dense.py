@@ -34,12 +34,14 @@ from .registry import dispatch
 __all__ = [
     "LIBRARIES",
     "NEVER",
+    "ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS",
     "ONEDNN_FLOAT32_MIN_ELEMENTS",
     "PackedLinearWeight",
     "linear",
     "onednn_supports",
     "pack_linear",
     "packing_rule",
+    "tied_head_min_rows",
 ]
 
 #: A row count no call reaches: ``max_rows`` of a copy serving every count from ``min_rows`` on.
@@ -92,14 +94,25 @@ def onednn_supports(dtype: torch.dtype) -> bool:
 #: AVX-512 (512 Ki, 2 MiB): smaller ones were slower packed at one row (0.4-0.6x on the 256-wide
 #: projections of the AVX2 machine, docs/benchmarks.md), larger ones 1.1-1.6x from 4 rows on.
 ONEDNN_FLOAT32_MIN_ELEMENTS = 1 << 19
+#: Fewest elements of a float32 weight packed for oneDNN on a non-Intel CPU with AVX-512 (64 Ki, a
+#: 256 x 256 projection): there MKL's products were 1.2-4.9x slower than oneDNN's packed ones at 1-64
+#: rows on every Qwen-shaped projection from 256 x 256 to 6144 x 1024 (the AMD EPYC with AVX-512,
+#: docs/benchmarks.md, "Float32 through oneDNN on the AVX-512 AMD machine"); smaller ones are not measured.
+ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS = 1 << 16
 
 
 def packing_rule(
-    dtype: torch.dtype, batch_rows: int, *, elements: int | None = None, flags: frozenset[str] | None = None
+    dtype: torch.dtype,
+    batch_rows: int,
+    *,
+    elements: int | None = None,
+    flags: frozenset[str] | None = None,
+    vendor: str | None = None,
 ) -> tuple[str, int, int] | None:
     """``(library, min_rows, max_rows)`` for a CPU weight of ``dtype`` (and ``elements`` values) in an
     engine whose full decode batch is ``batch_rows``, or None (plain products everywhere); ``flags``
-    stands in for this CPU's feature flags (tests). Measured per CPU class (docs/benchmarks.md):
+    and ``vendor`` stand in for this CPU's feature flags and vendor id (tests). Measured per CPU class
+    (docs/benchmarks.md):
 
     - bfloat16 through oneDNN at every row count (1.2-2x ``F.linear`` at 1-16 rows, about even at
       64, on an AVX-512 CPU); on a CPU without oneDNN's bf16 instructions (:func:`onednn_supports`)
@@ -107,18 +120,37 @@ def packing_rule(
     - float32 on an x86 CPU without AVX-512 (the AVX2 AMD EPYC): oneDNN for weights of
       :data:`ONEDNN_FLOAT32_MIN_ELEMENTS` or more, in place of the plain matrix: 1.1-1.6x the plain
       product from 4 to 128 rows, even at one row on the largest; a 64-row decode step 1.05-1.07x.
-    - float32 elsewhere stays plain: on the AVX-512 CPU oneDNN's float32 path was slower than MKL's
-      GEMV at one row (0.5-0.85x), and MKL's packed SGEMM (1.1-1.7x at exactly its batch) keeps the
-      plain matrix beside its copy, twice the weights' memory, so it is opt-in
+    - float32 on a non-Intel x86 CPU with AVX-512 (the AMD EPYC with AVX-512): oneDNN for weights of
+      :data:`ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS` or more: MKL, which torch's ``F.linear`` runs, takes
+      a slow path off Intel CPUs (1.2-4.9x oneDNN's time at 1-64 rows).
+    - float32 elsewhere stays plain: on the Intel AVX-512 CPU oneDNN's float32 path was slower than
+      MKL's GEMV at one row (0.5-0.85x), and MKL's packed SGEMM (1.1-1.7x at exactly its batch) keeps
+      the plain matrix beside its copy, twice the weights' memory, so it is opt-in
       (``pack_linear(..., library="mkl")``)."""
     del batch_rows  # float32's MKL packing, the one rule that needs it, is opt-in
     if dtype == torch.bfloat16 and onednn_supports(dtype):
         return ("onednn", 1, NEVER)
-    if dtype == torch.float32 and elements is not None and elements >= ONEDNN_FLOAT32_MIN_ELEMENTS:
-        have = device.cpu_flags() if flags is None else flags
-        if "avx2" in have and "avx512f" not in have and onednn_supports(dtype):
-            return ("onednn", 1, NEVER)
+    if dtype != torch.float32 or elements is None or not onednn_supports(dtype):
+        return None
+    have = device.cpu_flags() if flags is None else flags
+    if "avx2" not in have:
+        return None
+    if "avx512f" not in have:
+        return ("onednn", 1, NEVER) if elements >= ONEDNN_FLOAT32_MIN_ELEMENTS else None
+    maker = device.cpu_vendor() if vendor is None else vendor
+    if maker != "GenuineIntel" and elements >= ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS:
+        return ("onednn", 1, NEVER)
     return None
+
+
+def tied_head_min_rows(dtype: torch.dtype, *, flags: frozenset[str] | None = None) -> int:
+    """Fewest rows a tied output projection's packed copy serves (the plain matrix, kept as the
+    embedding, serves fewer): 2 for float32 on an x86 CPU without AVX-512, where one row through
+    oneDNN's GEMV on the plain ``[in, out]`` matrix was as fast or faster than the packed copy (0.9x);
+    1 elsewhere (on the AVX-512 AMD CPU the packed copy read Qwen3-0.6B's 151,936-row projection 2.5x
+    faster at one row: 9.3 against 23.2 ms, docs/benchmarks.md)."""
+    have = device.cpu_flags() if flags is None else flags
+    return 2 if dtype == torch.float32 and "avx2" in have and "avx512f" not in have else 1
 
 
 def pack_linear(

@@ -113,6 +113,21 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(flags)
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``, ...); empty
+    where the file or the field is absent (Arm, not Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_computes_natively(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
     """Whether this CPU (or one with ``flags``) has instructions for ``dtype`` products; float32 always."""
     if dtype not in NATIVE_CPU_FLAGS:

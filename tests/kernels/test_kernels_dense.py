@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import pypto_kernels as K
 from pypto_kernels.backends import cpu
-from pypto_kernels.dense import NEVER, ONEDNN_FLOAT32_MIN_ELEMENTS
+from pypto_kernels.dense import NEVER, ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS, ONEDNN_FLOAT32_MIN_ELEMENTS
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 BF16_ONEDNN = K.onednn_supports(torch.bfloat16)
@@ -90,11 +90,16 @@ def test_packing_rule() -> None:
     big, small = ONEDNN_FLOAT32_MIN_ELEMENTS, ONEDNN_FLOAT32_MIN_ELEMENTS - 1
     avx2, avx512 = frozenset({"avx", "avx2", "fma"}), frozenset({"avx2", "avx512f", "avx512bw"})
     onednn = ("onednn", 1, NEVER) if torch.backends.mkldnn.is_available() else None
-    # float32 through oneDNN only on an x86 CPU without AVX-512, and only large weights.
-    assert K.packing_rule(torch.float32, 64, elements=big, flags=avx2) == onednn
-    assert K.packing_rule(torch.float32, 64, elements=small, flags=avx2) is None
-    assert K.packing_rule(torch.float32, 64, elements=big, flags=avx512) is None
-    assert K.packing_rule(torch.float32, 64, elements=big, flags=frozenset({"asimd"})) is None  # Arm: unmeasured
+    # float32 through oneDNN on an x86 CPU without AVX-512 for large weights, on a non-Intel one with
+    # AVX-512 (MKL's slow path) from 64 Ki elements, never on an Intel one with AVX-512 (MKL's GEMV wins).
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        assert K.packing_rule(torch.float32, 64, elements=big, flags=avx2, vendor=vendor) == onednn
+        assert K.packing_rule(torch.float32, 64, elements=small, flags=avx2, vendor=vendor) is None
+    assert K.packing_rule(torch.float32, 64, elements=big, flags=avx512, vendor="GenuineIntel") is None
+    amd512 = ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS
+    assert K.packing_rule(torch.float32, 64, elements=amd512, flags=avx512, vendor="AuthenticAMD") == onednn
+    assert K.packing_rule(torch.float32, 64, elements=amd512 - 1, flags=avx512, vendor="AuthenticAMD") is None
+    assert K.packing_rule(torch.float32, 64, elements=big, flags=frozenset({"asimd"}), vendor="") is None  # Arm
     assert K.packing_rule(torch.float16, 64) is None
     assert K.pack_linear(_weight(8, 8, torch.float32), 64) is None
     assert K.pack_linear(_weight(8, 8, torch.float16), 64) is None
@@ -237,6 +242,24 @@ def test_default_rule_packs_large_float32_weights_on_avx2(
     assert K.pack_linear(w[:, :-1].contiguous(), 64) is None  # one column fewer: below the threshold
     cpu_flags("avx2", "avx512f")
     assert K.pack_linear(w, 64) is None
+    cpu_flags("avx2", "avx512f", vendor="AuthenticAMD")  # MKL's off-Intel path: smaller weights packed too
+    small = _weight(ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS // 256, 256, torch.float32)
+    packed = K.pack_linear(small, 64)
+    assert packed is not None and (packed.library, packed.weight) == ("onednn", None)
+    onednn_rows.clear()
+    x = torch.randn(3, 256)
+    _close(K.linear(x, packed), F.linear(x, small), torch.float32)
+    assert onednn_rows == [3]
+    assert K.pack_linear(small[:, :-1].contiguous(), 64) is None  # below 64 Ki elements: unmeasured, plain
+
+
+def test_tied_head_min_rows_follow_the_cpu() -> None:
+    """A tied output projection's one-row product stays on the plain matrix only where that was
+    measured faster: float32 on an AVX2 CPU without AVX-512."""
+    avx2, avx512 = frozenset({"avx2", "fma"}), frozenset({"avx2", "avx512f"})
+    assert K.tied_head_min_rows(torch.float32, flags=avx2) == 2
+    assert K.tied_head_min_rows(torch.float32, flags=avx512) == 1
+    assert K.tied_head_min_rows(torch.bfloat16, flags=avx2) == 1
 
 
 @needs_onednn

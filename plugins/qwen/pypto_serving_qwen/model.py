@@ -33,10 +33,6 @@ from .sharding import QwenSharding
 
 logger = logging.getLogger(__name__)
 
-#: Fewest rows a tied output projection's oneDNN copy serves: one row is a GEMV, as fast or faster on
-#: the plain ``[in, out]`` matrix (0.9x packed); from two rows the copy is 1.3-2.5x (docs/benchmarks.md).
-HEAD_PACKED_MIN_ROWS = 2
-
 __all__ = ["AttentionMetadata", "KVCache", "QwenForCausalLM"]
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [blocks, block_size, Hkv, D]
@@ -734,13 +730,16 @@ class QwenForCausalLM(nn.Module):
         """The output projection's packed copy (``library``, or the rule's), or None. An untied head's
         oneDNN copy replaces it (its plain matrix is freed). A tied head is the embedding too, so its
         plain matrix stays and a copy sits beside it: the vocabulary matrix held twice, as vLLM's CPU
-        backend holds it; oneDNN's copy serves calls of :data:`HEAD_PACKED_MIN_ROWS` rows or more
-        (1.3-2.5x the plain products there), and one row stays a GEMV on the plain matrix
-        (docs/benchmarks.md, "The output projection packed")."""
+        backend holds it; oneDNN's copy serves calls of :func:`pypto_kernels.tied_head_min_rows` rows or
+        more (on an AVX2 CPU one row stays a GEMV on the plain matrix, docs/benchmarks.md, "The output
+        projection packed")."""
         plain, tied = self.lm_head_t.data.t(), self.cfg.tie_word_embeddings
         if library == "mkl":
             return K.pack_linear(plain, batch_rows, library=library)
-        head = K.pack_linear(plain, batch_rows, library=library, min_rows=HEAD_PACKED_MIN_ROWS if tied else 1)
-        if head is not None and head.weight is None:
+        rows = K.tied_head_min_rows(plain.dtype) if tied else 1
+        head = K.pack_linear(plain, batch_rows, library=library, min_rows=rows)
+        if head is not None and tied:
+            head.weight = plain  # held as the embedding anyway: the reference multiplies it, not a rebuilt copy
+        elif head is not None and head.weight is None:
             self.lm_head_t.data = self.lm_head_t.data.new_empty(0)  # only the packed copy is held
         return head

@@ -66,12 +66,12 @@ def test_resident_weights_stay_within_the_checkpoint_bytes(
     # The model holds exactly the stored bytes (quantized data and scales, never a float copy) ...
     assert result["held_bytes"] <= written
     copy = result["copy_bytes"]
-    head = _bench().SHAPES[shape]["vocab"] * _bench().SHAPES[shape]["hidden"] * 4
-    packs = (
-        fmt == "float32"
-        and options.get("tied_head_copy", True)
-        and K.packing_rule(torch.float32, 64, elements=head // 4)
-    )
+    # The head runs in the load's dtype (a 16-bit checkpoint in float32 on a CPU without instructions
+    # for it, pypto_kernels.auto_dtype) and is copied where the packing rule packs that dtype.
+    dtype = getattr(torch, result["dtype"].removeprefix("torch."))
+    elements = _bench().SHAPES[shape]["vocab"] * _bench().SHAPES[shape]["hidden"]
+    packs = options.get("tied_head_copy", True) and K.packing_rule(dtype, 64, elements=elements)
+    head = elements * dtype.itemsize
     assert copy == (head if packs else 0)
     # ... and the process holds no more than 1.1x them (and the copy) once loaded.
     assert result["resident_bytes"] <= 1.1 * (written + copy), result

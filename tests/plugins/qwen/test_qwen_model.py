@@ -288,7 +288,7 @@ def test_packed_linears_parity(
         assert head.weight is None and ex.model.lm_head_t.numel() == 0
     else:  # MKL's copy, and a copy of a tied head (the embedding), sit beside the plain matrix
         assert head.weight is not None and head.weight.data_ptr() == ex.model.lm_head_t.data_ptr()
-        assert head.min_rows == (3 if library == "mkl" else 2)
+        assert head.min_rows == (3 if library == "mkl" else pypto_kernels.tied_head_min_rows(torch.float32))
     seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [13, 21, 9], seed=1), strict=True))  # type: ignore[attr-defined]
     schedule = [[("a", 9), ("b", 6)], [("a", 1), ("b", 8), ("c", 5)], [("b", 6), ("a", 1), ("c", 1)]]
     schedule += [[("a", 1), ("b", 1), ("c", 1)], [("c", 1), ("a", 1)]]
@@ -298,16 +298,17 @@ def test_packed_linears_parity(
 
 
 def test_cpu_linear_auto_and_reference(qwen_checkpoints: Callable[[str], Path]) -> None:
-    """auto: bfloat16 projections packed for oneDNN (in place of the plain weights) on CPUs with its
-    bf16 instructions, plain elsewhere; float32 plain."""
+    """auto: bfloat16 projections and output projection packed for oneDNN (in place of the plain
+    weights) on CPUs with its bf16 instructions, plain elsewhere; the tiny float32 ones plain."""
     path = qwen_checkpoints("qwen3")
     bf16 = _executor(path, dtype="bfloat16")
-    assert bf16.model is not None and bf16.model.lm_head_packed is None
-    qkv = bf16.model.layers[0].self_attn.qkv_weight
+    assert bf16.model is not None
+    qkv, head = bf16.model.layers[0].self_attn.qkv_weight, bf16.model.lm_head_packed
     if pypto_kernels.onednn_supports(torch.bfloat16):
         assert isinstance(qkv, pypto_kernels.PackedLinearWeight) and (qkv.library, qkv.weight) == ("onednn", None)
+        assert head is not None and (head.weight, head.min_rows) == (None, 1)  # untied: packed in place
     else:  # packing would fail in torch's reorder on this CPU
-        assert isinstance(qkv, torch.nn.Parameter)
+        assert isinstance(qkv, torch.nn.Parameter) and head is None
     fp32 = _executor(path)
     assert fp32.model is not None and isinstance(fp32.model.layers[0].self_attn.qkv_weight, torch.nn.Parameter)
     assert fp32.model.lm_head_packed is None  # the tiny weights are below the float32 rule's size
