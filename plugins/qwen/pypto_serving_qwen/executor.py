@@ -55,8 +55,9 @@ class QwenExecutor(Executor):
     :func:`pypto_kernels.packing_rule` (bfloat16 projections: oneDNN's layout, in place of the plain
     weights; float32 ones of 512 Ki elements or more on an x86 CPU without AVX-512 too, and of 64 Ki
     or more on a non-Intel x86 CPU with AVX-512; other float32: none), the output projection by the
-    same rule; ``onednn`` every float projection and the output projection so, ``mkl`` every float32 projection and the output projection for MKL's packed SGEMM
-    at a full batch of ``max_num_seqs`` rows (beside the plain weights: twice their memory),
+    same rule; ``onednn`` every float projection and the output projection so, ``mkl`` every float32
+    projection and the output projection for MKL's packed SGEMM at a full batch of ``max_num_seqs`` rows
+    (beside the plain weights: twice their memory),
     ``reference`` none. A tied output projection (the embedding too) keeps its plain matrix and gets a
     copy beside it, the vocabulary matrix held twice, unless ``tied_head_copy`` is false
     (:meth:`QwenForCausalLM.pack_linears`). Except with ``reference``, the output projection and every
