@@ -9,7 +9,7 @@ executor, prefills N requests to about C tokens of context each, then profiles d
 
 ``--cpu-linear reference auto`` loads one executor per ``executor_options["cpu_linear"]`` value and
 alternates their decode steps (before / after on a shared, noisy machine; ``auto-avx512`` is ``auto``
-as an AVX-512 CPU's packing rule chooses: float32 plain); ``--kv-layout auto token_major`` does the
+as an Intel AVX-512 CPU's packing rule chooses: float32 plain); ``--kv-layout auto token_major`` does the
 same for the CPU's head-major KV caches against token-major ones; ``--heads`` times the output projection's
 plain paths against oneDNN's packed copy; ``--linears`` instead
 times :func:`pypto_kernels.linear`'s CPU fast path against its reference per shape and row count (the
@@ -125,8 +125,8 @@ def time_heads(rows: list[int], reps: int) -> None:
 
 def _prepared(args: argparse.Namespace, run: str) -> tuple[Any, PagedBatchBuilder, list[str]]:
     """An executor with ``args.requests`` requests prefilled to ``args.context`` tokens, for ``run``
-    = ``cpu_linear[/token_major]``. ``cpu_linear = "auto-avx512"`` is ``auto`` as an AVX-512 CPU's
-    packing rule chooses (float32 plain); ``/token_major`` swaps the executor's KV caches for
+    = ``cpu_linear[/token_major]``. ``cpu_linear = "auto-avx512"`` is ``auto`` as an Intel AVX-512
+    CPU's packing rule chooses (float32 plain); ``/token_major`` swaps the executor's KV caches for
     contiguous (token-major) ones before the prefill, as they were before the CPU's head-major layout."""
     import pypto_kernels.device as device
     from pypto_serving_qwen.executor import QwenExecutor
@@ -137,13 +137,14 @@ def _prepared(args: argparse.Namespace, run: str) -> tuple[Any, PagedBatchBuilde
     option = "auto" if cpu_linear == "auto-avx512" else cpu_linear
     settings = qwen_settings(args.model, block_size=block, executor_options={"cpu_linear": option})
     ex = QwenExecutor(settings)
-    real_flags = device.cpu_flags
+    real_flags, real_vendor = device.cpu_flags, device.cpu_vendor
     if cpu_linear == "auto-avx512":
         device.cpu_flags = lambda: real_flags() | {"avx512f"}  # type: ignore[assignment]
+        device.cpu_vendor = lambda: "GenuineIntel"  # type: ignore[assignment]
     try:
         ex.load()
     finally:
-        device.cpu_flags = real_flags  # type: ignore[assignment]
+        device.cpu_flags, device.cpu_vendor = real_flags, real_vendor  # type: ignore[assignment]
     ex.init_kv_cache({"kv": blocks})
     if layout == "token_major":
         ex.kv_caches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in pair) for pair in ex.kv_caches]
