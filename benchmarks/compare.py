@@ -369,7 +369,8 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         "",
         f"Memory bandwidth (copy of {args.bandwidth_mib} MiB, read + write, best of 5): "
         f"{report['bandwidth_gbs']:.1f} GB/s; weights-over-bandwidth floor at concurrency 1: {floor:.2f} ms per token.",
-        f"Matmul peak (torch.mm, [512, 2048] x [2048, 2048], {args.threads} threads, best of 5): float32 "
+        f"Matmul peak (the faster of torch.mm and oneDNN's packed linear, [512, 2048] x [2048, 2048], "
+        f"{args.threads} threads, best of 5): float32 "
         f"{peaks['float32']:,.1f} GFLOP/s, bfloat16 {peaks['bfloat16']:,.1f} GFLOP/s. The throughput workload "
         f"needs {report['workload_gflop']:,.0f} GFLOP (projections, output projection for output tokens, causal "
         "attention); FLOP/s / peak is that over each engine's wall time against the peak of its precision "

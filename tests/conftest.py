@@ -13,6 +13,12 @@ from typing import Any
 
 import pytest
 
+# The tests compare float32 runs with float32 references (transformers, brute-force enumerations);
+# on a CPU with AVX512-BF16 or AMX `dtype = "auto"` runs a float32 checkpoint in bfloat16
+# (pypto_kernels.auto_dtype), so the suite, and the servers and workers it starts, run float32 unless a
+# test names a dtype (the tests of auto's choice pass dtype="auto" and stand in for the CPU's flags).
+os.environ.setdefault("PYPTO_SERVING_DTYPE", "float32")
+
 # Plugin entry-point names and the module each one lives in (either installed counts).
 _PLUGIN_MODULES = {
     "sync_sched": "pypto_serving_sync_sched",

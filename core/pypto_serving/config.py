@@ -369,8 +369,9 @@ class ServingSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description=(
-            "Weight/activation dtype; 'auto' follows torch_dtype in config.json, except that a 16-bit "
-            "checkpoint runs in float32 on a CPU without instructions for its dtype (logged)."
+            "Weight/activation dtype; 'auto' follows torch_dtype in config.json, except on a CPU: a 16-bit "
+            "checkpoint runs in float32 where the CPU has no instructions for its dtype, a float32 one in "
+            "bfloat16 where it has AVX512-BF16 or AMX (both logged)."
         ),
     )
     device: str = Field("auto", description="'auto' (npu > cuda > cpu), 'cpu', 'cuda', 'cuda:N' or 'npu'.")

@@ -262,6 +262,10 @@ def test_npu_backend_glue_with_stub_ops(clean_registry: None, monkeypatch: pytes
         (torch.float16, {"avx512_bf16"}, torch.float32),  # bfloat16 instructions do not do float16
         (torch.float16, {"avx512_fp16"}, torch.float16),
         (torch.float32, set(), torch.float32),
+        (torch.float32, {"avx2", "fma"}, torch.float32),
+        (torch.float32, {"avx512f", "avx512_bf16"}, torch.bfloat16),  # bfloat16 where it is faster
+        (torch.float32, {"amx_bf16"}, torch.bfloat16),
+        (torch.float32, {"fp", "asimd", "bf16"}, torch.float32),  # Arm: not measured, kept as stored
     ],
 )
 def test_auto_dtype_upcasts_only_what_the_cpu_cannot_compute(

@@ -282,13 +282,14 @@ def resolve_dtype(
     """``settings.dtype``; 'auto' follows the checkpoint's torch_dtype, else (config.json names
     none) the one 16-bit dtype its float tensors are stored in (read from ``model_dir``'s
     safetensors headers, so a bfloat16 checkpoint is not silently doubled to float32), else float32.
-    On a CPU (``device``) without instructions for a 16-bit dtype, 'auto' runs it in float32, logged
+    On a CPU (``device``) without instructions for a 16-bit dtype, 'auto' runs it in float32, and a
+    float32 checkpoint in bfloat16 on a CPU with AVX512-BF16 or AMX, logged
     (:func:`pypto_kernels.auto_dtype`)."""
     name = config.torch_dtype if setting == "auto" else setting
     if name is None and model_dir is not None:
         name = _stored_float_dtype(_model_dir(model_dir))
     if name is None:
-        return torch.float32
+        name = "float32"
     if name not in _DTYPES:
         raise CheckpointError(
             f"unsupported dtype {name!r} (from config.json torch_dtype); use one of "

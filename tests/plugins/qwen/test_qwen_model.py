@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -218,10 +219,24 @@ def test_bf16_close_to_fp32_reference(
     _run_schedule(ex, hf_reference(path), {**seqs, "b": [*seqs["b"], 5]}, schedule, BF16_TOL)
 
 
-def test_dtype_auto_follows_config(qwen_checkpoints: Callable[[str], Path]) -> None:
+def test_dtype_auto_follows_config(
+    qwen_checkpoints: Callable[[str], Path], cpu_flags: Callable[..., None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """auto keeps a float32 checkpoint (the tiny checkpoints are saved so) as stored on a CPU without
+    AVX512-BF16 or AMX, and runs it in bfloat16, logged, on one with them."""
+    cpu_flags("avx2", "fma")
     ex = QwenExecutor(qwen_settings(qwen_checkpoints("qwen2"), dtype="auto"))
     ex.load()
-    assert ex.dtype == torch.float32  # the tiny checkpoints are saved as float32
+    assert ex.dtype == torch.float32
+    cpu_flags("avx512f", "avx512_bf16")
+    with caplog.at_level(logging.WARNING, logger="pypto_kernels"):
+        ex = QwenExecutor(qwen_settings(qwen_checkpoints("qwen2"), dtype="auto"))
+        ex.load()
+    assert ex.dtype == torch.bfloat16 and ex.model is not None and ex.model.embed.dtype == torch.bfloat16
+    assert any("float32 checkpoint runs in bfloat16" in r.getMessage() for r in caplog.records)
+    kept = QwenExecutor(qwen_settings(qwen_checkpoints("qwen2"), dtype="float32"))
+    kept.load()
+    assert kept.dtype == torch.float32
 
 
 def test_executor_info(qwen_checkpoints: Callable[[str], Path]) -> None:
