@@ -208,7 +208,8 @@ def toy_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def launch_node_1(site: Path, port: int, *flags: str) -> subprocess.Popen[str]:
     paths = [str(site), str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYPTO_SERVING_")}
+    # The suite's dtype pin (tests/conftest.py) stays: node 0's settings, built in this process, have it.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYPTO_SERVING_") or k == "PYPTO_SERVING_DTYPE"}
     env["PYTHONPATH"] = os.pathsep.join(paths)
     # Node 1 learns its place from torchrun's environment variables, as a multi-node launch sets them.
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NNODES="2", NODE_RANK="1")
