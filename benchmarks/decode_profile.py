@@ -135,7 +135,8 @@ def _prepared(args: argparse.Namespace, run: str) -> tuple[Any, PagedBatchBuilde
     block = 16
     blocks = args.requests * (-(-(args.context + args.steps * 2 + 2) // block)) + 8
     option = "auto" if cpu_linear == "auto-avx512" else cpu_linear
-    settings = qwen_settings(args.model, block_size=block, executor_options={"cpu_linear": option})
+    options = {"cpu_linear": option}
+    settings = qwen_settings(args.model, block_size=block, dtype=args.dtype, executor_options=options)
     ex = QwenExecutor(settings)
     real_flags, real_vendor = device.cpu_flags, device.cpu_vendor
     if cpu_linear == "auto-avx512":
@@ -190,10 +191,10 @@ def profile_steps(args: argparse.Namespace) -> None:
         )
     ex, builder, ids = runs[choices[-1]]
     batch = builder.step([(rid, [7]) for rid in ids], all_logits=False)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
         ex.execute(batch)
     print(f"profile of one step, cpu_linear={choices[-1]}:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    print(prof.key_averages(group_by_input_shape=args.shapes).table(sort_by="self_cpu_time_total", row_limit=12 if not args.shapes else 24))
 
 
 def main() -> None:
@@ -203,6 +204,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=260)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"], help="the executors' dtype")
     ap.add_argument(
         "--cpu-linear",
         nargs="+",
@@ -218,6 +220,7 @@ def main() -> None:
         help="KV cache layout per executor (auto: the executor's own, head-major for float32 on the CPU; "
         "token_major: contiguous caches swapped in), their steps alternated",
     )
+    ap.add_argument("--shapes", action="store_true", help="the profile's table by input shapes")
     ap.add_argument("--linears", action="store_true", help="time pypto_kernels.linear's CPU paths instead")
     ap.add_argument("--heads", action="store_true", help="time the output projection's CPU paths instead")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
