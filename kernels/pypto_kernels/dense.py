@@ -95,9 +95,10 @@ def onednn_supports(dtype: torch.dtype) -> bool:
 #: projections of the AVX2 machine, docs/benchmarks.md), larger ones 1.1-1.6x from 4 rows on.
 ONEDNN_FLOAT32_MIN_ELEMENTS = 1 << 19
 #: Fewest elements of a float32 weight packed for oneDNN on a non-Intel CPU with AVX-512 (64 Ki, a
-#: 256 x 256 projection): there MKL's products were 1.2-4.9x slower than oneDNN's packed ones at 1-64
-#: rows on every Qwen-shaped projection from 256 x 256 to 6144 x 1024 (the AMD EPYC with AVX-512,
-#: docs/benchmarks.md, "Float32 through oneDNN on the AVX-512 AMD machine"); smaller ones are not measured.
+#: 256 x 256 projection): there MKL's products took 1.2-4.9x oneDNN's packed ones at one and at 64 rows
+#: on every Qwen-shaped projection from 256 x 256 to 6144 x 1024, cold (0.9x at 8 rows on 256 x 256
+#: alone; the AMD EPYC with AVX-512, docs/benchmarks.md, "The AVX-512 AMD machine"); smaller ones are
+#: not measured.
 ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS = 1 << 16
 
 

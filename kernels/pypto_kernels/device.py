@@ -153,7 +153,7 @@ def auto_dtype(stored: torch.dtype, device: torch.device, flags: frozenset[str] 
     - a float32 checkpoint on an x86 CPU with AVX512-BF16 or AMX (:data:`BF16_FASTER_CPU_FLAGS`)
       runs in bfloat16 (products accumulate in float32), as vLLM's CPU backend runs it: on the
       AVX-512 AMD EPYC 1.1x the throughput and 1.6x faster at concurrency 1 on the small shape, at
-      half the weight memory (docs/benchmarks.md, "bfloat16 by default where the CPU has it").
+      half the weight memory (docs/benchmarks.md, "The AVX-512 AMD machine").
     """
     if device.type != "cpu":
         return stored
