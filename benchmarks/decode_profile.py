@@ -194,7 +194,8 @@ def profile_steps(args: argparse.Namespace) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
         ex.execute(batch)
     print(f"profile of one step, cpu_linear={choices[-1]}:")
-    print(prof.key_averages(group_by_input_shape=args.shapes).table(sort_by="self_cpu_time_total", row_limit=12 if not args.shapes else 24))
+    table = prof.key_averages(group_by_input_shape=args.shapes)
+    print(table.table(sort_by="self_cpu_time_total", row_limit=24 if args.shapes else 12))
 
 
 def main() -> None:
