@@ -185,7 +185,7 @@ def test_init_kv_cache_does_not_fill(qwen_checkpoints: Callable[[str], Path], mo
     assert blocks is not None and all(t.shape == (3, 2, 4, 16) and t.is_contiguous() for t in blocks["kv"])
 
 
-def test_bf16_kv_cache_is_token_major_and_exchanges_no_blocks_with_float32(
+def test_fp8_kv_cache_is_token_major_and_exchanges_no_blocks_with_float32(
     qwen_checkpoints: Callable[[str], Path],
 ) -> None:
     """A cache the CPU does not read in place keeps the token-major layout the padded gather reads.
@@ -193,10 +193,11 @@ def test_bf16_kv_cache_is_token_major_and_exchanges_no_blocks_with_float32(
     layout digest differs even where only the layout does), while equal layouts round-trip blocks."""
     from pypto_serving.kv_transfer import gather_blocks, layout_digest, scatter_blocks
 
-    ex = QwenExecutor(qwen_settings(qwen_checkpoints("qwen3"), dtype="bfloat16"))
+    ex = QwenExecutor(qwen_settings(qwen_checkpoints("qwen3"), dtype="bfloat16", kv_cache_dtype="fp8"))
     ex.load()
     ex.init_kv_cache({"kv": 3})
-    assert all(t.is_contiguous() and t.shape == (3, 4, 2, 16) for pair in ex.kv_caches for t in pair)
+    caches = [t for pair in ex.kv_caches for t in pair]
+    assert all(t.dtype == torch.float8_e4m3fn and t.is_contiguous() and t.shape == (3, 4, 2, 16) for t in caches)
     shape = (4, 16, 2, 8)
     head_major = pypto_kernels.empty_paged_cache(shape, dtype=torch.float32, device="cpu")
     head_major.copy_(torch.arange(head_major.numel(), dtype=torch.float32).view(shape))
@@ -209,14 +210,27 @@ def test_bf16_kv_cache_is_token_major_and_exchanges_no_blocks_with_float32(
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 def test_bf16_close_to_fp32_reference(
-    name: str, qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any]
+    name: str,
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A bfloat16 model on the CPU keeps its KV cache in float32 (head-major), which the decode rows
+    read in place (the sampled product ran), within bfloat16's tolerance of transformers in float32;
+    its bytes per block are a float32 cache's."""
     path = qwen_checkpoints(name)
     ex = _executor(path, dtype="bfloat16")
-    assert ex.kv_caches[0][0].dtype == torch.bfloat16
+    key_cache = ex.kv_caches[0][0]
+    assert key_cache.dtype == torch.float32 and pypto_kernels.memory_order(key_cache).shape[1] == key_cache.shape[2]
+    (group,) = ex.info.cache_groups  # type: ignore[attr-defined]
+    assert group.bytes_per_block == 2 * len(ex.kv_caches) * key_cache[0].numel() * 4
+    sampled: list[torch.dtype] = []
+    real = torch.sparse.sampled_addmm
+    monkeypatch.setattr(torch.sparse, "sampled_addmm", lambda *a, **k: sampled.append(a[1].dtype) or real(*a, **k))
     seqs = dict(zip("ab", _prompts(ex.info.vocab_size, [11, 6], seed=4), strict=True))  # type: ignore[attr-defined]
     schedule = [[("a", 7), ("b", 6)], [("a", 4), ("b", 1)]]
     _run_schedule(ex, hf_reference(path), {**seqs, "b": [*seqs["b"], 5]}, schedule, BF16_TOL)
+    assert sampled and set(sampled) == {torch.float32}  # the decode rows of the last step, read in place
 
 
 def test_dtype_auto_follows_config(
