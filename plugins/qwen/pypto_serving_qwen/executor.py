@@ -142,7 +142,7 @@ class QwenExecutor(Executor):
             supports_pipelining=True,
             can_verify_drafts=True,  # any number of query rows per request, as in chunked prefill
             generation_defaults=generation_defaults,
-            kv_cache_dtypes=("auto", "fp8"),
+            kv_cache_dtypes=("auto", "bfloat16", "fp8"),
             supports_lora=True,
         )
 
@@ -229,9 +229,13 @@ class QwenExecutor(Executor):
         in eager mode is float32: the CPU's decode attention reads a float32 cache in place and
         gathers any other (torch's sampled product takes float32 only), and over a bfloat16 cache a
         64-stream Qwen3-0.6B step was 1.6x slower than float32's (docs/benchmarks.md, "The AVX-512
-        AMD machine"); it costs a float32 model's cache bytes per token, twice a bfloat16 cache's."""
+        AMD machine"); it costs a float32 model's cache bytes per token, twice a bfloat16 cache's, which
+        ``kv_cache_dtype = "bfloat16"`` keeps."""
         mode = self.graph_options.mode if self.graph_options is not None else "eager"
-        if getattr(self.settings, "kv_cache_dtype", "auto") != "fp8":
+        setting = getattr(self.settings, "kv_cache_dtype", "auto")
+        if setting == "bfloat16":  # asked for: half the bytes, the gathered CPU read
+            return torch.bfloat16
+        if setting != "fp8":
             cpu_eager = self.device.type == "cpu" and mode == "eager"
             return torch.float32 if cpu_eager and self.dtype == torch.bfloat16 else self.dtype
         if mode != "eager":

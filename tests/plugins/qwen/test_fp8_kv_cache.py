@@ -100,11 +100,12 @@ def test_fp8_is_refused_where_it_is_not_supported() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported with executor_options graph_mode"):
         QwenExecutor(settings).load()
     # An executor that does not declare it in ExecutorInfo.kv_cache_dtypes is refused by the engine.
-    fake = ServingSettings(executor="fake", worker_mode="inproc", kv_cache_dtype="fp8")
-    with pytest.raises(
-        ValueError, match=r"kv_cache_dtype='fp8' is not supported by the fake executor \(it supports 'auto'\)"
-    ):
-        LLM(settings=fake, plugins=PluginManager(extra_plugins=[FakePlugin]))
+    for dtype in ("fp8", "bfloat16"):
+        fake = ServingSettings(executor="fake", worker_mode="inproc", kv_cache_dtype=dtype)
+        with pytest.raises(
+            ValueError, match=rf"kv_cache_dtype='{dtype}' is not supported by the fake executor \(it supports 'auto'\)"
+        ):
+            LLM(settings=fake, plugins=PluginManager(extra_plugins=[FakePlugin]))
 
 
 # ----------------------------------------------------------------------------- per-head scales

@@ -233,6 +233,24 @@ def test_bf16_close_to_fp32_reference(
     assert sampled and set(sampled) == {torch.float32}  # the decode rows of the last step, read in place
 
 
+def test_kv_cache_dtype_bfloat16_keeps_a_bfloat16_cache(
+    qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any]
+) -> None:
+    """``kv_cache_dtype = "bfloat16"`` keeps a bfloat16 model's cache in bfloat16 on the CPU (half the
+    bytes per block of the default float32 one), token-major for the gathered read, within
+    bfloat16's tolerance of transformers; the Qwen executor declares it."""
+    path = qwen_checkpoints("qwen3")
+    ex = _executor(path, dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert "bfloat16" in ex.info.kv_cache_dtypes  # type: ignore[attr-defined]
+    key_cache = ex.kv_caches[0][0]
+    assert key_cache.dtype == torch.bfloat16 and key_cache.is_contiguous()
+    (group,) = ex.info.cache_groups  # type: ignore[attr-defined]
+    assert group.bytes_per_block == 2 * len(ex.kv_caches) * key_cache[0].numel() * 2
+    seqs = dict(zip("ab", _prompts(ex.info.vocab_size, [11, 6], seed=4), strict=True))  # type: ignore[attr-defined]
+    schedule = [[("a", 7), ("b", 6)], [("a", 4), ("b", 1)]]
+    _run_schedule(ex, hf_reference(path), {**seqs, "b": [*seqs["b"], 5]}, schedule, BF16_TOL)
+
+
 def test_dtype_auto_follows_config(
     qwen_checkpoints: Callable[[str], Path], cpu_flags: Callable[..., None], caplog: pytest.LogCaptureFixture
 ) -> None:
