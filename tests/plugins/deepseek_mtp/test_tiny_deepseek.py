@@ -103,6 +103,23 @@ def test_mtp_speculation_equals_no_speculation_and_its_drafts_are_accepted(sched
 
 
 @pytest.mark.requires_plugin("sync_sched")
+def test_mtp_speculation_in_bfloat16_equals_no_speculation() -> None:
+    """The same invariant in bfloat16, which ``dtype = "auto"`` picks for this float32 checkpoint on a
+    CPU with AVX512-BF16 or AMX; the drafts ran."""
+    from pypto_serving import LLM, SamplingParams
+
+    prompts = [_tokenize(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs, drafted = [], 0
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 2}):
+        with LLM(NAME, device="cpu", dtype="bfloat16", worker_mode="inproc", speculative_config=spec) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            drafted += llm.engine.stats()["spec_drafted"] if llm.engine is not None else 0
+        outputs.append([list(o.outputs[0].token_ids) for o in outs])
+    assert outputs[1] == outputs[0] and drafted > 0
+
+
+@pytest.mark.requires_plugin("sync_sched")
 def test_serve_without_a_model_serves_it(tmp_path: Path) -> None:
     check_serve_without_a_model(NAME, tmp_path)
 
