@@ -134,14 +134,19 @@ def packing_rule(
     if dtype != torch.float32 or elements is None or not onednn_supports(dtype):
         return None
     have = device.cpu_flags() if flags is None else flags
-    if "avx2" not in have:
-        return None
-    if "avx512f" not in have:
+    if _avx2_without_avx512(have):
         return ("onednn", 1, NEVER) if elements >= ONEDNN_FLOAT32_MIN_ELEMENTS else None
+    if "avx512f" not in have:
+        return None
     maker = device.cpu_vendor() if vendor is None else vendor
     if maker != "GenuineIntel" and elements >= ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS:
         return ("onednn", 1, NEVER)
     return None
+
+
+def _avx2_without_avx512(flags: frozenset[str]) -> bool:
+    """The AVX2 class (the AVX2 AMD EPYC's measurements): x86 with AVX2 and without AVX-512."""
+    return "avx2" in flags and "avx512f" not in flags
 
 
 def tied_head_min_rows(dtype: torch.dtype, *, flags: frozenset[str] | None = None) -> int:
@@ -151,11 +156,16 @@ def tied_head_min_rows(dtype: torch.dtype, *, flags: frozenset[str] | None = Non
     1 elsewhere (on the AVX-512 AMD CPU the packed copy read Qwen3-0.6B's 151,936-row projection 2.5x
     faster at one row: 9.3 against 23.2 ms, docs/benchmarks.md)."""
     have = device.cpu_flags() if flags is None else flags
-    return 2 if dtype == torch.float32 and "avx2" in have and "avx512f" not in have else 1
+    return 2 if dtype == torch.float32 and _avx2_without_avx512(have) else 1
 
 
 def pack_linear(
-    weight: torch.Tensor, batch_rows: int, *, library: str | None = None, min_rows: int = 1
+    weight: torch.Tensor,
+    batch_rows: int,
+    *,
+    library: str | None = None,
+    min_rows: int = 1,
+    keep_plain: bool = False,
 ) -> PackedLinearWeight | None:
     """``weight`` with a packed copy (:func:`packing_rule` for ``batch_rows``, or ``library`` at every
     row count it serves); None where nothing is packed: a weight off the CPU, of another dtype, or a
@@ -163,7 +173,8 @@ def pack_linear(
     ``weight``: once the caller drops it, only the packed copy is held. ``min_rows`` > 1 (a oneDNN
     copy, asked for or the rule's) keeps ``weight`` beside the copy for the calls of fewer rows (an
     output projection that is also the embedding, whose one-row product is a GEMV best run on the
-    plain matrix)."""
+    plain matrix); ``keep_plain`` keeps it referenced at any ``min_rows`` (a matrix the caller holds
+    anyway, which the reference then multiplies instead of a rebuilt copy)."""
     if min_rows > 1 and library not in (None, "onednn"):
         raise ValueError(f"min_rows applies to library='onednn' only, got library={library!r}")
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
@@ -193,7 +204,7 @@ def pack_linear(
             packed = torch.ops.mkl._mkl_reorder_linear_weight(plain, lo)
             return PackedLinearWeight(weight, packed, kind, lo, hi)
         packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
-    return PackedLinearWeight(weight if lo > 1 else None, packed, kind, lo, hi)
+    return PackedLinearWeight(weight if lo > 1 or keep_plain else None, packed, kind, lo, hi)
 
 
 @dispatch("linear")

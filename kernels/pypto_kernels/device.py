@@ -97,35 +97,28 @@ NATIVE_CPU_FLAGS: dict[torch.dtype, tuple[str, ...]] = {
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm); empty
-    where the file is absent (not Linux), so such CPUs count as lacking every 16-bit feature."""
+def _cpuinfo() -> tuple[tuple[str, str], ...]:
+    """``/proc/cpuinfo``'s ``(key, value)`` lines, read once; empty where the file is absent (not Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
             text = handle.read()
     except OSError:
-        return frozenset()
-    flags: set[str] = set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            flags.update(value.split())
-    return frozenset(flags)
+        return ()
+    pairs = (line.partition(":") for line in text.splitlines())
+    return tuple((key.strip(), value.strip()) for key, _, value in pairs)
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm); empty
+    where the file is absent (not Linux), so such CPUs count as lacking every 16-bit feature."""
+    return frozenset(flag for key, value in _cpuinfo() if key in ("flags", "Features") for flag in value.split())
+
+
 def cpu_vendor() -> str:
     """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``, ...); empty
     where the file or the field is absent (Arm, not Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return ""
+    return next((value for key, value in _cpuinfo() if key == "vendor_id"), "")
 
 
 def cpu_computes_natively(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:

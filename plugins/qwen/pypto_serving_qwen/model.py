@@ -737,9 +737,7 @@ class QwenForCausalLM(nn.Module):
         if library == "mkl":
             return K.pack_linear(plain, batch_rows, library=library)
         rows = K.tied_head_min_rows(plain.dtype) if tied else 1
-        head = K.pack_linear(plain, batch_rows, library=library, min_rows=rows)
-        if head is not None and tied:
-            head.weight = plain  # held as the embedding anyway: the reference multiplies it, not a rebuilt copy
-        elif head is not None and head.weight is None:
+        head = K.pack_linear(plain, batch_rows, library=library, min_rows=rows, keep_plain=tied)
+        if head is not None and head.weight is None:
             self.lm_head_t.data = self.lm_head_t.data.new_empty(0)  # only the packed copy is held
         return head
