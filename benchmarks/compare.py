@@ -25,7 +25,9 @@ with ours as they come: two int8 schemes round differently.
 ``--also bfloat16,w8a8,fp8`` adds rows to the same run: pypto-serving (sync) in bfloat16, over the W8A8
 conversion and over a block-FP8 conversion (``pypto-serving convert --to fp8``: FP8 E4M3 weights
 with 128x128 block scales, run weight-only), and with ``w8a8`` and the ``ct2`` peer CTranslate2 int8;
-each row's TPOT / floor uses the bytes that row's engine reads per step.
+``w8a8-head`` is the W8A8 conversion with the output projection quantized too (``--quantize-head``,
+as CTranslate2's int8 does). Each row's TPOT / floor uses the bytes that row's engine reads per step
+(the files, less an input embedding separate from the head: a step reads a few of its rows).
 
     python benchmarks/make_models.py --out /work/models small
     python benchmarks/compare.py --model /work/models/qwen3-small --contention \\
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -67,6 +70,7 @@ PRECISIONS = ("float32", "bfloat16", "int8")
 ALSO = {
     "bfloat16": ("bfloat16", None, "bfloat16"),
     "w8a8": ("W8A8 int8", "w8a8", "float32"),
+    "w8a8-head": ("W8A8 int8, int8 head", "w8a8-head", "float32"),
     "fp8": ("FP8 weight-only", "fp8", "float32"),
 }
 PEER_PRECISIONS = {"hf": {"float32", "bfloat16"}, "ct2": set(PRECISIONS), "vllm": {"float32", "bfloat16"}}
@@ -88,8 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--also",
         default="",
-        help="comma list of bfloat16,w8a8,fp8: pypto-serving (sync) rows in that precision in the same run (w8a8 "
-        "with the ct2 peer: a CTranslate2 int8 row too)",
+        help="comma list of bfloat16,w8a8,w8a8-head,fp8: pypto-serving (sync) rows in that precision in the same "
+        "run (w8a8-head: the output projection int8 too; w8a8 with the ct2 peer: a CTranslate2 int8 row too)",
     )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
@@ -155,7 +159,7 @@ def also_engines(args: argparse.Namespace, peers: list[str]) -> list[dict[str, A
         job = {"scheduler": "sync", "dtype": dtype, "precision": key}
         row = {"name": f"pypto-serving (sync, {label})", "python": sys.executable, "runner": "run_pypto.py"}
         out.append({**row, "job": job, "convert": convert})
-        if key == "w8a8" and "ct2" in peers:
+        if key.startswith("w8a8") and "ct2" in peers and not any(e["runner"] == "run_ct2.py" for e in out):
             python = Path(args.peers_dir) / "ct2" / "bin" / "python"
             ct2 = {"name": "CTranslate2 (int8)", "python": str(python), "runner": "run_ct2.py"}
             out.append({**ct2, "job": {"precision": "int8"}, "missing": not python.exists()})
@@ -274,10 +278,25 @@ def _time(fn: Any) -> float:
 def weight_bytes(model: str, precision: str = "float32") -> int:
     """Bytes of weights a decode step reads: the checkpoint's files, halved for a float32 checkpoint run
     in bfloat16 (an int8 run reads its converted checkpoint's files)."""
-    stored = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+    stored = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) - _untied_embedding_bytes(model)
     if precision == "bfloat16" and _checkpoint_dtype(model) == "float32":
         return stored // 2
     return stored
+
+
+def _untied_embedding_bytes(model: str) -> int:
+    """The input embedding's bytes where the head is a separate matrix (a step reads a few of its rows)."""
+    from safetensors import safe_open
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    if config.get("tie_word_embeddings", False):
+        return 0
+    for shard in Path(model).glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            if "model.embed_tokens.weight" in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                t = f.get_slice("model.embed_tokens.weight")
+                return math.prod(t.get_shape()) * {"F32": 4, "BF16": 2, "F16": 2}.get(t.get_dtype(), 1)
+    return 0
 
 
 def _checkpoint_dtype(model: str) -> str:
@@ -302,7 +321,9 @@ def converted_checkpoint(model: str, work: Path, fmt: str = "w8a8") -> str:
         print(f"compare: converting {model} to {fmt} in {out}", file=sys.stderr, flush=True)
         shutil.rmtree(out, ignore_errors=True)  # a conversion that did not finish
         convert = "import sys; from pypto_serving.cli import main; sys.exit(main())"
-        cli = [sys.executable, "-c", convert, "convert", "--to", fmt, model, str(out)]
+        target, _, head = fmt.partition("-")  # "w8a8-head": also the output projection
+        cli = [sys.executable, "-c", convert, "convert", "--to", target, model, str(out)]
+        cli += ["--quantize-head"] if head else []
         subprocess.run(cli, check=True, stdout=sys.stderr)
         (out / "done").touch()
     return str(out)

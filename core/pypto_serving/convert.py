@@ -15,6 +15,11 @@ Two targets, each as its tools and loaders publish it:
 
 Quantized are the 2-D ``.weight`` tensors of linear projections; embeddings, the LM head, norms, MoE
 routers, DeepSeek-V4's compressors and indexer head weights and everything not 2-D stay as stored.
+``quantize_head`` (``--quantize-head``, Qwen checkpoints) quantizes the output projection
+``lm_head.weight`` too, as CTranslate2's int8 does: on a CPU it is most of a small model's decode step
+(the 151,936-row vocabulary), and its int8 product reads a quarter of float32's bytes. A checkpoint
+that ties it to the embedding gets its own ``lm_head.weight`` (quantized from the embedding, which
+stays float) and ``tie_word_embeddings: false``.
 Memory is bounded by one output shard plus one tensor; the other files of the directory (config,
 tokenizer, generation config) are copied."""
 
@@ -100,10 +105,18 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[t
     return q.view(grid[0] * rows, grid[1] * cols)[:out, :inp].contiguous(), scale_inv
 
 
+HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
 def _convert_tensor(name: str, tensor: torch.Tensor, fmt: str, block: tuple[int, int]) -> dict[str, torch.Tensor]:
     """The output tensors standing for one input tensor (itself when it stays float)."""
     if not is_quantized_weight(name, tensor):
         return {name: tensor}
+    return _quantize(name, tensor, fmt, block)
+
+
+def _quantize(name: str, tensor: torch.Tensor, fmt: str, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """``tensor`` quantized to ``fmt`` as checkpoint weight ``name``, with its scales."""
     if fmt == "fp8":
         q, scale_inv = quantize_fp8_blocks(tensor, block)
         return {name: q, name + "_scale_inv": scale_inv}
@@ -193,6 +206,30 @@ def _check_paths(src: Path, dst: Path, fmt: str) -> dict[str, Any]:
     return config
 
 
+def _head_outputs(
+    name: str, tensor: torch.Tensor, fmt: str, block: tuple[int, int], tied: bool
+) -> dict[str, torch.Tensor] | None:
+    """With ``quantize_head``: the outputs of the head or the (tied) embedding, or None for any other
+    tensor. A tied checkpoint's ``lm_head.weight`` copy is dropped (the embedding is the head, as in
+    Hugging Face's loaders), and the quantized head is made from the embedding."""
+    if name == HEAD:
+        return {} if tied else _quantize(name, tensor, fmt, block)
+    if name == EMBEDDING and tied:
+        return {name: tensor, **_quantize(HEAD, tensor, fmt, block)}
+    return None
+
+
+def _check_head(config: dict[str, Any], names: set[str]) -> bool:
+    """Whether the head is tied; refuses ``--quantize-head`` where no executor reads a quantized head."""
+    if str(config.get("model_type", "")).startswith("deepseek"):
+        raise ConversionError("--quantize-head: the DeepSeek-V4 executor keeps its output projection in float")
+    tied = bool(config.get("tie_word_embeddings", False))
+    wanted = EMBEDDING if tied else HEAD
+    if wanted not in names:
+        raise ConversionError(f"--quantize-head: the checkpoint has no {wanted} to quantize as its output projection")
+    return tied
+
+
 def _copy_side_files(src: Path, dst: Path) -> None:
     """Everything but the weights: config, tokenizer, generation config, the release's extra folders."""
     for item in src.iterdir():
@@ -216,34 +253,59 @@ def _write_description(dst: Path, result: ConvertResult, names: list[str]) -> No
 
 
 def convert_checkpoint(
-    src: str | Path, dst: str | Path, fmt: str, *, block: tuple[int, int] = (128, 128), shard_bytes: int = 4 << 30
+    src: str | Path,
+    dst: str | Path,
+    fmt: str,
+    *,
+    block: tuple[int, int] = (128, 128),
+    shard_bytes: int = 4 << 30,
+    quantize_head: bool = False,
 ) -> ConvertResult:
     """Convert the float checkpoint in ``src`` to ``fmt`` (``w8a8`` or ``fp8``) in the new directory ``dst``.
 
     :param block: the FP8 scale block, rows x columns (128 x 128 as published).
     :param shard_bytes: the size at which an output shard is closed (bounds the memory used).
-    :raises ConversionError: an unknown format, a non-empty ``dst``, or a checkpoint already quantized.
+    :param quantize_head: quantize the output projection ``lm_head.weight`` too (module docstring).
+    :raises ConversionError: an unknown format, a non-empty ``dst``, a checkpoint already quantized,
+        or ``quantize_head`` for a checkpoint without a head the executors read quantized.
     """
     src, dst = Path(src), Path(dst)
     config = _check_paths(src, dst, fmt)
+    shards = _source_shards(src)
+    tied = _check_head(config, _tensor_names(shards)) if quantize_head else False
     dst.mkdir(parents=True, exist_ok=True)
     _copy_side_files(src, dst)
     result, writer = ConvertResult(output=dst), _ShardWriter(dst, shard_bytes)
     names: list[str] = []
-    for name, tensor in _iter_source(_source_shards(src)):
+    for name, tensor in _iter_source(shards):
         result.bytes_in += tensor.numel() * tensor.element_size()
-        out = _convert_tensor(name, tensor, fmt, block)
-        (result.quantized if len(out) > 1 else result.kept).append(name)
+        head = _head_outputs(name, tensor, fmt, block, tied) if quantize_head else None
+        out = head if head is not None else _convert_tensor(name, tensor, fmt, block)
+        if name in out:  # (a tied checkpoint's head copy is dropped)
+            (result.quantized if out[name] is not tensor else result.kept).append(name)
         names.extend(out)
         writer.add(out)
     result.shards = writer.finish()
     result.bytes_out = writer.total
+    if quantize_head and tied:
+        result.quantized.append(HEAD)
+        config["tie_word_embeddings"] = False
     if fmt == "fp8":
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
-        (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     else:
         _write_description(dst, result, names)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return result
+
+
+def _tensor_names(shards: list[Path]) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for shard in shards:
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -254,7 +316,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
         src = Path(str(PluginManager().resolve_model(ServingSettings.load(model=args.source)).model))
     block = (args.fp8_block[0], args.fp8_block[1])
-    result = convert_checkpoint(src, args.output, args.to, block=block, shard_bytes=int(args.shard_gb * (1 << 30)))
+    result = convert_checkpoint(
+        src,
+        args.output,
+        args.to,
+        block=block,
+        shard_bytes=int(args.shard_gb * (1 << 30)),
+        quantize_head=args.quantize_head,
+    )
     print(
         f"wrote {result.output} ({args.to}): {len(result.quantized)} tensors quantized, {len(result.kept)} kept, "
         f"{result.bytes_in / 1e6:.1f} MB -> {result.bytes_out / 1e6:.1f} MB in {len(result.shards)} shard(s)"
@@ -275,6 +344,12 @@ def add_convert_command(sub: Any) -> None:
     c.add_argument("--to", required=True, choices=FORMATS, help="the target format")
     c.add_argument(
         "--fp8-block", nargs=2, type=int, default=[128, 128], metavar=("ROWS", "COLS"), help="FP8 scale block"
+    )
+    c.add_argument(
+        "--quantize-head",
+        action="store_true",
+        help="quantize the output projection (lm_head) too, as CTranslate2's int8 does (Qwen; a tied head gets its "
+        "own quantized copy and tie_word_embeddings false)",
     )
     c.add_argument("--shard-gb", type=float, default=4.0, metavar="GB", help="output shard size (bounds memory)")
     c.set_defaults(func=_cmd_convert)

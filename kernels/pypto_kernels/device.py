@@ -129,6 +129,21 @@ def cpu_computes_natively(dtype: torch.dtype, flags: frozenset[str] | None = Non
     return any(flag in have for flag in NATIVE_CPU_FLAGS[dtype])
 
 
+#: /proc/cpuinfo flags of x86 CPUs with int8 dot-product instructions (AVX512-VNNI, AVX-VNNI, AMX),
+#: where int8 x int8 products are W8A8's fast path on the CPU.
+INT8_DOT_CPU_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_int8_products_pay(flags: frozenset[str] | None = None) -> bool:
+    """Whether int8 x int8 products (``torch._int_mm``, oneDNN) beat dequantised float products on this
+    CPU (or one with ``flags``). On an x86 CPU without int8 dot products (:data:`INT8_DOT_CPU_FLAGS`)
+    they do not: on the AVX2 AMD EPYC ``torch._int_mm`` took 326 ms for a product float32 did in
+    7.6 ms (docs/benchmarks.md). Other architectures keep them (not measured)."""
+    have = cpu_flags() if flags is None else flags
+    x86 = "sse2" in have
+    return not x86 or any(flag in have for flag in INT8_DOT_CPU_FLAGS)
+
+
 #: /proc/cpuinfo flags of x86 CPUs whose bfloat16 products run at twice float32's rate or more
 #: (AVX512-BF16's dot products, AMX's tiles), where ``dtype = "auto"`` runs a float32 checkpoint in
 #: bfloat16.

@@ -113,6 +113,36 @@ def test_w8a8_follows_msmodelslim_and_decodes_to_half_a_step(tmp_path: Path, mod
     assert not any("norm" in n or "embed" in n or "head.weight" in n or ".gate.weight" in n for n in result.quantized)
 
 
+def test_quantize_head_gives_a_tied_qwen_its_own_int8_head_that_decodes_as_its_float_values(tmp_path: Path) -> None:
+    """``--quantize-head`` on the tied tiny Qwen3: the embedding stays float, ``lm_head.weight`` is its
+    int8 per-row quantisation (msModelSlim's layout, to half a step), the config unties them, and the
+    engine decodes it as a float copy holding those values (the activations' per-token int8 rounding
+    aside: the greedy tokens agree)."""
+    out = tmp_path / "w8a8"
+    assert main(["convert", "tiny-qwen3", str(out), "--to", "w8a8", "--quantize-head"]) == 0
+    assert json.loads((TINY_QWEN3 / "config.json").read_text())["tie_word_embeddings"] is True
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    description = json.loads((out / "quant_model_description.json").read_text())
+    assert description["model.embed_tokens.weight"] == "FLOAT"
+    assert {description["lm_head.weight" + s] for s in ("", "_scale", "_offset")} == {"W8A8_DYNAMIC"}
+    src, got = _tensors(TINY_QWEN3), _tensors(out)
+    embedding = src["model.embed_tokens.weight"].float()
+    assert torch.equal(got["model.embed_tokens.weight"], src["model.embed_tokens.weight"])
+    q, scale = got["lm_head.weight"], got["lm_head.weight_scale"]
+    assert q.dtype == torch.int8 and q.shape == embedding.shape and scale.shape == (q.shape[0], 1)
+    assert ((q.float() * scale - embedding).abs() <= scale / 2 + 1e-7).all()
+    plain = tmp_path / "plain"
+    shutil.copytree(out, plain, ignore=shutil.ignore_patterns("*.safetensors", "quant_model_description.json"))
+    floats = {n: t for n, t in got.items() if t.dtype != torch.int8 and not n.endswith(("_scale", "_offset"))}
+    for name, t in got.items():
+        if t.dtype == torch.int8:
+            floats[name] = t.float() * got[name + "_scale"]
+    save_file(floats, str(plain / "model.safetensors"))
+    assert _greedy(out) == _greedy(plain)
+    with pytest.raises(ConversionError, match="DeepSeek-V4 executor keeps its output projection in float"):
+        convert_checkpoint(TINY_DEEPSEEK_V4, tmp_path / "ds", "w8a8", quantize_head=True)
+
+
 def test_what_cannot_be_converted_is_refused(tmp_path: Path) -> None:
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")

@@ -114,12 +114,30 @@ def test_cpu_fp8_bands_match_the_reference(
         assert all(rows < shape[0] for rows, _ in seen), seen
 
 
-@pytest.mark.parametrize(("shape", "offset"), itertools.product(SHAPES, [False, True]))
-def test_cpu_int8_matches_the_reference(shape: tuple[int, int], offset: bool) -> None:
+# x86 CPU classes: int8 dot products (VNNI) run torch._int_mm; without them the weight is converted
+# to float band by band (40 values a band here, so the shapes split into several).
+INT8_CPUS = {"vnni": (("sse2", "avx2", "avx512f", "avx512_vnni"), 1), "avx2": (("sse2", "avx2", "fma"), 0)}
+
+
+@pytest.mark.parametrize(("shape", "offset", "cpu"), itertools.product(SHAPES, [False, True], INT8_CPUS))
+def test_cpu_int8_matches_the_reference(
+    shape: tuple[int, int],
+    offset: bool,
+    cpu: str,
+    cpu_flags: Callable[..., None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    flags, int_mm_calls = INT8_CPUS[cpu]
+    cpu_flags(*flags)
+    monkeypatch.setattr(cpu_backend, "BAND_ELEMENTS", 40)
+    calls: list[int] = []
+    int_mm = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(1) or int_mm(a, b))
     weight = _int8(shape, offset=offset)
     x = _x(9, shape[1])
     got = pypto_kernels.quant_linear(x, weight, torch.ones(shape[0]))
     want = quant_linear.reference(x, weight, torch.ones(shape[0]))
+    assert len(calls) == int_mm_calls
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)  # same integer sums, float rounding only
     assert pypto_kernels.describe_kernel("quant_linear", "cpu", scheme="w8a8_dynamic") == cpu_backend.QUANT_LINEAR_LABEL
     assert "reference" in pypto_kernels.describe_kernel("quant_linear", "cpu", scheme="w8a8_static")
@@ -390,3 +408,10 @@ def test_row_parallel_w8a8_reads_nothing_on_the_host_of_a_fake_device() -> None:
         moe = qm.gathered_quant_moe_experts(x, gate_up, down, weights, ids, reduce_absmax=reduce)
         assert moe.shape == (5, 32) and moe.device == CUDA
     assert len(handed) >= 2 and all(a.device == CUDA and a.shape[-1] == 1 for a in handed)
+
+
+def test_int8_products_pay_on_x86_only_with_int8_dot_products() -> None:
+    pay = pypto_kernels.device.cpu_int8_products_pay
+    assert all(pay(frozenset({"sse2", flag})) for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    assert not pay(frozenset({"sse2", "avx2", "avx512f", "avx512bw"}))  # AVX-512 without VNNI
+    assert pay(frozenset({"asimd", "asimddp"})) and pay(frozenset())  # Arm, no /proc/cpuinfo: unmeasured, kept

@@ -74,3 +74,20 @@ def test_workload_flops_count_every_causal_pair() -> None:
     attention = 3 * 2 * 4 * 2 * 2 * pairs  # layers x heads x head_dim x (QK + PV) x multiply-add
     expected = 2 * decoder * tokens + 2 * head * len(prompts) * new + attention
     assert compare.workload_flops(config, prompts, new) == expected
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bytes_per_step_leave_out_an_embedding_apart_from_the_head(tmp_path: Any, tied: bool) -> None:
+    """A step reads the head and the layers, and a few rows of an input embedding of its own: its bytes
+    are the files' less that embedding (a tied one is the head, read whole)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors = {"model.embed_tokens.weight": torch.zeros(64, 8), "model.layers.0.mlp.up_proj.weight": torch.zeros(4, 8)}
+    if not tied:
+        tensors["lm_head.weight"] = torch.zeros(64, 8, dtype=torch.int8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": tied, "torch_dtype": "float32"}))
+    files = (tmp_path / "model.safetensors").stat().st_size
+    assert _compare().weight_bytes(str(tmp_path)) == (files if tied else files - 64 * 8 * 4)

@@ -5,9 +5,13 @@
   copy of any weight exists at any time; the band is multiplied in the activation's dtype.
 - ``w8a8_dynamic``: activations quantised per token (with the whole row's scale where a
   row-parallel rank passes ``reduce_absmax``), then ``torch._int_mm`` (int8 x int8 -> int32,
-  oneDNN's VNNI kernels on CPUs that have them) and one float rescale: the same arithmetic as the
-  reference, exact up to float rounding. Chosen over ``torch._weight_int8pack_mm`` (weight-only,
-  bfloat16 activations) by measurement, see docs/benchmarks.md.
+  oneDNN's VNNI kernels) and one float rescale: the same arithmetic as the reference, exact up to
+  float rounding. Chosen over ``torch._weight_int8pack_mm`` (weight-only, bfloat16 activations) by
+  measurement, see docs/benchmarks.md. On an x86 CPU without int8 dot products
+  (:func:`pypto_kernels.device.cpu_int8_products_pay`) the int8 weight is instead converted to float
+  a band of rows at a time (as FP8's) and multiplied by the int8 activations in float32: the same
+  integer products (exact below 2**24), at float32's speed instead of oneDNN's non-VNNI int8
+  kernels' (40x slower on the output projection there).
 - ``w8a8_static`` runs the reference.
 
 Routed W8A8 experts (:func:`pypto_kernels.quant_moe_experts`, scheme ``w8a8_dynamic``) multiply the
@@ -49,6 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import device
 from ..activation import silu_and_mul
 from ..attention import batched_decode_paged_attention, in_place_caches
 from ..dense import PackedLinearWeight
@@ -61,7 +66,7 @@ from . import paged_attention_features
 #: per band stays efficient, small against any real weight.
 BAND_ELEMENTS = 1 << 20
 
-QUANT_LINEAR_LABEL = "cpu: fp8 band-wise dequantising matmul / int8 _int_mm"
+QUANT_LINEAR_LABEL = "cpu: fp8 band-wise dequantising matmul / int8 _int_mm (band-wise float on x86 without VNNI)"
 PAGED_ATTENTION_LABEL = (
     "cpu: decode rows batched (float32 caches read in place: sampled_addmm scores, embedding_bag values; "
     "others: padded gather, one bmm per KV head)"
@@ -102,12 +107,20 @@ def _fp8_block(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tenso
     return out.reshape(*x.shape[:-1], out_rows).to(x.dtype)
 
 
+def _banded_int8(x_q: torch.Tensor, weight: QuantizedLinearWeight) -> torch.Tensor:
+    """``x_q @ weight.data.T`` in float32 (int8 values, converted a band of weight rows at a time)."""
+    xf, data = x_q.float(), weight.data
+    step = max(1, BAND_ELEMENTS // max(int(data.shape[1]), 1))
+    parts = [F.linear(xf, data[r : r + step].float()) for r in range(0, int(data.shape[0]), step)]
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
 def _w8a8_dynamic(
     x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None, reduce_absmax: AbsmaxReduce | None
 ) -> torch.Tensor:
     xs = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize_per_token(xs, reduce_absmax)
-    acc = torch._int_mm(x_q, weight.data.t()).float()
+    acc = torch._int_mm(x_q, weight.data.t()).float() if device.cpu_int8_products_pay() else _banded_int8(x_q, weight)
     if weight.offset is not None:  # (w - o) . x = w . x - o * sum(x)
         acc = acc - x_q.float().sum(dim=-1, keepdim=True) * weight.offset.float().reshape(1, -1)
     out = acc * weight.scale.float().reshape(1, -1) * x_scale

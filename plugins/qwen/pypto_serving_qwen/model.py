@@ -27,7 +27,7 @@ from pypto_serving.lora_weights import LoraAdapter, LoraContext, LoraStack
 from pypto_serving.parallel import expert_parallel_moe, vocab_parallel_embedding
 
 from .graph import decode_attention, moe_experts, static_decode_attention, write_kv
-from .loader import QuantPlan, QwenConfig, WeightTarget
+from .loader import CheckpointError, QuantPlan, QwenConfig, WeightTarget
 from .quantized import QuantizedWeight, Weight, linear, make_weight, pack_projections, weight_targets
 from .sharding import QwenSharding
 
@@ -543,7 +543,11 @@ class QwenForCausalLM(nn.Module):
         # row by row, about 2x faster on the CPU than F.linear over [vocab, hidden] for a few decode
         # rows and 1.2-1.4x for 64 (benchmarks.md). A tied embedding is a [vocab, hidden] view of it.
         # Under tensor parallelism both hold this rank's vocabulary rows only.
-        self.lm_head_t = _param((cfg.hidden_size, vocab), device, dtype)
+        self.lm_head_q = self._stored_head(plan, device, dtype)
+        # A head kept in its stored precision leaves ``lm_head_t`` empty ([hidden, 0]: only its device
+        # and dtype are read).
+        head_cols = 0 if self.lm_head_q is not None else vocab
+        self.lm_head_t = _param((cfg.hidden_size, head_cols), device, dtype)
         self.embed = self.lm_head_t.t() if cfg.tie_word_embeddings else _param((vocab, cfg.hidden_size), device, dtype)
         # Set by pack_linears: ``lm_head_t.t()`` (a view) with a packed copy of it, or (an untied head
         # packed in place) the packed copy alone, ``lm_head_t`` then emptied.
@@ -561,6 +565,27 @@ class QwenForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.attention_scaling = attention_scaling
 
+    def _stored_head(self, plan: QuantPlan | None, device: torch.device, dtype: torch.dtype) -> QuantizedWeight | None:
+        """The output projection in its stored precision where the checkpoint quantizes ``lm_head.weight``
+        (``pypto-serving convert --quantize-head`` writes one; CTranslate2's int8 quantizes it too), else
+        None (a float head).
+
+        :raises CheckpointError: a quantized head in a checkpoint that ties it to the embedding (the
+            head would then be the float embedding, and the quantized tensor silently unused).
+        """
+        vocab, full = self.shards.vocab, self.cfg.vocab_size
+        scheme = _scheme(plan, "lm_head.weight", cuts=_edges(vocab, full))
+        if scheme is None:
+            return None
+        if self.cfg.tie_word_embeddings:
+            raise CheckpointError(
+                f"lm_head.weight is quantized ({scheme}) but config.json sets tie_word_embeddings, which makes "
+                "the head the float embedding; set tie_word_embeddings to false to serve the quantized head"
+            )
+        weight = make_weight((_size(vocab), self.cfg.hidden_size), device, dtype, scheme, _block(plan))
+        assert isinstance(weight, QuantizedWeight)
+        return weight
+
     def weight_targets(self) -> tuple[dict[str, list[WeightTarget]], set[str]]:
         """Checkpoint name -> destinations, and the set of names that must be present."""
         vocab, full = self.shards.vocab, self.cfg.vocab_size
@@ -568,7 +593,9 @@ class QwenForCausalLM(nn.Module):
             "model.embed_tokens.weight": [_target(self.embed.data, "model.embed_tokens.weight", vocab, full)],
             "model.norm.weight": [WeightTarget(self.norm.data, ("model.norm.weight",))],
         }
-        if self.cfg.tie_word_embeddings:
+        if self.lm_head_q is not None:
+            out.update(weight_targets(self.lm_head_q, "lm_head.weight", slice(None), vocab, full))
+        elif self.cfg.tie_word_embeddings:
             out["lm_head.weight"] = []  # a tied export may still carry a copy; the embedding wins, as in HF
         else:
             out["lm_head.weight"] = [_target(self.lm_head_t.data.t(), "lm_head.weight", vocab, full)]
@@ -666,7 +693,7 @@ class QwenForCausalLM(nn.Module):
         precision."""
         found: list[tuple[str, QuantizedWeight]] = []
         for path, module in self.named_modules():
-            for attr in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "gate_up", "down"):
+            for attr in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight", "gate_up", "down", "lm_head_q"):
                 value = getattr(module, attr, None)
                 if isinstance(value, QuantizedWeight):
                     found.append((f"{path}.{attr}", value))
@@ -700,9 +727,11 @@ class QwenForCausalLM(nn.Module):
         """Float32 logits of the rows given: the final norm and the (vocab-sized) output projection,
         only for the sampled rows; each rank's vocabulary slice is gathered into the full rows."""
         hidden, _ = K.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
-        if self.lm_head_packed is not None:
+        if self.lm_head_q is not None:
+            logits: torch.Tensor = K.quant_linear(hidden, self.lm_head_q)
+        elif self.lm_head_packed is not None:
             # Outside the packed row counts this is F.linear over lm_head_t's transpose: the matmul's product.
-            logits: torch.Tensor = K.linear(hidden, self.lm_head_packed)
+            logits = K.linear(hidden, self.lm_head_packed)
         elif self.lm_head_kernel:
             # The reference (and the fast path's fallback) is F.linear over the view: the matmul's product.
             logits = K.linear(hidden, self.lm_head_t.t())
@@ -722,8 +751,8 @@ class QwenForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (QwenAttention, QwenMLP)):
                 module.kernel_linear = True
-        tied = self.cfg.tie_word_embeddings
-        self.lm_head_packed = None if tied and not tied_head_copy else self._pack_head(batch_rows, library)
+        tied, stored = self.cfg.tie_word_embeddings, self.lm_head_q is not None
+        self.lm_head_packed = None if stored or (tied and not tied_head_copy) else self._pack_head(batch_rows, library)
         return count + (self.lm_head_packed is not None)
 
     def _pack_head(self, batch_rows: int, library: str | None) -> K.PackedLinearWeight | None:

@@ -28,15 +28,17 @@ from tests.plugins.qwen.test_qwen_fp8 import _fp8_copy
 _QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _w8a8_copy(src: Path, dest: Path, dequantized: Path | None = None) -> Path:
-    """msModelSlim-style W8A8_DYNAMIC copy of ``src`` (and a float32 copy of the values it stands for)."""
+def _w8a8_copy(src: Path, dest: Path, dequantized: Path | None = None, *, head: bool = False) -> Path:
+    """msModelSlim-style W8A8_DYNAMIC copy of ``src`` (and a float32 copy of the values it stands for);
+    ``head``: the output projection ``lm_head.weight`` quantized too."""
     shutil.copytree(src, dest)
     (shard,) = dest.glob("*.safetensors")
     out: dict[str, torch.Tensor] = {}
     plain: dict[str, torch.Tensor] = {}
     description = {"model_quant_type": "W8A8_DYNAMIC"}
+    quantized = (*_QUANTIZED, "lm_head") if head else _QUANTIZED
     for name, t in load_file(str(shard)).items():
-        if name.endswith(".weight") and any(p in name for p in _QUANTIZED):
+        if name.endswith(".weight") and any(p in name for p in quantized):
             w = t.float()
             scale = w.abs().amax(dim=1, keepdim=True) / 127
             q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
@@ -125,6 +127,46 @@ def test_w8a8_checkpoint_stays_int8_and_matches_its_float_values(
     rel = ((got - exact).norm() / exact.norm()).item()
     assert rel < 0.03, rel
     assert tokens == exact_tokens
+
+
+def test_a_quantized_output_projection_stays_int8_and_runs_the_int8_product(
+    tmp_path: Path, qwen_checkpoints: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lm_head.weight`` described W8A8_DYNAMIC (``convert --quantize-head`` writes one): held int8
+    (no float head beside it) and multiplied by the CPU's int8 product; logits close to the float
+    copy's, greedy tokens equal."""
+    ref = qwen_checkpoints("qwen3")
+    w8 = _w8a8_copy(ref, tmp_path / "w8a8", dequantized=tmp_path / "deq", head=True)
+    shapes: list[tuple[int, ...]] = []
+    int_mm = torch._int_mm
+
+    def counting(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(b.shape))
+        return int_mm(a, b)
+
+    monkeypatch.setattr(torch, "_int_mm", counting)
+    ex, got, tokens = _run(w8, IDS)
+    assert ex.model is not None and ex.config is not None
+    head = ex.model.lm_head_q
+    assert head is not None and head.data.dtype == torch.int8 and head.offset is None
+    assert tuple(head.data.shape) == (ex.config.vocab_size, ex.config.hidden_size)
+    assert ex.model.lm_head_t.numel() == 0 and ex.model.lm_head_packed is None
+    assert shapes.count((ex.config.hidden_size, ex.config.vocab_size)) == 6  # the head, once per step
+    _, exact, exact_tokens = _run(tmp_path / "deq", IDS)
+    rel = ((got - exact).norm() / exact.norm()).item()
+    assert rel < 0.03, rel  # 2.4 % with a float head, 2.5 % with an int8 one (measured)
+    assert tokens == exact_tokens
+
+
+def test_a_quantized_head_tied_to_the_embedding_is_refused(
+    tmp_path: Path, qwen_checkpoints: Callable[[str], Path]
+) -> None:
+    tied = tmp_path / "tied"
+    shutil.copytree(qwen_checkpoints("qwen2_tied"), tied)
+    _edit(tied, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))  # an explicit copy
+    w8 = _w8a8_copy(tied, tmp_path / "w8a8", head=True)
+    with pytest.raises(CheckpointError, match=r"lm_head.weight is quantized \(w8a8_dynamic\) but config.json sets tie"):
+        QwenExecutor(qwen_settings(w8)).load()
 
 
 def test_w8a8_moe_experts_stay_int8_and_greedy_tokens_match(

@@ -48,7 +48,9 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen3_fp8": {},
     "qwen3_moe_fp8": {},  # FP8 routed experts: every rank holds its block-aligned part of each
     "qwen3_moe_fp8+ep": {"enable_expert_parallel": True},
-    "qwen3_w8a8": {},  # W8A8_DYNAMIC projections: o_proj and down_proj quantise with the whole row's scale
+    # W8A8_DYNAMIC projections (o_proj and down_proj quantise with the whole row's scale) and output
+    # projection (each rank its vocabulary rows of it)
+    "qwen3_w8a8": {},
     "qwen3_moe_w8a8": {},  # W8A8_DYNAMIC routed experts, int8 rows of every expert per rank
     "qwen3_moe_w8a8+ep": {"enable_expert_parallel": True},
     "qwen3_bias": {},
@@ -181,7 +183,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, qwen_checkpoints: Call
         "qwen3_kv1": kv1,
         "qwen3_fp8": _fp8_copy(qwen_checkpoints("qwen3"), root / "qwen3_fp8"),
         "qwen3_moe_fp8": _fp8_copy(qwen_checkpoints("qwen3_moe"), root / "qwen3_moe_fp8"),
-        "qwen3_w8a8": _w8a8_copy(qwen_checkpoints("qwen3"), root / "qwen3_w8a8"),
+        "qwen3_w8a8": _w8a8_copy(qwen_checkpoints("qwen3"), root / "qwen3_w8a8", head=True),
         "qwen3_moe_w8a8": _w8a8_copy(qwen_checkpoints("qwen3_moe"), root / "qwen3_moe_w8a8"),
         "qwen3_bias": bias,  # o_proj's bias is added once, after the all-reduce
         "qwen3_sharded": qwen_checkpoints("qwen3_sharded"),  # slices read across safetensors files
