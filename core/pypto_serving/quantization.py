@@ -108,9 +108,14 @@ class QuantizedWeight:
     input_offset: torch.Tensor | None = None
     deq_scale: torch.Tensor | None = None
     quant_bias: torch.Tensor | None = None
+    # On the CPU: oneDNN's prepacked copy (``pypto_kernels.pack_quant_linear``), which replaces
+    # ``data`` (then an empty ``[0, in]`` tensor); None elsewhere.
+    packed: Any = None
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.packed is not None:
+            return tuple(self.packed.shape)  # type: ignore[return-value]
         return (int(self.data.shape[0]), int(self.data.shape[1]))
 
     def tensors(self) -> list[torch.Tensor]:
@@ -119,8 +124,9 @@ class QuantizedWeight:
         return list({id(t): t for t in found if t is not None}.values())
 
     def nbytes(self) -> int:
-        """Bytes held: the data and every scale tensor."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        """Bytes held: the data (or its packed copy) and every scale tensor."""
+        packed = 0 if self.packed is None else int(self.packed.nbytes)
+        return packed + sum(t.numel() * t.element_size() for t in self.tensors())
 
     def expert(self, index: int) -> QuantizedWeight:
         """Matrix ``index`` of a stack of experts (views of the stack's tensors)."""

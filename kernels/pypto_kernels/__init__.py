@@ -30,7 +30,15 @@ from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
 from .mxfp4 import dequantize_mxfp4
 from .norm import add_rms_norm, rms_norm
-from .quant import AbsmaxReduce, QuantizedLinearWeight, dequantize_weight, quant_linear, quantize_per_token
+from .quant import (
+    AbsmaxReduce,
+    PackedInt8Weight,
+    QuantizedLinearWeight,
+    dequantize_weight,
+    pack_quant_linear,
+    quant_linear,
+    quantize_per_token,
+)
 from .quant_moe import dequantize_experts, quant_moe_experts
 from .registry import (
     KERNEL_NAMES,
@@ -49,6 +57,7 @@ __version__ = "0.1.0"
 __all__ = [
     "KERNEL_NAMES",
     "AbsmaxReduce",
+    "PackedInt8Weight",
     "PackedLinearWeight",
     "QuantizedLinearWeight",
     "__version__",
@@ -79,6 +88,7 @@ __all__ = [
     "npu_available",
     "onednn_supports",
     "pack_linear",
+    "pack_quant_linear",
     "packing_rule",
     "paged_attention",
     "paged_cache_layout",

@@ -410,6 +410,34 @@ def test_row_parallel_w8a8_reads_nothing_on_the_host_of_a_fake_device() -> None:
     assert len(handed) >= 2 and all(a.device == CUDA and a.shape[-1] == 1 for a in handed)
 
 
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_a_prepacked_int8_weight_matches_the_reference(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's prepacked int8 product (``pack_quant_linear``) gives the reference's result (the same
+    integer sums and scales); the plain data is freed, ``torch._int_mm`` no longer runs, and the
+    reference refuses the packed weight instead of reading the emptied data."""
+    shape = (37, 150)
+    weight, plain = _int8(shape), _int8(shape)
+    x, bias = _x(rows, shape[1]), torch.randn(shape[0])
+    want = quant_linear.reference(x, plain, bias)
+    if not pypto_kernels.device.cpu_int8_products_pay():
+        assert not pypto_kernels.pack_quant_linear(weight)
+        pytest.skip("this CPU has no int8 dot products: the weight stays plain")
+    assert pypto_kernels.pack_quant_linear(weight)
+    assert weight.data.numel() == 0 and weight.shape == shape and weight.nbytes() == plain.nbytes()
+    monkeypatch.setattr(torch, "_int_mm", None)  # the packed product runs, not _int_mm
+    got = pypto_kernels.quant_linear(x, weight, bias)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed for oneDNN"):
+        quant_linear.reference(x, weight, bias)
+
+
+def test_only_symmetric_int8_weights_on_int8_cpus_are_packed() -> None:
+    vnni, avx2 = frozenset({"sse2", "avx512_vnni"}), frozenset({"sse2", "avx2"})
+    assert not pypto_kernels.pack_quant_linear(_int8((8, 16)), flags=avx2)
+    assert not pypto_kernels.pack_quant_linear(_int8((8, 16), offset=True), flags=vnni)
+    assert not pypto_kernels.pack_quant_linear(_fp8((16, 16))[0], flags=vnni)
+
+
 def test_int8_products_pay_on_x86_only_with_int8_dot_products() -> None:
     pay = pypto_kernels.device.cpu_int8_products_pay
     assert all(pay(frozenset({"sse2", flag})) for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))

@@ -58,7 +58,7 @@ from ..activation import silu_and_mul
 from ..attention import batched_decode_paged_attention, in_place_caches
 from ..dense import PackedLinearWeight
 from ..moe import routes_by_expert
-from ..quant import AbsmaxReduce, QuantizedLinearWeight, fp8_values, quantize_per_token
+from ..quant import AbsmaxReduce, PackedInt8Weight, QuantizedLinearWeight, fp8_values, quantize_per_token
 from ..quant_moe import QuantizedExperts
 from . import paged_attention_features
 
@@ -115,11 +115,30 @@ def _banded_int8(x_q: torch.Tensor, weight: QuantizedLinearWeight) -> torch.Tens
     return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
 
+def _packed_int8(
+    x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, packed: PackedInt8Weight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The int8 rows ``x_q`` (per-row ``x_scale``) times a prepacked weight: oneDNN takes unsigned
+    activations with a zero point, so each int8 value ``v`` goes in as ``v + 128`` (its bits with the
+    top one flipped) and zero point 128; the weight's scales apply inside the product, the rows'
+    after it, in place."""
+    unsigned = x_q.view(torch.uint8).bitwise_xor(128)
+    out: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+        unsigned, 1.0, 128, packed.tensor, packed.scale, packed.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    out.mul_(x_scale)
+    if bias is not None:
+        out += bias.float()
+    return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
 def _w8a8_dynamic(
     x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None, reduce_absmax: AbsmaxReduce | None
 ) -> torch.Tensor:
     xs = x.reshape(-1, x.shape[-1])
     x_q, x_scale = quantize_per_token(xs, reduce_absmax)
+    if weight.packed is not None:
+        return _packed_int8(x, x_q, x_scale, weight.packed, bias)
     acc = torch._int_mm(x_q, weight.data.t()).float() if device.cpu_int8_products_pay() else _banded_int8(x_q, weight)
     if weight.offset is not None:  # (w - o) . x = w . x - o * sum(x)
         acc = acc - x_q.float().sum(dim=-1, keepdim=True) * weight.offset.float().reshape(1, -1)

@@ -161,16 +161,16 @@ class QwenExecutor(Executor):
             return
         count = model.pack_linears(self.settings.max_num_seqs, _CPU_LINEAR[choice], tied_head_copy=tied_copy)
         _return_freed_heap()
-        head = model.lm_head_packed
+        head, stored = model.lm_head_packed, model.lm_head_q
         label = K.describe_kernel("linear", self.device, dtype=self.dtype)
+        if stored is not None:
+            where = f"{stored.scheme}, {'oneDNN prepacked' if stored.packed is not None else 'as stored'}"
+        elif head is None:
+            where = "not packed"
+        else:
+            where = f"{head.library}, {'beside' if head.weight is not None else 'in place of'} the plain matrix"
         logger.info(
-            "cpu_linear=%s: %d float matrices packed (output projection: %s): linear runs %s",
-            choice,
-            count,
-            "not packed"
-            if head is None
-            else f"{head.library}, {'beside' if head.weight is not None else 'in place of'} the plain matrix",
-            label,
+            "cpu_linear=%s: %d matrices packed (output projection: %s): linear runs %s", choice, count, where, label
         )
 
     def _attach_loras(self, model: QwenForCausalLM) -> None:

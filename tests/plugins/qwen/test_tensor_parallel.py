@@ -135,11 +135,12 @@ def _generate(path: str, options: dict[str, Any]) -> dict[str, Any]:
         "tokens": tokens,
         "read": counts["read"],
         "largest_read": counts["largest"],
-        # Parameters plus the weights kept in their stored precision (data and scales; W8A8's all-zero
-        # offsets, as large as its scales, are read and then dropped).
+        # Parameters plus the weights kept in their stored precision (data, or its oneDNN-packed copy,
+        # and scales; W8A8's all-zero offsets, as large as its scales, are read and then dropped).
         "held": sum(p.numel() for p in ex.model.parameters())
         + sum(
-            w.data.numel() + w.scale.numel() * (2 if w.scheme == "w8a8_dynamic" else 1)
+            (w.data.numel() if w.packed is None else w.packed.nbytes)
+            + w.scale.numel() * (2 if w.scheme == "w8a8_dynamic" else 1)
             for w in ex.model.quantized_weights()
         ),
         "bytes_per_block": info.cache_groups[0].bytes_per_block,
