@@ -339,6 +339,7 @@ class EngineCore:
             )
         address = self._kv_links.start(timeout=60)
         self.kvx = KVTransferLedger(cfg, self.kv, self._kv_links.send, address)
+        self.kvx.seats = self._pull_seats
         self.scheduler.hold_kv = self.kvx.hold
 
     def _poll_kv(self) -> None:
@@ -389,6 +390,11 @@ class EngineCore:
             req.status, req.error = RequestStatus.FINISHED_ERROR, str(e)
             req.metrics.finished_time = time.monotonic()
             self._touch([req])
+
+    def _pull_seats(self) -> int:
+        """Requests that may still take blocks through a pull: ``max_num_seqs`` less the running and the
+        waiting ones (waiting pulled requests hold their prompt's blocks; the others arrived first)."""
+        return self.settings.max_num_seqs - len(self.scheduler.running) - self.scheduler.num_waiting
 
     def _admit_pulled(self, req: Request) -> None:
         """A decode request whose prompt KV arrived: it enters the scheduler as a prefix hit of it."""

@@ -110,6 +110,11 @@ class KVTransferLedger:
         self._clock = clock
         self.held: dict[str, _Held] = {}  # prefill side, by transfer id
         self.pulls: dict[str, _Pull] = {}  # decode side, by transfer id (the request id)
+        # Decode side: how many more requests may hold blocks beside the pulls in flight (the engine:
+        # ``max_num_seqs`` less its running and waiting requests). A pull starts only into a seat, as
+        # vLLM loads remote KV only for a request it schedules: without it, pulled prompts queued
+        # behind a full batch took the pool's free blocks and the running requests were preempted.
+        self.seats: Callable[[], int] = lambda: 1 << 30
         self.streams: dict[str, _Stream] = {}  # prefill side, growing offers by transfer id
         self.stats = {
             "kv_sent": 0,
@@ -371,8 +376,12 @@ class KVTransferLedger:
         return True
 
     def _try_start(self, pull: _Pull) -> None:
-        """Allocate the blocks and ask the connector; without room the pull waits for a later tick."""
-        if pull.started or not self.kv.allocate(pull.request, pull.num_tokens):
+        """Allocate the blocks and ask the connector; without a seat (:attr:`seats`) or room in the
+        pool the pull waits for a later tick."""
+        if pull.started:
+            return
+        in_flight = sum(p.started for p in self.pulls.values())
+        if in_flight >= self.seats() or not self.kv.allocate(pull.request, pull.num_tokens):
             return
         pull.started = True
         self.kv.restrict_to_hit(pull.request, pull.num_tokens)

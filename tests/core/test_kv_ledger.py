@@ -152,6 +152,32 @@ def test_a_pull_without_room_waits_and_starts_on_a_later_tick() -> None:
     assert [m[0] for m in sent] == ["pull"]
 
 
+def test_pulls_start_only_into_seats() -> None:
+    """A decode engine with one seat left (``max_num_seqs`` less its running and waiting requests)
+    pulls one prompt at a time, though the pool has room for both: a pulled request waits for a seat
+    before its blocks are taken, not holding them in the queue."""
+    ledger, sent, _ = _ledger("decode")
+    seats = [1]
+    ledger.seats = lambda: seats[0]
+    first, second = _decode_request(rid="a"), _decode_request(rid="b")
+    for req in (first, second):
+        ledger.check(req, 1)
+        assert ledger.start_pull(req)
+    assert [m[1] for m in sent] == ["a"] and not second.kv.block_ids
+    ledger.tick()
+    assert len(sent) == 1  # the seat is the pull in flight's
+    req, good = ledger.on_event(TransferEvent("a", "pulled"))
+    assert req is first and good
+    seats[0] = 0  # "a" now waits in the scheduler: still no seat
+    ledger.tick()
+    assert len(sent) == 1
+    seats[0] = 1  # "a" finished
+    ledger.tick()
+    assert [m[1] for m in sent] == ["a", "b"] and second.kv.block_ids
+    ledger.kv.free(first)
+    ledger.kv.check_invariants([second], [])
+
+
 @pytest.mark.parametrize(
     ("role", "change", "match"),
     [
