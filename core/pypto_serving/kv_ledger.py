@@ -228,9 +228,11 @@ class KVTransferLedger:
             stream = self.streams.get(f"{req.request_id}@{id(req):x}")
             if stream is None or stream.ended:
                 continue
-            done = min(end, stream.num_tokens)
-            if self.kv.hit_aligned:  # a step preempted in flight confirmed nothing: no block of it is cached
-                part = self._aligned_part(stream, min(done, req.sched.confirmed))
+            # Only confirmed tokens: a step preempted in flight confirmed nothing, and the blocks the
+            # request holds now (if readmitted) are not the ones that step wrote.
+            done = min(end, stream.num_tokens, req.sched.confirmed)
+            if self.kv.hit_aligned:  # no block of a discarded step is cached either
+                part = self._aligned_part(stream, done)
             else:
                 part = self._prefix_part(stream, done)
             if part is None:

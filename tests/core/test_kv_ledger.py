@@ -378,13 +378,19 @@ def _check(ledger: KVTransferLedger, *live: Request) -> None:
     ledger.kv.check_invariants([*live, *ledger.owners()], ledger.pinned())
 
 
+def _computed(ledger: KVTransferLedger, req: Request, end: int) -> None:
+    """A step's result for ``req`` applied: its tokens before ``end`` confirmed, then published."""
+    req.sched.confirmed = end
+    ledger.publish_computed([req], [end])
+
+
 def test_a_streamed_offer_grows_by_the_full_blocks_of_each_chunk_and_survives_preemption() -> None:
     ledger, sent, req = _streaming(21)  # 20 tokens move: kv 5 blocks, idx 3 (the last one partial)
     tid = sent[0][1]
     assert sent[0] == ("publish_part", tid, {"kv": [], "idx": []}, False, True)
     assert req.out.kv_transfer_params is not None and req.out.kv_transfer_params["num_tokens"] == 20
     assert ledger.kv.allocate(req, 10)
-    ledger.publish_computed([req], [10])  # 10 tokens computed: 2 kv blocks and 1 idx block are full
+    _computed(ledger, req, 10)  # 10 tokens computed: 2 kv blocks and 1 idx block are full
     assert sent[1] == (
         "publish_part",
         tid,
@@ -395,13 +401,14 @@ def test_a_streamed_offer_grows_by_the_full_blocks_of_each_chunk_and_survives_pr
     _check(ledger, req)
     first = sent[1][2]
     ledger.kv.free(req)  # preempted: its own references go, the offer's stay
+    req.sched.confirmed = 0
     assert all(ledger.kv.pools[g].ref_cnt[b] == 1 for g, bs in first.items() for b in bs)
     _check(ledger)
     assert ledger.kv.allocate(req, 16)
-    ledger.publish_computed([req], [16])  # recomputed: only the blocks past the published ones go out
+    _computed(ledger, req, 16)  # recomputed: only the blocks past the published ones go out
     assert sent[2][2] == {"kv": req.kv.block_ids["kv"][2:4], "idx": req.kv.block_ids["idx"][1:2]}
     assert ledger.kv.allocate(req, 22)
-    ledger.publish_computed([req], [22])  # capped at the 20 tokens that move
+    _computed(ledger, req, 22)  # capped at the 20 tokens that move
     assert sent[3][2] == {"kv": req.kv.block_ids["kv"][4:5], "idx": []}
     req.output_token_ids.append(7)
     req.status = RequestStatus.FINISHED_LENGTH
@@ -414,12 +421,29 @@ def test_a_streamed_offer_grows_by_the_full_blocks_of_each_chunk_and_survives_pr
     ledger.kv.check_invariants([])
 
 
+def test_a_step_preempted_in_flight_publishes_nothing_though_the_request_holds_new_blocks() -> None:
+    """Async: the request was preempted while its step ran (nothing of that step confirmed) and holds
+    fresh blocks again when the step's result arrives; the ledger publishes none of them, since no
+    step wrote them yet (before, the step's end published them as computed), and the recomputed
+    chunk goes out when it is confirmed."""
+    ledger, sent, req = _streaming(21)
+    assert ledger.kv.allocate(req, 16)
+    ledger.kv.free(req)  # preempted in flight ...
+    req.sched.confirmed = 0
+    assert ledger.kv.allocate(req, 16)  # ... and readmitted: blocks nobody has written yet
+    ledger.publish_computed([req], [16])  # the discarded step's result
+    assert len(sent) == 1
+    _computed(ledger, req, 16)  # the recompute
+    assert sent[1][2] == {"kv": req.kv.block_ids["kv"][:4], "idx": req.kv.block_ids["idx"][:2]}
+    _check(ledger, req)
+
+
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
 def test_a_streamed_prefill_that_fails_withdraws_its_offer(status: RequestStatus) -> None:
     ledger, sent, req = _streaming(21)
     tid = sent[0][1]
     assert ledger.kv.allocate(req, 16)
-    ledger.publish_computed([req], [16])
+    _computed(ledger, req, 16)
     req.status = status
     assert not ledger.hold(req)  # the scheduler frees the request's blocks ...
     assert sent[-1] == ("withdraw", tid)
@@ -435,11 +459,11 @@ def test_a_streamed_offer_whose_send_failed_publishes_nothing_more() -> None:
     ledger, sent, req = _streaming(21)
     tid = sent[0][1]
     assert ledger.kv.allocate(req, 8)
-    ledger.publish_computed([req], [8])
+    _computed(ledger, req, 8)
     ledger.on_event(TransferEvent(tid, "sent", "sending the KV failed: the decode engine went away"))
     _check(ledger, req)  # the parts are freed at once; the request keeps its own blocks
     assert ledger.kv.allocate(req, 16)
-    ledger.publish_computed([req], [16])
+    _computed(ledger, req, 16)
     req.status = RequestStatus.FINISHED_LENGTH
     assert not ledger.hold(req)  # nothing held: the scheduler frees it as any request
     assert len(sent) == 2
