@@ -117,6 +117,53 @@ def test_decode_continues_from_the_transferred_hit(prefill: LLM, scheduler: str)
     assert _free_blocks(prefill) == _all_blocks(prefill)
 
 
+def _offer(prefill: LLM, prompt: list[int]) -> dict[str, Any]:
+    params = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    offer = prefill.generate([prompt], params, use_tqdm=False)[0].kv_transfer_params
+    assert offer is not None and offer["num_tokens"] == UNIT
+    return offer
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_a_corrupted_mtp_snapshot_costs_drafts_never_tokens(prefill: LLM, seeded: bool) -> None:
+    """The pulled MTP input snapshot (``mtp_state``) is overwritten with NaN before the request's
+    first step, as a faulty link or device could deliver it: its drafts are then garbage (fewer
+    accepted than from a clean pull of the same offer, so the snapshot was read), and the tokens still
+    equal co-located serving, greedy and seeded: drafts only propose, rejection sampling accepts none
+    the target model would not give, and nothing of the MTP state reaches the target's KV."""
+    from pypto_serving.kv_cache import FREED
+
+    prompt = PROMPTS[1]  # 6 positions past the hit: its MTP windows still reach the snapshot's entry
+    want = prefill.generate([prompt], _params(seeded), use_tqdm=False)[0].outputs[0].token_ids
+    drafting: list[tuple[int, int, int]] = []
+    outs = []
+    with LLM(kv_role="decode", worker_mode="inproc", **COMMON) as decode:
+        engine = decode._engine()
+        assert engine.kvx is not None
+        pulled, corrupted = engine.kvx.on_event, []
+
+        def corrupting(event: Any) -> Any:
+            req, ok = pulled(event)
+            if ok:
+                blocks = [b for b in req.kv.block_ids["mtp_state"] if b != FREED]
+                engine.worker._runner.executor.model.caches["mtp_state"][:, blocks] = float("nan")
+                corrupted.extend(blocks)
+            return req, ok
+
+        for corrupt in (False, True):
+            engine.kvx.on_event = corrupting if corrupt else pulled
+            params = _params(seeded, kv_transfer_params=_offer(prefill, prompt))
+            with _spec_delta(decode, drafting):
+                outs.append(decode.generate([prompt], params, use_tqdm=False)[0])
+        assert corrupted  # the snapshot's blocks came over and were overwritten
+        assert all(o.outputs[0].error is None and o.num_cached_tokens == UNIT for o in outs)
+        assert [o.outputs[0].token_ids for o in outs] == [want, want]
+        (_, clean_accepted, _), (_, noisy_accepted, _) = drafting
+        assert noisy_accepted < clean_accepted, drafting
+        engine.kv.check_invariants(engine.scheduler.live_requests())
+        assert _free_blocks(decode) == _all_blocks(decode)
+
+
 def test_an_offer_must_be_a_hit_position(prefill: LLM) -> None:
     """A num_tokens the decode engine could not start after is refused (400), not computed from."""
     with LLM(kv_role="decode", worker_mode="inproc", **COMMON) as decode:
