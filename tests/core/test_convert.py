@@ -139,6 +139,10 @@ def test_quantize_head_gives_a_tied_qwen_its_own_int8_head_that_decodes_as_its_f
             floats[name] = t.float() * got[name + "_scale"]
     save_file(floats, str(plain / "model.safetensors"))
     assert _greedy(out) == _greedy(plain)
+    fp8 = tmp_path / "fp8"  # an FP8 head: kept FP8, and decodes as its dequantised copy exactly
+    convert_checkpoint(TINY_QWEN3, fp8, "fp8", quantize_head=True)
+    assert _tensors(fp8)["lm_head.weight"].dtype == torch.float8_e4m3fn
+    assert _greedy(fp8) == _greedy(_dequantized_copy(fp8, tmp_path / "fp8-plain"))
     with pytest.raises(ConversionError, match="DeepSeek-V4 executor keeps its output projection in float"):
         convert_checkpoint(TINY_DEEPSEEK_V4, tmp_path / "ds", "w8a8", quantize_head=True)
 

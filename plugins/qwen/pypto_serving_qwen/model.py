@@ -594,7 +594,8 @@ class QwenForCausalLM(nn.Module):
             "model.norm.weight": [WeightTarget(self.norm.data, ("model.norm.weight",))],
         }
         if self.lm_head_q is not None:
-            out.update(weight_targets(self.lm_head_q, "lm_head.weight", slice(None), vocab, full))
+            rows = slice(0, _size(vocab))  # all of this rank's matrix
+            out.update(weight_targets(self.lm_head_q, "lm_head.weight", rows, vocab, full))
         elif self.cfg.tie_word_embeddings:
             out["lm_head.weight"] = []  # a tied export may still carry a copy; the embedding wins, as in HF
         else:
