@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from . import device
-from .registry import dispatch
+from .registry import dispatch, get_kernel, reference_kernel
 
 __all__ = [
     "QUANT_SCHEMES",
@@ -104,6 +104,7 @@ def pack_quant_linear(weight: Any, *, flags: frozenset[str] | None = None) -> bo
         or data.dim() != 2
         or not hasattr(torch.ops.onednn, "qlinear_prepack")
         or not device.cpu_int8_products_pay(flags)
+        or get_kernel("quant_linear", "cpu") is reference_kernel("quant_linear")  # no CPU fast path loaded
     ):
         return False
     rows, cols = int(data.shape[0]), int(data.shape[1])
