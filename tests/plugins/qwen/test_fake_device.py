@@ -36,6 +36,7 @@ CASES = [
     ("qwen3_sliding", torch.bfloat16),
     ("qwen2", torch.float32),  # q/k/v biases, no q/k norms
     ("qwen3_moe+fp8_experts", torch.bfloat16),  # block-FP8 experts through quant_moe_experts
+    ("qwen3+fp8_head", torch.bfloat16),  # a block-FP8 output projection through quant_linear
 ]
 
 
@@ -57,13 +58,15 @@ def _fp8_experts(cfg: QwenConfig) -> QuantPlan:
 
 
 def _fake_executor(
-    path: Path, dtype: torch.dtype, kv_cache_dtype: str = "auto", fp8_experts: bool = False
+    path: Path, dtype: torch.dtype, kv_cache_dtype: str = "auto", fp8_experts: bool = False, fp8_head: bool = False
 ) -> QwenExecutor:
     """A QwenExecutor whose model, parameters and caches are fake CUDA tensors (no weights to load)."""
     ex = QwenExecutor(qwen_settings(path, block_size=BLOCK_SIZE, kv_cache_dtype=kv_cache_dtype))
     ex.config = read_config(path)
     ex.device, ex.dtype = CUDA, dtype
     plan = _fp8_experts(ex.config) if fp8_experts else None
+    if fp8_head:  # as `pypto-serving convert --to fp8 --quantize-head` writes it
+        plan = QuantPlan({"lm_head.weight": "fp8_block"}, (16, 16))
     ex.model = QwenForCausalLM(ex.config, CUDA, dtype, plan=plan).eval()
     ex.init_kv_cache({KV_GROUP: NUM_BLOCKS})
     return ex
@@ -112,9 +115,10 @@ def test_prefill_then_mixed_chunked_prefill_and_decode_on_the_device(
         [("c", [9]), ("a", [8])],  # decodes only
     ]
     with fake_cuda():
-        ex = _fake_executor(path, dtype, fp8_experts=name.endswith("+fp8_experts"))
+        ex = _fake_executor(path, dtype, fp8_experts=name.endswith("+fp8_experts"), fp8_head=name.endswith("_head"))
         assert ex.config is not None and ex.model is not None
-        assert bool(ex.model.quantized_weights()) == name.endswith("+fp8_experts")
+        assert bool(ex.model.quantized_weights()) == ("+" in name)
+        assert (ex.model.lm_head_q is not None) == name.endswith("_head")
         for chunks in steps:
             _execute(ex, on_device(builder.step(chunks, all_logits=False)), ex.config.vocab_size)
 
