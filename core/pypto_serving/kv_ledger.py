@@ -374,17 +374,23 @@ class KVTransferLedger:
         if int(params["num_tokens"]) == 0:
             return False
         self.pulls[req.request_id] = _Pull(req, params, int(params["num_tokens"]))
-        self._try_start(self.pulls[req.request_id])
+        self._start_waiting()
         return True
 
-    def _try_start(self, pull: _Pull) -> None:
-        """Allocate the blocks and ask the connector; without a seat (:attr:`seats`) or room in the
-        pool the pull waits for a later tick."""
-        if pull.started:
-            return
-        in_flight = sum(p.started for p in self.pulls.values())
-        if in_flight >= self.seats() or not self.kv.allocate(pull.request, pull.num_tokens):
-            return
+    def _start_waiting(self) -> None:
+        """Start waiting pulls in arrival order while seats (:attr:`seats`) last; one without room in
+        the pool waits for a later tick."""
+        free = self.seats() - sum(p.started for p in self.pulls.values())
+        for pull in self.pulls.values():
+            if free <= 0:
+                return
+            if not pull.started and self._try_start(pull):
+                free -= 1
+
+    def _try_start(self, pull: _Pull) -> bool:
+        """Allocate the blocks and ask the connector; False without room in the pool."""
+        if not self.kv.allocate(pull.request, pull.num_tokens):
+            return False
         pull.started = True
         self.kv.restrict_to_hit(pull.request, pull.num_tokens)
         # A hit's blocks: a group whose entries are shifted past the positions (an MTP window) holds
@@ -392,6 +398,7 @@ class KVTransferLedger:
         hit = self.kv.hit_aligned
         blocks = self.kv.blocks_before(pull.request, pull.num_tokens) if hit else _held_blocks(pull.request)
         self._send(("pull", pull.request.request_id, pull.source, blocks))
+        return True
 
     def abort(self, request_id: str) -> Request | None:
         """Abort a pulling request: at once when its pull has not started (returned, finished);
@@ -408,15 +415,13 @@ class KVTransferLedger:
 
     # -- events
     def tick(self) -> None:
-        """Withdraw held blocks past their deadline; start pulls that now have room."""
+        """Withdraw held blocks past their deadline; start pulls that now have a seat and room."""
         now = self._clock()
         for tid, held in self.held.items():
             if not held.withdrawn and now > held.deadline:
                 held.withdrawn = True
                 self._send(("withdraw", tid))
-        for pull in self.pulls.values():
-            if not pull.started:
-                self._try_start(pull)
+        self._start_waiting()
 
     def on_event(self, event: TransferEvent) -> tuple[Request | None, bool]:
         """Apply one connector event; returns a decode request whose pull ended (or None) and whether
