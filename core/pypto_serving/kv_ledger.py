@@ -380,6 +380,8 @@ class KVTransferLedger:
     def _start_waiting(self) -> None:
         """Start waiting pulls in arrival order while seats (:attr:`seats`) last; one without room in
         the pool waits for a later tick."""
+        if not self.pulls:
+            return
         free = self.seats() - sum(p.started for p in self.pulls.values())
         for pull in self.pulls.values():
             if free <= 0:
