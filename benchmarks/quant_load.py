@@ -160,6 +160,9 @@ def write_checkpoint(path: Path, shape_name: str, fmt: str) -> int:
 
     path.mkdir(parents=True, exist_ok=True)
     tensors = _float_tensors(SHAPES[shape_name])
+    head = fmt == "w8a8-head"  # the output projection int8 too, untied (``convert --quantize-head``)
+    if head:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     floats = torch.float32 if fmt == "float32" else torch.bfloat16
     out: dict[str, torch.Tensor] = {}
     description: dict[str, str] = {"model_quant_type": "W8A8_DYNAMIC"}
@@ -167,7 +170,7 @@ def write_checkpoint(path: Path, shape_name: str, fmt: str) -> int:
         linear = name.endswith(".weight") and any(p in name for p in _QUANTIZED)
         if fmt == "fp8" and linear:
             out[name], out[name + "_scale_inv"] = _fp8(t)
-        elif fmt == "w8a8" and linear:
+        elif fmt.startswith("w8a8") and (linear or name == "lm_head.weight"):
             scale = t.abs().amax(dim=1, keepdim=True) / 127
             out[name] = torch.round(t / scale).clamp(-127, 127).to(torch.int8)
             out[name + "_scale"], out[name + "_offset"] = scale, torch.zeros_like(scale)
@@ -180,7 +183,9 @@ def write_checkpoint(path: Path, shape_name: str, fmt: str) -> int:
     config = _config(SHAPES[shape_name], "float32" if fmt == "float32" else "bfloat16")
     if fmt == "fp8":
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    if fmt == "w8a8":
+    if head:
+        config["tie_word_embeddings"] = False
+    if fmt.startswith("w8a8"):
         (path / "quant_model_description.json").write_text(json.dumps(description))
     (path / "config.json").write_text(json.dumps(config))
     save_file(out, str(path / "model.safetensors"))
