@@ -94,14 +94,21 @@ def _dequantized_band(weight: QuantizedLinearWeight, start: int, stop: int, dtyp
     return band * scale.repeat_interleave(br, 0)[:n].repeat_interleave(bc, 1)[:, :k]
 
 
+def _by_bands(
+    xs: torch.Tensor, weight: QuantizedLinearWeight, band: Callable[[int, int], torch.Tensor]
+) -> torch.Tensor:
+    """``xs @ W.T`` where ``band(start, stop)`` makes rows ``start:stop`` of ``W`` (a few scale-block
+    rows, at most :data:`BAND_ELEMENTS` values at a time)."""
+    out_rows, step = int(weight.data.shape[0]), _band_rows(weight)
+    parts = [F.linear(xs, band(r, min(r + step, out_rows))) for r in range(0, out_rows, step)]
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
 def _fp8_block(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     xs = x.reshape(-1, x.shape[-1]).to(dtype)
-    out_rows, step = weight.data.shape[0], _band_rows(weight)
-    parts = [
-        F.linear(xs, _dequantized_band(weight, r, min(r + step, out_rows), dtype)) for r in range(0, out_rows, step)
-    ]
-    out = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    out_rows = int(weight.data.shape[0])
+    out = _by_bands(xs, weight, lambda start, stop: _dequantized_band(weight, start, stop, dtype))
     if bias is not None:
         out = out + bias.to(dtype)
     return out.reshape(*x.shape[:-1], out_rows).to(x.dtype)
@@ -109,10 +116,7 @@ def _fp8_block(x: torch.Tensor, weight: QuantizedLinearWeight, bias: torch.Tenso
 
 def _banded_int8(x_q: torch.Tensor, weight: QuantizedLinearWeight) -> torch.Tensor:
     """``x_q @ weight.data.T`` in float32 (int8 values, converted a band of weight rows at a time)."""
-    xf, data = x_q.float(), weight.data
-    step = max(1, BAND_ELEMENTS // max(int(data.shape[1]), 1))
-    parts = [F.linear(xf, data[r : r + step].float()) for r in range(0, int(data.shape[0]), step)]
-    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    return _by_bands(x_q.float(), weight, lambda start, stop: weight.data[start:stop].float())
 
 
 def _packed_int8(
