@@ -28,6 +28,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .registry import dispatch
 
 #: Upper bound on the elements of one query tile's scores (heads x queries x keys): bounds memory
@@ -850,6 +851,25 @@ def reads_in_place(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     return in_place_caches(key_cache.dtype, value_cache.dtype, dense)
 
 
+#: Most queries of one request's run that the native kernel attends row by row (decode rows,
+#: speculative verification); longer runs (prefill chunks) take the padded matmuls, which share each
+#: key across the run's rows.
+NATIVE_MAX_QUERIES = 16
+
+
+def _native_rows(spans: list[_Span], window: int | None) -> torch.Tensor:
+    """:func:`pypto_kernels.native.paged_attention`'s rows for every query of ``spans``: query ``i`` of
+    a run of ``n`` ending at key ``hi`` sees the keys up to its own position ``hi - n + i`` (causal),
+    the last ``window`` of them under a sliding window."""
+    entries = []
+    for span in spans:
+        for i in range(span.num_queries):
+            end = span.hi - span.num_queries + i + 1
+            lo = max(0, end - window) if window is not None else 0
+            entries.append((span.row + i, span.request, lo, end - lo))
+    return torch.tensor(entries, dtype=torch.int64)
+
+
 def batched_decode_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -868,18 +888,32 @@ def batched_decode_paged_attention(
 ) -> torch.Tensor:
     """:func:`paged_attention` with every decode row (one query) of the step attended at once.
 
-    A float32 cache is read in place (:func:`_attend_in_place`: sampled scores, a padded softmax,
-    an ``embedding_bag`` of values). Other caches (bfloat16, FP8) are gathered: rows sorted by
-    length, cut into groups of bounded padded size, each group's K/V copied once into a padded
-    tensor and attended with one masked matmul/softmax/matmul per KV head. Longer query runs go
-    request by request as in the reference. Same contract and results as the reference, to float
-    rounding."""
+    Where the native CPU kernels are built (:mod:`pypto_kernels.native`) and the caches are float32
+    or bfloat16 without scales, every run of at most :data:`NATIVE_MAX_QUERIES` queries (decode rows,
+    speculative verification) is attended by one call of the C kernel, each query row over its keys
+    read in place, and only longer runs take the request loop. Otherwise a float32 cache is read in
+    place (:func:`_attend_in_place`: sampled scores, a padded softmax, an ``embedding_bag`` of
+    values), and other caches (bfloat16, FP8) are gathered: rows sorted by length, cut into groups
+    of bounded padded size, each group's K/V copied once into a padded tensor and attended with one
+    masked matmul/softmax/matmul per KV head; longer query runs go request by request as in the
+    reference. Same contract and results as the reference, to float rounding."""
     out = query.new_zeros((query.shape[0], query.shape[1], value_cache.shape[-1]))
     if query.shape[0] == 0 or seq_lens.numel() == 0:
         return out
     tables, spans = _tables_and_spans(
         query, key_cache, block_tables, query_start_loc, seq_lens, sliding_window, query_lens_host, seq_lens_host
     )
+    if native.reads(key_cache, value_cache, k_scale is not None or v_scale is not None):
+        short = [s for s in spans if s.num_queries <= NATIVE_MAX_QUERIES]
+        if short:
+            rows = _native_rows(short, sliding_window)
+            if out.dtype == torch.float32:
+                native.paged_attention(query, key_cache, value_cache, tables, rows, scale, sinks, out)
+            else:
+                out.copy_(native.paged_attention(query, key_cache, value_cache, tables, rows, scale, sinks))
+        long = [s for s in spans if s.num_queries > NATIVE_MAX_QUERIES]
+        _attend_spans(query, key_cache, value_cache, tables, long, out, scale, sliding_window, sinks, k_scale, v_scale)
+        return out
     decode = [s for s in spans if s.num_queries == 1]
     if decode:
         _attend_decode_rows(query, key_cache, value_cache, tables, decode, out, scale, sinks, k_scale, v_scale)

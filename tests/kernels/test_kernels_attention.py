@@ -17,6 +17,7 @@ import pypto_kernels.attention as attention_module
 from pypto_kernels import (
     empty_paged_cache,
     memory_order,
+    native,
     paged_attention,
     paged_cache_layout,
     varlen_attention,
@@ -460,6 +461,22 @@ def test_write_and_paged_attention_read_nothing_back_on_a_fake_cuda_device() -> 
 DECODE_EDGE_LENGTHS = [1, 15, 16, 17, 300]
 
 
+@pytest.fixture
+def torch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's torch paths (in-place sampled product, padded gathers), as where no C compiler is found."""
+    monkeypatch.setattr(native, "library", lambda: None)
+
+
+@pytest.fixture(params=["native", "torch"])
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each CPU decode path in turn: the native kernel (skipped without a C compiler) and the torch paths."""
+    if request.param == "native" and native.library() is None:
+        pytest.skip("no native CPU kernels on this machine (no C compiler; see the log)")
+    if request.param == "torch":
+        monkeypatch.setattr(native, "library", lambda: None)
+    return str(request.param)
+
+
 def _head_major(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with its caches copied into :func:`pypto_kernels.empty_paged_cache`'s CPU layout."""
     out = dict(data)
@@ -501,6 +518,7 @@ def test_cpu_float_caches_are_head_major_and_others_token_major() -> None:
 @pytest.mark.parametrize("group_bytes", [1, None], ids=["row-per-group", "default"])
 def test_batched_decode_matches_the_request_loop_on_ragged_lengths(
     monkeypatch: pytest.MonkeyPatch,
+    cpu_path: str,
     num_q_heads: int,
     num_kv_heads: int,
     window: int | None,
@@ -526,7 +544,7 @@ def test_batched_decode_matches_the_request_loop_on_ragged_lengths(
     torch.testing.assert_close(batched, expected_paged(data, 0.25, window, sinks), atol=1e-5, rtol=1e-5)
 
 
-def test_batched_decode_fp8_and_bf16_caches_match_the_request_loop() -> None:
+def test_batched_decode_fp8_and_bf16_caches_match_the_request_loop(cpu_path: str) -> None:
     gen = torch.Generator().manual_seed(3)
     batch = [(1, n) for n in DECODE_EDGE_LENGTHS]
     data = build_paged_batch(batch, 16, 8, 2, 16, 16, torch.bfloat16, gen)
@@ -552,6 +570,7 @@ class _MatmulCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.usefixtures("torch_paths")
 def test_cpu_bf16_decode_step_is_a_few_matmuls_not_two_per_request() -> None:
     # 64 decode rows of a small model over a bfloat16 cache: the request loop runs 128 matmuls, the
     # padded path one per KV head for scores and one for values, per group of rows.
@@ -582,6 +601,7 @@ class _OpLog(TorchDispatchMode):
         return result
 
 
+@pytest.mark.usefixtures("torch_paths")
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_cpu_float32_decode_rows_read_the_cache_in_place(with_sinks: bool, layout: str) -> None:
@@ -610,6 +630,7 @@ def test_cpu_float32_decode_rows_read_the_cache_in_place(with_sinks: bool, layou
     torch.testing.assert_close(out, expected_paged(data, 0.25, None, sinks), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("torch_paths")
 def test_in_place_plan_is_shared_by_a_steps_layers_and_never_stale(monkeypatch: pytest.MonkeyPatch) -> None:
     """Layers of one step (same tables and lengths) build the index plan once; tables edited in place
     (same tensor, same lengths, other blocks) get a new plan, so the rows read the blocks they now name."""

@@ -35,7 +35,11 @@ on Qwen3-0.6B's projections, slower on smaller ones. It is a rule on the call's 
 not a timing, so the rounding of a given batch does not change from run to run.
 
 ``paged_attention`` attends a step's decode rows at once
-(:func:`pypto_kernels.attention.batched_decode_paged_attention`). A float32 cache is read in
+(:func:`pypto_kernels.attention.batched_decode_paged_attention`). Where the native CPU kernels
+are built (:mod:`pypto_kernels.native`, a C compiler present) a float32 or bfloat16 cache is read
+in place by one C call for every run of up to 16 queries (decode rows, speculative verification),
+each row a pass over its keys and one over its values with the next rows prefetched across block
+boundaries (docs/benchmarks.md, "Decode attention in C"). Without them a float32 cache is read in
 place: the scores are one sampled sparse-dense product over the cache rows each decode row sees,
 the values one weighted ``embedding_bag``, and no K/V is copied (docs/benchmarks.md, "Decode
 attention read in place"). Other caches (bfloat16, FP8: torch's sampled product takes float32 and
@@ -53,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import device
+from .. import device, native
 from ..activation import silu_and_mul
 from ..attention import batched_decode_paged_attention, in_place_caches
 from ..dense import PackedLinearWeight
@@ -68,8 +72,9 @@ BAND_ELEMENTS = 1 << 20
 
 QUANT_LINEAR_LABEL = "cpu: fp8 band-wise dequantising matmul / int8 _int_mm (band-wise float on x86 without VNNI)"
 PAGED_ATTENTION_LABEL = (
-    "cpu: decode rows batched (float32 caches read in place: sampled_addmm scores, embedding_bag values; "
-    "others: padded gather, one bmm per KV head)"
+    "cpu: decode rows batched (float32/bfloat16 caches read in place by the native C kernel, runs of up to "
+    "16 queries; without it float32 caches read in place by sampled_addmm scores and embedding_bag values, "
+    "others padded gathers and one bmm per KV head)"
 )
 LINEAR_LABEL = (
     "cpu: weights packed at load (mkl._mkl_linear / mkldnn._linear_pointwise); "
@@ -314,7 +319,8 @@ def explain_paged_attention(**features: Any) -> str | None:
     if heads is None or dim is None or dtype is None:
         return None
     dense = features.get("contiguous_cache", True) or features.get("head_major_cache", False)
-    if in_place_caches(dtype, features.get("value_dtype", dtype), dense):
+    value_dtype = features.get("value_dtype", dtype)
+    if native.reads_dtypes(dtype, value_dtype) or in_place_caches(dtype, value_dtype, dense):
         return None
     width = heads * dim * torch.empty((), dtype=dtype).element_size()
     if width > BATCHED_DECODE_MAX_TOKEN_BYTES:

@@ -1,0 +1,175 @@
+"""CPU kernels written in C (``csrc/``), compiled at first use by the system C compiler, called through ctypes.
+
+The library is built once per source, compiler and CPU (``-O3 -march=native -fopenmp``) into
+:func:`cache_dir` and loaded into the process, where its OpenMP parallel regions run on the
+runtime torch already loaded (the same ``libgomp.so.1``), so they share torch's threads and never
+add a second pool competing for the cores. Where no C compiler is found, or
+``PYPTO_KERNELS_NATIVE=0``, :func:`library` is None and the callers keep their torch paths (the
+same results to float rounding), saying so once in the log.
+
+- :func:`paged_attention`: query rows over a paged float32 or bfloat16 K/V cache read in place
+  (``csrc/paged_attention.c``), one pass per (row, KV head) over the keys the row sees.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .device import cpu_flags
+
+__all__ = ["NATIVE_DTYPES", "cache_dir", "library", "paged_attention", "reads", "reads_dtypes"]
+
+logger = logging.getLogger("pypto_kernels")
+
+_SOURCES = (Path(__file__).with_name("csrc") / "paged_attention.c",)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wall", "-Werror", "-shared", "-fPIC")
+#: Cache dtypes the C kernels read (bfloat16 widened exactly to float32 as it is read).
+NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$PYPTO_KERNELS_CACHE``, else ``$XDG_CACHE_HOME/pypto_kernels``
+    (``~/.cache/pypto_kernels``)."""
+    explicit = os.environ.get("PYPTO_KERNELS_CACHE")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pypto_kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(compiler: str) -> Path:
+    """The library for this source, compiler and CPU, compiled unless already in the cache."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in _SOURCES), " ".join(_FLAGS).encode(), version.encode()):
+        key.update(part)
+    key.update(" ".join(sorted(cpu_flags())).encode() + platform.machine().encode())
+    target = cache_dir() / f"pypto_native_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place, so concurrent processes never load half a file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, "-o", partial, *map(str, _SOURCES)], capture_output=True, check=True)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded C kernels, built on the first call; None (logged once, with the reason) where they
+    cannot be: ``PYPTO_KERNELS_NATIVE=0``, no C compiler, a failed build."""
+    if os.environ.get("PYPTO_KERNELS_NATIVE", "1") == "0":
+        logger.info("native CPU kernels off (PYPTO_KERNELS_NATIVE=0): torch paths")
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler (cc, gcc or $CC): the native CPU kernels are off, torch paths run (slower)")
+        return None
+    try:
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.decode(errors="replace")[-2000:] if isinstance(e, subprocess.CalledProcessError) else e
+        logger.warning("building the native CPU kernels with %s failed, torch paths run (slower): %s", compiler, detail)
+        return None
+    lib.pypto_paged_attention.restype = ctypes.c_int
+    lib.pypto_paged_attention.argtypes = [
+        _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64,
+        _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, _I64, _I64, ctypes.c_int,
+    ]  # fmt: skip
+    logger.info("native CPU kernels loaded from %s", path)
+    return lib
+
+
+def _element_strides(cache: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(cache.stride()[:3], dtype=torch.int64)
+
+
+def reads_dtypes(cache_dtype: torch.dtype, value_dtype: torch.dtype) -> bool:
+    """Whether :func:`paged_attention` takes K/V caches of these dtypes here (the library built)."""
+    return cache_dtype in NATIVE_DTYPES and value_dtype == cache_dtype and library() is not None
+
+
+def reads(key_cache: torch.Tensor, value_cache: torch.Tensor, scaled: bool) -> bool:
+    """Whether :func:`paged_attention` takes these caches (``scaled``: they carry dequantisation
+    scales): CPU tensors of one dtype of :data:`NATIVE_DTYPES`, last dimension dense, and the library built."""
+    return (
+        key_cache.device.type == "cpu"
+        and not scaled
+        and key_cache.dim() == value_cache.dim() == 4
+        and key_cache.stride(-1) == value_cache.stride(-1) == 1
+        and reads_dtypes(key_cache.dtype, value_cache.dtype)
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Query rows over the paged caches, read in place, into float32 ``out`` ``[R, Hq, Dv]`` (rows not
+    named are left as they are).
+
+    :param query: ``[R, Hq, D]`` (any float dtype; read as float32).
+    :param key_cache: ``[blocks, block_size, Hkv, D]``, a dtype of :data:`NATIVE_DTYPES`, last dimension
+        dense, Hkv dividing Hq.
+    :param value_cache: as ``key_cache`` with ``Dv`` values, same dtype.
+    :param tables: ``[requests, max_blocks]`` block tables.
+    :param rows: int64 ``[n, 4]``: per attended query row its row of ``query``, its request (row of
+        ``tables``), the first key position it sees and how many keys (consecutive positions, at least
+        one, within its table).
+    :param sinks: per query head a logit added to the softmax's denominator (``[Hq]``), or None.
+    :param out: a contiguous float32 ``[R, Hq, Dv]`` to write (a new zero tensor when None).
+    :return: ``out``.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available (see the log)")
+    q = query.to(torch.float32).contiguous()
+    tables = tables.to(torch.int64).contiguous()
+    columns = rows.to(torch.int64).t().contiguous()
+    if out is None:
+        out = torch.zeros((q.shape[0], q.shape[1], value_cache.shape[-1]), dtype=torch.float32)
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor, got {out.dtype} with strides {out.stride()}")
+    sink = None if sinks is None else sinks.to(torch.float32).contiguous()
+    k_strides, v_strides = _element_strides(key_cache), _element_strides(value_cache)
+    status = lib.pypto_paged_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+        NATIVE_DTYPES[key_cache.dtype], k_strides.data_ptr(), v_strides.data_ptr(), tables.data_ptr(),
+        tables.stride(0), *(columns[i].data_ptr() for i in range(4)), columns.shape[1], q.shape[1],
+        key_cache.shape[2], key_cache.shape[3], value_cache.shape[3], key_cache.shape[1], scale,
+        None if sink is None else sink.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the native paged attention could not allocate its per-thread scratch")
+    return out

@@ -1,0 +1,182 @@
+"""The native CPU paged attention (C, :mod:`pypto_kernels.native`) against a naive per-token loop, and
+its build: cached per source and CPU, off without a compiler or when asked, never half-loaded."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pypto_kernels.attention as attention_module
+from pypto_kernels import native, paged_attention
+
+from .test_kernels_attention import PAGED_ARGS, build_paged_batch, expected_paged
+
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason="no native CPU kernels on this machine (no C compiler; see the log)"
+)
+
+# (q_len, seq_len): decode rows of every block edge, speculative runs (3 and 16 queries: native), a
+# 17-query prefill chunk (the request loop), an idle request.
+RUNS_BATCH = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 300), (3, 40), (16, 50), (17, 60), (0, 9)]
+
+
+def _head_major(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with its caches copied into head-major views (whatever their dtype)."""
+    out = dict(data)
+    for name in ("key_cache", "value_cache"):
+        blocks, size, heads, dim = data[name].shape
+        physical = torch.empty((blocks, heads, size, dim), dtype=data[name].dtype)
+        out[name] = physical.transpose(1, 2).copy_(data[name])
+        assert attention_module.is_head_major(out[name])
+    return out
+
+
+class _Calls:
+    """Counts the native kernel's calls and the query rows they attend."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls, self.rows = 0, 0
+        inner = native.paged_attention
+
+        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self.calls += 1
+            self.rows += int(args[4].shape[0])
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(native, "paged_attention", counted)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2)])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_native_attends_decode_and_speculative_runs_as_the_naive_loop(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    layout: str,
+    num_q_heads: int,
+    num_kv_heads: int,
+    window: int | None,
+    with_sinks: bool,
+) -> None:
+    """Every run of up to 16 queries goes through one native call (the 17-query chunk does not), in a
+    NaN-filled cache with shuffled blocks; a bfloat16 cache is widened exactly, so its float32 result
+    matches the naive loop over the same values to float32 rounding."""
+    gen = torch.Generator().manual_seed(num_q_heads + (window or 0) + 7 * with_sinks)
+    data = build_paged_batch(RUNS_BATCH, 16, num_q_heads, num_kv_heads, 32, 24, dtype, gen)
+    if layout == "head_major":
+        data = _head_major(data)
+    sinks = torch.randn(num_q_heads, generator=gen) if with_sinks else None
+    calls = _Calls(monkeypatch)
+    out = paged_attention(*(data[name] for name in PAGED_ARGS), 0.25, sliding_window=window, sinks=sinks)
+    assert calls.calls == 1 and calls.rows == sum(q for q, _ in RUNS_BATCH if q <= attention_module.NATIVE_MAX_QUERIES)
+    expected = expected_paged(data, 0.25, window, sinks)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    if dtype == torch.bfloat16:  # the kernel's own float32 output, before the cast back to bfloat16
+        tables, spans = attention_module._tables_and_spans(
+            data["query"], data["key_cache"], data["block_tables"], data["query_start_loc"], data["seq_lens"],
+            window, None, None,
+        )  # fmt: skip
+        short = [s for s in spans if s.num_queries <= attention_module.NATIVE_MAX_QUERIES]
+        rows = attention_module._native_rows(short, window)
+        raw = native.paged_attention(data["query"], data["key_cache"], data["value_cache"], tables, rows, 0.25, sinks)
+        picked = rows[:, 0]
+        torch.testing.assert_close(raw[picked], expected[picked], atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_native_result_does_not_depend_on_the_threads() -> None:
+    gen = torch.Generator().manual_seed(11)
+    data = build_paged_batch([(1, 40 + 9 * r) for r in range(24)], 16, 8, 2, 64, 64, torch.float32, gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention(*(data[name] for name in PAGED_ARGS), 0.125)
+        torch.set_num_threads(max(2, threads))
+        many = paged_attention(*(data[name] for name in PAGED_ARGS), 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+@needs_native
+def test_native_rows_outside_the_call_are_left_and_bad_out_is_refused() -> None:
+    gen = torch.Generator().manual_seed(12)
+    data = build_paged_batch([(1, 20), (1, 33)], 16, 4, 2, 16, 16, torch.float32, gen)
+    tables = data["block_tables"]
+    out = torch.full((2, 4, 16), 7.0)
+    rows = torch.tensor([[1, 1, 0, 33]])
+    native.paged_attention(data["query"], data["key_cache"], data["value_cache"], tables, rows, 0.25, None, out)
+    assert torch.equal(out[0], torch.full((4, 16), 7.0))
+    torch.testing.assert_close(out[1], expected_paged(data, 0.25, None, None)[1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        native.paged_attention(
+            data["query"], data["key_cache"], data["value_cache"], tables, rows, 0.25, None, out.double()
+        )
+
+
+@pytest.fixture
+def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """``native.library`` rebuilt from scratch into an empty cache directory, restored afterwards."""
+    monkeypatch.setenv("PYPTO_KERNELS_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    yield tmp_path
+    native.library.cache_clear()
+
+
+def test_native_off_when_asked(fresh_library: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    monkeypatch.setenv("PYPTO_KERNELS_NATIVE", "0")
+    with caplog.at_level(logging.INFO, logger="pypto_kernels"):
+        assert native.library() is None
+    assert "PYPTO_KERNELS_NATIVE=0" in caplog.text
+    assert not native.reads_dtypes(torch.float32, torch.float32)
+    assert list(fresh_library.iterdir()) == []
+
+
+def test_no_compiler_or_a_failed_build_leaves_the_torch_paths(
+    fresh_library: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING, logger="pypto_kernels"):
+        assert native.library() is None
+    assert "no C compiler" in caplog.text
+    native.library.cache_clear()
+    monkeypatch.setenv("CC", str(fresh_library / "no-such-cc"))
+    with caplog.at_level(logging.WARNING, logger="pypto_kernels"):
+        assert native.library() is None
+    assert "failed" in caplog.text
+    # The dispatched kernel still answers, through the torch paths.
+    gen = torch.Generator().manual_seed(13)
+    data = build_paged_batch([(1, 20), (3, 33)], 16, 4, 2, 16, 16, torch.float32, gen)
+    out = paged_attention(*(data[name] for name in PAGED_ARGS), 0.25)
+    torch.testing.assert_close(out, expected_paged(data, 0.25, None, None), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_build_is_cached_and_renamed_into_place(fresh_library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiles: list[list[str]] = []
+    run = subprocess.run
+
+    def counted(args: list[str], **kwargs: Any) -> Any:
+        if "-o" in args:
+            compiles.append(args)
+        return run(args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counted)
+    compiler = native._compiler()
+    assert compiler is not None
+    first = native._build(compiler)
+    second = native._build(compiler)
+    assert first == second and len(compiles) == 1
+    assert list(fresh_library.iterdir()) == [first]  # no partial file left beside it
+    assert native.library() is not None and len(compiles) == 1
