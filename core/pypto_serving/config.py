@@ -136,8 +136,8 @@ class KVTransferConfig(BaseModel):
     )
     kv_connector_extra_config: dict[str, Any] = Field(
         default_factory=dict,
-        description="Options for the connector plugin (torch_p2p: 'timeout' seconds, 'pull_threads'; mooncake: "
-        "'protocol', 'device_name', 'metadata_server', 'local_hostname', 'timeout', 'pull_threads').",
+        description="Options for the connector plugin (torch_p2p: 'timeout' seconds, 'pull_threads', 'backend'; "
+        "mooncake: 'protocol', 'device_name', 'metadata_server', 'local_hostname', 'timeout', 'pull_threads').",
     )
     kv_transfer_timeout: float = Field(
         60.0,

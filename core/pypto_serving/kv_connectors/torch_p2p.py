@@ -1,8 +1,9 @@
-"""``torch_p2p``: KV blocks over ``torch.distributed`` point-to-point (gloo).
+"""``torch_p2p``: KV blocks over ``torch.distributed`` point-to-point (gloo, nccl or hccl).
 
 The producer (a prefill engine's worker) hosts a ``TCPStore`` at ``kv_ip:kv_port``: the control
-channel. A consumer (a decode engine's worker) connects once per producer: it takes a connection
-number from the store, and both sides form a two-rank ``ProcessGroupGloo`` over a prefix of the store
+channel. A consumer (a decode engine's worker) connects once per producer: it reads the producer's
+backend from the store (a different one than its own fails the pull before any group forms), takes a
+connection number from the store, and both sides form a two-rank group over a prefix of the store
 (producer rank 0, consumer rank 1). A pull then is: the consumer writes the transfer id under the
 connection's next sequence number; the producer answers with the offer's size and layout (or why
 there is none), sends the packed blocks with ``send`` tagged by the sequence number, and waits for
@@ -14,14 +15,21 @@ still reads. A connection that fails is dropped (the next pull forms a new one) 
 transfer in flight on it. A consumer runs its pulls on ``pull_threads`` threads, each over connections
 of its own (one per producer), so a slow producer holds up only its thread's queue.
 
-The KV bytes travel only through gloo; the store carries the small JSON control messages. Caches on
-an accelerator are staged through host memory (gloo moves host tensors); an NCCL/HCCL group sending
-device buffers directly is not built.
+The KV bytes travel only through the group; the store carries the small JSON control messages. The
+backend (``kv_connector_extra_config.backend``) is chosen at :meth:`TorchP2PConnector.start` from the
+caches' device unless given: ``ProcessGroupNCCL`` for CUDA caches and torch_npu's
+``ProcessGroupHCCL`` for Ascend ones, which send and receive buffers on the caches' device with
+nothing staged through host memory, and ``ProcessGroupGloo`` for any other device, which moves host
+tensors (caches on an accelerator are then staged through host memory). A backend that cannot serve
+the caches is refused with the reason, never replaced. Neither device group has run on a GPU or NPU:
+the NCCL path is tested on the CPU with a gloo group standing in for it, the HCCL one only in its
+choice and refusals.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import queue
 import socket
@@ -59,6 +67,10 @@ _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.01
 # on a moment later (longer on a loaded host, and with tensor parallelism for every rank). The
 # producer waits that long for an offer it has not seen; one it has ended fails at once.
 _PUBLISH_GRACE_S = 5.0
+_BACKENDS = ("auto", "gloo", "nccl", "hccl")
+# The device-direct backend of each accelerator kind ("auto" picks it), and the other way round.
+_DEVICE_BACKENDS = {"cuda": "nccl", "npu": "hccl"}
+_BACKEND_DEVICES = {"nccl": "cuda", "hccl": "npu"}
 
 
 class TransferError(RuntimeError):
@@ -96,15 +108,101 @@ def _wait_key(store: Any, key: str, timeout: float, closed: threading.Event) -> 
     return value
 
 
-def _group(store: Any, number: int, rank: int, timeout: float) -> Any:
-    prefixed = PrefixStore(f"pg{number}/", store)
-    return dist.ProcessGroupGloo(prefixed, rank, 2, timedelta(seconds=timeout))
+def _caches_device(caches: KVCaches) -> torch.device:
+    """The device of the caches (of their first tensor; the CPU when there is none)."""
+    for tensors in caches.values():
+        for tensor in tensors:
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _nccl_available() -> bool:
+    return bool(dist.is_nccl_available())
+
+
+def _torch_npu_error() -> str | None:
+    """Why torch_npu cannot be imported; None: it can (the import registers ``torch.npu`` and HCCL)."""
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as e:  # a broken vendor stack fails in many ways; each is a reason to refuse hccl
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _refusal(backend: str, device_type: str) -> str | None:
+    """Why ``backend`` cannot move caches on ``device_type``; None: it can."""
+    if backend == "gloo":
+        return None  # any device: the blocks are staged through host memory
+    kind = _BACKEND_DEVICES[backend]
+    if device_type != kind:
+        return f"{backend} sends {kind} buffers but the KV caches are on {device_type} (use 'gloo' or 'auto')"
+    if backend == "nccl" and not _nccl_available():
+        return "this torch build has no NCCL (use 'gloo' to stage the KV through host memory)"
+    if backend == "hccl" and (error := _torch_npu_error()) is not None:
+        return f"hccl needs torch_npu, which cannot be imported ({error})"
+    return None
+
+
+def _select_backend(requested: str, device_type: str) -> str:
+    """The backend for caches on ``device_type``: ``requested``, or for "auto" the device's own
+    (gloo for any device without one). ValueError: it cannot serve them."""
+    backend = _DEVICE_BACKENDS.get(device_type, "gloo") if requested == "auto" else requested
+    why = _refusal(backend, device_type)
+    if why is not None:
+        chosen = f" ({backend} for caches on {device_type})" if requested == "auto" else ""
+        raise ValueError(f"kv_connector_extra_config.backend={requested!r}{chosen}: {why}")
+    return backend
+
+
+def _buffer_device(backend: str, device: torch.device) -> torch.device:
+    """Where a transfer's packed buffer lives: host memory for gloo, else the caches' own device."""
+    return torch.device("cpu") if backend == "gloo" else device
+
+
+def _set_device(device: torch.device) -> None:
+    getattr(torch, device.type).set_device(device.index or 0)
+
+
+def _synchronize(device: torch.device) -> None:
+    getattr(torch, device.type).synchronize(device)
+
+
+def _gloo_group(store: Any, rank: int, timeout: timedelta) -> Any:
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def _nccl_group(store: Any, rank: int, timeout: timedelta) -> Any:
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, 2, options)
+
+
+def _hccl_group(store: Any, rank: int, timeout: timedelta) -> Any:
+    # Imported here: only a host with torch_npu has it (start() refused hccl where the import fails).
+    group_class = importlib.import_module("torch_npu._C._distributed_c10d").ProcessGroupHCCL
+    options = group_class.Options()
+    options._timeout = timeout
+    return group_class(store, rank, 2, options)
+
+
+def _group(store: Any, number: int, rank: int, timeout: float, backend: str, device: torch.device) -> Any:
+    """The connection's two-rank ``backend`` group over a prefix of the store."""
+    prefixed, span = PrefixStore(f"pg{number}/", store), timedelta(seconds=timeout)
+    if backend == "gloo":
+        return _gloo_group(prefixed, rank, span)
+    # NCCL and HCCL bind the communicator to the current device, which is per thread: the thread that
+    # forms the group is the one that sends or receives on it.
+    _set_device(device)
+    if backend == "nccl":
+        return _nccl_group(prefixed, rank, span)
+    return _hccl_group(prefixed, rank, span)
 
 
 class TorchP2PConnector(KVConnector):
     """See the module docstring. ``kv_connector_extra_config``: ``timeout`` (seconds a control answer or
     a transfer may take, default 30), ``pull_threads`` (a consumer's pulls in flight at once, each
-    thread on its own connections, default 1)."""
+    thread on its own connections, default 1), ``backend`` (``auto``, ``gloo``, ``nccl`` or ``hccl``,
+    default ``auto``). :attr:`backend` is the one asked for until :meth:`start` resolves it."""
 
     streams = True
 
@@ -115,6 +213,11 @@ class TorchP2PConnector(KVConnector):
         self.pull_threads = extra.get("pull_threads", 1)
         if not isinstance(self.pull_threads, int) or isinstance(self.pull_threads, bool) or self.pull_threads < 1:
             raise ValueError(f"kv_connector_extra_config.pull_threads={self.pull_threads!r}: give a count >= 1")
+        self.backend: str = extra.get("backend", "auto")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"kv_connector_extra_config.backend={self.backend!r}: give one of {', '.join(_BACKENDS)}")
+        self._device = torch.device("cpu")  # the caches', set at start
+        self._buffer_device = torch.device("cpu")
         self._caches: KVCaches = {}
         self._lock = threading.Lock()
         self._events: list[TransferEvent] = []
@@ -127,6 +230,10 @@ class TorchP2PConnector(KVConnector):
 
     # -- lifecycle
     def start(self, caches: KVCaches) -> dict[str, Any]:
+        # Chosen before anything starts, so a refusal leaves no thread or store behind.
+        self._device = _caches_device(caches)
+        self.backend = _select_backend(self.backend, self._device.type)
+        self._buffer_device = _buffer_device(self.backend, self._device)
         self._caches = caches
         for i in range(self.pull_threads):
             self._conns.append({})
@@ -137,6 +244,7 @@ class TorchP2PConnector(KVConnector):
         self._store = TCPStore(
             cfg.kv_ip, cfg.kv_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.timeout)
         )
+        self._store.set("backend", self.backend)  # before the address is out: every consumer reads it first
         self._spawn(self._accept_loop, "kv-accept")
         port, layout = int(self._store.port), layout_digest(caches)
         return {"remote_host": cfg.kv_ip, "remote_port": port, "layout": layout, "streams": True}
@@ -193,7 +301,7 @@ class TorchP2PConnector(KVConnector):
 
     def _serve_conn(self, number: int) -> None:
         try:
-            group = _group(self._store, number, 0, self.timeout)
+            group = _group(self._store, number, 0, self.timeout, self.backend, self._device)
         except Exception:
             return  # the consumer went away before the group formed: its pull failed on its side
         seq, pause = 0, _POLL_MIN_S
@@ -267,7 +375,7 @@ class TorchP2PConnector(KVConnector):
             except TransferError as e:
                 self._store.set(key, json.dumps({"error": str(e)}))
                 raise
-            buf = gather_blocks(self._caches, blocks, torch.device("cpu"))
+            buf = gather_blocks(self._caches, blocks, self._buffer_device)
             counts = {g: len(b) for g, b in blocks.items()}
             ack = {"nbytes": buf.numel(), "layout": layout_digest(self._caches), "counts": counts, "final": final}
             self._store.set(key, json.dumps(ack))
@@ -325,9 +433,19 @@ class TorchP2PConnector(KVConnector):
         with socket.create_connection((host, port), timeout=min(self.timeout, 5.0)):
             pass
         store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.timeout))
+        self._check_backend(store, host, port)  # before the connection is registered: no group half-formed
         number = int(store.add("conns", 1)) - 1
         store.set(f"conn/{number}", "1")
-        return _Conn(store, _group(store, number, 1, self.timeout), number)
+        return _Conn(store, _group(store, number, 1, self.timeout, self.backend, self._device), number)
+
+    def _check_backend(self, store: Any, host: str, port: int) -> None:
+        """TransferError: the producer moves KV over another backend (the groups would never meet)."""
+        theirs = _wait_key(store, "backend", self.timeout, self._closed).decode()
+        if theirs != self.backend:
+            raise TransferError(
+                f"the prefill engine's torch_p2p connector at {host}:{port} moves KV over {theirs}, this "
+                f"decode engine's over {self.backend}: set kv_connector_extra_config.backend alike on both"
+            )
 
     def _pull_one(self, conn: _Conn, item: _Pull) -> int:
         """Pull one offer, part by part, into ``item.blocks``; returns the parts. TransferError: it
@@ -345,7 +463,7 @@ class TorchP2PConnector(KVConnector):
             ack = json.loads(_wait_key(conn.store, key, wait, self._closed))
             if "error" in ack:
                 raise TransferError(ack["error"])
-            buf = torch.empty(int(ack["nbytes"]), dtype=torch.uint8)
+            buf = torch.empty(int(ack["nbytes"]), dtype=torch.uint8, device=self._buffer_device)
             if buf.numel():
                 conn.group.recv([buf], 0, seq).wait()  # taken whatever follows, so the stream stays in step
             problem = problem or self._mismatch(ack, item.blocks, got)
@@ -358,6 +476,11 @@ class TorchP2PConnector(KVConnector):
         expected = {g: len(b) for g, b in item.blocks.items()}
         if problem is None and got != expected:
             problem = f"the prefill engine offers blocks {got}, the decode engine expects {expected}"
+        if self.backend != "gloo":
+            # A device group's receive and the scatter after it are only queued on the device; the
+            # engine may read the blocks on another stream once the pull is reported, and the producer
+            # frees its blocks once it has our done: both wait until the bytes have landed.
+            _synchronize(self._device)
         conn.store.set(f"c{conn.number}/done/{seq}", "ok" if problem is None else problem)
         if problem is not None:
             raise TransferError(problem)
@@ -388,6 +511,6 @@ def pypto_serving_register_kv_connectors() -> list[KVConnectorSpec]:
         KVConnectorSpec(
             name="torch_p2p",
             factory=make_connector,
-            description="KV blocks over torch.distributed point-to-point (gloo), control over a TCPStore",
+            description="KV blocks over torch.distributed point-to-point (gloo, nccl or hccl), control over a TCPStore",
         )
     ]
