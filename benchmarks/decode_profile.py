@@ -10,7 +10,9 @@ executor, prefills N requests to about C tokens of context each, then profiles d
 ``--cpu-linear reference auto`` loads one executor per ``executor_options["cpu_linear"]`` value and
 alternates their decode steps (before / after on a shared, noisy machine; ``auto-avx512`` is ``auto``
 as an Intel AVX-512 CPU's packing rule chooses: float32 plain); ``--kv-layout auto token_major`` does the
-same for the CPU's head-major KV caches against token-major ones; ``--heads`` times the output projection's
+same for the CPU's head-major KV caches against token-major ones, and ``--attention native torch`` for
+the native C decode attention against the torch paths (with a bfloat16 model, a bfloat16 cache
+against the float32 one the torch paths keep); ``--heads`` times the output projection's
 plain paths against oneDNN's packed copy; ``--linears`` instead
 times :func:`pypto_kernels.linear`'s CPU fast path against its reference per shape and row count (the
 output projection stored ``[in, out]``, and the Qwen3-0.6B shape's decoder projections multiplied
@@ -22,11 +24,12 @@ transposed too, for comparison), interleaved, best and median of ``--reps``:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +134,7 @@ def _prepared(args: argparse.Namespace, run: str) -> tuple[Any, PagedBatchBuilde
     import pypto_kernels.device as device
     from pypto_serving_qwen.executor import QwenExecutor
 
-    cpu_linear, _, layout = run.partition("/")
+    cpu_linear, layout, attention = [*run.split("/"), "auto", "native"][:3]
     block = 16
     blocks = args.requests * (-(-(args.context + args.steps * 2 + 2) // block)) + 8
     option = "auto" if cpu_linear == "auto-avx512" else cpu_linear
@@ -143,22 +146,36 @@ def _prepared(args: argparse.Namespace, run: str) -> tuple[Any, PagedBatchBuilde
         device.cpu_flags = lambda: real_flags() | {"avx512f"}  # type: ignore[assignment]
         device.cpu_vendor = lambda: "GenuineIntel"  # type: ignore[assignment]
     try:
-        ex.load()
+        with _kernels(attention):
+            ex.load()
+            ex.init_kv_cache({"kv": blocks})
     finally:
         device.cpu_flags, device.cpu_vendor = real_flags, real_vendor  # type: ignore[assignment]
-    ex.init_kv_cache({"kv": blocks})
     if layout == "token_major":
         ex.kv_caches = [tuple(torch.empty(t.shape, dtype=t.dtype) for t in pair) for pair in ex.kv_caches]
     builder = PagedBatchBuilder(block, blocks)
     gen = torch.Generator().manual_seed(0)
     ids = {f"r{i}": torch.randint(10, 1000, (args.context,), generator=gen).tolist() for i in range(args.requests)}
     for rid, prompt in ids.items():  # one prefill per request, so no step is larger than one prompt
-        ex.execute(builder.step([(rid, prompt)], all_logits=False))
+        with _kernels(attention):
+            ex.execute(builder.step([(rid, prompt)], all_logits=False))
     return ex, builder, list(ids)
 
 
+@contextlib.contextmanager
+def _kernels(attention: str) -> Iterator[None]:
+    """``attention = "torch"``: the native CPU kernels off meanwhile (the torch paths run)."""
+    real = K.native.library
+    if attention == "torch":
+        K.native.library = lambda: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        K.native.library = real  # type: ignore[assignment]
+
+
 def profile_steps(args: argparse.Namespace) -> None:
-    choices = [f"{c}/{layout}" if layout != "auto" else c for c in args.cpu_linear for layout in args.kv_layout]
+    choices = [f"{c}/{layout}/{a}" for c in args.cpu_linear for layout in args.kv_layout for a in args.attention]
     runs = {choice: _prepared(args, choice) for choice in choices}
     attention = [0.0]
     inner = K.paged_attention
@@ -175,9 +192,10 @@ def profile_steps(args: argparse.Namespace) -> None:
         for choice, (ex, builder, ids) in runs.items():  # interleaved: the neighbours' load hits both
             batch = builder.step([(rid, [7]) for rid in ids], all_logits=False)
             attention[0] = 0.0
-            t0 = time.perf_counter()
-            ex.execute(batch)
-            walls[choice].append((time.perf_counter() - t0, attention[0]))
+            with _kernels(choice.split("/")[2]):
+                t0 = time.perf_counter()
+                ex.execute(batch)
+                walls[choice].append((time.perf_counter() - t0, attention[0]))
     K.paged_attention = inner  # type: ignore[assignment]
     threads = torch.get_num_threads()
     print(f"{cpu_model()}; {args.requests} decodes at ~{args.context} tokens of context, {threads} thread(s)")
@@ -186,12 +204,16 @@ def profile_steps(args: argparse.Namespace) -> None:
         att = statistics.median(a for _, a in steps)
         best = min(w for w, _ in steps)
         print(
-            f"cpu_linear={choice}: decode step {wall * 1e3:.1f} ms median of {args.steps} (best {best * 1e3:.1f}); "
+            f"cpu_linear/kv-layout/attention={choice}: decode step {wall * 1e3:.1f} ms median of {args.steps} "
+            f"(best {best * 1e3:.1f}); "
             f"paged_attention {att / wall:.0%} of it"
         )
     ex, builder, ids = runs[choices[-1]]
     batch = builder.step([(rid, [7]) for rid in ids], all_logits=False)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
+    with (
+        _kernels(choices[-1].split("/")[2]),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.shapes) as prof,
+    ):
         ex.execute(batch)
     print(f"profile of one step, cpu_linear={choices[-1]}:")
     table = prof.key_averages(group_by_input_shape=args.shapes)
@@ -220,6 +242,14 @@ def main() -> None:
         choices=["auto", "token_major"],
         help="KV cache layout per executor (auto: the executor's own, head-major for float32 on the CPU; "
         "token_major: contiguous caches swapped in), their steps alternated",
+    )
+    ap.add_argument(
+        "--attention",
+        nargs="+",
+        default=["native"],
+        choices=["native", "torch"],
+        help="decode attention per executor (native: the C kernel where built; torch: the torch paths), "
+        "their steps alternated",
     )
     ap.add_argument("--shapes", action="store_true", help="the profile's table by input shapes")
     ap.add_argument("--linears", action="store_true", help="time pypto_kernels.linear's CPU paths instead")

@@ -13,6 +13,7 @@ import os
 # (and guarded) by device.npu_available() instead.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
+from . import native
 from .activation import silu_and_mul
 from .attention import (
     empty_paged_cache,
@@ -85,6 +86,7 @@ __all__ = [
     "load_backends",
     "memory_order",
     "moe_experts",
+    "native",
     "npu_available",
     "onednn_supports",
     "pack_linear",

@@ -801,7 +801,8 @@ def empty_paged_cache(
     """An uninitialised paged K or V cache ``[blocks, block_size, Hkv, D]`` in the memory layout
     this device's attention reads fastest.
 
-    A CPU cache that decode rows read in place (:data:`IN_PLACE_CACHE_DTYPES`) is stored head-major,
+    A CPU cache that decode rows read in place (:data:`IN_PLACE_CACHE_DTYPES`, and bfloat16 where
+    the native kernels are built: :func:`pypto_kernels.native.reads_dtypes`) is stored head-major,
     a contiguous ``[blocks, Hkv, block_size, D]`` tensor returned as its ``[blocks, block_size,
     Hkv, D]`` view: every kernel indexes it as before, and one head's keys of a block are one run
     of memory instead of rows a token's heads apart, which the in-place scores and values read
@@ -818,7 +819,8 @@ def empty_paged_cache(
 
 def paged_cache_layout(dtype: torch.dtype, device: torch.device | str) -> Literal["head_major", "token_major"]:
     """The memory layout :func:`empty_paged_cache` gives a cache of ``dtype`` on ``device``."""
-    in_place = torch.device(device).type == "cpu" and dtype in IN_PLACE_CACHE_DTYPES
+    cpu = torch.device(device).type == "cpu"
+    in_place = cpu and (dtype in IN_PLACE_CACHE_DTYPES or native.reads_dtypes(dtype, dtype))
     return "head_major" if in_place else "token_major"
 
 

@@ -487,9 +487,11 @@ def _head_major(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.usefixtures("torch_paths")
 def test_cpu_float_caches_are_head_major_and_others_token_major() -> None:
     """The CPU's in-place dtypes get ``[blocks, Hkv, block_size, D]`` memory behind the usual shape;
-    writes and reads through it equal a token-major cache's, and a block's bytes stay one run."""
+    writes and reads through it equal a token-major cache's, and a block's bytes stay one run.
+    (Without the native kernels: with them bfloat16 is read in place too, the next test.)"""
     shape = (6, 4, 3, 8)
     cache = empty_paged_cache(shape, dtype=torch.float32, device="cpu")
     assert cache.shape == shape and not cache.is_contiguous()
@@ -509,6 +511,16 @@ def test_cpu_float_caches_are_head_major_and_others_token_major() -> None:
     write_kv_cache(rows, rows * 2, cache, token_major.clone(), slots)
     write_kv_cache(rows, rows * 2, token_major, token_major.clone(), slots)
     assert torch.equal(cache.nan_to_num(), token_major.nan_to_num())
+
+
+def test_native_kernels_read_bfloat16_caches_in_place_so_they_are_head_major() -> None:
+    if native.library() is None:
+        pytest.skip("no native CPU kernels on this machine (no C compiler; see the log)")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert paged_cache_layout(dtype, "cpu") == "head_major"
+        assert attention_module.is_head_major(empty_paged_cache((6, 4, 3, 8), dtype=dtype, device="cpu"))
+    for dtype, device in ((torch.float8_e4m3fn, "cpu"), (torch.bfloat16, "cuda")):
+        assert paged_cache_layout(dtype, device) == "token_major"
 
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])

@@ -309,7 +309,9 @@ def test_cuda_routing_declines_to_the_reference(clean_registry: None, flash_attn
     assert len(flash_attn_calls) == 1
 
 
-def test_cuda_describe_kernel(clean_registry: None, flash_attn_calls: list[dict[str, Any]]) -> None:
+def test_cuda_describe_kernel(
+    clean_registry: None, flash_attn_calls: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     label = cuda_backend.PAGED_ATTENTION_LABEL
     assert pypto_kernels.describe_kernel("paged_attention", "cuda") == label
     assert pypto_kernels.describe_kernel("paged_attention", "cuda:0", sliding_window=128, block_size=256) == label
@@ -321,10 +323,15 @@ def test_cuda_describe_kernel(clean_registry: None, flash_attn_calls: list[dict[
     assert pypto_kernels.describe_kernel("paged_attention", "cpu") == cpu_backend.PAGED_ATTENTION_LABEL
     small = {"num_kv_heads": 2, "head_dim": 64, "cache_dtype": torch.float32}
     assert pypto_kernels.describe_kernel("paged_attention", "cpu", **small) == cpu_backend.PAGED_ATTENTION_LABEL
-    # A float32 cache is read in place however wide its tokens; a gathered one only up to 1 KiB a token.
+    # A float32 cache is read in place however wide its tokens; a bfloat16 one too by the native kernel,
+    # and without it gathered only up to 1 KiB a token.
     wide = {"num_kv_heads": 8, "head_dim": 128}
     in_place = pypto_kernels.describe_kernel("paged_attention", "cpu", cache_dtype=torch.float32, **wide)
     assert in_place == cpu_backend.PAGED_ATTENTION_LABEL
+    bf16 = pypto_kernels.describe_kernel("paged_attention", "cpu", cache_dtype=torch.bfloat16, **wide)
+    if pypto_kernels.native.library() is not None:
+        assert bf16 == cpu_backend.PAGED_ATTENTION_LABEL
+    monkeypatch.setattr(pypto_kernels.native, "library", lambda: None)
     gathered = pypto_kernels.describe_kernel("paged_attention", "cpu", cache_dtype=torch.bfloat16, **wide)
     assert gathered.startswith("reference") and "2048 bytes" in gathered
     assert pypto_kernels.describe_kernel("moe_experts", "cuda") == "reference"

@@ -27,21 +27,12 @@ static inline float bf16_value(uint16_t x) {
     return f;
 }
 
-/* One cache row of n values as float32 into dst (a float32 row is returned in place). */
-static inline const float *row_f32(const void *base, int64_t index, int kind, int64_t n, float *dst) {
-    if (kind == ELEM_F32) return (const float *)base + index;
-    const uint16_t *src = (const uint16_t *)base + index;
-#pragma omp simd
-    for (int64_t d = 0; d < n; d++) dst[d] = bf16_value(src[d]);
-    return dst;
-}
-
 /* e**x for x <= 0 (softmax arguments after the maximum is taken off), written to vectorise:
  * x = n ln2 + f with |f| <= ln2 / 2, e**f by a degree-6 Taylor polynomial (relative error under
  * 2e-7), times 2**n built in the exponent bits; 0 below -87 (where float32 underflows) and for -inf. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_roundf(x * 1.44269504f);
+    float n = __builtin_rintf(x * 1.44269504f);
     float f = x - n * 0.693145752f - n * 1.42860677e-06f;
     float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666672f + f * (0.0416666679f + f * (0.00833333377f + f * 0.00138888892f)))));
     int32_t bits = ((int32_t)n + 127) << 23;
@@ -56,16 +47,32 @@ typedef struct {
     int64_t sb, st, sh;
 } Cache;
 
-static inline float dot(const float *a, const float *b, int64_t n) {
+/* q . row and acc += p * row over a cache row at element ``index``, its values widened to float32 in
+ * the loop itself (a bfloat16 value is the high half of a float32's bits). */
+static inline float dot(const float *q, const void *base, int64_t index, int kind, int64_t n) {
     float s = 0.0f;
+    if (kind == ELEM_F32) {
+        const float *row = (const float *)base + index;
 #pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
+        for (int64_t d = 0; d < n; d++) s += q[d] * row[d];
+    } else {
+        const uint16_t *row = (const uint16_t *)base + index;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < n; d++) s += q[d] * bf16_value(row[d]);
+    }
     return s;
 }
 
-static inline void add_scaled(float *acc, float p, const float *row, int64_t n) {
+static inline void add_scaled(float *acc, float p, const void *base, int64_t index, int kind, int64_t n) {
+    if (kind == ELEM_F32) {
+        const float *row = (const float *)base + index;
 #pragma omp simd
-    for (int64_t d = 0; d < n; d++) acc[d] += p * row[d];
+        for (int64_t d = 0; d < n; d++) acc[d] += p * row[d];
+    } else {
+        const uint16_t *row = (const uint16_t *)base + index;
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) acc[d] += p * bf16_value(row[d]);
+    }
 }
 
 /* Softmax of each query head's scores in place (the sink, when given, only in the denominator). */
@@ -120,24 +127,22 @@ static void row_offsets(const Cache *c, const int64_t *table, int64_t lo, int64_
     }
 }
 
-static void scores_pass(const Item *it, const Cache *k, const int64_t *index, int64_t count, float *scores,
-                        float *widen) {
+static void scores_pass(const Item *it, const Cache *k, const int64_t *index, int64_t count, float *scores) {
     int64_t ahead = rows_ahead(k->kind, it->dim);
     for (int64_t t = 0; t < count; t++) {
         if (t + ahead < count) prefetch_row(k->base, index[t + ahead], k->kind, it->dim);
-        const float *row = row_f32(k->base, index[t], k->kind, it->dim, widen);
         for (int64_t g = 0; g < it->group; g++)
-            scores[g * count + t] = dot(it->q + g * it->q_head_stride, row, it->dim) * it->scale;
+            scores[g * count + t] = dot(it->q + g * it->q_head_stride, k->base, index[t], k->kind, it->dim) * it->scale;
     }
 }
 
 static void values_pass(const Item *it, const Cache *v, const int64_t *index, int64_t count, const float *probs,
-                        float *acc, float *widen) {
+                        float *acc) {
     int64_t ahead = rows_ahead(v->kind, it->dim_v);
     for (int64_t t = 0; t < count; t++) {
         if (t + ahead < count) prefetch_row(v->base, index[t + ahead], v->kind, it->dim_v);
-        const float *row = row_f32(v->base, index[t], v->kind, it->dim_v, widen);
-        for (int64_t g = 0; g < it->group; g++) add_scaled(acc + g * it->dim_v, probs[g * count + t], row, it->dim_v);
+        for (int64_t g = 0; g < it->group; g++)
+            add_scaled(acc + g * it->dim_v, probs[g * count + t], v->base, index[t], v->kind, it->dim_v);
     }
 }
 
@@ -146,18 +151,17 @@ typedef struct {
     int64_t *index; /* the element offsets of the row's keys (then values) */
     float *scores;  /* [group, longest]: scores, then probabilities */
     float *acc;     /* [group, dim_v] */
-    float *widen;   /* one bfloat16 row widened */
 } Scratch;
 
 static void attend_one(const Item *it, const Cache *k, const Cache *v, const int64_t *table, int64_t lo,
                        int64_t count, int64_t h, const float *sinks, float *out, int64_t out_head_stride,
                        const Scratch *w) {
     row_offsets(k, table, lo, count, it->block_size, h, w->index);
-    scores_pass(it, k, w->index, count, w->scores, w->widen);
+    scores_pass(it, k, w->index, count, w->scores);
     softmax_rows(w->scores, it->group, count, sinks);
     memset(w->acc, 0, sizeof(float) * it->group * it->dim_v);
     row_offsets(v, table, lo, count, it->block_size, h, w->index);
-    values_pass(it, v, w->index, count, w->scores, w->acc, w->widen);
+    values_pass(it, v, w->index, count, w->scores, w->acc);
     for (int64_t g = 0; g < it->group; g++)
         memcpy(out + g * out_head_stride, w->acc + g * it->dim_v, sizeof(float) * it->dim_v);
 }
@@ -174,15 +178,13 @@ int pypto_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_s
     Cache v = {value_cache, kind, v_strides[0], v_strides[1], v_strides[2]};
     int64_t group = num_q_heads / num_kv_heads, longest = 0;
     for (int64_t i = 0; i < n; i++) longest = counts[i] > longest ? counts[i] : longest;
-    int64_t widest = dim > dim_v ? dim : dim_v;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         Scratch w;
-        w.index = malloc(sizeof(int64_t) * longest + sizeof(float) * (group * (longest + dim_v) + widest));
+        w.index = malloc(sizeof(int64_t) * longest + sizeof(float) * group * (longest + dim_v));
         w.scores = (float *)(w.index + longest);
         w.acc = w.scores + group * longest;
-        w.widen = w.acc + group * dim_v;
         failed = w.index == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < n * num_kv_heads; item++) {

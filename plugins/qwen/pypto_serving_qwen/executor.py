@@ -225,19 +225,20 @@ class QwenExecutor(Executor):
 
     def _kv_cache_dtype(self) -> torch.dtype:
         """The cache's element type: the model's, or ``fp8`` where the eager paged kernels run (the
-        captured decode graphs read the cache in its own dtype). A bfloat16 model's cache on the CPU
-        in eager mode is float32: the CPU's decode attention reads a float32 cache in place and
-        gathers any other (torch's sampled product takes float32 only), and over a bfloat16 cache a
-        64-stream Qwen3-0.6B step was 1.6x slower than float32's (docs/benchmarks.md, "The AVX-512
-        AMD machine"); it costs a float32 model's cache bytes per token, twice a bfloat16 cache's, which
-        ``kv_cache_dtype = "bfloat16"`` keeps."""
+        captured decode graphs read the cache in its own dtype). Where the native CPU kernels are
+        built a bfloat16 model's CPU cache is bfloat16, read in place by the C kernel. Without them it
+        is float32 in eager mode: the torch decode path reads a float32 cache in place and gathers any
+        other (torch's sampled product takes float32 only; over a gathered bfloat16 cache a 64-stream
+        Qwen3-0.6B step was 1.6x slower, docs/benchmarks.md, "The AVX-512 AMD machine"), at twice a
+        bfloat16 cache's bytes per token, which ``kv_cache_dtype = "bfloat16"`` keeps."""
         mode = self.graph_options.mode if self.graph_options is not None else "eager"
         setting = getattr(self.settings, "kv_cache_dtype", "auto")
-        if setting == "bfloat16":  # asked for: half the bytes, the gathered CPU read
+        if setting == "bfloat16":  # asked for: half the bytes
             return torch.bfloat16
         if setting != "fp8":
             cpu_eager = self.device.type == "cpu" and mode == "eager"
-            return torch.float32 if cpu_eager and self.dtype == torch.bfloat16 else self.dtype
+            gathered = not K.native.reads_dtypes(torch.bfloat16, torch.bfloat16)
+            return torch.float32 if cpu_eager and self.dtype == torch.bfloat16 and gathered else self.dtype
         if mode != "eager":
             raise ValueError(
                 f"kv_cache_dtype='fp8' is not supported with executor_options graph_mode={mode!r}: the captured "

@@ -209,41 +209,59 @@ def test_fp8_kv_cache_is_token_major_and_exchanges_no_blocks_with_float32(
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_bf16_close_to_fp32_reference(
     name: str,
+    kernels: str,
     qwen_checkpoints: Callable[[str], Path],
     hf_reference: Callable[[Path], Any],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A bfloat16 model on the CPU keeps its KV cache in float32 (head-major), which the decode rows
-    read in place (the sampled product ran), within bfloat16's tolerance of transformers in float32;
-    its bytes per block are a float32 cache's."""
+    """A bfloat16 model on the CPU, within bfloat16's tolerance of transformers in float32. Where the
+    native kernels are built its KV cache is bfloat16 (head-major), read in place by the C kernel;
+    without them float32 (head-major), read in place by the sampled product, at a float32 cache's
+    bytes per block."""
+    if kernels == "native" and pypto_kernels.native.library() is None:
+        pytest.skip("no native CPU kernels on this machine (no C compiler; see the log)")
+    if kernels == "torch":
+        monkeypatch.setattr(pypto_kernels.native, "library", lambda: None)
+    cache_dtype = torch.bfloat16 if kernels == "native" else torch.float32
     path = qwen_checkpoints(name)
     ex = _executor(path, dtype="bfloat16")
     key_cache = ex.kv_caches[0][0]
-    assert key_cache.dtype == torch.float32 and pypto_kernels.memory_order(key_cache).shape[1] == key_cache.shape[2]
+    assert key_cache.dtype == cache_dtype and pypto_kernels.memory_order(key_cache).shape[1] == key_cache.shape[2]
     (group,) = ex.info.cache_groups  # type: ignore[attr-defined]
-    assert group.bytes_per_block == 2 * len(ex.kv_caches) * key_cache[0].numel() * 4
-    sampled: list[torch.dtype] = []
-    real = torch.sparse.sampled_addmm
-    monkeypatch.setattr(torch.sparse, "sampled_addmm", lambda *a, **k: sampled.append(a[1].dtype) or real(*a, **k))
+    assert group.bytes_per_block == 2 * len(ex.kv_caches) * key_cache[0].numel() * key_cache.element_size()
+    read: list[torch.dtype] = []
+    if kernels == "native":
+        real_native = pypto_kernels.native.paged_attention
+        monkeypatch.setattr(
+            pypto_kernels.native, "paged_attention", lambda *a, **k: read.append(a[1].dtype) or real_native(*a, **k)
+        )
+    else:
+        real = torch.sparse.sampled_addmm
+        monkeypatch.setattr(torch.sparse, "sampled_addmm", lambda *a, **k: read.append(a[1].dtype) or real(*a, **k))
     seqs = dict(zip("ab", _prompts(ex.info.vocab_size, [11, 6], seed=4), strict=True))  # type: ignore[attr-defined]
     schedule = [[("a", 7), ("b", 6)], [("a", 4), ("b", 1)]]
     _run_schedule(ex, hf_reference(path), {**seqs, "b": [*seqs["b"], 5]}, schedule, BF16_TOL)
-    assert sampled and set(sampled) == {torch.float32}  # the decode rows of the last step, read in place
+    # The decode rows of the last step, read in place: the native kernel sees the bfloat16 cache, the
+    # sampled product float32 queries.
+    assert read and set(read) == {cache_dtype}
 
 
 def test_kv_cache_dtype_bfloat16_keeps_a_bfloat16_cache(
     qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any]
 ) -> None:
     """``kv_cache_dtype = "bfloat16"`` keeps a bfloat16 model's cache in bfloat16 on the CPU (half the
-    bytes per block of the default float32 one), token-major for the gathered read, within
-    bfloat16's tolerance of transformers; the Qwen executor declares it."""
+    bytes per block of a float32 one), in the layout its decode read takes (head-major for the
+    native kernel, token-major for the gathered read), within bfloat16's tolerance of transformers;
+    the Qwen executor declares it."""
     path = qwen_checkpoints("qwen3")
     ex = _executor(path, dtype="bfloat16", kv_cache_dtype="bfloat16")
     assert "bfloat16" in ex.info.kv_cache_dtypes  # type: ignore[attr-defined]
     key_cache = ex.kv_caches[0][0]
-    assert key_cache.dtype == torch.bfloat16 and key_cache.is_contiguous()
+    head_major = pypto_kernels.paged_cache_layout(torch.bfloat16, "cpu") == "head_major"
+    assert key_cache.dtype == torch.bfloat16 and key_cache.is_contiguous() != head_major
     (group,) = ex.info.cache_groups  # type: ignore[attr-defined]
     assert group.bytes_per_block == 2 * len(ex.kv_caches) * key_cache[0].numel() * 2
     seqs = dict(zip("ab", _prompts(ex.info.vocab_size, [11, 6], seed=4), strict=True))  # type: ignore[attr-defined]
