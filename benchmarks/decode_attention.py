@@ -1,28 +1,33 @@
-"""CPU decode attention: the per-request loop (the reference) against the batched fast path, in one run.
+"""CPU decode attention: the per-request loop (the reference) against the batched fast paths, in one run.
 
-Two measurements, each interleaving the two paths and keeping the best of N (the machine may be
-shared). The kernel: one ``paged_attention`` call of 64 decode rows with ragged contexts of 32..384
-tokens, small-shape heads (4 query / 2 KV heads, head_dim 64; ``--heads 16 8 128`` for Qwen3-0.6B's),
-block size 16, shuffled block tables, one thread. The engine: the Qwen executor with a Qwen3-shaped
-checkpoint (``benchmarks/make_models.py``), 64 requests prefilled to the same ragged contexts, then
-decode steps of all 64, alternating between the two paths.
+Two measurements, each interleaving the paths and keeping the best of N (the machine may be
+shared): ``loop`` (the reference), ``torch`` (the batched torch paths: a float32 cache read in place
+by a sampled product and ``embedding_bag``, others gathered) and ``native`` (the C kernel of
+:mod:`pypto_kernels.native`, where a C compiler built it). The kernel: one ``paged_attention`` call
+of 64 decode rows with ragged contexts of 32..384 tokens, small-shape heads (4 query / 2 KV heads,
+head_dim 64; ``--heads 16 8 128`` for Qwen3-0.6B's), block size 16, shuffled block tables, caches in
+the layout the engine allocates for each ``--dtype``, one thread. The engine: the Qwen executor with a
+Qwen3-shaped checkpoint (``benchmarks/make_models.py``), 64 requests prefilled to the same ragged
+contexts, then decode steps of all 64, alternating between the paths.
 
-    python benchmarks/decode_attention.py [--model /work/models/qwen3-small] [--reps 15] [--threads 1]
+    python benchmarks/decode_attention.py [--model /work/models/qwen3-small] [--reps 15] [--threads 1] \
+        [--dtype float32 bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.plugins.qwen.qwen_fixtures
 
-from pypto_kernels import attention, registry
+from pypto_kernels import attention, native, registry
 
 BLOCK = 16
 ROWS = 64
@@ -54,35 +59,69 @@ def _interleaved(paths: dict[str, Callable[[], object]], rounds: int, reps: int)
 
 
 def _report(title: str, best: dict[str, tuple[float, float]]) -> None:
-    (loop_wall, loop_cpu), (fast_wall, fast_cpu) = best["loop"], best["batched"]
-    print(f"{title}: loop {loop_wall * 1e3:.2f} ms wall / {loop_cpu * 1e3:.2f} ms CPU, batched", end=" ")
-    print(f"{fast_wall * 1e3:.2f} / {fast_cpu * 1e3:.2f} ms; {loop_wall / fast_wall:.2f}x wall,", end=" ")
-    print(f"{loop_cpu / fast_cpu:.2f}x CPU")
+    loop_wall, loop_cpu = best["loop"]
+    parts = [f"loop {loop_wall * 1e3:.2f} ms wall / {loop_cpu * 1e3:.2f} ms CPU"]
+    for name, (wall, cpu) in best.items():
+        if name != "loop":
+            parts.append(f"{name} {wall * 1e3:.2f} / {cpu * 1e3:.2f} ms ({loop_wall / wall:.2f}x wall)")
+    print(f"{title}: " + "; ".join(parts))
 
 
-def kernel(heads: tuple[int, int, int], reps: int) -> None:
+@contextlib.contextmanager
+def _native_off() -> Iterator[None]:
+    """The torch paths (in-place sampled product, padded gathers), as without a C compiler."""
+    real = native.library
+    native.library = lambda: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        native.library = real  # type: ignore[assignment]
+
+
+def _without_native(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with _native_off():
+            return fn()
+
+    return run
+
+
+def kernel(heads: tuple[int, int, int], reps: int, dtype: torch.dtype) -> None:
     num_q, num_kv, dim = heads
     lens = _lengths(0)
     blocks = sum(-(-n // BLOCK) for n in lens)
     gen = torch.Generator().manual_seed(1)
-    key_cache = torch.randn(blocks, BLOCK, num_kv, dim, generator=gen)
-    value_cache = torch.randn(blocks, BLOCK, num_kv, dim, generator=gen)
+    shape = (blocks, BLOCK, num_kv, dim)
+    # In the layout the engine allocates for this dtype (head-major where a CPU path reads it in place).
+    key_cache = attention.empty_paged_cache(shape, dtype=dtype, device="cpu").copy_(torch.randn(shape, generator=gen))
+    value_cache = attention.empty_paged_cache(shape, dtype=dtype, device="cpu").copy_(torch.randn(shape, generator=gen))
     tables = torch.full((ROWS, -(-max(lens) // BLOCK)), -1, dtype=torch.int32)
     perm, used = torch.randperm(blocks, generator=gen).to(torch.int32), 0
     for r, n in enumerate(lens):
         tables[r, : -(-n // BLOCK)] = perm[used : used + -(-n // BLOCK)]
         used += -(-n // BLOCK)
-    args = (torch.randn(ROWS, num_q, dim, generator=gen), key_cache, value_cache, tables)
+    args = (torch.randn(ROWS, num_q, dim, generator=gen).to(dtype), key_cache, value_cache, tables)
     rest = (torch.arange(ROWS + 1, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), dim**-0.5)
     host = {"query_lens_host": [1] * ROWS, "seq_lens_host": lens}
     loop = attention.paged_attention.reference  # type: ignore[attr-defined]
+    batched = attention.batched_decode_paged_attention
     paths = {
         "loop": lambda: loop(*args, *rest, **host),
-        "batched": lambda: attention.batched_decode_paged_attention(*args, *rest, **host),
+        "torch": _without_native(lambda: batched(*args, *rest, **host)),
     }
-    torch.testing.assert_close(paths["loop"](), paths["batched"]())
+    if native.library() is not None:
+        paths["native"] = lambda: batched(*args, *rest, **host)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for name in paths:
+        torch.testing.assert_close(paths["loop"](), paths[name](), atol=tolerance, rtol=tolerance)
     best = _interleaved(paths, 5, reps)
-    _report(f"kernel, {ROWS} decode rows of 32..384 tokens, heads {num_q}/{num_kv}x{dim}", best)
+    kv_bytes = 2 * sum(lens) * num_kv * dim * key_cache.element_size()
+    title = f"kernel, {ROWS} decode rows of 32..384 tokens, heads {num_q}/{num_kv}x{dim}, {dtype} cache"
+    _report(title, best)
+    if "native" in best:
+        print(
+            f"  native reads the rows' K/V ({kv_bytes / 1e6:.1f} MB) at {kv_bytes / best['native'][0] / 1e9:.1f} GB/s"
+        )
 
 
 def engine(model: Path, reps: int) -> None:
@@ -90,7 +129,7 @@ def engine(model: Path, reps: int) -> None:
     from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 
     lens = _lengths(0)
-    steps = 5 * 2 * reps + 4
+    steps = 5 * 3 * reps + 4  # rounds x paths x reps, and the warm-up
     blocks = sum(-(-(n + steps) // BLOCK) for n in lens) + 8
     ex = QwenExecutor(qwen_settings(model, block_size=BLOCK))
     ex.load()
@@ -109,7 +148,9 @@ def engine(model: Path, reps: int) -> None:
 
         return run
 
-    paths = {"loop": step(fast - {"paged_attention"}), "batched": step(fast)}
+    paths = {"loop": step(fast - {"paged_attention"}), "torch": _without_native(step(fast))}
+    if native.library() is not None:
+        paths["native"] = step(fast)
     best = _interleaved(paths, 5, reps)
     registry.CPU_FAST_KERNELS = fast
     _report(f"engine, {model.name}, {ROWS}-stream decode step, {torch.get_num_threads()} thread(s)", best)
@@ -121,9 +162,11 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs=3, default=(4, 2, 64), metavar=("Q", "KV", "DIM"))
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=["float32"], help="cache dtypes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    kernel(tuple(args.heads), args.reps)
+    for dtype in args.dtype:
+        kernel(tuple(args.heads), args.reps, getattr(torch, dtype))
     if args.model is not None:
         engine(args.model, max(1, args.reps // 5))
 

@@ -329,8 +329,8 @@ class ServingSettings(BaseSettings):
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8"] = Field(
         "auto",
         description="KV cache element type (vLLM's name): 'auto' stores K/V in the model dtype (a bfloat16 "
-        "model's in float32 on the CPU, whose decode attention reads float32 in place; Qwen); 'bfloat16' "
-        "stores bfloat16 (Qwen); 'fp8' stores "
+        "model's in float32 on the CPU when no C compiler built the native kernels, since the torch decode "
+        "attention reads only float32 in place; Qwen); 'bfloat16' stores bfloat16 (Qwen); 'fp8' stores "
         "float8_e4m3fn over the checkpoint's k_scale/v_scale (per tensor or per KV head; Qwen) or else a scale of 1.0 "
         "(half or a quarter of the bytes per block), written quantised "
         "and read dequantised. Executors that do not support it refuse to start.",
