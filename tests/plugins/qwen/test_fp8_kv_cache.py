@@ -28,9 +28,11 @@ from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 FP8 = torch.float8_e4m3fn
 
 
-def test_the_fp8_cache_attends_as_its_dequantised_copy() -> None:
+def test_the_fp8_cache_attends_as_its_dequantised_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Written with scales 0.5 / 2.0 (and values past the range, which saturate), the FP8 cache gives
-    the attention of a float32 cache holding ``stored * scale``, bit for bit."""
+    the attention of a float32 cache holding ``stored * scale``, bit for bit (both through the torch
+    paths: the native kernel, which reads float32 caches and not FP8 ones, rounds its sums otherwise)."""
+    monkeypatch.setattr(K.native, "library", lambda: None)
     torch.manual_seed(0)
     blocks, block_size, kv_heads, dim = 6, 4, 2, 8
     lens = [5, 9]
@@ -111,10 +113,11 @@ def test_fp8_is_refused_where_it_is_not_supported() -> None:
 # ----------------------------------------------------------------------------- per-head scales
 
 
-def test_per_head_scales_store_and_read_each_head_over_its_own_scale() -> None:
+def test_per_head_scales_store_and_read_each_head_over_its_own_scale(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``[Hkv]`` scale tensor: head ``h`` is stored as ``K[:, h] / s[h]`` (saturated) and read back
-    times ``s[h]``: the attention of a float32 cache holding that, bit for bit; a 0-d tensor scale is
-    the float scale."""
+    times ``s[h]``: the attention of a float32 cache holding that, bit for bit (torch paths, as above);
+    a 0-d tensor scale is the float scale."""
+    monkeypatch.setattr(K.native, "library", lambda: None)
     torch.manual_seed(1)
     blocks, block_size, kv_heads, dim = 4, 4, 2, 8
     key, value = torch.randn(6, kv_heads, dim) * 3, torch.randn(6, kv_heads, dim) * 3
