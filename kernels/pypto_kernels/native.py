@@ -28,7 +28,7 @@ import torch
 
 from .device import cpu_flags
 
-__all__ = ["NATIVE_DTYPES", "cache_dir", "library", "paged_attention", "reads", "reads_dtypes"]
+__all__ = ["NATIVE_DTYPES", "bf16_dot_available", "cache_dir", "library", "paged_attention", "reads", "reads_dtypes"]
 
 logger = logging.getLogger("pypto_kernels")
 
@@ -98,8 +98,10 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_paged_attention.restype = ctypes.c_int
     lib.pypto_paged_attention.argtypes = [
         _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64,
-        _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, _I64, _I64, ctypes.c_int,
+        _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int,
     ]  # fmt: skip
+    lib.pypto_bf16_dot.restype = ctypes.c_int
+    lib.pypto_bf16_dot.argtypes = []
     logger.info("native CPU kernels loaded from %s", path)
     return lib
 
@@ -125,6 +127,17 @@ def reads(key_cache: torch.Tensor, value_cache: torch.Tensor, scaled: bool) -> b
     )
 
 
+def bf16_dot_available() -> bool:
+    """Whether the built library has AVX512-BF16 dot products (it was compiled on a CPU with them)."""
+    lib = library()
+    return lib is not None and bool(lib.pypto_bf16_dot())
+
+
+def _bf16_dot_applies(query: torch.Tensor, key_cache: torch.Tensor, lib: ctypes.CDLL) -> bool:
+    bf16 = query.dtype == key_cache.dtype == torch.bfloat16
+    return bf16 and key_cache.shape[-1] % 32 == 0 and bool(lib.pypto_bf16_dot())
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -134,9 +147,14 @@ def paged_attention(
     scale: float,
     sinks: torch.Tensor | None,
     out: torch.Tensor | None = None,
+    bf16_dot: bool = True,
 ) -> torch.Tensor:
     """Query rows over the paged caches, read in place, into float32 ``out`` ``[R, Hq, Dv]`` (rows not
     named are left as they are).
+
+    A bfloat16 query over a bfloat16 cache (head dim a multiple of 32) takes AVX512-BF16's pairwise
+    dot products for the scores where the library has them (:func:`bf16_dot_available`): the same
+    exact products as widening each key, summed in another order; ``bf16_dot=False`` widens instead.
 
     :param query: ``[R, Hq, D]`` (any float dtype; read as float32).
     :param key_cache: ``[blocks, block_size, Hkv, D]``, a dtype of :data:`NATIVE_DTYPES`, last dimension
@@ -161,6 +179,7 @@ def paged_attention(
     if out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor, got {out.dtype} with strides {out.stride()}")
     sink = None if sinks is None else sinks.to(torch.float32).contiguous()
+    query_bf16 = query.contiguous() if bf16_dot and _bf16_dot_applies(query, key_cache, lib) else None
     k_strides, v_strides = _element_strides(key_cache), _element_strides(value_cache)
     status = lib.pypto_paged_attention(
         q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -168,7 +187,7 @@ def paged_attention(
         tables.stride(0), *(columns[i].data_ptr() for i in range(4)), columns.shape[1], q.shape[1],
         key_cache.shape[2], key_cache.shape[3], value_cache.shape[3], key_cache.shape[1], scale,
         None if sink is None else sink.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
-        torch.get_num_threads(),
+        None if query_bf16 is None else query_bf16.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the native paged attention could not allocate its per-thread scratch")

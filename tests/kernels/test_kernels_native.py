@@ -180,3 +180,30 @@ def test_build_is_cached_and_renamed_into_place(fresh_library: Path, monkeypatch
     assert first == second and len(compiles) == 1
     assert list(fresh_library.iterdir()) == [first]  # no partial file left beside it
     assert native.library() is not None and len(compiles) == 1
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim", [32, 64, 96])
+def test_bfloat16_queries_take_the_bf16_dot_product_with_the_same_result(head_dim: int) -> None:
+    """A bfloat16 query over a bfloat16 cache: AVX512-BF16's pairwise products (a head dim of one, two
+    and three 32-value steps) against widening each key, both equal to the naive loop over the same
+    values to float32 rounding; the two sum in different orders, so their bits differ somewhere, which
+    shows the dot-product path ran."""
+    if not native.bf16_dot_available():
+        pytest.skip("this CPU has no AVX512-BF16: the library is built without the bfloat16 dot product")
+    gen = torch.Generator().manual_seed(head_dim)
+    batch = [(1, 40 + 7 * r) for r in range(24)]
+    data = build_paged_batch(batch, 16, 8, 2, head_dim, head_dim, torch.bfloat16, gen)
+    data = _head_major(data)
+    tables, spans = attention_module._tables_and_spans(
+        data["query"], data["key_cache"], data["block_tables"], data["query_start_loc"], data["seq_lens"],
+        None, None, None,
+    )  # fmt: skip
+    rows = attention_module._native_rows(spans, None)
+    args = (data["query"], data["key_cache"], data["value_cache"], tables, rows, 0.25, None)
+    dotted = native.paged_attention(*args)
+    widened = native.paged_attention(*args, bf16_dot=False)
+    expected = expected_paged(data, 0.25, None, None)
+    torch.testing.assert_close(dotted, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(widened, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(dotted, widened)
