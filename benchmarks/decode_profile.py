@@ -175,6 +175,8 @@ def _kernels(attention: str) -> Iterator[None]:
 
 
 def profile_steps(args: argparse.Namespace) -> None:
+    if "native" in args.attention and K.native.library() is None:
+        raise SystemExit("--attention native: the native CPU kernels are not built here (no C compiler; see the log)")
     choices = [f"{c}/{layout}/{a}" for c in args.cpu_linear for layout in args.kv_layout for a in args.attention]
     runs = {choice: _prepared(args, choice) for choice in choices}
     attention = [0.0]
