@@ -43,11 +43,18 @@ _PTR = ctypes.c_void_p
 
 def cache_dir() -> Path:
     """Where built libraries are kept: ``$PYPTO_KERNELS_CACHE``, else ``$XDG_CACHE_HOME/pypto_kernels``
-    (``~/.cache/pypto_kernels``)."""
+    (``~/.cache/pypto_kernels``), else, for a user without a home directory (a container's arbitrary
+    user id), the system's temporary directory."""
     explicit = os.environ.get("PYPTO_KERNELS_CACHE")
     if explicit:
         return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pypto_kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg) / "pypto_kernels"
+    try:
+        return Path.home() / ".cache" / "pypto_kernels"
+    except RuntimeError:  # no $HOME and no password entry for this user
+        return Path(tempfile.gettempdir()) / f"pypto_kernels_{os.getuid()}"
 
 
 def _compiler() -> str | None:

@@ -207,3 +207,22 @@ def test_bfloat16_queries_take_the_bf16_dot_product_with_the_same_result(head_di
     torch.testing.assert_close(dotted, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(widened, expected, atol=1e-5, rtol=1e-5)
     assert not torch.equal(dotted, widened)
+
+
+def test_the_cache_directory_without_a_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A user without a home directory (no $HOME, no password entry) builds into the temporary
+    directory instead of failing; the explicit settings win in order."""
+    import tempfile
+
+    monkeypatch.delenv("PYPTO_KERNELS_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert native.cache_dir().parent == Path(tempfile.gettempdir())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native.cache_dir() == tmp_path / "xdg" / "pypto_kernels"
+    monkeypatch.setenv("PYPTO_KERNELS_CACHE", str(tmp_path / "mine"))
+    assert native.cache_dir() == tmp_path / "mine"
