@@ -62,6 +62,17 @@ def cache_dir() -> Path:
         return Path(tempfile.gettempdir()) / f"pypto_kernels_{os.getuid()}"
 
 
+def _private_dir(path: Path) -> Path:
+    """``path``, created (mode 0700) where missing. OSError: it is not this user's own or others may write
+    to it, since a library found there is loaded into the process (another user could plant one in a
+    shared temporary directory)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise OSError(f"{path} is not a directory of this user's that only it may write (mode {info.st_mode:o})")
+    return path
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
@@ -73,10 +84,9 @@ def _build(compiler: str) -> Path:
     for part in (*(s.read_bytes() for s in _SOURCES), " ".join(_FLAGS).encode(), version.encode()):
         key.update(part)
     key.update(" ".join(sorted(cpu_flags())).encode() + platform.machine().encode())
-    target = cache_dir() / f"pypto_native_{key.hexdigest()[:16]}.so"
+    target = _private_dir(cache_dir()) / f"pypto_native_{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the target and renamed into place, so concurrent processes never load half a file.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)

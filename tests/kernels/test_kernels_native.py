@@ -226,3 +226,24 @@ def test_the_cache_directory_without_a_home(monkeypatch: pytest.MonkeyPatch, tmp
     assert native.cache_dir() == tmp_path / "xdg" / "pypto_kernels"
     monkeypatch.setenv("PYPTO_KERNELS_CACHE", str(tmp_path / "mine"))
     assert native.cache_dir() == tmp_path / "mine"
+
+
+def test_a_cache_directory_others_may_write_is_refused(
+    fresh_library: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A library found in the cache directory is loaded into the process, so a directory other users
+    may write (or one of another user's) is refused, with the reason, and the torch paths run."""
+    shared = fresh_library / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("PYPTO_KERNELS_CACHE", str(shared))
+    with caplog.at_level(logging.WARNING, logger="pypto_kernels"):
+        assert native.library() is None
+    assert "only it may write" in caplog.text
+    assert list(shared.iterdir()) == []
+    created = fresh_library / "fresh" / "dir"
+    monkeypatch.setenv("PYPTO_KERNELS_CACHE", str(created))
+    native.library.cache_clear()
+    if native._compiler() is not None:
+        assert native.library() is not None
+        assert created.stat().st_mode & 0o777 == 0o700
