@@ -247,3 +247,18 @@ def test_a_cache_directory_others_may_write_is_refused(
     if native._compiler() is not None:
         assert native.library() is not None
         assert created.stat().st_mode & 0o777 == 0o700
+
+
+def test_only_unscaled_cpu_caches_of_one_native_dtype_are_read_natively() -> None:
+    """The C kernel reads host memory: an accelerator's cache (a fake CUDA one here, as the fake-device
+    tests run) or a scaled (FP8) or mixed-dtype one never reaches it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cpu = torch.zeros(2, 16, 2, 32)
+    assert native.reads(cpu, cpu, scaled=False) == (native.library() is not None)
+    assert not native.reads(cpu, cpu, scaled=True)
+    assert not native.reads(cpu, cpu.to(torch.bfloat16), scaled=False)
+    assert not native.reads(cpu.to(torch.float8_e4m3fn), cpu.to(torch.float8_e4m3fn), scaled=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cuda = torch.empty(2, 16, 2, 32, device="cuda")
+        assert not native.reads(cuda, cuda, scaled=False)
