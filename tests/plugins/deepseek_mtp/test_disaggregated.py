@@ -242,9 +242,10 @@ def _references(settings: dict[str, Any], runs: list[tuple[list[int], bool]]) ->
     return out
 
 
-def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool) -> Any:
+def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool, pause: float = 0.03) -> Any:
     """Prefill ``prompt`` with stream_kv while ``d`` pulls it from the start, stepping both engines in
-    turn; returns the decode output."""
+    turn, ``pause`` seconds after each prefill step for the connectors' threads to move that chunk's
+    part; returns the decode output."""
     pe, de = p._engine(), d._engine()
     streamed = {"do_remote_decode": True, "stream_kv": True}
     first = SamplingParams(temperature=0, max_tokens=1, kv_transfer_params=streamed)
@@ -259,7 +260,7 @@ def _stream(p: LLM, d: LLM, rid: str, prompt: list[int], seeded: bool) -> Any:
         if pe.has_unfinished():
             pe.step()
             assert not de.scheduler.requests, "the decode engine admitted the request before its KV was complete"
-            time.sleep(0.03)  # each chunk's part goes out on its own
+            time.sleep(pause)  # each chunk's part goes out on its own
         outs.update({o.request_id: o for o in de.step() if o.finished})
     return outs[rid]
 
@@ -308,7 +309,9 @@ def test_a_streamed_chunk_longer_than_the_window_moves_the_window_blocks_it_gave
         assert de.kvx is not None
         drafting: list[tuple[int, int, int]] = [expected]
         with _spec_delta(d, drafting):
-            out = _stream(p, d, "w", prompt, True)
+            # Two prefill steps only, so a long pause costs little and keeps the first chunk's part its
+            # own on a loaded machine (with 30 ms both chunks once went out as one part).
+            out = _stream(p, d, "w", prompt, True, pause=0.5)
         assert out.outputs[0].error is None and out.num_cached_tokens == 2 * UNIT
         assert out.outputs[0].token_ids == tokens
         assert drafting[0] == drafting[1], drafting
