@@ -128,8 +128,9 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def _element_strides(cache: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(cache.stride()[:3], dtype=torch.int64)
+def _element_strides(cache: torch.Tensor) -> ctypes.Array[ctypes.c_int64]:
+    """The cache's block, token and head strides as a C array (no tensor made on the call's path)."""
+    return (ctypes.c_int64 * 3)(*cache.stride()[:3])
 
 
 def reads_dtypes(cache_dtype: torch.dtype, value_dtype: torch.dtype) -> bool:
@@ -205,7 +206,7 @@ def paged_attention(
     k_strides, v_strides = _element_strides(key_cache), _element_strides(value_cache)
     status = lib.pypto_paged_attention(
         q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
-        NATIVE_DTYPES[key_cache.dtype], k_strides.data_ptr(), v_strides.data_ptr(), tables.data_ptr(),
+        NATIVE_DTYPES[key_cache.dtype], k_strides, v_strides, tables.data_ptr(),
         tables.stride(0), *(columns[i].data_ptr() for i in range(4)), columns.shape[1], q.shape[1],
         key_cache.shape[2], key_cache.shape[3], value_cache.shape[3], key_cache.shape[1], scale,
         None if sink is None else sink.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
