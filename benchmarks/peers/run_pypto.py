@@ -1,6 +1,6 @@
 """pypto-serving through its offline ``LLM`` API, with the project's own python: greedy,
 ``ignore_eos``, prefix caching off, the job's ``scheduler`` (sync or async) and ``threads`` worker
-threads.
+threads; everything else (the KV cache size too) the engine's defaults.
 
     python benchmarks/peers/run_pypto.py JOB.json OUT.json
 """
@@ -22,10 +22,12 @@ def load(job: dict) -> _common.Generate:
         scheduler=job.get("scheduler", "sync"),
         dtype=job.get("dtype", "float32"),
         max_num_seqs=job.get("max_num_seqs", 64),
-        kv_cache_memory=job.get("kv_cache_memory", 6 * 2**30),
         worker_threads=job.get("threads", 2),
         enable_prefix_caching=False,
         log_level="warning",
+        # The engine's own KV cache size unless the job names one (an unset size fits the batch on
+        # the CPU: devices.cpu_kv_cache_memory).
+        **({"kv_cache_memory": job["kv_cache_memory"]} if "kv_cache_memory" in job else {}),
     )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -324,7 +324,9 @@ class ServingSettings(BaseSettings):
     kv_cache_memory: int = Field(
         512 * 1024**2,
         gt=0,
-        description="Bytes of device memory for the KV cache when num_kv_blocks is unset.",
+        description="Bytes of device memory for the KV cache when num_kv_blocks is unset. Unset: 512 MiB on "
+        "accelerators; on the CPU what max_num_seqs requests of max_model_len tokens take, from 512 MiB up to "
+        "4 GiB and a quarter of the host's available memory (untouched pages cost nothing).",
     )
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8"] = Field(
         "auto",

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from .config import ServingSettings, SettingsError
+from .devices import cpu_kv_cache_memory, device_kind
 from .executor import CacheGroupSpec, ExecutorInfo
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
@@ -425,12 +426,15 @@ class EngineCore:
         return Scheduler(config, self.kv, info, policy, text_stop=self._detokenize)
 
     def _kv_cache_memory(self) -> int:
-        """``kv_cache_memory``, or with ``gpu_memory_utilization`` (and neither explicit override) what
-        the worker's memory profile leaves for the cache."""
+        """``kv_cache_memory``; with ``gpu_memory_utilization`` (and neither explicit override) what the
+        worker's memory profile leaves for the cache; unset on the CPU, what the running requests can
+        use (:func:`~pypto_serving.devices.cpu_kv_cache_memory`)."""
         s = self.settings
         explicit = s.num_kv_blocks is not None or s.source_of("kv_cache_memory") != "default"
-        if s.gpu_memory_utilization is None or explicit:
+        if explicit:
             return s.kv_cache_memory
+        if s.gpu_memory_utilization is None:
+            return self._cpu_kv_cache_memory() if device_kind(s.device) == "cpu" else s.kv_cache_memory
         profile = self.worker.profile_memory(s.max_num_batched_tokens)
         budget = int(s.gpu_memory_utilization * profile.total_bytes)
         free = budget - profile.used_bytes - profile.peak_bytes
@@ -443,6 +447,17 @@ class EngineCore:
             raise SettingsError(f"no memory left for the KV cache: {why}; raise gpu_memory_utilization")
         logger.info("KV cache memory %.2f GiB: %s", free / 2**30, why)
         return free
+
+    def _cpu_kv_cache_memory(self) -> int:
+        s, info = self.settings, self.info
+        per_token = sum(g.bytes_per_block / g.tokens_per_block for g in info.cache_groups)
+        length = min(s.max_model_len or info.max_model_len, info.max_model_len)
+        ranks = s.tensor_parallel_size * s.data_parallel_size // max(1, s.nnodes)
+        size, why = cpu_kv_cache_memory(
+            per_token, max_num_seqs=s.max_num_seqs, max_model_len=length, floor=s.kv_cache_memory, ranks=ranks
+        )
+        logger.info("KV cache memory %.2f GiB (kv_cache_memory unset on the CPU: %s)", size / 2**30, why)
+        return size
 
     def _fit_max_model_len(self, num_blocks: dict[str, int]) -> int:
         """The context length: the setting (refused if a cache sized from memory cannot hold one request

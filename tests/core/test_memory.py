@@ -114,3 +114,54 @@ def test_the_profile_crosses_the_process_boundary(fake_pm: Any) -> None:
         assert len(llm.generate([[1, 2, 3]], use_tqdm=False)[0].outputs[0].token_ids) > 0
     finally:
         llm.shutdown()
+
+
+# -- an unset kv_cache_memory on the CPU
+
+
+@pytest.mark.parametrize(
+    ("seqs", "length", "available", "expected"),
+    [
+        (64, 4096, 64 * GiB, 512 * 2**20),  # 64 x 4096 x 1 KiB = 256 MiB: the 512 MiB floor
+        (64, 16384, 64 * GiB, GiB),  # what 64 sequences of 16,384 tokens take
+        (64, 131072, 64 * GiB, 4 * GiB),  # 8 GiB asked: the 4 GiB cap
+        (64, 131072, 8 * GiB, 2 * GiB),  # a quarter of the 8 GiB available
+        (64, 131072, GiB, 512 * 2**20),  # a quarter of 1 GiB is under the floor: the floor
+    ],
+)
+def test_an_unset_cpu_cache_holds_the_running_requests(
+    fake_pm: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    seqs: int,
+    length: int,
+    available: int,
+    expected: int,
+) -> None:
+    """512 MiB held eight 270-token Qwen3-0.6B requests at a time on the CPU; an unset size there now
+    follows max_num_seqs x max_model_len within the 512 MiB .. 4 GiB and a-quarter-of-free bounds."""
+    monkeypatch.setattr("pypto_serving.devices._available_bytes", lambda: available)
+    caplog.set_level(logging.INFO, logger="pypto_serving.engine")
+    llm = _llm(fake_pm, device="cpu", max_num_seqs=seqs, executor_options={"max_model_len": length})
+    try:
+        assert llm.engine is not None and llm.engine.kv.pools["kv"].num_blocks == expected // BYTES_PER_BLOCK
+        assert f"KV cache memory {expected / GiB:.2f} GiB (kv_cache_memory unset on the CPU" in caplog.text
+    finally:
+        llm.shutdown()
+
+
+def test_a_set_cpu_cache_size_is_taken_as_given(fake_pm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pypto_serving.devices._available_bytes", lambda: 64 * GiB)
+    llm = _llm(fake_pm, device="cpu", kv_cache_memory=512 * 2**20, executor_options={"max_model_len": 131072})
+    try:
+        assert llm.engine is not None and llm.engine.kv.pools["kv"].num_blocks == 512 * 2**20 // BYTES_PER_BLOCK
+    finally:
+        llm.shutdown()
+
+
+def test_cpu_default_divides_the_free_memory_among_the_ranks() -> None:
+    from pypto_serving import devices
+
+    size, why = devices.cpu_kv_cache_memory(1024, max_num_seqs=64, max_model_len=131072, floor=0, ranks=4)
+    assert size == min(devices.CPU_KV_CACHE_MEMORY, devices._available_bytes() // 16)
+    assert "shared by 4 rank(s)" in why
