@@ -854,8 +854,8 @@ def reads_in_place(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
 
 
 #: Most queries of one request's run that the native kernel attends row by row (decode rows,
-#: speculative verification); longer runs (prefill chunks) take the padded matmuls, which share each
-#: key across the run's rows.
+#: speculative verification); longer runs (prefill chunks) take the native prefill kernel, whose
+#: query tiles share each key.
 NATIVE_MAX_QUERIES = 16
 
 
@@ -870,6 +870,28 @@ def _native_rows(spans: list[_Span], window: int | None) -> torch.Tensor:
             lo = max(0, end - window) if window is not None else 0
             entries.append((span.row + i, span.request, lo, end - lo))
     return torch.tensor(entries, dtype=torch.int64)
+
+
+def _native_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,
+    spans: list[_Span],
+    out: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> None:
+    """Every long run of ``spans`` in one call of :func:`pypto_kernels.native.prefill_attention`, into ``out``."""
+    rows = torch.tensor([(s.row, s.request, s.num_queries, s.lo, s.hi) for s in spans], dtype=torch.int64)
+    if out.dtype == torch.float32:
+        native.prefill_attention(query, key_cache, value_cache, tables, rows, scale, window, sinks, out)
+        return
+    flat = torch.zeros(out.shape, dtype=torch.float32)
+    native.prefill_attention(query, key_cache, value_cache, tables, rows, scale, window, sinks, flat)
+    for s in spans:  # only the runs' rows: the others hold the decode rows already written
+        out[s.row : s.row + s.num_queries] = flat[s.row : s.row + s.num_queries]
 
 
 def batched_decode_paged_attention(
@@ -893,7 +915,9 @@ def batched_decode_paged_attention(
     Where the native CPU kernels are built (:mod:`pypto_kernels.native`) and the caches are float32
     or bfloat16 without scales, every run of at most :data:`NATIVE_MAX_QUERIES` queries (decode rows,
     speculative verification) is attended by one call of the C kernel, each query row over its keys
-    read in place, and only longer runs take the request loop. Otherwise a float32 cache is read in
+    read in place, and every longer run (prefill chunks) by one call of the C prefill kernel, tiles of
+    queries sharing each chunk of keys (the request loop only for a value head size not divisible by
+    16). Otherwise a float32 cache is read in
     place (:func:`_attend_in_place`: sampled scores, a padded softmax, an ``embedding_bag`` of
     values), and other caches (bfloat16, FP8) are gathered: rows sorted by length, cut into groups
     of bounded padded size, each group's K/V copied once into a padded tensor and attended with one
@@ -914,7 +938,10 @@ def batched_decode_paged_attention(
             else:
                 out.copy_(native.paged_attention(query, key_cache, value_cache, tables, rows, scale, sinks))
         long = [s for s in spans if s.num_queries > NATIVE_MAX_QUERIES]
-        _attend_spans(query, key_cache, value_cache, tables, long, out, scale, sliding_window, sinks, k_scale, v_scale)
+        if long and native.prefill_takes(value_cache):
+            _native_prefill(query, key_cache, value_cache, tables, long, out, scale, sliding_window, sinks)
+        else:
+            _attend_spans(query, key_cache, value_cache, tables, long, out, scale, sliding_window, sinks, None, None)
         return out
     decode = [s for s in spans if s.num_queries == 1]
     if decode:

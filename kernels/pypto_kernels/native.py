@@ -9,6 +9,9 @@ same results to float rounding), saying so once in the log.
 
 - :func:`paged_attention`: query rows over a paged float32 or bfloat16 K/V cache read in place
   (``csrc/paged_attention.c``), one pass per (row, KV head) over the keys the row sees.
+- :func:`prefill_attention`: long causal query runs (prefill chunks) over the same caches
+  (``csrc/prefill_attention.c``), flash-attention style: tiles of queries share each packed chunk of
+  keys and values.
 """
 
 from __future__ import annotations
@@ -28,16 +31,28 @@ import torch
 
 from .device import cpu_flags
 
-__all__ = ["NATIVE_DTYPES", "bf16_dot_available", "cache_dir", "library", "paged_attention", "reads", "reads_dtypes"]
+__all__ = [
+    "NATIVE_DTYPES",
+    "bf16_dot_available",
+    "cache_dir",
+    "library",
+    "paged_attention",
+    "prefill_attention",
+    "prefill_takes",
+    "reads",
+    "reads_dtypes",
+]
 
 logger = logging.getLogger("pypto_kernels")
 
-_SOURCES = (Path(__file__).with_name("csrc") / "paged_attention.c",)
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = (_CSRC / "paged_attention.c", _CSRC / "prefill_attention.c")
+_HEADERS = (_CSRC / "common.h",)
 # A warning never fails the build (another compiler's new warnings would turn the fast path off); a
 # call to an undeclared function does (it would fail only when loaded).
 _FLAGS = (
-    "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wall", "-Werror=implicit-function-declaration",
-    "-shared", "-fPIC",
+    "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-psabi",
+    "-Werror=implicit-function-declaration", "-shared", "-fPIC",
 )  # fmt: skip
 #: Cache dtypes the C kernels read (bfloat16 widened exactly to float32 as it is read).
 NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -81,7 +96,7 @@ def _build(compiler: str) -> Path:
     """The library for this source, compiler and CPU, compiled unless already in the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in _SOURCES), " ".join(_FLAGS).encode(), version.encode()):
+    for part in (*(s.read_bytes() for s in (*_SOURCES, *_HEADERS)), " ".join(_FLAGS).encode(), version.encode()):
         key.update(part)
     key.update(" ".join(sorted(cpu_flags())).encode() + platform.machine().encode())
     target = _private_dir(cache_dir()) / f"pypto_native_{key.hexdigest()[:16]}.so"
@@ -121,6 +136,11 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_paged_attention.argtypes = [
         _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64,
         _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int,
+    ]  # fmt: skip
+    lib.pypto_prefill_attention.restype = ctypes.c_int
+    lib.pypto_prefill_attention.argtypes = [
+        _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
+        _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, _I64, _I64, ctypes.c_int,
     ]  # fmt: skip
     lib.pypto_bf16_dot.restype = ctypes.c_int
     lib.pypto_bf16_dot.argtypes = []
@@ -214,4 +234,66 @@ def paged_attention(
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the native paged attention could not allocate its per-thread scratch")
+    return out
+
+
+def prefill_takes(value_cache: torch.Tensor) -> bool:
+    """Whether :func:`prefill_attention` takes caches with this value head size (a multiple of 16)."""
+    return value_cache.shape[-1] % 16 == 0
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    tables: torch.Tensor,
+    spans: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Causal runs of queries (prefill chunks) over the paged caches, read in place, into float32
+    ``out`` ``[R, Hq, Dv]`` (rows not in a span are left as they are).
+
+    Each run's query tiles share every chunk of keys and values (see ``csrc/prefill_attention.c``);
+    a query's result depends only on its own inputs (not on its run's length, the batch or the
+    threads), and equals the softmax reference to float32 rounding.
+
+    :param query: ``[R, Hq, D]`` (any float dtype; read as float32).
+    :param key_cache: ``[blocks, block_size, Hkv, D]``, a dtype of :data:`NATIVE_DTYPES`, last dimension
+        dense, Hkv dividing Hq.
+    :param value_cache: as ``key_cache`` with ``Dv`` values (a multiple of 16: :func:`prefill_takes`), same dtype.
+    :param tables: ``[requests, max_blocks]`` block tables.
+    :param spans: int64 ``[n, 5]``: per run its first row of ``query``, its request (row of ``tables``),
+        its query count ``q``, the first key position any of its queries may see (``lo``) and one past
+        its last query's position (``hi``); query ``i`` sits at ``hi - q + i`` and sees the keys from
+        ``lo`` (or its window) up to itself.
+    :param window: a sliding window in keys (each query sees its last ``window`` positions), or None.
+    :param sinks: per query head a logit added to the softmax's denominator (``[Hq]``), or None.
+    :param out: a contiguous float32 ``[R, Hq, Dv]`` to write.
+    :return: ``out``.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available (see the log)")
+    if not prefill_takes(value_cache):
+        size = value_cache.shape[-1]
+        raise ValueError(f"the native prefill attention needs a value head size divisible by 16, got {size}")
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor, got {out.dtype} with strides {out.stride()}")
+    q = query.to(torch.float32).contiguous()
+    tables = tables.to(torch.int64).contiguous()
+    spans = spans.to(torch.int64).contiguous()
+    sink = None if sinks is None else sinks.to(torch.float32).contiguous()
+    status = lib.pypto_prefill_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+        NATIVE_DTYPES[key_cache.dtype], _element_strides(key_cache), _element_strides(value_cache),
+        tables.data_ptr(), tables.stride(0), spans.data_ptr(), spans.shape[0], q.shape[1], key_cache.shape[2],
+        key_cache.shape[3], value_cache.shape[3], key_cache.shape[1], window or 0, scale,
+        None if sink is None else sink.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the native prefill attention could not allocate its scratch")
     return out

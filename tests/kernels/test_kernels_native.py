@@ -262,3 +262,115 @@ def test_only_unscaled_cpu_caches_of_one_native_dtype_are_read_natively() -> Non
     with FakeTensorMode(allow_non_fake_inputs=True):
         cuda = torch.empty(2, 16, 2, 32, device="cuda")
         assert not native.reads(cuda, cuda, scaled=False)
+
+
+# -- long runs (prefill chunks): csrc/prefill_attention.c
+
+# (q_len, seq_len): whole prompts (shorter and longer than a 64-query tile), chunks over cached
+# prefixes ending mid-block, decode rows and a speculative run beside them, an idle request.
+PREFILL_BATCH = [(17, 17), (70, 70), (129, 200), (33, 47), (1, 90), (5, 61), (0, 9), (64, 64)]
+
+
+class _PrefillCalls:
+    """Counts the native prefill kernel's calls and the query rows of their spans."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls, self.rows = 0, 0
+        inner = native.prefill_attention
+
+        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self.calls += 1
+            self.rows += int(args[4][:, 2].sum())
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(native, "prefill_attention", counted)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim", "v_dim", "block_size"),
+    [(4, 4, 32, 32, 16), (8, 2, 64, 64, 16), (8, 1, 24, 48, 8), (6, 3, 128, 16, 4)],
+)
+@pytest.mark.parametrize(("window", "with_sinks"), [(None, False), (20, False), (None, True), (37, True)])
+def test_native_prefill_attends_long_runs_as_the_naive_loop(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    layout: str,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    v_dim: int,
+    block_size: int,
+    window: int | None,
+    with_sinks: bool,
+) -> None:
+    """Every run of more than 16 queries goes through one call of the prefill kernel (and the short
+    runs through the row kernel) in a NaN-filled cache with shuffled blocks: the result is the naive
+    per-query softmax loop's to float32 rounding (bfloat16 caches widened exactly)."""
+    gen = torch.Generator().manual_seed(num_q_heads * 31 + head_dim + (window or 0) + with_sinks)
+    data = build_paged_batch(PREFILL_BATCH, block_size, num_q_heads, num_kv_heads, head_dim, v_dim, dtype, gen)
+    if layout == "head_major" and num_kv_heads > 1:  # one KV head: both layouts are the same memory
+        data = _head_major(data)
+    sinks = torch.randn(num_q_heads, generator=gen) if with_sinks else None
+    prefill, rows = _PrefillCalls(monkeypatch), _Calls(monkeypatch)
+    out = paged_attention(*(data[name] for name in PAGED_ARGS), 0.25, sliding_window=window, sinks=sinks)
+    long_rows = sum(q for q, _ in PREFILL_BATCH if q > attention_module.NATIVE_MAX_QUERIES)
+    assert (prefill.calls, prefill.rows) == (1, long_rows)
+    assert rows.calls == 1 and rows.rows == sum(q for q, _ in PREFILL_BATCH) - long_rows
+    expected = expected_paged(data, 0.25, window, sinks)
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@needs_native
+def test_native_prefill_result_of_a_query_depends_only_on_its_own_inputs() -> None:
+    """A query's output is bitwise the same whether its prompt runs alone, in one chunk or in two,
+    beside other requests or not, on one thread or two (chunks of keys are aligned to positions)."""
+    gen = torch.Generator().manual_seed(5)
+    data = build_paged_batch([(150, 150), (90, 130)], 16, 8, 2, 64, 64, torch.float32, gen)
+    tables, _ = attention_module._tables_and_spans(
+        data["query"], data["key_cache"], data["block_tables"], data["query_start_loc"], data["seq_lens"],
+        None, None, None,
+    )  # fmt: skip
+
+    def run(span_rows: list[tuple[int, int, int, int, int]], threads: int) -> torch.Tensor:
+        out = torch.zeros((data["query"].shape[0], 8, 64))
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            native.prefill_attention(
+                data["query"], data["key_cache"], data["value_cache"], tables, torch.tensor(span_rows), 0.125,
+                None, None, out,
+            )  # fmt: skip
+        finally:
+            torch.set_num_threads(saved)
+        return out
+
+    together = run([(0, 0, 150, 0, 150), (150, 1, 90, 0, 130)], 2)
+    alone = run([(0, 0, 150, 0, 150)], 1)
+    # The same prompt as two chunks: 70 queries over keys 0..69, then 80 over 0..149.
+    chunked = run([(0, 0, 70, 0, 70), (70, 0, 80, 0, 150)], 2)
+    assert torch.equal(together[:150], alone[:150]) and torch.equal(together[:150], chunked[:150])
+    torch.testing.assert_close(together, expected_paged(data, 0.125, None, None), atol=2e-5, rtol=2e-5)
+
+
+@needs_native
+def test_native_prefill_refuses_what_it_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value head size not divisible by 16 keeps the request loop (and the kernel refuses it); a
+    non-float32 ``out`` is refused."""
+    gen = torch.Generator().manual_seed(6)
+    data = build_paged_batch([(40, 40)], 16, 4, 2, 32, 24, torch.float32, gen)
+    prefill = _PrefillCalls(monkeypatch)
+    out = paged_attention(*(data[name] for name in PAGED_ARGS), 0.25)
+    assert prefill.calls == 0
+    torch.testing.assert_close(out, expected_paged(data, 0.25, None, None), atol=1e-5, rtol=1e-5)
+    spans = torch.tensor([[0, 0, 40, 0, 40]])
+    args = (data["query"], data["key_cache"], data["value_cache"], data["block_tables"], spans, 0.25, None, None)
+    with pytest.raises(ValueError, match="value head size divisible by 16, got 24"):
+        native.prefill_attention(*args, torch.zeros((40, 4, 24)))
+    ok = build_paged_batch([(40, 40)], 16, 4, 2, 32, 32, torch.float32, gen)
+    ok_args = (ok["query"], ok["key_cache"], ok["value_cache"], ok["block_tables"], spans, 0.25, None, None)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        native.prefill_attention(*ok_args, torch.zeros((40, 4, 32), dtype=torch.float64))

@@ -1,0 +1,40 @@
+/* What the native kernels share: element kinds, bfloat16 widening, the softmax's exponential and a
+ * paged cache's description. */
+#ifndef PYPTO_NATIVE_COMMON_H
+#define PYPTO_NATIVE_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ELEM_F32 = 0, ELEM_BF16 = 1 };
+
+static inline float bf16_value(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* e**x for x <= 0 (softmax arguments after the maximum is taken off), written to vectorise:
+ * x = n ln2 + f with |f| <= ln2 / 2, e**f by a degree-6 Taylor polynomial (relative error under
+ * 2e-7), times 2**n built in the exponent bits; 0 below -87 (where float32 underflows) and for -inf. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_rintf(x * 1.44269504f);
+    float f = x - n * 0.693145752f - n * 1.42860677e-06f;
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666672f + f * (0.0416666679f + f * (0.00833333377f + f * 0.00138888892f)))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x <= -87.0f ? 0.0f : p * scale;
+}
+
+typedef struct {
+    const void *base;
+    int kind;
+    int64_t sb, st, sh;
+} Cache;
+
+#endif

@@ -1,0 +1,236 @@
+/* Causal attention of long query runs (prefill chunks) over a paged K/V cache, read in place
+ * (pypto_kernels.native.prefill_attention).
+ *
+ * A span is one request's run of n queries at positions hi - n .. hi - 1; query i sees the keys at
+ * positions [max(lo, p_i - window + 1), p_i] of its request's block table (no window: from lo).
+ * Work items are (span, KV head, tile of QT queries), spread over OpenMP threads (the process's
+ * runtime, shared with torch's). A tile's M = QT x G query vectors (its queries times the G query
+ * heads of the KV head, prescaled) run as one block, flash-attention style, over its keys in chunks
+ * of KC positions: each chunk's keys are packed transposed and its values widened to float32 once
+ * for all M vectors (of which only the queries at or after the chunk take part: causal), their
+ * scores come from an outer-product loop held in registers, an online
+ * softmax (running maximum and denominator per vector) turns them into weights, and the weighted
+ * values are added to M running outputs, divided by the denominators at the end. A per-query-head
+ * sink logit, when given, starts each vector's maximum and denominator (a logit with no value).
+ *
+ * Chunks are aligned to absolute positions (multiples of KC) and every sum runs in a fixed order,
+ * so a query's result depends only on its own inputs: not on the tiling, the batch or the threads.
+ * Vectors are GCC/Clang vector extensions of 16 floats (one AVX-512 register, two AVX2 ones).
+ *
+ * The caches are [blocks, block_size, Hkv, D] with any strides whose last dimension is dense
+ * (element strides sb, st, sh), float32 or bfloat16 (widened exactly to float32).
+ */
+#include "common.h"
+
+enum { KC = 16, QT = 64, RB = 8 };
+
+typedef float vf __attribute__((vector_size(64)));
+
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+static inline float widen(const void *base, int kind, int64_t index) {
+    return kind == ELEM_F32 ? ((const float *)base)[index] : bf16_value(((const uint16_t *)base)[index]);
+}
+
+typedef struct {
+    int64_t group, dim, dim_v, block_size, window;
+    float scale;
+} Shape;
+
+/* A thread's working memory for one tile. */
+typedef struct {
+    float *q;      /* [M, dim] the tile's query vectors times the scale */
+    float *s;      /* [M, KC] scores, then weights */
+    float *o;      /* [M, dim_v] running outputs */
+    float *top;    /* [M] running maxima */
+    float *total;  /* [M] running denominators */
+    float *kt;     /* [dim, KC] the chunk's keys, transposed */
+    float *vc;     /* [KC, dim_v] the chunk's values */
+} Scratch;
+
+/* Keys and values of positions [pos0, pos0 + KC) into kt / vc; positions outside [from, to) are zeros
+ * (never read from the cache: blocks before a window may be gone). */
+static void pack_chunk(const Cache *k, const Cache *v, const int64_t *table, const Shape *sh, int64_t h,
+                       int64_t pos0, int64_t from, int64_t to, float *kt, float *vc) {
+    for (int64_t j = 0; j < KC; j++) {
+        int64_t pos = pos0 + j;
+        if (pos < from || pos >= to) {
+            for (int64_t d = 0; d < sh->dim; d++) kt[d * KC + j] = 0.0f;
+            memset(vc + j * sh->dim_v, 0, sizeof(float) * sh->dim_v);
+            continue;
+        }
+        int64_t block = table[pos / sh->block_size], off = pos % sh->block_size;
+        int64_t ki = block * k->sb + off * k->st + h * k->sh, vi = block * v->sb + off * v->st + h * v->sh;
+        for (int64_t d = 0; d < sh->dim; d++) kt[d * KC + j] = widen(k->base, k->kind, ki + d);
+        if (v->kind == ELEM_F32) {
+            memcpy(vc + j * sh->dim_v, (const float *)v->base + vi, sizeof(float) * sh->dim_v);
+        } else {
+            for (int64_t d = 0; d < sh->dim_v; d++) vc[j * sh->dim_v + d] = widen(v->base, v->kind, vi + d);
+        }
+    }
+}
+
+/* s[r] = q[r] . kt for ``rows`` vectors (a constant where inlined): one accumulator each, one key
+ * vector load per dim shared by all of them. */
+static inline __attribute__((always_inline)) void scores_block(const float *q, const float *kt, int64_t dim,
+                                                               float *s, const int rows) {
+    vf acc[RB];
+    for (int r = 0; r < rows; r++) acc[r] = splat(0.0f);
+    for (int64_t d = 0; d < dim; d++) {
+        vf kd = vload(kt + d * KC);
+        for (int r = 0; r < rows; r++) acc[r] += splat(q[r * dim + d]) * kd;
+    }
+    for (int r = 0; r < rows; r++) vstore(s + r * KC, acc[r]);
+}
+
+static void scores(const Scratch *w, int64_t m, int64_t m_count, int64_t dim) {
+    for (; m + RB <= m_count; m += RB) scores_block(w->q + m * dim, w->kt, dim, w->s + m * KC, RB);
+    for (; m + 2 <= m_count; m += 2) scores_block(w->q + m * dim, w->kt, dim, w->s + m * KC, 2);
+    for (; m < m_count; m++) scores_block(w->q + m * dim, w->kt, dim, w->s + m * KC, 1);
+}
+
+/* Masks vector m's scores to its visible positions [first, last], folds them into its running maximum
+ * and denominator, rescales its output, and leaves its weights in s; 0 when it sees none of the chunk. */
+static int softmax_step(const Scratch *w, int64_t m, int64_t pos0, int64_t first, int64_t last, int64_t dim_v) {
+    float *s = w->s + m * KC;
+    if (pos0 < first || pos0 + KC - 1 > last) {
+        for (int64_t j = 0; j < KC; j++)
+            if (pos0 + j < first || pos0 + j > last) s[j] = -INFINITY;
+    }
+    float chunk_top = -INFINITY;
+    for (int64_t j = 0; j < KC; j++) chunk_top = s[j] > chunk_top ? s[j] : chunk_top;
+    if (chunk_top == -INFINITY) return 0;
+    float top = w->top[m] > chunk_top ? w->top[m] : chunk_top;
+    float keep = exp_nonpositive(w->top[m] - top), sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < KC; j++) {
+        s[j] = exp_nonpositive(s[j] - top);
+        sum += s[j];
+    }
+    w->top[m] = top;
+    w->total[m] = w->total[m] * keep + sum;
+    if (keep != 1.0f) {
+        float *o = w->o + m * dim_v;
+#pragma omp simd
+        for (int64_t d = 0; d < dim_v; d++) o[d] *= keep;
+    }
+    return 1;
+}
+
+/* o[d .. d + 16 nb) += sum_j p[j] vc[j, d .. d + 16 nb) with nb (a constant where inlined) accumulators. */
+static inline __attribute__((always_inline)) void values_block(float *o, const float *p, const float *vc,
+                                                               int64_t dim_v, const int nb) {
+    vf acc[8];
+    for (int b = 0; b < nb; b++) acc[b] = vload(o + b * 16);
+    for (int64_t j = 0; j < KC; j++) {
+        vf pj = splat(p[j]);
+        for (int b = 0; b < nb; b++) acc[b] += pj * vload(vc + j * dim_v + b * 16);
+    }
+    for (int b = 0; b < nb; b++) vstore(o + b * 16, acc[b]);
+}
+
+/* o[m] += sum_j s[m, j] vc[j] (dim_v a multiple of 16). */
+static void weighted_values(const Scratch *w, int64_t m, int64_t dim_v) {
+    const float *p = w->s + m * KC;
+    float *o = w->o + m * dim_v;
+    int64_t d = 0;
+    for (; d + 128 <= dim_v; d += 128) values_block(o + d, p, w->vc + d, dim_v, 8);
+    for (; d + 64 <= dim_v; d += 64) values_block(o + d, p, w->vc + d, dim_v, 4);
+    for (; d < dim_v; d += 16) values_block(o + d, p, w->vc + d, dim_v, 1);
+}
+
+/* One tile: queries [i0, i0 + rows) of a span whose query 0 sits at position p0, for KV head h. */
+static void attend_tile(const float *q, int64_t q_row_stride, int64_t q_head_stride, const Cache *k, const Cache *v,
+                        const int64_t *table, const Shape *sh, int64_t lo, int64_t p0, int64_t i0, int64_t rows,
+                        int64_t h, const float *sinks, float *out, int64_t out_row_stride, int64_t out_head_stride,
+                        const Scratch *w) {
+    int64_t g_count = sh->group, m_count = rows * g_count;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t g = 0; g < g_count; g++) {
+            const float *src = q + (i0 + i) * q_row_stride + (h * g_count + g) * q_head_stride;
+            float *dst = w->q + (i * g_count + g) * sh->dim;
+            for (int64_t d = 0; d < sh->dim; d++) dst[d] = src[d] * sh->scale;
+            int64_t m = i * g_count + g;
+            w->top[m] = sinks ? sinks[h * g_count + g] : -INFINITY;
+            w->total[m] = sinks ? 1.0f : 0.0f;
+        }
+    memset(w->o, 0, sizeof(float) * m_count * sh->dim_v);
+    int64_t first_pos = p0 + i0, last_pos = p0 + i0 + rows - 1;
+    int64_t from = sh->window > 0 && first_pos - sh->window + 1 > lo ? first_pos - sh->window + 1 : lo;
+    for (int64_t pos0 = from - from % KC; pos0 <= last_pos; pos0 += KC) {
+        pack_chunk(k, v, table, sh, h, pos0, from, last_pos + 1, w->kt, w->vc);
+        /* Queries before the chunk see none of it: only the tile's later vectors take part. */
+        int64_t m_first = pos0 > first_pos ? (pos0 - first_pos) * g_count : 0;
+        scores(w, m_first, m_count, sh->dim);
+        for (int64_t m = m_first; m < m_count; m++) {
+            int64_t p = first_pos + m / g_count;
+            int64_t first = sh->window > 0 && p - sh->window + 1 > lo ? p - sh->window + 1 : lo;
+            if (softmax_step(w, m, pos0, first, p, sh->dim_v)) weighted_values(w, m, sh->dim_v);
+        }
+    }
+    for (int64_t m = 0; m < m_count; m++) {
+        int64_t i = m / g_count, g = m % g_count;
+        float inv = w->total[m] > 0.0f ? 1.0f / w->total[m] : 0.0f;
+        float *dst = out + (i0 + i) * out_row_stride + (h * g_count + g) * out_head_stride;
+        for (int64_t d = 0; d < sh->dim_v; d++) dst[d] = w->o[m * sh->dim_v + d] * inv;
+    }
+}
+
+/* Returns 0, or -1 when a thread's scratch could not be allocated (out is then incomplete).
+ * spans: int64 [n, 5] row-major, per span its first query row, its request (row of tables), its
+ * query count, the first key position any of its queries sees (lo) and one past its last (hi).
+ * window: 0 for none. dim_v must be a multiple of 16. */
+int pypto_prefill_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride, const void *key_cache,
+                            const void *value_cache, int kind, const int64_t *k_strides, const int64_t *v_strides,
+                            const int64_t *tables, int64_t table_stride, const int64_t *spans, int64_t n,
+                            int64_t num_q_heads, int64_t num_kv_heads, int64_t dim, int64_t dim_v, int64_t block_size,
+                            int64_t window, float scale, const float *sinks, float *out, int64_t out_row_stride,
+                            int64_t out_head_stride, int threads) {
+    Cache k = {key_cache, kind, k_strides[0], k_strides[1], k_strides[2]};
+    Cache v = {value_cache, kind, v_strides[0], v_strides[1], v_strides[2]};
+    Shape sh = {num_q_heads / num_kv_heads, dim, dim_v, block_size, window, scale};
+    int64_t *starts = malloc(sizeof(int64_t) * (n + 1));
+    if (starts == NULL) return -1;
+    starts[0] = 0; /* the first work item of each span: its tiles times the KV heads */
+    for (int64_t s = 0; s < n; s++) starts[s + 1] = starts[s] + (spans[s * 5 + 2] + QT - 1) / QT * num_kv_heads;
+    int64_t m_max = QT * sh.group, items = starts[n];
+    size_t floats = (size_t)(m_max * (dim + KC + dim_v + 2) + dim * KC + KC * dim_v);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        Scratch w;
+        w.q = malloc(sizeof(float) * floats);
+        failed = w.q == NULL;
+        if (w.q != NULL) {
+            w.s = w.q + m_max * dim;
+            w.o = w.s + m_max * KC;
+            w.top = w.o + m_max * dim_v;
+            w.total = w.top + m_max;
+            w.kt = w.total + m_max;
+            w.vc = w.kt + dim * KC;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (w.q == NULL) continue;
+            int64_t s = 0;
+            while (starts[s + 1] <= item) s++;
+            const int64_t *span = spans + s * 5;
+            int64_t local = item - starts[s], tile = local / num_kv_heads, h = local % num_kv_heads;
+            int64_t i0 = tile * QT, rows = span[2] - i0 < QT ? span[2] - i0 : QT;
+            attend_tile(q + span[0] * q_row_stride, q_row_stride, q_head_stride, &k, &v,
+                        tables + span[1] * table_stride, &sh, span[3], span[4] - span[2], i0, rows, h, sinks,
+                        out + span[0] * out_row_stride, out_row_stride, out_head_stride, &w);
+        }
+        free(w.q);
+    }
+    free(starts);
+    return failed ? -1 : 0;
+}
