@@ -39,7 +39,9 @@ not a timing, so the rounding of a given batch does not change from run to run.
 are built (:mod:`pypto_kernels.native`, a C compiler present) a float32 or bfloat16 cache is read
 in place by one C call for every run of up to 16 queries (decode rows, speculative verification),
 each row a pass over its keys and one over its values with the next rows prefetched across block
-boundaries (docs/benchmarks.md, "Decode attention in C"). Without them a float32 cache is read in
+boundaries (docs/benchmarks.md, "Decode attention in C"), and by a second C call for every longer
+run (prefill chunks), tiles of queries sharing each chunk of keys and values (docs/benchmarks.md,
+"Prefill attention in C"). Without them a float32 cache is read in
 place: the scores are one sampled sparse-dense product over the cache rows each decode row sees,
 the values one weighted ``embedding_bag``, and no K/V is copied (docs/benchmarks.md, "Decode
 attention read in place"). Other caches (bfloat16, FP8: torch's sampled product takes float32 and
