@@ -129,6 +129,11 @@ def _places(cores: list[int]) -> str:
     return ",".join(f"{{{c}}}" for c in cores)
 
 
+#: ``worker_heap_reuse``'s glibc settings: no allocation served by its own mapping, and freed memory
+#: returned to the system only past 1 TiB of free heap (never, in practice).
+HEAP_REUSE_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
+
+
 @contextlib.contextmanager
 def _worker_environment(settings: ServingSettings) -> Iterator[None]:
     """Environment a spawned worker starts with: OpenMP reads its wait policy and thread places once,
@@ -141,6 +146,11 @@ def _worker_environment(settings: ServingSettings) -> Iterator[None]:
     if settings.worker_huge_pages:
         # torch's CPU allocator reads it once, at its first allocation in the child.
         env["THP_MEM_ALLOC_ENABLE"] = "1"
+    if settings.worker_heap_reuse:
+        # The dynamic loader reads it at the child's exec; glibc otherwise maps blocks of 32 MiB and
+        # more fresh on every allocation (its largest mmap threshold), so such a buffer faults its
+        # pages in on every step. Other C libraries ignore the variable.
+        env["GLIBC_TUNABLES"] = HEAP_REUSE_TUNABLES
     cores = worker_cores(settings)
     if cores is not None and not {"OMP_PLACES", "OMP_PROC_BIND"} & set(os.environ):
         # One place per core, thread i on place i: no thread migrates, none shares a core with another.

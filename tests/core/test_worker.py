@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pypto_serving import EngineDeadError, SamplingParams
+from pypto_serving.worker import HEAP_REUSE_TUNABLES
 from tests.fakes import next_token, reference_tokens
 
 pytest.importorskip("pypto_serving_sync_sched")
@@ -248,6 +249,9 @@ def test_context_manager_exit_stops_the_worker(fake_pm: Any) -> None:
         ("worker_huge_pages", True, "THP_MEM_ALLOC_ENABLE", None, "1"),
         ("worker_huge_pages", False, "THP_MEM_ALLOC_ENABLE", None, ""),
         ("worker_huge_pages", True, "THP_MEM_ALLOC_ENABLE", "0", "0"),
+        ("worker_heap_reuse", True, "GLIBC_TUNABLES", None, HEAP_REUSE_TUNABLES),
+        ("worker_heap_reuse", False, "GLIBC_TUNABLES", None, ""),
+        ("worker_heap_reuse", True, "GLIBC_TUNABLES", "glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2"),
     ],
 )
 def test_the_worker_starts_with_its_environment(
@@ -260,8 +264,8 @@ def test_the_worker_starts_with_its_environment(
     seen: str,
 ) -> None:
     """A spawned worker gets the variable its setting asks for (OMP_WAIT_POLICY from
-    ``worker_omp_wait_policy``, THP_MEM_ALLOC_ENABLE=1 from ``worker_huge_pages``) unless the user
-    exported it; this process's environment is left as it was."""
+    ``worker_omp_wait_policy``, THP_MEM_ALLOC_ENABLE=1 from ``worker_huge_pages``, GLIBC_TUNABLES from
+    ``worker_heap_reuse``) unless the user exported it; this process's environment is left as it was."""
     if exported is None:
         monkeypatch.delenv(variable, raising=False)
     else:
