@@ -38,18 +38,20 @@ def _head_major(data: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Calls:
-    """Counts the native kernel's calls and the query rows they attend."""
+    """Counts a native kernel's calls and the query rows they attend: the row kernel's (one per row of
+    its rows argument) or, with ``kernel="prefill_attention"``, the prefill kernel's (its spans' query
+    counts)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, kernel: str = "paged_attention") -> None:
         self.calls, self.rows = 0, 0
-        inner = native.paged_attention
+        inner = getattr(native, kernel)
 
         def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
             self.calls += 1
-            self.rows += int(args[4].shape[0])
+            self.rows += int(args[4][:, 2].sum()) if kernel == "prefill_attention" else int(args[4].shape[0])
             return inner(*args, **kwargs)
 
-        monkeypatch.setattr(native, "paged_attention", counted)
+        monkeypatch.setattr(native, kernel, counted)
 
 
 @needs_native
@@ -271,21 +273,6 @@ def test_only_unscaled_cpu_caches_of_one_native_dtype_are_read_natively() -> Non
 PREFILL_BATCH = [(17, 17), (70, 70), (129, 200), (33, 47), (1, 90), (5, 61), (0, 9), (64, 64)]
 
 
-class _PrefillCalls:
-    """Counts the native prefill kernel's calls and the query rows of their spans."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls, self.rows = 0, 0
-        inner = native.prefill_attention
-
-        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-            self.calls += 1
-            self.rows += int(args[4][:, 2].sum())
-            return inner(*args, **kwargs)
-
-        monkeypatch.setattr(native, "prefill_attention", counted)
-
-
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
@@ -314,7 +301,7 @@ def test_native_prefill_attends_long_runs_as_the_naive_loop(
     if layout == "head_major" and num_kv_heads > 1:  # one KV head: both layouts are the same memory
         data = _head_major(data)
     sinks = torch.randn(num_q_heads, generator=gen) if with_sinks else None
-    prefill, rows = _PrefillCalls(monkeypatch), _Calls(monkeypatch)
+    prefill, rows = _Calls(monkeypatch, "prefill_attention"), _Calls(monkeypatch)
     out = paged_attention(*(data[name] for name in PAGED_ARGS), 0.25, sliding_window=window, sinks=sinks)
     long_rows = sum(q for q, _ in PREFILL_BATCH if q > attention_module.NATIVE_MAX_QUERIES)
     assert (prefill.calls, prefill.rows) == (1, long_rows)
@@ -362,7 +349,7 @@ def test_native_prefill_refuses_what_it_cannot_take(monkeypatch: pytest.MonkeyPa
     non-float32 ``out`` is refused."""
     gen = torch.Generator().manual_seed(6)
     data = build_paged_batch([(40, 40)], 16, 4, 2, 32, 24, torch.float32, gen)
-    prefill = _PrefillCalls(monkeypatch)
+    prefill = _Calls(monkeypatch, "prefill_attention")
     out = paged_attention(*(data[name] for name in PAGED_ARGS), 0.25)
     assert prefill.calls == 0
     torch.testing.assert_close(out, expected_paged(data, 0.25, None, None), atol=1e-5, rtol=1e-5)
