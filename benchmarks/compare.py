@@ -100,6 +100,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--latency-prompt-len", type=int, default=128, help="prompt of the concurrency-1 run")
     p.add_argument("--repeats", type=int, default=3, help="concurrency-1 timings per engine (median)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where pypto-serving and HF run: cpu, cuda, cuda:N (vLLM CPU and CTranslate2 rows are CPU-only; "
+        "bandwidth and matmul peak are measured on this device) (default: %(default)s)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="compute threads of every engine")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0, help="workload seed")
@@ -118,7 +124,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def engines(args: argparse.Namespace, pypto_model: str) -> list[dict[str, Any]]:
     """name, python, runner, extra job keys, extra env; peers without a venv are marked missing, those
     without the precision ``unsupported``."""
-    ours = {"model": pypto_model, "dtype": "bfloat16" if args.precision == "bfloat16" else "float32"}
+    ours = {
+        "model": pypto_model,
+        "dtype": "bfloat16" if args.precision == "bfloat16" else "float32",
+        "device": args.device,
+    }
     out = [
         {
             "name": f"pypto-serving ({s})",
@@ -143,7 +153,7 @@ def engines(args: argparse.Namespace, pypto_model: str) -> list[dict[str, Any]]:
                 "job": {},
                 "env": env if peer == "vllm" else {},
                 "missing": not python.exists(),
-                "unsupported": args.precision not in PEER_PRECISIONS[peer],
+                "unsupported": args.precision not in PEER_PRECISIONS[peer] or (peer != "hf" and args.device != "cpu"),
             }
         )
     return out + also_engines(args, peers)
@@ -203,19 +213,19 @@ class CpuHog:
 
 
 # ---------------------------------------------------------------- floor and agreement
-def memory_bandwidth(mib: int, threads: int) -> float:
+def memory_bandwidth(mib: int, threads: int, device: str = "cpu") -> float:
     """Bytes per second of ``dst.copy_(src)`` on a ``mib`` MiB float32 tensor (read + write), best of 5."""
     import torch
 
     torch.set_num_threads(threads)
-    src = torch.randn(mib * 2**20 // 4)
+    src = torch.randn(mib * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_time(lambda: dst.copy_(src)) for _ in range(5))
+    best = min(_time(lambda: dst.copy_(src), device) for _ in range(5))
     return 2 * src.numel() * 4 / best
 
 
-def matmul_peak(dtype: str, threads: int) -> float:
+def matmul_peak(dtype: str, threads: int, device: str = "cpu") -> float:
     """FLOP/s of the faster of torch's ``mm`` and oneDNN's packed linear in ``dtype`` on ``threads``
     threads: a [512, 2048] x [2048, 2048] product (the shape class of a batched decoder projection,
     4.3 GFLOP), best of 5 after a warm-up. Both, because torch's float32 ``mm`` is MKL's, which takes
@@ -228,6 +238,10 @@ def matmul_peak(dtype: str, threads: int) -> float:
 
     torch.set_num_threads(threads)
     kind = getattr(torch, dtype)
+    if device != "cpu":  # an accelerator: one large product (an 8192-cube), best of 5
+        a, b = torch.randn(8192, 8192, device=device).to(kind), torch.randn(8192, 8192, device=device).to(kind)
+        torch.mm(a, b)
+        return 2 * 8192**3 / min(_time(lambda: torch.mm(a, b), device) for _ in range(5))
     rows = 512 if pypto_kernels.cpu_computes_natively(kind) else 16
     a, b = torch.randn(rows, 2048).to(kind), torch.randn(2048, 2048).to(kind)
     products = [lambda: torch.mm(a, b)]
@@ -269,9 +283,15 @@ def workload_flops(config: dict[str, Any], prompt_lens: list[int], max_tokens: i
     return 2.0 * (decoder * tokens + head * len(prompt_lens) * max_tokens) + 4.0 * layers * heads * head_dim * pairs
 
 
-def _time(fn: Any) -> float:
+def _time(fn: Any, device: str = "cpu") -> float:
+    """Seconds of one call of ``fn``; on an accelerator, until its queued work has finished."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - start
 
 
@@ -390,8 +410,7 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         "",
         f"Memory bandwidth (copy of {args.bandwidth_mib} MiB, read + write, best of 5): "
         f"{report['bandwidth_gbs']:.1f} GB/s; weights-over-bandwidth floor at concurrency 1: {floor:.2f} ms per token.",
-        f"Matmul peak (the faster of torch.mm and oneDNN's packed linear, [512, 2048] x [2048, 2048], "
-        f"{args.threads} threads, best of 5): float32 "
+        f"Matmul peak ({_peak_how(args)}, best of 5): float32 "
         f"{peaks['float32']:,.1f} GFLOP/s, bfloat16 {peaks['bfloat16']:,.1f} GFLOP/s. The throughput workload "
         f"needs {report['workload_gflop']:,.0f} GFLOP (projections, output projection for output tokens, causal "
         "attention); FLOP/s / peak is that over each engine's wall time against the peak of its precision "
@@ -399,6 +418,12 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
     ]
     lines += _notes(report["results"])
     return "\n".join(lines) + "\n"
+
+
+def _peak_how(args: argparse.Namespace) -> str:
+    if args.device != "cpu":
+        return f"torch.mm, [8192, 8192] x [8192, 8192] on {args.device}"
+    return f"the faster of torch.mm and oneDNN's packed linear, [512, 2048] x [2048, 2048], {args.threads} threads"
 
 
 def _peak_share(report: dict[str, Any], r: dict[str, Any]) -> float | None:
@@ -480,7 +505,7 @@ def plot(report: dict[str, Any], png: str, peers_dir: str) -> str | None:
     return "no python with matplotlib found: PNG not written"
 
 
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
     import torch
 
     cpu = platform.processor() or platform.machine()
@@ -491,7 +516,10 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{os.cpu_count()} CPUs ({cpu}), {platform.system()} {platform.release()}, torch {torch.__version__}"
+    host = f"{os.cpu_count()} CPUs ({cpu}), {platform.system()} {platform.release()}, torch {torch.__version__}"
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))} (CUDA {torch.version.cuda}) on {host}"
+    return host
 
 
 def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -507,6 +535,7 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "work_dir": str(work),
         "precision": args.precision,
         "phases": ["latency"] if args.no_throughput else ["throughput", "latency"],
+        "device": args.device,
     }
     ours = converted_checkpoint(job["model"], work) if args.precision == "int8" else job["model"]
     results = []
@@ -526,17 +555,19 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             r["contended"] = c.get("latency", {"error": c.get("error")})
         results.append(r)
     compare_outputs(results)
-    bandwidth = memory_bandwidth(args.bandwidth_mib, args.threads)
+    bandwidth = memory_bandwidth(args.bandwidth_mib, args.threads, args.device)
     weights = weight_bytes(ours, args.precision)
     config = json.loads((Path(args.model) / "config.json").read_text())
     return {
         "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "machine": machine(),
+        "machine": machine(args.device),
         "precision": args.precision,
         "weight_bytes": weights,
         "bandwidth_gbs": bandwidth / 1e9,
         "floor_ms": weights / bandwidth * 1000,
-        "peak_gflops": {dtype: matmul_peak(dtype, args.threads) / 1e9 for dtype in ("float32", "bfloat16")},
+        "peak_gflops": {
+            dtype: matmul_peak(dtype, args.threads, args.device) / 1e9 for dtype in ("float32", "bfloat16")
+        },
         "workload_gflop": workload_flops(config, [len(p) for p in job["prompts"]], args.max_tokens) / 1e9,
         "results": results,
     }

@@ -1,6 +1,6 @@
 """HF transformers peer: batched greedy ``generate`` (left padding, all prompts in batches of
 ``max_num_seqs``), EOS ignored (no eos_token_id), the job's precision (float32 or bfloat16),
-``threads`` intra-op threads.
+``threads`` intra-op threads, on the job's ``device`` (default the CPU).
 
     /work/peers/hf/bin/python benchmarks/peers/run_hf.py JOB.json OUT.json
 """
@@ -20,14 +20,15 @@ def load(job: dict) -> _common.Generate:
 
     torch.set_num_threads(job.get("threads", 2))
     dtype = torch.bfloat16 if job.get("precision") == "bfloat16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype).eval()
+    device = job.get("device", "cpu")
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype).eval().to(device)
     pad = 151643 if model.config.vocab_size > 151643 else 0
     batch = job.get("max_num_seqs", 64)
 
     def generate_batch(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids,

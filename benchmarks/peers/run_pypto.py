@@ -1,6 +1,8 @@
 """pypto-serving through its offline ``LLM`` API, with the project's own python: greedy,
 ``ignore_eos``, prefix caching off, the job's ``scheduler`` (sync or async) and ``threads`` worker
-threads; everything else (the KV cache size too) the engine's defaults.
+threads, on the job's ``device`` (the engine's default where unset); everything else (the KV cache size
+too) the engine's defaults, except on an accelerator, where the KV cache takes 0.9 of the device's
+memory (``gpu_memory_utilization``, vLLM's default) instead of the fixed 512 MiB.
 
     python benchmarks/peers/run_pypto.py JOB.json OUT.json
 """
@@ -17,6 +19,10 @@ import _common
 def load(job: dict) -> _common.Generate:
     from pypto_serving import LLM, SamplingParams
 
+    device = job.get("device")
+    placed = {} if device is None else {"device": device}
+    if device not in (None, "cpu"):
+        placed["gpu_memory_utilization"] = 0.9
     llm = LLM(
         model=job["model"],
         scheduler=job.get("scheduler", "sync"),
@@ -28,6 +34,7 @@ def load(job: dict) -> _common.Generate:
         # The engine's own KV cache size unless the job names one (an unset size fits the batch on
         # the CPU: devices.cpu_kv_cache_memory).
         **({"kv_cache_memory": job["kv_cache_memory"]} if "kv_cache_memory" in job else {}),
+        **placed,
     )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
