@@ -7,6 +7,9 @@ executor, prefills N requests to about C tokens of context each, then profiles d
 
     python benchmarks/decode_profile.py --model /work/models/qwen3-0.6b --requests 64 --context 260
 
+``--device cuda`` runs it on a GPU (the batches copied there, each step timed to the device's end,
+and the profile's table by device time as well).
+
 ``--cpu-linear reference auto`` loads one executor per ``executor_options["cpu_linear"]`` value and
 alternates their decode steps (before / after on a shared, noisy machine; ``auto-avx512`` is ``auto``
 as an Intel AVX-512 CPU's packing rule chooses: float32 plain); ``--kv-layout auto token_major`` does the
@@ -139,7 +142,9 @@ def _prepared(args: argparse.Namespace, run: str) -> tuple[Any, PagedBatchBuilde
     blocks = args.requests * (-(-(args.context + args.steps * 2 + 2) // block)) + 8
     option = "auto" if cpu_linear == "auto-avx512" else cpu_linear
     options = {"cpu_linear": option}
-    settings = qwen_settings(args.model, block_size=block, dtype=args.dtype, executor_options=options)
+    settings = qwen_settings(
+        args.model, block_size=block, dtype=args.dtype, executor_options=options, device=args.device
+    )
     ex = QwenExecutor(settings)
     real_flags, real_vendor = device.cpu_flags, device.cpu_vendor
     if cpu_linear == "auto-avx512":
@@ -158,8 +163,29 @@ def _prepared(args: argparse.Namespace, run: str) -> tuple[Any, PagedBatchBuilde
     ids = {f"r{i}": torch.randint(10, 1000, (args.context,), generator=gen).tolist() for i in range(args.requests)}
     for rid, prompt in ids.items():  # one prefill per request, so no step is larger than one prompt
         with _kernels(attention):
-            ex.execute(builder.step([(rid, prompt)], all_logits=False))
+            ex.execute(_on(args.device, builder.step([(rid, prompt)], all_logits=False)))
     return ex, builder, list(ids)
+
+
+def _on(device: str, batch: Any) -> Any:
+    """``batch``'s tensors on ``device`` (the host lists stay)."""
+    import dataclasses
+
+    if device == "cpu":
+        return batch
+    moved: dict[str, Any] = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor):
+            moved[f.name] = value.to(device)
+        elif isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+            moved[f.name] = {k: t.to(device) for k, t in value.items()}
+    return dataclasses.replace(batch, **moved)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
@@ -192,11 +218,13 @@ def profile_steps(args: argparse.Namespace) -> None:
     walls: dict[str, list[tuple[float, float]]] = {choice: [] for choice in runs}
     for _ in range(args.steps):
         for choice, (ex, builder, ids) in runs.items():  # interleaved: the neighbours' load hits both
-            batch = builder.step([(rid, [7]) for rid in ids], all_logits=False)
+            batch = _on(args.device, builder.step([(rid, [7]) for rid in ids], all_logits=False))
             attention[0] = 0.0
             with _kernels(choice.split("/")[2]):
+                _sync(args.device)
                 t0 = time.perf_counter()
                 ex.execute(batch)
+                _sync(args.device)
                 walls[choice].append((time.perf_counter() - t0, attention[0]))
     K.paged_attention = inner  # type: ignore[assignment]
     threads = torch.get_num_threads()
@@ -211,15 +239,21 @@ def profile_steps(args: argparse.Namespace) -> None:
             f"paged_attention {att / wall:.0%} of it"
         )
     ex, builder, ids = runs[choices[-1]]
-    batch = builder.step([(rid, [7]) for rid in ids], all_logits=False)
+    batch = _on(args.device, builder.step([(rid, [7]) for rid in ids], all_logits=False))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
     with (
         _kernels(choices[-1].split("/")[2]),
-        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.shapes) as prof,
+        torch.profiler.profile(activities=activities, record_shapes=args.shapes) as prof,
     ):
         ex.execute(batch)
+        _sync(args.device)
     print(f"profile of one step, cpu_linear={choices[-1]}:")
     table = prof.key_averages(group_by_input_shape=args.shapes)
     print(table.table(sort_by="self_cpu_time_total", row_limit=24 if args.shapes else 12))
+    if args.device.startswith("cuda"):
+        print(table.table(sort_by="self_device_time_total", row_limit=12))
 
 
 def main() -> None:
@@ -228,6 +262,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=260)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="where the executor runs: cpu, cuda, cuda:N (default: cpu)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"], help="the executors' dtype")
     ap.add_argument(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 logger = logging.getLogger("pypto_kernels")
 
@@ -185,3 +187,22 @@ def auto_dtype(stored: torch.dtype, device: torch.device, flags: frozenset[str] 
         str(stored).removeprefix("torch."),
     )
     return torch.float32
+
+
+def upload(
+    values: Sequence[int] | Sequence[float] | Sequence[bool], device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` on ``device`` without stalling the host.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for every
+    kernel already queued on the stream: a host that uploads step metadata mid-forward can then never
+    run ahead of the device. On CUDA the values go through pinned memory (torch's caching host
+    allocator, which keeps the block until the copy has read it) and the copy does not block.
+    Elsewhere (and on fake tensors) a plain copy.
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return torch.tensor(values, dtype=dtype, device=device)
+    host = torch.tensor(values, dtype=dtype)
+    if isinstance(host, FakeTensor):  # the device-discipline tests: no pinned memory to take
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

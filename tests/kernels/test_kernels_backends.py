@@ -417,7 +417,7 @@ def _flash_attn_importable() -> bool:
 def test_cuda_device_paged_attention_matches_reference(window: int | None) -> None:
     """On a real GPU: the registered path (flash-attn where importable, else the reference) vs the padded one."""
     args, hosts = build_batch(CUDA_BATCH, block_size=256, device="cuda")
-    features = {"block_size": 256, "sliding_window": window, "device": args[0].device}
+    features = {"block_size": 256, "sliding_window": window}
     expected_label = cuda_backend.PAGED_ATTENTION_LABEL if _flash_attn_importable() else None
     described = pypto_kernels.describe_kernel("paged_attention", args[0].device, **features)
     assert described == expected_label or (expected_label is None and described.startswith("reference"))

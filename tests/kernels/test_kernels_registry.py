@@ -288,3 +288,28 @@ def test_cpu_flags_come_from_proc_cpuinfo() -> None:
     text = Path("/proc/cpuinfo").read_text()
     first = next(line for line in text.splitlines() if line.split(":")[0].strip() in ("flags", "Features"))
     assert set(first.partition(":")[2].split()) <= flags and flags
+
+
+def test_upload_is_torch_tensor_on_the_cpu() -> None:
+    cpu = torch.device("cpu")
+    for values, dtype in (([3, 1, 2], None), ([3, 1, 2], torch.int32), ([True, False], None), ([0.5, 2.0], None)):
+        got, expected = pypto_kernels.upload(values, cpu, dtype), torch.tensor(values, dtype=dtype)
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_upload_to_cuda_does_not_synchronise() -> None:
+    """Under the CUDA sync debugger a plain ``torch.tensor(..., device="cuda")`` raises (the check
+    has teeth); :func:`pypto_kernels.upload` of the same values does not, and they arrive."""
+    cuda = torch.device("cuda")
+    busy = torch.randn(4096, 4096, device=cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchronizing"):
+            torch.tensor([1, 2, 3], device=cuda)
+        busy = busy @ busy  # queued work the upload must not wait for
+        got = pypto_kernels.upload([1, 2, 3], cuda, torch.long)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.device.type == "cuda" and got.cpu().tolist() == [1, 2, 3]

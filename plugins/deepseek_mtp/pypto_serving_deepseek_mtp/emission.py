@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pypto_kernels import upload
+
 
 @dataclass(slots=True, frozen=True)
 class EmitShape:
@@ -128,7 +130,7 @@ def build_emit_plan(
         ring_dst += [slot * ring_len + (p0 + t - a) % ring_len for t in range(keep, b)]
     plan = _upload(shape, prev, cur, missing, entries, (ring_src, ring_dst, starts[-1]), device)
     if snaps[1]:
-        src, req, index = (torch.tensor(x, device=device, dtype=torch.long) for x in snaps)
+        src, req, index = (upload(x, device, torch.long) for x in snaps)
         plan.snapshots = Snapshots(src=src, req=req, index=index)
     return plan
 
@@ -147,7 +149,7 @@ def _upload(
     ring_src, ring_dst, num_rows = ring
 
     def idx(x: object) -> torch.Tensor:
-        return torch.tensor(x, device=device, dtype=torch.long)
+        return upload(x, device, torch.long)
 
     emitted = None
     if entries:
@@ -155,7 +157,7 @@ def _upload(
         if shape.overlap:
             first, second = idx([*prev, [0] * m]), idx([[0] * m, *cur])
             if any(missing):
-                miss = torch.tensor([*missing, True], device=device).view(-1, 1, 1)
+                miss = upload([*missing, True], device).view(-1, 1, 1)
         else:
             first = idx(cur).view(-1, m)
         emitted = Emitted(

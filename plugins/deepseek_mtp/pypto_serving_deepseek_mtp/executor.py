@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from pypto_kernels import auto_dtype, describe_kernel, interleaved_rope_cos_sin, select_device
+from pypto_kernels import auto_dtype, describe_kernel, interleaved_rope_cos_sin, select_device, upload
 from pypto_serving import BatchInput, CacheGroupSpec, DraftSampler, Executor, ExecutorInfo, read_generation_config
 from pypto_serving.lora_weights import LoraAdapter, LoraContext, batch_onehot, read_adapter
 from pypto_serving.parallel import ParallelContext
@@ -139,7 +139,7 @@ class _Drafting:
             return out
         drafted = self.drafted()
         if order != list(range(self.count)):
-            drafted = drafted.index_select(0, torch.tensor(order, device=device))
+            drafted = drafted.index_select(0, upload(order, device))
         values = iter(read_drafts(drafted))
         for r in keep:
             out[r] = [next(values) for _ in self.refs[r]]
@@ -162,19 +162,19 @@ class _DepthInputs:
         if all(i >= 0 for i in self.src):
             if self.src == list(range(self.src[0], self.src[0] + len(self.src))):
                 return fresh.narrow(0, self.src[0], len(self.src))
-            return fresh.index_select(0, torch.tensor(self.src, device=fresh.device))
+            return fresh.index_select(0, upload(self.src, fresh.device))
         flat = carry.view(-1, *carry.shape[2:])
         both = torch.cat([fresh, flat.to(fresh.dtype)])
         at = [i if i >= 0 else fresh.shape[0] - 1 - i for i in self.src]
-        return both.index_select(0, torch.tensor(at, device=fresh.device))
+        return both.index_select(0, upload(at, fresh.device))
 
     def tokens(self, step: _Drafting, device: torch.device) -> torch.Tensor:
         """The input tokens on the device: committed ones from the host, drafts gathered from ``step``."""
-        tok = torch.tensor([v for v, _ in self.toks], device=device, dtype=torch.long)
+        tok = upload([v for v, _ in self.toks], device, torch.long)
         at = [i for i, (_, ref) in enumerate(self.toks) if ref >= 0]
         if at:
-            refs = torch.tensor([self.toks[i][1] for i in at], device=device)
-            tok = tok.index_copy(0, torch.tensor(at, device=device), step.drafted().index_select(0, refs))
+            refs = upload([self.toks[i][1] for i in at], device)
+            tok = tok.index_copy(0, upload(at, device), step.drafted().index_select(0, refs))
         return tok
 
 
@@ -711,14 +711,14 @@ class DeepseekMTPExecutor(Executor):
             return
         assert seg.ring_slots is not None and self.model is not None
         dev = self.device
-        req = torch.tensor([r for r, _ in starts], device=dev)
-        index = torch.tensor([st.origin // self.hit_unit - 1 for _, st in starts], device=dev)
+        req = upload([r for r, _ in starts], dev)
+        index = upload([st.origin // self.hit_unit - 1 for _, st in starts], dev)
         blocks = seg.block_tables[MTP_STATE_GROUP][req, index].long()
         snaps = self.model.caches[MTP_STATE_GROUP]
         for d in range(self.num_draft):
             rows = [seg.ring_slots[r] * CARRY_LEN + (st.origin - d - 1) % CARRY_LEN for r, st in starts]
             flat = self.carry[d].view(-1, *self.carry[d].shape[2:])
-            flat.index_copy_(0, torch.tensor(rows, device=dev), snaps[d].index_select(0, blocks).to(flat.dtype))
+            flat.index_copy_(0, upload(rows, dev), snaps[d].index_select(0, blocks).to(flat.dtype))
         for _, st in starts:
             st.restored = True
             st.frontier = [st.origin - d - 1 for d in range(st.depth)]
@@ -747,7 +747,7 @@ class DeepseekMTPExecutor(Executor):
         step.fresh.append(out)
         step.fresh_rows.append(made)
         if picks:
-            sel = out if picks == list(range(off)) else out.index_select(0, torch.tensor(picks, device=self.device))
+            sel = out if picks == list(range(off)) else out.index_select(0, upload(picks, self.device))
             logits = self._mtp_logits(d, sel)
             step.add(logits.argmax(-1) if step.sampler is None else step.sampler.pick(logits, pick_rows))
         return True
@@ -778,8 +778,8 @@ class DeepseekMTPExecutor(Executor):
         if src:
             flat = self.carry[d].view(-1, *self.carry[d].shape[2:])
             dev = self.device
-            picked = step.fresh[d].index_select(0, torch.tensor(src, device=dev))
-            flat.index_copy_(0, torch.tensor(dst, device=dev), picked.to(flat.dtype))
+            picked = step.fresh[d].index_select(0, upload(src, dev))
+            flat.index_copy_(0, upload(dst, dev), picked.to(flat.dtype))
         if snaps:
             self._write_snapshots(d, step.fresh[d], snaps)
 
@@ -801,9 +801,9 @@ class DeepseekMTPExecutor(Executor):
         if table is None:
             return
         dev = self.device
-        req = torch.tensor([r for _, r, _ in snaps], device=dev)
-        entry = torch.tensor([e for _, _, e in snaps], device=dev)
-        rows = fresh.index_select(0, torch.tensor([i for i, _, _ in snaps], device=dev))
+        req = upload([r for _, r, _ in snaps], dev)
+        entry = upload([e for _, _, e in snaps], dev)
+        rows = fresh.index_select(0, upload([i for i, _, _ in snaps], dev))
         cache = self.model.caches[MTP_STATE_GROUP][d]
         cache.index_copy_(0, table[req, entry].long(), rows.to(cache.dtype))
 
@@ -876,11 +876,11 @@ class DeepseekMTPExecutor(Executor):
         m, cfg, seg = self.model, self.cfg, self._last[1]
         p = self.mtp_layers[min(d, len(self.mtp_layers) - 1)]
         group = f"mtp{d}"
-        positions = torch.tensor(pos, device=self.device, dtype=torch.long)
+        positions = upload(pos, self.device, torch.long)
         starts = [0]
         for _, c, last in rows:
             starts.append(starts[-1] + last - c + 1)
-        bt = seg.block_tables[group].index_select(0, torch.tensor([r for r, _, _ in rows], device=self.device))
+        bt = seg.block_tables[group].index_select(0, upload([r for r, _, _ in rows], self.device))
         mseg = Segments(
             starts=starts,
             pos0=[c for _, c, _ in rows],

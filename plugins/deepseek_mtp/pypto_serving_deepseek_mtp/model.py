@@ -42,6 +42,7 @@ from pypto_kernels import (
     rope_inv_freq,
     sink_attention,
     topk_routing,
+    upload,
 )
 from pypto_kernels.attention import FP8_CACHE_MAX, quantize_cache_rows
 from pypto_kernels.compressed_attention import _put, _take
@@ -170,11 +171,11 @@ def _rows(seg: Segments, dev: torch.device) -> _Rows:
     """``seg``'s index tensors, built once per forward: every layer of it shares them, so the host
     lists are uploaded once rather than per layer."""
     if seg._index is None:
-        qsl = torch.tensor(seg.starts, device=dev)
+        qsl = upload(seg.starts, dev)
         q_lens = qsl[1:] - qsl[:-1]
         arange = torch.arange(len(seg.pos0), device=dev)
         req = torch.repeat_interleave(arange, q_lens, output_size=seg.starts[-1])
-        pos0 = torch.tensor(seg.pos0, device=dev)
+        pos0 = upload(seg.pos0, dev)
         unit = torch.arange(seg.starts[-1] + 1, device=dev)
         seg._index = _Rows(qsl, q_lens, req, pos0, pos0 + q_lens - 1, unit)
     return seg._index
@@ -282,7 +283,7 @@ def _gather_entries(
     n_max = max(counts, default=0)
     dev = block_tables.device
     idx = torch.arange(n_max, device=dev)[None, :].expand(num_req, -1)
-    idx = torch.where(idx < torch.tensor(counts, device=dev)[:, None], idx, 0)
+    idx = torch.where(idx < upload(counts, dev)[:, None], idx, 0)
     rows = torch.arange(num_req, device=dev)[:, None].expand(-1, n_max)
     return _cache_read(flat, _slots(block_tables, rows, idx, block_size, flat.shape[0]), dtype)
 
@@ -731,8 +732,8 @@ class DeepseekV4Model:
             return
         m = self.cfg.compress_rates[CSA]
         dev = state.device
-        req = torch.tensor(list(starts), device=dev)
-        index = torch.tensor([hit // self.state_every - 1 for _, hit in starts.values()], device=dev)
+        req = upload(list(starts), dev)
+        index = upload([hit // self.state_every - 1 for _, hit in starts.values()], dev)
         blocks = table[req, index].long()
         cols = self.state_columns()
         for layer, gi in self.group_index.items():
@@ -743,7 +744,7 @@ class DeepseekV4Model:
                 ring = self.rings[(layer, name)]
                 n = ring.ring_len
                 rows = [slot * n + pos % n for slot, hit in starts.values() for pos in range(hit - m, hit)]
-                dst = torch.tensor(rows, device=dev)
+                dst = upload(rows, dev)
                 half = snap[:, cols[name]]
                 width = half.shape[-1] // 2
                 ring.kv.view(-1, width).index_copy_(0, dst, half[:, :width].to(ring.kv.dtype))

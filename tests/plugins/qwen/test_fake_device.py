@@ -167,6 +167,8 @@ def _runner(ex: QwenExecutor, vocab: int) -> ModelRunner:
     runner = ModelRunner(ex, qwen_settings(Path("unused"), block_size=BLOCK_SIZE))
     runner.info = ExecutorInfo([CacheGroupSpec(KV_GROUP, BLOCK_SIZE, bytes_per_block=1)], vocab, 512)
     runner.device = ex.device
+    # A host with CUDA would pin a staging buffer, which under the fake mode is a fake tensor too.
+    runner.input_batch.staging.pinned = False
     sampling = wire_sampling(SamplingParams(temperature=0.0), ())
     for rid, prompt in (("a", [4, 5, 6, 7, 8, 9]), ("b", [10, 11, 12])):
         runner._admit(
