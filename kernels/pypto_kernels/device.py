@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -189,10 +190,9 @@ def auto_dtype(stored: torch.dtype, device: torch.device, flags: frozenset[str] 
     return torch.float32
 
 
-def upload(
-    values: Sequence[int] | Sequence[float] | Sequence[bool], device: torch.device, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype)`` on ``device`` without stalling the host.
+def upload(values: Sequence[Any], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` (numbers, booleans, nested lists) on ``device`` without
+    stalling the host.
 
     ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits for every
     kernel already queued on the stream: a host that uploads step metadata mid-forward can then never

@@ -18,7 +18,9 @@ second half; entry 0 of a request has no previous window and those slots get zer
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -148,7 +150,7 @@ def _upload(
     m = shape.rate
     ring_src, ring_dst, num_rows = ring
 
-    def idx(x: object) -> torch.Tensor:
+    def idx(x: Sequence[Any]) -> torch.Tensor:
         return upload(x, device, torch.long)
 
     emitted = None
