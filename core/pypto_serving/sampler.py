@@ -515,6 +515,48 @@ def _ban_rows(y: torch.Tensor, sparse: SparseRows) -> None:
     y.index_put_((at.unsqueeze(1), torch.arange(end, vocab, device=dev).unsqueeze(0)), inf)
 
 
+#: Columns per block of :func:`argmax_rows`' first pass.
+_ARGMAX_BLOCK = 128
+
+
+def argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x.amax(-1), x.argmax(-1))`` of a ``[N, V]`` tensor, in one pass over it.
+
+    ``torch.argmax`` over a 151,936-column row is not vectorised on the CPU (2.7 ms for 64 rows where
+    ``amax`` takes 0.56), so the rows are cut into blocks of 128 columns: ``amax`` of each block
+    (vectorised), the first block holding the row's maximum, then ``argmax`` inside that block.
+    The same index as ``argmax`` in every case: the first block with the maximum holds its first
+    occurrence (ties: the lowest id), and both maxima propagate NaN, so a row with a NaN gives its
+    first NaN, as ``argmax`` does. Device ops only (no host read).
+    """
+    rows, vocab = x.shape
+    whole = vocab - vocab % _ARGMAX_BLOCK
+    grid = x.narrow(1, 0, whole).reshape(rows, whole // _ARGMAX_BLOCK, _ARGMAX_BLOCK)
+    blocks = grid.amax(dim=-1)
+    if whole < vocab:  # a partial last block, padded with -inf, which never comes first
+        pad = x.new_full((rows, whole + _ARGMAX_BLOCK - vocab), float("-inf"))
+        last = torch.cat([x.narrow(1, whole, vocab - whole), pad], dim=1)
+        blocks = torch.cat([blocks, last.amax(dim=-1, keepdim=True)], dim=1)
+    best = blocks.argmax(dim=-1)
+    if whole == 0:
+        window = last
+    else:
+        picked = best.clamp_max(grid.shape[1] - 1).view(rows, 1, 1).expand(rows, 1, _ARGMAX_BLOCK)
+        window = grid.gather(1, picked).squeeze(1)
+        if whole < vocab:
+            window = torch.where((best == grid.shape[1]).unsqueeze(1), last, window)
+    index = best * _ARGMAX_BLOCK + window.argmax(dim=-1)
+    return blocks.gather(1, best.unsqueeze(1)).squeeze(1), index
+
+
+def _greedy_on_raw(params: list[RowParams], grammar: GrammarMask | None) -> bool:
+    """Whether some row takes the argmax of the logits as they come: a greedy row, and nothing (logit
+    bias, allowed tokens, penalties, bans, a grammar) edits any row first."""
+    if grammar is not None or not any(p.temperature == 0.0 for p in params):
+        return False
+    return all(p.edits is None and p.counts is None and not p.banned for p in params)
+
+
 def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask | None = None) -> DeviceSample:
     """Sample one token per row of ``logits [N, V]`` without reading the host. In order: the rows'
     logit bias and allowed tokens, penalties, bans (min_tokens, bad words), and ``grammar``'s masks of
@@ -522,7 +564,12 @@ def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: Gra
     x = logits.float()
     n = x.shape[0]
     dev = x.device
-    bad = torch.logical_not(x.amax(dim=-1) < float("inf"))  # amax propagates NaN: this flags NaN and +inf
+    raw, top = x, None
+    if _greedy_on_raw(params, grammar):
+        peak, top = argmax_rows(x)  # one pass for the tokens and the check below
+    else:
+        peak = x.amax(dim=-1)
+    bad = torch.logical_not(peak < float("inf"))  # the maximum propagates NaN: this flags NaN and +inf
     out = DeviceSample(tokens=torch.zeros(n, dtype=torch.long, device=dev), bad=bad, needs_full=bad, logits=x)
     out.lp_rows = [i for i, p in enumerate(params) if p.num_logprobs is not None]
     if out.lp_rows:
@@ -550,7 +597,7 @@ def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: Gra
         out.empty = torch.logical_not(x.amax(dim=-1) > float("-inf")) & torch.logical_not(bad)
     out.logits = x
     if any(p.temperature == 0.0 for p in params):
-        out.tokens = x.argmax(dim=-1)
+        out.tokens = top if top is not None and x is raw else argmax_rows(x)[1]
     rand = [i for i, p in enumerate(params) if p.temperature != 0.0]
     if rand:
         out.tokens, needs_full = _draw_rows(x, params, rand, out.tokens, False, listed)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pypto_serving.sampler as sampler_mod
 from pypto_serving.sampler import RowParams, TokenCounts, _apply_penalties, sample, uniforms
@@ -141,6 +142,48 @@ def test_non_finite_rows_are_errors(row: Row, bad: float) -> None:
     out = sample(logits, [row(temperature=0.0), row(), row(temperature=0.0)])
     assert set(out.errors) == {1} and "non-finite" in out.errors[1]
     assert out.tokens[0] == 1 and out.tokens[2] == 0
+
+
+class _Reductions(TorchDispatchMode):
+    """Adds up the elements that ``max``, ``amax`` and ``argmax`` read inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket.__name__ in ("max", "amax", "argmax"):
+            self.read += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("vocab", [37, 151_936])
+def test_greedy_rows_read_the_logits_once_and_equal_argmax(row: Row, vocab: int) -> None:
+    """Greedy rows that nothing edits take their tokens and the non-finite check from one pass over
+    the logits (the reductions' reads counted: ``amax`` then ``argmax`` read them twice): the tokens
+    are ``argmax``'s (ties: the lowest id) and rows holding NaN or +inf are errors, on rows with
+    planted ties (across and within blocks), NaNs, +infs and only -inf."""
+    logits = torch.randint(-3, 4, (6, vocab), generator=torch.Generator().manual_seed(0)).float()
+    logits[1, [vocab - 1, min(300, vocab - 2), 9, 5]] = 10.0  # ties in one block, in another, at the end of the row
+    logits[2, [3, 7]] = torch.tensor([20.0, float("nan")])
+    logits[3, [11, 4]] = torch.tensor([float("inf"), 30.0])
+    logits[4] = float("-inf")
+    with _Reductions() as reductions:
+        out = sample(logits, [row(temperature=0.0) for _ in range(6)])
+    assert reductions.read <= logits.numel() + 6 * (2 * 128 + vocab // 128 + 1), reductions.read
+    assert set(out.errors) == {2, 3}
+    expected = logits.argmax(dim=-1).tolist()
+    assert [t for i, t in enumerate(out.tokens) if i not in (2, 3)] == [
+        e for i, e in enumerate(expected) if i not in (2, 3)
+    ]
+    assert out.tokens[1] == 5 and out.tokens[4] == 0
+
+
+def test_edited_greedy_rows_still_take_the_argmax_of_the_edited_logits(row: Row) -> None:
+    """A banned token (min_tokens' EOS) changes the row: its token is the argmax after the ban."""
+    logits = torch.tensor([[1.0, 9.0, 8.0], [7.0, 1.0, 2.0]])
+    out = sample(logits, [row(temperature=0.0, banned=(1,)), row(temperature=0.0)])
+    assert out.tokens == [2, 0]
 
 
 def test_negative_infinity_is_not_an_error(row: Row) -> None:
@@ -396,3 +439,19 @@ def test_unmasked_draw_of_rows_listed_by_disallowed_id_equals_the_masked_draw() 
     assert torch.equal(got, want)
     for r, t in zip(pick.tolist(), got.tolist()):
         assert t < tokenizer_vocab and t not in set(banned[r].tolist())
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 128, 129, 300, 1000])
+def test_argmax_rows_equals_amax_and_argmax(vocab: int) -> None:
+    """Every vocabulary size (under, at and past a block, partial last blocks), rows of few distinct
+    values (many ties), with NaN, +inf and -inf planted."""
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(50):
+        x = torch.randint(-2, 3, (7, vocab), generator=gen).float()
+        for value, share in ((float("nan"), 0.01), (float("inf"), 0.01), (float("-inf"), 0.3)):
+            if trial % 4:
+                x[torch.rand(x.shape, generator=gen) < share] = value
+        x[0] = float("-inf")
+        peak, index = sampler_mod.argmax_rows(x)
+        assert torch.equal(index, x.argmax(dim=-1)), (trial, index, x.argmax(dim=-1))
+        torch.testing.assert_close(peak, x.amax(dim=-1), rtol=0, atol=0, equal_nan=True)
