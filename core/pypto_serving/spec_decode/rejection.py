@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ..sampler import uniforms
+from ..sampler import argmax_rows, uniforms
 
 __all__ = ["DeviceVerdict", "SpecRow", "SpecRows", "Verdict", "draft_uniforms", "read", "rejection_sample"]
 
@@ -156,13 +156,14 @@ def _leading(accept: torch.Tensor) -> torch.Tensor:
 
 def _greedy(target: torch.Tensor, drafts: torch.Tensor, m: _Maps, whole: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Accepted count and emitted token of greedy requests: argmax comparison, with the sampler's
-    own greedy op (``argmax``, first index among ties). ``whole``: the group is every request, so
-    the argmax runs over ``target`` in place rather than over a copy of the group's rows."""
+    own greedy op (:func:`~pypto_serving.sampler.argmax_rows`: ``argmax``'s index, first among ties,
+    in one blocked pass). ``whole``: the group is every request, so the argmax runs over ``target``
+    in place rather than over a copy of the group's rows."""
     rows = torch.cat([m.pos, (m.first_row + m.num_drafts).unsqueeze(1)], dim=1)  # [G, K + 1]
     if whole:
-        best = target.argmax(dim=-1).take(rows)
+        best = argmax_rows(target)[1].take(rows)
     else:
-        best = target.index_select(0, rows.flatten()).argmax(dim=-1).view_as(rows)
+        best = argmax_rows(target.index_select(0, rows.flatten()))[1].view_as(rows)
     d = drafts.take(m.draft) if drafts.numel() else torch.zeros_like(m.pos)
     n_acc = _leading((d == best.narrow(1, 0, m.pos.shape[1])) & m.valid)
     return n_acc, best.gather(1, n_acc.unsqueeze(1)).squeeze(1)

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from ..sampler import RowParams, sample_on_device
+from ..sampler import RowParams, argmax_rows, sample_on_device
 from .rejection import SpecRow, _inverse_cdf, draft_uniforms, rejection_sample
 
 __all__ = ["DraftRow", "DraftSampler", "Filters", "processed_probs", "verify_sampled"]
@@ -119,7 +119,7 @@ class DraftSampler:
         """The next draft of each of ``batch_rows`` from the drafter's logits ``[len(batch_rows), V]``
         (row ``i`` drafts for batch row ``batch_rows[i]``, whose earlier drafts came from earlier
         calls); tokens ``[len(batch_rows)]`` on the logits' device, nothing read back."""
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)[1]
         at = [i for i, r in enumerate(batch_rows) if r in self._rows]
         if not at:
             return tokens
