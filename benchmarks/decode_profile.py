@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.plugin
 
 import pypto_kernels as K
 from pypto_kernels.backends import cpu
+from tests.device_helpers import batch_on
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
 
 #: name -> (weight [out, in] as stored: "in_out" for the output projection's [in, out] storage).
@@ -169,18 +170,7 @@ def _prepared(args: argparse.Namespace, run: str) -> tuple[Any, PagedBatchBuilde
 
 def _on(device: str, batch: Any) -> Any:
     """``batch``'s tensors on ``device`` (the host lists stay)."""
-    import dataclasses
-
-    if device == "cpu":
-        return batch
-    moved: dict[str, Any] = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            moved[f.name] = value.to(device)
-        elif isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
-            moved[f.name] = {k: t.to(device) for k, t in value.items()}
-    return dataclasses.replace(batch, **moved)
+    return batch if device == "cpu" else batch_on(batch, device)
 
 
 def _sync(device: str) -> None:

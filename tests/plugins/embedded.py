@@ -24,13 +24,13 @@ def engine_greedy(model: str, ids: list[int], n: int, **settings: Any) -> list[i
 
 
 @torch.no_grad()
-def transformers_greedy(path: Path, ids: list[int], n: int) -> list[int]:
+def transformers_greedy(path: Path, ids: list[int], n: int, device: str = "cpu") -> list[int]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval().to(device)
     seq = list(ids)
     for _ in range(n):
-        seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        seq.append(int(model(input_ids=torch.tensor([seq], device=device)).logits[0, -1].argmax()))
     return seq[len(ids) :]
 
 

@@ -10,7 +10,6 @@ and gives the CPU executor's logits.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -20,7 +19,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from pypto_serving import LLM, SamplingParams  # noqa: E402
 from pypto_serving_deepseek_mtp.plugin import TINY_DEEPSEEK_V4  # noqa: E402
-from tests.plugins.embedded import tokenize  # noqa: E402
+from tests.device_helpers import batch_on, no_host_sync  # noqa: E402
+from tests.plugins.embedded import tokenize, transformers_greedy  # noqa: E402
 
 from .helpers import FakeCore  # noqa: E402
 
@@ -29,26 +29,12 @@ K = 2
 PROMPTS = ["import os\nimport sys\n\n", "class Config:\n    def __init__(self", "    for i in range(len("]
 
 
-@torch.no_grad()
-def _transformers_greedy(prompts: list[list[int]], n: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(TINY_DEEPSEEK_V4), dtype=torch.float32).eval().to(DEVICE)
-    outs = []
-    for ids in prompts:
-        seq = list(ids)
-        for _ in range(n):
-            seq.append(int(model(input_ids=torch.tensor([seq], device=DEVICE)).logits[0, -1].argmax()))
-        outs.append(seq[len(ids) :])
-    return outs
-
-
 def test_greedy_tokens_equal_transformers_on_the_device() -> None:
     prompts = [tokenize(TINY_DEEPSEEK_V4, p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     with LLM(str(TINY_DEEPSEEK_V4), device=DEVICE, dtype="float32", worker_mode="inproc") as llm:
         ours = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert ours == _transformers_greedy(prompts, 16)
+    assert ours == [transformers_greedy(TINY_DEEPSEEK_V4, ids, 16, device=DEVICE) for ids in prompts]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -92,33 +78,18 @@ def _steps(core: FakeCore) -> list[Any]:
     ]
 
 
-def _to_device(batch: Any) -> Any:
-    moved: dict[str, Any] = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            moved[f.name] = value.to(DEVICE)
-        elif isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
-            moved[f.name] = {k: t.to(DEVICE) for k, t in value.items()}
-    return dataclasses.replace(batch, **moved)
-
-
 @pytest.mark.parametrize("name", ["mixed_yarn", "csa_heavy"])
 def test_execute_makes_no_host_sync_and_gives_the_cpus_logits(checkpoints: Any, name: str) -> None:
     path = checkpoints[name].path
     torch.manual_seed(0)
     device_ex, info = _executor(path, DEVICE)
-    device_steps = [_to_device(b) for b in _steps(FakeCore(device_ex, info))]
+    device_steps = [batch_on(b, DEVICE) for b in _steps(FakeCore(device_ex, info))]
     torch.manual_seed(0)  # the same scrambled block layout on the CPU
     cpu_ex, cpu_info = _executor(path, "cpu")
     cpu_steps = _steps(FakeCore(cpu_ex, cpu_info))
     for on_device, on_cpu in zip(device_steps, cpu_steps):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             logits = device_ex.execute(on_device)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         assert logits.device.type == "cuda"
         expected = cpu_ex.execute(on_cpu).float()
         # bfloat16 on two devices: products summed in other orders round differently.

@@ -16,7 +16,6 @@ masks still go to ``aten.index``, where their data-dependent shape raises as it 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
+
+from tests.device_helpers import batch_on
 
 __all__ = ["fake_cuda", "on_device"]
 
@@ -33,14 +34,7 @@ CUDA = torch.device("cuda", 0)  # fake tensors report an index
 def on_device(batch: Any) -> Any:
     """A ``BatchInput`` with every tensor copied to the fake device, as the runner places it (host
     lists kept)."""
-    moved: dict[str, Any] = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            moved[f.name] = value.to(CUDA)
-        elif isinstance(value, dict):
-            moved[f.name] = {k: t.to(CUDA) for k, t in value.items()}
-    return dataclasses.replace(batch, **moved)
+    return batch_on(batch, CUDA)
 
 
 def _on_cuda(t: object) -> bool:

@@ -9,8 +9,7 @@ a seeded request samples the same tokens alone and in a batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 from pypto_serving import LLM, SamplingParams  # noqa: E402
 from pypto_serving_qwen.executor import KV_GROUP, QwenExecutor  # noqa: E402
 from pypto_serving_qwen.plugin import TINY_QWEN3  # noqa: E402
-from tests.plugins.embedded import tokenize  # noqa: E402
+from tests.device_helpers import batch_on, no_host_sync  # noqa: E402
+from tests.plugins.embedded import tokenize, transformers_greedy  # noqa: E402
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings  # noqa: E402
 
 DEVICE = "cuda"
@@ -35,31 +35,6 @@ STEPS = [
 ]
 
 
-@contextmanager
-def _no_host_sync() -> Iterator[None]:
-    """Any synchronising CUDA call (a device-to-host copy, ``.item()``, ``nonzero``) raises inside."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-@torch.no_grad()
-def _transformers_greedy(path: Path, prompts: list[list[int]], n: int, dtype: torch.dtype) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval().to(DEVICE)
-    outs = []
-    for ids in prompts:
-        seq = list(ids)
-        for _ in range(n):
-            seq.append(int(model(input_ids=torch.tensor([seq], device=DEVICE)).logits[0, -1].argmax()))
-        outs.append(seq[len(ids) :])
-    return outs
-
-
 def _engine(prompts: list[list[int]], params: SamplingParams, **settings: Any) -> list[list[int]]:
     with LLM(model=str(TINY_QWEN3), device=DEVICE, worker_mode="inproc", **settings) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -70,7 +45,7 @@ def test_greedy_tokens_equal_transformers_on_the_device() -> None:
     prompts = [tokenize(TINY_QWEN3, p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ours = _engine(prompts, params, dtype="float32")
-    assert ours == _transformers_greedy(TINY_QWEN3, prompts, 16, torch.float32)
+    assert ours == [transformers_greedy(TINY_QWEN3, ids, 16, device=DEVICE) for ids in prompts]
 
 
 def test_cuda_graph_replay_equals_eager() -> None:
@@ -98,19 +73,6 @@ def _executor(path: Path, device: str, dtype: str) -> QwenExecutor:
     return ex
 
 
-def _to(batch: Any, device: str) -> Any:
-    import dataclasses
-
-    moved: dict[str, Any] = {}
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            moved[f.name] = value.to(device)
-        elif isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
-            moved[f.name] = {k: t.to(device) for k, t in value.items()}
-    return dataclasses.replace(batch, **moved)
-
-
 @pytest.mark.parametrize(("name", "dtype"), [("qwen3", "float32"), ("qwen3_moe", "bfloat16"), ("qwen2", "float32")])
 def test_a_step_makes_no_host_sync_and_gives_the_cpus_logits(
     name: str, dtype: str, qwen_checkpoints: Callable[[str], Path]
@@ -122,8 +84,8 @@ def test_a_step_makes_no_host_sync_and_gives_the_cpus_logits(
     builder = PagedBatchBuilder(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
     for chunks in STEPS:
         batch = builder.step(chunks, all_logits=False)
-        on_device = _to(batch, DEVICE)
-        with _no_host_sync():
+        on_device = batch_on(batch, DEVICE)
+        with no_host_sync():
             logits = device_ex.execute(on_device)
         assert logits.device.type == "cuda"
         expected = cpu_ex.execute(batch)
