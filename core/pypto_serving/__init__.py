@@ -30,6 +30,7 @@ from .messages import StepResult
 from .model_files import model_cache_dir, read_generation_config, write_model_dir
 from .plugins import PluginError, PluginManager
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams
+from .sampler import argmax_rows
 from .scheduler import SchedulerOutput
 from .spec_decode import DraftSampler
 from .spec_policy import SpecPolicy, StepObservation
@@ -68,6 +69,7 @@ __all__ = [
     "StrategyHost",
     "ToolParserSpec",
     "__version__",
+    "argmax_rows",
     "hookimpl",
     "model_cache_dir",
     "read_generation_config",

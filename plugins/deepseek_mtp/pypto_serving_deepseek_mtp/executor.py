@@ -14,7 +14,15 @@ import torch
 from torch.profiler import record_function
 
 from pypto_kernels import auto_dtype, describe_kernel, interleaved_rope_cos_sin, select_device, upload
-from pypto_serving import BatchInput, CacheGroupSpec, DraftSampler, Executor, ExecutorInfo, read_generation_config
+from pypto_serving import (
+    BatchInput,
+    CacheGroupSpec,
+    DraftSampler,
+    Executor,
+    ExecutorInfo,
+    argmax_rows,
+    read_generation_config,
+)
 from pypto_serving.lora_weights import LoraAdapter, LoraContext, batch_onehot, read_adapter
 from pypto_serving.parallel import ParallelContext
 from pypto_serving.quantization import QuantizedWeight, read_quantization_config
@@ -749,7 +757,7 @@ class DeepseekMTPExecutor(Executor):
         if picks:
             sel = out if picks == list(range(off)) else out.index_select(0, upload(picks, self.device))
             logits = self._mtp_logits(d, sel)
-            step.add(logits.argmax(-1) if step.sampler is None else step.sampler.pick(logits, pick_rows))
+            step.add(argmax_rows(logits)[1] if step.sampler is None else step.sampler.pick(logits, pick_rows))
         return True
 
     def _carry(self, d: int, step: _Drafting) -> None:
