@@ -66,6 +66,18 @@ def test_every_row_kind_samples_on_the_device_up_to_the_single_read(fake: FakeTe
     assert dev.tokens.shape == (8,) and dev.tokens.dtype == torch.long
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, 151_936])
+def test_unedited_greedy_and_sampled_rows_take_the_one_pass_argmax_on_the_device(
+    fake: FakeTensorMode, vocab: int
+) -> None:
+    """Greedy rows that nothing edits (beside a sampled one): tokens and the non-finite check from
+    :func:`pypto_serving.sampler.argmax_rows`, on the device, nothing read back."""
+    logits = torch.empty(3, vocab, device="cuda")
+    dev = sample_on_device(logits, [row(temperature=0.0), row(top_k=20), row(temperature=0.0)])
+    assert all(t.device.type == "cuda" for t in (dev.tokens, dev.bad, dev.needs_full, packed(dev)))
+    assert dev.tokens.shape == (3,) and dev.bad.shape == (3,)
+
+
 def test_bfloat16_logits_and_the_full_vocabulary_fallback(
     fake: FakeTensorMode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
