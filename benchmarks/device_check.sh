@@ -37,7 +37,10 @@ stage() {  # stage NAME SECONDS COMMAND...: its exit status and time in OUT_DIR/
     tail -5 "$logs/$name.log"
 }
 
-stage real_device 200 "$py" -m pytest -q -p no:cacheprovider -rfEs --junitxml="$out/real_device.xml" \
+# A module that fails to import (the device's torch may be older than the project's pin) must not
+# stop the others: --continue-on-collection-errors.
+stage real_device 200 "$py" -m pytest -q -p no:cacheprovider -rfEs --continue-on-collection-errors \
+    --junitxml="$out/real_device.xml" \
     tests/plugins/qwen/test_real_device.py tests/plugins/deepseek_mtp/test_real_device.py \
     tests/kernels/test_kernels_backends.py tests/kernels/test_kernels_registry.py \
     tests/plugins/qwen/test_fake_device.py tests/plugins/deepseek_mtp/test_fake_device.py
