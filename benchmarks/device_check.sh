@@ -2,8 +2,10 @@
 # The checks that need a real accelerator, in one run (a CUDA host with torch; no network needed):
 #   1. the real-device tests (tests/plugins/*/test_real_device.py), the CUDA kernel tests and the
 #      fake-device tests, with JUnit XML;
-#   2. benchmarks/compare.py on the device (pypto-serving sync and async beside HF transformers on the
-#      same device) for the shapes in $SHAPES (make_models.py names; default the Qwen3-0.6B shape).
+#   2. per shape in $SHAPES (make_models.py names; default the Qwen3-0.6B shape): a decode-step profile
+#      (benchmarks/decode_profile.py --device cuda), then benchmarks/compare.py on the device
+#      (pypto-serving sync and async beside HF transformers on the same device).
+# The stages' limits add up to under ten minutes (one call of a lent machine), installs included.
 #
 #     bash benchmarks/device_check.sh OUT_DIR
 #
@@ -39,7 +41,7 @@ stage() {  # stage NAME SECONDS COMMAND...: its exit status and time in OUT_DIR/
 
 # A module that fails to import (the device's torch may be older than the project's pin) must not
 # stop the others: --continue-on-collection-errors.
-stage real_device 200 "$py" -m pytest -q -p no:cacheprovider -rfEs --continue-on-collection-errors \
+stage real_device 150 "$py" -m pytest -q -p no:cacheprovider -rfEs --continue-on-collection-errors \
     --junitxml="$out/real_device.xml" \
     tests/plugins/qwen/test_real_device.py tests/plugins/deepseek_mtp/test_real_device.py \
     tests/kernels/test_kernels_backends.py tests/kernels/test_kernels_registry.py \
@@ -51,7 +53,10 @@ printf '#!/bin/sh\nexec %s "$@"\n' "$py" >/tmp/peers/hf/bin/python
 chmod +x /tmp/peers/hf/bin/python
 stage make_models 90 "$py" benchmarks/make_models.py --out /tmp/models ${SHAPES:-0.6b}
 for shape in ${SHAPES:-0.6b}; do
-    stage "compare_$shape" 150 "$py" benchmarks/compare.py --model "/tmp/models/qwen3-$shape" --device cuda \
+    stage "profile_$shape" 60 "$py" benchmarks/decode_profile.py --model "/tmp/models/qwen3-$shape" --device cuda \
+        --requests 64 --context 260 --steps 5
+    cp "$logs/profile_$shape.log" "$out/"
+    stage "compare_$shape" 240 "$py" benchmarks/compare.py --model "/tmp/models/qwen3-$shape" --device cuda \
         --peers hf --peers-dir /tmp/peers --out-md "$out/compare_$shape.md" --out-json "$logs/compare_$shape.json" \
         --out-png "$logs/compare_$shape.png" --work-dir "$logs/work_$shape"
 done
