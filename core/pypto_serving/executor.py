@@ -94,6 +94,9 @@ class ExecutorInfo:
         ``lora_modules`` itself and implements :meth:`Executor.read_lora` and
         :meth:`Executor.install_lora`); the engine refuses LoRA settings otherwise, so a request
         naming an adapter never runs the base model silently.
+    :param thread_count_invariant: its logits are bitwise the same whatever the number of CPU threads
+        (tested), so a pinned CPU worker may compute on fewer cores beside a busy process without
+        changing a token (``worker_shed_busy_cores = "auto"``).
     """
 
     cache_groups: list[CacheGroupSpec]
@@ -109,6 +112,7 @@ class ExecutorInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     supports_lora: bool = False
+    thread_count_invariant: bool = False
 
 
 @dataclass(slots=True, kw_only=True)

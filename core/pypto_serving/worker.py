@@ -11,6 +11,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 import traceback
@@ -25,6 +26,8 @@ import msgspec
 import torch
 
 from .config import ServingSettings
+from .core_watch import CoreWatch
+from .devices import device_kind
 from .distributed import (
     RANK_LOST_EXIT,
     RANK_REFUSED_EXIT,
@@ -165,14 +168,34 @@ def _worker_environment(settings: ServingSettings) -> Iterator[None]:
             os.environ.pop(key, None)
 
 
+def _placed_cores() -> list[int] | None:
+    """The cores OpenMP binds this process's threads to, one per place and thread ``p`` on place ``p``
+    (``OMP_PLACES`` of single cores, as :func:`_worker_environment` writes it, with ``close``
+    binding); None for any other placement."""
+    places = os.environ.get("OMP_PLACES", "")
+    if os.environ.get("OMP_PROC_BIND", "").lower() != "close" or not re.fullmatch(r"\{\d+\}(,\{\d+\})*", places):
+        return None
+    return [int(core) for core in re.findall(r"\d+", places)]
+
+
 def _pin_threads(settings: ServingSettings) -> None:
-    """The spawned worker's thread count (``worker_threads``), and its CPU affinity where it is pinned
-    (threads it creates later, such as OpenMP's, inherit it; OMP_PLACES then binds each to its own core)."""
-    cores = worker_cores(settings)
-    if cores is not None and os.environ.get("OMP_PLACES") == _places(cores):  # not when the user placed them
-        os.sched_setaffinity(0, cores)
+    """The spawned worker's thread count (``worker_threads``); OpenMP itself binds its threads to the
+    places the parent chose (the initial thread to the first when torch loads, the others when they start)."""
     if settings.worker_threads:
         torch.set_num_threads(settings.worker_threads)
+
+
+def core_watch(settings: ServingSettings, info: ExecutorInfo) -> CoreWatch | None:
+    """The watch that sheds the cores other processes keep busy (``worker_shed_busy_cores``): for a CPU
+    worker bound to more than one core, one thread each, whose executor's logits do not depend on
+    the thread count (or with ``on``); else None."""
+    cores = _placed_cores()
+    wanted = settings.worker_shed_busy_cores == "on" or (
+        settings.worker_shed_busy_cores == "auto" and info.thread_count_invariant
+    )
+    if not wanted or cores is None or device_kind(settings.device) != "cpu":
+        return None
+    return CoreWatch(cores=cores) if len(cores) == torch.get_num_threads() > 1 else None
 
 
 def _worker_main(
@@ -204,18 +227,19 @@ def _worker_main(
     except BaseException as e:
         conn.send_bytes(_encoder.encode(Loaded(None, _format_error(e))))
         return
-    _serve_steps(conn, runner)
+    _serve_steps(conn, runner, core_watch(settings, info))
     runner.shutdown()
 
 
-def _serve_steps(conn: Connection, runner: ModelRunner) -> None:
+def _serve_steps(conn: Connection, runner: ModelRunner, watch: CoreWatch | None = None) -> None:
     """Answer the engine's commands in order until a Shutdown or the end of the pipe.
 
     A step runs in two parts (:meth:`ModelRunner.launch`, :meth:`ModelRunner.finish`). Between
     them, the next command is taken if it is already in the pipe (the async strategy sends step N+1
     before step N's result is back) and the host work of it that needs nothing of step N is staged
     (:meth:`ModelRunner.stage`), so on an accelerator it runs while step N's device work does. The
-    results are those of the plain order: staging refuses what could differ."""
+    results are those of the plain order: staging refuses what could differ. ``watch``, where the
+    worker is pinned to CPU cores, sheds those other processes keep busy, between steps."""
     early: WorkerCommand | ProfileControl | msgspec.DecodeError | None = None
     profiler = TraceProfiler(lambda: getattr(runner.executor, "model", None))
     while True:
@@ -234,6 +258,8 @@ def _serve_steps(conn: Connection, runner: ModelRunner) -> None:
         if isinstance(msg, ReadLora):  # read in the background while the steps go on; not answered
             runner.lora_reads.start(msg.key, msg.path)
             continue
+        if watch is not None:
+            watch.poll()
         with phase("launch"):
             launched = runner.launch(msg)
         if conn.poll(0):

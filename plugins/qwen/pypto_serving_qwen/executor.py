@@ -144,7 +144,17 @@ class QwenExecutor(Executor):
             generation_defaults=generation_defaults,
             kv_cache_dtypes=("auto", "bfloat16", "fp8"),
             supports_lora=True,
+            thread_count_invariant=self._thread_count_invariant(cfg, quantized=bool(named)),
         )
+
+    def _thread_count_invariant(self, cfg: QwenConfig, *, quantized: bool) -> bool:
+        """Whether this model's logits are bitwise the same on any number of CPU threads: the dense
+        eager CPU forward with packed float projections is (tests/plugins/qwen/test_thread_count.py);
+        the MoE experts' small products through MKL differ in their last bits between one and two
+        threads, and LoRA's and the quantized products are not tested for it."""
+        assert self.model is not None
+        dense = not cfg.num_experts and self.lora is None and not quantized
+        return self.device.type == "cpu" and self.model.lm_head_kernel and dense
 
     def _pack_linears(self, model: QwenForCausalLM) -> None:
         """oneDNN-packed weight copies for the eager CPU forward (``executor_options["cpu_linear"]``);

@@ -1,0 +1,178 @@
+"""A pinned CPU worker sheds the cores other processes keep busy, and takes them back
+(``pypto_serving.core_watch``, ``worker_shed_busy_cores``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from pypto_serving.core_watch import next_shed
+
+TWO_CORES = sorted(os.sched_getaffinity(0))[:2]
+needs_two_cores = pytest.mark.skipif(len(TWO_CORES) < 2, reason="needs two cores to shed one")
+
+
+@pytest.mark.parametrize(
+    ("others", "shed", "want"),
+    [
+        ({0: 0.05, 1: 0.0}, set(), set()),  # our own engine's share stays under the bar
+        ({0: 0.55, 1: 0.0}, set(), {0}),  # a busy neighbour on core 0
+        ({0: 0.30, 1: 0.0}, {0}, {0}),  # shed, and others still use more than the resume bar
+        ({0: 0.10, 1: 0.0}, {0}, set()),  # the neighbour left
+        ({0: 0.30, 1: 0.0}, set(), set()),  # between the bars a kept core stays kept
+        ({0: 0.90, 1: 0.70}, set(), {0}),  # both busy: the one others use less stays
+        ({0: 0.80, 1: 0.80}, set(), {1}),  # a tie keeps the lowest id
+        ({0: 0.0, 1: 0.9, 2: 0.6, 3: 0.2}, {3}, {1, 2, 3}),
+    ],
+)
+def test_next_shed(others: dict[int, float], shed: set[int], want: set[int]) -> None:
+    assert next_shed(others, frozenset(shed), shed_above=0.4, resume_below=0.15) == want
+
+
+@contextmanager
+def _busy_loop_on(core: int) -> Iterator[None]:
+    """A CPU-bound process pinned to ``core``."""
+    code = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+_WATCHED = textwrap.dedent(
+    """
+    import json, os, sys, threading, time, torch
+    from pypto_serving.core_watch import CoreWatch
+    watch = CoreWatch(cores=json.loads(sys.argv[1]), interval=0.2)
+    x = torch.randn(1 << 20)
+    for line in sys.stdin:
+        end = time.monotonic() + float(line)
+        while time.monotonic() < end:  # steps: a parallel region each, then the poll between them
+            x.mul_(1.0)
+            watch.poll()
+        masks = {t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+        me = str(threading.get_native_id())
+        print(json.dumps({"kept": watch.kept(), "threads": torch.get_num_threads(), "master": masks[me],
+                          "masks": sorted(m for t, m in masks.items() if t != me)}), flush=True)
+    """
+)
+
+
+@needs_two_cores
+def test_a_busy_core_is_shed_and_taken_back() -> None:
+    """In a process bound like a spawned worker (OMP_PLACES one core per place, close), a busy loop
+    on the first core moves the computation onto the second, one thread; once it ends, both cores and
+    the original binding come back."""
+    first, second = TWO_CORES
+    env = dict(os.environ, OMP_PLACES=f"{{{first}}},{{{second}}}", OMP_PROC_BIND="close", OMP_NUM_THREADS="2")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WATCHED, json.dumps(TWO_CORES)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def run(seconds: float) -> dict[str, Any]:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(f"{seconds}\n")
+        proc.stdin.flush()
+        return dict(json.loads(proc.stdout.readline()))
+
+    try:
+        quiet = run(1.0)
+        assert quiet["kept"] == TWO_CORES and quiet["threads"] == 2 and quiet["master"] == [first]
+        with _busy_loop_on(first):
+            busy = _until(lambda: run(0.6), lambda s: s["kept"] == [second], tries=5)
+        assert busy["threads"] == 1 and busy["master"] == [second]
+        back = _until(lambda: run(0.6), lambda s: s["kept"] == TWO_CORES, tries=5)
+        assert back["threads"] == 2 and back["master"] == [first] and [second] in back["masks"]
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+
+
+def _until(read: Callable[[], dict[str, Any]], done: Callable[[dict[str, Any]], bool], tries: int) -> dict[str, Any]:
+    """``read()`` until ``done``; the last reading either way (a busy machine may need a few windows)."""
+    for _ in range(tries):
+        state = read()
+        if done(state):
+            return state
+    return state
+
+
+@needs_two_cores
+def test_the_spawned_worker_sheds_a_busy_core(make_llm: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``worker_shed_busy_cores`` reaches the spawned worker pinned to two cores: beside a busy loop on
+    its first core its compute thread moves to the second; with 'auto' and the fake executor (which
+    does not promise logits independent of the thread count) it stays put."""
+    from pypto_serving import SamplingParams
+
+    for name in ("OMP_PLACES", "OMP_PROC_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    first, second = TWO_CORES
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for shed in (True, False):
+        llm = make_llm(
+            worker_mode="process",
+            worker_cpu_bind=f"{first},{second}",
+            worker_threads=2,
+            worker_shed_busy_cores="on" if shed else "auto",
+        )
+        pid = llm.engine.worker._proc.pid
+        with _busy_loop_on(first):
+            # Shed within a few half-second windows; left alone for three of them when off.
+            deadline = time.monotonic() + (8 if shed else 1.6)
+            while time.monotonic() < deadline:
+                llm.generate([[1, 2, 3]], params, use_tqdm=False)
+                if os.sched_getaffinity(pid) == {second}:
+                    break
+            assert os.sched_getaffinity(pid) == ({second} if shed else {first})
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("setting", "invariant", "places", "device", "watched"),
+    [
+        ("auto", True, "{0},{1}", "cpu", True),
+        ("auto", False, "{0},{1}", "cpu", False),  # the executor does not promise the same logits
+        ("on", False, "{0},{1}", "cpu", True),
+        ("off", True, "{0},{1}", "cpu", False),
+        ("auto", True, "{0}", "cpu", False),  # one core: nothing to shed
+        ("auto", True, "{0:2}", "cpu", False),  # the user's places of several cores each
+        ("auto", True, None, "cpu", False),  # not pinned (worker_cpu_bind = "off")
+        ("auto", True, "{0},{1}", "cuda", False),
+    ],
+)
+def test_which_workers_watch_their_cores(
+    monkeypatch: pytest.MonkeyPatch, setting: str, invariant: bool, places: str | None, device: str, watched: bool
+) -> None:
+    import torch
+
+    from pypto_serving import ExecutorInfo
+    from pypto_serving.config import ServingSettings
+    from pypto_serving.worker import core_watch
+
+    if places is None:
+        monkeypatch.delenv("OMP_PLACES", raising=False)
+    else:
+        monkeypatch.setenv("OMP_PLACES", places)
+    monkeypatch.setenv("OMP_PROC_BIND", "close")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1 if places == "{0}" else 2)
+    info = ExecutorInfo(cache_groups=[], vocab_size=8, max_model_len=8, thread_count_invariant=invariant)
+    watch = core_watch(ServingSettings(worker_shed_busy_cores=setting, device=device), info)
+    assert (watch is not None) == watched
+    if watch is not None:
+        assert watch.cores == [0, 1]
