@@ -1,10 +1,12 @@
-"""DeepSeek-V4's ``hc_sinkhorn_mix``: the kernel against its previous Sinkhorn loop, in one run.
+"""DeepSeek-V4's ``hc_sinkhorn_mix``: the kernel against its torch formulations, in one run.
 
 The Sinkhorn projection of the ``[T, N, N]`` mixing matrix is 20 rounds of a row and a column
-normalisation; each op is tiny, so a call costs what its ops' dispatch costs. The kernel forms each
-"sum + eps" as one ``baddbmm`` against a ones vector (two ops per half-round); the baseline below is
-the previous formulation (``sum``, ``add_``, ``div_``: three). Each repeat times both back to back,
-alternating which goes first, so load from other jobs hits both alike; the table shows medians.
+normalisation; each op is tiny, so a call costs what its ops' dispatch costs. Three versions, each
+after the same projection: the first torch formulation (``sum``, ``add_``, ``div_`` per half-round:
+"previous"), the torch ops with each "sum + eps" one ``baddbmm`` against a ones vector (the native
+pass's reference, ``mix_from_logits``: "torch ops") and the kernel as the executor calls it (the
+native C pass on the CPU where it is built). Each repeat times them back to back, rotating which goes
+first, so load from other jobs hits all alike; the table shows medians.
 
     python3 benchmarks/hyper_connections.py
     python3 benchmarks/hyper_connections.py --repeats 7 --threads 1 --hidden 256 4096
@@ -22,7 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pypto_kernels import hc_sinkhorn_mix
+from pypto_kernels import hc_sinkhorn_mix, native
+from pypto_kernels.hyper_connections import mix_from_logits
 
 ITERS, EPS = 20, 1e-6
 
@@ -47,6 +50,15 @@ def previous_mix(
     return post, comb, collapsed
 
 
+def torch_ops_mix(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's torch ops (its path where the native pass is not built)."""
+    h = streams.flatten(1).float()
+    flat = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return mix_from_logits(F.linear(flat, fn.float()), streams, base, scale, ITERS, EPS)
+
+
 def _time(fn: Callable[[], object], calls: int) -> float:
     fn()
     start = time.perf_counter()
@@ -67,9 +79,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu = platform.processor() or platform.machine()
-    print(f"# {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("| hidden | tokens | previous µs/call | kernel µs/call | speed-up | max abs diff |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    built = "native pass built" if native.library() is not None else "native pass NOT built: kernel = torch ops"
+    print(f"# {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads, {built}")
+    print(
+        "| hidden | tokens | previous µs/call | torch ops µs/call | kernel µs/call | kernel vs torch ops "
+        "| max abs diff |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     n = args.streams
     for hidden in args.hidden:
@@ -78,16 +94,19 @@ def main() -> None:
         for tokens in args.tokens:
             streams = torch.randn(tokens, n, hidden, generator=gen)
             args_ = (streams, fn, base, scale)
-            new = functools.partial(hc_sinkhorn_mix, *args_, ITERS, EPS, EPS)
-            old = functools.partial(previous_mix, *args_)
-            diff = max((a - b).abs().max().item() for a, b in zip(new(), old(), strict=True))
-            olds, news = [], []
+            versions = [
+                functools.partial(previous_mix, *args_),
+                functools.partial(torch_ops_mix, *args_),
+                functools.partial(hc_sinkhorn_mix, *args_, ITERS, EPS, EPS),
+            ]
+            diff = max((a - b).abs().max().item() for a, b in zip(versions[2](), versions[0](), strict=True))
+            times: list[list[float]] = [[], [], []]
             for r in range(args.repeats):
-                pair = [(olds, old), (news, new)] if r % 2 == 0 else [(news, new), (olds, old)]
-                for out, f in pair:
-                    out.append(_time(f, args.calls))
-            o, k = statistics.median(olds), statistics.median(news)
-            print(f"| {hidden} | {tokens} | {o:.0f} | {k:.0f} | {o / k:.2f}x | {diff:.1e} |")
+                for i in range(3):
+                    k = (i + r) % 3
+                    times[k].append(_time(versions[k], args.calls))
+            o, t, k = (statistics.median(x) for x in times)
+            print(f"| {hidden} | {tokens} | {o:.0f} | {t:.0f} | {k:.0f} | {t / k:.2f}x | {diff:.1e} |")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ The residual stream is widened to ``N`` parallel streams ``[T, N, D]``. Before a
 spread back (``post``) and how the streams mix (``comb``, projected towards a doubly-stochastic
 matrix with Sinkhorn iterations); :func:`hc_merge` applies both after the block and
 :func:`hc_head` collapses the streams once before the LM head. All mixing maths runs in float32.
+
+On the CPU, where the native kernels are built (:mod:`pypto_kernels.native`), everything of
+:func:`hc_sinkhorn_mix` after its one projection runs in one C call per step (``csrc/hyper_connections.c``):
+in torch it is about 80 ops on tensors of a few values each, so a call costs their dispatch.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .registry import dispatch
 
 
@@ -36,21 +41,33 @@ def hc_sinkhorn_mix(
     logits. Returns ``(post [T, N], comb [T, N, N], collapsed [T, D])`` with ``post``/``comb`` float32
     and ``collapsed`` (the pre-weighted stream sum) in the stream dtype.
     """
-    t, n, _ = streams.shape
     flat = _rms_normalize(streams.flatten(1), norm_eps)
     mixes = F.linear(flat, fn.float())
+    if native.hc_takes(streams):
+        return native.hc_sinkhorn_mix(mixes, streams, base, scale, iters, eps)
+    return mix_from_logits(mixes, streams, base, scale, iters, eps)
+
+
+def mix_from_logits(
+    mixes: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`hc_sinkhorn_mix` after its projection, in torch: the reference of the native kernel.
+
+    :param mixes: float32 ``[T, N * (N + 2)]`` projected logits (pre, post, comb).
+    :return: ``(post [T, N], comb [T, N, N], collapsed [T, D])`` as :func:`hc_sinkhorn_mix`'s.
+    """
+    t, n, _ = streams.shape
     pre_w, post_w, comb_w = mixes[:, :n], mixes[:, n : 2 * n], mixes[:, 2 * n : n * (n + 2)]
     b = base.float()
     pre_b, post_b, comb_b = b[:n], b[n : 2 * n], b[2 * n : n * (n + 2)]
     s = scale.float()
     pre = torch.sigmoid(pre_w * s[0] + pre_b) + eps
     post = 2 * torch.sigmoid(post_w * s[1] + post_b)
-    comb = torch.softmax(comb_w.view(t, n, n) * s[2] + comb_b.view(n, n), dim=-1) + eps
+    comb = torch.softmax(comb_w.reshape(t, n, n) * s[2] + comb_b.view(n, n), dim=-1) + eps
     # Column normalisation first, then (iters - 1) rounds of row + column normalisation. Each
-    # "sum + eps" is one baddbmm against a ones vector (eps as its input term): a call is dominated
-    # by the per-op cost of ~80 tiny ops, and this makes two ops of each half-round instead of three
-    # (about 1.7x faster per call on the CPU); the sums of N <= 4 values are bitwise those of
-    # ``sum()``. In place on the fresh tensor, since each allocation shows too.
+    # "sum + eps" is one baddbmm against a ones vector (eps as its input term): two ops of each
+    # half-round instead of three; the sums of N <= 4 values are bitwise those of ``sum()``. In place
+    # on the fresh tensor, since each allocation shows too.
     ones_col = comb.new_ones(1, n, 1).expand(t, n, 1)
     ones_row = comb.new_ones(1, 1, n).expand(t, 1, n)
     eps_t = comb.new_full((1, 1, 1), eps)

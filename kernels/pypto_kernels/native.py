@@ -12,6 +12,8 @@ same results to float rounding), saying so once in the log.
 - :func:`prefill_attention`: long causal query runs (prefill chunks) over the same caches
   (``csrc/prefill_attention.c``), flash-attention style: tiles of queries share each packed chunk of
   keys and values.
+- :func:`hc_sinkhorn_mix`: DeepSeek-V4's hyper-connection weights from their projected logits
+  (``csrc/hyper_connections.c``), one pass per token instead of about 80 tensor ops.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ __all__ = [
     "NATIVE_DTYPES",
     "bf16_dot_available",
     "cache_dir",
+    "hc_sinkhorn_mix",
+    "hc_takes",
     "library",
     "paged_attention",
     "prefill_attention",
@@ -46,7 +50,7 @@ __all__ = [
 logger = logging.getLogger("pypto_kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = (_CSRC / "paged_attention.c", _CSRC / "prefill_attention.c")
+_SOURCES = (_CSRC / "paged_attention.c", _CSRC / "prefill_attention.c", _CSRC / "hyper_connections.c")
 _HEADERS = (_CSRC / "common.h",)
 # A warning never fails the build (another compiler's new warnings would turn the fast path off); a
 # call to an undeclared function does (it would fail only when loaded).
@@ -144,6 +148,11 @@ def library() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.pypto_bf16_dot.restype = ctypes.c_int
     lib.pypto_bf16_dot.argtypes = []
+    lib.pypto_hc_sinkhorn_mix.restype = ctypes.c_int
+    lib.pypto_hc_sinkhorn_mix.argtypes = [
+        _PTR, _I64, _PTR, ctypes.c_int, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_int, ctypes.c_float,
+        _PTR, _PTR, _PTR, ctypes.c_int,
+    ]  # fmt: skip
     logger.info("native CPU kernels loaded from %s", path)
     return lib
 
@@ -297,3 +306,57 @@ def prefill_attention(
     if status != 0:
         raise MemoryError("the native prefill attention could not allocate its scratch")
     return out
+
+
+#: The most streams :func:`hc_sinkhorn_mix` takes (DeepSeek-V4 has 4).
+HC_MAX_STREAMS = 16
+
+
+def hc_takes(streams: torch.Tensor) -> bool:
+    """Whether :func:`hc_sinkhorn_mix` takes these streams: a CPU ``[T, N, D]`` tensor of a dtype of
+    :data:`NATIVE_DTYPES`, at most :data:`HC_MAX_STREAMS` streams, last dimension dense, the library built."""
+    return (
+        streams.device.type == "cpu"
+        and streams.dim() == 3
+        and streams.dtype in NATIVE_DTYPES
+        and streams.shape[1] <= HC_MAX_STREAMS
+        and streams.stride(-1) == 1
+        and library() is not None
+    )
+
+
+def hc_sinkhorn_mix(
+    mixes: torch.Tensor,
+    streams: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`pypto_kernels.hc_sinkhorn_mix` after its projection, one C pass per token
+    (``csrc/hyper_connections.c``): the reference's operations in its order, equal to it but for the
+    exponential's last bits (the sigmoids and the softmax).
+
+    :param mixes: float32 ``[T, N * (N + 2)]`` projected logits (pre, post, comb), rows dense.
+    :param streams: ``[T, N, D]`` (:func:`hc_takes`).
+    :param base: ``[N * (N + 2)]`` biases; ``scale``: ``[3]`` (pre, post, comb); both read as float32.
+    :param iters: Sinkhorn rounds (the first is a column normalisation alone).
+    :param eps: added to the pre weights, the softmax and every normalising sum.
+    :return: ``(post [T, N], comb [T, N, N])`` float32 and ``collapsed [T, D]`` in the streams' dtype.
+    """
+    lib = library()
+    if lib is None or not hc_takes(streams):
+        raise ValueError(f"the native hc_sinkhorn_mix does not take streams {tuple(streams.shape)} {streams.dtype}")
+    t, n, d = streams.shape
+    if mixes.dtype != torch.float32 or mixes.shape != (t, n * (n + 2)) or mixes.stride(-1) != 1:
+        raise ValueError(f"mixes must be float32 [{t}, {n * (n + 2)}] with dense rows, got {tuple(mixes.shape)}")
+    base, scale = base.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous()
+    post = torch.empty((t, n), dtype=torch.float32)
+    comb = torch.empty((t, n, n), dtype=torch.float32)
+    collapsed = torch.empty((t, d), dtype=streams.dtype)
+    lib.pypto_hc_sinkhorn_mix(
+        mixes.data_ptr(), mixes.stride(0), streams.data_ptr(), NATIVE_DTYPES[streams.dtype], streams.stride(0),
+        streams.stride(1), t, n, d, base.data_ptr(), scale.data_ptr(), iters, eps, post.data_ptr(),
+        comb.data_ptr(), collapsed.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return post, comb, collapsed

@@ -361,3 +361,73 @@ def test_native_prefill_refuses_what_it_cannot_take(monkeypatch: pytest.MonkeyPa
     ok_args = (ok["query"], ok["key_cache"], ok["value_cache"], ok["block_tables"], spans, 0.25, None, None)
     with pytest.raises(ValueError, match="contiguous float32"):
         native.prefill_attention(*ok_args, torch.zeros((40, 4, 32), dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- hyper-connection weights
+
+
+def _hc_inputs(t: int, n: int, d: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    streams = torch.randn(t, n, d + 3, generator=g).to(dtype)[:, :, :d]  # rows of a wider tensor: strided
+    mixes = torch.randn(t, n * (n + 2), generator=g) * 2
+    base, scale = torch.randn(n * (n + 2), generator=g) * 0.1, torch.rand(3, generator=g) + 0.5
+    return streams, mixes, base, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "n", "d"), [(1, 4, 256), (5, 3, 100), (33, 4, 7), (2, 1, 64), (17, 6, 130)])
+def test_native_hc_sinkhorn_mix_is_the_torch_reference(t: int, n: int, d: int, dtype: torch.dtype) -> None:
+    """The C pass against :func:`mix_from_logits` (the torch ops it replaces): post and comb to the
+    exponential's last bits; the stream sum in the same order, so a float32 one is as close and a
+    bfloat16 one at most one bfloat16 step away (where the weights' last bit moves a rounding)."""
+    from pypto_kernels.hyper_connections import mix_from_logits
+
+    streams, mixes, base, scale = _hc_inputs(t, n, d, dtype)
+    got = native.hc_sinkhorn_mix(mixes, streams, base, scale, 20, 1e-6)
+    want = mix_from_logits(mixes, streams, base, scale, 20, 1e-6)
+    assert [x.dtype for x in got] == [torch.float32, torch.float32, dtype]
+    torch.testing.assert_close(got[0], want[0], rtol=4e-7, atol=1e-7)
+    torch.testing.assert_close(got[1], want[1], rtol=4e-6, atol=1e-7)
+    step = 2.0**-7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=step, atol=1e-6)
+
+
+def test_hc_sinkhorn_mix_takes_the_native_pass_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel DeepSeek-V4 calls runs the C pass for CPU streams (counted), and the torch ops where
+    the pass does not take them (more than 16 streams)."""
+    from pypto_kernels import hc_sinkhorn_mix
+
+    calls: list[int] = []
+    real = native.hc_sinkhorn_mix
+    monkeypatch.setattr(native, "hc_sinkhorn_mix", lambda *a: calls.append(1) or real(*a))
+    for n, taken in ((4, 1), (17, 0)):
+        calls.clear()
+        streams, _, base, scale = _hc_inputs(3, n, 8, torch.float32)
+        fn = torch.randn(n * (n + 2), n * 8) * 0.1
+        post, comb, collapsed = hc_sinkhorn_mix(streams, fn, base, scale, 3, 1e-6, 1e-6)
+        assert len(calls) == taken and post.shape == (3, n) and comb.shape == (3, n, n) and collapsed.shape == (3, 8)
+
+
+def test_native_hc_sinkhorn_mix_token_depends_only_on_its_own_inputs() -> None:
+    """A token's weights are the same alone, in a batch and on one or two threads (bitwise)."""
+    streams, mixes, base, scale = _hc_inputs(40, 4, 96, torch.bfloat16, seed=3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = native.hc_sinkhorn_mix(mixes, streams, base, scale, 20, 1e-6)
+        torch.set_num_threads(1)
+        single = native.hc_sinkhorn_mix(mixes, streams, base, scale, 20, 1e-6)
+    finally:
+        torch.set_num_threads(before)
+    alone = native.hc_sinkhorn_mix(mixes[7:8], streams[7:8], base, scale, 20, 1e-6)
+    for b, s, a in zip(batch, single, alone, strict=True):
+        assert torch.equal(b, s) and torch.equal(b[7:8], a)
+
+
+def test_native_hc_sinkhorn_mix_refuses_what_it_cannot_take() -> None:
+    streams, mixes, base, scale = _hc_inputs(2, 4, 8, torch.float32)
+    with pytest.raises(ValueError, match="mixes must be float32"):
+        native.hc_sinkhorn_mix(mixes[:, :5], streams, base, scale, 20, 1e-6)
+    with pytest.raises(ValueError, match="does not take streams"):
+        native.hc_sinkhorn_mix(mixes, streams.half(), base, scale, 20, 1e-6)
+    assert not native.hc_takes(torch.zeros(2, 17, 8)) and not native.hc_takes(torch.zeros(2, 4, 8)[:, :, ::2])
