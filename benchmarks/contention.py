@@ -10,6 +10,7 @@ contended / quiet is what to read.
     python benchmarks/contention.py                      # threads 1 and 2, default OpenMP waiting
     python benchmarks/contention.py --threads 1 2 --wait-policy default passive --repeats 3
     python benchmarks/contention.py --threads 2 --cpu-bind auto off    # worker threads pinned or not
+    python benchmarks/contention.py --threads 2 --shed auto off        # busy cores shed or not
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _tpot_ms(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
 
 
 def _measure(
-    model: Path, threads: int, concurrency: int, args: argparse.Namespace, bind: str = "auto"
+    model: Path, threads: int, concurrency: int, args: argparse.Namespace, bind: str = "auto", shed: str = "auto"
 ) -> dict[str, list[float]]:
     import torch
 
@@ -86,6 +87,7 @@ def _measure(
         worker_mode="process",
         worker_threads=threads,
         worker_cpu_bind=bind,
+        worker_shed_busy_cores=shed,
         dtype="float32",
         block_size=16,
         max_model_len=args.prompt_len + args.max_tokens + 8,
@@ -116,6 +118,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--wait-policy", nargs="+", default=["default"], choices=["default", "passive", "active"])
     ap.add_argument("--cpu-bind", nargs="+", default=["auto"], help="worker_cpu_bind values to compare")
+    ap.add_argument("--shed", nargs="+", default=["auto"], help="worker_shed_busy_cores values to compare")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -136,15 +139,20 @@ def main() -> None:
             for threads in args.threads:
                 for conc in args.concurrency:
                     for bind in args.cpu_bind:
-                        t = _measure(model, threads, conc, args, bind)
-                        q, c = statistics.median(t["quiet"]), statistics.median(t["contended"])
-                        rows.append((policy, bind, threads, conc, q, c, t))
-                        print(f"policy={policy} bind={bind} threads={threads} concurrency={conc}: {t}", file=sys.stderr)
+                        for shed in args.shed:
+                            t = _measure(model, threads, conc, args, bind, shed)
+                            q, c = statistics.median(t["quiet"]), statistics.median(t["contended"])
+                            rows.append((policy, bind, shed, threads, conc, q, c, t))
+                            what = f"policy={policy} bind={bind} shed={shed} threads={threads} concurrency={conc}"
+                            print(f"{what}: {t}", file=sys.stderr)
     print(f"\nsmall Qwen3 shape, prompt {args.prompt_len}, {args.max_tokens} new tokens, median of {args.repeats}")
-    print("| OpenMP wait | cpu bind | threads | concurrency | TPOT quiet ms | TPOT contended ms | contended / quiet |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for policy, bind, threads, conc, q, c, _ in rows:
-        print(f"| {policy} | {bind} | {threads} | {conc} | {q:.2f} | {c:.2f} | {c / q:.2f}x |")
+    print(
+        "| OpenMP wait | cpu bind | shed busy cores | threads | concurrency | TPOT quiet ms | TPOT contended ms "
+        "| contended / quiet |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for policy, bind, shed, threads, conc, q, c, _ in rows:
+        print(f"| {policy} | {bind} | {shed} | {threads} | {conc} | {q:.2f} | {c:.2f} | {c / q:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ first, so load from other jobs hits all alike; the table shows medians.
 
     python3 benchmarks/hyper_connections.py
     python3 benchmarks/hyper_connections.py --repeats 7 --threads 1 --hidden 256 4096
+    python3 benchmarks/hyper_connections.py --decode-steps --threads 1 --repeats 3
+
+``--decode-steps`` times whole DeepSeek-V4 decode steps instead (``benchmarks/mtp.py``'s checkpoint,
+hidden 256, 4 layers and an MTP layer: ten hc_sinkhorn_mix calls a step; ``mtp.time_steps``, process
+CPU time, so run it on one thread), the kernel's native pass against its torch ops, alternated.
 """
 
 from __future__ import annotations
@@ -67,6 +72,33 @@ def _time(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def decode_steps(repeats: int) -> None:
+    """Median ms of a plain decode step at concurrency 1 and 16, native pass against torch ops."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.mtp import build, time_steps
+
+    takes = native.hc_takes
+    times: dict[tuple[str, int], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build(Path(tmp))
+        for r in range(repeats):
+            for name in ("torch ops", "native") if r % 2 == 0 else ("native", "torch ops"):
+                native.hc_takes = takes if name == "native" else lambda streams: False  # type: ignore[assignment]
+                for concurrency in (1, 16):
+                    times.setdefault((name, concurrency), []).append(time_steps(path, concurrency, 20)["plain"])
+    native.hc_takes = takes  # type: ignore[assignment]
+    print(f"# {torch.get_num_threads()} threads; median of {repeats} (each the best of two in mtp.time_steps)")
+    print("| concurrency | torch ops ms/step | native ms/step | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for concurrency in (1, 16):
+        t, k = (statistics.median(times[(n, concurrency)]) * 1e3 for n in ("torch ops", "native"))
+        print(f"| {concurrency} | {t:.2f} | {k:.2f} | {t / k:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 3, 32, 64, 512])
@@ -75,9 +107,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--decode-steps", action="store_true", help="time DeepSeek-V4 decode steps instead")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.decode_steps:
+        decode_steps(args.repeats)
+        return
     cpu = platform.processor() or platform.machine()
     built = "native pass built" if native.library() is not None else "native pass NOT built: kernel = torch ops"
     print(f"# {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads, {built}")
