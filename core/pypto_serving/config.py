@@ -435,9 +435,10 @@ class ServingSettings(BaseSettings):
     worker_shed_busy_cores: Literal["auto", "on", "off"] = Field(
         "auto",
         description="A spawned CPU worker pinned by worker_cpu_bind stops computing on a core that other processes "
-        "keep more than 40% busy (read from /proc/stat every half second) and takes it back once they use under "
-        "15% of it: one thread sharing its core with a busy process slows every parallel region of a step "
-        "(1.9-2.3x a concurrency-1 decode step on two cores, 1.06x on the free core alone; docs/benchmarks.md). "
+        "keep more than 40% busy while another of its cores is not (read from /proc/stat every half second) and "
+        "takes it back once they use under 15% of it: one thread sharing its core with a busy process slows every "
+        "parallel region of a step (1.9-2.3x a concurrency-1 decode step on two cores, 1.06x on the free core "
+        "alone; docs/benchmarks.md). "
         "'auto' does so for executors whose logits do not depend on the thread count (dense Qwen on the CPU), "
         "so no token changes; 'on' for every executor (a product's last bits may then change with the "
         "neighbours); 'off' never.",

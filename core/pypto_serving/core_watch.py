@@ -12,8 +12,8 @@ are quiet), so the worker stays pinned and steps aside instead:
   less the time this process's threads ran there.
 * :func:`next_shed` turns those shares into the set of shed cores: a core others used for more than
   ``shed_above`` of the window is shed; a shed core is taken back once others use less than
-  ``resume_below`` of it (the gap keeps a core from flapping); at least one core always stays, the
-  one others use least.
+  ``resume_below`` of it (the gap keeps a core from flapping); a window in which every core is busy
+  changes nothing (no core is free to move to).
 * The worker then runs one thread per kept core. OpenMP's team thread ``p`` was bound to ``cores[p]``
   by ``OMP_PLACES`` when it started, and a team of ``k`` threads is made of the threads of places
   ``0..k-1``; so thread ``p`` is re-pinned to the ``p``-th kept core and the thread count lowered to
@@ -44,16 +44,19 @@ def next_shed(
 ) -> frozenset[int]:
     """The cores to shed after a window in which other processes used ``others[core]`` of each core.
 
+    A kept core others used more than ``shed_above`` of is shed; a shed core is taken back once they
+    use less than ``resume_below`` of it. A window in which every core is that busy changes nothing:
+    moving the work helps only where a core is free, and two workers sharing the same cores would
+    otherwise shed and take back cores in step with each other.
+
     :param others: per pinned core, the fraction of the window (0..1) other processes ran on it.
-    :param shed: the cores shed now.
+    :param shed: the cores shed now (never all of them).
     :param shed_above: a kept core others used more than this is shed.
     :param resume_below: a shed core others used less than this is taken back.
-    :return: the new shed set; never every core (the one others used least stays, lowest id on a tie).
+    :return: the new shed set, never every core.
     """
     new = {c for c, share in others.items() if share > shed_above or (c in shed and share >= resume_below)}
-    if len(new) == len(others):
-        new.discard(min(others, key=lambda c: (others[c], c)))
-    return frozenset(new)
+    return shed if len(new) == len(others) else frozenset(new)
 
 
 def _clock_ticks() -> int:

@@ -29,8 +29,9 @@ needs_two_cores = pytest.mark.skipif(len(TWO_CORES) < 2, reason="needs two cores
         ({0: 0.30, 1: 0.0}, {0}, {0}),  # shed, and others still use more than the resume bar
         ({0: 0.10, 1: 0.0}, {0}, set()),  # the neighbour left
         ({0: 0.30, 1: 0.0}, set(), set()),  # between the bars a kept core stays kept
-        ({0: 0.90, 1: 0.70}, set(), {0}),  # both busy: the one others use less stays
-        ({0: 0.80, 1: 0.80}, set(), {1}),  # a tie keeps the lowest id
+        ({0: 0.90, 1: 0.70}, set(), set()),  # both busy: no free core to move to, nothing changes
+        ({0: 0.55, 1: 0.55}, set(), set()),  # two workers on the same cores stay where they are
+        ({0: 0.95, 1: 0.60}, {0}, {0}),  # a neighbour beside us on the kept core too: still nothing
         ({0: 0.0, 1: 0.9, 2: 0.6, 3: 0.2}, {3}, {1, 2, 3}),
     ],
 )
