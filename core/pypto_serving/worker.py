@@ -198,15 +198,37 @@ def core_watch(settings: ServingSettings, info: ExecutorInfo) -> CoreWatch | Non
     return CoreWatch(cores=cores) if len(cores) == torch.get_num_threads() > 1 else None
 
 
+def parent_logging() -> tuple[int, str | None] | None:
+    """This process's logging, for a spawned child to copy: the ``pypto_serving`` logger's effective
+    level and the first root handler's format; None where nothing configured logging here (a library
+    user's script), so the child's warnings reach stderr as the parent's would, unformatted."""
+    root = logging.getLogger()
+    if not root.handlers:
+        return None
+    formatter = root.handlers[0].formatter
+    fmt = formatter._fmt if formatter is not None else None
+    return logging.getLogger("pypto_serving").getEffectiveLevel(), fmt
+
+
+def copy_logging(log: tuple[int, str | None] | None) -> None:
+    """Configure a spawned child's logging as :func:`parent_logging` read it in the parent."""
+    if log is not None:
+        logging.basicConfig(level=log[0], format=log[1] or logging.BASIC_FORMAT)
+        logging.getLogger("pypto_serving").setLevel(log[0])
+
+
 def _worker_main(
     conn: Connection | None,
     factory: Callable[[Any], Executor],
     settings_json: str,
     rank: int = 0,
     kv_link: tuple[Callable[[Any], Any], Connection] | None = None,
+    log: tuple[int, str | None] | None = None,
 ) -> None:
     """Entry point of a spawned worker process: rank 0 talks to the engine over ``conn``; the other
-    tensor-parallel ranks (no ``conn``) follow rank 0's broadcasts."""
+    tensor-parallel ranks (no ``conn``) follow rank 0's broadcasts. ``log``: the parent's logging
+    (:func:`parent_logging`), so the executor's and the core watch's messages show as the engine's do."""
+    copy_logging(log)
     try:
         settings = ServingSettings.model_validate_json(settings_json)
     except BaseException as e:
@@ -486,7 +508,7 @@ def _rank_process(
     if any, has its own pipe to the engine)."""
     proc: BaseProcess = ctx.Process(
         target=_worker_main,
-        args=(None, factory, payload, rank, kv_link),
+        args=(None, factory, payload, rank, kv_link, parent_logging()),
         daemon=True,
         name=f"pypto-worker-rank{rank}",
     )
@@ -575,7 +597,10 @@ class WorkerClient:
         local = list(RankLayout.of(settings).local_ranks) if tp else [0]
         kv_links = [self._kv_link(ctx, kv_factory) for _ in local]
         proc: BaseProcess = ctx.Process(
-            target=_worker_main, args=(child, factory, payload, 0, kv_links[0]), daemon=True, name="pypto-worker"
+            target=_worker_main,
+            args=(child, factory, payload, 0, kv_links[0], parent_logging()),
+            daemon=True,
+            name="pypto-worker",
         )
         self._proc = proc
         self._ranks = [_rank_process(ctx, factory, payload, r, link) for r, link in zip(local[1:], kv_links[1:])]

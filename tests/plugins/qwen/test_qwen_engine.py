@@ -226,3 +226,35 @@ def test_server_applies_every_generation_config_default(
     finally:
         server.shutdown(10)
     assert served == offline
+
+
+@pytest.fixture
+def info_logging() -> Iterator[str]:
+    """This process's logging as ``pypto-serving serve`` sets it (a root handler at INFO, its format);
+    restored after."""
+    import logging
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    fmt = "%(levelname)s from %(name)s: %(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
+    levels = root.level, logging.getLogger("pypto_serving").level
+    root.handlers.insert(0, handler)  # first: the one a child copies (pytest's capture handlers follow)
+    root.setLevel(logging.INFO)
+    logging.getLogger("pypto_serving").setLevel(logging.INFO)
+    try:
+        yield fmt
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(levels[0])
+        logging.getLogger("pypto_serving").setLevel(levels[1])
+
+
+def test_a_spawned_worker_logs_as_the_engine_does(
+    make_llm: Callable[..., Any], qwen_checkpoints: Callable[[str], Path], info_logging: str, capfd: Any
+) -> None:
+    """The worker process copies the engine's logging (level and format), so what the executor says
+    at load (its INFO lines) reaches the operator as the engine's own lines do."""
+    make_llm(qwen_checkpoints("qwen3"), worker_mode="process")
+    err = capfd.readouterr().err
+    assert "INFO from pypto_serving_qwen.executor: loaded Qwen3ForCausalLM" in err, err[-2000:]
