@@ -130,7 +130,8 @@ def test_generate_missing_model_dir(tmp_path: Path) -> None:
 
 def test_generate_checkpoint_without_weights(qwen_chat_checkpoint: Path, tmp_path: Path) -> None:
     """A valid config.json and tokenizer but no safetensors: the worker process fails to load, and
-    the command says why in one line (exit 2), as serve does, instead of a traceback."""
+    the command says why in one line (exit 2), as serve does, instead of a traceback; the lines before
+    it are the worker's log at the command's level (INFO), in the command's format."""
     import shutil
 
     model = tmp_path / "no_weights"
@@ -141,8 +142,9 @@ def test_generate_checkpoint_without_weights(qwen_chat_checkpoint: Path, tmp_pat
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
+    *logged, line = proc.stderr.strip().splitlines()
     assert line.startswith("pypto-serving: error: the executor failed to load") and "safetensors" in line
+    assert all(re.match(r"\d{4}-\d\d-\d\d [\d:,]+ (INFO|WARNING) \S+: ", entry) for entry in logged), logged
 
 
 @pytest.mark.parametrize(
