@@ -25,6 +25,7 @@ equal at one and two threads, tested), so shedding changes the time of a step, n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -147,16 +148,29 @@ class CoreWatch:
             self._disabled = True
             log.warning("worker threads not found one per core of %s: busy cores are not shed", self.cores)
             return
-        self._team, self.shed = team, shed
+        self._team = team
+        try:
+            self._pin(team, [c for c in self.cores if c not in shed])
+        except OSError as e:  # a thread gone, or a core taken from this process's cpuset meanwhile
+            self._disabled = True
+            log.warning("re-pinning the worker threads failed (%s): busy cores are no longer shed", e)
+            with contextlib.suppress(OSError):
+                self._pin(team, self.cores)
+            self.shed = frozenset()
+            return
+        self.shed = shed
         kept = self.kept()
-        for p, tid in enumerate(team):
-            os.sched_setaffinity(tid, {kept[p] if p < len(kept) else self.cores[p]})
-        torch.set_num_threads(len(kept))
         log.info(
             "worker computes on cores %s (others used %s)",
             kept,
             ", ".join(f"core {c}: {others[c]:.0%}" for c in self.cores),
         )
+
+    def _pin(self, team: list[int], kept: list[int]) -> None:
+        """Team thread ``p`` onto ``kept[p]`` (the others back on their own places), ``len(kept)`` threads."""
+        for p, tid in enumerate(team):
+            os.sched_setaffinity(tid, {kept[p] if p < len(kept) else self.cores[p]})
+        torch.set_num_threads(len(kept))
 
     def _find_team(self) -> list[int] | None:
         """The thread ids of OpenMP's team, place order: this thread (the master, place 0) and, for

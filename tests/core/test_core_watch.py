@@ -218,3 +218,42 @@ def test_which_workers_watch_their_cores(
     assert (watch is not None) == watched
     if watch is not None:
         assert watch.cores == [0, 1]
+
+
+def test_a_failed_re_pinning_leaves_every_core_and_stops_watching(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A team thread that cannot be re-pinned (gone, or its core taken from the cpuset) never fails a
+    step: the watch puts every core back, says so, and stops."""
+    import torch
+
+    from pypto_serving import core_watch
+
+    ticks = {"now": 0.0}
+    busy = {0: 0.0, 1: 0.0}
+
+    def read_busy() -> dict[int, int]:
+        return {c: int(v) for c, v in busy.items()}
+
+    calls: list[tuple[int, set[int]]] = []
+
+    def refuse(tid: int, mask: set[int]) -> None:
+        calls.append((tid, set(mask)))
+        raise OSError(3, "No such process")
+
+    monkeypatch.setattr(core_watch.os, "sched_setaffinity", refuse)
+    threads = torch.get_num_threads()
+    watch = core_watch.CoreWatch(
+        cores=[0, 1],
+        clock=lambda: ticks["now"],
+        read_busy=read_busy,
+        read_own=lambda: {},
+        _team=[101, 102],  # the team's thread ids as found (no such threads: the re-pinning fails)
+        _tick_seconds=0.01,
+    )
+    watch.poll()
+    ticks["now"], busy[0] = 1.0, 90.0  # others ran 90 of the second's 100 ticks on core 0
+    watch.poll()
+    assert calls and watch.kept() == [0, 1] and torch.get_num_threads() == threads
+    ticks["now"], busy[0] = 2.0, 180.0
+    before = len(calls)
+    watch.poll()
+    assert len(calls) == before  # stopped watching
