@@ -127,7 +127,12 @@ class CoreWatch:
         now = self.clock()
         if self._disabled or (self._last is not None and now - self._last[0] < self.interval):
             return
-        busy, own = self.read_busy(), self.read_own()
+        try:
+            busy, own = self.read_busy(), self.read_own()
+        except (OSError, ValueError, IndexError) as e:  # no procfs, or one laid out otherwise
+            self._disabled = True
+            log.warning("reading the cores' use failed (%s): busy cores are not shed", e)
+            return
         last, self._last = self._last, (now, busy, own)
         if last is None:
             return

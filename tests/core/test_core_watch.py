@@ -257,3 +257,14 @@ def test_a_failed_re_pinning_leaves_every_core_and_stops_watching(monkeypatch: p
     before = len(calls)
     watch.poll()
     assert len(calls) == before  # stopped watching
+
+
+def test_an_unreadable_proc_stops_watching_without_failing_the_step() -> None:
+    from pypto_serving.core_watch import CoreWatch
+
+    def unreadable() -> dict[int, int]:
+        raise FileNotFoundError(2, "No such file or directory", "/proc/stat")
+
+    watch = CoreWatch(cores=[0, 1], read_busy=unreadable)
+    watch.poll()  # no exception: the step goes on
+    assert watch.kept() == [0, 1]
