@@ -43,6 +43,7 @@ from ..config import ServingSettings
 from ..executor import ExecutorInfo
 from ..heap import freeze_startup_heap
 from ..request import RequestOutput, SamplingParams
+from ..worker import parent_logging
 
 __all__ = [
     "AbortCmd",
@@ -255,14 +256,13 @@ def _init_for(settings: ServingSettings, plugins: Any) -> _CoreInit:
             continue
         obj = plugins.pm.get_plugin(info.name)
         extra.append(("module", obj.__name__) if isinstance(obj, types.ModuleType) else obj)
-    root = logging.getLogger()
-    fmt = root.handlers[0].formatter._fmt if root.handlers and root.handlers[0].formatter else None
+    logged = parent_logging()
     return _CoreInit(
         settings_json=settings.model_dump_json(),
         plugins=extra,
         sys_path=list(sys.path),
         log_level=logging.getLogger("pypto_serving").getEffectiveLevel(),
-        log_format=fmt,
+        log_format=logged[1] if logged is not None else None,
     )
 
 
