@@ -20,6 +20,7 @@ from .attention import (
     memory_order,
     paged_attention,
     paged_cache_layout,
+    qk_norm_rope_write_kv,
     varlen_attention,
     write_kv_cache,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "packing_rule",
     "paged_attention",
     "paged_cache_layout",
+    "qk_norm_rope_write_kv",
     "quant_linear",
     "quant_moe_experts",
     "quantize_per_token",

@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from . import native
+from .norm import rms_norm
 from .registry import dispatch
+from .rope import apply_rope
 
 #: Upper bound on the elements of one query tile's scores (heads x queries x keys): bounds memory
 #: by the step's tokens whatever the prompt length, while tiles stay large enough for fast matmuls.
@@ -72,6 +74,50 @@ def write_kv_cache(
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
     _scatter_rows(key_cache, slots, key, k_scale)
     _scatter_rows(value_cache, slots, value, v_scale)
+
+
+@dispatch("qk_norm_rope_write_kv")
+def qk_norm_rope_write_kv(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    norms: tuple[torch.Tensor | None, torch.Tensor | None],
+    eps: float,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    caches: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: CacheScale = None,
+    v_scale: CacheScale = None,
+) -> torch.Tensor:
+    """An attention's work between its fused q/k/v projection and attending: ``qkv`` cut into heads,
+    q and k RMS-normalised per head (:func:`rms_norm`; Qwen3's q/k norms, skipped when ``norms`` are
+    None), rotated (:func:`apply_rope`), and k and v written into the caches (:func:`write_kv_cache`).
+
+    :param qkv: ``[T, (Hq + 2 Hkv) D]``: each token's q heads, then its k heads, then its v heads.
+    :param num_q_heads: ``Hq``.
+    :param num_kv_heads: ``Hkv``.
+    :param head_dim: ``D``.
+    :param norms: the q and the k norm weights ``[D]``, or ``(None, None)``.
+    :param eps: the norms' epsilon.
+    :param rotary: cos and sin ``[T, rotary_dim]`` (:func:`rope_cos_sin`).
+    :param caches: the key and the value cache ``[blocks, block_size, Hkv, D]``.
+    :param slot_mapping: ``[T]`` the slot of each token's K/V (:func:`write_kv_cache`).
+    :param k_scale: an FP8 cache's key scale (:func:`write_kv_cache`).
+    :param v_scale: an FP8 cache's value scale.
+    :return: q ``[T, Hq, D]``, rotated.
+    """
+    t, q_end, k_end = qkv.shape[0], num_q_heads * head_dim, (num_q_heads + num_kv_heads) * head_dim
+    q = qkv[:, :q_end].reshape(t, num_q_heads, head_dim)
+    k = qkv[:, q_end:k_end].reshape(t, num_kv_heads, head_dim)
+    v = qkv[:, k_end:].reshape(t, num_kv_heads, head_dim)
+    q_norm, k_norm = norms
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = apply_rope(q, k, *rotary)
+    write_kv_cache(k, v, *caches, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    return q
 
 
 #: KV cache dtypes stored with a scale, and the largest finite value of each.

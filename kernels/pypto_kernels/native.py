@@ -14,6 +14,10 @@ same results to float rounding), saying so once in the log.
   keys and values.
 - :func:`hc_sinkhorn_mix`: DeepSeek-V4's hyper-connection weights from their projected logits
   (``csrc/hyper_connections.c``), one pass per token instead of about 80 tensor ops.
+- :func:`rms_norm` and :func:`qk_norm_rope_write_kv`: the element-wise work between a decoder layer's
+  matrix products (``csrc/norm_rope.c``): the residual add and RMSNorm of each row, and the q/k
+  head norms, the rotation and the K/V cache write of an attention's fused projection, one pass
+  each instead of a dozen torch ops.
 """
 
 from __future__ import annotations
@@ -40,17 +44,23 @@ __all__ = [
     "hc_sinkhorn_mix",
     "hc_takes",
     "library",
+    "norm_takes",
     "paged_attention",
     "prefill_attention",
     "prefill_takes",
+    "qk_norm_rope_write_kv",
+    "qk_rope_takes",
     "reads",
     "reads_dtypes",
+    "rms_norm",
 ]
 
 logger = logging.getLogger("pypto_kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = (_CSRC / "paged_attention.c", _CSRC / "prefill_attention.c", _CSRC / "hyper_connections.c")
+_SOURCES = tuple(
+    _CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "hyper_connections.c", "norm_rope.c")
+)
 _HEADERS = (_CSRC / "common.h",)
 # A warning never fails the build (another compiler's new warnings would turn the fast path off); a
 # call to an undeclared function does (it would fail only when loaded).
@@ -153,6 +163,15 @@ def library() -> ctypes.CDLL | None:
         _PTR, _I64, _PTR, ctypes.c_int, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_int, ctypes.c_float,
         _PTR, _PTR, _PTR, ctypes.c_int,
     ]  # fmt: skip
+    lib.pypto_rms_norm.restype = None
+    lib.pypto_rms_norm.argtypes = [
+        _PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int, _I64, _I64, ctypes.c_float, _PTR, _I64, _PTR, _I64, ctypes.c_int,
+    ]  # fmt: skip
+    lib.pypto_qk_norm_rope_write.restype = ctypes.c_int
+    lib.pypto_qk_norm_rope_write.argtypes = [
+        _PTR, _I64, ctypes.c_int, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_float, _PTR, _PTR, _I64, _I64, _PTR,
+        _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int,
+    ]  # fmt: skip
     logger.info("native CPU kernels loaded from %s", path)
     return lib
 
@@ -233,10 +252,11 @@ def paged_attention(
     sink = None if sinks is None else sinks.to(torch.float32).contiguous()
     query_bf16 = query.contiguous() if bf16_dot and _bf16_dot_applies(query, key_cache, lib) else None
     k_strides, v_strides = _element_strides(key_cache), _element_strides(value_cache)
+    base, column_bytes = columns.data_ptr(), columns.stride(0) * columns.element_size()  # no select op per column
     status = lib.pypto_paged_attention(
         q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
         NATIVE_DTYPES[key_cache.dtype], k_strides, v_strides, tables.data_ptr(),
-        tables.stride(0), *(columns[i].data_ptr() for i in range(4)), columns.shape[1], q.shape[1],
+        tables.stride(0), *(base + i * column_bytes for i in range(4)), columns.shape[1], q.shape[1],
         key_cache.shape[2], key_cache.shape[3], value_cache.shape[3], key_cache.shape[1], scale,
         None if sink is None else sink.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
         None if query_bf16 is None else query_bf16.data_ptr(), torch.get_num_threads(),
@@ -360,3 +380,152 @@ def hc_sinkhorn_mix(
         comb.data_ptr(), collapsed.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return post, comb, collapsed
+
+
+#: The longest head :func:`qk_norm_rope_write_kv` takes (``PYPTO_MAX_HEAD_DIM`` in ``csrc/norm_rope.c``).
+MAX_HEAD_DIM = 512
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int] | None:
+    """``x`` as rows of its last dimension: (row count, row stride in elements), or None where its rows
+    are not evenly strided with dense elements."""
+    if x.dim() == 0 or x.stride(-1) != 1:
+        return None
+    if x.dim() == 1:
+        return 1, x.shape[0]
+    if x.dim() == 2:
+        return x.shape[0], x.stride(0)
+    return (x.numel() // x.shape[-1], x.shape[-1]) if x.is_contiguous() else None
+
+
+def _norm_layout(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """(row count, ``x``'s row stride, ``residual``'s row stride) where :func:`rms_norm` takes these
+    tensors, else None (see :func:`norm_takes`)."""
+    if x.device.type != "cpu" or x.dtype not in NATIVE_DTYPES or weight.dtype != x.dtype or weight.dim() != 1:
+        return None
+    if weight.stride(0) != 1 or not x.shape[-1] == weight.shape[0] > 0:
+        return None
+    rows = _rows(x)
+    if residual is None or rows is None:
+        return None if rows is None else (rows[0], rows[1], 0)
+    if residual.dtype != x.dtype or residual.shape != x.shape:
+        return None
+    other = _rows(residual)
+    return None if other is None else (rows[0], rows[1], other[1])
+
+
+def norm_takes(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether :func:`rms_norm` takes these tensors: CPU tensors of one dtype of :data:`NATIVE_DTYPES`,
+    ``weight`` dense ``[D]``, ``x`` (and ``residual``, of its shape) rows of ``D`` dense elements evenly
+    strided, and the library built."""
+    return _norm_layout(x, weight, residual) is not None and library() is not None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`pypto_kernels.rms_norm` (``residual`` None) or :func:`pypto_kernels.add_rms_norm` of each
+    row in one C pass (``csrc/norm_rope.c``): the reference's rounding steps in its order but for the
+    mean of squares' summation order.
+
+    :param x: rows of ``D`` (:func:`norm_takes`).
+    :param weight: ``[D]``, of ``x``'s dtype.
+    :param eps: added to the mean of squares.
+    :param residual: added to ``x`` first (rounded to the dtype, as torch's add), or None.
+    :return: ``(normalised, x + residual)`` (new tensors of ``x``'s shape), the second None without a residual.
+    """
+    lib, layout = library(), _norm_layout(x, weight, residual)
+    if lib is None or layout is None:
+        raise ValueError(f"the native rms_norm does not take x {tuple(x.shape)} {x.dtype} with weight {weight.dtype}")
+    (n, xs, rs), d = layout, x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype)
+    summed = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    lib.pypto_rms_norm(
+        x.data_ptr(), xs, None if residual is None else residual.data_ptr(), rs, weight.data_ptr(),
+        NATIVE_DTYPES[x.dtype], n, d, eps, out.data_ptr(), d, None if summed is None else summed.data_ptr(), d,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out, summed
+
+
+def qk_rope_takes(
+    qkv: torch.Tensor,
+    head_dim: int,
+    norms: tuple[torch.Tensor | None, torch.Tensor | None],
+    cos: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+) -> bool:
+    """Whether :func:`qk_norm_rope_write_kv` takes these tensors: CPU, ``qkv`` 2-D rows of dense
+    elements and ``cos`` of its dtype (one of :data:`NATIVE_DTYPES`), the norms both given (of that
+    dtype, dense) or both None, a head of at most :data:`MAX_HEAD_DIM`, caches of one dtype of
+    :data:`NATIVE_DTYPES` (no FP8) with a dense head dimension, and the library built."""
+    q_norm, k_norm = norms
+    if (q_norm is None) != (k_norm is None):
+        return False
+    dense_norms = q_norm is None or all(
+        w is not None and w.dtype == qkv.dtype and w.shape == (head_dim,) and w.stride(0) == 1 for w in norms
+    )
+    return (
+        qkv.device.type == "cpu"
+        and qkv.dtype in NATIVE_DTYPES
+        and qkv.dim() == 2
+        and qkv.stride(1) == 1
+        and cos.dtype == qkv.dtype
+        and cos.dim() == 2
+        and cos.stride(1) == 1
+        and 0 < head_dim <= MAX_HEAD_DIM
+        and dense_norms
+        and key_cache.dim() == value_cache.dim() == 4
+        and key_cache.dtype in NATIVE_DTYPES
+        and value_cache.dtype == key_cache.dtype
+        and key_cache.stride(-1) == value_cache.stride(-1) == 1
+        and key_cache.shape[-1] == value_cache.shape[-1] == head_dim
+        and library() is not None
+    )
+
+
+def qk_norm_rope_write_kv(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    norms: tuple[torch.Tensor | None, torch.Tensor | None],
+    eps: float,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    caches: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`pypto_kernels.qk_norm_rope_write_kv` in one C pass per token (``csrc/norm_rope.c``).
+
+    :param qkv: ``[T, (Hq + 2 Hkv) D]`` (:func:`qk_rope_takes`).
+    :param norms: the q and k per-head RMSNorm weights ``[D]``, or both None.
+    :param rotary: cos and sin ``[T, rotary_dim]`` of ``qkv``'s dtype.
+    :param caches: the key and value caches ``[blocks, block_size, Hkv, D]`` (any strides but the last).
+    :param slot_mapping: ``[T]`` cache slots, every one in ``[0, blocks * block_size)``.
+    :return: q ``[T, Hq, D]``, rotated, in ``qkv``'s dtype.
+    :raises IndexError: a slot outside the caches (nothing is written).
+    """
+    lib = library()
+    (cos, sin), (key_cache, value_cache) = rotary, caches
+    if lib is None or not qk_rope_takes(qkv, head_dim, norms, cos, key_cache, value_cache):
+        raise ValueError(f"the native qk_norm_rope_write_kv does not take qkv {tuple(qkv.shape)} {qkv.dtype}")
+    t, rotary_dim = qkv.shape[0], cos.shape[-1]
+    if qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim or sin.shape != cos.shape or cos.shape[0] != t:
+        raise ValueError(f"qkv {tuple(qkv.shape)} and cos/sin {tuple(cos.shape)} do not match the heads")
+    if rotary_dim % 2 or rotary_dim > head_dim or sin.stride() != cos.stride():
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and <= the head dim {head_dim}")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype)
+    q_norm, k_norm = norms
+    status = lib.pypto_qk_norm_rope_write(
+        qkv.data_ptr(), qkv.stride(0), NATIVE_DTYPES[qkv.dtype], t, num_q_heads, num_kv_heads, head_dim,
+        None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps,
+        cos.data_ptr(), sin.data_ptr(), cos.stride(0), rotary_dim, q.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), NATIVE_DTYPES[key_cache.dtype], _element_strides(key_cache),
+        _element_strides(value_cache), key_cache.shape[1], key_cache.shape[0] * key_cache.shape[1], slots.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise IndexError(f"slot_mapping holds a slot outside the caches' {key_cache.shape[0] * key_cache.shape[1]}")
+    return q

@@ -38,6 +38,7 @@ KERNEL_NAMES: frozenset[str] = frozenset(
         "apply_rope",
         "silu_and_mul",
         "write_kv_cache",
+        "qk_norm_rope_write_kv",
         "paged_attention",
         "varlen_attention",
         "topk_routing",
@@ -62,7 +63,17 @@ BACKENDS: frozenset[str] = frozenset({"npu", "cuda", "cpu"})
 
 #: Kernels whose CPU calls look up a fast path; every other kernel runs its reference on the CPU
 #: directly, so the CPU decode loop pays no registry lookup per call.
-CPU_FAST_KERNELS: frozenset[str] = frozenset({"quant_linear", "linear", "paged_attention", "quant_moe_experts"})
+CPU_FAST_KERNELS: frozenset[str] = frozenset(
+    {
+        "quant_linear",
+        "linear",
+        "paged_attention",
+        "quant_moe_experts",
+        "rms_norm",
+        "add_rms_norm",
+        "qk_norm_rope_write_kv",
+    }
+)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch
 
 import pypto_kernels
 from pypto_kernels import registry
+from pypto_kernels.backends import cpu as cpu_backend
 from pypto_kernels.backends import cuda as cuda_backend
 
 
@@ -39,11 +40,13 @@ def test_fake_cuda_fast_path_only_for_cuda(clean_registry: None) -> None:
     pypto_kernels.register_kernel("rms_norm", "cuda", fake_rms_norm)
     assert pypto_kernels.get_kernel("rms_norm", "cuda") is fake_rms_norm
     assert pypto_kernels.get_kernel("rms_norm", torch.device("cuda", 1)) is fake_rms_norm
-    assert pypto_kernels.get_kernel("rms_norm", "cpu") is pypto_kernels.rms_norm.reference
-    assert pypto_kernels.get_kernel("rms_norm", torch.device("cpu")) is pypto_kernels.reference_kernel("rms_norm")
+    # The CPU keeps its own: the built-in native pass, or the reference where a kernel has no fast path.
+    assert pypto_kernels.get_kernel("rms_norm", "cpu").fast is cpu_backend.native_rms_norm  # type: ignore[attr-defined]
+    assert pypto_kernels.get_kernel("apply_rope", "cpu") is pypto_kernels.apply_rope.reference
+    assert pypto_kernels.get_kernel("apply_rope", torch.device("cpu")) is pypto_kernels.reference_kernel("apply_rope")
     # The built-in CUDA fast path loaded lazily by get_kernel must not override the user's registration.
     assert pypto_kernels.get_kernel("rms_norm", "cuda") is fake_rms_norm
-    assert pypto_kernels.available_kernels()["rms_norm"] == ["cuda"]
+    assert pypto_kernels.available_kernels()["rms_norm"] == ["cpu", "cuda"]
     # Kernels without a cuda fast path fall back to the reference on cuda too.
     assert pypto_kernels.get_kernel("moe_experts", "cuda") is pypto_kernels.moe_experts.reference
 
@@ -240,7 +243,7 @@ def test_npu_backend_glue_with_stub_ops(clean_registry: None, monkeypatch: pytes
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 64, generator=gen)
     w = torch.randn(64, generator=gen)
-    assert torch.equal(npu_backend.rms_norm(x, w, 1e-6), pypto_kernels.rms_norm(x, w, 1e-6))
+    assert torch.equal(npu_backend.rms_norm(x, w, 1e-6), pypto_kernels.rms_norm.reference(x, w, 1e-6))  # type: ignore[attr-defined]
     gu = torch.randn(5, 64, generator=gen)
     assert torch.equal(npu_backend.silu_and_mul(gu[:, ::1]), pypto_kernels.silu_and_mul(gu))
     assert npu_backend.silu_and_mul(gu[:0]).shape == (0, 32)

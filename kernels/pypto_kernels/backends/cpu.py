@@ -402,7 +402,78 @@ def supports_quant_moe_experts(
     return same and explain_quant_moe_experts(scheme=gate_up.scheme, routes=ids.numel()) is None
 
 
+NORM_LABEL = "cpu: one C pass per row (pypto_kernels.native)"
+QK_ROPE_LABEL = "cpu: one C pass per token, norms, rotation and cache write (pypto_kernels.native)"
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return native.rms_norm(x, weight, eps)[0]
+
+
+def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    # A traced forward (torch.compile, graph.py) keeps the torch ops: dynamo cannot trace a ctypes call.
+    return not torch.compiler.is_compiling() and native.norm_takes(x, weight)
+
+
+def native_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, summed = native.rms_norm(x, weight, eps, residual)
+    assert summed is not None
+    return out, summed
+
+
+def supports_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    return not torch.compiler.is_compiling() and native.norm_takes(x, weight, residual)
+
+
+def native_qk_norm_rope_write_kv(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    norms: tuple[torch.Tensor | None, torch.Tensor | None],
+    eps: float,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    caches: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    **scales: Any,
+) -> torch.Tensor:
+    return native.qk_norm_rope_write_kv(
+        qkv, num_q_heads, num_kv_heads, head_dim, norms, eps, rotary, caches, slot_mapping
+    )
+
+
+def supports_qk_norm_rope_write_kv(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    norms: tuple[torch.Tensor | None, torch.Tensor | None],
+    eps: float,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    caches: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: Any = None,
+    v_scale: Any = None,
+) -> bool:
+    # Scales belong to FP8 caches, which the C pass does not write.
+    unscaled = k_scale is None and v_scale is None
+    traced = torch.compiler.is_compiling()
+    return unscaled and not traced and native.qk_rope_takes(qkv, head_dim, norms, rotary[0], *caches)
+
+
 def register(add: Callable[..., None]) -> None:
+    add("rms_norm", "cpu", native_rms_norm, supports_rms_norm, label=NORM_LABEL)
+    add("add_rms_norm", "cpu", native_add_rms_norm, supports_add_rms_norm, label=NORM_LABEL)
+    add(
+        "qk_norm_rope_write_kv",
+        "cpu",
+        native_qk_norm_rope_write_kv,
+        supports_qk_norm_rope_write_kv,
+        label=QK_ROPE_LABEL,
+    )
     add(
         "paged_attention",
         "cpu",

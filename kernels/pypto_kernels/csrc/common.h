@@ -17,6 +17,15 @@ static inline float bf16_value(uint16_t x) {
     return f;
 }
 
+/* float32 to bfloat16, rounded to nearest with ties to even, as torch's .to(bfloat16); NaN to torch's NaN. */
+static inline uint16_t bf16_round(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* torch's NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even, as torch's .to(bfloat16) */
+    return (uint16_t)(bits >> 16);
+}
+
 /* e**x for x <= 0 (softmax arguments after the maximum is taken off), written to vectorise:
  * x = n ln2 + f with |f| <= ln2 / 2, e**f by a degree-6 Taylor polynomial (relative error under
  * 2e-7), times 2**n built in the exponent bits; 0 below -87 (where float32 underflows) and for -inf. */

@@ -54,14 +54,6 @@ static void mix_weights(const float *mixes, int64_t n, const float *base, const 
     }
 }
 
-static inline uint16_t bf16_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* torch's NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even, as torch's .to(bfloat16) */
-    return (uint16_t)(bits >> 16);
-}
-
 /* mixes [t, n * (n + 2)] float32 (rows of stride ms); streams [t, n, d] (token stride ss, stream
  * stride sn, elements dense) of kind ELEM_F32 or ELEM_BF16; base [n * (n + 2)], scale [3] float32.
  * Writes post [t, n] and comb [t, n, n] (float32, dense) and collapsed [t, d] (dense, the streams'

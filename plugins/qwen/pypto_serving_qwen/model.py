@@ -211,15 +211,18 @@ class QwenAttention(nn.Module):
         qkv = linear(x, self.qkv_weight, self.qkv_bias, kernel=self.kernel_linear)
         if self.lora_qkv is not None:
             qkv = self.lora_qkv.add_delta(x, qkv)
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
-        q = qkv[:, :q_end].reshape(num_tokens, self.num_heads, self.head_dim)
-        k = qkv[:, q_end:k_end].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = qkv[:, k_end:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: RMSNorm per head before RoPE
-            q = K.rms_norm(q, self.q_norm, self.eps)
-            k = K.rms_norm(k, self.k_norm, self.eps)
-        q, k = K.apply_rope(q, k, cos, sin)
-        out = self._attend(q, k, v, cache, meta)
+        if meta.path == "paged":
+            out = self._attend_paged(qkv, cos, sin, cache, meta)
+        else:
+            q_end, k_end = self.q_size, self.q_size + self.kv_size
+            q = qkv[:, :q_end].reshape(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, q_end:k_end].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            v = qkv[:, k_end:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:  # Qwen3: RMSNorm per head before RoPE
+                q = K.rms_norm(q, self.q_norm, self.eps)
+                k = K.rms_norm(k, self.k_norm, self.eps)
+            q, k = K.apply_rope(q, k, cos, sin)
+            out = self._attend_captured(q, k, v, cache, meta)
         # Row-parallel o_proj: each rank's heads give a partial sum; the bias is added once, after it.
         attended = out.reshape(num_tokens, self.q_size)
         projected = linear(
@@ -230,34 +233,51 @@ class QwenAttention(nn.Module):
         hidden = self.shards.ctx.all_reduce(projected)
         return hidden if self.o_bias is None else hidden + self.o_bias
 
-    def _attend(
+    def _attend_paged(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """An eager step: the q/k norms, the rotation and the K/V write in one kernel (one C pass on
+        the CPU), then paged attention."""
+        key_cache, value_cache = cache
+        # An FP8 cache (kv_cache_dtype = "fp8") holds K/V over the checkpoint's per-tensor or per-head
+        # scales, else 1.0 (vLLM's default without calibrated scales); the kernels quantise on
+        # write and dequantise on read.
+        fp8: dict[str, Any] = {}
+        if key_cache.dtype == torch.float8_e4m3fn:
+            k_scale, v_scale = self.kv_scales if self.kv_scales is not None else (1.0, 1.0)
+            fp8 = {"k_scale": k_scale, "v_scale": v_scale}
+        q = K.qk_norm_rope_write_kv(
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            (self.q_norm, self.k_norm),
+            self.eps,
+            (cos, sin),
+            cache,
+            meta.slot_mapping,
+            **fp8,
+        )
+        out: torch.Tensor = K.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            sliding_window=self.sliding_window,
+            query_lens_host=meta.query_lens_host,
+            seq_lens_host=meta.seq_lens_host,
+            **fp8,
+        )
+        return out
+
+    def _attend_captured(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
+        """A captured decode step: ops a compiled graph calls without a break (graph.py)."""
         key_cache, value_cache = cache
-        if meta.path == "paged":
-            # An FP8 cache (kv_cache_dtype = "fp8") holds K/V over the checkpoint's per-tensor or per-head
-            # scales, else 1.0 (vLLM's default without calibrated scales); the kernels quantise on
-            # write and dequantise on read.
-            fp8: dict[str, Any] = {}
-            if key_cache.dtype == torch.float8_e4m3fn:
-                k_scale, v_scale = self.kv_scales if self.kv_scales is not None else (1.0, 1.0)
-                fp8 = {"k_scale": k_scale, "v_scale": v_scale}
-            K.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping, **fp8)
-            out: torch.Tensor = K.paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                meta.block_tables,
-                meta.query_start_loc,
-                meta.seq_lens,
-                self.scale,
-                sliding_window=self.sliding_window,
-                query_lens_host=meta.query_lens_host,
-                seq_lens_host=meta.seq_lens_host,
-                **fp8,
-            )
-            return out
-        # A captured decode step: ops a compiled graph calls without a break (graph.py).
         write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         if meta.path == "static":
             return static_decode_attention(

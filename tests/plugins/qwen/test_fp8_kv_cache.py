@@ -13,6 +13,7 @@ import inspect
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -146,14 +147,18 @@ def _calibrated_copy(dest: Path, ids: list[int], per_head: bool) -> Path:
     per KV head or per tensor), calibrated on the float model."""
     shutil.copytree(TINY_QWEN3, dest)
     amax: list[torch.Tensor] = []
-    write = K.write_kv_cache
+    write = K.qk_norm_rope_write_kv
 
-    def record(key: torch.Tensor, value: torch.Tensor, *args: object, **kwargs: object) -> None:
+    def record(*args: Any, **kwargs: Any) -> torch.Tensor:
+        q = write(*args, **kwargs)
+        (key_cache, value_cache), slots = args[7], args[8]  # float32 caches: what was written, exactly
+        block_size = key_cache.shape[1]
+        key, value = (c[slots // block_size, slots % block_size] for c in (key_cache, value_cache))
         amax.append(torch.stack([key.abs().amax(dim=(0, 2)), value.abs().amax(dim=(0, 2))]))
-        write(key, value, *args, **kwargs)  # type: ignore[arg-type]
+        return q
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(K, "write_kv_cache", record)
+        mp.setattr(K, "qk_norm_rope_write_kv", record)
         _prefill_logits("auto", ids)
     layers = int(json.loads((dest / "config.json").read_text())["num_hidden_layers"])
     per_layer = torch.stack(amax).view(-1, layers, 2, amax[0].shape[-1]).amax(dim=0) / 448

@@ -126,6 +126,41 @@ def test_incremental_decode_matches_full_sequence(
     assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL, all_logits=False) == 19
 
 
+@pytest.mark.skipif(pypto_kernels.native.library() is None, reason="no native CPU kernels (no C compiler)")
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_cpu_steps_take_the_native_norm_and_rope_passes(
+    name: str,
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An eager CPU step runs every RMSNorm and every attention's norms, rotation and K/V write as the
+    C passes (counted), with transformers' logits (prefill and decode)."""
+    native, calls = pypto_kernels.native, {"norm": 0, "qk": 0}
+
+    def counting(kernel: str, key: str) -> None:
+        inner = getattr(native, kernel)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[key] += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(native, kernel, counted)
+
+    counting("rms_norm", "norm")
+    counting("qk_norm_rope_write_kv", "qk")
+    path = qwen_checkpoints(name)
+    ex = _executor(path)
+    assert ex.model is not None
+    layers = len(ex.model.layers)
+    seqs = dict(zip("ab", _prompts(ex.info.vocab_size, [9, 4], seed=3), strict=True))  # type: ignore[attr-defined]
+    schedule = [[("a", 8), ("b", 3)], [("a", 1), ("b", 1)]]
+    assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 13
+    # Per step: the first layer's input norm, two residual norms in every layer but the first's one,
+    # the final norm; one q/k pass per layer.
+    assert calls == {"norm": 2 * (2 * layers + 1), "qk": 2 * layers}
+
+
 def test_sliding_window_changes_logits(
     qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any]
 ) -> None:

@@ -220,8 +220,13 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(
             assert g.shape == w.shape and g.shape[-1] == 320
             # W8A8 too: the row-parallel projections (o_proj, down_proj, the split experts' down)
             # quantise each rank's half of a row with the whole row's per-token scale, so the int8
-            # activations are one rank's and only the float summation order differs.
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            # activations are one rank's and only the float summation order differs. That order can
+            # still move an activation across an int8 rounding boundary (one step of 1/127 of its
+            # row's maximum): qwen3_moe_w8a8's single-rank logits move by 0.017 at its fourth step
+            # when one float pass sums its squares in another order. So W8A8 logits agree to a few
+            # int8 steps' worth, the others to float rounding.
+            tolerance = 5e-2 if "w8a8" in case else 1e-4
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=tolerance)
     # Both ranks hold the very same logits, so their samplers draw the same tokens.
     for g0, g1 in zip(ranks[0][case]["logits"], ranks[1][case]["logits"], strict=True):
         assert torch.equal(g0, g1)

@@ -1,0 +1,238 @@
+"""The native CPU passes between a decoder layer's products (``csrc/norm_rope.c``): RMSNorm with and
+without the residual add, and the q/k norms, rotation and K/V cache write of a fused projection,
+against the torch references, a float64 RMSNorm written from its definition, and each other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import pypto_kernels as K
+from pypto_kernels import native
+from pypto_kernels.backends import cpu as cpu_backend
+
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason="no native CPU kernels on this machine (no C compiler; see the log)"
+)
+
+# Row widths around the 16-lane sum (1, 15, 16, 17), the models' (64, 256, 1024) and odd ones.
+WIDTHS = [1, 15, 16, 17, 64, 100, 256, 1024]
+
+# One bfloat16 ulp at 1.0: a sum of squares in another order may move a rounding by one.
+_TOLERANCE = {torch.float32: {"rtol": 2e-6, "atol": 1e-6}, torch.bfloat16: {"rtol": 8e-3, "atol": 8e-3}}
+
+
+def _float64_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm from its definition, in float64: x / sqrt(mean(x**2) + eps) * w."""
+    h = x.double()
+    return h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", [1, 7, 200])
+def test_native_rms_norm_is_the_reference(dtype: torch.dtype, width: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(width * 1000 + rows)
+    x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, width, generator=gen).to(dtype)
+    w = torch.randn(width, generator=gen).to(dtype)
+    out, summed = native.rms_norm(x, w, 1e-6)
+    assert summed is None and out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, K.rms_norm.reference(x, w, 1e-6), **_TOLERANCE[dtype])  # type: ignore[attr-defined]
+    exact = _float64_rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5)
+    out, summed = native.rms_norm(x, w, 1e-6, residual)
+    ref_out, ref_sum = K.add_rms_norm.reference(x, residual, w, 1e-6)  # type: ignore[attr-defined]
+    assert summed is not None and torch.equal(summed, ref_sum)  # one rounded add, as torch's
+    torch.testing.assert_close(out, ref_out, **_TOLERANCE[dtype])
+
+
+@needs_native
+def test_native_rms_norm_takes_strided_rows_and_leaves_its_inputs() -> None:
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(9, 300, generator=gen)
+    x, residual = wide[:, 10:266], torch.randn(9, 2, 256, generator=gen)[:, 1]  # rows of stride 300 and 512
+    w = torch.randn(256, generator=gen)
+    before = wide.clone(), residual.clone()
+    out, summed = native.rms_norm(x, w, 1e-5, residual)
+    assert torch.equal(wide, before[0]) and torch.equal(residual, before[1])
+    assert summed is not None and torch.equal(summed, x + residual)
+    torch.testing.assert_close(out, K.rms_norm.reference(x + residual, w, 1e-5), **_TOLERANCE[torch.float32])  # type: ignore[attr-defined]
+    heads = torch.randn(5, 4, 64, generator=gen)  # [T, H, D] contiguous: rows of one head
+    torch.testing.assert_close(
+        native.rms_norm(heads, w[:64], 1e-6)[0],
+        K.rms_norm.reference(heads, w[:64], 1e-6),  # type: ignore[attr-defined]
+        **_TOLERANCE[torch.float32],
+    )
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_rms_norm_row_depends_only_on_itself(dtype: torch.dtype) -> None:
+    """A row alone, in a batch large enough to split over threads, on one or two threads: bitwise the
+    same (the dense Qwen executor promises its logits do not depend on the thread count)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 1024, generator=gen).to(dtype)  # 256 x 1024 elements: split over threads
+    w = torch.randn(1024, generator=gen).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = native.rms_norm(x, w, 1e-6)[0]
+        torch.set_num_threads(1)
+        alone = torch.cat([native.rms_norm(x[i : i + 1], w, 1e-6)[0] for i in range(0, 256, 51)])
+        one_thread = native.rms_norm(x, w, 1e-6)[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, one_thread)
+    assert torch.equal(batch[::51], alone)
+
+
+@needs_native
+def test_rms_norm_takes_the_native_pass_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    inner = native.rms_norm
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Any = None) -> Any:
+        calls.append("add" if residual is not None else "norm")
+        return inner(x, weight, eps, residual)
+
+    monkeypatch.setattr(native, "rms_norm", counted)
+    x, w = torch.randn(3, 64), torch.randn(64)
+    K.rms_norm(x, w, 1e-6)
+    K.add_rms_norm(x, x, w, 1e-6)
+    assert calls == ["norm", "add"]
+    # Declined (the reference runs): a weight of another dtype, float16, a strided 3-D view.
+    K.rms_norm(x, w.double(), 1e-6)
+    K.rms_norm(x.half(), w.half(), 1e-6)
+    K.rms_norm(torch.randn(3, 4, 128)[:, :, ::2], w, 1e-6)
+    assert calls == ["norm", "add"]
+
+
+def _caches(blocks: int, heads: int, dim: int, dtype: torch.dtype, head_major: bool) -> tuple[torch.Tensor, ...]:
+    """Key and value caches ``[blocks, 16, heads, dim]`` full of NaN, head-major views or contiguous."""
+    out = []
+    for _ in range(2):
+        if head_major:
+            out.append(torch.full((blocks, heads, 16, dim), float("nan"), dtype=dtype).transpose(1, 2))
+        else:
+            out.append(torch.full((blocks, 16, heads, dim), float("nan"), dtype=dtype))
+    return tuple(out)
+
+
+def _qk_case(
+    t: int, heads: tuple[int, int], dim: int, rotary: int, dtype: torch.dtype, norms: bool, seed: int
+) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    wide = torch.randn(t, (hq + 2 * hkv) * dim + 8, generator=gen).to(dtype)
+    inv_freq, scaling = K.rope_inv_freq(rotary, 10000.0, None, 4096)
+    cos, sin = K.rope_cos_sin(torch.randint(0, 4000, (t,), generator=gen), inv_freq, scaling, dtype)
+    weights = (torch.randn(dim, generator=gen).to(dtype), torch.randn(dim, generator=gen).to(dtype))
+    return {
+        "qkv": wide[:, 8:],  # rows of a wider tensor: strided
+        "num_q_heads": hq,
+        "num_kv_heads": hkv,
+        "head_dim": dim,
+        "norms": weights if norms else (None, None),
+        "eps": 1e-6,
+        "rotary": (cos, sin),
+        "slot_mapping": torch.randperm(16 * 16, generator=gen)[:t],
+    }
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_major", [False, True])
+@pytest.mark.parametrize(
+    ("t", "heads", "dim", "rotary"),
+    [(1, (4, 2), 64, 64), (5, (2, 1), 128, 64), (37, (8, 8), 32, 32), (64, (16, 8), 64, 64), (3, (3, 1), 100, 96)],
+)
+@pytest.mark.parametrize("norms", [True, False])
+def test_native_qk_norm_rope_write_kv_is_the_reference(
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    head_major: bool,
+    t: int,
+    heads: tuple[int, int],
+    dim: int,
+    rotary: int,
+    norms: bool,
+) -> None:
+    case = _qk_case(t, heads, dim, rotary, dtype, norms, seed=t * 7 + dim)
+    ours_caches = _caches(16, heads[1], dim, cache_dtype, head_major)
+    ref_caches = _caches(16, heads[1], dim, cache_dtype, head_major)
+    assert cpu_backend.supports_qk_norm_rope_write_kv(caches=ours_caches, **case)
+    q = native.qk_norm_rope_write_kv(caches=ours_caches, **case)
+    ref_q = K.qk_norm_rope_write_kv.reference(caches=ref_caches, **case)  # type: ignore[attr-defined]
+    assert q.dtype == dtype and q.shape == (t, heads[0], dim)
+    if norms:  # the head norms' sums of squares in another order: within rounding
+        torch.testing.assert_close(q, ref_q, **_TOLERANCE[dtype])
+        coarser = torch.bfloat16 if torch.bfloat16 in (dtype, cache_dtype) else torch.float32
+        for ours, ref in zip(ours_caches, ref_caches, strict=True):
+            torch.testing.assert_close(ours, ref, equal_nan=True, **_TOLERANCE[coarser])
+    else:  # the rotation and the cache write: the reference's rounded steps exactly
+        assert torch.equal(q, ref_q)
+        for ours, ref in zip(ours_caches, ref_caches, strict=True):
+            assert torch.equal(ours.nan_to_num(7.0), ref.nan_to_num(7.0))
+    # Slots not in the mapping are left as they were (NaN), those in it written.
+    written = torch.zeros(16 * 16, dtype=torch.bool)
+    written[case["slot_mapping"]] = True
+    for cache in ours_caches:
+        rows = cache.contiguous().reshape(16 * 16, heads[1], dim)  # [slot, head, dim] in either layout
+        assert not rows[written].isnan().any() and rows[~written].isnan().all()
+
+
+@needs_native
+def test_native_qk_norm_rope_write_kv_token_depends_only_on_itself() -> None:
+    case = _qk_case(64, (16, 8), 64, 64, torch.float32, True, seed=11)  # 64 tokens: split over threads
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = native.qk_norm_rope_write_kv(caches=_caches(16, 8, 64, torch.float32, True), **case)
+        torch.set_num_threads(1)
+        one_thread = native.qk_norm_rope_write_kv(caches=_caches(16, 8, 64, torch.float32, True), **case)
+        token = {**case, "qkv": case["qkv"][9:10], "slot_mapping": case["slot_mapping"][9:10]}
+        token["rotary"] = tuple(r[9:10] for r in case["rotary"])
+        alone = native.qk_norm_rope_write_kv(caches=_caches(16, 8, 64, torch.float32, True), **token)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, one_thread) and torch.equal(batch[9:10], alone)
+
+
+@needs_native
+def test_native_qk_norm_rope_write_kv_refuses_a_bad_slot_and_writes_nothing() -> None:
+    case = _qk_case(4, (4, 2), 64, 64, torch.float32, True, seed=2)
+    for bad in (256, -1):
+        caches = _caches(16, 2, 64, torch.float32, True)
+        case["slot_mapping"] = torch.tensor([3, 9, bad, 12])
+        with pytest.raises(IndexError, match="outside the caches"):
+            native.qk_norm_rope_write_kv(caches=caches, **case)
+        assert all(c.isnan().all() for c in caches)
+
+
+@needs_native
+def test_qk_norm_rope_write_kv_takes_the_native_pass_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    inner = native.qk_norm_rope_write_kv
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(native, "qk_norm_rope_write_kv", counted)
+    case = _qk_case(2, (4, 2), 64, 64, torch.float32, True, seed=4)
+    K.qk_norm_rope_write_kv(caches=_caches(16, 2, 64, torch.float32, True), **case)
+    assert calls == [1]
+    # Declined, the reference runs: an FP8 cache with its scales, one norm without the other, a head
+    # longer than the C pass's stack rows.
+    fp8 = tuple(torch.zeros(16, 16, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(2))
+    K.qk_norm_rope_write_kv(caches=fp8, k_scale=0.5, v_scale=0.25, **case)
+    one_norm = {**case, "norms": (case["norms"][0], None)}
+    K.qk_norm_rope_write_kv(caches=_caches(16, 2, 64, torch.float32, True), **one_norm)
+    long = _qk_case(1, (1, 1), native.MAX_HEAD_DIM + 64, 64, torch.float32, False, seed=5)
+    K.qk_norm_rope_write_kv(caches=_caches(16, 1, native.MAX_HEAD_DIM + 64, torch.float32, False), **long)
+    assert calls == [1]
