@@ -14,6 +14,8 @@ same results to float rounding), saying so once in the log.
   keys and values.
 - :func:`hc_sinkhorn_mix`: DeepSeek-V4's hyper-connection weights from their projected logits
   (``csrc/hyper_connections.c``), one pass per token instead of about 80 tensor ops.
+- :func:`gemv`: one activation row times a plain float32 ``[out, in]`` matrix (``csrc/gemv.c``), a
+  stream over the matrix with software prefetches (the output projection at concurrency 1).
 - :func:`rms_norm` and :func:`qk_norm_rope_write_kv`: the element-wise work between a decoder layer's
   matrix products (``csrc/norm_rope.c``): the residual add and RMSNorm of each row, and the q/k
   head norms, the rotation and the K/V cache write of an attention's fused projection, one pass
@@ -41,6 +43,8 @@ __all__ = [
     "NATIVE_DTYPES",
     "bf16_dot_available",
     "cache_dir",
+    "gemv",
+    "gemv_takes",
     "hc_sinkhorn_mix",
     "hc_takes",
     "library",
@@ -59,7 +63,8 @@ logger = logging.getLogger("pypto_kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = tuple(
-    _CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "hyper_connections.c", "norm_rope.c")
+    _CSRC / name
+    for name in ("paged_attention.c", "prefill_attention.c", "hyper_connections.c", "norm_rope.c", "gemv.c")
 )
 _HEADERS = (_CSRC / "common.h",)
 # A warning never fails the build (another compiler's new warnings would turn the fast path off); a
@@ -172,6 +177,8 @@ def library() -> ctypes.CDLL | None:
         _PTR, _I64, ctypes.c_int, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_float, _PTR, _PTR, _I64, _I64, _PTR,
         _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int,
     ]  # fmt: skip
+    lib.pypto_gemv.restype = None
+    lib.pypto_gemv.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
     logger.info("native CPU kernels loaded from %s", path)
     return lib
 
@@ -529,3 +536,37 @@ def qk_norm_rope_write_kv(
     if status != 0:
         raise IndexError(f"slot_mapping holds a slot outside the caches' {key_cache.shape[0] * key_cache.shape[1]}")
     return q
+
+
+def gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`gemv` takes this product: CPU float32, one row of ``x`` (dense), a 2-D ``weight``
+    with dense rows, no bias, and the library built."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and bias is None
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and x.numel() == x.shape[-1] == weight.shape[1] > 0
+        and x.stride(-1) == 1
+        and library() is not None
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` for one row (``csrc/gemv.c``): each output its row's products summed in
+    a fixed order (another order than oneDNN's or MKL's: equal to float rounding), whatever the threads.
+
+    :param x: one float32 row of ``in`` values (any leading dimensions of size 1).
+    :param weight: float32 ``[out, in]`` with dense rows (:func:`gemv_takes`).
+    :return: ``[..., out]`` float32, ``x``'s leading dimensions.
+    """
+    lib = library()
+    if lib is None or not gemv_takes(x, weight):
+        raise ValueError(f"the native gemv does not take x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)}")
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    lib.pypto_gemv(
+        weight.data_ptr(), weight.stride(0), x.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out

@@ -236,3 +236,49 @@ def test_qk_norm_rope_write_kv_takes_the_native_pass_where_it_can(monkeypatch: p
     long = _qk_case(1, (1, 1), native.MAX_HEAD_DIM + 64, 64, torch.float32, False, seed=5)
     K.qk_norm_rope_write_kv(caches=_caches(16, 1, native.MAX_HEAD_DIM + 64, torch.float32, False), **long)
     assert calls == [1]
+
+
+@needs_native
+@pytest.mark.parametrize(("out", "width"), [(1, 16), (7, 100), (151, 256), (1000, 17), (4099, 64), (33, 1024)])
+def test_native_gemv_is_the_product(out: int, width: int) -> None:
+    """One row times a plain [out, in] matrix against float64 (the matrix as it is, rows of a wider
+    one, any leading dimensions of size 1); an output does not depend on the threads."""
+    gen = torch.Generator().manual_seed(out + width)
+    wide = torch.randn(out, width + 5, generator=gen)
+    for weight in (wide[:, :width].contiguous(), wide[:, 5:]):
+        x = torch.randn(1, 1, width, generator=gen)
+        exact = (x.double() @ weight.double().t()).float()
+        got = native.gemv(x, weight)
+        assert got.shape == (1, 1, out) and got.dtype == torch.float32
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5 * width**0.5)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(native.gemv(x, weight), got)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@needs_native
+def test_one_row_over_a_held_plain_matrix_takes_the_native_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    inner = native.gemv
+
+    def counted(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return inner(x, weight)
+
+    monkeypatch.setattr(native, "gemv", counted)
+    weight = torch.randn(512, 256)
+    head = K.pack_linear(weight, 64, library="onednn", keep_plain=True)  # a tied head: its plain matrix held
+    if head is None:
+        pytest.skip("no oneDNN in this torch")
+    x = torch.randn(1, 256)
+    torch.testing.assert_close(K.linear(x, head), x @ weight.t(), rtol=1e-5, atol=1e-4)
+    assert calls == [1]
+    K.linear(torch.randn(2, 256), head)  # two rows: the packed copy
+    dropped = K.pack_linear(weight, 64, library="onednn")  # no plain matrix held
+    assert dropped is not None and dropped.weight is None
+    K.linear(x, dropped)
+    K.linear(x.bfloat16(), K.pack_linear(weight.bfloat16(), 64, keep_plain=True) or weight.bfloat16())
+    assert calls == [1]

@@ -256,13 +256,19 @@ def _onednn_gemv(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None
 def packed_linear(
     x: torch.Tensor, weight: PackedLinearWeight | torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: a packed
-    copy for calls within its row counts, the plain matrix for the others (one float32 row beside a
-    oneDNN copy through oneDNN's GEMV on it, :func:`_onednn_gemv`; else transposed in chunks where
+    """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: one float32
+    row over a plain matrix held with dense rows beside a oneDNN copy (a tied output projection) through
+    :func:`pypto_kernels.native.gemv` where the native kernels are built; else a packed copy for calls
+    within its row counts, the plain matrix for the others (one float32 row beside a oneDNN copy
+    through oneDNN's GEMV on it, :func:`_onednn_gemv`; else transposed in chunks where
     :func:`transposed_rule` says so, else ``F.linear``)."""
     if not isinstance(weight, PackedLinearWeight):
         return transposed_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    held = weight.library == "onednn" and weight.weight is not None
+    one_row = rows == 1 and held and not torch.compiler.is_compiling()
+    if one_row and native.gemv_takes(x, weight.weight, bias):  # type: ignore[arg-type]
+        return native.gemv(x, weight.weight)  # type: ignore[arg-type]
     if not weight.min_rows <= rows <= weight.max_rows:
         if rows == 1 and weight.library == "onednn" and weight.dtype == torch.float32:
             return _onednn_gemv(x, weight.plain(), bias)

@@ -461,13 +461,19 @@ def test_cpu_linear_auto_float32_on_avx2(
         return real(x, w, *a)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
+    gemv_rows: list[int] = []  # rows of its calls through the native GEMV on the plain (tied) matrix
+    gemv = pypto_kernels.native.gemv
+    monkeypatch.setattr(pypto_kernels.native, "gemv", lambda x, w: gemv_rows.append(x.shape[0]) or gemv(x, w))
     seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [12, 7, 4], seed=2), strict=True))  # type: ignore[attr-defined]
     schedule = [[("a", 11), ("b", 6), ("c", 3)], [("a", 1), ("b", 1)], [("c", 1)]]
     assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 23
     # The head ran packed on the 20- and 2-row logits; a one-row call runs packed when untied, and
-    # tied through oneDNN's GEMV on the plain matrix (the embedding), not MKL's.
+    # tied over the plain matrix (the embedding): through the native GEMV where the native kernels are
+    # built, else oneDNN's GEMV, not MKL's.
+    native = name == "qwen2_tied" and pypto_kernels.native.library() is not None
     assert heads == ([20, 2] if name == "qwen2_tied" else [20, 2, 1])
-    assert plain_rows == ([1] if name == "qwen2_tied" else [])
+    assert gemv_rows == ([1] if native else [])
+    assert plain_rows == ([1] if name == "qwen2_tied" and not native else [])
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", real)
     if name == "qwen2_tied":
         kept = _executor(path, max_num_seqs=3, executor_options={"tied_head_copy": False})
