@@ -14,7 +14,7 @@ same results to float rounding), saying so once in the log.
   keys and values.
 - :func:`hc_sinkhorn_mix`: DeepSeek-V4's hyper-connection weights from their projected logits
   (``csrc/hyper_connections.c``), one pass per token instead of about 80 tensor ops.
-- :func:`gemv`: one activation row times a plain float32 ``[out, in]`` matrix (``csrc/gemv.c``), a
+- :func:`gemv`: one activation row times a plain ``[out, in]`` matrix (``csrc/gemv.c``), a
   stream over the matrix with software prefetches (the output projection at concurrency 1).
 - :func:`rms_norm` and :func:`qk_norm_rope_write_kv`: the element-wise work between a decoder layer's
   matrix products (``csrc/norm_rope.c``): the residual add and RMSNorm of each row, and the q/k
@@ -178,7 +178,7 @@ def library() -> ctypes.CDLL | None:
         _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int,
     ]  # fmt: skip
     lib.pypto_gemv.restype = None
-    lib.pypto_gemv.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
+    lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
     logger.info("native CPU kernels loaded from %s", path)
     return lib
 
@@ -539,11 +539,12 @@ def qk_norm_rope_write_kv(
 
 
 def gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`gemv` takes this product: CPU float32, one row of ``x`` (dense), a 2-D ``weight``
-    with dense rows, no bias, and the library built."""
+    """Whether :func:`gemv` takes this product: CPU tensors of one dtype of :data:`NATIVE_DTYPES`, one
+    row of ``x`` (dense), a 2-D ``weight`` with dense rows, no bias, and the library built."""
     return (
         x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
+        and x.dtype == weight.dtype
+        and x.dtype in NATIVE_DTYPES
         and bias is None
         and weight.dim() == 2
         and weight.stride(1) == 1
@@ -555,18 +556,20 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` for one row (``csrc/gemv.c``): each output its row's products summed in
-    a fixed order (another order than oneDNN's or MKL's: equal to float rounding), whatever the threads.
+    float32 in a fixed order (another order than oneDNN's or MKL's: equal to float rounding), whatever
+    the threads; a bfloat16 product is rounded to bfloat16 at the end, as torch's.
 
-    :param x: one float32 row of ``in`` values (any leading dimensions of size 1).
-    :param weight: float32 ``[out, in]`` with dense rows (:func:`gemv_takes`).
-    :return: ``[..., out]`` float32, ``x``'s leading dimensions.
+    :param x: one row of ``in`` values (any leading dimensions of size 1).
+    :param weight: ``[out, in]`` of ``x``'s dtype, rows dense (:func:`gemv_takes`).
+    :return: ``[..., out]`` in ``x``'s dtype, ``x``'s leading dimensions.
     """
     lib = library()
     if lib is None or not gemv_takes(x, weight):
         raise ValueError(f"the native gemv does not take x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)}")
+    row = x.to(torch.float32)
     out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
     lib.pypto_gemv(
-        weight.data_ptr(), weight.stride(0), x.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
-        torch.get_num_threads(),
+        weight.data_ptr(), NATIVE_DTYPES[weight.dtype], weight.stride(0), row.data_ptr(), out.data_ptr(),
+        weight.shape[0], weight.shape[1], torch.get_num_threads(),
     )  # fmt: skip
-    return out
+    return out.to(x.dtype)

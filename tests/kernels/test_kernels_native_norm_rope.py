@@ -239,18 +239,22 @@ def test_qk_norm_rope_write_kv_takes_the_native_pass_where_it_can(monkeypatch: p
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("out", "width"), [(1, 16), (7, 100), (151, 256), (1000, 17), (4099, 64), (33, 1024)])
-def test_native_gemv_is_the_product(out: int, width: int) -> None:
+def test_native_gemv_is_the_product(out: int, width: int, dtype: torch.dtype) -> None:
     """One row times a plain [out, in] matrix against float64 (the matrix as it is, rows of a wider
     one, any leading dimensions of size 1); an output does not depend on the threads."""
     gen = torch.Generator().manual_seed(out + width)
-    wide = torch.randn(out, width + 5, generator=gen)
+    wide = torch.randn(out, width + 5, generator=gen).to(dtype)
     for weight in (wide[:, :width].contiguous(), wide[:, 5:]):
-        x = torch.randn(1, 1, width, generator=gen)
-        exact = (x.double() @ weight.double().t()).float()
+        x = torch.randn(1, 1, width, generator=gen).to(dtype)
+        exact = (x.double() @ weight.double().t()).to(dtype)  # the exact product, rounded once
         got = native.gemv(x, weight)
-        assert got.shape == (1, 1, out) and got.dtype == torch.float32
-        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5 * width**0.5)
+        assert got.shape == (1, 1, out) and got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5 * width**0.5)
+        else:  # float32 sums of the exact products: off by at most the final rounding's ulp
+            torch.testing.assert_close(got, exact, rtol=8e-3, atol=1e-5 * width**0.5)
         threads = torch.get_num_threads()
         try:
             torch.set_num_threads(1)
@@ -280,5 +284,5 @@ def test_one_row_over_a_held_plain_matrix_takes_the_native_gemv(monkeypatch: pyt
     dropped = K.pack_linear(weight, 64, library="onednn")  # no plain matrix held
     assert dropped is not None and dropped.weight is None
     K.linear(x, dropped)
-    K.linear(x.bfloat16(), K.pack_linear(weight.bfloat16(), 64, keep_plain=True) or weight.bfloat16())
+    K.linear(x.half(), weight.half())  # float16: no native product
     assert calls == [1]

@@ -256,8 +256,9 @@ def _onednn_gemv(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None
 def packed_linear(
     x: torch.Tensor, weight: PackedLinearWeight | torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: one float32
-    row over a plain matrix held with dense rows beside a oneDNN copy (a tied output projection) through
+    """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: one row
+    (float32 or bfloat16) over a plain matrix held with dense rows beside a oneDNN copy (a tied output
+    projection) through
     :func:`pypto_kernels.native.gemv` where the native kernels are built; else a packed copy for calls
     within its row counts, the plain matrix for the others (one float32 row beside a oneDNN copy
     through oneDNN's GEMV on it, :func:`_onednn_gemv`; else transposed in chunks where

@@ -1,19 +1,19 @@
-/* One activation row times a plain float32 [out, in] matrix (pypto_kernels.native.gemv): the
+/* One activation row times a plain float32 or bfloat16 [out, in] matrix (pypto_kernels.native.gemv): the
  * output projection of a concurrency-1 decode step, a pass over the whole matrix that only memory
  * bandwidth should limit.
  *
- * Each thread streams one contiguous range of the matrix's rows, ROWS rows at a time, with software
+ * Each thread streams one contiguous range of the matrix's rows, a row at a time, with software
  * prefetches PREFETCH bytes ahead (the hardware prefetcher alone left oneDNN's packed GEMV at 0.6-0.7x
- * of a plain read of the matrix on the AVX-512 AMD EPYC of docs/benchmarks.md). Each output is its
- * row's products summed in 16 lanes over the row (ascending), the lanes added pairwise, then the
- * products of a row's last in % 16 values in order: a fixed order, so an output depends only on its
- * row and the activation, not on the threads or on which rows share a block.
+ * of a plain read of the matrix on the AVX-512 AMD EPYC of docs/benchmarks.md; interleaving two or
+ * four rows was slower there). Each output's products are summed in a fixed order (row_dot), so an
+ * output depends only on its row and the activation, not on the threads.
+ * A bfloat16 matrix is widened exactly to float32 as it is read (the activation comes as float32).
  * Vectors are GCC/Clang vector extensions of 16 floats (one AVX-512 register, two AVX2 ones). */
 #include <omp.h>
 
 #include "common.h"
 
-enum { ROWS = 2, LANES = 16, PREFETCH = 32768 };
+enum { LANES = 16, PREFETCH = 32768 };
 
 typedef float vf __attribute__((vector_size(64)));
 
@@ -24,6 +24,27 @@ static inline vf vload(const float *p) {
 }
 
 typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+
+/* 16 bfloat16 values widened to float32 (their bits in the upper half). */
+static inline vf vload_bf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* 16 values of the matrix (kind ELEM_F32 or ELEM_BF16) from element index i of a row. */
+static inline vf vload_kind(const void *row, int kind, int64_t i) {
+    return kind == ELEM_BF16 ? vload_bf16((const uint16_t *)row + i) : vload((const float *)row + i);
+}
+
+static inline float scalar_kind(const void *row, int kind, int64_t i) {
+    return kind == ELEM_BF16 ? bf16_value(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
 
 #ifdef __clang__
 #define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
@@ -40,38 +61,42 @@ static inline float lanes_sum(vf v) {
     return v[0];
 }
 
-/* Outputs o0 .. o0 + COUNT - 1, their rows interleaved (COUNT a constant where inlined, so the
- * accumulators stay in registers). */
-static inline __attribute__((always_inline)) void rows_dot(const float *w, int64_t ws, const float *x, int64_t in,
-                                                           int64_t o0, int COUNT, float *out) {
-    vf acc[ROWS];
-    const float *row[ROWS];
-    for (int r = 0; r < COUNT; r++) {
-        acc[r] = (vf){0};
-        row[r] = w + (o0 + r) * ws;
+/* Output o: its row's products in four accumulators (16-value chunks 0, 4, 8, ... in the first, 1,
+ * 5, ... in the second, and so on; a last run of fewer than four chunks in the first), added as
+ * (a0 + a1) + (a2 + a3), the lanes pairwise, then the row's last in % 16 products in order. Four
+ * chains of additions keep a wide row's sum from waiting on one. */
+static inline __attribute__((always_inline)) void row_dot(const void *w, int kind, int64_t ws, const float *x,
+                                                          int64_t in, int64_t o, float *out) {
+    int64_t size = kind == ELEM_BF16 ? 2 : 4;
+    const char *row = (const char *)w + o * ws * size, *ahead = row + PREFETCH;
+    for (int64_t off = 0; off < size * ws; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t i = 0;
+    for (; i + 4 * LANES <= in; i += 4 * LANES) {
+        a0 += vload_kind(row, kind, i) * vload(x + i);
+        a1 += vload_kind(row, kind, i + LANES) * vload(x + i + LANES);
+        a2 += vload_kind(row, kind, i + 2 * LANES) * vload(x + i + 2 * LANES);
+        a3 += vload_kind(row, kind, i + 3 * LANES) * vload(x + i + 3 * LANES);
     }
-    const char *ahead = (const char *)row[0] + PREFETCH;
-    for (int64_t off = 0; off < (int64_t)sizeof(float) * COUNT * ws; off += 64) __builtin_prefetch(ahead + off, 0, 3);
-    int64_t body = in - in % LANES;
-    for (int64_t i = 0; i < body; i += LANES) {
-        vf xv = vload(x + i);
-        for (int r = 0; r < COUNT; r++) acc[r] += vload(row[r] + i) * xv;
-    }
-    for (int r = 0; r < COUNT; r++) {
-        float total = lanes_sum(acc[r]);
-        for (int64_t i = body; i < in; i++) total += row[r][i] * x[i];
-        out[o0 + r] = total;
-    }
+    for (; i + LANES <= in; i += LANES) a0 += vload_kind(row, kind, i) * vload(x + i);
+    float total = lanes_sum((a0 + a1) + (a2 + a3));
+    for (; i < in; i++) total += scalar_kind(row, kind, i) * x[i];
+    out[o] = total;
 }
 
-/* out [n] = w [n, in] (row stride ws elements, rows dense) times x [in]. */
-void pypto_gemv(const float *w, int64_t ws, const float *x, float *out, int64_t n, int64_t in, int threads) {
+/* out [n] = w [n, in] (kind ELEM_F32 or ELEM_BF16, row stride ws elements, rows dense) times the
+ * float32 x [in], into float32 out. */
+void pypto_gemv(const void *w, int kind, int64_t ws, const float *x, float *out, int64_t n, int64_t in,
+                int threads) {
 #pragma omp parallel num_threads(threads)
     {
         int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         int64_t share = (n + team - 1) / team, lo = me * share, hi = lo + share < n ? lo + share : n;
-        int64_t o = lo;
-        for (; o + ROWS <= hi; o += ROWS) rows_dot(w, ws, x, in, o, ROWS, out);
-        for (; o < hi; o++) rows_dot(w, ws, x, in, o, 1, out);
+        for (int64_t o = lo; o < hi; o++) {
+            if (kind == ELEM_BF16)
+                row_dot(w, ELEM_BF16, ws, x, in, o, out);
+            else
+                row_dot(w, ELEM_F32, ws, x, in, o, out);
+        }
     }
 }

@@ -786,9 +786,9 @@ class QwenForCausalLM(nn.Module):
         plain matrix stays and a copy sits beside it: the vocabulary matrix held twice, as vLLM's CPU
         backend holds it; oneDNN's copy serves calls of :func:`pypto_kernels.tied_head_min_rows` rows or
         more (on an AVX2 CPU one row stays a GEMV on the plain matrix, docs/benchmarks.md, "The output
-        projection packed"). Where the native CPU kernels run a float32 row over the plain matrix
-        (:func:`pypto_kernels.native.gemv`), a tied head's matrix is stored ``[vocab, hidden]`` instead
-        (see :meth:`_vocab_rows_dense`)."""
+        projection packed"). Where the native CPU kernels run a row over the plain matrix
+        (:func:`pypto_kernels.native.gemv`, float32 or bfloat16), a tied head's matrix is stored
+        ``[vocab, hidden]`` instead (see :meth:`_vocab_rows_dense`)."""
         plain, tied = self.lm_head_t.data.t(), self.cfg.tie_word_embeddings
         if library == "mkl":
             return K.pack_linear(plain, batch_rows, library=library)
@@ -796,15 +796,16 @@ class QwenForCausalLM(nn.Module):
         head = K.pack_linear(plain, batch_rows, library=library, min_rows=rows, keep_plain=tied)
         if head is not None and head.weight is None:
             self.lm_head_t.data = self.lm_head_t.data.new_empty(0)  # only the packed copy is held
-        if head is not None and head.weight is not None and plain.dtype == torch.float32 and K.native.library():
+        native_row = plain.dtype in K.native.NATIVE_DTYPES and K.native.library() is not None
+        if head is not None and head.weight is not None and native_row:
             head = dataclasses.replace(head, weight=self._vocab_rows_dense())
         return head
 
     def _vocab_rows_dense(self) -> torch.Tensor:
         """Store the (tied, CPU) output projection ``[vocab, hidden]``, each vocabulary row dense, and
         return that matrix: the one-row product (concurrency 1) then streams it row after row through
-        :func:`pypto_kernels.native.gemv`, which read the small shape's 151,936 x 256 matrix 1.45x and
-        Qwen3-0.6B's 1.1x faster than oneDNN's packed copy on the AVX-512 AMD EPYC (docs/benchmarks.md),
+        :func:`pypto_kernels.native.gemv`, which read the 151,936-row matrices of the small shape and
+        Qwen3-0.6B 1.2-1.4x faster than oneDNN's packed copy on the AVX-512 AMD EPYC (docs/benchmarks.md),
         and an embedding lookup reads dense rows. ``lm_head_t`` stays its ``[hidden, vocab]`` view, so
         every other product is unchanged; the packed copy does not depend on the layout."""
         dense = self.lm_head_t.data.t().contiguous()

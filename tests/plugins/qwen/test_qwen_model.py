@@ -161,6 +161,30 @@ def test_cpu_steps_take_the_native_norm_and_rope_passes(
     assert calls == {"norm": 2 * (2 * layers + 1), "qk": 2 * layers}
 
 
+@pytest.mark.skipif(pypto_kernels.native.library() is None, reason="no native CPU kernels (no C compiler)")
+@pytest.mark.skipif(not pypto_kernels.onednn_supports(torch.bfloat16), reason="no oneDNN bfloat16 on this CPU")
+def test_one_bfloat16_decode_row_reads_the_tied_head_through_the_native_gemv(
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tied bfloat16 output projection is stored [vocab, hidden] beside its packed copy (still the
+    embedding's storage); a one-row step's logits come from the native GEMV over it, within bfloat16's
+    tolerance of transformers (float32: test_cpu_linear_auto_float32_on_avx2)."""
+    dtype = "bfloat16"
+    gemv, rows = pypto_kernels.native.gemv, []
+    monkeypatch.setattr(pypto_kernels.native, "gemv", lambda x, w: rows.append(x.shape[0]) or gemv(x, w))
+    path = qwen_checkpoints("qwen2_tied")
+    ex = _executor(path, dtype=dtype)
+    assert ex.model is not None and ex.model.lm_head_packed is not None
+    head = ex.model.lm_head_packed.weight
+    assert head is not None and head.is_contiguous() and head.data_ptr() == ex.model.embed.data_ptr()
+    seqs = {"x": _prompts(ex.info.vocab_size, [12], seed=5)[0]}  # type: ignore[attr-defined]
+    schedule = [[("x", 8)]] + [[("x", 1)]] * 4
+    _run_schedule(ex, hf_reference(path), seqs, schedule, BF16_TOL, all_logits=False)
+    assert rows == [1, 1, 1, 1, 1]  # the prefill's last row and four decode rows
+
+
 def test_sliding_window_changes_logits(
     qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any]
 ) -> None:
@@ -447,6 +471,8 @@ def test_cpu_linear_auto_float32_on_avx2(
     if name == "qwen2_tied":
         assert head.weight is not None and head.weight.data_ptr() == ex.model.embed.data_ptr()
         assert head.min_rows == 2
+        # Stored [vocab, hidden] (rows dense) where the native GEMV reads it, else as loaded.
+        assert head.weight.is_contiguous() == (pypto_kernels.native.library() is not None)
     else:
         assert head.weight is None and ex.model.lm_head_t.numel() == 0
     heads: list[int] = []  # rows of the output projection's packed calls
