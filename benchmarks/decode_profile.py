@@ -16,7 +16,8 @@ as an Intel AVX-512 CPU's packing rule chooses: float32 plain); ``--kv-layout au
 same for the CPU's head-major KV caches against token-major ones, and ``--attention native torch`` for
 the native C decode attention against the torch paths (with a bfloat16 model, a bfloat16 cache
 against the float32 one the torch paths keep); ``--heads`` times the output projection's
-plain paths against oneDNN's packed copy; ``--linears`` instead
+plain paths and the native one-row GEMV against oneDNN's packed copy; ``--glue`` the native RMSNorm
+and q/k passes against their torch ops; ``--linears`` instead
 times :func:`pypto_kernels.linear`'s CPU fast path against its reference per shape and row count (the
 output projection stored ``[in, out]``, and the Qwen3-0.6B shape's decoder projections multiplied
 transposed too, for comparison), interleaved, best and median of ``--reps``:
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import platform
 import statistics
 import sys
@@ -104,30 +106,91 @@ def time_linears(rows: list[int], reps: int) -> None:
             )
 
 
+def _alternating(fn: Callable[[Any], torch.Tensor], operands: list[Any]) -> Callable[[], torch.Tensor]:
+    """``fn`` over ``operands`` in turn, one per call (cold: each operand evicted by the others)."""
+    turn = iter(range(1 << 62))
+    return lambda: fn(operands[next(turn) % len(operands)])
+
+
+def _onednn(x: torch.Tensor, packed: Any) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed.packed, None, "none", [], "")
+    return out
+
+
 def time_heads(rows: list[int], reps: int) -> None:
-    """The 151,936-row output projection stored ``[in, out]`` as the Qwen executor keeps it: its plain
-    paths (``F.linear`` below 16 rows, the chunked transposed product from there) against oneDNN's
-    packed copy, per hidden size and row count, interleaved, best and median of ``reps``."""
+    """The 151,936-row output projection as the Qwen executor keeps it: its plain paths over the
+    ``[in, out]`` matrix (``F.linear`` below 16 rows, the chunked transposed product from there) and,
+    at one row, the native GEMV over the ``[vocab, hidden]`` matrix (a tied head where the native
+    kernels are built), against oneDNN's packed copy, per dtype, hidden size and row count,
+    interleaved, best and median of ``reps``; cold (two matrices alternated, over 32 MiB each)."""
+    gen = torch.Generator().manual_seed(0)
+    print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+    print(
+        "| dtype | hidden | rows | plain ms, best / median | native GEMV ms, best / median | oneDNN copy ms, "
+        "best / median | oneDNN / native, median |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for hidden in (256, 1024):
+            stored = [(torch.randn(hidden, 151936, generator=gen) / hidden**0.5).to(dtype) for _ in range(2)]
+            dense = [w.t().contiguous() for w in stored]
+            packed = [K.pack_linear(w.t(), 64, library="onednn", min_rows=2) for w in stored]
+            for n in rows:
+                x = torch.randn(n, hidden, generator=gen).to(dtype)
+                paths: dict[str, Callable[[], torch.Tensor]] = {
+                    "plain": _alternating(functools.partial(lambda x, w: K.linear(x, w.t()), x), stored),
+                    "packed": _alternating(functools.partial(_onednn, x), packed),
+                }
+                if n == 1 and K.native.gemv_takes(x, dense[0]):
+                    paths["native"] = _alternating(functools.partial(K.native.gemv, x), dense)
+                best, med = _interleaved(paths, reps)
+                gemv = f"{best['native']:.2f} / {med['native']:.2f}" if "native" in paths else "-"
+                ratio = f"{med['packed'] / med['native']:.2f}x" if "native" in paths else "-"
+                print(
+                    f"| {str(dtype).removeprefix('torch.')} | {hidden} | {n} | {best['plain']:.2f} / "
+                    f"{med['plain']:.2f} | {gemv} | {best['packed']:.2f} / {med['packed']:.2f} | {ratio} |",
+                    flush=True,
+                )
+
+
+def _hundred(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    return lambda: [fn(*args) for _ in range(100)]
+
+
+def time_glue(reps: int) -> None:
+    """The element-wise passes between a decoder layer's products: the native C passes
+    (:mod:`pypto_kernels.native`) against their torch references, per shape and row count,
+    interleaved, best and median microseconds of ``reps`` rounds of 100 calls."""
+    from pypto_kernels.attention import qk_norm_rope_write_kv
+    from pypto_kernels.norm import rms_norm
+
+    def torch_add_rms_norm(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float) -> Any:
+        summed = x + res  # the reference's own norm call would dispatch to the native pass
+        return rms_norm.reference(summed, w, eps), summed  # type: ignore[attr-defined]
+
     gen = torch.Generator().manual_seed(0)
     print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s), float32")
-    print("| hidden | rows | plain ms, best / median | oneDNN copy ms, best / median | speed-up, median |")
-    print("|---:|---:|---:|---:|---:|")
-    for hidden in (256, 1024):
-        stored = torch.randn(hidden, 151936, generator=gen) / hidden**0.5
-        packed = K.pack_linear(stored.t(), 64, library="onednn", min_rows=2)
-        assert packed is not None
-        for n in rows:
-            x = torch.randn(n, hidden, generator=gen)
-            paths: dict[str, Callable[[], torch.Tensor]] = {
-                "plain": lambda x=x, w=stored: K.linear(x, w.t()),
-                "packed": lambda x=x, p=packed.packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+    print("| pass | shape | rows | torch ops µs, best / median | native µs, best / median | speed-up, median |")
+    print("|---|---|---:|---:|---:|---:|")
+    for shape, hidden, (hq, hkv, d) in (("small", 256, (4, 2, 64)), ("Qwen3-0.6B", 1024, (16, 8, 128))):
+        for n in (1, 64):
+            norm = (torch.randn(n, hidden, generator=gen), torch.randn(n, hidden, generator=gen), torch.randn(hidden))
+            inv_freq, scaling = K.rope_inv_freq(d, 1e6, None, 4096)
+            rotary = K.rope_cos_sin(torch.arange(n) + 100, inv_freq, scaling, torch.float32)
+            caches = tuple(torch.zeros(256, hkv, 16, d).transpose(1, 2) for _ in range(2))
+            qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen)
+            qk = (qkv, hq, hkv, d, (torch.randn(d), torch.randn(d)), 1e-6, rotary, caches, torch.arange(n) * 3)
+            cases = {
+                "add + RMSNorm": (torch_add_rms_norm, K.add_rms_norm, (*norm, 1e-6)),
+                "q/k norms, rotation, K/V write": (qk_norm_rope_write_kv.reference, K.qk_norm_rope_write_kv, qk),  # type: ignore[attr-defined]
             }
-            best, med = _interleaved(paths, reps)
-            print(
-                f"| {hidden} | {n} | {best['plain']:.1f} / {med['plain']:.1f} | {best['packed']:.1f} / "
-                f"{med['packed']:.1f} | {med['plain'] / med['packed']:.2f}x |",
-                flush=True,
-            )
+            for name, (reference, fast, args) in cases.items():
+                best, med = _interleaved({"ref": _hundred(reference, *args), "fast": _hundred(fast, *args)}, reps)
+                print(
+                    f"| {name} | {shape} | {n} | {best['ref'] * 10:.1f} / {med['ref'] * 10:.1f} | "
+                    f"{best['fast'] * 10:.1f} / {med['fast'] * 10:.1f} | {med['ref'] / med['fast']:.2f}x |",
+                    flush=True,
+                )
 
 
 def _prepared(args: argparse.Namespace, run: str) -> tuple[Any, PagedBatchBuilder, list[str]]:
@@ -281,11 +344,17 @@ def main() -> None:
     ap.add_argument("--shapes", action="store_true", help="the profile's table by input shapes")
     ap.add_argument("--linears", action="store_true", help="time pypto_kernels.linear's CPU paths instead")
     ap.add_argument("--heads", action="store_true", help="time the output projection's CPU paths instead")
+    ap.add_argument(
+        "--glue", action="store_true", help="time the native norm and q/k passes against their torch ops instead"
+    )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.glue:
+        time_glue(args.reps)
+        return
     if args.heads:
         time_heads(args.rows, args.reps)
     elif args.linears:
