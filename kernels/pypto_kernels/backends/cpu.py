@@ -434,24 +434,7 @@ def supports_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch
     return not torch.compiler.is_compiling() and native.norm_takes(x, weight, residual)
 
 
-def native_qk_norm_rope_write_kv(
-    qkv: torch.Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    norms: tuple[torch.Tensor | None, torch.Tensor | None],
-    eps: float,
-    rotary: tuple[torch.Tensor, torch.Tensor],
-    caches: tuple[torch.Tensor, torch.Tensor],
-    slot_mapping: torch.Tensor,
-    **scales: Any,
-) -> torch.Tensor:
-    return native.qk_norm_rope_write_kv(
-        qkv, num_q_heads, num_kv_heads, head_dim, norms, eps, rotary, caches, slot_mapping
-    )
-
-
-def supports_qk_norm_rope_write_kv(
+def _qk_arguments(
     qkv: torch.Tensor,
     num_q_heads: int,
     num_kv_heads: int,
@@ -464,11 +447,23 @@ def supports_qk_norm_rope_write_kv(
     *,
     k_scale: Any = None,
     v_scale: Any = None,
-) -> bool:
-    # Scales belong to FP8 caches, which the C pass does not write.
-    unscaled = k_scale is None and v_scale is None
-    traced = torch.compiler.is_compiling()
-    return unscaled and not traced and native.qk_rope_takes(qkv, head_dim, norms, rotary[0], *caches)
+) -> tuple[tuple[Any, ...], bool]:
+    """A :func:`pypto_kernels.qk_norm_rope_write_kv` call's arguments in order, and whether it
+    carries an FP8 cache's scales."""
+    args = (qkv, num_q_heads, num_kv_heads, head_dim, norms, eps, rotary, caches, slot_mapping)
+    return args, k_scale is not None or v_scale is not None
+
+
+def native_qk_norm_rope_write_kv(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return native.qk_norm_rope_write_kv(*_qk_arguments(*args, **kwargs)[0])
+
+
+def supports_qk_norm_rope_write_kv(*args: Any, **kwargs: Any) -> bool:
+    # Scales belong to FP8 caches, which the C pass does not write; a traced forward keeps the torch ops.
+    (qkv, _, _, head_dim, norms, _, rotary, caches, _), scaled = _qk_arguments(*args, **kwargs)
+    if scaled or torch.compiler.is_compiling():
+        return False
+    return native.qk_rope_takes(qkv, head_dim, norms, rotary[0], *caches)
 
 
 def register(add: Callable[..., None]) -> None:
