@@ -518,9 +518,11 @@ def qk_norm_rope_write_kv(
     if lib is None or not qk_rope_takes(qkv, head_dim, norms, cos, key_cache, value_cache):
         raise ValueError(f"the native qk_norm_rope_write_kv does not take qkv {tuple(qkv.shape)} {qkv.dtype}")
     t, rotary_dim = qkv.shape[0], cos.shape[-1]
-    if qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim or sin.shape != cos.shape or cos.shape[0] != t:
+    if qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim or cos.shape[0] != t:
         raise ValueError(f"qkv {tuple(qkv.shape)} and cos/sin {tuple(cos.shape)} do not match the heads")
-    if rotary_dim % 2 or rotary_dim > head_dim or sin.stride() != cos.stride():
+    if sin.shape != cos.shape or sin.stride() != cos.stride():  # the C pass reads both with cos's row stride
+        raise ValueError(f"sin {tuple(sin.shape)} must have cos's shape {tuple(cos.shape)} and strides")
+    if rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary_dim {rotary_dim} must be even and <= the head dim {head_dim}")
     slots = slot_mapping.to(torch.int64).contiguous()
     q = torch.empty((t, num_q_heads, head_dim), dtype=qkv.dtype)
