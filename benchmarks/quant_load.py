@@ -225,6 +225,10 @@ def _warm_packed_kernels() -> None:
     assert packed is not None
     for rows in (1, 2, 64):
         K.linear(torch.zeros(rows, 512), packed)
+    if K.native.library() is not None:
+        panels = K.pack_linear(torch.zeros(64, 512), 64, library="panels")
+        assert panels is not None
+        K.linear(torch.zeros(2, 512), panels)
 
 
 def measure(path: Path, fmt: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -261,11 +265,12 @@ def measure(path: Path, fmt: str, options: dict[str, Any] | None = None) -> dict
     stored = getattr(ex.model, "quantized_weights", list)  # absent before stored-precision weights
     held += sum(w.nbytes() for w in stored())
     head = ex.model.lm_head_packed
-    beside = head is not None and head.weight is not None and head.library == "onednn"
+    beside = head is not None and head.weight is not None and head.library in ("onednn", "panels")
     return {
         "checkpoint_bytes": checkpoint,
         "held_bytes": held,
-        # oneDNN's copy is opaque (no storage to count): it holds the matrix's values, no more.
+        # oneDNN's copy is opaque (no storage to count): it holds the matrix's values, no more (the
+        # native panels too, but for outputs padded to a multiple of 64: none at these vocabularies).
         "copy_bytes": head.weight.numel() * head.weight.element_size() if beside else 0,
         "resident_bytes": after["VmRSS"] - before["VmRSS"],
         "resident_by_kind": {k: after[k] - before.get(k, 0) for k in after if k != "VmHWM"},

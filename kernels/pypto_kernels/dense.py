@@ -9,6 +9,11 @@ layout of it, which the CPU fast path (:mod:`pypto_kernels.backends.cpu`) multip
   float32. MKL packs for one row count, and torch's op runs it only at exactly that count (any other
   falls back to the plain matrix), so it serves the batch the engine runs most, ``max_num_seqs``
   decode rows, and the plain matrix stays beside it: twice the weight memory.
+- ``panels``: the native kernels' column panels (:func:`pypto_kernels.native.pack_panels`, float32):
+  64 outputs side by side per input, read by :func:`pypto_kernels.native.panel_linear` at any row
+  count, each output summed in one fixed order (a row's result is the same in any batch and on any
+  number of threads). It serves every call, so the plain matrix is dropped (no extra memory beyond
+  padding the outputs to a multiple of 64); the reference rebuilds it when asked.
 - ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` /
   ``_linear_pointwise``), any row count, float32 or bfloat16. It serves every call, so the plain
   matrix is dropped (no extra memory); the reference rebuilds it (``to_dense``) when asked. A copy
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import device
+from . import device, native
 from .registry import dispatch
 
 __all__ = [
@@ -48,7 +53,7 @@ __all__ = [
 NEVER = 1 << 62
 
 #: The packed layouts :func:`pack_linear` makes.
-LIBRARIES = ("mkl", "onednn")
+LIBRARIES = ("mkl", "onednn", "panels")
 
 
 @dataclass(slots=True)
@@ -56,12 +61,13 @@ class PackedLinearWeight:
     """A float ``[out, in]`` linear weight and its copy packed for ``library``.
 
     :param weight: the plain matrix (may be a transposed view, e.g. of an output projection stored
-        ``[in, out]``); calls outside ``min_rows..max_rows`` multiply it. None for ``onednn``, which
-        serves every call: :meth:`plain` rebuilds it from the packed copy.
-    :param packed: the packed copy (an opaque oneDNN tensor).
-    :param library: ``mkl`` or ``onednn`` (see the module doc).
+        ``[in, out]``); calls outside ``min_rows..max_rows`` multiply it. None for ``onednn`` and
+        ``panels``, which serve every call: :meth:`plain` rebuilds it from the packed copy.
+    :param packed: the packed copy (an opaque oneDNN tensor, or ``panels``' ``[ceil(out / 64), in, 64]``).
+    :param library: ``mkl``, ``onednn`` or ``panels`` (see the module doc).
     :param min_rows: the fewest rows (product of the leading dimensions) a call runs packed with.
     :param max_rows: the most (for ``mkl``, equal to ``min_rows``: the one count it was packed for).
+    :param out_features: the matrix's outputs (``panels`` pads them to a multiple of 64).
     """
 
     weight: torch.Tensor | None
@@ -69,10 +75,15 @@ class PackedLinearWeight:
     library: str
     min_rows: int
     max_rows: int
+    out_features: int
 
     def plain(self) -> torch.Tensor:
         """The ``[out, in]`` matrix (rebuilt from the packed copy when it was dropped: a full copy)."""
-        return self.weight if self.weight is not None else self.packed.to_dense()
+        if self.weight is not None:
+            return self.weight
+        if self.library == "panels":
+            return native.unpack_panels(self.packed, self.out_features)
+        return self.packed.to_dense()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -94,11 +105,11 @@ def onednn_supports(dtype: torch.dtype) -> bool:
 #: AVX-512 (512 Ki, 2 MiB): smaller ones were slower packed at one row (0.4-0.6x on the 256-wide
 #: projections of the AVX2 machine, docs/benchmarks.md), larger ones 1.1-1.6x from 4 rows on.
 ONEDNN_FLOAT32_MIN_ELEMENTS = 1 << 19
-#: Fewest elements of a float32 weight packed for oneDNN on a non-Intel CPU with AVX-512 (64 Ki, a
-#: 256 x 256 projection): there MKL's products took 1.2-4.9x oneDNN's packed ones at one and at 64 rows
-#: on every Qwen-shaped projection from 256 x 256 to 6144 x 1024, cold (0.9x at 8 rows on 256 x 256
-#: alone; the AMD EPYC with AVX-512, docs/benchmarks.md, "The AVX-512 AMD machine"); smaller ones are
-#: not measured.
+#: Fewest elements of a float32 weight packed (the native panels, else oneDNN) on a non-Intel CPU
+#: with AVX-512 (64 Ki, a 256 x 256 projection): there MKL's products took 1.2-4.9x oneDNN's packed
+#: ones at one and at 64 rows on every Qwen-shaped projection from 256 x 256 to 6144 x 1024, cold
+#: (0.9x at 8 rows on 256 x 256 alone; the AMD EPYC with AVX-512, docs/benchmarks.md, "The AVX-512
+#: AMD machine"); smaller ones are not measured.
 ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS = 1 << 16
 
 
@@ -109,11 +120,12 @@ def packing_rule(
     elements: int | None = None,
     flags: frozenset[str] | None = None,
     vendor: str | None = None,
+    native_kernels: bool | None = None,
 ) -> tuple[str, int, int] | None:
     """``(library, min_rows, max_rows)`` for a CPU weight of ``dtype`` (and ``elements`` values) in an
-    engine whose full decode batch is ``batch_rows``, or None (plain products everywhere); ``flags``
-    and ``vendor`` stand in for this CPU's feature flags and vendor id (tests). Measured per CPU class
-    (docs/benchmarks.md):
+    engine whose full decode batch is ``batch_rows``, or None (plain products everywhere); ``flags``,
+    ``vendor`` and ``native_kernels`` stand in for this CPU's feature flags, its vendor id and whether
+    the native kernels are built (tests). Measured per CPU class (docs/benchmarks.md):
 
     - bfloat16 through oneDNN at every row count (1.2-2x ``F.linear`` at 1-16 rows, about even at
       64, on an AVX-512 CPU); on a CPU without oneDNN's bf16 instructions (:func:`onednn_supports`)
@@ -121,9 +133,12 @@ def packing_rule(
     - float32 on an x86 CPU without AVX-512 (the AVX2 AMD EPYC): oneDNN for weights of
       :data:`ONEDNN_FLOAT32_MIN_ELEMENTS` or more, in place of the plain matrix: 1.1-1.6x the plain
       product from 4 to 128 rows, even at one row on the largest; a 64-row decode step 1.05-1.07x.
-    - float32 on a non-Intel x86 CPU with AVX-512 (the AMD EPYC with AVX-512): oneDNN for weights of
-      :data:`ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS` or more: MKL, which torch's ``F.linear`` runs, takes
-      a slow path off Intel CPUs (1.2-4.9x oneDNN's time at 1-64 rows).
+    - float32 on a non-Intel x86 CPU with AVX-512 (the AMD EPYCs with AVX-512): the native column
+      panels where the native kernels are built (on the Zen 4 EPYC 1.2-3x oneDNN's packed products at
+      1-8 rows, 0.9-1.1x at 64, 0.86-0.93x at 256: a decode step's row counts gain, a long prefill
+      chunk's lose a little), else oneDNN, for weights of :data:`ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS`
+      or more: MKL, which torch's ``F.linear`` runs, takes a slow path off Intel CPUs (1.2-4.9x
+      oneDNN's time at 1-64 rows).
     - float32 elsewhere stays plain: on the Intel AVX-512 CPU oneDNN's float32 path was slower than
       MKL's GEMV at one row (0.5-0.85x), and MKL's packed SGEMM (1.1-1.7x at exactly its batch) keeps
       the plain matrix beside its copy, twice the weights' memory, so it is opt-in
@@ -139,9 +154,10 @@ def packing_rule(
     if "avx512f" not in have:
         return None
     maker = device.cpu_vendor() if vendor is None else vendor
-    if maker != "GenuineIntel" and elements >= ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS:
-        return ("onednn", 1, NEVER)
-    return None
+    if maker == "GenuineIntel" or elements < ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS:
+        return None
+    native_built = native.library() is not None if native_kernels is None else native_kernels
+    return ("panels" if native_built else "onednn", 1, NEVER)
 
 
 def _avx2_without_avx512(flags: frozenset[str]) -> bool:
@@ -169,20 +185,20 @@ def pack_linear(
 ) -> PackedLinearWeight | None:
     """``weight`` with a packed copy (:func:`packing_rule` for ``batch_rows``, or ``library`` at every
     row count it serves); None where nothing is packed: a weight off the CPU, of another dtype, or a
-    torch without the library. A ``onednn`` result serving every row count no longer references
-    ``weight``: once the caller drops it, only the packed copy is held. ``min_rows`` > 1 (a oneDNN
-    copy, asked for or the rule's) keeps ``weight`` beside the copy for the calls of fewer rows (an
+    torch without the library. A ``onednn`` or ``panels`` result serving every row count no longer
+    references ``weight``: once the caller drops it, only the packed copy is held. ``min_rows`` > 1 (a
+    oneDNN or panels copy, asked for or the rule's) keeps ``weight`` beside the copy for the calls of fewer rows (an
     output projection that is also the embedding, whose one-row product is a GEMV best run on the
     plain matrix); ``keep_plain`` keeps it referenced at any ``min_rows`` (a matrix the caller holds
     anyway, which the reference then multiplies instead of a rebuilt copy)."""
-    if min_rows > 1 and library not in (None, "onednn"):
-        raise ValueError(f"min_rows applies to library='onednn' only, got library={library!r}")
+    if min_rows > 1 and library not in (None, "onednn", "panels"):
+        raise ValueError(f"min_rows applies to library='onednn' or 'panels' only, got library={library!r}")
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if library is None:
         rule = packing_rule(weight.dtype, batch_rows, elements=weight.numel())
-        if rule is not None and rule[0] == "onednn":
-            rule = ("onednn", min_rows, rule[2])
+        if rule is not None and rule[0] in ("onednn", "panels"):
+            rule = (rule[0], min_rows, rule[2])
     elif library == "mkl":
         mkl = weight.dtype == torch.float32 and torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
         rule = ("mkl", batch_rows, batch_rows) if mkl else None
@@ -193,18 +209,28 @@ def pack_linear(
                 "AVX-NE-CONVERT or AMX); use float32 or leave the choice to the default rule"
             )
         rule = ("onednn", min_rows, NEVER)
+    elif library == "panels":
+        if weight.dtype != torch.float32 or native.library() is None:
+            raise ValueError(
+                f"the native panels take float32 weights where the native CPU kernels are built, got {weight.dtype} "
+                f"(native kernels {'built' if native.library() is not None else 'not built'})"
+            )
+        rule = ("panels", min_rows, NEVER)
     else:
         raise ValueError(f"unknown packing library {library!r}; choose from {list(LIBRARIES)}")
-    if rule is None or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+    if rule is None or (rule[0] != "panels" and not torch.backends.mkldnn.is_available()):  # type: ignore[no-untyped-call]
         return None
     kind, lo, hi = rule
     with torch.inference_mode():
         plain = weight.detach()
         if kind == "mkl":
             packed = torch.ops.mkl._mkl_reorder_linear_weight(plain, lo)
-            return PackedLinearWeight(weight, packed, kind, lo, hi)
-        packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
-    return PackedLinearWeight(weight if lo > 1 or keep_plain else None, packed, kind, lo, hi)
+            return PackedLinearWeight(weight, packed, kind, lo, hi, weight.shape[0])
+        if kind == "panels":
+            packed = native.pack_panels(plain)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
+    return PackedLinearWeight(weight if lo > 1 or keep_plain else None, packed, kind, lo, hi, weight.shape[0])
 
 
 @dispatch("linear")

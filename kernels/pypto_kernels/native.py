@@ -16,6 +16,10 @@ same results to float rounding), saying so once in the log.
   (``csrc/hyper_connections.c``), one pass per token instead of about 80 tensor ops.
 - :func:`gemv`: one activation row times a plain ``[out, in]`` matrix (``csrc/gemv.c``), a
   stream over the matrix with software prefetches (the output projection at concurrency 1).
+- :func:`panel_linear`: float32 rows times a matrix held as column panels (:func:`pack_panels`,
+  ``csrc/panel_gemm.c``): every linear layer's product where :func:`pypto_kernels.packing_rule` picks
+  it, one layout serving a one-row step (a stream over the matrix) and a 64-row one (tiles of fused
+  multiply-adds), each output's sum in one fixed order whatever the batch and the threads.
 - :func:`rms_norm` and :func:`qk_norm_rope_write_kv`: the element-wise work between a decoder layer's
   matrix products (``csrc/norm_rope.c``): the residual add and RMSNorm of each row, and the q/k
   head norms, the rotation and the K/V cache write of an attention's fused projection, one pass
@@ -41,6 +45,7 @@ from .device import cpu_flags
 
 __all__ = [
     "NATIVE_DTYPES",
+    "PANEL_WIDTH",
     "bf16_dot_available",
     "cache_dir",
     "gemv",
@@ -49,7 +54,10 @@ __all__ = [
     "hc_takes",
     "library",
     "norm_takes",
+    "pack_panels",
     "paged_attention",
+    "panel_linear",
+    "panel_takes",
     "prefill_attention",
     "prefill_takes",
     "qk_norm_rope_write_kv",
@@ -57,6 +65,7 @@ __all__ = [
     "reads",
     "reads_dtypes",
     "rms_norm",
+    "unpack_panels",
 ]
 
 logger = logging.getLogger("pypto_kernels")
@@ -64,8 +73,10 @@ logger = logging.getLogger("pypto_kernels")
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = tuple(
     _CSRC / name
-    for name in ("paged_attention.c", "prefill_attention.c", "hyper_connections.c", "norm_rope.c", "gemv.c")
-)
+    for name in (
+        "paged_attention.c", "prefill_attention.c", "hyper_connections.c", "norm_rope.c", "gemv.c", "panel_gemm.c",
+    )
+)  # fmt: skip
 _HEADERS = (_CSRC / "common.h",)
 # A warning never fails the build (another compiler's new warnings would turn the fast path off); a
 # call to an undeclared function does (it would fail only when loaded).
@@ -179,6 +190,8 @@ def library() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.pypto_gemv.restype = None
     lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
+    lib.pypto_panel_gemm.restype = None
+    lib.pypto_panel_gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
     logger.info("native CPU kernels loaded from %s", path)
     return lib
 
@@ -575,3 +588,73 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         weight.shape[0], weight.shape[1], torch.get_num_threads(),
     )  # fmt: skip
     return out.to(x.dtype)
+
+
+#: Outputs per panel of :func:`pack_panels` (four 16-float vectors).
+PANEL_WIDTH = 64
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``[out, in]`` matrix as :func:`panel_linear` reads it: ``[ceil(out / 64), in, 64]``,
+    panel ``p`` row ``i`` holding the weights of outputs ``64 p .. 64 p + 63`` for input ``i``, the
+    outputs past ``out`` zero (at most 63 extra columns)."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_panels takes a 2-D float32 CPU matrix, got {tuple(weight.shape)} {weight.dtype}")
+    out, inner = weight.shape
+    count = -(-out // PANEL_WIDTH)
+    padded = torch.zeros(count * PANEL_WIDTH, inner, dtype=weight.dtype)
+    padded[:out] = weight
+    return padded.view(count, PANEL_WIDTH, inner).transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The ``[out_features, in]`` matrix :func:`pack_panels` made ``panels`` from (a new tensor)."""
+    count, inner, width = panels.shape
+    return panels.transpose(1, 2).reshape(count * width, inner)[:out_features].contiguous()
+
+
+def panel_takes(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`panel_linear` takes this product: float32 CPU tensors, ``x``'s last dimension
+    dense and equal to the panels' inputs, a dense bias if any, and the library built."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == panels.dtype == torch.float32
+        and x.dim() >= 1
+        and x.shape[-1] == panels.shape[1]
+        and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous()))
+        and library() is not None
+    )
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for the ``[out_features, in]`` matrix packed by :func:`pack_panels`
+    (``csrc/panel_gemm.c``): each output one chain of fused multiply-adds over the inputs in order,
+    then the bias, so a row's result is bitwise the same in any batch and on any number of threads
+    (another order than oneDNN's or MKL's: equal to float rounding).
+
+    :param x: ``[..., in]`` float32 rows.
+    :param panels: :func:`pack_panels`'s result for the matrix.
+    :param out_features: the matrix's outputs (the panels are padded to a multiple of 64).
+    :param bias: ``[out_features]`` float32, or None.
+    :return: ``[..., out_features]`` float32.
+    """
+    lib = library()
+    if lib is None or not panel_takes(x, panels, bias) or (bias is not None and bias.shape[0] != out_features):
+        raise ValueError(
+            f"the native panel product does not take x {tuple(x.shape)} {x.dtype} and panels {tuple(panels.shape)}"
+        )
+    padded = panels.shape[0] * PANEL_WIDTH
+    if not panels.is_contiguous() or not 0 <= out_features <= padded < out_features + PANEL_WIDTH:
+        raise ValueError(f"panels {tuple(panels.shape)} are not pack_panels' layout of {out_features} outputs")
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
+    if rows.shape[0] and out_features:
+        lib.pypto_panel_gemm(
+            rows.data_ptr(), rows.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), out_features, rows.shape[0], out_features, rows.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+    return out.reshape(*x.shape[:-1], out_features)

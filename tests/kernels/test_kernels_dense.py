@@ -96,9 +96,18 @@ def test_packing_rule() -> None:
         assert K.packing_rule(torch.float32, 64, elements=big, flags=avx2, vendor=vendor) == onednn
         assert K.packing_rule(torch.float32, 64, elements=small, flags=avx2, vendor=vendor) is None
     assert K.packing_rule(torch.float32, 64, elements=big, flags=avx512, vendor="GenuineIntel") is None
-    amd512 = ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS
-    assert K.packing_rule(torch.float32, 64, elements=amd512, flags=avx512, vendor="AuthenticAMD") == onednn
-    assert K.packing_rule(torch.float32, 64, elements=amd512 - 1, flags=avx512, vendor="AuthenticAMD") is None
+    # A non-Intel CPU with AVX-512: the native panels at every size where they are built, else oneDNN.
+    amd512, amd = ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS, {"flags": avx512, "vendor": "AuthenticAMD"}
+    assert K.packing_rule(torch.float32, 64, elements=amd512, native_kernels=False, **amd) == onednn
+    assert K.packing_rule(torch.float32, 64, elements=amd512 - 1, native_kernels=False, **amd) is None
+    for elements in (amd512, big):
+        assert K.packing_rule(torch.float32, 64, elements=elements, native_kernels=True, **amd) == ("panels", 1, NEVER)
+    assert K.packing_rule(torch.float32, 64, elements=amd512 - 1, native_kernels=True, **amd) is None
+    assert K.packing_rule(torch.bfloat16, 64, elements=big, native_kernels=True, **amd) == K.packing_rule(
+        torch.bfloat16, 64
+    )  # bfloat16 stays oneDNN's
+    intel = {"flags": avx512, "vendor": "GenuineIntel", "native_kernels": True}
+    assert K.packing_rule(torch.float32, 64, elements=big, **intel) is None
     assert K.packing_rule(torch.float32, 64, elements=big, flags=frozenset({"asimd"}), vendor="") is None  # Arm
     assert K.packing_rule(torch.float16, 64) is None
     assert K.pack_linear(_weight(8, 8, torch.float32), 64) is None
@@ -226,7 +235,7 @@ def onednn_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @needs_onednn
 def test_default_rule_packs_large_float32_weights_on_avx2(
-    cpu_flags: Callable[..., None], onednn_rows: list[int]
+    cpu_flags: Callable[..., None], onednn_rows: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On an AVX2 CPU without AVX-512 a float32 weight of the threshold's size is packed for oneDNN in
     place of its plain matrix (which the reference rebuilds) and multiplies through it at every row
@@ -243,6 +252,7 @@ def test_default_rule_packs_large_float32_weights_on_avx2(
     cpu_flags("avx2", "avx512f")
     assert K.pack_linear(w, 64) is None
     cpu_flags("avx2", "avx512f", vendor="AuthenticAMD")  # MKL's off-Intel path: smaller weights packed too
+    monkeypatch.setattr(K.native, "library", lambda: None)  # without the native kernels' panels
     small = _weight(ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS // 256, 256, torch.float32)
     packed = K.pack_linear(small, 64)
     assert packed is not None and (packed.library, packed.weight) == ("onednn", None)
@@ -283,5 +293,5 @@ def test_onednn_copy_beside_the_plain_matrix_serves_from_min_rows(onednn_rows: l
         K.linear(torch.randn(1, 67), packed)
         K.linear(torch.randn(2, 67), packed)
     assert not weights[0].is_mkldnn and weights[0].data_ptr() == w_t.data_ptr() and weights[1] is packed.packed
-    with pytest.raises(ValueError, match="min_rows applies to library='onednn' only"):
+    with pytest.raises(ValueError, match="min_rows applies to library='onednn' or 'panels' only"):
         K.pack_linear(w_t.t(), 64, library="mkl", min_rows=2)

@@ -22,8 +22,9 @@ without VNNI (docs/benchmarks.md), where the reference's one dequantisation per 
 more rows.
 
 Dense linears (:func:`pypto_kernels.linear`) whose weight carries a packed copy
-(:func:`pypto_kernels.pack_linear`) multiply it, through MKL's packed SGEMM or oneDNN, for calls
-within the copy's row counts; other calls run ``F.linear``. A float32 weight stored ``[in, out]``
+(:func:`pypto_kernels.pack_linear`) multiply it, through MKL's packed SGEMM, oneDNN or the native
+column panels (:func:`pypto_kernels.native.panel_linear`), for calls within the copy's row counts;
+other calls run ``F.linear``. A float32 weight stored ``[in, out]``
 (passed as its ``[out, in]`` transposed view, as the Qwen output projection is) is multiplied
 transposed, in output chunks, at :data:`TRANSPOSED_MIN_ROWS` rows or more
 (:func:`transposed_linear`): on two threads MKL's product with the few rows as the GEMM's short
@@ -79,7 +80,7 @@ PAGED_ATTENTION_LABEL = (
     "others padded gathers and one bmm per KV head)"
 )
 LINEAR_LABEL = (
-    "cpu: weights packed at load (mkl._mkl_linear / mkldnn._linear_pointwise); "
+    "cpu: weights packed at load (mkl._mkl_linear / mkldnn._linear_pointwise / native column panels); "
     "plain float32 weights multiplied transposed in output chunks (stored [in, out]: from 16 rows; "
     "[out, in] of 512 Ki elements or more: at 2-128 rows)"
 )
@@ -257,8 +258,8 @@ def packed_linear(
     x: torch.Tensor, weight: PackedLinearWeight | torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: one row
-    (float32 or bfloat16) over a plain matrix held with dense rows beside a oneDNN copy (a tied output
-    projection) through
+    (float32 or bfloat16) over a plain matrix held with dense rows beside a oneDNN or panels copy (a
+    tied output projection) through
     :func:`pypto_kernels.native.gemv` where the native kernels are built; else a packed copy for calls
     within its row counts, the plain matrix for the others (one float32 row beside a oneDNN copy
     through oneDNN's GEMV on it, :func:`_onednn_gemv`; else transposed in chunks where
@@ -266,7 +267,7 @@ def packed_linear(
     if not isinstance(weight, PackedLinearWeight):
         return transposed_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    held = weight.library == "onednn" and weight.weight is not None
+    held = weight.library in ("onednn", "panels") and weight.weight is not None
     one_row = rows == 1 and held and not torch.compiler.is_compiling()
     if one_row and native.gemv_takes(x, weight.weight, bias):  # type: ignore[arg-type]
         return native.gemv(x, weight.weight)  # type: ignore[arg-type]
@@ -275,7 +276,9 @@ def packed_linear(
             return _onednn_gemv(x, weight.plain(), bias)
         return _plain_linear(x, weight.plain(), bias)
     out: torch.Tensor
-    if weight.library == "mkl":
+    if weight.library == "panels":
+        out = native.panel_linear(x, weight.packed, weight.out_features, bias)
+    elif weight.library == "mkl":
         out = torch.ops.mkl._mkl_linear(x, weight.packed, weight.plain(), bias, weight.max_rows)
     else:
         out = torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
@@ -314,9 +317,11 @@ def _explain_transposed(stored_in_out: bool, elements: int | None, rows: int | N
 def supports_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None = None) -> bool:
     if isinstance(weight, torch.Tensor):
         return transposed_rule(x, weight, bias)
-    return (
-        isinstance(weight, PackedLinearWeight) and x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
-    )
+    if not isinstance(weight, PackedLinearWeight) or x.dtype != weight.dtype:
+        return False
+    if weight.library == "panels" and torch.compiler.is_compiling():
+        return False  # dynamo cannot trace the ctypes call; the reference rebuilds the plain matrix
+    return bias is None or bias.dtype == x.dtype
 
 
 #: Widest cached token (bytes of one token's K over all KV heads) the padded decode path takes.

@@ -33,7 +33,7 @@ _DEVICE_GRAPH_MODES = frozenset({"cudagraph", "npugraph"})
 
 #: ``executor_options["cpu_linear"]`` -> the library :meth:`QwenForCausalLM.pack_linears` packs for
 #: (None: :func:`pypto_kernels.packing_rule`); ``reference`` is absent: nothing is packed.
-_CPU_LINEAR = {"auto": None, "mkl": "mkl", "onednn": "onednn"}
+_CPU_LINEAR = {"auto": None, "mkl": "mkl", "onednn": "onednn", "panels": "panels"}
 
 
 def _return_freed_heap() -> None:
