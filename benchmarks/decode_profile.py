@@ -17,7 +17,8 @@ same for the CPU's head-major KV caches against token-major ones, and ``--attent
 the native C decode attention against the torch paths (with a bfloat16 model, a bfloat16 cache
 against the float32 one the torch paths keep); ``--heads`` times the output projection's
 plain paths and the native one-row GEMV against oneDNN's packed copy; ``--glue`` the native RMSNorm
-and q/k passes against their torch ops; ``--linears`` instead
+and q/k passes against their torch ops; ``--panels`` every projection through the native column
+panels against oneDNN's packed copies; ``--linears`` instead
 times :func:`pypto_kernels.linear`'s CPU fast path against its reference per shape and row count (the
 output projection stored ``[in, out]``, and the Qwen3-0.6B shape's decoder projections multiplied
 transposed too, for comparison), interleaved, best and median of ``--reps``:
@@ -151,6 +152,34 @@ def time_heads(rows: list[int], reps: int) -> None:
                     f"{med['plain']:.2f} | {gemv} | {best['packed']:.2f} / {med['packed']:.2f} | {ratio} |",
                     flush=True,
                 )
+
+
+def time_panels(rows: list[int], reps: int) -> None:
+    """Every Qwen-shaped float32 projection (:data:`LINEAR_SHAPES`, the output projections included)
+    through the native column panels (:func:`pypto_kernels.native.panel_linear`) against oneDNN's
+    packed copy, per row count, interleaved, best and median of ``reps``; cold: two copies of each
+    matrix alternated (the weights of a decode step do not stay cached from one step to the next)."""
+    gen = torch.Generator().manual_seed(0)
+    print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s), float32")
+    print("| weight | rows | oneDNN ms, best / median | panels ms, best / median | oneDNN / panels, median |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (out_f, in_f, _) in LINEAR_SHAPES.items():
+        plain = [torch.randn(out_f, in_f, generator=gen) / in_f**0.5 for _ in range(2)]
+        onednn = [K.pack_linear(w, 64, library="onednn") for w in plain]
+        panels = [K.pack_linear(w, 64, library="panels") for w in plain]
+        del plain
+        for n in rows:
+            x = torch.randn(n, in_f, generator=gen)
+            paths: dict[str, Callable[[], torch.Tensor]] = {
+                "onednn": _alternating(functools.partial(_onednn, x), onednn),
+                "panels": _alternating(functools.partial(K.linear, x), panels),
+            }
+            best, med = _interleaved(paths, reps)
+            print(
+                f"| {name} | {n} | {best['onednn']:.3f} / {med['onednn']:.3f} | {best['panels']:.3f} / "
+                f"{med['panels']:.3f} | {med['onednn'] / med['panels']:.2f}x |",
+                flush=True,
+            )
 
 
 def _hundred(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -322,7 +351,7 @@ def main() -> None:
         "--cpu-linear",
         nargs="+",
         default=["auto"],
-        choices=["auto", "auto-avx512", "reference", "mkl", "onednn"],
+        choices=["auto", "auto-avx512", "reference", "mkl", "onednn", "panels"],
         help="executor_options cpu_linear per executor, their steps alternated",
     )
     ap.add_argument(
@@ -345,6 +374,9 @@ def main() -> None:
     ap.add_argument("--linears", action="store_true", help="time pypto_kernels.linear's CPU paths instead")
     ap.add_argument("--heads", action="store_true", help="time the output projection's CPU paths instead")
     ap.add_argument(
+        "--panels", action="store_true", help="time the native column panels against oneDNN's packed copies instead"
+    )
+    ap.add_argument(
         "--glue", action="store_true", help="time the native norm and q/k passes against their torch ops instead"
     )
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
@@ -355,12 +387,14 @@ def main() -> None:
     if args.glue:
         time_glue(args.reps)
         return
-    if args.heads:
+    if args.panels:
+        time_panels(args.rows, args.reps)
+    elif args.heads:
         time_heads(args.rows, args.reps)
     elif args.linears:
         time_linears(args.rows, args.reps)
     elif args.model is None:
-        ap.error("--model is required unless --linears")
+        ap.error("--model is required unless --linears, --heads, --panels or --glue")
     else:
         profile_steps(args)
 

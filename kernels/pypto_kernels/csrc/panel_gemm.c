@@ -34,6 +34,26 @@ static inline vf vload(const float *p) {
 
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* a[j] += *b * wj, fused, for the four vectors of one panel row. With AVX-512 the activation is
+ * broadcast by each multiply-add's load ({1to16}) rather than by a separate broadcast: on the Zen 4
+ * EPYC a broadcast takes a slot of the floating-point pipes the multiply-adds need (64-row products
+ * 1.08-1.14x faster so); the result is the same fused multiply-add either way. */
+static inline __attribute__((always_inline)) void row_fma(vf a[4], const float *b, vf w0, vf w1, vf w2, vf w3) {
+#ifdef __AVX512F__
+    __asm__("vfmadd231ps %4%{1to16%}, %5, %0\n\t"
+            "vfmadd231ps %4%{1to16%}, %6, %1\n\t"
+            "vfmadd231ps %4%{1to16%}, %7, %2\n\t"
+            "vfmadd231ps %4%{1to16%}, %8, %3"
+            : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3])
+            : "m"(*b), "v"(w0), "v"(w1), "v"(w2), "v"(w3));
+#else
+    a[0] += *b * w0;
+    a[1] += *b * w1;
+    a[2] += *b * w2;
+    a[3] += *b * w3;
+#endif
+}
+
 /* Rows 0 .. mr - 1 of x (row stride xs) times the panel w's inputs k0 .. k1 - 1: the sums continue from
  * src (row stride NR; NULL: from zero) and go to dst (row stride ds), plus bias (64 values) if given.
  * mr and pf are constants in each specialisation below, so the accumulators live in registers. */
@@ -53,15 +73,8 @@ static inline __attribute__((always_inline)) void tile(int mr, int pf, const flo
             for (int line = 0; line < 4; line++) __builtin_prefetch((const char *)wk + PANEL_PREFETCH + 64 * line, 0, 3);
         vf w0 = vload(wk), w1 = vload(wk + 16), w2 = vload(wk + 32), w3 = vload(wk + 48);
 #pragma GCC unroll 6
-        for (int r = 0; r < MR; r++) {
-            if (r < mr) {
-                float b = x[r * xs + kk];
-                a[r][0] += b * w0;
-                a[r][1] += b * w1;
-                a[r][2] += b * w2;
-                a[r][3] += b * w3;
-            }
-        }
+        for (int r = 0; r < MR; r++)
+            if (r < mr) row_fma(a[r], x + r * xs + kk, w0, w1, w2, w3);
     }
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)

@@ -382,7 +382,7 @@ def test_tied_embeddings_share_storage(qwen_checkpoints: Callable[[str], Path]) 
     assert ex.model.embed.shape == ex.model.lm_head_t.t().shape
 
 
-@pytest.mark.parametrize("library", ["mkl", "onednn"])
+@pytest.mark.parametrize("library", ["mkl", "onednn", "panels"])
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen2_tied"])
 def test_packed_linears_parity(
     name: str,
@@ -391,8 +391,11 @@ def test_packed_linears_parity(
     hf_reference: Callable[[Path], Any],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every projection and the output projection packed (MKL for a 3-row batch, or oneDNN at every
-    row count): the mixed schedule's logits still match transformers, and the packed kernels ran."""
+    """Every projection and the output projection packed (MKL for a 3-row batch, or oneDNN or the
+    native panels at every row count): the mixed schedule's logits still match transformers, and the
+    packed kernels ran."""
+    if library == "panels" and pypto_kernels.native.library() is None:
+        pytest.skip("no native CPU kernels on this machine")
     calls: list[int] = []
     for op in ("mkl._mkl_linear", "mkldnn._linear_pointwise"):
         space, attr = op.split(".")
@@ -400,6 +403,10 @@ def test_packed_linears_parity(
         monkeypatch.setattr(
             getattr(torch.ops, space), attr, lambda *a, _real=real, **k: calls.append(a[0].shape[0]) or _real(*a, **k)
         )
+    panels = pypto_kernels.native.panel_linear
+    monkeypatch.setattr(
+        pypto_kernels.native, "panel_linear", lambda x, *a: calls.append(x.numel() // x.shape[-1]) or panels(x, *a)
+    )
     path = qwen_checkpoints(name)
     ex = _executor(path, max_num_seqs=3, executor_options={"cpu_linear": library})
     assert ex.model is not None
@@ -408,7 +415,7 @@ def test_packed_linears_parity(
     for weight in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight, head):
         assert isinstance(weight, pypto_kernels.PackedLinearWeight) and weight.library == library
     assert head is not None
-    if library == "onednn" and name != "qwen2_tied":  # an untied head's copy replaces it
+    if library != "mkl" and name != "qwen2_tied":  # an untied head's copy replaces it
         assert head.weight is None and ex.model.lm_head_t.numel() == 0
     else:  # MKL's copy, and a copy of a tied head (the embedding), sit beside the plain matrix
         assert head.weight is not None and head.weight.data_ptr() == ex.model.lm_head_t.data_ptr()

@@ -1,0 +1,147 @@
+"""The native column-panel product (``csrc/panel_gemm.c``): bitwise against a chain of fused
+multiply-adds written out in float64 (the documented order), close to a float64 product, the same
+for a row in any batch and on any number of threads, over ragged shapes around its 64-output panels,
+6-row tiles, 96-row blocks and 512-input blocks; and how :func:`pypto_kernels.linear` reaches it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pypto_kernels as K
+from pypto_kernels import native
+
+needs_native = pytest.mark.skipif(
+    native.library() is None, reason="no native CPU kernels on this machine (no C compiler; see the log)"
+)
+
+
+def _fma_chain(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` as the kernel documents it: per output, ``acc = fma(x[i], w[i], acc)`` for
+    i = 0, 1, ... from zero in float32, then ``+ bias``. A float32 product is exact in float64, so
+    each step is the exact ``x * w + acc`` rounded to float64, then to float32 (the double rounding
+    can differ from one rounding only when the float64 sum lands on a float32 midpoint: about 2**-28
+    per step; the inputs are fixed by seed)."""
+    xs, ws = x.double().numpy(), w.double().numpy()
+    acc = np.zeros((xs.shape[0], ws.shape[0]), dtype=np.float32)
+    for i in range(xs.shape[1]):
+        acc = (np.outer(xs[:, i], ws[:, i]) + acc.astype(np.float64)).astype(np.float32)
+    if bias is not None:
+        acc = acc + bias.numpy()  # float32 + float32: one rounding, as the kernel's add
+    return torch.from_numpy(acc)
+
+
+def _case(rows: int, out: int, inner: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inner, generator=gen)
+    w = torch.randn(out, inner, generator=gen) / inner**0.5
+    return x, w, torch.randn(out, generator=gen)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("rows", "out", "inner"),
+    [(1, 1, 1), (1, 64, 16), (2, 63, 7), (5, 65, 100), (6, 128, 64), (7, 200, 513), (13, 300, 33), (97, 70, 1100)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_product_is_the_documented_chain(rows: int, out: int, inner: int, with_bias: bool) -> None:
+    """Bitwise the fused multiply-add chain in input order (tiles of 1-6 rows, a partial last panel,
+    an input count past the 512-input block and a row count past the 96-row block), and within float
+    rounding of a float64 product."""
+    x, w, bias = _case(rows, out, inner, seed=rows * 7919 + out * 31 + inner)
+    b = bias if with_bias else None
+    got = native.panel_linear(x, native.pack_panels(w), out, b)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    assert torch.equal(got, _fma_chain(x, w, b))
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_a_row_is_the_same_in_any_batch_and_on_any_thread_count() -> None:
+    x, w, bias = _case(200, 333, 600, seed=11)
+    panels = native.pack_panels(w)
+    full = native.panel_linear(x, panels, 333, bias)
+    for start, stop in [(0, 1), (5, 6), (3, 9), (90, 100), (0, 97), (150, 200)]:
+        assert torch.equal(native.panel_linear(x[start:stop], panels, 333, bias), full[start:stop])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(native.panel_linear(x, panels, 333, bias), full)
+            assert torch.equal(native.panel_linear(x[:1], panels, 333, bias), full[:1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+def test_panels_take_strided_and_shaped_rows_and_leave_their_inputs() -> None:
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(4, 3, 300, generator=gen)
+    x = wide[..., 20:148]  # rows of stride 300, leading dimensions kept
+    w = torch.randn(130, 128, generator=gen)
+    panels, before = native.pack_panels(w), wide.clone()
+    got = native.panel_linear(x, panels, 130)
+    assert got.shape == (4, 3, 130) and torch.equal(wide, before)
+    assert torch.equal(got, native.panel_linear(x.contiguous(), panels, 130))
+    columns = torch.randn(128, 5, generator=gen).t()  # last dimension strided: copied first
+    dense = native.panel_linear(columns.contiguous(), panels, 130)
+    assert torch.equal(native.panel_linear(columns, panels, 130), dense)
+    assert native.panel_linear(torch.empty(0, 128), panels, 130).shape == (0, 130)
+
+
+def test_pack_panels_layout_round_trips() -> None:
+    w = torch.arange(70 * 3, dtype=torch.float32).reshape(70, 3)
+    panels = native.pack_panels(w)
+    assert panels.shape == (2, 3, 64) and panels.is_contiguous()
+    assert torch.equal(panels[1, 2, 5], w[69, 2]) and torch.equal(panels[0, 1, :], w[:64, 1])
+    assert not panels[1, :, 6:].any()  # outputs past 70 are zero
+    assert torch.equal(native.unpack_panels(panels, 70), w)
+    with pytest.raises(ValueError, match="2-D float32 CPU matrix"):
+        native.pack_panels(w.double())
+
+
+@needs_native
+def test_panel_linear_refuses_what_it_cannot_take() -> None:
+    w = torch.randn(70, 32)
+    panels = native.pack_panels(w)
+    with pytest.raises(ValueError, match="does not take"):
+        native.panel_linear(torch.randn(2, 31), panels, 70)  # wrong width
+    with pytest.raises(ValueError, match="does not take"):
+        native.panel_linear(torch.randn(2, 32).double(), panels, 70)
+    with pytest.raises(ValueError, match="does not take"):
+        native.panel_linear(torch.randn(2, 32), panels, 70, torch.randn(71))  # bias of another size
+    for outputs in (64, 129, -1):
+        with pytest.raises(ValueError, match="not pack_panels' layout"):
+            native.panel_linear(torch.randn(2, 32), panels, outputs)
+    with pytest.raises(ValueError, match="not pack_panels' layout"):
+        native.panel_linear(torch.randn(2, 32), panels.transpose(0, 1).contiguous().transpose(0, 1), 70)
+
+
+@needs_native
+def test_linear_runs_a_panels_copy_at_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pack_linear(..., library="panels")`` drops the plain matrix (rebuilt for the reference) and
+    every call, with or without bias, runs the panels; beside a held plain matrix (``keep_plain``, a
+    tied output projection) one row is the native GEMV over it instead."""
+    x, w, bias = _case(9, 260, 96, seed=2)
+    packed = K.pack_linear(w, 64, library="panels")
+    assert packed is not None and (packed.library, packed.weight, packed.out_features) == ("panels", None, 260)
+    assert torch.equal(packed.plain(), w)
+    rows: list[int] = []
+    inner = native.panel_linear
+    monkeypatch.setattr(native, "panel_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or inner(x, *a))
+    for count in (1, 2, 9):
+        got = K.linear(x[:count], packed, bias)
+        assert torch.equal(got, _fma_chain(x[:count], w, bias))
+    assert rows == [1, 2, 9]
+    held = K.pack_linear(w, 64, library="panels", keep_plain=True)
+    assert held is not None and held.weight is w
+    rows.clear()
+    torch.testing.assert_close(K.linear(x[:1], held), F.linear(x[:1], w))
+    torch.testing.assert_close(K.linear(x[:4], held), F.linear(x[:4], w))
+    assert rows == [4]  # one row: the GEMV over the held matrix
+    assert torch.equal(K.reference_kernel("linear")(x, packed), F.linear(x, w))
+    with pytest.raises(ValueError, match="float32 weights"):
+        K.pack_linear(w.bfloat16(), 64, library="panels")
