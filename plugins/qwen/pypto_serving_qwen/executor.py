@@ -51,11 +51,13 @@ class QwenExecutor(Executor):
     ``settings.executor_options`` (all optional): ``graph_mode`` (``auto``, ``eager``, ``inductor``,
     ``cudagraph``, ``npugraph``, ``aot_eager``), ``graph_batch_sizes`` (the decode buckets) and
     ``graph_warmup`` (``load`` or ``lazy``); see :mod:`pypto_serving_qwen.graph`. ``cpu_linear``
-    (``auto``, ``mkl``, ``onednn``, ``reference``): on the CPU in eager mode, ``auto`` packs by
-    :func:`pypto_kernels.packing_rule` (bfloat16 projections: oneDNN's layout, in place of the plain
-    weights; float32 ones of 512 Ki elements or more on an x86 CPU without AVX-512 too, and of 64 Ki
-    or more on a non-Intel x86 CPU with AVX-512; other float32: none), the output projection by the
-    same rule; ``onednn`` every float projection and the output projection so, ``mkl`` every float32
+    (``auto``, ``mkl``, ``onednn``, ``panels``, ``reference``): on the CPU in eager mode, ``auto``
+    packs by :func:`pypto_kernels.packing_rule` (bfloat16 projections: oneDNN's layout, in place of
+    the plain weights; float32 ones of 512 Ki elements or more on an x86 CPU without AVX-512 too, and
+    of 64 Ki or more on a non-Intel x86 CPU with AVX-512, there into the native column panels where
+    the native kernels are built; other float32: none), the output projection by the same rule;
+    ``onednn`` every float projection and the output projection so, ``panels`` every float32 one into
+    the native column panels (refused in bfloat16 or without the native kernels), ``mkl`` every float32
     projection and the output projection for MKL's packed SGEMM at a full batch of ``max_num_seqs`` rows
     (beside the plain weights: twice their memory),
     ``reference`` none. A tied output projection (the embedding too) keeps its plain matrix and gets a

@@ -782,9 +782,9 @@ class QwenForCausalLM(nn.Module):
 
     def _pack_head(self, batch_rows: int, library: str | None) -> K.PackedLinearWeight | None:
         """The output projection's packed copy (``library``, or the rule's), or None. An untied head's
-        oneDNN copy replaces it (its plain matrix is freed). A tied head is the embedding too, so its
-        plain matrix stays and a copy sits beside it: the vocabulary matrix held twice, as vLLM's CPU
-        backend holds it; oneDNN's copy serves calls of :func:`pypto_kernels.tied_head_min_rows` rows or
+        oneDNN or panels copy replaces it (its plain matrix is freed). A tied head is the embedding too,
+        so its plain matrix stays and a copy sits beside it: the vocabulary matrix held twice, as vLLM's
+        CPU backend holds it; the copy serves calls of :func:`pypto_kernels.tied_head_min_rows` rows or
         more (on an AVX2 CPU one row stays a GEMV on the plain matrix, docs/benchmarks.md, "The output
         projection packed"). Where the native CPU kernels run a row over the plain matrix
         (:func:`pypto_kernels.native.gemv`, float32 or bfloat16), a tied head's matrix is stored

@@ -448,6 +448,8 @@ def test_cpu_linear_auto_and_reference(qwen_checkpoints: Callable[[str], Path]) 
     assert isinstance(plain.model.layers[0].self_attn.qkv_weight, torch.nn.Parameter)
     with pytest.raises(ValueError, match="cpu_linear must be one of"):
         _executor(path, executor_options={"cpu_linear": "blas"})
+    with pytest.raises(ValueError, match="native panels take float32 weights"):
+        _executor(path, dtype="bfloat16", executor_options={"cpu_linear": "panels"})
     for options in ({"tied_head_copy": "no"}, {"tied_head_copy": 0, "cpu_linear": "reference"}):
         with pytest.raises(ValueError, match="tied_head_copy must be true or false"):
             _executor(path, executor_options=options)  # refused even where nothing is packed
@@ -515,6 +517,51 @@ def test_cpu_linear_auto_float32_on_avx2(
     wide = _executor(path, max_num_seqs=3)
     assert wide.model is not None and wide.model.lm_head_packed is None
     assert isinstance(wide.model.layers[0].self_attn.qkv_weight, torch.nn.Parameter)
+
+
+@pytest.mark.skipif(pypto_kernels.native.library() is None, reason="no native CPU kernels on this machine")
+@pytest.mark.parametrize("name", ["qwen3", "qwen2_tied"])
+def test_cpu_linear_auto_float32_panels_on_amd_avx512(
+    name: str,
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    cpu_flags: Callable[..., None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """auto on a non-Intel CPU with AVX-512: float32 projections of the rule's size go into the native
+    column panels in place of their plain matrices, the output projection too (a tied one beside its
+    plain matrix, whose one-row calls take the native GEMV); the logits still match transformers and
+    every multi-row product ran through the panels."""
+    monkeypatch.setattr(pypto_kernels.dense, "ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS", 1)  # the tiny weights qualify
+    cpu_flags("avx2", "avx512f", vendor="AuthenticAMD")
+    path = qwen_checkpoints(name)
+    ex = _executor(path, max_num_seqs=3)
+    assert ex.model is not None
+    attn, mlp, head = ex.model.layers[0].self_attn, ex.model.layers[0].mlp, ex.model.lm_head_packed
+    for weight in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight):
+        assert isinstance(weight, pypto_kernels.PackedLinearWeight) and (weight.library, weight.weight) == (
+            "panels",
+            None,
+        )
+    assert head is not None and head.library == "panels" and head.out_features == ex.info.vocab_size  # type: ignore[attr-defined]
+    assert (head.weight is not None) == (name == "qwen2_tied")
+    rows: list[int] = []
+    panels = pypto_kernels.native.panel_linear
+    monkeypatch.setattr(
+        pypto_kernels.native, "panel_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or panels(x, *a)
+    )
+    onednn: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: onednn.append(x.shape[0]) or real(x, *a))
+    seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [12, 7, 4], seed=2), strict=True))  # type: ignore[attr-defined]
+    schedule = [[("a", 11), ("b", 6), ("c", 3)], [("a", 1), ("b", 1)], [("c", 1)]]
+    assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 23
+    layers = len(ex.model.layers)
+    # Each step: four products a layer over its token rows, then the head over its logits rows (a tied
+    # head's one row through the native GEMV instead).
+    head_rows = [20, 2] if name == "qwen2_tied" else [20, 2, 1]
+    assert sorted(rows) == sorted([20] * 4 * layers + [2] * 4 * layers + [1] * 4 * layers + head_rows)
+    assert onednn == []
 
 
 def test_output_projection_transposed_product_parity(
