@@ -154,22 +154,22 @@ def time_heads(rows: list[int], reps: int) -> None:
                 )
 
 
-def time_panels(rows: list[int], reps: int) -> None:
-    """Every Qwen-shaped float32 projection (:data:`LINEAR_SHAPES`, the output projections included)
+def time_panels(rows: list[int], reps: int, dtype: torch.dtype) -> None:
+    """Every Qwen-shaped projection in ``dtype`` (:data:`LINEAR_SHAPES`, the output projections included)
     through the native column panels (:func:`pypto_kernels.native.panel_linear`) against oneDNN's
     packed copy, per row count, interleaved, best and median of ``reps``; cold: two copies of each
     matrix alternated (the weights of a decode step do not stay cached from one step to the next)."""
     gen = torch.Generator().manual_seed(0)
-    print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s), float32")
+    print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s), {dtype}")
     print("| weight | rows | oneDNN ms, best / median | panels ms, best / median | oneDNN / panels, median |")
     print("|---|---:|---:|---:|---:|")
     for name, (out_f, in_f, _) in LINEAR_SHAPES.items():
-        plain = [torch.randn(out_f, in_f, generator=gen) / in_f**0.5 for _ in range(2)]
+        plain = [(torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype) for _ in range(2)]
         onednn = [K.pack_linear(w, 64, library="onednn") for w in plain]
         panels = [K.pack_linear(w, 64, library="panels") for w in plain]
         del plain
         for n in rows:
-            x = torch.randn(n, in_f, generator=gen)
+            x = torch.randn(n, in_f, generator=gen).to(dtype)
             paths: dict[str, Callable[[], torch.Tensor]] = {
                 "onednn": _alternating(functools.partial(_onednn, x), onednn),
                 "panels": _alternating(functools.partial(K.linear, x), panels),
@@ -388,7 +388,7 @@ def main() -> None:
         time_glue(args.reps)
         return
     if args.panels:
-        time_panels(args.rows, args.reps)
+        time_panels(args.rows, args.reps, torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     elif args.heads:
         time_heads(args.rows, args.reps)
     elif args.linears:

@@ -9,9 +9,10 @@ layout of it, which the CPU fast path (:mod:`pypto_kernels.backends.cpu`) multip
   float32. MKL packs for one row count, and torch's op runs it only at exactly that count (any other
   falls back to the plain matrix), so it serves the batch the engine runs most, ``max_num_seqs``
   decode rows, and the plain matrix stays beside it: twice the weight memory.
-- ``panels``: the native kernels' column panels (:func:`pypto_kernels.native.pack_panels`, float32):
-  64 outputs side by side per input, read by :func:`pypto_kernels.native.panel_linear` at any row
-  count, each output summed in one fixed order (a row's result is the same in any batch and on any
+- ``panels``: the native kernels' column panels (:func:`pypto_kernels.native.pack_panels`, float32
+  or bfloat16 with an even input count): 64 outputs side by side per input (per input pair in
+  bfloat16), read by :func:`pypto_kernels.native.panel_linear` at any row count, each output summed
+  in one fixed order (a row's result is the same in any batch and on any
   number of threads). It serves every call, so the plain matrix is dropped (no extra memory beyond
   padding the outputs to a multiple of 64); the reference rebuilds it when asked.
 - ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` /
@@ -210,11 +211,8 @@ def pack_linear(
             )
         rule = ("onednn", min_rows, NEVER)
     elif library == "panels":
-        if weight.dtype != torch.float32 or native.library() is None:
-            raise ValueError(
-                f"the native panels take float32 weights where the native CPU kernels are built, got {weight.dtype} "
-                f"(native kernels {'built' if native.library() is not None else 'not built'})"
-            )
+        if native.library() is None:
+            raise ValueError("the native panels need the native CPU kernels, which are not built here (see the log)")
         rule = ("panels", min_rows, NEVER)
     else:
         raise ValueError(f"unknown packing library {library!r}; choose from {list(LIBRARIES)}")

@@ -16,7 +16,7 @@ same results to float rounding), saying so once in the log.
   (``csrc/hyper_connections.c``), one pass per token instead of about 80 tensor ops.
 - :func:`gemv`: one activation row times a plain ``[out, in]`` matrix (``csrc/gemv.c``), a
   stream over the matrix with software prefetches (the output projection at concurrency 1).
-- :func:`panel_linear`: float32 rows times a matrix held as column panels (:func:`pack_panels`,
+- :func:`panel_linear`: float32 or bfloat16 rows times a matrix held as column panels (:func:`pack_panels`,
   ``csrc/panel_gemm.c``): every linear layer's product where :func:`pypto_kernels.packing_rule` picks
   it, one layout serving a one-row step (a stream over the matrix) and a 64-row one (tiles of fused
   multiply-adds), each output's sum in one fixed order whatever the batch and the threads.
@@ -191,7 +191,7 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_gemv.restype = None
     lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
     lib.pypto_panel_gemm.restype = None
-    lib.pypto_panel_gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
+    lib.pypto_panel_gemm.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
     logger.info("native CPU kernels loaded from %s", path)
     return lib
 
@@ -595,33 +595,54 @@ PANEL_WIDTH = 64
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 ``[out, in]`` matrix as :func:`panel_linear` reads it: ``[ceil(out / 64), in, 64]``,
-    panel ``p`` row ``i`` holding the weights of outputs ``64 p .. 64 p + 63`` for input ``i``, the
-    outputs past ``out`` zero (at most 63 extra columns)."""
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"pack_panels takes a 2-D float32 CPU matrix, got {tuple(weight.shape)} {weight.dtype}")
+    """A float32 or bfloat16 ``[out, in]`` matrix as :func:`panel_linear` reads it, 64 outputs side by
+    side per panel, the outputs past ``out`` zero (at most 63 extra): float32 as ``[ceil(out / 64),
+    in, 64]`` (panel ``p`` row ``i`` the weights of outputs ``64 p .. 64 p + 63`` for input ``i``);
+    bfloat16 as ``[ceil(out / 64), in / 2, 128]`` (row ``i`` those outputs' weights for inputs ``2 i``
+    and ``2 i + 1``, the two side by side for each output: the operand layout of AVX512-BF16's pair dot
+    product), ``in`` even."""
+    if weight.dim() != 2 or weight.dtype not in NATIVE_DTYPES or weight.device.type != "cpu":
+        raise ValueError(
+            f"pack_panels takes a 2-D float32 or bfloat16 CPU matrix, got {tuple(weight.shape)} {weight.dtype}"
+        )
     out, inner = weight.shape
+    if weight.dtype == torch.bfloat16 and inner % 2:
+        raise ValueError(f"bfloat16 panels pair the inputs: {inner} inputs is odd")
     count = -(-out // PANEL_WIDTH)
     padded = torch.zeros(count * PANEL_WIDTH, inner, dtype=weight.dtype)
     padded[:out] = weight
-    return padded.view(count, PANEL_WIDTH, inner).transpose(1, 2).contiguous()
+    if weight.dtype == torch.float32:
+        return padded.view(count, PANEL_WIDTH, inner).transpose(1, 2).contiguous()
+    pairs = padded.view(count, PANEL_WIDTH, inner // 2, 2).permute(0, 2, 1, 3)
+    return pairs.reshape(count, inner // 2, 2 * PANEL_WIDTH).contiguous()
+
+
+def _panel_inputs(panels: torch.Tensor) -> int:
+    """The inputs of the matrix :func:`pack_panels` made ``panels`` from."""
+    return panels.shape[1] * (2 if panels.dtype == torch.bfloat16 else 1)
 
 
 def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """The ``[out_features, in]`` matrix :func:`pack_panels` made ``panels`` from (a new tensor)."""
-    count, inner, width = panels.shape
-    return panels.transpose(1, 2).reshape(count * width, inner)[:out_features].contiguous()
+    count, rows, _ = panels.shape
+    if panels.dtype == torch.bfloat16:
+        pairs = panels.view(count, rows, PANEL_WIDTH, 2).permute(0, 2, 1, 3)
+        return pairs.reshape(count * PANEL_WIDTH, 2 * rows)[:out_features].contiguous()
+    return panels.transpose(1, 2).reshape(count * PANEL_WIDTH, rows)[:out_features].contiguous()
 
 
 def panel_takes(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`panel_linear` takes this product: float32 CPU tensors, ``x``'s last dimension
-    dense and equal to the panels' inputs, a dense bias if any, and the library built."""
+    """Whether :func:`panel_linear` takes this product: CPU tensors of one dtype of
+    :data:`NATIVE_DTYPES` (``x``, the panels, a dense bias if any), ``x``'s last dimension the panels'
+    inputs, and the library built."""
     return (
         x.device.type == "cpu"
-        and x.dtype == panels.dtype == torch.float32
+        and x.dtype == panels.dtype
+        and x.dtype in NATIVE_DTYPES
         and x.dim() >= 1
-        and x.shape[-1] == panels.shape[1]
-        and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1 and bias.is_contiguous()))
+        and panels.dim() == 3
+        and x.shape[-1] == _panel_inputs(panels)
+        and (bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.is_contiguous()))
         and library() is not None
     )
 
@@ -630,20 +651,23 @@ def panel_linear(
     x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for the ``[out_features, in]`` matrix packed by :func:`pack_panels`
-    (``csrc/panel_gemm.c``): each output one chain of fused multiply-adds over the inputs in order,
-    then the bias, so a row's result is bitwise the same in any batch and on any number of threads
-    (another order than oneDNN's or MKL's: equal to float rounding).
+    (``csrc/panel_gemm.c``), so that a row's result is bitwise the same in any batch and on any number
+    of threads (another order than oneDNN's or MKL's: equal to float rounding). float32: each output
+    one chain of fused multiply-adds over the inputs in order, then the bias. bfloat16: one chain of
+    pair dot products (AVX512-BF16's, each pair's two products added to the float32 sum) over the
+    input pairs in order, plus the bias, rounded once to bfloat16 (as torch's).
 
-    :param x: ``[..., in]`` float32 rows.
+    :param x: ``[..., in]`` rows of the panels' dtype.
     :param panels: :func:`pack_panels`'s result for the matrix.
     :param out_features: the matrix's outputs (the panels are padded to a multiple of 64).
-    :param bias: ``[out_features]`` float32, or None.
-    :return: ``[..., out_features]`` float32.
+    :param bias: ``[out_features]`` of the same dtype, or None.
+    :return: ``[..., out_features]`` of ``x``'s dtype.
     """
     lib = library()
     if lib is None or not panel_takes(x, panels, bias) or (bias is not None and bias.shape[0] != out_features):
         raise ValueError(
-            f"the native panel product does not take x {tuple(x.shape)} {x.dtype} and panels {tuple(panels.shape)}"
+            f"the native panel product does not take x {tuple(x.shape)} {x.dtype} and panels "
+            f"{tuple(panels.shape)} {panels.dtype}"
         )
     padded = panels.shape[0] * PANEL_WIDTH
     if not panels.is_contiguous() or not 0 <= out_features <= padded < out_features + PANEL_WIDTH:
@@ -651,10 +675,11 @@ def panel_linear(
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
+    out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
     if rows.shape[0] and out_features:
         lib.pypto_panel_gemm(
-            rows.data_ptr(), rows.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-            out.data_ptr(), out_features, rows.shape[0], out_features, rows.shape[1], torch.get_num_threads(),
+            NATIVE_DTYPES[x.dtype], rows.data_ptr(), rows.stride(0), panels.data_ptr(),
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, rows.shape[0], out_features,
+            rows.shape[1], torch.get_num_threads(),
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], out_features)

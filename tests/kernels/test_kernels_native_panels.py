@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import pypto_kernels as K
 from pypto_kernels import native
+from pypto_kernels.dense import NEVER
 
 needs_native = pytest.mark.skipif(
     native.library() is None, reason="no native CPU kernels on this machine (no C compiler; see the log)"
@@ -99,7 +100,7 @@ def test_pack_panels_layout_round_trips() -> None:
     assert torch.equal(panels[1, 2, 5], w[69, 2]) and torch.equal(panels[0, 1, :], w[:64, 1])
     assert not panels[1, :, 6:].any()  # outputs past 70 are zero
     assert torch.equal(native.unpack_panels(panels, 70), w)
-    with pytest.raises(ValueError, match="2-D float32 CPU matrix"):
+    with pytest.raises(ValueError, match="2-D float32 or bfloat16 CPU matrix"):
         native.pack_panels(w.double())
 
 
@@ -143,5 +144,55 @@ def test_linear_runs_a_panels_copy_at_every_row_count(monkeypatch: pytest.Monkey
     torch.testing.assert_close(K.linear(x[:4], held), F.linear(x[:4], w))
     assert rows == [4]  # one row: the GEMV over the held matrix
     assert torch.equal(K.reference_kernel("linear")(x, packed), F.linear(x, w))
-    with pytest.raises(ValueError, match="float32 weights"):
-        K.pack_linear(w.bfloat16(), 64, library="panels")
+    bf16 = K.pack_linear(w.bfloat16(), 64, library="panels")
+    assert bf16 is not None and bf16.packed.dtype == torch.bfloat16 and torch.equal(bf16.plain(), w.bfloat16())
+    torch.testing.assert_close(K.linear(x.bfloat16(), bf16), F.linear(x.bfloat16(), w.bfloat16()), rtol=8e-3, atol=8e-3)
+    with pytest.raises(ValueError, match="odd"):
+        K.pack_linear(w[:, :95].bfloat16(), 64, library="panels")
+
+
+def _dot_chain(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The bfloat16 product as the kernel documents it: per output, over the input pairs in order,
+    ``acc += x[2i+1] * w[2i+1]`` then ``acc += x[2i] * w[2i]`` in float32 (AVX512-BF16's VDPBF16PS: a
+    product of two bfloat16 values is exact in float32, each addition rounded), then ``+ bias`` in
+    float32, rounded once to bfloat16."""
+    xs, ws = x.float().numpy(), w.float().numpy()
+    acc = np.zeros((xs.shape[0], ws.shape[0]), dtype=np.float32)
+    for i in range(0, xs.shape[1], 2):
+        acc = acc + np.outer(xs[:, i + 1], ws[:, i + 1])
+        acc = acc + np.outer(xs[:, i], ws[:, i])
+    if bias is not None:
+        acc = acc + bias.float().numpy()
+    return torch.from_numpy(acc).to(torch.bfloat16)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("rows", "out", "inner"), [(1, 64, 2), (2, 63, 16), (7, 200, 514), (13, 130, 96), (97, 70, 1100)]
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_panel_product_is_the_documented_chain(rows: int, out: int, inner: int, with_bias: bool) -> None:
+    """bfloat16 panels: bitwise the pair dot-product chain in input order, rounded once, and as close
+    to a float64 product as torch's own bfloat16 product (each within a bfloat16 rounding of it)."""
+    x, w, bias = (t.to(torch.bfloat16) for t in _case(rows, out, inner, seed=rows * 131 + out + inner))
+    b = bias if with_bias else None
+    panels = native.pack_panels(w)
+    assert panels.shape == (-(-out // 64), inner // 2, 128) and torch.equal(native.unpack_panels(panels, out), w)
+    got = native.panel_linear(x, panels, out, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    assert torch.equal(got, _dot_chain(x, w, b))
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(got.double(), exact, rtol=8e-3, atol=8e-3)
+    for start in range(0, rows, 5):  # any batch
+        assert torch.equal(native.panel_linear(x[start : start + 1], panels, out, b), got[start : start + 1])
+    with pytest.raises(ValueError, match="odd"):
+        native.pack_panels(torch.zeros(4, 3, dtype=torch.bfloat16))
+
+
+def test_panels_asked_for_without_the_native_kernels_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "library", lambda: None)
+    with pytest.raises(ValueError, match="need the native CPU kernels"):
+        K.pack_linear(torch.randn(64, 64), 64, library="panels")
+    amd = {"flags": frozenset({"avx512f"}), "vendor": "AuthenticAMD"}
+    rule = K.packing_rule(torch.float32, 64, elements=1 << 20, **amd)  # type: ignore[arg-type]
+    assert rule == (("onednn", 1, NEVER) if torch.backends.mkldnn.is_available() else None)  # oneDNN's copy instead

@@ -1,18 +1,22 @@
-/* Rows of float32 activations times a float32 matrix stored as column panels
+/* Rows of float32 or bfloat16 activations times a matrix of their dtype stored as column panels
  * (pypto_kernels.native.panel_linear): every linear layer's product on the CPUs where it beat oneDNN's
  * packed copies at the row counts a decode step runs (docs/benchmarks.md).
  *
- * Layout: a [n, k] matrix (out x in) is held as ceil(n / 64) panels of [k, 64]: panel p, row kk holds
- * the 64 weights of outputs 64p .. 64p + 63 for input kk (outputs past n are zero). One panel row is
- * four 16-float vectors, so a tile of up to MR activation rows keeps its 64 outputs in MR x 4
+ * Layout: a [n, k] matrix (out x in) is held as ceil(n / 64) panels; one panel row is 256 bytes, the
+ * 64 weights of outputs 64p .. 64p + 63 (outputs past n are zero): for float32 one input's, so a
+ * panel is [k, 64]; for bfloat16 one pair of inputs' (2i, 2i + 1 side by side for each output, k
+ * even), so a panel is [k / 2, 64, 2], the operand layout of AVX512-BF16's dot product. A panel row is
+ * four 16-lane vectors, so a tile of up to MR activation rows keeps its 64 outputs in MR x 4 float32
  * accumulators while the panel streams past once, front to back: at one row that is a plain read of
  * the matrix (what a concurrency-1 step's products are limited by), at MR rows each weight vector
- * feeds MR fused multiply-adds (what a 64-row step's are limited by).
+ * feeds MR multiply-adds (what a 64-row step's are limited by).
  *
- * Order: each output is one chain of fused multiply-adds over kk = 0, 1, ..., k - 1 from zero, the
- * bias added last. Partial sums stored between blocks of KC inputs are reloaded exactly, so no
- * blocking, tile height or thread split changes a bit of the result: a row's output depends only on
- * that row, whatever the batch and the number of threads.
+ * Order: each float32 output is one chain of fused multiply-adds over kk = 0, 1, ..., k - 1 from zero,
+ * the bias added last. A bfloat16 output is one chain of the CPU's bfloat16 pair dot products
+ * (VDPBF16PS: its two products added to the sum) over the input pairs in order, plus the bias in
+ * float32, rounded once to bfloat16 (to nearest, ties to even, as torch's). Partial sums stored
+ * between blocks of KC rows are reloaded exactly, so no blocking, tile height or thread split changes
+ * a bit of the result: a row's output depends only on that row, whatever the batch and the threads.
  *
  * Work: (panel, block of MC rows) items, split in contiguous ranges over the threads; within one, the
  * panel's block of KC inputs stays in the core's L2 across the block's tiles, and the first tile
@@ -22,9 +26,11 @@
 
 #include "common.h"
 
-enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768 };
+enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, ROW_BYTES = 256 };
 
 typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
 
 static inline vf vload(const float *p) {
     vf v;
@@ -54,27 +60,61 @@ static inline __attribute__((always_inline)) void row_fma(vf a[4], const float *
 #endif
 }
 
-/* Rows 0 .. mr - 1 of x (row stride xs) times the panel w's inputs k0 .. k1 - 1: the sums continue from
- * src (row stride NR; NULL: from zero) and go to dst (row stride ds), plus bias (64 values) if given.
- * mr and pf are constants in each specialisation below, so the accumulators live in registers. */
-static inline __attribute__((always_inline)) void tile(int mr, int pf, const float *x, int64_t xs, const float *w,
-                                                       int64_t k0, int64_t k1, const float *src, float *dst,
-                                                       int64_t ds, const float *bias) {
+/* a[j] += the pair dot product of the bfloat16 pair at b (two inputs of one row) and the pairs in wj
+ * (16 outputs' weights for those two inputs), for the four vectors of one panel row. With AVX512-BF16
+ * one VDPBF16PS per vector, the pair broadcast by its load; elsewhere the same products widened to
+ * float32 (exact) and added odd input first, as the instruction's definition does. */
+static inline __attribute__((always_inline)) void row_dot(vf a[4], const uint16_t *b, vf w0, vf w1, vf w2, vf w3) {
+#ifdef __AVX512BF16__
+    typedef uint32_t __attribute__((may_alias)) pair_t;
+    __asm__("vdpbf16ps %4%{1to16%}, %5, %0\n\t"
+            "vdpbf16ps %4%{1to16%}, %6, %1\n\t"
+            "vdpbf16ps %4%{1to16%}, %7, %2\n\t"
+            "vdpbf16ps %4%{1to16%}, %8, %3"
+            : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3])
+            : "m"(*(const pair_t *)b), "v"(w0), "v"(w1), "v"(w2), "v"(w3));
+#else
+    float even = bf16_value(b[0]), odd = bf16_value(b[1]);
+    vf w[4] = {w0, w1, w2, w3};
+    for (int j = 0; j < 4; j++) {
+        vu bits;
+        memcpy(&bits, &w[j], sizeof bits);
+        vu lo = bits << 16, hi = bits & 0xffff0000u;
+        vf we, wo;
+        memcpy(&we, &lo, sizeof we);
+        memcpy(&wo, &hi, sizeof wo);
+        a[j] = (a[j] + wo * odd) + we * even;
+    }
+#endif
+}
+
+/* Rows 0 .. mr - 1 of x (kind ELEM_F32 or ELEM_BF16, row stride xs elements) times the panel w's rows
+ * k0 .. k1 - 1 (inputs, or bfloat16 input pairs): the sums continue from src (row stride NR; NULL:
+ * from zero) and go to dst (row stride ds), plus bias (64 values) if given. kind, mr and pf are
+ * constants in each specialisation below, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf, const void *x, int64_t xs,
+                                                       const void *w, int64_t k0, int64_t k1, const float *src,
+                                                       float *dst, int64_t ds, const float *bias) {
     vf a[MR][4];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
             if (r < mr) a[r][j] = src ? vload(src + r * NR + 16 * j) : (vf){0};
-    const float *wk = w + k0 * NR;
+    const char *wk = (const char *)w + k0 * ROW_BYTES;
 #pragma GCC unroll 4
-    for (int64_t kk = k0; kk < k1; kk++, wk += NR) {
+    for (int64_t kk = k0; kk < k1; kk++, wk += ROW_BYTES) {
         if (pf)
-            for (int line = 0; line < 4; line++) __builtin_prefetch((const char *)wk + PANEL_PREFETCH + 64 * line, 0, 3);
-        vf w0 = vload(wk), w1 = vload(wk + 16), w2 = vload(wk + 32), w3 = vload(wk + 48);
+            for (int line = 0; line < 4; line++) __builtin_prefetch(wk + PANEL_PREFETCH + 64 * line, 0, 3);
+        const float *row = (const float *)wk;
+        vf w0 = vload(row), w1 = vload(row + 16), w2 = vload(row + 32), w3 = vload(row + 48);
 #pragma GCC unroll 6
-        for (int r = 0; r < MR; r++)
-            if (r < mr) row_fma(a[r], x + r * xs + kk, w0, w1, w2, w3);
+        for (int r = 0; r < MR; r++) {
+            if (r < mr && kind == ELEM_BF16)
+                row_dot(a[r], (const uint16_t *)x + r * xs + 2 * kk, w0, w1, w2, w3);
+            else if (r < mr)
+                row_fma(a[r], (const float *)x + r * xs + kk, w0, w1, w2, w3);
+        }
     }
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
@@ -83,45 +123,82 @@ static inline __attribute__((always_inline)) void tile(int mr, int pf, const flo
             if (r < mr) vstore(dst + r * ds + 16 * j, bias ? a[r][j] + vload(bias + 16 * j) : a[r][j]);
 }
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, const float *, float *, int64_t,
+typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, const float *, float *, int64_t,
                         const float *);
 
-#define TILE(mr, pf)                                                                                           \
-    static void tile_##mr##_##pf(const float *x, int64_t xs, const float *w, int64_t k0, int64_t k1,          \
-                                 const float *src, float *dst, int64_t ds, const float *bias) {                \
-        tile(mr, pf, x, xs, w, k0, k1, src, dst, ds, bias);                                                    \
+#define TILE(kind, mr, pf)                                                                                     \
+    static void tile_##kind##_##mr##_##pf(const void *x, int64_t xs, const void *w, int64_t k0, int64_t k1,   \
+                                          const float *src, float *dst, int64_t ds, const float *bias) {       \
+        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias);                                              \
     }
-TILE(1, 0) TILE(2, 0) TILE(3, 0) TILE(4, 0) TILE(5, 0) TILE(6, 0)
-TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
-static const tile_fn TILES[2][MR + 1] = {
-    {0, tile_1_0, tile_2_0, tile_3_0, tile_4_0, tile_5_0, tile_6_0},
-    {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1, tile_5_1, tile_6_1},
-};
+#define TILES_OF(kind)                                                                                         \
+    TILE(kind, 1, 0) TILE(kind, 2, 0) TILE(kind, 3, 0) TILE(kind, 4, 0) TILE(kind, 5, 0) TILE(kind, 6, 0)      \
+    TILE(kind, 1, 1) TILE(kind, 2, 1) TILE(kind, 3, 1) TILE(kind, 4, 1) TILE(kind, 5, 1) TILE(kind, 6, 1)
+TILES_OF(0)
+TILES_OF(1)
+#define ROW_OF(kind, pf)                                                                                       \
+    {0, tile_##kind##_1_##pf, tile_##kind##_2_##pf, tile_##kind##_3_##pf, tile_##kind##_4_##pf,                \
+     tile_##kind##_5_##pf, tile_##kind##_6_##pf}
+/* TILES[kind][prefetch][rows] */
+static const tile_fn TILES[2][2][MR + 1] = {{ROW_OF(0, 0), ROW_OF(0, 1)}, {ROW_OF(1, 0), ROW_OF(1, 1)}};
 
-/* Rows r0 .. r1 - 1 of the product's panel p (its cols <= NR outputs from c0); buf holds MC x NR partial sums. */
-static void panel_block(const float *x, int64_t xs, const float *w, const float *bias, float *out, int64_t os,
-                        int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, float *buf) {
+/* 16 float32 values rounded to bfloat16 (to nearest, ties to even; NaN to torch's NaN), as bf16_round. */
+static inline void store_bf16x16(uint16_t *dst, vf v) {
+    vu bits;
+    memcpy(&bits, &v, sizeof bits);
+    vu nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    vu r = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    r = (r & ~nan) | (nan & 0x7fc0u);
+    vh h = __builtin_convertvector(r, vh);
+    memcpy(dst, &h, sizeof h);
+}
+
+/* One row's 64 float32 sums (+ bias, bfloat16, widened) rounded into cols <= NR bfloat16 outputs. */
+static void row_to_bf16(uint16_t *out, const float *sums, const uint16_t *bias, int64_t cols) {
+    float row[NR] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < NR; j++) row[j] = sums[j] + (bias && j < cols ? bf16_value(bias[j]) : 0.0f);
+    if (cols == NR) {
+        for (int j = 0; j < 4; j++) store_bf16x16(out + 16 * j, vload(row + 16 * j));
+    } else {
+        for (int64_t j = 0; j < cols; j++) out[j] = bf16_round(row[j]);
+    }
+}
+
+/* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows; buf
+ * holds MC x NR partial sums. A float32 product's full panels go straight to out, bias added. */
+static void panel_block(int kind, const void *x, int64_t xs, const void *w, const void *bias, void *out,
+                        int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, float *buf) {
+    int64_t size = kind == ELEM_BF16 ? 2 : 4;
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += KC) {
         int64_t k1 = k0 + KC < k ? k0 + KC : k;
-        int last = k1 == k, direct = last && cols == NR;
+        int last = k1 == k, direct = last && cols == NR && kind == ELEM_F32;
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
             float *part = buf + (r - r0) * NR;
-            float *dst = direct ? out + r * os + c0 : part;
-            const float *b = direct && bias ? bias + c0 : NULL;
-            TILES[r == r0][mr](x + r * xs, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b);
-            if (last && !direct) /* the last, partial panel: only its real outputs are written */
-                for (int i = 0; i < mr; i++)
-                    for (int64_t j = 0; j < cols; j++)
-                        out[(r + i) * os + c0 + j] = bias ? part[i * NR + j] + bias[c0 + j] : part[i * NR + j];
+            float *dst = direct ? (float *)out + r * os + c0 : part;
+            const float *b = direct && bias ? (const float *)bias + c0 : NULL;
+            TILES[kind][r == r0][mr]((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst,
+                                     direct ? os : NR, b);
+            if (!last || direct) continue;
+            for (int i = 0; i < mr; i++) { /* the rounding, or the last partial panel's real outputs */
+                if (kind == ELEM_BF16) {
+                    const uint16_t *bb = bias ? (const uint16_t *)bias + c0 : NULL;
+                    row_to_bf16((uint16_t *)out + (r + i) * os + c0, part + i * NR, bb, cols);
+                    continue;
+                }
+                float *o = (float *)out + (r + i) * os + c0;
+                for (int64_t j = 0; j < cols; j++)
+                    o[j] = bias ? part[i * NR + j] + ((const float *)bias)[c0 + j] : part[i * NR + j];
+            }
         }
     }
 }
 
-/* out [m, n] (row stride os) = x [m, k] (row stride xs) times the panels [ceil(n / 64), k, 64] of the
- * [n, k] matrix, plus bias [n] if given. */
-void pypto_panel_gemm(const float *x, int64_t xs, const float *panels, const float *bias, float *out, int64_t os,
-                      int64_t m, int64_t n, int64_t k, int threads) {
+/* out [m, n] (row stride os) = x [m, k] (row stride xs) times the panels of the [n, k] matrix, plus
+ * bias [n] if given; x, panels, bias and out all of kind (ELEM_F32 or ELEM_BF16; bfloat16: k even). */
+void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, const void *bias, void *out,
+                      int64_t os, int64_t m, int64_t n, int64_t k, int threads) {
+    int64_t rows = kind == ELEM_BF16 ? k / 2 : k; /* panel rows */
     int64_t count = (n + NR - 1) / NR, blocks = (m + MC - 1) / MC, items = count * blocks;
 #pragma omp parallel num_threads(threads)
     {
@@ -131,7 +208,8 @@ void pypto_panel_gemm(const float *x, int64_t xs, const float *panels, const flo
         for (int64_t item = lo; item < hi; item++) {
             int64_t p = item % count, r0 = item / count * MC, r1 = r0 + MC < m ? r0 + MC : m;
             int64_t c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
-            panel_block(x, xs, panels + p * k * NR, bias, out, os, r0, r1, c0, cols, k, buf);
+            const char *w = (const char *)panels + p * rows * ROW_BYTES;
+            panel_block(kind, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, buf);
         }
     }
 }

@@ -56,8 +56,8 @@ class QwenExecutor(Executor):
     the plain weights; float32 ones of 512 Ki elements or more on an x86 CPU without AVX-512 too, and
     of 64 Ki or more on a non-Intel x86 CPU with AVX-512, there into the native column panels where
     the native kernels are built; other float32: none), the output projection by the same rule;
-    ``onednn`` every float projection and the output projection so, ``panels`` every float32 one into
-    the native column panels (refused in bfloat16 or without the native kernels), ``mkl`` every float32
+    ``onednn`` every float projection and the output projection so, ``panels`` every float one into
+    the native column panels (refused without the native kernels), ``mkl`` every float32
     projection and the output projection for MKL's packed SGEMM at a full batch of ``max_num_seqs`` rows
     (beside the plain weights: twice their memory),
     ``reference`` none. A tied output projection (the embedding too) keeps its plain matrix and gets a
