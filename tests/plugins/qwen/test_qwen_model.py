@@ -185,6 +185,36 @@ def test_one_bfloat16_decode_row_reads_the_tied_head_through_the_native_gemv(
     assert rows == [1, 1, 1, 1, 1]  # the prefill's last row and four decode rows
 
 
+@pytest.mark.skipif(pypto_kernels.native.library() is None, reason="no native CPU kernels (no C compiler)")
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_bfloat16_panels_parity(
+    name: str,
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cpu_linear = "panels"`` in bfloat16: every projection (qwen2's with their biases) and the output
+    projection in bfloat16 panels, each multi-row and one-row product through them, within bfloat16's
+    tolerance of transformers in float32."""
+    rows: list[int] = []
+    panels = pypto_kernels.native.panel_linear
+    monkeypatch.setattr(
+        pypto_kernels.native, "panel_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or panels(x, *a)
+    )
+    path = qwen_checkpoints(name)
+    ex = _executor(path, dtype="bfloat16", max_num_seqs=3, executor_options={"cpu_linear": "panels"})
+    assert ex.model is not None and ex.model.lm_head_packed is not None
+    attn = ex.model.layers[0].self_attn
+    for weight in (attn.qkv_weight, attn.o_weight, ex.model.lm_head_packed):
+        assert isinstance(weight, pypto_kernels.PackedLinearWeight) and weight.library == "panels"
+        assert weight.packed.dtype == torch.bfloat16
+    seqs = dict(zip("ab", _prompts(ex.info.vocab_size, [11, 7], seed=4), strict=True))  # type: ignore[attr-defined]
+    schedule = [[("a", 10), ("b", 5)], [("a", 1), ("b", 1)], [("b", 1)]]
+    _run_schedule(ex, hf_reference(path), seqs, schedule, BF16_TOL)
+    layers = len(ex.model.layers)
+    assert sorted(rows) == sorted([15] * 4 * layers + [2] * 4 * layers + [1] * 4 * layers + [15, 2, 1])
+
+
 def test_sliding_window_changes_logits(
     qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any]
 ) -> None:
