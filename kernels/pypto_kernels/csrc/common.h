@@ -1,5 +1,5 @@
-/* What the native kernels share: element kinds, bfloat16 widening, the softmax's exponential and a
- * paged cache's description. */
+/* What the native kernels share: element kinds, 16-lane vectors, bfloat16 widening, the softmax's
+ * exponential and a paged cache's description. */
 #ifndef PYPTO_NATIVE_COMMON_H
 #define PYPTO_NATIVE_COMMON_H
 
@@ -9,6 +9,21 @@
 #include <string.h>
 
 enum { ELEM_F32 = 0, ELEM_BF16 = 1 };
+
+/* 16-lane vectors (GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones) and unaligned
+ * loads and stores of float ones. */
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 static inline float bf16_value(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;

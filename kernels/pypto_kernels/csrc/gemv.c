@@ -15,18 +15,6 @@
 
 enum { LANES = 16, PREFETCH = 32768 };
 
-typedef float vf __attribute__((vector_size(64)));
-
-static inline vf vload(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-
 /* 16 bfloat16 values widened to float32 (their bits in the upper half). */
 static inline vf vload_bf16(const uint16_t *p) {
     vh h;

@@ -28,18 +28,6 @@
 
 enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, ROW_BYTES = 256 };
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-
-static inline vf vload(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
 /* a[j] += *b * wj, fused, for the four vectors of one panel row. With AVX-512 the activation is
  * broadcast by each multiply-add's load ({1to16}) rather than by a separate broadcast: on the Zen 4
  * EPYC a broadcast takes a slot of the floating-point pipes the multiply-adds need (64-row products

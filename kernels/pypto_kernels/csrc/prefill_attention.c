@@ -24,16 +24,6 @@
 
 enum { KC = 16, QT = 64, RB = 8 };
 
-typedef float vf __attribute__((vector_size(64)));
-
-static inline vf vload(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 static inline float widen(const void *base, int kind, int64_t index) {
