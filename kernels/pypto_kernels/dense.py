@@ -64,7 +64,8 @@ class PackedLinearWeight:
     :param weight: the plain matrix (may be a transposed view, e.g. of an output projection stored
         ``[in, out]``); calls outside ``min_rows..max_rows`` multiply it. None for ``onednn`` and
         ``panels``, which serve every call: :meth:`plain` rebuilds it from the packed copy.
-    :param packed: the packed copy (an opaque oneDNN tensor, or ``panels``' ``[ceil(out / 64), in, 64]``).
+    :param packed: the packed copy (an opaque oneDNN tensor, or the ``panels`` of
+        :func:`pypto_kernels.native.pack_panels`).
     :param library: ``mkl``, ``onednn`` or ``panels`` (see the module doc).
     :param min_rows: the fewest rows (product of the leading dimensions) a call runs packed with.
     :param max_rows: the most (for ``mkl``, equal to ``min_rows``: the one count it was packed for).
@@ -135,11 +136,11 @@ def packing_rule(
       :data:`ONEDNN_FLOAT32_MIN_ELEMENTS` or more, in place of the plain matrix: 1.1-1.6x the plain
       product from 4 to 128 rows, even at one row on the largest; a 64-row decode step 1.05-1.07x.
     - float32 on a non-Intel x86 CPU with AVX-512 (the AMD EPYCs with AVX-512): the native column
-      panels where the native kernels are built (on the Zen 4 EPYC 1.2-3x oneDNN's packed products at
-      1-8 rows, 0.9-1.1x at 64, 0.86-0.93x at 256: a decode step's row counts gain, a long prefill
-      chunk's lose a little), else oneDNN, for weights of :data:`ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS`
-      or more: MKL, which torch's ``F.linear`` runs, takes a slow path off Intel CPUs (1.2-4.9x
-      oneDNN's time at 1-64 rows).
+      panels where the native kernels are built (on the Zen 4 EPYC 1.3-2.2x oneDNN's packed products
+      at one and two rows on Qwen3-0.6B's matrices, 0.98-1.11x at 8-64, 0.84-0.91x at 256: a decode
+      step's row counts gain, a long prefill chunk's lose), else oneDNN, for weights of
+      :data:`ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS` or more: MKL, which torch's ``F.linear`` runs, takes
+      a slow path off Intel CPUs (1.2-4.9x oneDNN's time at 1-64 rows).
     - float32 elsewhere stays plain: on the Intel AVX-512 CPU oneDNN's float32 path was slower than
       MKL's GEMV at one row (0.5-0.85x), and MKL's packed SGEMM (1.1-1.7x at exactly its batch) keeps
       the plain matrix beside its copy, twice the weights' memory, so it is opt-in
