@@ -19,9 +19,9 @@
  * a bit of the result: a row's output depends only on that row, whatever the batch and the threads.
  *
  * Work: (panel, block of MC rows) items, split in contiguous ranges over the threads; within one, the
- * panel's block of KC inputs stays in the core's L2 across the block's tiles, and the first tile
- * prefetches it PREFETCH bytes ahead (the next panel follows in memory). Vectors are GCC/Clang vector
- * extensions of 16 floats (one AVX-512 register; 24 accumulators need its 32 registers). */
+ * panel's block of KC rows stays in the core's L2 across the block's tiles, and the first tile
+ * prefetches it PANEL_PREFETCH bytes ahead (the next panel follows in memory). The 16-lane vectors
+ * are one AVX-512 register each; 24 accumulators need its 32 registers. */
 #include <omp.h>
 
 #include "common.h"
