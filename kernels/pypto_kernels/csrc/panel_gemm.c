@@ -18,10 +18,13 @@
  * between blocks of KC rows are reloaded exactly, so no blocking, tile height or thread split changes
  * a bit of the result: a row's output depends only on that row, whatever the batch and the threads.
  *
- * Work: (panel, block of MC rows) items, split in contiguous ranges over the threads; within one, the
- * panel's block of KC rows stays in the core's L2 across the block's tiles, and the first tile
- * prefetches it PANEL_PREFETCH bytes ahead (the next panel follows in memory). The 16-lane vectors
- * are one AVX-512 register each; 24 accumulators need its 32 registers. */
+ * Work: (panel, block of MC rows) items, panel by panel, split in contiguous ranges over the threads;
+ * within one, the panel's block of KC rows stays in the core's L2 across the block's tiles, and the
+ * first tile prefetches it PANEL_PREFETCH bytes ahead (the next panel follows in memory). A thread's
+ * consecutive items are one panel's row blocks, so a prefill chunk of several blocks reads each panel
+ * from memory once, not once per block (row block by row block, 256- and 512-row products ran
+ * 0.88-0.95x oneDNN's on two threads, panel by panel 0.94-1.00x). The 16-lane vectors are one
+ * AVX-512 register each; 24 accumulators need its 32 registers. */
 #include <omp.h>
 
 #include "common.h"
@@ -194,7 +197,7 @@ void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, c
         int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         int64_t share = (items + team - 1) / team, lo = me * share, hi = lo + share < items ? lo + share : items;
         for (int64_t item = lo; item < hi; item++) {
-            int64_t p = item % count, r0 = item / count * MC, r1 = r0 + MC < m ? r0 + MC : m;
+            int64_t p = item / blocks, r0 = item % blocks * MC, r1 = r0 + MC < m ? r0 + MC : m;
             int64_t c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
             const char *w = (const char *)panels + p * rows * ROW_BYTES;
             panel_block(kind, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, buf);
