@@ -111,7 +111,9 @@ ONEDNN_FLOAT32_MIN_ELEMENTS = 1 << 19
 #: with AVX-512 (64 Ki, a 256 x 256 projection): there MKL's products took 1.2-4.9x oneDNN's packed
 #: ones at one and at 64 rows on every Qwen-shaped projection from 256 x 256 to 6144 x 1024, cold
 #: (0.9x at 8 rows on 256 x 256 alone; the AMD EPYC with AVX-512, docs/benchmarks.md, "The AVX-512
-#: AMD machine"); smaller ones are not measured.
+#: AMD machine"); smaller ones are not measured. A bfloat16 weight of this size or more takes the
+#: native panels there where the CPU has AVX512-BF16 (256 x 256: 1.05-1.23x oneDNN's copy at 1-64
+#: rows on the Zen 4 EPYC); smaller ones keep oneDNN's.
 ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS = 1 << 16
 
 
@@ -123,14 +125,20 @@ def packing_rule(
     flags: frozenset[str] | None = None,
     vendor: str | None = None,
     native_kernels: bool | None = None,
+    inputs: int | None = None,
 ) -> tuple[str, int, int] | None:
     """``(library, min_rows, max_rows)`` for a CPU weight of ``dtype`` (and ``elements`` values) in an
-    engine whose full decode batch is ``batch_rows``, or None (plain products everywhere); ``flags``,
-    ``vendor`` and ``native_kernels`` stand in for this CPU's feature flags, its vendor id and whether
-    the native kernels are built (tests). Measured per CPU class (docs/benchmarks.md):
+    engine whose full decode batch is ``batch_rows``, or None (plain products everywhere); ``inputs``
+    is the weight's input count (bfloat16 panels pair the inputs: an odd count keeps oneDNN);
+    ``flags``, ``vendor`` and ``native_kernels`` stand in for this CPU's feature flags, its vendor id
+    and whether the native kernels are built (tests). Measured per CPU class (docs/benchmarks.md):
 
-    - bfloat16 through oneDNN at every row count (1.2-2x ``F.linear`` at 1-16 rows, about even at
-      64, on an AVX-512 CPU); on a CPU without oneDNN's bf16 instructions (:func:`onednn_supports`)
+    - bfloat16 on a non-Intel x86 CPU with AVX-512 and AVX512-BF16 (the Zen 4 EPYC): the native
+      column panels where they are built, for weights of :data:`ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS`
+      or more and an even input count (1.0-1.8x oneDNN's packed products at 1-8 rows, 0.95-1.11x at
+      64-256 on the Qwen-shaped projections and output projections).
+    - other bfloat16 through oneDNN at every row count (1.2-2x ``F.linear`` at 1-16 rows, about even
+      at 64, on an AVX-512 CPU); on a CPU without oneDNN's bf16 instructions (:func:`onednn_supports`)
       it stays plain.
     - float32 on an x86 CPU without AVX-512 (the AVX2 AMD EPYC): oneDNN for weights of
       :data:`ONEDNN_FLOAT32_MIN_ELEMENTS` or more, in place of the plain matrix: 1.1-1.6x the plain
@@ -146,20 +154,37 @@ def packing_rule(
       the plain matrix beside its copy, twice the weights' memory, so it is opt-in
       (``pack_linear(..., library="mkl")``)."""
     del batch_rows  # float32's MKL packing, the one rule that needs it, is opt-in
-    if dtype == torch.bfloat16 and onednn_supports(dtype):
-        return ("onednn", 1, NEVER)
+    if dtype == torch.bfloat16:
+        paired = inputs is not None and inputs % 2 == 0
+        if paired and _bf16_panels(elements, flags, vendor, native_kernels):
+            return ("panels", 1, NEVER)
+        return ("onednn", 1, NEVER) if onednn_supports(dtype) else None
     if dtype != torch.float32 or elements is None or not onednn_supports(dtype):
         return None
     have = device.cpu_flags() if flags is None else flags
     if _avx2_without_avx512(have):
         return ("onednn", 1, NEVER) if elements >= ONEDNN_FLOAT32_MIN_ELEMENTS else None
-    if "avx512f" not in have:
+    if "avx512f" not in have or not _non_intel(vendor) or elements < ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS:
         return None
-    maker = device.cpu_vendor() if vendor is None else vendor
-    if maker == "GenuineIntel" or elements < ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS:
-        return None
-    native_built = native.library() is not None if native_kernels is None else native_kernels
-    return ("panels" if native_built else "onednn", 1, NEVER)
+    return ("panels" if _native_built(native_kernels) else "onednn", 1, NEVER)
+
+
+def _non_intel(vendor: str | None) -> bool:
+    return (device.cpu_vendor() if vendor is None else vendor) != "GenuineIntel"
+
+
+def _native_built(native_kernels: bool | None) -> bool:
+    return native.library() is not None if native_kernels is None else native_kernels
+
+
+def _bf16_panels(
+    elements: int | None, flags: frozenset[str] | None, vendor: str | None, native_kernels: bool | None
+) -> bool:
+    """Whether a bfloat16 weight of ``elements`` values takes the native panels (see :func:`packing_rule`):
+    their pair dot products need AVX512-BF16, which the native build then compiles in."""
+    have = device.cpu_flags() if flags is None else flags
+    big = elements is not None and elements >= ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS
+    return big and {"avx512f", "avx512_bf16"} <= have and _non_intel(vendor) and _native_built(native_kernels)
 
 
 def _avx2_without_avx512(flags: frozenset[str]) -> bool:
@@ -198,7 +223,7 @@ def pack_linear(
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     if library is None:
-        rule = packing_rule(weight.dtype, batch_rows, elements=weight.numel())
+        rule = packing_rule(weight.dtype, batch_rows, elements=weight.numel(), inputs=weight.shape[1])
         if rule is not None and rule[0] in ("onednn", "panels"):
             rule = (rule[0], min_rows, rule[2])
     elif library == "mkl":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -103,9 +104,22 @@ def test_packing_rule() -> None:
     for elements in (amd512, big):
         assert K.packing_rule(torch.float32, 64, elements=elements, native_kernels=True, **amd) == ("panels", 1, NEVER)
     assert K.packing_rule(torch.float32, 64, elements=amd512 - 1, native_kernels=True, **amd) is None
-    assert K.packing_rule(torch.bfloat16, 64, elements=big, native_kernels=True, **amd) == K.packing_rule(
-        torch.bfloat16, 64
-    )  # bfloat16 stays oneDNN's
+    # bfloat16: the panels on a non-Intel CPU with AVX-512 and AVX512-BF16, from 64 Ki elements and for
+    # an even input count (they pair the inputs), where the native kernels are built; else oneDNN's.
+    bf16_onednn = K.packing_rule(torch.bfloat16, 64)
+    amd_bf16 = {"flags": avx512 | {"avx512_bf16"}, "vendor": "AuthenticAMD"}
+    panels = ("panels", 1, NEVER)
+    assert K.packing_rule(torch.bfloat16, 64, elements=amd512, inputs=256, native_kernels=True, **amd_bf16) == panels
+    for changed in (
+        {"inputs": 255},  # odd
+        {"inputs": None},  # not known
+        {"elements": amd512 - 1},
+        {"native_kernels": False},
+        {"flags": avx512},  # no AVX512-BF16
+        {"vendor": "GenuineIntel"},  # AMX / oneDNN's own bf16 kernels there
+    ):
+        args: dict[str, Any] = {"elements": amd512, "inputs": 256, "native_kernels": True, **amd_bf16, **changed}
+        assert K.packing_rule(torch.bfloat16, 64, **args) == bf16_onednn, changed
     intel = {"flags": avx512, "vendor": "GenuineIntel", "native_kernels": True}
     assert K.packing_rule(torch.float32, 64, elements=big, **intel) is None
     assert K.packing_rule(torch.float32, 64, elements=big, flags=frozenset({"asimd"}), vendor="") is None  # Arm

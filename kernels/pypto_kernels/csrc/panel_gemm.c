@@ -79,13 +79,34 @@ static inline __attribute__((always_inline)) void row_dot(vf a[4], const uint16_
 #endif
 }
 
+/* 16 float32 values rounded to bfloat16 (to nearest, ties to even; NaN to torch's NaN), as bf16_round. */
+static inline void store_bf16x16(uint16_t *dst, vf v) {
+    vu bits;
+    memcpy(&bits, &v, sizeof bits);
+    vu nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    vu r = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    r = (r & ~nan) | (nan & 0x7fc0u);
+    vh h = __builtin_convertvector(r, vh);
+    memcpy(dst, &h, sizeof h);
+}
+
+/* 16 bfloat16 values widened (exactly) to float32. */
+static inline vf vload_bf16(const uint16_t *src) {
+    vh h;
+    memcpy(&h, src, sizeof h);
+    vu bits = __builtin_convertvector(h, vu) << 16;
+    vf v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
 /* Rows 0 .. mr - 1 of x (kind ELEM_F32 or ELEM_BF16, row stride xs elements) times the panel w's rows
  * k0 .. k1 - 1 (inputs, or bfloat16 input pairs): the sums continue from src (row stride NR; NULL:
  * from zero) and go to dst (row stride ds), plus bias (64 values) if given. kind, mr and pf are
  * constants in each specialisation below, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf, const void *x, int64_t xs,
                                                        const void *w, int64_t k0, int64_t k1, const float *src,
-                                                       float *dst, int64_t ds, const float *bias) {
+                                                       void *dst, int64_t ds, const void *bias, int narrow) {
     vf a[MR][4];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
@@ -107,20 +128,32 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
                 row_fma(a[r], (const float *)x + r * xs + kk, w0, w1, w2, w3);
         }
     }
+    if (narrow) { /* the sums plus the bfloat16 bias (or zero), rounded once, as row_to_bf16 */
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+                if (r < mr)
+                    store_bf16x16((uint16_t *)dst + r * ds + 16 * j,
+                                  a[r][j] + (bias ? vload_bf16((const uint16_t *)bias + 16 * j) : (vf){0}));
+        return;
+    }
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
-            if (r < mr) vstore(dst + r * ds + 16 * j, bias ? a[r][j] + vload(bias + 16 * j) : a[r][j]);
+            if (r < mr)
+                vstore((float *)dst + r * ds + 16 * j, bias ? a[r][j] + vload((const float *)bias + 16 * j) : a[r][j]);
 }
 
-typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, const float *, float *, int64_t,
-                        const float *);
+typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, const float *, void *, int64_t,
+                        const void *, int);
 
 #define TILE(kind, mr, pf)                                                                                     \
     static void tile_##kind##_##mr##_##pf(const void *x, int64_t xs, const void *w, int64_t k0, int64_t k1,   \
-                                          const float *src, float *dst, int64_t ds, const float *bias) {       \
-        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias);                                              \
+                                          const float *src, void *dst, int64_t ds, const void *bias,           \
+                                          int narrow) {                                                        \
+        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias, narrow);                                      \
     }
 #define TILES_OF(kind)                                                                                         \
     TILE(kind, 1, 0) TILE(kind, 2, 0) TILE(kind, 3, 0) TILE(kind, 4, 0) TILE(kind, 5, 0) TILE(kind, 6, 0)      \
@@ -133,45 +166,31 @@ TILES_OF(1)
 /* TILES[kind][prefetch][rows] */
 static const tile_fn TILES[2][2][MR + 1] = {{ROW_OF(0, 0), ROW_OF(0, 1)}, {ROW_OF(1, 0), ROW_OF(1, 1)}};
 
-/* 16 float32 values rounded to bfloat16 (to nearest, ties to even; NaN to torch's NaN), as bf16_round. */
-static inline void store_bf16x16(uint16_t *dst, vf v) {
-    vu bits;
-    memcpy(&bits, &v, sizeof bits);
-    vu nan = (bits & 0x7fffffffu) > 0x7f800000u;
-    vu r = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    r = (r & ~nan) | (nan & 0x7fc0u);
-    vh h = __builtin_convertvector(r, vh);
-    memcpy(dst, &h, sizeof h);
-}
-
-/* One row's 64 float32 sums (+ bias, bfloat16, widened) rounded into cols <= NR bfloat16 outputs. */
+/* One row's first cols < NR float32 sums (+ bias, bfloat16, widened, or zero) rounded into bfloat16
+ * outputs: the last panel's, where it is partial. */
 static void row_to_bf16(uint16_t *out, const float *sums, const uint16_t *bias, int64_t cols) {
-    float row[NR] __attribute__((aligned(64)));
-    for (int64_t j = 0; j < NR; j++) row[j] = sums[j] + (bias && j < cols ? bf16_value(bias[j]) : 0.0f);
-    if (cols == NR) {
-        for (int j = 0; j < 4; j++) store_bf16x16(out + 16 * j, vload(row + 16 * j));
-    } else {
-        for (int64_t j = 0; j < cols; j++) out[j] = bf16_round(row[j]);
-    }
+    for (int64_t j = 0; j < cols; j++) out[j] = bf16_round(sums[j] + (bias ? bf16_value(bias[j]) : 0.0f));
 }
 
 /* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows; buf
- * holds MC x NR partial sums. A float32 product's full panels go straight to out, bias added. */
+ * holds MC x NR partial sums. A full panel's last block goes from the registers straight to out, bias
+ * added (bfloat16: then rounded; through buf and a scalar pass the rounding took about a fifth of a
+ * 6-row tile's time where the matrix has 256 inputs). */
 static void panel_block(int kind, const void *x, int64_t xs, const void *w, const void *bias, void *out,
                         int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, float *buf) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4;
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += KC) {
         int64_t k1 = k0 + KC < k ? k0 + KC : k;
-        int last = k1 == k, direct = last && cols == NR && kind == ELEM_F32;
+        int last = k1 == k, direct = last && cols == NR;
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
             float *part = buf + (r - r0) * NR;
-            float *dst = direct ? (float *)out + r * os + c0 : part;
-            const float *b = direct && bias ? (const float *)bias + c0 : NULL;
+            void *dst = direct ? (char *)out + (r * os + c0) * size : (void *)part;
+            const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
             TILES[kind][r == r0][mr]((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst,
-                                     direct ? os : NR, b);
+                                     direct ? os : NR, b, direct && kind == ELEM_BF16);
             if (!last || direct) continue;
-            for (int i = 0; i < mr; i++) { /* the rounding, or the last partial panel's real outputs */
+            for (int i = 0; i < mr; i++) { /* the last partial panel's real outputs */
                 if (kind == ELEM_BF16) {
                     const uint16_t *bb = bias ? (const uint16_t *)bias + c0 : NULL;
                     row_to_bf16((uint16_t *)out + (r + i) * os + c0, part + i * NR, bb, cols);

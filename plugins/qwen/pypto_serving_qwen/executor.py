@@ -53,9 +53,11 @@ class QwenExecutor(Executor):
     ``graph_warmup`` (``load`` or ``lazy``); see :mod:`pypto_serving_qwen.graph`. ``cpu_linear``
     (``auto``, ``mkl``, ``onednn``, ``panels``, ``reference``): on the CPU in eager mode, ``auto``
     packs by :func:`pypto_kernels.packing_rule` (bfloat16 projections: oneDNN's layout, in place of
-    the plain weights; float32 ones of 512 Ki elements or more on an x86 CPU without AVX-512 too, and
-    of 64 Ki or more on a non-Intel x86 CPU with AVX-512, there into the native column panels where
-    the native kernels are built; other float32: none), the output projection by the same rule;
+    the plain weights, or the native column panels for those of 64 Ki elements or more with an even
+    input count on a non-Intel x86 CPU with AVX-512 and AVX512-BF16 where the native kernels are
+    built; float32 ones of 512 Ki elements or more on an x86 CPU without AVX-512 too, and of 64 Ki
+    or more on a non-Intel x86 CPU with AVX-512, there into the native column panels where the
+    native kernels are built; other float32: none), the output projection by the same rule;
     ``onednn`` every float projection and the output projection so, ``panels`` every float one into
     the native column panels (refused without the native kernels), ``mkl`` every float32
     projection and the output projection for MKL's packed SGEMM at a full batch of ``max_num_seqs`` rows

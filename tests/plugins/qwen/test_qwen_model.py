@@ -186,26 +186,32 @@ def test_one_bfloat16_decode_row_reads_the_tied_head_through_the_native_gemv(
 
 
 @pytest.mark.skipif(pypto_kernels.native.library() is None, reason="no native CPU kernels (no C compiler)")
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize(("name", "choice"), [("qwen2", "panels"), ("qwen3", "panels"), ("qwen3", "auto")])
 def test_bfloat16_panels_parity(
     name: str,
+    choice: str,
     qwen_checkpoints: Callable[[str], Path],
     hf_reference: Callable[[Path], Any],
+    cpu_flags: Callable[..., None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``cpu_linear = "panels"`` in bfloat16: every projection (qwen2's with their biases) and the output
-    projection in bfloat16 panels, each multi-row and one-row product through them, within bfloat16's
-    tolerance of transformers in float32."""
+    """``cpu_linear = "panels"`` in bfloat16, and ``auto`` on a non-Intel CPU with AVX-512 and
+    AVX512-BF16 (the rule's size lowered so the tiny weights qualify): every projection (qwen2's with
+    their biases) and the output projection in bfloat16 panels, each multi-row and one-row product
+    through them, within bfloat16's tolerance of transformers in float32."""
+    if choice == "auto":
+        monkeypatch.setattr(pypto_kernels.dense, "ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS", 1)
+        cpu_flags("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", vendor="AuthenticAMD")
     rows: list[int] = []
     panels = pypto_kernels.native.panel_linear
     monkeypatch.setattr(
         pypto_kernels.native, "panel_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or panels(x, *a)
     )
     path = qwen_checkpoints(name)
-    ex = _executor(path, dtype="bfloat16", max_num_seqs=3, executor_options={"cpu_linear": "panels"})
+    ex = _executor(path, dtype="bfloat16", max_num_seqs=3, executor_options={"cpu_linear": choice})
     assert ex.model is not None and ex.model.lm_head_packed is not None
-    attn = ex.model.layers[0].self_attn
-    for weight in (attn.qkv_weight, attn.o_weight, ex.model.lm_head_packed):
+    attn, mlp = ex.model.layers[0].self_attn, ex.model.layers[0].mlp
+    for weight in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight, ex.model.lm_head_packed):
         assert isinstance(weight, pypto_kernels.PackedLinearWeight) and weight.library == "panels"
         assert weight.packed.dtype == torch.bfloat16
     seqs = dict(zip("ab", _prompts(ex.info.vocab_size, [11, 7], seed=4), strict=True))  # type: ignore[attr-defined]
