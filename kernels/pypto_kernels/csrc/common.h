@@ -25,6 +25,16 @@ static inline vf vload(const float *p) {
 
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* 16 bfloat16 values widened (exactly) to float32: their bits in the upper half. */
+static inline vf vload_bf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 static inline float bf16_value(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float f;

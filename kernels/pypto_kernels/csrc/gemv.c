@@ -15,16 +15,6 @@
 
 enum { LANES = 16, PREFETCH = 32768 };
 
-/* 16 bfloat16 values widened to float32 (their bits in the upper half). */
-static inline vf vload_bf16(const uint16_t *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    vu u = __builtin_convertvector(h, vu) << 16;
-    vf f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* 16 values of the matrix (kind ELEM_F32 or ELEM_BF16) from element index i of a row. */
 static inline vf vload_kind(const void *row, int kind, int64_t i) {
     return kind == ELEM_BF16 ? vload_bf16((const uint16_t *)row + i) : vload((const float *)row + i);

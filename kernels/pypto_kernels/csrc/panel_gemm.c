@@ -90,16 +90,6 @@ static inline void store_bf16x16(uint16_t *dst, vf v) {
     memcpy(dst, &h, sizeof h);
 }
 
-/* 16 bfloat16 values widened (exactly) to float32. */
-static inline vf vload_bf16(const uint16_t *src) {
-    vh h;
-    memcpy(&h, src, sizeof h);
-    vu bits = __builtin_convertvector(h, vu) << 16;
-    vf v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
 /* Rows 0 .. mr - 1 of x (kind ELEM_F32 or ELEM_BF16, row stride xs elements) times the panel w's rows
  * k0 .. k1 - 1 (inputs, or bfloat16 input pairs): the sums continue from src (row stride NR; NULL:
  * from zero) and go to dst (row stride ds), plus bias (64 values) if given. kind, mr and pf are
