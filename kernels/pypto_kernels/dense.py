@@ -145,8 +145,8 @@ def packing_rule(
       product from 4 to 128 rows, even at one row on the largest; a 64-row decode step 1.05-1.07x.
     - float32 on a non-Intel x86 CPU with AVX-512 (the AMD EPYCs with AVX-512): the native column
       panels where the native kernels are built (on the Zen 4 EPYC 1.3-2.2x oneDNN's packed products
-      at one and two rows on Qwen3-0.6B's matrices, 0.98-1.11x at 8-64, 0.84-0.91x at 256: a decode
-      step's row counts gain, a long prefill chunk's lose), else oneDNN, for weights of
+      at one and two rows on Qwen3-0.6B's matrices, 0.98-1.11x at 8-64, 0.93-1.00x at 256: a decode
+      step's row counts gain, a long prefill chunk's are about even), else oneDNN, for weights of
       :data:`ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS` or more: MKL, which torch's ``F.linear`` runs, takes
       a slow path off Intel CPUs (1.2-4.9x oneDNN's time at 1-64 rows).
     - float32 elsewhere stays plain: on the Intel AVX-512 CPU oneDNN's float32 path was slower than

@@ -51,6 +51,14 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+def _count_panel_rows(monkeypatch: pytest.MonkeyPatch, rows: list[int]) -> None:
+    """Append to ``rows`` the row count of every native panel product that runs from now on."""
+    panels = pypto_kernels.native.panel_linear
+    monkeypatch.setattr(
+        pypto_kernels.native, "panel_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or panels(x, *a)
+    )
+
+
 def _run_schedule(
     ex: QwenExecutor,
     hf: Any,
@@ -203,10 +211,7 @@ def test_bfloat16_panels_parity(
         monkeypatch.setattr(pypto_kernels.dense, "ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS", 1)
         cpu_flags("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", vendor="AuthenticAMD")
     rows: list[int] = []
-    panels = pypto_kernels.native.panel_linear
-    monkeypatch.setattr(
-        pypto_kernels.native, "panel_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or panels(x, *a)
-    )
+    _count_panel_rows(monkeypatch, rows)
     path = qwen_checkpoints(name)
     ex = _executor(path, dtype="bfloat16", max_num_seqs=3, executor_options={"cpu_linear": choice})
     assert ex.model is not None and ex.model.lm_head_packed is not None
@@ -439,10 +444,7 @@ def test_packed_linears_parity(
         monkeypatch.setattr(
             getattr(torch.ops, space), attr, lambda *a, _real=real, **k: calls.append(a[0].shape[0]) or _real(*a, **k)
         )
-    panels = pypto_kernels.native.panel_linear
-    monkeypatch.setattr(
-        pypto_kernels.native, "panel_linear", lambda x, *a: calls.append(x.numel() // x.shape[-1]) or panels(x, *a)
-    )
+    _count_panel_rows(monkeypatch, calls)
     path = qwen_checkpoints(name)
     ex = _executor(path, max_num_seqs=3, executor_options={"cpu_linear": library})
     assert ex.model is not None
@@ -581,10 +583,7 @@ def test_cpu_linear_auto_float32_panels_on_amd_avx512(
     assert head is not None and head.library == "panels" and head.out_features == ex.info.vocab_size  # type: ignore[attr-defined]
     assert (head.weight is not None) == (name == "qwen2_tied")
     rows: list[int] = []
-    panels = pypto_kernels.native.panel_linear
-    monkeypatch.setattr(
-        pypto_kernels.native, "panel_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or panels(x, *a)
-    )
+    _count_panel_rows(monkeypatch, rows)
     onednn: list[int] = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: onednn.append(x.shape[0]) or real(x, *a))
