@@ -461,8 +461,10 @@ class AsyncLLM:
                 outputs = engine.check_worker()
             if engine.dead_reason is not None:
                 self.restarting = engine.dead_reason  # set first: the handlers of these outputs name it
-            self._dispatch(outputs)
+            # Stats before the outputs: a client answered by them may send its next request at once,
+            # and back-pressure must not count the finished request's sequences as still waiting.
             self.stats = engine.stats()
+            self._dispatch(outputs)
             if self.metrics is not None:
                 self.metrics.update_engine(self.stats, False)
             if engine.dead_reason is not None:
