@@ -47,6 +47,7 @@ __all__ = [
     "NATIVE_DTYPES",
     "PANEL_WIDTH",
     "bf16_dot_available",
+    "blocked_attention_available",
     "cache_dir",
     "gemv",
     "gemv_takes",
@@ -165,8 +166,10 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_paged_attention.restype = ctypes.c_int
     lib.pypto_paged_attention.argtypes = [
         _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64,
-        _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int,
+        _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int, ctypes.c_int,
     ]  # fmt: skip
+    lib.pypto_attention_blocked.restype = ctypes.c_int
+    lib.pypto_attention_blocked.argtypes = []
     lib.pypto_prefill_attention.restype = ctypes.c_int
     lib.pypto_prefill_attention.argtypes = [
         _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
@@ -224,6 +227,13 @@ def bf16_dot_available() -> bool:
     return lib is not None and bool(lib.pypto_bf16_dot())
 
 
+def blocked_attention_available() -> bool:
+    """Whether the built library has the decode attention's blocked passes (it was compiled on a CPU
+    with AVX-512): 16 keys' scores summed at once and the value sums in registers."""
+    lib = library()
+    return lib is not None and bool(lib.pypto_attention_blocked())
+
+
 def _bf16_dot_applies(query: torch.Tensor, key_cache: torch.Tensor, lib: ctypes.CDLL) -> bool:
     bf16 = query.dtype == key_cache.dtype == torch.bfloat16
     return bf16 and key_cache.shape[-1] % 32 == 0 and bool(lib.pypto_bf16_dot())
@@ -239,6 +249,7 @@ def paged_attention(
     sinks: torch.Tensor | None,
     out: torch.Tensor | None = None,
     bf16_dot: bool = True,
+    blocked: bool = True,
 ) -> torch.Tensor:
     """Query rows over the paged caches, read in place, into float32 ``out`` ``[R, Hq, Dv]`` (rows not
     named are left as they are).
@@ -246,6 +257,10 @@ def paged_attention(
     A bfloat16 query over a bfloat16 cache (head dim a multiple of 32) takes AVX512-BF16's pairwise
     dot products for the scores where the library has them (:func:`bf16_dot_available`): the same
     exact products as widening each key, summed in another order; ``bf16_dot=False`` widens instead.
+    Where the library has the blocked passes (:func:`blocked_attention_available`) and the head dim
+    is a multiple of 16 and the value head dim of 32, they run (16 keys' scores summed at once, the
+    value sums in registers: the same products, summed in another order than the per-key passes);
+    ``blocked=False`` runs the per-key passes.
 
     :param query: ``[R, Hq, D]`` (any float dtype; read as float32).
     :param key_cache: ``[blocks, block_size, Hkv, D]``, a dtype of :data:`NATIVE_DTYPES`, last dimension
@@ -279,7 +294,7 @@ def paged_attention(
         tables.stride(0), *(base + i * column_bytes for i in range(4)), columns.shape[1], q.shape[1],
         key_cache.shape[2], key_cache.shape[3], value_cache.shape[3], key_cache.shape[1], scale,
         None if sink is None else sink.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
-        None if query_bf16 is None else query_bf16.data_ptr(), torch.get_num_threads(),
+        None if query_bf16 is None else query_bf16.data_ptr(), int(not blocked), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the native paged attention could not allocate its per-thread scratch")

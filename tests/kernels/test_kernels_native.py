@@ -211,6 +211,72 @@ def test_bfloat16_queries_take_the_bf16_dot_product_with_the_same_result(head_di
     assert not torch.equal(dotted, widened)
 
 
+# Decode rows of every length about a 16-key block (one, a block less one, a block, a block and one,
+# two blocks either side) and longer, and a speculative run of three queries.
+BLOCKED_BATCH = [(1, 1), (1, 15), (1, 16), (1, 17), (1, 31), (1, 32), (1, 33), (1, 300), (3, 45)]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim", "window", "with_sinks"),
+    [(4, 4, 64, None, False), (4, 2, 64, 20, True), (16, 8, 128, None, False), (8, 2, 128, None, True),
+     (14, 2, 96, 37, False), (7, 1, 32, None, False)],
+)  # fmt: skip
+def test_blocked_decode_attention_is_the_naive_loop(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, window: int | None, with_sinks: bool
+) -> None:
+    """The blocked passes (16 keys' scores summed at once, the value sums in registers: query heads one,
+    two, four and seven = 4 + 2 + 1 at a time, value dims 32 to 128 per tile, bfloat16 values widened
+    into even and odd dims) against the naive loop over the same values, for float32 and bfloat16
+    caches, bfloat16 queries (the bf16 dot product where built) and float32 ones over a bfloat16 cache
+    (the keys widened). The per-key passes give the same to float32 rounding."""
+    if not native.blocked_attention_available():
+        pytest.skip("this CPU has no AVX-512: the library is built without the blocked passes")
+    gen = torch.Generator().manual_seed(num_q_heads * head_dim + (window or 0))
+    data = build_paged_batch(BLOCKED_BATCH, 16, num_q_heads, num_kv_heads, head_dim, head_dim, dtype, gen)
+    if num_kv_heads > 1:  # one KV head: the two layouts are one
+        data = _head_major(data)
+    sinks = torch.randn(num_q_heads, generator=gen) if with_sinks else None
+    tables, spans = attention_module._tables_and_spans(
+        data["query"], data["key_cache"], data["block_tables"], data["query_start_loc"], data["seq_lens"],
+        window, None, None,
+    )  # fmt: skip
+    rows = attention_module._native_rows(spans, window)
+    expected = expected_paged(data, 0.25, window, sinks)
+    queries = [data["query"]] if dtype == torch.float32 else [data["query"], data["query"].float()]
+    for query in queries:
+        args = (query, data["key_cache"], data["value_cache"], tables, rows, 0.25, sinks)
+        blocked = native.paged_attention(*args)
+        per_key = native.paged_attention(*args, blocked=False)
+        torch.testing.assert_close(blocked, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(per_key, expected, atol=1e-5, rtol=1e-5)
+        # The bf16 dot product's sums are the per-key passes' to the bit (the 16 lane sums by the same
+        # tree); the others' are not, which shows the blocked passes ran.
+        dotted = query.dtype == torch.bfloat16 and native.bf16_dot_available()
+        assert torch.equal(blocked, per_key) == dotted
+
+
+@needs_native
+def test_blocked_decode_attention_of_a_row_depends_only_on_its_own_inputs() -> None:
+    """Each row's result is the same bits in one call with the others on one thread as alone on two
+    (bfloat16 cache, dot product where built: the engine's default on such a CPU)."""
+    gen = torch.Generator().manual_seed(5)
+    data = build_paged_batch([(3, 70), (1, 68), (1, 40)], 16, 8, 2, 64, 64, torch.bfloat16, gen)
+    rows = torch.tensor([[0, 0, 0, 68], [1, 0, 0, 69], [2, 0, 0, 70], [3, 1, 0, 68], [4, 2, 0, 40]])
+    args = (data["query"], data["key_cache"], data["value_cache"], data["block_tables"])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        together = native.paged_attention(*args, rows, 0.25, None)
+        torch.set_num_threads(max(2, threads))
+        for r in range(rows.shape[0]):
+            alone = native.paged_attention(*args, rows[r : r + 1], 0.25, None)
+            assert torch.equal(together[r], alone[r])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_cache_directory_without_a_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A user without a home directory (no $HOME, no password entry) builds into the temporary
     directory instead of failing; the explicit settings win in order."""
