@@ -20,6 +20,7 @@ Devices register fused fast paths.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from itertools import pairwise
@@ -915,7 +916,13 @@ NATIVE_MAX_QUERIES = 16
 def _native_rows(spans: list[_Span], window: int | None) -> torch.Tensor:
     """:func:`pypto_kernels.native.paged_attention`'s rows for every query of ``spans``: query ``i`` of
     a run of ``n`` ending at key ``hi`` sees the keys up to its own position ``hi - n + i`` (causal),
-    the last ``window`` of them under a sliding window."""
+    the last ``window`` of them under a sliding window. Every layer of a step asks for the same rows:
+    the last few answers are kept (never written to by their callers)."""
+    return _native_rows_of(tuple(spans), window)
+
+
+@functools.lru_cache(maxsize=4)
+def _native_rows_of(spans: tuple[_Span, ...], window: int | None) -> torch.Tensor:
     entries = []
     for span in spans:
         for i in range(span.num_queries):

@@ -277,7 +277,9 @@ def paged_attention(
     lib = library()
     if lib is None:
         raise RuntimeError("the native CPU kernels are not available (see the log)")
-    q = query.to(torch.float32).contiguous()
+    # The bfloat16 dot product reads the query as it is: no float32 copy is made for it.
+    query_bf16 = query.contiguous() if bf16_dot and _bf16_dot_applies(query, key_cache, lib) else None
+    q = query_bf16 if query_bf16 is not None else query.to(torch.float32).contiguous()
     tables = tables.to(torch.int64).contiguous()
     columns = rows.to(torch.int64).t().contiguous()
     if out is None:
@@ -285,11 +287,11 @@ def paged_attention(
     if out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor, got {out.dtype} with strides {out.stride()}")
     sink = None if sinks is None else sinks.to(torch.float32).contiguous()
-    query_bf16 = query.contiguous() if bf16_dot and _bf16_dot_applies(query, key_cache, lib) else None
     k_strides, v_strides = _element_strides(key_cache), _element_strides(value_cache)
     base, column_bytes = columns.data_ptr(), columns.stride(0) * columns.element_size()  # no select op per column
     status = lib.pypto_paged_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+        None if query_bf16 is not None else q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(),
+        value_cache.data_ptr(),
         NATIVE_DTYPES[key_cache.dtype], k_strides, v_strides, tables.data_ptr(),
         tables.stride(0), *(base + i * column_bytes for i in range(4)), columns.shape[1], q.shape[1],
         key_cache.shape[2], key_cache.shape[3], value_cache.shape[3], key_cache.shape[1], scale,

@@ -414,9 +414,9 @@ static void attend_one(const Item *it, const Cache *k, const Cache *v, const int
 
 /* Returns 0, or -1 when a thread's scratch could not be allocated (out is then incomplete).
  * query_bf16: the query in bfloat16 with q's strides, for bfloat16 caches of a dim that is a multiple
- * of 32 where pypto_bf16_dot() is 1 (NULL: the float32 query is used). per_key: 1 for the per-key
- * passes even where the blocked ones apply (a head dim that is a multiple of 16, a value dim of 32, a
- * build where pypto_attention_blocked() is 1). */
+ * of 32 where pypto_bf16_dot() is 1 (NULL: the float32 query q is used; q may be NULL when it is
+ * not). per_key: 1 for the per-key passes even where the blocked ones apply (a head dim that is a
+ * multiple of 16, a value dim of 32, a build where pypto_attention_blocked() is 1). */
 int pypto_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride, const void *key_cache,
                           const void *value_cache, int kind, const int64_t *k_strides, const int64_t *v_strides,
                           const int64_t *tables, int64_t table_stride, const int64_t *rows, const int64_t *requests,
@@ -443,8 +443,8 @@ int pypto_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_s
             if (w.index == NULL) continue;
             int64_t i = item / num_kv_heads, h = item % num_kv_heads;
             int64_t first = rows[i] * q_row_stride + h * group * q_head_stride;
-            Item it = {q + first, query_bf16 ? query_bf16 + first : NULL, q_head_stride, group, dim, dim_v, block_size,
-                       scale, blocked};
+            Item it = {q ? q + first : NULL, query_bf16 ? query_bf16 + first : NULL, q_head_stride, group, dim, dim_v,
+                       block_size, scale, blocked};
             attend_one(&it, &k, &v, tables + requests[i] * table_stride, los[i], counts[i], h,
                        sinks ? sinks + h * group : NULL, out + rows[i] * out_row_stride + h * group * out_head_stride,
                        out_head_stride, &w);
