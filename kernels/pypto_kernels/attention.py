@@ -945,7 +945,7 @@ def _native_prefill(
 ) -> None:
     """Every long run of ``spans`` in one call of :func:`pypto_kernels.native.prefill_attention`, into ``out``."""
     rows = torch.tensor([(s.row, s.request, s.num_queries, s.lo, s.hi) for s in spans], dtype=torch.int64)
-    if out.dtype == torch.float32:
+    if out.dtype in native.NATIVE_DTYPES:  # written in place, bfloat16 rounded by the kernel
         native.prefill_attention(query, key_cache, value_cache, tables, rows, scale, window, sinks, out)
         return
     flat = torch.zeros(out.shape, dtype=torch.float32)
@@ -993,7 +993,7 @@ def batched_decode_paged_attention(
         short = [s for s in spans if s.num_queries <= NATIVE_MAX_QUERIES]
         if short:
             rows = _native_rows(short, sliding_window)
-            if out.dtype == torch.float32:
+            if out.dtype in native.NATIVE_DTYPES:  # written in place, bfloat16 rounded by the kernel
                 native.paged_attention(query, key_cache, value_cache, tables, rows, scale, sinks, out)
             else:
                 out.copy_(native.paged_attention(query, key_cache, value_cache, tables, rows, scale, sinks))

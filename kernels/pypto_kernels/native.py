@@ -166,14 +166,15 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_paged_attention.restype = ctypes.c_int
     lib.pypto_paged_attention.argtypes = [
         _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64,
-        _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int, ctypes.c_int,
+        _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, ctypes.c_int, _I64, _I64, _PTR, ctypes.c_int,
+        ctypes.c_int,
     ]  # fmt: skip
     lib.pypto_attention_blocked.restype = ctypes.c_int
     lib.pypto_attention_blocked.argtypes = []
     lib.pypto_prefill_attention.restype = ctypes.c_int
     lib.pypto_prefill_attention.argtypes = [
-        _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64,
-        _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, _I64, _I64, ctypes.c_int,
+        _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64,
+        _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, ctypes.c_int, _I64, _I64, ctypes.c_int,
     ]  # fmt: skip
     lib.pypto_bf16_dot.restype = ctypes.c_int
     lib.pypto_bf16_dot.argtypes = []
@@ -271,7 +272,8 @@ def paged_attention(
         ``tables``), the first key position it sees and how many keys (consecutive positions, at least
         one, within its table).
     :param sinks: per query head a logit added to the softmax's denominator (``[Hq]``), or None.
-    :param out: a contiguous float32 ``[R, Hq, Dv]`` to write (a new zero tensor when None).
+    :param out: a contiguous float32 or bfloat16 ``[R, Hq, Dv]`` to write (bfloat16: each float32 result
+        rounded as ``.to(torch.bfloat16)`` rounds it; a new float32 zero tensor when None).
     :return: ``out``.
     """
     lib = library()
@@ -284,8 +286,10 @@ def paged_attention(
     columns = rows.to(torch.int64).t().contiguous()
     if out is None:
         out = torch.zeros((q.shape[0], q.shape[1], value_cache.shape[-1]), dtype=torch.float32)
-    if out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor, got {out.dtype} with strides {out.stride()}")
+    if out.dtype not in NATIVE_DTYPES or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float32 or bfloat16 tensor, got {out.dtype} with strides {out.stride()}"
+        )
     sink = None if sinks is None else sinks.to(torch.float32).contiguous()
     k_strides, v_strides = _element_strides(key_cache), _element_strides(value_cache)
     base, column_bytes = columns.data_ptr(), columns.stride(0) * columns.element_size()  # no select op per column
@@ -295,8 +299,8 @@ def paged_attention(
         NATIVE_DTYPES[key_cache.dtype], k_strides, v_strides, tables.data_ptr(),
         tables.stride(0), *(base + i * column_bytes for i in range(4)), columns.shape[1], q.shape[1],
         key_cache.shape[2], key_cache.shape[3], value_cache.shape[3], key_cache.shape[1], scale,
-        None if sink is None else sink.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
-        None if query_bf16 is None else query_bf16.data_ptr(), int(not blocked), torch.get_num_threads(),
+        None if sink is None else sink.data_ptr(), out.data_ptr(), NATIVE_DTYPES[out.dtype], out.stride(0),
+        out.stride(1), None if query_bf16 is None else query_bf16.data_ptr(), int(not blocked), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the native paged attention could not allocate its per-thread scratch")
@@ -319,14 +323,15 @@ def prefill_attention(
     sinks: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Causal runs of queries (prefill chunks) over the paged caches, read in place, into float32
-    ``out`` ``[R, Hq, Dv]`` (rows not in a span are left as they are).
+    """Causal runs of queries (prefill chunks) over the paged caches, read in place, into float32 or
+    bfloat16 ``out`` ``[R, Hq, Dv]`` (rows not in a span are left as they are).
 
     Each run's query tiles share every chunk of keys and values (see ``csrc/prefill_attention.c``);
     a query's result depends only on its own inputs (not on its run's length, the batch or the
     threads), and equals the softmax reference to float32 rounding.
 
-    :param query: ``[R, Hq, D]`` (any float dtype; read as float32).
+    :param query: ``[R, Hq, D]`` (any float dtype; float32 and bfloat16 read as they are, others as a
+        float32 copy).
     :param key_cache: ``[blocks, block_size, Hkv, D]``, a dtype of :data:`NATIVE_DTYPES`, last dimension
         dense, Hkv dividing Hq.
     :param value_cache: as ``key_cache`` with ``Dv`` values (a multiple of 16: :func:`prefill_takes`), same dtype.
@@ -337,7 +342,8 @@ def prefill_attention(
         ``lo`` (or its window) up to itself.
     :param window: a sliding window in keys (each query sees its last ``window`` positions), or None.
     :param sinks: per query head a logit added to the softmax's denominator (``[Hq]``), or None.
-    :param out: a contiguous float32 ``[R, Hq, Dv]`` to write.
+    :param out: a contiguous float32 or bfloat16 ``[R, Hq, Dv]`` to write (bfloat16: each float32 result
+        rounded as ``.to(torch.bfloat16)`` rounds it).
     :return: ``out``.
     """
     lib = library()
@@ -346,19 +352,21 @@ def prefill_attention(
     if not prefill_takes(value_cache):
         size = value_cache.shape[-1]
         raise ValueError(f"the native prefill attention needs a value head size divisible by 16, got {size}")
-    if out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor, got {out.dtype} with strides {out.stride()}")
-    q = query.to(torch.float32).contiguous()
+    if out.dtype not in NATIVE_DTYPES or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float32 or bfloat16 tensor, got {out.dtype} with strides {out.stride()}"
+        )
+    q = (query if query.dtype in NATIVE_DTYPES else query.to(torch.float32)).contiguous()
     tables = tables.to(torch.int64).contiguous()
     spans = spans.to(torch.int64).contiguous()
     sink = None if sinks is None else sinks.to(torch.float32).contiguous()
     status = lib.pypto_prefill_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+        q.data_ptr(), NATIVE_DTYPES[q.dtype], q.stride(0), q.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
         NATIVE_DTYPES[key_cache.dtype], _element_strides(key_cache), _element_strides(value_cache),
         tables.data_ptr(), tables.stride(0), spans.data_ptr(), spans.shape[0], q.shape[1], key_cache.shape[2],
         key_cache.shape[3], value_cache.shape[3], key_cache.shape[1], window or 0, scale,
-        None if sink is None else sink.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
-        torch.get_num_threads(),
+        None if sink is None else sink.data_ptr(), out.data_ptr(), NATIVE_DTYPES[out.dtype], out.stride(0),
+        out.stride(1), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the native prefill attention could not allocate its scratch")

@@ -258,6 +258,23 @@ def test_blocked_decode_attention_is_the_naive_loop(
 
 
 @needs_native
+@pytest.mark.parametrize("blocked", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_native_decode_writes_bfloat16_rows_as_torch_rounds_the_float32_ones(blocked: bool, head_dim: int) -> None:
+    """A bfloat16 ``out``: each row the kernel names is its float32 result rounded by torch
+    (``.to(torch.bfloat16)``), bitwise, through the blocked and the per-key passes (a value dim of
+    24 takes the per-key ones either way); the rows it does not name are left as they are."""
+    gen = torch.Generator().manual_seed(head_dim)
+    data = build_paged_batch([(1, 40), (1, 17), (1, 70)], 16, 8, 2, 32, head_dim, torch.bfloat16, gen)
+    rows = torch.tensor([[0, 0, 0, 40], [2, 2, 0, 70]])
+    args = (data["query"], data["key_cache"], data["value_cache"], data["block_tables"], rows, 0.25, None)
+    wide = native.paged_attention(*args, blocked=blocked)
+    narrow = native.paged_attention(*args, out=torch.full((3, 8, head_dim), 5.0, dtype=torch.bfloat16), blocked=blocked)
+    assert torch.equal(narrow[1], torch.full((8, head_dim), 5.0, dtype=torch.bfloat16))
+    assert torch.equal(narrow[[0, 2]], wide[[0, 2]].to(torch.bfloat16))
+
+
+@needs_native
 def test_blocked_decode_attention_of_a_row_depends_only_on_its_own_inputs() -> None:
     """Each row's result is the same bits in one call with the others on one thread as alone on two
     (bfloat16 cache, dot product where built: the engine's default on such a CPU)."""
@@ -411,8 +428,8 @@ def test_native_prefill_result_of_a_query_depends_only_on_its_own_inputs() -> No
 
 @needs_native
 def test_native_prefill_refuses_what_it_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A value head size not divisible by 16 keeps the request loop (and the kernel refuses it); a
-    non-float32 ``out`` is refused."""
+    """A value head size not divisible by 16 keeps the request loop (and the kernel refuses it); an
+    ``out`` neither float32 nor bfloat16 is refused."""
     gen = torch.Generator().manual_seed(6)
     data = build_paged_batch([(40, 40)], 16, 4, 2, 32, 24, torch.float32, gen)
     prefill = _Calls(monkeypatch, "prefill_attention")
@@ -425,8 +442,26 @@ def test_native_prefill_refuses_what_it_cannot_take(monkeypatch: pytest.MonkeyPa
         native.prefill_attention(*args, torch.zeros((40, 4, 24)))
     ok = build_paged_batch([(40, 40)], 16, 4, 2, 32, 32, torch.float32, gen)
     ok_args = (ok["query"], ok["key_cache"], ok["value_cache"], ok["block_tables"], spans, 0.25, None, None)
-    with pytest.raises(ValueError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16"):
         native.prefill_attention(*ok_args, torch.zeros((40, 4, 32), dtype=torch.float64))
+
+
+@needs_native
+@pytest.mark.parametrize("window", [None, 30])
+def test_native_prefill_reads_bfloat16_queries_and_writes_bfloat16_rows_as_the_float32_call(window: int | None) -> None:
+    """A bfloat16 query read as it is and a bfloat16 output rounded by the kernel: bitwise the float32
+    call on the query widened, its result rounded by torch (``.to(torch.bfloat16)``), and rows outside
+    the spans left as they are."""
+    gen = torch.Generator().manual_seed(7)
+    data = _head_major(build_paged_batch([(40, 40), (1, 9), (70, 100)], 16, 8, 2, 64, 64, torch.bfloat16, gen))
+    spans = torch.tensor([[0, 0, 40, 0, 40], [41, 2, 70, 0, 100]])
+    args = (data["key_cache"], data["value_cache"], data["block_tables"], spans, 0.25, window, None)
+    wide = native.prefill_attention(data["query"].float(), *args, torch.zeros((111, 8, 64)))
+    narrow = native.prefill_attention(data["query"], *args, torch.full((111, 8, 64), 3.0, dtype=torch.bfloat16))
+    assert torch.equal(narrow[40], torch.full((8, 64), 3.0, dtype=torch.bfloat16))
+    picked = torch.cat([torch.arange(40), torch.arange(41, 111)])
+    assert torch.equal(narrow[picked], wide[picked].to(torch.bfloat16))
+    torch.testing.assert_close(wide[picked], expected_paged(data, 0.25, window, None)[picked], atol=2e-5, rtol=2e-5)
 
 
 # ---------------------------------------------------------------- hyper-connection weights

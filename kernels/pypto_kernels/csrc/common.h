@@ -51,6 +51,17 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* 16 float32 values rounded to bfloat16 (to nearest, ties to even; NaN to torch's NaN), as bf16_round. */
+static inline void store_bf16x16(uint16_t *dst, vf v) {
+    vu bits;
+    memcpy(&bits, &v, sizeof bits);
+    vu nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    vu r = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    r = (r & ~nan) | (nan & 0x7fc0u);
+    vh h = __builtin_convertvector(r, vh);
+    memcpy(dst, &h, sizeof h);
+}
+
 /* e**x for x <= 0 (softmax arguments after the maximum is taken off), written to vectorise:
  * x = n ln2 + f with |f| <= ln2 / 2, e**f by a degree-6 Taylor polynomial (relative error under
  * 2e-7), times 2**n built in the exponent bits; 0 below -87 (where float32 underflows) and for -inf. */

@@ -68,8 +68,17 @@ typedef struct {
     const uint16_t *qb; /* the same in bfloat16, for the bfloat16 dot product (NULL: not used) */
     int64_t q_head_stride, group, dim, dim_v, block_size;
     float scale;
-    int blocked; /* the blocked passes (where built and the dims allow) instead of the per-key ones */
+    int blocked;  /* the blocked passes (where built and the dims allow) instead of the per-key ones */
+    int out_kind; /* the output's elements: ELEM_F32, or ELEM_BF16 rounded as bf16_round */
 } Item;
+
+/* 16 outputs at element ``at`` of out, in its kind. */
+static inline void put16(void *out, int kind, int64_t at, vf v) {
+    if (kind == ELEM_F32)
+        vstore((float *)out + at, v);
+    else
+        store_bf16x16((uint16_t *)out + at, v);
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -295,7 +304,7 @@ static void scores_blocked(const Item *it, const Cache *k, const int64_t *index,
  * interleaved back on the way out). */
 static inline __attribute__((always_inline)) void values_tile(const Item *it, const Cache *v, const int64_t *index,
                                                              int64_t count, const float *probs, int64_t g0,
-                                                             int64_t d0, float *out,
+                                                             int64_t d0, void *out,
                                                              int64_t out_head_stride, const int kind, const int GC,
                                                              const int NV) {
     __m512 acc[4][8], x[8]; /* fixed sizes (a variable-length array stays in memory); GC <= 4, NV <= 8 */
@@ -328,15 +337,15 @@ static inline __attribute__((always_inline)) void values_tile(const Item *it, co
     const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
 #pragma GCC unroll 4
     for (int g = 0; g < GC; g++) {
-        float *o = out + (g0 + g) * out_head_stride + d0;
+        int64_t at = (g0 + g) * out_head_stride + d0;
         if (kind == ELEM_F32) {
 #pragma GCC unroll 8
-            for (int u = 0; u < NV; u++) _mm512_storeu_ps(o + 16 * u, acc[g][u]);
+            for (int u = 0; u < NV; u++) put16(out, it->out_kind, at + 16 * u, acc[g][u]);
         } else {
 #pragma GCC unroll 4
             for (int u = 0; u < NV; u += 2) {
-                _mm512_storeu_ps(o + 16 * u, _mm512_permutex2var_ps(acc[g][u], lo, acc[g][u + 1]));
-                _mm512_storeu_ps(o + 16 * u + 16, _mm512_permutex2var_ps(acc[g][u], hi, acc[g][u + 1]));
+                put16(out, it->out_kind, at + 16 * u, _mm512_permutex2var_ps(acc[g][u], lo, acc[g][u + 1]));
+                put16(out, it->out_kind, at + 16 * u + 16, _mm512_permutex2var_ps(acc[g][u], hi, acc[g][u + 1]));
             }
         }
     }
@@ -345,7 +354,7 @@ static inline __attribute__((always_inline)) void values_tile(const Item *it, co
 #define VALUES_TILE(KIND, GC, NV)                                                                                 \
     static void values_tile_##KIND##_##GC##_##NV(const Item *it, const Cache *v, const int64_t *index,          \
                                                  int64_t count, const float *probs, int64_t g0, int64_t d0,     \
-                                                 float *out, int64_t out_head_stride) {                         \
+                                                 void *out, int64_t out_head_stride) {                          \
         values_tile(it, v, index, count, probs, g0, d0, out, out_head_stride, KIND, GC, NV);                     \
     }
 VALUES_TILE(0, 1, 2) VALUES_TILE(0, 1, 4) VALUES_TILE(0, 1, 8)
@@ -356,13 +365,13 @@ VALUES_TILE(1, 2, 2) VALUES_TILE(1, 2, 4) VALUES_TILE(1, 2, 8)
 VALUES_TILE(1, 4, 2) VALUES_TILE(1, 4, 4)
 
 typedef void (*ValuesTile)(const Item *, const Cache *, const int64_t *, int64_t, const float *, int64_t, int64_t,
-                           float *, int64_t);
+                           void *, int64_t);
 
 /* Tiles of at most 16 accumulators: query heads four, two or one at a time, value dims 128, 64 or 32
  * at a time (as many as the heads leave room for and divide the dim); the rows are in L2 (the scores
  * pass prefetched them). */
 static void values_blocked(const Item *it, const Cache *v, const int64_t *index, int64_t count, const float *probs,
-                           float *out, int64_t out_head_stride) {
+                           void *out, int64_t out_head_stride) {
     static const ValuesTile tiles[2][3][3] = {
         {{values_tile_0_1_2, values_tile_0_1_4, values_tile_0_1_8},
          {values_tile_0_2_2, values_tile_0_2_4, values_tile_0_2_8},
@@ -391,7 +400,7 @@ typedef struct {
 } Scratch;
 
 static void attend_one(const Item *it, const Cache *k, const Cache *v, const int64_t *table, int64_t lo,
-                       int64_t count, int64_t h, const float *sinks, float *out, int64_t out_head_stride,
+                       int64_t count, int64_t h, const float *sinks, void *out, int64_t out_head_stride,
                        const Scratch *w) {
     row_offsets(k, table, lo, count, it->block_size, h, w->index);
 #if HAVE_BLOCKED
@@ -408,22 +417,28 @@ static void attend_one(const Item *it, const Cache *k, const Cache *v, const int
     memset(w->acc, 0, sizeof(float) * it->group * it->dim_v);
     row_offsets(v, table, lo, count, it->block_size, h, w->index);
     values_pass(it, v, w->index, count, w->scores, w->acc);
-    for (int64_t g = 0; g < it->group; g++)
-        memcpy(out + g * out_head_stride, w->acc + g * it->dim_v, sizeof(float) * it->dim_v);
+    for (int64_t g = 0; g < it->group; g++) {
+        const float *acc = w->acc + g * it->dim_v;
+        if (it->out_kind == ELEM_F32)
+            memcpy((float *)out + g * out_head_stride, acc, sizeof(float) * it->dim_v);
+        else
+            for (int64_t d = 0; d < it->dim_v; d++) ((uint16_t *)out)[g * out_head_stride + d] = bf16_round(acc[d]);
+    }
 }
 
 /* Returns 0, or -1 when a thread's scratch could not be allocated (out is then incomplete).
  * query_bf16: the query in bfloat16 with q's strides, for bfloat16 caches of a dim that is a multiple
  * of 32 where pypto_bf16_dot() is 1 (NULL: the float32 query q is used; q may be NULL when it is
  * not). per_key: 1 for the per-key passes even where the blocked ones apply (a head dim that is a
- * multiple of 16, a value dim of 32, a build where pypto_attention_blocked() is 1). */
+ * multiple of 16, a value dim of 32, a build where pypto_attention_blocked() is 1). out_kind: the
+ * output's elements (ELEM_F32, or ELEM_BF16 rounded as bf16_round). */
 int pypto_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride, const void *key_cache,
                           const void *value_cache, int kind, const int64_t *k_strides, const int64_t *v_strides,
                           const int64_t *tables, int64_t table_stride, const int64_t *rows, const int64_t *requests,
                           const int64_t *los, const int64_t *counts, int64_t n, int64_t num_q_heads,
                           int64_t num_kv_heads, int64_t dim, int64_t dim_v, int64_t block_size, float scale,
-                          const float *sinks, float *out, int64_t out_row_stride, int64_t out_head_stride,
-                          const uint16_t *query_bf16, int per_key, int threads) {
+                          const float *sinks, void *out, int out_kind, int64_t out_row_stride,
+                          int64_t out_head_stride, const uint16_t *query_bf16, int per_key, int threads) {
     Cache k = {key_cache, kind, k_strides[0], k_strides[1], k_strides[2]};
     Cache v = {value_cache, kind, v_strides[0], v_strides[1], v_strides[2]};
     int64_t group = num_q_heads / num_kv_heads, longest = 0;
@@ -444,9 +459,10 @@ int pypto_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_s
             int64_t i = item / num_kv_heads, h = item % num_kv_heads;
             int64_t first = rows[i] * q_row_stride + h * group * q_head_stride;
             Item it = {q ? q + first : NULL, query_bf16 ? query_bf16 + first : NULL, q_head_stride, group, dim, dim_v,
-                       block_size, scale, blocked};
+                       block_size, scale, blocked, out_kind};
             attend_one(&it, &k, &v, tables + requests[i] * table_stride, los[i], counts[i], h,
-                       sinks ? sinks + h * group : NULL, out + rows[i] * out_row_stride + h * group * out_head_stride,
+                       sinks ? sinks + h * group : NULL,
+                       (char *)out + (rows[i] * out_row_stride + h * group * out_head_stride) * (out_kind == ELEM_F32 ? 4 : 2),
                        out_head_stride, &w);
         }
         free(w.index);

@@ -79,17 +79,6 @@ static inline __attribute__((always_inline)) void row_dot(vf a[4], const uint16_
 #endif
 }
 
-/* 16 float32 values rounded to bfloat16 (to nearest, ties to even; NaN to torch's NaN), as bf16_round. */
-static inline void store_bf16x16(uint16_t *dst, vf v) {
-    vu bits;
-    memcpy(&bits, &v, sizeof bits);
-    vu nan = (bits & 0x7fffffffu) > 0x7f800000u;
-    vu r = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    r = (r & ~nan) | (nan & 0x7fc0u);
-    vh h = __builtin_convertvector(r, vh);
-    memcpy(dst, &h, sizeof h);
-}
-
 /* Rows 0 .. mr - 1 of x (kind ELEM_F32 or ELEM_BF16, row stride xs elements) times the panel w's rows
  * k0 .. k1 - 1 (inputs, or bfloat16 input pairs): the sums continue from src (row stride NR; NULL:
  * from zero) and go to dst (row stride ds), plus bias (64 values) if given. kind, mr and pf are

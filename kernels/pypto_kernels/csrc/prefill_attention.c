@@ -35,6 +35,13 @@ typedef struct {
     float scale;
 } Shape;
 
+/* Query or output rows: float32 or bfloat16 elements, row and head strides in elements. */
+typedef struct {
+    void *base;
+    int kind;
+    int64_t row_stride, head_stride;
+} Rows;
+
 /* A thread's working memory for one tile. */
 typedef struct {
     float *q;      /* [M, dim] the tile's query vectors times the scale */
@@ -87,26 +94,59 @@ static void scores(const Scratch *w, int64_t m, int64_t m_count, int64_t dim) {
     for (; m < m_count; m++) scores_block(w->q + m * dim, w->kt, dim, w->s + m * KC, 1);
 }
 
+/* Lanes of mask set take a, the others b. */
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* exp_nonpositive (common.h) lane by lane, the same operations in the same order (so the same values):
+ * written with vectors because GCC leaves that loop scalar. */
+static inline vf vexp_nonpositive(vf x) {
+    const vf floor = splat(-87.0f);
+    x = vselect(x < floor, floor, x);
+    vf y = x * 1.44269504f;
+    vf n = (y + 12582912.0f) - 12582912.0f; /* rint: round to nearest even, |y| <= 126 */
+    vf f = x - n * 0.693145752f - n * 1.42860677e-06f;
+    vf p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666672f + f * (0.0416666679f + f * (0.00833333377f + f * 0.00138888892f)))));
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return vselect(x <= floor, splat(0.0f), p * (vf)bits);
+}
+
+/* The largest and the sum of a vector's 16 lanes, folding lane i + 8, then i + 4, i + 2 and i + 1
+ * onto lane i. */
+static inline float vmax_lanes(vf v) {
+    vf h = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+    v = vselect(h > v, h, v);
+    h = __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+    v = vselect(h > v, h, v);
+    h = __builtin_shufflevector(v, v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    v = vselect(h > v, h, v);
+    return v[1] > v[0] ? v[1] : v[0];
+}
+
+static inline float vsum_lanes(vf v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return v[0] + v[1];
+}
+
 /* Masks vector m's scores to its visible positions [first, last], folds them into its running maximum
  * and denominator, rescales its output, and leaves its weights in s; 0 when it sees none of the chunk. */
 static int softmax_step(const Scratch *w, int64_t m, int64_t pos0, int64_t first, int64_t last, int64_t dim_v) {
     float *s = w->s + m * KC;
+    vf x = vload(s);
     if (pos0 < first || pos0 + KC - 1 > last) {
-        for (int64_t j = 0; j < KC; j++)
-            if (pos0 + j < first || pos0 + j > last) s[j] = -INFINITY;
+        const vi lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        vi pos = lanes + (int32_t)(pos0 - first); /* relative to first: fits in 32 bits */
+        x = vselect((pos < 0) | (pos > (int32_t)(last - first)), splat(-INFINITY), x);
     }
-    float chunk_top = -INFINITY;
-    for (int64_t j = 0; j < KC; j++) chunk_top = s[j] > chunk_top ? s[j] : chunk_top;
+    float chunk_top = vmax_lanes(x);
     if (chunk_top == -INFINITY) return 0;
     float top = w->top[m] > chunk_top ? w->top[m] : chunk_top;
-    float keep = exp_nonpositive(w->top[m] - top), sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < KC; j++) {
-        s[j] = exp_nonpositive(s[j] - top);
-        sum += s[j];
-    }
+    float keep = exp_nonpositive(w->top[m] - top);
+    vf e = vexp_nonpositive(x - top);
+    vstore(s, e);
     w->top[m] = top;
-    w->total[m] = w->total[m] * keep + sum;
+    w->total[m] = w->total[m] * keep + vsum_lanes(e);
     if (keep != 1.0f) {
         float *o = w->o + m * dim_v;
 #pragma omp simd
@@ -138,16 +178,15 @@ static void weighted_values(const Scratch *w, int64_t m, int64_t dim_v) {
 }
 
 /* One tile: queries [i0, i0 + rows) of a span whose query 0 sits at position p0, for KV head h. */
-static void attend_tile(const float *q, int64_t q_row_stride, int64_t q_head_stride, const Cache *k, const Cache *v,
-                        const int64_t *table, const Shape *sh, int64_t lo, int64_t p0, int64_t i0, int64_t rows,
-                        int64_t h, const float *sinks, float *out, int64_t out_row_stride, int64_t out_head_stride,
-                        const Scratch *w) {
+static void attend_tile(const Rows *q, const Cache *k, const Cache *v, const int64_t *table, const Shape *sh,
+                        int64_t lo, int64_t p0, int64_t i0, int64_t rows, int64_t h, const float *sinks,
+                        const Rows *out, const Scratch *w) {
     int64_t g_count = sh->group, m_count = rows * g_count;
     for (int64_t i = 0; i < rows; i++)
         for (int64_t g = 0; g < g_count; g++) {
-            const float *src = q + (i0 + i) * q_row_stride + (h * g_count + g) * q_head_stride;
+            int64_t src = (i0 + i) * q->row_stride + (h * g_count + g) * q->head_stride;
             float *dst = w->q + (i * g_count + g) * sh->dim;
-            for (int64_t d = 0; d < sh->dim; d++) dst[d] = src[d] * sh->scale;
+            for (int64_t d = 0; d < sh->dim; d++) dst[d] = widen(q->base, q->kind, src + d) * sh->scale;
             int64_t m = i * g_count + g;
             w->top[m] = sinks ? sinks[h * g_count + g] : -INFINITY;
             w->total[m] = sinks ? 1.0f : 0.0f;
@@ -169,21 +208,28 @@ static void attend_tile(const float *q, int64_t q_row_stride, int64_t q_head_str
     for (int64_t m = 0; m < m_count; m++) {
         int64_t i = m / g_count, g = m % g_count;
         float inv = w->total[m] > 0.0f ? 1.0f / w->total[m] : 0.0f;
-        float *dst = out + (i0 + i) * out_row_stride + (h * g_count + g) * out_head_stride;
-        for (int64_t d = 0; d < sh->dim_v; d++) dst[d] = w->o[m * sh->dim_v + d] * inv;
+        int64_t dst = (i0 + i) * out->row_stride + (h * g_count + g) * out->head_stride;
+        const float *o = w->o + m * sh->dim_v;
+        if (out->kind == ELEM_F32) {
+            for (int64_t d = 0; d < sh->dim_v; d++) ((float *)out->base)[dst + d] = o[d] * inv;
+        } else {
+            for (int64_t d = 0; d < sh->dim_v; d++) ((uint16_t *)out->base)[dst + d] = bf16_round(o[d] * inv);
+        }
     }
 }
 
 /* Returns 0, or -1 when a thread's scratch could not be allocated (out is then incomplete).
  * spans: int64 [n, 5] row-major, per span its first query row, its request (row of tables), its
  * query count, the first key position any of its queries sees (lo) and one past its last (hi).
- * window: 0 for none. dim_v must be a multiple of 16. */
-int pypto_prefill_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride, const void *key_cache,
-                            const void *value_cache, int kind, const int64_t *k_strides, const int64_t *v_strides,
-                            const int64_t *tables, int64_t table_stride, const int64_t *spans, int64_t n,
-                            int64_t num_q_heads, int64_t num_kv_heads, int64_t dim, int64_t dim_v, int64_t block_size,
-                            int64_t window, float scale, const float *sinks, float *out, int64_t out_row_stride,
-                            int64_t out_head_stride, int threads) {
+ * window: 0 for none. dim_v must be a multiple of 16. q_kind, out_kind: the query's and the output's
+ * element kinds (ELEM_F32 or ELEM_BF16; a bfloat16 output is rounded to nearest, ties to even, as
+ * torch's .to(bfloat16)). */
+int pypto_prefill_attention(const void *q, int q_kind, int64_t q_row_stride, int64_t q_head_stride,
+                            const void *key_cache, const void *value_cache, int kind, const int64_t *k_strides,
+                            const int64_t *v_strides, const int64_t *tables, int64_t table_stride, const int64_t *spans,
+                            int64_t n, int64_t num_q_heads, int64_t num_kv_heads, int64_t dim, int64_t dim_v,
+                            int64_t block_size, int64_t window, float scale, const float *sinks, void *out,
+                            int out_kind, int64_t out_row_stride, int64_t out_head_stride, int threads) {
     Cache k = {key_cache, kind, k_strides[0], k_strides[1], k_strides[2]};
     Cache v = {value_cache, kind, v_strides[0], v_strides[1], v_strides[2]};
     Shape sh = {num_q_heads / num_kv_heads, dim, dim_v, block_size, window, scale};
@@ -215,9 +261,12 @@ int pypto_prefill_attention(const float *q, int64_t q_row_stride, int64_t q_head
             const int64_t *span = spans + s * 5;
             int64_t local = item - starts[s], tile = local / num_kv_heads, h = local % num_kv_heads;
             int64_t i0 = tile * QT, rows = span[2] - i0 < QT ? span[2] - i0 : QT;
-            attend_tile(q + span[0] * q_row_stride, q_row_stride, q_head_stride, &k, &v,
-                        tables + span[1] * table_stride, &sh, span[3], span[4] - span[2], i0, rows, h, sinks,
-                        out + span[0] * out_row_stride, out_row_stride, out_head_stride, &w);
+            Rows qs = {(char *)q + span[0] * q_row_stride * (q_kind == ELEM_F32 ? 4 : 2), q_kind, q_row_stride,
+                       q_head_stride};
+            Rows os = {(char *)out + span[0] * out_row_stride * (out_kind == ELEM_F32 ? 4 : 2), out_kind,
+                       out_row_stride, out_head_stride};
+            attend_tile(&qs, &k, &v, tables + span[1] * table_stride, &sh, span[3], span[4] - span[2], i0, rows, h,
+                        sinks, &os, &w);
         }
         free(w.q);
     }
