@@ -6,18 +6,21 @@ by a sampled product and ``embedding_bag``, others gathered) and ``native`` (the
 :mod:`pypto_kernels.native`, where a C compiler built it). The kernel: one ``paged_attention`` call
 of 64 decode rows with ragged contexts of 32..384 tokens, small-shape heads (4 query / 2 KV heads,
 head_dim 64; ``--heads 16 8 128`` for Qwen3-0.6B's), block size 16, shuffled block tables, caches in
-the layout the engine allocates for each ``--dtype``, one thread. The engine: the Qwen executor with a
+the layout the engine allocates for each ``--dtype``, one thread (``--cold``: the caches evicted before
+each call, as a step's other layers leave them); on an AVX-512 build ``native per-key`` is the same
+kernel through its per-key passes instead of its blocked ones. The engine: the Qwen executor with a
 Qwen3-shaped checkpoint (``benchmarks/make_models.py``), 64 requests prefilled to the same ragged
 contexts, then decode steps of all 64, alternating between the paths.
 
     python benchmarks/decode_attention.py [--model /work/models/qwen3-small] [--reps 15] [--threads 1] \
-        [--dtype float32 bfloat16]
+        [--dtype float32 bfloat16] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -38,22 +41,27 @@ def _lengths(seed: int) -> list[int]:
     return torch.randint(32, 385, (ROWS,), generator=gen).tolist()
 
 
-def _best(fn: Callable[[], object], reps: int) -> tuple[float, float]:
+def _best(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> tuple[float, float]:
     """Best wall time and best process CPU time of ``reps`` calls (CPU time counts no time spent
-    waiting for a core a neighbour holds, so it is the steadier of the two on a shared machine)."""
+    waiting for a core a neighbour holds, so it is the steadier of the two on a shared machine), with
+    ``before`` (untimed) ahead of each."""
     wall = cpu = float("inf")
     for _ in range(reps):
+        if before is not None:
+            before()
         t0, c0 = time.perf_counter(), time.process_time()
         fn()
         wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
     return wall, cpu
 
 
-def _interleaved(paths: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, tuple[float, float]]:
+def _interleaved(
+    paths: dict[str, Callable[[], object]], rounds: int, reps: int, before: Callable[[], object] | None = None
+) -> dict[str, tuple[float, float]]:
     best = dict.fromkeys(paths, (float("inf"), float("inf")))
     for _ in range(rounds):
         for name, fn in paths.items():
-            wall, cpu = _best(fn, reps)
+            wall, cpu = _best(fn, reps, before)
             best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
     return best
 
@@ -86,7 +94,26 @@ def _without_native(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def kernel(heads: tuple[int, int, int], reps: int, dtype: torch.dtype) -> None:
+@contextlib.contextmanager
+def _per_key() -> Iterator[None]:
+    """The native kernel's per-key passes where its blocked ones would run (AVX-512 builds)."""
+    real = native.paged_attention
+    native.paged_attention = functools.partial(real, blocked=False)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        native.paged_attention = real  # type: ignore[assignment]
+
+
+def _with_per_key(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with _per_key():
+            return fn()
+
+    return run
+
+
+def kernel(heads: tuple[int, int, int], reps: int, dtype: torch.dtype, cold: bool = False) -> None:
     num_q, num_kv, dim = heads
     lens = _lengths(0)
     blocks = sum(-(-n // BLOCK) for n in lens)
@@ -111,17 +138,21 @@ def kernel(heads: tuple[int, int, int], reps: int, dtype: torch.dtype) -> None:
     }
     if native.library() is not None:
         paths["native"] = lambda: batched(*args, *rest, **host)
+        if native.blocked_attention_available():
+            paths["native per-key"] = _with_per_key(paths["native"])
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for name in paths:
         torch.testing.assert_close(paths["loop"](), paths[name](), atol=tolerance, rtol=tolerance)
-    best = _interleaved(paths, 5, reps)
+    evict = torch.empty(64 << 20, dtype=torch.uint8)  # more than the last-level cache: touched, it evicts the K/V
+    best = _interleaved(paths, 5, reps, (lambda: evict.add_(1)) if cold else None)
     kv_bytes = 2 * sum(lens) * num_kv * dim * key_cache.element_size()
     title = f"kernel, {ROWS} decode rows of 32..384 tokens, heads {num_q}/{num_kv}x{dim}, {dtype} cache"
+    title += ", evicted before each call" if cold else ""
     _report(title, best)
-    if "native" in best:
-        print(
-            f"  native reads the rows' K/V ({kv_bytes / 1e6:.1f} MB) at {kv_bytes / best['native'][0] / 1e9:.1f} GB/s"
-        )
+    for name in ("native", "native per-key"):
+        if name in best:
+            rate = kv_bytes / best[name][0] / 1e9
+            print(f"  {name} reads the rows' K/V ({kv_bytes / 1e6:.1f} MB) at {rate:.1f} GB/s")
 
 
 def engine(model: Path, reps: int) -> None:
@@ -163,10 +194,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], nargs="+", default=["float32"], help="cache dtypes")
+    ap.add_argument("--cold", action="store_true", help="evict the caches (a 64 MiB pass) before each kernel call")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for dtype in args.dtype:
-        kernel(tuple(args.heads), args.reps, getattr(torch, dtype))
+        kernel(tuple(args.heads), args.reps, getattr(torch, dtype), args.cold)
     if args.model is not None:
         engine(args.model, max(1, args.reps // 5))
 
