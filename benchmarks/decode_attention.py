@@ -86,9 +86,13 @@ def _native_off() -> Iterator[None]:
         native.library = real  # type: ignore[assignment]
 
 
-def _without_native(fn: Callable[[], object]) -> Callable[[], object]:
+def _within(
+    context: Callable[[], contextlib.AbstractContextManager[None]], fn: Callable[[], object]
+) -> Callable[[], object]:
+    """``fn`` run inside a fresh ``context()`` each call."""
+
     def run() -> object:
-        with _native_off():
+        with context():
             return fn()
 
     return run
@@ -103,14 +107,6 @@ def _per_key() -> Iterator[None]:
         yield
     finally:
         native.paged_attention = real  # type: ignore[assignment]
-
-
-def _with_per_key(fn: Callable[[], object]) -> Callable[[], object]:
-    def run() -> object:
-        with _per_key():
-            return fn()
-
-    return run
 
 
 def kernel(heads: tuple[int, int, int], reps: int, dtype: torch.dtype, cold: bool = False) -> None:
@@ -134,12 +130,12 @@ def kernel(heads: tuple[int, int, int], reps: int, dtype: torch.dtype, cold: boo
     batched = attention.batched_decode_paged_attention
     paths = {
         "loop": lambda: loop(*args, *rest, **host),
-        "torch": _without_native(lambda: batched(*args, *rest, **host)),
+        "torch": _within(_native_off, lambda: batched(*args, *rest, **host)),
     }
     if native.library() is not None:
         paths["native"] = lambda: batched(*args, *rest, **host)
         if native.blocked_attention_available():
-            paths["native per-key"] = _with_per_key(paths["native"])
+            paths["native per-key"] = _within(_per_key, paths["native"])
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for name in paths:
         torch.testing.assert_close(paths["loop"](), paths[name](), atol=tolerance, rtol=tolerance)
@@ -179,7 +175,7 @@ def engine(model: Path, reps: int) -> None:
 
         return run
 
-    paths = {"loop": step(fast - {"paged_attention"}), "torch": _without_native(step(fast))}
+    paths = {"loop": step(fast - {"paged_attention"}), "torch": _within(_native_off, step(fast))}
     if native.library() is not None:
         paths["native"] = step(fast)
     best = _interleaved(paths, 5, reps)
