@@ -252,8 +252,8 @@ def paged_attention(
     bf16_dot: bool = True,
     blocked: bool = True,
 ) -> torch.Tensor:
-    """Query rows over the paged caches, read in place, into float32 ``out`` ``[R, Hq, Dv]`` (rows not
-    named are left as they are).
+    """Query rows over the paged caches, read in place, into float32 or bfloat16 ``out`` ``[R, Hq, Dv]``
+    (rows not named are left as they are).
 
     A bfloat16 query over a bfloat16 cache (head dim a multiple of 32) takes AVX512-BF16's pairwise
     dot products for the scores where the library has them (:func:`bf16_dot_available`): the same
@@ -263,7 +263,8 @@ def paged_attention(
     value sums in registers: the same products, summed in another order than the per-key passes);
     ``blocked=False`` runs the per-key passes.
 
-    :param query: ``[R, Hq, D]`` (any float dtype; read as float32).
+    :param query: ``[R, Hq, D]`` (any float dtype; read as float32, or as it is where the bf16 dot
+        product takes it).
     :param key_cache: ``[blocks, block_size, Hkv, D]``, a dtype of :data:`NATIVE_DTYPES`, last dimension
         dense, Hkv dividing Hq.
     :param value_cache: as ``key_cache`` with ``Dv`` values, same dtype.
