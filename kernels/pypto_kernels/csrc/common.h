@@ -25,6 +25,15 @@ static inline vf vload(const float *p) {
 
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* The sum of a vector's 16 lanes in a fixed tree: lane i + 8 onto lane i, then i + 4, i + 2 and
+ * i + 1 (the order of GCC's _mm512_reduce_add_ps). */
+static inline float sum_lanes(vf v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return v[0] + v[1];
+}
+
 /* 16 bfloat16 values widened (exactly) to float32: their bits in the upper half. */
 static inline vf vload_bf16(const uint16_t *p) {
     vh h;

@@ -106,14 +106,6 @@ static inline __m512 dot_bf16_lanes(const uint16_t *q, const uint16_t *row, int6
 
 #if defined(__AVX512F__)
 #define HAVE_BLOCKED 1
-/* The sum of a vector's 16 lanes in a fixed tree: lane i with lane i + 8, then i + 4, i + 2, i + 1
- * (the order of GCC's _mm512_reduce_add_ps). */
-static inline float sum_lanes(__m512 v) {
-    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
-}
 #endif
 
 #if HAVE_BF16_DOT
@@ -231,7 +223,7 @@ static inline __attribute__((always_inline)) __m512 score_lanes(const Item *it, 
     return _mm512_add_ps(a, b);
 }
 
-/* The 16 lane sums of v[0..15] as one vector, each by sum_lanes's tree (so bitwise its result):
+/* The 16 lane sums of v[0..15] as one vector, each by sum_lanes's tree (common.h; so bitwise its result):
  * lane 4k + m is the sum of v[4m + k] (callers store key j at v[4 (j % 4) + j / 4]). Four rounds
  * of shuffles halve the lanes of every vector at once instead of one vector at a time. */
 static inline __m512 sum_lanes16(const __m512 *v) {

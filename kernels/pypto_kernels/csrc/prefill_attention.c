@@ -110,8 +110,7 @@ static inline vf vexp_nonpositive(vf x) {
     return vselect(x <= floor, splat(0.0f), p * (vf)bits);
 }
 
-/* The largest and the sum of a vector's 16 lanes, folding lane i + 8, then i + 4, i + 2 and i + 1
- * onto lane i. */
+/* The largest of a vector's 16 lanes, folding lane i + 8, then i + 4, i + 2 and i + 1 onto lane i. */
 static inline float vmax_lanes(vf v) {
     vf h = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
     v = vselect(h > v, h, v);
@@ -120,13 +119,6 @@ static inline float vmax_lanes(vf v) {
     h = __builtin_shufflevector(v, v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     v = vselect(h > v, h, v);
     return v[1] > v[0] ? v[1] : v[0];
-}
-
-static inline float vsum_lanes(vf v) {
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    return v[0] + v[1];
 }
 
 /* Masks vector m's scores to its visible positions [first, last], folds them into its running maximum
@@ -146,7 +138,7 @@ static int softmax_step(const Scratch *w, int64_t m, int64_t pos0, int64_t first
     vf e = vexp_nonpositive(x - top);
     vstore(s, e);
     w->top[m] = top;
-    w->total[m] = w->total[m] * keep + vsum_lanes(e);
+    w->total[m] = w->total[m] * keep + sum_lanes(e);
     if (keep != 1.0f) {
         float *o = w->o + m * dim_v;
 #pragma omp simd
