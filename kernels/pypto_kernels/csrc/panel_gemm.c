@@ -20,7 +20,11 @@
  *
  * Work: (panel, block of MC rows) items, panel by panel, split in contiguous ranges over the threads;
  * within one, the panel's block of KC rows stays in the core's L2 across the block's tiles, and the
- * first tile prefetches it PANEL_PREFETCH bytes ahead (the next panel follows in memory). A thread's
+ * first tile prefetches it PANEL_PREFETCH bytes ahead (the next panel follows in memory). A one-row
+ * product (a concurrency-1 decode step) reuses nothing it reads: its tiles prefetch STREAM_PREFETCH
+ * bytes ahead, non-temporally, so the layers' weights streaming past do not evict from L2 and L3 what
+ * the rest of the step reads (on the EPYC of docs/benchmarks.md a Qwen3-0.6B bfloat16 decode token
+ * 7 % faster; the interpreter's own data is among what they evicted). A thread's
  * consecutive items are one panel's row blocks, so a prefill chunk of several blocks reads each panel
  * from memory once, not once per block (row block by row block, 256- and 512-row products ran
  * 0.88-0.95x oneDNN's on two threads, panel by panel 0.94-1.00x). The 16-lane vectors are one
@@ -29,7 +33,7 @@
 
 #include "common.h"
 
-enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, ROW_BYTES = 256 };
+enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, STREAM_PREFETCH = 4096, ROW_BYTES = 256 };
 
 /* a[j] += *b * wj, fused, for the four vectors of one panel row. With AVX-512 the activation is
  * broadcast by each multiply-add's load ({1to16}) rather than by a separate broadcast: on the Zen 4
@@ -81,8 +85,9 @@ static inline __attribute__((always_inline)) void row_dot(vf a[4], const uint16_
 
 /* Rows 0 .. mr - 1 of x (kind ELEM_F32 or ELEM_BF16, row stride xs elements) times the panel w's rows
  * k0 .. k1 - 1 (inputs, or bfloat16 input pairs): the sums continue from src (row stride NR; NULL:
- * from zero) and go to dst (row stride ds), plus bias (64 values) if given. kind, mr and pf are
- * constants in each specialisation below, so the accumulators live in registers. */
+ * from zero) and go to dst (row stride ds), plus bias (64 values) if given. pf: 0 no prefetches, 1
+ * PANEL_PREFETCH ahead into every cache level, 2 STREAM_PREFETCH ahead non-temporally. kind, mr and
+ * pf are constants in each specialisation below, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf, const void *x, int64_t xs,
                                                        const void *w, int64_t k0, int64_t k1, const float *src,
                                                        void *dst, int64_t ds, const void *bias, int narrow) {
@@ -95,8 +100,10 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
     const char *wk = (const char *)w + k0 * ROW_BYTES;
 #pragma GCC unroll 4
     for (int64_t kk = k0; kk < k1; kk++, wk += ROW_BYTES) {
-        if (pf)
+        if (pf == 1)
             for (int line = 0; line < 4; line++) __builtin_prefetch(wk + PANEL_PREFETCH + 64 * line, 0, 3);
+        else if (pf == 2)
+            for (int line = 0; line < 4; line++) __builtin_prefetch(wk + STREAM_PREFETCH + 64 * line, 0, 0);
         const float *row = (const float *)wk;
         vf w0 = vload(row), w1 = vload(row + 16), w2 = vload(row + 32), w3 = vload(row + 48);
 #pragma GCC unroll 6
@@ -136,14 +143,16 @@ typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, c
     }
 #define TILES_OF(kind)                                                                                         \
     TILE(kind, 1, 0) TILE(kind, 2, 0) TILE(kind, 3, 0) TILE(kind, 4, 0) TILE(kind, 5, 0) TILE(kind, 6, 0)      \
-    TILE(kind, 1, 1) TILE(kind, 2, 1) TILE(kind, 3, 1) TILE(kind, 4, 1) TILE(kind, 5, 1) TILE(kind, 6, 1)
+    TILE(kind, 1, 1) TILE(kind, 2, 1) TILE(kind, 3, 1) TILE(kind, 4, 1) TILE(kind, 5, 1) TILE(kind, 6, 1)      \
+    TILE(kind, 1, 2)
 TILES_OF(0)
 TILES_OF(1)
 #define ROW_OF(kind, pf)                                                                                       \
     {0, tile_##kind##_1_##pf, tile_##kind##_2_##pf, tile_##kind##_3_##pf, tile_##kind##_4_##pf,                \
      tile_##kind##_5_##pf, tile_##kind##_6_##pf}
-/* TILES[kind][prefetch][rows] */
+/* TILES[kind][prefetch][rows]; STREAM[kind]: a one-row product's tile (non-temporal prefetches) */
 static const tile_fn TILES[2][2][MR + 1] = {{ROW_OF(0, 0), ROW_OF(0, 1)}, {ROW_OF(1, 0), ROW_OF(1, 1)}};
+static const tile_fn STREAM[2] = {tile_0_1_2, tile_1_1_2};
 
 /* One row's first cols < NR float32 sums (+ bias, bfloat16, widened, or zero) rounded into bfloat16
  * outputs: the last panel's, where it is partial. */
@@ -151,12 +160,13 @@ static void row_to_bf16(uint16_t *out, const float *sums, const uint16_t *bias, 
     for (int64_t j = 0; j < cols; j++) out[j] = bf16_round(sums[j] + (bias ? bf16_value(bias[j]) : 0.0f));
 }
 
-/* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows; buf
- * holds MC x NR partial sums. A full panel's last block goes from the registers straight to out, bias
+/* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows (stream:
+ * the product's only row, its tiles prefetching non-temporally); buf holds MC x NR partial sums. A full panel's last block goes from the registers straight to out, bias
  * added (bfloat16: then rounded; through buf and a scalar pass the rounding took about a fifth of a
  * 6-row tile's time where the matrix has 256 inputs). */
 static void panel_block(int kind, const void *x, int64_t xs, const void *w, const void *bias, void *out,
-                        int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, float *buf) {
+                        int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, int stream,
+                        float *buf) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4;
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += KC) {
         int64_t k1 = k0 + KC < k ? k0 + KC : k;
@@ -166,8 +176,9 @@ static void panel_block(int kind, const void *x, int64_t xs, const void *w, cons
             float *part = buf + (r - r0) * NR;
             void *dst = direct ? (char *)out + (r * os + c0) * size : (void *)part;
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
-            TILES[kind][r == r0][mr]((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst,
-                                     direct ? os : NR, b, direct && kind == ELEM_BF16);
+            tile_fn fn = stream ? STREAM[kind] : TILES[kind][r == r0][mr];
+            fn((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b,
+               direct && kind == ELEM_BF16);
             if (!last || direct) continue;
             for (int i = 0; i < mr; i++) { /* the last partial panel's real outputs */
                 if (kind == ELEM_BF16) {
@@ -198,7 +209,7 @@ void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, c
             int64_t p = item / blocks, r0 = item % blocks * MC, r1 = r0 + MC < m ? r0 + MC : m;
             int64_t c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
             const char *w = (const char *)panels + p * rows * ROW_BYTES;
-            panel_block(kind, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, buf);
+            panel_block(kind, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m == 1, buf);
         }
     }
 }
