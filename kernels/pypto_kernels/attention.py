@@ -917,19 +917,26 @@ def _native_rows(spans: list[_Span], window: int | None) -> torch.Tensor:
     """:func:`pypto_kernels.native.paged_attention`'s rows for every query of ``spans``: query ``i`` of
     a run of ``n`` ending at key ``hi`` sees the keys up to its own position ``hi - n + i`` (causal),
     the last ``window`` of them under a sliding window. Every layer of a step asks for the same rows:
-    the last few answers are kept (never written to by their callers)."""
+    the last few answers are kept (never written to by their callers). ``[n, 4]``, the transposed view
+    of a contiguous ``[4, n]``: the kernel's four columns, read without a copy."""
     return _native_rows_of(tuple(spans), window)
 
 
 @functools.lru_cache(maxsize=4)
 def _native_rows_of(spans: tuple[_Span, ...], window: int | None) -> torch.Tensor:
-    entries = []
+    rows: list[int] = []
+    requests: list[int] = []
+    firsts: list[int] = []
+    counts: list[int] = []
     for span in spans:
         for i in range(span.num_queries):
             end = span.hi - span.num_queries + i + 1
             lo = max(0, end - window) if window is not None else 0
-            entries.append((span.row + i, span.request, lo, end - lo))
-    return torch.tensor(entries, dtype=torch.int64)
+            rows.append(span.row + i)
+            requests.append(span.request)
+            firsts.append(lo)
+            counts.append(end - lo)
+    return torch.tensor([rows, requests, firsts, counts], dtype=torch.int64).t()
 
 
 def _native_prefill(
@@ -998,7 +1005,9 @@ def batched_decode_paged_attention(
             else:
                 out.copy_(native.paged_attention(query, key_cache, value_cache, tables, rows, scale, sinks))
         long = [s for s in spans if s.num_queries > NATIVE_MAX_QUERIES]
-        if long and native.prefill_takes(value_cache):
+        if not long:  # a decode step: every layer's call ends here
+            return out
+        if native.prefill_takes(value_cache):
             _native_prefill(query, key_cache, value_cache, tables, long, out, scale, sliding_window, sinks)
         else:
             _attend_spans(query, key_cache, value_cache, tables, long, out, scale, sliding_window, sinks, None, None)

@@ -283,8 +283,9 @@ def paged_attention(
     # The bfloat16 dot product reads the query as it is: no float32 copy is made for it.
     query_bf16 = query.contiguous() if bf16_dot and _bf16_dot_applies(query, key_cache, lib) else None
     q = query_bf16 if query_bf16 is not None else query.to(torch.float32).contiguous()
-    tables = tables.to(torch.int64).contiguous()
-    columns = rows.to(torch.int64).t().contiguous()
+    # Each a no-op for the int64 tables and _native_rows' transposed columns a decode step passes.
+    tables = (tables if tables.dtype == torch.int64 else tables.to(torch.int64)).contiguous()
+    columns = (rows if rows.dtype == torch.int64 else rows.to(torch.int64)).t().contiguous()
     if out is None:
         out = torch.zeros((q.shape[0], q.shape[1], value_cache.shape[-1]), dtype=torch.float32)
     if out.dtype not in NATIVE_DTYPES or not out.is_contiguous():

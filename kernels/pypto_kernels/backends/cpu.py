@@ -343,6 +343,10 @@ def explain_paged_attention(**features: Any) -> str | None:
 
 
 def supports_paged_attention(*args: Any, **kwargs: Any) -> bool:
+    key_cache, value_cache = args[1:3] if len(args) >= 3 else (kwargs.get("key_cache"), kwargs.get("value_cache"))
+    caches = isinstance(key_cache, torch.Tensor) and isinstance(value_cache, torch.Tensor)
+    if caches and native.reads_dtypes(key_cache.dtype, value_cache.dtype):  # explain's first rule, no features built
+        return True
     return explain_paged_attention(**paged_attention_features(*args, **kwargs)) is None
 
 
