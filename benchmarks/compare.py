@@ -11,7 +11,8 @@ transformers batched generate), ``ct2`` (CTranslate2, converted with its convert
 
 Also measured in the same run: memory bandwidth (the best of a few copies of a large tensor,
 bytes read + written per second), and from it the weights-over-bandwidth floor of concurrency 1
-(every decode step reads all weights once: weight bytes / bandwidth), and torch's float32 and
+(every decode step reads all weights once: weight bytes / bandwidth), with the floor at the plain-read
+rate of the same tensor beside it (a copy's rate can run well above what a read reaches), and torch's float32 and
 bfloat16 matmul peak, against which each engine's throughput run is reported as a share (the
 workload's FLOPs from config.json over its wall time). Greedy outputs are compared
 token for token with the first pypto-serving run; mismatches are reported, not hidden.
@@ -213,16 +214,21 @@ class CpuHog:
 
 
 # ---------------------------------------------------------------- floor and agreement
-def memory_bandwidth(mib: int, threads: int, device: str = "cpu") -> float:
-    """Bytes per second of ``dst.copy_(src)`` on a ``mib`` MiB float32 tensor (read + write), best of 5."""
+def memory_bandwidth(mib: int, threads: int, device: str = "cpu") -> tuple[float, float]:
+    """Bytes per second of ``dst.copy_(src)`` on a ``mib`` MiB float32 tensor (read + write), and of
+    ``src.sum()`` (a plain read, what a one-row decode step's pass over the weights is), each the
+    best of 5. The two differ by machine state: on the Zen 4 EPYC of docs/benchmarks.md a copy read
+    34-54 GB/s while a read of the same tensor stayed at 34-36."""
     import torch
 
     torch.set_num_threads(threads)
     src = torch.randn(mib * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_time(lambda: dst.copy_(src), device) for _ in range(5))
-    return 2 * src.numel() * 4 / best
+    copy = min(_time(lambda: dst.copy_(src), device) for _ in range(5))
+    src.sum()
+    read = min(_time(lambda: src.sum(), device) for _ in range(5))
+    return 2 * src.numel() * 4 / copy, src.numel() * 4 / read
 
 
 def matmul_peak(dtype: str, threads: int, device: str = "cpu") -> float:
@@ -410,6 +416,7 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         "",
         f"Memory bandwidth (copy of {args.bandwidth_mib} MiB, read + write, best of 5): "
         f"{report['bandwidth_gbs']:.1f} GB/s; weights-over-bandwidth floor at concurrency 1: {floor:.2f} ms per token.",
+        *_read_floor(report),
         f"Matmul peak ({_peak_how(args)}, best of 5): float32 "
         f"{peaks['float32']:,.1f} GFLOP/s, bfloat16 {peaks['bfloat16']:,.1f} GFLOP/s. The throughput workload "
         f"needs {report['workload_gflop']:,.0f} GFLOP (projections, output projection for output tokens, causal "
@@ -434,6 +441,24 @@ def _peak_share(report: dict[str, Any], r: dict[str, Any]) -> float | None:
     precision = r.get("precision") or report["precision"]
     peak = report["peak_gflops"]["bfloat16" if precision == "bfloat16" else "float32"]
     return report["workload_gflop"] / wall / peak
+
+
+def _read_floor(report: dict[str, Any]) -> list[str]:
+    """The line on the plain-read bandwidth and the floor at it (reports written before it was measured
+    have none), with each engine's concurrency-1 time against that floor."""
+    if "read_floor_ms" not in report:
+        return []
+    floor = report["read_floor_ms"]
+    shares = [
+        f"{r['name']} {r['latency']['tpot_ms'] / floor:.2f}x"
+        for r in report["results"]
+        if "weight_bytes" not in r and (r.get("latency") or {}).get("tpot_ms")
+    ]
+    return [
+        f"Memory read bandwidth (a sum of the same tensor, best of 5): {report['read_bandwidth_gbs']:.1f} GB/s; "
+        f"the floor at that rate: {floor:.2f} ms per token"
+        + (f" (c=1 TPOT over it: {', '.join(shares)})." if shares else ".")
+    ]
 
 
 def _row(args: argparse.Namespace, r: dict[str, Any], floor: float, peak_share: float | None = None) -> str:
@@ -555,7 +580,7 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             r["contended"] = c.get("latency", {"error": c.get("error")})
         results.append(r)
     compare_outputs(results)
-    bandwidth = memory_bandwidth(args.bandwidth_mib, args.threads, args.device)
+    bandwidth, read_bandwidth = memory_bandwidth(args.bandwidth_mib, args.threads, args.device)
     weights = weight_bytes(ours, args.precision)
     config = json.loads((Path(args.model) / "config.json").read_text())
     return {
@@ -565,6 +590,8 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "weight_bytes": weights,
         "bandwidth_gbs": bandwidth / 1e9,
         "floor_ms": weights / bandwidth * 1000,
+        "read_bandwidth_gbs": read_bandwidth / 1e9,
+        "read_floor_ms": weights / read_bandwidth * 1000,
         "peak_gflops": {
             dtype: matmul_peak(dtype, args.threads, args.device) / 1e9 for dtype in ("float32", "bfloat16")
         },
