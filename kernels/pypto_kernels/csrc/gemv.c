@@ -8,9 +8,10 @@
  * four rows was slower there). The prefetches are non-temporal: the matrix (the output projection,
  * 78-622 MB) is read once a step and would otherwise evict from L2 and L3 the decoder layers'
  * weights, activations and the interpreter's own data that the rest of the step reads next (on that
- * EPYC, a concurrency-1 decode token 5 % faster on the small shape, 9 % on Qwen3-0.6B bfloat16, and the
- * matrix itself read 0-19 % faster than with 32 KiB temporal prefetches). Each output's products are summed in a fixed order (row_dot), so an
- * output depends only on its row and the activation, not on the threads.
+ * EPYC, a concurrency-1 decode token 5 % faster on the small shape, 9 % on Qwen3-0.6B bfloat16, and
+ * the matrix itself read 0-19 % faster than with 32 KiB temporal prefetches). Each output's products
+ * are summed in a fixed order (row_dot), so an output depends only on its row and the activation, not
+ * on the threads.
  * A bfloat16 matrix is widened exactly to float32 as it is read (the activation comes as float32).
  * Vectors are GCC/Clang vector extensions of 16 floats (one AVX-512 register, two AVX2 ones). */
 #include <omp.h>
@@ -28,25 +29,10 @@ static inline float scalar_kind(const void *row, int kind, int64_t i) {
     return kind == ELEM_BF16 ? bf16_value(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
-#ifdef __clang__
-#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define SHUFFLE(v, ...) __builtin_shuffle(v, (vi){__VA_ARGS__})
-#endif
-
-/* The 16 lanes added pairwise (lane j + lane j + 8, then + 4, + 2, + 1), in registers. */
-static inline float lanes_sum(vf v) {
-    v += SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
-    v += SHUFFLE(v, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
-    v += SHUFFLE(v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    v += SHUFFLE(v, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
-    return v[0];
-}
-
 /* Output o: its row's products in four accumulators (16-value chunks 0, 4, 8, ... in the first, 1,
  * 5, ... in the second, and so on; a last run of fewer than four chunks in the first), added as
- * (a0 + a1) + (a2 + a3), the lanes pairwise, then the row's last in % 16 products in order. Four
- * chains of additions keep a wide row's sum from waiting on one. */
+ * (a0 + a1) + (a2 + a3), the lanes by sum_lanes (common.h), then the row's last in % 16 products in
+ * order. Four chains of additions keep a wide row's sum from waiting on one. */
 static inline __attribute__((always_inline)) void row_dot(const void *w, int kind, int64_t ws, const float *x,
                                                           int64_t in, int64_t o, float *out) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4;
@@ -61,7 +47,7 @@ static inline __attribute__((always_inline)) void row_dot(const void *w, int kin
         a3 += vload_kind(row, kind, i + 3 * LANES) * vload(x + i + 3 * LANES);
     }
     for (; i + LANES <= in; i += LANES) a0 += vload_kind(row, kind, i) * vload(x + i);
-    float total = lanes_sum((a0 + a1) + (a2 + a3));
+    float total = sum_lanes((a0 + a1) + (a2 + a3));
     for (; i < in; i++) total += scalar_kind(row, kind, i) * x[i];
     out[o] = total;
 }

@@ -160,10 +160,11 @@ static void row_to_bf16(uint16_t *out, const float *sums, const uint16_t *bias, 
     for (int64_t j = 0; j < cols; j++) out[j] = bf16_round(sums[j] + (bias ? bf16_value(bias[j]) : 0.0f));
 }
 
-/* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows (stream:
- * the product's only row, its tiles prefetching non-temporally); buf holds MC x NR partial sums. A full panel's last block goes from the registers straight to out, bias
- * added (bfloat16: then rounded; through buf and a scalar pass the rounding took about a fifth of a
- * 6-row tile's time where the matrix has 256 inputs). */
+/* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows
+ * (stream: the product's only row, its tiles prefetching non-temporally); buf holds MC x NR partial
+ * sums. A full panel's last block goes from the registers straight to out, bias added (bfloat16: then
+ * rounded; through buf and a scalar pass the rounding took about a fifth of a 6-row tile's time where
+ * the matrix has 256 inputs). */
 static void panel_block(int kind, const void *x, int64_t xs, const void *w, const void *bias, void *out,
                         int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, int stream,
                         float *buf) {
