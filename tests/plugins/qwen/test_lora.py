@@ -301,7 +301,10 @@ def test_load_and_unload_while_requests_run(
 ) -> None:
     """Requests of the base and of an adapter are mid-generation when another adapter loads and the
     first unloads: every request's tokens are its merged model's; a request naming the unloaded
-    adapter is refused at once (404), its running request finishes, and only then is its slot free."""
+    adapter is refused at once (404), its running request finishes, and only then is its slot free.
+
+    Steps run while the adapter is read for as long as the read takes, so the request that holds the
+    unloaded adapter's slot is added after the load: two steps cannot finish its ten tokens."""
     from dataclasses import replace
 
     from pypto_serving.lora import LoraError
@@ -318,24 +321,27 @@ def test_load_and_unload_while_requests_run(
     keep = lambda done: outs.update({o.request_id: o for o in done if o.finished})  # noqa: E731
     assert engine.load_lora("mlp", str(adapters["mlp"]), on_outputs=keep) >= 0.0
     engine.add_request("mlp", prompts[2], replace(GREEDY, lora="mlp"))
+    engine.add_request("attn-2", prompts[3], replace(GREEDY, lora="attn"))
     _drive(engine, outs, 2)
     engine.unload_lora("attn")
     assert engine.stats()["lora_adapters"] == ["mlp"]
     with pytest.raises(LoraError, match="unknown LoRA adapter 'attn'") as refused:
-        engine.add_request("attn-late", prompts[3], replace(GREEDY, lora="attn"))
+        engine.add_request("attn-late", prompts[0], replace(GREEDY, lora="attn"))
     assert refused.value.status == 404
     # The unloaded adapter's request still runs, so its slot is held: the two slots are taken.
-    assert "attn" not in outs
+    assert "attn-2" not in outs
     with pytest.raises(LoraError, match="no free LoRA slot") as full:
         engine.load_lora("mixed", str(adapters["mixed"]))
     assert full.value.status == 409
     _drive(engine, outs)
-    engine.load_lora("mixed", str(adapters["mixed"]))  # the slot is free once attn's request ended
+    engine.load_lora("mixed", str(adapters["mixed"]))  # the slot is free once attn's requests ended
     engine.add_request("mixed", prompts[4], replace(GREEDY, lora="mixed"))
     _drive(engine, outs)
-    base, order = qwen_checkpoints("qwen3"), {"base": 0, "attn": 1, "mlp": 2, "mixed": 4}
+    base = qwen_checkpoints("qwen3")
+    order = {"base": (None, 0), "attn": ("attn", 1), "mlp": ("mlp", 2), "attn-2": ("attn", 3), "mixed": ("mixed", 4)}
     assert sorted(outs) == sorted(order)
-    refs = {n: _hf_greedy(_merged(base, adapters.get(n)), prompts[i]) for n, i in order.items()}
+    models = {a: _merged(base, adapters.get(a) if a else None) for a, _ in order.values()}
+    refs = {n: _hf_greedy(models[a], prompts[i]) for n, (a, i) in order.items()}
     assert {n: list(outs[n].outputs[0].token_ids) for n in order} == refs
 
 
