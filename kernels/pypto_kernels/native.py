@@ -20,10 +20,12 @@ same results to float rounding), saying so once in the log.
   ``csrc/panel_gemm.c``): every linear layer's product where :func:`pypto_kernels.packing_rule` picks
   it, one layout serving a one-row step (a stream over the matrix) and a 64-row one (tiles of fused
   multiply-adds), each output's sum in one fixed order whatever the batch and the threads.
-- :func:`rms_norm` and :func:`qk_norm_rope_write_kv`: the element-wise work between a decoder layer's
-  matrix products (``csrc/norm_rope.c``): the residual add and RMSNorm of each row, and the q/k
-  head norms, the rotation and the K/V cache write of an attention's fused projection, one pass
-  each instead of a dozen torch ops.
+- :func:`rms_norm`, :func:`qk_norm_rope_write_kv` and :func:`silu_mul`: the element-wise work between
+  a decoder layer's matrix products (``csrc/norm_rope.c``): the residual add and RMSNorm of each row,
+  the q/k head norms, the rotation and the K/V cache write of an attention's fused projection, and
+  SwiGLU, one pass each instead of a dozen torch ops.
+- ``csrc/decode_layers.c``: a decode step's dense decoder layers calling the kernels above in one
+  call (:class:`pypto_kernels.NativeDecoder`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ __all__ = [
     "reads",
     "reads_dtypes",
     "rms_norm",
+    "silu_mul",
+    "silu_takes",
     "unpack_panels",
 ]
 
@@ -76,6 +80,7 @@ _SOURCES = tuple(
     _CSRC / name
     for name in (
         "paged_attention.c", "prefill_attention.c", "hyper_connections.c", "norm_rope.c", "gemv.c", "panel_gemm.c",
+        "decode_layers.c",
     )
 )  # fmt: skip
 _HEADERS = (_CSRC / "common.h",)
@@ -191,6 +196,14 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_qk_norm_rope_write.argtypes = [
         _PTR, _I64, ctypes.c_int, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_float, _PTR, _PTR, _I64, _I64, _PTR,
         _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int,
+    ]  # fmt: skip
+    lib.pypto_silu_mul.restype = None
+    lib.pypto_silu_mul.argtypes = [_PTR, _I64, ctypes.c_int, _I64, _I64, _PTR, _I64, ctypes.c_int]
+    lib.pypto_decode_scratch_bytes.restype = _I64
+    lib.pypto_decode_scratch_bytes.argtypes = [_PTR, _I64]
+    lib.pypto_decode_layers.restype = ctypes.c_int
+    lib.pypto_decode_layers.argtypes = [
+        _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_int,
     ]  # fmt: skip
     lib.pypto_gemv.restype = None
     lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
@@ -493,6 +506,37 @@ def rms_norm(
         torch.get_num_threads(),
     )  # fmt: skip
     return out, summed
+
+
+def silu_takes(x: torch.Tensor) -> bool:
+    """Whether :func:`silu_mul` takes ``x``: a CPU tensor of a dtype of :data:`NATIVE_DTYPES`, an even
+    last dimension, rows of dense elements evenly strided, and the library built."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in NATIVE_DTYPES
+        and x.dim() >= 1
+        and x.shape[-1] % 2 == 0
+        and _rows(x) is not None
+        and library() is not None
+    )
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """:func:`pypto_kernels.silu_and_mul` of each row in one C pass (``csrc/norm_rope.c``): torch's
+    ``F.silu(gate) * up`` with its roundings, silu's exponential another (float32 results within 4 ulps).
+
+    :param x: ``[..., 2 I]`` rows, the gate's ``I`` values then the up's (:func:`silu_takes`).
+    :return: ``[..., I]`` of ``x``'s dtype (a new tensor).
+    """
+    lib, layout = library(), _rows(x) if x.dim() else None
+    if lib is None or layout is None or not silu_takes(x):
+        raise ValueError(f"the native silu_mul does not take x {tuple(x.shape)} {x.dtype}")
+    (n, xs), half = layout, x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], half), dtype=x.dtype)
+    if n and half:
+        kind, threads = NATIVE_DTYPES[x.dtype], torch.get_num_threads()
+        lib.pypto_silu_mul(x.data_ptr(), xs, kind, n, half, out.data_ptr(), half, threads)
+    return out
 
 
 def qk_rope_takes(

@@ -72,6 +72,7 @@ CPU_FAST_KERNELS: frozenset[str] = frozenset(
         "rms_norm",
         "add_rms_norm",
         "qk_norm_rope_write_kv",
+        "silu_and_mul",
     }
 )
 

@@ -1,6 +1,6 @@
 """The native CPU passes between a decoder layer's products (``csrc/norm_rope.c``): RMSNorm with and
-without the residual add, and the q/k norms, rotation and K/V cache write of a fused projection,
-against the torch references, a float64 RMSNorm written from its definition, and each other."""
+without the residual add, the q/k norms, rotation and K/V cache write of a fused projection, and
+SwiGLU, against the torch references, float64 definitions, and each other."""
 
 from __future__ import annotations
 
@@ -109,6 +109,56 @@ def test_rms_norm_takes_the_native_pass_on_the_cpu(monkeypatch: pytest.MonkeyPat
     K.rms_norm(x.half(), w.half(), 1e-6)
     K.rms_norm(torch.randn(3, 4, 128)[:, :, ::2], w, 1e-6)
     assert calls == ["norm", "add"]
+
+
+def _float64_swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from its definition, in float64: gate / (1 + e**-gate) * up."""
+    gate, up = x.double().chunk(2, dim=-1)
+    return gate / (1 + torch.exp(-gate)) * up
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 64, 100, 3072])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_native_silu_mul_is_the_reference(dtype: torch.dtype, width: int, rows: int) -> None:
+    """Against torch's ``F.silu(gate) * up`` (float32 within 4 ulps: another exponential; bfloat16
+    rounded as torch rounds each op, so at most one bfloat16 ulp apart where silu's float32 value
+    sits on a rounding edge) and float64's definition; arguments past the exponential's range
+    (+-100) and zero included."""
+    gen = torch.Generator().manual_seed(width * 100 + rows)
+    x = (torch.randn(rows, 2 * width, generator=gen) * 4).to(dtype)
+    x[0, 0] = 100.0
+    x[-1, width - 1] = -100.0
+    x[0, width // 2] = 0.0
+    out = native.silu_mul(x)
+    assert out.dtype == dtype and out.shape == (rows, width)
+    ref = K.silu_and_mul.reference(x)  # type: ignore[attr-defined]
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=5e-7, atol=1e-30)
+        torch.testing.assert_close(out.double(), _float64_swiglu(x), rtol=1e-6, atol=1e-30)
+    else:
+        torch.testing.assert_close(out, ref, rtol=8e-3, atol=1e-30)
+        assert float((out.float() != ref.float()).float().mean()) < 0.02  # edge cases only
+
+
+@needs_native
+def test_silu_and_mul_takes_the_native_pass_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of dense elements (strided rows too, a row's result its own) take the C pass; a strided
+    last dimension, an odd width and float16 the reference."""
+    calls: list[tuple[int, ...]] = []
+    inner = native.silu_mul
+    monkeypatch.setattr(native, "silu_mul", lambda x: calls.append(tuple(x.shape)) or inner(x))
+    wide = torch.randn(6, 300)
+    rows = wide[:, 20:276]  # rows of stride 300
+    assert torch.equal(K.silu_and_mul(rows), torch.cat([inner(rows[i : i + 1]) for i in range(6)]))
+    K.silu_and_mul(torch.randn(2, 3, 64))
+    assert calls == [(6, 256), (2, 3, 64)]
+    for declined in (torch.randn(3, 128)[:, ::2], torch.randn(3, 64).half()):
+        torch.testing.assert_close(K.silu_and_mul(declined), K.silu_and_mul.reference(declined))  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="even last dim"):
+        K.silu_and_mul(torch.randn(3, 7))
+    assert calls == [(6, 256), (2, 3, 64)]
 
 
 def _caches(blocks: int, heads: int, dim: int, dtype: torch.dtype, head_major: bool) -> tuple[torch.Tensor, ...]:

@@ -431,6 +431,14 @@ def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> bool
     return not torch.compiler.is_compiling() and native.norm_takes(x, weight)
 
 
+def native_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return native.silu_mul(x)
+
+
+def supports_silu_and_mul(x: torch.Tensor) -> bool:
+    return not torch.compiler.is_compiling() and native.silu_takes(x)
+
+
 def native_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,6 +486,7 @@ def supports_qk_norm_rope_write_kv(*args: Any, **kwargs: Any) -> bool:
 def register(add: Callable[..., None]) -> None:
     add("rms_norm", "cpu", native_rms_norm, supports_rms_norm, label=NORM_LABEL)
     add("add_rms_norm", "cpu", native_add_rms_norm, supports_add_rms_norm, label=NORM_LABEL)
+    add("silu_and_mul", "cpu", native_silu_and_mul, supports_silu_and_mul, label=NORM_LABEL)
     add(
         "qk_norm_rope_write_kv",
         "cpu",

@@ -91,4 +91,23 @@ typedef struct {
     int64_t sb, st, sh;
 } Cache;
 
+/* The kernels decode_layers.c calls in sequence (each documented where it is defined). */
+void pypto_rms_norm(const void *x, int64_t xs, const void *residual, int64_t rs, const void *weight, int kind,
+                    int64_t n, int64_t d, float eps, void *out, int64_t os, void *sum, int64_t ss, int threads);
+int pypto_qk_norm_rope_write(const void *qkv, int64_t qs, int kind, int64_t t, int64_t hq, int64_t hkv, int64_t d,
+                             const void *q_norm, const void *k_norm, float eps, const void *cos, const void *sin,
+                             int64_t cs, int64_t rotary, void *q_out, void *key_cache, void *value_cache,
+                             int cache_kind, const int64_t *ks, const int64_t *vs, int64_t block_size,
+                             int64_t num_slots, const int64_t *slots, int threads);
+void pypto_silu_mul(const void *x, int64_t xs, int kind, int64_t n, int64_t i, void *out, int64_t os, int threads);
+void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, const void *bias, void *out,
+                      int64_t os, int64_t m, int64_t n, int64_t k, int threads);
+int pypto_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride, const void *key_cache,
+                          const void *value_cache, int kind, const int64_t *k_strides, const int64_t *v_strides,
+                          const int64_t *tables, int64_t table_stride, const int64_t *rows, const int64_t *requests,
+                          const int64_t *los, const int64_t *counts, int64_t n, int64_t num_q_heads,
+                          int64_t num_kv_heads, int64_t dim, int64_t dim_v, int64_t block_size, float scale,
+                          const float *sinks, void *out, int out_kind, int64_t out_row_stride,
+                          int64_t out_head_stride, const uint16_t *query_bf16, int per_key, int threads);
+
 #endif

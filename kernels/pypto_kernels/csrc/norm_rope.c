@@ -5,10 +5,12 @@
  * - pypto_qk_norm_rope_write: a fused q/k/v projection's rows cut into heads, q and k RMS-normalised
  *   per head (Qwen3; optional) and rotated (HF's rotate_half layout), k and v written into the paged
  *   caches, q returned.
+ * - pypto_silu_mul: SwiGLU on a fused gate/up projection's rows, silu(gate) * up.
  *
  * Every step rounds as the torch reference's ops do, in its order (no fused multiply-add: the file is
  * built with contraction off), so the results equal the reference's bitwise except the mean of
- * squares, summed here in 16 lanes combined pairwise (torch's vectorised sum has its own order). A
+ * squares, summed here in 16 lanes combined pairwise (torch's vectorised sum has its own order), and
+ * silu's exponential (exp_any: its product within 4 float32 ulps of torch's). A
  * bfloat16 tensor rounds after each op, as torch's bfloat16 ops do. A row's result depends only on
  * that row: rows are split over threads whole. */
 #include "common.h"
@@ -174,4 +176,44 @@ int pypto_qk_norm_rope_write(const void *qkv, int64_t qs, int kind, int64_t t, i
                   ks, vs, block, offset);
     }
     return 0;
+}
+
+/* e**x for any float32 x, written to vectorise: x = n ln2 + f with |f| <= ln2 / 2, e**f by
+ * common.h's degree-6 polynomial (relative error under 2e-7), times 2**n built in the exponent bits;
+ * 0 below -87 and +inf above 88 (where torch's is 1e-38 or already 1.6e38 or more: silu's quotient is
+ * then 0 or -0 within 1e-36 of torch's). */
+ALWAYS_INLINE float exp_any(float x) {
+    float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = __builtin_rintf(c * 1.44269504f);
+    float f = c - n * 0.693145752f - n * 1.42860677e-06f;
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (0.166666672f + f * (0.0416666679f + f * (0.00833333377f + f * 0.00138888892f)))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : (x > 88.0f ? __builtin_inff() : p * scale);
+}
+
+/* One row of SwiGLU, torch's F.silu(gate) * up: silu as gate / (1 + e**-gate) in float32, held in the
+ * kind, times up, held. */
+ALWAYS_INLINE void silu_mul_row(const void *gate, const void *up, int kind, int64_t i, void *out) {
+    for (int64_t j = 0; j < i; j++) {
+        float g = load(gate, kind, j);
+        float silu = held(kind, g / (1.0f + exp_any(-g)));
+        store(out, kind, j, silu * load(up, kind, j));
+    }
+}
+
+/* x [n, 2 i] rows of stride xs (the gate's i values, then the up's), of the kind; writes out [n, i]
+ * (row stride os, the kind). A row's result depends only on that row. */
+void pypto_silu_mul(const void *x, int64_t xs, int kind, int64_t n, int64_t i, void *out, int64_t os, int threads) {
+    size_t size = kind == ELEM_BF16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n * i >= GRAIN)
+    for (int64_t r = 0; r < n; r++) {
+        const char *row = (const char *)x + (size_t)(r * xs) * size;
+        char *o = (char *)out + (size_t)(r * os) * size;
+        if (kind == ELEM_BF16)
+            silu_mul_row(row, row + (size_t)i * size, ELEM_BF16, i, o);
+        else
+            silu_mul_row(row, row + (size_t)i * size, ELEM_F32, i, o);
+    }
 }

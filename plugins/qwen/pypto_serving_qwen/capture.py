@@ -27,11 +27,14 @@ class GraphStats:
 
     :param graph_steps: captured decode steps per bucket.
     :param eager_steps: steps that ran eager (prefill, mixed, drafting, or above the largest bucket).
+    :param native_decoder_steps: eager decode steps whose decoder layers ran as one native call
+        (:class:`pypto_kernels.NativeDecoder`).
     :param first_call_seconds: per bucket, the wall time of its first call (compilation included).
     """
 
     graph_steps: dict[int, int] = field(default_factory=dict)
     eager_steps: int = 0
+    native_decoder_steps: int = 0
     first_call_seconds: dict[int, float] = field(default_factory=dict)
 
 

@@ -67,7 +67,11 @@ class QwenExecutor(Executor):
     (:meth:`QwenForCausalLM.pack_linears`). Except with ``reference``, the output projection and every
     projection left plain run :func:`pypto_kernels.linear`, whose CPU fast path multiplies the plain
     float32 ``lm_head_t`` transposed in chunks at 16 rows or more (no copy of it), and decoder
-    projections of 512 Ki elements or more so at 2-128 rows. Any other key is refused at load.
+    projections of 512 Ki elements or more so at 2-128 rows. ``native_decoder`` (true by default):
+    where every decoder projection got native panels (and the layers are dense, without LoRA, on
+    one rank), a decode step runs the decoder layers as one native call
+    (:class:`pypto_kernels.NativeDecoder`: the same kernels and results, without Python between
+    them); false keeps one kernel call at a time. Any other key is refused at load.
 
     With ``tensor_parallel_size > 1`` the worker runs one executor per rank inside torch.distributed's
     default process group; each loads and holds its shards (:mod:`pypto_serving_qwen.sharding`), its
@@ -170,10 +174,14 @@ class QwenExecutor(Executor):
         tied_copy = self.settings.executor_options.get("tied_head_copy", True)
         if not isinstance(tied_copy, bool):
             raise ValueError(f"executor_options tied_head_copy must be true or false, got {tied_copy!r}")
+        native_decoder = self.settings.executor_options.get("native_decoder", True)
+        if not isinstance(native_decoder, bool):
+            raise ValueError(f"executor_options native_decoder must be true or false, got {native_decoder!r}")
         mode = self.graph_options.mode if self.graph_options is not None else "eager"
         if choice == "reference" or self.device.type != "cpu" or mode != "eager":
             return
         count = model.pack_linears(self.settings.max_num_seqs, _CPU_LINEAR[choice], tied_head_copy=tied_copy)
+        model.native_decoder_enabled = native_decoder
         _return_freed_heap()
         head, stored = model.lm_head_packed, model.lm_head_q
         label = K.describe_kernel("linear", self.device, dtype=self.dtype)
@@ -392,6 +400,7 @@ class QwenExecutor(Executor):
         """Which path the steps took (captured per bucket, or eager)."""
         stats = self.graphs.stats if self.graphs is not None else GraphStats()
         stats.eager_steps = self.eager_steps
+        stats.native_decoder_steps = self.model.native_decoder_steps if self.model is not None else 0
         return stats
 
     def execute(self, batch: BatchInput) -> torch.Tensor:

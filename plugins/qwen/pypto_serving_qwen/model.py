@@ -580,6 +580,11 @@ class QwenForCausalLM(nn.Module):
             QwenDecoderLayer(cfg, i, device, dtype, shards, plan) for i in range(cfg.num_layers)
         )
         self.norm = _param((cfg.hidden_size,), device, dtype)
+        # Set by the executor (``executor_options["native_decoder"]``, after pack_linears): decode steps
+        # run the decoder layers as one native call where they can (:meth:`_native_decoder`).
+        self.native_decoder_enabled = False
+        self.native_decoder_steps = 0
+        self._native: tuple[list[KVCache], K.NativeDecoder | None] | None = None
         inv_freq, attention_scaling = K.rope_inv_freq(
             cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
         )
@@ -739,11 +744,68 @@ class QwenForCausalLM(nn.Module):
         """The last layer's output and residual for every row (their sum is the final hidden state)."""
         hidden = vocab_parallel_embedding(input_ids, self.embed, self.shards.ctx)
         cos, sin = K.rope_cos_sin(positions, self.inv_freq, self.attention_scaling, self.dtype)
+        # A decode step (as many rows as requests: one query each) through the native decoder.
+        decode = meta.path == "paged" and input_ids.shape[0] == len(meta.seq_lens_host)
+        native = self._native_decoder(kv_caches) if decode else None
+        if native is not None:
+            self.native_decoder_steps += 1
+            return native.run(hidden, (cos, sin), meta.slot_mapping, meta.block_tables, meta.seq_lens)
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, cache, meta)
         assert residual is not None
         return hidden, residual
+
+    def _native_decoder(self, kv_caches: list[KVCache]) -> K.NativeDecoder | None:
+        """The layers over ``kv_caches`` as a :class:`pypto_kernels.NativeDecoder`, made at the first decode
+        step over these caches; None where it is off or the layers are not all dense, panel-packed,
+        without LoRA, on one rank (the reason logged once per cache)."""
+        if not self.native_decoder_enabled:
+            return None
+        if self._native is None or self._native[0] is not kv_caches:
+            self._native = (kv_caches, self._build_native_decoder(kv_caches))
+        return self._native[1]
+
+    def _build_native_decoder(self, kv_caches: list[KVCache]) -> K.NativeDecoder | None:
+        cfg, layers = self.cfg, []
+        try:
+            for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                assert isinstance(layer, QwenDecoderLayer)
+                layers.append(self._native_layer(index, layer, cache))
+            decoder = K.NativeDecoder(
+                layers, heads=_size(self.shards.q_heads), kv_heads=_size(self.shards.kv_heads), head_dim=cfg.head_dim,
+                rotary_dim=cfg.rotary_dim, eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5,
+            )  # fmt: skip
+        except ValueError as e:
+            logger.info("decode steps run the layers one kernel call at a time: %s", e)
+            return None
+        logger.info("decode steps run the %d decoder layers as one native call", len(layers))
+        return decoder
+
+    def _native_layer(self, index: int, layer: QwenDecoderLayer, cache: KVCache) -> K.DecoderLayerWeights:
+        """Layer ``index`` as :class:`pypto_kernels.NativeDecoder` takes it; ValueError: why it cannot."""
+        attn, mlp = layer.self_attn, layer.mlp
+        if self.shards.ctx.enabled:
+            raise ValueError("tensor parallel")
+        if not isinstance(mlp, QwenMLP):
+            raise ValueError(f"layer {index} is a mixture of experts")
+        if attn.lora_qkv is not None or mlp.lora_gate_up is not None:
+            raise ValueError("LoRA adapters")
+        if attn.o_bias is not None:
+            raise ValueError("an o_proj bias")
+        qkv, o, gate_up, down = attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight
+        if not (
+            isinstance(qkv, K.PackedLinearWeight)
+            and isinstance(o, K.PackedLinearWeight)
+            and isinstance(gate_up, K.PackedLinearWeight)
+            and isinstance(down, K.PackedLinearWeight)
+        ):
+            raise ValueError(f"layer {index} has projections without a packed copy")
+        return K.DecoderLayerWeights(
+            input_norm=layer.input_norm, post_norm=layer.post_attention_norm, qkv=qkv, qkv_bias=attn.qkv_bias,
+            q_norm=attn.q_norm, k_norm=attn.k_norm, o=o, gate_up=gate_up, down=down, key_cache=cache[0],
+            value_cache=cache[1], window=attn.sliding_window,
+        )  # fmt: skip
 
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the rows given: the final norm and the (vocab-sized) output projection,

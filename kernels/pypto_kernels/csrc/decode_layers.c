@@ -1,0 +1,99 @@
+/* A decode step's dense decoder layers in one call (pypto_kernels.NativeDecoder): the same kernels,
+ * with the same arguments, that the eager CPU forward calls one by one from Python, so its results
+ * are those of that forward bit for bit, without the interpreter between them. At concurrency 1 the
+ * Python around a layer's nine kernel calls took longer than their C on Qwen3-0.6B (about 8 of a
+ * token's 38-46 ms on the Zen 4 EPYC of docs/benchmarks.md), and its data was evicted by the weights
+ * streaming through between calls.
+ *
+ * Each layer, for r decode rows (row i is request i's one query, at position seq_lens[i] - 1):
+ *   normed = RMSNorm(hidden + residual)           (layer 0: RMSNorm(hidden), residual = hidden)
+ *   qkv = normed x W_qkv (+ bias)                  panels
+ *   q = q/k head norms and RoPE, k and v written to the caches
+ *   attended = paged attention of q over the caches (the layer's window)
+ *   o = attended x W_o                             panels
+ *   normed = RMSNorm(o + residual)
+ *   hidden = silu_mul(normed x W_gate_up) x W_down panels
+ * and the last layer's hidden and residual are returned (their sum is the final hidden state). */
+#include "common.h"
+
+/* One decoder layer's weights (pypto_kernels.native.pack_panels' layouts, the step's element kind)
+ * and its caches. */
+typedef struct {
+    const void *input_norm, *post_norm; /* [hidden] */
+    const void *qkv, *qkv_bias;         /* panels of [(heads + 2 kv_heads) head_dim, hidden]; bias or NULL */
+    const void *q_norm, *k_norm;        /* [head_dim] each, or both NULL */
+    const void *o;                      /* panels of [hidden, heads head_dim] */
+    const void *gate_up, *down;         /* panels of [2 inter, hidden] and [hidden, inter] */
+    void *key_cache, *value_cache;      /* [blocks, block_size, kv_heads, head_dim], cache_kind */
+    int64_t k_strides[3], v_strides[3]; /* block, token and head strides in elements */
+    int64_t window;                     /* keys a query sees (its own and those before), 0: all */
+} DecoderLayer;
+
+/* What every layer shares. */
+typedef struct {
+    int kind, cache_kind; /* the activations' and weights' elements, the caches' */
+    int bf16_dot;         /* attention reads the bfloat16 query as it is (pypto_bf16_dot, head_dim % 32 == 0) */
+    int64_t hidden, heads, kv_heads, head_dim, inter, rotary, block_size, num_slots;
+    float eps, scale;
+} DecoderShape;
+
+/* Bytes of scratch pypto_decode_layers needs for r rows. */
+int64_t pypto_decode_scratch_bytes(const DecoderShape *s, int64_t r) {
+    int64_t size = s->kind == ELEM_BF16 ? 2 : 4, q = s->heads * s->head_dim;
+    int64_t elements = s->hidden * 2 + (q + 2 * s->kv_heads * s->head_dim) + q * 2 + s->inter * 3;
+    return r * (elements * size + q * 4 + 4 * 8) + 64;
+}
+
+/* hidden [r, hidden] (dense, the kind): the step's embeddings in, the last layer's output out;
+ * residual [r, hidden]: written. cos, sin [r, rotary] rows of stride cs; slots [r]; tables [r, table
+ * stride]; seq_lens [r] (keys of each request, its query the last); scratch: at least
+ * pypto_decode_scratch_bytes. Returns 0; 1 when a slot is outside the caches (found at the first layer's
+ * cache write: nothing is written); -1 when attention's per-thread scratch could not be allocated. */
+int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const DecoderShape *s, void *hidden, void *residual,
+                        int64_t r, const void *cos, const void *sin, int64_t cs, const int64_t *slots,
+                        const int64_t *tables, int64_t table_stride, const int64_t *seq_lens, void *scratch,
+                        int threads) {
+    int64_t size = s->kind == ELEM_BF16 ? 2 : 4, h = s->hidden, d = s->head_dim, q_width = s->heads * d;
+    int64_t qkv_width = q_width + 2 * s->kv_heads * d;
+    char *at = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    int64_t *rows = (int64_t *)at, *requests = rows + r, *firsts = requests + r, *counts = firsts + r;
+    char *normed = (char *)(counts + r), *qkv = normed + r * h * size, *q = qkv + r * qkv_width * size;
+    char *attended = q + r * q_width * size, *o = attended + r * q_width * size, *gate_up = o + r * h * size;
+    char *act = gate_up + r * 2 * s->inter * size;
+    float *q_f32 = (float *)(act + r * s->inter * size);
+    for (int64_t i = 0; i < r; i++) rows[i] = requests[i] = i;
+    memcpy(residual, hidden, (size_t)(r * h * size));
+    for (int64_t l = 0; l < count; l++) {
+        const DecoderLayer *L = &layers[l];
+        pypto_rms_norm(hidden, h, l ? residual : NULL, h, L->input_norm, s->kind, r, h, s->eps, normed, h, residual,
+                       h, threads);
+        pypto_panel_gemm(s->kind, normed, h, L->qkv, L->qkv_bias, qkv, qkv_width, r, qkv_width, h, threads);
+        if (pypto_qk_norm_rope_write(qkv, qkv_width, s->kind, r, s->heads, s->kv_heads, d, L->q_norm, L->k_norm, s->eps,
+                                     cos, sin, cs, s->rotary, q, L->key_cache, L->value_cache, s->cache_kind,
+                                     L->k_strides, L->v_strides, s->block_size, s->num_slots, slots, threads))
+            return 1;
+        for (int64_t i = 0; i < r; i++) {
+            int64_t lo = L->window && seq_lens[i] > L->window ? seq_lens[i] - L->window : 0;
+            firsts[i] = lo;
+            counts[i] = seq_lens[i] - lo;
+        }
+        const uint16_t *q_bf16 = s->bf16_dot ? (const uint16_t *)q : NULL;
+        const float *q_float = (const float *)q;
+        if (!s->bf16_dot && s->kind == ELEM_BF16) { /* the query widened, as the wrapper's .to(float32) */
+            for (int64_t j = 0; j < r * q_width; j++) q_f32[j] = bf16_value(((const uint16_t *)q)[j]);
+            q_float = q_f32;
+        }
+        memset(attended, 0, (size_t)(r * q_width * size));
+        if (pypto_paged_attention(q_bf16 ? NULL : q_float, q_width, d, L->key_cache, L->value_cache, s->cache_kind,
+                                  L->k_strides, L->v_strides, tables, table_stride, rows, requests, firsts, counts, r,
+                                  s->heads, s->kv_heads, d, d, s->block_size, s->scale, NULL, attended, s->kind,
+                                  q_width, d, q_bf16, 0, threads))
+            return -1;
+        pypto_panel_gemm(s->kind, attended, q_width, L->o, NULL, o, h, r, h, q_width, threads);
+        pypto_rms_norm(o, h, residual, h, L->post_norm, s->kind, r, h, s->eps, normed, h, residual, h, threads);
+        pypto_panel_gemm(s->kind, normed, h, L->gate_up, NULL, gate_up, 2 * s->inter, r, 2 * s->inter, h, threads);
+        pypto_silu_mul(gate_up, 2 * s->inter, s->kind, r, s->inter, act, s->inter, threads);
+        pypto_panel_gemm(s->kind, act, s->inter, L->down, NULL, hidden, h, r, h, s->inter, threads);
+    }
+    return 0;
+}

@@ -1,0 +1,225 @@
+"""A decode step's dense decoder layers in one native call (``csrc/decode_layers.c``).
+
+The eager CPU forward calls nine kernels per decoder layer from Python (two RMSNorms, four products
+over the native column panels, the q/k norm + RoPE + cache write, paged attention, SwiGLU). At one
+row each call's own C is a few to a few tens of microseconds, and the Python around it (argument
+checks, tensors made for the outputs, the registry's dispatch) cost about as much again: on
+Qwen3-0.6B about 8 ms of a 38-46 ms token on the Zen 4 EPYC of docs/benchmarks.md. A
+:class:`NativeDecoder` holds every layer's weight and cache pointers, prepared once, and runs a
+decode step's layers as one C call that calls the same kernels with the same arguments, so its
+hidden states are the eager forward's bit for bit (tested) at a fraction of the overhead.
+
+It takes what the eager forward would run natively end to end: float32 or bfloat16 weights packed as
+panels (:func:`pypto_kernels.pack_linear`, ``panels``) serving every row count, caches of
+:data:`pypto_kernels.native.NATIVE_DTYPES`, no sinks, value heads as wide as the keys; and steps of
+decode rows only (every request one query). The model keeps its eager forward for the rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import native
+from .dense import NEVER, PackedLinearWeight
+
+__all__ = ["DecoderLayerWeights", "NativeDecoder"]
+
+_PTR = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):
+    """``DecoderLayer`` of ``csrc/decode_layers.c``."""
+
+    _fields_ = [
+        ("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _PTR), ("qkv_bias", _PTR), ("q_norm", _PTR),
+        ("k_norm", _PTR), ("o", _PTR), ("gate_up", _PTR), ("down", _PTR), ("key_cache", _PTR),
+        ("value_cache", _PTR), ("k_strides", _I64 * 3), ("v_strides", _I64 * 3), ("window", _I64),
+    ]  # fmt: skip
+
+
+class _Shape(ctypes.Structure):
+    """``DecoderShape`` of ``csrc/decode_layers.c``."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int), ("cache_kind", ctypes.c_int), ("bf16_dot", ctypes.c_int), ("hidden", _I64),
+        ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("inter", _I64), ("rotary", _I64),
+        ("block_size", _I64), ("num_slots", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayerWeights:
+    """One dense decoder layer as the eager forward runs it.
+
+    :param input_norm: ``[hidden]`` RMSNorm weight before attention; ``post_norm`` the one before the MLP.
+    :param qkv: the fused q/k/v projection ``[(heads + 2 kv_heads) head_dim, hidden]``, panels.
+    :param qkv_bias: its bias or None.
+    :param q_norm: ``[head_dim]`` per-head RMSNorm weights of q and k (Qwen3), or both None.
+    :param o: the output projection ``[hidden, heads head_dim]``; ``gate_up`` ``[2 inter, hidden]``;
+        ``down`` ``[hidden, inter]``: panels, no bias.
+    :param key_cache: ``[blocks, block_size, kv_heads, head_dim]``; ``value_cache`` the same.
+    :param window: the sliding window in keys, or None.
+    """
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: PackedLinearWeight
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: PackedLinearWeight
+    gate_up: PackedLinearWeight
+    down: PackedLinearWeight
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    window: int | None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check_panels(name: str, weight: PackedLinearWeight, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    # A held plain matrix would take the one-row GEMV in the eager forward: another summation order.
+    serves_all = weight.min_rows <= 1 and weight.max_rows >= NEVER and weight.weight is None
+    if weight.library != "panels" or weight.dtype != dtype or not serves_all:
+        what = f"{weight.library} {weight.dtype}"
+        raise ValueError(f"{name}: the {what} weight is not a {dtype} panels copy serving every row count")
+    packed = weight.packed
+    inputs = packed.shape[1] * (2 if dtype == torch.bfloat16 else 1)
+    if (weight.out_features, inputs) != shape or not packed.is_contiguous():
+        raise ValueError(f"{name}: panels of {(weight.out_features, inputs)}, expected {shape}")
+
+
+def _check_vector(name: str, t: torch.Tensor | None, dtype: torch.dtype, size: int) -> None:
+    if t is not None and (t.dtype != dtype or t.shape != (size,) or t.stride(0) != 1 or t.device.type != "cpu"):
+        raise ValueError(f"{name}: {t.dtype} {tuple(t.shape)}, expected a dense {dtype} [{size}]")
+
+
+class NativeDecoder:
+    """A model's dense decoder layers, run for a decode step by one call of ``csrc/decode_layers.c``.
+
+    :param layers: every layer's weights and caches, in order.
+    :param heads: query heads; ``kv_heads`` key/value heads; ``head_dim`` their width.
+    :param rotary_dim: values of each head rotated (the cos/sin rows' width).
+    :param eps: every RMSNorm's epsilon; ``scale`` attention's score scale.
+    :raises ValueError: a layer the eager forward would not run natively end to end (the message says
+        which and why), or the native kernels are not built.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[DecoderLayerWeights],
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        rotary_dim: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        lib = native.library()
+        if lib is None:
+            raise ValueError("the native CPU kernels are not built")
+        if not layers:
+            raise ValueError("no layers")
+        first = layers[0]
+        dtype, cache_dtype = first.input_norm.dtype, first.key_cache.dtype
+        if dtype not in native.NATIVE_DTYPES or cache_dtype not in native.NATIVE_DTYPES:
+            raise ValueError(f"{dtype} weights over a {cache_dtype} cache are not native dtypes")
+        if not 0 < head_dim <= native.MAX_HEAD_DIM or rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"head_dim {head_dim} with rotary_dim {rotary_dim} is not taken")
+        hidden, inter = first.input_norm.shape[0], first.down.packed.shape[1] * (2 if dtype == torch.bfloat16 else 1)
+        self._lib, self._dtype, self._cache_dtype = lib, dtype, cache_dtype
+        self._hidden, self._rotary = hidden, rotary_dim
+        blocks, block_size = first.key_cache.shape[:2]
+        cache_shape = (blocks, block_size, kv_heads, head_dim)
+        self._layers = (_Layer * len(layers))(
+            *(self._layer(i, w, (heads, kv_heads, head_dim, inter), cache_shape) for i, w in enumerate(layers))
+        )
+        # The eager attention reads a bfloat16 query as it is where the bf16 dot product applies.
+        bf16_dot = dtype == cache_dtype == torch.bfloat16 and head_dim % 32 == 0 and native.bf16_dot_available()
+        self._shape = _Shape(
+            native.NATIVE_DTYPES[dtype], native.NATIVE_DTYPES[cache_dtype], int(bf16_dot), hidden, heads, kv_heads,
+            head_dim, inter, rotary_dim, block_size, blocks * block_size, eps, scale,
+        )  # fmt: skip
+        self._held = list(layers)  # the pointers above stay valid while these are referenced
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def _layer(
+        self, index: int, w: DecoderLayerWeights, widths: tuple[int, int, int, int], cache_shape: tuple[int, ...]
+    ) -> _Layer:
+        """The C description of layer ``index``; ``widths``: heads, KV heads, head dim, MLP width."""
+        (heads, kv_heads, d, inter), dtype, hidden, name = widths, self._dtype, self._hidden, f"layer {index}"
+        for vector, size in ((w.input_norm, hidden), (w.post_norm, hidden), (w.q_norm, d), (w.k_norm, d)):
+            _check_vector(name, vector, dtype, size)
+        if (w.q_norm is None) != (w.k_norm is None):
+            raise ValueError(f"{name}: q and k norms must both be given or both be None")
+        qkv = (heads + 2 * kv_heads) * d
+        _check_vector(name, w.qkv_bias, dtype, qkv)
+        _check_panels(f"{name} qkv", w.qkv, dtype, (qkv, hidden))
+        _check_panels(f"{name} o", w.o, dtype, (hidden, heads * d))
+        _check_panels(f"{name} gate_up", w.gate_up, dtype, (2 * inter, hidden))
+        _check_panels(f"{name} down", w.down, dtype, (hidden, inter))
+        for cache in (w.key_cache, w.value_cache):
+            dense = cache.device.type == "cpu" and cache.dim() == 4 and cache.stride(-1) == 1
+            if not dense or cache.dtype != self._cache_dtype or cache.shape != cache_shape:
+                got = f"{cache.dtype} {tuple(cache.shape)}"
+                raise ValueError(f"{name}: cache {got} is not {self._cache_dtype} {cache_shape}, dense heads")
+        return _Layer(
+            w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.qkv.packed.data_ptr(), _ptr(w.qkv_bias),
+            _ptr(w.q_norm), _ptr(w.k_norm), w.o.packed.data_ptr(), w.gate_up.packed.data_ptr(),
+            w.down.packed.data_ptr(), w.key_cache.data_ptr(), w.value_cache.data_ptr(),
+            (_I64 * 3)(*w.key_cache.stride()[:3]), (_I64 * 3)(*w.value_cache.stride()[:3]), w.window or 0,
+        )  # fmt: skip
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over a decode step: row ``i`` of ``hidden`` is request ``i``'s one query.
+
+        :param hidden: ``[R, hidden]`` embeddings of the weights' dtype.
+        :param rotary: cos and sin ``[R, rotary_dim]`` of that dtype, one layout.
+        :param slot_mapping: ``[R]`` cache slots of the rows' keys and values.
+        :param block_tables: ``[R, max_blocks]``; ``seq_lens``: ``[R]`` keys of each request, its query the last.
+        :return: ``(hidden, residual)`` of the last layer (new tensors; their sum is the final hidden state).
+        :raises ValueError: inputs of other shapes or dtypes; IndexError: a slot outside the caches.
+        """
+        r, (cos, sin) = hidden.shape[0], rotary
+        if hidden.dtype != self._dtype or hidden.shape != (r, self._hidden) or hidden.device.type != "cpu":
+            raise ValueError(f"hidden {hidden.dtype} {tuple(hidden.shape)} is not {self._dtype} [R, {self._hidden}]")
+        if cos.dtype != self._dtype or cos.shape != (r, self._rotary) or cos.stride(1) != 1:
+            want = f"{self._dtype} [{r}, {self._rotary}]"
+            raise ValueError(f"cos {cos.dtype} {tuple(cos.shape)} is not {want} with dense rows")
+        if sin.shape != cos.shape or sin.stride() != cos.stride() or sin.dtype != cos.dtype:
+            raise ValueError(f"sin {tuple(sin.shape)} must have cos's shape, strides and dtype")
+        slots, lens = slot_mapping.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int64).contiguous()
+        if slots.shape != (r,) or lens.shape != (r,) or tables.dim() != 2 or tables.shape[0] != r:
+            raise ValueError(f"{r} rows need [R] slots and lengths and [R, blocks] tables")
+        out, residual = hidden.contiguous().clone(), torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        if r == 0:
+            return out, residual
+        need = self._lib.pypto_decode_scratch_bytes(ctypes.byref(self._shape), r)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8)
+        status = self._lib.pypto_decode_layers(
+            self._layers, len(self._layers), ctypes.byref(self._shape), out.data_ptr(), residual.data_ptr(), r,
+            cos.data_ptr(), sin.data_ptr(), cos.stride(0), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
+            lens.data_ptr(), self._scratch.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status == 1:
+            raise IndexError(f"slot_mapping holds a slot outside the caches' {self._shape.num_slots}")
+        if status != 0:
+            raise MemoryError("the native paged attention could not allocate its per-thread scratch")
+        return out, residual

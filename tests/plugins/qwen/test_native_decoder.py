@@ -1,0 +1,120 @@
+"""The native decoder (pypto_kernels.NativeDecoder): a decode step's decoder layers in one C call.
+
+It calls the kernels the eager CPU forward calls one by one, with the same arguments, so the two are
+compared bit for bit (logits and the K/V the steps wrote) on ragged decode steps between prefill and
+mixed steps (which stay eager); its parity with transformers is the bfloat16 panels test's in
+test_qwen_model.py, which runs its decode steps through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pypto_kernels as K
+from pypto_serving_qwen.executor import QwenExecutor
+from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
+
+pytestmark = pytest.mark.skipif(K.native.library() is None, reason="no native CPU kernels (no C compiler)")
+
+
+def _executor(path: Path, dtype: str, **options: Any) -> QwenExecutor:
+    ex = QwenExecutor(
+        qwen_settings(path, dtype=dtype, max_num_seqs=4, executor_options={"cpu_linear": "panels", **options})
+    )
+    ex.load()
+    ex.init_kv_cache({"kv": 64})
+    return ex
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("qwen3", "float32"),
+        ("qwen3", "bfloat16"),
+        ("qwen2", "float32"),
+        ("qwen2", "bfloat16"),
+        ("qwen3_sliding", "float32"),
+    ],
+)
+def test_native_decode_steps_equal_the_kernel_by_kernel_forward(
+    name: str, dtype: str, qwen_checkpoints: Callable[[str], Path]
+) -> None:
+    """Qwen3 (q/k norms), Qwen2 (q/k/v biases, no norms) and sliding-window layers, float32 and
+    bfloat16: every step's logits and the caches the steps wrote are bitwise those of the forward
+    calling each kernel from Python; only the decode-only steps take the native call."""
+    path = qwen_checkpoints(name)
+    native, eager = _executor(path, dtype), _executor(path, dtype, native_decoder=False)
+    gen = torch.Generator().manual_seed(3)
+    prompts = {rid: torch.randint(4, 300, (n,), generator=gen).tolist() for rid, n in zip("abcd", (9, 3, 14, 5))}
+    # Prefill, ragged decodes, a request joining (mixed: eager), decodes of a subset, decodes again.
+    schedule: list[list[tuple[str, int]]] = [[("a", 9), ("b", 3), ("c", 14)]]
+    schedule += [[("a", 1), ("b", 1), ("c", 1)]] * 3 + [[("c", 1), ("d", 5), ("a", 1)]]
+    schedule += [[("b", 1), ("d", 1)]] * 2 + [[("a", 1), ("b", 1), ("c", 1), ("d", 1)]] * 8
+    builder, given = PagedBatchBuilder(block_size=4, num_blocks=64), {rid: 0 for rid in prompts}
+    for step, plan in enumerate(schedule):
+        chunks = []
+        for rid, n in plan:
+            tokens = prompts[rid][given[rid] : given[rid] + n]
+            tokens += torch.randint(4, 300, (n - len(tokens),), generator=gen).tolist()
+            chunks.append((rid, tokens))
+            given[rid] += n
+        batch = builder.step(chunks, all_logits=False)
+        ours, theirs = native.execute(batch), eager.execute(batch)
+        assert torch.equal(ours, theirs), f"step {step}: max |diff| {float((ours - theirs).abs().max()):.3g}"
+    decode_steps = sum(all(n == 1 for _, n in plan) for plan in schedule)
+    assert native.graph_stats.native_decoder_steps == decode_steps == 13
+    assert eager.graph_stats.native_decoder_steps == 0
+    for (k1, v1), (k2, v2) in zip(native.kv_caches, eager.kv_caches, strict=True):
+        assert torch.equal(k1[1:], k2[1:]) and torch.equal(v1[1:], v2[1:])  # block 0 pads the tables
+
+
+def test_native_decoder_refusals(qwen_checkpoints: Callable[[str], Path]) -> None:
+    """Layers the eager forward would not run natively end to end are refused with the reason; bad
+    step inputs are refused before any cache is written."""
+    ex = _executor(qwen_checkpoints("qwen3"), "float32")
+    model = ex.model
+    assert model is not None
+    builder = PagedBatchBuilder(block_size=4, num_blocks=64)
+    ex.execute(builder.step([("a", [5, 6, 7])]))
+    ex.execute(builder.step([("a", [8])]))
+    decoder = model._native[1] if model._native is not None else None
+    assert isinstance(decoder, K.NativeDecoder) and ex.graph_stats.native_decoder_steps == 1
+    layer, cfg = decoder._held[0], ex.config
+    assert cfg is not None
+    onednn = K.pack_linear(layer.o.plain(), 4, library="onednn")
+    assert onednn is not None
+    shape: dict[str, Any] = {
+        "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "rotary_dim": cfg.rotary_dim, "eps": cfg.rms_norm_eps, "scale": cfg.head_dim**-0.5,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"layer 0 o: the onednn torch\.float32 weight is not a torch\.float32 panels"):
+        K.NativeDecoder([replace(layer, o=onednn)], **shape)
+    with pytest.raises(ValueError, match=r"layer 0: cache torch\.bfloat16"):
+        K.NativeDecoder([replace(layer, value_cache=layer.value_cache.bfloat16())], **shape)
+    hidden = torch.zeros(1, layer.input_norm.shape[0])
+    cos = sin = torch.zeros(1, cfg.rotary_dim)
+    tables, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"hidden torch\.bfloat16"):
+        decoder.run(hidden.bfloat16(), (cos, sin), torch.zeros(1, dtype=torch.int64), tables, lens)
+    before = [c.clone() for c in model._native[0][0]]  # type: ignore[index]
+    with pytest.raises(IndexError, match="slot_mapping holds a slot outside"):
+        decoder.run(hidden, (cos, sin), torch.tensor([decoder._shape.num_slots]), tables, lens)
+    assert all(torch.equal(a, b) for a, b in zip(before, model._native[0][0], strict=True))  # type: ignore[index]
+
+
+def test_native_decoder_option(qwen_checkpoints: Callable[[str], Path]) -> None:
+    """``native_decoder`` takes true or false; MoE layers keep the kernel-by-kernel forward."""
+    with pytest.raises(ValueError, match="native_decoder must be true or false"):
+        _executor(qwen_checkpoints("qwen3"), "float32", native_decoder="yes")
+    moe = _executor(qwen_checkpoints("qwen3_moe"), "float32")
+    builder = PagedBatchBuilder(block_size=4, num_blocks=64)
+    moe.execute(builder.step([("a", [5, 6, 7])]))
+    moe.execute(builder.step([("a", [8])]))
+    assert moe.graph_stats.native_decoder_steps == 0 and moe.model is not None and moe.model._native is not None
+    assert moe.model._native[1] is None
