@@ -205,8 +205,8 @@ def test_bfloat16_panels_parity(
 ) -> None:
     """``cpu_linear = "panels"`` in bfloat16, and ``auto`` on a non-Intel CPU with AVX-512 and
     AVX512-BF16 (the rule's size lowered so the tiny weights qualify): every projection (qwen2's with
-    their biases) and the output projection in bfloat16 panels, each multi-row and one-row product
-    through them, within bfloat16's tolerance of transformers in float32."""
+    their biases) and the output projection in bfloat16 panels, each product through them (the decode
+    steps' layers inside the native decoder), within bfloat16's tolerance of transformers in float32."""
     if choice == "auto":
         monkeypatch.setattr(pypto_kernels.dense, "ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS", 1)
         cpu_flags("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", vendor="AuthenticAMD")
@@ -222,8 +222,10 @@ def test_bfloat16_panels_parity(
     seqs = dict(zip("ab", _prompts(ex.info.vocab_size, [11, 7], seed=4), strict=True))  # type: ignore[attr-defined]
     schedule = [[("a", 10), ("b", 5)], [("a", 1), ("b", 1)], [("b", 1)]]
     _run_schedule(ex, hf_reference(path), seqs, schedule, BF16_TOL)
-    layers = len(ex.model.layers)
-    assert sorted(rows) == sorted([15] * 4 * layers + [2] * 4 * layers + [1] * 4 * layers + [15, 2, 1])
+    # The prefill's four products a layer over its 15 rows, the decode steps' inside the native
+    # decoder (the same panels, tests/plugins/qwen/test_native_decoder.py), the head's every step.
+    assert sorted(rows) == sorted([15] * 4 * len(ex.model.layers) + [15, 2, 1])
+    assert ex.graph_stats.native_decoder_steps == 2
 
 
 def test_sliding_window_changes_logits(
@@ -568,7 +570,7 @@ def test_cpu_linear_auto_float32_panels_on_amd_avx512(
     """auto on a non-Intel CPU with AVX-512: float32 projections of the rule's size go into the native
     column panels in place of their plain matrices, the output projection too (a tied one beside its
     plain matrix, whose one-row calls take the native GEMV); the logits still match transformers and
-    every multi-row product ran through the panels."""
+    every product ran through the panels (the decode steps' layers inside the native decoder)."""
     monkeypatch.setattr(pypto_kernels.dense, "ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS", 1)  # the tiny weights qualify
     cpu_flags("avx2", "avx512f", vendor="AuthenticAMD")
     path = qwen_checkpoints(name)
@@ -590,11 +592,11 @@ def test_cpu_linear_auto_float32_panels_on_amd_avx512(
     seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [12, 7, 4], seed=2), strict=True))  # type: ignore[attr-defined]
     schedule = [[("a", 11), ("b", 6), ("c", 3)], [("a", 1), ("b", 1)], [("c", 1)]]
     assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 23
-    layers = len(ex.model.layers)
-    # Each step: four products a layer over its token rows, then the head over its logits rows (a tied
-    # head's one row through the native GEMV instead).
+    # The prefill's four products a layer over its 20 rows (the decode steps' inside the native
+    # decoder), the head over every step's logits rows (a tied head's one row through the GEMV instead).
     head_rows = [20, 2] if name == "qwen2_tied" else [20, 2, 1]
-    assert sorted(rows) == sorted([20] * 4 * layers + [2] * 4 * layers + [1] * 4 * layers + head_rows)
+    assert sorted(rows) == sorted([20] * 4 * len(ex.model.layers) + head_rows)
+    assert ex.graph_stats.native_decoder_steps == 2
     assert onednn == []
 
 
