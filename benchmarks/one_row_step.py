@@ -13,8 +13,12 @@ prefetch policy changes) while the machine's drift is shared. Each library must 
     python benchmarks/one_row_step.py --model models/qwen3-0.6b --dtype bfloat16 --tokens 480 \\
         --libs /tmp/a.so,/tmp/b.so
 
-Prints each library's median step time and in how many blocks (their medians, the first library's
-block against each other's next one) each later library was faster than the first.
+``--decoder both`` alternates the native decoder (a decode step's layers in one C call) with the
+kernel-by-kernel forward in the same way (``executor_options.native_decoder``); ``on`` / ``off``
+keep one. With several libraries and ``both``, every (library, decoder) pair is a variant.
+
+Prints each variant's median step time and in how many blocks (their medians, the first variant's
+block against each other's next one) each later variant was faster than the first.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def main() -> None:
     p.add_argument("--libs", default="", help="comma list of native kernel libraries to alternate")
     p.add_argument("--block", type=int, default=8, help="steps per library before the next one")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--decoder", choices=["on", "off", "both"], default="on", help="the native decoder")
     args = p.parse_args()
 
     import pypto_serving.runner as runner
@@ -69,15 +74,20 @@ def main() -> None:
     if args.libs and built is None:
         raise SystemExit("the native kernels are not built here: nothing to swap")
     libs = [_load(n, built) for n in names] if args.libs else [built]
+    decoders = {"on": [True], "off": [False], "both": [True, False]}[args.decoder]
+    variants = [(lib, on) for lib in libs for on in decoders]
+    names = [f"{n} decoder {'on' if on else 'off'}" for n in names for on in decoders]
+    model = llm.engine.worker._runner.executor.model  # type: ignore[union-attr]
     times: list[list[float]] = [[] for _ in names]
     state = {"step": 0, "on": False}
     launch = runner.ModelRunner.launch
 
     def timed(self: Any, *a: Any, **k: Any) -> Any:
         step = state["step"]
-        which, first = (step // args.block) % len(libs), step % args.block == 0
+        which, first = (step // args.block) % len(variants), step % args.block == 0
         state["step"] += 1
-        native.library = lambda lib=libs[which]: lib  # type: ignore[assignment]
+        native.library = lambda lib=variants[which][0]: lib  # type: ignore[assignment]
+        model.native_decoder_enabled = variants[which][1]
         start = time.perf_counter()
         out = launch(self, *a, **k)
         if state["on"] and not first:

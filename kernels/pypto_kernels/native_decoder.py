@@ -123,8 +123,7 @@ class NativeDecoder:
         eps: float,
         scale: float,
     ) -> None:
-        lib = native.library()
-        if lib is None:
+        if native.library() is None:
             raise ValueError("the native CPU kernels are not built")
         if not layers:
             raise ValueError("no layers")
@@ -135,7 +134,7 @@ class NativeDecoder:
         if not 0 < head_dim <= native.MAX_HEAD_DIM or rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ValueError(f"head_dim {head_dim} with rotary_dim {rotary_dim} is not taken")
         hidden, inter = first.input_norm.shape[0], first.down.packed.shape[1] * (2 if dtype == torch.bfloat16 else 1)
-        self._lib, self._dtype, self._cache_dtype = lib, dtype, cache_dtype
+        self._dtype, self._cache_dtype = dtype, cache_dtype
         self._hidden, self._rotary = hidden, rotary_dim
         blocks, block_size = first.key_cache.shape[:2]
         cache_shape = (blocks, block_size, kv_heads, head_dim)
@@ -208,12 +207,15 @@ class NativeDecoder:
         if slots.shape != (r,) or lens.shape != (r,) or tables.dim() != 2 or tables.shape[0] != r:
             raise ValueError(f"{r} rows need [R] slots and lengths and [R, blocks] tables")
         out, residual = hidden.contiguous().clone(), torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        lib = native.library()  # looked up per call, as every native wrapper's (a benchmark swaps builds)
+        if lib is None:
+            raise RuntimeError("the native CPU kernels are not available (see the log)")
         if r == 0:
             return out, residual
-        need = self._lib.pypto_decode_scratch_bytes(ctypes.byref(self._shape), r)
+        need = lib.pypto_decode_scratch_bytes(ctypes.byref(self._shape), r)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
-        status = self._lib.pypto_decode_layers(
+        status = lib.pypto_decode_layers(
             self._layers, len(self._layers), ctypes.byref(self._shape), out.data_ptr(), residual.data_ptr(), r,
             cos.data_ptr(), sin.data_ptr(), cos.stride(0), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
             lens.data_ptr(), self._scratch.data_ptr(), torch.get_num_threads(),
