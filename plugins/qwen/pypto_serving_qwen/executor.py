@@ -349,6 +349,10 @@ class QwenExecutor(Executor):
         blocks = num_blocks[KV_GROUP] + int(capture)
         shape = (blocks, self.settings.block_size, self._kv_heads(cfg), cfg.head_dim)
         cache_dtype = self._kv_cache_dtype()
+        # The previous caches are freed before the new ones are made (a memory profile's first).
+        self.kv_caches = []
+        if self.model is not None:
+            self.model.drop_native_decoder()
         # Uninitialised on purpose: zero-filling gigabytes of cache would dominate start-up, and no
         # slot is read before it is written (attention reads exactly seq_len keys of each request,
         # all written by this or an earlier step; tests fill the caches with NaN to prove it).
@@ -431,6 +435,8 @@ class QwenExecutor(Executor):
 
     def shutdown(self) -> None:
         self.kv_caches = []
+        if self.model is not None:
+            self.model.drop_native_decoder()
         self.graphs = None
         self.model = None
         if self.device.type == "cuda":

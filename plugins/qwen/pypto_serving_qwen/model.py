@@ -766,6 +766,10 @@ class QwenForCausalLM(nn.Module):
             self._native = (kv_caches, self._build_native_decoder(kv_caches))
         return self._native[1]
 
+    def drop_native_decoder(self) -> None:
+        """Forget the native decoder (it holds the caches it was made over, which are then freed)."""
+        self._native = None
+
     def _build_native_decoder(self, kv_caches: list[KVCache]) -> K.NativeDecoder | None:
         cfg, layers = self.cfg, []
         try:

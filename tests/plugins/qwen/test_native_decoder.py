@@ -8,6 +8,8 @@ test_qwen_model.py, which runs its decode steps through it.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -118,3 +120,20 @@ def test_native_decoder_option(qwen_checkpoints: Callable[[str], Path]) -> None:
     moe.execute(builder.step([("a", [8])]))
     assert moe.graph_stats.native_decoder_steps == 0 and moe.model is not None and moe.model._native is not None
     assert moe.model._native[1] is None
+
+
+def test_new_caches_free_the_old_ones(qwen_checkpoints: Callable[[str], Path]) -> None:
+    """The decoder holds the caches it was made over: caches allocated again (after a memory profile)
+    free the old ones, and the next decode step makes a decoder over the new ones."""
+    ex = _executor(qwen_checkpoints("qwen3"), "float32")
+    builder = PagedBatchBuilder(block_size=4, num_blocks=64)
+    ex.execute(builder.step([("a", [5, 6, 7])]))
+    first = ex.execute(builder.step([("a", [8])]))
+    old = weakref.ref(ex.kv_caches[0][0])
+    ex.init_kv_cache({"kv": 64})
+    gc.collect()
+    assert old() is None
+    builder = PagedBatchBuilder(block_size=4, num_blocks=64)
+    ex.execute(builder.step([("a", [5, 6, 7])]))
+    assert torch.equal(ex.execute(builder.step([("a", [8])])), first)
+    assert ex.graph_stats.native_decoder_steps == 2
