@@ -203,7 +203,7 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_decode_scratch_bytes.argtypes = [_PTR, _I64]
     lib.pypto_decode_layers.restype = ctypes.c_int
     lib.pypto_decode_layers.argtypes = [
-        _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_int,
+        _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int,
     ]  # fmt: skip
     lib.pypto_gemv.restype = None
     lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]

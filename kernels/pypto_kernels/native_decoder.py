@@ -11,8 +11,9 @@ hidden states are the eager forward's bit for bit (tested) at a fraction of the 
 
 It takes what the eager forward would run natively end to end: float32 or bfloat16 weights packed as
 panels (:func:`pypto_kernels.pack_linear`, ``panels``) serving every row count, caches of
-:data:`pypto_kernels.native.NATIVE_DTYPES`, no sinks, value heads as wide as the keys; and steps of
-decode rows only (every request one query). The model keeps its eager forward for the rest.
+:data:`pypto_kernels.native.NATIVE_DTYPES`, no sinks, value heads as wide as the keys; and steps whose
+requests each have at most :data:`MAX_QUERIES` query rows (decode steps, speculative verification),
+which the eager attention attends row by row. The model keeps its eager forward for the rest.
 """
 
 from __future__ import annotations
@@ -24,9 +25,15 @@ from dataclasses import dataclass
 import torch
 
 from . import native
+from .attention import NATIVE_MAX_QUERIES
 from .dense import NEVER, PackedLinearWeight
 
-__all__ = ["DecoderLayerWeights", "NativeDecoder"]
+__all__ = ["MAX_QUERIES", "DecoderLayerWeights", "NativeDecoder"]
+
+#: Most query rows of one request a step may give :meth:`NativeDecoder.run`: the runs the eager
+#: attention attends row by row (longer prefill chunks take the native prefill kernel, which sums in
+#: another order).
+MAX_QUERIES = NATIVE_MAX_QUERIES
 
 _PTR = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -183,45 +190,68 @@ class NativeDecoder:
         rotary: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer over a decode step: row ``i`` of ``hidden`` is request ``i``'s one query.
+        """Every layer over a step whose requests each have at most :data:`MAX_QUERIES` query rows (a
+        decode step, or one verifying drafted tokens): the rows of ``hidden`` are request 0's, then
+        request 1's, ...; request ``r``'s ``query_lens[r]`` rows are the last of its ``seq_lens[r]`` keys.
 
-        :param hidden: ``[R, hidden]`` embeddings of the weights' dtype.
-        :param rotary: cos and sin ``[R, rotary_dim]`` of that dtype, one layout.
-        :param slot_mapping: ``[R]`` cache slots of the rows' keys and values.
-        :param block_tables: ``[R, max_blocks]``; ``seq_lens``: ``[R]`` keys of each request, its query the last.
+        :param hidden: ``[T, hidden]`` embeddings of the weights' dtype.
+        :param rotary: cos and sin ``[T, rotary_dim]`` of that dtype, one layout.
+        :param slot_mapping: ``[T]`` cache slots of the rows' keys and values.
+        :param block_tables: ``[R, max_blocks]``, each request's keys within its table.
+        :param query_lens: ``R`` host counts (1 to :data:`MAX_QUERIES` each, summing to ``T``);
+            ``seq_lens``: ``R`` host key counts.
         :return: ``(hidden, residual)`` of the last layer (new tensors; their sum is the final hidden state).
-        :raises ValueError: inputs of other shapes or dtypes; IndexError: a slot outside the caches.
+        :raises ValueError: inputs of other shapes, dtypes or lengths; IndexError: a slot outside the
+            caches (nothing is written).
         """
-        r, (cos, sin) = hidden.shape[0], rotary
-        if hidden.dtype != self._dtype or hidden.shape != (r, self._hidden) or hidden.device.type != "cpu":
-            raise ValueError(f"hidden {hidden.dtype} {tuple(hidden.shape)} is not {self._dtype} [R, {self._hidden}]")
-        if cos.dtype != self._dtype or cos.shape != (r, self._rotary) or cos.stride(1) != 1:
-            want = f"{self._dtype} [{r}, {self._rotary}]"
+        t, (cos, sin) = hidden.shape[0], rotary
+        if hidden.dtype != self._dtype or hidden.shape != (t, self._hidden) or hidden.device.type != "cpu":
+            raise ValueError(f"hidden {hidden.dtype} {tuple(hidden.shape)} is not {self._dtype} [T, {self._hidden}]")
+        if cos.dtype != self._dtype or cos.shape != (t, self._rotary) or cos.stride(1) != 1:
+            want = f"{self._dtype} [{t}, {self._rotary}]"
             raise ValueError(f"cos {cos.dtype} {tuple(cos.shape)} is not {want} with dense rows")
         if sin.shape != cos.shape or sin.stride() != cos.stride() or sin.dtype != cos.dtype:
             raise ValueError(f"sin {tuple(sin.shape)} must have cos's shape, strides and dtype")
-        slots, lens = slot_mapping.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
-        tables = block_tables.to(torch.int64).contiguous()
-        if slots.shape != (r,) or lens.shape != (r,) or tables.dim() != 2 or tables.shape[0] != r:
-            raise ValueError(f"{r} rows need [R] slots and lengths and [R, blocks] tables")
+        slots, tables = slot_mapping.to(torch.int64).contiguous(), block_tables.to(torch.int64).contiguous()
+        rows = self._rows(t, tables, query_lens, seq_lens)
+        if slots.shape != (t,):
+            raise ValueError(f"{t} rows need [{t}] slots, got {tuple(slots.shape)}")
         out, residual = hidden.contiguous().clone(), torch.empty_like(hidden, memory_format=torch.contiguous_format)
         lib = native.library()  # looked up per call, as every native wrapper's (a benchmark swaps builds)
         if lib is None:
             raise RuntimeError("the native CPU kernels are not available (see the log)")
-        if r == 0:
+        if t == 0:
             return out, residual
-        need = lib.pypto_decode_scratch_bytes(ctypes.byref(self._shape), r)
+        need = lib.pypto_decode_scratch_bytes(ctypes.byref(self._shape), t)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8)
         status = lib.pypto_decode_layers(
-            self._layers, len(self._layers), ctypes.byref(self._shape), out.data_ptr(), residual.data_ptr(), r,
+            self._layers, len(self._layers), ctypes.byref(self._shape), out.data_ptr(), residual.data_ptr(), t,
             cos.data_ptr(), sin.data_ptr(), cos.stride(0), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
-            lens.data_ptr(), self._scratch.data_ptr(), torch.get_num_threads(),
+            rows[0].data_ptr(), rows[1].data_ptr(), self._scratch.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status == 1:
             raise IndexError(f"slot_mapping holds a slot outside the caches' {self._shape.num_slots}")
         if status != 0:
             raise MemoryError("the native paged attention could not allocate its per-thread scratch")
         return out, residual
+
+    def _rows(self, t: int, tables: torch.Tensor, query_lens: Sequence[int], seq_lens: Sequence[int]) -> torch.Tensor:
+        """int64 ``[2, T]``: each query row's request and the keys it sees (its position + 1), checked
+        against the tables (the kernels read the blocks the lengths name)."""
+        capacity = tables.shape[1] * self._shape.block_size if tables.dim() == 2 else 0
+        if tables.dim() != 2 or tables.shape[0] != len(query_lens) or len(seq_lens) != len(query_lens):
+            raise ValueError(f"{len(query_lens)} requests need as many lengths and [R, blocks] tables")
+        requests: list[int] = []
+        ends: list[int] = []
+        for r, (n, seq) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            if not 1 <= n <= MAX_QUERIES or not n <= seq <= capacity:
+                raise ValueError(f"request {r}: {n} queries over {seq} keys (1-{MAX_QUERIES}, within {capacity})")
+            requests += [r] * n
+            ends += range(seq - n + 1, seq + 1)
+        if len(requests) != t:
+            raise ValueError(f"query_lens sum to {len(requests)}, hidden has {t} rows")
+        return torch.tensor([requests, ends], dtype=torch.int64)

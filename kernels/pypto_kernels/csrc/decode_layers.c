@@ -5,7 +5,8 @@
  * token's 38-46 ms on the Zen 4 EPYC of docs/benchmarks.md), and its data was evicted by the weights
  * streaming through between calls.
  *
- * Each layer, for r decode rows (row i is request i's one query, at position seq_lens[i] - 1):
+ * Each layer, for r query rows (row i a query of request requests[i] at position ends[i] - 1: a decode
+ * step's one row a request, or a few a request verifying drafted tokens):
  *   normed = RMSNorm(hidden + residual)           (layer 0: RMSNorm(hidden), residual = hidden)
  *   qkv = normed x W_qkv (+ bias)                  panels
  *   q = q/k head norms and RoPE, k and v written to the caches
@@ -41,27 +42,27 @@ typedef struct {
 int64_t pypto_decode_scratch_bytes(const DecoderShape *s, int64_t r) {
     int64_t size = s->kind == ELEM_BF16 ? 2 : 4, q = s->heads * s->head_dim;
     int64_t elements = s->hidden * 2 + (q + 2 * s->kv_heads * s->head_dim) + q * 2 + s->inter * 3;
-    return r * (elements * size + q * 4 + 4 * 8) + 64;
+    return r * (elements * size + q * 4 + 3 * 8) + 64;
 }
 
 /* hidden [r, hidden] (dense, the kind): the step's embeddings in, the last layer's output out;
- * residual [r, hidden]: written. cos, sin [r, rotary] rows of stride cs; slots [r]; tables [r, table
- * stride]; seq_lens [r] (keys of each request, its query the last); scratch: at least
- * pypto_decode_scratch_bytes. Returns 0; 1 when a slot is outside the caches (found at the first layer's
+ * residual [r, hidden]: written. cos, sin [r, rotary] rows of stride cs; slots [r]; tables [requests,
+ * table stride]; requests [r] (each row's row of tables); ends [r] (the keys each row sees, itself the
+ * last, at most its table's); scratch: at least pypto_decode_scratch_bytes. Returns 0; 1 when a slot is outside the caches (found at the first layer's
  * cache write: nothing is written); -1 when attention's per-thread scratch could not be allocated. */
 int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const DecoderShape *s, void *hidden, void *residual,
                         int64_t r, const void *cos, const void *sin, int64_t cs, const int64_t *slots,
-                        const int64_t *tables, int64_t table_stride, const int64_t *seq_lens, void *scratch,
-                        int threads) {
+                        const int64_t *tables, int64_t table_stride, const int64_t *requests, const int64_t *ends,
+                        void *scratch, int threads) {
     int64_t size = s->kind == ELEM_BF16 ? 2 : 4, h = s->hidden, d = s->head_dim, q_width = s->heads * d;
     int64_t qkv_width = q_width + 2 * s->kv_heads * d;
     char *at = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    int64_t *rows = (int64_t *)at, *requests = rows + r, *firsts = requests + r, *counts = firsts + r;
+    int64_t *rows = (int64_t *)at, *firsts = rows + r, *counts = firsts + r;
     char *normed = (char *)(counts + r), *qkv = normed + r * h * size, *q = qkv + r * qkv_width * size;
     char *attended = q + r * q_width * size, *o = attended + r * q_width * size, *gate_up = o + r * h * size;
     char *act = gate_up + r * 2 * s->inter * size;
     float *q_f32 = (float *)(act + r * s->inter * size);
-    for (int64_t i = 0; i < r; i++) rows[i] = requests[i] = i;
+    for (int64_t i = 0; i < r; i++) rows[i] = i;
     memcpy(residual, hidden, (size_t)(r * h * size));
     for (int64_t l = 0; l < count; l++) {
         const DecoderLayer *L = &layers[l];
@@ -73,9 +74,9 @@ int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const Decoder
                                      L->k_strides, L->v_strides, s->block_size, s->num_slots, slots, threads))
             return 1;
         for (int64_t i = 0; i < r; i++) {
-            int64_t lo = L->window && seq_lens[i] > L->window ? seq_lens[i] - L->window : 0;
+            int64_t lo = L->window && ends[i] > L->window ? ends[i] - L->window : 0;
             firsts[i] = lo;
-            counts[i] = seq_lens[i] - lo;
+            counts[i] = ends[i] - lo;
         }
         const uint16_t *q_bf16 = s->bf16_dot ? (const uint16_t *)q : NULL;
         const float *q_float = (const float *)q;

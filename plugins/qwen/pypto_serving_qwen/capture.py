@@ -27,8 +27,8 @@ class GraphStats:
 
     :param graph_steps: captured decode steps per bucket.
     :param eager_steps: steps that ran eager (prefill, mixed, drafting, or above the largest bucket).
-    :param native_decoder_steps: eager decode steps whose decoder layers ran as one native call
-        (:class:`pypto_kernels.NativeDecoder`).
+    :param native_decoder_steps: eager decode (or verification) steps whose decoder layers ran as one
+        native call (:class:`pypto_kernels.NativeDecoder`).
     :param first_call_seconds: per bucket, the wall time of its first call (compilation included).
     """
 

@@ -69,7 +69,7 @@ class QwenExecutor(Executor):
     float32 ``lm_head_t`` transposed in chunks at 16 rows or more (no copy of it), and decoder
     projections of 512 Ki elements or more so at 2-128 rows. ``native_decoder`` (true by default):
     where every decoder projection got native panels (and the layers are dense, without LoRA, on
-    one rank), a decode step runs the decoder layers as one native call
+    one rank), a decode step (or one verifying drafted tokens) runs the decoder layers as one native call
     (:class:`pypto_kernels.NativeDecoder`: the same kernels and results, without Python between
     them); false keeps one kernel call at a time. Any other key is refused at load.
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pypto_kernels as K
+from pypto_kernels.native_decoder import MAX_QUERIES
 from pypto_serving.lora_weights import LoraAdapter, LoraContext, LoraStack
 from pypto_serving.parallel import expert_parallel_moe, vocab_parallel_embedding
 
@@ -744,12 +745,13 @@ class QwenForCausalLM(nn.Module):
         """The last layer's output and residual for every row (their sum is the final hidden state)."""
         hidden = vocab_parallel_embedding(input_ids, self.embed, self.shards.ctx)
         cos, sin = K.rope_cos_sin(positions, self.inv_freq, self.attention_scaling, self.dtype)
-        # A decode step (as many rows as requests: one query each) through the native decoder.
-        decode = meta.path == "paged" and input_ids.shape[0] == len(meta.seq_lens_host)
-        native = self._native_decoder(kv_caches) if decode else None
+        # A decode or verification step (a few query rows a request) through the native decoder.
+        short = meta.path == "paged" and max(meta.query_lens_host, default=0) <= MAX_QUERIES
+        native = self._native_decoder(kv_caches) if short else None
         if native is not None:
             self.native_decoder_steps += 1
-            return native.run(hidden, (cos, sin), meta.slot_mapping, meta.block_tables, meta.seq_lens)
+            lens = (meta.query_lens_host, meta.seq_lens_host)
+            return native.run(hidden, (cos, sin), meta.slot_mapping, meta.block_tables, *lens)
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, cache, meta)

@@ -49,15 +49,18 @@ def test_native_decode_steps_equal_the_kernel_by_kernel_forward(
 ) -> None:
     """Qwen3 (q/k norms), Qwen2 (q/k/v biases, no norms) and sliding-window layers, float32 and
     bfloat16: every step's logits and the caches the steps wrote are bitwise those of the forward
-    calling each kernel from Python; only the decode-only steps take the native call."""
+    calling each kernel from Python; every step but the one with a prefill of more than 16 queries
+    takes the native call."""
     path = qwen_checkpoints(name)
     native, eager = _executor(path, dtype), _executor(path, dtype, native_decoder=False)
     gen = torch.Generator().manual_seed(3)
-    prompts = {rid: torch.randint(4, 300, (n,), generator=gen).tolist() for rid, n in zip("abcd", (9, 3, 14, 5))}
-    # Prefill, ragged decodes, a request joining (mixed: eager), decodes of a subset, decodes again.
-    schedule: list[list[tuple[str, int]]] = [[("a", 9), ("b", 3), ("c", 14)]]
+    prompts = {rid: torch.randint(4, 300, (n,), generator=gen).tolist() for rid, n in zip("abcd", (9, 3, 17, 5))}
+    # A prefill of more than 16 queries (eager), ragged decodes, a short prompt joining decodes,
+    # decodes of a subset, verification-like steps (a few queries a request, up to 16), decodes.
+    schedule: list[list[tuple[str, int]]] = [[("a", 9), ("b", 3), ("c", 17)]]
     schedule += [[("a", 1), ("b", 1), ("c", 1)]] * 3 + [[("c", 1), ("d", 5), ("a", 1)]]
-    schedule += [[("b", 1), ("d", 1)]] * 2 + [[("a", 1), ("b", 1), ("c", 1), ("d", 1)]] * 8
+    schedule += [[("b", 1), ("d", 1)]] * 2 + [[("a", 3), ("b", 1), ("c", 4), ("d", 2)], [("b", 16), ("d", 1)]]
+    schedule += [[("a", 1), ("b", 1), ("c", 1), ("d", 1)]] * 6
     builder, given = PagedBatchBuilder(block_size=4, num_blocks=64), {rid: 0 for rid in prompts}
     for step, plan in enumerate(schedule):
         chunks = []
@@ -66,11 +69,11 @@ def test_native_decode_steps_equal_the_kernel_by_kernel_forward(
             tokens += torch.randint(4, 300, (n - len(tokens),), generator=gen).tolist()
             chunks.append((rid, tokens))
             given[rid] += n
-        batch = builder.step(chunks, all_logits=False)
+        batch = builder.step(chunks)  # every row's logits
         ours, theirs = native.execute(batch), eager.execute(batch)
         assert torch.equal(ours, theirs), f"step {step}: max |diff| {float((ours - theirs).abs().max()):.3g}"
-    decode_steps = sum(all(n == 1 for _, n in plan) for plan in schedule)
-    assert native.graph_stats.native_decoder_steps == decode_steps == 13
+    short_steps = sum(all(n <= 16 for _, n in plan) for plan in schedule)
+    assert native.graph_stats.native_decoder_steps == short_steps == len(schedule) - 1 == 14
     assert eager.graph_stats.native_decoder_steps == 0
     for (k1, v1), (k2, v2) in zip(native.kv_caches, eager.kv_caches, strict=True):
         assert torch.equal(k1[1:], k2[1:]) and torch.equal(v1[1:], v2[1:])  # block 0 pads the tables
@@ -86,7 +89,7 @@ def test_native_decoder_refusals(qwen_checkpoints: Callable[[str], Path]) -> Non
     ex.execute(builder.step([("a", [5, 6, 7])]))
     ex.execute(builder.step([("a", [8])]))
     decoder = model._native[1] if model._native is not None else None
-    assert isinstance(decoder, K.NativeDecoder) and ex.graph_stats.native_decoder_steps == 1
+    assert isinstance(decoder, K.NativeDecoder) and ex.graph_stats.native_decoder_steps == 2  # 3 queries, 1
     layer, cfg = decoder._held[0], ex.config
     assert cfg is not None
     onednn = K.pack_linear(layer.o.plain(), 4, library="onednn")
@@ -101,12 +104,17 @@ def test_native_decoder_refusals(qwen_checkpoints: Callable[[str], Path]) -> Non
         K.NativeDecoder([replace(layer, value_cache=layer.value_cache.bfloat16())], **shape)
     hidden = torch.zeros(1, layer.input_norm.shape[0])
     cos = sin = torch.zeros(1, cfg.rotary_dim)
-    tables, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    tables, slot = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"hidden torch\.bfloat16"):
-        decoder.run(hidden.bfloat16(), (cos, sin), torch.zeros(1, dtype=torch.int64), tables, lens)
+        decoder.run(hidden.bfloat16(), (cos, sin), slot, tables, [1], [1])
+    with pytest.raises(ValueError, match=r"request 0: 1 queries over 17 keys \(1-16, within 16\)"):
+        decoder.run(hidden, (cos, sin), slot, tables, [1], [17])  # past its table's 4 blocks of 4
+    rows = 17
+    with pytest.raises(ValueError, match="request 0: 17 queries"):
+        decoder.run(hidden.expand(rows, -1), (cos.expand(rows, -1),) * 2, slot.expand(rows), tables, [rows], [rows])
     before = [c.clone() for c in model._native[0][0]]  # type: ignore[index]
     with pytest.raises(IndexError, match="slot_mapping holds a slot outside"):
-        decoder.run(hidden, (cos, sin), torch.tensor([decoder._shape.num_slots]), tables, lens)
+        decoder.run(hidden, (cos, sin), torch.tensor([decoder._shape.num_slots]), tables, [1], [1])
     assert all(torch.equal(a, b) for a, b in zip(before, model._native[0][0], strict=True))  # type: ignore[index]
 
 
@@ -136,4 +144,4 @@ def test_new_caches_free_the_old_ones(qwen_checkpoints: Callable[[str], Path]) -
     builder = PagedBatchBuilder(block_size=4, num_blocks=64)
     ex.execute(builder.step([("a", [5, 6, 7])]))
     assert torch.equal(ex.execute(builder.step([("a", [8])])), first)
-    assert ex.graph_stats.native_decoder_steps == 2
+    assert ex.graph_stats.native_decoder_steps == 4  # every step: none has more than 16 queries

@@ -219,12 +219,13 @@ def test_bfloat16_panels_parity(
     for weight in (attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight, ex.model.lm_head_packed):
         assert isinstance(weight, pypto_kernels.PackedLinearWeight) and weight.library == "panels"
         assert weight.packed.dtype == torch.bfloat16
-    seqs = dict(zip("ab", _prompts(ex.info.vocab_size, [11, 7], seed=4), strict=True))  # type: ignore[attr-defined]
-    schedule = [[("a", 10), ("b", 5)], [("a", 1), ("b", 1)], [("b", 1)]]
+    seqs = dict(zip("ab", _prompts(ex.info.vocab_size, [21, 7], seed=4), strict=True))  # type: ignore[attr-defined]
+    schedule = [[("a", 20), ("b", 5)], [("a", 1), ("b", 1)], [("b", 1)]]
     _run_schedule(ex, hf_reference(path), seqs, schedule, BF16_TOL)
-    # The prefill's four products a layer over its 15 rows, the decode steps' inside the native
-    # decoder (the same panels, tests/plugins/qwen/test_native_decoder.py), the head's every step.
-    assert sorted(rows) == sorted([15] * 4 * len(ex.model.layers) + [15, 2, 1])
+    # The prefill's four products a layer over its 25 rows (a run of more than 16 queries: kernel by
+    # kernel), the decode steps' inside the native decoder (the same panels,
+    # tests/plugins/qwen/test_native_decoder.py), the head's every step.
+    assert sorted(rows) == sorted([25] * 4 * len(ex.model.layers) + [25, 2, 1])
     assert ex.graph_stats.native_decoder_steps == 2
 
 
@@ -589,13 +590,14 @@ def test_cpu_linear_auto_float32_panels_on_amd_avx512(
     onednn: list[int] = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: onednn.append(x.shape[0]) or real(x, *a))
-    seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [12, 7, 4], seed=2), strict=True))  # type: ignore[attr-defined]
-    schedule = [[("a", 11), ("b", 6), ("c", 3)], [("a", 1), ("b", 1)], [("c", 1)]]
-    assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 23
-    # The prefill's four products a layer over its 20 rows (the decode steps' inside the native
-    # decoder), the head over every step's logits rows (a tied head's one row through the GEMV instead).
-    head_rows = [20, 2] if name == "qwen2_tied" else [20, 2, 1]
-    assert sorted(rows) == sorted([20] * 4 * len(ex.model.layers) + head_rows)
+    seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [19, 7, 4], seed=2), strict=True))  # type: ignore[attr-defined]
+    schedule = [[("a", 18), ("b", 6), ("c", 3)], [("a", 1), ("b", 1)], [("c", 1)]]
+    assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 30
+    # The prefill's four products a layer over its 27 rows (a run of more than 16 queries: kernel by
+    # kernel; the decode steps' inside the native decoder), the head over every step's logits rows (a
+    # tied head's one row through the GEMV instead).
+    head_rows = [27, 2] if name == "qwen2_tied" else [27, 2, 1]
+    assert sorted(rows) == sorted([27] * 4 * len(ex.model.layers) + head_rows)
     assert ex.graph_stats.native_decoder_steps == 2
     assert onednn == []
 
