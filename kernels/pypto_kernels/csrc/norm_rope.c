@@ -181,7 +181,9 @@ int pypto_qk_norm_rope_write(const void *qkv, int64_t qs, int kind, int64_t t, i
 /* e**x for any float32 x, written to vectorise: x = n ln2 + f with |f| <= ln2 / 2, e**f by
  * common.h's degree-6 polynomial (relative error under 2e-7), times 2**n built in the exponent bits;
  * 0 below -87 and +inf above 88 (where torch's is 1e-38 or already 1.6e38 or more: silu's quotient is
- * then 0 or -0 within 1e-36 of torch's). */
+ * then 0 or -0 within 1e-36 of torch's). common.h's exp_nonpositive written out again for positive
+ * arguments rather than shared: a header function is defined before this file's contraction pragma,
+ * and GCC does not inline across differing optimize attributes. */
 ALWAYS_INLINE float exp_any(float x) {
     float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     float n = __builtin_rintf(c * 1.44269504f);
