@@ -109,7 +109,8 @@ def _check_vector(name: str, t: torch.Tensor | None, dtype: torch.dtype, size: i
 
 
 class NativeDecoder:
-    """A model's dense decoder layers, run for a decode step by one call of ``csrc/decode_layers.c``.
+    """A model's dense decoder layers, run for a decode (or verification) step by one call of
+    ``csrc/decode_layers.c``.
 
     :param layers: every layer's weights and caches, in order.
     :param heads: query heads; ``kv_heads`` key/value heads; ``head_dim`` their width.
