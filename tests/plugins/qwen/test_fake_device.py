@@ -121,6 +121,8 @@ def test_prefill_then_mixed_chunked_prefill_and_decode_on_the_device(
         assert (ex.model.lm_head_q is not None) == name.endswith("_head")
         for chunks in steps:
             _execute(ex, on_device(builder.step(chunks, all_logits=False)), ex.config.vocab_size)
+        # The native decoder (ctypes over CPU pointers) is the CPU's alone: every step ran the forward.
+        assert not ex.model.native_decoder_enabled and ex.graph_stats.native_decoder_steps == 0
 
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["scale-1.0", "per-head-scales"])
