@@ -508,17 +508,17 @@ def rms_norm(
     return out, summed
 
 
+def _silu_layout(x: torch.Tensor) -> tuple[int, int] | None:
+    """``x``'s rows (count, stride) where :func:`silu_mul` takes it (see :func:`silu_takes`), else None."""
+    if x.device.type != "cpu" or x.dtype not in NATIVE_DTYPES or x.dim() == 0 or x.shape[-1] % 2:
+        return None
+    return _rows(x)
+
+
 def silu_takes(x: torch.Tensor) -> bool:
     """Whether :func:`silu_mul` takes ``x``: a CPU tensor of a dtype of :data:`NATIVE_DTYPES`, an even
     last dimension, rows of dense elements evenly strided, and the library built."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in NATIVE_DTYPES
-        and x.dim() >= 1
-        and x.shape[-1] % 2 == 0
-        and _rows(x) is not None
-        and library() is not None
-    )
+    return _silu_layout(x) is not None and library() is not None
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -528,8 +528,8 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     :param x: ``[..., 2 I]`` rows, the gate's ``I`` values then the up's (:func:`silu_takes`).
     :return: ``[..., I]`` of ``x``'s dtype (a new tensor).
     """
-    lib, layout = library(), _rows(x) if x.dim() else None
-    if lib is None or layout is None or not silu_takes(x):
+    lib, layout = library(), _silu_layout(x)
+    if lib is None or layout is None:
         raise ValueError(f"the native silu_mul does not take x {tuple(x.shape)} {x.dtype}")
     (n, xs), half = layout, x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], half), dtype=x.dtype)

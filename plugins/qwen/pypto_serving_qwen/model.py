@@ -746,7 +746,8 @@ class QwenForCausalLM(nn.Module):
         hidden = vocab_parallel_embedding(input_ids, self.embed, self.shards.ctx)
         cos, sin = K.rope_cos_sin(positions, self.inv_freq, self.attention_scaling, self.dtype)
         # A decode or verification step (a few query rows a request) through the native decoder.
-        short = meta.path == "paged" and max(meta.query_lens_host, default=0) <= MAX_QUERIES
+        eligible = self.native_decoder_enabled and meta.path == "paged"
+        short = eligible and max(meta.query_lens_host, default=0) <= MAX_QUERIES
         native = self._native_decoder(kv_caches) if short else None
         if native is not None:
             self.native_decoder_steps += 1
