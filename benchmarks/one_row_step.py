@@ -79,6 +79,7 @@ def main() -> None:
     names = [f"{n} decoder {'on' if on else 'off'}" for n in names for on in decoders]
     model = llm.engine.worker._runner.executor.model  # type: ignore[union-attr]
     times: list[list[float]] = [[] for _ in names]
+    native_steps = [0 for _ in names]  # timed steps that really ran the native decoder, per variant
     state = {"step": 0, "on": False}
     launch = runner.ModelRunner.launch
 
@@ -88,10 +89,11 @@ def main() -> None:
         state["step"] += 1
         native.library = lambda lib=variants[which][0]: lib  # type: ignore[assignment]
         model.native_decoder_enabled = variants[which][1]
-        start = time.perf_counter()
+        before, start = model.native_decoder_steps, time.perf_counter()
         out = launch(self, *a, **k)
         if state["on"] and not first:
             times[which].append(time.perf_counter() - start)
+            native_steps[which] += model.native_decoder_steps - before
         return out
 
     runner.ModelRunner.launch = timed  # type: ignore[method-assign]
@@ -104,6 +106,9 @@ def main() -> None:
     for name, t in zip(names, times, strict=True):
         median, mean = statistics.median(t) * 1e3, statistics.mean(t) * 1e3
         print(f"{name}: median {median:.2f} ms a step, mean {mean:.2f}, n={len(t)}")
+    for name, (_, on), t, ran in zip(names, variants, times, native_steps, strict=True):
+        if ran != (len(t) if on else 0):  # the variant measured is the one named
+            raise SystemExit(f"{name}: {ran} of its {len(t)} timed steps ran the native decoder")
     for name, t in zip(names[1:], times[1:], strict=True):
         other = _block_medians(t, size)
         wins = sum(b < a for a, b in zip(first, other, strict=False))
