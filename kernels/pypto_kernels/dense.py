@@ -259,8 +259,15 @@ def pack_linear(
 
 @dispatch("linear")
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | PackedLinearWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | PackedLinearWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    float_out: bool = False,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` (``F.linear``); a :class:`PackedLinearWeight`'s plain matrix is used."""
+    """``x @ weight.T + bias`` (``F.linear``); a :class:`PackedLinearWeight`'s plain matrix is used.
+    ``float_out``: the result (rounded to ``x``'s dtype, as ever) returned as float32, as
+    ``.float()`` of it (a fast path may store it so directly: an output projection's logits)."""
     plain = weight.plain() if isinstance(weight, PackedLinearWeight) else weight
-    return F.linear(x, plain, bias)
+    out = F.linear(x, plain, bias)
+    return out.float() if float_out else out

@@ -132,7 +132,9 @@ def test_linear_runs_a_panels_copy_at_every_row_count(monkeypatch: pytest.Monkey
     assert torch.equal(packed.plain(), w)
     rows: list[int] = []
     inner = native.panel_linear
-    monkeypatch.setattr(native, "panel_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or inner(x, *a))
+    monkeypatch.setattr(
+        native, "panel_linear", lambda x, *a, **k: rows.append(x.numel() // x.shape[-1]) or inner(x, *a, **k)
+    )
     for count in (1, 2, 9):
         got = K.linear(x[:count], packed, bias)
         assert torch.equal(got, _fma_chain(x[:count], w, bias))
@@ -185,6 +187,8 @@ def test_bfloat16_panel_product_is_the_documented_chain(rows: int, out: int, inn
     torch.testing.assert_close(got.double(), exact, rtol=8e-3, atol=8e-3)
     for start in range(0, rows, 5):  # any batch
         assert torch.equal(native.panel_linear(x[start : start + 1], panels, out, b), got[start : start + 1])
+    wide = native.panel_linear(x, panels, out, b, widen=True)  # stored as float32 by the kernel itself
+    assert wide.dtype == torch.float32 and torch.equal(wide, got.float())
     with pytest.raises(ValueError, match="odd"):
         native.pack_panels(torch.zeros(4, 3, dtype=torch.bfloat16))
 
@@ -196,3 +200,31 @@ def test_panels_asked_for_without_the_native_kernels_are_refused(monkeypatch: py
     amd = {"flags": frozenset({"avx512f"}), "vendor": "AuthenticAMD"}
     rule = K.packing_rule(torch.float32, 64, elements=1 << 20, **amd)  # type: ignore[arg-type]
     assert rule == (("onednn", 1, NEVER) if torch.backends.mkldnn.is_available() else None)  # oneDNN's copy instead
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_float_out_is_the_product_widened(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``linear(..., float_out=True)``: bitwise ``.float()`` of the product in ``x``'s dtype, on every
+    path (the panels, the one-row GEMV beside a held matrix, the reference); a bfloat16 panels
+    product stores float32 itself (no bfloat16 result made)."""
+    x, w, bias = (t.to(dtype) for t in _case(11, 130, 96, seed=5))
+    held = K.pack_linear(w, 8, library="panels", keep_plain=True)
+    assert held is not None
+    stored: list[torch.dtype] = []
+    inner = native.panel_linear
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        out = inner(*args, **kwargs)  # type: ignore[arg-type]
+        stored.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(native, "panel_linear", spy)
+    for count in (1, 3, 11):  # the GEMV (one row, no bias), then the panels
+        for b in (None, bias):
+            got = K.linear(x[:count], held, b, float_out=True)
+            assert got.dtype == torch.float32
+            assert torch.equal(got, K.linear(x[:count], held, b).float())
+    assert stored == [torch.float32, dtype] * 5  # the panels calls: widened, then in x's dtype
+    ref = K.reference_kernel("linear")(x, w, bias, float_out=True)
+    assert ref.dtype == torch.float32 and torch.equal(ref, F.linear(x, w, bias).float())

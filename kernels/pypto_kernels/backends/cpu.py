@@ -255,7 +255,11 @@ def _onednn_gemv(x: torch.Tensor, plain: torch.Tensor, bias: torch.Tensor | None
 
 
 def packed_linear(
-    x: torch.Tensor, weight: PackedLinearWeight | torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: PackedLinearWeight | torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    float_out: bool = False,
 ) -> torch.Tensor:
     """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: one row
     (float32 or bfloat16) over a plain matrix held with dense rows beside a oneDNN or panels copy (a
@@ -263,7 +267,15 @@ def packed_linear(
     :func:`pypto_kernels.native.gemv` where the native kernels are built; else a packed copy for calls
     within its row counts, the plain matrix for the others (one float32 row beside a oneDNN copy
     through oneDNN's GEMV on it, :func:`_onednn_gemv`; else transposed in chunks where
-    :func:`transposed_rule` says so, else ``F.linear``)."""
+    :func:`transposed_rule` says so, else ``F.linear``). ``float_out``: the result widened to float32,
+    stored so by the panels product itself (no pass over a bfloat16 result)."""
+    out = _packed_linear(x, weight, bias, float_out)
+    return out.float() if float_out else out  # a float32 result is returned as it is
+
+
+def _packed_linear(
+    x: torch.Tensor, weight: PackedLinearWeight | torch.Tensor, bias: torch.Tensor | None, widen: bool
+) -> torch.Tensor:
     if not isinstance(weight, PackedLinearWeight):
         return transposed_linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -277,7 +289,7 @@ def packed_linear(
         return _plain_linear(x, weight.plain(), bias)
     out: torch.Tensor
     if weight.library == "panels":
-        out = native.panel_linear(x, weight.packed, weight.out_features, bias)
+        out = native.panel_linear(x, weight.packed, weight.out_features, bias, widen=widen)
     elif weight.library == "mkl":
         out = torch.ops.mkl._mkl_linear(x, weight.packed, weight.plain(), bias, weight.max_rows)
     else:
@@ -314,7 +326,9 @@ def _explain_transposed(stored_in_out: bool, elements: int | None, rows: int | N
     return None
 
 
-def supports_linear(x: torch.Tensor, weight: object, bias: torch.Tensor | None = None) -> bool:
+def supports_linear(
+    x: torch.Tensor, weight: object, bias: torch.Tensor | None = None, *, float_out: bool = False
+) -> bool:
     if isinstance(weight, torch.Tensor):
         return transposed_rule(x, weight, bias)
     if not isinstance(weight, PackedLinearWeight) or x.dtype != weight.dtype:

@@ -34,6 +34,9 @@
 #include "common.h"
 
 enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, STREAM_PREFETCH = 4096, ROW_BYTES = 256 };
+/* How a tile stores its finished sums: as float32 (0), rounded to bfloat16, or rounded to bfloat16
+ * and stored widened to float32. */
+enum { NARROW = 1, WIDE = 2 };
 
 /* a[j] += *b * wj, fused, for the four vectors of one panel row. With AVX-512 the activation is
  * broadcast by each multiply-add's load ({1to16}) rather than by a separate broadcast: on the Zen 4
@@ -85,7 +88,8 @@ static inline __attribute__((always_inline)) void row_dot(vf a[4], const uint16_
 
 /* Rows 0 .. mr - 1 of x (kind ELEM_F32 or ELEM_BF16, row stride xs elements) times the panel w's rows
  * k0 .. k1 - 1 (inputs, or bfloat16 input pairs): the sums continue from src (row stride NR; NULL:
- * from zero) and go to dst (row stride ds), plus bias (64 values) if given. pf: 0 no prefetches, 1
+ * from zero) and go to dst (row stride ds), plus bias (64 values) if given, stored as narrow says (0:
+ * float32; NARROW, WIDE: bfloat16 sums and bias, rounded). pf: 0 no prefetches, 1
  * PANEL_PREFETCH ahead into every cache level, 2 STREAM_PREFETCH ahead non-temporally. kind, mr and
  * pf are constants in each specialisation below, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf, const void *x, int64_t xs,
@@ -118,10 +122,14 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
 #pragma GCC unroll 6
         for (int r = 0; r < MR; r++)
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++)
-                if (r < mr)
-                    store_bf16x16((uint16_t *)dst + r * ds + 16 * j,
-                                  a[r][j] + (bias ? vload_bf16((const uint16_t *)bias + 16 * j) : (vf){0}));
+            for (int j = 0; j < 4; j++) {
+                if (r >= mr) continue;
+                vf v = a[r][j] + (bias ? vload_bf16((const uint16_t *)bias + 16 * j) : (vf){0});
+                if (narrow == WIDE)
+                    store_bf16x16_wide((float *)dst + r * ds + 16 * j, v);
+                else
+                    store_bf16x16((uint16_t *)dst + r * ds + 16 * j, v);
+            }
         return;
     }
 #pragma GCC unroll 6
@@ -155,9 +163,15 @@ static const tile_fn TILES[2][2][MR + 1] = {{ROW_OF(0, 0), ROW_OF(0, 1)}, {ROW_O
 static const tile_fn STREAM[2] = {tile_0_1_2, tile_1_1_2};
 
 /* One row's first cols < NR float32 sums (+ bias, bfloat16, widened, or zero) rounded into bfloat16
- * outputs: the last panel's, where it is partial. */
-static void row_to_bf16(uint16_t *out, const float *sums, const uint16_t *bias, int64_t cols) {
-    for (int64_t j = 0; j < cols; j++) out[j] = bf16_round(sums[j] + (bias ? bf16_value(bias[j]) : 0.0f));
+ * outputs (wide: those stored as float32): the last panel's, where it is partial. */
+static void row_to_bf16(void *out, int wide, const float *sums, const uint16_t *bias, int64_t cols) {
+    for (int64_t j = 0; j < cols; j++) {
+        uint16_t v = bf16_round(sums[j] + (bias ? bf16_value(bias[j]) : 0.0f));
+        if (wide)
+            ((float *)out)[j] = bf16_value(v);
+        else
+            ((uint16_t *)out)[j] = v;
+    }
 }
 
 /* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows
@@ -165,26 +179,27 @@ static void row_to_bf16(uint16_t *out, const float *sums, const uint16_t *bias, 
  * sums. A full panel's last block goes from the registers straight to out, bias added (bfloat16: then
  * rounded; through buf and a scalar pass the rounding took about a fifth of a 6-row tile's time where
  * the matrix has 256 inputs). */
-static void panel_block(int kind, const void *x, int64_t xs, const void *w, const void *bias, void *out,
+static void panel_block(int kind, int wide, const void *x, int64_t xs, const void *w, const void *bias, void *out,
                         int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, int stream,
                         float *buf) {
-    int64_t size = kind == ELEM_BF16 ? 2 : 4;
+    int64_t size = kind == ELEM_BF16 ? 2 : 4, out_size = wide ? 4 : size;
+    int store = kind == ELEM_BF16 ? (wide ? WIDE : NARROW) : 0;
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += KC) {
         int64_t k1 = k0 + KC < k ? k0 + KC : k;
         int last = k1 == k, direct = last && cols == NR;
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
             float *part = buf + (r - r0) * NR;
-            void *dst = direct ? (char *)out + (r * os + c0) * size : (void *)part;
+            void *dst = direct ? (char *)out + (r * os + c0) * out_size : (void *)part;
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
             tile_fn fn = stream ? STREAM[kind] : TILES[kind][r == r0][mr];
             fn((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b,
-               direct && kind == ELEM_BF16);
+               direct ? store : 0);
             if (!last || direct) continue;
             for (int i = 0; i < mr; i++) { /* the last partial panel's real outputs */
                 if (kind == ELEM_BF16) {
                     const uint16_t *bb = bias ? (const uint16_t *)bias + c0 : NULL;
-                    row_to_bf16((uint16_t *)out + (r + i) * os + c0, part + i * NR, bb, cols);
+                    row_to_bf16((char *)out + ((r + i) * os + c0) * out_size, wide, part + i * NR, bb, cols);
                     continue;
                 }
                 float *o = (float *)out + (r + i) * os + c0;
@@ -195,10 +210,8 @@ static void panel_block(int kind, const void *x, int64_t xs, const void *w, cons
     }
 }
 
-/* out [m, n] (row stride os) = x [m, k] (row stride xs) times the panels of the [n, k] matrix, plus
- * bias [n] if given; x, panels, bias and out all of kind (ELEM_F32 or ELEM_BF16; bfloat16: k even). */
-void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, const void *bias, void *out,
-                      int64_t os, int64_t m, int64_t n, int64_t k, int threads) {
+static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void *panels, const void *bias,
+                       void *out, int64_t os, int64_t m, int64_t n, int64_t k, int threads) {
     int64_t rows = kind == ELEM_BF16 ? k / 2 : k; /* panel rows */
     int64_t count = (n + NR - 1) / NR, blocks = (m + MC - 1) / MC, items = count * blocks;
 #pragma omp parallel num_threads(threads)
@@ -210,7 +223,21 @@ void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, c
             int64_t p = item / blocks, r0 = item % blocks * MC, r1 = r0 + MC < m ? r0 + MC : m;
             int64_t c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
             const char *w = (const char *)panels + p * rows * ROW_BYTES;
-            panel_block(kind, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m == 1, buf);
+            panel_block(kind, wide, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m == 1, buf);
         }
     }
+}
+
+/* out [m, n] (row stride os) = x [m, k] (row stride xs) times the panels of the [n, k] matrix, plus
+ * bias [n] if given; x, panels, bias and out all of kind (ELEM_F32 or ELEM_BF16; bfloat16: k even). */
+void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, const void *bias, void *out,
+                      int64_t os, int64_t m, int64_t n, int64_t k, int threads) {
+    panel_gemm(kind, 0, x, xs, panels, bias, out, os, m, n, k, threads);
+}
+
+/* pypto_panel_gemm of bfloat16 x, panels and bias whose bfloat16 outputs go to out as float32 (each
+ * exactly the bfloat16 value): an output projection's logits without a widening pass after it. */
+void pypto_panel_gemm_wide(const void *x, int64_t xs, const void *panels, const void *bias, float *out, int64_t os,
+                           int64_t m, int64_t n, int64_t k, int threads) {
+    panel_gemm(ELEM_BF16, 1, x, xs, panels, bias, out, os, m, n, k, threads);
 }

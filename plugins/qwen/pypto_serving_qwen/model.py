@@ -822,7 +822,8 @@ class QwenForCausalLM(nn.Module):
             logits: torch.Tensor = K.quant_linear(hidden, self.lm_head_q)
         elif self.lm_head_packed is not None:
             # Outside the packed row counts this is F.linear over lm_head_t's transpose: the matmul's product.
-            logits = K.linear(hidden, self.lm_head_packed)
+            # Float32 straight from a bfloat16 panels product (the same values as .float() after it).
+            logits = K.linear(hidden, self.lm_head_packed, float_out=True)
         elif self.lm_head_kernel:
             # The reference (and the fast path's fallback) is F.linear over the view: the matmul's product.
             logits = K.linear(hidden, self.lm_head_t.t())

@@ -55,7 +55,9 @@ def _count_panel_rows(monkeypatch: pytest.MonkeyPatch, rows: list[int]) -> None:
     """Append to ``rows`` the row count of every native panel product that runs from now on."""
     panels = pypto_kernels.native.panel_linear
     monkeypatch.setattr(
-        pypto_kernels.native, "panel_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or panels(x, *a)
+        pypto_kernels.native,
+        "panel_linear",
+        lambda x, *a, **k: rows.append(x.numel() // x.shape[-1]) or panels(x, *a, **k),
     )
 
 
