@@ -209,8 +209,8 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
     lib.pypto_panel_gemm.restype = None
     lib.pypto_panel_gemm.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
-    lib.pypto_panel_gemm_wide.restype = None
-    lib.pypto_panel_gemm_wide.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
+    lib.pypto_panel_gemm_logits.restype = None
+    lib.pypto_panel_gemm_logits.argtypes = lib.pypto_panel_gemm.argtypes
     logger.info("native CPU kernels loaded from %s", path)
     return lib
 
@@ -721,7 +721,7 @@ def panel_takes(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None
 
 
 def panel_linear(
-    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None, *, widen: bool = False
+    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None, *, logits: bool = False
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for the ``[out_features, in]`` matrix packed by :func:`pack_panels`
     (``csrc/panel_gemm.c``), so that a row's result is bitwise the same in any batch and on any number
@@ -734,9 +734,11 @@ def panel_linear(
     :param panels: :func:`pack_panels`'s result for the matrix.
     :param out_features: the matrix's outputs (the panels are padded to a multiple of 64).
     :param bias: ``[out_features]`` of the same dtype, or None.
-    :param widen: return float32: a bfloat16 product's outputs, rounded to bfloat16 as ever, stored as
-        float32 (bitwise ``.float()`` of the bfloat16 result, without the pass over it that makes).
-    :return: ``[..., out_features]`` of ``x``'s dtype (``widen``: float32).
+    :param logits: the product is an output projection's logits: returned as float32 (a bfloat16
+        product's outputs rounded to bfloat16 as ever, stored widened: bitwise ``.float()`` of the
+        bfloat16 result, without the pass over it that makes) and stored past the caches (read once,
+        after the whole product; ``csrc/panel_gemm.c``).
+    :return: ``[..., out_features]`` of ``x``'s dtype (``logits``: float32).
     """
     lib = library()
     if lib is None or not panel_takes(x, panels, bias) or (bias is not None and bias.shape[0] != out_features):
@@ -750,15 +752,10 @@ def panel_linear(
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    wide = widen and x.dtype == torch.bfloat16
-    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32 if widen else x.dtype)
-    if wide and rows.shape[0] and out_features:
-        lib.pypto_panel_gemm_wide(
-            rows.data_ptr(), rows.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-            out.data_ptr(), out_features, rows.shape[0], out_features, rows.shape[1], torch.get_num_threads(),
-        )  # fmt: skip
-    elif rows.shape[0] and out_features:
-        lib.pypto_panel_gemm(
+    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32 if logits else x.dtype)
+    if rows.shape[0] and out_features:
+        gemm = lib.pypto_panel_gemm_logits if logits else lib.pypto_panel_gemm
+        gemm(
             NATIVE_DTYPES[x.dtype], rows.data_ptr(), rows.stride(0), panels.data_ptr(),
             None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, rows.shape[0], out_features,
             rows.shape[1], torch.get_num_threads(),

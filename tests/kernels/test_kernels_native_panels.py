@@ -56,6 +56,8 @@ def test_panel_product_is_the_documented_chain(rows: int, out: int, inner: int, 
     got = native.panel_linear(x, native.pack_panels(w), out, b)
     assert got.shape == (rows, out) and got.dtype == torch.float32
     assert torch.equal(got, _fma_chain(x, w, b))
+    # As logits (streamed past the caches where the rows are 64-byte aligned: out 64, 128): the same.
+    assert torch.equal(native.panel_linear(x, native.pack_panels(w), out, b, logits=True), got)
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
 
@@ -187,7 +189,7 @@ def test_bfloat16_panel_product_is_the_documented_chain(rows: int, out: int, inn
     torch.testing.assert_close(got.double(), exact, rtol=8e-3, atol=8e-3)
     for start in range(0, rows, 5):  # any batch
         assert torch.equal(native.panel_linear(x[start : start + 1], panels, out, b), got[start : start + 1])
-    wide = native.panel_linear(x, panels, out, b, widen=True)  # stored as float32 by the kernel itself
+    wide = native.panel_linear(x, panels, out, b, logits=True)  # float32 from the kernel (streamed where aligned)
     assert wide.dtype == torch.float32 and torch.equal(wide, got.float())
     with pytest.raises(ValueError, match="odd"):
         native.pack_panels(torch.zeros(4, 3, dtype=torch.bfloat16))

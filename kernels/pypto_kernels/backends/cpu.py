@@ -268,13 +268,13 @@ def packed_linear(
     within its row counts, the plain matrix for the others (one float32 row beside a oneDNN copy
     through oneDNN's GEMV on it, :func:`_onednn_gemv`; else transposed in chunks where
     :func:`transposed_rule` says so, else ``F.linear``). ``float_out``: the result widened to float32,
-    stored so by the panels product itself (no pass over a bfloat16 result)."""
+    a panels product's stored so by the product itself as logits (:func:`pypto_kernels.native.panel_linear`)."""
     out = _packed_linear(x, weight, bias, float_out)
     return out.float() if float_out else out  # a float32 result is returned as it is
 
 
 def _packed_linear(
-    x: torch.Tensor, weight: PackedLinearWeight | torch.Tensor, bias: torch.Tensor | None, widen: bool
+    x: torch.Tensor, weight: PackedLinearWeight | torch.Tensor, bias: torch.Tensor | None, logits: bool
 ) -> torch.Tensor:
     if not isinstance(weight, PackedLinearWeight):
         return transposed_linear(x, weight, bias)
@@ -289,7 +289,7 @@ def _packed_linear(
         return _plain_linear(x, weight.plain(), bias)
     out: torch.Tensor
     if weight.library == "panels":
-        out = native.panel_linear(x, weight.packed, weight.out_features, bias, widen=widen)
+        out = native.panel_linear(x, weight.packed, weight.out_features, bias, logits=logits)
     elif weight.library == "mkl":
         out = torch.ops.mkl._mkl_linear(x, weight.packed, weight.plain(), bias, weight.max_rows)
     else:

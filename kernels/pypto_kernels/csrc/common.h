@@ -75,11 +75,13 @@ static inline void store_bf16x16(uint16_t *dst, vf v) {
     memcpy(dst, &h, sizeof h);
 }
 
-/* 16 float32 values rounded to bfloat16, stored widened back to float32 (exact): what torch's
+/* 16 float32 values rounded to bfloat16 and widened back to float32 (exact): what torch's
  * .to(bfloat16).float() gives, without the bfloat16 tensor between. */
-static inline void store_bf16x16_wide(float *dst, vf v) {
-    vu wide = bf16_bits16(v) << 16;
-    memcpy(dst, &wide, sizeof wide);
+static inline vf wide_bf16x16(vf v) {
+    vu bits = bf16_bits16(v) << 16;
+    vf wide;
+    memcpy(&wide, &bits, sizeof wide);
+    return wide;
 }
 
 /* e**x for x <= 0 (softmax arguments after the maximum is taken off), written to vectorise:
@@ -113,8 +115,8 @@ int pypto_qk_norm_rope_write(const void *qkv, int64_t qs, int kind, int64_t t, i
 void pypto_silu_mul(const void *x, int64_t xs, int kind, int64_t n, int64_t i, void *out, int64_t os, int threads);
 void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, const void *bias, void *out,
                       int64_t os, int64_t m, int64_t n, int64_t k, int threads);
-void pypto_panel_gemm_wide(const void *x, int64_t xs, const void *panels, const void *bias, float *out, int64_t os,
-                           int64_t m, int64_t n, int64_t k, int threads);
+void pypto_panel_gemm_logits(int kind, const void *x, int64_t xs, const void *panels, const void *bias, float *out,
+                             int64_t os, int64_t m, int64_t n, int64_t k, int threads);
 int pypto_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride, const void *key_cache,
                           const void *value_cache, int kind, const int64_t *k_strides, const int64_t *v_strides,
                           const int64_t *tables, int64_t table_stride, const int64_t *rows, const int64_t *requests,

@@ -38,6 +38,32 @@ enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, STREAM_PREFET
  * and stored widened to float32. */
 enum { NARROW = 1, WIDE = 2 };
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* 16 float32 values to 64-byte-aligned dst past the caches (a non-temporal store, AVX-512 builds;
+ * elsewhere a plain store): an output projection's logits are written once and read only after the
+ * whole product, and at 64 rows of a 151,936-word vocabulary they outgrow every cache level. On the
+ * Zen 4 EPYC of docs/benchmarks.md Qwen3-shaped 64-row heads ran 1.02-1.06x faster so (no read of
+ * each output line before its write, no eviction of the panels). */
+static inline void stream16(float *dst, vf v) {
+#if defined(__AVX512F__)
+    __m512 m;
+    memcpy(&m, &v, sizeof m);
+    _mm512_stream_ps(dst, m);
+#else
+    vstore(dst, v);
+#endif
+}
+
+static inline void store16(float *dst, vf v, int stream) {
+    if (stream)
+        stream16(dst, v);
+    else
+        vstore(dst, v);
+}
+
 /* a[j] += *b * wj, fused, for the four vectors of one panel row. With AVX-512 the activation is
  * broadcast by each multiply-add's load ({1to16}) rather than by a separate broadcast: on the Zen 4
  * EPYC a broadcast takes a slot of the floating-point pipes the multiply-adds need (64-row products
@@ -94,7 +120,8 @@ static inline __attribute__((always_inline)) void row_dot(vf a[4], const uint16_
  * pf are constants in each specialisation below, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf, const void *x, int64_t xs,
                                                        const void *w, int64_t k0, int64_t k1, const float *src,
-                                                       void *dst, int64_t ds, const void *bias, int narrow) {
+                                                       void *dst, int64_t ds, const void *bias, int narrow,
+                                                       int stream) {
     vf a[MR][4];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
@@ -126,7 +153,7 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
                 if (r >= mr) continue;
                 vf v = a[r][j] + (bias ? vload_bf16((const uint16_t *)bias + 16 * j) : (vf){0});
                 if (narrow == WIDE)
-                    store_bf16x16_wide((float *)dst + r * ds + 16 * j, v);
+                    store16((float *)dst + r * ds + 16 * j, wide_bf16x16(v), stream);
                 else
                     store_bf16x16((uint16_t *)dst + r * ds + 16 * j, v);
             }
@@ -137,17 +164,18 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
             if (r < mr)
-                vstore((float *)dst + r * ds + 16 * j, bias ? a[r][j] + vload((const float *)bias + 16 * j) : a[r][j]);
+                store16((float *)dst + r * ds + 16 * j, bias ? a[r][j] + vload((const float *)bias + 16 * j) : a[r][j],
+                        stream);
 }
 
 typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, const float *, void *, int64_t,
-                        const void *, int);
+                        const void *, int, int);
 
 #define TILE(kind, mr, pf)                                                                                     \
     static void tile_##kind##_##mr##_##pf(const void *x, int64_t xs, const void *w, int64_t k0, int64_t k1,   \
                                           const float *src, void *dst, int64_t ds, const void *bias,           \
-                                          int narrow) {                                                        \
-        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias, narrow);                                      \
+                                          int narrow, int stream) {                                            \
+        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias, narrow, stream);                              \
     }
 #define TILES_OF(kind)                                                                                         \
     TILE(kind, 1, 0) TILE(kind, 2, 0) TILE(kind, 3, 0) TILE(kind, 4, 0) TILE(kind, 5, 0) TILE(kind, 6, 0)      \
@@ -181,7 +209,7 @@ static void row_to_bf16(void *out, int wide, const float *sums, const uint16_t *
  * the matrix has 256 inputs). */
 static void panel_block(int kind, int wide, const void *x, int64_t xs, const void *w, const void *bias, void *out,
                         int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, int stream,
-                        float *buf) {
+                        int stream_out, float *buf) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4, out_size = wide ? 4 : size;
     int store = kind == ELEM_BF16 ? (wide ? WIDE : NARROW) : 0;
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += KC) {
@@ -194,7 +222,7 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
             tile_fn fn = stream ? STREAM[kind] : TILES[kind][r == r0][mr];
             fn((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b,
-               direct ? store : 0);
+               direct ? store : 0, direct && stream_out);
             if (!last || direct) continue;
             for (int i = 0; i < mr; i++) { /* the last partial panel's real outputs */
                 if (kind == ELEM_BF16) {
@@ -212,6 +240,8 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
 
 static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void *panels, const void *bias,
                        void *out, int64_t os, int64_t m, int64_t n, int64_t k, int threads) {
+    /* wide: float32 logits, streamed where every full panel's stores are 64-byte aligned */
+    int stream_out = wide && (uintptr_t)out % 64 == 0 && os % 16 == 0;
     int64_t rows = kind == ELEM_BF16 ? k / 2 : k; /* panel rows */
     int64_t count = (n + NR - 1) / NR, blocks = (m + MC - 1) / MC, items = count * blocks;
 #pragma omp parallel num_threads(threads)
@@ -223,8 +253,11 @@ static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void
             int64_t p = item / blocks, r0 = item % blocks * MC, r1 = r0 + MC < m ? r0 + MC : m;
             int64_t c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
             const char *w = (const char *)panels + p * rows * ROW_BYTES;
-            panel_block(kind, wide, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m == 1, buf);
+            panel_block(kind, wide, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m == 1, stream_out, buf);
         }
+#if defined(__AVX512F__)
+        if (stream_out) _mm_sfence(); /* the streamed stores visible before the team's end */
+#endif
     }
 }
 
@@ -235,9 +268,10 @@ void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, c
     panel_gemm(kind, 0, x, xs, panels, bias, out, os, m, n, k, threads);
 }
 
-/* pypto_panel_gemm of bfloat16 x, panels and bias whose bfloat16 outputs go to out as float32 (each
- * exactly the bfloat16 value): an output projection's logits without a widening pass after it. */
-void pypto_panel_gemm_wide(const void *x, int64_t xs, const void *panels, const void *bias, float *out, int64_t os,
-                           int64_t m, int64_t n, int64_t k, int threads) {
-    panel_gemm(ELEM_BF16, 1, x, xs, panels, bias, out, os, m, n, k, threads);
+/* pypto_panel_gemm as an output projection's logits: out float32 whatever the kind (bfloat16: each
+ * output rounded to bfloat16 as ever, stored widened, exactly; no widening pass after it), stored past
+ * the caches (stream16) where its rows are 64-byte aligned. */
+void pypto_panel_gemm_logits(int kind, const void *x, int64_t xs, const void *panels, const void *bias, float *out,
+                             int64_t os, int64_t m, int64_t n, int64_t k, int threads) {
+    panel_gemm(kind, 1, x, xs, panels, bias, out, os, m, n, k, threads);
 }
