@@ -17,6 +17,27 @@
  * and the last layer's hidden and residual are returned (their sum is the final hidden state). */
 #include "common.h"
 
+#ifdef PYPTO_DECODE_TIMERS
+/* A profiling build's (benchmarks/decode_phases.py: -DPYPTO_DECODE_TIMERS) seconds per phase of the
+ * layers, summed over the calls of more than 16 rows (a batch's decode steps), then that call count:
+ * RMSNorm, QKV, q/k norms + RoPE + cache write, attention, O, RMSNorm, gate-up, SwiGLU, down. */
+#include <time.h>
+double pypto_decode_phase_seconds[10];
+static double phase_clock(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define PHASE(i)                                                                                                \
+    do {                                                                                                       \
+        double now_ = phase_clock();                                                                           \
+        if (r > 16) pypto_decode_phase_seconds[i] += now_ - mark;                                             \
+        mark = now_;                                                                                           \
+    } while (0)
+#else
+#define PHASE(i) ((void)0)
+#endif
+
 /* One decoder layer's weights (pypto_kernels.native.pack_panels' layouts, the step's element kind)
  * and its caches. */
 typedef struct {
@@ -64,15 +85,22 @@ int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const Decoder
     float *q_f32 = (float *)(act + r * s->inter * size);
     for (int64_t i = 0; i < r; i++) rows[i] = i;
     memcpy(residual, hidden, (size_t)(r * h * size));
+#ifdef PYPTO_DECODE_TIMERS
+    double mark = phase_clock();
+    if (r > 16) pypto_decode_phase_seconds[9] += 1;
+#endif
     for (int64_t l = 0; l < count; l++) {
         const DecoderLayer *L = &layers[l];
         pypto_rms_norm(hidden, h, l ? residual : NULL, h, L->input_norm, s->kind, r, h, s->eps, normed, h, residual,
                        h, threads);
+        PHASE(0);
         pypto_panel_gemm(s->kind, normed, h, L->qkv, L->qkv_bias, qkv, qkv_width, r, qkv_width, h, threads);
+        PHASE(1);
         if (pypto_qk_norm_rope_write(qkv, qkv_width, s->kind, r, s->heads, s->kv_heads, d, L->q_norm, L->k_norm, s->eps,
                                      cos, sin, cs, s->rotary, q, L->key_cache, L->value_cache, s->cache_kind,
                                      L->k_strides, L->v_strides, s->block_size, s->num_slots, slots, threads))
             return 1;
+        PHASE(2);
         for (int64_t i = 0; i < r; i++) {
             int64_t lo = L->window && ends[i] > L->window ? ends[i] - L->window : 0;
             firsts[i] = lo;
@@ -90,11 +118,17 @@ int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const Decoder
                                   s->heads, s->kv_heads, d, d, s->block_size, s->scale, NULL, attended, s->kind,
                                   q_width, d, q_bf16, 0, threads))
             return -1;
+        PHASE(3);
         pypto_panel_gemm(s->kind, attended, q_width, L->o, NULL, o, h, r, h, q_width, threads);
+        PHASE(4);
         pypto_rms_norm(o, h, residual, h, L->post_norm, s->kind, r, h, s->eps, normed, h, residual, h, threads);
+        PHASE(5);
         pypto_panel_gemm(s->kind, normed, h, L->gate_up, NULL, gate_up, 2 * s->inter, r, 2 * s->inter, h, threads);
+        PHASE(6);
         pypto_silu_mul(gate_up, 2 * s->inter, s->kind, r, s->inter, act, s->inter, threads);
+        PHASE(7);
         pypto_panel_gemm(s->kind, act, s->inter, L->down, NULL, hidden, h, r, h, s->inter, threads);
+        PHASE(8);
     }
     return 0;
 }

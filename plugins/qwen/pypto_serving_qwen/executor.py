@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import time
 from itertools import pairwise
 from typing import Any
 
@@ -21,6 +22,7 @@ from .loader import QwenConfig, load_weights, plan_quantization, read_config, re
 from .model import AttentionMetadata, KVCache, QwenAttention, QwenForCausalLM
 from .quantized import finish_loading
 from .sharding import QwenSharding
+from .warmup import warmup_batches, warmup_plan
 
 __all__ = ["KV_GROUP", "QwenExecutor"]
 
@@ -71,7 +73,11 @@ class QwenExecutor(Executor):
     where every decoder projection got native panels (and the layers are dense, without LoRA, on
     one rank), a decode step (or one verifying drafted tokens) runs the decoder layers as one native call
     (:class:`pypto_kernels.NativeDecoder`: the same kernels and results, without Python between
-    them); false keeps one kernel call at a time. Any other key is refused at load.
+    them); false keeps one kernel call at a time. ``cpu_warmup`` (true by default): on the CPU in eager
+    mode on one rank, :meth:`init_kv_cache` runs a short prefill and two decode steps of
+    ``max_num_seqs`` rows over the fresh caches and sets heap aside for a chunk of
+    ``max_num_batched_tokens``, so the first batch's buffers need no fresh memory (the written blocks
+    are zeroed after; :meth:`_warm_up`); false skips it. Any other key is refused at load.
 
     With ``tensor_parallel_size > 1`` the worker runs one executor per rank inside torch.distributed's
     default process group; each loads and holds its shards (:mod:`pypto_serving_qwen.sharding`), its
@@ -90,6 +96,7 @@ class QwenExecutor(Executor):
         self.graph_options: GraphOptions | None = None
         self.graphs: DecodeGraphs | None = None
         self.eager_steps = 0
+        self.cpu_warmup = True
         self.lora: LoraContext | None = None
         self.lora_slots: dict[str, int] = {}  # adapter name -> its slot in the stacked weights (0: base)
 
@@ -109,6 +116,9 @@ class QwenExecutor(Executor):
                 s.dtype,
             )
         self.graph_options = parse_graph_options(s.executor_options, self.device, s.max_num_seqs)
+        self.cpu_warmup = s.executor_options.get("cpu_warmup", True)
+        if not isinstance(self.cpu_warmup, bool):
+            raise ValueError(f"executor_options cpu_warmup must be true or false, got {self.cpu_warmup!r}")
         cache_dtype = self._kv_cache_dtype()  # refuses what it cannot run before weights load
         shards = self._plan_shards(cfg)
         # Seeded so that anything random during start-up, such as a kernel warm-up, is reproducible.
@@ -366,6 +376,44 @@ class QwenExecutor(Executor):
         ]
         if capture:
             self._init_graphs(cfg, scratch_block=blocks - 1)
+        elif self.cpu_warmup and self.device.type == "cpu" and self.model is not None:
+            self._warm_up(cfg, num_blocks[KV_GROUP])
+
+    def _warm_up(self, cfg: QwenConfig, num_blocks: int) -> None:
+        """Decode steps of the most rows over the fresh caches, after a short prefill step
+        (:mod:`pypto_serving_qwen.warmup`), their logits held together, then room for a prefill
+        chunk's activations: the worker's heap grows to hold a step's buffers now, not during the
+        first batch. A chunk of the most tokens is not computed (on two cores a Qwen3-0.6B one takes
+        5 s; a bigger model's, minutes) but its activations' bytes are taken and given back. The
+        blocks the steps wrote are zeroed again and the step counters reset, so nothing of it shows.
+        One rank only (the steps would need every rank)."""
+        s, model = self.settings, self.model
+        assert model is not None
+        plan = warmup_plan(num_blocks, s.block_size, 2 * s.max_num_seqs, s.max_num_seqs)
+        if plan is None or model.shards.ctx.enabled:
+            return
+        start = time.perf_counter()
+        # Each step's logits kept while the next runs, as the runner keeps a step's until it is sampled.
+        held = [self.execute(batch) for batch in warmup_batches(plan, s.block_size, cfg.vocab_size, KV_GROUP)]
+        # Two logits buffers more (the real steps' shapes fragment the heap a little) and a chunk's
+        # activations: residual, hidden, norms, qkv, queries, attention out, o, gate-up, SwiGLU.
+        q_width, qkv_width = cfg.num_heads * cfg.head_dim, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        row = 5 * cfg.hidden_size + qkv_width + 2 * q_width + 3 * cfg.intermediate_size
+        size = self.dtype.itemsize * s.max_num_batched_tokens * row + 4 * 2 * plan.requests * cfg.vocab_size
+        held.append(torch.empty(size, dtype=torch.uint8).fill_(0))  # every page touched
+        del held
+        for pair in self.kv_caches:
+            for cache in pair:
+                cache[: plan.used_blocks].zero_()  # block b is [b] in either layout
+        self.eager_steps, model.native_decoder_steps = 0, 0
+        logger.info(
+            "warm-up: a %d-token prefill step, two %d-row decode steps and %d MiB of heap in %.2f s "
+            "(executor_options cpu_warmup)",
+            plan.requests * plan.prompt,
+            plan.requests,
+            size >> 20,
+            time.perf_counter() - start,
+        )
 
     def kv_cache_blocks(self) -> dict[str, list[torch.Tensor]] | None:
         """Every layer's key and value cache, dimensions in memory order (a block's bytes as they

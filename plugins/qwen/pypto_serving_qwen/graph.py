@@ -82,7 +82,15 @@ _STATIC_ATTENTION_MODES = frozenset({"cudagraph", "npugraph"})
 #: paths are measured on the devices.
 _AUTO_MODE: dict[str, str] = {"cpu": "eager", "cuda": "eager", "npu": "eager"}
 
-_OPTION_KEYS = ("graph_mode", "graph_batch_sizes", "graph_warmup", "cpu_linear", "tied_head_copy", "native_decoder")
+_OPTION_KEYS = (
+    "graph_mode",
+    "graph_batch_sizes",
+    "graph_warmup",
+    "cpu_linear",
+    "tied_head_copy",
+    "native_decoder",
+    "cpu_warmup",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,11 +164,13 @@ def hf_reference() -> Callable[[Path], Any]:
 
 
 def qwen_settings(model: Path, **overrides: Any) -> Any:
-    """ServingSettings for a model-level test (CPU, float32 unless overridden, tiny blocks)."""
+    """ServingSettings for a model-level test (CPU, float32 unless overridden, tiny blocks; no CPU
+    warm-up steps unless ``executor_options`` asks for them, so the steps a test counts are its own)."""
     from pypto_serving.config import ServingSettings
 
     values: dict[str, Any] = {"model": str(model), "device": "cpu", "dtype": "float32", "block_size": 4}
     values.update(overrides)
+    values["executor_options"] = {"cpu_warmup": False, **values.get("executor_options", {})}
     return ServingSettings(**values)
 
 
