@@ -391,3 +391,19 @@ def qwen_chat_llm(qwen_chat_checkpoint: Path) -> Iterator[Any]:
     llm = LLM(model=str(qwen_chat_checkpoint), worker_mode="inproc", num_kv_blocks=64, device="cpu", dtype="float32")
     yield llm
     llm.shutdown()
+
+
+def scheduled_chunks(
+    prompts: dict[str, list[int]], schedule: Sequence[Sequence[tuple[str, int]]], gen: torch.Generator
+) -> Iterator[list[tuple[str, list[int]]]]:
+    """Each step of ``schedule`` (``(request, tokens)`` pairs) as :meth:`PagedBatchBuilder.step`
+    takes it: a request's next prompt tokens, then random ids (drawn from ``gen``) past its prompt."""
+    given = dict.fromkeys(prompts, 0)
+    for plan in schedule:
+        chunks = []
+        for rid, n in plan:
+            tokens = prompts[rid][given[rid] : given[rid] + n]
+            tokens += torch.randint(4, 300, (n - len(tokens),), generator=gen).tolist()
+            chunks.append((rid, tokens))
+            given[rid] += n
+        yield chunks

@@ -16,7 +16,7 @@ import torch
 import pypto_kernels as K
 from pypto_serving_qwen.executor import QwenExecutor
 from pypto_serving_qwen.warmup import warmup_batches, warmup_plan
-from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
+from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings, scheduled_chunks
 
 
 @pytest.mark.parametrize("num_blocks", [1, 2, 3, 7, 64, 200])
@@ -84,21 +84,14 @@ def test_warm_up_runs_its_steps_and_leaves_no_trace(
     monkeypatch.undo()
     assert warm.eager_steps == 0 and warm.graph_stats.native_decoder_steps == 0
     assert all(not t.any() for pair in warm.kv_caches for t in pair)  # the written blocks zeroed again
-    if K.native.library() is not None:  # the decode steps went through the native decoder, made over these caches
+    if K.native.library() is not None:  # the decode steps took the native decoder, made over these caches
         assert warm.model is not None and warm.model._native is not None
         assert warm.model._native[0] is warm.kv_caches and warm.model._native[1] is not None
     warm_builder, cold_builder = PagedBatchBuilder(4, 64), PagedBatchBuilder(4, 64)
     gen = torch.Generator().manual_seed(5)
     prompts = {rid: torch.randint(4, 300, (n,), generator=gen).tolist() for rid, n in zip("abc", (9, 21, 4))}
     schedule = [[("a", 9), ("b", 21)], [("a", 1), ("b", 1), ("c", 4)]] + [[("a", 1), ("b", 1), ("c", 1)]] * 3
-    given = dict.fromkeys(prompts, 0)
-    for step, plan in enumerate(schedule):
-        chunks = []
-        for rid, n in plan:
-            tokens = prompts[rid][given[rid] : given[rid] + n]
-            tokens += torch.randint(4, 300, (n - len(tokens),), generator=gen).tolist()
-            chunks.append((rid, tokens))
-            given[rid] += n
+    for step, chunks in enumerate(scheduled_chunks(prompts, schedule, gen)):
         ours, theirs = warm.execute(warm_builder.step(chunks)), cold.execute(cold_builder.step(chunks))
         assert torch.equal(ours, theirs), f"step {step}"
     assert warm.eager_steps == cold.eager_steps == len(schedule)

@@ -20,7 +20,7 @@ import torch
 
 import pypto_kernels as K
 from pypto_serving_qwen.executor import QwenExecutor
-from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings
+from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings, scheduled_chunks
 
 pytestmark = pytest.mark.skipif(K.native.library() is None, reason="no native CPU kernels (no C compiler)")
 
@@ -61,14 +61,8 @@ def test_native_decode_steps_equal_the_kernel_by_kernel_forward(
     schedule += [[("a", 1), ("b", 1), ("c", 1)]] * 3 + [[("c", 1), ("d", 5), ("a", 1)]]
     schedule += [[("b", 1), ("d", 1)]] * 2 + [[("a", 3), ("b", 1), ("c", 4), ("d", 2)], [("b", 16), ("d", 1)]]
     schedule += [[("a", 1), ("b", 1), ("c", 1), ("d", 1)]] * 6
-    builder, given = PagedBatchBuilder(block_size=4, num_blocks=64), {rid: 0 for rid in prompts}
-    for step, plan in enumerate(schedule):
-        chunks = []
-        for rid, n in plan:
-            tokens = prompts[rid][given[rid] : given[rid] + n]
-            tokens += torch.randint(4, 300, (n - len(tokens),), generator=gen).tolist()
-            chunks.append((rid, tokens))
-            given[rid] += n
+    builder = PagedBatchBuilder(block_size=4, num_blocks=64)
+    for step, chunks in enumerate(scheduled_chunks(prompts, schedule, gen)):
         batch = builder.step(chunks)  # every row's logits
         ours, theirs = native.execute(batch), eager.execute(batch)
         assert torch.equal(ours, theirs), f"step {step}: max |diff| {float((ours - theirs).abs().max()):.3g}"
