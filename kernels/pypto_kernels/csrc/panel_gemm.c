@@ -57,8 +57,8 @@ static inline void stream16(float *dst, vf v) {
 #endif
 }
 
-static inline void store16(float *dst, vf v, int stream) {
-    if (stream)
+static inline void store16(float *dst, vf v, int nt_store) {
+    if (nt_store)
         stream16(dst, v);
     else
         vstore(dst, v);
@@ -115,13 +115,14 @@ static inline __attribute__((always_inline)) void row_dot(vf a[4], const uint16_
 /* Rows 0 .. mr - 1 of x (kind ELEM_F32 or ELEM_BF16, row stride xs elements) times the panel w's rows
  * k0 .. k1 - 1 (inputs, or bfloat16 input pairs): the sums continue from src (row stride NR; NULL:
  * from zero) and go to dst (row stride ds), plus bias (64 values) if given, stored as narrow says (0:
- * float32; NARROW, WIDE: bfloat16 sums and bias, rounded). pf: 0 no prefetches, 1
+ * float32; NARROW, WIDE: bfloat16 sums and bias, rounded), non-temporally where nt_store (float32
+ * stores only; dst 64-byte aligned). pf: 0 no prefetches, 1
  * PANEL_PREFETCH ahead into every cache level, 2 STREAM_PREFETCH ahead non-temporally. kind, mr and
  * pf are constants in each specialisation below, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf, const void *x, int64_t xs,
                                                        const void *w, int64_t k0, int64_t k1, const float *src,
                                                        void *dst, int64_t ds, const void *bias, int narrow,
-                                                       int stream) {
+                                                       int nt_store) {
     vf a[MR][4];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
@@ -153,7 +154,7 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
                 if (r >= mr) continue;
                 vf v = a[r][j] + (bias ? vload_bf16((const uint16_t *)bias + 16 * j) : (vf){0});
                 if (narrow == WIDE)
-                    store16((float *)dst + r * ds + 16 * j, wide_bf16x16(v), stream);
+                    store16((float *)dst + r * ds + 16 * j, wide_bf16x16(v), nt_store);
                 else
                     store_bf16x16((uint16_t *)dst + r * ds + 16 * j, v);
             }
@@ -165,7 +166,7 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
         for (int j = 0; j < 4; j++)
             if (r < mr)
                 store16((float *)dst + r * ds + 16 * j, bias ? a[r][j] + vload((const float *)bias + 16 * j) : a[r][j],
-                        stream);
+                        nt_store);
 }
 
 typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, const float *, void *, int64_t,
@@ -174,8 +175,8 @@ typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, c
 #define TILE(kind, mr, pf)                                                                                     \
     static void tile_##kind##_##mr##_##pf(const void *x, int64_t xs, const void *w, int64_t k0, int64_t k1,   \
                                           const float *src, void *dst, int64_t ds, const void *bias,           \
-                                          int narrow, int stream) {                                            \
-        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias, narrow, stream);                              \
+                                          int narrow, int nt_store) {                                          \
+        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias, narrow, nt_store);                            \
     }
 #define TILES_OF(kind)                                                                                         \
     TILE(kind, 1, 0) TILE(kind, 2, 0) TILE(kind, 3, 0) TILE(kind, 4, 0) TILE(kind, 5, 0) TILE(kind, 6, 0)      \
@@ -203,13 +204,14 @@ static void row_to_bf16(void *out, int wide, const float *sums, const uint16_t *
 }
 
 /* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows
- * (stream: the product's only row, its tiles prefetching non-temporally); buf holds MC x NR partial
- * sums. A full panel's last block goes from the registers straight to out, bias added (bfloat16: then
+ * (stream: the product's only row, its tiles prefetching non-temporally; wide: the logits entry's
+ * float32 outputs, a bfloat16 product's rounded then widened, the full panels' stored non-temporally
+ * where nt_store); buf holds MC x NR partial sums. A full panel's last block goes from the registers straight to out, bias added (bfloat16: then
  * rounded; through buf and a scalar pass the rounding took about a fifth of a 6-row tile's time where
  * the matrix has 256 inputs). */
 static void panel_block(int kind, int wide, const void *x, int64_t xs, const void *w, const void *bias, void *out,
                         int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, int stream,
-                        int stream_out, float *buf) {
+                        int nt_store, float *buf) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4, out_size = wide ? 4 : size;
     int store = kind == ELEM_BF16 ? (wide ? WIDE : NARROW) : 0;
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += KC) {
@@ -222,7 +224,7 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
             tile_fn fn = stream ? STREAM[kind] : TILES[kind][r == r0][mr];
             fn((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b,
-               direct ? store : 0, direct && stream_out);
+               direct ? store : 0, direct && nt_store);
             if (!last || direct) continue;
             for (int i = 0; i < mr; i++) { /* the last partial panel's real outputs */
                 if (kind == ELEM_BF16) {
@@ -240,8 +242,8 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
 
 static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void *panels, const void *bias,
                        void *out, int64_t os, int64_t m, int64_t n, int64_t k, int threads) {
-    /* wide: float32 logits, streamed where every full panel's stores are 64-byte aligned */
-    int stream_out = wide && (uintptr_t)out % 64 == 0 && os % 16 == 0;
+    /* wide: float32 logits, stored non-temporally where every full panel's stores are 64-byte aligned */
+    int nt_store = wide && (uintptr_t)out % 64 == 0 && os % 16 == 0;
     int64_t rows = kind == ELEM_BF16 ? k / 2 : k; /* panel rows */
     int64_t count = (n + NR - 1) / NR, blocks = (m + MC - 1) / MC, items = count * blocks;
 #pragma omp parallel num_threads(threads)
@@ -253,10 +255,10 @@ static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void
             int64_t p = item / blocks, r0 = item % blocks * MC, r1 = r0 + MC < m ? r0 + MC : m;
             int64_t c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
             const char *w = (const char *)panels + p * rows * ROW_BYTES;
-            panel_block(kind, wide, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m == 1, stream_out, buf);
+            panel_block(kind, wide, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m == 1, nt_store, buf);
         }
 #if defined(__AVX512F__)
-        if (stream_out) _mm_sfence(); /* the streamed stores visible before the team's end */
+        if (nt_store) _mm_sfence(); /* the non-temporal stores visible before the team's end */
 #endif
     }
 }
