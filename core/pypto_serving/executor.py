@@ -152,6 +152,10 @@ class BatchInput:
     :param loras: per request in batch order, its LoRA adapter's key (an adapter of ``lora_modules``:
         its name; one loaded at run time: the key of :meth:`Executor.install_lora`; None: the base model);
         ``None`` when no request of the step has one (host list).
+    :param greedy_maxima: the sampler takes the argmax of some row's logits as they come this step
+        (a greedy request): an executor whose output projection can take each logits row's maximum
+        and its index as it writes the logits may, and return them from
+        :meth:`Executor.logits_maxima` (saving the sampler a pass over the logits).
     """
 
     request_ids: list[str]
@@ -169,6 +173,7 @@ class BatchInput:
     draft_depth: int | None = None
     num_drafts: list[int] | None = None
     loras: list[str | None] | None = None
+    greedy_maxima: bool = False
 
 
 class Executor(abc.ABC):
@@ -202,6 +207,17 @@ class Executor(abc.ABC):
         :param batch: the step's tokens, already on :attr:`device`.
         :return: float logits ``[len(batch.logits_indices), vocab]`` for the requested rows.
         """
+
+    def logits_maxima(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's maximum and its index, of the logits the last :meth:`execute` returned, where it
+        took them as it wrote the logits (asked by ``BatchInput.greedy_maxima``); executors that do not
+        keep this default and the sampler takes them itself.
+
+        :return: ``(amax, argmax)`` of the logits' rows, exactly: float32 ``[N]`` maxima and int64
+            ``[N]`` indices (a row's maximum at its lowest index, or its first NaN where it has one), on
+            :attr:`device`; or ``None``.
+        """
+        return None
 
     def propose_drafts(self, batch: BatchInput, accepted: list[list[int]]) -> list[list[int]]:
         """Draft tokens for each request's next step. Executors without drafting keep this default.

@@ -410,16 +410,29 @@ class ModelRunner:
     def _forward(self, step: LaunchedStep) -> None:
         """Build the batch, run the forward, queue the sampling: everything before the host read."""
         step.batch, step.rows = self._build_batch(step.cmd.entries)
+        # Maxima of every logits row, where only sampled rows have logits (no prompt logprobs).
+        step.batch.greedy_maxima = any(r.num_logits and r.req.sampling.temperature == 0.0 for r in step.rows) and (
+            not any(r.num_prompt_rows for r in step.rows)
+        )
         masks = self._start_masks(step.rows)
         try:
             with phase("forward"):
                 logits = self.executor.execute(step.batch)
+                maxima = self._logits_maxima(step.batch, logits)
             logits = self._split_prompt_rows(step, logits)
             with phase("sample"):
-                self._launch_sample(step, logits, masks)
+                self._launch_sample(step, logits, masks, maxima)
         finally:
             if masks is not None:
                 masks.exception()  # the fill is done before anything else touches the grammars
+
+    def _logits_maxima(self, batch: BatchInput, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The executor's maxima of the step's logits rows, where it asked for them and took them."""
+        maxima = self.executor.logits_maxima() if batch.greedy_maxima else None
+        if maxima is not None and not all(t.shape == logits.shape[:1] for t in maxima):
+            shapes = [tuple(t.shape) for t in maxima]
+            raise RuntimeError(f"{type(self.executor).__name__}.logits_maxima gave {shapes} for {logits.shape[0]} rows")
+        return maxima
 
     def _admit(self, nr: NewRequestData) -> None:
         self.input_batch.add(nr.request_id)
@@ -639,9 +652,16 @@ class ModelRunner:
             return self.overlap_grammar_masks
         return self.device.type != "cpu" or (os.cpu_count() or 1) > torch.get_num_threads()
 
-    def _launch_sample(self, step: LaunchedStep, logits: torch.Tensor, masks: Future[HostMask | None] | None) -> None:
+    def _launch_sample(
+        self,
+        step: LaunchedStep,
+        logits: torch.Tensor,
+        masks: Future[HostMask | None] | None,
+        maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """The sampler rows, the verdicts of the rows rejection sampling verifies, and the device
-        sample of every other logits row, queued but not read."""
+        sample of every other logits row (``maxima``: the executor's of every logits row), queued
+        but not read."""
         step.params = self._row_params(step.rows)
         if not step.params:
             return
@@ -652,10 +672,13 @@ class ModelRunner:
         rows = step.sampled_rows
         if rows:
             every = len(rows) == len(step.params)
-            sub = logits if every else logits.index_select(0, torch.tensor(rows, device=logits.device))
+            at = None if every else torch.tensor(rows, device=logits.device)
+            sub = logits if at is None else logits.index_select(0, at)
+            if maxima is not None and at is not None:
+                maxima = (maxima[0].index_select(0, at), maxima[1].index_select(0, at))
             host = None if masks is None else masks.result()
             grammar = None if host is None else host.to(logits.device)
-            dev = sample_on_device(sub, [step.params[j] for j in rows], grammar)
+            dev = sample_on_device(sub, [step.params[j] for j in rows], grammar, maxima)
             step.device = (dev, packed(dev))
 
     def _verify_rejection(self, step: LaunchedStep, logits: torch.Tensor) -> None:

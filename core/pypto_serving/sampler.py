@@ -557,16 +557,24 @@ def _greedy_on_raw(params: list[RowParams], grammar: GrammarMask | None) -> bool
     return all(p.edits is None and p.counts is None and not p.banned for p in params)
 
 
-def sample_on_device(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask | None = None) -> DeviceSample:
+def sample_on_device(
+    logits: torch.Tensor,
+    params: list[RowParams],
+    grammar: GrammarMask | None = None,
+    maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> DeviceSample:
     """Sample one token per row of ``logits [N, V]`` without reading the host. In order: the rows'
     logit bias and allowed tokens, penalties, bans (min_tokens, bad words), and ``grammar``'s masks of
-    the tokens its rows' grammars disallow; then the draw. Logprobs stay those of the raw logits."""
+    the tokens its rows' grammars disallow; then the draw. Logprobs stay those of the raw logits.
+    ``maxima``: :func:`argmax_rows` of ``logits`` where the executor took them with the logits (the
+    greedy rows of a step nothing edits take them instead of a pass over the logits)."""
     x = logits.float()
     n = x.shape[0]
     dev = x.device
     raw, top = x, None
     if _greedy_on_raw(params, grammar):
-        peak, top = argmax_rows(x)  # one pass for the tokens and the check below
+        # One pass for the tokens and the check below (none: the executor's output projection took them).
+        peak, top = maxima if maxima is not None else argmax_rows(x)
     else:
         peak = x.amax(dim=-1)
     bad = torch.logical_not(peak < float("inf"))  # the maximum propagates NaN: this flags NaN and +inf

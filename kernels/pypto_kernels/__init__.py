@@ -26,7 +26,15 @@ from .attention import (
 )
 from .compressed_attention import compressor_pool, indexer_topk, sink_attention
 from .deepseek import apply_interleaved_rope, grouped_linear, interleaved_rope_cos_sin
-from .dense import PackedLinearWeight, linear, onednn_supports, pack_linear, packing_rule, tied_head_min_rows
+from .dense import (
+    PackedLinearWeight,
+    linear,
+    linear_takes_maxima,
+    onednn_supports,
+    pack_linear,
+    packing_rule,
+    tied_head_min_rows,
+)
 from .device import auto_dtype, cpu_computes_natively, npu_available, select_device, upload
 from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
@@ -87,6 +95,7 @@ __all__ = [
     "indexer_topk",
     "interleaved_rope_cos_sin",
     "linear",
+    "linear_takes_maxima",
     "load_backends",
     "memory_order",
     "moe_experts",

@@ -44,6 +44,7 @@ __all__ = [
     "ONEDNN_FLOAT32_MIN_ELEMENTS",
     "PackedLinearWeight",
     "linear",
+    "linear_takes_maxima",
     "onednn_supports",
     "pack_linear",
     "packing_rule",
@@ -264,10 +265,46 @@ def linear(
     bias: torch.Tensor | None = None,
     *,
     float_out: bool = False,
+    maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` (``F.linear``); a :class:`PackedLinearWeight`'s plain matrix is used.
     ``float_out``: the result (rounded to ``x``'s dtype, as ever) returned as float32, as
-    ``.float()`` of it (a fast path may store it so directly: an output projection's logits)."""
+    ``.float()`` of it (a fast path may store it so directly: an output projection's logits).
+    ``maxima`` (with ``float_out``): a float32 and an int64 tensor of one element per row of ``x``,
+    filled with ``amax`` and ``argmax`` of each row of the float32 result: its maximum and that
+    maximum's lowest index, or its first NaN where it has one (a fast path may take them as it
+    writes the result: an output projection's logits for greedy rows)."""
     plain = weight.plain() if isinstance(weight, PackedLinearWeight) else weight
     out = F.linear(x, plain, bias)
-    return out.float() if float_out else out
+    wide = out.float() if float_out else out
+    if maxima is not None:
+        fill_maxima(wide, maxima, float_out)
+    return wide
+
+
+def linear_takes_maxima(rows: int, weight: torch.Tensor | PackedLinearWeight) -> bool:
+    """Whether :func:`linear` of ``rows`` rows over ``weight`` with ``float_out`` takes ``maxima`` as it
+    writes the result (the CPU panels product: no pass over the logits after it) rather than from
+    the result after it. A panels copy within its row counts, except one row beside a held plain
+    matrix (a tied output projection's one-row product reads that matrix)."""
+    return (
+        isinstance(weight, PackedLinearWeight)
+        and weight.library == "panels"
+        and weight.min_rows <= rows <= weight.max_rows
+        and not (rows == 1 and weight.weight is not None)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def fill_maxima(out: torch.Tensor, maxima: tuple[torch.Tensor, torch.Tensor], float_out: bool) -> None:
+    """``maxima`` (see :func:`linear`) from the float32 result ``out`` of a call with ``float_out``."""
+    peak, index = maxima
+    rows = out.numel() // out.shape[-1] if out.shape[-1] else 0
+    if not float_out or out.shape[-1] == 0 or peak.numel() != rows or index.numel() != rows:
+        raise ValueError(
+            f"maxima need float_out and one element per row of a non-empty result: {rows} rows of "
+            f"{out.shape[-1]}, maxima of {peak.numel()} and {index.numel()} elements"
+        )
+    flat = out.reshape(rows, out.shape[-1])
+    peak.view(-1).copy_(flat.amax(dim=-1))
+    index.view(-1).copy_(flat.argmax(dim=-1))

@@ -210,7 +210,9 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_panel_gemm.restype = None
     lib.pypto_panel_gemm.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
     lib.pypto_panel_gemm_logits.restype = None
-    lib.pypto_panel_gemm_logits.argtypes = lib.pypto_panel_gemm.argtypes
+    lib.pypto_panel_gemm_logits.argtypes = [
+        ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_int,
+    ]  # fmt: skip
     logger.info("native CPU kernels loaded from %s", path)
     return lib
 
@@ -721,7 +723,13 @@ def panel_takes(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None
 
 
 def panel_linear(
-    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None, *, logits: bool = False
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    *,
+    logits: bool = False,
+    maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for the ``[out_features, in]`` matrix packed by :func:`pack_panels`
     (``csrc/panel_gemm.c``), so that a row's result is bitwise the same in any batch and on any number
@@ -738,6 +746,9 @@ def panel_linear(
         product's outputs rounded to bfloat16 as ever, stored widened: bitwise ``.float()`` of the
         bfloat16 result, without the pass over it that makes) and stored past the caches (read once,
         after the whole product; ``csrc/panel_gemm.c``).
+    :param maxima: with ``logits``, a float32 and an int64 tensor of one element per row to fill with
+        each row's maximum logit and its first index (its first NaN where it has one: ``amax`` and
+        ``argmax`` of the result), taken as the logits are written (which then go through the caches).
     :return: ``[..., out_features]`` of ``x``'s dtype (``logits``: float32).
     """
     lib = library()
@@ -753,11 +764,30 @@ def panel_linear(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], out_features), dtype=torch.float32 if logits else x.dtype)
+    peak, index = maxima if maxima is not None else (None, None)
+    if maxima is not None and not _maxima_take(maxima, rows.shape[0], logits, out_features):
+        raise ValueError("maxima are a contiguous float32 and int64 tensor of one element per row of a logits product")
     if rows.shape[0] and out_features:
-        gemm = lib.pypto_panel_gemm_logits if logits else lib.pypto_panel_gemm
-        gemm(
-            NATIVE_DTYPES[x.dtype], rows.data_ptr(), rows.stride(0), panels.data_ptr(),
-            None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, rows.shape[0], out_features,
-            rows.shape[1], torch.get_num_threads(),
-        )  # fmt: skip
+        common = (NATIVE_DTYPES[x.dtype], rows.data_ptr(), rows.stride(0), panels.data_ptr())
+        args = (None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, rows.shape[0], out_features)
+        if logits:
+            ptrs = (None, None) if peak is None or index is None else (peak.data_ptr(), index.data_ptr())
+            lib.pypto_panel_gemm_logits(*common, *args, rows.shape[1], *ptrs, torch.get_num_threads())
+            if index is not None and bool((index < 0).any()):
+                raise MemoryError("the native panel product could not allocate its row maxima's scratch")
+        else:
+            lib.pypto_panel_gemm(*common, *args, rows.shape[1], torch.get_num_threads())
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def _maxima_take(maxima: tuple[torch.Tensor, torch.Tensor], rows: int, logits: bool, out_features: int) -> bool:
+    peak, index = maxima
+    return (
+        logits
+        and out_features > 0
+        and peak.dtype == torch.float32
+        and index.dtype == torch.int64
+        and peak.is_contiguous()
+        and index.is_contiguous()
+        and peak.numel() == index.numel() == rows
+    )

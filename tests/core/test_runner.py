@@ -99,6 +99,7 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
     assert batch.query_start_loc_host == [0, 5, 6] and batch.seq_lens_host == [5, 1]
     assert batch.input_ids_host == [1, 2, 3, 4, 5, 6]
     assert batch.loras is None  # no request names a LoRA adapter
+    assert batch.greedy_maxima  # greedy requests: the executor may take the logits rows' maxima
     host = {
         "request_ids",
         "num_logits",
@@ -108,6 +109,7 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
         "draft_depth",
         "num_drafts",
         "loras",
+        "greedy_maxima",
     }
     assert set(BatchInput.__dataclass_fields__) == {*(f.split("[")[0] for f in expected), *host}
 

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from .. import device, native
 from ..activation import silu_and_mul
 from ..attention import batched_decode_paged_attention, in_place_caches
-from ..dense import PackedLinearWeight
+from ..dense import PackedLinearWeight, fill_maxima
 from ..moe import routes_by_expert
 from ..quant import AbsmaxReduce, PackedInt8Weight, QuantizedLinearWeight, fp8_values, quantize_per_token
 from ..quant_moe import QuantizedExperts
@@ -260,6 +260,7 @@ def packed_linear(
     bias: torch.Tensor | None = None,
     *,
     float_out: bool = False,
+    maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: one row
     (float32 or bfloat16) over a plain matrix held with dense rows beside a oneDNN or panels copy (a
@@ -268,33 +269,46 @@ def packed_linear(
     within its row counts, the plain matrix for the others (one float32 row beside a oneDNN copy
     through oneDNN's GEMV on it, :func:`_onednn_gemv`; else transposed in chunks where
     :func:`transposed_rule` says so, else ``F.linear``). ``float_out``: the result widened to float32,
-    a panels product's stored so by the product itself as logits (:func:`pypto_kernels.native.panel_linear`)."""
-    out = _packed_linear(x, weight, bias, float_out)
-    return out.float() if float_out else out  # a float32 result is returned as it is
+    a panels product's stored so by the product itself as logits (:func:`pypto_kernels.native.panel_linear`),
+    which takes ``maxima`` as it writes them (every other path: from the result after it)."""
+    if maxima is not None and not float_out:
+        raise ValueError("maxima are those of a float32 result: pass float_out=True")
+    out, taken = _packed_linear(x, weight, bias, float_out, maxima)
+    wide = out.float() if float_out else out  # a float32 result is returned as it is
+    if maxima is not None and not taken:
+        fill_maxima(wide, maxima, float_out)
+    return wide
 
 
 def _packed_linear(
-    x: torch.Tensor, weight: PackedLinearWeight | torch.Tensor, bias: torch.Tensor | None, logits: bool
-) -> torch.Tensor:
+    x: torch.Tensor,
+    weight: PackedLinearWeight | torch.Tensor,
+    bias: torch.Tensor | None,
+    logits: bool,
+    maxima: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, bool]:
+    """The product, and whether it filled ``maxima`` (a panels product of logits takes them as it goes)."""
     if not isinstance(weight, PackedLinearWeight):
-        return transposed_linear(x, weight, bias)
+        return transposed_linear(x, weight, bias), False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     held = weight.library in ("onednn", "panels") and weight.weight is not None
     one_row = rows == 1 and held and not torch.compiler.is_compiling()
     if one_row and native.gemv_takes(x, weight.weight, bias):  # type: ignore[arg-type]
-        return native.gemv(x, weight.weight)  # type: ignore[arg-type]
+        return native.gemv(x, weight.weight), False  # type: ignore[arg-type]
     if not weight.min_rows <= rows <= weight.max_rows:
         if rows == 1 and weight.library == "onednn" and weight.dtype == torch.float32:
-            return _onednn_gemv(x, weight.plain(), bias)
-        return _plain_linear(x, weight.plain(), bias)
+            return _onednn_gemv(x, weight.plain(), bias), False
+        return _plain_linear(x, weight.plain(), bias), False
     out: torch.Tensor
     if weight.library == "panels":
-        out = native.panel_linear(x, weight.packed, weight.out_features, bias, logits=logits)
-    elif weight.library == "mkl":
+        taken = logits and maxima is not None and rows > 0 and weight.out_features > 0
+        flat = (maxima[0].view(-1), maxima[1].view(-1)) if taken and maxima is not None else None
+        return native.panel_linear(x, weight.packed, weight.out_features, bias, logits=logits, maxima=flat), taken
+    if weight.library == "mkl":
         out = torch.ops.mkl._mkl_linear(x, weight.packed, weight.plain(), bias, weight.max_rows)
     else:
         out = torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
-    return out
+    return out, False
 
 
 def explain_linear(**features: Any) -> str | None:
@@ -327,7 +341,12 @@ def _explain_transposed(stored_in_out: bool, elements: int | None, rows: int | N
 
 
 def supports_linear(
-    x: torch.Tensor, weight: object, bias: torch.Tensor | None = None, *, float_out: bool = False
+    x: torch.Tensor,
+    weight: object,
+    bias: torch.Tensor | None = None,
+    *,
+    float_out: bool = False,
+    maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> bool:
     if isinstance(weight, torch.Tensor):
         return transposed_rule(x, weight, bias)

@@ -112,6 +112,53 @@ static inline __attribute__((always_inline)) void row_dot(vf a[4], const uint16_
 #endif
 }
 
+/* Where a logits product takes each row's maximum as it writes the logits (NULL: it does not): the
+ * rows' bests so far (value bv, index bi; bi < 0: none yet), indexed by the product's row. */
+typedef struct {
+    float *bv;
+    int64_t *bi;
+} Fold;
+
+/* Folds a window of a row's logits (n values from column c0, in column order) into its best: a value
+ * replaces the best where it is greater, or is a NaN where the best is not, so over windows taken in
+ * column order the best is the row's maximum at its lowest index, or its first NaN (torch.argmax's
+ * result, and what amax propagates). */
+static void fold_scan(const float *x, int64_t n, int64_t c0, float *bv, int64_t *bi) {
+    for (int64_t j = 0; j < n; j++) {
+        float v = x[j];
+        if (*bi < 0 || v != v || v > *bv) {
+            *bv = v;
+            *bi = c0 + j;
+            if (v != v) return;
+        }
+    }
+}
+
+/* fold_scan of a full window held in four vectors: compared at once, scanned only where the window
+ * holds a NaN or beats the best (a few windows of a row). */
+static inline void fold_window(const vf o[4], int64_t c0, float *bv, int64_t *bi) {
+    if (*bi >= 0 && *bv != *bv)
+        return; /* the row's first NaN is found: nothing later replaces it */
+    int scan = *bi < 0;
+#if defined(__AVX512F__)
+    if (!scan) {
+        __m512 v[4];
+        memcpy(v, o, sizeof v);
+        /* unordered: a NaN in either operand (the maxima below drop NaNs) */
+        __mmask16 nan = _mm512_cmp_ps_mask(v[0], v[1], _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v[2], v[3], _CMP_UNORD_Q);
+        __m512 top = _mm512_max_ps(_mm512_max_ps(v[0], v[1]), _mm512_max_ps(v[2], v[3]));
+        scan = nan || _mm512_cmp_ps_mask(top, _mm512_set1_ps(*bv), _CMP_GT_OQ);
+    }
+#else
+    scan = 1;
+#endif
+    if (scan) {
+        float x[NR];
+        memcpy(x, o, sizeof x);
+        fold_scan(x, NR, c0, bv, bi);
+    }
+}
+
 /* Rows 0 .. mr - 1 of x (kind ELEM_F32 or ELEM_BF16, row stride xs elements) times the panel w's rows
  * k0 .. k1 - 1 (inputs, or bfloat16 input pairs): the sums continue from src (row stride NR; NULL:
  * from zero) and go to dst (row stride ds), plus bias (64 values) if given, stored as narrow says (0:
@@ -122,7 +169,7 @@ static inline __attribute__((always_inline)) void row_dot(vf a[4], const uint16_
 static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf, const void *x, int64_t xs,
                                                        const void *w, int64_t k0, int64_t k1, const float *src,
                                                        void *dst, int64_t ds, const void *bias, int narrow,
-                                                       int nt_store) {
+                                                       int nt_store, const Fold *fold, int64_t row, int64_t c0) {
     vf a[MR][4];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
@@ -148,35 +195,42 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
     }
     if (narrow) { /* the sums plus the bfloat16 bias (or zero), rounded once, as row_to_bf16 */
 #pragma GCC unroll 6
-        for (int r = 0; r < MR; r++)
+        for (int r = 0; r < MR; r++) {
+            if (r >= mr) continue;
+            vf o[4];
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
-                if (r >= mr) continue;
                 vf v = a[r][j] + (bias ? vload_bf16((const uint16_t *)bias + 16 * j) : (vf){0});
                 if (narrow == WIDE)
-                    store16((float *)dst + r * ds + 16 * j, wide_bf16x16(v), nt_store);
+                    store16((float *)dst + r * ds + 16 * j, o[j] = wide_bf16x16(v), nt_store);
                 else
                     store_bf16x16((uint16_t *)dst + r * ds + 16 * j, v);
             }
+            if (fold && narrow == WIDE) fold_window(o, c0, fold->bv + row + r, fold->bi + row + r);
+        }
         return;
     }
 #pragma GCC unroll 6
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < MR; r++) {
+        if (r >= mr) continue;
+        vf o[4];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
-            if (r < mr)
-                store16((float *)dst + r * ds + 16 * j, bias ? a[r][j] + vload((const float *)bias + 16 * j) : a[r][j],
-                        nt_store);
+            store16((float *)dst + r * ds + 16 * j,
+                    o[j] = bias ? a[r][j] + vload((const float *)bias + 16 * j) : a[r][j], nt_store);
+        if (fold) fold_window(o, c0, fold->bv + row + r, fold->bi + row + r);
+    }
 }
 
 typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, const float *, void *, int64_t,
-                        const void *, int, int);
+                        const void *, int, int, const Fold *, int64_t, int64_t);
 
 #define TILE(kind, mr, pf)                                                                                     \
     static void tile_##kind##_##mr##_##pf(const void *x, int64_t xs, const void *w, int64_t k0, int64_t k1,   \
                                           const float *src, void *dst, int64_t ds, const void *bias,           \
-                                          int narrow, int nt_store) {                                          \
-        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias, narrow, nt_store);                            \
+                                          int narrow, int nt_store, const Fold *fold, int64_t row,             \
+                                          int64_t c0) {                                                        \
+        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias, narrow, nt_store, fold, row, c0);             \
     }
 #define TILES_OF(kind)                                                                                         \
     TILE(kind, 1, 0) TILE(kind, 2, 0) TILE(kind, 3, 0) TILE(kind, 4, 0) TILE(kind, 5, 0) TILE(kind, 6, 0)      \
@@ -211,7 +265,7 @@ static void row_to_bf16(void *out, int wide, const float *sums, const uint16_t *
  * the matrix has 256 inputs). */
 static void panel_block(int kind, int wide, const void *x, int64_t xs, const void *w, const void *bias, void *out,
                         int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, int stream,
-                        int nt_store, float *buf) {
+                        int nt_store, const Fold *fold, float *buf) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4, out_size = wide ? 4 : size;
     int store = kind == ELEM_BF16 ? (wide ? WIDE : NARROW) : 0;
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += KC) {
@@ -224,42 +278,79 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
             tile_fn fn = stream ? STREAM[kind] : TILES[kind][r == r0][mr];
             fn((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b,
-               direct ? store : 0, direct && nt_store);
+               direct ? store : 0, direct && nt_store, direct ? fold : NULL, r, c0);
             if (!last || direct) continue;
             for (int i = 0; i < mr; i++) { /* the last partial panel's real outputs */
                 if (kind == ELEM_BF16) {
                     const uint16_t *bb = bias ? (const uint16_t *)bias + c0 : NULL;
                     row_to_bf16((char *)out + ((r + i) * os + c0) * out_size, wide, part + i * NR, bb, cols);
-                    continue;
+                } else {
+                    float *o = (float *)out + (r + i) * os + c0;
+                    for (int64_t j = 0; j < cols; j++)
+                        o[j] = bias ? part[i * NR + j] + ((const float *)bias)[c0 + j] : part[i * NR + j];
                 }
-                float *o = (float *)out + (r + i) * os + c0;
-                for (int64_t j = 0; j < cols; j++)
-                    o[j] = bias ? part[i * NR + j] + ((const float *)bias)[c0 + j] : part[i * NR + j];
+                if (fold) /* wide here: the row's float32 logits, just written */
+                    fold_scan((const float *)out + (r + i) * os + c0, cols, c0, fold->bv + r + i, fold->bi + r + i);
             }
         }
     }
 }
 
 static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void *panels, const void *bias,
-                       void *out, int64_t os, int64_t m, int64_t n, int64_t k, int threads) {
+                       void *out, int64_t os, int64_t m, int64_t n, int64_t k, float *row_max, int64_t *row_arg,
+                       int threads) {
     /* wide: float32 logits, stored non-temporally where every full panel's stores are 64-byte aligned */
     int nt_store = wide && (uintptr_t)out % 64 == 0 && os % 16 == 0;
     int64_t rows = kind == ELEM_BF16 ? k / 2 : k; /* panel rows */
     int64_t count = (n + NR - 1) / NR, blocks = (m + MC - 1) / MC, items = count * blocks;
-#pragma omp parallel num_threads(threads)
+    /* Each thread's best of every row over its panels (a contiguous range: panel order) */
+    float *bests = NULL;
+    int64_t *where = NULL;
+    int team_size = threads < 1 ? 1 : threads;
+    if (row_max) {
+        bests = malloc(sizeof(float) * m * team_size);
+        where = malloc(sizeof(int64_t) * m * team_size);
+        if (!bests || !where) { /* no scratch: the maxima are left unset (-1 indices) for the caller */
+            free(bests), free(where);
+            for (int64_t r = 0; r < m; r++) row_arg[r] = -1;
+            row_max = NULL;
+        } else {
+            for (int64_t i = 0; i < m * team_size; i++) where[i] = -1;
+        }
+    }
+    int used = 1;
+#pragma omp parallel num_threads(team_size)
     {
         float buf[MC * NR] __attribute__((aligned(64)));
         int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         int64_t share = (items + team - 1) / team, lo = me * share, hi = lo + share < items ? lo + share : items;
+        if (me == 0) used = (int)team;
+        Fold fold = {bests ? bests + me * m : NULL, where ? where + me * m : NULL};
         for (int64_t item = lo; item < hi; item++) {
             int64_t p = item / blocks, r0 = item % blocks * MC, r1 = r0 + MC < m ? r0 + MC : m;
             int64_t c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
             const char *w = (const char *)panels + p * rows * ROW_BYTES;
-            panel_block(kind, wide, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m == 1, nt_store, buf);
+            panel_block(kind, wide, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m == 1, nt_store,
+                        row_max ? &fold : NULL, buf);
         }
 #if defined(__AVX512F__)
         if (nt_store) _mm_sfence(); /* the non-temporal stores visible before the team's end */
 #endif
+    }
+    if (row_max) { /* the threads' bests in thread order: their panel ranges follow one another */
+        for (int64_t r = 0; r < m; r++) {
+            float bv = 0.0f;
+            int64_t bi = -1;
+            for (int t = 0; t < used; t++) {
+                float v = bests[t * m + r];
+                int64_t i = where[t * m + r];
+                if (i < 0 || (bi >= 0 && bv != bv)) continue;
+                if (bi < 0 || (v != v) || v > bv) bv = v, bi = i;
+            }
+            row_max[r] = bv;
+            row_arg[r] = bi;
+        }
+        free(bests), free(where);
     }
 }
 
@@ -267,13 +358,16 @@ static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void
  * bias [n] if given; x, panels, bias and out all of kind (ELEM_F32 or ELEM_BF16; bfloat16: k even). */
 void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, const void *bias, void *out,
                       int64_t os, int64_t m, int64_t n, int64_t k, int threads) {
-    panel_gemm(kind, 0, x, xs, panels, bias, out, os, m, n, k, threads);
+    panel_gemm(kind, 0, x, xs, panels, bias, out, os, m, n, k, NULL, NULL, threads);
 }
 
 /* pypto_panel_gemm as an output projection's logits: out float32 whatever the kind (bfloat16: each
  * output rounded to bfloat16 as ever, stored widened, exactly; no widening pass after it), stored past
- * the caches (stream16) where its rows are 64-byte aligned. */
+ * the caches (stream16) where its rows are 64-byte aligned. With row_max and row_arg (NULL: not
+ * taken): each row's maximum logit and its first index (its first NaN where it has one), taken from
+ * each window of logits as it is written, the logits then stored through the caches. */
 void pypto_panel_gemm_logits(int kind, const void *x, int64_t xs, const void *panels, const void *bias, float *out,
-                             int64_t os, int64_t m, int64_t n, int64_t k, int threads) {
-    panel_gemm(kind, 1, x, xs, panels, bias, out, os, m, n, k, threads);
+                             int64_t os, int64_t m, int64_t n, int64_t k, float *row_max, int64_t *row_arg,
+                             int threads) {
+    panel_gemm(kind, 1, x, xs, panels, bias, out, os, m, n, k, row_max, row_arg, threads);
 }

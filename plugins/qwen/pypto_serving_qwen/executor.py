@@ -96,6 +96,7 @@ class QwenExecutor(Executor):
         self.graph_options: GraphOptions | None = None
         self.graphs: DecodeGraphs | None = None
         self.eager_steps = 0
+        self._maxima: tuple[torch.Tensor, torch.Tensor] | None = None  # the last execute's (logits_maxima)
         self.cpu_warmup = True
         self.lora: LoraContext | None = None
         self.lora_slots: dict[str, int] = {}  # adapter name -> its slot in the stacked weights (0: base)
@@ -460,10 +461,16 @@ class QwenExecutor(Executor):
             raise RuntimeError("execute() before load()")
         if not self.kv_caches:
             raise RuntimeError("execute() before init_kv_cache()")
+        self._maxima = None
         bucket = self.graphs.bucket(batch) if self.graphs is not None else None
         if self.graphs is not None and bucket is not None:
             return self.graphs.run(batch, bucket, self.kv_caches)
         self.eager_steps += 1
+        rows = batch.logits_indices.shape[0]
+        # The output projection takes the greedy rows' maxima as it writes the logits, where it can.
+        if batch.greedy_maxima and self.model.takes_maxima(rows):
+            peak, index = torch.empty(rows, device=self.device), torch.empty(rows, dtype=torch.long, device=self.device)
+            self._maxima = (peak, index)
         qsl = batch.query_start_loc_host
         meta = AttentionMetadata(
             slot_mapping=batch.slot_mapping[KV_GROUP],
@@ -477,9 +484,12 @@ class QwenExecutor(Executor):
             self.lora.onehot = self._lora_onehot(batch)
         with torch.inference_mode():
             logits: torch.Tensor = self.model(
-                batch.input_ids, batch.positions, meta, self.kv_caches, batch.logits_indices
+                batch.input_ids, batch.positions, meta, self.kv_caches, batch.logits_indices, self._maxima
             )
         return logits
+
+    def logits_maxima(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._maxima
 
     def shutdown(self) -> None:
         self.kv_caches = []

@@ -734,10 +734,12 @@ class QwenForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
         logits_indices: torch.Tensor,
+        maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Float32 logits ``[len(logits_indices), vocab]``; writes this step's K/V into ``kv_caches``."""
+        """Float32 logits ``[len(logits_indices), vocab]``; writes this step's K/V into ``kv_caches``.
+        ``maxima``: filled as :meth:`logits` fills them."""
         hidden, residual = self.hidden_states(input_ids, positions, meta, kv_caches)
-        return self.logits(hidden[logits_indices], residual[logits_indices])
+        return self.logits(hidden[logits_indices], residual[logits_indices], maxima)
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]
@@ -814,10 +816,25 @@ class QwenForCausalLM(nn.Module):
             value_cache=cache[1], window=attn.sliding_window,
         )  # fmt: skip
 
-    def logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def takes_maxima(self, rows: int) -> bool:
+        """Whether :meth:`logits` of ``rows`` rows takes each row's maximum and its index as the output
+        projection writes them (a panels copy on one rank: :func:`pypto_kernels.linear_takes_maxima`)."""
+        head = self.lm_head_packed
+        return head is not None and self.shards.ctx.world_size == 1 and K.linear_takes_maxima(rows, head)
+
+    def logits(
+        self, hidden: torch.Tensor, residual: torch.Tensor, maxima: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Float32 logits of the rows given: the final norm and the (vocab-sized) output projection,
-        only for the sampled rows; each rank's vocabulary slice is gathered into the full rows."""
+        only for the sampled rows; each rank's vocabulary slice is gathered into the full rows.
+        ``maxima`` (where :meth:`takes_maxima`): float32 and int64 ``[rows]`` tensors, filled with each
+        row's ``amax`` and ``argmax`` by the output projection as it writes the logits."""
         hidden, _ = K.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        if maxima is not None:
+            if not self.takes_maxima(hidden.shape[0]):
+                raise ValueError(f"this output projection takes no maxima of {hidden.shape[0]} rows")
+            assert self.lm_head_packed is not None
+            return K.linear(hidden, self.lm_head_packed, float_out=True, maxima=maxima)
         if self.lm_head_q is not None:
             logits: torch.Tensor = K.quant_linear(hidden, self.lm_head_q)
         elif self.lm_head_packed is not None:
