@@ -329,3 +329,75 @@ def test_a_launched_step_reads_nothing_back_until_it_finishes() -> None:
         result = runner.finish(run)
     # The fake device holds no values: the read of the sampled tokens is what fails, in the second part.
     assert result.error is not None and result.error.startswith("DataDependentOutputException"), result.error
+
+
+class MaximaExecutor(RecordingExecutor):
+    """CPU logits whose argmax is token 3, and (where the batch asks) maxima naming token 7 at every
+    row, or ``rows`` rows of them: a stand-in for an output projection that takes the maxima as it
+    writes the logits, made to disagree with the logits so the test sees whose tokens come out."""
+
+    def __init__(self, rows: int | None = None) -> None:
+        super().__init__()
+        self.rows = rows
+        self.maxima: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def load(self) -> ExecutorInfo:
+        info = super().load()
+        self.device = torch.device("cpu")
+        return info
+
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        self.batches.append(batch)
+        n = len(batch.logits_indices)
+        logits = torch.zeros(n, VOCAB)
+        logits[:, 3] = 1.0
+        rows = n if self.rows is None else self.rows
+        self.maxima = (torch.ones(rows), torch.full((rows,), 7)) if batch.greedy_maxima else None
+        return logits
+
+    def logits_maxima(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.maxima
+
+
+def _request(rid: str, prompt: list[int], **sampling: Any) -> NewRequestData:
+    return NewRequestData(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        output_token_ids=[],
+        sampling=wire_sampling(SamplingParams(**sampling), ()),
+        seed=0,
+    )
+
+
+def test_greedy_rows_take_the_executors_maxima() -> None:
+    """A step with a greedy request asks for the logits rows' maxima (``BatchInput.greedy_maxima``)
+    and its greedy rows take the executor's index instead of a pass over the logits; a step of
+    sampled requests only, or with prompt logprobs, does not ask; maxima of the wrong size fail the
+    step with the executor named."""
+    ex = MaximaExecutor()
+    runner = ModelRunner(ex, _settings())
+    runner.load()
+    requests = [
+        _request("a", [1, 2], temperature=0.0),
+        _request("b", [3], temperature=1.0),
+        _request("c", [4], temperature=1.0),
+        _request("d", [5, 6], temperature=0.0, prompt_logprobs=1),
+    ]
+    entries = [_entry("a", [1, 2], {"kv": [1]}), _entry("b", [3], {"kv": [2]})]
+    result = runner.step(StepCommand(step_id=0, new_requests=requests[:2], entries=entries, finished_ids=[]))
+    assert result.error is None and ex.batches[-1].greedy_maxima
+    assert result.sampled["a"] == [7]  # the executor's index, not the logits' argmax (3)
+    result = runner.step(
+        StepCommand(step_id=1, new_requests=requests[2:3], entries=[_entry("c", [4], {"kv": [3]})], finished_ids=[])
+    )
+    assert result.error is None and not ex.batches[-1].greedy_maxima  # nothing greedy: not asked
+    result = runner.step(
+        StepCommand(step_id=2, new_requests=requests[3:], entries=[_entry("d", [5, 6], {"kv": [4]})], finished_ids=[])
+    )
+    assert result.error is None and not ex.batches[-1].greedy_maxima  # prompt logprobs: rows beside the sampled
+    assert result.sampled["d"] == [3]
+    bad = MaximaExecutor(rows=5)
+    runner = ModelRunner(bad, _settings())
+    runner.load()
+    result = runner.step(StepCommand(step_id=0, new_requests=requests[:1], entries=entries[:1], finished_ids=[]))
+    assert result.error is not None and "MaximaExecutor.logits_maxima gave [(5,), (5,)] for 1 rows" in result.error

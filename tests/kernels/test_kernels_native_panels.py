@@ -230,3 +230,100 @@ def test_linear_float_out_is_the_product_widened(dtype: torch.dtype, monkeypatch
     assert stored == [torch.float32, dtype] * 5  # the panels calls: widened, then in x's dtype
     ref = K.reference_kernel("linear")(x, w, bias, float_out=True)
     assert ref.dtype == torch.float32 and torch.equal(ref, F.linear(x, w, bias).float())
+
+
+def _first_maxima(logits: torch.Tensor) -> tuple[list[float], list[int]]:
+    """Each row's maximum and its index by enumeration, the documented rule: the first NaN where the
+    row has one, else the maximum's lowest index."""
+    peaks, where = [], []
+    for row in logits.tolist():
+        nans = [j for j, v in enumerate(row) if v != v]
+        at = nans[0] if nans else max(range(len(row)), key=lambda j: (row[j], -j))
+        peaks.append(row[at])
+        where.append(at)
+    return peaks, where
+
+
+def _maxima_case(rows: int, out: int, inner: int, dtype: torch.dtype, pattern: str) -> tuple[torch.Tensor, ...]:
+    """Weights and bias whose logits hold ``pattern``: ``ties`` (two identical outputs far apart, the
+    largest of most rows), ``nan`` (a NaN output after a large one, another later), ``-inf`` (every
+    logit -inf) or ``plain``."""
+    x, w, bias = _case(rows, out, inner, seed=rows * 131 + out + inner)
+    if pattern == "ties" and out > 1:
+        w[out - 1] = w[0]
+        bias[0] = bias[out - 1] = 50.0  # the largest logit of every row, at 0 and out - 1
+    elif pattern == "nan" and out > 2:
+        bias[out // 3] = 50.0
+        w[out // 2, 0] = float("nan")
+        w[out - 1, 0] = float("nan")
+    elif pattern == "-inf":
+        bias[:] = float("-inf")
+    return x.to(dtype), w.to(dtype), bias.to(dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "out", "inner"), [(1, 1, 16), (1, 200, 32), (5, 63, 16), (6, 65, 96), (7, 1000, 32), (97, 130, 16)]
+)
+@pytest.mark.parametrize("pattern", ["plain", "ties", "nan", "-inf"])
+def test_logits_maxima_are_each_rows_first_maximum(
+    dtype: torch.dtype, rows: int, out: int, inner: int, pattern: str
+) -> None:
+    """``panel_linear(..., logits=True, maxima=...)``: the logits unchanged, and each row's maximum
+    and its index as an enumeration over the logits finds them (ties: the lowest index, across
+    panels; a NaN: the first, even after a larger value; all -inf: index 0), over a partial last
+    panel, one- to six-row tiles, two 96-row blocks, on one thread and on two (the same bits)."""
+    x, w, bias = _maxima_case(rows, out, inner, dtype, pattern)
+    panels = native.pack_panels(w)
+    plain = native.panel_linear(x, panels, out, bias, logits=True)
+    expected_peaks, expected_where = _first_maxima(plain)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            peak, index = torch.full((rows,), 7.0), torch.full((rows,), -5, dtype=torch.long)
+            got = native.panel_linear(x, panels, out, bias, logits=True, maxima=(peak, index))
+            torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)
+            assert index.tolist() == expected_where
+            assert torch.equal(peak, torch.tensor(expected_peaks)) or pattern == "nan"
+            assert torch.equal(peak.isnan(), torch.tensor(expected_peaks).isnan())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+def test_linear_fills_maxima_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``linear(..., float_out=True, maxima=...)`` fills each row's ``amax`` and ``argmax`` of its
+    float32 result on every path: the panels take them as they go (the call spied: maxima handed to
+    the product), the one-row GEMV beside a held matrix and the reference from the result after
+    it; :func:`pypto_kernels.linear_takes_maxima` says which. Maxima without ``float_out``, or of the
+    wrong size, are refused."""
+    x, w, _ = _case(9, 300, 64, seed=11)
+    bias = None  # one row then takes the GEMV (which adds no bias)
+    held = K.pack_linear(w, 16, library="panels", keep_plain=True)
+    assert held is not None
+    handed: list[bool] = []
+    inner = native.panel_linear
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        handed.append(kwargs.get("maxima") is not None)
+        return inner(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native, "panel_linear", spy)
+    for count in (1, 2, 9):
+        peak, index = torch.empty(count), torch.empty(count, dtype=torch.long)
+        got = K.linear(x[:count], held, bias, float_out=True, maxima=(peak, index))
+        assert torch.equal(got, K.linear(x[:count], held, bias, float_out=True))
+        assert (peak.tolist(), index.tolist()) == _first_maxima(got)
+        assert K.linear_takes_maxima(count, held) == (count > 1)
+    assert handed == [True, False, True, False]  # the one row took the GEMV; each check ran without
+    peak, index = torch.empty(9), torch.empty(9, dtype=torch.long)
+    ref = K.reference_kernel("linear")(x, w, bias, float_out=True, maxima=(peak, index))
+    assert (peak.tolist(), index.tolist()) == _first_maxima(ref)
+    onednn = K.pack_linear(w, 16, library="onednn")
+    assert not K.linear_takes_maxima(9, w) and (onednn is None or not K.linear_takes_maxima(9, onednn))
+    with pytest.raises(ValueError, match="float_out"):
+        K.linear(x, held, maxima=(peak, index))
+    with pytest.raises(ValueError, match="one element per row"):
+        native.panel_linear(x, held.packed, 300, logits=True, maxima=(peak[:3], index[:3]))

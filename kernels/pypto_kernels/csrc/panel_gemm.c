@@ -124,6 +124,7 @@ typedef struct {
  * column order the best is the row's maximum at its lowest index, or its first NaN (torch.argmax's
  * result, and what amax propagates). */
 static void fold_scan(const float *x, int64_t n, int64_t c0, float *bv, int64_t *bi) {
+    if (*bi >= 0 && *bv != *bv) return; /* the row's first NaN is found: nothing later replaces it */
     for (int64_t j = 0; j < n; j++) {
         float v = x[j];
         if (*bi < 0 || v != v || v > *bv) {
@@ -137,8 +138,7 @@ static void fold_scan(const float *x, int64_t n, int64_t c0, float *bv, int64_t 
 /* fold_scan of a full window held in four vectors: compared at once, scanned only where the window
  * holds a NaN or beats the best (a few windows of a row). */
 static inline void fold_window(const vf o[4], int64_t c0, float *bv, int64_t *bi) {
-    if (*bi >= 0 && *bv != *bv)
-        return; /* the row's first NaN is found: nothing later replaces it */
+    if (*bi >= 0 && *bv != *bv) return; /* as fold_scan */
     int scan = *bi < 0;
 #if defined(__AVX512F__)
     if (!scan) {

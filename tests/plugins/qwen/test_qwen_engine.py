@@ -122,6 +122,41 @@ def test_greedy_matches_transformers_with_packed_linears(
     assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
 
 
+def test_greedy_steps_take_the_maxima_the_output_projection_writes(
+    qwen_checkpoints: Callable[[str], Path],
+    hf_reference: Callable[[Path], Any],
+    make_llm: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the native panels, a greedy step's argmax is taken by the output projection as it writes
+    the logits: every greedy step whose row count its panels take (``takes_maxima``) hands the sampler
+    maxima equal to the logits' ``amax`` and ``argmax``, the others none; the tokens stay transformers'."""
+    import pypto_kernels as K
+    from pypto_serving_qwen.executor import QwenExecutor
+
+    if K.native.library() is None:
+        pytest.skip("no native CPU kernels on this machine (no C compiler)")
+    path = qwen_checkpoints("qwen3")
+    steps: list[tuple[int, bool]] = []
+    execute, maxima = QwenExecutor.execute, QwenExecutor.logits_maxima
+
+    def spy(self: QwenExecutor, batch: Any) -> torch.Tensor:
+        logits = execute(self, batch)
+        got = maxima(self)
+        if batch.greedy_maxima:
+            assert self.model is not None and (got is not None) == self.model.takes_maxima(logits.shape[0])
+            steps.append((logits.shape[0], got is not None))
+        if got is not None:
+            assert torch.equal(got[0], logits.amax(-1)) and torch.equal(got[1], logits.argmax(-1))
+        return logits
+
+    monkeypatch.setattr(QwenExecutor, "execute", spy)
+    prompts = _prompts(320, PROMPT_LENGTHS, seed=10)
+    llm = make_llm(path, max_num_seqs=8, executor_options={"cpu_linear": "panels"})
+    assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
+    assert sum(taken for _, taken in steps) >= MAX_TOKENS - 1  # the 8-row decode steps at least
+
+
 def test_chunked_prefill(
     qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any], make_llm: Callable[..., Any]
 ) -> None:
