@@ -514,7 +514,11 @@ class EngineCore:
         return self.plugins.select_spec_policy(spec_cfg.policy).factory(self.settings), depth
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, *, final_only: bool = False
+    ) -> None:
+        """Validate and queue a user request. ``final_only``: :meth:`step` reports it once, finished
+        (vLLM's ``RequestOutputKind.FINAL_ONLY``, as ``LLM.generate`` reads it), not after every step."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._users:
@@ -548,6 +552,7 @@ class EngineCore:
             )
         _check_encodable(ids, params)
         children = self._choices(request_id, text, ids, params)
+        children[0].out.final_only = final_only
         self._enqueue(children)
         self._users[request_id] = children
 
@@ -768,9 +773,12 @@ class EngineCore:
         """An output is due for these requests' user requests (reported by the next ``_collect``)."""
         for r in reqs:
             head = r.out.choices[0] if r.out.choices else None
-            if head is not None and not head.out.changed:
-                head.out.changed = True
-                self._changed.append(head)
+            if head is None or head.out.changed:
+                continue
+            if head.out.final_only and not all(c.is_finished for c in head.out.choices):
+                continue  # nobody reads its partial outputs: none is built
+            head.out.changed = True
+            self._changed.append(head)
 
     def _die(self, reason: str) -> None:
         logger.error("engine failed: %s", reason)
@@ -1014,7 +1022,7 @@ class LLM:
             for p, sp in zip(prompts, params):
                 rid = f"gen-{self._ids}"
                 self._ids += 1
-                engine.add_request(rid, p, sp)
+                engine.add_request(rid, p, sp, final_only=True)  # only finished outputs are read below
                 ids.append(rid)
         except BaseException:
             for rid in ids:

@@ -308,6 +308,7 @@ class OutputState:
     detokenizer: Any = None  # an IncrementalDetokenizer: text output and stop strings
     changed: bool = False  # on choices[0]: an output is due (the engine's list of changed requests holds it)
     logged: bool = False  # on choices[0]: the failures of a finished request were logged (once)
+    final_only: bool = False  # on choices[0]: only its finished output is reported (EngineCore.add_request)
     kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's offer of this request's KV
 
 
