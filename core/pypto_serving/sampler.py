@@ -557,6 +557,31 @@ def _greedy_on_raw(params: list[RowParams], grammar: GrammarMask | None) -> bool
     return all(p.edits is None and p.counts is None and not p.banned for p in params)
 
 
+def _raw_pass(
+    x: torch.Tensor,
+    params: list[RowParams],
+    grammar: GrammarMask | None,
+    maxima: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[DeviceSample, torch.Tensor | None]:
+    """What :func:`sample_on_device` reads of the raw logits ``x``: the non-finite check, the logprobs
+    rows, and the greedy rows' argmax where nothing edits any row (None otherwise)."""
+    top = None
+    if _greedy_on_raw(params, grammar):
+        # One pass for the tokens and the check below (none: the executor's output projection took them).
+        peak, top = maxima if maxima is not None else argmax_rows(x)
+    else:
+        peak = x.amax(dim=-1)
+    bad = torch.logical_not(peak < float("inf"))  # the maximum propagates NaN: this flags NaN and +inf
+    dev = x.device
+    out = DeviceSample(tokens=torch.zeros(x.shape[0], dtype=torch.long, device=dev), bad=bad, needs_full=bad, logits=x)
+    out.lp_rows = [i for i, p in enumerate(params) if p.num_logprobs is not None]
+    if out.lp_rows:
+        out.raw = torch.log_softmax(x.index_select(0, torch.tensor(out.lp_rows, device=dev)), dim=-1)
+        k = max(params[i].num_logprobs or 0 for i in out.lp_rows)
+        out.top = out.raw.topk(k, dim=-1) if k else None
+    return out, top
+
+
 def sample_on_device(
     logits: torch.Tensor,
     params: list[RowParams],
@@ -568,22 +593,9 @@ def sample_on_device(
     the tokens its rows' grammars disallow; then the draw. Logprobs stay those of the raw logits.
     ``maxima``: :func:`argmax_rows` of ``logits`` where the executor took them with the logits (the
     greedy rows of a step nothing edits take them instead of a pass over the logits)."""
-    x = logits.float()
-    n = x.shape[0]
-    dev = x.device
-    raw, top = x, None
-    if _greedy_on_raw(params, grammar):
-        # One pass for the tokens and the check below (none: the executor's output projection took them).
-        peak, top = maxima if maxima is not None else argmax_rows(x)
-    else:
-        peak = x.amax(dim=-1)
-    bad = torch.logical_not(peak < float("inf"))  # the maximum propagates NaN: this flags NaN and +inf
-    out = DeviceSample(tokens=torch.zeros(n, dtype=torch.long, device=dev), bad=bad, needs_full=bad, logits=x)
-    out.lp_rows = [i for i, p in enumerate(params) if p.num_logprobs is not None]
-    if out.lp_rows:
-        out.raw = torch.log_softmax(x.index_select(0, torch.tensor(out.lp_rows, device=dev)), dim=-1)
-        k = max(params[i].num_logprobs or 0 for i in out.lp_rows)
-        out.top = out.raw.topk(k, dim=-1) if k else None
+    x = raw = logits.float()
+    out, top = _raw_pass(x, params, grammar, maxima)
+    bad = out.bad
     x = _apply_edits(x, params)
     pen = [i for i, p in enumerate(params) if p.counts is not None]
     if pen:
