@@ -410,10 +410,7 @@ class ModelRunner:
     def _forward(self, step: LaunchedStep) -> None:
         """Build the batch, run the forward, queue the sampling: everything before the host read."""
         step.batch, step.rows = self._build_batch(step.cmd.entries)
-        # Maxima of every logits row, where only sampled rows have logits (no prompt logprobs).
-        step.batch.greedy_maxima = any(r.num_logits and r.req.sampling.temperature == 0.0 for r in step.rows) and (
-            not any(r.num_prompt_rows for r in step.rows)
-        )
+        step.batch.greedy_maxima = _greedy_maxima(step.rows)
         masks = self._start_masks(step.rows)
         try:
             with phase("forward"):
@@ -770,6 +767,13 @@ _NOTHING_ALLOWED = (
     "every token is banned for this request: its allowed_token_ids, bad_words, logit_bias and grammar "
     "leave nothing to sample"
 )
+
+
+def _greedy_maxima(rows: list[StepRow]) -> bool:
+    """Whether the maxima of a step's logits rows serve its sampler: some row is greedy, and every
+    logits row is a sampled one (no prompt logprobs rows beside them)."""
+    greedy = any(r.num_logits and r.req.sampling.temperature == 0.0 for r in rows)
+    return greedy and not any(r.num_prompt_rows for r in rows)
 
 
 def _failed(cmd: StepCommand, e: Exception) -> StepResult:
