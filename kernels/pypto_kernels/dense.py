@@ -284,16 +284,12 @@ def linear(
 
 def linear_takes_maxima(rows: int, weight: torch.Tensor | PackedLinearWeight) -> bool:
     """Whether :func:`linear` of ``rows`` rows over ``weight`` with ``float_out`` takes ``maxima`` as it
-    writes the result (the CPU panels product: no pass over the logits after it) rather than from
-    the result after it. A panels copy within its row counts, except one row beside a held plain
-    matrix (a tied output projection's one-row product reads that matrix)."""
-    return (
-        isinstance(weight, PackedLinearWeight)
-        and weight.library == "panels"
-        and weight.min_rows <= rows <= weight.max_rows
-        and not (rows == 1 and weight.weight is not None)
-        and not torch.compiler.is_compiling()
-    )
+    writes the result (the CPU panels product, or the one-row GEMV over the plain matrix a tied
+    output projection holds beside its panels: no pass over the logits after it) rather than from the
+    result after it."""
+    if not isinstance(weight, PackedLinearWeight) or weight.library != "panels" or torch.compiler.is_compiling():
+        return False
+    return (rows == 1 and weight.weight is not None) or weight.min_rows <= rows <= weight.max_rows
 
 
 def fill_maxima(out: torch.Tensor, maxima: tuple[torch.Tensor, torch.Tensor], float_out: bool) -> None:

@@ -206,7 +206,7 @@ def library() -> ctypes.CDLL | None:
         _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int,
     ]  # fmt: skip
     lib.pypto_gemv.restype = None
-    lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int]
+    lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int, _PTR, _PTR, ctypes.c_int]
     lib.pypto_panel_gemm.restype = None
     lib.pypto_panel_gemm.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
     lib.pypto_panel_gemm_logits.restype = None
@@ -644,25 +644,43 @@ def gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    logits: bool = False,
+    maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``F.linear(x, weight)`` for one row (``csrc/gemv.c``): each output its row's products summed in
     float32 in a fixed order (another order than oneDNN's or MKL's: equal to float rounding), whatever
     the threads; a bfloat16 product is rounded to bfloat16 at the end, as torch's.
 
     :param x: one row of ``in`` values (any leading dimensions of size 1).
     :param weight: ``[out, in]`` of ``x``'s dtype, rows dense (:func:`gemv_takes`).
-    :return: ``[..., out]`` in ``x``'s dtype, ``x``'s leading dimensions.
+    :param logits: the product is an output projection's logits: returned as float32 (a bfloat16
+        product's outputs rounded to bfloat16 as ever and stored widened: bitwise ``.float()`` of
+        the bfloat16 result, without the two passes that make it).
+    :param maxima: with ``logits``, a float32 and an int64 tensor of one element to fill with the
+        row's maximum logit and its first index (its first NaN where it has one), taken as the
+        outputs are written.
+    :return: ``[..., out]`` in ``x``'s dtype (``logits``: float32), ``x``'s leading dimensions.
     """
     lib = library()
     if lib is None or not gemv_takes(x, weight):
         raise ValueError(f"the native gemv does not take x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)}")
+    if maxima is not None and not _maxima_take(maxima, 1, logits, weight.shape[0]):
+        raise ValueError("maxima are a contiguous float32 and int64 tensor of one element per row of a logits product")
     row = x.to(torch.float32)
     out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+    ptrs = (None, None) if maxima is None else (maxima[0].data_ptr(), maxima[1].data_ptr())
     lib.pypto_gemv(
         weight.data_ptr(), NATIVE_DTYPES[weight.dtype], weight.stride(0), row.data_ptr(), out.data_ptr(),
-        weight.shape[0], weight.shape[1], torch.get_num_threads(),
+        weight.shape[0], weight.shape[1], int(logits and weight.dtype == torch.bfloat16), *ptrs,
+        torch.get_num_threads(),
     )  # fmt: skip
-    return out.to(x.dtype)
+    if maxima is not None and int(maxima[1]) < 0:
+        raise MemoryError("the native gemv could not allocate its maxima's scratch")
+    return out if logits else out.to(x.dtype)
 
 
 #: Outputs per panel of :func:`pack_panels` (four 16-float vectors).

@@ -318,9 +318,9 @@ def test_one_row_over_a_held_plain_matrix_takes_the_native_gemv(monkeypatch: pyt
     calls: list[int] = []
     inner = native.gemv
 
-    def counted(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def counted(x: torch.Tensor, weight: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         calls.append(x.shape[0])
-        return inner(x, weight)
+        return inner(x, weight, **kwargs)
 
     monkeypatch.setattr(native, "gemv", counted)
     weight = torch.randn(512, 256)

@@ -295,9 +295,9 @@ def test_logits_maxima_are_each_rows_first_maximum(
 @needs_native
 def test_linear_fills_maxima_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """``linear(..., float_out=True, maxima=...)`` fills each row's ``amax`` and ``argmax`` of its
-    float32 result on every path: the panels take them as they go (the call spied: maxima handed to
-    the product), the one-row GEMV beside a held matrix and the reference from the result after
-    it; :func:`pypto_kernels.linear_takes_maxima` says which. Maxima without ``float_out``, or of the
+    float32 result on every path: the panels and the one-row GEMV beside a held matrix take them as
+    they go (the calls spied: maxima handed to the product), the reference from the result after it;
+    :func:`pypto_kernels.linear_takes_maxima` says which. Maxima without ``float_out``, or of the
     wrong size, are refused."""
     x, w, _ = _case(9, 300, 64, seed=11)
     bias = None  # one row then takes the GEMV (which adds no bias)
@@ -310,14 +310,23 @@ def test_linear_fills_maxima_on_every_path(monkeypatch: pytest.MonkeyPatch) -> N
         handed.append(kwargs.get("maxima") is not None)
         return inner(*args, **kwargs)  # type: ignore[arg-type]
 
+    gemv_handed: list[bool] = []
+    gemv = native.gemv
+
+    def gemv_spy(*args: object, **kwargs: object) -> torch.Tensor:
+        gemv_handed.append(kwargs.get("maxima") is not None)
+        return gemv(*args, **kwargs)  # type: ignore[arg-type]
+
     monkeypatch.setattr(native, "panel_linear", spy)
+    monkeypatch.setattr(native, "gemv", gemv_spy)
     for count in (1, 2, 9):
         peak, index = torch.empty(count), torch.empty(count, dtype=torch.long)
         got = K.linear(x[:count], held, bias, float_out=True, maxima=(peak, index))
         assert torch.equal(got, K.linear(x[:count], held, bias, float_out=True))
         assert (peak.tolist(), index.tolist()) == _first_maxima(got)
-        assert K.linear_takes_maxima(count, held) == (count > 1)
-    assert handed == [True, False, True, False]  # the one row took the GEMV; each check ran without
+        assert K.linear_takes_maxima(count, held)
+    assert handed == [True, False, True, False]  # 2 and 9 rows: the panels; each check ran without
+    assert gemv_handed == [True, False]  # one row: the GEMV over the held matrix
     peak, index = torch.empty(9), torch.empty(9, dtype=torch.long)
     ref = K.reference_kernel("linear")(x, w, bias, float_out=True, maxima=(peak, index))
     assert (peak.tolist(), index.tolist()) == _first_maxima(ref)
@@ -327,3 +336,31 @@ def test_linear_fills_maxima_on_every_path(monkeypatch: pytest.MonkeyPatch) -> N
         K.linear(x, held, maxima=(peak, index))
     with pytest.raises(ValueError, match="one element per row"):
         native.panel_linear(x, held.packed, 300, logits=True, maxima=(peak[:3], index[:3]))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out", [1, 63, 1000])
+@pytest.mark.parametrize("pattern", ["plain", "ties", "nan", "-inf"])
+def test_gemv_logits_and_maxima(dtype: torch.dtype, out: int, pattern: str) -> None:
+    """``native.gemv(..., logits=True, maxima=...)``: float32 logits bitwise ``.float()`` of the plain
+    product (a bfloat16 one's outputs rounded, then widened), and the row's maximum and index as an
+    enumeration finds them (ties: the lowest index; a NaN: the first, even after a larger value; all
+    -inf: index 0), on one thread and on two. The cases' bias rides in an extra input of 1."""
+    x, w, bias = _maxima_case(1, out, 32, dtype, pattern)
+    x = torch.cat([x, torch.ones(1, 1, dtype=dtype)], dim=1)
+    w = torch.cat([w, bias[:, None]], dim=1).contiguous()
+    plain = native.gemv(x, w).float()
+    expected_peaks, expected_where = _first_maxima(plain)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            peak, index = torch.full((1,), 7.0), torch.full((1,), -5, dtype=torch.long)
+            got = native.gemv(x, w, logits=True, maxima=(peak, index))
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)
+            assert index.tolist() == expected_where
+            torch.testing.assert_close(peak, torch.tensor(expected_peaks), rtol=0, atol=0, equal_nan=True)
+    finally:
+        torch.set_num_threads(threads)

@@ -294,7 +294,9 @@ def _packed_linear(
     held = weight.library in ("onednn", "panels") and weight.weight is not None
     one_row = rows == 1 and held and not torch.compiler.is_compiling()
     if one_row and native.gemv_takes(x, weight.weight, bias):  # type: ignore[arg-type]
-        return native.gemv(x, weight.weight), False  # type: ignore[arg-type]
+        taken = logits and maxima is not None and weight.out_features > 0
+        flat = (maxima[0].view(-1), maxima[1].view(-1)) if taken and maxima is not None else None
+        return native.gemv(x, weight.weight, logits=logits, maxima=flat), taken  # type: ignore[arg-type]
     if not weight.min_rows <= rows <= weight.max_rows:
         if rows == 1 and weight.library == "onednn" and weight.dtype == torch.float32:
             return _onednn_gemv(x, weight.plain(), bias), False

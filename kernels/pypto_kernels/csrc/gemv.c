@@ -33,8 +33,8 @@ static inline float scalar_kind(const void *row, int kind, int64_t i) {
  * 5, ... in the second, and so on; a last run of fewer than four chunks in the first), added as
  * (a0 + a1) + (a2 + a3), the lanes by sum_lanes (common.h), then the row's last in % 16 products in
  * order. Four chains of additions keep a wide row's sum from waiting on one. */
-static inline __attribute__((always_inline)) void row_dot(const void *w, int kind, int64_t ws, const float *x,
-                                                          int64_t in, int64_t o, float *out) {
+static inline __attribute__((always_inline)) float row_dot(const void *w, int kind, int64_t ws, const float *x,
+                                                           int64_t in, int64_t o) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4;
     const char *row = (const char *)w + o * ws * size, *ahead = row + PREFETCH;
     for (int64_t off = 0; off < size * ws; off += 64) __builtin_prefetch(ahead + off, 0, 0);
@@ -49,22 +49,58 @@ static inline __attribute__((always_inline)) void row_dot(const void *w, int kin
     for (; i + LANES <= in; i += LANES) a0 += vload_kind(row, kind, i) * vload(x + i);
     float total = sum_lanes((a0 + a1) + (a2 + a3));
     for (; i < in; i++) total += scalar_kind(row, kind, i) * x[i];
-    out[o] = total;
+    return total;
+}
+
+/* Outputs [lo, hi): stored, rounded to bfloat16 and widened back where round_bf16, and folded into the
+ * best (value bv, index bi; bi < 0: none) where bi is given: a value replaces the best where it is
+ * greater, or is a NaN where the best is not, so over outputs in order the best is the maximum at its
+ * lowest index, or the first NaN. */
+static inline __attribute__((always_inline)) void outputs(const void *w, int kind, int64_t ws, const float *x,
+                                                          int64_t in, float *out, int64_t lo, int64_t hi,
+                                                          int round_bf16, float *bv, int64_t *bi) {
+    for (int64_t o = lo; o < hi; o++) {
+        float v = row_dot(w, kind, ws, x, in, o);
+        out[o] = v = round_bf16 ? bf16_value(bf16_round(v)) : v;
+        if (bi && (*bi < 0 || (*bv == *bv && (v != v || v > *bv)))) *bv = v, *bi = o;
+    }
 }
 
 /* out [n] = w [n, in] (kind ELEM_F32 or ELEM_BF16, row stride ws elements, rows dense) times the
- * float32 x [in], into float32 out. */
+ * float32 x [in], into float32 out; round_bf16: each output rounded to bfloat16 (as torch rounds a
+ * bfloat16 product's float32 sums) and stored widened, exactly. With row_max and row_arg (NULL: not
+ * taken): the outputs' maximum and its first index (their first NaN where there is one), -1 where the
+ * threads' scratch could not be allocated. */
 void pypto_gemv(const void *w, int kind, int64_t ws, const float *x, float *out, int64_t n, int64_t in,
-                int threads) {
-#pragma omp parallel num_threads(threads)
+                int round_bf16, float *row_max, int64_t *row_arg, int threads) {
+    int team_size = threads < 1 ? 1 : threads, used = 1;
+    float *bests = row_arg ? malloc(sizeof(float) * team_size) : NULL;
+    int64_t *where = row_arg ? malloc(sizeof(int64_t) * team_size) : NULL;
+    if (row_arg && (!bests || !where)) {
+        free(bests), free(where);
+        bests = NULL, where = NULL;
+        *row_arg = -1;
+    }
+#pragma omp parallel num_threads(team_size)
     {
         int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         int64_t share = (n + team - 1) / team, lo = me * share, hi = lo + share < n ? lo + share : n;
-        for (int64_t o = lo; o < hi; o++) {
-            if (kind == ELEM_BF16)
-                row_dot(w, ELEM_BF16, ws, x, in, o, out);
-            else
-                row_dot(w, ELEM_F32, ws, x, in, o, out);
-        }
+        float bv = 0.0f;
+        int64_t bi = -1;
+        if (me == 0) used = (int)team;
+        if (kind == ELEM_BF16)
+            outputs(w, ELEM_BF16, ws, x, in, out, lo, hi, round_bf16, &bv, where ? &bi : NULL);
+        else
+            outputs(w, ELEM_F32, ws, x, in, out, lo, hi, round_bf16, &bv, where ? &bi : NULL);
+        if (where) bests[me] = bv, where[me] = bi;
     }
+    if (!where) return;
+    float bv = 0.0f;
+    int64_t bi = -1;
+    for (int t = 0; t < used; t++) /* the threads' output ranges follow one another */
+        if (where[t] >= 0 && (bi < 0 || (bv == bv && (bests[t] != bests[t] || bests[t] > bv))))
+            bv = bests[t], bi = where[t];
+    *row_max = bv;
+    *row_arg = bi;
+    free(bests), free(where);
 }

@@ -183,7 +183,7 @@ def test_one_bfloat16_decode_row_reads_the_tied_head_through_the_native_gemv(
     tolerance of transformers (float32: test_cpu_linear_auto_float32_on_avx2)."""
     dtype = "bfloat16"
     gemv, rows = pypto_kernels.native.gemv, []
-    monkeypatch.setattr(pypto_kernels.native, "gemv", lambda x, w: rows.append(x.shape[0]) or gemv(x, w))
+    monkeypatch.setattr(pypto_kernels.native, "gemv", lambda x, w, **k: rows.append(x.shape[0]) or gemv(x, w, **k))
     path = qwen_checkpoints("qwen2_tied")
     ex = _executor(path, dtype=dtype)
     assert ex.model is not None and ex.model.lm_head_packed is not None
@@ -540,7 +540,7 @@ def test_cpu_linear_auto_float32_on_avx2(
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)
     gemv_rows: list[int] = []  # rows of its calls through the native GEMV on the plain (tied) matrix
     gemv = pypto_kernels.native.gemv
-    monkeypatch.setattr(pypto_kernels.native, "gemv", lambda x, w: gemv_rows.append(x.shape[0]) or gemv(x, w))
+    monkeypatch.setattr(pypto_kernels.native, "gemv", lambda x, w, **k: gemv_rows.append(x.shape[0]) or gemv(x, w, **k))
     seqs = dict(zip("abc", _prompts(ex.info.vocab_size, [12, 7, 4], seed=2), strict=True))  # type: ignore[attr-defined]
     schedule = [[("a", 11), ("b", 6), ("c", 3)], [("a", 1), ("b", 1)], [("c", 1)]]
     assert _run_schedule(ex, hf_reference(path), seqs, schedule, FP32_TOL) == 23
