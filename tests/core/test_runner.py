@@ -22,13 +22,13 @@ class RecordingExecutor(Executor):
     """Keeps each batch and returns flat logits on the CPU; its device is ``meta``, which holds no data,
     so only the runner's own placement can put the batch there."""
 
-    def __init__(self, set_device: bool = True) -> None:
-        self.set_device = set_device
+    def __init__(self, set_device: bool = True, device: str = "meta") -> None:
+        self.set_device, self.device_name = set_device, device
         self.batches: list[BatchInput] = []
 
     def load(self) -> ExecutorInfo:
         if self.set_device:
-            self.device = torch.device("meta")
+            self.device = torch.device(self.device_name)
         return ExecutorInfo(cache_groups=GROUPS, vocab_size=VOCAB, max_model_len=64)
 
     def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
@@ -306,11 +306,6 @@ def test_a_launched_step_reads_nothing_back_until_it_finishes() -> None:
     from tests.plugins.qwen.fake_cuda import fake_cuda
 
     class FakeCuda(RecordingExecutor):
-        def load(self) -> ExecutorInfo:
-            info = super().load()
-            self.device = torch.device("cuda")
-            return info
-
         def execute(self, batch: BatchInput) -> torch.Tensor:
             self.batches.append(batch)
             return torch.randn(len(batch.logits_indices), VOCAB, device="cuda")
@@ -322,7 +317,7 @@ def test_a_launched_step_reads_nothing_back_until_it_finishes() -> None:
         finished_ids=[],
     )
     with fake_cuda():
-        runner = ModelRunner(FakeCuda(), _settings())
+        runner = ModelRunner(FakeCuda(device="cuda"), _settings())
         runner.load()
         run = runner.launch(cmd)
         assert isinstance(run, LaunchedStep) and run.result is None, run.result
@@ -337,14 +332,9 @@ class MaximaExecutor(RecordingExecutor):
     writes the logits, made to disagree with the logits so the test sees whose tokens come out."""
 
     def __init__(self, rows: int | None = None) -> None:
-        super().__init__()
+        super().__init__(device="cpu")
         self.rows = rows
         self.maxima: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def load(self) -> ExecutorInfo:
-        info = super().load()
-        self.device = torch.device("cpu")
-        return info
 
     def execute(self, batch: BatchInput) -> torch.Tensor:
         self.batches.append(batch)
