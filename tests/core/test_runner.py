@@ -299,16 +299,33 @@ def test_grammar_masks_fill_beside_the_forward_when_it_leaves_a_core_free(
     assert runner._overlap_masks() is not overlap
 
 
-def test_a_launched_step_reads_nothing_back_until_it_finishes() -> None:
+@pytest.mark.parametrize("with_maxima", [False, True])
+def test_a_launched_step_reads_nothing_back_until_it_finishes(
+    with_maxima: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With every tensor on a fake CUDA device (no values: any host read raises), a step's first
-    part runs the forward and the sampler's device work; the read is its second part's."""
+    part runs the forward and the sampler's device work (with the executor's logits maxima, where it
+    gives them, in place of the sampler's pass); the read is its second part's."""
+    import pypto_serving.sampler as sampler
     from pypto_serving.runner import LaunchedStep
     from tests.plugins.qwen.fake_cuda import fake_cuda
 
+    passes: list[int] = []
+    argmax_rows = sampler.argmax_rows
+    monkeypatch.setattr(sampler, "argmax_rows", lambda x: passes.append(x.shape[0]) or argmax_rows(x))
+
     class FakeCuda(RecordingExecutor):
+        maxima: tuple[torch.Tensor, torch.Tensor] | None = None
+
         def execute(self, batch: BatchInput) -> torch.Tensor:
             self.batches.append(batch)
-            return torch.randn(len(batch.logits_indices), VOCAB, device="cuda")
+            n = len(batch.logits_indices)
+            if with_maxima and batch.greedy_maxima:
+                self.maxima = (torch.randn(n, device="cuda"), torch.zeros(n, dtype=torch.long, device="cuda"))
+            return torch.randn(n, VOCAB, device="cuda")
+
+        def logits_maxima(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+            return self.maxima
 
     cmd = StepCommand(
         step_id=0,
@@ -324,6 +341,7 @@ def test_a_launched_step_reads_nothing_back_until_it_finishes() -> None:
         result = runner.finish(run)
     # The fake device holds no values: the read of the sampled tokens is what fails, in the second part.
     assert result.error is not None and result.error.startswith("DataDependentOutputException"), result.error
+    assert passes == ([] if with_maxima else [2])  # the executor's maxima took the place of the pass
 
 
 class MaximaExecutor(RecordingExecutor):
