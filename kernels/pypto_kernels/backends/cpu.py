@@ -293,24 +293,32 @@ def _packed_linear(
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     held = weight.library in ("onednn", "panels") and weight.weight is not None
     one_row = rows == 1 and held and not torch.compiler.is_compiling()
+    flat = _flat_maxima(maxima, logits, rows, weight.out_features)  # what a native product takes
     if one_row and native.gemv_takes(x, weight.weight, bias):  # type: ignore[arg-type]
-        taken = logits and maxima is not None and weight.out_features > 0
-        flat = (maxima[0].view(-1), maxima[1].view(-1)) if taken and maxima is not None else None
-        return native.gemv(x, weight.weight, logits=logits, maxima=flat), taken  # type: ignore[arg-type]
+        return native.gemv(x, weight.weight, logits=logits, maxima=flat), flat is not None  # type: ignore[arg-type]
     if not weight.min_rows <= rows <= weight.max_rows:
         if rows == 1 and weight.library == "onednn" and weight.dtype == torch.float32:
             return _onednn_gemv(x, weight.plain(), bias), False
         return _plain_linear(x, weight.plain(), bias), False
     out: torch.Tensor
     if weight.library == "panels":
-        taken = logits and maxima is not None and rows > 0 and weight.out_features > 0
-        flat = (maxima[0].view(-1), maxima[1].view(-1)) if taken and maxima is not None else None
-        return native.panel_linear(x, weight.packed, weight.out_features, bias, logits=logits, maxima=flat), taken
+        out = native.panel_linear(x, weight.packed, weight.out_features, bias, logits=logits, maxima=flat)
+        return out, flat is not None
     if weight.library == "mkl":
         out = torch.ops.mkl._mkl_linear(x, weight.packed, weight.plain(), bias, weight.max_rows)
     else:
         out = torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     return out, False
+
+
+def _flat_maxima(
+    maxima: tuple[torch.Tensor, torch.Tensor] | None, logits: bool, rows: int, outputs: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``maxima`` as the native logits products take them (one element a row), or None where none is
+    taken: not asked, not logits, or an empty product."""
+    if maxima is None or not logits or rows == 0 or outputs == 0:
+        return None
+    return maxima[0].view(-1), maxima[1].view(-1)
 
 
 def explain_linear(**features: Any) -> str | None:
