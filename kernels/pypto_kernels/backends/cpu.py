@@ -287,7 +287,8 @@ def _packed_linear(
     logits: bool,
     maxima: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, bool]:
-    """The product, and whether it filled ``maxima`` (a panels product of logits takes them as it goes)."""
+    """The product, and whether it filled ``maxima`` (the panels product and the one-row GEMV take a
+    logits product's as they go)."""
     if not isinstance(weight, PackedLinearWeight):
         return transposed_linear(x, weight, bias), False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
