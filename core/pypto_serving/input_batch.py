@@ -135,6 +135,9 @@ class StepArrays:
     num_logits: IntArray  # [R] sampled rows: the last of each entry's rows
     input_ids: IntArray  # [T]
     num_prompt_logits: IntArray | None = None  # [R] rows for prompt logprobs: the first of each entry's rows
+    # Every entry is one token, sampled, with no prompt logprobs rows (a plain decode step): its
+    # rows' token and logits indices are 0 .. R - 1, so no per-entry expansion is computed.
+    one_token_each: bool = False
 
 
 @dataclass(slots=True, kw_only=True)
@@ -223,14 +226,8 @@ class InputBatch:
     # ------------------------------------------------------------------ the step
     def prepare(self, step: StepArrays) -> StepTensors:
         """The step's tensors on the device, in one upload: pending block appends are written first."""
-        qsl = np.zeros(len(step.rows) + 1, dtype=np.int64)
-        np.cumsum(step.query_lens, out=qsl[1:])
-        total = int(qsl[-1])
-        first = np.repeat(qsl[:-1], step.query_lens)
-        positions = np.repeat(step.starts, step.query_lens) + (np.arange(total) - first)
+        qsl, positions, logits_idx, row_of_token = _token_layout(step)
         seq_lens = step.starts + step.query_lens
-        logits_idx = _logit_rows(qsl, step.num_logits, step.num_prompt_logits)
-        row_of_token = np.repeat(step.rows, step.query_lens)
         parts = [step.input_ids, positions, qsl, seq_lens, logits_idx, step.rows]
         slot_groups = [t for t in self.tables.values() if t.spec.tokens_per_entry == 1]
         for t in slot_groups:
@@ -274,6 +271,19 @@ class InputBatch:
         for table in self.tables.values():
             table.grow_rows(rows)
         self.capacity = rows
+
+
+def _token_layout(step: StepArrays) -> tuple[IntArray, IntArray, IntArray, IntArray]:
+    """The step's query start offsets, each token's position, the logits rows and each token's batch row."""
+    if step.one_token_each:
+        counted = np.arange(len(step.rows) + 1, dtype=np.int64)
+        return counted, step.starts, counted[:-1], step.rows
+    qsl = np.zeros(len(step.rows) + 1, dtype=np.int64)
+    np.cumsum(step.query_lens, out=qsl[1:])
+    first = np.repeat(qsl[:-1], step.query_lens)
+    positions = np.repeat(step.starts, step.query_lens) + (np.arange(int(qsl[-1])) - first)
+    logits_idx = _logit_rows(qsl, step.num_logits, step.num_prompt_logits)
+    return qsl, positions, logits_idx, np.repeat(step.rows, step.query_lens)
 
 
 def _logit_rows(qsl: IntArray, num_logits: IntArray, num_prompt: IntArray | None) -> IntArray:

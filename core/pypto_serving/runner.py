@@ -460,13 +460,17 @@ class ModelRunner:
         for r in rows:
             ids += r.tokens
             ids += r.drafts
+        query_lens = [len(r.tokens) + len(r.drafts) for r in rows]
+        num_logits = [r.num_logits for r in rows]
+        num_prompt = [r.num_prompt_rows for r in rows]
         step = StepArrays(
             rows=np.array(batch_rows, dtype=np.int64),
             starts=np.array([r.start for r in rows], dtype=np.int64),
-            query_lens=np.array([len(r.tokens) + len(r.drafts) for r in rows], dtype=np.int64),
-            num_logits=np.array([r.num_logits for r in rows], dtype=np.int64),
+            query_lens=np.array(query_lens, dtype=np.int64),
+            num_logits=np.array(num_logits, dtype=np.int64),
             input_ids=np.array(ids, dtype=np.int64),
-            num_prompt_logits=np.array([r.num_prompt_rows for r in rows], dtype=np.int64),
+            num_prompt_logits=np.array(num_prompt, dtype=np.int64),
+            one_token_each=len(rows) == query_lens.count(1) == num_logits.count(1) and not any(num_prompt),
         )
         t = self.input_batch.prepare(step)
         batch = BatchInput(
@@ -478,7 +482,7 @@ class ModelRunner:
             block_tables=t.block_tables,
             slot_mapping=t.slot_mapping,
             logits_indices=t.logits_indices,
-            num_logits=[r.num_logits for r in rows],
+            num_logits=num_logits,
             query_start_loc_host=t.query_start_loc_host,
             seq_lens_host=t.seq_lens_host,
             input_ids_host=ids,

@@ -61,7 +61,7 @@ from .registry import (
     reference_kernel,
     register_kernel,
 )
-from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
 
 __version__ = "0.1.0"
 
@@ -73,6 +73,7 @@ __all__ = [
     "PackedInt8Weight",
     "PackedLinearWeight",
     "QuantizedLinearWeight",
+    "RopeTable",
     "__version__",
     "add_rms_norm",
     "apply_interleaved_rope",

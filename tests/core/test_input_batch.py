@@ -71,6 +71,8 @@ class InputBatchMachine(RuleBasedStateMachine):
             query_lens=np.array(lens, dtype=np.int64),
             num_logits=np.array(nlog, dtype=np.int64),
             input_ids=np.array(ids, dtype=np.int64),
+            # A step of one sampled token a row may take the layout without expansion (or not).
+            one_token_each=lens.count(1) == nlog.count(1) == len(rids) and data.draw(st.booleans()),
         )
         got = self.ib.prepare(arrays)
         qsl = [0]

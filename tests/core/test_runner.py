@@ -250,6 +250,30 @@ def test_the_batch_values_follow_the_rows_across_removals() -> None:
     assert batch.slot_mapping["kv"].tolist() == [8 * 4 + 1, 9 * 4, 9 * 4 + 1, 9 * 4 + 2, 6 * 4 + 2]
 
 
+def test_a_decode_step_lays_out_one_token_a_row() -> None:
+    """A step whose every entry is one sampled token takes the layout without per-entry expansion
+    (``StepArrays.one_token_each``); its hand-computed tensors are those of the general layout."""
+    ex = CpuExecutor()
+    runner = ModelRunner(ex, _settings())
+    runner.load()
+    taken: list[bool] = []
+    prepare = runner.input_batch.prepare
+    runner.input_batch.prepare = lambda step: (taken.append(step.one_token_each), prepare(step))[1]  # type: ignore[method-assign]
+    new = [_new("a", [1, 2, 3]), _new("b", [4, 5])]
+    first = [_entry("a", [1, 2, 3], {"kv": [5]}), _entry("b", [4, 5], {"kv": [6]})]
+    assert runner.step(StepCommand(0, new, first, [])).error is None
+    entries = [_decode("b", 2, {}), _decode("a", 3, {"kv": [7]})]
+    assert runner.step(StepCommand(1, [], entries, [])).error is None
+    assert taken == [False, True]
+    batch = ex.batches[-1]
+    assert batch.positions.tolist() == [2, 3]
+    assert batch.query_start_loc.tolist() == batch.query_start_loc_host == [0, 1, 2]
+    assert batch.seq_lens.tolist() == batch.seq_lens_host == [3, 4]
+    assert batch.logits_indices.tolist() == [0, 1]
+    assert batch.block_tables["kv"].tolist() == [[6, 0], [5, 7]]
+    assert batch.slot_mapping["kv"].tolist() == [6 * 4 + 2, 5 * 4 + 3]
+
+
 @pytest.mark.parametrize(
     ("history", "drafts", "expected"),
     [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pypto_kernels import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_and_mul
+from pypto_kernels import RopeTable, add_rms_norm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_and_mul
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen2Config  # noqa: E402
@@ -134,6 +134,24 @@ def test_rope_cos_sin_and_apply_match_qwen2(dtype: torch.dtype, rope: dict) -> N
     out_q, out_k = apply_rope(q, k, cos, sin)
     assert out_q.dtype == dtype
     assert torch.equal(out_q, hf_q[0].transpose(0, 1)) and torch.equal(out_k, hf_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rotary", "rope"), [(64, None), (128, {"rope_type": "yarn", "factor": 4.0}), (48, None)])
+def test_rope_table_rows_are_rope_cos_sin_bitwise(dtype: torch.dtype, rotary: int, rope: dict | None) -> None:
+    """The table's gathered rows equal :func:`rope_cos_sin` of the same positions bit for bit, for
+    steps of any size, before and after the table grows past its first bound."""
+    params = None if rope is None else {**rope, "original_max_position_embeddings": 1024}
+    inv_freq, scaling = rope_inv_freq(rotary, 1000000.0, params, 8192)
+    table = RopeTable(inv_freq, scaling, dtype)
+    gen = torch.Generator().manual_seed(4)
+    for bound in (5, 300, 5000):
+        for t in (1, 7, 64, 700):
+            positions = torch.randint(0, bound, (t,), generator=gen)
+            cos, sin = table.lookup(positions, bound)
+            want_cos, want_sin = rope_cos_sin(positions, inv_freq, scaling, dtype)
+            assert cos.dtype == dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+        assert bound <= table.rows < 2 * max(bound, RopeTable.CHUNK)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

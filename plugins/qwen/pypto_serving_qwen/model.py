@@ -591,6 +591,7 @@ class QwenForCausalLM(nn.Module):
         )
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.attention_scaling = attention_scaling
+        self.rope_table = K.RopeTable(self.inv_freq, attention_scaling, dtype)
 
     def _stored_head(self, plan: QuantPlan | None, device: torch.device, dtype: torch.dtype) -> QuantizedWeight | None:
         """The output projection in its stored precision where the checkpoint quantizes ``lm_head.weight``
@@ -746,7 +747,7 @@ class QwenForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output and residual for every row (their sum is the final hidden state)."""
         hidden = vocab_parallel_embedding(input_ids, self.embed, self.shards.ctx)
-        cos, sin = K.rope_cos_sin(positions, self.inv_freq, self.attention_scaling, self.dtype)
+        cos, sin = self._rotary(positions, meta)
         # A decode or verification step (a few query rows a request) through the native decoder.
         eligible = self.native_decoder_enabled and meta.path == "paged"
         short = eligible and max(meta.query_lens_host, default=0) <= MAX_QUERIES
@@ -760,6 +761,14 @@ class QwenForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, cos, sin, cache, meta)
         assert residual is not None
         return hidden, residual
+
+    def _rotary(self, positions: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's cos/sin rows: gathered from the model's table where the step's lengths are on
+        the host (an eager step), computed for the positions in a captured or compiled one (whose
+        graph must not hold a table that grows)."""
+        if meta.path == "paged" and meta.seq_lens_host and not torch.compiler.is_compiling():
+            return self.rope_table.lookup(positions, max(meta.seq_lens_host))
+        return K.rope_cos_sin(positions, self.inv_freq, self.attention_scaling, self.dtype)
 
     def _native_decoder(self, kv_caches: list[KVCache]) -> K.NativeDecoder | None:
         """The layers over ``kv_caches`` as a :class:`pypto_kernels.NativeDecoder`, made at the first decode
