@@ -83,6 +83,12 @@ def _output(choices: list[Request]) -> RequestOutput:
     )
 
 
+def _text_waits(req: Request) -> bool:
+    """Whether ``req``'s text is left to its end: a final-only request still running (its stop
+    strings, if any, are checked token by token as they are committed, so this defers no stop)."""
+    return bool(req.out.choices) and req.out.choices[0].out.final_only and not req.is_finished
+
+
 def _prompt_logprobs(req: Request) -> list[dict[int, float] | None] | None:
     if req.sampling_params.prompt_logprobs is None:
         return None
@@ -746,8 +752,10 @@ class EngineCore:
         touched = self.scheduler.update(out, result)
         now = time.monotonic()
         for req in touched:
-            if req.status is not RequestStatus.FINISHED_ERROR:
-                self._detokenize(req)  # the text of tokens the stop-string check did not already see
+            # The text of tokens the stop-string check did not already see; a final-only request's
+            # waits for its end (:meth:`_touch`): nobody reads its text before.
+            if req.status is not RequestStatus.FINISHED_ERROR and not _text_waits(req):
+                self._detokenize(req)
             if req.output_token_ids:
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
@@ -775,8 +783,11 @@ class EngineCore:
             head = r.out.choices[0] if r.out.choices else None
             if head is None or head.out.changed:
                 continue
-            if head.out.final_only and not all(c.is_finished for c in head.out.choices):
-                continue  # nobody reads its partial outputs: none is built
+            if head.out.final_only:
+                if not all(c.is_finished for c in head.out.choices):
+                    continue  # nobody reads its partial outputs: none is built
+                for c in head.out.choices:  # the text of every output token, once
+                    self._detokenize(c)
             head.out.changed = True
             self._changed.append(head)
 

@@ -52,3 +52,43 @@ def test_a_request_added_without_final_only_is_reported_every_step(make_llm: Cal
     engine.abort("aborted")
     (out,) = engine.step()
     assert out.request_id == "aborted" and out.finished and out.outputs[0].finish_reason == "abort"
+
+
+class CountingTokenizer:
+    """Decodes each token id to its own piece of text (``<id>``) and counts the calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.calls += 1
+        return "".join(f"<{t}>" for t in ids)
+
+
+def test_a_final_only_requests_text_is_decoded_once_it_finishes(make_llm: Callable[..., Any]) -> None:
+    """A final-only request's text is left to its end (nobody reads it before), then decoded from
+    all its tokens: the same text a request reported every step ends with, finished or aborted."""
+    llm = make_llm(block_size=4, num_kv_blocks=64, executor_options={"vocab": 97})
+    engine = llm._live_engine()
+    tok = engine.tokenizer = CountingTokenizer()
+    engine.add_request("every", [5, 6, 7], GREEDY)
+    engine.add_request("final", [5, 6, 7], GREEDY, final_only=True)
+    texts: dict[str, str] = {}
+    while engine.has_unfinished():
+        before = tok.calls
+        outs = engine.step()
+        texts.update((o.request_id, o.outputs[0].text) for o in outs)
+        if "final" not in texts:  # only the request reported every step decoded (two calls a token)
+            assert tok.calls - before <= 2
+    assert (
+        texts["final"]
+        == texts["every"]
+        == "".join(f"<{t}>" for t in llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids)
+    )
+    engine.add_request("aborted", [5, 6, 7], GREEDY, final_only=True)
+    engine.step()
+    engine.step()
+    engine.abort("aborted")
+    (out,) = engine.step()
+    assert out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) == 2
+    assert out.outputs[0].text == "".join(f"<{t}>" for t in out.outputs[0].token_ids)
