@@ -145,13 +145,15 @@ def test_non_finite_rows_are_errors(row: Row, bad: float) -> None:
 
 
 class _Reductions(TorchDispatchMode):
-    """Adds up the elements that ``max``, ``amax`` and ``argmax`` read inside it."""
+    """Adds up the elements that ``max``, ``amax`` and ``argmax`` read inside it, and counts every operation."""
 
     def __init__(self) -> None:
         super().__init__()
         self.read = 0
+        self.ops = 0  # every operation, reductions or not
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
         if func.overloadpacket.__name__ in ("max", "amax", "argmax"):
             self.read += args[0].numel()
         return func(*args, **(kwargs or {}))
@@ -177,6 +179,28 @@ def test_greedy_rows_read_the_logits_once_and_equal_argmax(row: Row, vocab: int)
         e for i, e in enumerate(expected) if i not in (2, 3)
     ]
     assert out.tokens[1] == 5 and out.tokens[4] == 0
+
+
+def test_an_all_greedy_step_takes_the_executors_maxima_without_a_reduction(row: Row) -> None:
+    """Every row greedy and unedited, with the executor's maxima: the tokens are its indices and
+    rows whose maximum is NaN or +inf are errors, with no reduction over the logits; the result is
+    the one-pass argmax's where the maxima are the logits' own. A row with logprobs takes its log-softmax."""
+    logits = torch.randint(-3, 4, (4, 300), generator=torch.Generator().manual_seed(1)).float()
+    logits[1, 7] = float("nan")
+    logits[2, 9] = float("inf")
+    params = [row(temperature=0.0) for _ in range(4)]
+    own = sampler_mod.argmax_rows(logits)
+    with _Reductions() as reductions:
+        dev = sampler_mod.sample_on_device(logits, params, maxima=own)
+    assert reductions.read == 0 and reductions.ops == 3  # the non-finite flags (two) and no-fallback flags
+    out = sampler_mod.read_sample(dev, sampler_mod.packed(dev), params)
+    assert out == sample(logits, params)
+    assert set(out.errors) == {1, 2} and out.tokens[0] == int(logits[0].argmax())
+    planted = (torch.zeros(4), torch.tensor([5, 6, 7, 8]))  # not the logits' argmax: taken as given
+    dev = sampler_mod.sample_on_device(logits, params, maxima=planted)
+    assert sampler_mod.read_sample(dev, sampler_mod.packed(dev), params).tokens == [5, 6, 7, 8]
+    dev = sampler_mod.sample_on_device(logits, [*params[:3], row(temperature=0.0, num_logprobs=1)], maxima=own)
+    assert dev.lp_rows == [3] and dev.raw is not None
 
 
 def test_edited_greedy_rows_still_take_the_argmax_of_the_edited_logits(row: Row) -> None:
