@@ -156,6 +156,11 @@ class BatchInput:
         (a greedy request): an executor whose output projection can take each logits row's maximum
         and its index as it writes the logits may, and return them from
         :meth:`Executor.logits_maxima` (saving the sampler a pass over the logits).
+    :param maxima_only: besides ``greedy_maxima``, the runner reads nothing of this step's logits but
+        their maxima (every logits row greedy over the logits as they come: no logprobs, penalties,
+        bans, logit bias, grammar or drafts to verify). An executor that returns the maxima from
+        :meth:`Executor.logits_maxima` may then return logits ``[N, 0]``, writing none (the stores of a
+        64-row step's float32 logits are megabytes).
     """
 
     request_ids: list[str]
@@ -174,6 +179,7 @@ class BatchInput:
     num_drafts: list[int] | None = None
     loras: list[str | None] | None = None
     greedy_maxima: bool = False
+    maxima_only: bool = False
 
 
 class Executor(abc.ABC):
@@ -205,7 +211,9 @@ class Executor(abc.ABC):
         """Run one forward over the flat batch, writing KV into the paged caches.
 
         :param batch: the step's tokens, already on :attr:`device`.
-        :return: float logits ``[len(batch.logits_indices), vocab]`` for the requested rows.
+        :return: float logits ``[len(batch.logits_indices), vocab]`` for the requested rows; where
+            ``batch.maxima_only`` and :meth:`logits_maxima` returns the rows' maxima, ``[N, 0]`` may
+            stand for logits nobody reads.
         """
 
     def logits_maxima(self) -> tuple[torch.Tensor, torch.Tensor] | None:

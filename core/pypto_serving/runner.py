@@ -39,6 +39,7 @@ from .sampler import (
     SampleOutput,
     TokenCounts,
     packed,
+    plain_greedy,
     prompt_logprobs,
     read_sample,
     sample_on_device,
@@ -412,6 +413,8 @@ class ModelRunner:
         step.batch, step.rows = self._build_batch(step.cmd.entries)
         step.batch.greedy_maxima = _greedy_maxima(step.rows)
         masks = self._start_masks(step.rows)
+        step.params = self._row_params(step.rows)
+        step.batch.maxima_only = step.batch.greedy_maxima and masks is None and plain_greedy(step.params)
         try:
             with phase("forward"):
                 logits = self.executor.execute(step.batch)
@@ -429,6 +432,10 @@ class ModelRunner:
         if maxima is not None and not all(t.shape == logits.shape[:1] for t in maxima):
             shapes = [tuple(t.shape) for t in maxima]
             raise RuntimeError(f"{type(self.executor).__name__}.logits_maxima gave {shapes} for {logits.shape[0]} rows")
+        if logits.shape[-1] == 0 and logits.shape[0] and (maxima is None or not batch.maxima_only):
+            raise RuntimeError(
+                f"{type(self.executor).__name__}.execute returned logits of no columns for a step that reads them"
+            )
         return maxima
 
     def _admit(self, nr: NewRequestData) -> None:
@@ -662,8 +669,7 @@ class ModelRunner:
     ) -> None:
         """The sampler rows, the verdicts of the rows rejection sampling verifies, and the device
         sample of every other logits row (``maxima``: the executor's of every logits row), queued
-        but not read."""
-        step.params = self._row_params(step.rows)
+        but not read (``step.params``: the rows' parameters, set before the forward)."""
         if not step.params:
             return
         self._verify_rejection(step, logits)

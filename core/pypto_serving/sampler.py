@@ -39,6 +39,7 @@ __all__ = [
     "SampleOutput",
     "TokenCounts",
     "packed",
+    "plain_greedy",
     "prompt_logprobs",
     "read_sample",
     "sample",
@@ -557,10 +558,11 @@ def _greedy_on_raw(params: list[RowParams], grammar: GrammarMask | None) -> bool
     return all(p.edits is None and p.counts is None and not p.banned for p in params)
 
 
-def _plain_greedy(params: list[RowParams], grammar: GrammarMask | None) -> bool:
-    """Whether every row is greedy over the logits as they come, with no logprobs: the step's tokens
-    are the rows' argmax and nothing else is read."""
-    return _greedy_on_raw(params, grammar) and all(p.temperature == 0.0 and p.num_logprobs is None for p in params)
+def plain_greedy(params: list[RowParams]) -> bool:
+    """Whether every row is greedy over the logits as they come, with no logprobs (and no grammar
+    mask: the caller's to check): the rows' tokens are their argmax and nothing else of the logits is
+    read."""
+    return _greedy_on_raw(params, None) and all(p.temperature == 0.0 and p.num_logprobs is None for p in params)
 
 
 def _raw_pass(
@@ -600,7 +602,7 @@ def sample_on_device(
     ``maxima``: :func:`argmax_rows` of ``logits`` where the executor took them with the logits (the
     greedy rows of a step nothing edits take them instead of a pass over the logits)."""
     x = raw = logits.float()
-    if maxima is not None and _plain_greedy(params, grammar):
+    if maxima is not None and grammar is None and plain_greedy(params):
         # Every row takes its argmax as it came, and the executor took it already: nothing to pass over.
         bad = torch.logical_not(maxima[0] < float("inf"))
         return DeviceSample(tokens=maxima[1], bad=bad, needs_full=torch.zeros_like(bad), logits=x)

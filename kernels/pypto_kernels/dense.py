@@ -266,6 +266,7 @@ def linear(
     *,
     float_out: bool = False,
     maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
+    store_logits: bool = True,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` (``F.linear``); a :class:`PackedLinearWeight`'s plain matrix is used.
     ``float_out``: the result (rounded to ``x``'s dtype, as ever) returned as float32, as
@@ -273,7 +274,9 @@ def linear(
     ``maxima`` (with ``float_out``): a float32 and an int64 tensor of one element per row of ``x``,
     filled with ``amax`` and ``argmax`` of each row of the float32 result: its maximum and that
     maximum's lowest index, or its first NaN where it has one (a fast path may take them as it
-    writes the result: an output projection's logits for greedy rows)."""
+    writes the result: an output projection's logits for greedy rows). ``store_logits`` False (with
+    ``maxima``): the caller reads only the maxima, so a fast path that takes them may write no
+    result and return ``[..., 0]`` instead (the reference returns the whole result)."""
     plain = weight.plain() if isinstance(weight, PackedLinearWeight) else weight
     out = F.linear(x, plain, bias)
     wide = out.float() if float_out else out

@@ -748,6 +748,7 @@ def panel_linear(
     *,
     logits: bool = False,
     maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
+    store_logits: bool = True,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for the ``[out_features, in]`` matrix packed by :func:`pack_panels`
     (``csrc/panel_gemm.c``), so that a row's result is bitwise the same in any batch and on any number
@@ -766,8 +767,11 @@ def panel_linear(
         after the whole product; ``csrc/panel_gemm.c``).
     :param maxima: with ``logits``, a float32 and an int64 tensor of one element per row to fill with
         each row's maximum logit and its first index (its first NaN where it has one: ``amax`` and
-        ``argmax`` of the result), taken as the logits are written (which then go through the caches).
-    :return: ``[..., out_features]`` of ``x``'s dtype (``logits``: float32).
+        ``argmax`` of the result), taken as the logits are computed.
+    :param store_logits: False (with ``maxima``): only the maxima are taken, the logits are not
+        written anywhere, and the result is ``[..., 0]`` (a greedy step that reads nothing else).
+    :return: ``[..., out_features]`` of ``x``'s dtype (``logits``: float32); ``[..., 0]`` float32
+        where the logits are not stored.
     """
     lib = library()
     if lib is None or not panel_takes(x, panels, bias) or (bias is not None and bias.shape[0] != out_features):
@@ -781,13 +785,17 @@ def panel_linear(
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32 if logits else x.dtype)
+    if not store_logits and maxima is None:
+        raise ValueError("a product whose logits are not stored takes their maxima")
+    width = out_features if store_logits else 0
+    out = torch.empty((rows.shape[0], width), dtype=torch.float32 if logits else x.dtype)
     peak, index = maxima if maxima is not None else (None, None)
     if maxima is not None and not _maxima_take(maxima, rows.shape[0], logits, out_features):
         raise ValueError("maxima are a contiguous float32 and int64 tensor of one element per row of a logits product")
     if rows.shape[0] and out_features:
         common = (NATIVE_DTYPES[x.dtype], rows.data_ptr(), rows.stride(0), panels.data_ptr())
-        args = (None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, rows.shape[0], out_features)
+        where = out.data_ptr() if store_logits else None
+        args = (None if bias is None else bias.data_ptr(), where, out_features, rows.shape[0], out_features)
         if logits:
             ptrs = (None, None) if peak is None or index is None else (peak.data_ptr(), index.data_ptr())
             lib.pypto_panel_gemm_logits(*common, *args, rows.shape[1], *ptrs, torch.get_num_threads())
@@ -795,7 +803,7 @@ def panel_linear(
                 raise MemoryError("the native panel product could not allocate its row maxima's scratch")
         else:
             lib.pypto_panel_gemm(*common, *args, rows.shape[1], torch.get_num_threads())
-    return out.reshape(*x.shape[:-1], out_features)
+    return out.reshape(*x.shape[:-1], width)
 
 
 def _maxima_take(maxima: tuple[torch.Tensor, torch.Tensor], rows: int, logits: bool, out_features: int) -> bool:

@@ -100,6 +100,7 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
     assert batch.input_ids_host == [1, 2, 3, 4, 5, 6]
     assert batch.loras is None  # no request names a LoRA adapter
     assert batch.greedy_maxima  # greedy requests: the executor may take the logits rows' maxima
+    assert batch.maxima_only  # and nothing else of their logits is read
     host = {
         "request_ids",
         "num_logits",
@@ -110,6 +111,7 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
         "num_drafts",
         "loras",
         "greedy_maxima",
+        "maxima_only",
     }
     assert set(BatchInput.__dataclass_fields__) == {*(f.split("[")[0] for f in expected), *host}
 
@@ -373,9 +375,10 @@ class MaximaExecutor(RecordingExecutor):
     row, or ``rows`` rows of them: a stand-in for an output projection that takes the maxima as it
     writes the logits, made to disagree with the logits so the test sees whose tokens come out."""
 
-    def __init__(self, rows: int | None = None) -> None:
+    def __init__(self, rows: int | None = None, unwritten: bool = False) -> None:
         super().__init__(device="cpu")
         self.rows = rows
+        self.unwritten = unwritten  # return [N, 0] logits where the step reads only the maxima
         self.maxima: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def execute(self, batch: BatchInput) -> torch.Tensor:
@@ -385,7 +388,7 @@ class MaximaExecutor(RecordingExecutor):
         logits[:, 3] = 1.0
         rows = n if self.rows is None else self.rows
         self.maxima = (torch.ones(rows), torch.full((rows,), 7)) if batch.greedy_maxima else None
-        return logits
+        return logits[:, :0] if self.unwritten and n else logits
 
     def logits_maxima(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.maxima
@@ -428,8 +431,25 @@ def test_greedy_rows_take_the_executors_maxima() -> None:
     )
     assert result.error is None and not ex.batches[-1].greedy_maxima  # prompt logprobs: rows beside the sampled
     assert result.sampled["d"] == [3]
+    assert not any(b.maxima_only for b in ex.batches[1:])  # sampled rows, prompt logprobs: logits read
     bad = MaximaExecutor(rows=5)
     runner = ModelRunner(bad, _settings())
     runner.load()
     result = runner.step(StepCommand(step_id=0, new_requests=requests[:1], entries=entries[:1], finished_ids=[]))
     assert result.error is not None and "MaximaExecutor.logits_maxima gave [(5,), (5,)] for 1 rows" in result.error
+
+
+def test_a_step_that_reads_only_the_maxima_takes_logits_of_no_columns() -> None:
+    """Greedy rows with nothing else to read (``BatchInput.maxima_only``) sample from the executor's
+    maxima though it returns ``[N, 0]`` logits; a step that reads its logits (a sampled row beside)
+    fails with the executor named where it gets none."""
+    ex = MaximaExecutor(unwritten=True)
+    runner = ModelRunner(ex, _settings())
+    runner.load()
+    requests = [_request("a", [1, 2], temperature=0.0), _request("b", [3], temperature=1.0)]
+    entries = [_entry("a", [1, 2], {"kv": [1]}), _entry("b", [3], {"kv": [2]})]
+    result = runner.step(StepCommand(step_id=0, new_requests=requests[:1], entries=entries[:1], finished_ids=[]))
+    assert result.error is None and ex.batches[-1].maxima_only and result.sampled["a"] == [7]
+    result = runner.step(StepCommand(step_id=1, new_requests=requests[1:], entries=entries[1:], finished_ids=[]))
+    assert not ex.batches[-1].maxima_only
+    assert result.error is not None and "MaximaExecutor.execute returned logits of no columns" in result.error

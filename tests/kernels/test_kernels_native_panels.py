@@ -273,7 +273,8 @@ def test_logits_maxima_are_each_rows_first_maximum(
     """``panel_linear(..., logits=True, maxima=...)``: the logits unchanged, and each row's maximum
     and its index as an enumeration over the logits finds them (ties: the lowest index, across
     panels; a NaN: the first, even after a larger value; all -inf: index 0), over a partial last
-    panel, one- to six-row tiles, two 96-row blocks, on one thread and on two (the same bits)."""
+    panel, one- to six-row tiles, two 96-row blocks, on one thread and on two (the same bits); and
+    the same maxima where no logit is stored (``store_logits=False``)."""
     x, w, bias = _maxima_case(rows, out, inner, dtype, pattern)
     panels = native.pack_panels(w)
     plain = native.panel_linear(x, panels, out, bias, logits=True)
@@ -288,6 +289,12 @@ def test_logits_maxima_are_each_rows_first_maximum(
             assert index.tolist() == expected_where
             assert torch.equal(peak, torch.tensor(expected_peaks)) or pattern == "nan"
             assert torch.equal(peak.isnan(), torch.tensor(expected_peaks).isnan())
+            # The maxima alone, no logits stored: the same bits, and nothing returned but the rows.
+            alone = (torch.full((rows,), 7.0), torch.full((rows,), -5, dtype=torch.long))
+            got = native.panel_linear(x, panels, out, bias, logits=True, maxima=alone, store_logits=False)
+            assert got.shape == (rows, 0) and got.dtype == torch.float32
+            assert alone[1].tolist() == expected_where
+            torch.testing.assert_close(alone[0], peak, rtol=0, atol=0, equal_nan=True)
     finally:
         torch.set_num_threads(threads)
 

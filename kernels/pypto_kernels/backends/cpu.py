@@ -261,6 +261,7 @@ def packed_linear(
     *,
     float_out: bool = False,
     maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
+    store_logits: bool = True,
 ) -> torch.Tensor:
     """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: one row
     (float32 or bfloat16) over a plain matrix held with dense rows beside a oneDNN or panels copy (a
@@ -270,10 +271,11 @@ def packed_linear(
     through oneDNN's GEMV on it, :func:`_onednn_gemv`; else transposed in chunks where
     :func:`transposed_rule` says so, else ``F.linear``). ``float_out``: the result widened to float32,
     a panels product's stored so by the product itself as logits (:func:`pypto_kernels.native.panel_linear`),
-    which takes ``maxima`` as it writes them (every other path: from the result after it)."""
+    which takes ``maxima`` as it writes them (every other path: from the result after it), and with
+    ``store_logits`` False writes none of them (:func:`pypto_kernels.native.panel_linear`)."""
     if maxima is not None and not float_out:
         raise ValueError("maxima are those of a float32 result: pass float_out=True")
-    out, taken = _packed_linear(x, weight, bias, float_out, maxima)
+    out, taken = _packed_linear(x, weight, bias, float_out, maxima, store_logits=store_logits)
     wide = out.float() if float_out else out  # a float32 result is returned as it is
     if maxima is not None and not taken:
         fill_maxima(wide, maxima, float_out)
@@ -286,9 +288,11 @@ def _packed_linear(
     bias: torch.Tensor | None,
     logits: bool,
     maxima: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    store_logits: bool = True,
 ) -> tuple[torch.Tensor, bool]:
     """The product, and whether it filled ``maxima`` (the panels product and the one-row GEMV take a
-    logits product's as they go)."""
+    logits product's as they go; the panels product stores no logits where ``store_logits`` is False)."""
     if not isinstance(weight, PackedLinearWeight):
         return transposed_linear(x, weight, bias), False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -303,7 +307,15 @@ def _packed_linear(
         return _plain_linear(x, weight.plain(), bias), False
     out: torch.Tensor
     if weight.library == "panels":
-        out = native.panel_linear(x, weight.packed, weight.out_features, bias, logits=logits, maxima=flat)
+        out = native.panel_linear(
+            x,
+            weight.packed,
+            weight.out_features,
+            bias,
+            logits=logits,
+            maxima=flat,
+            store_logits=store_logits or flat is None,
+        )
         return out, flat is not None
     if weight.library == "mkl":
         out = torch.ops.mkl._mkl_linear(x, weight.packed, weight.plain(), bias, weight.max_rows)
@@ -358,6 +370,7 @@ def supports_linear(
     *,
     float_out: bool = False,
     maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
+    store_logits: bool = True,
 ) -> bool:
     if isinstance(weight, torch.Tensor):
         return transposed_rule(x, weight, bias)

@@ -201,9 +201,10 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 vf v = a[r][j] + (bias ? vload_bf16((const uint16_t *)bias + 16 * j) : (vf){0});
-                if (narrow == WIDE)
-                    store16((float *)dst + r * ds + 16 * j, o[j] = wide_bf16x16(v), nt_store);
-                else
+                if (narrow == WIDE) {
+                    o[j] = wide_bf16x16(v);
+                    if (dst) store16((float *)dst + r * ds + 16 * j, o[j], nt_store);
+                } else
                     store_bf16x16((uint16_t *)dst + r * ds + 16 * j, v);
             }
             if (fold && narrow == WIDE) fold_window(o, c0, fold->bv + row + r, fold->bi + row + r);
@@ -215,9 +216,10 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
         if (r >= mr) continue;
         vf o[4];
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++)
-            store16((float *)dst + r * ds + 16 * j,
-                    o[j] = bias ? a[r][j] + vload((const float *)bias + 16 * j) : a[r][j], nt_store);
+        for (int j = 0; j < 4; j++) {
+            o[j] = bias ? a[r][j] + vload((const float *)bias + 16 * j) : a[r][j];
+            if (dst) store16((float *)dst + r * ds + 16 * j, o[j], nt_store);
+        }
         if (fold) fold_window(o, c0, fold->bv + row + r, fold->bi + row + r);
     }
 }
@@ -274,23 +276,24 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
             float *part = buf + (r - r0) * NR;
-            void *dst = direct ? (char *)out + (r * os + c0) * out_size : (void *)part;
+            void *dst = !direct ? (void *)part : out ? (char *)out + (r * os + c0) * out_size : NULL;
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
             tile_fn fn = stream ? STREAM[kind] : TILES[kind][r == r0][mr];
             fn((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b,
                direct ? store : 0, direct && nt_store, direct ? fold : NULL, r, c0);
             if (!last || direct) continue;
             for (int i = 0; i < mr; i++) { /* the last partial panel's real outputs */
+                float unstored[NR]; /* logits that are not stored: their maxima are taken from here */
+                void *o = out ? (char *)out + ((r + i) * os + c0) * out_size : (void *)unstored;
                 if (kind == ELEM_BF16) {
                     const uint16_t *bb = bias ? (const uint16_t *)bias + c0 : NULL;
-                    row_to_bf16((char *)out + ((r + i) * os + c0) * out_size, wide, part + i * NR, bb, cols);
+                    row_to_bf16(o, wide, part + i * NR, bb, cols);
                 } else {
-                    float *o = (float *)out + (r + i) * os + c0;
                     for (int64_t j = 0; j < cols; j++)
-                        o[j] = bias ? part[i * NR + j] + ((const float *)bias)[c0 + j] : part[i * NR + j];
+                        ((float *)o)[j] = bias ? part[i * NR + j] + ((const float *)bias)[c0 + j] : part[i * NR + j];
                 }
                 if (fold) /* wide here: the row's float32 logits, just written */
-                    fold_scan((const float *)out + (r + i) * os + c0, cols, c0, fold->bv + r + i, fold->bi + r + i);
+                    fold_scan((const float *)o, cols, c0, fold->bv + r + i, fold->bi + r + i);
             }
         }
     }
@@ -300,7 +303,7 @@ static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void
                        void *out, int64_t os, int64_t m, int64_t n, int64_t k, float *row_max, int64_t *row_arg,
                        int threads) {
     /* wide: float32 logits, stored non-temporally where every full panel's stores are 64-byte aligned */
-    int nt_store = wide && (uintptr_t)out % 64 == 0 && os % 16 == 0;
+    int nt_store = wide && out && (uintptr_t)out % 64 == 0 && os % 16 == 0;
     int64_t rows = kind == ELEM_BF16 ? k / 2 : k; /* panel rows */
     int64_t count = (n + NR - 1) / NR, blocks = (m + MC - 1) / MC, items = count * blocks;
     /* Each thread's best of every row over its panels (a contiguous range: panel order) */
@@ -365,7 +368,9 @@ void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, c
  * output rounded to bfloat16 as ever, stored widened, exactly; no widening pass after it), stored past
  * the caches (stream16) where its rows are 64-byte aligned. With row_max and row_arg (NULL: not
  * taken): each row's maximum logit and its first index (its first NaN where it has one), taken from
- * each window of logits as it is written, the logits then stored through the caches. */
+ * each window of logits in the registers as it is computed; out may then be NULL, and the logits are
+ * not stored at all (a greedy step that reads nothing else of them: the stores took 3-4 % of a 64-row
+ * Qwen3-shaped product with 256 inputs on the Zen 4 EPYC of docs/benchmarks.md). */
 void pypto_panel_gemm_logits(int kind, const void *x, int64_t xs, const void *panels, const void *bias, float *out,
                              int64_t os, int64_t m, int64_t n, int64_t k, float *row_max, int64_t *row_arg,
                              int threads) {

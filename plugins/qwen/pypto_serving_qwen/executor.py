@@ -483,8 +483,10 @@ class QwenExecutor(Executor):
         if self.lora is not None:
             self.lora.onehot = self._lora_onehot(batch)
         with torch.inference_mode():
+            # A step that reads only the maxima leaves the logits unwritten where the product can.
+            store = self._maxima is None or not batch.maxima_only
             logits: torch.Tensor = self.model(
-                batch.input_ids, batch.positions, meta, self.kv_caches, batch.logits_indices, self._maxima
+                batch.input_ids, batch.positions, meta, self.kv_caches, batch.logits_indices, self._maxima, store
             )
         return logits
 

@@ -736,11 +736,12 @@ class QwenForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         logits_indices: torch.Tensor,
         maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
+        store_logits: bool = True,
     ) -> torch.Tensor:
         """Float32 logits ``[len(logits_indices), vocab]``; writes this step's K/V into ``kv_caches``.
-        ``maxima``: filled as :meth:`logits` fills them."""
+        ``maxima`` and ``store_logits``: as :meth:`logits` takes them."""
         hidden, residual = self.hidden_states(input_ids, positions, meta, kv_caches)
-        return self.logits(hidden[logits_indices], residual[logits_indices], maxima)
+        return self.logits(hidden[logits_indices], residual[logits_indices], maxima, store_logits)
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]
@@ -832,18 +833,24 @@ class QwenForCausalLM(nn.Module):
         return head is not None and self.shards.ctx.world_size == 1 and K.linear_takes_maxima(rows, head)
 
     def logits(
-        self, hidden: torch.Tensor, residual: torch.Tensor, maxima: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
+        store_logits: bool = True,
     ) -> torch.Tensor:
         """Float32 logits of the rows given: the final norm and the (vocab-sized) output projection,
         only for the sampled rows; each rank's vocabulary slice is gathered into the full rows.
         ``maxima`` (where :meth:`takes_maxima`): float32 and int64 ``[rows]`` tensors, filled with each
-        row's ``amax`` and ``argmax`` by the output projection as it writes the logits."""
+        row's ``amax`` and ``argmax`` by the output projection as it writes the logits. ``store_logits``
+        False (with ``maxima``): only the maxima are read, and the product may write no logits and
+        return ``[rows, 0]`` (:func:`pypto_kernels.linear`)."""
         hidden, _ = K.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         if maxima is not None:
             if not self.takes_maxima(hidden.shape[0]):
                 raise ValueError(f"this output projection takes no maxima of {hidden.shape[0]} rows")
             assert self.lm_head_packed is not None
-            return K.linear(hidden, self.lm_head_packed, float_out=True, maxima=maxima)
+            return K.linear(hidden, self.lm_head_packed, float_out=True, maxima=maxima, store_logits=store_logits)
         if self.lm_head_q is not None:
             logits: torch.Tensor = K.quant_linear(hidden, self.lm_head_q)
         elif self.lm_head_packed is not None:

@@ -130,7 +130,9 @@ def test_greedy_steps_take_the_maxima_the_output_projection_writes(
 ) -> None:
     """With the native panels, a greedy step's argmax is taken by the output projection as it writes
     the logits: every greedy step whose row count its panels take (``takes_maxima``) hands the sampler
-    maxima equal to the logits' ``amax`` and ``argmax``, the others none; the tokens stay transformers'."""
+    maxima equal to the logits' ``amax`` and ``argmax``, the others none; a step that reads only the
+    maxima (``maxima_only``, every other such step here) gets no logits written (``[rows, 0]``); the
+    tokens stay transformers'."""
     import pypto_kernels as K
     from pypto_serving_qwen.executor import QwenExecutor
 
@@ -141,12 +143,17 @@ def test_greedy_steps_take_the_maxima_the_output_projection_writes(
     execute, maxima = QwenExecutor.execute, QwenExecutor.logits_maxima
 
     def spy(self: QwenExecutor, batch: Any) -> torch.Tensor:
+        assert batch.maxima_only == batch.greedy_maxima  # greedy requests that read nothing else
+        batch.maxima_only = batch.maxima_only and len(steps) % 2 == 0
         logits = execute(self, batch)
         got = maxima(self)
+        rows = batch.logits_indices.shape[0]
         if batch.greedy_maxima:
-            assert self.model is not None and (got is not None) == self.model.takes_maxima(logits.shape[0])
-            steps.append((logits.shape[0], got is not None))
-        if got is not None:
+            assert self.model is not None and (got is not None) == self.model.takes_maxima(rows)
+            steps.append((rows, got is not None))
+        if got is not None and batch.maxima_only:
+            assert logits.shape == (rows, 0)  # nothing written: the sampler reads the maxima only
+        elif got is not None:
             assert torch.equal(got[0], logits.amax(-1)) and torch.equal(got[1], logits.argmax(-1))
         return logits
 
@@ -155,6 +162,7 @@ def test_greedy_steps_take_the_maxima_the_output_projection_writes(
     llm = make_llm(path, max_num_seqs=8, executor_options={"cpu_linear": "panels"})
     assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
     assert sum(taken for _, taken in steps) >= MAX_TOKENS - 1  # the 8-row decode steps at least
+    assert sum(taken for _, taken in steps[::2]) >= (MAX_TOKENS - 1) // 2  # half of them unwritten
 
 
 def test_chunked_prefill(
