@@ -412,8 +412,8 @@ class ModelRunner:
         """Build the batch, run the forward, queue the sampling: everything before the host read."""
         step.batch, step.rows = self._build_batch(step.cmd.entries)
         step.batch.greedy_maxima = _greedy_maxima(step.rows)
-        masks = self._start_masks(step.rows)
         step.params = self._row_params(step.rows)
+        masks = self._start_masks(step.rows)
         step.batch.maxima_only = step.batch.greedy_maxima and masks is None and plain_greedy(step.params)
         try:
             with phase("forward"):
