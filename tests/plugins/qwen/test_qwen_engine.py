@@ -102,7 +102,11 @@ def test_greedy_matches_transformers(
 ) -> None:
     path = qwen_checkpoints(name)
     prompts = _prompts(320, PROMPT_LENGTHS, seed=10)
-    assert _generate(make_llm(path), prompts) == _hf_greedy(hf_reference(path), prompts)
+    llm = make_llm(path)
+    assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
+    # The cos/sin rows came from the model's table (RopeTable), grown to the longest sequence.
+    model = llm.engine.worker._runner.executor.model
+    assert model.rope_table.rows >= max(PROMPT_LENGTHS) + MAX_TOKENS
 
 
 @pytest.mark.parametrize("library", ["mkl", "onednn"])
