@@ -436,14 +436,17 @@ static void prefetch_item_start(const Cache *k, const Cache *v, const int64_t *t
     }
 }
 
-/* Thread me's items [*lo, *hi) of team: contiguous, split where the keys read (plus a fixed cost an
+/* An item's fixed work (its offsets, softmax, output) counted as this many keys when splitting. */
+enum { ITEM_KEYS = 32 };
+
+/* Thread me's items [*lo, *hi) of team: contiguous, split where the keys read (plus ITEM_KEYS an
  * item) cross each thread's share, so a thread knows its next item and the work is balanced. */
 static void item_range(const int64_t *counts, int64_t n, int64_t heads, int64_t team, int64_t me, int64_t *lo,
                        int64_t *hi) {
     int64_t total = 0, items = n * heads;
-    for (int64_t i = 0; i < n; i++) total += (counts[i] + 32) * heads;
+    for (int64_t i = 0; i < n; i++) total += (counts[i] + ITEM_KEYS) * heads;
     *lo = *hi = items;
-    for (int64_t item = 0, cost = 0; item < items; cost += counts[item / heads] + 32, item++) {
+    for (int64_t item = 0, cost = 0; item < items; cost += counts[item / heads] + ITEM_KEYS, item++) {
         int64_t owner = total ? cost * team / total : 0; /* the thread whose share this item starts in */
         if (owner == me && *lo == items) *lo = item;
         if (owner > me) {
