@@ -44,13 +44,25 @@ def _case(rows: int, out: int, inner: int, seed: int) -> tuple[torch.Tensor, tor
 @needs_native
 @pytest.mark.parametrize(
     ("rows", "out", "inner"),
-    [(1, 1, 1), (1, 64, 16), (2, 63, 7), (5, 65, 100), (6, 128, 64), (7, 200, 513), (13, 300, 33), (97, 70, 1100)],
+    [
+        (1, 1, 1),
+        (1, 64, 16),
+        (2, 63, 7),
+        (5, 65, 100),
+        (6, 128, 64),
+        (7, 200, 513),
+        (13, 300, 33),
+        (23, 130, 600),
+        (64, 200, 40),
+        (97, 70, 1100),
+    ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_product_is_the_documented_chain(rows: int, out: int, inner: int, with_bias: bool) -> None:
     """Bitwise the fused multiply-add chain in input order (tiles of 1-6 rows, a partial last panel,
-    an input count past the 512-input block and a row count past the 96-row block), and within float
-    rounding of a float64 product."""
+    an input count past the 512-input block and a row count past the 96-row block; blocks of one, four
+    and eight or more tiles, which prefetch differently), and within float rounding of a float64
+    product."""
     x, w, bias = _case(rows, out, inner, seed=rows * 7919 + out * 31 + inner)
     b = bias if with_bias else None
     got = native.panel_linear(x, native.pack_panels(w), out, b)
@@ -172,7 +184,8 @@ def _dot_chain(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
 
 @needs_native
 @pytest.mark.parametrize(
-    ("rows", "out", "inner"), [(1, 64, 2), (2, 63, 16), (7, 200, 514), (13, 130, 96), (97, 70, 1100)]
+    ("rows", "out", "inner"),
+    [(1, 64, 2), (2, 63, 16), (7, 200, 514), (13, 130, 96), (23, 200, 1100), (64, 130, 256), (97, 70, 1100)],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bfloat16_panel_product_is_the_documented_chain(rows: int, out: int, inner: int, with_bias: bool) -> None:

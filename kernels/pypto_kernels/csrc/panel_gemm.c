@@ -19,8 +19,16 @@
  * a bit of the result: a row's output depends only on that row, whatever the batch and the threads.
  *
  * Work: (panel, block of MC rows) items, panel by panel, split in contiguous ranges over the threads;
- * within one, the panel's block of KC rows stays in the core's L2 across the block's tiles, and the
- * first tile prefetches it PANEL_PREFETCH bytes ahead (the next panel follows in memory). A one-row
+ * within one, the panel's block of KC rows stays in the core's L2 across the block's tiles. A block of
+ * four or more tiles prefetches the next block's bytes (the memory right after it: the panel's next KC
+ * rows or the next panel, what the thread reads next) while it computes, a quarter or an eighth of them
+ * by each of its first four or eight tiles, a line every iteration or every other: the demand on
+ * memory stays spread over the whole block. Prefetched in one burst by the first tile (as a block of one
+ * to three tiles still does, PANEL_PREFETCH bytes ahead of itself), a core asked for 32 KiB within
+ * ~1 µs, more lines than it can have in flight, and that tile waited: on the Zen 4 EPYC of
+ * docs/benchmarks.md spreading the prefetches made 64-row bfloat16 products 1.07-1.11x faster (a
+ * Qwen3-shaped 151,936-word head with 256 inputs 381 -> 417 GFLOP/s on two threads), 32-row ones
+ * 1.1-1.2x, 256 rows and more 1.01-1.02x. A one-row
  * product (a concurrency-1 decode step) reuses nothing it reads: its tiles prefetch STREAM_PREFETCH
  * bytes ahead, non-temporally, so the layers' weights streaming past do not evict from L2 and L3 what
  * the rest of the step reads (on the EPYC of docs/benchmarks.md a Qwen3-0.6B bfloat16 decode token
@@ -34,6 +42,11 @@
 #include "common.h"
 
 enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, STREAM_PREFETCH = 4096, ROW_BYTES = 256 };
+/* What a tile prefetches each iteration (one panel row): nothing; four lines PANEL_PREFETCH ahead into
+ * every cache level (the first tile of a block of one to three); one line, or one every other
+ * iteration, of its share of the next block from pfp (the first four or eight tiles of a larger
+ * block); four lines STREAM_PREFETCH ahead non-temporally (a one-row product's only tile). */
+enum { PF_NONE, PF_AHEAD, PF_LINE, PF_HALF_LINE, PF_STREAM };
 /* How a tile stores its finished sums: as float32 (0), rounded to bfloat16, or rounded to bfloat16
  * and stored widened to float32. */
 enum { NARROW = 1, WIDE = 2 };
@@ -163,13 +176,13 @@ static inline void fold_window(const vf o[4], int64_t c0, float *bv, int64_t *bi
  * k0 .. k1 - 1 (inputs, or bfloat16 input pairs): the sums continue from src (row stride NR; NULL:
  * from zero) and go to dst (row stride ds), plus bias (64 values) if given, stored as narrow says (0:
  * float32; NARROW, WIDE: bfloat16 sums and bias, rounded), non-temporally where nt_store (float32
- * stores only; dst 64-byte aligned). pf: 0 no prefetches, 1
- * PANEL_PREFETCH ahead into every cache level, 2 STREAM_PREFETCH ahead non-temporally. kind, mr and
- * pf are constants in each specialisation below, so the accumulators live in registers. */
+ * stores only; dst 64-byte aligned). pf: one of PF_* (pfp: where PF_LINE and PF_HALF_LINE start).
+ * kind, mr and pf are constants in each specialisation below, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf, const void *x, int64_t xs,
                                                        const void *w, int64_t k0, int64_t k1, const float *src,
                                                        void *dst, int64_t ds, const void *bias, int narrow,
-                                                       int nt_store, const Fold *fold, int64_t row, int64_t c0) {
+                                                       int nt_store, const Fold *fold, int64_t row, int64_t c0,
+                                                       const char *pfp) {
     vf a[MR][4];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++)
@@ -179,9 +192,13 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
     const char *wk = (const char *)w + k0 * ROW_BYTES;
 #pragma GCC unroll 4
     for (int64_t kk = k0; kk < k1; kk++, wk += ROW_BYTES) {
-        if (pf == 1)
+        if (pf == PF_AHEAD)
             for (int line = 0; line < 4; line++) __builtin_prefetch(wk + PANEL_PREFETCH + 64 * line, 0, 3);
-        else if (pf == 2)
+        else if (pf == PF_LINE)
+            __builtin_prefetch(pfp + (kk - k0) * 64, 0, 3);
+        else if (pf == PF_HALF_LINE && !((kk - k0) & 1))
+            __builtin_prefetch(pfp + (kk - k0) * 32, 0, 3);
+        else if (pf == PF_STREAM)
             for (int line = 0; line < 4; line++) __builtin_prefetch(wk + STREAM_PREFETCH + 64 * line, 0, 0);
         const float *row = (const float *)wk;
         vf w0 = vload(row), w1 = vload(row + 16), w2 = vload(row + 32), w3 = vload(row + 48);
@@ -225,27 +242,28 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
 }
 
 typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, const float *, void *, int64_t,
-                        const void *, int, int, const Fold *, int64_t, int64_t);
+                        const void *, int, int, const Fold *, int64_t, int64_t, const char *);
 
 #define TILE(kind, mr, pf)                                                                                     \
     static void tile_##kind##_##mr##_##pf(const void *x, int64_t xs, const void *w, int64_t k0, int64_t k1,   \
                                           const float *src, void *dst, int64_t ds, const void *bias,           \
                                           int narrow, int nt_store, const Fold *fold, int64_t row,             \
-                                          int64_t c0) {                                                        \
-        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias, narrow, nt_store, fold, row, c0);             \
+                                          int64_t c0, const char *pfp) {                                       \
+        tile(kind, mr, pf, x, xs, w, k0, k1, src, dst, ds, bias, narrow, nt_store, fold, row, c0, pfp);        \
     }
+#define TILES_WITH(kind, pf)                                                                                   \
+    TILE(kind, 1, pf) TILE(kind, 2, pf) TILE(kind, 3, pf) TILE(kind, 4, pf) TILE(kind, 5, pf) TILE(kind, 6, pf)
 #define TILES_OF(kind)                                                                                         \
-    TILE(kind, 1, 0) TILE(kind, 2, 0) TILE(kind, 3, 0) TILE(kind, 4, 0) TILE(kind, 5, 0) TILE(kind, 6, 0)      \
-    TILE(kind, 1, 1) TILE(kind, 2, 1) TILE(kind, 3, 1) TILE(kind, 4, 1) TILE(kind, 5, 1) TILE(kind, 6, 1)      \
-    TILE(kind, 1, 2)
+    TILES_WITH(kind, 0) TILES_WITH(kind, 1) TILES_WITH(kind, 2) TILES_WITH(kind, 3) TILE(kind, 1, 4)
 TILES_OF(0)
 TILES_OF(1)
 #define ROW_OF(kind, pf)                                                                                       \
     {0, tile_##kind##_1_##pf, tile_##kind##_2_##pf, tile_##kind##_3_##pf, tile_##kind##_4_##pf,                \
      tile_##kind##_5_##pf, tile_##kind##_6_##pf}
-/* TILES[kind][prefetch][rows]; STREAM[kind]: a one-row product's tile (non-temporal prefetches) */
-static const tile_fn TILES[2][2][MR + 1] = {{ROW_OF(0, 0), ROW_OF(0, 1)}, {ROW_OF(1, 0), ROW_OF(1, 1)}};
-static const tile_fn STREAM[2] = {tile_0_1_2, tile_1_1_2};
+#define PREFETCHES_OF(kind) {ROW_OF(kind, 0), ROW_OF(kind, 1), ROW_OF(kind, 2), ROW_OF(kind, 3)}
+/* TILES[kind][pf][rows] (pf: PF_NONE .. PF_HALF_LINE); STREAM[kind]: a one-row product's tile */
+static const tile_fn TILES[2][PF_STREAM][MR + 1] = {PREFETCHES_OF(0), PREFETCHES_OF(1)};
+static const tile_fn STREAM[2] = {tile_0_1_4, tile_1_1_4};
 
 /* One row's first cols < NR float32 sums (+ bias, bfloat16, widened, or zero) rounded into bfloat16
  * outputs (wide: those stored as float32): the last panel's, where it is partial. */
@@ -262,7 +280,8 @@ static void row_to_bf16(void *out, int wide, const float *sums, const uint16_t *
 /* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows
  * (stream: the product's only row, its tiles prefetching non-temporally; wide: the logits entry's
  * float32 outputs, a bfloat16 product's rounded then widened, the full panels' stored non-temporally
- * where nt_store); buf holds MC x NR partial sums. A full panel's last block goes from the registers straight to out, bias added (bfloat16: then
+ * where nt_store); buf holds MC x NR partial sums. A full panel's last block goes from the registers
+ * straight to out, bias added (bfloat16: then
  * rounded; through buf and a scalar pass the rounding took about a fifth of a 6-row tile's time where
  * the matrix has 256 inputs). */
 static void panel_block(int kind, int wide, const void *x, int64_t xs, const void *w, const void *bias, void *out,
@@ -270,17 +289,23 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
                         int nt_store, const Fold *fold, float *buf) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4, out_size = wide ? 4 : size;
     int store = kind == ELEM_BF16 ? (wide ? WIDE : NARROW) : 0;
+    int64_t tiles = (r1 - r0 + MR - 1) / MR, share = tiles >= 8 ? 8 : tiles >= 4 ? 4 : 1;
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += KC) {
         int64_t k1 = k0 + KC < k ? k0 + KC : k;
         int last = k1 == k, direct = last && cols == NR;
+        /* the next block's bytes, right after this one's: tile t < share prefetches part t of them */
+        const char *next = (const char *)w + k1 * ROW_BYTES;
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
+            int64_t t = (r - r0) / MR;
+            int pf = t >= share ? PF_NONE : share == 8 ? PF_HALF_LINE : share == 4 ? PF_LINE : PF_AHEAD;
             float *part = buf + (r - r0) * NR;
             void *dst = !direct ? (void *)part : out ? (char *)out + (r * os + c0) * out_size : NULL;
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
-            tile_fn fn = stream ? STREAM[kind] : TILES[kind][r == r0][mr];
+            tile_fn fn = stream ? STREAM[kind] : TILES[kind][pf][mr];
+            const char *pfp = next + t * (k1 - k0) * ROW_BYTES / share;
             fn((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b,
-               direct ? store : 0, direct && nt_store, direct ? fold : NULL, r, c0);
+               direct ? store : 0, direct && nt_store, direct ? fold : NULL, r, c0, pfp);
             if (!last || direct) continue;
             for (int i = 0; i < mr; i++) { /* the last partial panel's real outputs */
                 float unstored[NR]; /* logits that are not stored: their maxima are taken from here */
