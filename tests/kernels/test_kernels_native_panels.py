@@ -313,6 +313,42 @@ def test_logits_maxima_are_each_rows_first_maximum(
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 6, 64])
+def test_unstored_bfloat16_maxima_compare_the_rounded_logits(rows: int) -> None:
+    """Logits that are a maximum only once rounded to bfloat16: outputs 0 and 300 (panels 0 and 4) sum
+    to float32 values a little apart that round to the same largest bfloat16 logit. With the logits
+    unstored, each row's maximum is still the lowest index of the rounded maximum (as over the stored
+    logits), also where output 300's float32 sum is the larger one (the rows checked to hold both
+    kinds), on one thread and on two."""
+    out, inner = 301, 64
+    x, w, bias = _case(rows, out, inner, seed=rows + 5)
+    x[:, 0] = torch.tensor([1.0, -1.0]).repeat(rows)[:rows]  # odd rows: output 0's sum the larger
+    x[:, 1:] *= 2.0**-12  # the other inputs' products far below a bfloat16 step of the largest logits
+    w[out - 1] = w[0]
+    w[0, 0], w[out - 1, 0] = 0.5, 0.5 + 2.0**-6  # sums 50.5 and 50.515625: both round to 50.5
+    bias[0] = bias[out - 1] = 50.0
+    x, w, bias = x.to(torch.bfloat16), w.to(torch.bfloat16), bias.to(torch.bfloat16)
+    panels = native.pack_panels(w)
+    stored = native.panel_linear(x, panels, out, bias, logits=True)
+    exact = F.linear(x.double(), w.double(), bias.double())
+    tied = (stored[:, 0] == stored[:, out - 1]) & (stored[:, 0] == stored.amax(dim=1))
+    later_larger = tied & (exact[:, out - 1] > exact[:, 0])
+    assert bool(later_larger.any()), "no row whose later output is larger only before rounding"
+    expected_peaks, expected_where = _first_maxima(stored)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            peak, index = torch.empty(rows), torch.empty(rows, dtype=torch.long)
+            native.panel_linear(x, panels, out, bias, logits=True, maxima=(peak, index), store_logits=False)
+            assert index.tolist() == expected_where
+            assert peak.tolist() == expected_peaks
+            assert all(index[later_larger] == 0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
 def test_linear_fills_maxima_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """``linear(..., float_out=True, maxima=...)`` fills each row's ``amax`` and ``argmax`` of its
     float32 result on every path: the panels and the one-row GEMV beside a held matrix take them as

@@ -149,8 +149,12 @@ static void fold_scan(const float *x, int64_t n, int64_t c0, float *bv, int64_t 
 }
 
 /* fold_scan of a full window held in four vectors: compared at once, scanned only where the window
- * holds a NaN or beats the best (a few windows of a row). */
-static inline void fold_window(const vf o[4], int64_t c0, float *bv, int64_t *bi) {
+ * holds a NaN or beats the best (a few windows of a row). round: the window's values are rounded to
+ * bfloat16 (and widened) first, the logits a bfloat16 product leaves unstored: only the window's
+ * maximum is rounded for the comparison, since rounding never reverses an order (the rounded window's
+ * maximum is the rounded maximum), and the whole window only where it is scanned. */
+static inline __attribute__((always_inline)) void fold_window(const vf o[4], int round, int64_t c0, float *bv,
+                                                              int64_t *bi) {
     if (*bi >= 0 && *bv != *bv) return; /* as fold_scan */
     int scan = *bi < 0;
 #if defined(__AVX512F__)
@@ -160,6 +164,12 @@ static inline void fold_window(const vf o[4], int64_t c0, float *bv, int64_t *bi
         /* unordered: a NaN in either operand (the maxima below drop NaNs) */
         __mmask16 nan = _mm512_cmp_ps_mask(v[0], v[1], _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v[2], v[3], _CMP_UNORD_Q);
         __m512 top = _mm512_max_ps(_mm512_max_ps(v[0], v[1]), _mm512_max_ps(v[2], v[3]));
+        if (round) {
+            vf t;
+            memcpy(&t, &top, sizeof t);
+            t = wide_bf16x16(t);
+            memcpy(&top, &t, sizeof top);
+        }
         scan = nan || _mm512_cmp_ps_mask(top, _mm512_set1_ps(*bv), _CMP_GT_OQ);
     }
 #else
@@ -167,7 +177,10 @@ static inline void fold_window(const vf o[4], int64_t c0, float *bv, int64_t *bi
 #endif
     if (scan) {
         float x[NR];
-        memcpy(x, o, sizeof x);
+        for (int j = 0; j < 4; j++) { /* the window's values as the logits would be stored */
+            vf w = round ? wide_bf16x16(o[j]) : o[j];
+            memcpy(x + 16 * j, &w, sizeof w);
+        }
         fold_scan(x, NR, c0, bv, bi);
     }
 }
@@ -218,13 +231,15 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 vf v = a[r][j] + (bias ? vload_bf16((const uint16_t *)bias + 16 * j) : (vf){0});
-                if (narrow == WIDE) {
+                if (narrow == WIDE && !dst)
+                    o[j] = v; /* unstored: fold_window rounds what it compares */
+                else if (narrow == WIDE) {
                     o[j] = wide_bf16x16(v);
-                    if (dst) store16((float *)dst + r * ds + 16 * j, o[j], nt_store);
+                    store16((float *)dst + r * ds + 16 * j, o[j], nt_store);
                 } else
                     store_bf16x16((uint16_t *)dst + r * ds + 16 * j, v);
             }
-            if (fold && narrow == WIDE) fold_window(o, c0, fold->bv + row + r, fold->bi + row + r);
+            if (fold && narrow == WIDE) fold_window(o, !dst, c0, fold->bv + row + r, fold->bi + row + r);
         }
         return;
     }
@@ -237,7 +252,7 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
             o[j] = bias ? a[r][j] + vload((const float *)bias + 16 * j) : a[r][j];
             if (dst) store16((float *)dst + r * ds + 16 * j, o[j], nt_store);
         }
-        if (fold) fold_window(o, c0, fold->bv + row + r, fold->bi + row + r);
+        if (fold) fold_window(o, 0, c0, fold->bv + row + r, fold->bi + row + r);
     }
 }
 
