@@ -272,6 +272,10 @@ typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, c
     TILES_WITH(kind, 0) TILES_WITH(kind, 1) TILES_WITH(kind, 2) TILES_WITH(kind, 3) TILE(kind, 1, 4)
 TILES_OF(0)
 TILES_OF(1)
+/* The specialisations are named by the literal pf values 0 .. 4 (token pasting takes no enum): they
+ * must be the PF_* values, in order. */
+_Static_assert(PF_NONE == 0 && PF_AHEAD == 1 && PF_LINE == 2 && PF_HALF_LINE == 3 && PF_STREAM == 4,
+               "tile specialisations are named by the PF_* values");
 #define ROW_OF(kind, pf)                                                                                       \
     {0, tile_##kind##_1_##pf, tile_##kind##_2_##pf, tile_##kind##_3_##pf, tile_##kind##_4_##pf,                \
      tile_##kind##_5_##pf, tile_##kind##_6_##pf}
