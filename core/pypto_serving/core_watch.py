@@ -77,13 +77,15 @@ def read_core_busy() -> dict[int, int]:
     return busy
 
 
-def read_own_threads() -> dict[int, tuple[int, int]]:
-    """Per thread of this process: the CPU it last ran on and the clock ticks it has run
-    (``/proc/self/task/*/stat``); a pinned thread runs on one CPU only, so its CPU is exact."""
+def read_own_threads(pid: int | None = None) -> dict[int, tuple[int, int]]:
+    """Per thread of this process (of process ``pid`` if given): the CPU it last ran on and the clock
+    ticks it has run (``/proc/<pid>/task/*/stat``); a pinned thread runs on one CPU only, so its CPU
+    is exact."""
+    proc = "self" if pid is None else str(pid)
     own: dict[int, tuple[int, int]] = {}
-    for tid in os.listdir("/proc/self/task"):
+    for tid in os.listdir(f"/proc/{proc}/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
+            with open(f"/proc/{proc}/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # the thread ended between the listing and the read
             continue

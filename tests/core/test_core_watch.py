@@ -152,6 +152,24 @@ def _machine_is_quiet() -> bool:
     return all((after[c] - before[c]) / span < 0.2 for c in TWO_CORES)
 
 
+@contextmanager
+def _third_party_share(core: int, worker: int) -> Iterator[list[float]]:
+    """The share of ``core`` that processes other than this one and ``worker`` used while the block
+    ran, at least (the yielded list holds it afterwards): the core's busy time less the worker's
+    threads' time there (pinned, so exact) and less all of this process's time wherever it ran."""
+    from pypto_serving.core_watch import _own_per_core, read_core_busy, read_own_threads
+
+    share: list[float] = []
+    busy, threads, start, mine = read_core_busy()[core], read_own_threads(worker), time.monotonic(), os.times()
+    yield share
+    worker_there = _own_per_core(read_own_threads(worker), threads).get(core, 0)
+    after = os.times()
+    hz = os.sysconf("SC_CLK_TCK")
+    ours = (after.user + after.system - mine.user - mine.system) * hz
+    span = (time.monotonic() - start) * hz
+    share.append((read_core_busy()[core] - busy - worker_there - ours) / span)
+
+
 @needs_two_cores
 def test_the_spawned_worker_sheds_a_busy_core(make_llm: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """``worker_shed_busy_cores`` reaches the spawned worker pinned to two cores: beside a busy loop on
@@ -174,15 +192,19 @@ def test_the_spawned_worker_sheds_a_busy_core(make_llm: Callable[..., Any], monk
             worker_shed_busy_cores="on" if shed else "auto",
         )
         pid = llm.engine.worker._proc.pid
-        with _busy_loop_on(first):
+        with _busy_loop_on(first), _third_party_share(second, pid) as third_party:
             # Shed within a few half-second windows; left alone for three of them when off.
             deadline = time.monotonic() + (8 if shed else 1.6)
             while time.monotonic() < deadline:
                 llm.generate([[1, 2, 3]], params, use_tqdm=False)
                 if os.sched_getaffinity(pid) == {second}:
                     break
-            assert os.sched_getaffinity(pid) == ({second} if shed else {first})
+        kept = os.sched_getaffinity(pid)
         llm.shutdown()
+        if shed and kept != {second} and third_party[0] > 0.15:
+            # A window in which both cores are busy sheds nothing (test_next_shed), rightly.
+            pytest.skip(f"another process used {third_party[0]:.0%} of the second core meanwhile")
+        assert kept == ({second} if shed else {first})
 
 
 @pytest.mark.parametrize(
