@@ -313,6 +313,38 @@ def test_logits_maxima_are_each_rows_first_maximum(
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [6, 97])
+@pytest.mark.parametrize("pattern", ["ties", "nan"])
+def test_maxima_across_fixed_and_claimed_items(dtype: torch.dtype, rows: int, pattern: str) -> None:
+    """Two threads split the first three quarters of a product's items (of 64 or more) in advance and
+    claim the rest as they finish (either may take the last panel): two equal maxima, or two NaNs, one
+    in the second thread's fixed range (panel 30 of 64) and one in the last panel give the lower index
+    whichever thread took the last panel. Thirty products on two threads, so both claim orders occur."""
+    x, w, bias = _case(rows, 4096, 32, seed=rows)
+    early, late = 64 * 30 + 5, 64 * 63 + 9
+    if pattern == "ties":
+        w[late] = w[early]
+        bias[early] = bias[late] = 50.0
+    else:
+        w[early, 0] = w[late, 0] = float("nan")
+    x, w, bias = x.to(dtype), w.to(dtype), bias.to(dtype)
+    panels = native.pack_panels(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        plain = native.panel_linear(x, panels, 4096, bias, logits=True)
+        torch.set_num_threads(2)
+        for _ in range(30):
+            peak, index = torch.empty(rows), torch.empty(rows, dtype=torch.long)
+            got = native.panel_linear(x, panels, 4096, bias, logits=True, maxima=(peak, index))
+            torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)
+            assert index.tolist() == [early] * rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [1, 6, 64])
 def test_unstored_bfloat16_maxima_compare_the_rounded_logits(rows: int) -> None:
     """Logits that are a maximum only once rounded to bfloat16: outputs 0 and 300 (panels 0 and 4) sum

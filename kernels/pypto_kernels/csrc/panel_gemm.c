@@ -18,10 +18,19 @@
  * between blocks of KC rows are reloaded exactly, so no blocking, tile height or thread split changes
  * a bit of the result: a row's output depends only on that row, whatever the batch and the threads.
  *
- * Work: (panel, block of MC rows) items, panel by panel, split in contiguous ranges over the threads;
- * within one, the panel's block of KC rows stays in the core's L2 across the block's tiles. A block of
- * four or more tiles prefetches the next block's bytes (the memory right after it: the panel's next KC
- * rows or the next panel, what the thread reads next) while it computes, a quarter or an eighth of them
+ * Work: (panel, block of MC rows) items, panel by panel. A product of TAIL_MIN items or more splits
+ * its first three quarters in contiguous ranges over the threads and hands the rest out in chunks (a
+ * guided schedule: each claim a 2 x team-th of what is left) to whichever thread is free; a smaller
+ * one splits all of its items so. A thread that loses its core for a while (to the engine's work
+ * between steps, to a neighbour's burst too short to shed the core for) then delays the product by
+ * about half of that time instead of all of it: a 64-row Qwen3-shaped head beside a process busy 1 ms
+ * in every 16 took 11.7-11.8 ms on average instead of 12.0-13.0 (11.2 alone) on the Zen 4 EPYC of
+ * docs/benchmarks.md. Each thread claims its next item before computing the current one, and takes
+ * its items in increasing order, so each row's maximum over the threads' bests is the largest at its
+ * lowest index (merge_bests) whoever took which item.
+ * Within an item, the panel's block of KC rows stays in the core's L2 across the block's tiles. A block of
+ * four or more tiles prefetches the next block's bytes (the panel's next KC rows, or the panel of the
+ * item the thread computes next) while it computes, a quarter or an eighth of them
  * by each of its first four or eight tiles, a line every iteration or every other: the demand on
  * memory stays spread over the whole block. Prefetched in one burst by the first tile (as a block of one
  * to three tiles still does, PANEL_PREFETCH bytes ahead of itself), a core asked for 32 KiB within
@@ -42,6 +51,9 @@
 #include "common.h"
 
 enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, STREAM_PREFETCH = 4096, ROW_BYTES = 256 };
+/* The last TAIL_PART-th of a product's items are claimed in chunks rather than split in advance,
+ * where it has TAIL_MIN items or more */
+enum { TAIL_PART = 4, TAIL_MIN = 64 };
 /* What a tile prefetches each iteration (one panel row): nothing; four lines PANEL_PREFETCH ahead into
  * every cache level (the first tile of a block of one to three); one line, or one every other
  * iteration, of its share of the next block from pfp (the first four or eight tiles of a larger
@@ -305,24 +317,25 @@ static void row_to_bf16(void *out, int wide, const float *sums, const uint16_t *
  * the matrix has 256 inputs). */
 static void panel_block(int kind, int wide, const void *x, int64_t xs, const void *w, const void *bias, void *out,
                         int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, int stream,
-                        int nt_store, const Fold *fold, float *buf) {
+                        int nt_store, const Fold *fold, float *buf, const char *after) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4, out_size = wide ? 4 : size;
     int store = kind == ELEM_BF16 ? (wide ? WIDE : NARROW) : 0;
     int64_t tiles = (r1 - r0 + MR - 1) / MR, share = tiles >= 8 ? 8 : tiles >= 4 ? 4 : 1;
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += KC) {
         int64_t k1 = k0 + KC < k ? k0 + KC : k;
         int last = k1 == k, direct = last && cols == NR;
-        /* the next block's bytes, right after this one's: tile t < share prefetches part t of them */
-        const char *next = (const char *)w + k1 * ROW_BYTES;
+        /* the next block's bytes (the panel's next KC rows, or what the thread computes next):
+         * tile t < share prefetches part t of them */
+        const char *next = last ? after : (const char *)w + k1 * ROW_BYTES;
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
             int64_t t = (r - r0) / MR;
-            int pf = t >= share ? PF_NONE : share == 8 ? PF_HALF_LINE : share == 4 ? PF_LINE : PF_AHEAD;
+            int pf = t >= share ? PF_NONE : share == 1 ? PF_AHEAD : !next ? PF_NONE : share == 8 ? PF_HALF_LINE : PF_LINE;
             float *part = buf + (r - r0) * NR;
             void *dst = !direct ? (void *)part : out ? (char *)out + (r * os + c0) * out_size : NULL;
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
             tile_fn fn = stream ? STREAM[kind] : TILES[kind][pf][mr];
-            const char *pfp = next + t * (k1 - k0) * ROW_BYTES / share;
+            const char *pfp = pf == PF_LINE || pf == PF_HALF_LINE ? next + t * (k1 - k0) * ROW_BYTES / share : NULL;
             fn((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b,
                direct ? store : 0, direct && nt_store, direct ? fold : NULL, r, c0, pfp);
             if (!last || direct) continue;
@@ -343,6 +356,36 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
     }
 }
 
+/* Claims the next chunk of the items from *next on (a 2 x team-th of those left, at least one, as
+ * OpenMP's guided schedule sizes them) into [*lo, *hi); 0 when none is left. */
+static int claim(int64_t *next, int64_t items, int64_t team, int64_t *lo, int64_t *hi) {
+    int64_t cur = __atomic_load_n(next, __ATOMIC_RELAXED), size;
+    do {
+        if (cur >= items) return 0;
+        size = (items - cur) / (2 * team);
+        size = size < 1 ? 1 : size;
+    } while (!__atomic_compare_exchange_n(next, &cur, cur + size, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    *lo = cur, *hi = cur + size;
+    return 1;
+}
+
+/* Row r's best over the threads' bests (bests[t * m + r], index where[t * m + r], < 0: none): the
+ * largest value at its lowest index, or the lowest-indexed NaN, whichever thread found it. */
+static void merge_bests(const float *bests, const int64_t *where, int64_t m, int used, int64_t r, float *row_max,
+                        int64_t *row_arg) {
+    float bv = 0.0f;
+    int64_t bi = -1;
+    for (int t = 0; t < used; t++) {
+        float v = bests[t * m + r];
+        int64_t i = where[t * m + r];
+        if (i < 0) continue;
+        int take = bi < 0 || (v != v ? bv == bv || i < bi : bv == bv && (v > bv || (v == bv && i < bi)));
+        if (take) bv = v, bi = i;
+    }
+    row_max[r] = bv;
+    row_arg[r] = bi;
+}
+
 static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void *panels, const void *bias,
                        void *out, int64_t os, int64_t m, int64_t n, int64_t k, float *row_max, int64_t *row_arg,
                        int threads) {
@@ -350,7 +393,7 @@ static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void
     int nt_store = wide && out && (uintptr_t)out % 64 == 0 && os % 16 == 0;
     int64_t rows = kind == ELEM_BF16 ? k / 2 : k; /* panel rows */
     int64_t count = (n + NR - 1) / NR, blocks = (m + MC - 1) / MC, items = count * blocks;
-    /* Each thread's best of every row over its panels (a contiguous range: panel order) */
+    /* Each thread's best of every row over its items (taken in increasing order) */
     float *bests = NULL;
     int64_t *where = NULL;
     int team_size = threads < 1 ? 1 : threads;
@@ -366,37 +409,36 @@ static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void
         }
     }
     int used = 1;
+    /* The items past the threads' fixed ranges, claimed in chunks (claim) */
+    int64_t fixed = items < TAIL_MIN ? items : items - items / TAIL_PART, claimed = fixed;
 #pragma omp parallel num_threads(team_size)
     {
         float buf[MC * NR] __attribute__((aligned(64)));
         int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t share = (items + team - 1) / team, lo = me * share, hi = lo + share < items ? lo + share : items;
+        int64_t item = fixed * me / team, end = fixed * (me + 1) / team;
         if (me == 0) used = (int)team;
         Fold fold = {bests ? bests + me * m : NULL, where ? where + me * m : NULL};
-        for (int64_t item = lo; item < hi; item++) {
+        if (item >= end && !claim(&claimed, items, team, &item, &end)) item = -1;
+        while (item >= 0) { /* the next item is claimed first: this one's last block prefetches it */
+            int64_t after = item + 1, after_end = end;
+            if (after >= end && !claim(&claimed, items, team, &after, &after_end)) after = -1;
             int64_t p = item / blocks, r0 = item % blocks * MC, r1 = r0 + MC < m ? r0 + MC : m;
             int64_t c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
             const char *w = (const char *)panels + p * rows * ROW_BYTES;
+            /* what to prefetch: the next item's panel, or the one after this panel where the next
+             * item is another row block of this one (still in the core's caches) */
+            int64_t q = after < 0 ? -1 : after / blocks == p ? (p + 1 < count ? p + 1 : -1) : after / blocks;
+            const char *then = q < 0 ? NULL : (const char *)panels + q * rows * ROW_BYTES;
             panel_block(kind, wide, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m == 1, nt_store,
-                        row_max ? &fold : NULL, buf);
+                        row_max ? &fold : NULL, buf, then);
+            item = after, end = after_end;
         }
 #if defined(__AVX512F__)
         if (nt_store) _mm_sfence(); /* the non-temporal stores visible before the team's end */
 #endif
     }
-    if (row_max) { /* the threads' bests in thread order: their panel ranges follow one another */
-        for (int64_t r = 0; r < m; r++) {
-            float bv = 0.0f;
-            int64_t bi = -1;
-            for (int t = 0; t < used; t++) {
-                float v = bests[t * m + r];
-                int64_t i = where[t * m + r];
-                if (i < 0 || (bi >= 0 && bv != bv)) continue;
-                if (bi < 0 || (v != v) || v > bv) bv = v, bi = i;
-            }
-            row_max[r] = bv;
-            row_arg[r] = bi;
-        }
+    if (row_max) {
+        for (int64_t r = 0; r < m; r++) merge_bests(bests, where, m, used, r, row_max, row_arg);
         free(bests), free(where);
     }
 }
