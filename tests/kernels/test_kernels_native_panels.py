@@ -452,3 +452,33 @@ def test_gemv_logits_and_maxima(dtype: torch.dtype, out: int, pattern: str) -> N
             torch.testing.assert_close(peak, torch.tensor(expected_peaks), rtol=0, atol=0, equal_nan=True)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", ["ties", "nan"])
+def test_gemv_maxima_across_fixed_and_claimed_chunks(dtype: torch.dtype, pattern: str) -> None:
+    """``native.gemv`` on two threads splits the first three quarters of its 64-output chunks (of 64
+    or more) in advance and claims the rest: equal maxima, or NaNs, in the second thread's fixed range
+    (chunk 60 of 128) and in the last chunk give the lower index whichever thread took the last chunk,
+    and the logits are those of one thread. Thirty products, so both claim orders occur."""
+    out, early, late = 8192, 64 * 60 + 3, 64 * 127 + 5
+    x, w, bias = _case(1, out, 32, seed=11)
+    if pattern == "ties":
+        w[late], bias[early], bias[late] = w[early], 50.0, 50.0
+    else:
+        w[early, 0] = w[late, 0] = float("nan")
+    x = torch.cat([x, torch.ones(1, 1)], dim=1).to(dtype)
+    w = torch.cat([w, bias[:, None]], dim=1).contiguous().to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        plain = native.gemv(x, w, logits=True)
+        torch.set_num_threads(2)
+        for _ in range(30):
+            peak, index = torch.empty(1), torch.empty(1, dtype=torch.long)
+            got = native.gemv(x, w, logits=True, maxima=(peak, index))
+            torch.testing.assert_close(got, plain, rtol=0, atol=0, equal_nan=True)
+            assert index.tolist() == [early]
+    finally:
+        torch.set_num_threads(threads)

@@ -98,6 +98,29 @@ static inline float exp_nonpositive(float x) {
     return x <= -87.0f ? 0.0f : p * scale;
 }
 
+/* Claims the next chunk of items from *next on (a 2 x team-th of those left below items, at least
+ * one, as OpenMP's guided schedule sizes them) into [*lo, *hi); 0 when none is left. The products
+ * split most of their work in advance and claim the rest so: a thread that loses its core for a while
+ * then delays the product by about half of that time instead of all of it. */
+static inline int claim(int64_t *next, int64_t items, int64_t team, int64_t *lo, int64_t *hi) {
+    int64_t cur = __atomic_load_n(next, __ATOMIC_RELAXED), size;
+    do {
+        if (cur >= items) return 0;
+        size = (items - cur) / (2 * team);
+        size = size < 1 ? 1 : size;
+    } while (!__atomic_compare_exchange_n(next, &cur, cur + size, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    *lo = cur, *hi = cur + size;
+    return 1;
+}
+
+/* Whether a thread's best (v at index i) replaces the best so far (bv at bi; bi < 0: none) when the
+ * threads' bests are merged in any order: the largest value at its lowest index, or the lowest-indexed
+ * NaN, wins. */
+static inline int better(float v, int64_t i, float bv, int64_t bi) {
+    if (i < 0) return 0;
+    return bi < 0 || (v != v ? bv == bv || i < bi : bv == bv && (v > bv || (v == bv && i < bi)));
+}
+
 typedef struct {
     const void *base;
     int kind;

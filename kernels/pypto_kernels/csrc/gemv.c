@@ -2,7 +2,9 @@
  * output projection of a concurrency-1 decode step, a pass over the whole matrix that only memory
  * bandwidth should limit.
  *
- * Each thread streams one contiguous range of the matrix's rows, a row at a time, with software
+ * Each thread streams one contiguous range of the first three quarters of the matrix's rows (with
+ * TAIL_MIN x CHUNK rows or more; else of all of them), then claims chunks of the rest as it finishes
+ * (claim, common.h), a row at a time, with software
  * prefetches PREFETCH bytes ahead (the hardware prefetcher alone left oneDNN's packed GEMV at 0.6-0.7x
  * of a plain read of the matrix on the AVX-512 AMD EPYC of docs/benchmarks.md; interleaving two or
  * four rows was slower there). The prefetches are non-temporal: the matrix (the output projection,
@@ -18,7 +20,7 @@
 
 #include "common.h"
 
-enum { LANES = 16, PREFETCH = 4096 };
+enum { LANES = 16, PREFETCH = 4096, CHUNK = 64, TAIL_MIN = 64 };
 
 /* 16 values of the matrix (kind ELEM_F32 or ELEM_BF16) from element index i of a row. */
 static inline vf vload_kind(const void *row, int kind, int64_t i) {
@@ -81,25 +83,31 @@ void pypto_gemv(const void *w, int kind, int64_t ws, const float *x, float *out,
         bests = NULL, where = NULL;
         *row_arg = -1;
     }
+    /* Chunks of CHUNK outputs: the last quarter of them claimed (claim), where there are TAIL_MIN */
+    int64_t chunks = (n + CHUNK - 1) / CHUNK, fixed = chunks < TAIL_MIN ? chunks : chunks - chunks / 4;
+    int64_t claimed = fixed;
 #pragma omp parallel num_threads(team_size)
     {
         int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t share = (n + team - 1) / team, lo = me * share, hi = lo + share < n ? lo + share : n;
+        int64_t lo = fixed * me / team, hi = fixed * (me + 1) / team;
         float bv = 0.0f;
         int64_t bi = -1;
         if (me == 0) used = (int)team;
-        if (kind == ELEM_BF16)
-            outputs(w, ELEM_BF16, ws, x, in, out, lo, hi, round_bf16, &bv, where ? &bi : NULL);
-        else
-            outputs(w, ELEM_F32, ws, x, in, out, lo, hi, round_bf16, &bv, where ? &bi : NULL);
+        while (lo < hi || claim(&claimed, chunks, team, &lo, &hi)) { /* chunks in increasing order */
+            int64_t first = lo * CHUNK, last = hi * CHUNK < n ? hi * CHUNK : n;
+            if (kind == ELEM_BF16)
+                outputs(w, ELEM_BF16, ws, x, in, out, first, last, round_bf16, &bv, where ? &bi : NULL);
+            else
+                outputs(w, ELEM_F32, ws, x, in, out, first, last, round_bf16, &bv, where ? &bi : NULL);
+            lo = hi;
+        }
         if (where) bests[me] = bv, where[me] = bi;
     }
     if (!where) return;
     float bv = 0.0f;
     int64_t bi = -1;
-    for (int t = 0; t < used; t++) /* the threads' output ranges follow one another */
-        if (where[t] >= 0 && (bi < 0 || (bv == bv && (bests[t] != bests[t] || bests[t] > bv))))
-            bv = bests[t], bi = where[t];
+    for (int t = 0; t < used; t++)
+        if (better(bests[t], where[t], bv, bi)) bv = bests[t], bi = where[t];
     *row_max = bv;
     *row_arg = bi;
     free(bests), free(where);

@@ -356,19 +356,6 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
     }
 }
 
-/* Claims the next chunk of the items from *next on (a 2 x team-th of those left, at least one, as
- * OpenMP's guided schedule sizes them) into [*lo, *hi); 0 when none is left. */
-static int claim(int64_t *next, int64_t items, int64_t team, int64_t *lo, int64_t *hi) {
-    int64_t cur = __atomic_load_n(next, __ATOMIC_RELAXED), size;
-    do {
-        if (cur >= items) return 0;
-        size = (items - cur) / (2 * team);
-        size = size < 1 ? 1 : size;
-    } while (!__atomic_compare_exchange_n(next, &cur, cur + size, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
-    *lo = cur, *hi = cur + size;
-    return 1;
-}
-
 /* Row r's best over the threads' bests (bests[t * m + r], index where[t * m + r], < 0: none): the
  * largest value at its lowest index, or the lowest-indexed NaN, whichever thread found it. */
 static void merge_bests(const float *bests, const int64_t *where, int64_t m, int used, int64_t r, float *row_max,
@@ -378,9 +365,7 @@ static void merge_bests(const float *bests, const int64_t *where, int64_t m, int
     for (int t = 0; t < used; t++) {
         float v = bests[t * m + r];
         int64_t i = where[t * m + r];
-        if (i < 0) continue;
-        int take = bi < 0 || (v != v ? bv == bv || i < bi : bv == bv && (v > bv || (v == bv && i < bi)));
-        if (take) bv = v, bi = i;
+        if (better(v, i, bv, bi)) bv = v, bi = i;
     }
     row_max[r] = bv;
     row_arg[r] = bi;
