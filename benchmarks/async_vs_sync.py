@@ -52,7 +52,7 @@ def run_once(model: Path, scheduler: str, args: argparse.Namespace, worker_threa
         scheduler=scheduler,
         worker_mode="process",
         device=args.device,
-        dtype="float32",
+        dtype=args.dtype,
         block_size=16,
         max_model_len=args.prompt_len + args.max_tokens + 8,
         max_num_seqs=args.requests,
@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", help="the engine's dtype ('auto': bfloat16 where the CPU has it)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in this process (0: leave)")
     ap.add_argument("--model", type=Path, help="an existing Qwen checkpoint (default: a tiny random one)")
     ap.add_argument("--worker-threads", type=int, nargs="+", default=[0], help="worker threads (0: the default)")
@@ -133,7 +134,7 @@ def _report(args: argparse.Namespace, threads: int, runs: dict[str, list[dict[st
     print(
         f"\nworkload: {args.requests} requests x {args.prompt_len} prompt tokens -> "
         f"{args.max_tokens} new tokens (greedy), {args.model or 'tiny Qwen3 (hidden 64, 3 layers)'}, "
-        f"worker_mode=process, device={args.device}, worker_threads={threads or 'default'}, "
+        f"worker_mode=process, device={args.device}, dtype={args.dtype}, worker_threads={threads or 'default'}, "
         f"median of {args.rounds} round(s)"
     )
     rows = [
