@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--latency-prompt-len", type=int, default=128, help="prompt of the concurrency-1 run")
     p.add_argument("--repeats", type=int, default=3, help="concurrency-1 timings per engine (median)")
     p.add_argument(
+        "--throughput-repeats", type=int, default=3, help="passes of the throughput workload per engine (median)"
+    )
+    p.add_argument(
         "--device",
         default="cpu",
         help="where pypto-serving and HF run: cpu, cuda, cuda:N (vLLM CPU and CTranslate2 rows are CPU-only; "
@@ -397,7 +400,8 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         "",
         f"Machine: {report['machine']}. Model: `{args.model}` ({report['weight_bytes'] / 2**20:,.0f} MiB of weights).",
         f"Workload: {args.num_prompts} prompts of {args.input_len[0]}..{args.input_len[1]} random token ids "
-        f"(seed {args.seed}) x {args.max_tokens} new tokens, greedy, EOS ignored, all at once; concurrency 1: "
+        f"(seed {args.seed}) x {args.max_tokens} new tokens, greedy, EOS ignored, all at once, median of "
+        f"{args.throughput_repeats} pass(es); concurrency 1: "
         f"one {args.latency_prompt_len}-token prompt, median of {args.repeats}. Threads per engine: {args.threads}. "
         f"Precision: {args.precision}.",
         "",
@@ -508,9 +512,23 @@ def _notes(results: list[dict[str, Any]]) -> list[str]:
                 f"- {r['name']}: {len(pos)} of {a['requests']} greedy outputs differ from the reference; first "
                 f"differing token at position median {statistics.median(pos):.0f} (min {min(pos)}, max {max(pos)})."
             )
+        notes += _pass_notes(r)
         if "error" in r:
             notes.append(f"- {r['name']}: {r['error']}")
     return ["", "Notes:", *notes] if notes else []
+
+
+def _pass_notes(r: dict[str, Any]) -> list[str]:
+    """The spread of an engine's throughput passes, and whether its greedy outputs changed between them."""
+    t = r.get("throughput", {})
+    walls = t.get("walls_s", [])
+    notes = []
+    if len(walls) > 1:
+        rates = sorted(t["output_tokens"] / w for w in walls)
+        notes.append(f"- {r['name']}: throughput passes {', '.join(f'{x:,.1f}' for x in rates)} output tok/s.")
+    if t.get("outputs_vary"):
+        notes.append(f"- {r['name']}: greedy outputs differed between throughput passes.")
+    return notes
 
 
 def plot(report: dict[str, Any], png: str, peers_dir: str) -> str | None:
@@ -555,6 +573,7 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "latency_prompt": make_prompts(1, args.latency_prompt_len, args.latency_prompt_len, vocab, args.seed + 1)[0],
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
+        "throughput_repeats": args.throughput_repeats,
         "threads": args.threads,
         "max_num_seqs": args.max_num_seqs,
         "work_dir": str(work),

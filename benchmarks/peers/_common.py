@@ -5,11 +5,12 @@ benchmarks/compare.py) holds the model directory, the workload's token-id prompt
 the concurrency-1 prompt and the phases to run; the runner writes the same fields for every engine:
 
     {"engine", "version", "load_s",
-     "throughput": {"num_requests", "prompt_tokens", "output_tokens", "wall_s", "requests_per_s",
-                    "output_tok_s", "total_tok_s", "outputs": [[ids]...]},
+     "throughput": {"num_requests", "prompt_tokens", "output_tokens", "walls_s", "outputs_vary", "wall_s",
+                    "requests_per_s", "output_tok_s", "total_tok_s", "outputs": [[ids]...]},
      "latency": {"prompt_tokens", "max_tokens", "first_s", "full_s", "tpot_ms", "output": [ids]}}
 
-Latency at concurrency 1 is taken the same way everywhere: the median wall time of one request
+Throughput is the median of ``throughput_repeats`` passes of the workload (default 1), each engine's
+passes back to back. Latency at concurrency 1 is taken the same way everywhere: the median wall time of one request
 with ``max_tokens=1`` (``first_s``, prefill + one token) and with ``max_tokens=M`` (``full_s``),
 over ``repeats`` runs each after one warm-up; ``tpot_ms = (full_s - first_s) / (M - 1)``.
 """
@@ -41,15 +42,21 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def throughput(generate: Generate, job: dict[str, Any]) -> dict[str, Any]:
-    prompts, m = job["prompts"], job["max_tokens"]
+    """The workload ``throughput_repeats`` times (default 1) after a warm-up; the rates are those of the
+    median wall time, the outputs the first pass's (``outputs_vary``: whether a later pass's differed)."""
+    prompts, m, repeats = job["prompts"], job["max_tokens"], job.get("throughput_repeats", 1)
     generate([prompts[0][:8]], 2)  # warm-up
-    outputs, wall = timed(lambda: generate(prompts, m))
+    passes = [timed(lambda: generate(prompts, m)) for _ in range(max(1, repeats))]
+    outputs, walls = passes[0][0], [wall for _, wall in passes]
+    wall = statistics.median(walls)
     prompt_tokens = sum(len(p) for p in prompts)
     output_tokens = sum(len(o) for o in outputs)
     return {
         "num_requests": len(prompts),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
+        "walls_s": walls,
+        "outputs_vary": any(outs != outputs for outs, _ in passes[1:]),
         "wall_s": wall,
         "requests_per_s": len(prompts) / wall,
         "output_tok_s": output_tokens / wall,

@@ -1,0 +1,51 @@
+"""benchmarks/peers/_common.py's throughput phase: the median of ``throughput_repeats`` passes, the
+first pass's outputs, and a flag where a later pass's outputs differ; compare.py's notes show both."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tests.scripts import load_script
+
+
+def _common() -> Any:
+    return load_script("benchmarks/peers/_common.py")
+
+
+def _fake(delays: list[float], outputs: list[list[list[int]]]) -> Any:
+    """A generate whose workload passes take ``delays`` seconds and return ``outputs`` in turn (the
+    warm-up call, of one short prompt, returns at once)."""
+    calls = iter(zip(delays, outputs, strict=True))
+
+    def generate(prompts: list[list[int]], m: int) -> list[list[int]]:
+        if len(prompts) == 1 and m == 2:
+            return [[0, 0]]
+        delay, out = next(calls)
+        time.sleep(delay)
+        return out
+
+    return generate
+
+
+def test_the_throughput_is_the_median_pass() -> None:
+    job = {"prompts": [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4]], "max_tokens": 3, "throughput_repeats": 3}
+    same = [[5, 6], [7, 8]]
+    t = _common().throughput(_fake([0.05, 0.25, 0.12], [same, same, same]), job)
+    assert len(t["walls_s"]) == 3 and t["wall_s"] == sorted(t["walls_s"])[1]
+    assert 0.12 <= t["wall_s"] < 0.25 and t["output_tok_s"] == 4 / t["wall_s"]
+    assert t["outputs"] == same and not t["outputs_vary"]
+
+
+def test_outputs_that_change_between_passes_are_flagged_and_noted() -> None:
+    job = {"prompts": [[1, 2, 3, 4, 5, 6, 7, 8, 9]], "max_tokens": 3, "throughput_repeats": 2}
+    t = _common().throughput(_fake([0.0, 0.0], [[[5, 6]], [[5, 7]]]), job)
+    assert t["outputs"] == [[5, 6]] and t["outputs_vary"]
+    notes = load_script("benchmarks/compare.py")._pass_notes({"name": "x", "throughput": t})
+    assert any("differed" in n for n in notes) and any("throughput passes" in n for n in notes)
+
+
+def test_one_pass_without_the_setting() -> None:
+    job = {"prompts": [[1, 2, 3, 4, 5, 6, 7, 8, 9]], "max_tokens": 3}
+    t = _common().throughput(_fake([0.0], [[[5, 6]]]), job)
+    assert len(t["walls_s"]) == 1 and not t["outputs_vary"]
