@@ -98,10 +98,17 @@ static inline float exp_nonpositive(float x) {
     return x <= -87.0f ? 0.0f : p * scale;
 }
 
+/* How many of a product's items are split in advance: all of fewer than at_least, else the first
+ * three quarters (the rest claimed). */
+static inline int64_t fixed_items(int64_t items, int64_t at_least) {
+    return items < at_least ? items : items - items / 4;
+}
+
 /* Claims the next chunk of items from *next on (a 2 x team-th of those left below items, at least
  * one, as OpenMP's guided schedule sizes them) into [*lo, *hi); 0 when none is left. The products
  * split most of their work in advance and claim the rest so: a thread that loses its core for a while
  * then delays the product by about half of that time instead of all of it. */
+
 static inline int claim(int64_t *next, int64_t items, int64_t team, int64_t *lo, int64_t *hi) {
     int64_t cur = __atomic_load_n(next, __ATOMIC_RELAXED), size;
     do {

@@ -83,9 +83,8 @@ void pypto_gemv(const void *w, int kind, int64_t ws, const float *x, float *out,
         bests = NULL, where = NULL;
         *row_arg = -1;
     }
-    /* Chunks of CHUNK outputs: the last quarter of them claimed (claim), where there are TAIL_MIN */
-    int64_t chunks = (n + CHUNK - 1) / CHUNK, fixed = chunks < TAIL_MIN ? chunks : chunks - chunks / 4;
-    int64_t claimed = fixed;
+    /* Chunks of CHUNK outputs: the last quarter of them claimed, where there are TAIL_MIN */
+    int64_t chunks = (n + CHUNK - 1) / CHUNK, fixed = fixed_items(chunks, TAIL_MIN), claimed = fixed;
 #pragma omp parallel num_threads(team_size)
     {
         int64_t team = omp_get_num_threads(), me = omp_get_thread_num();

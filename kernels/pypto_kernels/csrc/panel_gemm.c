@@ -51,9 +51,9 @@
 #include "common.h"
 
 enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, STREAM_PREFETCH = 4096, ROW_BYTES = 256 };
-/* The last TAIL_PART-th of a product's items are claimed in chunks rather than split in advance,
+/* A product's last quarter of items is claimed rather than split in advance (fixed_items, claim),
  * where it has TAIL_MIN items or more */
-enum { TAIL_PART = 4, TAIL_MIN = 64 };
+enum { TAIL_MIN = 64 };
 /* What a tile prefetches each iteration (one panel row): nothing; four lines PANEL_PREFETCH ahead into
  * every cache level (the first tile of a block of one to three); one line, or one every other
  * iteration, of its share of the next block from pfp (the first four or eight tiles of a larger
@@ -330,12 +330,17 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
             int64_t t = (r - r0) / MR;
-            int pf = t >= share ? PF_NONE : share == 1 ? PF_AHEAD : !next ? PF_NONE : share == 8 ? PF_HALF_LINE : PF_LINE;
+            int pf = t >= share ? PF_NONE
+                     : share == 1 ? PF_AHEAD
+                     : !next      ? PF_NONE
+                     : share == 8 ? PF_HALF_LINE
+                                  : PF_LINE;
             float *part = buf + (r - r0) * NR;
             void *dst = !direct ? (void *)part : out ? (char *)out + (r * os + c0) * out_size : NULL;
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
             tile_fn fn = stream ? STREAM[kind] : TILES[kind][pf][mr];
-            const char *pfp = pf == PF_LINE || pf == PF_HALF_LINE ? next + t * (k1 - k0) * ROW_BYTES / share : NULL;
+            int spread = pf == PF_LINE || pf == PF_HALF_LINE;
+            const char *pfp = spread ? next + t * (k1 - k0) * ROW_BYTES / share : NULL;
             fn((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b,
                direct ? store : 0, direct && nt_store, direct ? fold : NULL, r, c0, pfp);
             if (!last || direct) continue;
@@ -395,7 +400,7 @@ static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void
     }
     int used = 1;
     /* The items past the threads' fixed ranges, claimed in chunks (claim) */
-    int64_t fixed = items < TAIL_MIN ? items : items - items / TAIL_PART, claimed = fixed;
+    int64_t fixed = fixed_items(items, TAIL_MIN), claimed = fixed;
 #pragma omp parallel num_threads(team_size)
     {
         float buf[MC * NR] __attribute__((aligned(64)));
