@@ -9,7 +9,9 @@ written where it changed. A step then gathers its tables by row instead of rebui
 Host-side bookkeeping (block counts per row, the step's positions) is numpy rather than torch:
 numpy reads cost no dispatch, and under a fake device mode (tests) torch host tensors hold no data.
 Everything a step sends to the device goes in one packed int64 upload (:class:`Staging`), from
-pinned memory and without blocking where the device is a real accelerator.
+pinned memory and without blocking where the device is a real accelerator. On the CPU there is no
+upload: a step's tensors are numpy arrays computed over the tables' own memory and handed to torch
+without a copy (``host_tables``).
 """
 
 from __future__ import annotations
@@ -67,10 +69,12 @@ class Staging:
 class GroupTable:
     """One cache group's block tables: ``[capacity, max_blocks]`` int32 on the device, rows padded with 0."""
 
-    def __init__(self, spec: CacheGroupSpec, rows: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, spec: CacheGroupSpec, rows: int, max_blocks: int, device: torch.device, host: bool) -> None:
         self.spec = spec
         self.device = device
-        self.table = torch.zeros(rows, max(1, max_blocks), dtype=torch.int32, device=device)
+        # ``host`` (a CPU table): its memory as numpy too, where a step's gathers and writes need no torch dispatch.
+        self.host: npt.NDArray[np.int32] | None = None
+        self.table = self._zeros(rows, max(1, max_blocks), host)
         self.num_blocks = np.zeros(rows, dtype=np.int64)
         # Appended (row, column, block) triples the device table does not hold yet.
         self._rows: list[int] = []
@@ -103,6 +107,13 @@ class GroupTable:
         if rows.numel():
             self.table.index_put_((rows, cols), blocks.to(torch.int32))
 
+    def write_host(self) -> None:
+        """The pending appends written straight into :attr:`host` (a CPU table)."""
+        assert self.host is not None
+        if self._rows:
+            self.host[self._rows, self._cols] = self._blocks
+            self._rows, self._cols, self._blocks = [], [], []
+
     def compact(self, moves: list[tuple[int, int]], old_rows: int, new_rows: int, staging: Staging) -> None:
         """Copy row ``src`` to row ``dst`` for each move, then clear rows ``new_rows .. old_rows``."""
         if moves:
@@ -116,10 +127,17 @@ class GroupTable:
 
     def _grow(self, rows: int, cols: int) -> None:
         old = self.table
-        self.table = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
+        self.table = self._zeros(rows, cols, self.host is not None)
         self.table.narrow(0, 0, old.shape[0]).narrow(1, 0, old.shape[1]).copy_(old)
         if rows > len(self.num_blocks):
             self.num_blocks = np.concatenate([self.num_blocks, np.zeros(rows - len(self.num_blocks), np.int64)])
+
+    def _zeros(self, rows: int, cols: int, host: bool) -> torch.Tensor:
+        """A zeroed ``[rows, cols]`` int32 table; ``host``: over a numpy array kept as :attr:`host`."""
+        if not host:
+            return torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
+        self.host = np.zeros((rows, cols), dtype=np.int32)
+        return torch.from_numpy(self.host)
 
     def grow_rows(self, rows: int) -> None:
         self._grow(rows, self.table.shape[1])
@@ -162,14 +180,28 @@ class InputBatch:
     :class:`~pypto_serving.runner.WorkerRequest`; a row is only where the request's block tables
     lie on the device (and where a step gathers them from)."""
 
-    def __init__(self, *, groups: list[CacheGroupSpec], max_model_len: int, device: torch.device, rows: int = 16):
+    def __init__(
+        self,
+        *,
+        groups: list[CacheGroupSpec],
+        max_model_len: int,
+        device: torch.device,
+        rows: int = 16,
+        host_tables: bool | None = None,
+    ) -> None:
+        """``host_tables``: steps are built in numpy over the tables' memory (:meth:`prepare`); None:
+        where the device is the CPU, the only device whose memory numpy can address."""
         self.device = device
+        self.host_tables = device.type == "cpu" if host_tables is None else host_tables
+        if self.host_tables and device.type != "cpu":
+            raise ValueError(f"host_tables needs the tables in CPU memory, not on {device}")
         self.staging = Staging(device)
         self.capacity = max(1, rows)
         self.request_ids: list[str] = []  # row -> request id
         self.row_of: dict[str, int] = {}
         self.tables = {
-            g.name: GroupTable(g, self.capacity, -(-max_model_len // g.tokens_per_block), device) for g in groups
+            g.name: GroupTable(g, self.capacity, -(-max_model_len // g.tokens_per_block), device, self.host_tables)
+            for g in groups
         }
 
     @property
@@ -226,6 +258,8 @@ class InputBatch:
     # ------------------------------------------------------------------ the step
     def prepare(self, step: StepArrays) -> StepTensors:
         """The step's tensors on the device, in one upload: pending block appends are written first."""
+        if self.host_tables:
+            return self._prepare_host(step)
         qsl, positions, logits_idx, row_of_token = _token_layout(step)
         seq_lens = step.starts + step.query_lens
         parts = [step.input_ids, positions, qsl, seq_lens, logits_idx, step.rows]
@@ -256,6 +290,36 @@ class InputBatch:
             query_start_loc=qsl_d.to(torch.int32),
             seq_lens=seq_d.to(torch.int32),
             logits_indices=lidx,
+            block_tables=tables,
+            slot_mapping=slots,
+            query_start_loc_host=qsl.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+        )
+
+    def _prepare_host(self, step: StepArrays) -> StepTensors:
+        """:meth:`prepare` on the CPU, where the tables are host memory: the same tensors computed in
+        numpy and handed to torch without a copy. A step then costs a few numpy calls instead of a
+        dozen torch dispatches, which matters most at concurrency 1, where the output projection
+        streamed before it leaves the caches cold (the torch path took 3x its warm time there)."""
+        qsl, positions, logits_idx, row_of_token = _token_layout(step)
+        seq_lens = step.starts + step.query_lens
+        slots: dict[str, torch.Tensor] = {}
+        tables: dict[str, torch.Tensor] = {}
+        for name, t in self.tables.items():
+            assert t.host is not None
+            t.write_host()
+            if t.spec.tokens_per_entry == 1:
+                bs, entries = t.spec.block_size, positions + t.spec.slot_shift  # a shifted group's entry index
+                blk = t.host[row_of_token, entries // bs].astype(np.int64)
+                slots[name] = torch.from_numpy(blk * bs + entries % bs)
+            width = max(1, int(t.num_blocks[step.rows].max(initial=0)))
+            tables[name] = torch.from_numpy(np.ascontiguousarray(t.host[step.rows, :width]))
+        return StepTensors(
+            input_ids=torch.from_numpy(step.input_ids),
+            positions=torch.from_numpy(positions),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            logits_indices=torch.from_numpy(logits_idx),
             block_tables=tables,
             slot_mapping=slots,
             query_start_loc_host=qsl.tolist(),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -21,9 +22,13 @@ IDS = [f"r{i}" for i in range(7)]
 
 
 class InputBatchMachine(RuleBasedStateMachine):
+    host_tables = True  # the CPU's numpy build; the subclass below runs the torch build of other devices
+
     def __init__(self) -> None:
         super().__init__()
-        self.ib = InputBatch(groups=GROUPS, max_model_len=8, device=torch.device("cpu"), rows=2)
+        self.ib = InputBatch(
+            groups=GROUPS, max_model_len=8, device=torch.device("cpu"), rows=2, host_tables=self.host_tables
+        )
         self.order: list[str] = []  # the model's rows: the last one fills a hole
         self.model: dict[str, dict[str, Any]] = {}
 
@@ -92,6 +97,9 @@ class InputBatchMachine(RuleBasedStateMachine):
         kv = [self.model[r]["blocks"]["kv"] for r, n in zip(rids, lens) for _ in range(n)]
         assert got.slot_mapping["kv"].tolist() == [b[p // 2] * 2 + p % 2 for b, p in zip(kv, positions)]
         assert set(got.slot_mapping) == {"kv"}
+        for x in (got.input_ids, got.positions, got.logits_indices, got.slot_mapping["kv"]):
+            assert x.dtype == torch.int64
+        assert all(t.dtype == torch.int32 and t.is_contiguous() for t in got.block_tables.values())
 
     def _model_remove(self, rid: str) -> None:
         del self.model[rid]
@@ -120,8 +128,35 @@ class InputBatchMachine(RuleBasedStateMachine):
                 assert cells[used:] == [0] * (len(cells) - used), (name, row)
 
 
+class TorchBuildMachine(InputBatchMachine):
+    host_tables = False
+
+
 InputBatchMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
+TorchBuildMachine.TestCase.settings = InputBatchMachine.TestCase.settings
 TestInputBatch = InputBatchMachine.TestCase
+TestInputBatchTorchBuild = TorchBuildMachine.TestCase
+
+
+def test_host_tables_need_cpu_memory() -> None:
+    with pytest.raises(ValueError, match="host_tables needs the tables in CPU memory"):
+        InputBatch(groups=GROUPS, max_model_len=8, device=torch.device("meta"), host_tables=True)
+
+
+def test_the_cpu_builds_steps_over_the_tables_memory() -> None:
+    """On the CPU a step's tables are gathered from the table's numpy view, with no torch write in between."""
+    ib = InputBatch(groups=GROUPS[:1], max_model_len=8, device=torch.device("cpu"))
+    assert ib.host_tables
+    ib.add("a")
+    ib.append_blocks(0, {"kv": [5, 6]})
+    t = ib.tables["kv"]
+    assert t.host is not None and t.host.ctypes.data == t.table.data_ptr()
+    one = np.array([0], dtype=np.int64)
+    step = StepArrays(rows=one, starts=np.array([3]), query_lens=np.array([1]), num_logits=np.array([1]),
+                      input_ids=np.array([9]), one_token_each=True)  # fmt: skip
+    got = ib.prepare(step)
+    assert t.table[0, :2].tolist() == [5, 6]  # the pending appends landed in the torch table's memory
+    assert got.slot_mapping["kv"].tolist() == [6 * 2 + 1]
 
 
 def test_growing_keeps_rows_and_tables() -> None:
