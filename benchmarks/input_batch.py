@@ -9,7 +9,12 @@ and committing the tokens. Each tree runs in its own process, alternately, and e
 median over the repeats of the mean per step, in thread CPU time (``time.thread_time``): on a
 shared machine, time spent waiting for a core does not count.
 
+``--stream-mib N`` reads N MiB between steps (outside the timed step), as a real decode step's output
+projection streams its weights past the caches before the next step's host work: that work then
+starts on cold caches, as it does in a worker (about 75 MiB for the small benchmark shape in bfloat16).
+
 Usage: python benchmarks/input_batch.py --before /tmp/base-ib [--after .] [--rows 32 64] [--steps 200] [--repeats 5]
+       [--stream-mib 0]
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ def _sampling(i: int) -> dict[str, Any]:
     return kinds[i % 4]
 
 
-def measure(rows: int, steps: int) -> dict[str, float]:
-    """Mean seconds per decode step of each timed method and of the whole ``ModelRunner.step``."""
+def measure(rows: int, steps: int, stream_mib: int = 0) -> dict[str, float]:
+    """Mean seconds per decode step of each timed method and of the whole ``ModelRunner.step``
+    (``stream_mib`` MiB read between steps, untimed)."""
     import torch
 
     torch.set_num_threads(1)  # the host path under test is single-threaded; spare cores only add noise
@@ -103,12 +109,15 @@ def measure(rows: int, steps: int) -> dict[str, float]:
     prefill = StepCommand(0, new, [entry(n.request_id, 0, n.prompt_token_ids) for n in new], [])
     assert runner.step(prefill).error is None
     spent.clear()
-    t0 = time.thread_time()
+    stream = torch.ones(stream_mib * 2**18)  # float32: 4 bytes an element
+    total = 0.0
     for s in range(steps):
         cmd = StepCommand(s + 1, [], [entry(rid, PROMPT + s, []) for rid in ids], [])
+        stream.sum()
+        t0 = time.thread_time()
         res = runner.step(cmd)
+        total += time.thread_time() - t0
         assert res.error is None, res.error
-    total = time.thread_time() - t0
     return {"step": total / steps, **{k: v / steps for k, v in spent.items()}}
 
 
@@ -123,11 +132,11 @@ def _timed(fn: Any, name: str, spent: dict[str, float]) -> Any:
     return wrapper
 
 
-def _child(tree: str, rows: int, steps: int) -> dict[str, float]:
+def _child(tree: str, rows: int, steps: int, stream_mib: int) -> dict[str, float]:
     code = (
         f"import sys; sys.path[:0] = [{str(Path(tree) / 'core')!r}, {str(ROOT)!r}]; "
         "import json, benchmarks.input_batch as b; "
-        f"print(json.dumps(b.measure({rows}, {steps})))"
+        f"print(json.dumps(b.measure({rows}, {steps}, {stream_mib})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
@@ -143,17 +152,19 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--stream-mib", type=int, default=0, help="MiB read between steps (cold caches), untimed")
     args = ap.parse_args()
     trees = {"before": args.before, "after": args.after}
     print(
         f"command: python benchmarks/input_batch.py --before {args.before} --after {args.after} "
-        f"--rows {' '.join(map(str, args.rows))} --steps {args.steps} --repeats {args.repeats}\n"
+        f"--rows {' '.join(map(str, args.rows))} --steps {args.steps} --repeats {args.repeats} "
+        f"--stream-mib {args.stream_mib}\n"
     )
     for rows in args.rows:
         runs: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
         for _ in range(args.repeats):
             for label, tree in trees.items():
-                runs[label].append(_child(tree, rows, args.steps))
+                runs[label].append(_child(tree, rows, args.steps, args.stream_mib))
         print(f"{rows} running decode requests (microseconds per step, median of {args.repeats}):")
         for label, rs in runs.items():
             med = {k: statistics.median(r.get(k, 0.0) for r in rs) * 1e6 for k in rs[0]}
