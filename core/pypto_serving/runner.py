@@ -33,6 +33,7 @@ from .input_batch import InputBatch, StepArrays
 from .messages import LoadLora, NewRequestData, ScheduledEntry, StepCommand, StepResult, WireSampling
 from .profiler import phase
 from .sampler import (
+    NON_FINITE,
     DeviceSample,
     LogitEdits,
     RowParams,
@@ -41,6 +42,7 @@ from .sampler import (
     packed,
     plain_greedy,
     prompt_logprobs,
+    read_maxima,
     read_sample,
     sample_on_device,
 )
@@ -162,6 +164,7 @@ class LaunchedStep:
     params: list[RowParams] = field(default_factory=list)  # one per sampled logits row (reused rows)
     sampled_rows: list[int] = field(default_factory=list)  # logits rows sampled one by one
     device: tuple[DeviceSample, torch.Tensor] | None = None  # their device sample and its packed read
+    host_maxima: tuple[torch.Tensor, torch.Tensor] | None = None  # instead: tokens taken, in host memory
     prompt_lps: dict[str, tuple[int, list[dict[int, float]]]] | str = field(default_factory=dict)
 
 
@@ -229,6 +232,9 @@ class ModelRunner:
         self.kv_link: tuple[Callable[[Any], Any], Any] | None = None  # a KV connector's factory and pipe
         self.kv_rank = 0  # this worker's tensor-parallel rank: its connector listens on kv_port + kv_rank
         self._kv_thread: threading.Thread | None = None
+        # A plain greedy step whose tokens the executor took, in host memory, reads them as they are
+        # (sampler.read_maxima) instead of through the device sample and its packed read.
+        self.host_greedy_reads = True
 
     def load(self) -> ExecutorInfo:
         self.info = self.executor.load()
@@ -683,10 +689,26 @@ class ModelRunner:
             sub = logits if at is None else logits.index_select(0, at)
             if maxima is not None and at is not None:
                 maxima = (maxima[0].index_select(0, at), maxima[1].index_select(0, at))
+            if self._reads_maxima(logits, maxima, masks, every, step.params):
+                step.host_maxima = maxima
+                return
             host = None if masks is None else masks.result()
             grammar = None if host is None else host.to(logits.device)
             dev = sample_on_device(sub, [step.params[j] for j in rows], grammar, maxima)
             step.device = (dev, packed(dev))
+
+    def _reads_maxima(
+        self,
+        logits: torch.Tensor,
+        maxima: tuple[torch.Tensor, torch.Tensor] | None,
+        masks: Future[HostMask | None] | None,
+        every: bool,
+        params: list[RowParams],
+    ) -> bool:
+        """Whether the step's sample is the executor's maxima, read from host memory: every logits row
+        sampled, each plain greedy, no grammar, on the CPU (:func:`~pypto_serving.sampler.read_maxima`)."""
+        on_host = logits.device.type == "cpu" and self.host_greedy_reads
+        return on_host and maxima is not None and masks is None and every and plain_greedy(params)
 
     def _verify_rejection(self, step: LaunchedStep, logits: torch.Tensor) -> None:
         """Rejection-sample the drafts of the rows that take it: ``q`` of the executor drafter's
@@ -728,7 +750,9 @@ class ModelRunner:
         if not step.params:
             return result
         out = SampleOutput([], [], {})
-        if step.device is not None:
+        if step.host_maxima is not None:
+            out = read_maxima(step.host_maxima)
+        elif step.device is not None:
             out = read_sample(*step.device, [step.params[j] for j in step.sampled_rows])
         at = {j: i for i, j in enumerate(step.sampled_rows)}  # logits row -> its row in ``out``
         result.num_accepted_per_pos = [0] * max((len(r.drafts) for r in step.rows), default=0)
@@ -771,7 +795,7 @@ class ModelRunner:
             result.logprobs[rid] = [out.logprobs[j] or {} for j in rows[: len(kept)]]
 
 
-_NON_FINITE = "the model produced non-finite logits (NaN or +inf) for this request"
+_NON_FINITE = NON_FINITE
 
 _NOTHING_ALLOWED = (
     "every token is banned for this request: its allowed_token_ids, bad_words, logit_bias and grammar "

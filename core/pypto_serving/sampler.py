@@ -24,6 +24,7 @@ outputs' counts, updated with the few tokens each step adds, never rebuilt from 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from .structured import GrammarMask, SparseRows, apply_bitmask
 
 __all__ = [
     "CANDIDATES",
+    "NON_FINITE",
     "DeviceSample",
     "LogitEdits",
     "RowParams",
@@ -41,12 +43,14 @@ __all__ = [
     "packed",
     "plain_greedy",
     "prompt_logprobs",
+    "read_maxima",
     "read_sample",
     "sample",
     "sample_on_device",
     "uniforms",
 ]
 
+NON_FINITE = "the model produced non-finite logits (NaN or +inf) for this request"
 CANDIDATES = 256  # bounded candidate set of rows with top-p or min-p and no top-k
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64 constants as signed int64 (tensor arithmetic wraps)
 _MUL1 = 0xBF58476D1CE4E5B9 - 2**64
@@ -667,6 +671,17 @@ def sample(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask |
     return read_sample(dev, packed(dev), params)
 
 
+def read_maxima(maxima: tuple[torch.Tensor, torch.Tensor]) -> SampleOutput:
+    """The host side of a step whose every row is :func:`plain_greedy` and whose tokens the executor
+    took as it wrote the logits (:func:`sample_on_device`'s ``maxima``), where they lie in host memory:
+    the tokens and their maxima read as they are, with the rows :func:`read_sample` would flag as
+    non-finite, without the device sample and its packed read (which exist for one read per step
+    from an accelerator)."""
+    peaks, tokens = maxima[0].tolist(), maxima[1].tolist()
+    errors = {r: NON_FINITE for r, peak in enumerate(peaks) if not peak < math.inf}  # NaN and +inf
+    return SampleOutput(tokens, [None] * len(tokens), errors)
+
+
 def read_sample(dev: DeviceSample, flat_device: torch.Tensor, params: list[RowParams]) -> SampleOutput:
     """The host side of :func:`sample` for a device sample queued earlier (``flat_device`` is
     ``packed(dev)``): the one host read, the full-vocabulary fallback of the rows that need it (a
@@ -674,9 +689,7 @@ def read_sample(dev: DeviceSample, flat_device: torch.Tensor, params: list[RowPa
     n = len(params)
     flat = flat_device.tolist()  # the step's one host read
     tokens = [int(t) for t in flat[:n]]
-    errors = {
-        r: "the model produced non-finite logits (NaN or +inf) for this request" for r in range(n) if flat[n + r] == 1
-    }
+    errors = {r: NON_FINITE for r in range(n) if flat[n + r] == 1}
     empty = {r for r in range(n) if flat[n + r] == 2}
     chosen = flat[3 * n : 3 * n + len(dev.lp_rows)]
     full = [r for r in range(n) if flat[2 * n + r]]

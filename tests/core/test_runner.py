@@ -439,6 +439,46 @@ def test_greedy_rows_take_the_executors_maxima() -> None:
     assert result.error is not None and "MaximaExecutor.logits_maxima gave [(5,), (5,)] for 1 rows" in result.error
 
 
+class PlantedMaxima(MaximaExecutor):
+    """Maxima of 1, NaN and +inf naming tokens 7, 8 and 9 (three greedy rows)."""
+
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        logits = super().execute(batch)
+        self.maxima = (torch.tensor([1.0, float("nan"), float("inf")]), torch.tensor([7, 8, 9]))
+        return logits
+
+
+def test_a_cpu_greedy_step_reads_the_maxima_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """All-greedy rows on the CPU take the executor's maxima from host memory with no device sample
+    (``host_greedy_reads``); the tokens and the non-finite rows' errors are those of the device
+    sample's path, and a step with a sampled row beside still takes that path."""
+    import pypto_serving.runner as runner_mod
+
+    calls: list[int] = []
+    device_sample = runner_mod.sample_on_device
+    monkeypatch.setattr(runner_mod, "sample_on_device", lambda *a, **k: calls.append(1) or device_sample(*a, **k))
+    requests = [_request(rid, [i + 1], temperature=0.0) for i, rid in enumerate("abc")]
+    entries = [_entry(rid, [i + 1], {"kv": [i + 1]}) for i, rid in enumerate("abc")]
+    results = []
+    for host in (True, False):
+        runner = ModelRunner(PlantedMaxima(), _settings())
+        runner.load()
+        runner.host_greedy_reads = host
+        calls.clear()
+        results.append(runner.step(StepCommand(step_id=0, new_requests=requests, entries=entries, finished_ids=[])))
+        assert calls == ([] if host else [1])
+    host_result, device_result = results
+    assert host_result.sampled == device_result.sampled == {"a": [7]}
+    assert host_result.request_errors == device_result.request_errors
+    assert set(host_result.request_errors) == {"b", "c"}
+    runner = ModelRunner(MaximaExecutor(), _settings())
+    runner.load()
+    mixed = [_request("a", [1], temperature=0.0), _request("b", [2], temperature=1.0)]
+    calls.clear()
+    result = runner.step(StepCommand(step_id=0, new_requests=mixed, entries=entries[:2], finished_ids=[]))
+    assert result.error is None and result.sampled["a"] == [7] and calls == [1]
+
+
 def test_a_step_that_reads_only_the_maxima_takes_logits_of_no_columns() -> None:
     """Greedy rows with nothing else to read (``BatchInput.maxima_only``) sample from the executor's
     maxima though it returns ``[N, 0]`` logits; a step that reads its logits (a sampled row beside)

@@ -203,6 +203,22 @@ def test_an_all_greedy_step_takes_the_executors_maxima_without_a_reduction(row: 
     assert dev.lp_rows == [3] and dev.raw is not None
 
 
+def test_maxima_read_from_host_memory_equal_the_device_samples_read(row: Row) -> None:
+    """``read_maxima`` (a CPU step's plain greedy rows) gives the tokens, logprobs and errors that the
+    device sample of the same maxima gives through its packed read: NaN and +inf maxima are errors,
+    a row whose every logit is -inf is not."""
+    logits = torch.randint(-3, 4, (5, 300), generator=torch.Generator().manual_seed(2)).float()
+    logits[1, 7] = float("nan")
+    logits[2, 9] = float("inf")
+    logits[3] = float("-inf")
+    params = [row(temperature=0.0) for _ in range(5)]
+    for maxima in (sampler_mod.argmax_rows(logits), (torch.zeros(5), torch.tensor([5, 6, 7, 8, 9]))):
+        dev = sampler_mod.sample_on_device(logits, params, maxima=maxima)
+        expected = sampler_mod.read_sample(dev, sampler_mod.packed(dev), params)
+        assert sampler_mod.read_maxima(maxima) == expected
+    assert set(sampler_mod.read_maxima(sampler_mod.argmax_rows(logits)).errors) == {1, 2}
+
+
 def test_edited_greedy_rows_still_take_the_argmax_of_the_edited_logits(row: Row) -> None:
     """A banned token (min_tokens' EOS) changes the row: its token is the argmax after the ban."""
     logits = torch.tensor([[1.0, 9.0, 8.0], [7.0, 1.0, 2.0]])
