@@ -770,7 +770,7 @@ class ModelRunner:
         rid = st.request_id
         err = next((out.errors[j] for j in rows if j in out.errors), st.grammar_error)
         if r.rejects and r.kept is None:
-            err = err or _NON_FINITE
+            err = err or NON_FINITE
         if err is not None:
             result.request_errors[rid] = err
             return
@@ -794,8 +794,6 @@ class ModelRunner:
         if st.sampling.logprobs is not None:
             result.logprobs[rid] = [out.logprobs[j] or {} for j in rows[: len(kept)]]
 
-
-_NON_FINITE = NON_FINITE
 
 _NOTHING_ALLOWED = (
     "every token is banned for this request: its allowed_token_ids, bad_words, logit_bias and grammar "
