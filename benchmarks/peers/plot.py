@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 def main() -> None:
     with open(sys.argv[1]) as f:
         report = json.load(f)
-    rows = [r for r in report["results"] if "error" not in r and not r.get("missing")]
+    rows = [r for r in report["results"] if "error" not in r and not r.get("missing") and not r.get("unsupported")]
     names = [r["name"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     left.barh(names, [r.get("throughput", {}).get("output_tok_s", 0) for r in rows], color="tab:blue")
@@ -30,7 +30,8 @@ def main() -> None:
     contended = [r.get("contended", {}).get("tpot_ms") or 0 for r in rows]
     if any(contended):
         right.barh([i + 0.2 for i in y], contended, height=0.4, label="with a CPU hog", color="tab:red")
-    right.axvline(report["floor_ms"], color="black", linestyle="--", label="weights / bandwidth floor")
+    floor = report.get("regions_floor_ms", report["floor_ms"])  # the TPOT / floor column's
+    right.axvline(floor, color="black", linestyle="--", label="weights / bandwidth floor")
     right.set_yticks(list(y), names)
     right.invert_yaxis()
     right.set_xlabel("ms per output token at concurrency 1 (lower is better)")

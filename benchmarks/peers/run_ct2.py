@@ -30,6 +30,9 @@ def load(job: dict) -> _common.Generate:
     from tokenizers import Tokenizer
 
     precision = job.get("precision", "float32")
+    supported = ctranslate2.get_supported_compute_types("cpu")
+    if precision not in supported:  # bfloat16 on CPUs without it: the Generator would refuse to load
+        raise _common.Unsupported(f"no {precision} compute type on this CPU (it has {', '.join(sorted(supported))})")
     path = convert(job["model"], job.get("work_dir", "/tmp"), precision)
     gen = ctranslate2.Generator(path, device="cpu", intra_threads=job.get("threads", 2), compute_type=precision)
     tok = Tokenizer.from_file(os.path.join(job["model"], "tokenizer.json"))

@@ -1,5 +1,6 @@
 """benchmarks/compare.py's bandwidth floors: the copy rate and the plain-read rate measured on one
-tensor, and the report's line putting each engine's concurrency-1 time over the read floor."""
+tensor, the read rates of several tensors whose overall rate gives the TPOT / floor column's floor,
+and the report's lines putting each engine's concurrency-1 time over them."""
 
 from __future__ import annotations
 
@@ -52,3 +53,28 @@ def test_a_report_without_the_read_rate_has_no_read_line() -> None:
     del report["read_floor_ms"], report["read_bandwidth_gbs"]  # written before the read rate was measured
     text = compare.markdown(compare.parse_args(["--model", "m"]), report)
     assert "Memory read bandwidth" not in text and "weights-over-bandwidth floor" in text
+
+
+def test_region_rates_read_each_tensor_and_combine_as_one_read_after_another() -> None:
+    compare = _compare()
+    rates = compare.region_read_rates(8, regions=4, threads=1)
+    assert len(rates) == 4 and all(r > 0 for r in rates)
+    # 1 byte at 1 B/s and 1 byte at 3 B/s take 4/3 s: 2 bytes over 4/3 s is 1.5 B/s, not the mean 2.
+    assert compare.overall_rate([1.0, 3.0]) == 1.5
+
+
+def test_the_column_uses_the_regions_overall_rate() -> None:
+    compare = _compare()
+    report = _report({"ours": 3.0})
+    report["region_read_gbs"] = [1.0, 4.0]  # overall 1.6 GB/s: 2 MB in 1.25 ms
+    report["regions_floor_ms"] = 1.25
+    report["results"][-1]["weight_bytes"] = 1_000_000  # the also-row's own bytes: 0.625 ms at that rate
+    args = compare.parse_args(["--model", "m", "--peers", "none", "--bandwidth-mib", "256"])
+    text = compare.markdown(args, report)
+    row = next(x for x in text.splitlines() if x.startswith("| ours |"))
+    assert "| 3.00 | 2.40x |" in row  # 3.0 / 1.25, not 3.0 over the copy floor of 1.0
+    line = next(x for x in text.splitlines() if x.startswith("Memory read by region"))
+    assert "2 tensors of 128 MiB" in line and "1.0-4.0 GB/s, 1.6 GB/s over all" in line
+    assert "1.25 ms per token" in line and "fastest region's rate 0.50 ms" in line
+    also = next(x for x in text.splitlines() if x.startswith("| also-row |"))
+    assert "| 1.00 | 1.60x |" in also

@@ -3,6 +3,7 @@ first pass's outputs, and a flag where a later pass's outputs differ; compare.py
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -49,3 +50,19 @@ def test_one_pass_without_the_setting() -> None:
     job = {"prompts": [[1, 2, 3, 4, 5, 6, 7, 8, 9]], "max_tokens": 3}
     t = _common().throughput(_fake([0.0], [[[5, 6]]]), job)
     assert len(t["walls_s"]) == 1 and not t["outputs_vary"]
+
+
+def test_a_runner_without_the_jobs_path_writes_why_and_runs_nothing(tmp_path: Any) -> None:
+    common = _common()
+
+    def load() -> Any:
+        raise common.Unsupported("no bfloat16 compute type on this CPU")
+
+    out = tmp_path / "out.json"
+    common.run("peer", "1.0", load, {"phases": ["throughput", "latency"]}, str(out))
+    result = json.loads(out.read_text())
+    assert result == {"engine": "peer", "version": "1.0", "unsupported": "no bfloat16 compute type on this CPU"}
+    compare = load_script("benchmarks/compare.py")
+    args = compare.parse_args(["--model", "m", "--precision", "bfloat16"])
+    row = compare._row(args, {"name": "CTranslate2", **result}, floor=1.0)
+    assert row.startswith("| CTranslate2 | no bfloat16 path: no bfloat16 compute type on this CPU: not run |")
