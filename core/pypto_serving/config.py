@@ -413,7 +413,10 @@ class ServingSettings(BaseSettings):
         600.0, gt=0, description="Seconds one step may take before the worker is declared hung."
     )
     worker_threads: int | None = Field(
-        None, gt=0, description="CPU threads of the worker process's torch ops (unset: torch's default)."
+        None,
+        gt=0,
+        description="CPU threads of the worker process's torch ops (unset: torch's default); with "
+        "worker_mode 'inproc', this process's torch thread count (torch.set_num_threads).",
     )
     worker_omp_wait_policy: Literal["passive", "active", "inherit"] = Field(
         "inherit",

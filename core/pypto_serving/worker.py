@@ -180,8 +180,9 @@ def _placed_cores() -> list[int] | None:
 
 
 def _pin_threads(settings: ServingSettings) -> None:
-    """The spawned worker's thread count (``worker_threads``); OpenMP itself binds its threads to the
-    places the parent chose (the initial thread to the first when torch loads, the others when they start)."""
+    """The worker's thread count (``worker_threads``): a spawned worker's, or this process's for an
+    in-process one. OpenMP itself binds a spawned worker's threads to the places the parent chose (the
+    initial thread to the first when torch loads, the others when they start)."""
     if settings.worker_threads:
         torch.set_num_threads(settings.worker_threads)
 
@@ -584,6 +585,7 @@ class WorkerClient:
         # The in-process worker's profiler (a spawned one has its own); the engine's then stays off.
         self._profiler = TraceProfiler(lambda: getattr(getattr(self._runner, "executor", None), "model", None))
         if mode == "inproc":
+            _pin_threads(settings)  # the in-process worker's torch ops are this process's
             self._runner: ModelRunner | None = ModelRunner(factory(settings), settings)
             if kv_factory is not None:
                 kv_conn, child = mp.Pipe()

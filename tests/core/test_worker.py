@@ -181,6 +181,20 @@ def test_executor_exception_fails_the_batch_and_serving_continues(make_llm: Call
     assert all(p.num_free == p.num_blocks for p in engine.kv.pools.values())
 
 
+def test_an_in_process_worker_runs_on_worker_threads(make_llm: Callable[..., Any]) -> None:
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    try:
+        llm = make_llm(worker_threads=want, block_size=4, num_kv_blocks=32)
+        assert torch.get_num_threads() == want  # the setting is not ignored in process
+        prompt = prompts_avoiding(95, 1)[0]
+        assert tokens(bounded(lambda: llm.generate([prompt], GREEDY, use_tqdm=False))) == [
+            reference_tokens(prompt, 8)[0]
+        ]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_executor_exception_message_reaches_the_request(make_llm: Callable[..., Any]) -> None:
     fail = 95
     llm = make_llm(block_size=4, num_kv_blocks=32, executor_options={"fail_on_token": fail})
