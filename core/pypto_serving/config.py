@@ -431,9 +431,10 @@ class ServingSettings(BaseSettings):
         description="Cores a spawned single-rank worker's compute threads are pinned to, one thread per core "
         "(OMP_PLACES / OMP_PROC_BIND, and the worker's CPU affinity): 'auto' takes the last worker_threads of the "
         "cores this process may use (unset: torch's thread count, OMP_NUM_THREADS or every core), leaving the "
-        "first ones to the engine core and server, and pins nothing when there are fewer cores than threads; "
-        "'off' pins nothing; or a list such as '0-3' or '2,3'. OMP_PLACES or OMP_PROC_BIND already set in the "
-        "environment wins.",
+        "first ones to the engine core and server, and pins nothing when there are fewer cores than threads (with "
+        "data_parallel_size replicas, replica i takes its own slice of the last replicas x worker_threads cores, "
+        "and none is pinned where they do not fit); 'off' pins nothing; or a list such as '0-3' or '2,3'. "
+        "OMP_PLACES or OMP_PROC_BIND already set in the environment wins.",
     )
     worker_shed_busy_cores: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
+import os
 import struct
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+import torch
+
 from ..config import ServingSettings
+from ..devices import device_kind
 from ..lora import LoraError
 from ..metrics import ServerMetrics
 from ..plugins import PluginManager
@@ -33,7 +38,9 @@ from ..request import RequestOutput, SamplingParams
 from ..tokenizer import Tokenizer
 from .async_llm import AsyncLLM, stream_outputs
 
-__all__ = ["DataParallelLLM", "ServingLLM", "make_llm"]
+__all__ = ["DataParallelLLM", "ServingLLM", "make_llm", "replica_settings"]
+
+logger = logging.getLogger(__name__)
 
 _SUMMED = (
     "num_running",
@@ -62,6 +69,31 @@ def make_llm(
     return DataParallelLLM(settings, plugins, on_fatal=on_fatal)
 
 
+def replica_settings(settings: ServingSettings, count: int) -> list[ServingSettings]:
+    """Each of ``count`` replicas' settings. On the CPU with ``worker_cpu_bind = "auto"`` every replica
+    alone would pin its worker to the same last ``worker_threads`` cores; instead replica ``i`` gets its
+    own slice of the last ``count x worker_threads`` cores this process may use (an explicit list, in
+    order), and where they do not all fit none is pinned (``"off"``: the OS spreads them) rather than
+    all on the same cores. Other devices, tensor parallelism and an explicit ``worker_cpu_bind`` are
+    left as set."""
+    if settings.worker_cpu_bind != "auto" or settings.tensor_parallel_size > 1 or count == 1:
+        return [settings] * count
+    if device_kind(settings.device) != "cpu":
+        return [settings] * count
+    threads = settings.worker_threads or torch.get_num_threads()
+    allowed = sorted(os.sched_getaffinity(0))
+    if count * threads > len(allowed):
+        logger.info(
+            "%d replicas x %d worker threads exceed the %d cores this process may use: no worker is pinned "
+            "(set worker_threads to split the cores between the replicas)",
+            count, threads, len(allowed),
+        )  # fmt: skip
+        return [settings.with_overrides(worker_cpu_bind="off")] * count
+    cores = allowed[-count * threads :]
+    slices = [cores[i * threads : (i + 1) * threads] for i in range(count)]
+    return [settings.with_overrides(worker_cpu_bind=",".join(map(str, part))) for part in slices]
+
+
 class DataParallelLLM:
     """Routes requests over replica :class:`AsyncLLM` engines (see the module docstring)."""
 
@@ -75,7 +107,9 @@ class DataParallelLLM:
     ) -> None:
         self.plugins = plugins or PluginManager()
         count = settings.data_parallel_size
-        self.replicas = replicas or [AsyncLLM(settings, self.plugins, on_fatal=on_fatal) for _ in range(count)]
+        self.replicas = replicas or [
+            AsyncLLM(each, self.plugins, on_fatal=on_fatal) for each in replica_settings(settings, count)
+        ]
         self.settings = self.replicas[0].settings
         self.routing = self.settings.data_parallel_routing
         self._lock = threading.Lock()  # owners and loads change on the event loop and engine threads

@@ -205,3 +205,45 @@ def test_tiny_qwen3_dp2_through_the_server_equals_one_replica() -> None:
     assert sum(served.values()) == len(QWEN_PROMPTS)
     assert _per_replica(text, "pypto_serving_replica_outstanding_tokens") == {"0": 0, "1": 0}
     assert set(_per_replica(text, "pypto_serving_replica_num_requests_running")) == {"0", "1"}
+
+
+def test_cpu_replicas_pin_their_workers_to_their_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``worker_cpu_bind = "auto"`` alone pins every replica's worker to the same last cores."""
+    from pypto_serving import ServingSettings
+    from pypto_serving.server import data_parallel
+    from pypto_serving.worker import worker_cores
+
+    monkeypatch.setattr(data_parallel.os, "sched_getaffinity", lambda pid: set(range(8)))
+    base = ServingSettings(device="cpu", worker_threads=2)
+    each = data_parallel.replica_settings(base, 3)
+    assert [s.worker_cpu_bind for s in each] == ["2,3", "4,5", "6,7"]
+    monkeypatch.setattr("pypto_serving.worker.os.sched_getaffinity", lambda pid: set(range(8)))
+    assert [worker_cores(s) for s in each] == [[2, 3], [4, 5], [6, 7]]  # the worker reads them back
+    # More threads than cores for all replicas: none pinned, rather than all on the same cores.
+    assert {s.worker_cpu_bind for s in data_parallel.replica_settings(base, 5)} == {"off"}
+    # Choices that are not "auto" on the CPU with one rank are left as set.
+    for other in (
+        base.with_overrides(worker_cpu_bind="0-1"),
+        base.with_overrides(device="cuda"),
+        base.with_overrides(worker_cpu_bind="off"),
+    ):
+        assert data_parallel.replica_settings(other, 2) == [other, other]
+    assert data_parallel.replica_settings(base, 1) == [base]
+
+
+def test_each_replica_is_built_with_its_own_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pypto_serving import ServingSettings
+    from pypto_serving.server import data_parallel
+
+    built: list[str] = []
+
+    class Recorder:
+        def __init__(self, settings: Any, plugins: Any, on_fatal: Any = None) -> None:
+            built.append(settings.worker_cpu_bind)
+            self.settings = settings
+            self.on_finished = None
+
+    monkeypatch.setattr(data_parallel.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(data_parallel, "AsyncLLM", Recorder)
+    data_parallel.DataParallelLLM(ServingSettings(device="cpu", worker_threads=1, data_parallel_size=2))
+    assert built == ["2", "3"]
