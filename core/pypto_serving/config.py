@@ -249,6 +249,15 @@ class ServingSettings(BaseSettings):
         None,
         description="true = a pipelined scheduling strategy, false = a non-pipelined one, unset = either.",
     )
+    num_scheduler_steps: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Forwards a decode may run within one command to the worker while no request waits to be "
+        "admitted, each on the token the one before sampled (vLLM's multi-step scheduling): the engine's and the "
+        "pipe's work once per that many tokens, tokens streamed that many at a time; 1 = one forward a command; "
+        "unset = auto (docs/configuration.md). Not with speculative decoding.",
+    )
     speculative_config: SpeculativeConfig | None = Field(
         None,
         description='Speculative decoding, e.g. {"method": "mtp", "num_speculative_tokens": 2}; unset = off. '

@@ -100,6 +100,10 @@ MAX_KV_BLOCKS_PER_GROUP = 2**20
 list, reference counts, prefix hashes), and 2**20 blocks of 16 tokens already hold 16M tokens: a
 larger plan comes from a mistake (an executor declaring a tiny ``bytes_per_block``, a huge
 ``num_kv_blocks``), so it is refused rather than built."""
+#: ``num_scheduler_steps`` unset, on the CPU: forwards a command while each takes under
+#: ``AUTO_STEPS_BELOW_S`` (a request arriving meanwhile waits at most three more of them).
+AUTO_STEPS = 4
+AUTO_STEPS_BELOW_S = 0.010
 
 # A priority the scheduler would ignore is refused, as vLLM refuses it (0, the default, is accepted).
 PRIORITY_NEEDS_POLICY = "priority={} needs scheduling_policy = 'priority'; this engine schedules 'fcfs'"
@@ -419,6 +423,7 @@ class EngineCore:
     def _new_scheduler(self, policy: SpecPolicy) -> Scheduler:
         """The scheduler over this engine's KV manager, planning with the drafting depth in effect."""
         settings = self.settings
+        steps = self._scheduler_steps()
         config = SchedulerConfig(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -427,9 +432,25 @@ class EngineCore:
             enable_chunked_prefill=settings.enable_chunked_prefill,
             policy=settings.scheduling_policy,
             priority_max_wait_s=settings.priority_max_wait_s,
+            num_scheduler_steps=steps,
+            scheduler_steps_below_s=None if settings.num_scheduler_steps is not None else AUTO_STEPS_BELOW_S,
         )
         info = replace(self.info, max_draft_tokens=self.max_draft_tokens)
         return Scheduler(config, self.kv, info, policy, text_stop=self._detokenize)
+
+    def _scheduler_steps(self) -> int:
+        """The forwards a decode may run within one command (``num_scheduler_steps``). Auto: on the CPU
+        ``AUTO_STEPS`` while forwards take under ``AUTO_STEPS_BELOW_S`` (there the engine's and the pipe's
+        work is a tenth of a small model's token, measured), one elsewhere (an accelerator's host work
+        runs beside its device work) and with drafts or uniform batches."""
+        steps = self.settings.num_scheduler_steps
+        if steps is None:
+            cpu = device_kind(self.settings.device) == "cpu"
+            return AUTO_STEPS if cpu and not (self.max_draft_tokens or self.info.uniform_batches) else 1
+        if steps > 1 and (self.max_draft_tokens or self.info.uniform_batches):
+            why = "speculative decoding drafts" if self.max_draft_tokens else "its executor needs uniform batches"
+            raise ValueError(f"num_scheduler_steps={steps} cannot run: {why}; set num_scheduler_steps = 1")
+        return steps
 
     def _kv_cache_memory(self) -> int:
         """``kv_cache_memory``; with ``gpu_memory_utilization`` (and neither explicit override) what the

@@ -116,7 +116,11 @@ class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     changed, not with running requests x blocks. ``num_propose`` is how many drafts the worker
     proposes for the request after this step (the speculative policy's decision for its next decode,
     which verifies at most that many; 0: none, so a drafter whose every depth costs a forward skips
-    the request; -1: as many as the drafter and ``StepCommand.draft_depth`` allow).
+    the request; -1: as many as the drafter and ``StepCommand.draft_depth`` allow). ``num_steps``
+    above 1 makes a decode several (``num_scheduler_steps``): the worker runs up to that many
+    forwards of the request one after another within this command, each on the token the one before
+    sampled, and stops early at a token that ends the request or at an error (left to the next
+    command to meet and report); positions it did not compute are given back like rejected drafts.
     """
 
     request_id: str
@@ -128,6 +132,7 @@ class ScheduledEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     new_block_ids: dict[str, list[int]]
     sample: bool
     num_propose: int = -1
+    num_steps: int = 1
 
 
 class GrammarCompile(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

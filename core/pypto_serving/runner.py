@@ -326,6 +326,8 @@ class ModelRunner:
         requests' states, next step's drafts and the result, with the requests whose grammar
         finished compiling meanwhile (failed steps too: readiness is not the step's)."""
         result = self._finish(step)
+        if result.error is None and any(e.num_steps > 1 for e in step.cmd.entries):
+            self._run_steps(step.cmd, result)
         result.grammars_ready = self._grammars.compiled()
         result.loras_read = self.lora_reads.done()
         return result
@@ -347,6 +349,48 @@ class ModelRunner:
             return _failed(step.cmd, e)
         result.execute_seconds = step.seconds + time.perf_counter() - t0
         return result
+
+    def _run_steps(self, cmd: StepCommand, result: StepResult) -> None:
+        """The further forwards of ``cmd``'s multi-step decodes (``ScheduledEntry.num_steps``), one
+        after another, each a step of its own over the requests still going: the same rows, positions
+        and sampler draws as that many one-step commands, so the tokens are theirs. A request stops at
+        a token that ends it (its stop ids, and EOS unless ignored: the tokens that cannot be sampled
+        before ``min_tokens``) and at an error, which the forwards after the first do not report: the
+        next command computes that position again and meets it there. Each request's positions not
+        computed are counted as given back, as the scheduler counts them."""
+        going = {e.request_id: e for e in cmd.entries if e.num_steps > 1 and self._goes_on(e.request_id, result)}
+        done = 1
+        while going:
+            entries = [_next_forward(e, done) for e in going.values()]
+            sub = LaunchedStep(cmd=StepCommand(cmd.step_id, [], entries, []))
+            try:
+                self._forward(sub)
+            except Exception:
+                break
+            more = self._finish(sub)
+            if more.error is not None:
+                break
+            result.execute_seconds += more.execute_seconds
+            done += 1
+            for e in entries:
+                rid = e.request_id
+                if rid in more.sampled:
+                    result.sampled[rid] += more.sampled[rid]
+                    if rid in more.logprobs:
+                        result.logprobs[rid] += more.logprobs[rid]
+                if not self._goes_on(rid, more) or going[rid].num_steps <= done:
+                    del going[rid]
+        for e in cmd.entries:
+            if e.num_steps > 1 and e.request_id in result.sampled:
+                self.states[e.request_id].rejected += e.num_steps - len(result.sampled[e.request_id])
+
+    def _goes_on(self, rid: str, result: StepResult) -> bool:
+        """Whether a multi-step decode of ``rid`` runs another forward after ``result``: it sampled,
+        and not a token that ends it."""
+        tokens = result.sampled.get(rid)
+        if not tokens:
+            return False
+        return tokens[-1] not in self.states[rid].sampling.min_tokens_banned
 
     def stage(self, cmd: StepCommand) -> bool:
         """Take ``cmd``'s new requests and appended blocks while the step before it is between
@@ -822,6 +866,21 @@ def _fail_prompt_rows(result: StepResult, rows: list[StepRow], reason: str) -> N
             result.request_errors[rid] = reason
             result.sampled.pop(rid, None)
             result.logprobs.pop(rid, None)
+
+
+def _next_forward(e: ScheduledEntry, done: int) -> ScheduledEntry:
+    """Forward ``done + 1`` of multi-step decode ``e``: one token, the request's last sampled one."""
+    return ScheduledEntry(
+        request_id=e.request_id,
+        token_ids=[],
+        use_last_sampled=True,
+        num_draft=0,
+        start_pos=e.start_pos + done,
+        rejected_seen=e.rejected_seen,
+        new_block_ids={},
+        sample=True,
+        num_propose=0,
+    )
 
 
 def _last_sampled(st: WorkerRequest) -> int:

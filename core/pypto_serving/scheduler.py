@@ -44,6 +44,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"  # the waiting queue's order (_FcfsQueue, _PriorityQueue)
     priority_max_wait_s: float = 60.0  # under "priority": the age at which a request ranks above every priority
+    num_scheduler_steps: int = 1  # forwards a plain decode may run within one command (see Scheduler._steps)
+    # Several forwards a command only while the last command's took less than this each (None: always).
+    scheduler_steps_below_s: float | None = None
 
 
 StepKind = Literal["prefill", "decode"]
@@ -76,6 +79,7 @@ class _StepBuilder:
     step_id: int
     budget: int
     uniform: bool  # the executor needs all-prefill or all-decode steps
+    steps: int = 1  # forwards a plain decode may run within this command (1: nobody may run several)
     kind: StepKind | None = None
     preempted: bool = False
     requests: list[Request] = field(default_factory=list)
@@ -258,6 +262,7 @@ class Scheduler:
         # request alone that cannot grow then waits for them instead of failing as too big.
         self.kv_in_transit: Callable[[], bool] = lambda: False
         self.stats = SchedulerStats(accepted_per_pos=[0] * max(1, executor_info.max_draft_tokens))
+        self._forward_s = 0.0  # the worker's time per forward in the last command applied
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request, *, first: bool = False) -> None:
@@ -357,6 +362,8 @@ class Scheduler:
         (finished requests, grammars) then waits for the next step that runs."""
         step = _StepBuilder(self._next_step, self.config.max_num_batched_tokens, self.info.uniform_batches)
         self.waiting.age()
+        if not self.waiting and self._short_forwards():  # nobody waits for several forwards to end
+            step.steps = self.config.num_scheduler_steps
         self._schedule(step, list(self.running))
         if not step.preempted:
             self._schedule_waiting(step)
@@ -376,6 +383,13 @@ class Scheduler:
         self.stats.num_steps += 1
         return SchedulerOutput(cmd, step.requests, self.config.max_num_batched_tokens - step.budget)
 
+    def _short_forwards(self) -> bool:
+        """Whether the last command's forwards were short enough for several a command
+        (``scheduler_steps_below_s``): the engine's and the pipe's time a command is then a large share
+        of a token's, and a request arriving meanwhile waits for a few of them only."""
+        below = self.config.scheduler_steps_below_s
+        return below is None or self._forward_s < below
+
     def _schedule(self, step: _StepBuilder, reqs: list[Request], admitting: bool = False) -> None:
         """The one path of every entry: each request's decode (plus draft slots) or next prefill chunk
         (``admitting``: its first), while the budget lasts, with blocks (see :meth:`_blocks_for`)."""
@@ -392,13 +406,16 @@ class Scheduler:
             if pending >= s.pending_limit or (barrier and s.awaiting_prefill):
                 continue
             decode = pending == start + 1 and start >= prompt
+            steps = 1
             if decode and plain:
                 num_new, k = 1, 0
+                if step.steps > 1:
+                    steps = self._steps(req, step.steps, pending)
             else:
                 num_new, k = self._shape(step, req, pending - start, decode and not admitting, budget)
                 if num_new <= 0:
                     continue
-            end = start + num_new + k
+            end = start + num_new + k + steps - 1
             if end > req.kv.capacity:  # the tables do not cover the work
                 fits, given_back = self._blocks_for(step, req, end, admitting)
                 budget += given_back
@@ -416,13 +433,14 @@ class Scheduler:
                     new_block_ids=self._send(step, req) if req.kv.num_entries != s.entries_sent else {},
                     sample=sample,
                     num_propose=0 if plain or not sample else self._proposal(req),
+                    num_steps=steps,
                 )
             )
             add_request(req)
             budget -= num_new + k
             req.num_computed_tokens = end
-            if sample:  # a sampling entry reserves 1 + k output placeholders
-                req.num_output_placeholders = held + 1 + k
+            if sample:  # a sampling entry reserves 1 + k (or its steps') output placeholders
+                req.num_output_placeholders = held + steps + k
                 if not decode:
                     s.awaiting_prefill = True  # a terminal prefill chunk
         step.budget = budget
@@ -442,6 +460,16 @@ class Scheduler:
         if step.uniform and not step.admits("prefill"):
             return 0, 0
         return self._chunk(num_new, budget), 0
+
+    def _steps(self, req: Request, most: int, pending: int) -> int:
+        """The forwards a plain decode of ``req`` runs in this command (``num_scheduler_steps``): up to
+        ``most``, never past its output limit, one for a request with a grammar (the worker masks its
+        tokens step by step against the engine's record), and one unless the blocks for all of them
+        are free now: several forwards never preempt anyone."""
+        n = min(most, req.sched.pending_limit - pending)
+        if n <= 1 or req.sampling_params.structured is not None:
+            return 1
+        return n if self.kv.allocate(req, req.num_computed_tokens + n) else 1
 
     def _blocks_for(self, step: _StepBuilder, req: Request, num_tokens: int, admitting: bool) -> tuple[bool, int]:
         """Blocks for ``num_tokens``: a running request preempts the latest arrival (under ``priority``
@@ -603,6 +631,8 @@ class Scheduler:
         ids, length, and the engine's stop strings), so nothing after the token that ends a request
         is committed."""
         self._count_drafts(result)
+        if result.error is None:
+            self._forward_s = result.execute_seconds / max((e.num_steps for e in out.command.entries), default=1)
         touched: list[Request] = []
         kv, windowed, step_id = self.kv, bool(self.kv.windowed), out.command.step_id
         sampled, errors, logprobs = result.sampled, result.request_errors, result.logprobs
@@ -618,9 +648,11 @@ class Scheduler:
             if entry.sample:
                 tokens = sampled.get(req.request_id, ())
                 s.awaiting_prefill = False
-                req.num_output_placeholders -= 1 + entry.num_draft
+                req.num_output_placeholders -= entry.num_steps + entry.num_draft
                 if entry.num_draft:
                     confirmed += self._reconcile_drafts(req, entry.num_draft, len(tokens))
+                elif entry.num_steps > 1:
+                    confirmed += self._reconcile_steps(req, entry.num_steps, len(tokens))
                 touched.append(req)
             confirmed = s.confirmed = s.confirmed + confirmed
             if confirmed >= s.publish_at:
@@ -658,6 +690,17 @@ class Scheduler:
             req.num_computed_tokens -= rejected
             req.sched.rejected += rejected
         return accepted
+
+    @staticmethod
+    def _reconcile_steps(req: Request, num_steps: int, num_sampled: int) -> int:
+        """Give back the positions of a multi-step decode's forwards the worker did not run (it
+        stopped at a token that ends the request, or before an error the next command meets);
+        returns the tokens after the first whose KV it wrote."""
+        ran = max(1, num_sampled)
+        if ran < num_steps:
+            req.num_computed_tokens -= num_steps - ran
+            req.sched.rejected += num_steps - ran
+        return ran - 1
 
     def _stop_status(self, req: Request, tok: int, n_out: int) -> RequestStatus | None:
         """The stop rule, for ``tok`` just committed as output number ``n_out``: a stop string that

@@ -145,7 +145,9 @@ def test_throughput_counts_every_token(fake_model: Path) -> None:
     from pypto_serving.bench import ThroughputConfig, run_throughput
 
     config = ThroughputConfig(num_prompts=6, min_len=3, max_len=12, max_tokens=5, ignore_eos=True)
-    fig = run_throughput(_fake_settings(fake_model), config, plugins=_fake_plugins(), keep_outputs=True)
+    # One forward a command (the CPU's auto runs several), so each of the 5 tokens takes a step.
+    settings = _fake_settings(fake_model, num_scheduler_steps=1)
+    fig = run_throughput(settings, config, plugins=_fake_plugins(), keep_outputs=True)
     prompts = make_prompts(6, 3, 12, VOCAB, seed=0)  # the tokenizer's vocabulary is the fake model's
     assert fig["num_requests"] == 6
     assert fig["prompt_tokens"] == sum(len(p) for p in prompts)

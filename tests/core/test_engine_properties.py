@@ -138,6 +138,7 @@ def check_against_reference(jobs: list[Job], done: dict[int, Any], eos: int | No
     max_num_seqs=st.integers(1, 6),
     eos=st.none() | st.integers(0, VOCAB - 1),
     prefix_caching=st.booleans(),
+    steps=st.sampled_from([1, 3, 8]),
 )
 def test_random_workloads_match_reference(
     engine_factory: Callable[..., LLM],
@@ -150,9 +151,11 @@ def test_random_workloads_match_reference(
     max_num_seqs: int,
     eos: int | None,
     prefix_caching: bool,
+    steps: int,
 ) -> None:
     llm = engine_factory(
         scheduler=scheduler,
+        num_scheduler_steps=steps,
         block_size=block_size,
         num_kv_blocks=blocks_alone(jobs, block_size) + spare_blocks,
         max_num_batched_tokens=budget,
@@ -293,7 +296,9 @@ def test_seeded_sampling_independent_of_batch_and_preemption(
 ) -> None:
     jobs = [Job(j.prompt, j.max_tokens, (), j.arrive_at) for j in jobs]
     tight = blocks_alone(jobs, block_size)
-    batched = run(engine_factory(block_size=block_size, num_kv_blocks=4 * tight), jobs, _seeded)
+    # Several forwards a command (num_scheduler_steps) draw the same tokens as one.
+    batched_llm = engine_factory(block_size=block_size, num_kv_blocks=4 * tight, num_scheduler_steps=4)
+    batched = run(batched_llm, jobs, _seeded)
     preempting_llm = engine_factory(block_size=block_size, num_kv_blocks=tight, max_num_batched_tokens=8)
     preempting = run(preempting_llm, jobs, _seeded)
     for i, j in enumerate(jobs):

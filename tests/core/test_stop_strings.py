@@ -73,7 +73,8 @@ CASES = [
 @pytest.mark.parametrize(
     "engine_kw",
     [
-        {"scheduler": "sync"},
+        {"scheduler": "sync", "num_scheduler_steps": 1},
+        {"scheduler": "sync", "num_scheduler_steps": 8},
         pytest.param({"scheduler": "async"}, marks=pytest.mark.requires_plugin("async_sched")),
         {
             "scheduler": "sync",
@@ -81,7 +82,7 @@ CASES = [
             "executor_options": {"vocab": VOCAB, "max_draft": 2},
         },
     ],
-    ids=["sync", "async", "drafts"],
+    ids=["one-forward", "eight-forwards", "async", "drafts"],
 )
 def test_stop_strings_respect_min_tokens(make_llm: Callable[..., Any], engine_kw: dict[str, Any]) -> None:
     kw: dict[str, Any] = {"block_size": 4, "num_kv_blocks": 32, "executor_options": {"vocab": VOCAB}, **engine_kw}

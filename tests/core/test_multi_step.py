@@ -1,0 +1,170 @@
+"""Several decode forwards a command (``num_scheduler_steps``) on the fake executor: the tokens are
+those of one forward a command, the worker really runs the forwards back to back, stops a request's
+forwards at the token that ends it, leaves an error to the next command, runs one forward a command
+while a request waits to be admitted, and ``auto`` bursts only while forwards are short. The
+property tests (``test_engine_properties.py``) draw the setting beside chunking, preemption, prefix
+caching and aborts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from pypto_serving import LLM, SamplingParams
+from tests.conftest import plugin_installed
+from tests.core.test_stop_strings import PROMPT, TableTokenizer, table
+from tests.fakes import reference_tokens
+
+pytest.importorskip("pypto_serving_sync_sched")
+
+VOCAB = 97
+SCHEDULERS = ["sync"] + (["async"] if plugin_installed("async_sched") else [])
+PROMPTS = [[(7 * i + k) % VOCAB for k in range(5 + i)] for i in range(4)]
+
+
+@pytest.fixture
+def make(fake_pm: Any) -> Iterator[Callable[..., LLM]]:
+    built: list[LLM] = []
+
+    def factory(**kw: Any) -> LLM:
+        kw = {"executor": "fake", "worker_mode": "inproc", "scheduler": "sync", "block_size": 4, **kw}
+        llm = LLM(plugins=fake_pm, **kw)
+        built.append(llm)
+        return llm
+
+    yield factory
+    for llm in built:
+        llm.shutdown()
+
+
+def _forwards(llm: LLM) -> list[list[str]]:
+    """Record the request ids of every forward the in-process worker's executor runs."""
+    assert llm.engine is not None
+    executor = llm.engine.worker._runner.executor  # type: ignore[union-attr]
+    seen: list[list[str]] = []
+    execute = executor.execute
+
+    def counted(batch: Any) -> Any:
+        seen.append(list(batch.request_ids))
+        return execute(batch)
+
+    executor.execute = counted
+    return seen
+
+
+def _commands(llm: LLM) -> list[Any]:
+    """Record every command the engine submits to the worker."""
+    engine = llm.engine
+    assert engine is not None
+    sent: list[Any] = []
+    submit = engine.submit
+
+    def recorded(out: Any) -> None:
+        sent.append(out.command)
+        submit(out)
+
+    engine.submit = recorded  # type: ignore[method-assign]
+    return sent
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_several_forwards_a_command_give_the_tokens_of_one(make: Callable[..., LLM], scheduler: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[11])
+    llm = make(scheduler=scheduler, num_scheduler_steps=4, executor_options={"eos": 5})
+    forwards, commands = _forwards(llm), _commands(llm)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ref, reason = reference_tokens(prompt, 13, VOCAB, 5, (11,))
+        assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (ref, reason)
+    # The decodes ran as several forwards each command: more forwards than commands, at most four a command.
+    assert any(e.num_steps == 4 for c in commands for e in c.entries)
+    assert len(forwards) > len(commands)
+    assert max(e.num_steps for c in commands for e in c.entries) == 4
+
+
+def test_a_request_stops_its_forwards_at_the_token_that_ends_it(make: Callable[..., LLM]) -> None:
+    prompt = PROMPTS[0]
+    ref, _ = reference_tokens(prompt, 12, VOCAB)
+    eos = ref[2]  # the third output ends the request
+    llm = make(num_scheduler_steps=8, executor_options={"eos": eos})
+    forwards = _forwards(llm)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (ref[:3], "stop")
+    # The prefill samples the first token; one command of 8 forwards then ran two and stopped at EOS.
+    assert len(forwards) == 3
+    assert llm.engine is not None and not llm.engine.has_unfinished()
+    pool = llm.engine.kv.pools["kv"]
+    assert pool.num_free == pool.num_blocks
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_an_error_in_a_later_forward_is_met_by_the_next_command(make: Callable[..., LLM], scheduler: str) -> None:
+    """NaN logits at the fourth output: the forward that meets them inside a command reports
+    nothing; the next command computes that position again and fails the request as one forward a
+    command does, with the same tokens before."""
+    prompt = PROMPTS[1]
+    ref, _ = reference_tokens(prompt, 12, VOCAB)
+    opts = {"nan_on_token": ref[3]}
+    params = SamplingParams(temperature=0, max_tokens=12)
+    got = []
+    for steps in (1, 8):
+        llm = make(scheduler=scheduler, num_scheduler_steps=steps, executor_options=opts)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        got.append((out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].error))
+    assert got[0] == got[1]
+    assert got[0][1] == "error" and got[0][0] == ref[:4]
+
+
+def test_a_request_ended_by_a_stop_string_is_not_failed_by_a_later_forward(make: Callable[..., LLM]) -> None:
+    """A stop string ends the request at its third token (the engine's check, after the command);
+    the worker's later forwards for it meet NaN logits at the sixth. Those forwards' error is not
+    reported, so the request ends by its stop string as with one forward a command."""
+    ref, _ = reference_tokens(PROMPT, 8, VOCAB)
+    llm = make(num_scheduler_steps=8, executor_options={"nan_on_token": ref[4]})
+    assert llm.engine is not None
+    llm.engine.tokenizer = TableTokenizer(table())  # type: ignore[assignment]
+    forwards = _forwards(llm)
+    params = SamplingParams(temperature=0, max_tokens=8, stop=["STOP"], ignore_eos=True)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.token_ids, out.finish_reason) == ("abc", ref[:3], "stop")
+    assert len(forwards) == 6  # the prefill, then five forwards of one command: the sixth met NaN
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_waiting_request_gets_commands_of_one_forward(make: Callable[..., LLM]) -> None:
+    llm = make(num_scheduler_steps=4, max_num_seqs=1)
+    commands = _commands(llm)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS[:2], outs):
+        assert out.outputs[0].token_ids == reference_tokens(prompt, 10, VOCAB)[0]
+    first = [c for c in commands if any(e.request_id == outs[0].request_id for e in c.entries)]
+    second = [c for c in commands if any(e.request_id == outs[1].request_id for e in c.entries)]
+    # The first request runs while the second waits: one forward a command; the second runs alone: four.
+    assert all(e.num_steps == 1 for c in first for e in c.entries)
+    assert max(e.num_steps for c in second for e in c.entries) == 4
+
+
+def test_auto_runs_several_forwards_on_the_cpu_while_they_are_short(make: Callable[..., LLM]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=9)
+    steps = []
+    for sleep in (0.0, 0.012):  # AUTO_STEPS_BELOW_S is 10 ms
+        llm = make(executor_options={"step_sleep": sleep})
+        commands = _commands(llm)
+        out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == reference_tokens(PROMPTS[2], 9, VOCAB)[0]
+        steps.append(max(e.num_steps for c in commands for e in c.entries))
+    assert steps == [4, 1]
+
+
+def test_several_forwards_a_command_refuse_speculation(make: Callable[..., LLM]) -> None:
+    with pytest.raises(ValueError, match="num_scheduler_steps=4 cannot run: speculative decoding drafts"):
+        make(
+            num_scheduler_steps=4,
+            speculative_config={"method": "fake", "num_speculative_tokens": 2},
+            executor_options={"max_draft": 2},
+        )
+    with pytest.raises(ValueError, match="num_scheduler_steps=2 cannot run: its executor needs uniform batches"):
+        make(num_scheduler_steps=2, executor_options={"uniform": True})
