@@ -406,21 +406,17 @@ class Scheduler:
             if pending >= s.pending_limit or (barrier and s.awaiting_prefill):
                 continue
             decode = pending == start + 1 and start >= prompt
-            steps = 1
             if decode and plain:
-                num_new, k = 1, 0
-                if step.steps > 1:
-                    steps = self._steps(req, step.steps, pending)
+                num_new, k, steps = 1, 0, self._steps(req, step.steps, pending)
             else:
-                num_new, k = self._shape(step, req, pending - start, decode and not admitting, budget)
+                (num_new, k), steps = self._shape(step, req, pending - start, decode and not admitting, budget), 1
                 if num_new <= 0:
                     continue
             end = start + num_new + k + steps - 1
-            if end > req.kv.capacity:  # the tables do not cover the work
-                fits, given_back = self._blocks_for(step, req, end, admitting)
-                budget += given_back
-                if not fits:
-                    continue
+            fits, given_back = self._blocks_for(step, req, end, admitting) if end > req.kv.capacity else (True, 0)
+            budget += given_back
+            if not fits:
+                continue
             sample = decode or start + num_new == pending  # a decode's one token is always the last
             add_entry(
                 ScheduledEntry(
@@ -466,6 +462,8 @@ class Scheduler:
         ``most``, never past its output limit, one for a request with a grammar (the worker masks its
         tokens step by step against the engine's record), and one unless the blocks for all of them
         are free now: several forwards never preempt anyone."""
+        if most <= 1:
+            return 1
         n = min(most, req.sched.pending_limit - pending)
         if n <= 1 or req.sampling_params.structured is not None:
             return 1

@@ -37,7 +37,7 @@ def test_generate_builds_each_output_once_finished(
 
 
 def test_a_request_added_without_final_only_is_reported_every_step(make_llm: Callable[..., Any]) -> None:
-    llm = make_llm(block_size=4, num_kv_blocks=64)
+    llm = make_llm(block_size=4, num_kv_blocks=64, num_scheduler_steps=1)  # one token a step
     engine = llm._live_engine()
     engine.add_request("every", [1, 2, 3], GREEDY)
     engine.add_request("final", [1, 2, 3], GREEDY, final_only=True)
@@ -68,7 +68,7 @@ class CountingTokenizer:
 def test_a_final_only_requests_text_is_decoded_once_it_finishes(make_llm: Callable[..., Any]) -> None:
     """A final-only request's text is left to its end (nobody reads it before), then decoded from
     all its tokens: the same text a request reported every step ends with, finished or aborted."""
-    llm = make_llm(block_size=4, num_kv_blocks=64, executor_options={"vocab": 97})
+    llm = make_llm(block_size=4, num_kv_blocks=64, executor_options={"vocab": 97}, num_scheduler_steps=1)
     engine = llm._live_engine()
     tok = engine.tokenizer = CountingTokenizer()
     engine.add_request("every", [5, 6, 7], GREEDY)

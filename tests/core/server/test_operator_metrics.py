@@ -76,9 +76,10 @@ def test_metrics_json_needs_the_key_only_where_metrics_does(make_client: Any) ->
 
 
 def test_latency_histograms_agree_with_the_request_times(make_client: Any) -> None:
-    """One streamed request of 6 tokens on the sync scheduler (one token per step): 5 inter-token
-    latencies that add up to its decode time, one queue/prefill/decode/TTFT/e2e observation each."""
-    client, _ = make_client()
+    """One streamed request of 6 tokens on the sync scheduler, one forward a command (one token per
+    step): 5 inter-token latencies that add up to its decode time, one
+    queue/prefill/decode/TTFT/e2e observation each."""
+    client, _ = make_client(num_scheduler_steps=1)
     _stream(client, [9, 10, 11, 12], 6)
     assert _value(client, "pypto_serving_inter_token_latency_seconds_count") == 5
     itl_sum = _value(client, "pypto_serving_inter_token_latency_seconds_sum")

@@ -210,6 +210,28 @@ def test_worker_process_mode(
     assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
 
 
+def test_several_forwards_a_command_keep_every_token(
+    qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any], make_llm: Callable[..., Any]
+) -> None:
+    """num_scheduler_steps=4 in a worker process under async scheduling: greedy tokens are
+    transformers', seeded sampled tokens with a penalty and their logprobs are those of one forward a
+    command, and the worker really ran several forwards a command (fewer steps)."""
+    path = qwen_checkpoints("qwen3")
+    prompts = _prompts(320, PROMPT_LENGTHS[:4], seed=16)
+    sampled = SamplingParams(
+        temperature=0.8, top_p=0.9, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3, logprobs=2
+    )
+    runs = []
+    for steps in (1, 4):
+        llm = make_llm(path, worker_mode="process", scheduler="async", num_scheduler_steps=steps)
+        greedy = _generate(llm, prompts)
+        outs = [o.outputs[0] for o in llm.generate(prompts, sampled, use_tqdm=False)]
+        runs.append((greedy, [(o.token_ids, o.logprobs) for o in outs], llm.engine.stats()["num_steps"]))
+    assert runs[1][:2] == runs[0][:2]
+    assert runs[0][0] == _hf_greedy(hf_reference(path), prompts)
+    assert runs[1][2] < runs[0][2] / 2
+
+
 # ----------------------------------------------------------------------------- generation_config.json
 
 GEN_DEFAULTS = {"temperature": 0.0, "min_p": 0.2, "repetition_penalty": 1.8, "presence_penalty": 1.5}
