@@ -96,8 +96,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--logprobs",
         action="store_true",
-        help="request logprobs=0 so every token streams as its own chunk even when its text is held back "
-        "(ITL per token; costs the server a log-softmax per token)",
+        help="request logprobs=0 so every engine step's tokens stream as their own chunk even when their text "
+        "is held back (ITL per step: per token with num_scheduler_steps=1 and no speculation; costs the server "
+        "a log-softmax per token)",
     )
     g.add_argument("--no-warmup", action="store_true", help="no untimed 2-token request before the run")
     g.add_argument("--bearer", metavar="KEY", help="API key to send (default: none)")

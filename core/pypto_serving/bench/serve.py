@@ -37,7 +37,7 @@ class ServeConfig:
     model_name: str | None = None  # None: the server's first model from /v1/models
     api_key: str | None = None
     timeout: float = 600.0
-    logprobs: bool = False  # ask for logprobs=0: every token becomes its own chunk (even empty text)
+    logprobs: bool = False  # ask for logprobs=0: every step's tokens become their own chunk (even empty text)
     warmup: bool = True  # one untimed 2-token request first
 
 

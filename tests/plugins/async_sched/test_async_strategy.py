@@ -63,7 +63,8 @@ def cache_tokens(engine: Any, req: Any, upto: int) -> list[int]:
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_upper_bound_reservation_between_dispatch_and_apply(llms: Any, k: int) -> None:
     """Scheduling advances computed tokens by num_new + k and reserves 1 + k placeholders per sampling
-    entry; between the dispatch of step N+1 and the apply of step N a request carries both."""
+    entry (a decode of several forwards, num_steps: num_steps of each, which the CPU's default runs
+    without drafts); between the dispatch of step N+1 and the apply of step N a request carries both."""
     llm = llms("async", k=k, err=0.0)
     eng = llm.engine
     pairs = 0
@@ -82,7 +83,8 @@ def test_upper_bound_reservation_between_dispatch_and_apply(llms: Any, k: int) -
             req = eng.scheduler.requests[e.request_id]
             # the input of the later decode is still being sampled: typed flag, no token ids
             assert e.use_last_sampled and e.token_ids == []
-            assert req.num_output_placeholders == (1 + mine[e.request_id].num_draft) + (1 + e.num_draft)
+            before = mine[e.request_id]
+            assert req.num_output_placeholders == (before.num_steps + before.num_draft) + (e.num_steps + e.num_draft)
             assert req.num_computed_tokens == req.num_tokens + req.num_output_placeholders - 1
             pairs += 1
 
@@ -94,12 +96,14 @@ def test_upper_bound_reservation_between_dispatch_and_apply(llms: Any, k: int) -
         for e in d.out.command.entries:
             c0, ph0, _ = d.before[e.request_id]
             c1, ph1, _ = d.after[e.request_id]
-            num_new = 1 if e.use_last_sampled else len(e.token_ids)
+            num_new = e.num_steps if e.use_last_sampled else len(e.token_ids)
             assert c1 - c0 == num_new + e.num_draft
-            assert ph1 - ph0 == ((1 + e.num_draft) if e.sample else 0)
+            assert ph1 - ph0 == ((e.num_steps + e.num_draft) if e.sample else 0)
             assert e.start_pos == c0
     if k:
         assert any(e.num_draft == k for e in spy.entries())
+    else:
+        assert any(e.num_steps > 1 for e in spy.entries())
     assert tokens(res) == {f"r{i}": reference_tokens(p, 20) for i, p in enumerate(ps)}
 
 
@@ -227,7 +231,7 @@ def test_completing_prefill_is_not_scheduled_twice(llms: Any, k: int) -> None:
         pos = 0
         for d, e in mine:
             assert e.start_pos == pos
-            assert d.after[rid][0] == pos + (1 if e.use_last_sampled else len(e.token_ids)) + e.num_draft
+            assert d.after[rid][0] == pos + (e.num_steps if e.use_last_sampled else len(e.token_ids)) + e.num_draft
             pos = d.after[rid][0]
             if not e.use_last_sampled and e.start_pos + len(e.token_ids) == len(p):  # terminal prefill chunk
                 assert e.sample
@@ -271,7 +275,7 @@ def test_terminal_prefill_barrier(llms: Any, barrier: bool) -> None:
 
 def test_abort_discards_results_in_flight(llms: Any) -> None:
     pa, pb = [7, 8, 9], [10, 11, 12, 13]
-    eng = llms("async").engine
+    eng = llms("async", num_scheduler_steps=1).engine  # one token a result: the count below is of tokens
     aborted_at = []
 
     def on_apply(out: Any, result: Any) -> None:
@@ -405,7 +409,8 @@ def test_process_worker_async_equals_sync(llms: Any, k: int) -> None:
 def test_worker_crash_with_two_steps_in_flight(llms: Any) -> None:
     pa = [3, 3, 3]
     bad = reference_tokens(pa, 30)[0][5]
-    eng = llms("async", worker_mode="process", options={"crash_on_token": bad}).engine
+    # One forward a command: a command of several that dies takes its earlier tokens with it.
+    eng = llms("async", worker_mode="process", options={"crash_on_token": bad}, num_scheduler_steps=1).engine
     eng.add_request("a", pa, greedy(30))
     done = {}
     for _ in range(100):

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.requires_plugin("sync_sched")
 
 def test_the_worker_trace_names_each_layer_by_its_kind(tmp_path: Path) -> None:
     model = make_qwen_checkpoint(tmp_path / "qwen3", "qwen3", num_hidden_layers=2)
-    with LLM(model=str(model), device="cpu", worker_mode="inproc", scheduler="sync") as llm:
+    # One forward a command, so each forward has a schedule phase of its own.
+    with LLM(model=str(model), device="cpu", worker_mode="inproc", scheduler="sync", num_scheduler_steps=1) as llm:
         assert llm.engine is not None
         llm.engine.profile(True, str(tmp_path / "p"))
         llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
