@@ -45,8 +45,8 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"  # the waiting queue's order (_FcfsQueue, _PriorityQueue)
     priority_max_wait_s: float = 60.0  # under "priority": the age at which a request ranks above every priority
     num_scheduler_steps: int = 1  # forwards a plain decode may run within one command (see Scheduler._steps)
-    # Several forwards a command only while the last command's took less than this each (None: always).
-    scheduler_steps_below_s: float | None = None
+    # Forwards a command as many as the last command's time per forward fits in this (None: always the most).
+    scheduler_steps_within_s: float | None = None
 
 
 StepKind = Literal["prefill", "decode"]
@@ -362,8 +362,8 @@ class Scheduler:
         (finished requests, grammars) then waits for the next step that runs."""
         step = _StepBuilder(self._next_step, self.config.max_num_batched_tokens, self.info.uniform_batches)
         self.waiting.age()
-        if not self.waiting and self._short_forwards():  # nobody waits for several forwards to end
-            step.steps = self.config.num_scheduler_steps
+        if not self.waiting:  # several forwards a command only while nobody waits for them to end
+            step.steps = self._forwards_a_command()
         self._schedule(step, list(self.running))
         if not step.preempted:
             self._schedule_waiting(step)
@@ -383,12 +383,15 @@ class Scheduler:
         self.stats.num_steps += 1
         return SchedulerOutput(cmd, step.requests, self.config.max_num_batched_tokens - step.budget)
 
-    def _short_forwards(self) -> bool:
-        """Whether the last command's forwards were short enough for several a command
-        (``scheduler_steps_below_s``): the engine's and the pipe's time a command is then a large share
-        of a token's, and a request arriving meanwhile waits for a few of them only."""
-        below = self.config.scheduler_steps_below_s
-        return below is None or self._forward_s < below
+    def _forwards_a_command(self) -> int:
+        """The most forwards a decode runs in the next command: ``num_scheduler_steps``, or with
+        ``scheduler_steps_within_s`` as many as fit in that time at the last command's time per
+        forward (one before any is known). Short forwards are where the engine's and the pipe's work
+        a command is a large share of a token, and a request arriving meanwhile waits that long at most."""
+        most, within = self.config.num_scheduler_steps, self.config.scheduler_steps_within_s
+        if within is None:
+            return most
+        return max(1, min(most, int(within / self._forward_s))) if self._forward_s > 0 else 1
 
     def _schedule(self, step: _StepBuilder, reqs: list[Request], admitting: bool = False) -> None:
         """The one path of every entry: each request's decode (plus draft slots) or next prefill chunk

@@ -148,15 +148,15 @@ def test_a_waiting_request_gets_commands_of_one_forward(make: Callable[..., LLM]
 
 
 def test_auto_runs_several_forwards_on_the_cpu_while_they_are_short(make: Callable[..., LLM]) -> None:
-    params = SamplingParams(temperature=0, max_tokens=9)
+    params = SamplingParams(temperature=0, max_tokens=12)
     steps = []
-    for sleep in (0.0, 0.012):  # AUTO_STEPS_BELOW_S is 10 ms
+    for sleep in (0.0, 0.012):  # forwards as many as fit in AUTO_STEPS_WITHIN_S = 20 ms, up to AUTO_STEPS = 8
         llm = make(executor_options={"step_sleep": sleep})
         commands = _commands(llm)
         out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]
-        assert out.outputs[0].token_ids == reference_tokens(PROMPTS[2], 9, VOCAB)[0]
+        assert out.outputs[0].token_ids == reference_tokens(PROMPTS[2], 12, VOCAB)[0]
         steps.append(max(e.num_steps for c in commands for e in c.entries))
-    assert steps == [4, 1]
+    assert steps == [8, 1]
 
 
 def test_several_forwards_a_command_refuse_speculation(make: Callable[..., LLM]) -> None:
