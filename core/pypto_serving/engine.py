@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -844,8 +845,10 @@ class EngineCore:
         )
         if self.worker.mode == "inproc":  # one process, one profiler (the worker's): one trace, both names
             self.worker.profile(worker)
-            if not start:
-                shutil.copyfile(worker.path, engine.path)
+            if not start:  # written whole, then renamed: /stop_profile answers once the name exists
+                partial = f"{engine.path}.partial"
+                shutil.copyfile(worker.path, partial)
+                os.replace(partial, engine.path)
             return
         self.worker.profile(worker)
         self._profiler.control(engine)

@@ -248,6 +248,7 @@ def _run(fake_pm: Any, scheduler: str, workload: Workload, num_blocks: int, pref
         max_num_batched_tokens=8,
         enable_prefix_caching=prefix_caching,
         executor_options={"window": WINDOW, "max_model_len": 256},
+        num_scheduler_steps=1,  # the statistics below are tuned to one token a step
     )
     engine = llm.engine
     assert engine is not None

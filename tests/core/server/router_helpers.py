@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 # Every replica of the router tests: room for multi-turn chats, and a KV cache that never preempts.
-REPLICA_SETTINGS: dict[str, Any] = {"max_model_len": 1024, "num_kv_blocks": 2048}
+# One forward a command: the router's tests pace requests by the replicas' step time and count a
+# stream's chunks one token each.
+REPLICA_SETTINGS: dict[str, Any] = {"max_model_len": 1024, "num_kv_blocks": 2048, "num_scheduler_steps": 1}
 
 
 def replica_options(step_sleep: float) -> dict[str, Any]:

@@ -51,3 +51,27 @@ def test_an_in_process_worker_shares_the_engines_trace(make_client: Any, tmp_pat
     assert client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}).status_code == 200
     engine, worker = (Path(p) for p in client.post("/stop_profile", headers=ADMIN).json()["traces"])
     assert {"schedule", "apply", "launch", "forward", "sample", "finish"} <= _names(engine) == _names(worker)
+
+
+def test_an_in_process_engine_trace_appears_only_once_whole(make_client: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    """/stop_profile answers once both trace names exist, so the engine's copy of an in-process
+    worker's trace is written under another name and renamed: while it is written, its name is absent."""
+    import shutil
+
+    from pypto_serving import engine as engine_module
+
+    seen: list[bool] = []
+    copy = shutil.copyfile
+
+    def watched(src: str, dst: str) -> str:
+        copy(src, dst)
+        seen.append(any(p.name.endswith(".engine.json") for p in tmp_path.iterdir()))
+        return dst
+
+    monkeypatch.setattr(engine_module.shutil, "copyfile", watched)
+    client, _ = make_client(admin_api_key=["adm1n"], profile_dir=tmp_path)
+    assert client.post("/start_profile", headers=ADMIN).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}).status_code == 200
+    engine, _ = (Path(p) for p in client.post("/stop_profile", headers=ADMIN).json()["traces"])
+    assert seen == [False]
+    assert "schedule" in _names(engine)

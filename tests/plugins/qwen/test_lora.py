@@ -304,13 +304,18 @@ def test_load_and_unload_while_requests_run(
     adapter is refused at once (404), its running request finishes, and only then is its slot free.
 
     Steps run while the adapter is read for as long as the read takes, so the request that holds the
-    unloaded adapter's slot is added after the load: two steps cannot finish its ten tokens."""
+    unloaded adapter's slot is added after the load: two steps (of one forward each) cannot finish
+    its ten tokens."""
     from dataclasses import replace
 
     from pypto_serving.lora import LoraError
 
     llm = make_llm(
-        lora_modules=[f"attn={adapters['attn']}"], max_lora_rank=8, max_loras=2, async_scheduling=async_scheduling
+        lora_modules=[f"attn={adapters['attn']}"],
+        max_lora_rank=8,
+        max_loras=2,
+        async_scheduling=async_scheduling,
+        num_scheduler_steps=1,
     )
     engine, prompts, outs = llm.engine, _prompts(5), {}
     assert engine is not None and engine.scheduler_name == ("async" if async_scheduling else "sync")
