@@ -464,7 +464,7 @@ class Scheduler:
         """The forwards a plain decode of ``req`` runs in this command (``num_scheduler_steps``): up to
         ``most``, never past its output limit, one for a request with a grammar (the worker masks its
         tokens step by step against the engine's record), and one unless the blocks for all of them
-        are free now: several forwards never preempt anyone."""
+        are free now: they are taken without preempting anyone."""
         if most <= 1:
             return 1
         n = min(most, req.sched.pending_limit - pending)

@@ -7,7 +7,7 @@ caching and aborts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,18 +25,9 @@ PROMPTS = [[(7 * i + k) % VOCAB for k in range(5 + i)] for i in range(4)]
 
 
 @pytest.fixture
-def make(fake_pm: Any) -> Iterator[Callable[..., LLM]]:
-    built: list[LLM] = []
-
-    def factory(**kw: Any) -> LLM:
-        kw = {"executor": "fake", "worker_mode": "inproc", "scheduler": "sync", "block_size": 4, **kw}
-        llm = LLM(plugins=fake_pm, **kw)
-        built.append(llm)
-        return llm
-
-    yield factory
-    for llm in built:
-        llm.shutdown()
+def make(make_llm: Callable[..., LLM]) -> Callable[..., LLM]:
+    """The shared ``make_llm`` (fake executor, in-process, sync) with blocks of 4 tokens."""
+    return lambda **kw: make_llm(**{"block_size": 4, **kw})
 
 
 def _forwards(llm: LLM) -> list[list[str]]:
