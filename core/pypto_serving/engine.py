@@ -101,8 +101,8 @@ MAX_KV_BLOCKS_PER_GROUP = 2**20
 list, reference counts, prefix hashes), and 2**20 blocks of 16 tokens already hold 16M tokens: a
 larger plan comes from a mistake (an executor declaring a tiny ``bytes_per_block``, a huge
 ``num_kv_blocks``), so it is refused rather than built."""
-#: ``num_scheduler_steps`` unset, on the CPU: up to ``AUTO_STEPS`` forwards a command, as many as fit
-#: in ``AUTO_STEPS_WITHIN_S`` (a request arriving meanwhile waits about that long at most).
+#: ``num_scheduler_steps`` unset, on the CPU: a request running alone gets up to ``AUTO_STEPS``
+#: forwards a command, as many as fit in ``AUTO_STEPS_WITHIN_S`` (an arrival waits that long at most).
 AUTO_STEPS = 8
 AUTO_STEPS_WITHIN_S = 0.020
 
@@ -441,10 +441,10 @@ class EngineCore:
 
     def _scheduler_steps(self) -> int:
         """The most forwards a decode may run within one command (``num_scheduler_steps``). Auto: on the
-        CPU ``AUTO_STEPS``, as many as fit in ``AUTO_STEPS_WITHIN_S`` (the engine's and the pipe's work a
-        command is 0.15-0.2 ms, measured: a share worth saving of a small model's 2-3 ms forward, not of
-        a 20 ms one); one elsewhere (an accelerator's host work runs beside its device work) and with
-        drafts or uniform batches."""
+        CPU ``AUTO_STEPS`` for a request running alone, as many as fit in ``AUTO_STEPS_WITHIN_S`` (the
+        engine's and the pipe's work a command is 0.15-0.2 ms, measured: a share worth saving of a
+        small model's 2-3 ms forward, not of a 20 ms one); one elsewhere (an accelerator's host work
+        runs beside its device work) and with drafts or uniform batches."""
         steps = self.settings.num_scheduler_steps
         if steps is None:
             cpu = device_kind(self.settings.device) == "cpu"

@@ -148,6 +148,16 @@ def test_auto_runs_several_forwards_on_the_cpu_while_they_are_short(make: Callab
         assert out.outputs[0].token_ids == reference_tokens(PROMPTS[2], 12, VOCAB)[0]
         steps.append(max(e.num_steps for c in commands for e in c.entries))
     assert steps == [8, 1]
+    # Beside another request auto runs one a command; the longer request, once alone, several.
+    llm = make()
+    commands = _commands(llm)
+    outs = llm.generate(PROMPTS[:2], [params, SamplingParams(temperature=0, max_tokens=3)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        reference_tokens(PROMPTS[0], 12, VOCAB)[0],
+        reference_tokens(PROMPTS[1], 3, VOCAB)[0],
+    ]
+    assert all(e.num_steps == 1 for c in commands if len(c.entries) > 1 for e in c.entries)
+    assert max(e.num_steps for c in commands for e in c.entries) > 1
 
 
 def test_several_forwards_a_command_refuse_speculation(make: Callable[..., LLM]) -> None:

@@ -63,9 +63,9 @@ def cache_tokens(engine: Any, req: Any, upto: int) -> list[int]:
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_upper_bound_reservation_between_dispatch_and_apply(llms: Any, k: int) -> None:
     """Scheduling advances computed tokens by num_new + k and reserves 1 + k placeholders per sampling
-    entry (a decode of several forwards, num_steps: num_steps of each, which the CPU's default runs
-    without drafts); between the dispatch of step N+1 and the apply of step N a request carries both."""
-    llm = llms("async", k=k, err=0.0)
+    entry (a decode of several forwards, num_steps: num_steps of each, four a command without drafts);
+    between the dispatch of step N+1 and the apply of step N a request carries both."""
+    llm = llms("async", k=k, err=0.0, **({} if k else {"num_scheduler_steps": 4}))
     eng = llm.engine
     pairs = 0
 
