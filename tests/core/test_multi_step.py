@@ -142,14 +142,14 @@ def test_auto_runs_several_forwards_on_the_cpu_while_they_are_short(make: Callab
     params = SamplingParams(temperature=0, max_tokens=12)
     steps = []
     for sleep in (0.0, 0.012):  # forwards as many as fit in AUTO_STEPS_WITHIN_S = 20 ms, up to AUTO_STEPS = 8
-        llm = make(executor_options={"step_sleep": sleep})
+        llm = make(device="cpu", executor_options={"step_sleep": sleep})  # auto runs several on the CPU
         commands = _commands(llm)
         out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == reference_tokens(PROMPTS[2], 12, VOCAB)[0]
         steps.append(max(e.num_steps for c in commands for e in c.entries))
     assert steps == [8, 1]
     # Beside another request auto runs one a command; the longer request, once alone, several.
-    llm = make()
+    llm = make(device="cpu")
     commands = _commands(llm)
     outs = llm.generate(PROMPTS[:2], [params, SamplingParams(temperature=0, max_tokens=3)], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [
