@@ -180,6 +180,7 @@ class StepResult(msgspec.Struct):
     num_accepted_per_pos: list[int] = []
     execute_seconds: float = 0.0
     draft_seconds: float = 0.0  # the part of execute_seconds spent proposing next step's drafts
+    num_forwards: int = 1  # forwards the worker ran for the command (several with ScheduledEntry.num_steps)
     # Requests whose grammar (StepCommand.compile_grammars) finished compiling, or failed to, since
     # the previous result: the scheduler admits them without any step waiting on the compile.
     grammars_ready: list[str] = []

@@ -371,7 +371,7 @@ class ModelRunner:
             if more.error is not None:
                 break
             result.execute_seconds += more.execute_seconds
-            done += 1
+            result.num_forwards = done = done + 1
             for e in entries:
                 rid = e.request_id
                 if rid in more.sampled:

@@ -639,7 +639,7 @@ class Scheduler:
         is committed."""
         self._count_drafts(result)
         if result.error is None:
-            self._forward_s = result.execute_seconds / max((e.num_steps for e in out.command.entries), default=1)
+            self._forward_s = result.execute_seconds / max(1, result.num_forwards)
         touched: list[Request] = []
         kv, windowed, step_id = self.kv, bool(self.kv.windowed), out.command.step_id
         sampled, errors, logprobs = result.sampled, result.request_errors, result.logprobs

@@ -81,10 +81,20 @@ def test_a_request_stops_its_forwards_at_the_token_that_ends_it(make: Callable[.
     eos = ref[2]  # the third output ends the request
     llm = make(num_scheduler_steps=8, executor_options={"eos": eos})
     forwards = _forwards(llm)
+    assert llm.engine is not None
+    results: list[Any] = []
+    wait = llm.engine.wait_result
+
+    def recorded() -> Any:
+        results.append(wait())
+        return results[-1]
+
+    llm.engine.wait_result = recorded  # type: ignore[method-assign]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == (ref[:3], "stop")
     # The prefill samples the first token; one command of 8 forwards then ran two and stopped at EOS.
     assert len(forwards) == 3
+    assert [r.num_forwards for r in results] == [1, 2]  # what the scheduler times a forward by
     assert llm.engine is not None and not llm.engine.has_unfinished()
     pool = llm.engine.kv.pools["kv"]
     assert pool.num_free == pool.num_blocks
