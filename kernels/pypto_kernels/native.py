@@ -205,7 +205,7 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_decode_layers.argtypes = [
         _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int,
     ]  # fmt: skip
-    lib.pypto_gemv.restype = None
+    lib.pypto_gemv.restype = ctypes.c_int
     lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int, _PTR, _PTR, ctypes.c_int]
     lib.pypto_panel_gemm.restype = None
     lib.pypto_panel_gemm.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
@@ -673,13 +673,13 @@ def gemv(
     row = x.to(torch.float32)
     out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
     ptrs = (None, None) if maxima is None else (maxima[0].data_ptr(), maxima[1].data_ptr())
-    lib.pypto_gemv(
+    status = lib.pypto_gemv(
         weight.data_ptr(), NATIVE_DTYPES[weight.dtype], weight.stride(0), row.data_ptr(), out.data_ptr(),
         weight.shape[0], weight.shape[1], int(logits and weight.dtype == torch.bfloat16), *ptrs,
         torch.get_num_threads(),
     )  # fmt: skip
-    if maxima is not None and int(maxima[1]) < 0:
-        raise MemoryError("the native gemv could not allocate its maxima's scratch")
+    if status != 0:
+        raise MemoryError("the native gemv could not allocate its scratch")
     return out if logits else out.to(x.dtype)
 
 

@@ -290,7 +290,9 @@ def test_qk_norm_rope_write_kv_takes_the_native_pass_where_it_can(monkeypatch: p
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("out", "width"), [(1, 16), (7, 100), (151, 256), (1000, 17), (4099, 64), (33, 1024)])
+@pytest.mark.parametrize(
+    ("out", "width"), [(1, 16), (7, 100), (151, 256), (1000, 17), (4099, 64), (33, 1024), (130, 211)]
+)
 def test_native_gemv_is_the_product(out: int, width: int, dtype: torch.dtype) -> None:
     """One row times a plain [out, in] matrix against float64 (the matrix as it is, rows of a wider
     one, any leading dimensions of size 1); an output does not depend on the threads."""
