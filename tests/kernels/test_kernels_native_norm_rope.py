@@ -4,6 +4,9 @@ SwiGLU, against the torch references, float64 definitions, and each other."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import subprocess
 from typing import Any
 
 import pytest
@@ -12,6 +15,7 @@ import torch
 import pypto_kernels as K
 from pypto_kernels import native
 from pypto_kernels.backends import cpu as cpu_backend
+from pypto_kernels.device import cpu_flags
 
 needs_native = pytest.mark.skipif(
     native.library() is None, reason="no native CPU kernels on this machine (no C compiler; see the log)"
@@ -313,6 +317,46 @@ def test_native_gemv_is_the_product(out: int, width: int, dtype: torch.dtype) ->
             assert torch.equal(native.gemv(x, weight), got)
         finally:
             torch.set_num_threads(threads)
+
+
+def _gemv_built_for(march: str, tmp_path: Any) -> Any:
+    """``csrc/gemv.c`` alone, built for ``march`` with the native build's other flags, loaded (its
+    ``pypto_gemv`` declared as :func:`pypto_kernels.native.library` declares it); skipped where that
+    build cannot run here."""
+    compiler = native._compiler()
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags():
+        pytest.skip("needs x86 with AVX2 and a C compiler")
+    target = tmp_path / f"gemv_{march}.so"
+    flags = [f for f in native._FLAGS if not f.startswith("-march")]
+    source = native._CSRC / "gemv.c"
+    subprocess.run([compiler, *flags, f"-march={march}", "-o", str(target), str(source)], check=True)
+    lib = ctypes.CDLL(str(target))
+    declared = native.library()
+    assert declared is not None
+    lib.pypto_gemv.restype = declared.pypto_gemv.restype
+    lib.pypto_gemv.argtypes = declared.pypto_gemv.argtypes
+    return lib
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 256, 1024])
+def test_an_avx2_build_of_the_gemv_holds_the_same_sums(
+    dtype: torch.dtype, width: int, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without AVX-512 a row's 16-lane sums are held as 8-lane halves (GCC keeps a 16-lane vector in
+    memory there): an AVX2 build gives this build's outputs bit for bit, maxima included."""
+    gen = torch.Generator().manual_seed(width)
+    weight = torch.randn(777, width + 3, generator=gen).to(dtype)[:, 3:]
+    x = torch.randn(1, width, generator=gen).to(dtype)
+    peak, index = torch.empty(1), torch.empty(1, dtype=torch.long)
+    expected = native.gemv(x, weight, logits=True, maxima=(peak, index))
+    avx2 = _gemv_built_for("x86-64-v3", tmp_path)
+    monkeypatch.setattr(native, "library", lambda: avx2)
+    got_peak, got_index = torch.empty(1), torch.empty(1, dtype=torch.long)
+    got = native.gemv(x, weight, logits=True, maxima=(got_peak, got_index))
+    assert torch.equal(got, expected)
+    assert torch.equal(got_index, index) and torch.equal(got_peak, peak)
 
 
 @needs_native

@@ -25,11 +25,6 @@
 
 enum { LANES = 16, PREFETCH_F32 = 4096, PREFETCH_BF16 = 8192, CHUNK = 64, TAIL_MIN = 64 };
 
-/* 16 values of the matrix (kind ELEM_F32 or ELEM_BF16) from element index i of a row. */
-static inline vf vload_kind(const void *row, int kind, int64_t i) {
-    return kind == ELEM_BF16 ? vload_bf16((const uint16_t *)row + i) : vload((const float *)row + i);
-}
-
 static inline float scalar_kind(const void *row, int kind, int64_t i) {
     return kind == ELEM_BF16 ? bf16_value(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
@@ -45,14 +40,55 @@ static void split_even_odd(const float *x, int64_t in, float *xs) {
             }
 }
 
-static inline vf as_floats(vu u) {
-    vf f;
+/* A row's 16-lane accumulators are held as PARTS vectors of PART lanes: one AVX-512 register, or two
+ * 8-lane halves elsewhere, where GCC keeps a 16-lane vector in memory (an AVX2 build of the 16-lane
+ * loop read a bfloat16 matrix at a third of a plain read's rate, a float32 one at three quarters).
+ * Lane j of part p is lane p * PART + j of the 16, and sum_parts adds the lanes as sum_lanes does,
+ * so holding them in parts changes no result. */
+#ifdef __AVX512F__
+enum { PART = 16 };
+#else
+enum { PART = 8 };
+#endif
+enum { PARTS = LANES / PART };
+typedef float pf __attribute__((vector_size(PART * 4)));
+typedef uint32_t pu __attribute__((vector_size(PART * 4)));
+typedef uint16_t ph __attribute__((vector_size(PART * 2)));
+
+static inline pf pload(const float *p) {
+    pf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline pf as_floats(pu u) {
+    pf f;
     memcpy(&f, &u, sizeof f);
     return f;
 }
 
-/* Output o: its row's products in four accumulators, added as (a0 + a1) + (a2 + a3), the lanes by
- * sum_lanes (common.h), then the row's last in % 16 products in order. A float32 row's 16-value
+/* PART values of the row (kind ELEM_F32 or ELEM_BF16, widened exactly) from element i. */
+static inline pf pload_kind(const void *row, int kind, int64_t i) {
+    if (kind == ELEM_F32) return pload((const float *)row + i);
+    ph h;
+    memcpy(&h, (const uint16_t *)row + i, sizeof h);
+    return as_floats(__builtin_convertvector(h, pu) << 16);
+}
+
+/* sum_lanes (common.h) of the 16 lanes held in parts: the same additions in the same order. */
+static inline float sum_parts(const pf v[PARTS]) {
+#ifdef __AVX512F__
+    return sum_lanes(v[0]);
+#else
+    pf t = v[0] + v[1];
+    t += __builtin_shufflevector(t, t, 4, 5, 6, 7, 4, 5, 6, 7);
+    t += __builtin_shufflevector(t, t, 2, 3, 2, 3, 2, 3, 2, 3);
+    return t[0] + t[1];
+#endif
+}
+
+/* Output o: its row's products in four 16-lane accumulators, added as (a0 + a1) + (a2 + a3), the lanes
+ * by sum_lanes (common.h), then the row's last in % 16 products in order. A float32 row's 16-value
  * chunks 0, 4, 8, ... go to the first, 1, 5, ... to the second, and so on; a bfloat16 row's blocks of
  * 64 values give the first the even values of their first 32 (against xs, split_even_odd), the second
  * the odd ones, the third and fourth those of their last 32; a last run of fewer than four chunks goes
@@ -67,27 +103,28 @@ static inline __attribute__((always_inline)) float row_dot(const void *w, int ki
         else
             __builtin_prefetch(row + PREFETCH_F32 + off, 0, 0);
     }
-    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    pf a[4][PARTS] = {{{0}}};
     int64_t i = 0;
     if (kind == ELEM_BF16)
-        for (; i + 4 * LANES <= in; i += 4 * LANES) {
-            vu first, last;
-            memcpy(&first, (const uint16_t *)row + i, sizeof first);
-            memcpy(&last, (const uint16_t *)row + i + 2 * LANES, sizeof last);
-            a0 += as_floats(first << 16) * vload(xs + i);
-            a1 += as_floats(first & 0xffff0000u) * vload(xs + i + LANES);
-            a2 += as_floats(last << 16) * vload(xs + i + 2 * LANES);
-            a3 += as_floats(last & 0xffff0000u) * vload(xs + i + 3 * LANES);
-        }
+        for (; i + 4 * LANES <= in; i += 4 * LANES)
+            for (int half = 0; half < 2; half++)
+                for (int p = 0; p < PARTS; p++) {
+                    pu pair;
+                    memcpy(&pair, (const uint16_t *)row + i + 2 * LANES * half + 2 * PART * p, sizeof pair);
+                    const float *xe = xs + i + 2 * LANES * half + PART * p;
+                    a[2 * half][p] += as_floats(pair << 16) * pload(xe);
+                    a[2 * half + 1][p] += as_floats(pair & 0xffff0000u) * pload(xe + LANES);
+                }
     else
-        for (; i + 4 * LANES <= in; i += 4 * LANES) {
-            a0 += vload((const float *)row + i) * vload(x + i);
-            a1 += vload((const float *)row + i + LANES) * vload(x + i + LANES);
-            a2 += vload((const float *)row + i + 2 * LANES) * vload(x + i + 2 * LANES);
-            a3 += vload((const float *)row + i + 3 * LANES) * vload(x + i + 3 * LANES);
-        }
-    for (; i + LANES <= in; i += LANES) a0 += vload_kind(row, kind, i) * vload(x + i);
-    float total = sum_lanes((a0 + a1) + (a2 + a3));
+        for (; i + 4 * LANES <= in; i += 4 * LANES)
+            for (int c = 0; c < 4; c++)
+                for (int p = 0; p < PARTS; p++)
+                    a[c][p] += pload((const float *)row + i + LANES * c + PART * p) * pload(x + i + LANES * c + PART * p);
+    for (; i + LANES <= in; i += LANES)
+        for (int p = 0; p < PARTS; p++) a[0][p] += pload_kind(row, kind, i + PART * p) * pload(x + i + PART * p);
+    pf v[PARTS];
+    for (int p = 0; p < PARTS; p++) v[p] = (a[0][p] + a[1][p]) + (a[2][p] + a[3][p]);
+    float total = sum_parts(v);
     for (; i < in; i++) total += scalar_kind(row, kind, i) * x[i];
     return total;
 }
