@@ -147,6 +147,17 @@ def test_native_silu_mul_is_the_reference(dtype: torch.dtype, width: int, rows: 
 
 
 @needs_native
+def test_the_native_silu_mul_is_declined_on_x86_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AVX-512 GCC leaves the SwiGLU loop scalar (7x torch's time): torch's ops run there."""
+    x = torch.randn(4, 64)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    assert native.silu_takes(x)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert not native.silu_takes(x)
+    torch.testing.assert_close(K.silu_and_mul(x), K.silu_and_mul.reference(x), rtol=0, atol=0)  # type: ignore[attr-defined]
+
+
+@needs_native
 def test_silu_and_mul_takes_the_native_pass_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of dense elements (strided rows too, a row's result its own) take the C pass; a strided
     last dimension, an odd width and float16 the reference."""
