@@ -14,11 +14,11 @@
  * even ones widened by a shift and the odd ones by a mask, against the activation split once into its
  * even and odd values: on the 2-core Zen 4 EPYC of docs/benchmarks.md, where the row-by-row widening
  * (two half-width loads, a widening, a shift per 16 values) and non-temporal prefetches read the
- * matrix at 0.75x a plain read, a concurrency-1 token 0.87x as long on the small shape (512-byte rows),
- * 0.90x on the mid one, level on Qwen3-0.6B's (2 KiB rows). Each output's products are summed in a
+ * matrix at 0.67-0.79x a plain read, a concurrency-1 token 0.87-0.97x as long on the small shape
+ * (512-byte rows), 0.90-0.98x on the mid one, level on Qwen3-0.6B's (2 KiB rows). Each output's products are summed in a
  * fixed order (row_dot), so an output depends only on its row and the activation, not on the threads.
  * A bfloat16 matrix is widened exactly to float32 as it is read (the activation comes as float32).
- * Vectors are GCC/Clang vector extensions of 16 floats (one AVX-512 register, two AVX2 ones). */
+ * Vectors are GCC/Clang vector extensions; a row's 16-lane sums are held in PARTS of PART lanes. */
 #include <omp.h>
 
 #include "common.h"
