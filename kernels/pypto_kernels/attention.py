@@ -1007,7 +1007,7 @@ def batched_decode_paged_attention(
         long = [s for s in spans if s.num_queries > NATIVE_MAX_QUERIES]
         if not long:  # a decode step: every layer's call ends here
             return out
-        if native.prefill_takes(value_cache):
+        if native.prefill_routed(value_cache):
             _native_prefill(query, key_cache, value_cache, tables, long, out, scale, sliding_window, sinks)
         else:
             _attend_spans(query, key_cache, value_cache, tables, long, out, scale, sliding_window, sinks, None, None)

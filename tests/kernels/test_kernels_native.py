@@ -353,6 +353,12 @@ def test_only_unscaled_cpu_caches_of_one_native_dtype_are_read_natively() -> Non
 
 # -- long runs (prefill chunks): csrc/prefill_attention.c
 
+
+def _avx512_flags() -> frozenset[str]:
+    """CPU flags where the paged attention routes prefill runs to the native kernel."""
+    return frozenset({"avx2", "fma", "avx512f"})
+
+
 # (q_len, seq_len): whole prompts (shorter and longer than a 64-query tile), chunks over cached
 # prefixes ending mid-block, decode rows and a speculative run beside them, an idle request.
 PREFILL_BATCH = [(17, 17), (70, 70), (129, 200), (33, 47), (1, 90), (5, 61), (0, 9), (64, 64)]
@@ -386,6 +392,7 @@ def test_native_prefill_attends_long_runs_as_the_naive_loop(
     if layout == "head_major" and num_kv_heads > 1:  # one KV head: both layouts are the same memory
         data = _head_major(data)
     sinks = torch.randn(num_q_heads, generator=gen) if with_sinks else None
+    monkeypatch.setattr(native, "cpu_flags", _avx512_flags)  # the routing of a CPU with AVX-512, on any host
     prefill, rows = _Calls(monkeypatch, "prefill_attention"), _Calls(monkeypatch)
     out = paged_attention(*(data[name] for name in PAGED_ARGS), 0.25, sliding_window=window, sinks=sinks)
     long_rows = sum(q for q, _ in PREFILL_BATCH if q > attention_module.NATIVE_MAX_QUERIES)
@@ -434,6 +441,7 @@ def test_native_prefill_refuses_what_it_cannot_take(monkeypatch: pytest.MonkeyPa
     ``out`` neither float32 nor bfloat16 is refused."""
     gen = torch.Generator().manual_seed(6)
     data = build_paged_batch([(40, 40)], 16, 4, 2, 32, 24, torch.float32, gen)
+    monkeypatch.setattr(native, "cpu_flags", _avx512_flags)  # the routing of a CPU with AVX-512, on any host
     prefill = _Calls(monkeypatch, "prefill_attention")
     out = paged_attention(*(data[name] for name in PAGED_ARGS), 0.25)
     assert prefill.calls == 0

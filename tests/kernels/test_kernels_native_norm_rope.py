@@ -157,6 +157,18 @@ def test_the_native_silu_mul_is_declined_on_x86_without_avx512(monkeypatch: pyte
     torch.testing.assert_close(K.silu_and_mul(x), K.silu_and_mul.reference(x), rtol=0, atol=0)  # type: ignore[attr-defined]
 
 
+def test_prefill_runs_are_not_routed_to_the_native_kernel_on_x86_without_avx512(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its AVX2 build took 3.3-6x the torch path's time: the torch path runs there (the kernel itself
+    still takes the caches when called)."""
+    cache = torch.zeros(4, 16, 2, 64)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    assert native.prefill_routed(cache)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert not native.prefill_routed(cache) and native.prefill_takes(cache)
+
+
 @needs_native
 def test_silu_and_mul_takes_the_native_pass_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of dense elements (strided rows too, a row's result its own) take the C pass; a strided
@@ -164,6 +176,7 @@ def test_silu_and_mul_takes_the_native_pass_on_the_cpu(monkeypatch: pytest.Monke
     calls: list[tuple[int, ...]] = []
     inner = native.silu_mul
     monkeypatch.setattr(native, "silu_mul", lambda x: calls.append(tuple(x.shape)) or inner(x))
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))  # routed so on any host
     wide = torch.randn(6, 300)
     rows = wide[:, 20:276]  # rows of stride 300
     assert torch.equal(K.silu_and_mul(rows), torch.cat([inner(rows[i : i + 1]) for i in range(6)]))
