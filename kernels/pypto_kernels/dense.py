@@ -163,7 +163,7 @@ def packing_rule(
     if dtype != torch.float32 or elements is None or not onednn_supports(dtype):
         return None
     have = device.cpu_flags() if flags is None else flags
-    if _avx2_without_avx512(have):
+    if device.avx2_without_avx512(have):
         return ("onednn", 1, NEVER) if elements >= ONEDNN_FLOAT32_MIN_ELEMENTS else None
     if "avx512f" not in have or not _non_intel(vendor) or elements < ONEDNN_FLOAT32_AVX512_MIN_ELEMENTS:
         return None
@@ -188,11 +188,6 @@ def _bf16_panels(
     return big and {"avx512f", "avx512_bf16"} <= have and _non_intel(vendor) and _native_built(native_kernels)
 
 
-def _avx2_without_avx512(flags: frozenset[str]) -> bool:
-    """The AVX2 class (the AVX2 AMD EPYC's measurements): x86 with AVX2 and without AVX-512."""
-    return "avx2" in flags and "avx512f" not in flags
-
-
 def tied_head_min_rows(dtype: torch.dtype, *, flags: frozenset[str] | None = None) -> int:
     """Fewest rows a tied output projection's packed copy serves (the plain matrix, kept as the
     embedding, serves fewer): 2 for float32 on an x86 CPU without AVX-512, where one row through
@@ -200,7 +195,7 @@ def tied_head_min_rows(dtype: torch.dtype, *, flags: frozenset[str] | None = Non
     1 elsewhere (on the AVX-512 AMD CPU the packed copy read Qwen3-0.6B's 151,936-row projection 2.5x
     faster at one row: 9.3 against 23.2 ms, docs/benchmarks.md)."""
     have = device.cpu_flags() if flags is None else flags
-    return 2 if dtype == torch.float32 and _avx2_without_avx512(have) else 1
+    return 2 if dtype == torch.float32 and device.avx2_without_avx512(have) else 1
 
 
 def pack_linear(

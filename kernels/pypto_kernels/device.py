@@ -118,6 +118,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(flag for key, value in _cpuinfo() if key in ("flags", "Features") for flag in value.split())
 
 
+def avx2_without_avx512(flags: frozenset[str]) -> bool:
+    """Whether CPU ``flags`` are the AVX2 class: x86 with AVX2 and without AVX-512 (where packing
+    rules and native-kernel routing differ; docs/benchmarks.md)."""
+    return "avx2" in flags and "avx512f" not in flags
+
+
 def cpu_vendor() -> str:
     """The CPU's ``vendor_id`` from ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``, ...); empty
     where the file or the field is absent (Arm, not Linux)."""

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .device import cpu_flags
+from .device import avx2_without_avx512, cpu_flags
 
 __all__ = [
     "NATIVE_DTYPES",
@@ -327,13 +327,6 @@ def paged_attention(
     return out
 
 
-def _x86_without_avx512() -> bool:
-    """An x86 CPU with AVX2 and without AVX-512, where GCC keeps the kernels' 16-lane vectors in memory
-    (docs/benchmarks.md, "Built for AVX2")."""
-    flags = cpu_flags()
-    return "avx2" in flags and "avx512f" not in flags
-
-
 def prefill_takes(value_cache: torch.Tensor) -> bool:
     """Whether :func:`prefill_attention` takes caches with this value head size (a multiple of 16)."""
     return value_cache.shape[-1] % 16 == 0
@@ -344,7 +337,7 @@ def prefill_routed(value_cache: torch.Tensor) -> bool:
     where it takes them (:func:`prefill_takes`) and the CPU is not an x86 one without AVX-512, where an
     AVX2 build run on the Zen 4 EPYC of docs/benchmarks.md took 3.3-6x the time of the torch path
     beside it (a 256- and a 1,024-token prompt, a 128-token chunk with 8 decodes; 16 / 8 heads of 128)."""
-    return prefill_takes(value_cache) and not _x86_without_avx512()
+    return prefill_takes(value_cache) and not avx2_without_avx512(cpu_flags())
 
 
 def prefill_attention(
@@ -541,7 +534,7 @@ def silu_takes(x: torch.Tensor) -> bool:
     vectorises its loop: not an x86 one without AVX-512, where the loop (the exponential's clamps)
     stays scalar: an AVX2 build run on the Zen 4 EPYC of docs/benchmarks.md took 7x the time of torch's
     ops there (64 rows of 3,072: 620-660 against 80-100 µs)."""
-    return _silu_layout(x) is not None and not _x86_without_avx512() and library() is not None
+    return _silu_layout(x) is not None and not avx2_without_avx512(cpu_flags()) and library() is not None
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
