@@ -13,7 +13,8 @@ logits for the request whose last input is it), ``pipelining`` (supports async),
 through the block table, and the kv group declares ``window_tokens``), ``step_sleep`` (seconds per
 step), ``prompt_logits`` (return a row for every entry of ``logits_indices``, so prompt logprobs
 work), ``architecture_from_env`` (report that environment variable of the worker process as the
-architecture).
+architecture), ``greedy_steps`` (run a multi-step decode's greedy forwards as one loop,
+:meth:`~pypto_serving.Executor.greedy_steps`, counted in ``greedy_forwards``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class FakeExecutor(Executor):
         self.vocab = int(self.opts.get("vocab", 97))
         self.block_size = settings.block_size
         self.window = int(self.opts["window"]) if self.opts.get("window") else None
+        self.greedy_forwards = 0  # forwards run by greedy_steps
 
     def load(self) -> ExecutorInfo:
         o = self.opts
@@ -126,6 +128,37 @@ class FakeExecutor(Executor):
                     row[0] = float("nan")
                 rows.append(row)
         return torch.stack(rows) if rows else torch.empty(0, self.vocab)
+
+    def greedy_steps(self, batch: BatchInput, steps: int, stop_ids: list[frozenset[int]]) -> list[list[int]] | None:
+        """The forwards :meth:`execute` would run one by one, each row's next input its argmax, the
+        slots computed here from the block tables (the first forward's checked against the batch's)."""
+        o = self.opts
+        if not o.get("greedy_steps"):
+            return None
+        tokens, positions = batch.input_ids.tolist(), batch.positions.tolist()
+        tables = batch.block_tables["kv"]
+        forwards: list[list[int]] = []
+        for s in range(steps):
+            if "crash_on_token" in o and int(o["crash_on_token"]) in tokens:
+                os._exit(17)
+            if "fail_on_token" in o and int(o["fail_on_token"]) in tokens:
+                raise RuntimeError("fake executor asked to fail")
+            if "nan_on_token" in o and int(o["nan_on_token"]) in tokens:
+                break  # this forward's logits would hold NaN
+            if o.get("step_sleep"):
+                time.sleep(float(o["step_sleep"]))
+            slots = [
+                int(t[p // self.block_size]) * self.block_size + p % self.block_size for t, p in zip(tables, positions)
+            ]
+            assert s or slots == batch.slot_mapping["kv"].tolist(), "the first forward's slots are the batch's"
+            self.cache[slots] = torch.tensor(tokens)
+            tokens = [next_token(self._context(t, p + 1), self.vocab) for t, p in zip(tables, positions)]
+            positions = [p + 1 for p in positions]
+            forwards.append(tokens)
+            self.greedy_forwards += 1
+            if any(t in stop for t, stop in zip(tokens, stop_ids)):
+                break
+        return forwards
 
     def _all_rows(self, batch: BatchInput) -> torch.Tensor:
         """The logits of every row of ``logits_indices`` (the ``prompt_logits`` option: prompt logprobs

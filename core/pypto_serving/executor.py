@@ -227,6 +227,27 @@ class Executor(abc.ABC):
         """
         return None
 
+    def greedy_steps(self, batch: BatchInput, steps: int, stop_ids: list[frozenset[int]]) -> list[list[int]] | None:
+        """Up to ``steps`` one-token forwards of ``batch``'s requests back to back, each row's input after
+        the first its argmax of the forward before: a multi-step decode (``num_scheduler_steps``) whose
+        every row is greedy over the logits as they come (no logprobs, penalties, bans, logit bias,
+        grammar or drafts), run without the runner's work between forwards. The tokens must be those
+        :meth:`execute` and :meth:`logits_maxima` give forward by forward, bit for bit; executors that
+        cannot run such a loop keep this default and the runner runs the forwards one by one.
+
+        :param batch: the first forward: one token a request (its last sampled one) at its position,
+            with ``maxima_only`` set; each request's blocks cover its next ``steps`` positions, so
+            forward ``s`` writes position ``positions[r] + s`` into the slot its block table gives.
+        :param steps: the most forwards to run (at least 1).
+        :param stop_ids: per request in batch order, the tokens that end it.
+        :return: the tokens of each forward run, ``[k][R]``: ``k == steps`` unless the run stopped after
+            the forward where some request's token is one of its ``stop_ids``, or before one where
+            some row's maximum logit is not finite (NaN or infinite: that forward's tokens are left
+            out, ``k`` may be 0, and the runner computes the position again); or ``None`` where this
+            executor does not take the run (before writing anything).
+        """
+        return None
+
     def propose_drafts(self, batch: BatchInput, accepted: list[list[int]]) -> list[list[int]]:
         """Draft tokens for each request's next step. Executors without drafting keep this default.
 

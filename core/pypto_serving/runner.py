@@ -357,32 +357,86 @@ class ModelRunner:
         a token that ends it (its stop ids, and EOS unless ignored: the tokens that cannot be sampled
         before ``min_tokens``) and at an error, which the forwards after the first do not report: the
         next command computes that position again and meets it there. Each request's positions not
-        computed are counted as given back, as the scheduler counts them."""
+        computed are counted as given back, as the scheduler counts them. Where every request takes
+        the argmax of its logits as they come, the executor may run the forwards as one loop
+        (:meth:`_greedy_run`); the forwards it leaves run here one by one."""
         going = {e.request_id: e for e in cmd.entries if e.num_steps > 1 and self._goes_on(e.request_id, result)}
-        done = 1
+        done, fuse = 1, True
         while going:
-            entries = [_next_forward(e, done) for e in going.values()]
-            sub = LaunchedStep(cmd=StepCommand(cmd.step_id, [], entries, []))
-            try:
-                self._forward(sub)
-            except Exception:
+            ran = self._greedy_run(going, done, result) if fuse else None
+            fuse = ran is not None
+            if not ran:
+                ran = self._one_forward(cmd.step_id, going, done, result)
+            if not ran:
                 break
-            more = self._finish(sub)
-            if more.error is not None:
-                break
-            result.execute_seconds += more.execute_seconds
-            result.num_forwards = done = done + 1
-            for e in entries:
-                rid = e.request_id
-                if rid in more.sampled:
-                    result.sampled[rid] += more.sampled[rid]
-                    if rid in more.logprobs:
-                        result.logprobs[rid] += more.logprobs[rid]
-                if not self._goes_on(rid, more) or going[rid].num_steps <= done:
-                    del going[rid]
+            done += ran
         for e in cmd.entries:
             if e.num_steps > 1 and e.request_id in result.sampled:
                 self.states[e.request_id].rejected += e.num_steps - len(result.sampled[e.request_id])
+
+    def _one_forward(self, step_id: int, going: dict[str, ScheduledEntry], done: int, result: StepResult) -> int:
+        """Forward ``done + 1`` of the multi-step decodes in ``going`` as a step of its own, its tokens
+        added to ``result``; requests that end or reach their forwards leave ``going``. Returns 1, or 0
+        where the forward failed (its error left to the next command)."""
+        entries = [_next_forward(e, done) for e in going.values()]
+        sub = LaunchedStep(cmd=StepCommand(step_id, [], entries, []))
+        try:
+            self._forward(sub)
+        except Exception:
+            return 0
+        more = self._finish(sub)
+        if more.error is not None:
+            return 0
+        result.execute_seconds += more.execute_seconds
+        result.num_forwards = done + 1
+        for e in entries:
+            rid = e.request_id
+            if rid in more.sampled:
+                result.sampled[rid] += more.sampled[rid]
+                if rid in more.logprobs:
+                    result.logprobs[rid] += more.logprobs[rid]
+            if not self._goes_on(rid, more) or going[rid].num_steps <= done + 1:
+                del going[rid]
+        return 1
+
+    def _greedy_run(self, going: dict[str, ScheduledEntry], done: int, result: StepResult) -> int | None:
+        """Forwards ``done + 1`` on of the multi-step decodes in ``going`` as one executor loop
+        (:meth:`Executor.greedy_steps`), up to the fewest forwards any of them has left, where every
+        request takes the argmax of its logits as they come (:func:`_greedy_throughout`): the tokens
+        are those of the forwards one by one, committed here forward by forward. Returns the forwards
+        run (0 where the loop stopped before its first: that forward then runs on its own and meets
+        what stopped it), or None where the executor did not take the run or raised (the command's
+        other forwards then run one by one)."""
+        entries = [_next_forward(e, done) for e in going.values()]
+        if self._ngram is not None or not all(_greedy_throughout(self.states[e.request_id]) for e in entries):
+            return None
+        steps = min(e.num_steps for e in going.values()) - done
+        stops = [frozenset(self.states[e.request_id].sampling.min_tokens_banned) for e in entries]
+        t0 = time.perf_counter()
+        try:
+            batch, _ = self._build_batch(entries)
+            batch.greedy_maxima = batch.maxima_only = True
+            forwards = self.executor.greedy_steps(batch, steps, stops)
+        except Exception:
+            return None  # the forwards one by one meet the error as ever (or run where only the loop failed)
+        if forwards is None:
+            return None
+        if len(forwards) > steps or any(len(tokens) != len(entries) for tokens in forwards):
+            raise RuntimeError(
+                f"{type(self.executor).__name__}.greedy_steps gave {[len(t) for t in forwards]} tokens for "
+                f"{len(entries)} requests and at most {steps} forwards"
+            )
+        for tokens in forwards:
+            for e, token in zip(entries, tokens):
+                if self._goes_on(e.request_id, result):  # nothing after a token that ends the request
+                    _commit_greedy(self.states[e.request_id], int(token), result)
+        result.execute_seconds += time.perf_counter() - t0
+        if forwards:
+            result.num_forwards = done + len(forwards)
+        for e in entries:
+            if not self._goes_on(e.request_id, result) or going[e.request_id].num_steps <= done + len(forwards):
+                del going[e.request_id]
+        return len(forwards)
 
     def _goes_on(self, rid: str, result: StepResult) -> bool:
         """Whether a multi-step decode of ``rid`` runs another forward after ``result``: it sampled,
@@ -881,6 +935,25 @@ def _next_forward(e: ScheduledEntry, done: int) -> ScheduledEntry:
         sample=True,
         num_propose=0,
     )
+
+
+def _greedy_throughout(st: WorkerRequest) -> bool:
+    """Whether every further forward of ``st`` takes the argmax of its logits as they come and reads
+    nothing else of them: greedy, no logprobs, nothing that edits its logits (penalties, logit bias,
+    allowed tokens, bad words, the ``min_tokens`` bans while they last) and no grammar."""
+    sp = st.sampling
+    plain = sp.temperature == 0.0 and sp.logprobs is None and st.counts is None and st.edits is None
+    unbanned = not sp.bad_words_token_ids and st.num_outputs >= sp.min_tokens
+    return plain and unbanned and st.grammar is None and st.grammar_error is None
+
+
+def _commit_greedy(st: WorkerRequest, token: int, result: StepResult) -> None:
+    """Commit one forward's ``token`` of a :meth:`ModelRunner._greedy_run` to its request and ``result``,
+    as :meth:`ModelRunner._commit` commits a sampled token without drafts."""
+    st.last_base = st.num_outputs
+    st.history.append(token)
+    st.last_sampled = token
+    result.sampled.setdefault(st.request_id, []).append(token)
 
 
 def _last_sampled(st: WorkerRequest) -> int:

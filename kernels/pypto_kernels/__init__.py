@@ -39,7 +39,7 @@ from .device import auto_dtype, cpu_computes_natively, npu_available, select_dev
 from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, topk_routing
 from .mxfp4 import dequantize_mxfp4
-from .native_decoder import DecoderLayerWeights, NativeDecoder
+from .native_decoder import DecoderLayerWeights, GreedyTail, NativeDecoder
 from .norm import add_rms_norm, rms_norm
 from .quant import (
     AbsmaxReduce,
@@ -69,6 +69,7 @@ __all__ = [
     "KERNEL_NAMES",
     "AbsmaxReduce",
     "DecoderLayerWeights",
+    "GreedyTail",
     "NativeDecoder",
     "PackedInt8Weight",
     "PackedLinearWeight",

@@ -19,6 +19,7 @@ which the eager attention attends row by row. The model keeps its eager forward 
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from . import native
 from .attention import NATIVE_MAX_QUERIES
 from .dense import NEVER, PackedLinearWeight
 
-__all__ = ["MAX_QUERIES", "DecoderLayerWeights", "NativeDecoder"]
+__all__ = ["MAX_QUERIES", "DecoderLayerWeights", "GreedyTail", "NativeDecoder"]
 
 #: Most query rows of one request a step may give :meth:`NativeDecoder.run`: the runs the eager
 #: attention attends row by row (longer prefill chunks take the native prefill kernel, which sums in
@@ -85,6 +86,40 @@ class DecoderLayerWeights:
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     window: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyTail:
+    """What :meth:`NativeDecoder.greedy_run` reads around the layers, of the layers' dtype.
+
+    :param embed: ``[vocab, hidden]`` token embeddings, rows dense.
+    :param norm: ``[hidden]`` the final RMSNorm's weight; ``eps`` its epsilon.
+    :param head: ``[vocab', hidden]`` (``vocab' <= vocab``) the output projection's plain matrix, as
+        :func:`pypto_kernels.native.gemv` takes it (the one-row product a tied head's panels copy
+        leaves to it).
+    :param cos: ``[positions, rotary_dim]`` RoPE tables (rows dense), ``sin`` the same, covering every
+        position of the run.
+    """
+
+    embed: torch.Tensor
+    norm: torch.Tensor
+    eps: float
+    head: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class _GreedyBuffers:
+    """The tensors one :meth:`NativeDecoder.greedy_run` writes, made once for its forwards."""
+
+    def __init__(self, dtype: torch.dtype, hidden: int, vocab: int) -> None:
+        self.hidden, self.residual = torch.empty(1, hidden, dtype=dtype), torch.empty(1, hidden, dtype=dtype)
+        self.normed, self.summed = torch.empty(1, hidden, dtype=dtype), torch.empty(1, hidden, dtype=dtype)
+        self.row, self.logits = torch.empty(1, hidden), torch.empty(1, vocab)
+        self.peak, self.index = torch.empty(1), torch.empty(1, dtype=torch.int64)
+        self.slot_t, self.rows_t = torch.empty(1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64)
+        self.peak_np, self.index_np = self.peak.numpy(), self.index.numpy()
+        self.slot, self.rows = self.slot_t.numpy(), self.rows_t.numpy()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -185,6 +220,11 @@ class NativeDecoder:
             (_I64 * 3)(*w.key_cache.stride()[:3]), (_I64 * 3)(*w.value_cache.stride()[:3]), w.window or 0,
         )  # fmt: skip
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of the caches."""
+        return int(self._shape.block_size)
+
     def run(
         self,
         hidden: torch.Tensor,
@@ -239,6 +279,91 @@ class NativeDecoder:
         if status != 0:
             raise MemoryError("the native paged attention could not allocate its per-thread scratch")
         return out, residual
+
+    def greedy_run(
+        self, tail: GreedyTail, token: int, position: int, table: torch.Tensor, steps: int, stop: frozenset[int]
+    ) -> list[int]:
+        """Up to ``steps`` decode forwards of one request back to back, each on the greedy token of the
+        one before, with no Python but the calls' between them (a token of a small model costs its
+        engine a third again of its kernels' time otherwise). Each forward is the one a model runs
+        a row at a time: the token's embedding row, :meth:`run`'s layers, the final RMSNorm over
+        their output and residual (:func:`pypto_kernels.native.rms_norm`), the output projection's
+        one-row GEMV taking the row's maximum (:func:`pypto_kernels.native.gemv`): the same calls on
+        the same values, so the tokens are those forwards', bit for bit (tested).
+
+        :param token: the request's last token, at ``position``; the run writes the keys and values
+            of positions ``position`` to ``position + steps - 1``.
+        :param table: ``[blocks]`` the request's block table, covering those positions.
+        :param stop: tokens after which the run stops.
+        :return: the tokens, one a forward: ``steps`` of them, fewer where one is in ``stop`` (the
+            last) or where a forward's maximum logit is not finite (NaN or infinite: that forward's
+            token is left out).
+        :raises ValueError: tensors of other dtypes or shapes, or positions the table or the RoPE
+            tables do not cover (nothing is run).
+        """
+        lib = native.library()
+        if lib is None:
+            raise RuntimeError("the native CPU kernels are not available (see the log)")
+        table = table.to(torch.int64).contiguous()
+        self._check_greedy(tail, token, position + steps, table)
+        b = _GreedyBuffers(self._dtype, self._hidden, tail.head.shape[0])
+        need = lib.pypto_decode_scratch_bytes(ctypes.byref(self._shape), 1)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8)
+        size, kind, threads = tail.embed.element_size(), native.NATIVE_DTYPES[self._dtype], torch.get_num_threads()
+        width, embed_row, row_of = self._hidden * size, tail.embed.stride(0) * size, tail.cos.stride(0) * size
+        blocks, block_size = table.numpy(), self._shape.block_size
+        tokens: list[int] = []
+        for pos in range(position, position + steps):
+            ctypes.memmove(b.hidden.data_ptr(), tail.embed.data_ptr() + token * embed_row, width)
+            b.slot[0], b.rows[1, 0] = blocks[pos // block_size] * block_size + pos % block_size, pos + 1
+            status = lib.pypto_decode_layers(
+                self._layers, len(self._layers), ctypes.byref(self._shape), b.hidden.data_ptr(), b.residual.data_ptr(),
+                1, tail.cos.data_ptr() + pos * row_of, tail.sin.data_ptr() + pos * row_of, tail.cos.stride(0),
+                b.slot_t.data_ptr(), table.data_ptr(), table.numel(), b.rows_t[0].data_ptr(), b.rows_t[1].data_ptr(),
+                self._scratch.data_ptr(), threads,
+            )  # fmt: skip
+            if status != 0:
+                raise MemoryError("the native paged attention could not allocate its per-thread scratch")
+            lib.pypto_rms_norm(
+                b.hidden.data_ptr(), self._hidden, b.residual.data_ptr(), self._hidden, tail.norm.data_ptr(), kind, 1,
+                self._hidden, tail.eps, b.normed.data_ptr(), self._hidden, b.summed.data_ptr(), self._hidden, threads,
+            )  # fmt: skip
+            b.row.copy_(b.normed)
+            status = lib.pypto_gemv(
+                tail.head.data_ptr(), kind, tail.head.stride(0), b.row.data_ptr(), b.logits.data_ptr(),
+                tail.head.shape[0], self._hidden, int(self._dtype == torch.bfloat16), b.peak.data_ptr(),
+                b.index.data_ptr(), threads,
+            )  # fmt: skip
+            if status != 0:
+                raise MemoryError("the native gemv could not allocate its scratch")
+            if not b.peak_np[0] < math.inf:
+                break
+            token = int(b.index_np[0])
+            tokens.append(token)
+            if token in stop:
+                break
+        return tokens
+
+    def _check_greedy(self, tail: GreedyTail, token: int, end: int, table: torch.Tensor) -> None:
+        """:meth:`greedy_run`'s inputs (positions below ``end``), or ValueError."""
+        vocab, hidden, dtype = tail.embed.shape[0], self._hidden, self._dtype
+        _check_vector("the final norm", tail.norm, dtype, hidden)
+        for name, m in (("embed", tail.embed), ("head", tail.head)):
+            dense = m.dim() == 2 and m.stride(1) == 1 and m.device.type == "cpu"
+            if m.dtype != dtype or not dense or m.shape[1] != hidden:
+                raise ValueError(f"{name} {m.dtype} {tuple(m.shape)} is not {dtype} [rows, {hidden}] with dense rows")
+        if tail.head.shape[0] > vocab:
+            raise ValueError(f"the head's {tail.head.shape[0]} outputs are more than the {vocab} embeddings")
+        for name, t in (("cos", tail.cos), ("sin", tail.sin)):
+            if t.dtype != dtype or t.dim() != 2 or t.shape[1] != self._rotary or t.stride() != tail.cos.stride():
+                raise ValueError(f"{name} {t.dtype} {tuple(t.shape)} is not {dtype} [positions, {self._rotary}]")
+            if t.stride(1) != 1 or t.shape[0] < end:
+                raise ValueError(f"{name} covers {t.shape[0]} positions with rows dense: the run needs {end}")
+        if table.dim() != 1 or (end - 1) // self._shape.block_size >= table.numel():
+            raise ValueError(f"a table of {tuple(table.shape)} blocks does not cover {end} positions")
+        if not 0 <= token < vocab:
+            raise ValueError(f"token {token} is outside the {vocab} embeddings")
 
     def _rows(self, t: int, tables: torch.Tensor, query_lens: Sequence[int], seq_lens: Sequence[int]) -> torch.Tensor:
         """int64 ``[2, T]``: each query row's request and the keys it sees (its position + 1), checked

@@ -130,6 +130,14 @@ class RopeTable:
         assert self._cos is not None and self._sin is not None
         return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
+    def tables(self, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and sin tables ``[rows, rotary_dim]``, covering every position below ``bound``
+        (for a caller that reads rows by position itself; a later growth makes new tables)."""
+        if bound > self.rows:
+            self._grow(bound)
+        assert self._cos is not None and self._sin is not None
+        return self._cos, self._sin
+
     def _grow(self, bound: int) -> None:
         rows = max(bound, 2 * self.rows, self.CHUNK)
         rows = -(-rows // self.CHUNK) * self.CHUNK

@@ -139,6 +139,7 @@ def check_against_reference(jobs: list[Job], done: dict[int, Any], eos: int | No
     eos=st.none() | st.integers(0, VOCAB - 1),
     prefix_caching=st.booleans(),
     steps=st.sampled_from([1, 3, 8]),
+    fused=st.booleans(),
 )
 def test_random_workloads_match_reference(
     engine_factory: Callable[..., LLM],
@@ -152,7 +153,9 @@ def test_random_workloads_match_reference(
     eos: int | None,
     prefix_caching: bool,
     steps: int,
+    fused: bool,
 ) -> None:
+    # fused: the executor runs a multi-step decode's greedy forwards as one loop (Executor.greedy_steps).
     llm = engine_factory(
         scheduler=scheduler,
         num_scheduler_steps=steps,
@@ -162,7 +165,7 @@ def test_random_workloads_match_reference(
         long_prefill_token_threshold=threshold,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=prefix_caching,
-        executor_options={} if eos is None else {"eos": eos},
+        executor_options={"greedy_steps": fused} | ({} if eos is None else {"eos": eos}),
     )
     check_against_reference(jobs, run(llm, jobs), eos)
 

@@ -3,7 +3,8 @@ those of one forward a command, the worker really runs the forwards back to back
 forwards at the token that ends it, leaves an error to the next command, runs one forward a command
 while a request waits to be admitted, and ``auto`` bursts only while forwards are short. The
 property tests (``test_engine_properties.py``) draw the setting beside chunking, preemption, prefix
-caching and aborts."""
+caching and aborts. With the fake's ``greedy_steps`` option the greedy forwards after a command's
+first run as one executor loop (``Executor.greedy_steps``), with the same tokens, stops and errors."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def _forwards(llm: LLM) -> list[list[str]]:
     return seen
 
 
+def _executor(llm: LLM) -> Any:
+    assert llm.engine is not None
+    return llm.engine.worker._runner.executor  # type: ignore[union-attr]
+
+
 def _commands(llm: LLM) -> list[Any]:
     """Record every command the engine submits to the worker."""
     engine = llm.engine
@@ -60,10 +66,13 @@ def _commands(llm: LLM) -> list[Any]:
     return sent
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_several_forwards_a_command_give_the_tokens_of_one(make: Callable[..., LLM], scheduler: str) -> None:
+def test_several_forwards_a_command_give_the_tokens_of_one(
+    make: Callable[..., LLM], scheduler: str, fused: bool
+) -> None:
     params = SamplingParams(temperature=0, max_tokens=13, stop_token_ids=[11])
-    llm = make(scheduler=scheduler, num_scheduler_steps=4, executor_options={"eos": 5})
+    llm = make(scheduler=scheduler, num_scheduler_steps=4, executor_options={"eos": 5, "greedy_steps": fused})
     forwards, commands = _forwards(llm), _commands(llm)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
@@ -71,15 +80,19 @@ def test_several_forwards_a_command_give_the_tokens_of_one(make: Callable[..., L
         assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (ref, reason)
     # The decodes ran as several forwards each command: more forwards than commands, at most four a command.
     assert any(e.num_steps == 4 for c in commands for e in c.entries)
-    assert len(forwards) > len(commands)
+    assert len(forwards) + _executor(llm).greedy_forwards > len(commands)
     assert max(e.num_steps for c in commands for e in c.entries) == 4
+    # Fused: the forwards after each command's first ran in the executor's loop, not one by one.
+    assert (_executor(llm).greedy_forwards > len(PROMPTS)) == fused
+    assert fused or len(forwards) > len(commands)
 
 
-def test_a_request_stops_its_forwards_at_the_token_that_ends_it(make: Callable[..., LLM]) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_request_stops_its_forwards_at_the_token_that_ends_it(make: Callable[..., LLM], fused: bool) -> None:
     prompt = PROMPTS[0]
     ref, _ = reference_tokens(prompt, 12, VOCAB)
     eos = ref[2]  # the third output ends the request
-    llm = make(num_scheduler_steps=8, executor_options={"eos": eos})
+    llm = make(num_scheduler_steps=8, executor_options={"eos": eos, "greedy_steps": fused})
     forwards = _forwards(llm)
     assert llm.engine is not None
     results: list[Any] = []
@@ -92,22 +105,26 @@ def test_a_request_stops_its_forwards_at_the_token_that_ends_it(make: Callable[.
     llm.engine.wait_result = recorded  # type: ignore[method-assign]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == (ref[:3], "stop")
-    # The prefill samples the first token; one command of 8 forwards then ran two and stopped at EOS.
-    assert len(forwards) == 3
+    # The prefill samples the first token; one command of 8 forwards then ran two and stopped at EOS
+    # (fused: its first forward on its own, the second in the executor's loop, which stopped there).
+    assert (len(forwards), _executor(llm).greedy_forwards) == ((2, 1) if fused else (3, 0))
     assert [r.num_forwards for r in results] == [1, 2]  # what the scheduler times a forward by
     assert llm.engine is not None and not llm.engine.has_unfinished()
     pool = llm.engine.kv.pools["kv"]
     assert pool.num_free == pool.num_blocks
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
-def test_an_error_in_a_later_forward_is_met_by_the_next_command(make: Callable[..., LLM], scheduler: str) -> None:
+def test_an_error_in_a_later_forward_is_met_by_the_next_command(
+    make: Callable[..., LLM], scheduler: str, fused: bool
+) -> None:
     """NaN logits at the fourth output: the forward that meets them inside a command reports
     nothing; the next command computes that position again and fails the request as one forward a
     command does, with the same tokens before."""
     prompt = PROMPTS[1]
     ref, _ = reference_tokens(prompt, 12, VOCAB)
-    opts = {"nan_on_token": ref[3]}
+    opts = {"nan_on_token": ref[3], "greedy_steps": fused}
     params = SamplingParams(temperature=0, max_tokens=12)
     got = []
     for steps in (1, 8):
@@ -116,22 +133,72 @@ def test_an_error_in_a_later_forward_is_met_by_the_next_command(make: Callable[.
         got.append((out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].error))
     assert got[0] == got[1]
     assert got[0][1] == "error" and got[0][0] == ref[:4]
+    assert (_executor(llm).greedy_forwards > 0) == fused
 
 
-def test_a_request_ended_by_a_stop_string_is_not_failed_by_a_later_forward(make: Callable[..., LLM]) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_request_ended_by_a_stop_string_is_not_failed_by_a_later_forward(
+    make: Callable[..., LLM], fused: bool
+) -> None:
     """A stop string ends the request at its third token (the engine's check, after the command);
     the worker's later forwards for it meet NaN logits at the sixth. Those forwards' error is not
     reported, so the request ends by its stop string as with one forward a command."""
     ref, _ = reference_tokens(PROMPT, 8, VOCAB)
-    llm = make(num_scheduler_steps=8, executor_options={"nan_on_token": ref[4]})
+    llm = make(num_scheduler_steps=8, executor_options={"nan_on_token": ref[4], "greedy_steps": fused})
     assert llm.engine is not None
     llm.engine.tokenizer = TableTokenizer(table())  # type: ignore[assignment]
     forwards = _forwards(llm)
     params = SamplingParams(temperature=0, max_tokens=8, stop=["STOP"], ignore_eos=True)
     out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     assert (out.text, out.token_ids, out.finish_reason) == ("abc", ref[:3], "stop")
-    assert len(forwards) == 6  # the prefill, then five forwards of one command: the sixth met NaN
+    # The prefill, then five forwards of one command: the sixth met NaN (fused: the first on its own,
+    # three in the executor's loop, which stopped before the NaN; that one then on its own).
+    assert (len(forwards), _executor(llm).greedy_forwards) == ((3, 3) if fused else (6, 0))
     assert not llm.engine.has_unfinished()
+
+
+GREEDY_ONLY = {
+    "greedy": SamplingParams(temperature=0, max_tokens=12),
+    "sampled": SamplingParams(temperature=0.8, seed=3, max_tokens=12),
+    "logprobs": SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+    "penalty": SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+    "logit_bias": SamplingParams(temperature=0, max_tokens=12, logit_bias={3: 0.5}),
+    "bad_words": SamplingParams(temperature=0, max_tokens=12, bad_words_token_ids=[[96, 95]]),
+}
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_only_requests_greedy_throughout_run_their_forwards_as_one_loop(
+    make: Callable[..., LLM], scheduler: str
+) -> None:
+    """A request whose logits are read or edited (sampled, logprobs, a penalty, logit bias, bad words),
+    or one beside it, runs its forwards one by one: same tokens and logprobs, no loop."""
+    batches = [[name] for name in GREEDY_ONLY] + [["greedy", "sampled"]]
+    for names in batches:
+        prompts, params = PROMPTS[: len(names)], [GREEDY_ONLY[n] for n in names]
+        got, loops = [], []
+        for fused in (False, True):
+            llm = make(scheduler=scheduler, num_scheduler_steps=4, executor_options={"greedy_steps": fused})
+            outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            got.append([(o.token_ids, o.logprobs) for o in outs])
+            loops.append(_executor(llm).greedy_forwards)
+        assert got[0] == got[1], names
+        assert loops == [0, 8 if names == ["greedy"] else 0], names  # 11 later outputs: 3 commands, 8 looped
+
+
+def test_min_tokens_bans_keep_forwards_one_by_one_while_they_last(make: Callable[..., LLM]) -> None:
+    """EOS is banned until min_tokens outputs: those forwards run one by one (the loop would take the
+    banned argmax), the forwards after them in the executor's loop; the tokens are those without it."""
+    ref, _ = reference_tokens(PROMPTS[0], 12, VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=6)
+    got = []
+    for fused in (False, True):
+        llm = make(num_scheduler_steps=4, executor_options={"eos": ref[2], "greedy_steps": fused})
+        got.append(llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids)
+        loops = _executor(llm).greedy_forwards
+    assert got[0] == got[1] and len(got[0]) >= 6 and ref[2] not in got[0][:6]
+    assert got[0][:2] == ref[:2] and got[0][2] != ref[2]  # the ban took effect
+    assert loops > 0
 
 
 def test_a_waiting_request_gets_commands_of_one_forward(make: Callable[..., LLM]) -> None:

@@ -493,6 +493,18 @@ class QwenExecutor(Executor):
     def logits_maxima(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._maxima
 
+    def greedy_steps(self, batch: BatchInput, steps: int, stop_ids: list[frozenset[int]]) -> list[list[int]] | None:
+        """:meth:`QwenForCausalLM.greedy_steps` over the caches, where the eager forward runs (no captured
+        graphs) and no request names a LoRA adapter."""
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("greedy_steps() before load() and init_kv_cache()")
+        if self.graphs is not None or (batch.loras is not None and any(batch.loras)):
+            return None
+        with torch.inference_mode():
+            return self.model.greedy_steps(
+                batch.input_ids, batch.positions, batch.block_tables[KV_GROUP], self.kv_caches, steps, stop_ids
+            )
+
     def shutdown(self) -> None:
         self.kv_caches = []
         if self.model is not None:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -585,6 +587,7 @@ class QwenForCausalLM(nn.Module):
         # run the decoder layers as one native call where they can (:meth:`_native_decoder`).
         self.native_decoder_enabled = False
         self.native_decoder_steps = 0
+        self.greedy_loop_steps = 0  # forwards run by greedy_steps
         self._native: tuple[list[KVCache], K.NativeDecoder | None] | None = None
         inv_freq, attention_scaling = K.rope_inv_freq(
             cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
@@ -742,6 +745,83 @@ class QwenForCausalLM(nn.Module):
         ``maxima`` and ``store_logits``: as :meth:`logits` takes them."""
         hidden, residual = self.hidden_states(input_ids, positions, meta, kv_caches)
         return self.logits(hidden[logits_indices], residual[logits_indices], maxima, store_logits)
+
+    def greedy_steps(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        kv_caches: list[KVCache],
+        steps: int,
+        stop_ids: list[frozenset[int]],
+    ) -> list[list[int]] | None:
+        """Up to ``steps`` decode forwards of ``R`` requests back to back, each row's next input its
+        greedy token (:meth:`pypto_serving.Executor.greedy_steps`): each forward is what :meth:`forward`
+        runs for that step (the native decoder's layers, the final norm, the output projection taking
+        each row's maximum as it goes, no logits stored), so its tokens are the forward's bit for bit,
+        without the engine's work per forward (on the CPU at one request a third of a small model's
+        token, measured in docs/benchmarks.md).
+
+        :param input_ids: ``[R]`` each request's last sampled token; ``positions`` ``[R]`` its position.
+        :param block_tables: ``[R, blocks]``, covering each request's next ``steps`` positions.
+        :return: each forward's ``R`` tokens (see the executor's contract for where the run stops), or
+            None where the forward would not run the native decoder with such an output projection.
+        """
+        rows = input_ids.shape[0]
+        native = self._native_decoder(kv_caches) if self.native_decoder_enabled else None
+        if native is None or not self.takes_maxima(rows) or input_ids.device.type != "cpu":
+            return None
+        tail = self._greedy_tail(rows, int(positions.max()) + steps) if rows else None
+        if tail is not None:  # one request whose output projection is the one-row GEMV: a native loop
+            run = native.greedy_run(tail, int(input_ids[0]), int(positions[0]), block_tables[0], steps, stop_ids[0])
+            self.greedy_loop_steps += len(run)
+            return [[t] for t in run]
+        return self._greedy_rows(native, input_ids, positions, block_tables, steps, stop_ids)
+
+    def _greedy_rows(
+        self,
+        native: K.NativeDecoder,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        steps: int,
+        stop_ids: list[frozenset[int]],
+    ) -> list[list[int]]:
+        """:meth:`greedy_steps` of several rows: :meth:`forward`'s calls for each forward (the native
+        decoder's, the final norm's and the output projection's), the step's tensors made here."""
+        rows, tables = input_ids.shape[0], block_tables.to(torch.int64).contiguous()
+        table, block_size, each = tables.numpy(), native.block_size, np.arange(rows)
+        pos, tokens, ones = positions.numpy().astype(np.int64), input_ids, [1] * rows
+        forwards: list[list[int]] = []
+        for _ in range(steps):
+            slots = torch.from_numpy(table[each, pos // block_size] * block_size + pos % block_size)
+            hidden = vocab_parallel_embedding(tokens, self.embed, self.shards.ctx)
+            ends = pos + 1
+            cos, sin = self.rope_table.lookup(torch.from_numpy(pos), int(ends.max()))
+            out, residual = native.run(hidden, (cos, sin), slots, tables, ones, ends.tolist())
+            maxima = torch.empty(rows), torch.empty(rows, dtype=torch.long)
+            self.logits(out, residual, maxima, store_logits=False)
+            if not all(peak < math.inf for peak in maxima[0].tolist()):
+                break  # NaN or infinite logits: the runner computes this forward again and fails the request
+            tokens, pos = maxima[1], ends
+            forwards.append(tokens.tolist())
+            self.greedy_loop_steps += 1
+            if any(t in stop for t, stop in zip(forwards[-1], stop_ids, strict=True)):
+                break
+        return forwards
+
+    def _greedy_tail(self, rows: int, bound: int) -> K.GreedyTail | None:
+        """What :meth:`pypto_kernels.NativeDecoder.greedy_run` reads beyond the layers, where a step of
+        ``rows`` rows takes the output projection's one-row GEMV (:func:`pypto_kernels.native.gemv`
+        over the plain matrix a tied head's panels copy holds), with RoPE tables below ``bound``."""
+        head = self.lm_head_packed
+        if rows != 1 or head is None or head.weight is None or not K.linear_takes_maxima(1, head):
+            return None
+        row = torch.empty(1, self.cfg.hidden_size, dtype=self.dtype)
+        if not K.native.gemv_takes(row, head.weight) or self.embed.dtype != self.dtype:
+            return None
+        cos, sin = self.rope_table.tables(bound)
+        return K.GreedyTail(self.embed, self.norm, self.cfg.rms_norm_eps, head.weight, cos, sin)
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]

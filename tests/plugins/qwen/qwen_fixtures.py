@@ -57,7 +57,8 @@ def make_qwen_checkpoint(
     generation_config: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Path:
-    """Write a tiny random ``kind`` in {"qwen2", "qwen3", "qwen3_moe"} checkpoint to ``path``."""
+    """Write a tiny random ``kind`` in {"qwen2", "qwen3", "qwen3_moe"} checkpoint to ``path``;
+    ``output_scale`` (an override) multiplies every layer's o_proj and down_proj weights."""
     from transformers import (
         Qwen2Config,
         Qwen2ForCausalLM,
@@ -68,6 +69,7 @@ def make_qwen_checkpoint(
     )
 
     torch.manual_seed(seed)
+    output_scale = overrides.pop("output_scale", None)
     kwargs = {**TINY, "dtype": "float32", "eos_token_id": 2, "bos_token_id": 1}
     if kind == "qwen2":
         kwargs.update(overrides)
@@ -94,6 +96,11 @@ def make_qwen_checkpoint(
     else:
         raise ValueError(kind)
     _randomize(model, seed)
+    if output_scale is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(output_scale)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     save_kwargs: dict[str, Any] = {"safe_serialization": True}
@@ -111,6 +118,9 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {}),
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True, "num_hidden_layers": 2}),
     "qwen3": ("qwen3", {}),
+    # Layers' outputs 8x larger: a random model whose head is its embedding otherwise repeats its input
+    # token (the embedding dominates the residual), its greedy tokens blind to what the layers compute.
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "output_scale": 8.0}),
     "qwen3_sharded": ("qwen3", {"max_shard_size": "60KB"}),
     "qwen3_yarn": (
         "qwen3",

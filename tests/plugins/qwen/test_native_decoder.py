@@ -139,3 +139,83 @@ def test_new_caches_free_the_old_ones(qwen_checkpoints: Callable[[str], Path]) -
     ex.execute(builder.step([("a", [5, 6, 7])]))
     assert torch.equal(ex.execute(builder.step([("a", [8])])), first)
     assert ex.graph_stats.native_decoder_steps == 4  # every step: none has more than 16 queries
+
+
+def _tokens(ex: QwenExecutor, batch: Any) -> list[int]:
+    """The step's greedy tokens as the runner reads them: the maxima the output projection took (the
+    argmax of the logits where it took none)."""
+    batch.greedy_maxima = batch.maxima_only = True
+    logits = ex.execute(batch)
+    maxima = ex.logits_maxima()
+    return (maxima[1] if maxima is not None else logits.argmax(dim=-1)).tolist()
+
+
+def _prefilled(ex: QwenExecutor, prompts: dict[str, list[int]]) -> tuple[PagedBatchBuilder, dict[str, int]]:
+    builder = PagedBatchBuilder(block_size=4, num_blocks=64)
+    first = _tokens(ex, builder.step(list(prompts.items()), all_logits=False))
+    return builder, dict(zip(prompts, first, strict=True))
+
+
+def _forward_by_forward(ex: QwenExecutor, prompts: dict[str, list[int]], steps: int) -> list[list[int]]:
+    builder, last = _prefilled(ex, prompts)
+    forwards = []
+    for _ in range(steps):
+        last = dict(zip(last, _tokens(ex, builder.step([(rid, [t]) for rid, t in last.items()])), strict=True))
+        forwards.append(list(last.values()))
+    return forwards
+
+
+def _greedy(ex: QwenExecutor, prompts: dict[str, list[int]], steps: int, stops: list[frozenset[int]]) -> Any:
+    builder, last = _prefilled(ex, prompts)
+    for rid in last:  # blocks for the run's positions, as the scheduler gives a multi-step decode
+        req = builder.reqs[rid]
+        while len(req.blocks) * builder.block_size < req.computed + steps:
+            req.blocks.append(builder.free.pop())
+    batch = builder.step([(rid, [t]) for rid, t in last.items()])
+    batch.greedy_maxima = batch.maxima_only = True
+    return ex.greedy_steps(batch, steps, stops)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "native_loop"),
+    [("qwen3_tied", "bfloat16", True), ("qwen3_tied", "float32", True), ("qwen3", "bfloat16", False),
+     ("qwen3_sliding", "float32", False)],
+)  # fmt: skip
+def test_greedy_steps_give_the_tokens_of_the_forwards_one_by_one(
+    name: str, dtype: str, native_loop: bool, qwen_checkpoints: Callable[[str], Path]
+) -> None:
+    """One request and three, their greedy forwards as one loop (``QwenExecutor.greedy_steps``: the
+    native loop where a tied head's one-row GEMV is the output projection, else the forward's calls):
+    the tokens of the forwards one by one, every position; a stop token ends the run after it."""
+    path = qwen_checkpoints(name)
+    gen = torch.Generator().manual_seed(5)
+    prompts = {rid: torch.randint(4, 300, (n,), generator=gen).tolist() for rid, n in zip("abc", (7, 3, 12))}
+    steps = 14  # past a few blocks of 4 and the sliding window of 6
+    for rows in (1, 3):
+        mine = {rid: prompts[rid] for rid in list(prompts)[:rows]}
+        ref = _forward_by_forward(_executor(path, dtype), mine, steps)
+        assert len({tokens[-1] for tokens in ref}) > steps // 3  # tokens that follow what the layers compute
+        ex = _executor(path, dtype)
+        assert ex.model is not None and (ex.model._greedy_tail(rows, 64) is not None) == (native_loop and rows == 1)
+        assert _greedy(ex, mine, steps, [frozenset()] * rows) == ref
+        assert ex.model.greedy_loop_steps == steps
+        last = [tokens[-1] for tokens in ref]  # the last request's sixth token ends it, where it first comes
+        stops = [frozenset()] * (rows - 1) + [frozenset({last[5]})]
+        assert _greedy(_executor(path, dtype), mine, steps, stops) == ref[: last.index(last[5]) + 1]
+
+
+def test_greedy_steps_stop_before_a_forward_with_non_finite_logits(qwen_checkpoints: Callable[[str], Path]) -> None:
+    """Logits with NaN: the run stops before that forward (the runner computes it again and fails the
+    request), one request (the native loop) or three (the forward's calls)."""
+    path = qwen_checkpoints("qwen3_tied")
+    prompts = {"a": [5, 6, 7], "b": [9, 4], "c": [11]}
+    for rows in (1, 3):
+        ex = _executor(path, "bfloat16")
+        head = ex.model.lm_head_packed if ex.model is not None else None
+        assert head is not None and head.weight is not None
+        with torch.inference_mode():
+            head.weight[40].fill_(float("nan"))  # the one-row GEMV's matrix
+            head.packed[0].fill_(float("nan"))  # the panels of outputs 0-63
+        mine = {rid: prompts[rid] for rid in list(prompts)[:rows]}
+        assert _greedy(ex, mine, 4, [frozenset()] * rows) == []
+        assert ex.model is not None and ex.model.greedy_loop_steps == 0

@@ -232,6 +232,26 @@ def test_several_forwards_a_command_keep_every_token(
     assert runs[1][2] < runs[0][2] / 2
 
 
+def test_one_request_runs_its_later_greedy_forwards_as_a_native_loop(
+    qwen_checkpoints: Callable[[str], Path], hf_reference: Callable[[Path], Any], make_llm: Callable[..., Any]
+) -> None:
+    """A request alone on the CPU (auto: up to 8 forwards a command) over a tied head packed as panels
+    (what the engine's rule picks on the benchmark shapes; this tiny one is left plain otherwise):
+    each command's forwards after its first run as the native loop (``NativeDecoder.greedy_run``),
+    its tokens transformers'; a stop token met inside the loop ends the request there."""
+    path = qwen_checkpoints("qwen3_tied")
+    prompts = _prompts(320, [6, 13], seed=17)
+    llm = make_llm(path, executor_options={"cpu_linear": "panels"})
+    ref = _hf_greedy(hf_reference(path), prompts)
+    assert [_generate(llm, [p])[0] for p in prompts] == ref
+    model = llm.engine.worker._runner.executor.model
+    assert model.greedy_loop_steps > len(prompts) * MAX_TOKENS // 2
+    stop = ref[0][11]  # where it first comes in the output
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop], ignore_eos=True)
+    out = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (ref[0][: ref[0].index(stop) + 1], "stop")
+
+
 # ----------------------------------------------------------------------------- generation_config.json
 
 GEN_DEFAULTS = {"temperature": 0.0, "min_p": 0.2, "repetition_penalty": 1.8, "presence_penalty": 1.5}
