@@ -299,7 +299,8 @@ class NativeDecoder:
             last) or where a forward's maximum logit is not finite (NaN or infinite: that forward's
             token is left out).
         :raises ValueError: tensors of other dtypes or shapes, or positions the table or the RoPE
-            tables do not cover (nothing is run).
+            tables do not cover (nothing is run); IndexError: a table entry naming a block outside the
+            caches (the forwards before it ran).
         """
         lib = native.library()
         if lib is None:
@@ -323,6 +324,8 @@ class NativeDecoder:
                 b.slot_t.data_ptr(), table.data_ptr(), table.numel(), b.rows_t[0].data_ptr(), b.rows_t[1].data_ptr(),
                 self._scratch.data_ptr(), threads,
             )  # fmt: skip
+            if status == 1:
+                raise IndexError(f"the table gives position {pos} a slot outside the caches' {self._shape.num_slots}")
             if status != 0:
                 raise MemoryError("the native paged attention could not allocate its per-thread scratch")
             lib.pypto_rms_norm(

@@ -219,3 +219,28 @@ def test_greedy_steps_stop_before_a_forward_with_non_finite_logits(qwen_checkpoi
         mine = {rid: prompts[rid] for rid in list(prompts)[:rows]}
         assert _greedy(ex, mine, 4, [frozenset()] * rows) == []
         assert ex.model is not None and ex.model.greedy_loop_steps == 0
+
+
+def test_greedy_run_refuses_bad_inputs(qwen_checkpoints: Callable[[str], Path]) -> None:
+    """Inputs of other dtypes or shapes, a table or RoPE tables short of the run's positions and a
+    token outside the embeddings are refused before any forward; a block outside the caches at the
+    slot check of its forward (nothing written there)."""
+    ex = _executor(qwen_checkpoints("qwen3_tied"), "float32")
+    builder, last = _prefilled(ex, {"a": [5, 6, 7]})
+    ex.execute(builder.step([("a", [last["a"]])]))  # a decode step makes the native decoder
+    model = ex.model
+    assert model is not None and model._native is not None and model._native[1] is not None
+    decoder, tail = model._native[1], model._greedy_tail(1, 32)
+    assert tail is not None
+    table = torch.tensor(builder.reqs["a"].blocks + [builder.free.pop()] * 4)
+    with pytest.raises(ValueError, match=r"embed torch\.bfloat16"):
+        decoder.greedy_run(replace(tail, embed=tail.embed.bfloat16()), 9, 4, table, 4, frozenset())
+    with pytest.raises(ValueError, match="does not cover 40 positions"):
+        decoder.greedy_run(tail, 9, 4, table, 36, frozenset())
+    with pytest.raises(ValueError, match="cos covers 128 positions"):  # the tables grow 128 at a time
+        decoder.greedy_run(tail, 9, 126, table[:1].repeat(40), 4, frozenset())
+    with pytest.raises(ValueError, match="token 320 is outside the 320 embeddings"):
+        decoder.greedy_run(tail, 320, 4, table, 4, frozenset())
+    with pytest.raises(IndexError, match="position 4 a slot outside the caches"):
+        decoder.greedy_run(tail, 9, 4, torch.tensor([0, 10**6]), 4, frozenset())
+    assert decoder.greedy_run(tail, 9, 4, table, 4, frozenset()) != []
