@@ -123,6 +123,9 @@ def test_prefill_then_mixed_chunked_prefill_and_decode_on_the_device(
             _execute(ex, on_device(builder.step(chunks, all_logits=False)), ex.config.vocab_size)
         # The native decoder (ctypes over CPU pointers) is the CPU's alone: every step ran the forward.
         assert not ex.model.native_decoder_enabled and ex.graph_stats.native_decoder_steps == 0
+        # So is the greedy loop built on it: declined with no host read, the runner's forwards one by one.
+        decode = on_device(builder.step([("c", [11]), ("a", [12])], all_logits=False))
+        assert ex.greedy_steps(decode, 4, [frozenset()] * 2) is None
 
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["scale-1.0", "per-head-scales"])
