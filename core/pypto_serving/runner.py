@@ -224,6 +224,8 @@ class ModelRunner:
         self._input_batch: InputBatch | None = None
         self._ngram = _ngram_drafter(settings)
         self._drafts_for = drafts_for(settings)  # the requests the policy can give drafts: only they draft
+        # Only an executor that runs greedy loops is offered them (no batch built for one that cannot).
+        self._greedy_loops = type(executor).greedy_steps is not Executor.greedy_steps
         self._grammars = GrammarCompiler(getattr(settings, "tokenizer", None) or getattr(settings, "model", None))
         self.lora_reads = LoraReads(executor)
         self._mask_thread: ThreadPoolExecutor | None = None  # made by the first constrained step
@@ -408,7 +410,9 @@ class ModelRunner:
         what stopped it), or None where the executor did not take the run or raised (the command's
         other forwards then run one by one)."""
         entries = [_next_forward(e, done) for e in going.values()]
-        if self._ngram is not None or not all(_greedy_throughout(self.states[e.request_id]) for e in entries):
+        if not self._greedy_loops or self._ngram is not None:
+            return None
+        if not all(_greedy_throughout(self.states[e.request_id]) for e in entries):
             return None
         steps = min(e.num_steps for e in going.values()) - done
         stops = [frozenset(self.states[e.request_id].sampling.min_tokens_banned) for e in entries]

@@ -324,6 +324,7 @@ SLEEP = {"step_sleep": 0.002}  # the forward sleeps (releasing the GIL), so the 
     budget=st.integers(4, 32),
     max_num_seqs=st.integers(1, 5),
     seeded=st.booleans(),
+    steps=st.sampled_from([1, 4]),
 )
 def test_outputs_with_the_overlap_equal_the_plain_order(
     make_llm: Callable[..., LLM],
@@ -333,6 +334,7 @@ def test_outputs_with_the_overlap_equal_the_plain_order(
     budget: int,
     max_num_seqs: int,
     seeded: bool,
+    steps: int,
 ) -> None:
     """Random workloads (arrivals, aborts, stop tokens, tight caches that preempt, prefix hits),
     greedy or seeded sampling, under the async strategy: the overlapping worker gives every request
@@ -344,6 +346,8 @@ def test_outputs_with_the_overlap_equal_the_plain_order(
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         executor_options=SLEEP,
+        # Set: under auto the forwards a command follow their timing, and so would what the aborts cut.
+        num_scheduler_steps=steps,
     )
     params = _seeded if seeded else None
     llm = make_llm(**common)
