@@ -4,18 +4,18 @@
  *
  * Each thread streams one contiguous range of the first three quarters of the matrix's rows (with
  * TAIL_MIN x CHUNK rows or more; else of all of them), then claims chunks of the rest as it finishes
- * (claim, common.h), a row at a time, with software prefetches ahead of it. A float32 row's are
- * non-temporal, 4 KiB ahead: the hardware prefetcher alone left oneDNN's packed GEMV at 0.6-0.7x of a
- * plain read of the matrix on the AVX-512 AMD EPYC of docs/benchmarks.md (interleaving two or four rows
- * was slower there), and a non-temporal line does not evict from L2 and L3 the decoder layers'
- * weights, activations and the interpreter's own data that the rest of the step reads next (on that
- * EPYC a concurrency-1 decode token 5 % faster on the small shape than with 32 KiB temporal
- * prefetches). A bfloat16 row's go into L2, 8 KiB ahead, and the row is read 32 values a load, the
+ * (claim, common.h), a row at a time, with software prefetches into L2 8 KiB ahead of it: the hardware
+ * prefetcher alone left oneDNN's packed GEMV at 0.6-0.7x of a plain read of the matrix on the AVX-512
+ * AMD EPYC of docs/benchmarks.md (interleaving two or four rows was slower there; prefetches into L1
+ * 32 KiB ahead cost a small-shape token 5 % against non-temporal ones 4 KiB ahead). On the 2-core Zen 4
+ * EPYC of docs/benchmarks.md, against those non-temporal prefetches, a float32 matrix read 1.04-1.24x
+ * as fast on one thread (a core shed to a neighbour) and 1.04-1.12x on two, a small-shape float32 token
+ * 0.95x as long alone and 0.85x beside a busy process. A bfloat16 row is read 32 values a load, the
  * even ones widened by a shift and the odd ones by a mask, against the activation split once into its
- * even and odd values: on the 2-core Zen 4 EPYC of docs/benchmarks.md, where the row-by-row widening
- * (two half-width loads, a widening, a shift per 16 values) and non-temporal prefetches read the
- * matrix at 0.67-0.79x a plain read, a concurrency-1 token 0.87-0.97x as long on the small shape
- * (512-byte rows), 0.90-0.98x on the mid one, level on Qwen3-0.6B's (2 KiB rows). Each output's products are summed in a
+ * even and odd values: where the row-by-row widening (two half-width loads, a widening, a shift per 16
+ * values) and non-temporal prefetches read the matrix at 0.67-0.79x a plain read, a concurrency-1 token
+ * 0.87-0.97x as long on the small shape (512-byte rows), 0.90-0.98x on the mid one, level on
+ * Qwen3-0.6B's (2 KiB rows). Each output's products are summed in a
  * fixed order (row_dot), so an output depends only on its row and the activation, not on the threads.
  * A bfloat16 matrix is widened exactly to float32 as it is read (the activation comes as float32).
  * Vectors are GCC/Clang vector extensions; a row's 16-lane sums are held in PARTS of PART lanes. */
@@ -23,7 +23,7 @@
 
 #include "common.h"
 
-enum { LANES = 16, PREFETCH_F32 = 4096, PREFETCH_BF16 = 8192, CHUNK = 64, TAIL_MIN = 64 };
+enum { LANES = 16, PREFETCH = 8192, CHUNK = 64, TAIL_MIN = 64 };
 
 static inline float scalar_kind(const void *row, int kind, int64_t i) {
     return kind == ELEM_BF16 ? bf16_value(((const uint16_t *)row)[i]) : ((const float *)row)[i];
@@ -97,12 +97,7 @@ static inline __attribute__((always_inline)) float row_dot(const void *w, int ki
                                                            const float *xs, int64_t in, int64_t o) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4;
     const char *row = (const char *)w + o * ws * size;
-    for (int64_t off = 0; off < size * in; off += 64) {
-        if (kind == ELEM_BF16)
-            __builtin_prefetch(row + PREFETCH_BF16 + off, 0, 2);
-        else
-            __builtin_prefetch(row + PREFETCH_F32 + off, 0, 0);
-    }
+    for (int64_t off = 0; off < size * in; off += 64) __builtin_prefetch(row + PREFETCH + off, 0, 2);
     pf a[4][PARTS] = {{{0}}};
     int64_t i = 0;
     if (kind == ELEM_BF16)
