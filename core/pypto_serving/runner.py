@@ -409,11 +409,11 @@ class ModelRunner:
         run (0 where the loop stopped before its first: that forward then runs on its own and meets
         what stopped it), or None where the executor did not take the run or raised (the command's
         other forwards then run one by one)."""
-        entries = [_next_forward(e, done) for e in going.values()]
         if not self._greedy_loops or self._ngram is not None:
             return None
-        if not all(_greedy_throughout(self.states[e.request_id]) for e in entries):
+        if not all(_greedy_throughout(self.states[rid]) for rid in going):
             return None
+        entries = [_next_forward(e, done) for e in going.values()]
         steps = min(e.num_steps for e in going.values()) - done
         stops = [frozenset(self.states[e.request_id].sampling.min_tokens_banned) for e in entries]
         t0 = time.perf_counter()

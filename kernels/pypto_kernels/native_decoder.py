@@ -220,11 +220,6 @@ class NativeDecoder:
             (_I64 * 3)(*w.key_cache.stride()[:3]), (_I64 * 3)(*w.value_cache.stride()[:3]), w.window or 0,
         )  # fmt: skip
 
-    @property
-    def block_size(self) -> int:
-        """Tokens per block of the caches."""
-        return int(self._shape.block_size)
-
     def run(
         self,
         hidden: torch.Tensor,
@@ -266,18 +261,13 @@ class NativeDecoder:
             raise RuntimeError("the native CPU kernels are not available (see the log)")
         if t == 0:
             return out, residual
-        need = lib.pypto_decode_scratch_bytes(ctypes.byref(self._shape), t)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.uint8)
+        self._grow_scratch(lib, t)
         status = lib.pypto_decode_layers(
             self._layers, len(self._layers), ctypes.byref(self._shape), out.data_ptr(), residual.data_ptr(), t,
             cos.data_ptr(), sin.data_ptr(), cos.stride(0), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
             rows[0].data_ptr(), rows[1].data_ptr(), self._scratch.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        if status == 1:
-            raise IndexError(f"slot_mapping holds a slot outside the caches' {self._shape.num_slots}")
-        if status != 0:
-            raise MemoryError("the native paged attention could not allocate its per-thread scratch")
+        self._check_status(status, "slot_mapping holds a slot")
         return out, residual
 
     def greedy_run(
@@ -308,9 +298,7 @@ class NativeDecoder:
         table = table.to(torch.int64).contiguous()
         self._check_greedy(tail, token, position + steps, table)
         b = _GreedyBuffers(self._dtype, self._hidden, tail.head.shape[0])
-        need = lib.pypto_decode_scratch_bytes(ctypes.byref(self._shape), 1)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.uint8)
+        self._grow_scratch(lib, 1)
         size, kind, threads = tail.embed.element_size(), native.NATIVE_DTYPES[self._dtype], torch.get_num_threads()
         width, embed_row, row_of = self._hidden * size, tail.embed.stride(0) * size, tail.cos.stride(0) * size
         blocks, block_size = table.numpy(), self._shape.block_size
@@ -324,10 +312,7 @@ class NativeDecoder:
                 b.slot_t.data_ptr(), table.data_ptr(), table.numel(), b.rows_t[0].data_ptr(), b.rows_t[1].data_ptr(),
                 self._scratch.data_ptr(), threads,
             )  # fmt: skip
-            if status == 1:
-                raise IndexError(f"the table gives position {pos} a slot outside the caches' {self._shape.num_slots}")
-            if status != 0:
-                raise MemoryError("the native paged attention could not allocate its per-thread scratch")
+            self._check_status(status, f"the table gives position {pos} a slot")
             lib.pypto_rms_norm(
                 b.hidden.data_ptr(), self._hidden, b.residual.data_ptr(), self._hidden, tail.norm.data_ptr(), kind, 1,
                 self._hidden, tail.eps, b.normed.data_ptr(), self._hidden, b.summed.data_ptr(), self._hidden, threads,
@@ -347,6 +332,19 @@ class NativeDecoder:
             if token in stop:
                 break
         return tokens
+
+    def _grow_scratch(self, lib: ctypes.CDLL, rows: int) -> None:
+        """The scratch a decode call of ``rows`` rows needs, grown where smaller."""
+        need = lib.pypto_decode_scratch_bytes(ctypes.byref(self._shape), rows)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8)
+
+    def _check_status(self, status: int, slot: str) -> None:
+        """``pypto_decode_layers``' status as an exception (``slot``: what named the slot outside the caches)."""
+        if status == 1:
+            raise IndexError(f"{slot} outside the caches' {self._shape.num_slots}")
+        if status != 0:
+            raise MemoryError("the native paged attention could not allocate its per-thread scratch")
 
     def _check_greedy(self, tail: GreedyTail, token: int, end: int, table: torch.Tensor) -> None:
         """:meth:`greedy_run`'s inputs (positions below ``end``), or ValueError."""

@@ -776,31 +776,33 @@ class QwenForCausalLM(nn.Module):
             run = native.greedy_run(tail, int(input_ids[0]), int(positions[0]), block_tables[0], steps, stop_ids[0])
             self.greedy_loop_steps += len(run)
             return [[t] for t in run]
-        return self._greedy_rows(native, input_ids, positions, block_tables, steps, stop_ids)
+        return self._greedy_rows(input_ids, positions, block_tables, kv_caches, steps, stop_ids)
 
     def _greedy_rows(
         self,
-        native: K.NativeDecoder,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         block_tables: torch.Tensor,
+        kv_caches: list[KVCache],
         steps: int,
         stop_ids: list[frozenset[int]],
     ) -> list[list[int]]:
-        """:meth:`greedy_steps` of several rows: :meth:`forward`'s calls for each forward (the native
-        decoder's, the final norm's and the output projection's), the step's tensors made here."""
+        """:meth:`greedy_steps` of several rows: :meth:`forward` itself for each forward, its one-token
+        step's tensors made here (the slots from the block tables, as the runner's batch gives them)."""
         rows, tables = input_ids.shape[0], block_tables.to(torch.int64).contiguous()
-        table, block_size, each = tables.numpy(), native.block_size, np.arange(rows)
-        pos, tokens, ones = positions.numpy().astype(np.int64), input_ids, [1] * rows
+        table, block_size, each = tables.numpy(), kv_caches[0][0].shape[1], np.arange(rows)
+        pos, tokens, every = positions.numpy().astype(np.int64), input_ids, torch.arange(rows)
         forwards: list[list[int]] = []
         for _ in range(steps):
-            slots = torch.from_numpy(table[each, pos // block_size] * block_size + pos % block_size)
-            hidden = vocab_parallel_embedding(tokens, self.embed, self.shards.ctx)
             ends = pos + 1
-            cos, sin = self.rope_table.lookup(torch.from_numpy(pos), int(ends.max()))
-            out, residual = native.run(hidden, (cos, sin), slots, tables, ones, ends.tolist())
+            meta = AttentionMetadata(
+                slot_mapping=torch.from_numpy(table[each, pos // block_size] * block_size + pos % block_size),
+                block_tables=tables, query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+                seq_lens=torch.from_numpy(ends.astype(np.int32)), query_lens_host=[1] * rows,
+                seq_lens_host=ends.tolist(),
+            )  # fmt: skip
             maxima = torch.empty(rows), torch.empty(rows, dtype=torch.long)
-            self.logits(out, residual, maxima, store_logits=False)
+            self.forward(tokens, torch.from_numpy(pos), meta, kv_caches, every, maxima, store_logits=False)
             if not all(peak < math.inf for peak in maxima[0].tolist()):
                 break  # NaN or infinite logits: the runner computes this forward again and fails the request
             tokens, pos = maxima[1], ends
