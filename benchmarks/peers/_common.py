@@ -7,18 +7,28 @@ the concurrency-1 prompt and the phases to run; the runner writes the same field
     {"engine", "version", "load_s",
      "throughput": {"num_requests", "prompt_tokens", "output_tokens", "walls_s", "outputs_vary", "wall_s",
                     "requests_per_s", "output_tok_s", "total_tok_s", "outputs": [[ids]...]},
-     "latency": {"prompt_tokens", "max_tokens", "first_s", "full_s", "tpot_ms", "output": [ids]}}
+     "latency": {"prompt_tokens", "max_tokens", "first_s", "full_s", "tpot_ms", "output": [ids]},
+     "contended": {"rounds", "quiet_tpot_ms", "busy_tpot_ms", "ratios", "ratio", "tpot_ms", "outputs_agree"}}
 
 Throughput is the median of ``throughput_repeats`` passes of the workload (default 1), each engine's
 passes back to back. Latency at concurrency 1 is taken the same way everywhere: the median wall time of one request
 with ``max_tokens=1`` (``first_s``, prefill + one token) and with ``max_tokens=M`` (``full_s``),
 over ``repeats`` runs each after one warm-up; ``tpot_ms = (full_s - first_s) / (M - 1)``.
+
+The contention phase measures concurrency 1 beside a busy process (a Python busy loop) in the same
+process, alternated with quiet runs, ``contention_rounds`` rounds (default 3) of one quiet and one
+busy latency measurement. Each measurement follows one untimed run of the request after the busy
+process started or stopped, so an engine that adapts to its neighbour has seen the change. ``ratio``
+is the median of the rounds' busy over quiet times: both halves of a round read the same weights'
+pages (where memory reads at different rates by where a page lands, a quiet run in one process against
+a busy one in another would compare two placements too).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -86,6 +96,42 @@ def latency(generate: Generate, job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class BusyProcess:
+    """A competing CPU-bound process (a Python busy loop) while the ``with`` block runs."""
+
+    def __enter__(self) -> BusyProcess:
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def contention(generate: Generate, job: dict[str, Any]) -> dict[str, Any]:
+    """Concurrency 1 quiet and beside a busy process, alternated in ``contention_rounds`` rounds (see the
+    module's docstring); ``outputs_agree``: every run's output equals the first quiet one's."""
+    prompt, m = job["latency_prompt"], job["max_tokens"]
+    quiet: list[dict[str, Any]] = []
+    busy: list[dict[str, Any]] = []
+    for _ in range(max(1, job.get("contention_rounds", 3))):
+        generate([prompt], m)  # the settle run: the busy process of the round before has stopped
+        quiet.append(latency(generate, job))
+        with BusyProcess():
+            generate([prompt], m)
+            busy.append(latency(generate, job))
+    ratios = [b["tpot_ms"] / q["tpot_ms"] for q, b in zip(quiet, busy)]
+    return {
+        "rounds": len(ratios),
+        "quiet_tpot_ms": [q["tpot_ms"] for q in quiet],
+        "busy_tpot_ms": [b["tpot_ms"] for b in busy],
+        "ratios": ratios,
+        "ratio": statistics.median(ratios),
+        "tpot_ms": statistics.median(b["tpot_ms"] for b in busy),
+        "outputs_agree": all(r["output"] == quiet[0]["output"] for r in quiet + busy),
+    }
+
+
 class Unsupported(Exception):
     """Raised by a runner's ``load`` when its engine has no path for the job (such as a precision this CPU
     lacks): the runner then writes ``{"engine", "version", "unsupported": reason}`` and runs nothing."""
@@ -105,5 +151,7 @@ def run(engine: str, version: str, load: Callable[[], Generate], job: dict[str, 
         result["throughput"] = throughput(generate, job)
     if "latency" in phases:
         result["latency"] = latency(generate, job)
+    if "contention" in phases:
+        result["contended"] = contention(generate, job)
     with open(out, "w") as f:
         json.dump(result, f)

@@ -1,9 +1,12 @@
 """benchmarks/peers/_common.py's throughput phase: the median of ``throughput_repeats`` passes, the
-first pass's outputs, and a flag where a later pass's outputs differ; compare.py's notes show both."""
+first pass's outputs, and a flag where a later pass's outputs differ; compare.py's notes show both.
+Its contention phase: quiet and busy rounds alternated in one process, a real busy process running
+during the busy halves only."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from typing import Any
 
@@ -66,3 +69,54 @@ def test_a_runner_without_the_jobs_path_writes_why_and_runs_nothing(tmp_path: An
     args = compare.parse_args(["--model", "m", "--precision", "bfloat16"])
     row = compare._row(args, {"name": "CTranslate2", **result}, floor=1.0)
     assert row.startswith("| CTranslate2 | no bfloat16 path: no bfloat16 compute type on this CPU: not run |")
+
+
+def _watched_popen(common: Any, monkeypatch: Any) -> list[Any]:
+    """The busy processes the contention phase starts (real ones, recorded)."""
+    started: list[Any] = []
+    real = common.subprocess.Popen
+
+    def popen(*args: Any, **kwargs: Any) -> Any:
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(common.subprocess, "Popen", popen)
+    return started
+
+
+def test_contention_alternates_quiet_and_busy_rounds_in_one_process(monkeypatch: Any) -> None:
+    common = _common()
+    started = _watched_popen(common, monkeypatch)
+    seen: list[bool] = []
+
+    def generate(prompts: list[list[int]], m: int) -> list[list[int]]:
+        busy = bool(started) and started[-1].poll() is None
+        seen.append(busy)
+        time.sleep(0.004 * m * (3 if busy else 1))  # a token takes 3x as long beside the busy process
+        return [[7] * m]
+
+    job = {"latency_prompt": [1, 2, 3], "max_tokens": 5, "repeats": 1, "contention_rounds": 2}
+    c = common.contention(generate, job)
+    # each half of a round: the settle run, latency()'s warm-up, one first-token run, one full run
+    assert seen == ([False] * 4 + [True] * 4) * 2
+    assert len(started) == 2 and all(p.poll() is not None for p in started)  # stopped after each round
+    assert c["rounds"] == 2 and len(c["ratios"]) == 2 and c["outputs_agree"]
+    assert 2.0 < c["ratio"] < 4.0 and c["tpot_ms"] == statistics.median(c["busy_tpot_ms"])
+    compare = load_script("benchmarks/compare.py")
+    assert compare._contended_cell(c) == f"{c['tpot_ms']:,.2f} ({c['ratio']:.2f}x)"
+    notes = compare._contention_notes({"name": "x", "contended": c})
+    assert len(notes) == 1 and f"median ratio {c['ratio']:.2f}x" in notes[0]
+
+
+def test_an_output_that_changes_beside_the_busy_process_is_noted(monkeypatch: Any) -> None:
+    common = _common()
+    started = _watched_popen(common, monkeypatch)
+
+    def generate(prompts: list[list[int]], m: int) -> list[list[int]]:
+        busy = bool(started) and started[-1].poll() is None
+        return [[8 if busy else 7] * m]
+
+    c = common.contention(generate, {"latency_prompt": [1], "max_tokens": 3, "repeats": 1, "contention_rounds": 1})
+    assert not c["outputs_agree"]
+    notes = load_script("benchmarks/compare.py")._contention_notes({"name": "x", "contended": c})
+    assert any("changed between quiet and busy runs" in n for n in notes)
