@@ -235,7 +235,8 @@ class Executor(abc.ABC):
         :meth:`execute` and :meth:`logits_maxima` give forward by forward, bit for bit; executors that
         cannot run such a loop keep this default and the runner runs the forwards one by one.
 
-        :param batch: the first forward: one token a request (its last sampled one) at its position,
+        :param batch: the first forward: one token a request (its last sampled one, or the token the
+            scheduler named for the command's first forward) at its position,
             with ``maxima_only`` set; each request's blocks cover its next ``steps`` positions, so
             forward ``s`` writes position ``positions[r] + s`` into the slot its block table gives.
         :param steps: the most forwards to run (at least 1).

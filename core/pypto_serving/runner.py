@@ -311,17 +311,35 @@ class ModelRunner:
         staged, self._staged = self._staged, None
         assert staged is None or staged.cmd is cmd, "a staged step runs next, before any other"
         step = LaunchedStep(cmd=cmd)
+        looped = None
         try:
             self._take_grammars(cmd)
             self._enter(cmd, staged)
-            if cmd.entries:
+            if not cmd.entries:
+                step.result = StepResult(step_id=cmd.step_id)
+            elif (looped := self._greedy_command(cmd)) is None:
                 self._forward(step)
             else:
-                step.result = StepResult(step_id=cmd.step_id)
+                step.result = looped
         except Exception as e:
             step.result = _failed(cmd, e)
         step.seconds = time.perf_counter() - t0 + (0.0 if staged is None else staged.seconds)
+        if looped is not None:
+            looped.execute_seconds = step.seconds
         return step
+
+    def _greedy_command(self, cmd: StepCommand) -> StepResult | None:
+        """Run a command of multi-step plain decodes whole, its first forward too, as one executor loop
+        (:meth:`_greedy_run`), where every entry decodes one token over several forwards and its request
+        takes the argmax of its logits as they come. Returns the result of the forwards the loop ran
+        (:meth:`finish` runs whatever it left), or None where it ran none (declined, raised, or stopped
+        before the first): the command then runs as ever and meets what stopped the loop."""
+        if not all(e.num_steps > 1 and e.sample and not e.num_draft and _one_input(e) for e in cmd.entries):
+            return None
+        result = StepResult(step_id=cmd.step_id)
+        if not self._greedy_run({e.request_id: e for e in cmd.entries}, 0, result):
+            return None
+        return result
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """A step's second part: its one host read of the sampled tokens, then verification, the
@@ -353,8 +371,9 @@ class ModelRunner:
         return result
 
     def _run_steps(self, cmd: StepCommand, result: StepResult) -> None:
-        """The further forwards of ``cmd``'s multi-step decodes (``ScheduledEntry.num_steps``), one
-        after another, each a step of its own over the requests still going: the same rows, positions
+        """The further forwards of ``cmd``'s multi-step decodes (``ScheduledEntry.num_steps``) after
+        the ``result.num_forwards`` run so far, one after another, each a step of its own over the
+        requests still going: the same rows, positions
         and sampler draws as that many one-step commands, so the tokens are theirs. A request stops at
         a token that ends it (its stop ids, and EOS unless ignored: the tokens that cannot be sampled
         before ``min_tokens``) and at an error, which the forwards after the first do not report: the
@@ -362,8 +381,8 @@ class ModelRunner:
         computed are counted as given back, as the scheduler counts them. Where every request takes
         the argmax of its logits as they come, the executor may run the forwards as one loop
         (:meth:`_greedy_run`); the forwards it leaves run here one by one."""
-        going = {e.request_id: e for e in cmd.entries if e.num_steps > 1 and self._goes_on(e.request_id, result)}
-        done, fuse = 1, True
+        done, fuse = result.num_forwards, True
+        going = {e.request_id: e for e in cmd.entries if e.num_steps > done and self._goes_on(e.request_id, result)}
         while going:
             ran = self._greedy_run(going, done, result) if fuse else None
             fuse = ran is not None
@@ -413,7 +432,8 @@ class ModelRunner:
             return None
         if not all(_greedy_throughout(self.states[rid]) for rid in going):
             return None
-        entries = [_next_forward(e, done) for e in going.values()]
+        # The command's own entries for its first forward (their input tokens as scheduled).
+        entries = [_next_forward(e, done) if done else e for e in going.values()]
         steps = min(e.num_steps for e in going.values()) - done
         stops = [frozenset(self.states[e.request_id].sampling.min_tokens_banned) for e in entries]
         t0 = time.perf_counter()
@@ -432,8 +452,9 @@ class ModelRunner:
             )
         for tokens in forwards:
             for e, token in zip(entries, tokens):
-                if self._goes_on(e.request_id, result):  # nothing after a token that ends the request
-                    _commit_greedy(self.states[e.request_id], int(token), result)
+                rid = e.request_id  # nothing after a token that ends the request
+                if rid not in result.sampled or self._goes_on(rid, result):
+                    _commit_greedy(self.states[rid], int(token), result)
         result.execute_seconds += time.perf_counter() - t0
         if forwards:
             result.num_forwards = done + len(forwards)
@@ -939,6 +960,11 @@ def _next_forward(e: ScheduledEntry, done: int) -> ScheduledEntry:
         sample=True,
         num_propose=0,
     )
+
+
+def _one_input(e: ScheduledEntry) -> bool:
+    """Whether ``e`` computes one input token: the request's last sampled one or one it names."""
+    return e.use_last_sampled or len(e.token_ids) == 1
 
 
 def _greedy_throughout(st: WorkerRequest) -> bool:

@@ -82,9 +82,11 @@ def test_several_forwards_a_command_give_the_tokens_of_one(
     assert any(e.num_steps == 4 for c in commands for e in c.entries)
     assert len(forwards) + _executor(llm).greedy_forwards > len(commands)
     assert max(e.num_steps for c in commands for e in c.entries) == 4
-    # Fused: the forwards after each command's first ran in the executor's loop, not one by one.
+    # Fused: a command of several forwards each ran whole in the executor's loop, its first forward too.
     assert (_executor(llm).greedy_forwards > len(PROMPTS)) == fused
     assert fused or len(forwards) > len(commands)
+    one_by_one = sum(not all(e.num_steps > 1 for e in c.entries) for c in commands if c.entries)
+    assert not fused or len(forwards) == one_by_one
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -106,8 +108,8 @@ def test_a_request_stops_its_forwards_at_the_token_that_ends_it(make: Callable[.
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == (ref[:3], "stop")
     # The prefill samples the first token; one command of 8 forwards then ran two and stopped at EOS
-    # (fused: its first forward on its own, the second in the executor's loop, which stopped there).
-    assert (len(forwards), _executor(llm).greedy_forwards) == ((2, 1) if fused else (3, 0))
+    # (fused: both in the executor's loop, which stopped there).
+    assert (len(forwards), _executor(llm).greedy_forwards) == ((1, 2) if fused else (3, 0))
     assert [r.num_forwards for r in results] == [1, 2]  # what the scheduler times a forward by
     assert llm.engine is not None and not llm.engine.has_unfinished()
     pool = llm.engine.kv.pools["kv"]
@@ -151,10 +153,29 @@ def test_a_request_ended_by_a_stop_string_is_not_failed_by_a_later_forward(
     params = SamplingParams(temperature=0, max_tokens=8, stop=["STOP"], ignore_eos=True)
     out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     assert (out.text, out.token_ids, out.finish_reason) == ("abc", ref[:3], "stop")
-    # The prefill, then five forwards of one command: the sixth met NaN (fused: the first on its own,
-    # three in the executor's loop, which stopped before the NaN; that one then on its own).
-    assert (len(forwards), _executor(llm).greedy_forwards) == ((3, 3) if fused else (6, 0))
+    # The prefill, then five forwards of one command: the fifth met NaN (fused: four in the executor's
+    # loop, which stopped before the NaN; that one then on its own).
+    assert (len(forwards), _executor(llm).greedy_forwards) == ((2, 4) if fused else (6, 0))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_loop_that_raises_leaves_the_command_to_the_forwards_one_by_one(make: Callable[..., LLM], at: int) -> None:
+    """The executor raises on the forward whose input is output ``at``: at a command's first forward
+    (0) or inside its loop (2). The loop's tokens are dropped and the forwards run one by one, so the
+    request ends as with one forward a command: the same tokens, then the error; no block is lost."""
+    ref, _ = reference_tokens(PROMPTS[0], 10, VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=10)
+    got = []
+    for steps, fused in ((1, False), (4, True)):
+        llm = make(num_scheduler_steps=steps, executor_options={"fail_on_token": ref[at], "greedy_steps": fused})
+        out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+        got.append((out.token_ids, out.finish_reason))
+        assert llm.engine is not None and not llm.engine.has_unfinished()
+        pool = llm.engine.kv.pools["kv"]
+        assert pool.num_free == pool.num_blocks
+    assert got[0] == got[1] == (ref[: at + 1], "error")
+    assert (_executor(llm).greedy_forwards > 0) == (at > 0)  # the loop ran forwards before the failing one
 
 
 GREEDY_ONLY = {
@@ -183,7 +204,7 @@ def test_only_requests_greedy_throughout_run_their_forwards_as_one_loop(
             got.append([(o.token_ids, o.logprobs) for o in outs])
             loops.append(_executor(llm).greedy_forwards)
         assert got[0] == got[1], names
-        assert loops == [0, 8 if names == ["greedy"] else 0], names  # 11 later outputs: 3 commands, 8 looped
+        assert loops == [0, 11 if names == ["greedy"] else 0], names  # 11 outputs after the prefill's, looped
 
 
 def test_min_tokens_bans_keep_forwards_one_by_one_while_they_last(make: Callable[..., LLM]) -> None:

@@ -762,7 +762,7 @@ class QwenForCausalLM(nn.Module):
         without the engine's work per forward (on the CPU at one request a third of a small model's
         token, measured in docs/benchmarks.md).
 
-        :param input_ids: ``[R]`` each request's last sampled token; ``positions`` ``[R]`` its position.
+        :param input_ids: ``[R]`` each request's input token (its last sampled one); ``positions`` ``[R]`` its position.
         :param block_tables: ``[R, blocks]``, covering each request's next ``steps`` positions.
         :return: each forward's ``R`` tokens (see the executor's contract for where the run stops), or
             None where the forward would not run the native decoder with such an output projection.
