@@ -4,13 +4,16 @@
  *
  * Each thread streams one contiguous range of the first three quarters of the matrix's rows (with
  * TAIL_MIN x CHUNK rows or more; else of all of them), then claims chunks of the rest as it finishes
- * (claim, common.h), a row at a time, with software prefetches into L2 8 KiB ahead of it: the hardware
- * prefetcher alone left oneDNN's packed GEMV at 0.6-0.7x of a plain read of the matrix on the AVX-512
- * AMD EPYC of docs/benchmarks.md (interleaving two or four rows was slower there; prefetches into L1
- * 32 KiB ahead cost a small-shape token 5 % against non-temporal ones 4 KiB ahead). On the 2-core Zen 4
- * EPYC of docs/benchmarks.md, against those non-temporal prefetches, a float32 matrix read 1.04-1.24x
- * as fast on one thread (a core shed to a neighbour) and 1.04-1.12x on two, a small-shape float32 token
- * 0.95x as long alone and 0.85x beside a busy process. A bfloat16 row is read 32 values a load, the
+ * (claim, common.h), a row at a time, with software prefetches into L2 8 KiB ahead of it, one every
+ * PREFETCH_EVERY bytes of the row: the hardware prefetcher alone left oneDNN's packed GEMV at 0.6-0.7x
+ * of a plain read of the matrix on the AVX-512 AMD EPYC of docs/benchmarks.md (interleaving two or four
+ * rows was slower there; prefetches into L1 32 KiB ahead cost a small-shape token 5 % against
+ * non-temporal ones 4 KiB ahead). On the 2-core Zen 4 EPYC of docs/benchmarks.md, against those
+ * non-temporal prefetches, a float32 matrix read 1.04-1.24x as fast on one thread (a core shed to a
+ * neighbour) and 1.04-1.12x on two; a prefetch every 256 bytes instead of every 64-byte line then read
+ * a float32 matrix 1.07-1.33x as fast again, as fast as torch's sum of it (where a prefetch of every
+ * line held one thread to 0.8x that sum's rate), a bfloat16 one 1.00-1.06x as fast, and took a
+ * small-shape float32 concurrency-1 token to 0.87x. A bfloat16 row is read 32 values a load, the
  * even ones widened by a shift and the odd ones by a mask, against the activation split once into its
  * even and odd values: where the row-by-row widening (two half-width loads, a widening, a shift per 16
  * values) and non-temporal prefetches read the matrix at 0.67-0.79x a plain read, a concurrency-1 token
@@ -23,7 +26,7 @@
 
 #include "common.h"
 
-enum { LANES = 16, PREFETCH = 8192, CHUNK = 64, TAIL_MIN = 64 };
+enum { LANES = 16, PREFETCH = 8192, PREFETCH_EVERY = 256, CHUNK = 64, TAIL_MIN = 64 };
 
 static inline float scalar_kind(const void *row, int kind, int64_t i) {
     return kind == ELEM_BF16 ? bf16_value(((const uint16_t *)row)[i]) : ((const float *)row)[i];
@@ -97,7 +100,7 @@ static inline __attribute__((always_inline)) float row_dot(const void *w, int ki
                                                            const float *xs, int64_t in, int64_t o) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4;
     const char *row = (const char *)w + o * ws * size;
-    for (int64_t off = 0; off < size * in; off += 64) __builtin_prefetch(row + PREFETCH + off, 0, 2);
+    for (int64_t off = 0; off < size * in; off += PREFETCH_EVERY) __builtin_prefetch(row + PREFETCH + off, 0, 2);
     pf a[4][PARTS] = {{{0}}};
     int64_t i = 0;
     if (kind == ELEM_BF16)
