@@ -452,8 +452,8 @@ class ModelRunner:
             )
         for tokens in forwards:
             for e, token in zip(entries, tokens):
-                rid = e.request_id  # nothing after a token that ends the request
-                if rid not in result.sampled or self._goes_on(rid, result):
+                rid = e.request_id
+                if rid not in result.sampled or self._goes_on(rid, result):  # nothing after a token that ends it
                     _commit_greedy(self.states[rid], int(token), result)
         result.execute_seconds += time.perf_counter() - t0
         if forwards:
