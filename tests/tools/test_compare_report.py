@@ -78,3 +78,26 @@ def test_the_column_uses_the_regions_overall_rate() -> None:
     assert "1.25 ms per token" in line and "fastest region's rate 0.50 ms" in line
     also = next(x for x in text.splitlines() if x.startswith("| also-row |"))
     assert "| 1.00 | 1.60x |" in also
+
+
+def test_the_floor_tensors_are_advised_onto_huge_pages_before_their_first_touch(monkeypatch: Any) -> None:
+    import torch
+
+    compare = _compare()
+    calls: list[tuple[int, int, int]] = []
+
+    class Libc:
+        def madvise(self, start: Any, length: Any, advice: int) -> int:
+            calls.append((start.value, length.value, advice))
+            return 0
+
+    monkeypatch.setattr(compare.ctypes, "CDLL", lambda name: Libc())
+    t = torch.empty(3 * 2**20 // 4 + 5)  # 3 MiB and 20 bytes, 64-byte aligned
+    assert compare.on_huge_pages(t) is t
+    [(start, length, advice)] = calls
+    begin, end = t.data_ptr(), t.data_ptr() + t.numel() * 4
+    assert advice == 14 and start % 4096 == 0 and (start + length) % 4096 == 0  # MADV_HUGEPAGE, whole pages
+    assert begin <= start < begin + 4096 and end - 4096 < start + length <= end  # its whole page-aligned span
+    calls.clear()
+    compare.region_read_rates(8, regions=2, threads=1)
+    assert len(calls) == 2  # each region tensor advised
