@@ -373,8 +373,8 @@ class ModelRunner:
     def _run_steps(self, cmd: StepCommand, result: StepResult) -> None:
         """The further forwards of ``cmd``'s multi-step decodes (``ScheduledEntry.num_steps``) after
         the ``result.num_forwards`` run so far, one after another, each a step of its own over the
-        requests still going: the same rows, positions
-        and sampler draws as that many one-step commands, so the tokens are theirs. A request stops at
+        requests still going: the same rows, positions and sampler draws as that many one-step
+        commands, so the tokens are theirs. A request stops at
         a token that ends it (its stop ids, and EOS unless ignored: the tokens that cannot be sampled
         before ``min_tokens``) and at an error, which the forwards after the first do not report: the
         next command computes that position again and meets it there. Each request's positions not
