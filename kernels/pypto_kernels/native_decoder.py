@@ -19,7 +19,6 @@ which the eager attention attends row by row. The model keeps its eager forward 
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,17 +108,26 @@ class GreedyTail:
     sin: torch.Tensor
 
 
-class _GreedyBuffers:
-    """The tensors one :meth:`NativeDecoder.greedy_run` writes, made once for its forwards."""
+class _Tail(ctypes.Structure):
+    """``GreedyTail`` of ``csrc/decode_layers.c``."""
+
+    _fields_ = [
+        ("embed", _PTR), ("norm", _PTR), ("head", _PTR), ("embed_stride", _I64), ("head_stride", _I64),
+        ("head_rows", _I64), ("cos", _PTR), ("sin", _PTR), ("cos_stride", _I64), ("eps", ctypes.c_float),
+    ]  # fmt: skip
+
+
+class _GreedyBuffers(ctypes.Structure):
+    """``GreedyBuffers`` of ``csrc/decode_layers.c``: the tensors one :meth:`NativeDecoder.greedy_run`
+    writes, made once for a head of ``vocab`` outputs and kept (``held``) while the decoder is."""
+
+    _fields_ = [
+        ("hidden", _PTR), ("residual", _PTR), ("normed", _PTR), ("summed", _PTR), ("row", _PTR), ("logits", _PTR),
+    ]  # fmt: skip
 
     def __init__(self, dtype: torch.dtype, hidden: int, vocab: int) -> None:
-        self.hidden, self.residual = torch.empty(1, hidden, dtype=dtype), torch.empty(1, hidden, dtype=dtype)
-        self.normed, self.summed = torch.empty(1, hidden, dtype=dtype), torch.empty(1, hidden, dtype=dtype)
-        self.row, self.logits = torch.empty(1, hidden), torch.empty(1, vocab)
-        self.peak, self.index = torch.empty(1), torch.empty(1, dtype=torch.int64)
-        self.slot_t, self.rows_t = torch.empty(1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64)
-        self.peak_np, self.index_np = self.peak.numpy(), self.index.numpy()
-        self.slot, self.rows = self.slot_t.numpy(), self.rows_t.numpy()
+        self.held = [torch.empty(hidden, dtype=dtype) for _ in range(4)] + [torch.empty(hidden), torch.empty(vocab)]
+        super().__init__(*(t.data_ptr() for t in self.held))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -192,6 +200,7 @@ class NativeDecoder:
         )  # fmt: skip
         self._held = list(layers)  # the pointers above stay valid while these are referenced
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._greedy: tuple[int, _GreedyBuffers] | None = None  # greedy_run's buffers, for a head of that many rows
 
     def _layer(
         self, index: int, w: DecoderLayerWeights, widths: tuple[int, int, int, int], cache_shape: tuple[int, ...]
@@ -274,12 +283,13 @@ class NativeDecoder:
         self, tail: GreedyTail, token: int, position: int, table: torch.Tensor, steps: int, stop: frozenset[int]
     ) -> list[int]:
         """Up to ``steps`` decode forwards of one request back to back, each on the greedy token of the
-        one before, with no Python but the calls' between them (a token of a small model costs its
-        engine a third again of its kernels' time otherwise). Each forward is the one a model runs
-        a row at a time: the token's embedding row, :meth:`run`'s layers, the final RMSNorm over
-        their output and residual (:func:`pypto_kernels.native.rms_norm`), the output projection's
-        one-row GEMV taking the row's maximum (:func:`pypto_kernels.native.gemv`): the same calls on
-        the same values, so the tokens are those forwards', bit for bit (tested).
+        one before, in one C call (``pypto_greedy_run``: a token of a small model costs its engine a
+        third again of its kernels' time otherwise, and the interpreter between the kernels 8 %).
+        Each forward is the one a model runs a row at a time: the token's embedding row, :meth:`run`'s
+        layers, the final RMSNorm over their output and residual (:func:`pypto_kernels.native.rms_norm`),
+        the output projection's one-row GEMV taking the row's maximum
+        (:func:`pypto_kernels.native.gemv`): the same kernels on the same values, so the tokens are
+        those forwards', bit for bit (tested).
 
         :param token: the request's last token, at ``position``; the run writes the keys and values
             of positions ``position`` to ``position + steps - 1``.
@@ -297,41 +307,26 @@ class NativeDecoder:
             raise RuntimeError("the native CPU kernels are not available (see the log)")
         table = table.to(torch.int64).contiguous()
         self._check_greedy(tail, token, position + steps, table)
-        b = _GreedyBuffers(self._dtype, self._hidden, tail.head.shape[0])
+        vocab = tail.head.shape[0]
+        if self._greedy is None or self._greedy[0] != vocab:
+            self._greedy = vocab, _GreedyBuffers(self._dtype, self._hidden, vocab)
         self._grow_scratch(lib, 1)
-        size, kind, threads = tail.embed.element_size(), native.NATIVE_DTYPES[self._dtype], torch.get_num_threads()
-        width, embed_row, row_of = self._hidden * size, tail.embed.stride(0) * size, tail.cos.stride(0) * size
-        blocks, block_size = table.numpy(), self._shape.block_size
-        tokens: list[int] = []
-        for pos in range(position, position + steps):
-            ctypes.memmove(b.hidden.data_ptr(), tail.embed.data_ptr() + token * embed_row, width)
-            b.slot[0], b.rows[1, 0] = blocks[pos // block_size] * block_size + pos % block_size, pos + 1
-            status = lib.pypto_decode_layers(
-                self._layers, len(self._layers), ctypes.byref(self._shape), b.hidden.data_ptr(), b.residual.data_ptr(),
-                1, tail.cos.data_ptr() + pos * row_of, tail.sin.data_ptr() + pos * row_of, tail.cos.stride(0),
-                b.slot_t.data_ptr(), table.data_ptr(), table.numel(), b.rows_t[0].data_ptr(), b.rows_t[1].data_ptr(),
-                self._scratch.data_ptr(), threads,
-            )  # fmt: skip
-            self._check_status(status, f"the table gives position {pos} a slot")
-            lib.pypto_rms_norm(
-                b.hidden.data_ptr(), self._hidden, b.residual.data_ptr(), self._hidden, tail.norm.data_ptr(), kind, 1,
-                self._hidden, tail.eps, b.normed.data_ptr(), self._hidden, b.summed.data_ptr(), self._hidden, threads,
-            )  # fmt: skip
-            b.row.copy_(b.normed)
-            status = lib.pypto_gemv(
-                tail.head.data_ptr(), kind, tail.head.stride(0), b.row.data_ptr(), b.logits.data_ptr(),
-                tail.head.shape[0], self._hidden, int(self._dtype == torch.bfloat16), b.peak.data_ptr(),
-                b.index.data_ptr(), threads,
-            )  # fmt: skip
-            if status != 0:
-                raise MemoryError("the native gemv could not allocate its scratch")
-            if not b.peak_np[0] < math.inf:
-                break
-            token = int(b.index_np[0])
-            tokens.append(token)
-            if token in stop:
-                break
-        return tokens
+        c_tail = _Tail(
+            tail.embed.data_ptr(), tail.norm.data_ptr(), tail.head.data_ptr(), tail.embed.stride(0),
+            tail.head.stride(0), vocab, tail.cos.data_ptr(), tail.sin.data_ptr(), tail.cos.stride(0), tail.eps,
+        )  # fmt: skip
+        stops = torch.tensor(sorted(stop), dtype=torch.int64)
+        tokens, status = torch.empty(max(steps, 1), dtype=torch.int64), ctypes.c_int(0)
+        n = lib.pypto_greedy_run(
+            self._layers, len(self._layers), ctypes.byref(self._shape), ctypes.byref(c_tail),
+            ctypes.byref(self._greedy[1]), table.data_ptr(), table.numel(), token, position, steps,
+            stops.data_ptr(), stops.numel(), self._scratch.data_ptr(), tokens.data_ptr(), ctypes.byref(status),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status.value == -2:
+            raise MemoryError("the native gemv could not allocate its scratch")
+        self._check_status(status.value, f"the table gives position {position + n} a slot")
+        return tokens[:n].tolist()
 
     def _grow_scratch(self, lib: ctypes.CDLL, rows: int) -> None:
         """The scratch a decode call of ``rows`` rows needs, grown where smaller."""

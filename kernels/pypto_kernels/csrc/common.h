@@ -148,6 +148,8 @@ void pypto_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, c
 void pypto_panel_gemm_logits(int kind, const void *x, int64_t xs, const void *panels, const void *bias, float *out,
                              int64_t os, int64_t m, int64_t n, int64_t k, float *row_max, int64_t *row_arg,
                              int threads);
+int pypto_gemv(const void *w, int kind, int64_t ws, const float *x, float *out, int64_t n, int64_t in,
+               int round_bf16, float *row_max, int64_t *row_arg, int threads);
 int pypto_paged_attention(const float *q, int64_t q_row_stride, int64_t q_head_stride, const void *key_cache,
                           const void *value_cache, int kind, const int64_t *k_strides, const int64_t *v_strides,
                           const int64_t *tables, int64_t table_stride, const int64_t *rows, const int64_t *requests,

@@ -132,3 +132,64 @@ int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const Decoder
     }
     return 0;
 }
+
+/* What pypto_greedy_run reads around the layers, of the layers' kind (pypto_kernels.GreedyTail). */
+typedef struct {
+    const void *embed, *norm, *head; /* [vocab, hidden] rows of stride embed_stride; [hidden]; [n_head, hidden] */
+    int64_t embed_stride, head_stride, head_rows;
+    const void *cos, *sin; /* [positions, rotary] rows of stride cos_stride */
+    int64_t cos_stride;
+    float eps;
+} GreedyTail;
+
+/* What one pypto_greedy_run writes: the layers' in/out row and residual, the final norm's output and
+ * sum ([hidden] each, of the kind), the head's float32 input row [hidden] and logits [head_rows]. */
+typedef struct {
+    void *hidden, *residual, *normed, *summed;
+    float *row, *logits;
+} GreedyBuffers;
+
+/* Up to steps decode forwards of one request back to back (NativeDecoder.greedy_run), the loop that
+ * ran in Python before: each forward is the token's embedding row, pypto_decode_layers, the final
+ * pypto_rms_norm over their output and residual, the row widened to float32 and pypto_gemv taking
+ * its maximum, the same calls on the same values, and the next forward's token is that maximum's
+ * index. Between the calls the interpreter took 0.2-0.3 ms a forward on the Zen 4 EPYC of
+ * docs/benchmarks.md, most of it after the head's product (its data evicted by the matrix streaming
+ * past), 8 % of a small-shape token. The run stops after a token in stop[0 .. num_stop), before
+ * keeping a token whose maximum logit is not finite (NaN or infinite), or after steps. table: the
+ * request's blocks (table_len of them, covering the run's positions: the caller checks). Writes the
+ * tokens to tokens and returns how many; *status: 0, or as pypto_decode_layers' (1: a slot outside
+ * the caches, -1: attention's scratch) or -2 (the gemv's scratch) for the forward after them. */
+int64_t pypto_greedy_run(const DecoderLayer *layers, int64_t count, const DecoderShape *s, const GreedyTail *tail,
+                         const GreedyBuffers *b, const int64_t *table, int64_t table_len, int64_t token,
+                         int64_t position, int64_t steps, const int64_t *stop, int64_t num_stop, void *scratch,
+                         int64_t *tokens, int *status, int threads) {
+    int64_t size = s->kind == ELEM_BF16 ? 2 : 4, h = s->hidden, bs = s->block_size, n = 0, request = 0;
+    *status = 0;
+    for (int64_t pos = position; pos < position + steps; pos++) {
+        int64_t slot = table[pos / bs] * bs + pos % bs, end = pos + 1;
+        memcpy(b->hidden, (const char *)tail->embed + token * tail->embed_stride * size, (size_t)(h * size));
+        const char *cos = (const char *)tail->cos + pos * tail->cos_stride * size;
+        const char *sin = (const char *)tail->sin + pos * tail->cos_stride * size;
+        *status = pypto_decode_layers(layers, count, s, b->hidden, b->residual, 1, cos, sin, tail->cos_stride, &slot,
+                                      table, table_len, &request, &end, scratch, threads);
+        if (*status) return n;
+        pypto_rms_norm(b->hidden, h, b->residual, h, tail->norm, s->kind, 1, h, tail->eps, b->normed, h, b->summed,
+                       h, threads);
+        for (int64_t i = 0; i < h; i++) /* exact: a bfloat16 value widened */
+            b->row[i] = s->kind == ELEM_BF16 ? bf16_value(((const uint16_t *)b->normed)[i])
+                                             : ((const float *)b->normed)[i];
+        float peak;
+        int64_t index;
+        if (pypto_gemv(tail->head, s->kind, tail->head_stride, b->row, b->logits, tail->head_rows, h,
+                       s->kind == ELEM_BF16, &peak, &index, threads)) {
+            *status = -2;
+            return n;
+        }
+        if (!(peak < INFINITY)) return n;
+        tokens[n++] = token = index;
+        for (int64_t j = 0; j < num_stop; j++)
+            if (stop[j] == token) return n;
+    }
+    return n;
+}
