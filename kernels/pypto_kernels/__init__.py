@@ -27,9 +27,11 @@ from .attention import (
 from .compressed_attention import compressor_pool, indexer_topk, sink_attention
 from .deepseek import apply_interleaved_rope, grouped_linear, interleaved_rope_cos_sin
 from .dense import (
+    HUGE_PAGE,
     PackedLinearWeight,
     linear,
     linear_takes_maxima,
+    on_huge_pages,
     onednn_supports,
     pack_linear,
     packing_rule,
@@ -66,6 +68,7 @@ from .rope import RopeTable, apply_rope, rope_cos_sin, rope_inv_freq
 __version__ = "0.1.0"
 
 __all__ = [
+    "HUGE_PAGE",
     "KERNEL_NAMES",
     "AbsmaxReduce",
     "DecoderLayerWeights",
@@ -103,6 +106,7 @@ __all__ = [
     "moe_experts",
     "native",
     "npu_available",
+    "on_huge_pages",
     "onednn_supports",
     "pack_linear",
     "pack_quant_linear",

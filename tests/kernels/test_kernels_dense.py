@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -309,3 +310,51 @@ def test_onednn_copy_beside_the_plain_matrix_serves_from_min_rows(onednn_rows: l
     assert not weights[0].is_mkldnn and weights[0].data_ptr() == w_t.data_ptr() and weights[1] is packed.packed
     with pytest.raises(ValueError, match="min_rows applies to library='onednn' or 'panels' only"):
         K.pack_linear(w_t.t(), 64, library="mkl", min_rows=2)
+
+
+def test_on_huge_pages_copies_side_by_side_in_one_buffer() -> None:
+    """Copies in one buffer, in order, each contiguous and 64-byte aligned, of the tensors' values,
+    shapes and dtypes, the first on a huge-page boundary (the advised span's start: the test below
+    checks the pages)."""
+    tensors = [torch.randn(5, 7), torch.randn(3).bfloat16(), torch.arange(12).view(3, 4).t(), torch.randn(0, 2)]
+    moved = K.on_huge_pages(tensors)
+    for t, m in zip(tensors, moved, strict=True):
+        assert m.dtype == t.dtype and m.shape == t.shape and m.is_contiguous() and torch.equal(m, t)
+    held = moved[:3]  # the empty tensor holds no bytes (its data_ptr is 0)
+    assert held[0].data_ptr() % K.HUGE_PAGE == 0 or not sys.platform.startswith("linux")
+    for m in held:
+        assert m.untyped_storage().data_ptr() == held[0].untyped_storage().data_ptr() and m.data_ptr() % 64 == 0
+    assert [m.data_ptr() for m in held] == sorted(m.data_ptr() for m in held)
+    assert held[2].data_ptr() - held[0].data_ptr() < 4096  # side by side
+    assert K.on_huge_pages([]) == []
+    with pytest.raises(ValueError, match="CPU tensors"):
+        K.on_huge_pages([torch.empty(2, device="meta")])
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off here")
+def test_on_huge_pages_lands_on_huge_pages_where_the_kernel_has_them() -> None:
+    """Where THP is on (``always`` or ``madvise``), the buffer's pages are huge ones: AnonHugePages of
+    its mapping in /proc/self/smaps (small tensors, each alone on 4 KiB pages otherwise), also in a
+    process whose heap holds freed memory already faulted in (the buffer is its own fresh mapping)."""
+    freed = [torch.ones(2**20) for _ in range(8)]  # 4 MiB each, faulted in, then given back
+    del freed
+    moved = K.on_huge_pages([torch.randn(64, 1024) for _ in range(24)])  # 6 MiB in 256 KiB tensors
+    start, end = moved[0].data_ptr(), moved[-1].data_ptr() + moved[-1].nbytes
+    huge_kib, mapping = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                mapping = lo <= start < hi and end <= hi
+            elif mapping and head == "AnonHugePages:":
+                huge_kib = int(line.split()[1])
+    assert huge_kib >= 4096  # at least two of the span's three 2 MiB pages

@@ -244,3 +244,22 @@ def test_greedy_run_refuses_bad_inputs(qwen_checkpoints: Callable[[str], Path]) 
     with pytest.raises(IndexError, match="position 4 a slot outside the caches"):
         decoder.greedy_run(tail, 9, 4, torch.tensor([0, 10**6]), 4, frozenset())
     assert decoder.greedy_run(tail, 9, 4, table, 4, frozenset()) != []
+
+
+def test_small_layer_panels_share_one_huge_page_buffer_in_read_order(qwen_checkpoints: Callable[[str], Path]) -> None:
+    """The decoder projections' panels (all under 2 MiB here) are moved into one buffer advised onto
+    huge pages (``pypto_kernels.on_huge_pages``), laid out layer by layer in the order a step reads
+    them, and the native decoder reads them there."""
+    ex = _executor(qwen_checkpoints("qwen3"), "float32")
+    model = ex.model
+    assert model is not None
+    order = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+    panels = [getattr(m, a) for layer in model.layers for m in layer.modules() for a in order if hasattr(m, a)]
+    assert len(panels) == 4 * len(model.layers) and all(w.library == "panels" for w in panels)
+    ptrs = [w.packed.data_ptr() for w in panels]
+    assert ptrs == sorted(ptrs) and ptrs[0] % K.HUGE_PAGE == 0
+    assert len({w.packed.untyped_storage().data_ptr() for w in panels}) == 1
+    builder, last = _prefilled(ex, {"a": [5, 6, 7]})
+    ex.execute(builder.step([("a", [last["a"]])]))  # a decode step makes the native decoder
+    assert model._native is not None and model._native[1] is not None
+    assert model._native[1]._layers[0].qkv == ptrs[0]
