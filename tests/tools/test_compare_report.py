@@ -80,6 +80,43 @@ def test_the_column_uses_the_regions_overall_rate() -> None:
     assert "| 1.00 | 1.60x |" in also
 
 
+def test_each_engine_is_put_over_the_floor_read_around_its_own_run(monkeypatch: Any, tmp_path: Any) -> None:
+    """The regions' overall rate is read right before and right after each engine's run; its row's
+    TPOT / floor is over the floor at their mean (others keep the report's), and a note gives both,
+    saying where the state changed between them."""
+    compare = _compare()
+    report = _report({"ours": 3.0, "peer": 3.0})
+    report["region_read_gbs"] = [1.0, 4.0]  # the column's rate: 1.6 GB/s, a 1.25 ms floor
+    report["regions_floor_ms"] = 1.25
+    report["results"][0]["read_gbs_around"] = [1.0, 3.0]  # mean 2 GB/s: a 1.0 ms floor, changed state
+    report["results"][-1]["read_gbs_around"] = [4.0, 4.0]  # the also-row's 10 bytes: 2.5e-6 ms
+    text = compare.markdown(compare.parse_args(["--model", "m", "--peers", "none"]), report)
+    rows = {x.split(" |")[0][2:]: x for x in text.splitlines() if x.startswith("| ")}
+    assert "| 3.00 | 3.00x |" in rows["ours"] and "| 3.00 | 2.40x |" in rows["peer"]
+    assert "| 1.00 | 400000.00x |" in rows["also-row"]
+    notes = [x for x in text.splitlines() if "right before its run" in x]
+    assert notes == [
+        "- ours: memory read 1.0 GB/s over all right before its run and 3.0 right after (the state changed "
+        "during the run); its TPOT / floor is over the floor at their mean.",
+        "- also-row: memory read 4.0 GB/s over all right before its run and 4.0 right after; its TPOT / floor "
+        "is over the floor at their mean.",
+    ]
+    reads = iter([1e9, 2e9])
+    monkeypatch.setattr(compare, "_overall_read_rate", lambda args: next(reads))
+    monkeypatch.setattr(compare, "run_engine", lambda *a: {"latency": {"tpot_ms": 1.0}})
+    monkeypatch.setattr(compare, "engines", lambda args, ours: [{"name": "x", "job": {}}])
+    monkeypatch.setattr(compare, "memory_bandwidth", lambda *a: (1e9, 1e9))
+    monkeypatch.setattr(compare, "region_read_rates", lambda *a: [1e9])
+    monkeypatch.setattr(compare, "matmul_peak", lambda *a: 1e9)
+    monkeypatch.setattr(compare, "weight_bytes", lambda *a: 1)
+    monkeypatch.setattr(compare, "workload_flops", lambda *a: 1.0)
+    monkeypatch.setattr(compare, "prompt_vocab_size", lambda model: 100)
+    (tmp_path / "config.json").write_text("{}")
+    args = compare.parse_args(["--model", str(tmp_path), "--peers", "none"])
+    [result] = compare.run_all(args, tmp_path)["results"]
+    assert result["read_gbs_around"] == [1.0, 2.0]
+
+
 def test_the_floor_tensors_are_advised_onto_huge_pages_before_their_first_touch(monkeypatch: Any) -> None:
     import torch
 
