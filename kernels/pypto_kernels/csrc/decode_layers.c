@@ -149,13 +149,13 @@ typedef struct {
     float *row, *logits;
 } GreedyBuffers;
 
-/* Up to steps decode forwards of one request back to back (NativeDecoder.greedy_run), the loop that
- * ran in Python before: each forward is the token's embedding row, pypto_decode_layers, the final
+/* Up to steps decode forwards of one request back to back (NativeDecoder.greedy_run), with no
+ * interpreter between them: each forward is the token's embedding row, pypto_decode_layers, the final
  * pypto_rms_norm over their output and residual, the row widened to float32 and pypto_gemv taking
  * its maximum, the same calls on the same values, and the next forward's token is that maximum's
- * index. Between the calls the interpreter took 0.2-0.3 ms a forward on the Zen 4 EPYC of
- * docs/benchmarks.md, most of it after the head's product (its data evicted by the matrix streaming
- * past), 8 % of a small-shape token. The run stops after a token in stop[0 .. num_stop), before
+ * index. Between ctypes calls of each kernel the interpreter takes 0.2-0.3 ms a forward on the Zen 4
+ * EPYC of docs/benchmarks.md, most of it after the head's product (its data evicted by the matrix
+ * streaming past), 8 % of a small-shape token. The run stops after a token in stop[0 .. num_stop), before
  * keeping a token whose maximum logit is not finite (NaN or infinite), or after steps. table: the
  * request's blocks (table_len of them, covering the run's positions: the caller checks). Writes the
  * tokens to tokens and returns how many; *status: 0, or as pypto_decode_layers' (1: a slot outside

@@ -32,7 +32,7 @@ from pypto_serving.parallel import expert_parallel_moe, vocab_parallel_embedding
 
 from .graph import decode_attention, moe_experts, static_decode_attention, write_kv
 from .loader import CheckpointError, QuantPlan, QwenConfig, WeightTarget
-from .quantized import PROJECTIONS, QuantizedWeight, Weight, linear, make_weight, pack_projections, weight_targets
+from .quantized import QuantizedWeight, Weight, linear, make_weight, pack_projections, weight_targets
 from .sharding import QwenSharding
 
 logger = logging.getLogger(__name__)
@@ -953,8 +953,8 @@ class QwenForCausalLM(nn.Module):
         and the projections left plain then run :func:`pypto_kernels.linear` (packed, or transposed in
         chunks where its CPU rule says so). ``tied_head_copy`` False leaves a tied output projection
         unpacked (see :meth:`_pack_head`)."""
-        count = pack_projections(self, batch_rows, library)
-        self._small_panels_on_huge_pages()
+        packed = pack_projections(self, batch_rows, library)
+        self._small_panels_on_huge_pages(packed)
         self.lm_head_kernel = True
         for module in self.modules():
             if isinstance(module, (QwenAttention, QwenMLP)):
@@ -964,20 +964,15 @@ class QwenForCausalLM(nn.Module):
         # An int8 output projection takes oneDNN's prepacked product at every row count (1.1x at one
         # row, 2.2x at 8-64); the decoder's int8 projections keep torch._int_mm, which is faster at one.
         packed_int8 = self.lm_head_q is not None and K.pack_quant_linear(self.lm_head_q)
-        return count + (self.lm_head_packed is not None) + packed_int8
+        return len(packed) + (self.lm_head_packed is not None) + packed_int8
 
-    def _small_panels_on_huge_pages(self) -> None:
-        """The decoder projections' panels under 2 MiB moved into one buffer on huge pages, in the
-        order a decode step reads them (:func:`pypto_kernels.on_huge_pages`: torch leaves such tensors
-        on 4 KiB pages, where a concurrency-1 step reads each cold through a page walk per page;
-        larger ones get huge pages from the worker's allocator)."""
-        small = []
-        for layer in self.layers:
-            for module in layer.modules():
-                for attr in PROJECTIONS:
-                    w = getattr(module, attr, None)
-                    if isinstance(w, K.PackedLinearWeight) and w.library == "panels" and w.packed.nbytes < K.HUGE_PAGE:
-                        small.append(w)
+    @staticmethod
+    def _small_panels_on_huge_pages(packed: list[K.PackedLinearWeight]) -> None:
+        """The decoder projections' panels under 2 MiB (of ``packed``, in the order a decode step reads
+        them) moved into one buffer on huge pages (:func:`pypto_kernels.on_huge_pages`: torch leaves
+        such tensors on 4 KiB pages, where a concurrency-1 step reads each cold through a page walk per
+        page; larger ones get huge pages from the worker's allocator)."""
+        small = [w for w in packed if w.library == "panels" and w.packed.nbytes < K.HUGE_PAGE]
         for w, moved in zip(small, K.on_huge_pages([w.packed for w in small]), strict=True):
             w.packed = moved
 

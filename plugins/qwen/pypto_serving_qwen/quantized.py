@@ -96,11 +96,12 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def pack_projections(model: nn.Module, batch_rows: int, library: str | None) -> int:
+def pack_projections(model: nn.Module, batch_rows: int, library: str | None) -> list[K.PackedLinearWeight]:
     """Give every float projection of ``model`` a packed copy (:func:`pypto_kernels.pack_linear` for a
-    full decode batch of ``batch_rows``; ``library`` None: its rule); returns how many got one. A
-    packed projection stops being a registered parameter (its plain matrix stays, in the wrapper)."""
-    count = 0
+    full decode batch of ``batch_rows``; ``library`` None: its rule); returns those copies, in module
+    order (a decoder's layer by layer, each in the order a step reads them). A packed projection stops
+    being a registered parameter (its plain matrix stays, in the wrapper)."""
+    copies = []
     for module in model.modules():
         for attr in PROJECTIONS:
             value = module._parameters.get(attr)
@@ -111,8 +112,8 @@ def pack_projections(model: nn.Module, batch_rows: int, library: str | None) -> 
                 continue
             del module._parameters[attr]
             setattr(module, attr, packed)
-            count += 1
-    return count
+            copies.append(packed)
+    return copies
 
 
 def _blocks(part: slice, step: int, total: int, name: str) -> slice:
