@@ -158,6 +158,8 @@ class FakeExecutor(Executor):
             self.greedy_forwards += 1
             if any(t in stop for t, stop in zip(tokens, stop_ids)):
                 break
+            if batch.interrupt is not None and batch.interrupt.is_set():
+                break
         return forwards
 
     def _all_rows(self, batch: BatchInput) -> torch.Tensor:

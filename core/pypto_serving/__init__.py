@@ -2,7 +2,8 @@
 
 Public API: :class:`LLM` (offline generation), :class:`SamplingParams`, :class:`RequestOutput`,
 :class:`ServingSettings`, and the plugin surface (:data:`hookimpl`, the ``*Spec`` descriptors, the
-:class:`Executor` contract with the :class:`DraftSampler` it drafts with, the :class:`StrategyHost` /
+:class:`Executor` contract with the :class:`DraftSampler` it drafts with and the :class:`StepInterrupt`
+that ends its greedy loops early, the :class:`StrategyHost` /
 :class:`StepStrategy` seam with the :class:`SchedulerOutput` and :class:`StepResult` a strategy passes
 along, :data:`SpecPolicy` with the :class:`StepObservation` a policy observes, and the
 :class:`ToolParserSpec` / :class:`ReasoningParserSpec` of the server's output parsers).
@@ -15,7 +16,7 @@ Besides this root, plugins import the ``__all__`` of five public submodules:
 
 from .config import ServingSettings, SettingsError
 from .engine import LLM, EngineCore, EngineDeadError
-from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo
+from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, StepInterrupt
 from .hookspecs import (
     ExecutorSpec,
     KVConnectorSpec,
@@ -63,6 +64,7 @@ __all__ = [
     "SettingsError",
     "SpecPolicy",
     "SpecPolicySpec",
+    "StepInterrupt",
     "StepObservation",
     "StepResult",
     "StepStrategy",

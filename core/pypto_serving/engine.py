@@ -21,7 +21,7 @@ import msgspec
 
 from .config import ServingSettings, SettingsError
 from .devices import cpu_kv_cache_memory, device_kind
-from .executor import CacheGroupSpec, ExecutorInfo
+from .executor import CacheGroupSpec, ExecutorInfo, StepInterrupt
 from .hookspecs import SchedulerSpec
 from .kv_cache import KVCacheManager
 from .kv_ledger import KVLinks, KVTransferLedger
@@ -102,9 +102,13 @@ list, reference counts, prefix hashes), and 2**20 blocks of 16 tokens already ho
 larger plan comes from a mistake (an executor declaring a tiny ``bytes_per_block``, a huge
 ``num_kv_blocks``), so it is refused rather than built."""
 #: ``num_scheduler_steps`` unset, on the CPU: a request running alone gets up to ``AUTO_STEPS``
-#: forwards a command, as many as fit in ``AUTO_STEPS_WITHIN_S`` (an arrival waits that long at most).
-AUTO_STEPS = 8
-AUTO_STEPS_WITHIN_S = 0.020
+#: forwards a command, as many as fit in ``AUTO_STEPS_WITHIN_S`` (its tokens stream that many at a
+#: time). An arrival ends such a command after its current forward (``EngineCore.step_interrupt``);
+#: where the worker cannot (tensor parallelism) it waits for the command, so the window is then
+#: ``AUTO_STEPS_UNINTERRUPTED_S``.
+AUTO_STEPS = 16
+AUTO_STEPS_WITHIN_S = 0.050
+AUTO_STEPS_UNINTERRUPTED_S = 0.020
 
 # A priority the scheduler would ignore is refused, as vLLM refuses it (0, the default, is accepted).
 PRIORITY_NEEDS_POLICY = "priority={} needs scheduling_policy = 'priority'; this engine schedules 'fcfs'"
@@ -434,17 +438,32 @@ class EngineCore:
             policy=settings.scheduling_policy,
             priority_max_wait_s=settings.priority_max_wait_s,
             num_scheduler_steps=steps,
-            scheduler_steps_within_s=None if settings.num_scheduler_steps is not None else AUTO_STEPS_WITHIN_S,
+            scheduler_steps_within_s=self._auto_steps_within(),
         )
         info = replace(self.info, max_draft_tokens=self.max_draft_tokens)
         return Scheduler(config, self.kv, info, policy, text_stop=self._detokenize)
 
+    def _auto_steps_within(self) -> float | None:
+        """The time a command's forwards fit in with ``num_scheduler_steps`` unset (None where set)."""
+        if self.settings.num_scheduler_steps is not None:
+            return None
+        return AUTO_STEPS_UNINTERRUPTED_S if self.step_interrupt is None else AUTO_STEPS_WITHIN_S
+
+    @property
+    def step_interrupt(self) -> StepInterrupt | None:
+        """The flag that ends the worker's command of several forwards after its current forward
+        (None where the worker cannot end one early: tensor parallelism). Whoever hands this engine
+        requests from another thread or process raises it after queuing one and lowers it before
+        each read of that queue (both thread-safe); the engine itself never does."""
+        return getattr(self.worker, "interrupt", None)
+
     def _scheduler_steps(self) -> int:
         """The most forwards a decode may run within one command (``num_scheduler_steps``). Auto: on the
-        CPU ``AUTO_STEPS`` for a request running alone, as many as fit in ``AUTO_STEPS_WITHIN_S`` (the
-        engine's and the pipe's work a command is 0.15-0.2 ms, measured: a share worth saving of a
-        small model's 2-3 ms forward, not of a 20 ms one); one elsewhere (an accelerator's host work
-        runs beside its device work) and with drafts or uniform batches."""
+        CPU ``AUTO_STEPS`` for a request running alone, as many as fit in ``AUTO_STEPS_WITHIN_S`` (a
+        command costs its token's engine, pipe and runner work and a forward after it that starts
+        with cold caches: about 1 ms on the small shape of docs/benchmarks.md, worth saving of a
+        5 ms forward, not of a 70 ms one); one elsewhere (an accelerator's host work runs beside its
+        device work) and with drafts or uniform batches."""
         steps = self.settings.num_scheduler_steps
         if steps is None:
             cpu = device_kind(self.settings.device) == "cpu"

@@ -9,6 +9,7 @@ step hands it one flat :class:`BatchInput`. The step messages that cross the pro
 from __future__ import annotations
 
 import abc
+import ctypes
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
     from .spec_decode.sampled import DraftSampler
 
-__all__ = ["BatchInput", "CacheGroupSpec", "Executor", "ExecutorInfo"]
+__all__ = ["BatchInput", "CacheGroupSpec", "Executor", "ExecutorInfo", "StepInterrupt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,43 @@ class ExecutorInfo:
     thread_count_invariant: bool = False
 
 
+class StepInterrupt:
+    """A flag the engine raises while the worker runs a command of several forwards
+    (``num_scheduler_steps``), so that the command ends after its current forward and a request that
+    arrived meanwhile (or an abort) is scheduled one forward later instead of a command later.
+
+    The flag is one 32-bit word: in memory shared with the worker process (:meth:`shared`, handed to
+    the process when it is spawned) or in this process's (an in-process worker), so the engine's side
+    raises it from any thread while the worker's loop reads it between forwards, native loops too
+    (:attr:`word`). A command always runs its first forward, so a flag left raised costs tokens a
+    command, never progress; the forwards an interrupted command leaves are given back as those after
+    a stop token are, and the requests' tokens are the same (the forwards are the same, only split
+    over more commands)."""
+
+    __slots__ = ("word",)
+
+    def __init__(self, word: ctypes.c_int32 | None = None) -> None:
+        self.word = ctypes.c_int32(0) if word is None else word
+        """The flag: nonzero while raised (``ctypes.byref(word)`` is its address for native code)."""
+
+    @classmethod
+    def shared(cls, context: Any) -> StepInterrupt:
+        """A flag in shared memory from the multiprocessing ``context`` that spawns the worker."""
+        return cls(context.RawValue(ctypes.c_int32, 0))
+
+    def set(self) -> None:
+        """Raise the flag: the command running ends after its current forward (thread-safe)."""
+        self.word.value = 1
+
+    def clear(self) -> None:
+        """Lower the flag. The engine's owner lowers it before each read of its command queue, so a
+        command that arrives after that read raises it again and none waits a whole command."""
+        self.word.value = 0
+
+    def is_set(self) -> bool:
+        return bool(self.word.value)
+
+
 @dataclass(slots=True, kw_only=True)
 class BatchInput:
     """One step's flat token batch, placed by the runner on :attr:`Executor.device`.
@@ -161,6 +199,8 @@ class BatchInput:
         bans, logit bias, grammar or drafts to verify). An executor that returns the maxima from
         :meth:`Executor.logits_maxima` may then return logits ``[N, 0]``, writing none (the stores of a
         64-row step's float32 logits are megabytes).
+    :param interrupt: set on the batch of :meth:`Executor.greedy_steps` where the engine can end a
+        command early: the loop ends after any forward where it is raised (see :class:`StepInterrupt`).
     """
 
     request_ids: list[str]
@@ -180,6 +220,7 @@ class BatchInput:
     loras: list[str | None] | None = None
     greedy_maxima: bool = False
     maxima_only: bool = False
+    interrupt: StepInterrupt | None = None
 
 
 class Executor(abc.ABC):
@@ -242,7 +283,9 @@ class Executor(abc.ABC):
         :param steps: the most forwards to run (at least 1).
         :param stop_ids: per request in batch order, the tokens that end it.
         :return: the tokens of each forward run, ``[k][R]``: ``k == steps`` unless the run stopped after
-            the forward where some request's token is one of its ``stop_ids``, or before one where
+            the forward where some request's token is one of its ``stop_ids``, after any forward where
+            ``batch.interrupt`` is raised (an executor that does not read it runs on: the engine's
+            arrivals then wait for the loop), or before one where
             some row's maximum logit is not finite (NaN or infinite: that forward's tokens are left
             out, ``k`` may be 0, and the runner computes the position again); or ``None`` where this
             executor does not take the run (before writing anything).

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .executor import BatchInput, Executor, ExecutorInfo
+from .executor import BatchInput, Executor, ExecutorInfo, StepInterrupt
 from .input_batch import InputBatch, StepArrays
 from .messages import LoadLora, NewRequestData, ScheduledEntry, StepCommand, StepResult, WireSampling
 from .profiler import phase
@@ -237,6 +237,9 @@ class ModelRunner:
         # A plain greedy step whose tokens the executor took, in host memory, reads them as they are
         # (sampler.read_maxima) instead of through the device sample and its packed read.
         self.host_greedy_reads = True
+        # Raised by the engine while a command of several forwards runs: the command ends after the
+        # forward running (set by the worker where the engine can raise it).
+        self.interrupt: StepInterrupt | None = None
 
     def load(self) -> ExecutorInfo:
         self.info = self.executor.load()
@@ -380,10 +383,11 @@ class ModelRunner:
         next command computes that position again and meets it there. Each request's positions not
         computed are counted as given back, as the scheduler counts them. Where every request takes
         the argmax of its logits as they come, the executor may run the forwards as one loop
-        (:meth:`_greedy_run`); the forwards it leaves run here one by one."""
+        (:meth:`_greedy_run`); the forwards it leaves run here one by one. A raised :attr:`interrupt`
+        ends the command after the forward running."""
         done, fuse = result.num_forwards, True
         going = {e.request_id: e for e in cmd.entries if e.num_steps > done and self._goes_on(e.request_id, result)}
-        while going:
+        while going and not (self.interrupt is not None and self.interrupt.is_set()):
             ran = self._greedy_run(going, done, result) if fuse else None
             fuse = ran is not None
             if not ran:
@@ -401,10 +405,12 @@ class ModelRunner:
         where the forward failed (its error left to the next command)."""
         entries = [_next_forward(e, done) for e in going.values()]
         sub = LaunchedStep(cmd=StepCommand(step_id, [], entries, []))
+        t0 = time.perf_counter()
         try:
             self._forward(sub)
         except Exception:
             return 0
+        sub.seconds = time.perf_counter() - t0  # the forward's time, counted in the command's
         more = self._finish(sub)
         if more.error is not None:
             return 0
@@ -440,6 +446,7 @@ class ModelRunner:
         try:
             batch, _ = self._build_batch(entries)
             batch.greedy_maxima = batch.maxima_only = True
+            batch.interrupt = self.interrupt
             forwards = self.executor.greedy_steps(batch, steps, stops)
         except Exception:
             return None  # the forwards one by one meet the error as ever (or run where only the loop failed)

@@ -44,7 +44,7 @@ from .distributed import (
     settings_mismatch,
     step_digest,
 )
-from .executor import Executor, ExecutorInfo
+from .executor import Executor, ExecutorInfo, StepInterrupt
 from .heap import freeze_startup_heap
 from .memory import profile_memory
 from .messages import (
@@ -226,10 +226,13 @@ def _worker_main(
     rank: int = 0,
     kv_link: tuple[Callable[[Any], Any], Connection] | None = None,
     log: tuple[int, str | None] | None = None,
+    interrupt: StepInterrupt | None = None,
 ) -> None:
     """Entry point of a spawned worker process: rank 0 talks to the engine over ``conn``; the other
     tensor-parallel ranks (no ``conn``) follow rank 0's broadcasts. ``log``: the parent's logging
-    (:func:`parent_logging`), so the executor's and the core watch's messages show as the engine's do."""
+    (:func:`parent_logging`), so the executor's and the core watch's messages show as the engine's do.
+    ``interrupt``: the flag the engine raises to end a command of several forwards early (one rank
+    only: ranks reading it at different forwards would part ways in their collectives)."""
     copy_logging(log)
     try:
         settings = ServingSettings.model_validate_json(settings_json)
@@ -244,7 +247,7 @@ def _worker_main(
     assert conn is not None
     try:
         runner = ModelRunner(factory(settings), settings)
-        runner.kv_link = kv_link
+        runner.kv_link, runner.interrupt = kv_link, interrupt
         info = runner.load()
         freeze_startup_heap()
         conn.send_bytes(_encoder.encode(Loaded(info)))
@@ -582,11 +585,13 @@ class WorkerClient:
             check_parallel_settings(settings, engine=True)
         self._ranks: list[BaseProcess] = []  # tensor parallel: this node's ranks after rank 0
         self._parallel = getattr(settings, "tensor_parallel_size", 1) > 1
+        self.interrupt: StepInterrupt | None = None  # ends a command of several forwards (not with ranks)
         # The in-process worker's profiler (a spawned one has its own); the engine's then stays off.
         self._profiler = TraceProfiler(lambda: getattr(getattr(self._runner, "executor", None), "model", None))
         if mode == "inproc":
             _pin_threads(settings)  # the in-process worker's torch ops are this process's
             self._runner: ModelRunner | None = ModelRunner(factory(settings), settings)
+            self.interrupt = self._runner.interrupt = StepInterrupt()
             if kv_factory is not None:
                 kv_conn, child = mp.Pipe()
                 self.kv_conns = [kv_conn]
@@ -623,9 +628,10 @@ class WorkerClient:
         payload = settings.model_dump_json()
         local = list(RankLayout.of(settings).local_ranks) if tp else [0]
         kv_links = [self._kv_link(ctx, kv_factory) for _ in local]
+        self.interrupt = None if tp else StepInterrupt.shared(ctx)
         proc: BaseProcess = ctx.Process(
             target=_worker_main,
-            args=(child, factory, payload, 0, kv_links[0], parent_logging()),
+            args=(child, factory, payload, 0, kv_links[0], parent_logging(), self.interrupt),
             daemon=True,
             name="pypto-worker",
         )

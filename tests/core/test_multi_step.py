@@ -89,6 +89,40 @@ def test_several_forwards_a_command_give_the_tokens_of_one(
     assert not fused or len(forwards) == one_by_one
 
 
+@pytest.mark.parametrize(("fused", "worker_mode"), [(False, "inproc"), (True, "inproc"), (True, "process")])
+def test_a_raised_interrupt_ends_each_command_after_its_first_forward(
+    make: Callable[..., LLM], fused: bool, worker_mode: str
+) -> None:
+    """``EngineCore.step_interrupt`` raised (here before the run, as an arrival would raise it during
+    one): every command runs its first forward and no more, the forwards it leaves are given back,
+    the tokens are the same; lowered, commands run their forwards again. With a spawned worker the
+    flag lives in memory it shares with the engine."""
+    llm = make(num_scheduler_steps=8, worker_mode=worker_mode, executor_options={"greedy_steps": fused})
+    assert llm.engine is not None and llm.engine.step_interrupt is not None
+    commands, get_result = _commands(llm), llm.engine.worker.get_result
+    results: list[Any] = []
+
+    def recorded() -> Any:
+        results.append(get_result())
+        return results[-1]
+
+    llm.engine.worker.get_result = recorded  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    for raised in (True, False):
+        commands.clear()
+        results.clear()
+        if raised:
+            llm.engine.step_interrupt.set()
+        else:
+            llm.engine.step_interrupt.clear()
+        out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == reference_tokens(PROMPTS[1], 12, VOCAB)[0]
+        assert max(e.num_steps for c in commands for e in c.entries) == 8
+        forwards = [r.num_forwards for r in results]
+        assert forwards == [1] * 12 if raised else max(forwards) == 8
+    assert llm.engine.stats()["kv_usage"] == 0.0
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_request_stops_its_forwards_at_the_token_that_ends_it(make: Callable[..., LLM], fused: bool) -> None:
     prompt = PROMPTS[0]
@@ -239,13 +273,16 @@ def test_a_waiting_request_gets_commands_of_one_forward(make: Callable[..., LLM]
 def test_auto_runs_several_forwards_on_the_cpu_while_they_are_short(make: Callable[..., LLM]) -> None:
     params = SamplingParams(temperature=0, max_tokens=12)
     steps = []
-    for sleep in (0.0, 0.012):  # forwards as many as fit in AUTO_STEPS_WITHIN_S = 20 ms, up to AUTO_STEPS = 8
+    # Forwards as many as fit in AUTO_STEPS_WITHIN_S = 50 ms at the last command's time per forward,
+    # up to AUTO_STEPS = 16 and the tokens left: 4 of 10-12.5 ms each, where a command's time per
+    # forward counts every forward it ran one by one (the fake offers no loop; 2.5 ms before that did).
+    for sleep in (0.0, 0.010):
         llm = make(device="cpu", executor_options={"step_sleep": sleep})  # auto runs several on the CPU
         commands = _commands(llm)
         out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == reference_tokens(PROMPTS[2], 12, VOCAB)[0]
         steps.append(max(e.num_steps for c in commands for e in c.entries))
-    assert steps == [8, 1]
+    assert steps[0] > steps[1] == 4
     # Beside another request auto runs one a command; the longer request, once alone, several.
     llm = make(device="cpu")
     commands = _commands(llm)

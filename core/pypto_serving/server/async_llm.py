@@ -273,7 +273,7 @@ class AsyncLLM:
         if self.process_mode:
             self._send(StopCmd())
         else:
-            self._cmds.put(_Stop())
+            self._queue(_Stop())
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.error("the engine thread did not stop within %.0fs", timeout)
@@ -307,7 +307,7 @@ class AsyncLLM:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             self._pending_seqs += params.n
-        self._cmds.put(_Add(request_id, prompt, params, stream, done))
+        self._queue(_Add(request_id, prompt, params, stream, done))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -322,7 +322,7 @@ class AsyncLLM:
         if self.process_mode:
             self._send(AbortCmd(request_id))
         else:
-            self._cmds.put(_Abort(request_id))
+            self._queue(_Abort(request_id))
 
     def profile(self, start: bool, path: str) -> None:
         """Start the engine's and worker's profiles, or stop them and write their Chrome traces to
@@ -330,7 +330,7 @@ class AsyncLLM:
         if self.process_mode:
             self._send(ProfileCmd(start, path))
         else:
-            self._cmds.put(_Profile(start, path))
+            self._queue(_Profile(start, path))
 
     async def load_lora(self, name: str, path: str) -> None:
         """Serve the PEFT adapter directory ``path`` as ``name`` (``EngineCore.load_lora``); raises
@@ -351,8 +351,18 @@ class AsyncLLM:
                 self._adds[token] = _PendingAdd(done, 0)
             self._send(LoraCmd(token, name, path))
         else:
-            self._cmds.put(_Lora(name, path, done))
+            self._queue(_Lora(name, path, done))
         await asyncio.wrap_future(done)
+
+    def _queue(self, cmd: _Command) -> None:
+        """Hand ``cmd`` to the engine thread, ending the worker's command of several forwards now
+        running after its current forward (``EngineCore.step_interrupt``), so ``cmd`` waits one
+        forward rather than a command."""
+        self._cmds.put(cmd)
+        engine = self.engine
+        interrupt = engine.step_interrupt if isinstance(engine, EngineCore) else None
+        if interrupt is not None:
+            interrupt.set()
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs until finished. Leaving early (cancellation, disconnect) aborts the request."""
@@ -438,10 +448,7 @@ class AsyncLLM:
             idle = not engine.has_unfinished()
             if stopping and idle:
                 return None
-            try:
-                cmd: _Command | None = self._cmds.get(timeout=0.5) if idle else self._cmds.get_nowait()
-            except queue.Empty:
-                cmd = None
+            cmd = self._next_command(engine, idle)
             while cmd is not None:
                 if isinstance(cmd, _Stop):
                     stopping = True
@@ -449,10 +456,7 @@ class AsyncLLM:
                         engine.abort(rid)
                 else:
                     self._handle(engine, cmd, stopping)
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    cmd = None
+                cmd = self._next_command(engine, False)
             if engine.has_unfinished():
                 self._busy_since = time.monotonic()
                 outputs = engine.step()
@@ -469,6 +473,17 @@ class AsyncLLM:
                 self.metrics.update_engine(self.stats, False)
             if engine.dead_reason is not None:
                 return engine.dead_reason
+
+    def _next_command(self, engine: EngineCore, block: bool) -> _Command | None:
+        """The next queued command (waiting up to half a second for one where ``block``), or None. The
+        engine's step interrupt is lowered before the read: a command queued after it raises it again."""
+        interrupt = engine.step_interrupt
+        if interrupt is not None:
+            interrupt.clear()
+        try:
+            return self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return None
 
     def _handle(self, engine: EngineCore, cmd: _Add | _Abort | _Profile | _Lora, stopping: bool) -> None:
         if isinstance(cmd, _Abort):

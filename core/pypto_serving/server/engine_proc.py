@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 
 from ..config import ServingSettings
-from ..executor import ExecutorInfo
+from ..executor import ExecutorInfo, StepInterrupt
 from ..heap import freeze_startup_heap
 from ..request import RequestOutput, SamplingParams
 from ..worker import parent_logging
@@ -299,6 +299,7 @@ class _CoreLoop:
         self.held: deque[CoreCommand | None] = deque()  # commands kept while no engine runs
         self.live: set[str] = set()
         self.step_started: float | None = None  # monotonic start of the engine step now running
+        self.interrupt: StepInterrupt | None = None  # the running engine's (EngineCore.step_interrupt)
         self._send_lock = threading.Lock()  # the beat thread sends too
         threading.Thread(target=self._read, name="pypto-core-reader", daemon=True).start()
         threading.Thread(target=self._beat, name="pypto-core-beat", daemon=True).start()
@@ -310,6 +311,9 @@ class _CoreLoop:
             except (EOFError, OSError):
                 break
             self.cmds.put(_cmd_decoder.decode(raw))
+            interrupt = self.interrupt
+            if interrupt is not None:  # the worker's command of several forwards ends after its current one
+                interrupt.set()
         self.cmds.put(None)
         # Nobody reads the outputs any more: stop the engine (and its worker) if that is quick, and
         # exit regardless after the grace period (a step that hangs must not keep the process alive).
@@ -339,6 +343,7 @@ class _CoreLoop:
                 engine = self._build()
                 continue
             reason = self._loop(engine)
+            self.interrupt = None
             _close(engine)
             if reason is None:
                 break
@@ -359,6 +364,7 @@ class _CoreLoop:
             self._send(CoreFailed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, pickled))
             return None
         freeze_startup_heap()
+        self.interrupt = engine.step_interrupt
         self._send(CoreReady(engine.info, engine.max_model_len, engine.stats(), engine.worker.pid))
         return engine
 
@@ -378,15 +384,24 @@ class _CoreLoop:
         while self.held:
             yield self.held.popleft()
         try:
-            cmd = self.cmds.get(timeout=0.5) if block else self.cmds.get_nowait()
+            cmd = self._get(block)
         except queue.Empty:
             return
         while True:
             yield cmd
             try:
-                cmd = self.cmds.get_nowait()
+                cmd = self._get(False)
             except queue.Empty:
                 return
+
+    def _get(self, block: bool) -> CoreCommand | None:
+        """The next command (``queue.Empty`` where none comes within half a second, or none is queued
+        when not ``block``); the step interrupt is lowered before the read, so a command queued after
+        it raises it again and the worker's next command ends after one forward."""
+        interrupt = self.interrupt
+        if interrupt is not None:
+            interrupt.clear()
+        return self.cmds.get(timeout=0.5) if block else self.cmds.get_nowait()
 
     def _loop(self, engine: Any) -> str | None:
         """Commands and steps until a stop (None) or the engine's death (the reason)."""

@@ -502,7 +502,13 @@ class QwenExecutor(Executor):
             return None
         with torch.inference_mode():
             return self.model.greedy_steps(
-                batch.input_ids, batch.positions, batch.block_tables[KV_GROUP], self.kv_caches, steps, stop_ids
+                batch.input_ids,
+                batch.positions,
+                batch.block_tables[KV_GROUP],
+                self.kv_caches,
+                steps,
+                stop_ids,
+                batch.interrupt,
             )
 
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 
 import pypto_kernels as K
 from pypto_kernels.native_decoder import MAX_QUERIES
+from pypto_serving import StepInterrupt
 from pypto_serving.lora_weights import LoraAdapter, LoraContext, LoraStack
 from pypto_serving.parallel import expert_parallel_moe, vocab_parallel_embedding
 
@@ -754,6 +755,7 @@ class QwenForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         steps: int,
         stop_ids: list[frozenset[int]],
+        interrupt: StepInterrupt | None = None,
     ) -> list[list[int]] | None:
         """Up to ``steps`` decode forwards of ``R`` requests back to back, each row's next input its
         greedy token (:meth:`pypto_serving.Executor.greedy_steps`): each forward is what :meth:`forward`
@@ -764,6 +766,7 @@ class QwenForCausalLM(nn.Module):
 
         :param input_ids: ``[R]`` each request's input token (its last sampled one); ``positions`` ``[R]`` its position.
         :param block_tables: ``[R, blocks]``, covering each request's next ``steps`` positions.
+        :param interrupt: the run ends after any forward where it is raised (``BatchInput.interrupt``).
         :return: each forward's ``R`` tokens (see the executor's contract for where the run stops), or
             None where the forward would not run the native decoder with such an output projection.
         """
@@ -773,10 +776,13 @@ class QwenForCausalLM(nn.Module):
             return None
         tail = self._greedy_tail(rows, int(positions.max()) + steps) if rows else None
         if tail is not None:  # one request whose output projection is the one-row GEMV: a native loop
-            run = native.greedy_run(tail, int(input_ids[0]), int(positions[0]), block_tables[0], steps, stop_ids[0])
+            word = None if interrupt is None else interrupt.word
+            run = native.greedy_run(
+                tail, int(input_ids[0]), int(positions[0]), block_tables[0], steps, stop_ids[0], word
+            )
             self.greedy_loop_steps += len(run)
             return [[t] for t in run]
-        return self._greedy_rows(input_ids, positions, block_tables, kv_caches, steps, stop_ids)
+        return self._greedy_rows(input_ids, positions, block_tables, kv_caches, steps, stop_ids, interrupt)
 
     def _greedy_rows(
         self,
@@ -786,6 +792,7 @@ class QwenForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         steps: int,
         stop_ids: list[frozenset[int]],
+        interrupt: StepInterrupt | None,
     ) -> list[list[int]]:
         """:meth:`greedy_steps` of several rows: :meth:`forward` itself for each forward, its one-token
         step's tensors made here (the slots from the block tables, as the runner's batch gives them)."""
@@ -809,6 +816,8 @@ class QwenForCausalLM(nn.Module):
             forwards.append(tokens.tolist())
             self.greedy_loop_steps += 1
             if any(t in stop for t, stop in zip(forwards[-1], stop_ids, strict=True)):
+                break
+            if interrupt is not None and interrupt.is_set():
                 break
         return forwards
 

@@ -91,3 +91,48 @@ def test_a_client_leaving_while_its_add_is_queued_frees_the_request(fake_model_d
         assert all(p.num_free == p.num_blocks for p in llm.engine.kv.pools.values())
     finally:
         llm.shutdown(10)
+
+
+@pytest.mark.parametrize("engine_mode", ["thread", "process"])
+def test_an_arrival_ends_a_command_of_several_forwards_after_its_current_one(
+    fake_model_dir: Path, engine_mode: str
+) -> None:
+    """A request added while another runs a command of 16 forwards of 50 ms each waits for the
+    forward running (the add raises ``EngineCore.step_interrupt``: from the event loop's thread, or
+    the core process's reader), not the 0.8 s command; the running request's tokens are unchanged."""
+    llm = start_llm(
+        fake_model_dir,
+        engine_mode=engine_mode,
+        device="cpu",
+        num_scheduler_steps=16,
+        executor_options={"step_sleep": 0.05},
+    )
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def main() -> tuple[Any, float]:
+        started = asyncio.Event()
+
+        async def run_long() -> Any:
+            last = None
+            async for out in llm.generate("long", [5, 6, 7], long):
+                last = out
+                started.set()  # its prefill's token: the next command is 16 forwards
+            return last
+
+        task = asyncio.ensure_future(run_long())
+        await started.wait()
+        await asyncio.sleep(0.15)  # inside that command
+        t0 = time.monotonic()
+        async for _ in llm.generate("short", [9, 8], SamplingParams(temperature=0, max_tokens=1)):
+            break
+        waited = time.monotonic() - t0
+        return await task, waited
+
+    try:
+        out, waited = asyncio.run(main())
+        assert out.outputs[0].token_ids == reference_tokens([5, 6, 7], 40, VOCAB)[0]
+        # The forward running, then the one that takes the arrival's prompt: about 0.1 s; the rest
+        # of the command would have been 0.6 s more.
+        assert waited < 0.4, waited
+    finally:
+        llm.shutdown(10)

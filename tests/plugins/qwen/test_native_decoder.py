@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import pypto_kernels as K
+from pypto_serving import StepInterrupt
 from pypto_serving_qwen.executor import QwenExecutor
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings, scheduled_chunks
 
@@ -165,7 +166,13 @@ def _forward_by_forward(ex: QwenExecutor, prompts: dict[str, list[int]], steps: 
     return forwards
 
 
-def _greedy(ex: QwenExecutor, prompts: dict[str, list[int]], steps: int, stops: list[frozenset[int]]) -> Any:
+def _greedy(
+    ex: QwenExecutor,
+    prompts: dict[str, list[int]],
+    steps: int,
+    stops: list[frozenset[int]],
+    interrupt: StepInterrupt | None = None,
+) -> Any:
     builder, last = _prefilled(ex, prompts)
     for rid in last:  # blocks for the run's positions, as the scheduler gives a multi-step decode
         req = builder.reqs[rid]
@@ -173,6 +180,7 @@ def _greedy(ex: QwenExecutor, prompts: dict[str, list[int]], steps: int, stops: 
             req.blocks.append(builder.free.pop())
     batch = builder.step([(rid, [t]) for rid, t in last.items()])
     batch.greedy_maxima = batch.maxima_only = True
+    batch.interrupt = interrupt
     return ex.greedy_steps(batch, steps, stops)
 
 
@@ -186,7 +194,8 @@ def test_greedy_steps_give_the_tokens_of_the_forwards_one_by_one(
 ) -> None:
     """One request and three, their greedy forwards as one loop (``QwenExecutor.greedy_steps``: the
     native loop where a tied head's one-row GEMV is the output projection, else the forward's calls):
-    the tokens of the forwards one by one, every position; a stop token ends the run after it."""
+    the tokens of the forwards one by one, every position; a stop token ends the run after it, and a
+    raised interrupt after its first forward (a lowered one not at all)."""
     path = qwen_checkpoints(name)
     gen = torch.Generator().manual_seed(5)
     prompts = {rid: torch.randint(4, 300, (n,), generator=gen).tolist() for rid, n in zip("abc", (7, 3, 12))}
@@ -202,6 +211,10 @@ def test_greedy_steps_give_the_tokens_of_the_forwards_one_by_one(
         last = [tokens[-1] for tokens in ref]  # the last request's sixth token ends it, where it first comes
         stops = [frozenset()] * (rows - 1) + [frozenset({last[5]})]
         assert _greedy(_executor(path, dtype), mine, steps, stops) == ref[: last.index(last[5]) + 1]
+        interrupt = StepInterrupt()
+        assert _greedy(_executor(path, dtype), mine, steps, [frozenset()] * rows, interrupt) == ref
+        interrupt.set()
+        assert _greedy(_executor(path, dtype), mine, steps, [frozenset()] * rows, interrupt) == ref[:1]
 
 
 def test_greedy_steps_stop_before_a_forward_with_non_finite_logits(qwen_checkpoints: Callable[[str], Path]) -> None:
