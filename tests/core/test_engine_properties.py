@@ -1,9 +1,10 @@
 """Property tests of the whole engine on the fake executor: any workload gives every request the
-tokens it would get run alone, under chunking, preemption, prefix caching, aborts and speculation,
-with the KV accounting consistent after every step."""
+tokens it would get run alone, under chunking, preemption, prefix caching, aborts, speculation and
+commands of several forwards ended early, with the KV accounting consistent after every step."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -140,6 +141,7 @@ def check_against_reference(jobs: list[Job], done: dict[int, Any], eos: int | No
     prefix_caching=st.booleans(),
     steps=st.sampled_from([1, 3, 8]),
     fused=st.booleans(),
+    interrupts=st.lists(st.booleans(), max_size=6),
 )
 def test_random_workloads_match_reference(
     engine_factory: Callable[..., LLM],
@@ -154,8 +156,10 @@ def test_random_workloads_match_reference(
     prefix_caching: bool,
     steps: int,
     fused: bool,
+    interrupts: list[bool],
 ) -> None:
-    # fused: the executor runs a multi-step decode's greedy forwards as one loop (Executor.greedy_steps).
+    # fused: the executor runs a multi-step decode's greedy forwards as one loop (Executor.greedy_steps);
+    # interrupts: after step k the engine's step interrupt is raised (an arrival's) or lowered, in turn.
     llm = engine_factory(
         scheduler=scheduler,
         num_scheduler_steps=steps,
@@ -167,7 +171,15 @@ def test_random_workloads_match_reference(
         enable_prefix_caching=prefix_caching,
         executor_options={"greedy_steps": fused} | ({} if eos is None else {"eos": eos}),
     )
-    check_against_reference(jobs, run(llm, jobs), eos)
+    taken = itertools.count()
+
+    def interrupt(engine: Any) -> None:
+        if interrupts[next(taken) % len(interrupts)]:
+            engine.step_interrupt.set()
+        else:
+            engine.step_interrupt.clear()
+
+    check_against_reference(jobs, run(llm, jobs, after_step=interrupt if interrupts else None), eos)
 
 
 def test_tiny_cache_preempts_and_still_matches(engine_factory: Callable[..., LLM]) -> None:

@@ -89,15 +89,21 @@ def test_several_forwards_a_command_give_the_tokens_of_one(
     assert not fused or len(forwards) == one_by_one
 
 
-@pytest.mark.parametrize(("fused", "worker_mode"), [(False, "inproc"), (True, "inproc"), (True, "process")])
+@pytest.mark.parametrize(
+    ("fused", "worker_mode", "scheduler"),
+    [(False, "inproc", "sync"), (True, "inproc", "sync"), (True, "process", "sync")]
+    + [(fused, "inproc", "async") for fused in (False, True) if "async" in SCHEDULERS],
+)
 def test_a_raised_interrupt_ends_each_command_after_its_first_forward(
-    make: Callable[..., LLM], fused: bool, worker_mode: str
+    make: Callable[..., LLM], fused: bool, worker_mode: str, scheduler: str
 ) -> None:
     """``EngineCore.step_interrupt`` raised (here before the run, as an arrival would raise it during
     one): every command runs its first forward and no more, the forwards it leaves are given back,
     the tokens are the same; lowered, commands run their forwards again. With a spawned worker the
     flag lives in memory it shares with the engine."""
-    llm = make(num_scheduler_steps=8, worker_mode=worker_mode, executor_options={"greedy_steps": fused})
+    llm = make(
+        num_scheduler_steps=8, worker_mode=worker_mode, scheduler=scheduler, executor_options={"greedy_steps": fused}
+    )
     assert llm.engine is not None and llm.engine.step_interrupt is not None
     commands, get_result = _commands(llm), llm.engine.worker.get_result
     results: list[Any] = []
