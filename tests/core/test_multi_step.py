@@ -280,15 +280,16 @@ def test_auto_runs_several_forwards_on_the_cpu_while_they_are_short(make: Callab
     params = SamplingParams(temperature=0, max_tokens=12)
     steps = []
     # Forwards as many as fit in AUTO_STEPS_WITHIN_S = 50 ms at the last command's time per forward,
-    # up to AUTO_STEPS = 16 and the tokens left: 4 of 10-12.5 ms each, where a command's time per
-    # forward counts every forward it ran one by one (the fake offers no loop; 2.5 ms before that did).
+    # up to AUTO_STEPS = 16 and the tokens left: 4 of 10-12.5 ms each (3 where a loaded machine adds
+    # more than 2.5 ms of host work a forward), where a command's time per forward counts every
+    # forward it ran one by one (the fake offers no loop; before that counted only its first, 7 ran).
     for sleep in (0.0, 0.010):
         llm = make(device="cpu", executor_options={"step_sleep": sleep})  # auto runs several on the CPU
         commands = _commands(llm)
         out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == reference_tokens(PROMPTS[2], 12, VOCAB)[0]
         steps.append(max(e.num_steps for c in commands for e in c.entries))
-    assert steps[0] > steps[1] == 4
+    assert steps[0] > steps[1] and steps[1] in (3, 4)
     # Beside another request auto runs one a command; the longer request, once alone, several.
     llm = make(device="cpu")
     commands = _commands(llm)

@@ -243,8 +243,9 @@ def test_completing_prefill_is_not_scheduled_twice(llms: Any, k: int) -> None:
 @pytest.mark.parametrize("barrier", [True, False])
 def test_terminal_prefill_barrier(llms: Any, barrier: bool) -> None:
     """With the barrier the first decode after a terminal prefill waits for its result, while the
-    other ready requests are still scheduled in that step."""
-    eng = llms("async", options={"barrier": barrier}).engine
+    other ready requests are still scheduled in that step (one forward a command, so that "a" still
+    runs when "b" arrives)."""
+    eng = llms("async", options={"barrier": barrier}, num_scheduler_steps=1).engine
     spy = Spy(eng)
     a, b = [3, 1, 4], [1, 5, 9, 2, 6, 5]
     eng.add_request("a", a, greedy(30))
