@@ -451,10 +451,11 @@ class EngineCore:
 
     @property
     def step_interrupt(self) -> StepInterrupt | None:
-        """The flag that ends the worker's command of several forwards after its current forward
-        (None where the worker cannot end one early: tensor parallelism). Whoever hands this engine
-        requests from another thread or process raises it after queuing one and lowers it before
-        each read of that queue (both thread-safe); the engine itself never does."""
+        """The count of arrivals that ends the worker's commands of several forwards scheduled before
+        one after their current forward (None where the worker cannot end one early: tensor
+        parallelism). Whoever hands this engine requests from another thread or process counts each
+        after queuing it (``set``) and takes the count before each read of that queue (``clear``);
+        the worker stamps each command with the count taken. The engine itself does neither."""
         return getattr(self.worker, "interrupt", None)
 
     def _scheduler_steps(self) -> int:

@@ -117,40 +117,47 @@ class ExecutorInfo:
 
 
 class StepInterrupt:
-    """A flag the engine raises while the worker runs a command of several forwards
-    (``num_scheduler_steps``), so that the command ends after its current forward and a request that
-    arrived meanwhile (or an abort) is scheduled one forward later instead of a command later.
+    """Ends a command of several forwards (``num_scheduler_steps``) after its current forward when a
+    request (or an abort) arrives meanwhile, so the arrival is scheduled one forward later instead of
+    a command later.
 
-    The flag is one 32-bit word: in memory shared with the worker process (:meth:`shared`, handed to
-    the process when it is spawned) or in this process's (an in-process worker), so the engine's side
-    raises it from any thread while the worker's loop reads it between forwards, native loops too
-    (:attr:`word`). A command always runs its first forward, so a flag left raised costs tokens a
-    command, never progress; the forwards an interrupted command leaves are given back as those after
-    a stop token are, and the requests' tokens are the same (the forwards are the same, only split
-    over more commands)."""
+    :attr:`word` counts the arrivals, in memory shared with the worker process (:meth:`shared`, handed
+    to the process when it is spawned) or in this process's (an in-process worker): whoever feeds the
+    engine from another thread or process counts each arrival after queuing it (:meth:`set`), and
+    lowers the flag (:meth:`clear`: the count so far is taken) before each read of that queue. Each
+    command carries the count taken before it was scheduled (``StepCommand.arrivals_seen``); the
+    worker's copy holds it in :attr:`seen` while the command runs, and the command is interrupted
+    once the count has moved past it (:meth:`is_set`), read between forwards, native loops too. So a
+    command scheduled before an arrival ends after its current forward even where it was already
+    queued behind another (async scheduling), and one scheduled after it runs whole. A command
+    always runs its first forward, so an interrupt costs forwards a command, never progress; the
+    forwards it leaves are given back as those after a stop token are, and the tokens are the same
+    (the forwards are the same, only split over more commands)."""
 
-    __slots__ = ("word",)
+    __slots__ = ("seen", "word")
 
     def __init__(self, word: ctypes.c_int32 | None = None) -> None:
         self.word = ctypes.c_int32(0) if word is None else word
-        """The flag: nonzero while raised (``ctypes.byref(word)`` is its address for native code)."""
+        """The arrivals so far (wrapping at 32 bits; only equality is read)."""
+        self.seen = 0
+        """The count the command running (worker side) or the next command (engine side) was scheduled after."""
 
     @classmethod
     def shared(cls, context: Any) -> StepInterrupt:
-        """A flag in shared memory from the multiprocessing ``context`` that spawns the worker."""
+        """A count in shared memory from the multiprocessing ``context`` that spawns the worker."""
         return cls(context.RawValue(ctypes.c_int32, 0))
 
     def set(self) -> None:
-        """Raise the flag: the command running ends after its current forward (thread-safe)."""
-        self.word.value = 1
+        """One arrival: every command scheduled before it ends after its current forward (thread-safe)."""
+        self.word.value += 1
 
     def clear(self) -> None:
-        """Lower the flag. The engine's owner lowers it before each read of its command queue, so a
-        command that arrives after that read raises it again and none waits a whole command."""
-        self.word.value = 0
+        """Take the arrivals so far: commands scheduled from now on run whole until the next one."""
+        self.seen = self.word.value
 
     def is_set(self) -> bool:
-        return bool(self.word.value)
+        """Whether a request arrived after the command's scheduling (after :meth:`clear`, engine side)."""
+        return self.word.value != self.seen
 
 
 @dataclass(slots=True, kw_only=True)
@@ -200,7 +207,7 @@ class BatchInput:
         :meth:`Executor.logits_maxima` may then return logits ``[N, 0]``, writing none (the stores of a
         64-row step's float32 logits are megabytes).
     :param interrupt: set on the batch of :meth:`Executor.greedy_steps` where the engine can end a
-        command early: the loop ends after any forward where it is raised (see :class:`StepInterrupt`).
+        command early: the loop ends after any forward once it is set (see :class:`StepInterrupt`).
     """
 
     request_ids: list[str]
@@ -283,8 +290,8 @@ class Executor(abc.ABC):
         :param steps: the most forwards to run (at least 1).
         :param stop_ids: per request in batch order, the tokens that end it.
         :return: the tokens of each forward run, ``[k][R]``: ``k == steps`` unless the run stopped after
-            the forward where some request's token is one of its ``stop_ids``, after any forward where
-            ``batch.interrupt`` is raised (an executor that does not read it runs on: the engine's
+            the forward where some request's token is one of its ``stop_ids``, after any forward once
+            ``batch.interrupt`` is set (an executor that does not read it runs on: the engine's
             arrivals then wait for the loop), or before one where
             some row's maximum logit is not finite (NaN or infinite: that forward's tokens are left
             out, ``k`` may be 0, and the runner computes the position again); or ``None`` where this

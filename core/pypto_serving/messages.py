@@ -154,6 +154,8 @@ class StepCommand(msgspec.Struct, frozen=True, tag=True):
     ``compile_grammars`` are the grammars of requests added since the previous command, to compile
     before they are scheduled; ``forget_grammars`` the structured requests that finished since (the
     worker drops their compile, and cancels it while no other request waits on it).
+    ``arrivals_seen``: the arrivals the engine had taken when it scheduled the step (see
+    :class:`~pypto_serving.executor.StepInterrupt`); its forwards after the first stop once more came.
     """
 
     step_id: int
@@ -163,6 +165,7 @@ class StepCommand(msgspec.Struct, frozen=True, tag=True):
     draft_depth: int | None = None
     compile_grammars: list[GrammarCompile] = []
     forget_grammars: list[str] = []
+    arrivals_seen: int = 0
 
 
 class StepResult(msgspec.Struct):

@@ -237,8 +237,9 @@ class ModelRunner:
         # A plain greedy step whose tokens the executor took, in host memory, reads them as they are
         # (sampler.read_maxima) instead of through the device sample and its packed read.
         self.host_greedy_reads = True
-        # Raised by the engine while a command of several forwards runs: the command ends after the
-        # forward running (set by the worker where the engine can raise it).
+        # Counts the engine's arrivals while a command of several forwards runs: one it had not taken
+        # when it scheduled the command ends the command after the forward running (set by the worker
+        # where the engine can count them).
         self.interrupt: StepInterrupt | None = None
 
     def load(self) -> ExecutorInfo:
@@ -311,6 +312,7 @@ class ModelRunner:
         returns while the device still works (steps with prompt logprobs or rejection-sampled drafts
         read their scores here); :meth:`finish` makes the step's host read."""
         t0 = time.perf_counter()
+        self._take_arrivals(cmd)
         staged, self._staged = self._staged, None
         assert staged is None or staged.cmd is cmd, "a staged step runs next, before any other"
         step = LaunchedStep(cmd=cmd)
@@ -350,6 +352,7 @@ class ModelRunner:
         finished compiling meanwhile (failed steps too: readiness is not the step's)."""
         result = self._finish(step)
         if result.error is None and any(e.num_steps > 1 for e in step.cmd.entries):
+            self._take_arrivals(step.cmd)  # the next command may have been staged meanwhile
             self._run_steps(step.cmd, result)
         result.grammars_ready = self._grammars.compiled()
         result.loras_read = self.lora_reads.done()
@@ -373,6 +376,11 @@ class ModelRunner:
         result.execute_seconds = step.seconds + time.perf_counter() - t0
         return result
 
+    def _take_arrivals(self, cmd: StepCommand) -> None:
+        """Whether ``cmd``'s forwards stop for an arrival: one after the count it was scheduled after."""
+        if self.interrupt is not None:
+            self.interrupt.seen = cmd.arrivals_seen
+
     def _run_steps(self, cmd: StepCommand, result: StepResult) -> None:
         """The further forwards of ``cmd``'s multi-step decodes (``ScheduledEntry.num_steps``) after
         the ``result.num_forwards`` run so far, one after another, each a step of its own over the
@@ -383,8 +391,8 @@ class ModelRunner:
         next command computes that position again and meets it there. Each request's positions not
         computed are counted as given back, as the scheduler counts them. Where every request takes
         the argmax of its logits as they come, the executor may run the forwards as one loop
-        (:meth:`_greedy_run`); the forwards it leaves run here one by one. A raised :attr:`interrupt`
-        ends the command after the forward running."""
+        (:meth:`_greedy_run`); the forwards it leaves run here one by one. An arrival after the
+        command's scheduling (:attr:`interrupt`) ends it after the forward running."""
         done, fuse = result.num_forwards, True
         going = {e.request_id: e for e in cmd.entries if e.num_steps > done and self._goes_on(e.request_id, result)}
         while going and not (self.interrupt is not None and self.interrupt.is_set()):

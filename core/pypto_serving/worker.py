@@ -588,18 +588,11 @@ class WorkerClient:
         self.interrupt: StepInterrupt | None = None  # ends a command of several forwards (not with ranks)
         # The in-process worker's profiler (a spawned one has its own); the engine's then stays off.
         self._profiler = TraceProfiler(lambda: getattr(getattr(self._runner, "executor", None), "model", None))
+        self._proc: BaseProcess | None = None
+        self._runner: ModelRunner | None = None
         if mode == "inproc":
-            _pin_threads(settings)  # the in-process worker's torch ops are this process's
-            self._runner: ModelRunner | None = ModelRunner(factory(settings), settings)
-            self.interrupt = self._runner.interrupt = StepInterrupt()
-            if kv_factory is not None:
-                kv_conn, child = mp.Pipe()
-                self.kv_conns = [kv_conn]
-                self._runner.kv_link = (kv_factory, child)
-            self.info = self._runner.load()
-            self._proc: BaseProcess | None = None
+            self._start_inproc(factory, settings, kv_factory)
             return
-        self._runner = None
         _refuse_spawn_while_bootstrapping()
         self._start(factory, settings, kv_factory)
         try:
@@ -613,6 +606,20 @@ class WorkerClient:
             self.close()
             raise WorkerError(f"the executor failed to load: {loaded.error}")
         self.info = loaded.info
+
+    def _start_inproc(
+        self, factory: Callable[[Any], Executor], settings: Any, kv_factory: Callable[[Any], Any] | None
+    ) -> None:
+        """The executor in this process, run at ``submit`` time."""
+        _pin_threads(settings)  # the in-process worker's torch ops are this process's
+        runner = self._runner = ModelRunner(factory(settings), settings)
+        self.interrupt = StepInterrupt()
+        runner.interrupt = StepInterrupt(self.interrupt.word)  # its own seen, the same count
+        if kv_factory is not None:
+            kv_conn, child = mp.Pipe()
+            self.kv_conns = [kv_conn]
+            runner.kv_link = (kv_factory, child)
+        self.info = runner.load()
 
     def _start(
         self, factory: Callable[[Any], Executor], settings: Any, kv_factory: Callable[[Any], Any] | None
@@ -713,6 +720,8 @@ class WorkerClient:
     def submit(self, cmd: StepCommand) -> None:
         if self.dead_reason is not None:
             raise WorkerDiedError(self.dead_reason)
+        if self.interrupt is not None:
+            cmd = msgspec.structs.replace(cmd, arrivals_seen=self.interrupt.seen)
         self._in_flight += 1
         if self._runner is not None:
             self._pending.append(self._runner.step(cmd))

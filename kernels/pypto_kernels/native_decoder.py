@@ -288,6 +288,7 @@ class NativeDecoder:
         steps: int,
         stop: frozenset[int],
         interrupt: ctypes.c_int32 | None = None,
+        seen: int = 0,
     ) -> list[int]:
         """Up to ``steps`` decode forwards of one request back to back, each on the greedy token of the
         one before, in one C call (``pypto_greedy_run``: a token of a small model costs its engine a
@@ -302,10 +303,10 @@ class NativeDecoder:
             of positions ``position`` to ``position + steps - 1``.
         :param table: ``[blocks]`` the request's block table, covering those positions.
         :param stop: tokens after which the run stops.
-        :param interrupt: a 32-bit flag another thread or process may raise (nonzero) meanwhile: the
-            run stops after any forward where it is raised, the first too (read between forwards).
+        :param interrupt: a 32-bit count another thread or process may move meanwhile: the run stops
+            after any forward where it differs from ``seen``, the first too (read between forwards).
         :return: the tokens, one a forward: ``steps`` of them, fewer where one is in ``stop`` (the
-            last), where ``interrupt`` was raised, or where a forward's maximum logit is not finite
+            last), where ``interrupt`` moved, or where a forward's maximum logit is not finite
             (NaN or infinite: that forward's token is left out).
         :raises ValueError: tensors of other dtypes or shapes, or positions the table or the RoPE
             tables do not cover (nothing is run); IndexError: a table entry naming a block outside the
@@ -330,7 +331,7 @@ class NativeDecoder:
             self._layers, len(self._layers), ctypes.byref(self._shape), ctypes.byref(c_tail),
             ctypes.byref(self._greedy[1]), table.data_ptr(), table.numel(), token, position, steps,
             stops.data_ptr(), stops.numel(), None if interrupt is None else ctypes.addressof(interrupt),
-            self._scratch.data_ptr(), tokens.data_ptr(), ctypes.byref(status),
+            ctypes.c_int32(seen), self._scratch.data_ptr(), tokens.data_ptr(), ctypes.byref(status),
             torch.get_num_threads(),
         )  # fmt: skip
         if status.value == -2:

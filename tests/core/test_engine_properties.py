@@ -159,7 +159,8 @@ def test_random_workloads_match_reference(
     interrupts: list[bool],
 ) -> None:
     # fused: the executor runs a multi-step decode's greedy forwards as one loop (Executor.greedy_steps);
-    # interrupts: after step k the engine's step interrupt is raised (an arrival's) or lowered, in turn.
+    # interrupts: after step k an arrival is counted (its commands end after one forward) or the count
+    # taken, in turn.
     llm = engine_factory(
         scheduler=scheduler,
         num_scheduler_steps=steps,

@@ -94,13 +94,14 @@ def test_several_forwards_a_command_give_the_tokens_of_one(
     [(False, "inproc", "sync"), (True, "inproc", "sync"), (True, "process", "sync")]
     + [(fused, "inproc", "async") for fused in (False, True) if "async" in SCHEDULERS],
 )
-def test_a_raised_interrupt_ends_each_command_after_its_first_forward(
+def test_an_arrival_not_taken_ends_each_command_after_its_first_forward(
     make: Callable[..., LLM], fused: bool, worker_mode: str, scheduler: str
 ) -> None:
-    """``EngineCore.step_interrupt`` raised (here before the run, as an arrival would raise it during
-    one): every command runs its first forward and no more, the forwards it leaves are given back,
-    the tokens are the same; lowered, commands run their forwards again. With a spawned worker the
-    flag lives in memory it shares with the engine."""
+    """An arrival counted (``EngineCore.step_interrupt.set()``, here before the run, as a request
+    arriving during one would count) and not taken: every command runs its first forward and no
+    more, the forwards it leaves are given back, the tokens are the same; taken (``clear()``),
+    commands run their forwards again. With a spawned worker the count lives in memory it shares
+    with the engine."""
     llm = make(
         num_scheduler_steps=8, worker_mode=worker_mode, scheduler=scheduler, executor_options={"greedy_steps": fused}
     )

@@ -355,9 +355,9 @@ class AsyncLLM:
         await asyncio.wrap_future(done)
 
     def _queue(self, cmd: _Command) -> None:
-        """Hand ``cmd`` to the engine thread, ending the worker's command of several forwards now
-        running after its current forward (``EngineCore.step_interrupt``), so ``cmd`` waits one
-        forward rather than a command."""
+        """Hand ``cmd`` to the engine thread and count it as an arrival (``EngineCore.step_interrupt``):
+        the worker's commands of several forwards scheduled before it end after their current
+        forward, so ``cmd`` waits one forward rather than a command."""
         self._cmds.put(cmd)
         engine = self.engine
         interrupt = engine.step_interrupt if isinstance(engine, EngineCore) else None
@@ -476,7 +476,8 @@ class AsyncLLM:
 
     def _next_command(self, engine: EngineCore, block: bool) -> _Command | None:
         """The next queued command (waiting up to half a second for one where ``block``), or None. The
-        engine's step interrupt is lowered before the read: a command queued after it raises it again."""
+        arrivals counted so far are taken before the read (``StepInterrupt.clear``): one queued after
+        it ends the commands scheduled before it."""
         interrupt = engine.step_interrupt
         if interrupt is not None:
             interrupt.clear()

@@ -312,7 +312,7 @@ class _CoreLoop:
                 break
             self.cmds.put(_cmd_decoder.decode(raw))
             interrupt = self.interrupt
-            if interrupt is not None:  # the worker's command of several forwards ends after its current one
+            if interrupt is not None:  # commands of several forwards scheduled before it end after their current one
                 interrupt.set()
         self.cmds.put(None)
         # Nobody reads the outputs any more: stop the engine (and its worker) if that is quick, and
@@ -396,8 +396,8 @@ class _CoreLoop:
 
     def _get(self, block: bool) -> CoreCommand | None:
         """The next command (``queue.Empty`` where none comes within half a second, or none is queued
-        when not ``block``); the step interrupt is lowered before the read, so a command queued after
-        it raises it again and the worker's next command ends after one forward."""
+        when not ``block``); the arrivals counted so far are taken before the read
+        (``StepInterrupt.clear``), so one queued after it ends the commands scheduled before it."""
         interrupt = self.interrupt
         if interrupt is not None:
             interrupt.clear()

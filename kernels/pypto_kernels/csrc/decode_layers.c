@@ -157,15 +157,16 @@ typedef struct {
  * EPYC of docs/benchmarks.md, most of it after the head's product (its data evicted by the matrix
  * streaming past), 8 % of a small-shape token. The run stops after a token in stop[0 .. num_stop), before
  * keeping a token whose maximum logit is not finite (NaN or infinite), after any forward where
- * *interrupt (when not NULL) is nonzero (another thread or process raises it: an atomic read, so each
- * forward sees its latest value), or after steps. table: the
+ * *interrupt (when not NULL) differs from seen (another thread or process counts arrivals there: an
+ * atomic read, so each forward sees its latest value), or after steps. table: the
  * request's blocks (table_len of them, covering the run's positions: the caller checks). Writes the
  * tokens to tokens and returns how many; *status: 0, or as pypto_decode_layers' (1: a slot outside
  * the caches, -1: attention's scratch) or -2 (the gemv's scratch) for the forward after them. */
 int64_t pypto_greedy_run(const DecoderLayer *layers, int64_t count, const DecoderShape *s, const GreedyTail *tail,
                          const GreedyBuffers *b, const int64_t *table, int64_t table_len, int64_t token,
                          int64_t position, int64_t steps, const int64_t *stop, int64_t num_stop,
-                         const int32_t *interrupt, void *scratch, int64_t *tokens, int *status, int threads) {
+                         const int32_t *interrupt, int32_t seen, void *scratch, int64_t *tokens, int *status,
+                         int threads) {
     int64_t size = s->kind == ELEM_BF16 ? 2 : 4, h = s->hidden, bs = s->block_size, n = 0, request = 0;
     *status = 0;
     for (int64_t pos = position; pos < position + steps; pos++) {
@@ -192,7 +193,7 @@ int64_t pypto_greedy_run(const DecoderLayer *layers, int64_t count, const Decode
         tokens[n++] = token = index;
         for (int64_t j = 0; j < num_stop; j++)
             if (stop[j] == token) return n;
-        if (interrupt && __atomic_load_n(interrupt, __ATOMIC_RELAXED)) return n;
+        if (interrupt && __atomic_load_n(interrupt, __ATOMIC_RELAXED) != seen) return n;
     }
     return n;
 }

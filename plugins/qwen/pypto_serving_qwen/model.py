@@ -766,7 +766,7 @@ class QwenForCausalLM(nn.Module):
 
         :param input_ids: ``[R]`` each request's input token (its last sampled one); ``positions`` ``[R]`` its position.
         :param block_tables: ``[R, blocks]``, covering each request's next ``steps`` positions.
-        :param interrupt: the run ends after any forward where it is raised (``BatchInput.interrupt``).
+        :param interrupt: the run ends after any forward once it is set (``BatchInput.interrupt``).
         :return: each forward's ``R`` tokens (see the executor's contract for where the run stops), or
             None where the forward would not run the native decoder with such an output projection.
         """
@@ -776,9 +776,9 @@ class QwenForCausalLM(nn.Module):
             return None
         tail = self._greedy_tail(rows, int(positions.max()) + steps) if rows else None
         if tail is not None:  # one request whose output projection is the one-row GEMV: a native loop
-            word = None if interrupt is None else interrupt.word
+            word, seen = (None, 0) if interrupt is None else (interrupt.word, interrupt.seen)
             run = native.greedy_run(
-                tail, int(input_ids[0]), int(positions[0]), block_tables[0], steps, stop_ids[0], word
+                tail, int(input_ids[0]), int(positions[0]), block_tables[0], steps, stop_ids[0], word, seen
             )
             self.greedy_loop_steps += len(run)
             return [[t] for t in run]

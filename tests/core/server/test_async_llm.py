@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("pypto_serving_sync_sched")
 
 from pypto_serving import SamplingParams
+from tests.conftest import plugin_installed
 from tests.core.server.conftest import VOCAB, start_llm
 from tests.fakes import reference_tokens
 
@@ -93,16 +94,24 @@ def test_a_client_leaving_while_its_add_is_queued_frees_the_request(fake_model_d
         llm.shutdown(10)
 
 
-@pytest.mark.parametrize("engine_mode", ["thread", "process"])
+@pytest.mark.parametrize(
+    ("engine_mode", "worker_mode", "scheduler"),
+    [("thread", "inproc", "sync"), ("process", "inproc", "sync")]
+    + ([("process", "process", "async")] if plugin_installed("async_sched") else []),
+)
 def test_an_arrival_ends_a_command_of_several_forwards_after_its_current_one(
-    fake_model_dir: Path, engine_mode: str
+    fake_model_dir: Path, engine_mode: str, worker_mode: str, scheduler: str
 ) -> None:
     """A request added while another runs a command of 16 forwards of 50 ms each waits for the
     forward running (the add raises ``EngineCore.step_interrupt``: from the event loop's thread, or
-    the core process's reader), not the 0.8 s command; the running request's tokens are unchanged."""
+    the core process's reader), not the 0.8 s command; the running request's tokens are unchanged.
+    With async scheduling and a spawned worker (the server's defaults) the next command is already
+    in the worker's pipe when the request arrives: it ends after its first forward too."""
     llm = start_llm(
         fake_model_dir,
         engine_mode=engine_mode,
+        worker_mode=worker_mode,
+        scheduler=scheduler,
         device="cpu",
         num_scheduler_steps=16,
         executor_options={"step_sleep": 0.05},

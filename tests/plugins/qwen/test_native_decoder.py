@@ -195,7 +195,7 @@ def test_greedy_steps_give_the_tokens_of_the_forwards_one_by_one(
     """One request and three, their greedy forwards as one loop (``QwenExecutor.greedy_steps``: the
     native loop where a tied head's one-row GEMV is the output projection, else the forward's calls):
     the tokens of the forwards one by one, every position; a stop token ends the run after it, and a
-    raised interrupt after its first forward (a lowered one not at all)."""
+    counted arrival after its first forward (none: not at all)."""
     path = qwen_checkpoints(name)
     gen = torch.Generator().manual_seed(5)
     prompts = {rid: torch.randint(4, 300, (n,), generator=gen).tolist() for rid, n in zip("abc", (7, 3, 12))}
