@@ -454,7 +454,7 @@ class EngineCore:
         """The count of arrivals that ends the worker's commands of several forwards scheduled before
         one after their current forward (None where the worker cannot end one early: tensor
         parallelism). Whoever hands this engine requests from another thread or process counts each
-        after queuing it (``set``) and takes the count before each read of that queue (``clear``);
+        after queuing it (``arrive``) and takes the count before each read of that queue (``take``);
         the worker stamps each command with the count taken. The engine itself does neither."""
         return getattr(self.worker, "interrupt", None)
 

@@ -123,8 +123,8 @@ class StepInterrupt:
 
     :attr:`word` counts the arrivals, in memory shared with the worker process (:meth:`shared`, handed
     to the process when it is spawned) or in this process's (an in-process worker): whoever feeds the
-    engine from another thread or process counts each arrival after queuing it (:meth:`set`), and
-    lowers the flag (:meth:`clear`: the count so far is taken) before each read of that queue. Each
+    engine from another thread or process counts each arrival after queuing it (:meth:`arrive`), and
+    takes the count so far (:meth:`take`) before each read of that queue. Each
     command carries the count taken before it was scheduled (``StepCommand.arrivals_seen``); the
     worker's copy holds it in :attr:`seen` while the command runs, and the command is interrupted
     once the count has moved past it (:meth:`is_set`), read between forwards, native loops too. So a
@@ -147,16 +147,16 @@ class StepInterrupt:
         """A count in shared memory from the multiprocessing ``context`` that spawns the worker."""
         return cls(context.RawValue(ctypes.c_int32, 0))
 
-    def set(self) -> None:
+    def arrive(self) -> None:
         """One arrival: every command scheduled before it ends after its current forward (thread-safe)."""
         self.word.value += 1
 
-    def clear(self) -> None:
+    def take(self) -> None:
         """Take the arrivals so far: commands scheduled from now on run whole until the next one."""
         self.seen = self.word.value
 
     def is_set(self) -> bool:
-        """Whether a request arrived after the command's scheduling (after :meth:`clear`, engine side)."""
+        """Whether a request arrived after the command's scheduling (after :meth:`take`, engine side)."""
         return self.word.value != self.seen
 
 

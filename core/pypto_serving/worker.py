@@ -231,8 +231,8 @@ def _worker_main(
     """Entry point of a spawned worker process: rank 0 talks to the engine over ``conn``; the other
     tensor-parallel ranks (no ``conn``) follow rank 0's broadcasts. ``log``: the parent's logging
     (:func:`parent_logging`), so the executor's and the core watch's messages show as the engine's do.
-    ``interrupt``: the flag the engine raises to end a command of several forwards early (one rank
-    only: ranks reading it at different forwards would part ways in their collectives)."""
+    ``interrupt``: the engine's count of arrivals, which ends a command of several forwards early (one
+    rank only: ranks reading it at different forwards would part ways in their collectives)."""
     copy_logging(log)
     try:
         settings = ServingSettings.model_validate_json(settings_json)

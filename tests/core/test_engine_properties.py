@@ -176,9 +176,9 @@ def test_random_workloads_match_reference(
 
     def interrupt(engine: Any) -> None:
         if interrupts[next(taken) % len(interrupts)]:
-            engine.step_interrupt.set()
+            engine.step_interrupt.arrive()
         else:
-            engine.step_interrupt.clear()
+            engine.step_interrupt.take()
 
     check_against_reference(jobs, run(llm, jobs, after_step=interrupt if interrupts else None), eos)
 

@@ -97,7 +97,7 @@ def test_several_forwards_a_command_give_the_tokens_of_one(
 def test_an_arrival_not_taken_ends_each_command_after_its_first_forward(
     make: Callable[..., LLM], fused: bool, worker_mode: str, scheduler: str
 ) -> None:
-    """An arrival counted (``EngineCore.step_interrupt.set()``, here before the run, as a request
+    """An arrival counted (``EngineCore.step_interrupt.arrive()``, here before the run, as a request
     arriving during one would count) and not taken: every command runs its first forward and no
     more, the forwards it leaves are given back, the tokens are the same; taken (``clear()``),
     commands run their forwards again. With a spawned worker the count lives in memory it shares
@@ -119,9 +119,9 @@ def test_an_arrival_not_taken_ends_each_command_after_its_first_forward(
         commands.clear()
         results.clear()
         if raised:
-            llm.engine.step_interrupt.set()
+            llm.engine.step_interrupt.arrive()
         else:
-            llm.engine.step_interrupt.clear()
+            llm.engine.step_interrupt.take()
         out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == reference_tokens(PROMPTS[1], 12, VOCAB)[0]
         assert max(e.num_steps for c in commands for e in c.entries) == 8

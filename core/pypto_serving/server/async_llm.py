@@ -362,7 +362,7 @@ class AsyncLLM:
         engine = self.engine
         interrupt = engine.step_interrupt if isinstance(engine, EngineCore) else None
         if interrupt is not None:
-            interrupt.set()
+            interrupt.arrive()
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs until finished. Leaving early (cancellation, disconnect) aborts the request."""
@@ -476,11 +476,11 @@ class AsyncLLM:
 
     def _next_command(self, engine: EngineCore, block: bool) -> _Command | None:
         """The next queued command (waiting up to half a second for one where ``block``), or None. The
-        arrivals counted so far are taken before the read (``StepInterrupt.clear``): one queued after
+        arrivals counted so far are taken before the read (``StepInterrupt.take``): one queued after
         it ends the commands scheduled before it."""
         interrupt = engine.step_interrupt
         if interrupt is not None:
-            interrupt.clear()
+            interrupt.take()
         try:
             return self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
         except queue.Empty:

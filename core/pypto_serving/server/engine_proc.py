@@ -313,7 +313,7 @@ class _CoreLoop:
             self.cmds.put(_cmd_decoder.decode(raw))
             interrupt = self.interrupt
             if interrupt is not None:  # commands of several forwards scheduled before it end after their current one
-                interrupt.set()
+                interrupt.arrive()
         self.cmds.put(None)
         # Nobody reads the outputs any more: stop the engine (and its worker) if that is quick, and
         # exit regardless after the grace period (a step that hangs must not keep the process alive).
@@ -397,10 +397,10 @@ class _CoreLoop:
     def _get(self, block: bool) -> CoreCommand | None:
         """The next command (``queue.Empty`` where none comes within half a second, or none is queued
         when not ``block``); the arrivals counted so far are taken before the read
-        (``StepInterrupt.clear``), so one queued after it ends the commands scheduled before it."""
+        (``StepInterrupt.take``), so one queued after it ends the commands scheduled before it."""
         interrupt = self.interrupt
         if interrupt is not None:
-            interrupt.clear()
+            interrupt.take()
         return self.cmds.get(timeout=0.5) if block else self.cmds.get_nowait()
 
     def _loop(self, engine: Any) -> str | None:

@@ -213,7 +213,7 @@ def test_greedy_steps_give_the_tokens_of_the_forwards_one_by_one(
         assert _greedy(_executor(path, dtype), mine, steps, stops) == ref[: last.index(last[5]) + 1]
         interrupt = StepInterrupt()
         assert _greedy(_executor(path, dtype), mine, steps, [frozenset()] * rows, interrupt) == ref
-        interrupt.set()
+        interrupt.arrive()
         assert _greedy(_executor(path, dtype), mine, steps, [frozenset()] * rows, interrupt) == ref[:1]
 
 
