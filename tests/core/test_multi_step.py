@@ -115,10 +115,10 @@ def test_an_arrival_not_taken_ends_each_command_after_its_first_forward(
 
     llm.engine.worker.get_result = recorded  # type: ignore[method-assign]
     params = SamplingParams(temperature=0, max_tokens=12)
-    for raised in (True, False):
+    for arrived in (True, False):
         commands.clear()
         results.clear()
-        if raised:
+        if arrived:
             llm.engine.step_interrupt.arrive()
         else:
             llm.engine.step_interrupt.take()
@@ -126,7 +126,7 @@ def test_an_arrival_not_taken_ends_each_command_after_its_first_forward(
         assert out.outputs[0].token_ids == reference_tokens(PROMPTS[1], 12, VOCAB)[0]
         assert max(e.num_steps for c in commands for e in c.entries) == 8
         forwards = [r.num_forwards for r in results]
-        assert forwards == [1] * 12 if raised else max(forwards) == 8
+        assert forwards == [1] * 12 if arrived else max(forwards) == 8
     assert llm.engine.stats()["kv_usage"] == 0.0
 
 

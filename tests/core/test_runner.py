@@ -112,7 +112,7 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
         "loras",
         "greedy_maxima",
         "maxima_only",
-        "interrupt",  # a flag in host memory, set on greedy loops' batches only
+        "interrupt",  # a count in host memory, set on greedy loops' batches only
     }
     assert batch.interrupt is None
     assert set(BatchInput.__dataclass_fields__) == {*(f.split("[")[0] for f in expected), *host}
