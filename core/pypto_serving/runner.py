@@ -312,7 +312,8 @@ class ModelRunner:
         returns while the device still works (steps with prompt logprobs or rejection-sampled drafts
         read their scores here); :meth:`finish` makes the step's host read."""
         t0 = time.perf_counter()
-        self._take_arrivals(cmd)
+        if self.interrupt is not None:  # its forwards stop at an arrival after the count it was scheduled after
+            self.interrupt.seen = cmd.arrivals_seen
         staged, self._staged = self._staged, None
         assert staged is None or staged.cmd is cmd, "a staged step runs next, before any other"
         step = LaunchedStep(cmd=cmd)
@@ -352,7 +353,6 @@ class ModelRunner:
         finished compiling meanwhile (failed steps too: readiness is not the step's)."""
         result = self._finish(step)
         if result.error is None and any(e.num_steps > 1 for e in step.cmd.entries):
-            self._take_arrivals(step.cmd)  # the next command may have been staged meanwhile
             self._run_steps(step.cmd, result)
         result.grammars_ready = self._grammars.compiled()
         result.loras_read = self.lora_reads.done()
@@ -375,11 +375,6 @@ class ModelRunner:
             return _failed(step.cmd, e)
         result.execute_seconds = step.seconds + time.perf_counter() - t0
         return result
-
-    def _take_arrivals(self, cmd: StepCommand) -> None:
-        """Whether ``cmd``'s forwards stop for an arrival: one after the count it was scheduled after."""
-        if self.interrupt is not None:
-            self.interrupt.seen = cmd.arrivals_seen
 
     def _run_steps(self, cmd: StepCommand, result: StepResult) -> None:
         """The further forwards of ``cmd``'s multi-step decodes (``ScheduledEntry.num_steps``) after
