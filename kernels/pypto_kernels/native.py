@@ -670,7 +670,8 @@ def gemv(
 ) -> torch.Tensor:
     """``F.linear(x, weight)`` for one row (``csrc/gemv.c``): each output its row's products summed in
     float32 in a fixed order (another order than oneDNN's or MKL's: equal to float rounding), whatever
-    the threads; a bfloat16 product is rounded to bfloat16 at the end, as torch's.
+    the threads; a bfloat16 row's as the CPU's bfloat16 pair dot products (:func:`panel_linear`'s
+    arithmetic, in another order), rounded to bfloat16 at the end, as torch's.
 
     :param x: one row of ``in`` values (any leading dimensions of size 1).
     :param weight: ``[out, in]`` of ``x``'s dtype, rows dense (:func:`gemv_takes`).

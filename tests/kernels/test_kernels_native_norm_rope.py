@@ -365,22 +365,78 @@ def _gemv_built_for(march: str, tmp_path: Any) -> Any:
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [64, 256, 1024])
-def test_an_avx2_build_of_the_gemv_holds_the_same_sums(
-    dtype: torch.dtype, width: int, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512"])
+def test_another_build_of_the_gemv_holds_the_same_sums(
+    dtype: torch.dtype, width: int, march: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without AVX-512 a row's 16-lane sums are held as 8-lane halves (GCC keeps a 16-lane vector in
-    memory there): an AVX2 build gives this build's outputs bit for bit, maxima included."""
+    memory there), and without AVX512-BF16 a bfloat16 row's pair dot products are widened and added
+    as the instruction adds them: an AVX2 build and an AVX-512 build without AVX512-BF16 give this
+    build's outputs bit for bit, maxima included (on a CPU with the instruction, that checks the
+    widened sums against it)."""
+    if march == "skylake-avx512" and "avx512f" not in cpu_flags():
+        pytest.skip("needs AVX-512 to run that build")
     gen = torch.Generator().manual_seed(width)
     weight = torch.randn(777, width + 3, generator=gen).to(dtype)[:, 3:]
     x = torch.randn(1, width, generator=gen).to(dtype)
     peak, index = torch.empty(1), torch.empty(1, dtype=torch.long)
     expected = native.gemv(x, weight, logits=True, maxima=(peak, index))
-    avx2 = _gemv_built_for("x86-64-v3", tmp_path)
+    avx2 = _gemv_built_for(march, tmp_path)
     monkeypatch.setattr(native, "library", lambda: avx2)
     got_peak, got_index = torch.empty(1), torch.empty(1, dtype=torch.long)
     got = native.gemv(x, weight, logits=True, maxima=(got_peak, got_index))
     assert torch.equal(got, expected)
     assert torch.equal(got_index, index) and torch.equal(got_peak, peak)
+
+
+def _bf16_row_sums(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each row's product as ``csrc/gemv.c`` documents its order, in float32 tensor arithmetic (each
+    operation rounded once, as the C's): 32-value chunks, chunk c into accumulator c % 4 (a last run of
+    fewer than four into the first), each lane adding its odd input's product then its even one's;
+    (a0 + a1) + (a2 + a3); the lanes halved onto each other (i + 8 onto i, then 4, 2, 1); the last
+    values in order; rounded to bfloat16."""
+    rows, width = weight.shape
+    w, v = weight.float(), x.float().reshape(-1)
+    acc = torch.zeros(4, rows, 16)
+    chunks, whole = width // 32, width // 32 // 4 * 4
+    for c in range(chunks):
+        pairs_w, pairs_x = w[:, 32 * c : 32 * c + 32].reshape(rows, 16, 2), v[32 * c : 32 * c + 32].reshape(16, 2)
+        k = c % 4 if c < whole else 0
+        acc[k] = acc[k] + pairs_w[:, :, 1] * pairs_x[:, 1]
+        acc[k] = acc[k] + pairs_w[:, :, 0] * pairs_x[:, 0]
+    lanes = (acc[0] + acc[1]) + (acc[2] + acc[3])
+    for half in (8, 4, 2):
+        lanes = lanes[:, :half] + lanes[:, half : 2 * half]
+    total = lanes[:, 0] + lanes[:, 1]
+    for i in range(32 * chunks, width):
+        total = total + w[:, i] * v[i]
+    return total.to(torch.bfloat16)
+
+
+@needs_native
+@pytest.mark.parametrize("width", [32, 96, 256, 300])
+def test_a_bfloat16_gemv_sums_pairs_in_the_documented_order(width: int) -> None:
+    """A bfloat16 row's outputs are the documented chain of pair dot products, bit for bit (an
+    independent float32 emulation of the order), on one thread and on several. Each row holds large
+    products that cancel in its total, so the small ones a partial sum absorbs, and the result, depend
+    on the order of the additions."""
+    gen = torch.Generator().manual_seed(width)
+    rows = 203
+    x = torch.tensor([0.5, -0.5, 1.0, -1.0, 2.0, -2.0])[torch.randint(0, 6, (1, width), generator=gen)]
+    weight = torch.randn(rows, width, generator=gen)
+    for r in range(rows):
+        for p, q in torch.randperm(width, generator=gen)[: 2 * (width // 16)].view(-1, 2).tolist():
+            weight[r, p] = 2.0 ** torch.randint(12, 24, (), generator=gen).item() * (1 if (r + p) % 2 else -1)
+            weight[r, q] = -weight[r, p] * x[0, p] / x[0, q]  # a power of two times it: exact
+    weight, x = weight.to(torch.bfloat16), x.to(torch.bfloat16)
+    expected = _bf16_row_sums(weight, x)
+    assert torch.equal(native.gemv(x, weight).reshape(-1), expected)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.gemv(x, weight).reshape(-1), expected)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_native

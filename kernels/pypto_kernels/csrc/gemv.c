@@ -13,18 +13,24 @@
  * neighbour) and 1.04-1.12x on two; a prefetch every 256 bytes instead of every 64-byte line then read
  * a float32 matrix 1.07-1.33x as fast again, as fast as torch's sum of it (where a prefetch of every
  * line held one thread to 0.8x that sum's rate), a bfloat16 one 1.00-1.06x as fast, and took a
- * small-shape float32 concurrency-1 token to 0.87x. A bfloat16 row is read 32 values a load, the
- * even ones widened by a shift and the odd ones by a mask, against the activation split once into its
- * even and odd values: where the row-by-row widening (two half-width loads, a widening, a shift per 16
- * values) and non-temporal prefetches read the matrix at 0.67-0.79x a plain read, a concurrency-1 token
- * 0.87-0.97x as long on the small shape (512-byte rows), 0.90-0.98x on the mid one, level on
- * Qwen3-0.6B's (2 KiB rows). Each output's products are summed in a
+ * small-shape float32 concurrency-1 token to 0.87x. A bfloat16 row is summed as the CPU's bfloat16
+ * pair dot products (pair_dots: one VDPBF16PS per 32 values where the CPU has AVX512-BF16, the panel
+ * products' arithmetic), against the activation rounded once to bfloat16 (exact: it holds bfloat16
+ * values). Widening the row to float32 first (a shift for the even values, a mask for the odd ones, two
+ * multiply-adds per 32 values) took twice the instructions a row's bytes need: on the Zen 4 EPYC of
+ * docs/benchmarks.md that read a 151,936 x 256 matrix at 0.90x a float32 sum of as many bytes on two
+ * threads and 0.81x on one, the pair dot products at 0.99x and 0.97x (a 1,024-wide one level on two
+ * threads, 1.07x as fast on one); a small-shape bfloat16 concurrency-1 token 0.95-0.98x as long, the
+ * mid shape's level, in the slow memory state. Each output's products are summed in a
  * fixed order (row_dot), so an output depends only on its row and the activation, not on the threads.
- * A bfloat16 matrix is widened exactly to float32 as it is read (the activation comes as float32).
  * Vectors are GCC/Clang vector extensions; a row's 16-lane sums are held in PARTS of PART lanes. */
 #include <omp.h>
 
 #include "common.h"
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 enum { LANES = 16, PREFETCH = 8192, PREFETCH_EVERY = 256, CHUNK = 64, TAIL_MIN = 64 };
 
@@ -32,15 +38,20 @@ static inline float scalar_kind(const void *row, int kind, int64_t i) {
     return kind == ELEM_BF16 ? bf16_value(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
-/* The activation as the bfloat16 rows' blocks of 64 values read it (row_dot): per block, the even then
- * the odd values of its first 32, then those of its last 32; values past the last whole block unset. */
-static void split_even_odd(const float *x, int64_t in, float *xs) {
-    for (int64_t b = 0; b + 4 * LANES <= in; b += 4 * LANES)
-        for (int64_t half = b; half < b + 4 * LANES; half += 2 * LANES)
-            for (int64_t j = 0; j < LANES; j++) {
-                xs[half + j] = x[half + 2 * j];
-                xs[half + LANES + j] = x[half + 2 * j + 1];
-            }
+/* The activation as a bfloat16 row's pair dot products read it (pair_dots), rounded to bfloat16 (exact
+ * for the callers, whose activations are bfloat16 values widened). With AVX512-BF16: the rounded
+ * values' bits, in order, as uint16_t over xs. Elsewhere, per chunk of 32 values, the even then the
+ * odd values, widened back to float32; values past the last whole chunk unset. */
+static void split_pairs(const float *x, int64_t in, float *xs) {
+#ifdef __AVX512BF16__
+    for (int64_t i = 0; i < in; i++) ((uint16_t *)xs)[i] = bf16_round(x[i]);
+#else
+    for (int64_t c = 0; c + 2 * LANES <= in; c += 2 * LANES)
+        for (int64_t j = 0; j < LANES; j++) {
+            xs[c + j] = bf16_value(bf16_round(x[c + 2 * j]));
+            xs[c + LANES + j] = bf16_value(bf16_round(x[c + 2 * j + 1]));
+        }
+#endif
 }
 
 /* A row's 16-lane accumulators are held as PARTS vectors of PART lanes: one AVX-512 register, or two
@@ -56,7 +67,6 @@ enum { PART = 8 };
 enum { PARTS = LANES / PART };
 typedef float pf __attribute__((vector_size(PART * 4)));
 typedef uint32_t pu __attribute__((vector_size(PART * 4)));
-typedef uint16_t ph __attribute__((vector_size(PART * 2)));
 
 static inline pf pload(const float *p) {
     pf v;
@@ -68,14 +78,6 @@ static inline pf as_floats(pu u) {
     pf f;
     memcpy(&f, &u, sizeof f);
     return f;
-}
-
-/* PART values of the row (kind ELEM_F32 or ELEM_BF16, widened exactly) from element i. */
-static inline pf pload_kind(const void *row, int kind, int64_t i) {
-    if (kind == ELEM_F32) return pload((const float *)row + i);
-    ph h;
-    memcpy(&h, (const uint16_t *)row + i, sizeof h);
-    return as_floats(__builtin_convertvector(h, pu) << 16);
 }
 
 /* sum_lanes (common.h) of the 16 lanes held in parts: the same additions in the same order. */
@@ -90,12 +92,38 @@ static inline float sum_parts(const pf v[PARTS]) {
 #endif
 }
 
+/* acc += the pair dot products of the bfloat16 row's 32 values at i (16 input pairs, one a lane) and
+ * the activation's (split_pairs): in each lane the odd input's product added first, then the even
+ * one's, as AVX512-BF16's VDPBF16PS defines its sum (each product exact in float32, each addition
+ * rounded to nearest). Built for a CPU with that instruction, it is one per chunk (which also flushes
+ * subnormal inputs and sums to zero; values that small do not occur in a model's weights and
+ * activations); elsewhere the pairs are widened by a shift and a mask and the two products added in
+ * that order. */
+static inline __attribute__((always_inline)) void pair_dots(pf acc[PARTS], const uint16_t *row, const float *xs,
+                                                            int64_t i) {
+#ifdef __AVX512BF16__
+    __m512 a, xv, wv;
+    memcpy(&a, &acc[0], sizeof a);
+    xv = _mm512_loadu_ps((const uint16_t *)xs + i); /* 32 bfloat16 values */
+    wv = _mm512_loadu_ps(row + i);
+    a = _mm512_dpbf16_ps(a, (__m512bh)xv, (__m512bh)wv);
+    memcpy(&acc[0], &a, sizeof a);
+#else
+    for (int p = 0; p < PARTS; p++) {
+        pu pair;
+        memcpy(&pair, row + i + 2 * PART * p, sizeof pair);
+        acc[p] = (acc[p] + as_floats(pair & 0xffff0000u) * pload(xs + i + LANES + PART * p)) +
+                 as_floats(pair << 16) * pload(xs + i + PART * p);
+    }
+#endif
+}
+
 /* Output o: its row's products in four 16-lane accumulators, added as (a0 + a1) + (a2 + a3), the lanes
- * by sum_lanes (common.h), then the row's last in % 16 products in order. A float32 row's 16-value
- * chunks 0, 4, 8, ... go to the first, 1, 5, ... to the second, and so on; a bfloat16 row's blocks of
- * 64 values give the first the even values of their first 32 (against xs, split_even_odd), the second
- * the odd ones, the third and fourth those of their last 32; a last run of fewer than four chunks goes
- * to the first. Four chains of additions keep a wide row's sum from waiting on one. */
+ * by sum_lanes (common.h), then the row's last products (fewer than 16 of a float32 row, fewer than 32
+ * of a bfloat16 one) in order. A float32 row's 16-value chunks 0, 4, 8, ... go to the first, 1, 5, ...
+ * to the second, and so on; a bfloat16 row's 32-value chunks likewise, each as pair_dots; a last run
+ * of fewer than four chunks goes to the first. Four chains of additions keep a wide row's sum from
+ * waiting on one. */
 static inline __attribute__((always_inline)) float row_dot(const void *w, int kind, int64_t ws, const float *x,
                                                            const float *xs, int64_t in, int64_t o) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4;
@@ -103,27 +131,22 @@ static inline __attribute__((always_inline)) float row_dot(const void *w, int ki
     for (int64_t off = 0; off < size * in; off += PREFETCH_EVERY) __builtin_prefetch(row + PREFETCH + off, 0, 2);
     pf a[4][PARTS] = {{{0}}};
     int64_t i = 0;
-    if (kind == ELEM_BF16)
-        for (; i + 4 * LANES <= in; i += 4 * LANES)
-            for (int half = 0; half < 2; half++)
-                for (int p = 0; p < PARTS; p++) {
-                    pu pair;
-                    memcpy(&pair, (const uint16_t *)row + i + 2 * LANES * half + 2 * PART * p, sizeof pair);
-                    const float *xe = xs + i + 2 * LANES * half + PART * p;
-                    a[2 * half][p] += as_floats(pair << 16) * pload(xe);
-                    a[2 * half + 1][p] += as_floats(pair & 0xffff0000u) * pload(xe + LANES);
-                }
-    else
+    if (kind == ELEM_BF16) {
+        for (; i + 8 * LANES <= in; i += 8 * LANES)
+            for (int c = 0; c < 4; c++) pair_dots(a[c], (const uint16_t *)row, xs, i + 2 * LANES * c);
+        for (; i + 2 * LANES <= in; i += 2 * LANES) pair_dots(a[0], (const uint16_t *)row, xs, i);
+    } else {
         for (; i + 4 * LANES <= in; i += 4 * LANES)
             for (int c = 0; c < 4; c++)
                 for (int p = 0; p < PARTS; p++)
                     a[c][p] += pload((const float *)row + i + LANES * c + PART * p) * pload(x + i + LANES * c + PART * p);
-    for (; i + LANES <= in; i += LANES)
-        for (int p = 0; p < PARTS; p++) a[0][p] += pload_kind(row, kind, i + PART * p) * pload(x + i + PART * p);
+        for (; i + LANES <= in; i += LANES)
+            for (int p = 0; p < PARTS; p++) a[0][p] += pload((const float *)row + i + PART * p) * pload(x + i + PART * p);
+    }
     pf v[PARTS];
     for (int p = 0; p < PARTS; p++) v[p] = (a[0][p] + a[1][p]) + (a[2][p] + a[3][p]);
     float total = sum_parts(v);
-    for (; i < in; i++) total += scalar_kind(row, kind, i) * x[i];
+    for (; i < in; i++) total += scalar_kind(row, kind, i) * (kind == ELEM_BF16 ? bf16_value(bf16_round(x[i])) : x[i]);
     return total;
 }
 
@@ -142,8 +165,9 @@ static inline __attribute__((always_inline)) void outputs(const void *w, int kin
 }
 
 /* out [n] = w [n, in] (kind ELEM_F32 or ELEM_BF16, row stride ws elements, rows dense) times the
- * float32 x [in], into float32 out; round_bf16: each output rounded to bfloat16 (as torch rounds a
- * bfloat16 product's float32 sums) and stored widened, exactly. With row_max and row_arg (NULL: not
+ * float32 x [in] (for a bfloat16 matrix, rounded to bfloat16 first), into float32 out; round_bf16:
+ * each output rounded to bfloat16 (as torch rounds a bfloat16 product's float32 sums) and stored
+ * widened, exactly. With row_max and row_arg (NULL: not
  * taken): the outputs' maximum and its first index (their first NaN where there is one). Returns 0, or
  * -1 without computing anything where its scratch (the threads' maxima, the split activation) could
  * not be allocated. */
@@ -157,7 +181,7 @@ int pypto_gemv(const void *w, int kind, int64_t ws, const float *x, float *out, 
         free(bests), free(where), free(xs);
         return -1;
     }
-    if (xs) split_even_odd(x, in, xs);
+    if (xs) split_pairs(x, in, xs);
     /* Chunks of CHUNK outputs: the last quarter of them claimed, where there are TAIL_MIN */
     int64_t chunks = (n + CHUNK - 1) / CHUNK, fixed = fixed_items(chunks, TAIL_MIN), claimed = fixed;
 #pragma omp parallel num_threads(team_size)
