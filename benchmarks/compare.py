@@ -492,8 +492,22 @@ def markdown(args: argparse.Namespace, report: dict[str, Any]) -> str:
         "attention); FLOP/s / peak is that over each engine's wall time against the peak of its precision "
         "(float32 for int8 rows); TPOT / floor is the inverse of the concurrency-1 share of bandwidth.",
     ]
+    lines += _first_tokens(args, report["results"])
     lines += _notes(report["results"])
     return "\n".join(lines) + "\n"
+
+
+def _first_tokens(args: argparse.Namespace, results: list[dict[str, Any]]) -> list[str]:
+    """Each engine's concurrency-1 first token (its prompt's prefill and one token), where measured."""
+    firsts = [
+        f"{r['name']} {r['latency']['first_s'] * 1000:,.1f}" for r in results if "first_s" in r.get("latency", {})
+    ]
+    if not firsts:
+        return []
+    return [
+        f"Concurrency 1's first token (the {args.latency_prompt_len}-token prompt's prefill and one token, median "
+        f"of {args.repeats}), ms: {', '.join(firsts)}."
+    ]
 
 
 def _peak_how(args: argparse.Namespace) -> str:
@@ -689,6 +703,12 @@ def machine(device: str = "cpu") -> str:
     return host
 
 
+def context_len(args: argparse.Namespace) -> int:
+    """The context a peer with a limit of its own (vLLM's ``max_model_len``) is given: the longest
+    prompt and its new tokens, 2,048 at least."""
+    return max(2048, max(args.input_len[1], args.latency_prompt_len) + args.max_tokens)
+
+
 def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     vocab = prompt_vocab_size(args.model)
     job = {
@@ -696,6 +716,7 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "prompts": make_prompts(args.num_prompts, args.input_len[0], args.input_len[1], vocab, args.seed),
         "latency_prompt": make_prompts(1, args.latency_prompt_len, args.latency_prompt_len, vocab, args.seed + 1)[0],
         "max_tokens": args.max_tokens,
+        "max_model_len": context_len(args),
         "repeats": args.repeats,
         "throughput_repeats": args.throughput_repeats,
         "threads": args.threads,

@@ -47,6 +47,17 @@ def test_the_report_puts_concurrency_1_over_the_read_floor() -> None:
     assert "ours 1.50x, peer 2.50x)." in line and "failed" not in line and "also-row" not in line
 
 
+def test_the_report_names_each_engines_first_token_and_peers_fit_the_longest_prompt() -> None:
+    compare = _compare()
+    args = compare.parse_args(["--model", "m", "--latency-prompt-len", "4096", "--max-tokens", "8"])
+    report = _report({"ours": 3.0, "failed": None})
+    report["results"][0]["latency"]["first_s"] = 0.3834
+    line = next(x for x in compare.markdown(args, report).splitlines() if x.startswith("Concurrency 1's first token"))
+    assert "4096-token prompt" in line and line.endswith("ms: ours 383.4.") and "failed" not in line
+    assert compare.context_len(args) == 4104
+    assert compare.context_len(compare.parse_args(["--model", "m"])) == 2048
+
+
 def test_a_report_without_the_read_rate_has_no_read_line() -> None:
     compare = _compare()
     report = _report({"ours": 3.0})
