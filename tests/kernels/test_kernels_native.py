@@ -404,11 +404,13 @@ def test_native_prefill_attends_long_runs_as_the_naive_loop(
 
 
 @needs_native
-def test_native_prefill_result_of_a_query_depends_only_on_its_own_inputs() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_result_of_a_query_depends_only_on_its_own_inputs(dtype: torch.dtype) -> None:
     """A query's output is bitwise the same whether its prompt runs alone, in one chunk or in two,
-    beside other requests or not, on one thread or two (chunks of keys are aligned to positions)."""
+    beside other requests or not, on one thread or two (chunks of keys are aligned to positions);
+    bfloat16 queries and caches too (their pair dot products where the CPU has them)."""
     gen = torch.Generator().manual_seed(5)
-    data = build_paged_batch([(150, 150), (90, 130)], 16, 8, 2, 64, 64, torch.float32, gen)
+    data = build_paged_batch([(150, 150), (90, 130)], 16, 8, 2, 64, 64, dtype, gen)
     tables, _ = attention_module._tables_and_spans(
         data["query"], data["key_cache"], data["block_tables"], data["query_start_loc"], data["seq_lens"],
         None, None, None,
@@ -433,6 +435,7 @@ def test_native_prefill_result_of_a_query_depends_only_on_its_own_inputs() -> No
     chunked = run([(0, 0, 70, 0, 70), (70, 0, 80, 0, 150)], 2)
     assert torch.equal(together[:150], alone[:150]) and torch.equal(together[:150], chunked[:150])
     torch.testing.assert_close(together, expected_paged(data, 0.125, None, None), atol=2e-5, rtol=2e-5)
+    assert not together.isnan().any()
 
 
 @needs_native
@@ -458,20 +461,32 @@ def test_native_prefill_refuses_what_it_cannot_take(monkeypatch: pytest.MonkeyPa
 
 @needs_native
 @pytest.mark.parametrize("window", [None, 30])
-def test_native_prefill_reads_bfloat16_queries_and_writes_bfloat16_rows_as_the_float32_call(window: int | None) -> None:
-    """A bfloat16 query read as it is and a bfloat16 output rounded by the kernel: bitwise the float32
-    call on the query widened, its result rounded by torch (``.to(torch.bfloat16)``), and rows outside
-    the spans left as they are."""
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_reads_bfloat16_queries_and_writes_bfloat16_rows(
+    window: int | None, cache_dtype: torch.dtype
+) -> None:
+    """A bfloat16 query read as it is and a bfloat16 output rounded by the kernel, rows outside the
+    spans left as they are. Over a float32 cache (or without AVX512-BF16): bitwise the float32 call on
+    the query widened, its result rounded by torch (``.to(torch.bfloat16)``). Over a bfloat16 cache
+    where the CPU has AVX512-BF16 the scores are the instruction's pair dot products of the query and
+    the keys as they are, then scaled (another order of the same exact products): the reference's to
+    float32 rounding, not the float32 call's bits."""
     gen = torch.Generator().manual_seed(7)
     data = _head_major(build_paged_batch([(40, 40), (1, 9), (70, 100)], 16, 8, 2, 64, 64, torch.bfloat16, gen))
+    data = {**data, "key_cache": data["key_cache"].to(cache_dtype), "value_cache": data["value_cache"].to(cache_dtype)}
     spans = torch.tensor([[0, 0, 40, 0, 40], [41, 2, 70, 0, 100]])
     args = (data["key_cache"], data["value_cache"], data["block_tables"], spans, 0.25, window, None)
     wide = native.prefill_attention(data["query"].float(), *args, torch.zeros((111, 8, 64)))
     narrow = native.prefill_attention(data["query"], *args, torch.full((111, 8, 64), 3.0, dtype=torch.bfloat16))
+    narrow_wide = native.prefill_attention(data["query"], *args, torch.zeros((111, 8, 64)))
     assert torch.equal(narrow[40], torch.full((8, 64), 3.0, dtype=torch.bfloat16))
     picked = torch.cat([torch.arange(40), torch.arange(41, 111)])
-    assert torch.equal(narrow[picked], wide[picked].to(torch.bfloat16))
-    torch.testing.assert_close(wide[picked], expected_paged(data, 0.25, window, None)[picked], atol=2e-5, rtol=2e-5)
+    assert torch.equal(narrow[picked], narrow_wide[picked].to(torch.bfloat16))
+    expected = expected_paged(data, 0.25, window, None)[picked]
+    torch.testing.assert_close(wide[picked], expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(narrow_wide[picked], expected, atol=2e-5, rtol=2e-5)
+    pairs = cache_dtype == torch.bfloat16 and native.bf16_dot_available()
+    assert torch.equal(narrow_wide[picked], wide[picked]) != pairs
 
 
 # ---------------------------------------------------------------- hyper-connection weights
