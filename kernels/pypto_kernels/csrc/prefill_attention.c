@@ -95,24 +95,34 @@ static void pack_chunk(const Cache *k, const Cache *v, const int64_t *table, con
     }
 }
 
-/* s[r] = q[r] . kt for ``rows`` vectors (a constant where inlined): each of a vector's KC scores one
- * chain of multiply-adds over the dims in order, from zero; each load of a dim's KC keys shared by the
- * rows. */
-static inline __attribute__((always_inline)) void scores_block(const float *q, const float *kt, int64_t dim,
-                                                               float *s, const int rows) {
+/* c[r][0 .. 16 nb) (row stride ldc) = sum over k < depth of a[r * lda + k] b[k * ldb + 0 .. 16 nb),
+ * added to c's values where accumulate, else from zero, for ``rows`` rows (rows and nb constants
+ * where inlined): each output one chain of multiply-adds over k in order, each load of b's row k
+ * shared by the rows (RB x KV accumulators in registers). The scores (a the query vectors, b the
+ * chunk's keys transposed) and the weighted values (a the weights, b the chunk's values) are both. */
+static inline __attribute__((always_inline)) void outer_block(float *c, int64_t ldc, int accumulate, const float *a,
+                                                              int64_t lda, const float *b, int64_t ldb, int64_t depth,
+                                                              const int rows, const int nb) {
     vf acc[RB][KV];
     for (int r = 0; r < rows; r++)
-        for (int b = 0; b < KV; b++) acc[r][b] = splat(0.0f);
-    for (int64_t d = 0; d < dim; d++) {
-        vf kd[KV];
-        for (int b = 0; b < KV; b++) kd[b] = vload(kt + d * KC + 16 * b);
+        for (int v = 0; v < nb; v++) acc[r][v] = accumulate ? vload(c + r * ldc + 16 * v) : splat(0.0f);
+    for (int64_t k = 0; k < depth; k++) {
+        vf bk[KV];
+        for (int v = 0; v < nb; v++) bk[v] = vload(b + k * ldb + 16 * v);
         for (int r = 0; r < rows; r++) {
-            vf qd = splat(q[r * dim + d]);
-            for (int b = 0; b < KV; b++) acc[r][b] += qd * kd[b];
+            vf ak = splat(a[r * lda + k]);
+            for (int v = 0; v < nb; v++) acc[r][v] += ak * bk[v];
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int b = 0; b < KV; b++) vstore(s + r * KC + 16 * b, acc[r][b]);
+        for (int v = 0; v < nb; v++) vstore(c + r * ldc + 16 * v, acc[r][v]);
+}
+
+/* s[r] = q[r] . kt for ``rows`` query vectors: each of a vector's KC scores one chain over the dims in
+ * order, from zero. */
+static inline __attribute__((always_inline)) void scores_block(const float *q, const float *kt, int64_t dim,
+                                                               float *s, const int rows) {
+    outer_block(s, KC, 0, q, dim, kt, KC, dim, rows, KV);
 }
 
 #ifdef __AVX512BF16__
@@ -220,24 +230,11 @@ static void softmax_step(const Scratch *w, int64_t m, int64_t pos0, int64_t firs
     }
 }
 
-/* o[r][d .. d + 16 nb) += sum_j p[r][j] vc[j][d .. d + 16 nb) for ``rows`` vectors (rows and nb
- * constants where inlined): each output one chain over the chunk's keys in order, each load of a
- * key's values shared by the rows. */
+/* o[r][d .. d + 16 nb) += sum_j p[r][j] vc[j][d .. d + 16 nb) for ``rows`` vectors: each output one
+ * chain over the chunk's keys in order. */
 static inline __attribute__((always_inline)) void values_block(float *o, const float *p, const float *vc,
                                                                int64_t dim_v, const int rows, const int nb) {
-    vf acc[RB][KV];
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < nb; b++) acc[r][b] = vload(o + r * dim_v + 16 * b);
-    for (int64_t j = 0; j < KC; j++) {
-        vf vj[KV];
-        for (int b = 0; b < nb; b++) vj[b] = vload(vc + j * dim_v + 16 * b);
-        for (int r = 0; r < rows; r++) {
-            vf pj = splat(p[r * KC + j]);
-            for (int b = 0; b < nb; b++) acc[r][b] += pj * vj[b];
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < nb; b++) vstore(o + r * dim_v + 16 * b, acc[r][b]);
+    outer_block(o, dim_v, 1, p, KC, vc, dim_v, KC, rows, nb);
 }
 
 /* values_block over dims [d, dim_v) (a multiple of 16) in blocks of KV vectors, then the last 1-3. */
