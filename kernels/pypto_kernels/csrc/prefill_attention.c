@@ -29,9 +29,14 @@
  */
 #include "common.h"
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
 /* KC keys a chunk (KV vectors of 16), QT queries a tile; RB query vectors share each load of a chunk's
  * keys or values (RB x KV accumulators: 24 of AVX-512's 32 registers; 12 vectors, 24 AVX2 ones, without). */
 enum { KC = 64, KV = KC / 16, QT = 64 };
+_Static_assert(KV == 4, "softmax_step sums a chunk's four weight vectors");
 #ifdef __AVX512F__
 enum { RB = 6 };
 #else
@@ -126,7 +131,6 @@ static inline __attribute__((always_inline)) void scores_block(const float *q, c
 }
 
 #ifdef __AVX512BF16__
-#include <immintrin.h>
 /* scores_block for bfloat16 queries and keys (sh->pairs): q holds the rows' unscaled bfloat16 values
  * and kt the chunk's keys as pairs of dims ([dim / 2, KC] of two bfloat16 each); each score one chain
  * of AVX512-BF16 pair dot products (VDPBF16PS: the odd dim's exact product added first, then the even
