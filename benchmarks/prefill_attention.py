@@ -1,16 +1,16 @@
 """CPU prefill attention: the request loop of torch's fused attention against the native C prefill
 kernel, in one run.
 
-One ``paged_attention`` call of one layer of a prefill step: ``--prompts`` whole prompts of 32..256
-tokens (seeded), their K/V in a paged cache of the layout the engine allocates (block size 16,
-blocks in table order), the heads of ``--heads`` (Qwen3-0.6B's 16 query / 8 KV heads of 128 by
-default) or of ``--model``'s config. ``torch`` gathers each request's blocks and runs
+One ``paged_attention`` call of one layer of a prefill step: ``--prompts`` whole prompts of
+``--input-len`` tokens (32..256 by default, seeded), their K/V in a paged cache of the layout the
+engine allocates (block size 16, blocks in table order), the heads of ``--heads`` (Qwen3-0.6B's 16
+query / 8 KV heads of 128 by default) or of ``--model``'s config. ``torch`` gathers each request's blocks and runs
 ``scaled_dot_product_attention`` per request (the path without the native kernels); ``native`` is
 :func:`pypto_kernels.native.prefill_attention`, all requests in one call. The paths alternate,
 best of ``--reps`` per round; GFLOP/s counts the causal products (4 x heads x dim per visible pair).
 
     python benchmarks/prefill_attention.py [--model models/qwen3-0.6b] [--prompts 12] [--threads 2] \
-        [--dtype float32 bfloat16]
+        [--dtype float32 bfloat16] [--input-len 32 256]
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def main() -> None:
     p.add_argument("--model", help="read the heads from this checkpoint's config.json")
     p.add_argument("--heads", type=int, nargs=3, default=[16, 8, 128], metavar=("Q", "KV", "DIM"))
     p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("LO", "HI"))
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
@@ -99,7 +100,8 @@ def main() -> None:
         raise SystemExit("the native CPU kernels are not built here (no C compiler?): nothing to compare")
     torch.set_num_threads(args.threads)
     heads = _heads(args)
-    lengths = torch.randint(32, 257, (args.prompts,), generator=torch.Generator().manual_seed(0)).tolist()
+    lo, hi = args.input_len
+    lengths = torch.randint(lo, hi + 1, (args.prompts,), generator=torch.Generator().manual_seed(0)).tolist()
     flops = sum(4 * heads[0] * heads[2] * n * (n + 1) / 2 for n in lengths)
     print(f"heads {heads}, {len(lengths)} prompts, {sum(lengths)} tokens, {args.threads} threads")
     print("| dtype | torch (request loop) | native | native vs torch |\n|---|---:|---:|---:|")
