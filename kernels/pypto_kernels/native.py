@@ -361,7 +361,10 @@ def prefill_attention(
 
     Each run's query tiles share every chunk of keys and values (see ``csrc/prefill_attention.c``);
     a query's result depends only on its own inputs (not on its run's length, the batch or the
-    threads), and equals the softmax reference to float32 rounding.
+    threads), and equals the softmax reference to float32 rounding; where the library has AVX512-BF16
+    dot products (:func:`bf16_dot_available`) and the query and the caches are bfloat16, the softmax's
+    weights are rounded to bfloat16 before the values' product (as transformers' eager attention
+    rounds them), each relative to the running maximum of its chunk of 64 positions.
 
     :param query: ``[R, Hq, D]`` (any float dtype; float32 and bfloat16 read as they are, others as a
         float32 copy).
