@@ -8,14 +8,18 @@ query / 8 KV heads of 128 by default) or of ``--model``'s config. ``torch`` gath
 ``scaled_dot_product_attention`` per request (the path without the native kernels); ``native`` is
 :func:`pypto_kernels.native.prefill_attention`, all requests in one call. The paths alternate,
 best of ``--reps`` per round; GFLOP/s counts the causal products (4 x heads x dim per visible pair).
+``--libs A.so,B.so`` times the native kernel of each of these builds of the C sources instead (say,
+a change's before and after, built with the flags of ``pypto_kernels.native``), alternated the same
+way, each against the first.
 
     python benchmarks/prefill_attention.py [--model models/qwen3-0.6b] [--prompts 12] [--threads 2] \
-        [--dtype float32 bfloat16] [--input-len 32 256]
+        [--dtype float32 bfloat16] [--input-len 32 256] [--libs before.so,after.so]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
 from collections.abc import Callable
@@ -74,6 +78,34 @@ def _paths(b: dict[str, torch.Tensor], scale: float) -> dict[str, Callable[[], o
     return {"torch": loop, "native": fast}
 
 
+def _library(path: str) -> ctypes.CDLL:
+    """The library at ``path`` with the built library's argument and result types."""
+    real = native.library()
+    lib = ctypes.CDLL(str(Path(path).resolve()))
+    for name in dir(real):
+        if name.startswith("pypto_"):
+            getattr(lib, name).restype = getattr(real, name).restype
+            getattr(lib, name).argtypes = getattr(real, name).argtypes
+    return lib
+
+
+def _with_libraries(fast: Callable[[], object], paths: list[str]) -> dict[str, Callable[[], object]]:
+    """The native path once per library of ``paths``, each run with that library in place of the built one."""
+    built = native.library
+
+    def runner(lib: ctypes.CDLL) -> Callable[[], object]:
+        def run() -> object:
+            native.library = lambda: lib  # type: ignore[assignment]
+            try:
+                return fast()
+            finally:
+                native.library = built  # type: ignore[assignment]
+
+        return run
+
+    return {Path(path).name: runner(_library(path)) for path in paths}
+
+
 def _best(paths: dict[str, Callable[[], object]], rounds: int, reps: int) -> dict[str, float]:
     best = dict.fromkeys(paths, float("inf"))
     for _ in range(rounds):
@@ -95,6 +127,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--libs", default="", help="comma list of native kernel libraries to alternate")
     args = p.parse_args()
     if native.library() is None:
         raise SystemExit("the native CPU kernels are not built here (no C compiler?): nothing to compare")
@@ -104,14 +137,19 @@ def main() -> None:
     lengths = torch.randint(lo, hi + 1, (args.prompts,), generator=torch.Generator().manual_seed(0)).tolist()
     flops = sum(4 * heads[0] * heads[2] * n * (n + 1) / 2 for n in lengths)
     print(f"heads {heads}, {len(lengths)} prompts, {sum(lengths)} tokens, {args.threads} threads")
-    print("| dtype | torch (request loop) | native | native vs torch |\n|---|---:|---:|---:|")
+    libs = [path for path in args.libs.split(",") if path]
+    names = [Path(path).name for path in libs] or ["torch (request loop)", "native"]
+    print(f"| dtype | {' | '.join(names)} | {names[-1]} vs {names[0]} |\n|---|{'---:|' * (len(names) + 1)}")
     for name in args.dtype:
         batch = _batch(lengths, heads, getattr(torch, name))
         paths = _paths(batch, heads[2] ** -0.5)
-        diff = (paths["torch"]().float() - paths["native"]().float()).abs().max().item()  # type: ignore[union-attr]
-        best = _best(paths, args.rounds, args.reps)
-        cells = [f"{best[k] * 1e3:.2f} ms ({flops / best[k] / 1e9:.0f} GFLOP/s)" for k in ("torch", "native")]
-        print(f"| {name} | {cells[0]} | {cells[1]} | {best['torch'] / best['native']:.2f}x (max diff {diff:.1e}) |")
+        if libs:
+            paths = _with_libraries(paths["native"], libs)
+        outs = [fn() for fn in paths.values()]
+        diff = (outs[0].float() - outs[-1].float()).abs().max().item()  # type: ignore[attr-defined]
+        best = list(_best(paths, args.rounds, args.reps).values())
+        cells = [f"{t * 1e3:.2f} ms ({flops / t / 1e9:.0f} GFLOP/s)" for t in best]
+        print(f"| {name} | {' | '.join(cells)} | {best[0] / best[-1]:.2f}x (max diff {diff:.1e}) |")
 
 
 if __name__ == "__main__":
