@@ -8,9 +8,9 @@ query / 8 KV heads of 128 by default) or of ``--model``'s config. ``torch`` gath
 ``scaled_dot_product_attention`` per request (the path without the native kernels); ``native`` is
 :func:`pypto_kernels.native.prefill_attention`, all requests in one call. The paths alternate,
 best of ``--reps`` per round; GFLOP/s counts the causal products (4 x heads x dim per visible pair).
-``--libs A.so,B.so`` times the native kernel of each of these builds of the C sources instead (say,
-a change's before and after, built with the flags of ``pypto_kernels.native``), alternated the same
-way, each against the first.
+``--libs A.so,B.so`` times the native kernel of each of these builds of the C sources in its place
+(say, a change's before and after, built with the flags of ``pypto_kernels.native``, or an AVX2
+build on an AVX-512 CPU), alternated the same way, the last against torch and against the first.
 
     python benchmarks/prefill_attention.py [--model models/qwen3-0.6b] [--prompts 12] [--threads 2] \
         [--dtype float32 bfloat16] [--input-len 32 256] [--libs before.so,after.so]
@@ -138,18 +138,21 @@ def main() -> None:
     flops = sum(4 * heads[0] * heads[2] * n * (n + 1) / 2 for n in lengths)
     print(f"heads {heads}, {len(lengths)} prompts, {sum(lengths)} tokens, {args.threads} threads")
     libs = [path for path in args.libs.split(",") if path]
-    names = [Path(path).name for path in libs] or ["torch (request loop)", "native"]
-    print(f"| dtype | {' | '.join(names)} | {names[-1]} vs {names[0]} |\n|---|{'---:|' * (len(names) + 1)}")
+    names = ["torch (request loop)", *([Path(path).name for path in libs] or ["native"])]
+    ratios = [f"{names[-1]} vs torch (max diff)"] + ([f"{names[-1]} vs {names[1]}"] if len(libs) > 1 else [])
+    print(f"| dtype | {' | '.join(names + ratios)} |\n|---|{'---:|' * (len(names) + len(ratios))}")
     for name in args.dtype:
         batch = _batch(lengths, heads, getattr(torch, name))
         paths = _paths(batch, heads[2] ** -0.5)
         if libs:
-            paths = _with_libraries(paths["native"], libs)
+            paths = {"torch": paths["torch"], **_with_libraries(paths["native"], libs)}
         outs = [fn() for fn in paths.values()]
         diff = (outs[0].float() - outs[-1].float()).abs().max().item()  # type: ignore[attr-defined]
         best = list(_best(paths, args.rounds, args.reps).values())
         cells = [f"{t * 1e3:.2f} ms ({flops / t / 1e9:.0f} GFLOP/s)" for t in best]
-        print(f"| {name} | {' | '.join(cells)} | {best[0] / best[-1]:.2f}x (max diff {diff:.1e}) |")
+        cells.append(f"{best[0] / best[-1]:.2f}x ({diff:.1e})")
+        cells += [f"{best[1] / best[-1]:.2f}x"] if len(libs) > 1 else []
+        print(f"| {name} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
