@@ -110,33 +110,28 @@ static inline vu row16(const char *row, int kind, int64_t d) {
 }
 
 /* A 16 x 16 matrix of 32-bit lanes, held as 16 row vectors, transposed in place: the off-diagonal
- * W x W blocks of each 2W x 2W block swapped, for W = 8, 4, 2 and 1. */
+ * W x W blocks of each 2W x 2W block swapped, for W = 8, 4, 2 and 1 (LO and HI: the lanes of rows i
+ * and i + W after the swap, as indices into rows i and i + W before it). */
+#define LANES(...) __VA_ARGS__
+#define SWAP_BLOCKS(W, LO, HI)                                                                                \
+    for (int i = 0; i < 16; i++)                                                                              \
+        if (!(i & (W))) {                                                                                     \
+            vu a = m[i], b = m[i + (W)];                                                                      \
+            m[i] = __builtin_shufflevector(a, b, LANES LO);                                                   \
+            m[i + (W)] = __builtin_shufflevector(a, b, LANES HI);                                             \
+        }
 static inline void transpose16(vu m[16]) {
-    for (int i = 0; i < 16; i++)
-        if (!(i & 8)) {
-            vu a = m[i], b = m[i + 8];
-            m[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-            m[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-        }
-    for (int i = 0; i < 16; i++)
-        if (!(i & 4)) {
-            vu a = m[i], b = m[i + 4];
-            m[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-            m[i + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-        }
-    for (int i = 0; i < 16; i++)
-        if (!(i & 2)) {
-            vu a = m[i], b = m[i + 2];
-            m[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-            m[i + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-        }
-    for (int i = 0; i < 16; i++)
-        if (!(i & 1)) {
-            vu a = m[i], b = m[i + 1];
-            m[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-            m[i + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-        }
+    SWAP_BLOCKS(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+    SWAP_BLOCKS(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+    SWAP_BLOCKS(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+    SWAP_BLOCKS(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
 }
+#undef SWAP_BLOCKS
+#undef LANES
 
 /* Keys and values of positions [pos0, pos0 + KC) into kt ([dim, KC], transposed 16 x 16 at a time) and
  * vc ([KC, dim_v]), widened to float32; positions outside [from, to) are zeros. */
