@@ -21,11 +21,12 @@
  * they are (pair_scores_block), scaled after: 1.21-1.26x again (146 -> 187 and 146 -> 184 GFLOP/s).
  * There the values are pair dot products too (value_pairs_block): each weight rounded to bfloat16
  * (as transformers' eager attention rounds its bfloat16 softmax before the values' product; the
- * denominator sums the rounded weights), the chunk's values packed as pairs of keys and its keys as
- * pairs of dims transposed 16 x 16 at a time (pack_pairs_chunk): 1.24x and 1.45x again (4,096 tokens
- * of the small heads 52.1 -> 41.9 ms, 2,048 of Qwen3-0.6B's 95.3 -> 65.8 ms, 261 GFLOP/s). The
- * float32 path's keys are transposed 16 x 16 at a time too (1.06x and 1.16x, the same bits). The
- * weights are rounded by VCVTNE2PS2BF16, 32 at a time (round_weights: 1.08x, the same bits).
+ * denominator sums the rounded weights), 32 at a time by VCVTNE2PS2BF16 (round_weights), the chunk's
+ * values packed as pairs of keys and its keys as pairs of dims transposed 16 x 16 at a time
+ * (pack_pairs_chunk); with the softmax's exponentials scaled by VSCALEFPS (vexp_nonpositive), 1.40x
+ * and 1.43x again (4,096 tokens of the small heads 44.5 -> 31.8 ms, 2,048 of Qwen3-0.6B's 81.0 ->
+ * 56.6 ms, 304 GFLOP/s). The float32 path's keys are transposed 16 x 16 at a time too (with the
+ * exponentials 1.05-1.08x, the same bits).
  *
  * Chunks are aligned to absolute positions (multiples of KC) and every sum runs in a fixed order,
  * so a query's result depends only on its own inputs: not on the tiling, the batch or the threads.
@@ -149,9 +150,7 @@ static void pack_chunk(const Cache *k, const Cache *v, const int64_t *table, con
         }
     for (int64_t j = 0; j < KC; j++) { /* the dims past the last 16 */
         for (int64_t d = full; d < sh->dim; d++)
-            kt[d * KC + j] = krow[j] ? (k->kind == ELEM_F32 ? ((const float *)krow[j])[d]
-                                                           : bf16_value(((const uint16_t *)krow[j])[d]))
-                                     : 0.0f;
+            kt[d * KC + j] = krow[j] ? widen(krow[j], k->kind, d) : 0.0f;
         for (int64_t d = 0; d < sh->dim_v; d += 16) { /* dim_v is a multiple of 16 */
             vu u = row16(vrow[j], v->kind, d);
             memcpy(vc + j * sh->dim_v + d, &u, sizeof u);
@@ -400,12 +399,11 @@ static inline __attribute__((always_inline)) void values_rows(float *o, const fl
  * (the odd key's exact product added first, then the even one's; subnormals flushed), added to o.
  * Half the instructions of widening each value to float32 and multiplying it by a float32 weight;
  * transformers' eager attention also rounds its bfloat16 weights before the values' product. */
-static inline __attribute__((always_inline)) void value_pairs_block(float *o, const float *p, const float *vc,
+static inline __attribute__((always_inline)) void value_pairs_block(float *o, const float *p, const uint32_t *pairs,
                                                                     int64_t dim_v, const int rows, const int nb) {
     __m512 acc[RB][KV];
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++) acc[r][b] = _mm512_loadu_ps(o + r * dim_v + 16 * b);
-    const uint32_t *pairs = (const uint32_t *)vc;
     for (int64_t t = 0; t < KC / 2; t++) {
         __m512i vt[KV];
         for (int b = 0; b < nb; b++) vt[b] = _mm512_loadu_si512(pairs + t * dim_v + 16 * b);
@@ -425,11 +423,11 @@ static inline __attribute__((always_inline)) void value_pairs_rows(float *o, con
                                                                    int64_t dim_v, const int rows) {
     int64_t d = 0;
     const uint32_t *pairs = (const uint32_t *)vc;
-    for (; d + 16 * KV <= dim_v; d += 16 * KV) value_pairs_block(o + d, p, (const float *)(pairs + d), dim_v, rows, KV);
+    for (; d + 16 * KV <= dim_v; d += 16 * KV) value_pairs_block(o + d, p, pairs + d, dim_v, rows, KV);
     switch ((dim_v - d) / 16) {
-    case 3: value_pairs_block(o + d, p, (const float *)(pairs + d), dim_v, rows, 3); break;
-    case 2: value_pairs_block(o + d, p, (const float *)(pairs + d), dim_v, rows, 2); break;
-    case 1: value_pairs_block(o + d, p, (const float *)(pairs + d), dim_v, rows, 1); break;
+    case 3: value_pairs_block(o + d, p, pairs + d, dim_v, rows, 3); break;
+    case 2: value_pairs_block(o + d, p, pairs + d, dim_v, rows, 2); break;
+    case 1: value_pairs_block(o + d, p, pairs + d, dim_v, rows, 1); break;
     default: break;
     }
 }
