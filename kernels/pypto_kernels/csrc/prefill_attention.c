@@ -379,19 +379,6 @@ static inline __attribute__((always_inline)) void values_block(float *o, const f
     outer_block(o, dim_v, 1, p, KC, vc, dim_v, KC, rows, nb);
 }
 
-/* values_block over dims [d, dim_v) (a multiple of 16) in blocks of KV vectors, then the last 1-3. */
-static inline __attribute__((always_inline)) void values_rows(float *o, const float *p, const float *vc,
-                                                              int64_t dim_v, const int rows) {
-    int64_t d = 0;
-    for (; d + 16 * KV <= dim_v; d += 16 * KV) values_block(o + d, p, vc + d, dim_v, rows, KV);
-    switch ((dim_v - d) / 16) {
-    case 3: values_block(o + d, p, vc + d, dim_v, rows, 3); break;
-    case 2: values_block(o + d, p, vc + d, dim_v, rows, 2); break;
-    case 1: values_block(o + d, p, vc + d, dim_v, rows, 1); break;
-    default: break;
-    }
-}
-
 #ifdef __AVX512BF16__
 /* values_block for bfloat16 weights and values (sh->pairs): p holds each row's KC weights as bfloat16,
  * vc the chunk's values as pairs of keys ([KC / 2, dim_v] of two bfloat16 each: key 2t's value, then
@@ -418,34 +405,47 @@ static inline __attribute__((always_inline)) void value_pairs_block(float *o, co
         for (int b = 0; b < nb; b++) _mm512_storeu_ps(o + r * dim_v + 16 * b, acc[r][b]);
 }
 
-/* value_pairs_block over dims [0, dim_v) (a multiple of 16) in blocks of KV vectors, then the last 1-3. */
-static inline __attribute__((always_inline)) void value_pairs_rows(float *o, const float *p, const float *vc,
-                                                                   int64_t dim_v, const int rows) {
+#endif
+
+/* The weighted values of dims [d, d + 16 nb): value_pairs_block where pairs (vc then holds the
+ * chunk's values as pairs of keys), else values_block. */
+static inline __attribute__((always_inline)) void values_dims(float *o, const float *p, const float *vc, int64_t d,
+                                                              int64_t dim_v, const int rows, const int nb,
+                                                              const int pairs) {
+#ifdef __AVX512BF16__
+    if (pairs) {
+        value_pairs_block(o + d, p, (const uint32_t *)vc + d, dim_v, rows, nb);
+        return;
+    }
+#endif
+    (void)pairs;
+    values_block(o + d, p, vc + d, dim_v, rows, nb);
+}
+
+/* values_dims over dims [0, dim_v) (a multiple of 16) in blocks of KV vectors, then the last 1-3. */
+static inline __attribute__((always_inline)) void values_rows(float *o, const float *p, const float *vc,
+                                                              int64_t dim_v, const int rows, const int pairs) {
     int64_t d = 0;
-    const uint32_t *pairs = (const uint32_t *)vc;
-    for (; d + 16 * KV <= dim_v; d += 16 * KV) value_pairs_block(o + d, p, pairs + d, dim_v, rows, KV);
+    for (; d + 16 * KV <= dim_v; d += 16 * KV) values_dims(o, p, vc, d, dim_v, rows, KV, pairs);
     switch ((dim_v - d) / 16) {
-    case 3: value_pairs_block(o + d, p, pairs + d, dim_v, rows, 3); break;
-    case 2: value_pairs_block(o + d, p, pairs + d, dim_v, rows, 2); break;
-    case 1: value_pairs_block(o + d, p, pairs + d, dim_v, rows, 1); break;
+    case 3: values_dims(o, p, vc, d, dim_v, rows, 3, pairs); break;
+    case 2: values_dims(o, p, vc, d, dim_v, rows, 2, pairs); break;
+    case 1: values_dims(o, p, vc, d, dim_v, rows, 1, pairs); break;
     default: break;
     }
 }
-#endif
 
 /* o[m] += sum_j s[m, j] vc[j] for vectors [m, m_count) (a vector that sees none of the chunk has zero
  * weights: its outputs, never -0, stay as they are). */
 static void weighted_values(const Scratch *w, const Shape *sh, int64_t m, int64_t m_count) {
     int64_t dim_v = sh->dim_v;
-#ifdef __AVX512BF16__
     if (sh->pairs) {
-        for (; m + RB <= m_count; m += RB) value_pairs_rows(w->o + m * dim_v, w->s + m * KC, w->vc, dim_v, RB);
-        for (; m < m_count; m++) value_pairs_rows(w->o + m * dim_v, w->s + m * KC, w->vc, dim_v, 1);
+        for (; m + RB <= m_count; m += RB) values_rows(w->o + m * dim_v, w->s + m * KC, w->vc, dim_v, RB, 1);
+        for (; m < m_count; m++) values_rows(w->o + m * dim_v, w->s + m * KC, w->vc, dim_v, 1, 1);
         return;
     }
-#endif
-    for (; m + RB <= m_count; m += RB) values_rows(w->o + m * dim_v, w->s + m * KC, w->vc, dim_v, RB);
-    for (; m < m_count; m++) values_rows(w->o + m * dim_v, w->s + m * KC, w->vc, dim_v, 1);
+    for (; m + RB <= m_count; m += RB) values_rows(w->o + m * dim_v, w->s + m * KC, w->vc, dim_v, RB, 0);
+    for (; m < m_count; m++) values_rows(w->o + m * dim_v, w->s + m * KC, w->vc, dim_v, 1, 0);
 }
 
 /* One tile: queries [i0, i0 + rows) of a span whose query 0 sits at position p0, for KV head h. */
