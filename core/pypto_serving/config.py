@@ -440,10 +440,21 @@ class ServingSettings(BaseSettings):
         description="Cores a spawned single-rank worker's compute threads are pinned to, one thread per core "
         "(OMP_PLACES / OMP_PROC_BIND, and the worker's CPU affinity): 'auto' takes the last worker_threads of the "
         "cores this process may use (unset: torch's thread count, OMP_NUM_THREADS or every core), leaving the "
-        "first ones to the engine core and server, and pins nothing when there are fewer cores than threads (with "
+        "first ones to the engine core and server (engine_cpu_bind), and pins nothing when there are fewer cores "
+        "than threads (with "
         "data_parallel_size replicas, replica i takes its own slice of the last replicas x worker_threads cores, "
         "and none is pinned where they do not fit); 'off' pins nothing; or a list such as '0-3' or '2,3'. "
         "OMP_PLACES or OMP_PROC_BIND already set in the environment wins.",
+    )
+    engine_cpu_bind: str = Field(
+        "auto",
+        pattern=r"^(auto|off|\d+(-\d+)?(,\d+(-\d+)?)*)$",
+        description="Cores the serve command's own processes (the server, its engine-core processes and their "
+        "threads) run on, so that they never preempt a pinned worker's compute threads: 'auto' takes the cores "
+        "this process may use that the pinned workers (worker_cpu_bind) leave, and pins nothing where a worker is "
+        "not pinned or no core is left (worker_threads unset takes every core); 'off' pins nothing; or a list "
+        "such as '0,1'. A worker is spawned on its own cores either way. An LLM in your own script leaves your "
+        "process where it is.",
     )
     worker_shed_busy_cores: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -808,6 +819,7 @@ SERVER_ONLY = frozenset(
         "max_worker_restarts",
         "worker_restart_window",
         "engine_mode",
+        "engine_cpu_bind",
         "data_parallel_size",
         "data_parallel_routing",
         "tool_call_parser",

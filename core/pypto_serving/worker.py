@@ -28,6 +28,7 @@ import torch
 
 from .config import ServingSettings
 from .core_watch import CoreWatch
+from .cpu_binding import core_list, engine_cores, on_cores, pin_process
 from .devices import device_kind
 from .distributed import (
     RANK_LOST_EXIT,
@@ -100,33 +101,55 @@ def _refuse_spawn_while_bootstrapping() -> None:
         os._exit(_UNGUARDED_MAIN_EXIT)
 
 
-def _core_list(spec: str) -> list[int]:
-    """``'0-3,6'`` -> ``[0, 1, 2, 3, 6]``."""
-    cores: list[int] = []
-    for part in spec.split(","):
-        first, _, last = part.partition("-")
-        cores.extend(range(int(first), int(last or first) + 1))
-    return cores
-
-
 def worker_cores(settings: ServingSettings) -> list[int] | None:
     """The cores a spawned worker's compute threads are pinned to (``worker_cpu_bind``), or None.
 
     Only a single-rank worker is pinned (ranks would share the cores); ``auto`` leaves the first cores
-    to the engine core and server, and pins nothing when there are fewer cores than threads.
-    :raises ValueError: a listed core this process may not run on.
+    to the engine core and server, and pins nothing when there are fewer cores than threads. A listed
+    core the kernel does not let this process use fails when the worker is spawned.
     """
     if settings.worker_cpu_bind == "off" or settings.tensor_parallel_size > 1:
         return None
-    allowed = sorted(os.sched_getaffinity(0))
     if settings.worker_cpu_bind != "auto":
-        cores = _core_list(settings.worker_cpu_bind)
-        if not set(cores) <= set(allowed):
-            raise ValueError(f"worker_cpu_bind {settings.worker_cpu_bind!r} names cores outside {allowed}")
-        return cores
+        return core_list(settings.worker_cpu_bind)
+    allowed = sorted(os.sched_getaffinity(0))
     # Unset worker_threads: torch's default in the child, the same as here (OMP_NUM_THREADS, else the cores).
     threads = settings.worker_threads or torch.get_num_threads()
     return allowed[-threads:] if threads <= len(allowed) else None
+
+
+def resolve_cpu_binds(replicas: list[ServingSettings]) -> list[ServingSettings]:
+    """Each replica's settings with ``worker_cpu_bind`` and ``engine_cpu_bind`` as this process's cores
+    decide them now (``auto`` made a list, or ``off``), so that a process narrowed to the engine's
+    cores later still spawns each worker on its own. The engine's ``auto`` keeps every spawned worker's
+    cores free; where the environment places OpenMP's threads (``OMP_PLACES`` / ``OMP_PROC_BIND``) they are
+    not ours to keep free, and the engine is not pinned."""
+    workers = [worker_cores(each) for each in replicas]
+    # An in-process worker computes on the engine's own threads: nothing to keep the engine off.
+    spawned = [w if each.worker_mode == "process" else None for each, w in zip(replicas, workers, strict=True)]
+    owned = [] if {"OMP_PLACES", "OMP_PROC_BIND"} & set(os.environ) else spawned
+    engine = engine_cores(replicas[0].engine_cpu_bind, owned)
+    return [
+        each.with_overrides(worker_cpu_bind=_spec(w), engine_cpu_bind=_spec(engine))
+        for each, w in zip(replicas, workers, strict=True)
+    ]
+
+
+def keep_off_workers(settings: ServingSettings) -> ServingSettings:
+    """Pin this process (a server or an engine core: ours to place) to ``engine_cpu_bind``'s cores, as
+    :func:`resolve_cpu_binds` decides them; returns the resolved settings, which spawn the worker.
+
+    :raises ValueError: a listed core the kernel does not let this process run on.
+    """
+    settings = resolve_cpu_binds([settings])[0]
+    cores = engine_cores(settings.engine_cpu_bind, [])
+    if cores is not None:
+        pin_process(cores, "engine_cpu_bind")
+    return settings
+
+
+def _spec(cores: list[int] | None) -> str:
+    return ",".join(map(str, cores)) if cores is not None else "off"
 
 
 def _places(cores: list[int]) -> str:
@@ -156,14 +179,19 @@ def _worker_environment(settings: ServingSettings) -> Iterator[None]:
         # pages in on every step. Other C libraries ignore the variable.
         env["GLIBC_TUNABLES"] = HEAP_REUSE_TUNABLES
     cores = worker_cores(settings)
-    if cores is not None and not {"OMP_PLACES", "OMP_PROC_BIND"} & set(os.environ):
+    if {"OMP_PLACES", "OMP_PROC_BIND"} & set(os.environ):
+        cores = None
+    if cores is not None:
         # One place per core, thread i on place i: no thread migrates, none shares a core with another.
         env["OMP_PLACES"] = _places(cores)
         env["OMP_PROC_BIND"] = "close"
     env = {k: v for k, v in env.items() if k not in os.environ}
     os.environ.update(env)
     try:
-        yield
+        # Spawned from a thread on the worker's cores, the worker starts there even where this process
+        # keeps off them (engine_cpu_bind): OpenMP takes its places from the mask it starts with.
+        with on_cores(cores, "worker_cpu_bind") if cores is not None else contextlib.nullcontext():
+            yield
     finally:
         for key in env:
             os.environ.pop(key, None)

@@ -27,6 +27,7 @@ SERVER_ONLY = [
     "max_worker_restarts",
     "worker_restart_window",
     "engine_mode",
+    "engine_cpu_bind",
     "data_parallel_size",
     "data_parallel_routing",
     "tool_call_parser",

@@ -321,13 +321,22 @@ def test_the_worker_pins_its_threads_to_cores(
     assert "OMP_PLACES" not in os.environ and "OMP_PROC_BIND" not in os.environ
 
 
-def test_worker_cpu_bind_refuses_cores_it_may_not_use() -> None:
+def test_worker_cpu_bind_refuses_cores_it_may_not_use(monkeypatch: Any) -> None:
+    """A listed core the kernel does not let this process use fails the worker's spawn, before any
+    process starts, and leaves the spawning thread's cores as they were."""
     from pypto_serving.config import ServingSettings
-    from pypto_serving.worker import worker_cores
+    from pypto_serving.worker import _worker_environment, worker_cores
 
-    outside = max(os.sched_getaffinity(0)) + 1
-    with pytest.raises(ValueError, match="names cores outside"):
-        worker_cores(ServingSettings(worker_cpu_bind=f"0,{outside}"))
+    for name in ("OMP_PLACES", "OMP_PROC_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    before = os.sched_getaffinity(0)
+    outside = max(before) + 1
+    with (
+        pytest.raises(ValueError, match=rf"worker_cpu_bind names cores this process may not run on: \[{outside}\]"),
+        _worker_environment(ServingSettings(worker_cpu_bind=f"{min(before)},{outside}")),
+    ):
+        pass
+    assert os.sched_getaffinity(0) == before and "OMP_PLACES" not in os.environ
     with pytest.raises(ValueError, match="worker_cpu_bind"):
         ServingSettings(worker_cpu_bind="all")
     too_many = len(os.sched_getaffinity(0)) + 1

@@ -72,7 +72,7 @@ def run_server(settings: Any, plugins: Any = None) -> int:
     """Bind, load, serve until SIGINT/SIGTERM; returns the process exit code: 0 after a drained
     shutdown, 1 when the worker kept dying past the restart budget (so a supervisor restarts us)."""
     from ..engine import EngineDeadError
-    from ..worker import WorkerError
+    from ..worker import WorkerError, keep_off_workers
     from .app import build_app, served_model_name
     from .data_parallel import make_llm
     from .openai_requests import warm_grammars
@@ -93,6 +93,7 @@ def run_server(settings: Any, plugins: Any = None) -> int:
 
     llm = make_llm(settings, plugins, on_fatal=give_up)
     try:
+        keep_off_workers(llm.settings)  # this process and the engine cores it starts (engine_cpu_bind)
         llm.wait_ready()
     except (SettingsError, PluginError, WorkerError, EngineDeadError, ValueError, OSError) as e:
         sock.close()

@@ -36,6 +36,7 @@ from ..metrics import ServerMetrics
 from ..plugins import PluginManager
 from ..request import RequestOutput, SamplingParams
 from ..tokenizer import Tokenizer
+from ..worker import resolve_cpu_binds
 from .async_llm import AsyncLLM, stream_outputs
 
 __all__ = ["DataParallelLLM", "ServingLLM", "make_llm", "replica_settings"]
@@ -65,17 +66,23 @@ def make_llm(
 ) -> AsyncLLM | DataParallelLLM:
     """One engine, or ``data_parallel_size`` replicas behind a router."""
     if settings.data_parallel_size == 1:
-        return AsyncLLM(settings, plugins, on_fatal=on_fatal)
+        return AsyncLLM(replica_settings(settings, 1)[0], plugins, on_fatal=on_fatal)
     return DataParallelLLM(settings, plugins, on_fatal=on_fatal)
 
 
 def replica_settings(settings: ServingSettings, count: int) -> list[ServingSettings]:
-    """Each of ``count`` replicas' settings. On the CPU with ``worker_cpu_bind = "auto"`` every replica
-    alone would pin its worker to the same last ``worker_threads`` cores; instead replica ``i`` gets its
-    own slice of the last ``count x worker_threads`` cores this process may use (an explicit list, in
-    order), and where they do not all fit none is pinned (``"off"``: the OS spreads them) rather than
-    all on the same cores. Other devices, tensor parallelism and an explicit ``worker_cpu_bind`` are
-    left as set."""
+    """Each of ``count`` replicas' settings, every ``auto`` core choice made a list here
+    (:func:`~pypto_serving.worker.resolve_cpu_binds`). On the CPU with ``worker_cpu_bind = "auto"``
+    every replica alone would pin its worker to the same last ``worker_threads`` cores; instead replica
+    ``i`` gets its own slice of the last ``count x worker_threads`` cores this process may use (an
+    explicit list, in order), and where they do not all fit none is pinned (``"off"``: the OS spreads
+    them) rather than all on the same cores; ``engine_cpu_bind = "auto"`` gives the server and the
+    engine cores what the workers leave. Other devices, tensor parallelism and an explicit
+    ``worker_cpu_bind`` keep their workers' cores."""
+    return resolve_cpu_binds(_replica_workers(settings, count))
+
+
+def _replica_workers(settings: ServingSettings, count: int) -> list[ServingSettings]:
     if settings.worker_cpu_bind != "auto" or settings.tensor_parallel_size > 1 or count == 1:
         return [settings] * count
     if device_kind(settings.device) != "cpu":

@@ -43,7 +43,7 @@ from ..config import ServingSettings
 from ..executor import ExecutorInfo, StepInterrupt
 from ..heap import freeze_startup_heap
 from ..request import RequestOutput, SamplingParams
-from ..worker import parent_logging
+from ..worker import keep_off_workers, parent_logging
 
 __all__ = [
     "AbortCmd",
@@ -355,6 +355,8 @@ class _CoreLoop:
         from ..engine import EngineCore
 
         try:
+            # Placed first: the worker EngineCore spawns starts from the settings this resolves.
+            self.settings = keep_off_workers(self.settings)
             engine = EngineCore(self.settings, self.plugins)
         except BaseException as e:  # reported to the server, which decides what follows
             try:

@@ -214,6 +214,8 @@ def test_cpu_replicas_pin_their_workers_to_their_own_cores(monkeypatch: pytest.M
     from pypto_serving.worker import worker_cores
 
     monkeypatch.setattr(data_parallel.os, "sched_getaffinity", lambda pid: set(range(8)))
+    for name in ("OMP_PLACES", "OMP_PROC_BIND"):
+        monkeypatch.delenv(name, raising=False)
     base = ServingSettings(device="cpu", worker_threads=2)
     each = data_parallel.replica_settings(base, 3)
     assert [s.worker_cpu_bind for s in each] == ["2,3", "4,5", "6,7"]
@@ -221,14 +223,17 @@ def test_cpu_replicas_pin_their_workers_to_their_own_cores(monkeypatch: pytest.M
     assert [worker_cores(s) for s in each] == [[2, 3], [4, 5], [6, 7]]  # the worker reads them back
     # More threads than cores for all replicas: none pinned, rather than all on the same cores.
     assert {s.worker_cpu_bind for s in data_parallel.replica_settings(base, 5)} == {"off"}
-    # Choices that are not "auto" on the CPU with one rank are left as set.
-    for other in (
-        base.with_overrides(worker_cpu_bind="0-1"),
-        base.with_overrides(device="cuda"),
-        base.with_overrides(worker_cpu_bind="off"),
+    # Choices that are not "auto" on the CPU with one rank keep their workers' cores (every replica's
+    # the same), and the server and engine cores take what those leave.
+    for other, worker, engine in (
+        (base.with_overrides(worker_cpu_bind="0-1"), "0,1", "2,3,4,5,6,7"),
+        (base.with_overrides(device="cuda"), "6,7", "0,1,2,3,4,5"),
+        (base.with_overrides(worker_cpu_bind="off"), "off", "off"),
     ):
-        assert data_parallel.replica_settings(other, 2) == [other, other]
-    assert data_parallel.replica_settings(base, 1) == [base]
+        want = other.with_overrides(worker_cpu_bind=worker, engine_cpu_bind=engine)
+        assert data_parallel.replica_settings(other, 2) == [want, want]
+    one = base.with_overrides(worker_cpu_bind="6,7", engine_cpu_bind="0,1,2,3,4,5")
+    assert data_parallel.replica_settings(base, 1) == [one]
 
 
 def test_each_replica_is_built_with_its_own_settings(monkeypatch: pytest.MonkeyPatch) -> None:

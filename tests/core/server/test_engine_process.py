@@ -167,3 +167,35 @@ def test_a_killed_server_leaves_no_core_or_worker_behind(fake_model_dir: Path) -
         if server.poll() is None:
             server.kill()
             server.wait(10)
+
+
+def _masks(pid: int) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.parametrize("bind", ["auto", "off"])
+def test_the_core_process_keeps_off_its_workers_cores(
+    fake_model_dir: Path, monkeypatch: pytest.MonkeyPatch, bind: str
+) -> None:
+    """``engine_cpu_bind``: with one worker thread pinned to the last core, every thread of the engine
+    core runs on the others ('auto'), or anywhere ('off'); the worker is on its core either way, this
+    process is left where it was, and the outputs are the thread mode's."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two cores")
+    for name in ("OMP_PLACES", "OMP_PROC_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    last = max(allowed)
+    llm = start_llm(
+        fake_model_dir, engine_mode="process", worker_mode="process", worker_threads=1, engine_cpu_bind=bind
+    )
+    try:
+        core, worker = llm.engine.pid, llm.engine.worker_pid
+        assert worker is not None and worker in child_pids(core)
+        assert _masks(worker) == {frozenset({last})}
+        assert _masks(core) == ({allowed - {last}} if bind == "auto" else {allowed})
+        assert _masks(os.getpid()) == {allowed}
+        out = asyncio.run(_final(llm, "r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=12)))
+        assert out.outputs[0].token_ids == reference_tokens([5, 6, 7], 12, VOCAB)[0]
+    finally:
+        llm.shutdown(10)

@@ -1,6 +1,7 @@
 """``pypto-serving serve`` as a real subprocess on 127.0.0.1: the official ``openai`` client gets the
 same greedy outputs as ``LLM.generate`` (Qwen executor with a tiny tokenizer), SIGTERM drains
-in-flight streams and exits 0, and start-up problems print one line and exit non-zero."""
+in-flight streams and exits 0, start-up problems print one line and exit non-zero, and the server
+and its engine core keep off a pinned worker's cores."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 
 pytest.importorskip("pypto_serving_sync_sched")
 
-from tests.core.server.server_helpers import free_port, parse_sse, write_tokenizer
+from tests.core.server.server_helpers import core_pids, free_port, parse_sse, worker_pids, write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVE = [sys.executable, "-m", "pypto_serving.cli", "serve"]
@@ -185,6 +186,28 @@ def test_openai_client_matches_llm_generate(qwen_dir: Path, serve: Any) -> None:
     assert e.value.body["param"] == "temperature"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="hi")
+
+
+def _masks(pid: int) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_the_server_and_its_core_keep_off_the_workers_cores(qwen_dir: Path, serve: Any) -> None:
+    """``engine_cpu_bind = "auto"``: a spawned worker of one thread computes on the last core, and
+    every thread of the server and of its engine-core process runs on the others (the server decides
+    both before it narrows itself)."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two cores")
+    args = [a if a != "inproc" else "process" for a in COMMON]
+    proc = serve("--model", str(qwen_dir), *args, "--worker-threads", "1")
+    proc.wait_healthy()
+    r = httpx.post(proc.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200, r.text
+    [core], [worker] = core_pids(proc.p.pid), worker_pids(proc.p.pid)
+    rest = allowed - {max(allowed)}
+    assert _masks(proc.p.pid) == {rest} and _masks(core) == {rest}
+    assert _masks(worker) == {frozenset({max(allowed)})}
 
 
 def test_sigterm_drains_in_flight_and_exits_zero(qwen_dir: Path, serve: Any) -> None:
