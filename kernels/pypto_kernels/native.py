@@ -16,6 +16,9 @@ same results to float rounding), saying so once in the log.
   (``csrc/hyper_connections.c``), one pass per token instead of about 80 tensor ops.
 - :func:`gemv`: one activation row times a plain ``[out, in]`` matrix (``csrc/gemv.c``), a
   stream over the matrix with software prefetches (the output projection at concurrency 1).
+- :func:`grouped_gemv`: rows sorted by expert times each expert's plain ``[out, in]`` matrix
+  (``csrc/gemv.c``): a mixture of experts' routed products, each expert's matrix read once for all
+  its rows.
 - :func:`panel_linear`: float32 or bfloat16 rows times a matrix held as column panels (:func:`pack_panels`,
   ``csrc/panel_gemm.c``): every linear layer's product where :func:`pypto_kernels.packing_rule` picks
   it, one layout serving a one-row step (a stream over the matrix) and a 64-row one (tiles of fused
@@ -53,6 +56,8 @@ __all__ = [
     "cache_dir",
     "gemv",
     "gemv_takes",
+    "grouped_gemv",
+    "grouped_gemv_takes",
     "hc_sinkhorn_mix",
     "hc_takes",
     "library",
@@ -213,6 +218,10 @@ def library() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.pypto_gemv.restype = ctypes.c_int
     lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int, _PTR, _PTR, ctypes.c_int]
+    lib.pypto_grouped_gemv.restype = ctypes.c_int
+    lib.pypto_grouped_gemv.argtypes = [
+        _PTR, ctypes.c_int, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
     lib.pypto_panel_gemm.restype = None
     lib.pypto_panel_gemm.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
     lib.pypto_panel_gemm_logits.restype = None
@@ -702,6 +711,55 @@ def gemv(
     if status != 0:
         raise MemoryError("the native gemv could not allocate its scratch")
     return out if logits else out.to(x.dtype)
+
+
+def grouped_gemv_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`grouped_gemv` takes this product: CPU tensors of one dtype of
+    :data:`NATIVE_DTYPES`, dense ``[rows, in]`` rows, a ``[experts, out, in]`` weight with dense rows
+    and experts, and the library built."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and x.dtype in NATIVE_DTYPES
+        and x.dim() == 2
+        and weight.dim() == 3
+        and x.shape[1] == weight.shape[2] > 0
+        and weight.stride(2) == 1
+        and weight.stride(1) >= weight.shape[2]
+        and x.is_contiguous()
+        and library() is not None
+    )
+
+
+def grouped_gemv(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by expert times their experts' matrices (``csrc/gemv.c``): rows
+    ``[ends[e - 1], ends[e])`` times ``weight[e]`` transposed, as ``F.linear`` of each segment; each
+    output summed as :func:`gemv` sums it for that row alone (so it depends neither on the other rows
+    of its expert nor on the threads), bfloat16 ones rounded to bfloat16 at the end, as torch's.
+
+    :param x: ``[rows, in]``, ``rows = ends[-1]`` (:func:`grouped_gemv_takes`).
+    :param weight: ``[experts, out, in]`` of ``x``'s dtype.
+    :param ends: int64 ``[experts]``, each expert's end row, non-decreasing.
+    :return: ``[rows, out]`` in ``x``'s dtype.
+    """
+    lib = library()
+    if lib is None or not grouped_gemv_takes(x, weight):
+        raise ValueError(
+            f"the native grouped gemv does not take x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)}"
+        )
+    ends = ends.to(torch.int64).contiguous()
+    if ends.numel() != weight.shape[0] or (ends.numel() and int(ends[-1]) != x.shape[0]):
+        raise ValueError(f"ends {ends.tolist()} do not end at the {x.shape[0]} rows of {weight.shape[0]} experts")
+    rows = x.to(torch.float32)
+    out = torch.empty((x.shape[0], weight.shape[1]), dtype=torch.float32)
+    status = lib.pypto_grouped_gemv(
+        weight.data_ptr(), NATIVE_DTYPES[weight.dtype], weight.stride(0), weight.stride(1), rows.data_ptr(),
+        out.data_ptr(), ends.data_ptr(), weight.shape[0], weight.shape[1], weight.shape[2],
+        int(weight.dtype == torch.bfloat16), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the native grouped gemv could not allocate its scratch")
+    return out.to(x.dtype)
 
 
 #: Outputs per panel of :func:`pack_panels` (four 16-float vectors).

@@ -69,6 +69,7 @@ CPU_FAST_KERNELS: frozenset[str] = frozenset(
         "linear",
         "paged_attention",
         "quant_moe_experts",
+        "moe_experts",
         "rms_norm",
         "add_rms_norm",
         "qk_norm_rope_write_kv",

@@ -475,6 +475,58 @@ def supports_quant_moe_experts(
     return same and explain_quant_moe_experts(scheme=gate_up.scheme, routes=ids.numel()) is None
 
 
+MOE_LABEL = "cpu: routed rows sorted by expert, each expert's matrix read once for its rows (pypto_kernels.native)"
+
+
+def native_moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+) -> torch.Tensor:
+    """:func:`pypto_kernels.moe_experts` through :func:`pypto_kernels.native.grouped_gemv`: the routes
+    sorted by expert (stable) as the grouped path sorts them, the dropped ones (id ``E``) cut off the
+    end, both products native, weighted and summed per token in the same order."""
+    num_tokens, top_k = ids.shape
+    out = torch.zeros_like(x)
+    if num_tokens == 0:
+        return out
+    flat = ids.reshape(-1)
+    experts = gate_up.shape[0]
+    ends = torch.bincount(flat, minlength=experts + 1)[:experts].cumsum(0)
+    order = torch.argsort(flat, stable=True)[: int(ends[-1])]  # a host read, free on the CPU
+    token_of = order // top_k
+    hidden = activation(native.grouped_gemv(x.index_select(0, token_of), gate_up, ends)).contiguous()
+    hidden = native.grouped_gemv(hidden, down, ends) * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+    return out.index_add_(0, token_of, hidden.to(out.dtype))
+
+
+#: Routes per expert (a call's routes over its experts) up to which the native grouped products run the
+#: routed experts, by the stored dtype: beyond them each expert's rows are enough for torch's grouped
+#: GEMM to win (docs/benchmarks.md, "Routed experts read once for their rows").
+NATIVE_MOE_ROUTES_PER_EXPERT = {torch.bfloat16: 8, torch.float32: 32}
+
+
+def supports_moe_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    *args: Any, **kwargs: Any,
+) -> bool:  # fmt: skip
+    return (
+        not torch.compiler.is_compiling()
+        and ids.numel() <= NATIVE_MOE_ROUTES_PER_EXPERT.get(x.dtype, 0) * gate_up.shape[0]
+        and native.grouped_gemv_takes(x.reshape(-1, x.shape[-1]), gate_up)
+        and down.dtype == x.dtype
+        and down.dim() == 3
+        and down.shape[0] == gate_up.shape[0]
+        and down.shape[1] == x.shape[-1]
+        and down.stride(2) == 1
+        and x.dim() == 2
+        and x.is_contiguous()
+    )
+
+
 NORM_LABEL = "cpu: one C pass per row (pypto_kernels.native)"
 QK_ROPE_LABEL = "cpu: one C pass per token, norms, rotation and cache write (pypto_kernels.native)"
 
@@ -544,6 +596,7 @@ def register(add: Callable[..., None]) -> None:
     add("rms_norm", "cpu", native_rms_norm, supports_rms_norm, label=NORM_LABEL)
     add("add_rms_norm", "cpu", native_add_rms_norm, supports_add_rms_norm, label=NORM_LABEL)
     add("silu_and_mul", "cpu", native_silu_and_mul, supports_silu_and_mul, label=NORM_LABEL)
+    add("moe_experts", "cpu", native_moe_experts, supports_moe_experts, label=MOE_LABEL)
     add(
         "qk_norm_rope_write_kv",
         "cpu",

@@ -212,3 +212,121 @@ int pypto_gemv(const void *w, int kind, int64_t ws, const float *x, float *out, 
     free(bests), free(where);
     return 0;
 }
+
+/* row_dot of output o for nr <= ROWS activation rows at once (x and xs row r at r * stride): each of
+ * the nr results the same additions in the same order as row_dot's for that row alone, the matrix
+ * row read once for all of them. */
+enum { ROWS = 4 };
+
+static inline __attribute__((always_inline)) void rows_dot(const void *w, int kind, int64_t ws, const float *x,
+                                                           const float *xs, int64_t stride, int64_t in, int64_t o,
+                                                           int nr, float *res) {
+    int64_t size = kind == ELEM_BF16 ? 2 : 4;
+    const char *row = (const char *)w + o * ws * size;
+    for (int64_t off = 0; off < size * in; off += PREFETCH_EVERY) __builtin_prefetch(row + PREFETCH + off, 0, 2);
+    pf a[ROWS][4][PARTS] = {{{{0}}}};
+    int64_t i = 0;
+    if (kind == ELEM_BF16) {
+        for (; i + 8 * LANES <= in; i += 8 * LANES)
+            for (int c = 0; c < 4; c++)
+                for (int r = 0; r < nr; r++) pair_dots(a[r][c], (const uint16_t *)row, xs + r * stride, i + 2 * LANES * c);
+        for (; i + 2 * LANES <= in; i += 2 * LANES)
+            for (int r = 0; r < nr; r++) pair_dots(a[r][0], (const uint16_t *)row, xs + r * stride, i);
+    } else {
+        const float *wf = (const float *)row;
+        for (; i + 4 * LANES <= in; i += 4 * LANES)
+            for (int c = 0; c < 4; c++)
+                for (int p = 0; p < PARTS; p++) {
+                    pf wv = pload(wf + i + LANES * c + PART * p);
+                    for (int r = 0; r < nr; r++) a[r][c][p] += wv * pload(x + r * stride + i + LANES * c + PART * p);
+                }
+        for (; i + LANES <= in; i += LANES)
+            for (int p = 0; p < PARTS; p++) {
+                pf wv = pload(wf + i + PART * p);
+                for (int r = 0; r < nr; r++) a[r][0][p] += wv * pload(x + r * stride + i + PART * p);
+            }
+    }
+    for (int r = 0; r < nr; r++) {
+        pf v[PARTS];
+        for (int p = 0; p < PARTS; p++) v[p] = (a[r][0][p] + a[r][1][p]) + (a[r][2][p] + a[r][3][p]);
+        float total = sum_parts(v);
+        const float *xr = x + r * stride;
+        for (int64_t j = i; j < in; j++)
+            total += scalar_kind(row, kind, j) * (kind == ELEM_BF16 ? bf16_value(bf16_round(xr[j])) : xr[j]);
+        res[r] = total;
+    }
+}
+
+/* rows_dot for one of its row counts, the count a constant in each copy (so its accumulators stay in
+ * registers). */
+static inline __attribute__((always_inline)) void rows_dot_n(const void *w, int kind, int64_t ws, const float *x,
+                                                             const float *xs, int64_t in, int64_t o, int nr,
+                                                             float *res) {
+    if (nr == 4) rows_dot(w, kind, ws, x, xs, in, in, o, 4, res);
+    else if (nr == 3) rows_dot(w, kind, ws, x, xs, in, in, o, 3, res);
+    else if (nr == 2) rows_dot(w, kind, ws, x, xs, in, in, o, 2, res);
+    else rows_dot(w, kind, ws, x, xs, in, in, o, 1, res);
+}
+
+/* Outputs [lo, hi) of activation rows [r0, r1) against one matrix, stored (rounded to bfloat16 and
+ * widened back where round_bf16) at out + row * n + output: ROWS rows at a time over all the outputs,
+ * so that those rows stay in L1 while the outputs' matrix rows (CHUNK of them) are read from memory
+ * once and from L2 for the next ROWS rows (the other order, every row per output, read the rows back
+ * from L2 and ran 1.5x slower at 8 rows an expert). */
+static void rows_outputs(const void *w, int kind, int64_t ws, const float *x, const float *xs, int64_t in,
+                         float *out, int64_t n, int64_t r0, int64_t r1, int64_t lo, int64_t hi, int round_bf16) {
+    float res[ROWS];
+    for (int64_t r = r0; r < r1; r += ROWS) {
+        int nr = r1 - r < ROWS ? (int)(r1 - r) : ROWS;
+        const float *xr = x + r * in, *sr = xs ? xs + r * in : NULL;
+        for (int64_t o = lo; o < hi; o++) {
+            if (kind == ELEM_BF16)
+                rows_dot_n(w, ELEM_BF16, ws, xr, sr, in, o, nr, res);
+            else
+                rows_dot_n(w, ELEM_F32, ws, xr, sr, in, o, nr, res);
+            for (int k = 0; k < nr; k++) out[(r + k) * n + o] = round_bf16 ? bf16_value(bf16_round(res[k])) : res[k];
+        }
+    }
+}
+
+/* Grouped products (the routed experts of a mixture of experts): activation rows sorted by expert,
+ * expert e's rows [ends[e - 1], ends[e]) (ends[-1] = 0) times its [n, in] matrix at w + e * es elements
+ * (kind ELEM_F32 or ELEM_BF16, row stride ws, rows dense); x [rows, in] float32 (for a bfloat16
+ * matrix, rounded to bfloat16 first), out [rows, n] float32, rows = ends[experts - 1]; round_bf16 as
+ * pypto_gemv's. Each output is row_dot's sum for its row alone (pypto_gemv's): it depends only on its row and its
+ * expert's matrix, not on the other rows routed there or the threads. The work is split into items of
+ * CHUNK outputs of one expert (for all its rows), most of them in advance, the last quarter claimed.
+ * Returns 0, or -1 without computing anything where its scratch could not be allocated. */
+int pypto_grouped_gemv(const void *w, int kind, int64_t es, int64_t ws, const float *x, float *out,
+                       const int64_t *ends, int64_t experts, int64_t n, int64_t in, int round_bf16, int threads) {
+    int64_t rows = experts > 0 ? ends[experts - 1] : 0, per = (n + CHUNK - 1) / CHUNK;
+    int64_t *first = malloc(sizeof(int64_t) * (experts + 1));
+    float *xs = kind == ELEM_BF16 ? malloc(sizeof(float) * (rows * in > 0 ? rows * in : 1)) : NULL;
+    if (!first || (kind == ELEM_BF16 && !xs)) {
+        free(first), free(xs);
+        return -1;
+    }
+    first[0] = 0; /* expert e's items [first[e], first[e + 1]) */
+    for (int64_t e = 0; e < experts; e++) first[e + 1] = first[e] + (ends[e] > (e ? ends[e - 1] : 0) ? per : 0);
+    if (xs)
+        for (int64_t r = 0; r < rows; r++) split_pairs(x + r * in, in, xs + r * in);
+    int64_t items = first[experts], fixed = fixed_items(items, TAIL_MIN), claimed = fixed;
+#pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+    {
+        int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t lo = fixed * me / team, hi = fixed * (me + 1) / team, e = 0;
+        while (lo < hi || claim(&claimed, items, team, &lo, &hi)) {
+            for (int64_t item = lo; item < hi; item++) {
+                while (first[e + 1] <= item) e++;
+                while (first[e] > item) e--;
+                int64_t r0 = e ? ends[e - 1] : 0, o0 = (item - first[e]) * CHUNK;
+                int64_t o1 = o0 + CHUNK < n ? o0 + CHUNK : n;
+                rows_outputs((const char *)w + e * es * (kind == ELEM_BF16 ? 2 : 4), kind, ws, x, xs, in, out, n, r0,
+                             ends[e], o0, o1, round_bf16);
+            }
+            lo = hi;
+        }
+    }
+    free(first), free(xs);
+    return 0;
+}
