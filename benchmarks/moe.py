@@ -1,4 +1,7 @@
-"""Grouped MoE (``grouped_moe_experts``) against the per-expert loop (``looped_moe_experts``) in one run.
+"""Grouped MoE (``grouped_moe_experts``) against the per-expert loop (``looped_moe_experts``) in one run,
+or (``--native``) against the CPU's native grouped products
+(:func:`pypto_kernels.backends.cpu.native_moe_experts`), with each one's read rate of the routed
+experts' weights beside this machine's copy bandwidth, measured in the same run.
 
 Random float32 experts and softmax top-k routing at decode (few tokens) and prefill (hundreds of
 tokens) token counts on three shapes: the plugin tests' tiny Qwen3-MoE, a small many-expert one and
@@ -7,11 +10,13 @@ back, alternating which goes first, so load from other jobs hits both alike; the
 
     python3 benchmarks/moe.py                    # all shapes, markdown table
     python3 benchmarks/moe.py --repeats 5 --shapes tiny mid --threads 1
+    python3 benchmarks/moe.py --native --dtype bfloat16 --shapes small mid --tokens 1 8 64 128 256
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import statistics
 import time
@@ -40,11 +45,11 @@ SHAPES = {
 TOKENS = {"decode": (1, 8, 64), "prefill": (256, 512)}
 
 
-def _operands(shape: Shape, tokens: int) -> tuple[torch.Tensor, ...]:
+def _operands(shape: Shape, tokens: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, shape.hidden, generator=gen)
-    gate_up = torch.randn(shape.experts, 2 * shape.intermediate, shape.hidden, generator=gen) * 0.02
-    down = torch.randn(shape.experts, shape.hidden, shape.intermediate, generator=gen) * 0.02
+    x = torch.randn(tokens, shape.hidden, generator=gen).to(dtype)
+    gate_up = (torch.randn(shape.experts, 2 * shape.intermediate, shape.hidden, generator=gen) * 0.02).to(dtype)
+    down = (torch.randn(shape.experts, shape.hidden, shape.intermediate, generator=gen) * 0.02).to(dtype)
     weights, ids = topk_routing(torch.randn(tokens, shape.experts, generator=gen), shape.top_k, True)
     return x, gate_up, down, weights, ids
 
@@ -77,16 +82,65 @@ def measure(shape: Shape, tokens: int, repeats: int) -> tuple[float, float]:
     return statistics.median(loops), statistics.median(groups)
 
 
+def _alternated(fns: list[Callable[[], torch.Tensor]], repeats: int) -> list[float]:
+    """Median seconds per call of each of ``fns``, timed in turn (the order rotated every repeat)."""
+    calls = max(1, int(0.2 / max(_seconds(fns[0], 1), 1e-6)))
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeats):
+        for i in [(r + j) % len(fns) for j in range(len(fns))]:
+            times[i].append(_seconds(fns[i], calls))
+    return [statistics.median(t) for t in times]
+
+
+def native_row(shape: Shape, tokens: int, repeats: int, dtype: torch.dtype) -> str:
+    """One table row: grouped and native ms, their ratio, and each one's read rate of the weights of
+    the experts the call routes to (GB/s) and FLOP rate, after checking the two agree."""
+    from pypto_kernels.backends.cpu import native_moe_experts
+
+    x, gate_up, down, weights, ids = _operands(shape, tokens, dtype)
+    grouped = functools.partial(grouped_moe_experts, x, gate_up, down, weights, ids)
+    native = functools.partial(native_moe_experts, x, gate_up, down, weights, ids)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(native(), grouped(), atol=tolerance, rtol=tolerance)
+    g, n = _alternated([grouped, native], repeats)
+    read = ids.unique().numel() * 3 * shape.hidden * shape.intermediate * gate_up.element_size()
+    flops = 2 * ids.numel() * 3 * shape.hidden * shape.intermediate
+    rates = f"{read / g / 1e9:.1f} / {read / n / 1e9:.1f} | {flops / g / 1e9:.0f} / {flops / n / 1e9:.0f}"
+    return f"{tokens} | {ids.numel() / shape.experts:.1f} | {g * 1e3:.3f} | {n * 1e3:.3f} | {g / n:.2f}x | {rates}"
+
+
+def native_table(args: argparse.Namespace) -> None:
+    from compare import memory_bandwidth  # benchmarks/compare.py: the floors' copy bandwidth
+
+    dtype = getattr(torch, args.dtype)
+    print(f"copy bandwidth before: {max(memory_bandwidth(256, torch.get_num_threads())) / 1e9:.1f} GB/s")
+    print("| shape (E, top-k, H, I) | tokens | routes an expert | grouped ms | native ms | grouped / native |"
+          " GB/s grouped / native | GFLOP/s grouped / native |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in args.shapes:
+        shape = SHAPES[name]
+        dims = f"{name} ({shape.experts}, {shape.top_k}, {shape.hidden}, {shape.intermediate})"
+        for tokens in args.tokens:
+            print(f"| {dims} | {native_row(shape, tokens, args.repeats, dtype)} |", flush=True)
+    print(f"copy bandwidth after: {max(memory_bandwidth(256, torch.get_num_threads())) / 1e9:.1f} GB/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--native", action="store_true", help="grouped against the CPU's native grouped products")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --native")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 256], help="with --native")
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    if args.native:
+        native_table(args)
+        return
     print("| shape (E, top-k, H, I) | phase | tokens | loop ms | grouped ms | loop / grouped |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name in args.shapes:
