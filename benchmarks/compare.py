@@ -369,9 +369,11 @@ def _time(fn: Any, device: str = "cpu") -> float:
 
 
 def weight_bytes(model: str, precision: str = "float32") -> int:
-    """Bytes of weights a decode step reads: the checkpoint's files, halved for a float32 checkpoint run
-    in bfloat16 (an int8 run reads its converted checkpoint's files)."""
-    stored = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) - _untied_embedding_bytes(model)
+    """Bytes of weights a decode step reads: the checkpoint's files, less a mixture of experts' routed
+    experts that one token does not run, halved for a float32 checkpoint run in bfloat16 (an int8 run
+    reads its converted checkpoint's files)."""
+    stored = sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+    stored -= _untied_embedding_bytes(model) + _idle_expert_bytes(model)
     if precision == "bfloat16" and _checkpoint_dtype(model) == "float32":
         return stored // 2
     return stored
@@ -390,6 +392,25 @@ def _untied_embedding_bytes(model: str) -> int:
                 t = f.get_slice("model.embed_tokens.weight")
                 return math.prod(t.get_shape()) * {"F32": 4, "BF16": 2, "F16": 2}.get(t.get_dtype(), 1)
     return 0
+
+
+def _idle_expert_bytes(model: str) -> int:
+    """The routed experts' bytes a concurrency-1 step leaves unread: of each layer's ``num_experts``
+    (``num_local_experts``), one token runs ``num_experts_per_tok``."""
+    from safetensors import safe_open
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if not experts:
+        return 0
+    routed = 0
+    for shard in Path(model).glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                if ".mlp.experts." in name:
+                    t = f.get_slice(name)
+                    routed += math.prod(t.get_shape()) * {"F32": 4, "BF16": 2, "F16": 2}.get(t.get_dtype(), 1)
+    return routed * (experts - int(config["num_experts_per_tok"])) // experts
 
 
 def _checkpoint_dtype(model: str) -> str:

@@ -91,3 +91,20 @@ def test_bytes_per_step_leave_out_an_embedding_apart_from_the_head(tmp_path: Any
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": tied, "torch_dtype": "float32"}))
     files = (tmp_path / "model.safetensors").stat().st_size
     assert _compare().weight_bytes(str(tmp_path)) == (files if tied else files - 64 * 8 * 4)
+
+
+def test_bytes_per_step_leave_out_the_experts_a_token_does_not_run(tmp_path: Any) -> None:
+    """A mixture of experts' concurrency-1 step reads ``num_experts_per_tok`` of each layer's routed
+    experts (and every other weight, shared experts and the router among them)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors = {f"model.layers.0.mlp.experts.{e}.down_proj.weight": torch.zeros(4, 8) for e in range(4)}
+    tensors["model.layers.0.mlp.gate.weight"] = torch.zeros(4, 8)
+    tensors["model.layers.0.mlp.shared_expert.up_proj.weight"] = torch.zeros(4, 8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = {"tie_word_embeddings": True, "torch_dtype": "float32", "num_experts": 4, "num_experts_per_tok": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    files = (tmp_path / "model.safetensors").stat().st_size
+    assert _compare().weight_bytes(str(tmp_path)) == files - 3 * 4 * 8 * 4  # three of the four experts unread
