@@ -452,9 +452,9 @@ class ServingSettings(BaseSettings):
         description="Cores the serve command's own processes (the server, its engine-core processes and their "
         "threads) run on, so that they never preempt a pinned worker's compute threads: 'auto' takes the cores "
         "this process may use that the pinned workers (worker_cpu_bind) leave, and pins nothing where a worker is "
-        "not pinned or no core is left (worker_threads unset takes every core); 'off' pins nothing; or a list "
-        "such as '0,1'. A worker is spawned on its own cores either way. An LLM in your own script leaves your "
-        "process where it is.",
+        "not pinned or fewer than two cores are left (worker_threads unset takes every core; on one core the "
+        "server and engine core wait on each other); 'off' pins nothing; or a list such as '0,1'. A worker is "
+        "spawned on its own cores either way. An LLM in your own script leaves your process where it is.",
     )
     worker_shed_busy_cores: Literal["auto", "on", "off"] = Field(
         "auto",

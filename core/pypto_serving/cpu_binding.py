@@ -17,9 +17,14 @@ import logging
 import os
 from collections.abc import Collection, Iterator, Sequence
 
-__all__ = ["core_list", "engine_cores", "on_cores", "pin_process"]
+__all__ = ["MIN_ENGINE_CORES", "core_list", "engine_cores", "on_cores", "pin_process"]
 
 logger = logging.getLogger(__name__)
+
+#: Cores ``engine_cpu_bind = "auto"`` needs left to pin the server and engine cores: on one they
+#: wait on each other, and on a busy machine the engine core then notices a dead worker late (a
+#: request sent 50 ms after an idle worker's kill ran a step on it in a test beside another job).
+MIN_ENGINE_CORES = 2
 
 
 def core_list(spec: str) -> list[int]:
@@ -36,7 +41,7 @@ def engine_cores(spec: str, workers: Sequence[Sequence[int] | None]) -> list[int
 
     ``auto``: the cores this process may use that none of ``workers`` (each worker's pinned cores,
     None for one that is not pinned) takes; None where a worker is not pinned (its threads may run
-    anywhere) or no core is left. ``off``: None. A list: those cores.
+    anywhere) or fewer than :data:`MIN_ENGINE_CORES` are left. ``off``: None. A list: those cores.
     """
     if spec == "off":
         return None
@@ -46,7 +51,7 @@ def engine_cores(spec: str, workers: Sequence[Sequence[int] | None]) -> list[int
         return None
     taken = {core for w in workers for core in w or ()}
     rest = sorted(set(os.sched_getaffinity(0)) - taken)
-    return rest or None
+    return rest if len(rest) >= MIN_ENGINE_CORES else None
 
 
 @contextlib.contextmanager

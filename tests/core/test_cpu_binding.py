@@ -35,6 +35,8 @@ def test_engine_cores_are_what_the_pinned_workers_leave(eight_cores: None) -> No
     assert engine_cores("auto", [[4, 5], None]) is None  # a worker anywhere: no core is free of it
     assert engine_cores("auto", []) is None
     assert engine_cores("auto", [list(range(8))]) is None  # nothing left
+    assert engine_cores("auto", [list(range(1, 8))]) is None  # one core: the server and core would share it
+    assert engine_cores("auto", [list(range(2, 8))]) == [0, 1]
     assert engine_cores("off", [[4]]) is None
     assert engine_cores("1-2,5", [None]) == [1, 2, 5]
 
@@ -53,6 +55,7 @@ def test_the_server_resolves_every_auto_choice_once(eight_cores: None, monkeypat
         ("6,7", "0,1"),
     ]
     assert _binds(replica_settings(base.with_overrides(worker_threads=8), 1)) == [("0,1,2,3,4,5,6,7", "off")]
+    assert _binds(replica_settings(base.with_overrides(worker_threads=7), 1)) == [("1,2,3,4,5,6,7", "off")]
     assert _binds(replica_settings(base.with_overrides(worker_threads=3), 3)) == [("off", "off")] * 3
     assert _binds(replica_settings(base.with_overrides(worker_mode="inproc"), 1)) == [("4,5,6,7", "off")]
     assert _binds(replica_settings(base.with_overrides(engine_cpu_bind="off"), 1)) == [("4,5,6,7", "off")]

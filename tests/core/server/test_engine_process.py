@@ -173,27 +173,33 @@ def _masks(pid: int) -> set[frozenset[int]]:
     return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
-@pytest.mark.parametrize("bind", ["auto", "off"])
+@pytest.mark.parametrize("bind", ["rest", "auto", "off"])
 def test_the_core_process_keeps_off_its_workers_cores(
     fake_model_dir: Path, monkeypatch: pytest.MonkeyPatch, bind: str
 ) -> None:
     """``engine_cpu_bind``: with one worker thread pinned to the last core, every thread of the engine
-    core runs on the others ('auto'), or anywhere ('off'); the worker is on its core either way, this
-    process is left where it was, and the outputs are the thread mode's."""
+    core runs on the others where it is pinned (a list of them; 'auto' where they are two or more),
+    else anywhere; the worker is on its core either way, this process is left where it was, and the
+    outputs are the fake model's."""
+    from pypto_serving.cpu_binding import MIN_ENGINE_CORES
+
     allowed = frozenset(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip("needs two cores")
     for name in ("OMP_PLACES", "OMP_PROC_BIND"):
         monkeypatch.delenv(name, raising=False)
     last = max(allowed)
+    rest = allowed - {last}
+    spec = ",".join(map(str, sorted(rest))) if bind == "rest" else bind
     llm = start_llm(
-        fake_model_dir, engine_mode="process", worker_mode="process", worker_threads=1, engine_cpu_bind=bind
+        fake_model_dir, engine_mode="process", worker_mode="process", worker_threads=1, engine_cpu_bind=spec
     )
     try:
         core, worker = llm.engine.pid, llm.engine.worker_pid
         assert worker is not None and worker in child_pids(core)
         assert _masks(worker) == {frozenset({last})}
-        assert _masks(core) == ({allowed - {last}} if bind == "auto" else {allowed})
+        pinned = bind == "rest" or (bind == "auto" and len(rest) >= MIN_ENGINE_CORES)
+        assert _masks(core) == ({rest} if pinned else {allowed})
         assert _masks(os.getpid()) == {allowed}
         out = asyncio.run(_final(llm, "r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=12)))
         assert out.outputs[0].token_ids == reference_tokens([5, 6, 7], 12, VOCAB)[0]
