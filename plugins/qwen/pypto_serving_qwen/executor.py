@@ -346,6 +346,8 @@ class QwenExecutor(Executor):
             backend = K.describe_kernel("paged_attention", self.device, sliding_window=window, sinks=False, **common)
             logger.info("%s layers: paged_attention runs %s", kind, backend)
         logger.info("KV writes: write_kv_cache runs %s", K.describe_kernel("write_kv_cache", self.device))
+        if cfg.num_experts:
+            logger.info("routed experts: moe_experts runs %s", K.describe_kernel("moe_experts", self.device))
         stored = self.model.quantized_weights() if self.model is not None else []
         for scheme in sorted({w.scheme for w in stored}):
             backend = K.describe_kernel("quant_linear", self.device, scheme=scheme, dtype=self.dtype)
