@@ -739,7 +739,7 @@ def grouped_gemv(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> t
 
     :param x: ``[rows, in]``, ``rows = ends[-1]`` (:func:`grouped_gemv_takes`).
     :param weight: ``[experts, out, in]`` of ``x``'s dtype.
-    :param ends: int64 ``[experts]``, each expert's end row, non-decreasing.
+    :param ends: ``[experts]``, each expert's end row, non-negative and non-decreasing.
     :return: ``[rows, out]`` in ``x``'s dtype.
     """
     lib = library()
@@ -750,6 +750,8 @@ def grouped_gemv(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> t
     ends = ends.to(torch.int64).contiguous()
     if ends.numel() != weight.shape[0] or (ends.numel() and int(ends[-1]) != x.shape[0]):
         raise ValueError(f"ends {ends.tolist()} do not end at the {x.shape[0]} rows of {weight.shape[0]} experts")
+    if ends.numel() and (int(ends[0]) < 0 or bool((ends.diff() < 0).any())):  # rows the C would read outside x
+        raise ValueError(f"ends {ends.tolist()} are not non-decreasing from 0")
     rows = x.to(torch.float32)
     out = torch.empty((x.shape[0], weight.shape[1]), dtype=torch.float32)
     status = lib.pypto_grouped_gemv(

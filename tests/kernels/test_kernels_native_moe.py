@@ -71,6 +71,8 @@ def test_grouped_gemv_refuses_ends_that_do_not_cover_the_rows() -> None:
     x, weight, ends = _grouped_case(torch.float32, 8, 32, seed=1)
     with pytest.raises(ValueError, match="do not end at"):
         native.grouped_gemv(x, weight, ends - 1)
+    with pytest.raises(ValueError, match="not non-decreasing"):
+        native.grouped_gemv(x, weight, torch.tensor([5, 1, 3, 6, 6, 10, 15, 24]))
     with pytest.raises(ValueError, match="does not take"):
         native.grouped_gemv(x.t(), weight, ends)
 
