@@ -379,6 +379,12 @@ def weight_bytes(model: str, precision: str = "float32") -> int:
     return stored
 
 
+def _stored_bytes(shard: Any, name: str) -> int:
+    """Bytes of tensor ``name`` in an open safetensors ``shard``, from its header (nothing read)."""
+    t = shard.get_slice(name)
+    return math.prod(t.get_shape()) * {"F32": 4, "BF16": 2, "F16": 2}.get(t.get_dtype(), 1)
+
+
 def _untied_embedding_bytes(model: str) -> int:
     """The input embedding's bytes where the head is a separate matrix (a step reads a few of its rows)."""
     from safetensors import safe_open
@@ -389,8 +395,7 @@ def _untied_embedding_bytes(model: str) -> int:
     for shard in Path(model).glob("*.safetensors"):
         with safe_open(str(shard), framework="pt") as f:
             if "model.embed_tokens.weight" in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                t = f.get_slice("model.embed_tokens.weight")
-                return math.prod(t.get_shape()) * {"F32": 4, "BF16": 2, "F16": 2}.get(t.get_dtype(), 1)
+                return _stored_bytes(f, "model.embed_tokens.weight")
     return 0
 
 
@@ -408,8 +413,7 @@ def _idle_expert_bytes(model: str) -> int:
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 if ".mlp.experts." in name:
-                    t = f.get_slice(name)
-                    routed += math.prod(t.get_shape()) * {"F32": 4, "BF16": 2, "F16": 2}.get(t.get_dtype(), 1)
+                    routed += _stored_bytes(f, name)
     return routed * (experts - int(config["num_experts_per_tok"])) // experts
 
 

@@ -61,6 +61,17 @@ def _seconds(fn: Callable[[], torch.Tensor], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def _alternated(fns: list[Callable[[], torch.Tensor]], repeats: int) -> list[float]:
+    """Median seconds per call of each of ``fns``, timed in turn (the order rotated every repeat), each
+    timing about 0.2 s of calls."""
+    calls = max(1, int(0.2 / max(_seconds(fns[0], 1), 1e-6)))
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(repeats):
+        for i in [(r + j) % len(fns) for j in range(len(fns))]:
+            times[i].append(_seconds(fns[i], calls))
+    return [statistics.median(t) for t in times]
+
+
 def measure(shape: Shape, tokens: int, repeats: int) -> tuple[float, float]:
     """Median seconds per call of (loop, grouped); asserts both give the same result first."""
     x, gate_up, down, weights, ids = _operands(shape, tokens)
@@ -72,24 +83,8 @@ def measure(shape: Shape, tokens: int, repeats: int) -> tuple[float, float]:
         return grouped_moe_experts(x, gate_up, down, weights, ids)
 
     torch.testing.assert_close(grouped(), loop(), atol=1e-5, rtol=1e-5)
-    calls = max(1, int(0.2 / max(_seconds(loop, 1), 1e-6)))  # about 0.2 s per timing
-    loops: list[float] = []
-    groups: list[float] = []
-    for r in range(repeats):
-        pair = [(loop, loops), (grouped, groups)]
-        for fn, sink in pair if r % 2 == 0 else pair[::-1]:
-            sink.append(_seconds(fn, calls))
-    return statistics.median(loops), statistics.median(groups)
-
-
-def _alternated(fns: list[Callable[[], torch.Tensor]], repeats: int) -> list[float]:
-    """Median seconds per call of each of ``fns``, timed in turn (the order rotated every repeat)."""
-    calls = max(1, int(0.2 / max(_seconds(fns[0], 1), 1e-6)))
-    times: list[list[float]] = [[] for _ in fns]
-    for r in range(repeats):
-        for i in [(r + j) % len(fns) for j in range(len(fns))]:
-            times[i].append(_seconds(fns[i], calls))
-    return [statistics.median(t) for t in times]
+    loop_s, grouped_s = _alternated([loop, grouped], repeats)
+    return loop_s, grouped_s
 
 
 def native_row(shape: Shape, tokens: int, repeats: int, dtype: torch.dtype) -> str:

@@ -127,7 +127,7 @@ def resolve_cpu_binds(replicas: list[ServingSettings]) -> list[ServingSettings]:
     workers = [worker_cores(each) for each in replicas]
     # An in-process worker computes on the engine's own threads: nothing to keep the engine off.
     spawned = [w if each.worker_mode == "process" else None for each, w in zip(replicas, workers, strict=True)]
-    owned = [] if {"OMP_PLACES", "OMP_PROC_BIND"} & set(os.environ) else spawned
+    owned = [] if _placed_by_environment() else spawned
     engine = engine_cores(replicas[0].engine_cpu_bind, owned)
     return [
         each.with_overrides(worker_cpu_bind=_spec(w), engine_cpu_bind=_spec(engine))
@@ -146,6 +146,11 @@ def keep_off_workers(settings: ServingSettings) -> ServingSettings:
     if cores is not None:
         pin_process(cores, "engine_cpu_bind")
     return settings
+
+
+def _placed_by_environment() -> bool:
+    """Whether the user exported OpenMP's thread placement, which then wins over worker_cpu_bind's."""
+    return bool({"OMP_PLACES", "OMP_PROC_BIND"} & set(os.environ))
 
 
 def _spec(cores: list[int] | None) -> str:
@@ -178,9 +183,7 @@ def _worker_environment(settings: ServingSettings) -> Iterator[None]:
         # more fresh on every allocation (its largest mmap threshold), so such a buffer faults its
         # pages in on every step. Other C libraries ignore the variable.
         env["GLIBC_TUNABLES"] = HEAP_REUSE_TUNABLES
-    cores = worker_cores(settings)
-    if {"OMP_PLACES", "OMP_PROC_BIND"} & set(os.environ):
-        cores = None
+    cores = None if _placed_by_environment() else worker_cores(settings)
     if cores is not None:
         # One place per core, thread i on place i: no thread migrates, none shares a core with another.
         env["OMP_PLACES"] = _places(cores)

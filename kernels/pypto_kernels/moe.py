@@ -74,16 +74,23 @@ def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     return x.device.type == "cuda" and x.dtype == torch.bfloat16 and aligned
 
 
+def sorted_routes(
+    ids: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) routes sorted by expert, stably, so each token meets its experts in expert
+    order: ``(order, token rows, route weights in dtype)``, each in sorted order; no host read."""
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    return order, order // ids.shape[1], weights.reshape(-1).index_select(0, order).to(dtype)
+
+
 def routes_by_expert(
     ids: torch.Tensor, weights: torch.Tensor, num_experts: int, dtype: torch.dtype
 ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """``(expert, count, token rows, route weights)`` of each expert with routes, in expert order:
-    the routes sorted by expert (stable), their counts read to the host once. Dropped routes (id
-    ``num_experts``) sort last and are never listed."""
-    top_k = ids.shape[1]
-    order = torch.argsort(ids.reshape(-1), stable=True)
+    the routes sorted by expert (:func:`sorted_routes`), their counts read to the host once. Dropped
+    routes (id ``num_experts``) sort last and are never listed."""
+    _, token_of, flat_weights = sorted_routes(ids, weights, dtype)
     counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()[:num_experts]
-    token_of, flat_weights = order // top_k, weights.reshape(-1)[order].to(dtype)
     out, start = [], 0
     for expert, count in enumerate(counts):
         if count:
@@ -139,18 +146,14 @@ def grouped_moe_experts(
     after the last segment, where ``_grouped_mm`` computes nothing and leaves its output unset, so
     their rows are replaced by zeros before the sum.
     """
-    num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
-    if num_tokens == 0:
+    if ids.shape[0] == 0:
         return out
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    sorted_ids = flat_ids.index_select(0, order)
-    experts = torch.arange(gate_up.shape[0], device=ids.device, dtype=flat_ids.dtype)
+    order, token_of, flat_weights = sorted_routes(ids, weights, x.dtype)
+    sorted_ids = ids.reshape(-1).index_select(0, order)
+    experts = torch.arange(gate_up.shape[0], device=ids.device, dtype=ids.dtype)
     # offs[e] is the end of expert e's segment: the number of sorted ids <= e.
     offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
-    token_of = order // top_k
-    flat_weights = weights.reshape(-1).index_select(0, order).to(x.dtype)
     # [E, N, K] weights transposed to [E, K, N] are the column-major operand _grouped_mm wants.
     hidden = activation(torch._grouped_mm(x.index_select(0, token_of), gate_up.transpose(1, 2), offs=offs))
     hidden = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offs) * flat_weights.unsqueeze(1)

@@ -64,7 +64,7 @@ from .. import device, native
 from ..activation import silu_and_mul
 from ..attention import batched_decode_paged_attention, in_place_caches
 from ..dense import PackedLinearWeight, fill_maxima
-from ..moe import routes_by_expert
+from ..moe import routes_by_expert, sorted_routes
 from ..quant import AbsmaxReduce, PackedInt8Weight, QuantizedLinearWeight, fp8_values, quantize_per_token
 from ..quant_moe import QuantizedExperts
 from . import paged_attention_features
@@ -489,17 +489,16 @@ def native_moe_experts(
     """:func:`pypto_kernels.moe_experts` through :func:`pypto_kernels.native.grouped_gemv`: the routes
     sorted by expert (stable) as the grouped path sorts them, the dropped ones (id ``E``) cut off the
     end, both products native, weighted and summed per token in the same order."""
-    num_tokens, top_k = ids.shape
     out = torch.zeros_like(x)
-    if num_tokens == 0:
+    if ids.shape[0] == 0:
         return out
-    flat = ids.reshape(-1)
     experts = gate_up.shape[0]
-    ends = torch.bincount(flat, minlength=experts + 1)[:experts].cumsum(0)
-    order = torch.argsort(flat, stable=True)[: int(ends[-1])]  # a host read, free on the CPU
-    token_of = order // top_k
+    ends = torch.bincount(ids.reshape(-1), minlength=experts + 1)[:experts].cumsum(0)
+    _, token_of, flat_weights = sorted_routes(ids, weights, x.dtype)
+    kept = int(ends[-1])  # a host read, free on the CPU
+    token_of, flat_weights = token_of[:kept], flat_weights[:kept]
     hidden = activation(native.grouped_gemv(x.index_select(0, token_of), gate_up, ends)).contiguous()
-    hidden = native.grouped_gemv(hidden, down, ends) * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+    hidden = native.grouped_gemv(hidden, down, ends) * flat_weights.unsqueeze(1)
     return out.index_add_(0, token_of, hidden.to(out.dtype))
 
 

@@ -123,30 +123,54 @@ static inline __attribute__((always_inline)) void pair_dots(pf acc[PARTS], const
  * of a bfloat16 one) in order. A float32 row's 16-value chunks 0, 4, 8, ... go to the first, 1, 5, ...
  * to the second, and so on; a bfloat16 row's 32-value chunks likewise, each as pair_dots; a last run
  * of fewer than four chunks goes to the first. Four chains of additions keep a wide row's sum from
- * waiting on one. */
-static inline __attribute__((always_inline)) float row_dot(const void *w, int kind, int64_t ws, const float *x,
-                                                           const float *xs, int64_t in, int64_t o) {
+ * waiting on one. rows_dot takes those sums of nr <= ROWS activation rows at once (x and xs row r at
+ * r * stride), each the same additions in the same order as its row's alone, the matrix row read once
+ * for all of them; row_dot is its one-row case. */
+enum { ROWS = 4 };
+
+static inline __attribute__((always_inline)) void rows_dot(const void *w, int kind, int64_t ws, const float *x,
+                                                           const float *xs, int64_t stride, int64_t in, int64_t o,
+                                                           int nr, float *res) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4;
     const char *row = (const char *)w + o * ws * size;
     for (int64_t off = 0; off < size * in; off += PREFETCH_EVERY) __builtin_prefetch(row + PREFETCH + off, 0, 2);
-    pf a[4][PARTS] = {{{0}}};
+    pf a[ROWS][4][PARTS] = {{{{0}}}};
     int64_t i = 0;
     if (kind == ELEM_BF16) {
         for (; i + 8 * LANES <= in; i += 8 * LANES)
-            for (int c = 0; c < 4; c++) pair_dots(a[c], (const uint16_t *)row, xs, i + 2 * LANES * c);
-        for (; i + 2 * LANES <= in; i += 2 * LANES) pair_dots(a[0], (const uint16_t *)row, xs, i);
+            for (int c = 0; c < 4; c++)
+                for (int r = 0; r < nr; r++) pair_dots(a[r][c], (const uint16_t *)row, xs + r * stride, i + 2 * LANES * c);
+        for (; i + 2 * LANES <= in; i += 2 * LANES)
+            for (int r = 0; r < nr; r++) pair_dots(a[r][0], (const uint16_t *)row, xs + r * stride, i);
     } else {
+        const float *wf = (const float *)row;
         for (; i + 4 * LANES <= in; i += 4 * LANES)
             for (int c = 0; c < 4; c++)
-                for (int p = 0; p < PARTS; p++)
-                    a[c][p] += pload((const float *)row + i + LANES * c + PART * p) * pload(x + i + LANES * c + PART * p);
+                for (int p = 0; p < PARTS; p++) {
+                    pf wv = pload(wf + i + LANES * c + PART * p);
+                    for (int r = 0; r < nr; r++) a[r][c][p] += wv * pload(x + r * stride + i + LANES * c + PART * p);
+                }
         for (; i + LANES <= in; i += LANES)
-            for (int p = 0; p < PARTS; p++) a[0][p] += pload((const float *)row + i + PART * p) * pload(x + i + PART * p);
+            for (int p = 0; p < PARTS; p++) {
+                pf wv = pload(wf + i + PART * p);
+                for (int r = 0; r < nr; r++) a[r][0][p] += wv * pload(x + r * stride + i + PART * p);
+            }
     }
-    pf v[PARTS];
-    for (int p = 0; p < PARTS; p++) v[p] = (a[0][p] + a[1][p]) + (a[2][p] + a[3][p]);
-    float total = sum_parts(v);
-    for (; i < in; i++) total += scalar_kind(row, kind, i) * (kind == ELEM_BF16 ? bf16_value(bf16_round(x[i])) : x[i]);
+    for (int r = 0; r < nr; r++) {
+        pf v[PARTS];
+        for (int p = 0; p < PARTS; p++) v[p] = (a[r][0][p] + a[r][1][p]) + (a[r][2][p] + a[r][3][p]);
+        float total = sum_parts(v);
+        const float *xr = x + r * stride;
+        for (int64_t j = i; j < in; j++)
+            total += scalar_kind(row, kind, j) * (kind == ELEM_BF16 ? bf16_value(bf16_round(xr[j])) : xr[j]);
+        res[r] = total;
+    }
+}
+
+static inline __attribute__((always_inline)) float row_dot(const void *w, int kind, int64_t ws, const float *x,
+                                                           const float *xs, int64_t in, int64_t o) {
+    float total;
+    rows_dot(w, kind, ws, x, xs, in, in, o, 1, &total);
     return total;
 }
 
@@ -211,50 +235,6 @@ int pypto_gemv(const void *w, int kind, int64_t ws, const float *x, float *out, 
     *row_arg = bi;
     free(bests), free(where);
     return 0;
-}
-
-/* row_dot of output o for nr <= ROWS activation rows at once (x and xs row r at r * stride): each of
- * the nr results the same additions in the same order as row_dot's for that row alone, the matrix
- * row read once for all of them. */
-enum { ROWS = 4 };
-
-static inline __attribute__((always_inline)) void rows_dot(const void *w, int kind, int64_t ws, const float *x,
-                                                           const float *xs, int64_t stride, int64_t in, int64_t o,
-                                                           int nr, float *res) {
-    int64_t size = kind == ELEM_BF16 ? 2 : 4;
-    const char *row = (const char *)w + o * ws * size;
-    for (int64_t off = 0; off < size * in; off += PREFETCH_EVERY) __builtin_prefetch(row + PREFETCH + off, 0, 2);
-    pf a[ROWS][4][PARTS] = {{{{0}}}};
-    int64_t i = 0;
-    if (kind == ELEM_BF16) {
-        for (; i + 8 * LANES <= in; i += 8 * LANES)
-            for (int c = 0; c < 4; c++)
-                for (int r = 0; r < nr; r++) pair_dots(a[r][c], (const uint16_t *)row, xs + r * stride, i + 2 * LANES * c);
-        for (; i + 2 * LANES <= in; i += 2 * LANES)
-            for (int r = 0; r < nr; r++) pair_dots(a[r][0], (const uint16_t *)row, xs + r * stride, i);
-    } else {
-        const float *wf = (const float *)row;
-        for (; i + 4 * LANES <= in; i += 4 * LANES)
-            for (int c = 0; c < 4; c++)
-                for (int p = 0; p < PARTS; p++) {
-                    pf wv = pload(wf + i + LANES * c + PART * p);
-                    for (int r = 0; r < nr; r++) a[r][c][p] += wv * pload(x + r * stride + i + LANES * c + PART * p);
-                }
-        for (; i + LANES <= in; i += LANES)
-            for (int p = 0; p < PARTS; p++) {
-                pf wv = pload(wf + i + PART * p);
-                for (int r = 0; r < nr; r++) a[r][0][p] += wv * pload(x + r * stride + i + PART * p);
-            }
-    }
-    for (int r = 0; r < nr; r++) {
-        pf v[PARTS];
-        for (int p = 0; p < PARTS; p++) v[p] = (a[r][0][p] + a[r][1][p]) + (a[r][2][p] + a[r][3][p]);
-        float total = sum_parts(v);
-        const float *xr = x + r * stride;
-        for (int64_t j = i; j < in; j++)
-            total += scalar_kind(row, kind, j) * (kind == ELEM_BF16 ? bf16_value(bf16_round(xr[j])) : xr[j]);
-        res[r] = total;
-    }
 }
 
 /* rows_dot for one of its row counts, the count a constant in each copy (so its accumulators stay in

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -111,6 +112,11 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def thread_masks(pid: int) -> set[frozenset[int]]:
+    """The distinct CPU affinity masks of process ``pid``'s threads."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 def core_pids(pid: int) -> list[int]:

@@ -22,7 +22,7 @@ from pypto_serving import SamplingParams
 from pypto_serving.engine import EngineDeadError
 from pypto_serving.server import EngineFailure
 from tests.core.server.conftest import VOCAB, fake_settings, start_llm
-from tests.core.server.server_helpers import child_pids, is_running, wait_for
+from tests.core.server.server_helpers import child_pids, is_running, thread_masks, wait_for
 from tests.fakes import reference_tokens
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -169,10 +169,6 @@ def test_a_killed_server_leaves_no_core_or_worker_behind(fake_model_dir: Path) -
             server.wait(10)
 
 
-def _masks(pid: int) -> set[frozenset[int]]:
-    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
-
-
 @pytest.mark.parametrize("bind", ["rest", "auto", "off"])
 def test_the_core_process_keeps_off_its_workers_cores(
     fake_model_dir: Path, monkeypatch: pytest.MonkeyPatch, bind: str
@@ -197,10 +193,10 @@ def test_the_core_process_keeps_off_its_workers_cores(
     try:
         core, worker = llm.engine.pid, llm.engine.worker_pid
         assert worker is not None and worker in child_pids(core)
-        assert _masks(worker) == {frozenset({last})}
+        assert thread_masks(worker) == {frozenset({last})}
         pinned = bind == "rest" or (bind == "auto" and len(rest) >= MIN_ENGINE_CORES)
-        assert _masks(core) == ({rest} if pinned else {allowed})
-        assert _masks(os.getpid()) == {allowed}
+        assert thread_masks(core) == ({rest} if pinned else {allowed})
+        assert thread_masks(os.getpid()) == {allowed}
         out = asyncio.run(_final(llm, "r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=12)))
         assert out.outputs[0].token_ids == reference_tokens([5, 6, 7], 12, VOCAB)[0]
     finally:

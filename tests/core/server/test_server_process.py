@@ -21,7 +21,14 @@ import pytest
 
 pytest.importorskip("pypto_serving_sync_sched")
 
-from tests.core.server.server_helpers import core_pids, free_port, parse_sse, worker_pids, write_tokenizer
+from tests.core.server.server_helpers import (
+    core_pids,
+    free_port,
+    parse_sse,
+    thread_masks,
+    worker_pids,
+    write_tokenizer,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVE = [sys.executable, "-m", "pypto_serving.cli", "serve"]
@@ -188,10 +195,6 @@ def test_openai_client_matches_llm_generate(qwen_dir: Path, serve: Any) -> None:
         client.completions.create(model="other", prompt="hi")
 
 
-def _masks(pid: int) -> set[frozenset[int]]:
-    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
-
-
 def test_the_server_and_its_core_keep_off_the_workers_cores(qwen_dir: Path, serve: Any) -> None:
     """``engine_cpu_bind``: a spawned worker of one thread computes on the last core, and every thread
     of the server and of its engine-core process runs on the others, as listed (the server decides both
@@ -207,8 +210,8 @@ def test_the_server_and_its_core_keep_off_the_workers_cores(qwen_dir: Path, serv
     r = httpx.post(proc.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
     assert r.status_code == 200, r.text
     [core], [worker] = core_pids(proc.p.pid), worker_pids(proc.p.pid)
-    assert _masks(proc.p.pid) == {rest} and _masks(core) == {rest}
-    assert _masks(worker) == {frozenset({max(allowed)})}
+    assert thread_masks(proc.p.pid) == {rest} and thread_masks(core) == {rest}
+    assert thread_masks(worker) == {frozenset({max(allowed)})}
 
 
 def test_sigterm_drains_in_flight_and_exits_zero(qwen_dir: Path, serve: Any) -> None:
