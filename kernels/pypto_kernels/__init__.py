@@ -39,7 +39,7 @@ from .dense import (
 )
 from .device import auto_dtype, cpu_computes_natively, npu_available, select_device, upload
 from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
-from .moe import moe_experts, topk_routing
+from .moe import moe_experts, routed_moe, topk_routing
 from .mxfp4 import dequantize_mxfp4
 from .native_decoder import DecoderLayerWeights, GreedyTail, NativeDecoder
 from .norm import add_rms_norm, rms_norm
@@ -122,6 +122,7 @@ __all__ = [
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
+    "routed_moe",
     "select_device",
     "silu_and_mul",
     "sink_attention",

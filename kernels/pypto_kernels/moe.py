@@ -183,3 +183,25 @@ def moe_experts(
     if grouped_mm_supported(x, gate_up, down):
         return grouped_moe_experts(x, gate_up, down, weights, ids, activation)
     return looped_moe_experts(x, gate_up, down, weights, ids, activation)
+
+
+@dispatch("routed_moe")
+def routed_moe(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+) -> torch.Tensor:
+    """A Qwen-MoE block's routed experts: softmax routing (:func:`topk_routing`) over the router's
+    logits ``F.linear(x, router_weight)`` in ``x``'s dtype, then :func:`moe_experts` of the picked
+    experts. One kernel so that a device can run the whole block in one call (on the CPU,
+    :func:`pypto_kernels.native.moe_block`: the same arithmetic, the router's product and the sums in
+    its own fixed order, ties in the top-k to the lower expert).
+
+    :param router_weight: ``[E, H]``; ``gate_up`` ``[E, 2I, H]``; ``down`` ``[E, H, I]``.
+    :return: ``[T, H]`` in ``x``'s dtype.
+    """
+    weights, ids = topk_routing(F.linear(x, router_weight), top_k, norm_topk_prob)
+    return moe_experts(x, gate_up, down, weights, ids)

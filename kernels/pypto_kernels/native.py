@@ -27,7 +27,9 @@ same results to float rounding), saying so once in the log.
   a decoder layer's matrix products (``csrc/norm_rope.c``): the residual add and RMSNorm of each row,
   the q/k head norms, the rotation and the K/V cache write of an attention's fused projection, and
   SwiGLU, one pass each instead of a dozen torch ops.
-- ``csrc/decode_layers.c``: a decode step's dense decoder layers calling the kernels above in one
+- :func:`moe_block`: a mixture of experts' routed block (``csrc/moe.c``): the router's product,
+  softmax top-k routing, both grouped expert products and the weighted sum in one call.
+- ``csrc/decode_layers.c``: a decode step's decoder layers calling the kernels above in one
   call (:class:`pypto_kernels.NativeDecoder`).
 """
 
@@ -61,6 +63,8 @@ __all__ = [
     "hc_sinkhorn_mix",
     "hc_takes",
     "library",
+    "moe_block",
+    "moe_block_takes",
     "norm_takes",
     "pack_panels",
     "paged_attention",
@@ -86,7 +90,7 @@ _SOURCES = tuple(
     _CSRC / name
     for name in (
         "paged_attention.c", "prefill_attention.c", "hyper_connections.c", "norm_rope.c", "gemv.c", "panel_gemm.c",
-        "decode_layers.c",
+        "decode_layers.c", "moe.c",
     )
 )  # fmt: skip
 _HEADERS = (_CSRC / "common.h",)
@@ -227,6 +231,13 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_panel_gemm_logits.restype = None
     lib.pypto_panel_gemm_logits.argtypes = [
         ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_int,
+    ]  # fmt: skip
+    lib.pypto_moe_scratch_bytes.restype = _I64
+    lib.pypto_moe_scratch_bytes.argtypes = [_I64, _I64, _I64, _I64, _I64]
+    lib.pypto_moe_block.restype = ctypes.c_int
+    lib.pypto_moe_block.argtypes = [
+        ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _PTR,
+        _I64, _PTR, ctypes.c_int,
     ]  # fmt: skip
     logger.info("native CPU kernels loaded from %s", path)
     return lib
@@ -762,6 +773,62 @@ def grouped_gemv(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> t
     if status != 0:
         raise MemoryError("the native grouped gemv could not allocate its scratch")
     return out.to(x.dtype)
+
+
+def moe_block_takes(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether :func:`moe_block` takes these operands: CPU tensors of one dtype of
+    :data:`NATIVE_DTYPES`, dense ``[rows, hidden]`` rows, a dense ``[experts, hidden]`` router,
+    ``[experts, 2 inter, hidden]`` and ``[experts, hidden, inter]`` experts with dense rows, and the
+    library built."""
+    experts, hidden = router.shape if router.dim() == 2 else (0, 0)
+    return (
+        grouped_gemv_takes(x, gate_up)
+        and router.dtype == down.dtype == x.dtype
+        and router.is_contiguous()
+        and 0 < experts == gate_up.shape[0] == down.shape[0]
+        and hidden == x.shape[1]
+        and down.dim() == 3
+        and down.shape[1] == hidden
+        and 2 * down.shape[2] == gate_up.shape[1]
+        and down.stride(2) == 1
+        and down.stride(1) == down.shape[2]
+        and gate_up.stride(1) == hidden
+    )
+
+
+def moe_block(
+    x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, norm_topk: bool
+) -> torch.Tensor:
+    """A mixture of experts' routed block for each row of ``x`` (``csrc/moe.c``): softmax routing over
+    ``x @ router.T`` (rounded to ``x``'s dtype), the ``top_k`` most probable experts (ties to the lower
+    expert), their probabilities divided by their sum where ``norm_topk``, and the sum over those experts,
+    in expert order, of ``weight * down_e(silu(gate) * up)`` (``[gate up] = gate_up_e x``), each product
+    and partial sum rounded to the dtype. A row's result depends only on that row.
+
+    :param x: ``[rows, hidden]`` (:func:`moe_block_takes`); ``router`` ``[experts, hidden]``.
+    :param gate_up: ``[experts, 2 inter, hidden]``; ``down`` ``[experts, hidden, inter]``.
+    :return: ``[rows, hidden]`` in ``x``'s dtype.
+    """
+    lib = library()
+    if lib is None or not moe_block_takes(x, router, gate_up, down):
+        raise ValueError(
+            f"the native MoE block does not take x {tuple(x.shape)} {x.dtype}, router {tuple(router.shape)}, "
+            f"experts {tuple(gate_up.shape)} / {tuple(down.shape)}"
+        )
+    experts, inter = router.shape[0], down.shape[2]
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k {top_k} is not in 1..{experts}")
+    rows, hidden = x.shape
+    scratch = torch.empty(lib.pypto_moe_scratch_bytes(rows, hidden, experts, top_k, inter), dtype=torch.uint8)
+    out = torch.empty_like(x)
+    status = lib.pypto_moe_block(
+        NATIVE_DTYPES[x.dtype], x.data_ptr(), x.stride(0), router.data_ptr(), gate_up.data_ptr(), gate_up.stride(0),
+        down.data_ptr(), down.stride(0), rows, hidden, experts, top_k, inter, int(norm_topk), out.data_ptr(),
+        out.stride(0), scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the native MoE block's products could not allocate their scratch")
+    return out
 
 
 #: Outputs per panel of :func:`pack_panels` (four 16-float vectors).

@@ -476,6 +476,7 @@ def supports_quant_moe_experts(
 
 
 MOE_LABEL = "cpu: routed rows sorted by expert, each expert's matrix read once for its rows (pypto_kernels.native)"
+ROUTED_MOE_LABEL = "cpu: router, routing and both expert products in one C call (pypto_kernels.native)"
 
 
 def native_moe_experts(
@@ -523,6 +524,33 @@ def supports_moe_experts(
         and down.stride(2) == 1
         and x.dim() == 2
         and x.is_contiguous()
+    )
+
+
+def native_routed_moe(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+) -> torch.Tensor:
+    """:func:`pypto_kernels.routed_moe` as one native call (:func:`pypto_kernels.native.moe_block`)."""
+    return native.moe_block(x, router_weight, gate_up, down, top_k, norm_topk_prob)
+
+
+def supports_routed_moe(
+    x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+    *args: Any, **kwargs: Any,
+) -> bool:  # fmt: skip
+    """The native block within the native expert products' limit (:data:`NATIVE_MOE_ROUTES_PER_EXPERT`:
+    beyond it torch's grouped GEMM runs the experts faster)."""
+    return (
+        not torch.compiler.is_compiling()
+        and x.dim() == 2
+        and 0 < top_k <= gate_up.shape[0]
+        and x.shape[0] * top_k <= NATIVE_MOE_ROUTES_PER_EXPERT.get(x.dtype, 0) * gate_up.shape[0]
+        and native.moe_block_takes(x, router_weight, gate_up, down)
     )
 
 
@@ -596,6 +624,7 @@ def register(add: Callable[..., None]) -> None:
     add("add_rms_norm", "cpu", native_add_rms_norm, supports_add_rms_norm, label=NORM_LABEL)
     add("silu_and_mul", "cpu", native_silu_and_mul, supports_silu_and_mul, label=NORM_LABEL)
     add("moe_experts", "cpu", native_moe_experts, supports_moe_experts, label=MOE_LABEL)
+    add("routed_moe", "cpu", native_routed_moe, supports_routed_moe, label=ROUTED_MOE_LABEL)
     add(
         "qk_norm_rope_write_kv",
         "cpu",

@@ -460,6 +460,12 @@ class QwenSparseMoe(nn.Module):
         return names
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plain = not isinstance(self.gate_up, QuantizedWeight) and not self.shards.expert_parallel
+        if plain and not torch.compiler.is_compiling():
+            # The router, routing and experts as one kernel (on the CPU one native call, which the
+            # native decoder's MoE layers make too, so both give the same bits).
+            out = K.routed_moe(x, self.router_weight, self.gate_up, self.down, self.top_k, self.norm_topk_prob)
+            return self.shards.ctx.all_reduce(out)
         router_logits = F.linear(x, self.router_weight)
         weights, ids = K.topk_routing(router_logits, self.top_k, self.norm_topk_prob)
         # A captured decode step calls the kernel as one op (graph.py); eager calls it directly. Stored
