@@ -51,6 +51,7 @@ import torch
 from .device import avx2_without_avx512, cpu_flags
 
 __all__ = [
+    "MOE_ROUTES_PER_EXPERT",
     "NATIVE_DTYPES",
     "PANEL_WIDTH",
     "bf16_dot_available",
@@ -773,6 +774,13 @@ def grouped_gemv(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> t
     if status != 0:
         raise MemoryError("the native grouped gemv could not allocate its scratch")
     return out.to(x.dtype)
+
+
+#: Routes per expert (a call's routes over its experts) up to which the native grouped products run the
+#: routed experts (:func:`grouped_gemv`, :func:`moe_block`), by the stored dtype: beyond them each
+#: expert's rows are enough for torch's grouped GEMM to win (docs/benchmarks.md, "Routed experts read
+#: once for their rows").
+MOE_ROUTES_PER_EXPERT = {torch.bfloat16: 8, torch.float32: 32}
 
 
 def moe_block_takes(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:

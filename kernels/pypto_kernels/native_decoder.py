@@ -1,4 +1,4 @@
-"""A decode step's dense decoder layers in one native call (``csrc/decode_layers.c``).
+"""A decode step's decoder layers in one native call (``csrc/decode_layers.c``).
 
 The eager CPU forward calls nine kernels per decoder layer from Python (two RMSNorms, four products
 over the native column panels, the q/k norm + RoPE + cache write, paged attention, SwiGLU). At one
@@ -10,7 +10,9 @@ decode step's layers as one C call that calls the same kernels with the same arg
 hidden states are the eager forward's bit for bit (tested) at a fraction of the overhead.
 
 It takes what the eager forward would run natively end to end: float32 or bfloat16 weights packed as
-panels (:func:`pypto_kernels.pack_linear`, ``panels``) serving every row count, caches of
+panels (:func:`pypto_kernels.pack_linear`, ``panels``) serving every row count, or in place of a
+layer's MLP a mixture of experts' routed block (:class:`RoutedExperts`, the eager forward's
+:func:`pypto_kernels.routed_moe`, one native call within its row limit: :meth:`NativeDecoder.takes_rows`), caches of
 :data:`pypto_kernels.native.NATIVE_DTYPES`, no sinks, value heads as wide as the keys; and steps whose
 requests each have at most :data:`MAX_QUERIES` query rows (decode steps, speculative verification),
 which the eager attention attends row by row. The model keeps its eager forward for the rest.
@@ -28,7 +30,7 @@ from . import native
 from .attention import NATIVE_MAX_QUERIES
 from .dense import NEVER, PackedLinearWeight
 
-__all__ = ["MAX_QUERIES", "DecoderLayerWeights", "GreedyTail", "NativeDecoder"]
+__all__ = ["MAX_QUERIES", "DecoderLayerWeights", "GreedyTail", "NativeDecoder", "RoutedExperts"]
 
 #: Most query rows of one request a step may give :meth:`NativeDecoder.run`: the runs the eager
 #: attention attends row by row (longer prefill chunks take the native prefill kernel, which sums in
@@ -44,7 +46,8 @@ class _Layer(ctypes.Structure):
 
     _fields_ = [
         ("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _PTR), ("qkv_bias", _PTR), ("q_norm", _PTR),
-        ("k_norm", _PTR), ("o", _PTR), ("gate_up", _PTR), ("down", _PTR), ("key_cache", _PTR),
+        ("k_norm", _PTR), ("o", _PTR), ("gate_up", _PTR), ("down", _PTR), ("router", _PTR),
+        ("experts_gate_up", _PTR), ("experts_down", _PTR), ("expert_strides", _I64 * 2), ("key_cache", _PTR),
         ("value_cache", _PTR), ("k_strides", _I64 * 3), ("v_strides", _I64 * 3), ("window", _I64),
     ]  # fmt: skip
 
@@ -56,21 +59,41 @@ class _Shape(ctypes.Structure):
         ("kind", ctypes.c_int), ("cache_kind", ctypes.c_int), ("bf16_dot", ctypes.c_int), ("hidden", _I64),
         ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("inter", _I64), ("rotary", _I64),
         ("block_size", _I64), ("num_slots", _I64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("experts", _I64), ("top_k", _I64), ("moe_inter", _I64), ("norm_topk", ctypes.c_int),
     ]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
+class RoutedExperts:
+    """A mixture of experts' routed block, in place of a layer's dense MLP, as
+    :func:`pypto_kernels.routed_moe` takes it (:func:`pypto_kernels.native.moe_block` runs it).
+
+    :param router: ``[experts, hidden]``, dense.
+    :param gate_up: ``[experts, 2 inter, hidden]``; ``down`` ``[experts, hidden, inter]``; rows dense.
+    :param top_k: experts a token is routed to; ``norm_topk_prob`` whether their weights are divided
+        by their sum.
+    """
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    top_k: int
+    norm_topk_prob: bool
+
+
+@dataclass(frozen=True, slots=True)
 class DecoderLayerWeights:
-    """One dense decoder layer as the eager forward runs it.
+    """One decoder layer as the eager forward runs it.
 
     :param input_norm: ``[hidden]`` RMSNorm weight before attention; ``post_norm`` the one before the MLP.
     :param qkv: the fused q/k/v projection ``[(heads + 2 kv_heads) head_dim, hidden]``, panels.
     :param qkv_bias: its bias or None.
     :param q_norm: ``[head_dim]`` per-head RMSNorm weights of q and k (Qwen3), or both None.
     :param o: the output projection ``[hidden, heads head_dim]``; ``gate_up`` ``[2 inter, hidden]``;
-        ``down`` ``[hidden, inter]``: panels, no bias.
+        ``down`` ``[hidden, inter]``: panels, no bias; None both where ``experts`` is given.
     :param key_cache: ``[blocks, block_size, kv_heads, head_dim]``; ``value_cache`` the same.
     :param window: the sliding window in keys, or None.
+    :param experts: a mixture of experts' routed block in place of the dense MLP, or None.
     """
 
     input_norm: torch.Tensor
@@ -80,11 +103,12 @@ class DecoderLayerWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o: PackedLinearWeight
-    gate_up: PackedLinearWeight
-    down: PackedLinearWeight
+    gate_up: PackedLinearWeight | None
+    down: PackedLinearWeight | None
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     window: int | None
+    experts: RoutedExperts | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,14 +170,32 @@ def _check_panels(name: str, weight: PackedLinearWeight, dtype: torch.dtype, sha
         raise ValueError(f"{name}: panels of {(weight.out_features, inputs)}, expected {shape}")
 
 
+def _mlp_widths(layers: Sequence[DecoderLayerWeights], dtype: torch.dtype) -> tuple[int, tuple[int, int, int, int]]:
+    """The dense MLPs' width (0: none) and the routed blocks' experts, top-k, width and
+    ``norm_topk_prob`` (zeros: none), each the same in every layer of its kind."""
+    pairs = 2 if dtype == torch.bfloat16 else 1
+    dense = {w.down.packed.shape[1] * pairs for w in layers if w.down is not None}
+    routed = {(e.router.shape[0], e.top_k, e.down.shape[-1], int(e.norm_topk_prob)) for e in _experts(layers)}
+    if len(dense) > 1 or len(routed) > 1:
+        raise ValueError(f"MLPs of several shapes: dense widths {sorted(dense)}, routed blocks {sorted(routed)}")
+    widths = routed.pop() if routed else (0, 0, 0, 0)
+    if widths[0] and not 0 < widths[1] <= widths[0]:
+        raise ValueError(f"top_k {widths[1]} of {widths[0]} experts")
+    return (dense.pop() if dense else 0), widths
+
+
+def _experts(layers: Sequence[DecoderLayerWeights]) -> list[RoutedExperts]:
+    return [w.experts for w in layers if w.experts is not None]
+
+
 def _check_vector(name: str, t: torch.Tensor | None, dtype: torch.dtype, size: int) -> None:
     if t is not None and (t.dtype != dtype or t.shape != (size,) or t.stride(0) != 1 or t.device.type != "cpu"):
         raise ValueError(f"{name}: {t.dtype} {tuple(t.shape)}, expected a dense {dtype} [{size}]")
 
 
 class NativeDecoder:
-    """A model's dense decoder layers, run for a decode (or verification) step by one call of
-    ``csrc/decode_layers.c``.
+    """A model's decoder layers (dense, or some of them a mixture of experts'), run for a decode (or
+    verification) step by one call of ``csrc/decode_layers.c``.
 
     :param layers: every layer's weights and caches, in order.
     :param heads: query heads; ``kv_heads`` key/value heads; ``head_dim`` their width.
@@ -184,7 +226,7 @@ class NativeDecoder:
             raise ValueError(f"{dtype} weights over a {cache_dtype} cache are not native dtypes")
         if not 0 < head_dim <= native.MAX_HEAD_DIM or rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ValueError(f"head_dim {head_dim} with rotary_dim {rotary_dim} is not taken")
-        hidden, inter = first.input_norm.shape[0], first.down.packed.shape[1] * (2 if dtype == torch.bfloat16 else 1)
+        hidden, (inter, routed) = first.input_norm.shape[0], _mlp_widths(layers, dtype)
         self._dtype, self._cache_dtype = dtype, cache_dtype
         self._hidden, self._rotary = hidden, rotary_dim
         blocks, block_size = first.key_cache.shape[:2]
@@ -196,7 +238,7 @@ class NativeDecoder:
         bf16_dot = dtype == cache_dtype == torch.bfloat16 and head_dim % 32 == 0 and native.bf16_dot_available()
         self._shape = _Shape(
             native.NATIVE_DTYPES[dtype], native.NATIVE_DTYPES[cache_dtype], int(bf16_dot), hidden, heads, kv_heads,
-            head_dim, inter, rotary_dim, block_size, blocks * block_size, eps, scale,
+            head_dim, inter, rotary_dim, block_size, blocks * block_size, eps, scale, *routed,
         )  # fmt: skip
         self._held = list(layers)  # the pointers above stay valid while these are referenced
         self._scratch = torch.empty(0, dtype=torch.uint8)
@@ -215,8 +257,6 @@ class NativeDecoder:
         _check_vector(name, w.qkv_bias, dtype, qkv)
         _check_panels(f"{name} qkv", w.qkv, dtype, (qkv, hidden))
         _check_panels(f"{name} o", w.o, dtype, (hidden, heads * d))
-        _check_panels(f"{name} gate_up", w.gate_up, dtype, (2 * inter, hidden))
-        _check_panels(f"{name} down", w.down, dtype, (hidden, inter))
         for cache in (w.key_cache, w.value_cache):
             dense = cache.device.type == "cpu" and cache.dim() == 4 and cache.stride(-1) == 1
             if not dense or cache.dtype != self._cache_dtype or cache.shape != cache_shape:
@@ -224,10 +264,35 @@ class NativeDecoder:
                 raise ValueError(f"{name}: cache {got} is not {self._cache_dtype} {cache_shape}, dense heads")
         return _Layer(
             w.input_norm.data_ptr(), w.post_norm.data_ptr(), w.qkv.packed.data_ptr(), _ptr(w.qkv_bias),
-            _ptr(w.q_norm), _ptr(w.k_norm), w.o.packed.data_ptr(), w.gate_up.packed.data_ptr(),
-            w.down.packed.data_ptr(), w.key_cache.data_ptr(), w.value_cache.data_ptr(),
-            (_I64 * 3)(*w.key_cache.stride()[:3]), (_I64 * 3)(*w.value_cache.stride()[:3]), w.window or 0,
+            _ptr(w.q_norm), _ptr(w.k_norm), w.o.packed.data_ptr(), *self._mlp(name, w, inter),
+            w.key_cache.data_ptr(), w.value_cache.data_ptr(), (_I64 * 3)(*w.key_cache.stride()[:3]),
+            (_I64 * 3)(*w.value_cache.stride()[:3]), w.window or 0,
         )  # fmt: skip
+
+    def _mlp(self, name: str, w: DecoderLayerWeights, inter: int) -> tuple[object, ...]:
+        """The C layer's dense panels, router, experts and expert strides, checked."""
+        dtype, hidden, e = self._dtype, self._hidden, w.experts
+        if e is None:
+            if w.gate_up is None or w.down is None:
+                raise ValueError(f"{name}: neither a dense MLP nor routed experts")
+            _check_panels(f"{name} gate_up", w.gate_up, dtype, (2 * inter, hidden))
+            _check_panels(f"{name} down", w.down, dtype, (hidden, inter))
+            return w.gate_up.packed.data_ptr(), w.down.packed.data_ptr(), None, None, None, (_I64 * 2)(0, 0)
+        if w.gate_up is not None or w.down is not None:
+            raise ValueError(f"{name}: both a dense MLP and routed experts")
+        if not native.moe_block_takes(torch.empty(1, hidden, dtype=dtype), e.router, e.gate_up, e.down):
+            what = f"{e.router.dtype} router {tuple(e.router.shape)}, experts {tuple(e.gate_up.shape)}"
+            raise ValueError(f"{name}: the native MoE block does not take the {what} / {tuple(e.down.shape)}")
+        strides = (_I64 * 2)(e.gate_up.stride(0), e.down.stride(0))
+        return None, None, e.router.data_ptr(), e.gate_up.data_ptr(), e.down.data_ptr(), strides
+
+    def takes_rows(self, rows: int) -> bool:
+        """Whether :meth:`run` takes a step of ``rows`` rows: every one where the layers are dense; where
+        some are a mixture of experts', those whose routes the eager forward's
+        :func:`pypto_kernels.routed_moe` runs natively too
+        (:data:`pypto_kernels.native.MOE_ROUTES_PER_EXPERT`), so that both give the same bits."""
+        experts, top_k = self._shape.experts, self._shape.top_k
+        return not experts or rows * top_k <= native.MOE_ROUTES_PER_EXPERT[self._dtype] * experts
 
     def run(
         self,
@@ -260,6 +325,8 @@ class NativeDecoder:
             raise ValueError(f"cos {cos.dtype} {tuple(cos.shape)} is not {want} with dense rows")
         if sin.shape != cos.shape or sin.stride() != cos.stride() or sin.dtype != cos.dtype:
             raise ValueError(f"sin {tuple(sin.shape)} must have cos's shape, strides and dtype")
+        if not self.takes_rows(t):
+            raise ValueError(f"{t} rows route more tokens to the experts than the native block takes")
         slots, tables = slot_mapping.to(torch.int64).contiguous(), block_tables.to(torch.int64).contiguous()
         rows = self._rows(t, tables, query_lens, seq_lens)
         if slots.shape != (t,):

@@ -20,7 +20,7 @@ from pypto_kernels.backends import cpu
 from pypto_kernels.device import cpu_flags
 from pypto_kernels.moe import looped_moe_experts
 
-from .test_kernels_moe import ACTIVATIONS, TOP_K, E, naive_experts, random_moe, routing
+from .test_kernels_moe import ACTIVATIONS, TOP_K, E, H, naive_experts, random_moe, routing
 
 needs_native = pytest.mark.skipif(
     native.library() is None, reason="no native CPU kernels on this machine (no C compiler; see the log)"
@@ -140,7 +140,7 @@ def test_a_tokens_experts_do_not_depend_on_its_batch(dtype: torch.dtype) -> None
 @needs_native
 def test_moe_experts_runs_native_up_to_its_routes_per_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU ``moe_experts`` takes the native products while a call's routes per expert stay
-    within :data:`NATIVE_MOE_ROUTES_PER_EXPERT` (decode batches) and torch's grouped GEMM beyond."""
+    within :data:`pypto_kernels.native.MOE_ROUTES_PER_EXPERT` (decode batches) and torch's grouped GEMM beyond."""
     calls: list[int] = []
     inner = native.grouped_gemv
 
@@ -149,7 +149,7 @@ def test_moe_experts_runs_native_up_to_its_routes_per_expert(monkeypatch: pytest
         return inner(x, *args)
 
     monkeypatch.setattr(native, "grouped_gemv", counted)
-    for dtype, limit in cpu.NATIVE_MOE_ROUTES_PER_EXPERT.items():
+    for dtype, limit in native.MOE_ROUTES_PER_EXPERT.items():
         tokens = limit * E // TOP_K
         x, gate_up, down, router = random_moe(dtype, tokens=tokens + 1, seed=2)
         assert tokens * TOP_K <= limit * E < (tokens + 1) * TOP_K
@@ -159,4 +159,101 @@ def test_moe_experts_runs_native_up_to_its_routes_per_expert(monkeypatch: pytest
         assert calls == [tokens * TOP_K] * 2, dtype  # both products, every route
         calls.clear()
         K.moe_experts(x, gate_up, down, weights, ids)  # one token more: past the limit
+        assert calls == [], dtype
+
+
+def _float64_block(
+    x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, norm: bool
+) -> torch.Tensor:
+    """HF Qwen-MoE's block in float64, the router's logits rounded to the dtype as the model's product
+    rounds them, ties in the top-k to the lower expert (a stable sort of the negated probabilities)."""
+    logits = (x.double() @ router.double().T).to(x.dtype).double()
+    probs = torch.softmax(logits, dim=-1)
+    ids = torch.sort(-probs, dim=-1, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, ids)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return naive_experts(x, gate_up, down, weights, ids)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_native_moe_block_is_the_float64_block(tokens: int, norm: bool, dtype: torch.dtype) -> None:
+    """The router's product, softmax top-k routing, both expert products and the weighted sum in one
+    call, against the block in float64."""
+    x, gate_up, down, router = random_moe(dtype, tokens=tokens, seed=tokens)
+    out = native.moe_block(x, router, gate_up, down, TOP_K, norm)
+    assert out.dtype == dtype and out.shape == x.shape
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), _float64_block(x, router, gate_up, down, TOP_K, norm), atol=tol, rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_moe_block_ties_go_to_the_lower_experts(dtype: torch.dtype) -> None:
+    """Equal probabilities (a zero router): the first ``top_k`` experts, ``1 / top_k`` each."""
+    x, gate_up, down, router = random_moe(dtype, tokens=5, seed=3)
+    out = native.moe_block(x, torch.zeros_like(router), gate_up, down, TOP_K, True)
+    ids = torch.arange(TOP_K).expand(5, -1)
+    expected = naive_experts(x, gate_up, down, torch.full(ids.shape, 1 / TOP_K), ids)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_block_does_not_depend_on_its_batch_or_the_threads(dtype: torch.dtype) -> None:
+    """Each token's block alone equals its block in a batch of 33, bit for bit, on one thread or two."""
+    x, gate_up, down, router = random_moe(dtype, tokens=33, seed=6)
+    batch = native.moe_block(x, router, gate_up, down, TOP_K, True)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for t in (0, 17, 32):
+                assert torch.equal(native.moe_block(x[t : t + 1], router, gate_up, down, TOP_K, True)[0], batch[t])
+            assert torch.equal(native.moe_block(x, router, gate_up, down, TOP_K, True), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+def test_native_moe_block_refuses_what_it_does_not_take() -> None:
+    x, gate_up, down, router = random_moe(torch.float32, tokens=3)
+    for k in (0, E + 1):
+        with pytest.raises(ValueError, match=rf"top_k {k} is not in 1\.\.{E}"):
+            native.moe_block(x, router, gate_up, down, k, True)
+    with pytest.raises(ValueError, match="the native MoE block does not take"):
+        native.moe_block(x, router.bfloat16(), gate_up, down, TOP_K, True)
+    with pytest.raises(ValueError, match="the native MoE block does not take"):
+        native.moe_block(x, router, gate_up, down[:, :, :-1], TOP_K, True)  # down narrower than gate_up's half
+    assert native.moe_block(x[:0], router, gate_up, down, TOP_K, True).shape == (0, H)
+
+
+@needs_native
+def test_routed_moe_runs_the_native_block_up_to_its_routes_per_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU ``routed_moe`` is one native call within
+    :data:`pypto_kernels.native.MOE_ROUTES_PER_EXPERT` and the reference (router, routing, experts)
+    beyond, the two close."""
+    calls: list[int] = []
+    inner = native.moe_block
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return inner(x, *args)
+
+    monkeypatch.setattr(native, "moe_block", counted)
+    for dtype, limit in native.MOE_ROUTES_PER_EXPERT.items():
+        tokens = limit * E // TOP_K
+        x, gate_up, down, router = random_moe(dtype, tokens=tokens + 1, seed=4)
+        calls.clear()
+        out = K.routed_moe(x[:tokens], router, gate_up, down, TOP_K, True)
+        assert calls == [tokens], dtype
+        reference = K.routed_moe.reference(x[:tokens], router, gate_up, down, TOP_K, True)  # type: ignore[attr-defined]
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out, reference, atol=tol, rtol=tol)
+        calls.clear()
+        K.routed_moe(x, router, gate_up, down, TOP_K, True)  # one token more: past the limit
         assert calls == [], dtype

@@ -503,19 +503,13 @@ def native_moe_experts(
     return out.index_add_(0, token_of, hidden.to(out.dtype))
 
 
-#: Routes per expert (a call's routes over its experts) up to which the native grouped products run the
-#: routed experts, by the stored dtype: beyond them each expert's rows are enough for torch's grouped
-#: GEMM to win (docs/benchmarks.md, "Routed experts read once for their rows").
-NATIVE_MOE_ROUTES_PER_EXPERT = {torch.bfloat16: 8, torch.float32: 32}
-
-
 def supports_moe_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     *args: Any, **kwargs: Any,
 ) -> bool:  # fmt: skip
     return (
         not torch.compiler.is_compiling()
-        and ids.numel() <= NATIVE_MOE_ROUTES_PER_EXPERT.get(x.dtype, 0) * gate_up.shape[0]
+        and ids.numel() <= native.MOE_ROUTES_PER_EXPERT.get(x.dtype, 0) * gate_up.shape[0]
         and native.grouped_gemv_takes(x.reshape(-1, x.shape[-1]), gate_up)
         and down.dtype == x.dtype
         and down.dim() == 3
@@ -543,13 +537,13 @@ def supports_routed_moe(
     x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
     *args: Any, **kwargs: Any,
 ) -> bool:  # fmt: skip
-    """The native block within the native expert products' limit (:data:`NATIVE_MOE_ROUTES_PER_EXPERT`:
+    """The native block within the native expert products' limit (:data:`pypto_kernels.native.MOE_ROUTES_PER_EXPERT`:
     beyond it torch's grouped GEMM runs the experts faster)."""
     return (
         not torch.compiler.is_compiling()
         and x.dim() == 2
         and 0 < top_k <= gate_up.shape[0]
-        and x.shape[0] * top_k <= NATIVE_MOE_ROUTES_PER_EXPERT.get(x.dtype, 0) * gate_up.shape[0]
+        and x.shape[0] * top_k <= native.MOE_ROUTES_PER_EXPERT.get(x.dtype, 0) * gate_up.shape[0]
         and native.moe_block_takes(x, router_weight, gate_up, down)
     )
 

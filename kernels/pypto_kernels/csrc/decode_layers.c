@@ -1,4 +1,4 @@
-/* A decode step's dense decoder layers in one call (pypto_kernels.NativeDecoder): the same kernels,
+/* A decode step's decoder layers in one call (pypto_kernels.NativeDecoder): the same kernels,
  * with the same arguments, that the eager CPU forward calls one by one from Python, so its results
  * are those of that forward bit for bit, without the interpreter between them. At concurrency 1 the
  * Python around a layer's nine kernel calls took longer than their C on Qwen3-0.6B (about 8 of a
@@ -14,6 +14,7 @@
  *   o = attended x W_o                             panels
  *   normed = RMSNorm(o + residual)
  *   hidden = silu_mul(normed x W_gate_up) x W_down panels
+ *         or, in a mixture of experts' layer, the routed block of normed (moe.c's pypto_moe_block)
  * and the last layer's hidden and residual are returned (their sum is the final hidden state). */
 #include "common.h"
 
@@ -45,7 +46,10 @@ typedef struct {
     const void *qkv, *qkv_bias;         /* panels of [(heads + 2 kv_heads) head_dim, hidden]; bias or NULL */
     const void *q_norm, *k_norm;        /* [head_dim] each, or both NULL */
     const void *o;                      /* panels of [hidden, heads head_dim] */
-    const void *gate_up, *down;         /* panels of [2 inter, hidden] and [hidden, inter] */
+    const void *gate_up, *down;         /* panels of [2 inter, hidden] and [hidden, inter], or NULL: */
+    const void *router;                 /* a mixture of experts' [experts, hidden], rows dense, and */
+    const void *experts_gate_up, *experts_down; /* [experts][2 moe_inter, hidden], [experts][hidden, moe_inter] */
+    int64_t expert_strides[2];          /* elements from one expert's matrix to the next, each */
     void *key_cache, *value_cache;      /* [blocks, block_size, kv_heads, head_dim], cache_kind */
     int64_t k_strides[3], v_strides[3]; /* block, token and head strides in elements */
     int64_t window;                     /* keys a query sees (its own and those before), 0: all */
@@ -57,20 +61,34 @@ typedef struct {
     int bf16_dot;         /* attention reads the bfloat16 query as it is (pypto_bf16_dot, head_dim % 32 == 0) */
     int64_t hidden, heads, kv_heads, head_dim, inter, rotary, block_size, num_slots;
     float eps, scale;
+    int64_t experts, top_k, moe_inter; /* every mixture of experts' layer's (experts 0: none) */
+    int norm_topk;
 } DecoderShape;
 
-/* Bytes of scratch pypto_decode_layers needs for r rows. */
-int64_t pypto_decode_scratch_bytes(const DecoderShape *s, int64_t r) {
+int64_t pypto_moe_scratch_bytes(int64_t r, int64_t hidden, int64_t experts, int64_t top_k, int64_t inter);
+int pypto_moe_block(int kind, const void *x, int64_t xs, const void *router, const void *gate_up, int64_t gs,
+                    const void *down, int64_t ds, int64_t r, int64_t hidden, int64_t experts, int64_t top_k,
+                    int64_t inter, int norm_topk, void *out, int64_t os, void *scratch, int threads);
+
+/* Bytes of the layers' own scratch for r rows; the routed blocks' follows it. */
+static int64_t layer_scratch_bytes(const DecoderShape *s, int64_t r) {
     int64_t size = s->kind == ELEM_BF16 ? 2 : 4, q = s->heads * s->head_dim;
     int64_t elements = s->hidden * 2 + (q + 2 * s->kv_heads * s->head_dim) + q * 2 + s->inter * 3;
     return r * (elements * size + q * 4 + 3 * 8) + 64;
 }
 
+/* Bytes of scratch pypto_decode_layers needs for r rows. */
+int64_t pypto_decode_scratch_bytes(const DecoderShape *s, int64_t r) {
+    int64_t moe = s->experts ? pypto_moe_scratch_bytes(r, s->hidden, s->experts, s->top_k, s->moe_inter) : 0;
+    return layer_scratch_bytes(s, r) + moe;
+}
+
 /* hidden [r, hidden] (dense, the kind): the step's embeddings in, the last layer's output out;
  * residual [r, hidden]: written. cos, sin [r, rotary] rows of stride cs; slots [r]; tables [requests,
  * table stride]; requests [r] (each row's row of tables); ends [r] (the keys each row sees, itself the
- * last, at most its table's); scratch: at least pypto_decode_scratch_bytes. Returns 0; 1 when a slot is outside the caches (found at the first layer's
- * cache write: nothing is written); -1 when attention's per-thread scratch could not be allocated. */
+ * last, at most its table's); scratch: at least pypto_decode_scratch_bytes. Returns 0; 1 when a slot
+ * is outside the caches (found at the first layer's cache write: nothing is written); -1 when
+ * attention's per-thread scratch or the routed products' could not be allocated. */
 int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const DecoderShape *s, void *hidden, void *residual,
                         int64_t r, const void *cos, const void *sin, int64_t cs, const int64_t *slots,
                         const int64_t *tables, int64_t table_stride, const int64_t *requests, const int64_t *ends,
@@ -83,6 +101,7 @@ int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const Decoder
     char *attended = q + r * q_width * size, *o = attended + r * q_width * size, *gate_up = o + r * h * size;
     char *act = gate_up + r * 2 * s->inter * size;
     float *q_f32 = (float *)(act + r * s->inter * size);
+    void *moe_scratch = (char *)scratch + layer_scratch_bytes(s, r);
     for (int64_t i = 0; i < r; i++) rows[i] = i;
     memcpy(residual, hidden, (size_t)(r * h * size));
 #ifdef PYPTO_DECODE_TIMERS
@@ -123,6 +142,13 @@ int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const Decoder
         PHASE(4);
         pypto_rms_norm(o, h, residual, h, L->post_norm, s->kind, r, h, s->eps, normed, h, residual, h, threads);
         PHASE(5);
+        if (L->router) {
+            if (pypto_moe_block(s->kind, normed, h, L->router, L->experts_gate_up, L->expert_strides[0],
+                                L->experts_down, L->expert_strides[1], r, h, s->experts, s->top_k, s->moe_inter,
+                                s->norm_topk, hidden, h, moe_scratch, threads))
+                return -1;
+            continue;
+        }
         pypto_panel_gemm(s->kind, normed, h, L->gate_up, NULL, gate_up, 2 * s->inter, r, 2 * s->inter, h, threads);
         PHASE(6);
         pypto_silu_mul(gate_up, 2 * s->inter, s->kind, r, s->inter, act, s->inter, threads);

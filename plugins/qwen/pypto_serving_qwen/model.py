@@ -850,7 +850,7 @@ class QwenForCausalLM(nn.Module):
         eligible = self.native_decoder_enabled and meta.path == "paged"
         short = eligible and max(meta.query_lens_host, default=0) <= MAX_QUERIES
         native = self._native_decoder(kv_caches) if short else None
-        if native is not None:
+        if native is not None and native.takes_rows(hidden.shape[0]):
             self.native_decoder_steps += 1
             lens = (meta.query_lens_host, meta.seq_lens_host)
             return native.run(hidden, (cos, sin), meta.slot_mapping, meta.block_tables, *lens)
@@ -870,8 +870,8 @@ class QwenForCausalLM(nn.Module):
 
     def _native_decoder(self, kv_caches: list[KVCache]) -> K.NativeDecoder | None:
         """The layers over ``kv_caches`` as a :class:`pypto_kernels.NativeDecoder`, made at the first decode
-        step over these caches; None where it is off or the layers are not all dense, panel-packed,
-        without LoRA, on one rank (the reason logged once per cache)."""
+        step over these caches; None where it is off or the layers are not all panel-packed (or routed
+        experts kept in float), without LoRA, on one rank (the reason logged once per cache)."""
         if not self.native_decoder_enabled:
             return None
         if self._native is None or self._native[0] is not kv_caches:
@@ -903,25 +903,34 @@ class QwenForCausalLM(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         if self.shards.ctx.enabled:
             raise ValueError("tensor parallel")
-        if not isinstance(mlp, QwenMLP):
-            raise ValueError(f"layer {index} is a mixture of experts")
-        if attn.lora_qkv is not None or mlp.lora_gate_up is not None:
+        if attn.lora_qkv is not None or (isinstance(mlp, QwenMLP) and mlp.lora_gate_up is not None):
             raise ValueError("LoRA adapters")
         if attn.o_bias is not None:
             raise ValueError("an o_proj bias")
-        qkv, o, gate_up, down = attn.qkv_weight, attn.o_weight, mlp.gate_up_weight, mlp.down_weight
-        if not (
-            isinstance(qkv, K.PackedLinearWeight)
-            and isinstance(o, K.PackedLinearWeight)
-            and isinstance(gate_up, K.PackedLinearWeight)
-            and isinstance(down, K.PackedLinearWeight)
-        ):
+        qkv, o = attn.qkv_weight, attn.o_weight
+        gate_up, down, experts = self._native_mlp(index, mlp)
+        if not (isinstance(qkv, K.PackedLinearWeight) and isinstance(o, K.PackedLinearWeight)):
             raise ValueError(f"layer {index} has projections without a packed copy")
         return K.DecoderLayerWeights(
             input_norm=layer.input_norm, post_norm=layer.post_attention_norm, qkv=qkv, qkv_bias=attn.qkv_bias,
             q_norm=attn.q_norm, k_norm=attn.k_norm, o=o, gate_up=gate_up, down=down, key_cache=cache[0],
-            value_cache=cache[1], window=attn.sliding_window,
+            value_cache=cache[1], window=attn.sliding_window, experts=experts,
         )  # fmt: skip
+
+    @staticmethod
+    def _native_mlp(
+        index: int, mlp: QwenMLP | QwenSparseMoe
+    ) -> tuple[K.PackedLinearWeight | None, K.PackedLinearWeight | None, K.RoutedExperts | None]:
+        """Layer ``index``'s MLP as :class:`pypto_kernels.NativeDecoder` takes it: a dense one's packed
+        gate-up and down, or a mixture of experts' routed block; ValueError: why it cannot."""
+        if isinstance(mlp, QwenSparseMoe):
+            if isinstance(mlp.gate_up, QuantizedWeight) or isinstance(mlp.down, QuantizedWeight):
+                raise ValueError(f"layer {index}'s experts are stored quantized")
+            return None, None, K.RoutedExperts(mlp.router_weight, mlp.gate_up, mlp.down, mlp.top_k, mlp.norm_topk_prob)
+        gate_up, down = mlp.gate_up_weight, mlp.down_weight
+        if not (isinstance(gate_up, K.PackedLinearWeight) and isinstance(down, K.PackedLinearWeight)):
+            raise ValueError(f"layer {index} has projections without a packed copy")
+        return gate_up, down, None
 
     def takes_maxima(self, rows: int) -> bool:
         """Whether :meth:`logits` of ``rows`` rows takes each row's maximum and its index as the output

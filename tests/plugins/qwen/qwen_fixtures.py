@@ -58,7 +58,7 @@ def make_qwen_checkpoint(
     **overrides: Any,
 ) -> Path:
     """Write a tiny random ``kind`` in {"qwen2", "qwen3", "qwen3_moe"} checkpoint to ``path``;
-    ``output_scale`` (an override) multiplies every layer's o_proj and down_proj weights."""
+    ``output_scale`` (an override) multiplies every layer's o_proj and down_proj weights (the experts' too)."""
     from transformers import (
         Qwen2Config,
         Qwen2ForCausalLM,
@@ -99,7 +99,7 @@ def make_qwen_checkpoint(
     if output_scale is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                     p.mul_(output_scale)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -140,6 +140,8 @@ CHECKPOINTS: dict[str, tuple[str, dict[str, Any]]] = {
         {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
     ),
     "qwen3_moe": ("qwen3_moe", {}),
+    # Tied like qwen3_tied; this seed's greedy tokens vary (the default seed's repeat one token).
+    "qwen3_moe_tied": ("qwen3_moe", {"tie_word_embeddings": True, "output_scale": 8.0, "seed": 1}),
 }
 
 
