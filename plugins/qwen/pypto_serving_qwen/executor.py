@@ -347,7 +347,9 @@ class QwenExecutor(Executor):
             logger.info("%s layers: paged_attention runs %s", kind, backend)
         logger.info("KV writes: write_kv_cache runs %s", K.describe_kernel("write_kv_cache", self.device))
         if cfg.num_experts:
-            logger.info("routed experts: moe_experts runs %s", K.describe_kernel("moe_experts", self.device))
+            # Float experts run routed_moe (router, routing and experts; its reference calls moe_experts).
+            for name in ("routed_moe", "moe_experts"):
+                logger.info("routed experts: %s runs %s", name, K.describe_kernel(name, self.device))
         stored = self.model.quantized_weights() if self.model is not None else []
         for scheme in sorted({w.scheme for w in stored}):
             backend = K.describe_kernel("quant_linear", self.device, scheme=scheme, dtype=self.dtype)
