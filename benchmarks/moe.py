@@ -1,7 +1,9 @@
 """Grouped MoE (``grouped_moe_experts``) against the per-expert loop (``looped_moe_experts``) in one run,
 or (``--native``) against the CPU's native grouped products
 (:func:`pypto_kernels.backends.cpu.native_moe_experts`), with each one's read rate of the routed
-experts' weights beside this machine's copy bandwidth, measured in the same run.
+experts' weights beside this machine's copy bandwidth, measured in the same run; or (``--block``) a
+whole routed block as torch ops around the native products (the router's ``F.linear``,
+``topk_routing``, ``moe_experts``) against its one native call (:func:`pypto_kernels.native.moe_block`).
 
 Random float32 experts and softmax top-k routing at decode (few tokens) and prefill (hundreds of
 tokens) token counts on three shapes: the plugin tests' tiny Qwen3-MoE, a small many-expert one and
@@ -11,6 +13,7 @@ back, alternating which goes first, so load from other jobs hits both alike; the
     python3 benchmarks/moe.py                    # all shapes, markdown table
     python3 benchmarks/moe.py --repeats 5 --shapes tiny mid --threads 1
     python3 benchmarks/moe.py --native --dtype bfloat16 --shapes small mid --tokens 1 8 64 128 256
+    python3 benchmarks/moe.py --block --dtype bfloat16 --shapes qwen3-moe --tokens 1 8 64
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ SHAPES = {
     "tiny": Shape(experts=4, top_k=2, hidden=64, intermediate=32),
     "small": Shape(experts=128, top_k=8, hidden=256, intermediate=128),
     "mid": Shape(experts=64, top_k=8, hidden=1024, intermediate=768),
+    "qwen3-moe": Shape(experts=64, top_k=8, hidden=1024, intermediate=384),  # make_models.py's moe
 }
 TOKENS = {"decode": (1, 8, 64), "prefill": (256, 512)}
 
@@ -104,6 +108,57 @@ def native_row(shape: Shape, tokens: int, repeats: int, dtype: torch.dtype) -> s
     return f"{tokens} | {ids.numel() / shape.experts:.1f} | {g * 1e3:.3f} | {n * 1e3:.3f} | {g / n:.2f}x | {rates}"
 
 
+def block_row(shape: Shape, tokens: int, repeats: int, dtype: torch.dtype) -> str:
+    """One table row: the block as torch ops around the native products and as one native call, ms
+    and their ratio, after checking the two agree; eight layers' weights in turn, as a step reads them
+    (so a call's experts are not left in the caches by the call before)."""
+    import torch.nn.functional as F
+
+    from pypto_kernels import moe_experts, native
+
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, generator=gen).to(dtype)
+    layers = [
+        tuple((torch.randn(*dims, generator=gen) * 0.05).to(dtype) for dims in (
+            (shape.experts, shape.hidden), (shape.experts, 2 * shape.intermediate, shape.hidden),
+            (shape.experts, shape.hidden, shape.intermediate),
+        ))
+        for _ in range(8)
+    ]  # fmt: skip
+
+    def torch_ops() -> torch.Tensor:
+        for router, gate_up, down in layers:
+            weights, ids = topk_routing(F.linear(x, router), shape.top_k, True)
+            out = moe_experts(x, gate_up, down, weights, ids)
+        return out
+
+    def one_call() -> torch.Tensor:
+        for router, gate_up, down in layers:
+            out = native.moe_block(x, router, gate_up, down, shape.top_k, True)
+        return out
+
+    # Tokens may differ where their router logits tie at the k-th expert (common in bfloat16): torch's
+    # topk breaks ties in its own order, the native block to the lower expert.
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    ours, theirs = one_call().float(), torch_ops().float()
+    alike = ((ours - theirs).abs() <= tolerance * (1 + theirs.abs())).all(dim=1).float().mean().item()
+    assert alike >= 0.9, f"only {alike:.0%} of the tokens agree"
+    t, n = (s / len(layers) for s in _alternated([torch_ops, one_call], repeats))
+    return f"{tokens} | {alike:.0%} | {t * 1e3:.3f} | {n * 1e3:.3f} | {t / n:.2f}x"
+
+
+def block_table(args: argparse.Namespace) -> None:
+    dtype = getattr(torch, args.dtype)
+    print("| shape (E, top-k, H, I) | tokens | tokens alike | torch ops + native products ms | one native call ms |"
+          " ratio |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name in args.shapes:
+        shape = SHAPES[name]
+        dims = f"{name} ({shape.experts}, {shape.top_k}, {shape.hidden}, {shape.intermediate})"
+        for tokens in args.tokens:
+            print(f"| {dims} | {block_row(shape, tokens, args.repeats, dtype)} |", flush=True)
+
+
 def native_table(args: argparse.Namespace) -> None:
     from compare import memory_bandwidth  # benchmarks/compare.py: the floors' copy bandwidth
 
@@ -126,15 +181,16 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--native", action="store_true", help="grouped against the CPU's native grouped products")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --native")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 256], help="with --native")
+    parser.add_argument("--block", action="store_true", help="a routed block's torch ops against its native call")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --native/--block")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 256], help="with --native/--block")
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    if args.native:
-        native_table(args)
+    if args.native or args.block:
+        (native_table if args.native else block_table)(args)
         return
     print("| shape (E, top-k, H, I) | phase | tokens | loop ms | grouped ms | loop / grouped |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")

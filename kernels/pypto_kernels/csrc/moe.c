@@ -24,6 +24,10 @@ static inline float kind_load(const void *p, int kind, int64_t i) {
     return kind == ELEM_BF16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* Values a pass over the routes' rows splits over the threads from (fewer: one thread, a decode
+ * step's few routes). */
+#define MANY 65536
+
 /* A probability's mark once its expert is picked (probabilities are in [0, 1] or NaN). */
 #define TAKEN (-2.0f)
 
@@ -94,22 +98,26 @@ int pypto_moe_block(int kind, const void *x, int64_t xs, const void *router, con
         route_row(logits + i * experts, experts, top_k, norm_topk, kind, p + i * experts, ids + i * top_k,
                   w + i * top_k);
     sort_routes(ids, routes, experts, ends, sorted);
+    int many = threads > 1 && routes * hidden >= MANY; /* rows worth splitting over the threads */
+#pragma omp parallel for num_threads(threads) schedule(static) if (many)
     for (int64_t j = 0; j < routes; j++) memcpy(rows + j * hidden, xf + sorted[j] / top_k * hidden, hidden * 4);
     if (pypto_grouped_gemv(gate_up, kind, gs, hidden, rows, gu, ends, experts, 2 * inter, hidden, (int)rb, threads))
         return -1;
     if (kind == ELEM_BF16) { /* exact: the products were rounded to bfloat16 */
         uint16_t *g = (uint16_t *)act; /* gu's bfloat16 bits, in act's room (it is not yet written) */
+#pragma omp parallel for num_threads(threads) schedule(static) if (many)
         for (int64_t j = 0; j < routes * 2 * inter; j++) g[j] = bf16_round(gu[j]);
         pypto_silu_mul(g, 2 * inter, ELEM_BF16, routes, inter, act_kind, inter, threads);
     } else {
         pypto_silu_mul(gu, 2 * inter, ELEM_F32, routes, inter, act_kind, inter, threads);
     }
+#pragma omp parallel for num_threads(threads) schedule(static) if (many)
     for (int64_t j = 0; j < routes * inter; j++) act[j] = kind_load(act_kind, kind, j);
     if (pypto_grouped_gemv(down, kind, ds, inter, act, y, ends, experts, hidden, inter, (int)rb, threads)) return -1;
     /* The weighted sum, route by route in expert order (each row meets its experts in that order). */
     float *sum = xf; /* x's float rows are read for the last time above */
     memset(sum, 0, sizeof(float) * (size_t)(r * hidden));
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && routes * hidden >= 65536)
+#pragma omp parallel for num_threads(threads) schedule(static) if (many)
     for (int64_t c0 = 0; c0 < hidden; c0 += 64) {
         int64_t c1 = c0 + 64 < hidden ? c0 + 64 : hidden;
         for (int64_t j = 0; j < routes; j++)
