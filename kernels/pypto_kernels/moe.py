@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .activation import silu_and_mul
+from .native import PackedExperts
 from .registry import dispatch
 
 SCORING_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -189,8 +190,8 @@ def moe_experts(
 def routed_moe(
     x: torch.Tensor,
     router_weight: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | PackedExperts,
+    down: torch.Tensor | PackedExperts,
     top_k: int,
     norm_topk_prob: bool,
 ) -> torch.Tensor:
@@ -200,8 +201,14 @@ def routed_moe(
     :func:`pypto_kernels.native.moe_block`: the same arithmetic, the router's product and the sums in
     its own fixed order, ties in the top-k to the lower expert).
 
-    :param router_weight: ``[E, H]``; ``gate_up`` ``[E, 2I, H]``; ``down`` ``[E, H, I]``.
+    :param router_weight: ``[E, H]``; ``gate_up`` ``[E, 2I, H]``; ``down`` ``[E, H, I]``, plain or
+        (the CPU's packed copies, :func:`pypto_kernels.native.pack_experts`) both panels, which the
+        reference unpacks.
     :return: ``[T, H]`` in ``x``'s dtype.
     """
     weights, ids = topk_routing(F.linear(x, router_weight), top_k, norm_topk_prob)
+    if isinstance(gate_up, PackedExperts):
+        gate_up = gate_up.plain()
+    if isinstance(down, PackedExperts):
+        down = down.plain()
     return moe_experts(x, gate_up, down, weights, ids)

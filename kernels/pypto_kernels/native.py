@@ -44,6 +44,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,19 +55,23 @@ __all__ = [
     "MOE_ROUTES_PER_EXPERT",
     "NATIVE_DTYPES",
     "PANEL_WIDTH",
+    "PackedExperts",
     "bf16_dot_available",
     "blocked_attention_available",
     "cache_dir",
+    "expert_operands",
     "gemv",
     "gemv_takes",
     "grouped_gemv",
     "grouped_gemv_takes",
+    "grouped_panel_linear",
     "hc_sinkhorn_mix",
     "hc_takes",
     "library",
     "moe_block",
     "moe_block_takes",
     "norm_takes",
+    "pack_experts",
     "pack_panels",
     "paged_attention",
     "panel_linear",
@@ -237,8 +242,12 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_moe_scratch_bytes.argtypes = [_I64, _I64, _I64, _I64, _I64]
     lib.pypto_moe_block.restype = ctypes.c_int
     lib.pypto_moe_block.argtypes = [
-        ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, _PTR,
-        _I64, _PTR, ctypes.c_int,
+        ctypes.c_int, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, ctypes.c_int, _I64, _I64, _I64, _I64, _I64,
+        ctypes.c_int, _PTR, _I64, _PTR, ctypes.c_int,
+    ]  # fmt: skip
+    lib.pypto_grouped_panel_gemm.restype = ctypes.c_int
+    lib.pypto_grouped_panel_gemm.argtypes = [
+        ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, ctypes.c_int,
     ]  # fmt: skip
     logger.info("native CPU kernels loaded from %s", path)
     return lib
@@ -783,29 +792,106 @@ def grouped_gemv(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> t
 MOE_ROUTES_PER_EXPERT = {torch.bfloat16: 8, torch.float32: 32}
 
 
-def moe_block_takes(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether :func:`moe_block` takes these operands: CPU tensors of one dtype of
-    :data:`NATIVE_DTYPES`, dense ``[rows, hidden]`` rows, a dense ``[experts, hidden]`` router,
-    ``[experts, 2 inter, hidden]`` and ``[experts, hidden, inter]`` experts with dense rows, and the
-    library built."""
-    experts, hidden = router.shape if router.dim() == 2 else (0, 0)
+@dataclass(frozen=True, slots=True)
+class PackedExperts:
+    """Every expert's ``[out, in]`` matrix as :func:`pack_panels` lays it out, in one tensor
+    ``[experts, *panels]`` (:func:`pack_experts`): what :func:`grouped_panel_linear` and
+    :func:`moe_block` multiply at the FLOP peak with a few rows an expert.
+
+    :param panels: ``[experts, ceil(out / 64), in or in / 2, 64 or 128]``, contiguous.
+    :param out_features: each matrix's outputs.
+    """
+
+    panels: torch.Tensor
+    out_features: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(experts, out, in)``, the plain matrices' shape."""
+        return self.panels.shape[0], self.out_features, _panel_inputs(self.panels[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.panels.dtype
+
+    def plain(self) -> torch.Tensor:
+        """The ``[experts, out, in]`` matrices (a new tensor)."""
+        return torch.stack([unpack_panels(p, self.out_features) for p in self.panels])
+
+
+def pack_experts(weight: torch.Tensor) -> PackedExperts:
+    """``[experts, out, in]`` float32 or bfloat16 CPU matrices as :class:`PackedExperts`, one expert
+    packed at a time (no second full-size temporary)."""
+    if weight.dim() != 3 or weight.shape[0] == 0:
+        raise ValueError(f"pack_experts takes [experts, out, in] matrices, got {tuple(weight.shape)}")
+    first = pack_panels(weight[0])
+    panels = torch.empty((weight.shape[0], *first.shape), dtype=first.dtype)
+    panels[0] = first
+    for e in range(1, weight.shape[0]):
+        panels[e] = pack_panels(weight[e])
+    return PackedExperts(panels, weight.shape[1])
+
+
+def _experts_take(x: torch.Tensor, gate_up: torch.Tensor | PackedExperts, down: torch.Tensor | PackedExperts) -> bool:
+    """Both expert stacks plain with dense rows (``x`` as :func:`grouped_gemv_takes` wants), or both
+    :class:`PackedExperts` of ``x``'s dtype."""
+    if isinstance(gate_up, PackedExperts) and isinstance(down, PackedExperts):
+        return (
+            gate_up.dtype == down.dtype == x.dtype
+            and x.dtype in NATIVE_DTYPES
+            and x.dim() == 2
+            and x.is_contiguous()
+            and x.device.type == "cpu"
+            and gate_up.panels.is_contiguous()
+            and down.panels.is_contiguous()
+            and library() is not None
+        )
+    if isinstance(gate_up, PackedExperts) or isinstance(down, PackedExperts):
+        return False
     return (
         grouped_gemv_takes(x, gate_up)
-        and router.dtype == down.dtype == x.dtype
-        and router.is_contiguous()
-        and 0 < experts == gate_up.shape[0] == down.shape[0]
-        and hidden == x.shape[1]
         and down.dim() == 3
-        and down.shape[1] == hidden
-        and 2 * down.shape[2] == gate_up.shape[1]
         and down.stride(2) == 1
         and down.stride(1) == down.shape[2]
-        and gate_up.stride(1) == hidden
+        and gate_up.stride(1) == gate_up.shape[2]
     )
 
 
+def moe_block_takes(
+    x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor | PackedExperts, down: torch.Tensor | PackedExperts
+) -> bool:
+    """Whether :func:`moe_block` takes these operands: CPU tensors of one dtype of
+    :data:`NATIVE_DTYPES`, dense ``[rows, hidden]`` rows, a dense ``[experts, hidden]`` router, and
+    ``[experts, 2 inter, hidden]`` and ``[experts, hidden, inter]`` experts, plain with dense rows or
+    both :class:`PackedExperts` (``hidden`` and ``inter`` even in bfloat16), and the library built."""
+    experts, hidden = router.shape if router.dim() == 2 else (0, 0)
+    e1, two_inter, h1 = gate_up.shape
+    e2, h2, inter = down.shape
+    return (
+        _experts_take(x, gate_up, down)
+        and router.dtype == x.dtype
+        and router.is_contiguous()
+        and 0 < experts == e1 == e2
+        and hidden == x.shape[1] == h1 == h2
+        and two_inter == 2 * inter
+    )
+
+
+def expert_operands(weight: torch.Tensor | PackedExperts) -> tuple[int, int, bool]:
+    """``weight``'s address, the step from one expert to the next (plain: elements; panels: bytes) and
+    whether it is panels, as ``csrc/moe.c`` takes an expert stack."""
+    if isinstance(weight, PackedExperts):
+        return weight.panels.data_ptr(), weight.panels.stride(0) * weight.panels.element_size(), True
+    return weight.data_ptr(), weight.stride(0), False
+
+
 def moe_block(
-    x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, norm_topk: bool
+    x: torch.Tensor,
+    router: torch.Tensor,
+    gate_up: torch.Tensor | PackedExperts,
+    down: torch.Tensor | PackedExperts,
+    top_k: int,
+    norm_topk: bool,
 ) -> torch.Tensor:
     """A mixture of experts' routed block for each row of ``x`` (``csrc/moe.c``): softmax routing over
     ``x @ router.T`` (rounded to ``x``'s dtype), the ``top_k`` most probable experts (ties to the lower
@@ -814,14 +900,15 @@ def moe_block(
     and partial sum rounded to the dtype. A row's result depends only on that row.
 
     :param x: ``[rows, hidden]`` (:func:`moe_block_takes`); ``router`` ``[experts, hidden]``.
-    :param gate_up: ``[experts, 2 inter, hidden]``; ``down`` ``[experts, hidden, inter]``.
+    :param gate_up: ``[experts, 2 inter, hidden]``; ``down`` ``[experts, hidden, inter]``: plain (their
+        products :func:`grouped_gemv`'s) or both :class:`PackedExperts` (:func:`grouped_panel_linear`'s).
     :return: ``[rows, hidden]`` in ``x``'s dtype.
     """
     lib = library()
     if lib is None or not moe_block_takes(x, router, gate_up, down):
         raise ValueError(
-            f"the native MoE block does not take x {tuple(x.shape)} {x.dtype}, router {tuple(router.shape)}, "
-            f"experts {tuple(gate_up.shape)} / {tuple(down.shape)}"
+            f"the native MoE block does not take x {tuple(x.shape)} {x.dtype}, router {tuple(router.shape)} "
+            f"{router.dtype}, experts {tuple(gate_up.shape)} / {tuple(down.shape)} {gate_up.dtype}"
         )
     experts, inter = router.shape[0], down.shape[2]
     if not 0 < top_k <= experts:
@@ -829,13 +916,43 @@ def moe_block(
     rows, hidden = x.shape
     scratch = torch.empty(lib.pypto_moe_scratch_bytes(rows, hidden, experts, top_k, inter), dtype=torch.uint8)
     out = torch.empty_like(x)
+    (g, gs, panels), (d, ds, _) = expert_operands(gate_up), expert_operands(down)
     status = lib.pypto_moe_block(
-        NATIVE_DTYPES[x.dtype], x.data_ptr(), x.stride(0), router.data_ptr(), gate_up.data_ptr(), gate_up.stride(0),
-        down.data_ptr(), down.stride(0), rows, hidden, experts, top_k, inter, int(norm_topk), out.data_ptr(),
-        out.stride(0), scratch.data_ptr(), torch.get_num_threads(),
+        NATIVE_DTYPES[x.dtype], x.data_ptr(), x.stride(0), router.data_ptr(), g, gs, d, ds, int(panels), rows, hidden,
+        experts, top_k, inter, int(norm_topk), out.data_ptr(), out.stride(0), scratch.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the native MoE block's products could not allocate their scratch")
+    return out
+
+
+def grouped_panel_linear(x: torch.Tensor, experts: PackedExperts, ends: torch.Tensor) -> torch.Tensor:
+    """Rows sorted by expert times their experts' panels (``csrc/panel_gemm.c``): rows
+    ``[ends[e - 1], ends[e])`` times expert ``e``'s matrix transposed, each output
+    :func:`panel_linear`'s for its row alone.
+
+    :param x: ``[rows, in]`` dense, of the experts' dtype, ``rows = ends[-1]``.
+    :param ends: ``[experts]``, each expert's end row, non-negative and non-decreasing.
+    :return: ``[rows, out]`` in ``x``'s dtype.
+    """
+    lib = library()
+    count, out_features, inputs = experts.shape
+    if lib is None or x.dtype != experts.dtype or x.dim() != 2 or x.shape[1] != inputs or not x.is_contiguous():
+        raise ValueError(f"the grouped panel product does not take x {tuple(x.shape)} {x.dtype}")
+    ends = ends.to(torch.int64).contiguous()
+    if ends.numel() != count or (count and int(ends[-1]) != x.shape[0]):
+        raise ValueError(f"ends {ends.tolist()} do not end at the {x.shape[0]} rows of {count} experts")
+    if count and (int(ends[0]) < 0 or bool((ends.diff() < 0).any())):
+        raise ValueError(f"ends {ends.tolist()} are not non-decreasing from 0")
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    ptr, step, _ = expert_operands(experts)
+    status = lib.pypto_grouped_panel_gemm(
+        NATIVE_DTYPES[x.dtype], x.data_ptr(), inputs, ptr, step, out.data_ptr(), out_features, ends.data_ptr(), count,
+        out_features, inputs, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the grouped panel product could not allocate its item table")
     return out
 
 

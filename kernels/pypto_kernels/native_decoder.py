@@ -47,7 +47,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _PTR), ("qkv_bias", _PTR), ("q_norm", _PTR),
         ("k_norm", _PTR), ("o", _PTR), ("gate_up", _PTR), ("down", _PTR), ("router", _PTR),
-        ("experts_gate_up", _PTR), ("experts_down", _PTR), ("expert_strides", _I64 * 2), ("key_cache", _PTR),
+        ("experts_gate_up", _PTR), ("experts_down", _PTR), ("expert_strides", _I64 * 2), ("expert_panels", _I64),
+        ("key_cache", _PTR),
         ("value_cache", _PTR), ("k_strides", _I64 * 3), ("v_strides", _I64 * 3), ("window", _I64),
     ]  # fmt: skip
 
@@ -69,14 +70,15 @@ class RoutedExperts:
     :func:`pypto_kernels.routed_moe` takes it (:func:`pypto_kernels.native.moe_block` runs it).
 
     :param router: ``[experts, hidden]``, dense.
-    :param gate_up: ``[experts, 2 inter, hidden]``; ``down`` ``[experts, hidden, inter]``; rows dense.
+    :param gate_up: ``[experts, 2 inter, hidden]``; ``down`` ``[experts, hidden, inter]``; plain with
+        rows dense, or both panels (:func:`pypto_kernels.native.pack_experts`).
     :param top_k: experts a token is routed to; ``norm_topk_prob`` whether their weights are divided
         by their sum.
     """
 
     router: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | native.PackedExperts
+    down: torch.Tensor | native.PackedExperts
     top_k: int
     norm_topk_prob: bool
 
@@ -241,6 +243,8 @@ class NativeDecoder:
             head_dim, inter, rotary_dim, block_size, blocks * block_size, eps, scale, *routed,
         )  # fmt: skip
         self._held = list(layers)  # the pointers above stay valid while these are referenced
+        # Panels serve every row count (the eager forward's routed_moe takes them at any): no limit.
+        self._expert_panels = all(isinstance(e.gate_up, native.PackedExperts) for e in _experts(layers))
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._greedy: tuple[int, _GreedyBuffers] | None = None  # greedy_run's buffers, for a head of that many rows
 
@@ -277,22 +281,22 @@ class NativeDecoder:
                 raise ValueError(f"{name}: neither a dense MLP nor routed experts")
             _check_panels(f"{name} gate_up", w.gate_up, dtype, (2 * inter, hidden))
             _check_panels(f"{name} down", w.down, dtype, (hidden, inter))
-            return w.gate_up.packed.data_ptr(), w.down.packed.data_ptr(), None, None, None, (_I64 * 2)(0, 0)
+            return w.gate_up.packed.data_ptr(), w.down.packed.data_ptr(), None, None, None, (_I64 * 2)(0, 0), 0
         if w.gate_up is not None or w.down is not None:
             raise ValueError(f"{name}: both a dense MLP and routed experts")
         if not native.moe_block_takes(torch.empty(1, hidden, dtype=dtype), e.router, e.gate_up, e.down):
             what = f"{e.router.dtype} router {tuple(e.router.shape)}, experts {tuple(e.gate_up.shape)}"
             raise ValueError(f"{name}: the native MoE block does not take the {what} / {tuple(e.down.shape)}")
-        strides = (_I64 * 2)(e.gate_up.stride(0), e.down.stride(0))
-        return None, None, e.router.data_ptr(), e.gate_up.data_ptr(), e.down.data_ptr(), strides
+        (g, gs, panels), (d, ds, _) = native.expert_operands(e.gate_up), native.expert_operands(e.down)
+        return None, None, e.router.data_ptr(), g, d, (_I64 * 2)(gs, ds), int(panels)
 
     def takes_rows(self, rows: int) -> bool:
         """Whether :meth:`run` takes a step of ``rows`` rows: every one where the layers are dense; where
         some are a mixture of experts', those whose routes the eager forward's
         :func:`pypto_kernels.routed_moe` runs natively too
         (:data:`pypto_kernels.native.MOE_ROUTES_PER_EXPERT`), so that both give the same bits."""
-        experts, top_k = self._shape.experts, self._shape.top_k
-        return not experts or rows * top_k <= native.MOE_ROUTES_PER_EXPERT[self._dtype] * experts
+        experts, top_k, packed = self._shape.experts, self._shape.top_k, self._expert_panels
+        return not experts or packed or rows * top_k <= native.MOE_ROUTES_PER_EXPERT[self._dtype] * experts
 
     def run(
         self,

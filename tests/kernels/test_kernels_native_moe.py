@@ -176,15 +176,22 @@ def _float64_block(
     return naive_experts(x, gate_up, down, weights, ids)
 
 
+def _experts(
+    gate_up: torch.Tensor, down: torch.Tensor, packed: bool
+) -> tuple[torch.Tensor | native.PackedExperts, torch.Tensor | native.PackedExperts]:
+    return (native.pack_experts(gate_up), native.pack_experts(down)) if packed else (gate_up, down)
+
+
 @needs_native
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("tokens", [1, 7, 40])
-def test_native_moe_block_is_the_float64_block(tokens: int, norm: bool, dtype: torch.dtype) -> None:
+def test_native_moe_block_is_the_float64_block(tokens: int, norm: bool, dtype: torch.dtype, packed: bool) -> None:
     """The router's product, softmax top-k routing, both expert products and the weighted sum in one
-    call, against the block in float64."""
+    call, experts plain or packed as panels, against the block in float64."""
     x, gate_up, down, router = random_moe(dtype, tokens=tokens, seed=tokens)
-    out = native.moe_block(x, router, gate_up, down, TOP_K, norm)
+    out = native.moe_block(x, router, *_experts(gate_up, down, packed), TOP_K, norm)
     assert out.dtype == dtype and out.shape == x.shape
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double(), _float64_block(x, router, gate_up, down, TOP_K, norm), atol=tol, rtol=tol)
@@ -203,10 +210,13 @@ def test_native_moe_block_ties_go_to_the_lower_experts(dtype: torch.dtype) -> No
 
 
 @needs_native
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_tokens_block_does_not_depend_on_its_batch_or_the_threads(dtype: torch.dtype) -> None:
-    """Each token's block alone equals its block in a batch of 33, bit for bit, on one thread or two."""
-    x, gate_up, down, router = random_moe(dtype, tokens=33, seed=6)
+def test_a_tokens_block_does_not_depend_on_its_batch_or_the_threads(dtype: torch.dtype, packed: bool) -> None:
+    """Each token's block alone equals its block in a batch of 33, bit for bit, on one thread or two,
+    experts plain or packed as panels."""
+    x, plain_gate_up, plain_down, router = random_moe(dtype, tokens=33, seed=6)
+    gate_up, down = _experts(plain_gate_up, plain_down, packed)
     batch = native.moe_block(x, router, gate_up, down, TOP_K, True)
     threads = torch.get_num_threads()
     try:
@@ -257,3 +267,59 @@ def test_routed_moe_runs_the_native_block_up_to_its_routes_per_expert(monkeypatc
         calls.clear()
         K.routed_moe(x, router, gate_up, down, TOP_K, True)  # one token more: past the limit
         assert calls == [], dtype
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_grouped_panel_row_is_the_panel_product_of_that_row_alone(dtype: torch.dtype) -> None:
+    """Rows sorted by expert (:data:`COUNTS`: empty experts, every tile remainder) times their experts'
+    panels: each row bitwise the one-row panel product of its expert (``panel_linear``), on one thread
+    or two, close to float64; the packed experts unpack to the matrices they were made from."""
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(len(COUNTS), 130, 96, generator=gen).to(dtype)
+    x = torch.randn(sum(COUNTS), 96, generator=gen).to(dtype)
+    ends = torch.tensor(COUNTS).cumsum(0)
+    packed = native.pack_experts(weight)
+    assert packed.shape == tuple(weight.shape) and torch.equal(packed.plain(), weight)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = native.grouped_panel_linear(x, packed, ends)
+            start = 0
+            for e, count in enumerate(COUNTS):
+                for i in range(start, start + count):
+                    alone = native.panel_linear(x[i : i + 1], packed.panels[e], out_features=130)
+                    assert torch.equal(out[i], alone[0]), (n, e, i)
+                start += count
+    finally:
+        torch.set_num_threads(threads)
+    expected = torch.cat(
+        [x[s:t].double() @ weight[e].double().T for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends))]
+    )
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tol * 10, rtol=tol)
+    with pytest.raises(ValueError, match="are not non-decreasing from 0"):
+        native.grouped_panel_linear(x, packed, torch.tensor([0, 5, 3, 9, 9, 13, 18, 24]))
+
+
+@needs_native
+def test_routed_moe_runs_packed_experts_natively_at_any_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts packed as panels take the native block past the grouped GEMV's limit too (a prefill's
+    rows), and the reference unpacks them: the two close."""
+    calls: list[int] = []
+    inner = native.moe_block
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return inner(x, *args)
+
+    monkeypatch.setattr(native, "moe_block", counted)
+    x, gate_up, down, router = random_moe(torch.bfloat16, tokens=200, seed=9)
+    assert native.MOE_ROUTES_PER_EXPERT[torch.bfloat16] * E < 200 * TOP_K
+    packed = _experts(gate_up, down, True)
+    out = K.routed_moe(x, router, *packed, TOP_K, True)
+    assert calls == [200]
+    reference = K.routed_moe.reference(x, router, *packed, TOP_K, True)  # type: ignore[attr-defined]
+    alike = ((out.float() - reference.float()).abs() <= 3e-2 * (1 + reference.float().abs())).all(dim=1)
+    assert alike.float().mean() >= 0.9  # the rest routed otherwise where bfloat16 logits tie at the k-th

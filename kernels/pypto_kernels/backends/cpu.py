@@ -524,8 +524,8 @@ def supports_moe_experts(
 def native_routed_moe(
     x: torch.Tensor,
     router_weight: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | native.PackedExperts,
+    down: torch.Tensor | native.PackedExperts,
     top_k: int,
     norm_topk_prob: bool,
 ) -> torch.Tensor:
@@ -534,16 +534,19 @@ def native_routed_moe(
 
 
 def supports_routed_moe(
-    x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-    *args: Any, **kwargs: Any,
+    x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor | native.PackedExperts,
+    down: torch.Tensor | native.PackedExperts, top_k: int, *args: Any, **kwargs: Any,
 ) -> bool:  # fmt: skip
-    """The native block within the native expert products' limit (:data:`pypto_kernels.native.MOE_ROUTES_PER_EXPERT`:
-    beyond it torch's grouped GEMM runs the experts faster)."""
+    """The native block for experts packed as panels at any row count (their products reach the FLOP
+    peak); for plain experts within the grouped GEMV's limit
+    (:data:`pypto_kernels.native.MOE_ROUTES_PER_EXPERT`: beyond it torch's grouped GEMM is faster)."""
+    packed = isinstance(gate_up, native.PackedExperts)
+    within = packed or x.shape[0] * top_k <= native.MOE_ROUTES_PER_EXPERT.get(x.dtype, 0) * gate_up.shape[0]
     return (
         not torch.compiler.is_compiling()
         and x.dim() == 2
         and 0 < top_k <= gate_up.shape[0]
-        and x.shape[0] * top_k <= native.MOE_ROUTES_PER_EXPERT.get(x.dtype, 0) * gate_up.shape[0]
+        and within
         and native.moe_block_takes(x, router_weight, gate_up, down)
     )
 

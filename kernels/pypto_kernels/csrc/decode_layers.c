@@ -49,7 +49,8 @@ typedef struct {
     const void *gate_up, *down;         /* panels of [2 inter, hidden] and [hidden, inter], or NULL: */
     const void *router;                 /* a mixture of experts' [experts, hidden], rows dense, and */
     const void *experts_gate_up, *experts_down; /* [experts][2 moe_inter, hidden], [experts][hidden, moe_inter] */
-    int64_t expert_strides[2];          /* elements from one expert's matrix to the next, each */
+    int64_t expert_strides[2];          /* from one expert's matrix to the next: elements, or bytes */
+    int64_t expert_panels;              /* where the experts are panels (moe.c's pypto_moe_block) */
     void *key_cache, *value_cache;      /* [blocks, block_size, kv_heads, head_dim], cache_kind */
     int64_t k_strides[3], v_strides[3]; /* block, token and head strides in elements */
     int64_t window;                     /* keys a query sees (its own and those before), 0: all */
@@ -67,8 +68,8 @@ typedef struct {
 
 int64_t pypto_moe_scratch_bytes(int64_t r, int64_t hidden, int64_t experts, int64_t top_k, int64_t inter);
 int pypto_moe_block(int kind, const void *x, int64_t xs, const void *router, const void *gate_up, int64_t gs,
-                    const void *down, int64_t ds, int64_t r, int64_t hidden, int64_t experts, int64_t top_k,
-                    int64_t inter, int norm_topk, void *out, int64_t os, void *scratch, int threads);
+                    const void *down, int64_t ds, int panels, int64_t r, int64_t hidden, int64_t experts,
+                    int64_t top_k, int64_t inter, int norm_topk, void *out, int64_t os, void *scratch, int threads);
 
 /* Bytes of the layers' own scratch for r rows; the routed blocks' follows it. */
 static int64_t layer_scratch_bytes(const DecoderShape *s, int64_t r) {
@@ -144,7 +145,8 @@ int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const Decoder
         PHASE(5);
         if (L->router) {
             if (pypto_moe_block(s->kind, normed, h, L->router, L->experts_gate_up, L->expert_strides[0],
-                                L->experts_down, L->expert_strides[1], r, h, s->experts, s->top_k, s->moe_inter,
+                                L->experts_down, L->expert_strides[1], (int)L->expert_panels, r, h, s->experts,
+                                s->top_k, s->moe_inter,
                                 s->norm_topk, hidden, h, moe_scratch, threads))
                 return -1;
             continue;

@@ -452,3 +452,44 @@ void pypto_panel_gemm_logits(int kind, const void *x, int64_t xs, const void *pa
                              int threads) {
     panel_gemm(kind, 1, x, xs, panels, bias, out, os, m, n, k, row_max, row_arg, threads);
 }
+
+/* Grouped products over panels (a mixture of experts' routed experts packed as panels): x [rows, k]
+ * (row stride xs, the kind) sorted by expert, expert e's rows [ends[e - 1], ends[e]) (ends[-1] = 0)
+ * times its [n, k] matrix's panels at panels + e * es bytes; out [rows, n] (row stride os, the kind).
+ * Each output is pypto_panel_gemm's for its row alone, so it depends neither on the other rows routed to
+ * its expert nor on the threads. The work is (expert, panel, block of MC rows) items, an expert's
+ * panel by panel, split and claimed as pypto_panel_gemm's; an expert's one-row product streams its
+ * panels as a one-row product's. Returns 0, or -1 without computing anything where its item table could
+ * not be allocated. */
+int pypto_grouped_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, int64_t es, void *out,
+                             int64_t os, const int64_t *ends, int64_t experts, int64_t n, int64_t k, int threads) {
+    int64_t rows = kind == ELEM_BF16 ? k / 2 : k, count = (n + NR - 1) / NR;
+    int64_t *first = malloc(sizeof(int64_t) * (experts + 1)); /* expert e's items [first[e], first[e + 1]) */
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        int64_t m = ends[e] - (e ? ends[e - 1] : 0);
+        first[e + 1] = first[e] + count * ((m + MC - 1) / MC);
+    }
+    int64_t items = first[experts], fixed = fixed_items(items, TAIL_MIN), claimed = fixed;
+#pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+    {
+        float buf[MC * NR] __attribute__((aligned(64)));
+        int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t lo = fixed * me / team, hi = fixed * (me + 1) / team, e = 0;
+        while (lo < hi || claim(&claimed, items, team, &lo, &hi)) {
+            for (int64_t item = lo; item < hi; item++) {
+                while (first[e + 1] <= item) e++;
+                while (first[e] > item) e--;
+                int64_t start = e ? ends[e - 1] : 0, m = ends[e] - start, blocks = (m + MC - 1) / MC;
+                int64_t p = (item - first[e]) / blocks, r0 = start + (item - first[e]) % blocks * MC;
+                int64_t r1 = r0 + MC < ends[e] ? r0 + MC : ends[e], c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
+                const char *w = (const char *)panels + e * es + p * rows * ROW_BYTES;
+                panel_block(kind, 0, x, xs, w, NULL, out, os, r0, r1, c0, cols, rows, m == 1, 0, NULL, buf, NULL);
+            }
+            lo = hi;
+        }
+    }
+    free(first);
+    return 0;
+}

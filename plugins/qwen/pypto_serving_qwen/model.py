@@ -366,8 +366,8 @@ class QwenSparseMoe(nn.Module):
         self.intermediate = i = _size(shards.moe_intermediate)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router_weight = _param((cfg.num_experts, h), device, dtype)
-        self.gate_up: nn.Parameter | QuantizedWeight
-        self.down: nn.Parameter | QuantizedWeight
+        self.gate_up: nn.Parameter | QuantizedWeight | K.native.PackedExperts
+        self.down: nn.Parameter | QuantizedWeight | K.native.PackedExperts
         scheme = self._expert_scheme(plan, prefix)
         if scheme is not None:
             self.gate_up = _stored_experts(scheme, (e, 2 * i, h), device, _block(plan))
@@ -403,11 +403,12 @@ class QwenSparseMoe(nn.Module):
             out.update(self._stored_targets(prefix))
             return out
         # Released Qwen-MoE checkpoints store one matrix per expert; stack them into [E, 2I, H] / [E, H, I].
+        gate_up, down_w = self._float_experts()
         for e in self.local_experts():
             gate, up, down = self._expert_names(prefix, e)
-            out[gate] = [_target(self.gate_up.data[e - first, :i], gate, rows, full)]
-            out[up] = [_target(self.gate_up.data[e - first, i:], up, rows, full)]
-            out[down] = [_target(self.down.data[e - first], down, rows, full, dim=1)]
+            out[gate] = [_target(gate_up[e - first, :i], gate, rows, full)]
+            out[up] = [_target(gate_up[e - first, i:], up, rows, full)]
+            out[down] = [_target(down_w[e - first], down, rows, full, dim=1)]
         out.update(self._stacked_targets(prefix))
         return out
 
@@ -432,24 +433,49 @@ class QwenSparseMoe(nn.Module):
         names = [self._expert_names(prefix, e) for e in self.local_experts()]
         gate_up_fills = tuple(n for gate, up, _ in names for n in (gate, up))
         down_fills = tuple(down for _, _, down in names)
+        gate_up, down = self._float_experts()
         if self.shards.expert_parallel:
             return {
-                f"{prefix}.experts.gate_up_proj": [
-                    WeightTarget(self.gate_up.data, gate_up_fills, experts, 0, self.num_experts)
-                ],
-                f"{prefix}.experts.down_proj": [WeightTarget(self.down.data, down_fills, experts, 0, self.num_experts)],
+                f"{prefix}.experts.gate_up_proj": [WeightTarget(gate_up, gate_up_fills, experts, 0, self.num_experts)],
+                f"{prefix}.experts.down_proj": [WeightTarget(down, down_fills, experts, 0, self.num_experts)],
             }
         up_rows = slice(full + rows.start, full + rows.stop)
         return {
             f"{prefix}.experts.gate_up_proj": [
-                WeightTarget(self.gate_up.data[:, :i], gate_up_fills, *_part(rows, 1, 2 * full)),
-                WeightTarget(self.gate_up.data[:, i:], gate_up_fills, *_part(up_rows, 1, 2 * full)),
+                WeightTarget(gate_up[:, :i], gate_up_fills, *_part(rows, 1, 2 * full)),
+                WeightTarget(gate_up[:, i:], gate_up_fills, *_part(up_rows, 1, 2 * full)),
             ],
-            f"{prefix}.experts.down_proj": [WeightTarget(self.down.data, down_fills, *_part(rows, 2, full))],
+            f"{prefix}.experts.down_proj": [WeightTarget(down, down_fills, *_part(rows, 2, full))],
         }
+
+    def _float_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float expert stacks a checkpoint fills: the weights load before :meth:`pack_experts`."""
+        if not isinstance(self.gate_up, nn.Parameter) or not isinstance(self.down, nn.Parameter):
+            raise RuntimeError("the routed experts are packed (or stored quantized): load the weights before packing")
+        return self.gate_up.data, self.down.data
 
     def local_experts(self) -> range:
         return range(self.shards.experts.start, self.shards.experts.stop)
+
+    def pack_experts(self) -> bool:
+        """Replace float experts by panels (:func:`pypto_kernels.native.pack_experts`, after loading, on
+        the CPU) where the native block takes them: its products then reach the FLOP peak with a few rows
+        an expert and serve every row count (docs/benchmarks.md). Stored-precision experts and expert
+        parallelism (whose routes go through ``moe_experts``) keep theirs; returns whether it packed."""
+        if self.shards.expert_parallel or not isinstance(self.gate_up, nn.Parameter):
+            return False
+        if not isinstance(self.down, nn.Parameter) or self.gate_up.device.type != "cpu":
+            return False
+        row = torch.empty(1, self.router_weight.shape[1], dtype=self.router_weight.dtype)
+        try:
+            gate_up, down = K.native.pack_experts(self.gate_up.data), K.native.pack_experts(self.down.data)
+        except ValueError:  # a dtype panels do not hold, or odd bfloat16 widths
+            return False
+        if not K.native.moe_block_takes(row, self.router_weight, gate_up, down):
+            return False
+        del self._parameters["gate_up"], self._parameters["down"]
+        self.gate_up, self.down = gate_up, down
+        return True
 
     def required(self, prefix: str) -> set[str]:
         names = {f"{prefix}.gate.weight"}
@@ -460,12 +486,13 @@ class QwenSparseMoe(nn.Module):
         return names
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plain = not isinstance(self.gate_up, QuantizedWeight) and not self.shards.expert_parallel
-        if plain and not torch.compiler.is_compiling():
+        gate_up, down = self.gate_up, self.down
+        local = not self.shards.expert_parallel and not torch.compiler.is_compiling()
+        if local and not isinstance(gate_up, QuantizedWeight) and not isinstance(down, QuantizedWeight):
             # The router, routing and experts as one kernel (on the CPU one native call, which the
             # native decoder's MoE layers make too, so both give the same bits).
-            out = K.routed_moe(x, self.router_weight, self.gate_up, self.down, self.top_k, self.norm_topk_prob)
-            return self.shards.ctx.all_reduce(out)
+            routed = K.routed_moe(x, self.router_weight, gate_up, down, self.top_k, self.norm_topk_prob)
+            return self.shards.ctx.all_reduce(routed)
         router_logits = F.linear(x, self.router_weight)
         weights, ids = K.topk_routing(router_logits, self.top_k, self.norm_topk_prob)
         # A captured decode step calls the kernel as one op (graph.py); eager calls it directly. Stored
@@ -979,6 +1006,9 @@ class QwenForCausalLM(nn.Module):
         unpacked (see :meth:`_pack_head`)."""
         packed = pack_projections(self, batch_rows, library)
         self._small_panels_on_huge_pages(packed)
+        # Routed experts as panels where the projections got panels (the CPUs where those win).
+        panels = any(w.library == "panels" for w in packed)
+        experts = sum(m.pack_experts() for m in self.modules() if panels and isinstance(m, QwenSparseMoe))
         self.lm_head_kernel = True
         for module in self.modules():
             if isinstance(module, (QwenAttention, QwenMLP)):
@@ -988,7 +1018,7 @@ class QwenForCausalLM(nn.Module):
         # An int8 output projection takes oneDNN's prepacked product at every row count (1.1x at one
         # row, 2.2x at 8-64); the decoder's int8 projections keep torch._int_mm, which is faster at one.
         packed_int8 = self.lm_head_q is not None and K.pack_quant_linear(self.lm_head_q)
-        return len(packed) + (self.lm_head_packed is not None) + packed_int8
+        return len(packed) + 2 * experts + (self.lm_head_packed is not None) + packed_int8
 
     @staticmethod
     def _small_panels_on_huge_pages(packed: list[K.PackedLinearWeight]) -> None:

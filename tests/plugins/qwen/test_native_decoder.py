@@ -21,6 +21,7 @@ import torch
 import pypto_kernels as K
 from pypto_serving import StepInterrupt
 from pypto_serving_qwen.executor import QwenExecutor
+from pypto_serving_qwen.model import QwenSparseMoe
 from tests.plugins.qwen.qwen_fixtures import PagedBatchBuilder, qwen_settings, scheduled_chunks
 
 pytestmark = pytest.mark.skipif(K.native.library() is None, reason="no native CPU kernels (no C compiler)")
@@ -45,19 +46,26 @@ def _executor(path: Path, dtype: str, **options: Any) -> QwenExecutor:
         ("qwen3_sliding", "float32"),
         ("qwen3_moe", "float32"),
         ("qwen3_moe", "bfloat16"),
+        ("qwen3_moe_plain", "bfloat16"),
     ],
 )
 def test_native_decode_steps_equal_the_kernel_by_kernel_forward(
-    name: str, dtype: str, qwen_checkpoints: Callable[[str], Path]
+    name: str, dtype: str, qwen_checkpoints: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Qwen3 (q/k norms), Qwen2 (q/k/v biases, no norms), sliding-window layers and Qwen3-MoE (routed
-    experts beside a dense layer), float32 and bfloat16: every step's logits and the caches the steps
-    wrote are bitwise those of the forward calling each kernel from Python; every step but the one
-    with a prefill of more than 16 queries takes the native call, but for the MoE model in bfloat16
-    the 17-row step (34 routes over 4 experts, past the native block's 8 an expert: torch's grouped
-    GEMM runs it in either forward)."""
-    path = qwen_checkpoints(name)
+    experts beside a dense layer; packed as panels, or left plain), float32 and bfloat16: every step's
+    logits and the caches the steps wrote are bitwise those of the forward calling each kernel from
+    Python; every step but the one with a prefill of more than 16 queries takes the native call, but
+    with plain experts in bfloat16 the 17-row step (34 routes over 4 experts, past the grouped GEMV's 8
+    an expert: torch's grouped GEMM runs it in either forward)."""
+    plain = name == "qwen3_moe_plain"
+    if plain:  # experts left as the CPUs whose projections are not panels keep them
+        monkeypatch.setattr(QwenSparseMoe, "pack_experts", lambda self: False)
+    path = qwen_checkpoints("qwen3_moe" if plain else name)
     native, eager = _executor(path, dtype), _executor(path, dtype, native_decoder=False)
+    moe = [m for m in native.model.modules() if isinstance(m, QwenSparseMoe)] if native.model is not None else []
+    assert all(isinstance(m.gate_up, K.native.PackedExperts) != plain for m in moe)
+    assert len(moe) == (2 if "moe" in name else 0)
     gen = torch.Generator().manual_seed(3)
     prompts = {rid: torch.randint(4, 300, (n,), generator=gen).tolist() for rid, n in zip("abcd", (9, 3, 17, 5))}
     # A prefill of more than 16 queries (eager), ragged decodes, a short prompt joining decodes,
@@ -73,8 +81,7 @@ def test_native_decode_steps_equal_the_kernel_by_kernel_forward(
         assert torch.equal(ours, theirs), f"step {step}: max |diff| {float((ours - theirs).abs().max()):.3g}"
     short_steps = sum(all(n <= 16 for _, n in plan) for plan in schedule)
     assert short_steps == len(schedule) - 1 == 14
-    routed_past_limit = name == "qwen3_moe" and dtype == "bfloat16"  # the [16 + 1]-row step
-    assert native.graph_stats.native_decoder_steps == short_steps - routed_past_limit
+    assert native.graph_stats.native_decoder_steps == short_steps - plain  # plain: the [16 + 1]-row step
     assert eager.graph_stats.native_decoder_steps == 0
     for (k1, v1), (k2, v2) in zip(native.kv_caches, eager.kv_caches, strict=True):
         assert torch.equal(k1[1:], k2[1:]) and torch.equal(v1[1:], v2[1:])  # block 0 pads the tables
@@ -127,8 +134,9 @@ def test_native_decoder_option(qwen_checkpoints: Callable[[str], Path]) -> None:
 
 def test_native_decoder_refuses_what_its_moe_block_does_not_run(qwen_checkpoints: Callable[[str], Path]) -> None:
     """Routed experts the native block does not take, a layer with both or neither MLP and MoE layers
-    of different shapes are refused with the reason; a step routing more than the native limit (8
-    routes an expert in bfloat16) is refused by :meth:`run` and left to the eager forward."""
+    of different shapes are refused with the reason; with plain experts a step routing more than the
+    grouped GEMV's limit (8 routes an expert in bfloat16) is refused by :meth:`run` and left to the
+    eager forward, while experts packed as panels take every row count."""
     ex = _executor(qwen_checkpoints("qwen3_moe"), "bfloat16")
     builder = PagedBatchBuilder(block_size=4, num_blocks=64)
     ex.execute(builder.step([("a", [5, 6, 7])]))
@@ -142,8 +150,12 @@ def test_native_decoder_refuses_what_its_moe_block_does_not_run(qwen_checkpoints
         "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "rotary_dim": cfg.rotary_dim, "eps": cfg.rms_norm_eps, "scale": cfg.head_dim**-0.5,
     }  # fmt: skip
+    experts = moe.experts
+    assert isinstance(experts.gate_up, K.native.PackedExperts) and isinstance(experts.down, K.native.PackedExperts)
     with pytest.raises(ValueError, match=r"layer 0: the native MoE block does not take the torch\.float32 router"):
-        K.NativeDecoder([replace(moe, experts=replace(moe.experts, router=moe.experts.router.float()))], **shape)
+        K.NativeDecoder([replace(moe, experts=replace(experts, router=experts.router.float()))], **shape)
+    with pytest.raises(ValueError, match="layer 0: the native MoE block does not take"):  # one plain, one packed
+        K.NativeDecoder([replace(moe, experts=replace(experts, down=experts.down.plain()))], **shape)
     with pytest.raises(ValueError, match="layer 0: both a dense MLP and routed experts"):
         K.NativeDecoder([replace(moe, gate_up=dense.gate_up, down=dense.down)], **shape)
     with pytest.raises(ValueError, match="layer 0: neither a dense MLP nor routed experts"):
@@ -151,6 +163,9 @@ def test_native_decoder_refuses_what_its_moe_block_does_not_run(qwen_checkpoints
     several = r"MLPs of several shapes: .* routed blocks \[\(4, 1, 32, 1\), \(4, 2, 32, 1\)\]"
     with pytest.raises(ValueError, match=several):
         K.NativeDecoder([moe, replace(moe, experts=replace(moe.experts, top_k=1))], **shape)
+    assert decoder.takes_rows(10**4)
+    plain_experts = replace(experts, gate_up=experts.gate_up.plain(), down=experts.down.plain())
+    decoder = K.NativeDecoder([replace(moe, experts=plain_experts), dense], **shape)
     assert decoder.takes_rows(16) and not decoder.takes_rows(17)  # 2 routes a row, 8 an expert of 4
     rows = 17
     hidden, cos = torch.zeros(rows, cfg.hidden_size, dtype=torch.bfloat16), torch.zeros(rows, cfg.rotary_dim)
