@@ -19,7 +19,7 @@ from pypto_serving.parallel import ParallelContext
 from .capture import DecodeGraphs, GraphStats
 from .graph import GraphOptions, parse_graph_options
 from .loader import QwenConfig, load_weights, plan_quantization, read_config, read_kv_scales, resolve_dtype
-from .model import AttentionMetadata, KVCache, QwenAttention, QwenForCausalLM
+from .model import AttentionMetadata, KVCache, QwenAttention, QwenForCausalLM, QwenSparseMoe
 from .quantized import finish_loading
 from .sharding import QwenSharding
 from .warmup import warmup_batches, warmup_plan
@@ -163,17 +163,20 @@ class QwenExecutor(Executor):
             generation_defaults=generation_defaults,
             kv_cache_dtypes=("auto", "bfloat16", "fp8"),
             supports_lora=True,
-            thread_count_invariant=self._thread_count_invariant(cfg, quantized=bool(named)),
+            thread_count_invariant=self._thread_count_invariant(quantized=bool(named)),
         )
 
-    def _thread_count_invariant(self, cfg: QwenConfig, *, quantized: bool) -> bool:
-        """Whether this model's logits are bitwise the same on any number of CPU threads: the dense
-        eager CPU forward with packed float projections is (tests/plugins/qwen/test_thread_count.py);
-        the MoE experts' small products through MKL differ in their last bits between one and two
-        threads, and LoRA's and the quantized products are not tested for it."""
+    def _thread_count_invariant(self, *, quantized: bool) -> bool:
+        """Whether this model's logits are bitwise the same on any number of CPU threads: the eager CPU
+        forward with packed float projections is, its routed experts (if any) packed as panels too
+        (tests/plugins/qwen/test_thread_count.py); plain experts' larger calls go through MKL's grouped
+        GEMM, whose last bits differ between one and two threads, and LoRA's and the quantized
+        products are not tested for it."""
         assert self.model is not None
-        dense = not cfg.num_experts and self.lora is None and not quantized
-        return self.device.type == "cpu" and self.model.lm_head_kernel and dense
+        routed = [m for m in self.model.modules() if isinstance(m, QwenSparseMoe)]
+        packed = all(isinstance(m.gate_up, K.native.PackedExperts) for m in routed)
+        float_only = packed and self.lora is None and not quantized
+        return self.device.type == "cpu" and self.model.lm_head_kernel and float_only
 
     def _pack_linears(self, model: QwenForCausalLM) -> None:
         """oneDNN-packed weight copies for the eager CPU forward (``executor_options["cpu_linear"]``);
