@@ -463,7 +463,8 @@ class ServingSettings(BaseSettings):
         "takes it back once they use under 15% of it: one thread sharing its core with a busy process slows every "
         "parallel region of a step (1.9-2.3x a concurrency-1 decode step on two cores, 1.06x on the free core "
         "alone; docs/benchmarks.md). "
-        "'auto' does so for executors whose logits do not depend on the thread count (dense Qwen on the CPU), "
+        "'auto' does so for executors whose logits do not depend on the thread count "
+        "(Qwen on the CPU with packed projections and experts), "
         "so no token changes; 'on' for every executor (a product's last bits may then change with the "
         "neighbours); 'off' never.",
     )
