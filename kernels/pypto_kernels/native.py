@@ -820,16 +820,24 @@ class PackedExperts:
 
 
 def pack_experts(weight: torch.Tensor) -> PackedExperts:
-    """``[experts, out, in]`` float32 or bfloat16 CPU matrices as :class:`PackedExperts`, one expert
-    packed at a time (no second full-size temporary)."""
+    """``[experts, out, in]`` float32 or bfloat16 CPU matrices as :class:`PackedExperts`: each expert's
+    :func:`pack_panels`, all of them in one copy (outputs padded to whole panels first where ``out`` is
+    not a multiple of 64)."""
     if weight.dim() != 3 or weight.shape[0] == 0:
         raise ValueError(f"pack_experts takes [experts, out, in] matrices, got {tuple(weight.shape)}")
-    first = pack_panels(weight[0])
-    panels = torch.empty((weight.shape[0], *first.shape), dtype=first.dtype)
-    panels[0] = first
-    for e in range(1, weight.shape[0]):
-        panels[e] = pack_panels(weight[e])
-    return PackedExperts(panels, weight.shape[1])
+    pack_panels(weight[0, :1])  # the dtype, device and width checks, on one row
+    experts, out, inner = weight.shape
+    count = -(-out // PANEL_WIDTH)
+    if count * PANEL_WIDTH != out:
+        padded = torch.zeros(experts, count * PANEL_WIDTH, inner, dtype=weight.dtype)
+        padded[:, :out] = weight
+        weight = padded
+    if weight.dtype == torch.float32:
+        panels = weight.reshape(experts, count, PANEL_WIDTH, inner).transpose(2, 3).contiguous()
+    else:
+        pairs = weight.reshape(experts, count, PANEL_WIDTH, inner // 2, 2).permute(0, 1, 3, 2, 4)
+        panels = pairs.reshape(experts, count, inner // 2, 2 * PANEL_WIDTH).contiguous()
+    return PackedExperts(panels, out)
 
 
 def _experts_take(x: torch.Tensor, gate_up: torch.Tensor | PackedExperts, down: torch.Tensor | PackedExperts) -> bool:
