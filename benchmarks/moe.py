@@ -160,31 +160,30 @@ def block_row(shape: Shape, tokens: int, repeats: int, dtype: torch.dtype) -> st
     return f"{tokens} | {alike:.0%} | {times} | {flops / p / 1e9:.0f}"
 
 
-def block_table(args: argparse.Namespace) -> None:
-    dtype = getattr(torch, args.dtype)
-    print("| shape (E, top-k, H, I) | tokens | tokens alike | torch ops + native products ms | one native call ms |"
-          " one native call, experts as panels ms | torch ops / panels | panels' expert GFLOP/s |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+def _rows(args: argparse.Namespace, row: Callable[[Shape, int, int, torch.dtype], str]) -> None:
+    """One table row a shape and token count (``--shapes``, ``--tokens``), as ``row`` makes it."""
     for name in args.shapes:
         shape = SHAPES[name]
         dims = f"{name} ({shape.experts}, {shape.top_k}, {shape.hidden}, {shape.intermediate})"
         for tokens in args.tokens:
-            print(f"| {dims} | {block_row(shape, tokens, args.repeats, dtype)} |", flush=True)
+            print(f"| {dims} | {row(shape, tokens, args.repeats, getattr(torch, args.dtype))} |", flush=True)
+
+
+def block_table(args: argparse.Namespace) -> None:
+    print("| shape (E, top-k, H, I) | tokens | tokens alike | torch ops + native products ms | one native call ms |"
+          " one native call, experts as panels ms | torch ops / panels | panels' expert GFLOP/s |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    _rows(args, block_row)
 
 
 def native_table(args: argparse.Namespace) -> None:
     from compare import memory_bandwidth  # benchmarks/compare.py: the floors' copy bandwidth
 
-    dtype = getattr(torch, args.dtype)
     print(f"copy bandwidth before: {max(memory_bandwidth(256, torch.get_num_threads())) / 1e9:.1f} GB/s")
     print("| shape (E, top-k, H, I) | tokens | routes an expert | grouped ms | native ms | grouped / native |"
           " GB/s grouped / native | GFLOP/s grouped / native |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name in args.shapes:
-        shape = SHAPES[name]
-        dims = f"{name} ({shape.experts}, {shape.top_k}, {shape.hidden}, {shape.intermediate})"
-        for tokens in args.tokens:
-            print(f"| {dims} | {native_row(shape, tokens, args.repeats, dtype)} |", flush=True)
+    _rows(args, native_row)
     print(f"copy bandwidth after: {max(memory_bandwidth(256, torch.get_num_threads())) / 1e9:.1f} GB/s")
 
 

@@ -40,6 +40,19 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """The rows of each call of ``native.<name>`` from now on (the calls still run)."""
+    calls: list[int] = []
+    inner = getattr(native, name)
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return inner(x, *args)
+
+    monkeypatch.setattr(native, name, counted)
+    return calls
+
+
 def _grouped_case(dtype: torch.dtype, out: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
     """Rows for :data:`COUNTS`, a ``[experts, out, width]`` weight whose rows are views into wider ones
     (a row stride other than the width), and the experts' end rows."""
@@ -141,14 +154,7 @@ def test_a_tokens_experts_do_not_depend_on_its_batch(dtype: torch.dtype) -> None
 def test_moe_experts_runs_native_up_to_its_routes_per_expert(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU ``moe_experts`` takes the native products while a call's routes per expert stay
     within :data:`pypto_kernels.native.MOE_ROUTES_PER_EXPERT` (decode batches) and torch's grouped GEMM beyond."""
-    calls: list[int] = []
-    inner = native.grouped_gemv
-
-    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return inner(x, *args)
-
-    monkeypatch.setattr(native, "grouped_gemv", counted)
+    calls = _counted(monkeypatch, "grouped_gemv")
     for dtype, limit in native.MOE_ROUTES_PER_EXPERT.items():
         tokens = limit * E // TOP_K
         x, gate_up, down, router = random_moe(dtype, tokens=tokens + 1, seed=2)
@@ -247,14 +253,7 @@ def test_routed_moe_runs_the_native_block_up_to_its_routes_per_expert(monkeypatc
     """On the CPU ``routed_moe`` is one native call within
     :data:`pypto_kernels.native.MOE_ROUTES_PER_EXPERT` and the reference (router, routing, experts)
     beyond, the two close."""
-    calls: list[int] = []
-    inner = native.moe_block
-
-    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return inner(x, *args)
-
-    monkeypatch.setattr(native, "moe_block", counted)
+    calls = _counted(monkeypatch, "moe_block")
     for dtype, limit in native.MOE_ROUTES_PER_EXPERT.items():
         tokens = limit * E // TOP_K
         x, gate_up, down, router = random_moe(dtype, tokens=tokens + 1, seed=4)
@@ -307,14 +306,7 @@ def test_each_grouped_panel_row_is_the_panel_product_of_that_row_alone(dtype: to
 def test_routed_moe_runs_packed_experts_natively_at_any_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """Experts packed as panels take the native block past the grouped GEMV's limit too (a prefill's
     rows), and the reference unpacks them: the two close."""
-    calls: list[int] = []
-    inner = native.moe_block
-
-    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return inner(x, *args)
-
-    monkeypatch.setattr(native, "moe_block", counted)
+    calls = _counted(monkeypatch, "moe_block")
     x, gate_up, down, router = random_moe(torch.bfloat16, tokens=200, seed=9)
     assert native.MOE_ROUTES_PER_EXPERT[torch.bfloat16] * E < 200 * TOP_K
     packed = _experts(gate_up, down, True)

@@ -120,6 +120,14 @@ static inline int claim(int64_t *next, int64_t items, int64_t team, int64_t *lo,
     return 1;
 }
 
+/* The expert whose items [first[e], first[e + 1]) hold item, searched from e: a thread takes its items
+ * in increasing order, so from the expert of its item before (the grouped products' item tables). */
+static inline int64_t expert_of(const int64_t *first, int64_t item, int64_t e) {
+    while (first[e + 1] <= item) e++;
+    while (first[e] > item) e--;
+    return e;
+}
+
 /* Whether a thread's best (v at index i) replaces the best so far (bv at bi; bi < 0: none) when the
  * threads' bests are merged in any order: the largest value at its lowest index, or the lowest-indexed
  * NaN, wins. */

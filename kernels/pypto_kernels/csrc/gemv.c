@@ -297,8 +297,7 @@ int pypto_grouped_gemv(const void *w, int kind, int64_t es, int64_t ws, const fl
         int64_t lo = fixed * me / team, hi = fixed * (me + 1) / team, e = 0;
         while (lo < hi || claim(&claimed, items, team, &lo, &hi)) {
             for (int64_t item = lo; item < hi; item++) {
-                while (first[e + 1] <= item) e++;
-                while (first[e] > item) e--;
+                e = expert_of(first, item, e);
                 int64_t r0 = e ? ends[e - 1] : 0, o0 = (item - first[e]) * CHUNK;
                 int64_t o1 = o0 + CHUNK < n ? o0 + CHUNK : n;
                 rows_outputs((const char *)w + e * es * (kind == ELEM_BF16 ? 2 : 4), kind, ws, x, xs, in, out, n, r0,

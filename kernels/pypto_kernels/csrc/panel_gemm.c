@@ -479,8 +479,7 @@ int pypto_grouped_panel_gemm(int kind, const void *x, int64_t xs, const void *pa
         int64_t lo = fixed * me / team, hi = fixed * (me + 1) / team, e = 0;
         while (lo < hi || claim(&claimed, items, team, &lo, &hi)) {
             for (int64_t item = lo; item < hi; item++) {
-                while (first[e + 1] <= item) e++;
-                while (first[e] > item) e--;
+                e = expert_of(first, item, e);
                 int64_t start = e ? ends[e - 1] : 0, m = ends[e] - start, blocks = (m + MC - 1) / MC;
                 int64_t p = (item - first[e]) / blocks, r0 = start + (item - first[e]) % blocks * MC;
                 int64_t r1 = r0 + MC < ends[e] ? r0 + MC : ends[e], c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
