@@ -12,7 +12,8 @@ hidden states are the eager forward's bit for bit (tested) at a fraction of the 
 It takes what the eager forward would run natively end to end: float32 or bfloat16 weights packed as
 panels (:func:`pypto_kernels.pack_linear`, ``panels``) serving every row count, or in place of a
 layer's MLP a mixture of experts' routed block (:class:`RoutedExperts`, the eager forward's
-:func:`pypto_kernels.routed_moe`, one native call within its row limit: :meth:`NativeDecoder.takes_rows`), caches of
+:func:`pypto_kernels.routed_moe` as one native call; plain experts within the grouped GEMV's row limit,
+:meth:`NativeDecoder.takes_rows`), caches of
 :data:`pypto_kernels.native.NATIVE_DTYPES`, no sinks, value heads as wide as the keys; and steps whose
 requests each have at most :data:`MAX_QUERIES` query rows (decode steps, speculative verification),
 which the eager attention attends row by row. The model keeps its eager forward for the rest.
@@ -291,8 +292,8 @@ class NativeDecoder:
         return None, None, e.router.data_ptr(), g, d, (_I64 * 2)(gs, ds), int(panels)
 
     def takes_rows(self, rows: int) -> bool:
-        """Whether :meth:`run` takes a step of ``rows`` rows: every one where the layers are dense; where
-        some are a mixture of experts', those whose routes the eager forward's
+        """Whether :meth:`run` takes a step of ``rows`` rows: every one where the layers are dense or
+        their routed experts are panels; with plain experts, those whose routes the eager forward's
         :func:`pypto_kernels.routed_moe` runs natively too
         (:data:`pypto_kernels.native.MOE_ROUTES_PER_EXPERT`), so that both give the same bits."""
         experts, top_k, packed = self._shape.experts, self._shape.top_k, self._expert_panels
