@@ -55,7 +55,9 @@ enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, STREAM_PREFET
  * where it has TAIL_MIN items or more */
 enum { TAIL_MIN = 64 };
 /* What a tile prefetches each iteration (one panel row): nothing; four lines PANEL_PREFETCH ahead into
- * every cache level (the first tile of a block of one to three); one line, or one every other
+ * L2 (the first tile of a block of one to three: into L1 too, 32 KiB ahead, they evicted the lines the
+ * tile was reading, and 2-16-row products ran 1.04-1.28x slower on the Zen 4 EPYC of
+ * docs/benchmarks.md, a routed block of 8 rows an expert 1.14-1.19x); one line, or one every other
  * iteration, of its share of the next block from pfp (the first four or eight tiles of a larger
  * block); four lines STREAM_PREFETCH ahead non-temporally (a one-row product's only tile). */
 enum { PF_NONE, PF_AHEAD, PF_LINE, PF_HALF_LINE, PF_STREAM };
@@ -218,7 +220,7 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
 #pragma GCC unroll 4
     for (int64_t kk = k0; kk < k1; kk++, wk += ROW_BYTES) {
         if (pf == PF_AHEAD)
-            for (int line = 0; line < 4; line++) __builtin_prefetch(wk + PANEL_PREFETCH + 64 * line, 0, 3);
+            for (int line = 0; line < 4; line++) __builtin_prefetch(wk + PANEL_PREFETCH + 64 * line, 0, 2);
         else if (pf == PF_LINE)
             __builtin_prefetch(pfp + (kk - k0) * 64, 0, 3);
         else if (pf == PF_HALF_LINE && !((kk - k0) & 1))
