@@ -401,7 +401,7 @@ PREFILL_BATCH = [(17, 17), (70, 70), (129, 200), (33, 47), (1, 90), (5, 61), (0,
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize(
     ("num_q_heads", "num_kv_heads", "head_dim", "v_dim", "block_size"),
-    [(4, 4, 32, 32, 16), (8, 2, 64, 64, 16), (8, 1, 24, 48, 8), (6, 3, 128, 16, 4)],
+    [(4, 4, 40, 32, 16), (8, 2, 64, 64, 16), (8, 1, 24, 48, 8), (6, 3, 128, 16, 4)],
 )
 @pytest.mark.parametrize(("window", "with_sinks"), [(None, False), (20, False), (None, True), (37, True)])
 def test_native_prefill_attends_long_runs_as_the_naive_loop(
