@@ -10,7 +10,8 @@ query / 8 KV heads of 128 by default) or of ``--model``'s config. ``torch`` gath
 best of ``--reps`` per round; GFLOP/s counts the causal products (4 x heads x dim per visible pair).
 ``--libs A.so,B.so`` times the native kernel of each of these builds of the C sources in its place
 (say, a change's before and after, built with the flags of ``pypto_kernels.native``, or an AVX2
-build on an AVX-512 CPU), alternated the same way, the last against torch and against the first.
+build on an AVX-512 CPU), alternated the same way, the last against torch and against the first (and
+whether their outputs are the same bits).
 
     python benchmarks/prefill_attention.py [--model models/qwen3-0.6b] [--prompts 12] [--threads 2] \
         [--dtype float32 bfloat16] [--input-len 32 256] [--libs before.so,after.so]
@@ -139,7 +140,7 @@ def main() -> None:
     print(f"heads {heads}, {len(lengths)} prompts, {sum(lengths)} tokens, {args.threads} threads")
     libs = [path for path in args.libs.split(",") if path]
     names = ["torch (request loop)", *([Path(path).name for path in libs] or ["native"])]
-    ratios = [f"{names[-1]} vs torch (max diff)"] + ([f"{names[-1]} vs {names[1]}"] if len(libs) > 1 else [])
+    ratios = [f"{names[-1]} vs torch (max diff)"] + ([f"{names[-1]} vs {names[1]} (bits)"] if len(libs) > 1 else [])
     print(f"| dtype | {' | '.join(names + ratios)} |\n|---|{'---:|' * (len(names) + len(ratios))}")
     for name in args.dtype:
         batch = _batch(lengths, heads, getattr(torch, name))
@@ -151,7 +152,10 @@ def main() -> None:
         best = list(_best(paths, args.rounds, args.reps).values())
         cells = [f"{t * 1e3:.2f} ms ({flops / t / 1e9:.0f} GFLOP/s)" for t in best]
         cells.append(f"{best[0] / best[-1]:.2f}x ({diff:.1e})")
-        cells += [f"{best[1] / best[-1]:.2f}x"] if len(libs) > 1 else []
+        if len(libs) > 1:  # the two builds' outputs: the same bits, or their largest difference
+            same = torch.equal(outs[1], outs[-1])  # type: ignore[arg-type]
+            bits = "same" if same else f"differ by {(outs[1].float() - outs[-1].float()).abs().max().item():.1e}"  # type: ignore[attr-defined]
+            cells.append(f"{best[1] / best[-1]:.2f}x ({bits})")
         print(f"| {name} | {' | '.join(cells)} |")
 
 

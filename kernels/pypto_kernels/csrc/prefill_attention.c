@@ -344,11 +344,8 @@ static inline void store_weights(vf e[8], int64_t l, float *wg, int pairs) {
     }
 }
 
-/* The group's scores (st) masked to each lane's visible keys (key j visible where lo <= j <= hi, its
- * offsets from the chunk's first position; masked: some lane does not see every key), stored back;
- * returns each lane's largest (of finite scores: any order of the comparisons gives it). Four
- * independent chains of comparisons: one chain waited on each comparison's latency, a tenth of a
- * long prompt's attention. */
+/* Score j of the group (st) masked to each lane's visible keys (where masked: -inf outside
+ * lo <= j <= hi, stored back). */
 static inline vf masked_at(float *st, int j, vi lo, vi hi, int masked) {
     vf x = vload(st + j * GL);
     if (masked) {
@@ -359,6 +356,10 @@ static inline vf masked_at(float *st, int j, vi lo, vi hi, int masked) {
     return x;
 }
 
+/* The group's scores (st) masked to each lane's visible keys (key j visible where lo <= j <= hi, its
+ * offsets from the chunk's first position; masked: some lane does not see every key); returns each
+ * lane's largest (of finite scores: any order of the comparisons gives it). Four independent chains of
+ * comparisons: one chain waited on each comparison's latency, a tenth of a long prompt's attention. */
 static vf mask_and_max(float *st, vi lo, vi hi, int masked) {
     vf m0 = splat(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
     for (int j = 0; j < KC; j += 4) {
@@ -542,9 +543,10 @@ static void start_tile(const Rows *q, const Shape *sh, int64_t lo, int64_t first
             int64_t first = sh->window > 0 && p - sh->window + 1 > lo ? p - sh->window + 1 : lo;
             src[l] = m < m_count ? (i0 + i) * q->row_stride + (h * g_count + g) * q->head_stride : -1;
             for (int64_t u = full; u < width; u++) { /* query16's unit u alone */
+                uint32_t *unit = group + u * GL + l;
                 float x = src[l] < 0 || sh->pairs ? 0.0f : widen(q->base, q->kind, src[l] + u) * sh->scale;
-                memcpy(group + u * GL + l, &x, sizeof x);
-                if (src[l] >= 0 && sh->pairs) memcpy(group + u * GL + l, (const uint16_t *)q->base + src[l] + 2 * u, 4);
+                if (src[l] >= 0 && sh->pairs) memcpy(unit, (const uint16_t *)q->base + src[l] + 2 * u, sizeof *unit);
+                else memcpy(unit, &x, sizeof x);
             }
             w->top[m] = m < m_count && sinks ? sinks[h * g_count + g] : -INFINITY;
             w->total[m] = m < m_count && sinks ? 1.0f : 0.0f;
