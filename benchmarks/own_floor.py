@@ -37,21 +37,18 @@ def token_tensors(model: Any) -> list[torch.Tensor]:
     final norm, and the output projection's one-row matrix; the embedding's one row is left out."""
     from pypto_kernels import PackedLinearWeight
 
-    seen: dict[int, torch.Tensor] = {}
+    tensors: list[torch.Tensor] = []  # repeats are fine: storages() reads each buffer once
     for module in model.layers.modules():
         for value in vars(module).values():
             if isinstance(value, PackedLinearWeight):
                 t = value.packed if value.library == "panels" else value.weight
                 if t is None:  # an opaque packed copy (oneDNN's): no plain read of the same bytes
                     raise SystemExit(f"a {value.library} projection has no readable copy: panels or plain only")
-                seen[t.data_ptr()] = t
-        for p in module.parameters(recurse=False):
-            seen[p.data_ptr()] = p.data
-    seen[model.norm.data_ptr()] = model.norm.data
+                tensors.append(t)
+        tensors += [p.data for p in module.parameters(recurse=False)]
     head = model.lm_head_packed
     matrix = head.weight if head is not None and head.weight is not None else model.lm_head_t.data.t()
-    seen[matrix.data_ptr()] = matrix
-    return list(seen.values())
+    return [*tensors, model.norm.data, matrix]
 
 
 def storages(tensors: list[torch.Tensor], least: int = 1 << 16) -> list[torch.Tensor]:

@@ -544,9 +544,12 @@ static void start_tile(const Rows *q, const Shape *sh, int64_t lo, int64_t first
             src[l] = m < m_count ? (i0 + i) * q->row_stride + (h * g_count + g) * q->head_stride : -1;
             for (int64_t u = full; u < width; u++) { /* query16's unit u alone */
                 uint32_t *unit = group + u * GL + l;
-                float x = src[l] < 0 || sh->pairs ? 0.0f : widen(q->base, q->kind, src[l] + u) * sh->scale;
-                if (src[l] >= 0 && sh->pairs) memcpy(unit, (const uint16_t *)q->base + src[l] + 2 * u, sizeof *unit);
-                else memcpy(unit, &x, sizeof x);
+                if (src[l] >= 0 && sh->pairs) {
+                    memcpy(unit, (const uint16_t *)q->base + src[l] + 2 * u, sizeof *unit);
+                } else {
+                    float x = src[l] < 0 ? 0.0f : widen(q->base, q->kind, src[l] + u) * sh->scale;
+                    memcpy(unit, &x, sizeof x);
+                }
             }
             w->top[m] = m < m_count && sinks ? sinks[h * g_count + g] : -INFINITY;
             w->total[m] = m < m_count && sinks ? 1.0f : 0.0f;
