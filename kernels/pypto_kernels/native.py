@@ -61,6 +61,7 @@ __all__ = [
     "cache_dir",
     "expert_operands",
     "gemv",
+    "gemv_holds_activation",
     "gemv_takes",
     "grouped_gemv",
     "grouped_gemv_takes",
@@ -199,6 +200,8 @@ def library() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.pypto_bf16_dot.restype = ctypes.c_int
     lib.pypto_bf16_dot.argtypes = []
+    lib.pypto_gemv_held.restype = ctypes.c_int
+    lib.pypto_gemv_held.argtypes = [ctypes.c_int, _I64]
     lib.pypto_hc_sinkhorn_mix.restype = ctypes.c_int
     lib.pypto_hc_sinkhorn_mix.argtypes = [
         _PTR, _I64, _PTR, ctypes.c_int, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_int, ctypes.c_float,
@@ -279,6 +282,15 @@ def bf16_dot_available() -> bool:
     """Whether the built library has AVX512-BF16 dot products (it was compiled on a CPU with them)."""
     lib = library()
     return lib is not None and bool(lib.pypto_bf16_dot())
+
+
+def gemv_holds_activation(dtype: torch.dtype, inputs: int) -> bool:
+    """Whether :func:`gemv` holds the activation in registers for all the rows of a ``dtype`` matrix
+    of ``inputs`` columns (``csrc/gemv.c``'s ``outputs_held``: bfloat16, 128 to 512 inputs in steps of
+    128, a library built with AVX512-BF16), where it otherwise loads it again for every row. The
+    outputs are the same bits either way."""
+    lib = library()
+    return lib is not None and dtype in NATIVE_DTYPES and bool(lib.pypto_gemv_held(NATIVE_DTYPES[dtype], inputs))
 
 
 def blocked_attention_available() -> bool:

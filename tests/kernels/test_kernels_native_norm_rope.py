@@ -414,7 +414,7 @@ def _bf16_row_sums(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_native
-@pytest.mark.parametrize("width", [32, 96, 256, 300])
+@pytest.mark.parametrize("width", [32, 96, 128, 256, 300, 384, 512])
 def test_a_bfloat16_gemv_sums_pairs_in_the_documented_order(width: int) -> None:
     """A bfloat16 row's outputs are the documented chain of pair dot products, bit for bit (an
     independent float32 emulation of the order), on one thread and on several. Each row holds large
@@ -437,6 +437,18 @@ def test_a_bfloat16_gemv_sums_pairs_in_the_documented_order(width: int) -> None:
         assert torch.equal(native.gemv(x, weight).reshape(-1), expected)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_native
+def test_the_gemv_holds_a_bfloat16_activation_of_128_to_512_inputs_in_registers() -> None:
+    """Where the library has AVX512-BF16 the rows of a bfloat16 matrix of 128, 256, 384 or 512
+    inputs are summed against an activation held in registers (the documented-order test above
+    covers each of those widths bit for bit); other widths, float32 matrices and builds without the
+    instruction load it for every row."""
+    held = [w for w in range(32, 1025, 32) if native.gemv_holds_activation(torch.bfloat16, w)]
+    assert held == ([128, 256, 384, 512] if native.bf16_dot_available() else [])
+    assert not any(native.gemv_holds_activation(torch.float32, w) for w in (64, 128, 256, 512))
+    assert not native.gemv_holds_activation(torch.bfloat16, 300)
 
 
 @needs_native
