@@ -187,9 +187,10 @@ static inline __attribute__((always_inline)) void keep(float *out, int64_t o, fl
 /* A bfloat16 matrix's rows against an activation of NV whole chunks of 32 values (NV a multiple of 4,
  * up to HELD), held in registers for all of a thread's rows where the CPU has AVX512-BF16: row_dot
  * loads the activation again for every row, as many loads as the row's own. On one core of the Zen 4
- * EPYC of docs/benchmarks.md that held a 256-input matrix in the caches to 50-67 GB/s (against 62-81
- * held, a plain sum of it 65-92) and one streamed from memory (151,936 rows, two threads, alternated)
- * to 1.00x the time of a sum of it in the slow state and 1.12x in the mid one (held: 0.89x and 0.98x).
+ * EPYC of docs/benchmarks.md row_dot read a 256-input matrix already in the caches at 50-67 GB/s (held:
+ * 62-81; a plain sum of it 65-92), and on two threads one streamed from memory (151,936 rows,
+ * alternated call by call) in 1.00x the time of a sum of it in the slow state and 1.12x in the mid one
+ * (held: 0.89x and 0.98x).
  * A float32 one read 1.05-1.07x slower from memory held and is left to row_dot. Each output is
  * row_dot's sum, the same additions in the same order (chunk j into accumulator j % 4). */
 enum { HELD = 16 };
