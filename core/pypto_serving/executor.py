@@ -277,8 +277,9 @@ class Executor(abc.ABC):
 
     def greedy_steps(self, batch: BatchInput, steps: int, stop_ids: list[frozenset[int]]) -> list[list[int]] | None:
         """Up to ``steps`` one-token forwards of ``batch``'s requests back to back, each row's input after
-        the first its argmax of the forward before: a multi-step decode (``num_scheduler_steps``) whose
-        every row is greedy over the logits as they come (no logprobs, penalties, bans, logit bias,
+        the first its argmax of the forward before: a multi-step decode (``num_scheduler_steps``), or a
+        lone request's decode of one forward or more, whose every row is greedy over the logits as they
+        come (no logprobs, penalties, bans, logit bias,
         grammar or drafts), run without the runner's work between forwards. The tokens must be those
         :meth:`execute` and :meth:`logits_maxima` give forward by forward, bit for bit; executors that
         cannot run such a loop keep this default and the runner runs the forwards one by one.
