@@ -312,3 +312,25 @@ def test_several_forwards_a_command_refuse_speculation(make: Callable[..., LLM])
         )
     with pytest.raises(ValueError, match="num_scheduler_steps=2 cannot run: its executor needs uniform batches"):
         make(num_scheduler_steps=2, executor_options={"uniform": True})
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_lone_request_runs_its_one_forward_commands_as_the_executors_loop(
+    make: Callable[..., LLM], scheduler: str
+) -> None:
+    """With one forward a command (``num_scheduler_steps=1``, or ``auto`` where forwards are long), a
+    request running alone still takes the executor's greedy loop, one forward a call (on the CPU one C
+    call instead of the interpreter between the kernels), with the same tokens; requests decoding
+    together run their forwards through ``execute`` as ever."""
+    llm = make(scheduler=scheduler, num_scheduler_steps=1, executor_options={"greedy_steps": True})
+    executor, commands = _executor(llm), _commands(llm)
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=9), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference_tokens(PROMPTS[1], 9, VOCAB)[0]
+    assert {e.num_steps for c in commands for e in c.entries} == {1}
+    assert executor.greedy_forwards == 8  # every forward after the prefill's
+    seen = _forwards(llm)
+    outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    for o, prompt in zip(outs, PROMPTS[:2], strict=True):
+        assert o.outputs[0].token_ids == reference_tokens(prompt, 6, VOCAB)[0]
+    assert any(len(ids) == 2 for ids in seen)
+    assert llm.engine is not None and llm.engine.stats()["kv_usage"] == 0.0
