@@ -337,13 +337,15 @@ class ModelRunner:
     def _greedy_command(self, cmd: StepCommand) -> StepResult | None:
         """Run a command of plain decodes whole, its first forward too, as one executor loop
         (:meth:`_greedy_run`), where every entry decodes one token over several forwards, or the one
-        request alone over one or more, and its request takes the argmax of its logits as they come (a
-        lone request's one forward is then the executor's one call without the interpreter between its
-        kernels: Qwen3-0.6B's concurrency-1 token 4 % shorter on the CPU of docs/benchmarks.md, whose
-        50 ms of forwards a command hold one of its forwards). Returns the result of the forwards the
-        loop ran (:meth:`finish` runs whatever it left), or None where it ran none (declined, raised,
-        or stopped before the first): the command then runs as ever and meets what stopped the loop."""
-        alone = len(cmd.entries) == 1
+        request alone over one or more on the CPU, and its request takes the argmax of its logits as
+        they come (a lone request's one forward on the host is then the executor's one call without the
+        interpreter between its kernels: Qwen3-0.6B's concurrency-1 token 4 % shorter on the CPU of
+        docs/benchmarks.md, whose 50 ms of forwards a command hold one of its forwards; an
+        accelerator's forward is device work queued, which a loop does not shorten). Returns the result
+        of the forwards the loop ran (:meth:`finish` runs whatever it left), or None where it ran none
+        (declined, raised, or stopped before the first): the command then runs as ever and meets what
+        stopped the loop."""
+        alone = len(cmd.entries) == 1 and self.device.type == "cpu"
         if not all((e.num_steps > 1 or alone) and e.sample and not e.num_draft and _one_input(e) for e in cmd.entries):
             return None
         result = StepResult(step_id=cmd.step_id)
