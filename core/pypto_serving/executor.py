@@ -279,8 +279,8 @@ class Executor(abc.ABC):
         """Up to ``steps`` one-token forwards of ``batch``'s requests back to back, each row's input after
         the first its argmax of the forward before: a multi-step decode (``num_scheduler_steps``), or a
         lone request's decode of one forward or more, whose every row is greedy over the logits as they
-        come (no logprobs, penalties, bans, logit bias,
-        grammar or drafts), run without the runner's work between forwards. The tokens must be those
+        come (no logprobs, penalties, bans, logit bias, grammar or drafts), run without the runner's
+        work between forwards. The tokens must be those
         :meth:`execute` and :meth:`logits_maxima` give forward by forward, bit for bit; executors that
         cannot run such a loop keep this default and the runner runs the forwards one by one.
 

@@ -339,7 +339,7 @@ class ModelRunner:
         (:meth:`_greedy_run`), where every entry decodes one token over several forwards, or the one
         request alone over one or more on the CPU, and its request takes the argmax of its logits as
         they come (a lone request's one forward on the host is then the executor's one call without the
-        interpreter between its kernels: Qwen3-0.6B's concurrency-1 token 4 % shorter on the CPU of
+        interpreter between its kernels: Qwen3-0.6B's concurrency-1 token 4-5 % shorter on the CPU of
         docs/benchmarks.md, whose 50 ms of forwards a command hold one of its forwards; an
         accelerator's forward is device work queued, which a loop does not shorten). Returns the result
         of the forwards the loop ran (:meth:`finish` runs whatever it left), or None where it ran none
