@@ -38,10 +38,12 @@
  * docs/benchmarks.md spreading the prefetches made 64-row bfloat16 products 1.07-1.11x faster (a
  * Qwen3-shaped 151,936-word head with 256 inputs 381 -> 417 GFLOP/s on two threads), 32-row ones
  * 1.1-1.2x, 256 rows and more 1.01-1.02x. A one-row
- * product (a concurrency-1 decode step) reuses nothing it reads: its tiles prefetch STREAM_PREFETCH
- * bytes ahead, non-temporally, so the layers' weights streaming past do not evict from L2 and L3 what
- * the rest of the step reads (on the EPYC of docs/benchmarks.md a Qwen3-0.6B bfloat16 decode token
- * 7 % faster; the interpreter's own data is among what they evicted). A thread's
+ * product (a concurrency-1 decode step) is one forward stream over each panel, which the hardware
+ * prefetchers follow: its tile prefetches nothing. Non-temporal prefetches 4 KiB ahead (kept from the
+ * steps whose interpreter ran between the kernels, whose data they kept from being evicted) held a
+ * Qwen3-0.6B bfloat16 token's layers at 1.21x a plain read of their panels in the fast memory state
+ * of the Zen 4 EPYC of docs/benchmarks.md, 1.09x without them (1.10x and 1.08x in the slow one).
+ * A thread's
  * consecutive items are one panel's row blocks, so a prefill chunk of several blocks reads each panel
  * from memory once, not once per block (row block by row block, 256- and 512-row products ran
  * 0.88-0.95x oneDNN's on two threads, panel by panel 0.94-1.00x). The 16-lane vectors are one
@@ -50,7 +52,7 @@
 
 #include "common.h"
 
-enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, STREAM_PREFETCH = 4096, ROW_BYTES = 256 };
+enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, ROW_BYTES = 256 };
 /* A product's last quarter of items is claimed rather than split in advance (fixed_items, claim),
  * where it has TAIL_MIN items or more */
 enum { TAIL_MIN = 64 };
@@ -59,8 +61,8 @@ enum { TAIL_MIN = 64 };
  * tile was reading, and 2-16-row products ran 1.04-1.28x slower on the Zen 4 EPYC of
  * docs/benchmarks.md, a routed block of 8 rows an expert 1.14-1.19x); one line, or one every other
  * iteration, of its share of the next block from pfp (the first four or eight tiles of a larger
- * block); four lines STREAM_PREFETCH ahead non-temporally (a one-row product's only tile). */
-enum { PF_NONE, PF_AHEAD, PF_LINE, PF_HALF_LINE, PF_STREAM };
+ * block). */
+enum { PF_NONE, PF_AHEAD, PF_LINE, PF_HALF_LINE, PF_KINDS };
 /* How a tile stores its finished sums: as float32 (0), rounded to bfloat16, or rounded to bfloat16
  * and stored widened to float32. */
 enum { NARROW = 1, WIDE = 2 };
@@ -225,8 +227,6 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
             __builtin_prefetch(pfp + (kk - k0) * 64, 0, 3);
         else if (pf == PF_HALF_LINE && !((kk - k0) & 1))
             __builtin_prefetch(pfp + (kk - k0) * 32, 0, 3);
-        else if (pf == PF_STREAM)
-            for (int line = 0; line < 4; line++) __builtin_prefetch(wk + STREAM_PREFETCH + 64 * line, 0, 0);
         const float *row = (const float *)wk;
         vf w0 = vload(row), w1 = vload(row + 16), w2 = vload(row + 32), w3 = vload(row + 48);
 #pragma GCC unroll 6
@@ -283,20 +283,19 @@ typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, c
 #define TILES_WITH(kind, pf)                                                                                   \
     TILE(kind, 1, pf) TILE(kind, 2, pf) TILE(kind, 3, pf) TILE(kind, 4, pf) TILE(kind, 5, pf) TILE(kind, 6, pf)
 #define TILES_OF(kind)                                                                                         \
-    TILES_WITH(kind, 0) TILES_WITH(kind, 1) TILES_WITH(kind, 2) TILES_WITH(kind, 3) TILE(kind, 1, 4)
+    TILES_WITH(kind, 0) TILES_WITH(kind, 1) TILES_WITH(kind, 2) TILES_WITH(kind, 3)
 TILES_OF(0)
 TILES_OF(1)
-/* The specialisations are named by the literal pf values 0 .. 4 (token pasting takes no enum): they
+/* The specialisations are named by the literal pf values 0 .. 3 (token pasting takes no enum): they
  * must be the PF_* values, in order. */
-_Static_assert(PF_NONE == 0 && PF_AHEAD == 1 && PF_LINE == 2 && PF_HALF_LINE == 3 && PF_STREAM == 4,
+_Static_assert(PF_NONE == 0 && PF_AHEAD == 1 && PF_LINE == 2 && PF_HALF_LINE == 3 && PF_KINDS == 4,
                "tile specialisations are named by the PF_* values");
 #define ROW_OF(kind, pf)                                                                                       \
     {0, tile_##kind##_1_##pf, tile_##kind##_2_##pf, tile_##kind##_3_##pf, tile_##kind##_4_##pf,                \
      tile_##kind##_5_##pf, tile_##kind##_6_##pf}
 #define PREFETCHES_OF(kind) {ROW_OF(kind, 0), ROW_OF(kind, 1), ROW_OF(kind, 2), ROW_OF(kind, 3)}
-/* TILES[kind][pf][rows] (pf: PF_NONE .. PF_HALF_LINE); STREAM[kind]: a one-row product's tile */
-static const tile_fn TILES[2][PF_STREAM][MR + 1] = {PREFETCHES_OF(0), PREFETCHES_OF(1)};
-static const tile_fn STREAM[2] = {tile_0_1_4, tile_1_1_4};
+/* TILES[kind][pf][rows] (pf: PF_NONE .. PF_HALF_LINE) */
+static const tile_fn TILES[2][PF_KINDS][MR + 1] = {PREFETCHES_OF(0), PREFETCHES_OF(1)};
 
 /* One row's first cols < NR float32 sums (+ bias, bfloat16, widened, or zero) rounded into bfloat16
  * outputs (wide: those stored as float32): the last panel's, where it is partial. */
@@ -311,7 +310,7 @@ static void row_to_bf16(void *out, int wide, const float *sums, const uint16_t *
 }
 
 /* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows
- * (stream: the product's only row, its tiles prefetching non-temporally; wide: the logits entry's
+ * (stream: the product's only row, its tile prefetching nothing; wide: the logits entry's
  * float32 outputs, a bfloat16 product's rounded then widened, the full panels' stored non-temporally
  * where nt_store); buf holds MC x NR partial sums. A full panel's last block goes from the registers
  * straight to out, bias added (bfloat16: then
@@ -332,7 +331,7 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
             int64_t t = (r - r0) / MR;
-            int pf = t >= share ? PF_NONE
+            int pf = stream || t >= share ? PF_NONE
                      : share == 1 ? PF_AHEAD
                      : !next      ? PF_NONE
                      : share == 8 ? PF_HALF_LINE
@@ -340,7 +339,7 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
             float *part = buf + (r - r0) * NR;
             void *dst = !direct ? (void *)part : out ? (char *)out + (r * os + c0) * out_size : NULL;
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
-            tile_fn fn = stream ? STREAM[kind] : TILES[kind][pf][mr];
+            tile_fn fn = TILES[kind][pf][mr];
             int spread = pf == PF_LINE || pf == PF_HALF_LINE;
             const char *pfp = spread ? next + t * (k1 - k0) * ROW_BYTES / share : NULL;
             fn((const char *)x + r * xs * size, xs, w, k0, k1, k0 ? part : NULL, dst, direct ? os : NR, b,
