@@ -15,7 +15,9 @@ projection's one-row matrix (a tied head's plain rows, where the native GEMV rea
 64 KiB (norm weights) are left out. Each round prints the time per token (the difference between
 ``--tokens`` and one token's generate, over ``--tokens - 1``), the reads' times and the token over
 their mean; a round whose two reads differ by more than 15 % (the memory changed state during it) is
-left out of the summary.
+left out of the summary. torch allocates on transparent huge pages here (``THP_MEM_ALLOC_ENABLE=1``,
+unless the environment sets it), as the engine's spawned worker does (``worker_huge_pages``, on by
+default): the in-process engine's weights then lie on the pages they lie on when served.
 
     python benchmarks/own_floor.py --model models/qwen3-small --dtype bfloat16 --rounds 8
 """
@@ -23,10 +25,14 @@ left out of the summary.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
 from typing import Any
+
+# Read by torch's CPU allocator once, at its first allocation (torch's import makes some): set first.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch
 
