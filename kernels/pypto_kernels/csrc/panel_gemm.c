@@ -32,17 +32,21 @@
  * four or more tiles prefetches the next block's bytes (the panel's next KC rows, or the panel of the
  * item the thread computes next) while it computes, a quarter or an eighth of them
  * by each of its first four or eight tiles, a line every iteration or every other: the demand on
- * memory stays spread over the whole block. Prefetched in one burst by the first tile, a core asked
- * for 32 KiB within ~1 µs, more lines than it can have in flight, and that tile waited: on the Zen 4
- * EPYC of docs/benchmarks.md spreading the prefetches made 64-row bfloat16 products 1.07-1.11x faster
- * (a Qwen3-shaped 151,936-word head with 256 inputs 381 -> 417 GFLOP/s on two threads), 32-row ones
- * 1.1-1.2x, 256 rows and more 1.01-1.02x. A block of one to three tiles (up to 18 rows: a decode step
- * of a few requests, a routed expert's rows, the one row of a concurrency-1 step) is one forward
- * stream over its panel, which the hardware prefetchers follow: its tiles prefetch nothing. On that
- * EPYC, prefetches of their own (four lines 32 KiB ahead into L2; at one row four lines 4 KiB ahead
- * non-temporally) took 1.06-1.12x the time of none at 2-16 rows over Qwen3-0.6B's layer matrices, and
+ * memory stays spread over the whole block. Prefetched in one burst by the first tile (as a block of one
+ * to three tiles still does, PANEL_PREFETCH bytes ahead of itself), a core asked for 32 KiB within
+ * ~1 µs, more lines than it can have in flight, and that tile waited: on the Zen 4 EPYC of
+ * docs/benchmarks.md spreading the prefetches made 64-row bfloat16 products 1.07-1.11x faster (a
+ * Qwen3-shaped 151,936-word head with 256 inputs 381 -> 417 GFLOP/s on two threads), 32-row ones
+ * 1.1-1.2x, 256 rows and more 1.01-1.02x. A product of up to MR rows (one tile, the panel's only
+ * block: a decode step of a few requests, the one row of a concurrency-1 step) is one forward stream
+ * over each panel, which the hardware prefetchers follow: its tile prefetches nothing. On that EPYC,
+ * prefetches of its own (four lines 32 KiB ahead into L2; at one row four lines 4 KiB ahead
+ * non-temporally) took 1.10-1.12x the time of none at 2-6 rows over Qwen3-0.6B's layer matrices, and
  * at one row held a Qwen3-0.6B bfloat16 token's layers at 1.21x a plain read of their panels in the
- * fast memory state, 1.09x without (1.10x and 1.08x in the slow one). A thread's
+ * fast memory state, 1.09x without (1.10x and 1.08x in the slow one). Any other block of one to three
+ * tiles keeps its first tile's prefetches PANEL_PREFETCH bytes ahead: without them 8- and 14-row
+ * products over 256 inputs (32 KiB panels) took 1.06x as long, though 8-16-row ones over 1,024-3,072
+ * inputs took 0.89-0.94x. A thread's
  * consecutive items are one panel's row blocks, so a prefill chunk of several blocks reads each panel
  * from memory once, not once per block (row block by row block, 256- and 512-row products ran
  * 0.88-0.95x oneDNN's on two threads, panel by panel 0.94-1.00x). The 16-lane vectors are one
@@ -51,14 +55,17 @@
 
 #include "common.h"
 
-enum { NR = 64, MR = 6, MC = 96, KC = 512, ROW_BYTES = 256 };
+enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, ROW_BYTES = 256 };
 /* A product's last quarter of items is claimed rather than split in advance (fixed_items, claim),
  * where it has TAIL_MIN items or more */
 enum { TAIL_MIN = 64 };
-/* What a tile prefetches each iteration (one panel row): nothing, or one line, or one every other
- * iteration, of its share of the next block from pfp (the first four or eight tiles of a block of
- * four or more). */
-enum { PF_NONE, PF_LINE, PF_HALF_LINE, PF_KINDS };
+/* What a tile prefetches each iteration (one panel row): nothing; four lines PANEL_PREFETCH ahead into
+ * L2 (the first tile of a longer product's last block of one to three tiles: into L1 too, 32 KiB
+ * ahead, they evicted the lines the tile was reading, and 2-16-row products ran 1.04-1.28x slower on
+ * the Zen 4 EPYC of docs/benchmarks.md, a routed block of 8 rows an expert 1.14-1.19x); one line, or
+ * one every other iteration, of its share of the next block from pfp (the first four or eight tiles of
+ * a larger block). */
+enum { PF_NONE, PF_AHEAD, PF_LINE, PF_HALF_LINE, PF_KINDS };
 /* How a tile stores its finished sums: as float32 (0), rounded to bfloat16, or rounded to bfloat16
  * and stored widened to float32. */
 enum { NARROW = 1, WIDE = 2 };
@@ -217,7 +224,9 @@ static inline __attribute__((always_inline)) void tile(int kind, int mr, int pf,
     const char *wk = (const char *)w + k0 * ROW_BYTES;
 #pragma GCC unroll 4
     for (int64_t kk = k0; kk < k1; kk++, wk += ROW_BYTES) {
-        if (pf == PF_LINE)
+        if (pf == PF_AHEAD)
+            for (int line = 0; line < 4; line++) __builtin_prefetch(wk + PANEL_PREFETCH + 64 * line, 0, 2);
+        else if (pf == PF_LINE)
             __builtin_prefetch(pfp + (kk - k0) * 64, 0, 3);
         else if (pf == PF_HALF_LINE && !((kk - k0) & 1))
             __builtin_prefetch(pfp + (kk - k0) * 32, 0, 3);
@@ -277,18 +286,18 @@ typedef void (*tile_fn)(const void *, int64_t, const void *, int64_t, int64_t, c
 #define TILES_WITH(kind, pf)                                                                                   \
     TILE(kind, 1, pf) TILE(kind, 2, pf) TILE(kind, 3, pf) TILE(kind, 4, pf) TILE(kind, 5, pf) TILE(kind, 6, pf)
 #define TILES_OF(kind)                                                                                         \
-    TILES_WITH(kind, 0) TILES_WITH(kind, 1) TILES_WITH(kind, 2)
+    TILES_WITH(kind, 0) TILES_WITH(kind, 1) TILES_WITH(kind, 2) TILES_WITH(kind, 3)
 TILES_OF(0)
 TILES_OF(1)
-/* The specialisations are named by the literal pf values 0 .. 2 (token pasting takes no enum): they
+/* The specialisations are named by the literal pf values 0 .. 3 (token pasting takes no enum): they
  * must be the PF_* values, in order. */
-_Static_assert(PF_NONE == 0 && PF_LINE == 1 && PF_HALF_LINE == 2 && PF_KINDS == 3,
+_Static_assert(PF_NONE == 0 && PF_AHEAD == 1 && PF_LINE == 2 && PF_HALF_LINE == 3 && PF_KINDS == 4,
                "tile specialisations are named by the PF_* values");
 #define ROW_OF(kind, pf)                                                                                       \
     {0, tile_##kind##_1_##pf, tile_##kind##_2_##pf, tile_##kind##_3_##pf, tile_##kind##_4_##pf,                \
      tile_##kind##_5_##pf, tile_##kind##_6_##pf}
-#define PREFETCHES_OF(kind) {ROW_OF(kind, 0), ROW_OF(kind, 1), ROW_OF(kind, 2)}
-/* TILES[kind][pf][rows] (pf: PF_NONE, PF_LINE, PF_HALF_LINE) */
+#define PREFETCHES_OF(kind) {ROW_OF(kind, 0), ROW_OF(kind, 1), ROW_OF(kind, 2), ROW_OF(kind, 3)}
+/* TILES[kind][pf][rows] (pf: PF_NONE .. PF_HALF_LINE) */
 static const tile_fn TILES[2][PF_KINDS][MR + 1] = {PREFETCHES_OF(0), PREFETCHES_OF(1)};
 
 /* One row's first cols < NR float32 sums (+ bias, bfloat16, widened, or zero) rounded into bfloat16
@@ -304,14 +313,15 @@ static void row_to_bf16(void *out, int wide, const float *sums, const uint16_t *
 }
 
 /* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows
- * (wide: the logits entry's float32 outputs, a bfloat16 product's rounded then widened, the full
- * panels' stored non-temporally where nt_store); buf holds MC x NR partial sums. A full panel's last
- * block goes from the registers straight to out, bias added (bfloat16: then rounded; through buf and a
- * scalar pass the rounding took about a fifth of a 6-row tile's time where the matrix has 256
- * inputs). */
+ * (alone: the panel's only block, of a product of at most MC rows; wide: the logits entry's
+ * float32 outputs, a bfloat16 product's rounded then widened, the full panels' stored non-temporally
+ * where nt_store); buf holds MC x NR partial sums. A full panel's last block goes from the registers
+ * straight to out, bias added (bfloat16: then
+ * rounded; through buf and a scalar pass the rounding took about a fifth of a 6-row tile's time where
+ * the matrix has 256 inputs). */
 static void panel_block(int kind, int wide, const void *x, int64_t xs, const void *w, const void *bias, void *out,
-                        int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, int nt_store,
-                        const Fold *fold, float *buf, const char *after) {
+                        int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, int alone,
+                        int nt_store, const Fold *fold, float *buf, const char *after) {
     int64_t size = kind == ELEM_BF16 ? 2 : 4, out_size = wide ? 4 : size;
     int store = kind == ELEM_BF16 ? (wide ? WIDE : NARROW) : 0;
     int64_t tiles = (r1 - r0 + MR - 1) / MR, share = tiles >= 8 ? 8 : tiles >= 4 ? 4 : 1;
@@ -324,7 +334,11 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
             int64_t t = (r - r0) / MR;
-            int pf = t >= share || share == 1 || !next ? PF_NONE : share == 8 ? PF_HALF_LINE : PF_LINE;
+            int pf = t >= share || (alone && tiles == 1) ? PF_NONE
+                     : share == 1 ? PF_AHEAD
+                     : !next      ? PF_NONE
+                     : share == 8 ? PF_HALF_LINE
+                                  : PF_LINE;
             float *part = buf + (r - r0) * NR;
             void *dst = !direct ? (void *)part : out ? (char *)out + (r * os + c0) * out_size : NULL;
             const void *b = direct && bias ? (const char *)bias + c0 * size : NULL;
@@ -409,7 +423,7 @@ static void panel_gemm(int kind, int wide, const void *x, int64_t xs, const void
              * item is another row block of this one (still in the core's caches) */
             int64_t q = after < 0 ? -1 : after / blocks == p ? (p + 1 < count ? p + 1 : -1) : after / blocks;
             const char *then = q < 0 ? NULL : (const char *)panels + q * rows * ROW_BYTES;
-            panel_block(kind, wide, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, nt_store,
+            panel_block(kind, wide, x, xs, w, bias, out, os, r0, r1, c0, cols, rows, m <= MC, nt_store,
                         row_max ? &fold : NULL, buf, then);
             item = after, end = after_end;
         }
@@ -448,8 +462,8 @@ void pypto_panel_gemm_logits(int kind, const void *x, int64_t xs, const void *pa
  * times its [n, k] matrix's panels at panels + e * es bytes; out [rows, n] (row stride os, the kind).
  * Each output is pypto_panel_gemm's for its row alone, so it depends neither on the other rows routed to
  * its expert nor on the threads. The work is (expert, panel, block of MC rows) items, an expert's
- * panel by panel, split and claimed as pypto_panel_gemm's. Returns 0, or -1 without computing
- * anything where its item table could not be allocated. */
+ * panel by panel, split and claimed as pypto_panel_gemm's. Returns 0, or -1 without computing anything where its item table could
+ * not be allocated. */
 int pypto_grouped_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, int64_t es, void *out,
                              int64_t os, const int64_t *ends, int64_t experts, int64_t n, int64_t k, int threads) {
     int64_t rows = kind == ELEM_BF16 ? k / 2 : k, count = (n + NR - 1) / NR;
@@ -473,7 +487,7 @@ int pypto_grouped_panel_gemm(int kind, const void *x, int64_t xs, const void *pa
                 int64_t p = (item - first[e]) / blocks, r0 = start + (item - first[e]) % blocks * MC;
                 int64_t r1 = r0 + MC < ends[e] ? r0 + MC : ends[e], c0 = p * NR, cols = n - c0 < NR ? n - c0 : NR;
                 const char *w = (const char *)panels + e * es + p * rows * ROW_BYTES;
-                panel_block(kind, 0, x, xs, w, NULL, out, os, r0, r1, c0, cols, rows, 0, NULL, buf, NULL);
+                panel_block(kind, 0, x, xs, w, NULL, out, os, r0, r1, c0, cols, rows, m <= MC, 0, NULL, buf, NULL);
             }
             lo = hi;
         }
