@@ -60,7 +60,7 @@ enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, ROW_BYTES = 2
  * where it has TAIL_MIN items or more */
 enum { TAIL_MIN = 64 };
 /* What a tile prefetches each iteration (one panel row): nothing; four lines PANEL_PREFETCH ahead into
- * L2 (the first tile of a longer product's last block of one to three tiles: into L1 too, 32 KiB
+ * L2 (the first tile of a block of one to three tiles, but a product's only tile: into L1 too, 32 KiB
  * ahead, they evicted the lines the tile was reading, and 2-16-row products ran 1.04-1.28x slower on
  * the Zen 4 EPYC of docs/benchmarks.md, a routed block of 8 rows an expert 1.14-1.19x); one line, or
  * one every other iteration, of its share of the next block from pfp (the first four or eight tiles of
