@@ -313,12 +313,11 @@ static void row_to_bf16(void *out, int wide, const float *sums, const uint16_t *
 }
 
 /* Rows r0 .. r1 - 1 of the product's panel w (its cols <= NR outputs from c0) over k panel rows
- * (alone: the panel's only block, of a product of at most MC rows; wide: the logits entry's
- * float32 outputs, a bfloat16 product's rounded then widened, the full panels' stored non-temporally
- * where nt_store); buf holds MC x NR partial sums. A full panel's last block goes from the registers
- * straight to out, bias added (bfloat16: then
- * rounded; through buf and a scalar pass the rounding took about a fifth of a 6-row tile's time where
- * the matrix has 256 inputs). */
+ * (alone: the panel's only block, of a product of at most MC rows; wide: the logits entry's float32
+ * outputs, a bfloat16 product's rounded then widened, the full panels' stored non-temporally where
+ * nt_store); buf holds MC x NR partial sums. A full panel's last block goes from the registers
+ * straight to out, bias added (bfloat16: then rounded; through buf and a scalar pass the rounding took
+ * about a fifth of a 6-row tile's time where the matrix has 256 inputs). */
 static void panel_block(int kind, int wide, const void *x, int64_t xs, const void *w, const void *bias, void *out,
                         int64_t os, int64_t r0, int64_t r1, int64_t c0, int64_t cols, int64_t k, int alone,
                         int nt_store, const Fold *fold, float *buf, const char *after) {
@@ -462,8 +461,8 @@ void pypto_panel_gemm_logits(int kind, const void *x, int64_t xs, const void *pa
  * times its [n, k] matrix's panels at panels + e * es bytes; out [rows, n] (row stride os, the kind).
  * Each output is pypto_panel_gemm's for its row alone, so it depends neither on the other rows routed to
  * its expert nor on the threads. The work is (expert, panel, block of MC rows) items, an expert's
- * panel by panel, split and claimed as pypto_panel_gemm's. Returns 0, or -1 without computing anything where its item table could
- * not be allocated. */
+ * panel by panel, split and claimed as pypto_panel_gemm's. Returns 0, or -1 without computing
+ * anything where its item table could not be allocated. */
 int pypto_grouped_panel_gemm(int kind, const void *x, int64_t xs, const void *panels, int64_t es, void *out,
                              int64_t os, const int64_t *ends, int64_t experts, int64_t n, int64_t k, int threads) {
     int64_t rows = kind == ELEM_BF16 ? k / 2 : k, count = (n + NR - 1) / NR;
