@@ -38,15 +38,16 @@
  * docs/benchmarks.md spreading the prefetches made 64-row bfloat16 products 1.07-1.11x faster (a
  * Qwen3-shaped 151,936-word head with 256 inputs 381 -> 417 GFLOP/s on two threads), 32-row ones
  * 1.1-1.2x, 256 rows and more 1.01-1.02x. A product of up to MR rows (one tile, the panel's only
- * block: a decode step of a few requests, the one row of a concurrency-1 step) is one forward stream
- * over each panel, which the hardware prefetchers follow: its tile prefetches nothing. On that EPYC,
- * prefetches of its own (four lines 32 KiB ahead into L2; at one row four lines 4 KiB ahead
- * non-temporally) took 1.10-1.12x the time of none at 2-6 rows over Qwen3-0.6B's layer matrices, and
- * at one row held a Qwen3-0.6B bfloat16 token's layers at 1.21x a plain read of their panels in the
- * fast memory state, 1.09x without (1.10x and 1.08x in the slow one). Any other block of one to three
- * tiles keeps its first tile's prefetches PANEL_PREFETCH bytes ahead: without them 8- and 14-row
- * products over 256 inputs (32 KiB panels) took 1.06x as long, though 8-16-row ones over 1,024-3,072
- * inputs took 0.89-0.94x. A thread's
+ * block: a decode step of a few requests, the one row of a concurrency-1 step), or of up to 3 MR rows
+ * over panels of LONG_PANEL bytes or more, is one forward stream over each panel, which the hardware
+ * prefetchers follow: its tiles prefetch nothing. On that EPYC, prefetches of their own (four lines
+ * 32 KiB ahead into L2; at one row four lines 4 KiB ahead non-temporally) took 1.10-1.12x the time of
+ * none at 2-6 rows over Qwen3-0.6B's layer matrices and 1.06-1.12x at 8-16 rows (its 151,936-row head
+ * at 8 and 14 rows 1.08-1.10x), and at one row held a Qwen3-0.6B bfloat16 token's layers at 1.21x a
+ * plain read of their panels in the fast memory state, 1.09x without (1.10x and 1.08x in the slow
+ * one). Any other block of one to three tiles keeps its first tile's prefetches PANEL_PREFETCH bytes
+ * ahead: without them 8- and 14-row products over 256 inputs (32 KiB panels) took 1.06x as long. A
+ * thread's
  * consecutive items are one panel's row blocks, so a prefill chunk of several blocks reads each panel
  * from memory once, not once per block (row block by row block, 256- and 512-row products ran
  * 0.88-0.95x oneDNN's on two threads, panel by panel 0.94-1.00x). The 16-lane vectors are one
@@ -55,16 +56,17 @@
 
 #include "common.h"
 
-enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, ROW_BYTES = 256 };
+enum { NR = 64, MR = 6, MC = 96, KC = 512, PANEL_PREFETCH = 32768, ROW_BYTES = 256, LONG_PANEL = 131072 };
 /* A product's last quarter of items is claimed rather than split in advance (fixed_items, claim),
  * where it has TAIL_MIN items or more */
 enum { TAIL_MIN = 64 };
 /* What a tile prefetches each iteration (one panel row): nothing; four lines PANEL_PREFETCH ahead into
- * L2 (the first tile of a block of one to three tiles, but a product's only tile: into L1 too, 32 KiB
- * ahead, they evicted the lines the tile was reading, and 2-16-row products ran 1.04-1.28x slower on
- * the Zen 4 EPYC of docs/benchmarks.md, a routed block of 8 rows an expert 1.14-1.19x); one line, or
- * one every other iteration, of its share of the next block from pfp (the first four or eight tiles of
- * a larger block). */
+ * L2 (the first tile of a block of one to three tiles, unless the block is the panel's only one and
+ * has one tile or a panel of LONG_PANEL bytes or more; into L1 too, 32 KiB ahead, they evicted the
+ * lines the tile was reading, and 2-16-row products ran 1.04-1.28x slower on the Zen 4 EPYC of
+ * docs/benchmarks.md, a routed block of 8 rows an expert 1.14-1.19x); one line, or one every other
+ * iteration, of its share of the next block from pfp (the first four or eight tiles of a larger
+ * block). */
 enum { PF_NONE, PF_AHEAD, PF_LINE, PF_HALF_LINE, PF_KINDS };
 /* How a tile stores its finished sums: as float32 (0), rounded to bfloat16, or rounded to bfloat16
  * and stored widened to float32. */
@@ -333,7 +335,7 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
             int64_t t = (r - r0) / MR;
-            int pf = t >= share || (alone && tiles == 1) ? PF_NONE
+            int pf = t >= share || (alone && (tiles == 1 || k * ROW_BYTES >= LONG_PANEL)) ? PF_NONE
                      : share == 1 ? PF_AHEAD
                      : !next      ? PF_NONE
                      : share == 8 ? PF_HALF_LINE
