@@ -326,6 +326,8 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
     int64_t size = kind == ELEM_BF16 ? 2 : 4, out_size = wide ? 4 : size;
     int store = kind == ELEM_BF16 ? (wide ? WIDE : NARROW) : 0;
     int64_t tiles = (r1 - r0 + MR - 1) / MR, share = tiles >= 8 ? 8 : tiles >= 4 ? 4 : 1;
+    /* one forward stream over the panel, which the hardware prefetchers follow (see the top) */
+    int stream = alone && (tiles == 1 || k * ROW_BYTES >= LONG_PANEL);
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += KC) {
         int64_t k1 = k0 + KC < k ? k0 + KC : k;
         int last = k1 == k, direct = last && cols == NR;
@@ -335,7 +337,7 @@ static void panel_block(int kind, int wide, const void *x, int64_t xs, const voi
         for (int64_t r = r0; r < r1; r += MR) {
             int mr = r1 - r < MR ? (int)(r1 - r) : MR;
             int64_t t = (r - r0) / MR;
-            int pf = t >= share || (alone && (tiles == 1 || k * ROW_BYTES >= LONG_PANEL)) ? PF_NONE
+            int pf = t >= share || stream ? PF_NONE
                      : share == 1 ? PF_AHEAD
                      : !next      ? PF_NONE
                      : share == 8 ? PF_HALF_LINE
