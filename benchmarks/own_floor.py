@@ -11,7 +11,7 @@ torch's ``sum`` on the same threads (best of ``--reads``; each buffer under them
 float32): the decoder
 projections' packed copies (``PackedLinearWeight.packed`` of the panels library, what the native
 decoder reads) or their plain matrices, the other parameters of the decoder layers, and the output
-projection's one-row matrix (a tied head's plain rows, where the native GEMV reads it); buffers under
+projection's one-row matrix (its panels copy; the plain rows where a one-row GEMV reads them); buffers under
 64 KiB (norm weights) are left out. Each round prints the time per token (the difference between
 ``--tokens`` and one token's generate, over ``--tokens - 1``), the reads' times and the token over
 their mean; a round whose two reads differ by more than 15 % (the memory changed state during it) is
@@ -53,7 +53,12 @@ def token_tensors(model: Any) -> list[torch.Tensor]:
                 tensors.append(t)
         tensors += [p.data for p in module.parameters(recurse=False)]
     head = model.lm_head_packed
-    matrix = head.weight if head is not None and head.weight is not None else model.lm_head_t.data.t()
+    if head is not None and head.library == "panels" and head.min_rows <= 1:
+        matrix = head.packed  # one row runs the panels copy, tied or not
+    elif head is not None and head.weight is not None:
+        matrix = head.weight  # the one-row GEMV over the plain matrix beside a oneDNN copy
+    else:
+        matrix = model.lm_head_t.data.t()
     return [*tensors, model.norm.data, matrix]
 
 

@@ -293,8 +293,8 @@ def linear(
 
 def linear_takes_maxima(rows: int, weight: torch.Tensor | PackedLinearWeight) -> bool:
     """Whether :func:`linear` of ``rows`` rows over ``weight`` with ``float_out`` takes ``maxima`` as it
-    writes the result (the CPU panels product, or the one-row GEMV over the plain matrix a tied
-    output projection holds beside its panels: no pass over the logits after it) rather than from the
+    writes the result (the CPU panels product, or the one-row GEMV over the plain matrix held beside
+    a panels copy that serves no single row: no pass over the logits after it) rather than from the
     result after it."""
     if not isinstance(weight, PackedLinearWeight) or weight.library != "panels" or torch.compiler.is_compiling():
         return False

@@ -15,7 +15,8 @@ same results to float rounding), saying so once in the log.
 - :func:`hc_sinkhorn_mix`: DeepSeek-V4's hyper-connection weights from their projected logits
   (``csrc/hyper_connections.c``), one pass per token instead of about 80 tensor ops.
 - :func:`gemv`: one activation row times a plain ``[out, in]`` matrix (``csrc/gemv.c``), a
-  stream over the matrix with software prefetches (the output projection at concurrency 1).
+  stream over the matrix with software prefetches (a tied output projection's one row beside a
+  oneDNN copy; beside the panels one row runs the panels, whose sums do not depend on the batch).
 - :func:`grouped_gemv`: rows sorted by expert times each expert's plain ``[out, in]`` matrix
   (``csrc/gemv.c``): a mixture of experts' routed products, each expert's matrix read once for all
   its rows.

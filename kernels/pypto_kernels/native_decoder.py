@@ -120,9 +120,9 @@ class GreedyTail:
 
     :param embed: ``[vocab, hidden]`` token embeddings, rows dense.
     :param norm: ``[hidden]`` the final RMSNorm's weight; ``eps`` its epsilon.
-    :param head: ``[vocab', hidden]`` (``vocab' <= vocab``) the output projection's plain matrix, as
-        :func:`pypto_kernels.native.gemv` takes it (the one-row product a tied head's panels copy
-        leaves to it).
+    :param head: the output projection's panels copy (:func:`pypto_kernels.pack_linear`, library
+        ``panels``) serving one row, of ``vocab' <= vocab`` outputs and ``hidden`` inputs: the product
+        a one-row step's logits take in the eager forward too, summed as in any batch.
     :param cos: ``[positions, rotary_dim]`` RoPE tables (rows dense), ``sin`` the same, covering every
         position of the run.
     """
@@ -130,7 +130,7 @@ class GreedyTail:
     embed: torch.Tensor
     norm: torch.Tensor
     eps: float
-    head: torch.Tensor
+    head: PackedLinearWeight
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -139,21 +139,19 @@ class _Tail(ctypes.Structure):
     """``GreedyTail`` of ``csrc/decode_layers.c``."""
 
     _fields_ = [
-        ("embed", _PTR), ("norm", _PTR), ("head", _PTR), ("embed_stride", _I64), ("head_stride", _I64),
-        ("head_rows", _I64), ("cos", _PTR), ("sin", _PTR), ("cos_stride", _I64), ("eps", ctypes.c_float),
+        ("embed", _PTR), ("norm", _PTR), ("head", _PTR), ("embed_stride", _I64), ("head_rows", _I64),
+        ("cos", _PTR), ("sin", _PTR), ("cos_stride", _I64), ("eps", ctypes.c_float),
     ]  # fmt: skip
 
 
 class _GreedyBuffers(ctypes.Structure):
-    """``GreedyBuffers`` of ``csrc/decode_layers.c``: the tensors one :meth:`NativeDecoder.greedy_run`
-    writes, made once for a head of ``vocab`` outputs and kept (``held``) while the decoder is."""
+    """``GreedyBuffers`` of ``csrc/decode_layers.c``: the rows one :meth:`NativeDecoder.greedy_run`
+    writes, made once and kept (``held``) while the decoder is."""
 
-    _fields_ = [
-        ("hidden", _PTR), ("residual", _PTR), ("normed", _PTR), ("summed", _PTR), ("row", _PTR), ("logits", _PTR),
-    ]  # fmt: skip
+    _fields_ = [("hidden", _PTR), ("residual", _PTR), ("normed", _PTR), ("summed", _PTR)]
 
-    def __init__(self, dtype: torch.dtype, hidden: int, vocab: int) -> None:
-        self.held = [torch.empty(hidden, dtype=dtype) for _ in range(4)] + [torch.empty(hidden), torch.empty(vocab)]
+    def __init__(self, dtype: torch.dtype, hidden: int) -> None:
+        self.held = [torch.empty(hidden, dtype=dtype) for _ in range(4)]
         super().__init__(*(t.data_ptr() for t in self.held))
 
 
@@ -247,7 +245,7 @@ class NativeDecoder:
         # Panels serve every row count (the eager forward's routed_moe takes them at any): no limit.
         self._expert_panels = all(isinstance(e.gate_up, native.PackedExperts) for e in _experts(layers))
         self._scratch = torch.empty(0, dtype=torch.uint8)
-        self._greedy: tuple[int, _GreedyBuffers] | None = None  # greedy_run's buffers, for a head of that many rows
+        self._greedy: _GreedyBuffers | None = None  # greedy_run's buffers, made at its first call
 
     def _layer(
         self, index: int, w: DecoderLayerWeights, widths: tuple[int, int, int, int], cache_shape: tuple[int, ...]
@@ -367,9 +365,10 @@ class NativeDecoder:
         third again of its kernels' time otherwise, and the interpreter between the kernels 8 %).
         Each forward is the one a model runs a row at a time: the token's embedding row, :meth:`run`'s
         layers, the final RMSNorm over their output and residual (:func:`pypto_kernels.native.rms_norm`),
-        the output projection's one-row GEMV taking the row's maximum
-        (:func:`pypto_kernels.native.gemv`): the same kernels on the same values, so the tokens are
-        those forwards', bit for bit (tested).
+        the output projection's panels product of the row taking its maximum
+        (:func:`pypto_kernels.native.panel_linear` with ``maxima``, no logits stored): the same kernels
+        on the same values, so the tokens are those forwards', bit for bit (tested), and those the
+        request gets in any batch.
 
         :param token: the request's last token, at ``position``; the run writes the keys and values
             of positions ``position`` to ``position + steps - 1``.
@@ -389,25 +388,24 @@ class NativeDecoder:
             raise RuntimeError("the native CPU kernels are not available (see the log)")
         table = table.to(torch.int64).contiguous()
         self._check_greedy(tail, token, position + steps, table)
-        vocab = tail.head.shape[0]
-        if self._greedy is None or self._greedy[0] != vocab:
-            self._greedy = vocab, _GreedyBuffers(self._dtype, self._hidden, vocab)
+        if self._greedy is None:
+            self._greedy = _GreedyBuffers(self._dtype, self._hidden)
         self._grow_scratch(lib, 1)
         c_tail = _Tail(
-            tail.embed.data_ptr(), tail.norm.data_ptr(), tail.head.data_ptr(), tail.embed.stride(0),
-            tail.head.stride(0), vocab, tail.cos.data_ptr(), tail.sin.data_ptr(), tail.cos.stride(0), tail.eps,
+            tail.embed.data_ptr(), tail.norm.data_ptr(), tail.head.packed.data_ptr(), tail.embed.stride(0),
+            tail.head.out_features, tail.cos.data_ptr(), tail.sin.data_ptr(), tail.cos.stride(0), tail.eps,
         )  # fmt: skip
         stops = torch.tensor(sorted(stop), dtype=torch.int64)
         tokens, status = torch.empty(max(steps, 1), dtype=torch.int64), ctypes.c_int(0)
         n = lib.pypto_greedy_run(
             self._layers, len(self._layers), ctypes.byref(self._shape), ctypes.byref(c_tail),
-            ctypes.byref(self._greedy[1]), table.data_ptr(), table.numel(), token, position, steps,
+            ctypes.byref(self._greedy), table.data_ptr(), table.numel(), token, position, steps,
             stops.data_ptr(), stops.numel(), None if interrupt is None else ctypes.addressof(interrupt),
             ctypes.c_int32(seen), self._scratch.data_ptr(), tokens.data_ptr(), ctypes.byref(status),
             torch.get_num_threads(),
         )  # fmt: skip
         if status.value == -2:
-            raise MemoryError("the native gemv could not allocate its scratch")
+            raise MemoryError("the output projection's panels product could not allocate its scratch")
         self._check_status(status.value, f"the table gives position {position + n} a slot")
         return tokens[:n].tolist()
 
@@ -428,12 +426,18 @@ class NativeDecoder:
         """:meth:`greedy_run`'s inputs (positions below ``end``), or ValueError."""
         vocab, hidden, dtype = tail.embed.shape[0], self._hidden, self._dtype
         _check_vector("the final norm", tail.norm, dtype, hidden)
-        for name, m in (("embed", tail.embed), ("head", tail.head)):
-            dense = m.dim() == 2 and m.stride(1) == 1 and m.device.type == "cpu"
-            if m.dtype != dtype or not dense or m.shape[1] != hidden:
-                raise ValueError(f"{name} {m.dtype} {tuple(m.shape)} is not {dtype} [rows, {hidden}] with dense rows")
-        if tail.head.shape[0] > vocab:
-            raise ValueError(f"the head's {tail.head.shape[0]} outputs are more than the {vocab} embeddings")
+        m = tail.embed
+        if m.dtype != dtype or m.dim() != 2 or m.stride(1) != 1 or m.device.type != "cpu" or m.shape[1] != hidden:
+            raise ValueError(f"embed {m.dtype} {tuple(m.shape)} is not {dtype} [rows, {hidden}] with dense rows")
+        head = tail.head
+        if head.library != "panels" or head.dtype != dtype or not head.min_rows <= 1 <= head.max_rows:
+            what = f"{head.library} {head.dtype}"
+            raise ValueError(f"the head's {what} copy is not a {dtype} panels copy serving one row")
+        inputs = head.packed.shape[1] * (2 if dtype == torch.bfloat16 else 1)
+        if inputs != hidden or not head.packed.is_contiguous() or not 0 < head.out_features <= vocab:
+            raise ValueError(
+                f"the head's panels of {(head.out_features, inputs)} are not [1..{vocab}, {hidden}] and contiguous"
+            )
         for name, t in (("cos", tail.cos), ("sin", tail.sin)):
             if t.dtype != dtype or t.dim() != 2 or t.shape[1] != self._rotary or t.stride() != tail.cos.stride():
                 raise ValueError(f"{name} {t.dtype} {tuple(t.shape)} is not {dtype} [positions, {self._rotary}]")

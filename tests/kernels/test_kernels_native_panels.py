@@ -139,7 +139,8 @@ def test_panel_linear_refuses_what_it_cannot_take() -> None:
 def test_linear_runs_a_panels_copy_at_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """``pack_linear(..., library="panels")`` drops the plain matrix (rebuilt for the reference) and
     every call, with or without bias, runs the panels; beside a held plain matrix (``keep_plain``, a
-    tied output projection) one row is the native GEMV over it instead."""
+    tied output projection) too, so one row's result is bitwise that row's in a batch (the one-row GEMV
+    over the held matrix, which summed in another order, took it before)."""
     x, w, bias = _case(9, 260, 96, seed=2)
     packed = K.pack_linear(w, 64, library="panels")
     assert packed is not None and (packed.library, packed.weight, packed.out_features) == ("panels", None, 260)
@@ -156,9 +157,12 @@ def test_linear_runs_a_panels_copy_at_every_row_count(monkeypatch: pytest.Monkey
     held = K.pack_linear(w, 64, library="panels", keep_plain=True)
     assert held is not None and held.weight is w
     rows.clear()
-    torch.testing.assert_close(K.linear(x[:1], held), F.linear(x[:1], w))
-    torch.testing.assert_close(K.linear(x[:4], held), F.linear(x[:4], w))
-    assert rows == [4]  # one row: the GEMV over the held matrix
+    for dtype in (torch.float32, torch.bfloat16):
+        copy = K.pack_linear(w.to(dtype), 64, library="panels", keep_plain=True)
+        assert copy is not None and copy.weight is not None
+        one = K.linear(x[:1].to(dtype), copy, float_out=True)
+        assert torch.equal(one, K.linear(x[:4].to(dtype), copy, float_out=True)[:1])
+    assert rows == [1, 4, 1, 4]
     assert torch.equal(K.reference_kernel("linear")(x, packed), F.linear(x, w))
     bf16 = K.pack_linear(w.bfloat16(), 64, library="panels")
     assert bf16 is not None and bf16.packed.dtype == torch.bfloat16 and torch.equal(bf16.plain(), w.bfloat16())
@@ -221,11 +225,12 @@ def test_panels_asked_for_without_the_native_kernels_are_refused(monkeypatch: py
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_float_out_is_the_product_widened(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """``linear(..., float_out=True)``: bitwise ``.float()`` of the product in ``x``'s dtype, on every
-    path (the panels, the one-row GEMV beside a held matrix, the reference); a bfloat16 panels
-    product stores float32 itself (no bfloat16 result made)."""
+    path (the panels, the one-row GEMV beside a held matrix whose panels serve two rows and more, the
+    reference); a bfloat16 panels product stores float32 itself (no bfloat16 result made)."""
     x, w, bias = (t.to(dtype) for t in _case(11, 130, 96, seed=5))
     held = K.pack_linear(w, 8, library="panels", keep_plain=True)
-    assert held is not None
+    from_two = K.pack_linear(w, 8, library="panels", min_rows=2, keep_plain=True)
+    assert held is not None and from_two is not None
     stored: list[torch.dtype] = []
     inner = native.panel_linear
 
@@ -235,12 +240,13 @@ def test_linear_float_out_is_the_product_widened(dtype: torch.dtype, monkeypatch
         return out
 
     monkeypatch.setattr(native, "panel_linear", spy)
-    for count in (1, 3, 11):  # the GEMV (one row, no bias), then the panels
-        for b in (None, bias):
-            got = K.linear(x[:count], held, b, float_out=True)
-            assert got.dtype == torch.float32
-            assert torch.equal(got, K.linear(x[:count], held, b).float())
-    assert stored == [torch.float32, dtype] * 5  # the panels calls: widened, then in x's dtype
+    for weight in (held, from_two):
+        for count in (1, 3, 11):  # from_two's one row: the GEMV (no bias) or the plain matrix
+            for b in (None, bias):
+                got = K.linear(x[:count], weight, b, float_out=True)
+                assert got.dtype == torch.float32
+                assert torch.equal(got, K.linear(x[:count], weight, b).float())
+    assert stored == [torch.float32, dtype] * 10  # the panels calls: widened, then in x's dtype
     ref = K.reference_kernel("linear")(x, w, bias, float_out=True)
     assert ref.dtype == torch.float32 and torch.equal(ref, F.linear(x, w, bias).float())
 
@@ -383,14 +389,16 @@ def test_unstored_bfloat16_maxima_compare_the_rounded_logits(rows: int) -> None:
 @needs_native
 def test_linear_fills_maxima_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """``linear(..., float_out=True, maxima=...)`` fills each row's ``amax`` and ``argmax`` of its
-    float32 result on every path: the panels and the one-row GEMV beside a held matrix take them as
-    they go (the calls spied: maxima handed to the product), the reference from the result after it;
+    float32 result on every path: the panels (at every row count, a held matrix or not) and the one-row
+    GEMV beside a held matrix whose panels serve two rows and more take them as they go (the calls
+    spied: maxima handed to the product), the reference from the result after it;
     :func:`pypto_kernels.linear_takes_maxima` says which. Maxima without ``float_out``, or of the
     wrong size, are refused."""
     x, w, _ = _case(9, 300, 64, seed=11)
-    bias = None  # one row then takes the GEMV (which adds no bias)
+    bias = None  # one row beside panels from two rows on then takes the GEMV (which adds no bias)
     held = K.pack_linear(w, 16, library="panels", keep_plain=True)
-    assert held is not None
+    from_two = K.pack_linear(w, 16, library="panels", min_rows=2, keep_plain=True)
+    assert held is not None and from_two is not None
     handed: list[bool] = []
     inner = native.panel_linear
 
@@ -407,14 +415,16 @@ def test_linear_fills_maxima_on_every_path(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(native, "panel_linear", spy)
     monkeypatch.setattr(native, "gemv", gemv_spy)
-    for count in (1, 2, 9):
-        peak, index = torch.empty(count), torch.empty(count, dtype=torch.long)
-        got = K.linear(x[:count], held, bias, float_out=True, maxima=(peak, index))
-        assert torch.equal(got, K.linear(x[:count], held, bias, float_out=True))
-        assert (peak.tolist(), index.tolist()) == _first_maxima(got)
-        assert K.linear_takes_maxima(count, held)
-    assert handed == [True, False, True, False]  # 2 and 9 rows: the panels; each check ran without
-    assert gemv_handed == [True, False]  # one row: the GEMV over the held matrix
+    for weight in (held, from_two):
+        for count in (1, 2, 9):
+            peak, index = torch.empty(count), torch.empty(count, dtype=torch.long)
+            got = K.linear(x[:count], weight, bias, float_out=True, maxima=(peak, index))
+            assert torch.equal(got, K.linear(x[:count], weight, bias, float_out=True))
+            assert (peak.tolist(), index.tolist()) == _first_maxima(got)
+            assert K.linear_takes_maxima(count, weight)
+    # Each call, then its check without maxima: the panels at 1, 2 and 9 rows, then at 2 and 9 ...
+    assert handed == [True, False] * 5
+    assert gemv_handed == [True, False]  # ... where one row took the GEMV over the held matrix
     peak, index = torch.empty(9), torch.empty(9, dtype=torch.long)
     ref = K.reference_kernel("linear")(x, w, bias, float_out=True, maxima=(peak, index))
     assert (peak.tolist(), index.tolist()) == _first_maxima(ref)

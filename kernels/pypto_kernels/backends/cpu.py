@@ -264,12 +264,12 @@ def packed_linear(
     store_logits: bool = True,
 ) -> torch.Tensor:
     """The CPU path of :func:`pypto_kernels.linear` for weights ``supports_linear`` accepts: one row
-    (float32 or bfloat16) over a plain matrix held with dense rows beside a oneDNN or panels copy (a
-    tied output projection) through
-    :func:`pypto_kernels.native.gemv` where the native kernels are built; else a packed copy for calls
-    within its row counts, the plain matrix for the others (one float32 row beside a oneDNN copy
-    through oneDNN's GEMV on it, :func:`_onednn_gemv`; else transposed in chunks where
-    :func:`transposed_rule` says so, else ``F.linear``). ``float_out``: the result widened to float32,
+    (float32 or bfloat16) over a plain matrix held with dense rows beside a oneDNN copy (a tied output
+    projection) through :func:`pypto_kernels.native.gemv` where the native kernels are built; else a
+    packed copy for calls within its row counts (a panels copy at one row too, held matrix or not: its
+    sums are a row's in any batch, the GEMV's are not), the plain matrix for the others (one float32
+    row beside a oneDNN copy through oneDNN's GEMV on it, :func:`_onednn_gemv`; else transposed in
+    chunks where :func:`transposed_rule` says so, else ``F.linear``). ``float_out``: the result widened to float32,
     a panels product's stored so by the product itself as logits (:func:`pypto_kernels.native.panel_linear`),
     which takes ``maxima`` as it writes them (every other path: from the result after it), and with
     ``store_logits`` False writes none of them (:func:`pypto_kernels.native.panel_linear`)."""
@@ -296,8 +296,8 @@ def _packed_linear(
     if not isinstance(weight, PackedLinearWeight):
         return transposed_linear(x, weight, bias), False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    held = weight.library in ("onednn", "panels") and weight.weight is not None
-    one_row = rows == 1 and held and not torch.compiler.is_compiling()
+    held = weight.library == "onednn" or (weight.library == "panels" and weight.min_rows > rows)
+    one_row = rows == 1 and held and weight.weight is not None and not torch.compiler.is_compiling()
     flat = _flat_maxima(maxima, logits, rows, weight.out_features)  # what a native product takes
     if one_row and native.gemv_takes(x, weight.weight, bias):  # type: ignore[arg-type]
         return native.gemv(x, weight.weight, logits=logits, maxima=flat), flat is not None  # type: ignore[arg-type]

@@ -163,33 +163,40 @@ int pypto_decode_layers(const DecoderLayer *layers, int64_t count, const Decoder
 
 /* What pypto_greedy_run reads around the layers, of the layers' kind (pypto_kernels.GreedyTail). */
 typedef struct {
-    const void *embed, *norm, *head; /* [vocab, hidden] rows of stride embed_stride; [hidden]; [n_head, hidden] */
-    int64_t embed_stride, head_stride, head_rows;
+    const void *embed, *norm, *head; /* [vocab, hidden] rows of stride embed_stride; [hidden]; the panels
+                                        (panel_gemm.c) of the [head_rows, hidden] output projection */
+    int64_t embed_stride, head_rows;
     const void *cos, *sin; /* [positions, rotary] rows of stride cos_stride */
     int64_t cos_stride;
     float eps;
 } GreedyTail;
 
 /* What one pypto_greedy_run writes: the layers' in/out row and residual, the final norm's output and
- * sum ([hidden] each, of the kind), the head's float32 input row [hidden] and logits [head_rows]. */
+ * sum ([hidden] each, of the kind). */
 typedef struct {
     void *hidden, *residual, *normed, *summed;
-    float *row, *logits;
 } GreedyBuffers;
+
+void pypto_panel_gemm_logits(int kind, const void *x, int64_t xs, const void *panels, const void *bias, float *out,
+                             int64_t os, int64_t m, int64_t n, int64_t k, float *row_max, int64_t *row_arg,
+                             int threads);
 
 /* Up to steps decode forwards of one request back to back (NativeDecoder.greedy_run), with no
  * interpreter between them: each forward is the token's embedding row, pypto_decode_layers, the final
- * pypto_rms_norm over their output and residual, the row widened to float32 and pypto_gemv taking
- * its maximum, the same calls on the same values, and the next forward's token is that maximum's
- * index. Between ctypes calls of each kernel the interpreter takes 0.2-0.3 ms a forward on the Zen 4
- * EPYC of docs/benchmarks.md, most of it after the head's product (its data evicted by the matrix
- * streaming past), 8 % of a small-shape token. The run stops after a token in stop[0 .. num_stop), before
- * keeping a token whose maximum logit is not finite (NaN or infinite), after any forward where
- * *interrupt (when not NULL) differs from seen (another thread or process counts arrivals there: an
- * atomic read, so each forward sees its latest value), or after steps. table: the
- * request's blocks (table_len of them, covering the run's positions: the caller checks). Writes the
- * tokens to tokens and returns how many; *status: 0, or as pypto_decode_layers' (1: a slot outside
- * the caches, -1: attention's scratch) or -2 (the gemv's scratch) for the forward after them. */
+ * pypto_rms_norm over their output and residual, and the output projection's panels product of that
+ * one row taking its maximum without storing the logits (pypto_panel_gemm_logits), the same calls on
+ * the same values as the eager forward's, and the next forward's token is that maximum's index. The
+ * head's panels sum each logit in the order they do in any batch, so a request's tokens alone are
+ * those it gets among others. Between ctypes calls of each kernel the interpreter takes 0.2-0.3 ms a
+ * forward on the Zen 4 EPYC of docs/benchmarks.md, most of it after the head's product (its data
+ * evicted by the matrix streaming past), 8 % of a small-shape token. The run stops after a token in
+ * stop[0 .. num_stop), before keeping a token whose maximum logit is not finite (NaN or infinite),
+ * after any forward where *interrupt (when not NULL) differs from seen (another thread or process
+ * counts arrivals there: an atomic read, so each forward sees its latest value), or after steps.
+ * table: the request's blocks (table_len of them, covering the run's positions: the caller checks).
+ * Writes the tokens to tokens and returns how many; *status: 0, or as pypto_decode_layers' (1: a slot
+ * outside the caches, -1: attention's scratch) or -2 (the head product's scratch) for the forward
+ * after them. */
 int64_t pypto_greedy_run(const DecoderLayer *layers, int64_t count, const DecoderShape *s, const GreedyTail *tail,
                          const GreedyBuffers *b, const int64_t *table, int64_t table_len, int64_t token,
                          int64_t position, int64_t steps, const int64_t *stop, int64_t num_stop,
@@ -207,13 +214,11 @@ int64_t pypto_greedy_run(const DecoderLayer *layers, int64_t count, const Decode
         if (*status) return n;
         pypto_rms_norm(b->hidden, h, b->residual, h, tail->norm, s->kind, 1, h, tail->eps, b->normed, h, b->summed,
                        h, threads);
-        for (int64_t i = 0; i < h; i++) /* exact: a bfloat16 value widened */
-            b->row[i] = s->kind == ELEM_BF16 ? bf16_value(((const uint16_t *)b->normed)[i])
-                                             : ((const float *)b->normed)[i];
-        float peak;
-        int64_t index;
-        if (pypto_gemv(tail->head, s->kind, tail->head_stride, b->row, b->logits, tail->head_rows, h,
-                       s->kind == ELEM_BF16, &peak, &index, threads)) {
+        float peak = 0.0f;
+        int64_t index = -1;
+        pypto_panel_gemm_logits(s->kind, b->normed, h, tail->head, NULL, NULL, tail->head_rows, 1, tail->head_rows, h,
+                                &peak, &index, threads);
+        if (index < 0) { /* the product's scratch could not be allocated: no maximum was taken */
             *status = -2;
             return n;
         }

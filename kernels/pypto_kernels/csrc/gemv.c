@@ -1,5 +1,6 @@
-/* One activation row times a plain float32 or bfloat16 [out, in] matrix (pypto_kernels.native.gemv): the
- * output projection of a concurrency-1 decode step, a pass over the whole matrix that only memory
+/* One activation row times a plain float32 or bfloat16 [out, in] matrix (pypto_kernels.native.gemv): a
+ * tied output projection's concurrency-1 product beside oneDNN's packed copy (beside the panels one row
+ * runs the panels, whose sums are a row's in any batch), a pass over the whole matrix that only memory
  * bandwidth should limit.
  *
  * Each thread streams one contiguous range of the first three quarters of the matrix's rows (with

@@ -808,7 +808,7 @@ class QwenForCausalLM(nn.Module):
         if native is None or not self.takes_maxima(rows) or input_ids.device.type != "cpu":
             return None
         tail = self._greedy_tail(rows, int(positions.max()) + steps) if rows else None
-        if tail is not None:  # one request whose output projection is the one-row GEMV: a native loop
+        if tail is not None:  # one request whose output projection is a panels copy: a native loop
             word, seen = (None, 0) if interrupt is None else (interrupt.word, interrupt.seen)
             run = native.greedy_run(
                 tail, int(input_ids[0]), int(positions[0]), block_tables[0], steps, stop_ids[0], word, seen
@@ -856,16 +856,15 @@ class QwenForCausalLM(nn.Module):
 
     def _greedy_tail(self, rows: int, bound: int) -> K.GreedyTail | None:
         """What :meth:`pypto_kernels.NativeDecoder.greedy_run` reads beyond the layers, where a step of
-        ``rows`` rows takes the output projection's one-row GEMV (:func:`pypto_kernels.native.gemv`
-        over the plain matrix a tied head's panels copy holds), with RoPE tables below ``bound``."""
+        ``rows`` rows takes the output projection's panels copy (one row: the product the eager
+        forward's logits take too), with RoPE tables below ``bound``."""
         head = self.lm_head_packed
-        if rows != 1 or head is None or head.weight is None or not K.linear_takes_maxima(1, head):
+        if rows != 1 or head is None or head.library != "panels" or not K.linear_takes_maxima(1, head):
             return None
-        row = torch.empty(1, self.cfg.hidden_size, dtype=self.dtype)
-        if not K.native.gemv_takes(row, head.weight) or self.embed.dtype != self.dtype:
+        if head.min_rows > 1 or self.embed.dtype != self.dtype or self.embed.stride(-1) != 1:
             return None
         cos, sin = self.rope_table.tables(bound)
-        return K.GreedyTail(self.embed, self.norm, self.cfg.rms_norm_eps, head.weight, cos, sin)
+        return K.GreedyTail(self.embed, self.norm, self.cfg.rms_norm_eps, head, cos, sin)
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]
@@ -1036,8 +1035,8 @@ class QwenForCausalLM(nn.Module):
         so its plain matrix stays and a copy sits beside it: the vocabulary matrix held twice, as vLLM's
         CPU backend holds it; the copy serves calls of :func:`pypto_kernels.tied_head_min_rows` rows or
         more (on an AVX2 CPU one row stays a GEMV on the plain matrix, docs/benchmarks.md, "The output
-        projection packed"). Where the native CPU kernels run a row over the plain matrix
-        (:func:`pypto_kernels.native.gemv`, float32 or bfloat16), a tied head's matrix is stored
+        projection packed"; a panels copy serves one row too, so a row's logits are the same alone
+        and in a batch). Where the native CPU kernels are built, a tied head's matrix is stored
         ``[vocab, hidden]`` instead (see :meth:`_vocab_rows_dense`)."""
         plain, tied = self.lm_head_t.data.t(), self.cfg.tie_word_embeddings
         if library == "mkl":
@@ -1053,12 +1052,13 @@ class QwenForCausalLM(nn.Module):
 
     def _vocab_rows_dense(self) -> torch.Tensor:
         """Store the (tied, CPU) output projection ``[vocab, hidden]``, each vocabulary row dense, and
-        return that matrix: the one-row product (concurrency 1) then streams it row after row through
-        :func:`pypto_kernels.native.gemv`, which read the 151,936-row matrices of the small shape and
+        return that matrix: an embedding lookup (the native greedy run's too) then reads a token's row
+        as one run of bytes, and the one-row GEMV beside a oneDNN copy
+        (:func:`pypto_kernels.native.gemv`, which read the 151,936-row matrices of the small shape and
         Qwen3-0.6B 1.17-1.30x (float32) and 1.02-1.39x (bfloat16) as fast as oneDNN's packed copy on the
-        AVX-512 AMD EPYC (docs/benchmarks.md),
-        and an embedding lookup reads dense rows. ``lm_head_t`` stays its ``[hidden, vocab]`` view, so
-        every other product is unchanged; the packed copy does not depend on the layout."""
+        AVX-512 AMD EPYC, docs/benchmarks.md) streams it row after row. ``lm_head_t`` stays its
+        ``[hidden, vocab]`` view, so every other product is unchanged; the packed copy does not depend
+        on the layout."""
         dense = self.lm_head_t.data.t().contiguous()
         self.lm_head_t.data = dense.t()
         self.embed = self.lm_head_t.t()  # the old view would keep the old storage alive

@@ -191,6 +191,26 @@ def test_new_caches_free_the_old_ones(qwen_checkpoints: Callable[[str], Path]) -
     assert ex.graph_stats.native_decoder_steps == 4  # every step: none has more than 16 queries
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_rows_logits_alone_are_its_logits_in_a_batch(dtype: str, qwen_checkpoints: Callable[[str], Path]) -> None:
+    """A tied output projection (its plain matrix held as the embedding beside the panels copy) gives
+    a decode row the same logits, bit for bit, alone and among other rows: one row runs the panels too
+    (it ran a GEMV over the plain matrix, whose sums are in another order), so a seeded or greedy
+    request's tokens do not depend on the batch it is in."""
+    path = qwen_checkpoints("qwen3_tied")
+    prompts = {"a": [5, 6, 7, 9, 11], "b": [8, 3], "c": [12, 40, 41]}
+    runs = []
+    for rids in (["a"], list(prompts)):
+        ex = _executor(path, dtype)
+        head = ex.model.lm_head_packed if ex.model is not None else None
+        assert head is not None and head.weight is not None and head.library == "panels"
+        builder = PagedBatchBuilder(block_size=4, num_blocks=64)
+        ex.execute(builder.step([(rid, prompts[rid]) for rid in rids], all_logits=False))
+        runs.append([ex.execute(builder.step([(rid, [20 + i]) for rid in rids]))[0] for i in range(3)])
+    for alone, batched in zip(*runs, strict=True):
+        assert torch.equal(alone, batched)
+
+
 def _tokens(ex: QwenExecutor, batch: Any) -> list[int]:
     """The step's greedy tokens as the runner reads them: the maxima the output projection took (the
     argmax of the logits where it took none)."""
@@ -234,15 +254,16 @@ def _greedy(
 
 
 @pytest.mark.parametrize(
-    ("name", "dtype", "native_loop"),
-    [("qwen3_tied", "bfloat16", True), ("qwen3_tied", "float32", True), ("qwen3", "bfloat16", False),
-     ("qwen3_sliding", "float32", False), ("qwen3_moe_tied", "bfloat16", True), ("qwen3_moe", "float32", False)],
+    ("name", "dtype"),
+    [("qwen3_tied", "bfloat16"), ("qwen3_tied", "float32"), ("qwen3", "bfloat16"), ("qwen3_sliding", "float32"),
+     ("qwen3_moe_tied", "bfloat16"), ("qwen3_moe", "float32")],
 )  # fmt: skip
 def test_greedy_steps_give_the_tokens_of_the_forwards_one_by_one(
-    name: str, dtype: str, native_loop: bool, qwen_checkpoints: Callable[[str], Path]
+    name: str, dtype: str, qwen_checkpoints: Callable[[str], Path]
 ) -> None:
     """One request and three, their greedy forwards as one loop (``QwenExecutor.greedy_steps``: the
-    native loop where a tied head's one-row GEMV is the output projection, else the forward's calls):
+    native loop for one request, whose output projection, tied or not, is a panels copy, else the
+    forward's calls):
     the tokens of the forwards one by one, every position; a stop token ends the run after it, and a
     counted arrival after its first forward (none: not at all)."""
     path = qwen_checkpoints(name)
@@ -255,7 +276,7 @@ def test_greedy_steps_give_the_tokens_of_the_forwards_one_by_one(
         varied = max(len({tokens[i] for tokens in ref}) for i in range(rows))
         assert varied > steps // 3  # tokens that follow what the layers compute
         ex = _executor(path, dtype)
-        assert ex.model is not None and (ex.model._greedy_tail(rows, 64) is not None) == (native_loop and rows == 1)
+        assert ex.model is not None and (ex.model._greedy_tail(rows, 64) is not None) == (rows == 1)
         assert _greedy(ex, mine, steps, [frozenset()] * rows) == ref
         assert ex.model.greedy_loop_steps == steps
         last = [tokens[-1] for tokens in ref]  # the last request's sixth token ends it, where it first comes
@@ -277,16 +298,16 @@ def test_greedy_steps_stop_before_a_forward_with_non_finite_logits(qwen_checkpoi
         head = ex.model.lm_head_packed if ex.model is not None else None
         assert head is not None and head.weight is not None
         with torch.inference_mode():
-            head.weight[40].fill_(float("nan"))  # the one-row GEMV's matrix
-            head.packed[0].fill_(float("nan"))  # the panels of outputs 0-63
+            head.packed[0].fill_(float("nan"))  # the panels of outputs 0-63, which one row reads too
         mine = {rid: prompts[rid] for rid in list(prompts)[:rows]}
         assert _greedy(ex, mine, 4, [frozenset()] * rows) == []
         assert ex.model is not None and ex.model.greedy_loop_steps == 0
 
 
 def test_greedy_run_refuses_bad_inputs(qwen_checkpoints: Callable[[str], Path]) -> None:
-    """Inputs of other dtypes or shapes, a table or RoPE tables short of the run's positions and a
-    token outside the embeddings are refused before any forward; a block outside the caches at the
+    """Inputs of other dtypes or shapes (an output projection that is not a panels copy serving one
+    row), a table or RoPE tables short of the run's positions and a token outside the embeddings are
+    refused before any forward; a block outside the caches at the
     slot check of its forward (nothing written there)."""
     ex = _executor(qwen_checkpoints("qwen3_tied"), "float32")
     builder, last = _prefilled(ex, {"a": [5, 6, 7]})
@@ -298,6 +319,11 @@ def test_greedy_run_refuses_bad_inputs(qwen_checkpoints: Callable[[str], Path]) 
     table = torch.tensor(builder.reqs["a"].blocks + [builder.free.pop()] * 4)
     with pytest.raises(ValueError, match=r"embed torch\.bfloat16"):
         decoder.greedy_run(replace(tail, embed=tail.embed.bfloat16()), 9, 4, table, 4, frozenset())
+    head = tail.head
+    with pytest.raises(ValueError, match=r"is not a torch\.float32 panels copy serving one row"):
+        decoder.greedy_run(replace(tail, head=replace(head, min_rows=2)), 9, 4, table, 4, frozenset())
+    with pytest.raises(ValueError, match=r"the head's panels of \(320, 32\) are not \[1..320, 64\]"):
+        decoder.greedy_run(replace(tail, head=replace(head, packed=head.packed[:, :32])), 9, 4, table, 4, frozenset())
     with pytest.raises(ValueError, match="does not cover 40 positions"):
         decoder.greedy_run(tail, 9, 4, table, 36, frozenset())
     with pytest.raises(ValueError, match="cos covers 128 positions"):  # the tables grow 128 at a time
