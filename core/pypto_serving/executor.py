@@ -208,6 +208,12 @@ class BatchInput:
         64-row step's float32 logits are megabytes).
     :param interrupt: set on the batch of :meth:`Executor.greedy_steps` where the engine can end a
         command early: the loop ends after any forward once it is set (see :class:`StepInterrupt`).
+    :param prompt_rows: per request in batch order, how many of its first rows are prompt tokens (all
+        of a prefill chunk's, none of a decode's and its drafts'; a preempted request's recomputation
+        its prompt's part), host list: an executor whose attention kernels sum in other orders for
+        long and short runs attends prompt tokens with one and the rest with the other whatever the
+        run's length, so a request's results do not depend on how the scheduler cut its prompt
+        among other requests' rows. ``None``: not given (the executor decides by run length).
     """
 
     request_ids: list[str]
@@ -228,6 +234,7 @@ class BatchInput:
     greedy_maxima: bool = False
     maxima_only: bool = False
     interrupt: StepInterrupt | None = None
+    prompt_rows: list[int] | None = None
 
 
 class Executor(abc.ABC):

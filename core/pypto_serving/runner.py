@@ -146,6 +146,7 @@ class StepRow:
     start: int  # position of its first token (rejections the scheduler had not seen subtracted)
     num_logits: int  # its sampled logits rows: 0, or 1 + drafts
     num_prompt_rows: int = 0  # its first rows score prompt tokens (prompt logprobs)
+    prompt_rows: int = 0  # its first rows are prompt tokens (BatchInput.prompt_rows)
     first_logit: int = 0  # its first row among the step's sampled logits rows
     rejects: bool = False  # rejection sampling verifies its drafts (at launch)
     kept: list[int] | None = None  # what rejection sampling kept (None there: non-finite logits)
@@ -639,6 +640,7 @@ class ModelRunner:
             seq_lens_host=t.seq_lens_host,
             input_ids_host=ids,
             loras=_batch_loras(self.states, entries),
+            prompt_rows=[r.prompt_rows for r in rows],
         )
         return batch, rows
 
@@ -659,6 +661,7 @@ class ModelRunner:
             start=start,
             num_logits=1 + len(drafts) if e.sample else 0,
             rejects=bool(drafts) and self._rejects(st),
+            prompt_rows=max(0, min(len(tokens), st.num_prompt - start)),
         )
         if st.sampling.prompt_logprobs is not None and not e.use_last_sampled:
             # Its first rows are prompt positions whose next token is a prompt token.

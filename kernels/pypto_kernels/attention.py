@@ -359,6 +359,7 @@ def paged_attention(
     seq_lens_host: Sequence[int] | None = None,
     k_scale: CacheScale = None,
     v_scale: CacheScale = None,
+    prompt_rows_host: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat mixed batch (prefill, chunked prefill, decode) over a paged KV cache.
 
@@ -368,6 +369,11 @@ def paged_attention(
     ``query_lens_host`` / ``seq_lens_host`` are optional host copies of the per-request query and
     sequence lengths that spare the host read of the device tensors; they must match them. An FP8
     cache is read back chunk by chunk in the query dtype times ``k_scale`` / ``v_scale``.
+    ``prompt_rows_host``: how many of each request's first rows are prompt tokens (host list); a
+    backend whose kernels differ by run length attends those with its prompt kernel and the others
+    (decode rows, drafts) with its decode kernel, whatever the run's length, so that a query's result
+    does not depend on how the scheduler cut its request's prompt (None: by run length). This
+    reference attends every row alike.
     """
     out = query.new_zeros((query.shape[0], query.shape[1], value_cache.shape[-1]))
     if query.shape[0] == 0 or seq_lens.numel() == 0:
@@ -961,6 +967,28 @@ def _native_prefill(
         out[s.row : s.row + s.num_queries] = flat[s.row : s.row + s.num_queries]
 
 
+def _by_kernel(spans: list[_Span], prompt_rows: Sequence[int] | None) -> tuple[list[_Span], list[_Span]]:
+    """The runs the native row kernel attends and those the prefill kernel does: by run length
+    (:data:`NATIVE_MAX_QUERIES`), or, given each request's prompt rows, its prompt rows (the run's
+    first) by the prefill kernel and the rest by the row kernel."""
+    if prompt_rows is None:
+        return [s for s in spans if s.num_queries <= NATIVE_MAX_QUERIES], [
+            s for s in spans if s.num_queries > NATIVE_MAX_QUERIES
+        ]
+    short, long = [], []
+    for s in spans:
+        prompt = min(max(prompt_rows[s.request], 0), s.num_queries)
+        if not prompt:  # a decode row and its drafts: the span as it is (a decode step's every span)
+            short.append(s)
+        elif prompt == s.num_queries:
+            long.append(s)
+        else:  # a recomputation: its prompt, then its outputs
+            rest = s.num_queries - prompt
+            long.append(s._replace(num_queries=prompt, hi=s.hi - rest))
+            short.append(s._replace(row=s.row + prompt, num_queries=rest))
+    return short, long
+
+
 def batched_decode_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -976,6 +1004,7 @@ def batched_decode_paged_attention(
     seq_lens_host: Sequence[int] | None = None,
     k_scale: CacheScale = None,
     v_scale: CacheScale = None,
+    prompt_rows_host: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """:func:`paged_attention` with every decode row (one query) of the step attended at once.
 
@@ -984,7 +1013,10 @@ def batched_decode_paged_attention(
     speculative verification) is attended by one call of the C kernel, each query row over its keys
     read in place, and every longer run (prefill chunks) by one call of the C prefill kernel, tiles of
     queries sharing each chunk of keys (the request loop only for a value head size not divisible by
-    16). Otherwise a float32 cache is read in
+    16); with ``prompt_rows_host``, a request's prompt rows take the prefill kernel and its other rows
+    the row kernel at any length instead (the two sum in other orders: a prompt cut into a long and a
+    short chunk would otherwise attend its last queries with the row kernel alone and the prefill
+    kernel among others). Otherwise a float32 cache is read in
     place (:func:`_attend_in_place`: sampled scores, a padded softmax, an ``embedding_bag`` of
     values), and other caches (bfloat16, FP8) are gathered: rows sorted by length, cut into groups
     of bounded padded size, each group's K/V copied once into a padded tensor and attended with one
@@ -997,14 +1029,13 @@ def batched_decode_paged_attention(
         query, key_cache, block_tables, query_start_loc, seq_lens, sliding_window, query_lens_host, seq_lens_host
     )
     if native.reads(key_cache, value_cache, k_scale is not None or v_scale is not None):
-        short = [s for s in spans if s.num_queries <= NATIVE_MAX_QUERIES]
+        short, long = _by_kernel(spans, prompt_rows_host)
         if short:
             rows = _native_rows(short, sliding_window)
             if out.dtype in native.NATIVE_DTYPES:  # written in place, bfloat16 rounded by the kernel
                 native.paged_attention(query, key_cache, value_cache, tables, rows, scale, sinks, out)
             else:
                 out.copy_(native.paged_attention(query, key_cache, value_cache, tables, rows, scale, sinks))
-        long = [s for s in spans if s.num_queries > NATIVE_MAX_QUERIES]
         if not long:  # a decode step: every layer's call ends here
             return out
         if native.prefill_routed(value_cache):

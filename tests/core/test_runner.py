@@ -101,6 +101,7 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
     assert batch.loras is None  # no request names a LoRA adapter
     assert batch.greedy_maxima  # greedy requests: the executor may take the logits rows' maxima
     assert batch.maxima_only  # and nothing else of their logits is read
+    assert batch.prompt_rows == [5, 1]  # two prompts
     host = {
         "request_ids",
         "num_logits",
@@ -113,6 +114,7 @@ def test_the_batch_lies_on_the_executors_device_as_documented() -> None:
         "greedy_maxima",
         "maxima_only",
         "interrupt",  # a count in host memory, set on greedy loops' batches only
+        "prompt_rows",
     }
     assert batch.interrupt is None
     assert set(BatchInput.__dataclass_fields__) == {*(f.split("[")[0] for f in expected), *host}
@@ -227,6 +229,7 @@ def test_the_batch_values_follow_the_rows_across_removals() -> None:
         _entry("c", [6, 7, 8, 9, 10], {"kv": [7, 8], "compressed": [2]}),
     ]
     assert runner.step(StepCommand(0, new, first, [])).error is None
+    assert ex.batches[-1].prompt_rows == [3, 2, 5]  # every row a prompt token
     # "a" leaves: "c" moves into its row. "d" enters and prefills 3 of its tokens without sampling.
     d_chunk = ScheduledEntry(
         request_id="d",
@@ -243,6 +246,7 @@ def test_the_batch_values_follow_the_rows_across_removals() -> None:
     batch = ex.batches[-1]
     assert runner.input_batch.request_ids == ["c", "b", "d"]
     assert batch.request_ids == ["c", "d", "b"] and batch.num_logits == [1, 0, 1]
+    assert batch.prompt_rows == [0, 3, 0]  # decode rows are no prompt tokens
     assert batch.input_ids_host == batch.input_ids.tolist() == [0, 1, 1, 1, 0]  # zero logits sample token 0
     assert batch.positions.tolist() == [5, 0, 1, 2, 2]
     assert batch.query_start_loc.tolist() == batch.query_start_loc_host == [0, 1, 4, 5]
@@ -252,6 +256,39 @@ def test_the_batch_values_follow_the_rows_across_removals() -> None:
     assert batch.block_tables["compressed"].tolist() == [[2], [0], [0]]
     # slot = block * 4 + position % 4 in the kv group (block size 4).
     assert batch.slot_mapping["kv"].tolist() == [8 * 4 + 1, 9 * 4, 9 * 4 + 1, 9 * 4 + 2, 6 * 4 + 2]
+
+
+def test_prompt_rows_count_the_prompt_tokens_of_a_recomputation_and_none_of_the_drafts() -> None:
+    """``BatchInput.prompt_rows``: a preempted request computed again (its prompt and its outputs in
+    one run) counts its prompt's rows only; a run that starts past the prompt, none."""
+    ex = CpuExecutor()
+    runner = ModelRunner(ex, _settings())
+    runner.load()
+    resumed = NewRequestData(
+        request_id="e",
+        prompt_token_ids=[2, 2, 2],
+        output_token_ids=[3, 3],
+        sampling=wire_sampling(SamplingParams(temperature=0.0), ()),
+        seed=0,
+    )
+    again = _entry("e", [2, 2, 2, 3], {"kv": [5]})  # its last output is the next step's input
+    assert (
+        runner.step(StepCommand(0, [resumed, _new("f", [4, 5])], [again, _entry("f", [4], {"kv": [6]})], [])).error
+        is None
+    )
+    assert ex.batches[-1].prompt_rows == [3, 1]
+    rest = ScheduledEntry(
+        request_id="f",
+        token_ids=[5],
+        use_last_sampled=False,
+        num_draft=0,
+        start_pos=1,
+        rejected_seen=0,
+        new_block_ids={},
+        sample=True,
+    )
+    assert runner.step(StepCommand(1, [], [_decode("e", 4, {"kv": [7]}), rest], [])).error is None
+    assert ex.batches[-1].prompt_rows == [0, 1]
 
 
 def test_a_decode_step_lays_out_one_token_a_row() -> None:

@@ -696,3 +696,42 @@ def test_in_place_plan_is_shared_by_a_steps_layers_and_never_stale(monkeypatch: 
     loop = attention_module.paged_attention.reference(*args, 0.25)  # type: ignore[attr-defined]
     assert len(built) == 2 and not torch.allclose(moved, first)
     torch.testing.assert_close(moved, loop, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(native.library() is None, reason="no native CPU kernels (no C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_prompts_rows_are_the_same_however_the_prompt_is_cut(dtype: torch.dtype, window: int | None) -> None:
+    """Given each request's prompt rows, a prompt's queries take the prefill kernel at any run length
+    and the rows after them (a decode row, drafts) the row kernel: a 40-token prompt attended as one
+    run, or cut into 35 + 5 or 30 + 9 + 1 among other requests' rows, gives its rows bitwise the same.
+    By run length alone the short runs took the row kernel, whose sums are in another order."""
+    gen = torch.Generator().manual_seed(7)
+    data = build_paged_batch([(40, 40), (3, 23)], 16, 8, 2, 64, 64, dtype, gen)
+    query, caches, tables = data["query"], (data["key_cache"], data["value_cache"]), data["block_tables"]
+
+    def attend(runs: list[tuple[int, int, int]], prompt: list[int] | None) -> torch.Tensor:
+        """Runs (request, first query, queries) of the prompt (request 0: 40 queries at positions
+        0-39) and the other request (3 queries at positions 20-22), in that order."""
+        q = torch.cat([query[(0 if r == 0 else 40) + lo :][:n] for r, lo, n in runs])
+        qsl = torch.tensor([0, *torch.tensor([n for _, _, n in runs]).cumsum(0).tolist()], dtype=torch.int32)
+        seqs = torch.tensor([(0 if r == 0 else 20) + lo + n for r, lo, n in runs], dtype=torch.int32)
+        table = tables[[r for r, _, _ in runs]]
+        return attention_module.batched_decode_paged_attention(
+            q, *caches, table, qsl, seqs, 0.125, window, prompt_rows_host=prompt
+        )
+
+    whole = attend([(0, 0, 40)], [40])
+    assert torch.equal(whole, attend([(0, 0, 40)], None))  # one long run: the prefill kernel either way
+    for cuts in ([35, 5], [30, 9, 1]):
+        rows, lo = [], 0
+        for n in cuts:  # each chunk after the other request's rows: its last prompt row, two decode rows
+            step = attend([(1, 0, 3), (0, lo, n)], [1, n])
+            assert torch.equal(step[1:3], attend([(1, 1, 2)], [0]))  # its decode rows: the row kernel's
+            rows.append(step[3:])
+            lo += n
+        assert torch.equal(torch.cat(rows), whole)
+    assert not torch.equal(attend([(1, 0, 3), (0, 35, 5)], None)[3:], whole[35:])  # by length: the row kernel
+    torch.testing.assert_close(
+        whole.float(), expected_paged(data, 0.125, window, None)[:40].float(), atol=3e-2, rtol=3e-2
+    )

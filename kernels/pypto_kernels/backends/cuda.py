@@ -135,11 +135,13 @@ def paged_attention(
     *,
     query_lens_host: Sequence[int] | None = None,
     seq_lens_host: Sequence[int] | None = None,
+    prompt_rows_host: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The reference's contract through one ``flash_attn_varlen_func`` call over the paged caches.
 
     Needs the host lengths (for ``max_seqlen_q``/``max_seqlen_k``, no device read) and no sinks;
     the registry only routes such calls here. Rows past the last request are zero, as in the reference.
+    ``prompt_rows_host`` changes nothing: the one kernel attends every row alike.
     """
     if sinks is not None or query_lens_host is None or seq_lens_host is None:
         raise ValueError("flash-attn paged_attention needs host lengths and no sinks; call it via the registry")

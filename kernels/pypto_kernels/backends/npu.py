@@ -149,11 +149,13 @@ def paged_attention(
     *,
     query_lens_host: Sequence[int] | None = None,
     seq_lens_host: Sequence[int] | None = None,
+    prompt_rows_host: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The reference's contract through one ``npu_fused_infer_attention_score`` call (TND, paged).
 
     Needs the host lengths, no sinks and no sliding window; the registry only routes such calls
-    here. Rows past the last request are zero, as in the reference.
+    here. Rows past the last request are zero, as in the reference. ``prompt_rows_host`` changes
+    nothing: the one fused op attends every row alike.
     """
     if sinks is not None or sliding_window is not None or query_lens_host is None or seq_lens_host is None:
         raise ValueError("NPU paged_attention needs host lengths, no sinks, no window; call it via the registry")

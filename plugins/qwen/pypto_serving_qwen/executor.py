@@ -486,6 +486,7 @@ class QwenExecutor(Executor):
             seq_lens=batch.seq_lens,
             query_lens_host=[end - start for start, end in pairwise(qsl)],
             seq_lens_host=batch.seq_lens_host,
+            prompt_rows_host=batch.prompt_rows,
         )
         if self.lora is not None:
             self.lora.onehot = self._lora_onehot(batch)

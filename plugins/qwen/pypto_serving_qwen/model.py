@@ -57,6 +57,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [R]
     query_lens_host: list[int]  # [R] query rows of each request
     seq_lens_host: list[int]  # [R] equal to seq_lens
+    # [R] how many of each request's first rows are prompt tokens (BatchInput.prompt_rows), or None
+    prompt_rows_host: list[int] | None = None
     # How attention runs: "paged" (any step, eager), or a captured decode step's "host" (lengths from
     # seq_lens_cpu, a host tensor) or "static" (no host lengths at all); see graph.py.
     path: str = "paged"
@@ -274,6 +276,7 @@ class QwenAttention(nn.Module):
             sliding_window=self.sliding_window,
             query_lens_host=meta.query_lens_host,
             seq_lens_host=meta.seq_lens_host,
+            prompt_rows_host=meta.prompt_rows_host,
             **fp8,
         )
         return out
@@ -872,8 +875,9 @@ class QwenForCausalLM(nn.Module):
         """The last layer's output and residual for every row (their sum is the final hidden state)."""
         hidden = vocab_parallel_embedding(input_ids, self.embed, self.shards.ctx)
         cos, sin = self._rotary(positions, meta)
-        # A decode or verification step (a few query rows a request) through the native decoder.
-        eligible = self.native_decoder_enabled and meta.path == "paged"
+        # A decode or verification step (a few query rows a request) through the native decoder, whose
+        # attention is the row kernel: prompt rows take the prefill kernel at any run length (eager).
+        eligible = self.native_decoder_enabled and meta.path == "paged" and not any(meta.prompt_rows_host or ())
         short = eligible and max(meta.query_lens_host, default=0) <= MAX_QUERIES
         native = self._native_decoder(kv_caches) if short else None
         if native is not None and native.takes_rows(hidden.shape[0]):

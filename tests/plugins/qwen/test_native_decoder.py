@@ -211,6 +211,38 @@ def test_a_rows_logits_alone_are_its_logits_in_a_batch(dtype: str, qwen_checkpoi
         assert torch.equal(alone, batched)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompt_cut_anywhere_ends_in_the_same_logits(dtype: str, qwen_checkpoints: Callable[[str], Path]) -> None:
+    """Given the batch's prompt rows (``BatchInput.prompt_rows``), a prompt's rows take the prefill
+    kernel at any chunk length (such a step runs eager), so a 24-token prompt prefilled in one chunk
+    or cut into 19 + 5 or 20 + 3 + 1 beside another request's decode rows ends in the same logits,
+    bit for bit, and so does its decode step after; by run length alone its short last chunk took
+    the row kernel (the native decoder's), whose sums are in another order."""
+    path = qwen_checkpoints("qwen3_tied")
+    prompt = [(7 * i + 3) % 300 + 4 for i in range(24)]
+
+    def run(cuts: list[int], given: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ex = _executor(path, dtype)
+        builder = PagedBatchBuilder(block_size=4, num_blocks=64)
+        ex.execute(builder.step([("o", [5, 6, 7])], all_logits=False))
+        lo, last = 0, torch.empty(0)
+        for n in cuts:
+            batch = builder.step([("o", [9]), ("p", prompt[lo : lo + n])], all_logits=False)
+            batch.prompt_rows = [0, n] if given else None
+            last = ex.execute(batch)[1]  # the prompt's last row so far
+            lo += n
+        decode = builder.step([("p", [11])])
+        decode.prompt_rows = [0] if given else None
+        return last, ex.execute(decode)[0]
+
+    whole = run([24], True)
+    for cuts in ([19, 5], [20, 3, 1]):
+        got = run(cuts, True)
+        assert torch.equal(got[0], whole[0]) and torch.equal(got[1], whole[1])
+    if dtype == "float32":
+        assert not torch.equal(run([19, 5], False)[0], whole[0])
+
+
 def _tokens(ex: QwenExecutor, batch: Any) -> list[int]:
     """The step's greedy tokens as the runner reads them: the maxima the output projection took (the
     argmax of the logits where it took none)."""

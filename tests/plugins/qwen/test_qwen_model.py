@@ -245,8 +245,10 @@ def test_sliding_window_changes_logits(
     assert float((logits[-1] - full[-1]).abs().max()) > 1e-2
 
 
-def _padded_reference(*args: Any, query_lens_host: Any = None, seq_lens_host: Any = None, **kw: Any) -> torch.Tensor:
-    return _reference_paged_attention(*args, **kw)  # it reads the lengths from the tensors
+def _padded_reference(
+    *args: Any, query_lens_host: Any = None, seq_lens_host: Any = None, prompt_rows_host: Any = None, **kw: Any
+) -> torch.Tensor:
+    return _reference_paged_attention(*args, **kw)  # it reads the lengths from the tensors, every row alike
 
 
 @pytest.mark.parametrize("kernel", ["per-request", "padded reference"])
