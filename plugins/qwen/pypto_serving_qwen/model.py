@@ -862,9 +862,9 @@ class QwenForCausalLM(nn.Module):
         ``rows`` rows takes the output projection's panels copy (one row: the product the eager
         forward's logits take too), with RoPE tables below ``bound``."""
         head = self.lm_head_packed
-        if rows != 1 or head is None or head.library != "panels" or not K.linear_takes_maxima(1, head):
+        if rows != 1 or head is None or head.library != "panels" or not head.min_rows <= 1 <= head.max_rows:
             return None
-        if head.min_rows > 1 or self.embed.dtype != self.dtype or self.embed.stride(-1) != 1:
+        if self.embed.dtype != self.dtype or self.embed.stride(-1) != 1:
             return None
         cos, sin = self.rope_table.tables(bound)
         return K.GreedyTail(self.embed, self.norm, self.cfg.rms_norm_eps, head, cos, sin)
