@@ -1,7 +1,8 @@
 """No single request stalls everyone (issue 25, "done when"): while each of the attack requests that
 once froze the server is served (huge grammars, many sequences of one grammar, bad grammars, bodies
 of hundreds of MB asked for in a few KB), ``/health`` answers within 1 s and a concurrent greedy
-stream's inter-token latency p99 stays within 2x its unloaded value.
+stream's inter-token latency p99 stays within 2x its unloaded value (an attack missing that is sent
+once more, and fails the test where it misses again: what the attack itself stalls stalls twice).
 
 A live uvicorn server with the engine core in its own process (``serve``'s default), the fake
 executor stepping every 50 ms (a small model's decode step on a CPU: the stream's inter-token latency
@@ -167,8 +168,14 @@ def test_no_single_request_stalls_health_or_other_streams(
             unloaded = _p99(await probe.stream_gaps() + await probe.stream_gaps())
             report = [f"unloaded ITL p99 {unloaded * 1e3:.0f} ms"]
             for name, body in _attacks().items():
-                status, health_s, p99 = await probe.under_attack(body)
-                report.append(f"{name}: {status}, /health worst {health_s:.3f}s, ITL p99 {p99 * 1e3:.0f} ms")
+                # A stall the attack causes comes back when it is sent again; a burst of the machine's
+                # other work (CI runs two test envs side by side on two cores) does not: one retry.
+                for attempt in (1, 2):
+                    status, health_s, p99 = await probe.under_attack(body)
+                    line = f"{name}: {status}, /health worst {health_s:.3f}s, ITL p99 {p99 * 1e3:.0f} ms"
+                    report.append(line if attempt == 1 else f"{line} (sent again)")
+                    if health_s < 1.0 and p99 <= 2 * unloaded:
+                        break
                 assert health_s < 1.0, report
                 assert p99 <= 2 * unloaded, report
             print("\n".join(report))
