@@ -103,6 +103,10 @@ class PackedLinearWeight:
     def dtype(self) -> torch.dtype:
         return self.packed.dtype
 
+    def serves(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows runs the packed copy (``min_rows <= rows <= max_rows``)."""
+        return self.min_rows <= rows <= self.max_rows
+
 
 def onednn_supports(dtype: torch.dtype) -> bool:
     """Whether this torch and CPU run oneDNN's packed linear in ``dtype``: float32 wherever torch has
@@ -298,7 +302,7 @@ def linear_takes_maxima(rows: int, weight: torch.Tensor | PackedLinearWeight) ->
     result after it."""
     if not isinstance(weight, PackedLinearWeight) or weight.library != "panels" or torch.compiler.is_compiling():
         return False
-    return (rows == 1 and weight.weight is not None) or weight.min_rows <= rows <= weight.max_rows
+    return (rows == 1 and weight.weight is not None) or weight.serves(rows)
 
 
 def fill_maxima(out: torch.Tensor, maxima: tuple[torch.Tensor, torch.Tensor], float_out: bool) -> None:

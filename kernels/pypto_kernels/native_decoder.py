@@ -430,7 +430,7 @@ class NativeDecoder:
         if m.dtype != dtype or m.dim() != 2 or m.stride(1) != 1 or m.device.type != "cpu" or m.shape[1] != hidden:
             raise ValueError(f"embed {m.dtype} {tuple(m.shape)} is not {dtype} [rows, {hidden}] with dense rows")
         head = tail.head
-        if head.library != "panels" or head.dtype != dtype or not head.min_rows <= 1 <= head.max_rows:
+        if head.library != "panels" or head.dtype != dtype or not head.serves(1):
             what = f"{head.library} {head.dtype}"
             raise ValueError(f"the head's {what} copy is not a {dtype} panels copy serving one row")
         inputs = head.packed.shape[1] * (2 if dtype == torch.bfloat16 else 1)

@@ -298,12 +298,12 @@ def _packed_linear(
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     # A plain matrix held beside a copy that does not run one row as it runs a batch anyway (oneDNN's),
     # or does not serve one row (panels from two rows on): the row's GEMV over it.
-    beside = weight.library == "onednn" or (weight.library == "panels" and weight.min_rows > rows)
+    beside = weight.library == "onednn" or (weight.library == "panels" and not weight.serves(rows))
     one_row = rows == 1 and beside and weight.weight is not None and not torch.compiler.is_compiling()
     flat = _flat_maxima(maxima, logits, rows, weight.out_features)  # what a native product takes
     if one_row and native.gemv_takes(x, weight.weight, bias):  # type: ignore[arg-type]
         return native.gemv(x, weight.weight, logits=logits, maxima=flat), flat is not None  # type: ignore[arg-type]
-    if not weight.min_rows <= rows <= weight.max_rows:
+    if not weight.serves(rows):
         if rows == 1 and weight.library == "onednn" and weight.dtype == torch.float32:
             return _onednn_gemv(x, weight.plain(), bias), False
         return _plain_linear(x, weight.plain(), bias), False

@@ -862,7 +862,7 @@ class QwenForCausalLM(nn.Module):
         ``rows`` rows takes the output projection's panels copy (one row: the product the eager
         forward's logits take too), with RoPE tables below ``bound``."""
         head = self.lm_head_packed
-        if rows != 1 or head is None or head.library != "panels" or not head.min_rows <= 1 <= head.max_rows:
+        if rows != 1 or head is None or head.library != "panels" or not head.serves(1):
             return None
         if self.embed.dtype != self.dtype or self.embed.stride(-1) != 1:
             return None
