@@ -105,8 +105,11 @@ larger plan comes from a mistake (an executor declaring a tiny ``bytes_per_block
 #: forwards a command, as many as fit in ``AUTO_STEPS_WITHIN_S`` (its tokens stream that many at a
 #: time). An arrival ends such a command after its current forward (``EngineCore.step_interrupt``);
 #: where the worker cannot (tensor parallelism) it waits for the command, so the window is then
-#: ``AUTO_STEPS_UNINTERRUPTED_S``.
-AUTO_STEPS = 16
+#: ``AUTO_STEPS_UNINTERRUPTED_S``. ``AUTO_STEPS`` is ``num_scheduler_steps``' own largest value, so
+#: the window alone bounds a command: each costs the worker about 1.2 ms between its forwards (its
+#: runner's batch, the result's send, the loop's set-up; docs/benchmarks.md), which 16 forwards of a
+#: small model's 1.4-2.4 ms repaid less than the 20-35 that fit in 50 ms.
+AUTO_STEPS = 64
 AUTO_STEPS_WITHIN_S = 0.050
 AUTO_STEPS_UNINTERRUPTED_S = 0.020
 

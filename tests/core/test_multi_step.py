@@ -281,7 +281,7 @@ def test_auto_runs_several_forwards_on_the_cpu_while_they_are_short(make: Callab
     params = SamplingParams(temperature=0, max_tokens=12)
     steps = []
     # Forwards as many as fit in AUTO_STEPS_WITHIN_S = 50 ms at the last command's time per forward,
-    # up to AUTO_STEPS = 16 and the tokens left: 4 of 10-12.5 ms each (3 where a loaded machine adds
+    # up to AUTO_STEPS = 64 and the tokens left: 4 of 10-12.5 ms each (3 where a loaded machine adds
     # more than 2.5 ms of host work a forward), where a command's time per forward counts every
     # forward it ran one by one (the fake offers no loop; before that counted only its first, 7 ran).
     for sleep in (0.0, 0.010):
