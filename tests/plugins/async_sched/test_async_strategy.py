@@ -203,7 +203,9 @@ def test_eos_mid_pair_drops_the_trailing_token(llms: Any, k: int) -> None:
             mid_pair.append((got, later))
 
     spy = Spy(eng, on_apply=on_apply)
-    res = run(eng, [("a", p, greedy(40))])
+    # More tokens than one command's forwards (auto: up to AUTO_STEPS = 64 without drafts), so the
+    # command after the one that samples EOS is already in flight.
+    res = run(eng, [("a", p, greedy(100))])
     assert tokens(res) == {"a": ref}
     assert len(mid_pair) == 1
     got, later = mid_pair[0]
