@@ -101,14 +101,15 @@ MAX_KV_BLOCKS_PER_GROUP = 2**20
 list, reference counts, prefix hashes), and 2**20 blocks of 16 tokens already hold 16M tokens: a
 larger plan comes from a mistake (an executor declaring a tiny ``bytes_per_block``, a huge
 ``num_kv_blocks``), so it is refused rather than built."""
-#: ``num_scheduler_steps`` unset, on the CPU: a request running alone gets up to ``AUTO_STEPS``
-#: forwards a command, as many as fit in ``AUTO_STEPS_WITHIN_S`` (its tokens stream that many at a
-#: time). An arrival ends such a command after its current forward (``EngineCore.step_interrupt``);
-#: where the worker cannot (tensor parallelism) it waits for the command, so the window is then
-#: ``AUTO_STEPS_UNINTERRUPTED_S``. ``AUTO_STEPS`` is ``num_scheduler_steps``' own largest value, so
-#: the window alone bounds a command: each costs the worker about 1.2 ms between its forwards (its
-#: runner's batch, the result's send, the loop's set-up; docs/benchmarks.md), which 16 forwards of a
-#: small model's 1.4-2.4 ms repaid less than the 20-35 that fit in 50 ms.
+#: ``num_scheduler_steps`` unset, on the CPU: decodes get up to ``AUTO_STEPS`` forwards a command,
+#: as many as fit in ``AUTO_STEPS_WITHIN_S`` while every running request is past its prompt (their
+#: tokens stream that many at a time). An arrival ends such a command after its current forward
+#: (``EngineCore.step_interrupt``); where the worker cannot (tensor parallelism) it waits for the
+#: command, so the window is then ``AUTO_STEPS_UNINTERRUPTED_S``. ``AUTO_STEPS`` is
+#: ``num_scheduler_steps``' own largest value, so the window alone bounds a command: each costs the
+#: worker about 1.2 ms between its forwards (its runner's batch, the result's send, the loop's
+#: set-up; docs/benchmarks.md), which 16 forwards of a small model's 1.4-2.4 ms repaid less than the
+#: 20-35 that fit in 50 ms.
 AUTO_STEPS = 64
 AUTO_STEPS_WITHIN_S = 0.050
 AUTO_STEPS_UNINTERRUPTED_S = 0.020
@@ -463,7 +464,7 @@ class EngineCore:
 
     def _scheduler_steps(self) -> int:
         """The most forwards a decode may run within one command (``num_scheduler_steps``). Auto: on the
-        CPU ``AUTO_STEPS`` for a request running alone, as many as fit in ``AUTO_STEPS_WITHIN_S`` (a
+        CPU ``AUTO_STEPS``, as many as fit in ``AUTO_STEPS_WITHIN_S`` beside no prompt in chunks (a
         command costs its token's engine, pipe and runner work and a forward after it that starts
         with cold caches: about 1 ms on the small shape of docs/benchmarks.md, worth saving of a
         5 ms forward, not of a 70 ms one); one elsewhere (an accelerator's host work runs beside its

@@ -291,16 +291,21 @@ def test_auto_runs_several_forwards_on_the_cpu_while_they_are_short(make: Callab
         assert out.outputs[0].token_ids == reference_tokens(PROMPTS[2], 12, VOCAB)[0]
         steps.append(max(e.num_steps for c in commands for e in c.entries))
     assert steps[0] > steps[1] and steps[1] in (3, 4)
-    # Beside another request auto runs one a command; the longer request, once alone, several.
-    llm = make(device="cpu")
+    # Decodes beside each other run several a command too; beside a prompt still computed in chunks
+    # (8 tokens a step), one: its next chunk goes in the next command.
+    llm = make(device="cpu", max_num_batched_tokens=8)
     commands = _commands(llm)
-    outs = llm.generate(PROMPTS[:2], [params, SamplingParams(temperature=0, max_tokens=3)], use_tqdm=False)
+    long = [(3 * k + 1) % VOCAB for k in range(40)]
+    outs = llm.generate([PROMPTS[0], long], [params, SamplingParams(temperature=0, max_tokens=20)], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [
         reference_tokens(PROMPTS[0], 12, VOCAB)[0],
-        reference_tokens(PROMPTS[1], 3, VOCAB)[0],
+        reference_tokens(long, 20, VOCAB)[0],
     ]
-    assert all(e.num_steps == 1 for c in commands if len(c.entries) > 1 for e in c.entries)
-    assert max(e.num_steps for c in commands for e in c.entries) > 1
+    prompt_len = {o.request_id: len(o.prompt_token_ids) for o in outs}
+    chunked = [c for c in commands if any(e.start_pos < prompt_len[e.request_id] for e in c.entries)]
+    assert len(chunked) >= 5 and any(len(c.entries) == 2 for c in chunked)
+    assert all(e.num_steps == 1 for c in chunked for e in c.entries)
+    assert max(e.num_steps for c in commands if len(c.entries) == 2 for e in c.entries) > 1
 
 
 def test_several_forwards_a_command_refuse_speculation(make: Callable[..., LLM]) -> None:

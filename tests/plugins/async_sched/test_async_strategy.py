@@ -335,7 +335,9 @@ def test_step_error_discards_the_later_result_of_its_requests(llms: Any) -> None
     ref_a = reference_tokens(pa, 30)[0]
     bad = ref_a[4]
     pb = find_prompt(lambda p: bad not in p and bad not in reference_tokens(p, 40)[0], seed=3)
-    eng = llms("async", options={"fail_on_token": bad}).engine
+    # One forward a command, so the step after the failing one is in flight when it fails (auto runs
+    # several for decodes; test_multi_step.py covers an error inside a command of several).
+    eng = llms("async", options={"fail_on_token": bad}, num_scheduler_steps=1).engine
     spy = Spy(eng)
     res = run(eng, [("a", pa, greedy(30)), ("b", pb, greedy(40))])
     (toks_a, why_a), (toks_b, why_b) = tokens(res)["a"], tokens(res)["b"]
@@ -359,7 +361,9 @@ def test_step_error_spares_requests_only_in_the_later_step(llms: Any) -> None:
     assert bad not in ref_a[:j] and bad not in pa
     # "a" ends with the step whose input is the bad token, so it is absent from the next step.
     pc = find_prompt(lambda p: bad not in p and bad not in reference_tokens(p, 8)[0], seed=6)
-    eng = llms("async", options={"fail_on_token": bad}).engine
+    # One forward a command, so the step after the failing one is in flight when it fails (auto runs
+    # several for decodes; test_multi_step.py covers an error inside a command of several).
+    eng = llms("async", options={"fail_on_token": bad}, num_scheduler_steps=1).engine
     spy = Spy(eng)
     added = []
 
@@ -385,7 +389,7 @@ def test_request_error_discards_its_later_result(llms: Any) -> None:
     ref_a = reference_tokens(pa, 30)[0]
     bad = ref_a[3]
     pb = find_prompt(lambda p: bad not in p and bad not in reference_tokens(p, 30)[0], seed=8)
-    eng = llms("async", options={"nan_on_token": bad}).engine
+    eng = llms("async", options={"nan_on_token": bad}, num_scheduler_steps=1).engine  # as the test above
     spy = Spy(eng)
     res = run(eng, [("a", pa, greedy(30)), ("b", pb, greedy(30))])
     assert tokens(res)["b"] == reference_tokens(pb, 30)
