@@ -79,6 +79,9 @@ def test_prompt_logprobs_survive_preemption(reference: tuple[list[int], torch.Te
     ids, ref = reference
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
     settings = {"device": "cpu", "worker_mode": "inproc", "max_num_batched_tokens": 16, "block_size": 4}
+    # One forward a command keeps the two decodes in step, so they run out of blocks together
+    # (under auto one takes its blocks ahead, runs ahead and finishes first: no preemption).
+    settings["num_scheduler_steps"] = 1
     with LLM(model=str(_tiny_qwen3()), scheduler=scheduler, num_kv_blocks=24, **settings) as llm:
         outs = llm.generate([ids, ids], params, use_tqdm=False)
         assert llm.engine is not None

@@ -135,6 +135,8 @@ def _run(setup: dict[str, Any], k: int, scheduler: str | None = None) -> Run:
         # (the default, adaptive, varies k and the drafting depth: its own test is further down).
         # Prefix caching off: a preempted request coming back at a prefix-cache hit rebuilds its MTP
         # KV before it drafts again (test_prefix_hits.py), which the exact draft count below excludes.
+        # One forward a command, as speculation runs: without drafts (k = 0) auto would run several
+        # for the decodes, and this case then ends without a preemption.
         run = Run(
             setup["path"],
             k,
@@ -144,6 +146,7 @@ def _run(setup: dict[str, Any], k: int, scheduler: str | None = None) -> Run:
             policy="fixed",
             num_kv_blocks=PRESSURE_BLOCKS,
             enable_prefix_caching=False,
+            num_scheduler_steps=1,
         )
         assert run.scheduler == predicted
         setup["runs"][key] = run

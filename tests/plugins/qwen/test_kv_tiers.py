@@ -155,8 +155,9 @@ def test_a_restart_finds_the_disk_blocks_and_a_corrupt_file_is_a_shorter_hit(
 
 def test_a_loaded_request_whose_id_a_choice_took_meanwhile_fails_alone() -> None:
     """User request "a-0" loads its prefix; meanwhile request "a" with n=2 names a choice "a-0": the
-    loaded one fails with the reason when its load ends, the other runs, no block leaks."""
-    with LLM(scheduler="sync", kv_offload_host_bytes=1 << 24, **COMMON) as llm:
+    loaded one fails with the reason when its load ends, the other runs, no block leaks. One forward
+    a command keeps the steps those of the case found: the choice still runs when the load ends."""
+    with LLM(scheduler="sync", kv_offload_host_bytes=1 << 24, num_scheduler_steps=1, **COMMON) as llm:
         engine = llm._engine()
         llm.generate(TURN1, _params(False, 0))  # 16 blocks through a 12-block cache: the first prefix left it
         _settle(engine)

@@ -163,7 +163,9 @@ def test_greedy_steps_take_the_maxima_the_output_projection_writes(
 
     monkeypatch.setattr(QwenExecutor, "execute", spy)
     prompts = _prompts(320, PROMPT_LENGTHS, seed=10)
-    llm = make_llm(path, max_num_seqs=8, executor_options={"cpu_linear": "panels"})
+    # One forward a command: every decode step goes through ``execute`` (auto runs several a command
+    # as the executor's greedy loop, which test_native_decoder.py checks).
+    llm = make_llm(path, max_num_seqs=8, executor_options={"cpu_linear": "panels"}, num_scheduler_steps=1)
     assert _generate(llm, prompts) == _hf_greedy(hf_reference(path), prompts)
     assert sum(taken for _, taken in steps) >= MAX_TOKENS - 1  # the 8-row decode steps at least
     assert sum(taken for _, taken in steps[::2]) >= (MAX_TOKENS - 1) // 2  # half of them unwritten
