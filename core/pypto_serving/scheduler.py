@@ -389,8 +389,8 @@ class Scheduler:
         ``scheduler_steps_within_s`` (auto) as many as fit in that time at the last command's time
         per forward (one before any is known), while every running request is past its prompt. Short
         forwards are where the engine's and the pipe's work a command is a large share of a token
-        (a 64-stream decode of a small model on a 2-core CPU: 1.04-1.07x the tokens a second at 2-4
-        forwards a command); an arrival ends the command after its current forward
+        (a 64-stream decode of a small model on a 2-core CPU: 1.06-1.08x the tokens a second at two or
+        three forwards a command); an arrival ends the command after its current forward
         (``StepCommand.arrivals_seen``), and a request that ends leaves the command's later forwards,
         so neither waits for the command; a prompt still being computed in chunks would (its next
         chunk goes in the next command), so beside one a command runs one forward."""
