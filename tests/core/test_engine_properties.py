@@ -139,7 +139,7 @@ def check_against_reference(jobs: list[Job], done: dict[int, Any], eos: int | No
     max_num_seqs=st.integers(1, 6),
     eos=st.none() | st.integers(0, VOCAB - 1),
     prefix_caching=st.booleans(),
-    steps=st.sampled_from([1, 3, 8]),
+    steps=st.sampled_from([1, 3, 8, None]),  # None: auto (50 ms a command, one beside a prompt in chunks)
     fused=st.booleans(),
     interrupts=st.lists(st.booleans(), max_size=6),
 )
@@ -154,7 +154,7 @@ def test_random_workloads_match_reference(
     max_num_seqs: int,
     eos: int | None,
     prefix_caching: bool,
-    steps: int,
+    steps: int | None,
     fused: bool,
     interrupts: list[bool],
 ) -> None:
