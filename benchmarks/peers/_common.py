@@ -27,6 +27,7 @@ a busy one in another would compare two placements too).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -120,7 +121,8 @@ def contention(generate: Generate, job: dict[str, Any]) -> dict[str, Any]:
         with BusyProcess():
             generate([prompt], m)
             busy.append(latency(generate, job))
-    ratios = [b["tpot_ms"] / q["tpot_ms"] for q, b in zip(quiet, busy)]
+    # A quiet time per token of zero or less (a generate faster than the clock reads) has no ratio.
+    ratios = [b["tpot_ms"] / q["tpot_ms"] if q["tpot_ms"] > 0 else math.nan for q, b in zip(quiet, busy)]
     return {
         "rounds": len(ratios),
         "quiet_tpot_ms": [q["tpot_ms"] for q in quiet],

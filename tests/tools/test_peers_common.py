@@ -6,6 +6,7 @@ during the busy halves only."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from typing import Any
@@ -120,3 +121,15 @@ def test_an_output_that_changes_beside_the_busy_process_is_noted(monkeypatch: An
     assert not c["outputs_agree"]
     notes = load_script("benchmarks/compare.py")._contention_notes({"name": "x", "contended": c})
     assert any("changed between quiet and busy runs" in n for n in notes)
+
+
+def test_a_quiet_time_per_token_of_zero_has_no_ratio(monkeypatch: Any) -> None:
+    """A generate faster than the clock reads gives a quiet time per token of 0: its round's ratio is
+    NaN, not a ZeroDivisionError (the test above, whose generate returns at once, met one in CI)."""
+    common = _common()
+    _watched_popen(common, monkeypatch)
+    times = iter([0.0, 2.0])
+    monkeypatch.setattr(common, "latency", lambda generate, job: {"tpot_ms": next(times), "output": [7]})
+    job = {"latency_prompt": [1], "max_tokens": 3, "contention_rounds": 1}
+    c = common.contention(lambda prompts, m: [[7] * m], job)
+    assert len(c["ratios"]) == 1 and math.isnan(c["ratios"][0]) and c["busy_tpot_ms"] == [2.0]
