@@ -391,9 +391,10 @@ class Scheduler:
         forwards are where the engine's and the pipe's work a command is a large share of a token
         (a 64-stream decode of a small model on a 2-core CPU: 1.06-1.08x the tokens a second at two or
         three forwards a command); an arrival ends the command after its current forward
-        (``StepCommand.arrivals_seen``), and a request that ends leaves the command's later forwards,
-        so neither waits for the command; a prompt still being computed in chunks would (its next
-        chunk goes in the next command), so beside one a command runs one forward."""
+        (``StepCommand.arrivals_seen``; where the worker cannot, with tensor parallelism, the engine
+        gives a shorter window), and a request that ends leaves the command's later forwards, so
+        neither waits for the command; a prompt still being computed in chunks would (its next chunk
+        goes in the next command), so beside one a command runs one forward."""
         most, within = self.config.num_scheduler_steps, self.config.scheduler_steps_within_s
         if within is None:
             return most
