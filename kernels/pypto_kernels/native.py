@@ -86,6 +86,8 @@ __all__ = [
     "reads",
     "reads_dtypes",
     "rms_norm",
+    "sample_rows",
+    "sample_rows_takes",
     "silu_mul",
     "silu_takes",
     "unpack_panels",
@@ -98,7 +100,7 @@ _SOURCES = tuple(
     _CSRC / name
     for name in (
         "paged_attention.c", "prefill_attention.c", "hyper_connections.c", "norm_rope.c", "gemv.c", "panel_gemm.c",
-        "decode_layers.c", "moe.c",
+        "decode_layers.c", "moe.c", "sample.c",
     )
 )  # fmt: skip
 _HEADERS = (_CSRC / "common.h",)
@@ -253,6 +255,8 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_grouped_panel_gemm.argtypes = [
         ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, ctypes.c_int,
     ]  # fmt: skip
+    lib.pypto_sample_rows.restype = ctypes.c_int
+    lib.pypto_sample_rows.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int]
     logger.info("native CPU kernels loaded from %s", path)
     return lib
 
@@ -570,6 +574,63 @@ def rms_norm(
         torch.get_num_threads(),
     )  # fmt: skip
     return out, summed
+
+
+def sample_rows_takes(x: torch.Tensor) -> bool:
+    """Whether :func:`sample_rows` takes ``x``: float32 rows ``[S, V]`` in host memory, each dense
+    (evenly strided), under 2**31 columns, with the library built."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] >= 2**31:
+        return False
+    return (x.shape[1] <= 1 or x.stride(1) == 1) and library() is not None
+
+
+def sample_rows(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """Each row's sampled token in a few C passes over it (``csrc/sample.c``): the draw of
+    ``pypto_serving.sampler`` (the kept tokens: top-k, then top-p over them or the whole row, then
+    min-p; the token where ``uniforms[r]`` times their weight falls in their cumulative weight in id
+    order), without sorting the vocabulary. The same token as the torch draw but where a rounding
+    moves the uniform across a boundary; a row's token depends on that row alone, whatever the batch
+    and the threads.
+
+    :param x: ``[N, V]`` float32 logits after every edit (:func:`sample_rows_takes`).
+    :param rows: ``[S]`` int64 indices of the rows of ``x`` to draw (None: every row, ``S = N``).
+    :param temperature: ``[S]`` float32, each > 0; ``top_k`` ``[S]`` int64 (0, or V and more: none);
+        ``top_p`` ``[S]`` float32 in (0, 1] (1: none); ``min_p`` ``[S]`` float32 in [0, 1] (0: none).
+    :param uniforms: ``[S]`` float64 in [0, 1).
+    :return: ``[S]`` int64 tokens (a row whose logits are NaN, +inf or all -inf, which the sampler
+        reports, gets its first maximum's index).
+    """
+    lib = library()
+    if lib is None or not sample_rows_takes(x):
+        raise ValueError(f"the native sample_rows does not take x {tuple(x.shape)} {x.dtype} on {x.device}")
+    vocab = x.shape[1]
+    picked = None if rows is None else rows.to(torch.int64).contiguous()
+    if picked is not None and picked.numel() and not bool(((picked >= 0) & (picked < x.shape[0])).all()):
+        raise ValueError(f"sample_rows: a row index outside x's {x.shape[0]} rows")
+    count = x.shape[0] if picked is None else picked.shape[0]
+    args = (
+        temperature.to(torch.float32).contiguous(), top_k.to(torch.int64).contiguous(),
+        top_p.to(torch.float32).contiguous(), min_p.to(torch.float32).contiguous(),
+        uniforms.to(torch.float64).contiguous(),
+    )  # fmt: skip
+    if any(a.shape != (count,) for a in args):
+        raise ValueError(f"sample_rows takes one parameter a row ({count} rows): {[tuple(a.shape) for a in args]}")
+    tokens = torch.zeros(count, dtype=torch.int64)
+    if count and vocab:
+        stride, at = x.stride(0) if x.shape[0] > 1 else vocab, None if picked is None else picked.data_ptr()
+        ptrs = [a.data_ptr() for a in args]
+        threads = torch.get_num_threads()
+        if lib.pypto_sample_rows(x.data_ptr(), stride, at, count, vocab, *ptrs, tokens.data_ptr(), threads):
+            raise MemoryError("sample_rows: no thread's scratch could be allocated")
+    return tokens
 
 
 def _silu_layout(x: torch.Tensor) -> tuple[int, int] | None:
