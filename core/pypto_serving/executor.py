@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     # ExecutorInfo without loading torch.
     import torch
 
+    from .sampler import DrawKernel
     from .spec_decode.sampled import DraftSampler
 
 __all__ = ["BatchInput", "CacheGroupSpec", "Executor", "ExecutorInfo", "StepInterrupt"]
@@ -304,6 +305,18 @@ class Executor(abc.ABC):
             some row's maximum logit is not finite (NaN or infinite: that forward's tokens are left
             out, ``k`` may be 0, and the runner computes the position again); or ``None`` where this
             executor does not take the run (before writing anything).
+        """
+        return None
+
+    def draw_kernel(self) -> DrawKernel | None:
+        """A kernel of this executor's that draws the sampled rows of its logits by the sampler's rule
+        (:data:`pypto_serving.sampler.DrawKernel`: the kept tokens' cumulative weight in id order),
+        asked once after :meth:`load`; executors without one keep this default and the sampler's
+        torch ops draw. Its tokens may differ from the torch draw's only where a rounding moves a
+        row's uniform across a boundary between two tokens' cumulative weights, and a row's token
+        must depend on that row alone (seeded requests sample the same tokens in any batch).
+
+        :return: the kernel, or ``None``.
         """
         return None
 

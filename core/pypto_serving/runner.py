@@ -35,6 +35,7 @@ from .profiler import phase
 from .sampler import (
     NON_FINITE,
     DeviceSample,
+    DrawKernel,
     LogitEdits,
     RowParams,
     SampleOutput,
@@ -238,6 +239,7 @@ class ModelRunner:
         # A plain greedy step whose tokens the executor took, in host memory, reads them as they are
         # (sampler.read_maxima) instead of through the device sample and its packed read.
         self.host_greedy_reads = True
+        self.draw: DrawKernel | None = None  # the executor's draw of sampled rows, asked after load
         # Counts the engine's arrivals while a command of several forwards runs: one it had not taken
         # when it scheduled the command ends the command after the forward running (set by the worker
         # where the engine can count them).
@@ -252,6 +254,7 @@ class ModelRunner:
                 f"{type(self.executor).__name__}.load() must set self.device (a torch.device): "
                 "the runner places every BatchInput tensor there"
             ) from None
+        self.draw = self.executor.draw_kernel()
         return self.info
 
     def init_kv_cache(self, num_blocks: dict[str, int]) -> None:
@@ -836,7 +839,7 @@ class ModelRunner:
                 return
             host = None if masks is None else masks.result()
             grammar = None if host is None else host.to(logits.device)
-            dev = sample_on_device(sub, [step.params[j] for j in rows], grammar, maxima)
+            dev = sample_on_device(sub, [step.params[j] for j in rows], grammar, maxima, self.draw)
             step.device = (dev, packed(dev))
 
     def _reads_maxima(

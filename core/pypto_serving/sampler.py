@@ -14,9 +14,17 @@ the whole (unsorted) vocabulary.
 
 Randomness is a pure function of ``(request seed, output index)``: a counter-based integer hash of
 the two gives one uniform per row, and the row takes the token where that uniform falls in the
-cumulative distribution of its kept candidates (inverse CDF). Every operation is row-wise and a
-row's path depends only on its own parameters and logits, so a seeded request samples the same
-tokens in any batch, after preemption, and under sync and async scheduling alike.
+cumulative distribution of its kept tokens taken in id order (inverse CDF; the filters rank tokens
+by logit, ties by lower id where the sort is stable). Every operation is row-wise and a row's path
+depends only on its own parameters and logits, so a seeded request samples the same tokens in any
+batch, after preemption, and under sync and async scheduling alike.
+
+An executor may draw the sampled rows of logits in host memory with a kernel of its own
+(:data:`DrawKernel`, from :meth:`pypto_serving.Executor.draw_kernel`): the same rule in a few passes a
+row, with no sort of the vocabulary and no bounded candidates (the torch ops above took 3 ms for a
+151,936-word row with a temperature alone and 11-18 ms with top-p on the CPU of docs/benchmarks.md).
+Its tokens are the torch draw's but where a rounding moves the uniform across a boundary between
+two tokens' cumulative weights.
 
 Penalties read a per-request :class:`TokenCounts` kept on the device: the prompt's tokens and the
 outputs' counts, updated with the few tokens each step adds, never rebuilt from the history.
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +45,7 @@ __all__ = [
     "CANDIDATES",
     "NON_FINITE",
     "DeviceSample",
+    "DrawKernel",
     "LogitEdits",
     "RowParams",
     "SampleOutput",
@@ -55,6 +65,15 @@ CANDIDATES = 256  # bounded candidate set of rows with top-p or min-p and no top
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64 constants as signed int64 (tensor arithmetic wraps)
 _MUL1 = 0xBF58476D1CE4E5B9 - 2**64
 _MUL2 = 0x94D049BB133111EB - 2**64
+
+#: An executor's draw of sampled rows (:meth:`pypto_serving.Executor.draw_kernel`):
+#: ``(logits [N, V] float32, rows [S] int64 or None (every row), temperature [S] float32, top_k [S]
+#: int64, top_p [S] float32, min_p [S] float32, uniforms [S] float64) -> tokens [S] int64`` by the
+#: module's rule, or None where it does not take these logits (the torch ops then draw).
+DrawKernel = Callable[
+    [torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    torch.Tensor | None,
+]
 
 
 class TokenCounts:
@@ -289,7 +308,7 @@ def _draw(
     if kind == "all":
         vals, ids = x, torch.arange(x.shape[1], device=x.device).expand_as(x) if listed is None else listed
     elif kind == "sorted":
-        vals, ids = x.sort(dim=-1, descending=True)
+        vals, ids = x.sort(dim=-1, descending=True, stable=True)
     else:
         vals, ids = x.topk(k, dim=-1)
     v = vals / temp
@@ -306,7 +325,11 @@ def _draw(
         drop |= past & (torch.arange(k, device=x.device) > 0)  # the best token always stays
         if kind == "bounded":
             fits = ((cum.narrow(1, k - 1, 1) > top_p) & (top_p < 1.0)).squeeze(1) | drop.select(1, k - 1)
-    cdf = probs.masked_fill(drop, 0.0).double().cumsum(dim=-1)
+    kept = probs.masked_fill(drop, 0.0)
+    if kind != "all":  # the kept candidates in id order, the order every kind draws in
+        ids, order = ids.sort(dim=-1)
+        kept = kept.gather(1, order)
+    cdf = kept.double().cumsum(dim=-1)
     # u < 1 has 32 bits, so u * total stays below total and lands on a kept (positive) weight.
     at = torch.searchsorted(cdf, u.unsqueeze(1) * cdf.narrow(1, k - 1, 1), right=True)
     return ids.gather(1, at.clamp(max=ids.shape[1] - 1)).squeeze(1), fits
@@ -349,30 +372,60 @@ def _draw_rows(
     tokens: torch.Tensor,
     fallback: bool,
     listed: _Listed | None = None,
+    draw: DrawKernel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``tokens`` with ``rows`` sampled, grouped by candidate kind; and ``needs_full [N]``."""
+    """``tokens`` with ``rows`` sampled, grouped by candidate kind (``draw``: the executor's kernel
+    draws every row it takes, all but those a grammar lists by id); and ``needs_full [N]``."""
     n, vocab = x.shape
     dev = x.device
     seeds = torch.tensor([params[r].seed for r in rows], dtype=torch.long, device=dev)
     index = torch.tensor([params[r].draw_index for r in rows], dtype=torch.long, device=dev)
     u_all = uniforms(seeds, index)
+    keyed = [(_group(params[r], r, vocab, fallback, listed), j) for j, r in enumerate(rows)]
+    if draw is not None and not fallback:
+        js = [j for (kind, _), j in keyed if kind not in _LISTED_KINDS]
+        drawn = _kernel_draw(draw, x, params, [rows[j] for j in js], _subset(u_all, js, len(rows))) if js else None
+        if drawn is not None:
+            tokens = tokens.index_copy(0, torch.tensor([rows[j] for j in js], dtype=torch.long, device=dev), drawn)
+            keyed = [(key, j) for key, j in keyed if key[0] in _LISTED_KINDS]
     groups: dict[tuple[str, int], list[int]] = defaultdict(list)
-    for j, r in enumerate(rows):
-        groups[_group(params[r], r, vocab, fallback, listed)].append(j)
+    for key, j in keyed:
+        groups[key].append(j)
     needs_full = torch.zeros(n, dtype=torch.bool, device=dev)
     for (kind, k), js in groups.items():
         group = [rows[j] for j in js]
         rows_t = torch.tensor(group, dtype=torch.long, device=dev)
-        u = u_all if len(js) == len(rows) else u_all.index_select(0, torch.tensor(js, dtype=torch.long, device=dev))
+        u = _subset(u_all, js, len(rows))
         sub = x if group == list(range(n)) else x.index_select(0, rows_t)
         ps = [params[r] for r in group]
-        if listed is not None and kind in ("listed", "unmasked"):
+        if listed is not None and kind in _LISTED_KINDS:
             drawn, fits = _draw_listed(sub, kind, group, ps, u, listed)
         else:
             drawn, fits = _draw(sub, kind, k, ps, u)
         tokens = tokens.index_copy(0, rows_t, drawn)
         needs_full = needs_full.index_copy(0, rows_t, torch.logical_not(fits))
     return tokens, needs_full
+
+
+_LISTED_KINDS = ("listed", "unmasked")
+
+
+def _subset(u: torch.Tensor, js: list[int], count: int) -> torch.Tensor:
+    return u if len(js) == count else u.index_select(0, torch.tensor(js, dtype=torch.long, device=u.device))
+
+
+def _kernel_draw(
+    draw: DrawKernel, x: torch.Tensor, params: list[RowParams], rows: list[int], u: torch.Tensor
+) -> torch.Tensor | None:
+    """The kernel's tokens of ``x``'s ``rows`` (their uniforms ``u``), or None where it does not take them."""
+    dev = x.device
+    picked = None if rows == list(range(x.shape[0])) else torch.tensor(rows, dtype=torch.long, device=dev)
+    ps = [params[r] for r in rows]
+    temperature = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
+    top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
+    top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+    min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
+    return draw(x, picked, temperature, top_k, top_p, min_p, u)
 
 
 def _draw_listed(
@@ -599,12 +652,14 @@ def sample_on_device(
     params: list[RowParams],
     grammar: GrammarMask | None = None,
     maxima: tuple[torch.Tensor, torch.Tensor] | None = None,
+    draw: DrawKernel | None = None,
 ) -> DeviceSample:
     """Sample one token per row of ``logits [N, V]`` without reading the host. In order: the rows'
     logit bias and allowed tokens, penalties, bans (min_tokens, bad words), and ``grammar``'s masks of
     the tokens its rows' grammars disallow; then the draw. Logprobs stay those of the raw logits.
     ``maxima``: :func:`argmax_rows` of ``logits`` where the executor took them with the logits (the
-    greedy rows of a step nothing edits take them instead of a pass over the logits)."""
+    greedy rows of a step nothing edits take them instead of a pass over the logits). ``draw``: the
+    executor's kernel for the sampled rows (:data:`DrawKernel`), which then never need the fallback."""
     x = raw = logits.float()
     if maxima is not None and grammar is None and plain_greedy(params):
         # Every row takes its argmax as it came, and the executor took it already: nothing to pass over.
@@ -636,7 +691,7 @@ def sample_on_device(
         out.tokens = top if top is not None and x is raw else argmax_rows(x)[1]
     rand = [i for i, p in enumerate(params) if p.temperature != 0.0]
     if rand:
-        out.tokens, needs_full = _draw_rows(x, params, rand, out.tokens, False, listed)
+        out.tokens, needs_full = _draw_rows(x, params, rand, out.tokens, False, listed, draw)
         out.needs_full = needs_full & torch.logical_not(bad)
     else:
         out.needs_full = torch.zeros_like(bad)
@@ -665,9 +720,12 @@ def packed(dev: DeviceSample) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def sample(logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask | None = None) -> SampleOutput:
-    """Sample one token per row of float ``logits [N, V]`` according to ``params[row]`` and ``grammar``."""
-    dev = sample_on_device(logits, params, grammar)
+def sample(
+    logits: torch.Tensor, params: list[RowParams], grammar: GrammarMask | None = None, draw: DrawKernel | None = None
+) -> SampleOutput:
+    """Sample one token per row of float ``logits [N, V]`` according to ``params[row]`` and ``grammar``
+    (``draw``: as :func:`sample_on_device` takes it)."""
+    dev = sample_on_device(logits, params, grammar, draw=draw)
     return read_sample(dev, packed(dev), params)
 
 

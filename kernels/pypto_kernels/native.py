@@ -57,6 +57,7 @@ __all__ = [
     "NATIVE_DTYPES",
     "PANEL_WIDTH",
     "PackedExperts",
+    "SampleDraw",
     "bf16_dot_available",
     "blocked_attention_available",
     "cache_dir",
@@ -631,6 +632,30 @@ def sample_rows(
         if lib.pypto_sample_rows(x.data_ptr(), stride, at, count, vocab, *ptrs, tokens.data_ptr(), threads):
             raise MemoryError("sample_rows: no thread's scratch could be allocated")
     return tokens
+
+
+class SampleDraw:
+    """``pypto_serving.sampler.DrawKernel`` through :func:`sample_rows`: its tokens where it takes the
+    logits, else None (the sampler's torch ops draw); counts the rows it drew."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rows: torch.Tensor | None,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        uniforms: torch.Tensor,
+    ) -> torch.Tensor | None:
+        if not sample_rows_takes(x):
+            return None
+        tokens = sample_rows(x, rows, temperature, top_k, top_p, min_p, uniforms)
+        self.rows += tokens.shape[0]
+        return tokens
 
 
 def _silu_layout(x: torch.Tensor) -> tuple[int, int] | None:

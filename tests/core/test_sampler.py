@@ -321,6 +321,38 @@ def test_sampled_frequencies_match_the_reference(
     assert total_variation(counts, probs, DRAWS) < 0.05
 
 
+def inverse_cdf(probs: list[float], u: float) -> int:
+    """The first token, in id order, whose cumulative probability exceeds ``u`` of the total."""
+    goal, total = u * sum(probs), 0.0
+    for t, q in enumerate(probs):
+        total += q
+        if q > 0 and total > goal:
+            return t
+    return max(t for t, q in enumerate(probs) if q > 0)
+
+
+@pytest.mark.parametrize("candidates", [4, 256])
+def test_a_row_takes_the_token_where_its_uniform_falls_in_its_kept_tokens_in_id_order(
+    row: Row, candidates: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Draw by draw, every filter's token is the reference's inverse CDF over the kept tokens taken in
+    id order (top-k and top-p rank tokens by logit, but the draw walks ids: the order an executor's
+    kernel draws in without sorting the vocabulary); with 4 candidates most top-p/min-p rows take the
+    full-vocabulary fallback."""
+    monkeypatch.setattr(sampler_mod, "CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(11)
+    for case, kw in enumerate(CASES):
+        if "frequency_penalty" in kw or "banned" in kw:
+            continue
+        logits = torch.randn(3, 40, generator=gen) * (0.5 + case)
+        for s in range(30):
+            params = [row(seed=s * 3 + r, draw_index=s, **kw) for r in range(3)]
+            got = sample(logits, params).tokens
+            u = uniforms(torch.tensor([p.seed for p in params]), torch.tensor([s] * 3)).tolist()
+            want = [inverse_cdf(reference(logits[r].tolist(), params[r], [], []), u[r]) for r in range(3)]
+            assert got == want, (kw, s)
+
+
 def test_the_candidate_bound_never_changes_a_token(row: Row, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows whose top-p/min-p kept set fits the bounded candidates and rows that fall back to the full
     vocabulary give the tokens an unbounded run gives, draw for draw."""

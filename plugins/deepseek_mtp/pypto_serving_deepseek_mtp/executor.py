@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from pypto_kernels import auto_dtype, describe_kernel, interleaved_rope_cos_sin, select_device, upload
+from pypto_kernels import auto_dtype, describe_kernel, interleaved_rope_cos_sin, native, select_device, upload
 from pypto_serving import (
     BatchInput,
     CacheGroupSpec,
@@ -522,6 +522,11 @@ class DeepseekMTPExecutor(Executor):
                 self.model.rings[(i, "index")] = CompressorRing(
                     self.num_slots, ring_len, 2 * cfg.index_head_dim, self.device, torch.float32
                 )
+
+    def draw_kernel(self) -> native.SampleDraw | None:
+        """The native CPU draw of sampled rows (``pypto_kernels.native.sample_rows``) where the logits
+        lie in host memory and the C kernels are built."""
+        return native.SampleDraw() if self.device.type == "cpu" and native.library() is not None else None
 
     def kv_cache_blocks(self) -> dict[str, list[torch.Tensor]] | None:
         """Every group's per-layer caches (block id first; per depth for ``mtp_state``), the snapshots

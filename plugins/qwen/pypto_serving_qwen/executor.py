@@ -91,6 +91,7 @@ class QwenExecutor(Executor):
         self.config: QwenConfig | None = None
         self.model: QwenForCausalLM | None = None
         self.device = torch.device("cpu")
+        self.draws: K.native.SampleDraw | None = None  # draw_kernel's, once asked
         self.dtype = torch.float32
         self.kv_caches: list[KVCache] = []
         self.graph_options: GraphOptions | None = None
@@ -497,6 +498,12 @@ class QwenExecutor(Executor):
                 batch.input_ids, batch.positions, meta, self.kv_caches, batch.logits_indices, self._maxima, store
             )
         return logits
+
+    def draw_kernel(self) -> K.native.SampleDraw | None:
+        """The native CPU draw of sampled rows (``pypto_kernels.native.sample_rows``) where the logits
+        lie in host memory and the C kernels are built (kept as :attr:`draws`, which counts its rows)."""
+        self.draws = K.native.SampleDraw() if self.device.type == "cpu" and K.native.library() is not None else None
+        return self.draws
 
     def logits_maxima(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self._maxima

@@ -254,6 +254,36 @@ def test_one_request_runs_its_later_greedy_forwards_as_a_native_loop(
     assert (out.token_ids, out.finish_reason) == (ref[0][: ref[0].index(stop) + 1], "stop")
 
 
+def test_sampled_rows_are_drawn_by_the_native_kernel_with_the_torch_draws_tokens(
+    qwen_checkpoints: Callable[[str], Path], make_llm: Callable[..., Any]
+) -> None:
+    """On the CPU the executor hands the runner its C draw (``draw_kernel``): seeded requests with a
+    temperature, top-k, top-p and min-p are drawn by it (its row count grows), their tokens are those
+    the sampler's torch ops draw for the same logits, and a request's tokens alone are its tokens in
+    the batch."""
+    llm = make_llm(qwen_checkpoints("qwen3"))
+    prompts = _prompts(320, [5, 9, 14, 7], seed=23)
+    filters: list[dict[str, Any]] = [{}, {"top_k": 12}, {"top_p": 0.8}, {"min_p": 0.05, "top_p": 0.95}]
+    params = [
+        SamplingParams(temperature=0.9, seed=40 + i, max_tokens=MAX_TOKENS, ignore_eos=True, **f)
+        for i, f in enumerate(filters)
+    ]
+
+    def run(batch: list[int]) -> list[list[int]]:
+        outs = llm.generate([prompts[i] for i in batch], [params[i] for i in batch], use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    runner = llm.engine.worker._runner
+    kernel = runner.executor.draws
+    assert kernel is not None and runner.draw is kernel
+    with_kernel = run([0, 1, 2, 3])
+    assert kernel.rows >= len(prompts) * MAX_TOKENS
+    assert run([2]) == [with_kernel[2]]
+    runner.draw = None  # the sampler's torch ops
+    assert run([0, 1, 2, 3]) == with_kernel
+    assert len({tuple(t) for t in with_kernel}) == len(prompts)
+
+
 # ----------------------------------------------------------------------------- generation_config.json
 
 GEN_DEFAULTS = {"temperature": 0.0, "min_p": 0.2, "repetition_penalty": 1.8, "presence_penalty": 1.5}
