@@ -607,7 +607,7 @@ def sample_rows(
         ``top_p`` ``[S]`` float32 in (0, 1] (1: none); ``min_p`` ``[S]`` float32 in [0, 1] (0: none).
     :param uniforms: ``[S]`` float64 in [0, 1).
     :return: ``[S]`` int64 tokens (a row whose logits are NaN, +inf or all -inf, which the sampler
-        reports, gets its first maximum's index).
+        reports, gets an index of its own: its first maximum's, or with top-k its best-ranked one's).
     """
     lib = library()
     if lib is None or not sample_rows_takes(x):

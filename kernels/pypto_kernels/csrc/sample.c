@@ -16,10 +16,10 @@
  *   first whose cumulative weight exceeds it), summed in float64 over blocks of DRAW_BLOCK tokens and
  *   then inside the block found, as the rejection sampler's _inverse_cdf searches (a goal past a
  *   block's own cumulative takes its last kept token).
- * A row whose maximum is not finite (NaN, +inf: the sampler reports it as an error) or whose every
- * weight is 0 (every token banned: reported too) gets its first maximum's index.
+ * A row the sampler reports as an error (NaN or +inf logits, every token banned) gets an index of its
+ * own: its first maximum's (ignoring NaN), or with top-k its best-ranked token's.
  *
- * Top-k takes the k best with a heap over a pass; top-p without top-k finds the token where the mass
+ * Top-k takes the k best with a heap over a pass and weighs only them; top-p without top-k finds the token where the mass
  * ranked ahead crosses top_p by a histogram of the weights' mass over the logits' ordered bits
  * (DRAW_RADIX_BITS of the key at a time: the boundary's bucket, then its sub-buckets, then its ties),
  * never ordering more than the boundary's ties. Rows go to the threads (one row: one thread). */
@@ -327,25 +327,59 @@ static int64_t search(int64_t v, double total, double u, const Scratch *s, int64
     return last >= 0 ? last : fallback; /* the block's cumulative short of its sum by a rounding */
 }
 
+static int compare_ids(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* A top-k row: only its k best are weighed (top-p over their mass, min-p), and the kept ones are
+ * drawn in id order; one pass over the row (the heap's). */
+static int64_t draw_top_k(const float *x, int64_t v, float t, int64_t k, float p, float mp, double u, Scratch *s) {
+    top_k_ranks(x, v, k, s);
+    int64_t best = id_of(s->heap[0]), n = k, m = 0;
+    float vmax = x[best] / t;
+    if (!(vmax > -INFINITY && vmax < INFINITY)) return best; /* NaN or +inf ranks first; all -inf */
+    double mass = 0.0, ahead = 0.0, total = 0.0;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t i = id_of(s->heap[j]);
+        float d = x[i] / t - vmax;
+        s->w[i] = d > -87.0f ? exp_nonpositive(d) : 0.0f;
+        mass += s->w[i];
+    }
+    if (p < 1.0f)
+        for (n = 0; n < k && (!n || ahead <= (double)p * mass); n++) ahead += s->w[id_of(s->heap[n])];
+    float vmin = mp > 0.0f ? vmax + logf(mp) : -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        int64_t i = id_of(s->heap[j]);
+        if (s->w[i] > 0.0f && !(x[i] / t < vmin)) s->ids[m++] = i;
+    }
+    if (m <= 32) {
+        for (int64_t a = 1; a < m; a++)
+            for (int64_t b = a; b > 0 && s->ids[b - 1] > s->ids[b]; b--) {
+                int64_t swap = s->ids[b];
+                s->ids[b] = s->ids[b - 1], s->ids[b - 1] = swap;
+            }
+    } else {
+        qsort(s->ids, (size_t)m, sizeof *s->ids, compare_ids);
+    }
+    for (int64_t j = 0; j < m; j++) total += s->w[s->ids[j]];
+    double goal = u * total, before = 0.0;
+    for (int64_t j = 0; j < m; j++) {
+        before += s->w[s->ids[j]];
+        if (before > goal) return s->ids[j];
+    }
+    return m ? s->ids[m - 1] : best;
+}
+
 static int64_t draw_row(const float *x, int64_t v, float t, int64_t k, float p, float mp, double u, Scratch *s) {
+    if (k > 0 && k < v) return draw_top_k(x, v, t, k, p, mp, u, s);
     int64_t first;
     float m = row_max(x, v, &first);
     float vmax = m / t;
     if (!(vmax > -INFINITY && vmax < INFINITY)) return first; /* +inf, or every token banned */
-    int top_k = k > 0 && k < v, top_p = p < 1.0f;
-    double total = weights(x, v, t, vmax, s, top_p && !top_k);
-    uint64_t least = 0; /* the worst kept rank (0: every token) */
-    if (top_k) {
-        top_k_ranks(x, v, k, s);
-        least = s->heap[k - 1];
-        if (top_p) {
-            double mass = 0.0;
-            for (int64_t j = 0; j < k; j++) mass += s->w[id_of(s->heap[j])];
-            least = walk_kept(s->heap, k, s->w, 0.0, (double)p * mass);
-        }
-    } else if (top_p) {
-        least = top_p_rank(x, v, (double)p * total, s);
-    }
+    int top_p = p < 1.0f;
+    double total = weights(x, v, t, vmax, s, top_p);
+    uint64_t least = top_p ? top_p_rank(x, v, (double)p * total, s) : 0; /* the worst kept rank (0: all) */
     float vmin = mp > 0.0f ? vmax + logf(mp) : -INFINITY;
     if (least || mp > 0.0f) total = keep_only(x, v, t, vmin, least, s);
     return search(v, total, u, s, first);
