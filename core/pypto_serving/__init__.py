@@ -16,7 +16,7 @@ Besides this root, plugins import the ``__all__`` of five public submodules:
 
 from .config import ServingSettings, SettingsError
 from .engine import LLM, EngineCore, EngineDeadError
-from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, StepInterrupt
+from .executor import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, LoopDraw, StepInterrupt
 from .hookspecs import (
     ExecutorSpec,
     KVConnectorSpec,
@@ -51,6 +51,7 @@ __all__ = [
     "ExecutorInfo",
     "ExecutorSpec",
     "KVConnectorSpec",
+    "LoopDraw",
     "ModelSpec",
     "PluginError",
     "PluginManager",

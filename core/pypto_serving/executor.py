@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .sampler import DrawKernel
     from .spec_decode.sampled import DraftSampler
 
-__all__ = ["BatchInput", "CacheGroupSpec", "Executor", "ExecutorInfo", "StepInterrupt"]
+__all__ = ["BatchInput", "CacheGroupSpec", "Executor", "ExecutorInfo", "LoopDraw", "StepInterrupt"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +115,20 @@ class ExecutorInfo:
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     supports_lora: bool = False
     thread_count_invariant: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LoopDraw:
+    """How a sampled request of :meth:`Executor.sampled_steps` draws each forward's token: the
+    sampler's draw (``pypto_serving.sampler``: temperature > 0, ``top_k`` 0 for none, ``top_p`` 1 for
+    none, ``min_p`` 0 for none) with the uniform of ``(seed, first_index + the forward's number)``."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    first_index: int  # the output index the run's first forward samples
 
 
 class StepInterrupt:
@@ -305,6 +319,22 @@ class Executor(abc.ABC):
             some row's maximum logit is not finite (NaN or infinite: that forward's tokens are left
             out, ``k`` may be 0, and the runner computes the position again); or ``None`` where this
             executor does not take the run (before writing anything).
+        """
+        return None
+
+    def sampled_steps(
+        self, batch: BatchInput, steps: int, stop_ids: list[frozenset[int]], draws: list[LoopDraw | None]
+    ) -> list[list[int]] | None:
+        """:meth:`greedy_steps` where some request samples: each forward's token of request ``r`` is
+        drawn by ``draws[r]`` (None: its argmax) from the logits :meth:`execute` gives for that forward,
+        by the sampler's rule and with the uniform the sampler would use for that output, so the tokens
+        are those of the forwards one by one through the sampler (with :meth:`draw_kernel`'s draw where
+        it gives one), bit for bit. The request samples nothing else: no logprobs, penalties, logit
+        bias, bans, grammar or drafts. Executors that cannot keep this default (the runner runs the
+        forwards one by one).
+
+        :param draws: per request in batch order, its draw, or None for a greedy one.
+        :return: as :meth:`greedy_steps`.
         """
         return None
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .executor import BatchInput, Executor, ExecutorInfo, StepInterrupt
+from .executor import BatchInput, Executor, ExecutorInfo, LoopDraw, StepInterrupt
 from .input_batch import InputBatch, StepArrays
 from .messages import LoadLora, NewRequestData, ScheduledEntry, StepCommand, StepResult, WireSampling
 from .profiler import phase
@@ -228,6 +228,7 @@ class ModelRunner:
         self._drafts_for = drafts_for(settings)  # the requests the policy can give drafts: only they draft
         # Only an executor that runs greedy loops is offered them (no batch built for one that cannot).
         self._greedy_loops = type(executor).greedy_steps is not Executor.greedy_steps
+        self._sampled_loops = type(executor).sampled_steps is not Executor.sampled_steps
         self._grammars = GrammarCompiler(getattr(settings, "tokenizer", None) or getattr(settings, "model", None))
         self.lora_reads = LoraReads(executor)
         self._mask_thread: ThreadPoolExecutor | None = None  # made by the first constrained step
@@ -442,14 +443,16 @@ class ModelRunner:
     def _greedy_run(self, going: dict[str, ScheduledEntry], done: int, result: StepResult) -> int | None:
         """Forwards ``done + 1`` on of the multi-step decodes in ``going`` as one executor loop
         (:meth:`Executor.greedy_steps`), up to the fewest forwards any of them has left, where every
-        request takes the argmax of its logits as they come (:func:`_greedy_throughout`): the tokens
-        are those of the forwards one by one, committed here forward by forward. Returns the forwards
-        run (0 where the loop stopped before its first: that forward then runs on its own and meets
-        what stopped it), or None where the executor did not take the run or raised (the command's
-        other forwards then run one by one)."""
+        request takes the argmax of its logits as they come (:func:`_greedy_throughout`), or through
+        :meth:`Executor.sampled_steps` where some request samples them and reads nothing else
+        (:func:`_loop_draw`): the tokens are those of the forwards one by one, committed here forward
+        by forward. Returns the forwards run (0 where the loop stopped before its first: that forward
+        then runs on its own and meets what stopped it), or None where the executor did not take the
+        run or raised (the command's other forwards then run one by one)."""
         if not self._greedy_loops or self._ngram is not None:
             return None
-        if not all(_greedy_throughout(self.states[rid]) for rid in going):
+        draws = [_loop_draw(self.states[rid]) for rid in going]
+        if any(d is False for d in draws) or (not self._sampled_loops and any(draws)):
             return None
         # The command's own entries for its first forward (their input tokens as scheduled).
         entries = [_next_forward(e, done) if done else e for e in going.values()]
@@ -460,14 +463,18 @@ class ModelRunner:
             batch, _ = self._build_batch(entries)
             batch.greedy_maxima = batch.maxima_only = True
             batch.interrupt = self.interrupt
-            forwards = self.executor.greedy_steps(batch, steps, stops)
+            if any(draws):
+                loop = [d if isinstance(d, LoopDraw) else None for d in draws]
+                forwards = self.executor.sampled_steps(batch, steps, stops, loop)
+            else:
+                forwards = self.executor.greedy_steps(batch, steps, stops)
         except Exception:
             return None  # the forwards one by one meet the error as ever (or run where only the loop failed)
         if forwards is None:
             return None
         if len(forwards) > steps or any(len(tokens) != len(entries) for tokens in forwards):
             raise RuntimeError(
-                f"{type(self.executor).__name__}.greedy_steps gave {[len(t) for t in forwards]} tokens for "
+                f"{type(self.executor).__name__}'s loop gave {[len(t) for t in forwards]} tokens for "
                 f"{len(entries)} requests and at most {steps} forwards"
             )
         for tokens in forwards:
@@ -997,6 +1004,23 @@ def _greedy_throughout(st: WorkerRequest) -> bool:
     plain = sp.temperature == 0.0 and sp.logprobs is None and st.counts is None and st.edits is None
     unbanned = not sp.bad_words_token_ids and st.num_outputs >= sp.min_tokens
     return plain and unbanned and st.grammar is None and st.grammar_error is None
+
+
+def _loop_draw(st: WorkerRequest) -> LoopDraw | bool | None:
+    """How a loop of forwards (:meth:`ModelRunner._greedy_run`) draws ``st``'s tokens: None where it
+    takes their argmax (:func:`_greedy_throughout`), its :class:`LoopDraw` where it samples them and
+    reads nothing else of its logits (as a greedy one, but for the temperature), False where neither."""
+    if _greedy_throughout(st):
+        return None
+    sp = st.sampling
+    plain = sp.logprobs is None and st.counts is None and st.edits is None and st.grammar is None
+    unbanned = not sp.bad_words_token_ids and st.num_outputs >= sp.min_tokens and st.grammar_error is None
+    if not (plain and unbanned and sp.temperature > 0.0):
+        return False
+    return LoopDraw(
+        temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=st.seed,
+        first_index=st.num_outputs,
+    )  # fmt: skip
 
 
 def _commit_greedy(st: WorkerRequest, token: int, result: StepResult) -> None:

@@ -41,7 +41,7 @@ from .device import auto_dtype, cpu_computes_natively, npu_available, select_dev
 from .hyper_connections import hc_head, hc_merge, hc_sinkhorn_mix
 from .moe import moe_experts, routed_moe, topk_routing
 from .mxfp4 import dequantize_mxfp4
-from .native_decoder import DecoderLayerWeights, GreedyTail, NativeDecoder, RoutedExperts
+from .native_decoder import DecoderLayerWeights, GreedyTail, NativeDecoder, RoutedExperts, SampledRun
 from .norm import add_rms_norm, rms_norm
 from .quant import (
     AbsmaxReduce,
@@ -79,6 +79,7 @@ __all__ = [
     "QuantizedLinearWeight",
     "RopeTable",
     "RoutedExperts",
+    "SampledRun",
     "__version__",
     "add_rms_norm",
     "apply_interleaved_rope",

@@ -231,8 +231,10 @@ def library() -> ctypes.CDLL | None:
     lib.pypto_greedy_run.restype = _I64
     lib.pypto_greedy_run.argtypes = [
         _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, ctypes.c_int32, _PTR, _PTR,
-        _PTR, ctypes.c_int,
+        _PTR, _PTR, ctypes.c_int,
     ]  # fmt: skip
+    lib.pypto_sample_uniform.restype = ctypes.c_double
+    lib.pypto_sample_uniform.argtypes = [_I64, _I64]
     lib.pypto_gemv.restype = ctypes.c_int
     lib.pypto_gemv.argtypes = [_PTR, ctypes.c_int, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_int, _PTR, _PTR, ctypes.c_int]
     lib.pypto_grouped_gemv.restype = ctypes.c_int

@@ -31,7 +31,7 @@ from . import native
 from .attention import NATIVE_MAX_QUERIES
 from .dense import NEVER, PackedLinearWeight
 
-__all__ = ["MAX_QUERIES", "DecoderLayerWeights", "GreedyTail", "NativeDecoder", "RoutedExperts"]
+__all__ = ["MAX_QUERIES", "DecoderLayerWeights", "GreedyTail", "NativeDecoder", "RoutedExperts", "SampledRun"]
 
 #: Most query rows of one request a step may give :meth:`NativeDecoder.run`: the runs the eager
 #: attention attends row by row (longer prefill chunks take the native prefill kernel, which sums in
@@ -133,6 +133,35 @@ class GreedyTail:
     head: PackedLinearWeight
     cos: torch.Tensor
     sin: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class SampledRun:
+    """A sampled request's draw for :meth:`NativeDecoder.greedy_run`: each forward's token drawn from
+    its stored logits by :func:`pypto_kernels.native.sample_rows`' rule, with the uniform
+    ``pypto_serving.sampler.uniforms`` gives ``(seed, first_index + the forward's number)``: the
+    sampler's draw of the request's next output, bit for bit.
+
+    :param temperature: > 0; ``top_k`` (0: none), ``top_p`` (1: none), ``min_p`` (0: none) as the
+        sampler takes them.
+    :param seed: the request's seed; ``first_index`` the output index the run's first forward samples.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    first_index: int
+
+
+class _Draw(ctypes.Structure):
+    """``SampledRun`` of ``csrc/decode_layers.c``."""
+
+    _fields_ = [
+        ("temperature", ctypes.c_float), ("top_p", ctypes.c_float), ("min_p", ctypes.c_float), ("top_k", _I64),
+        ("seed", _I64), ("index", _I64), ("logits", _PTR),
+    ]  # fmt: skip
 
 
 class _Tail(ctypes.Structure):
@@ -246,6 +275,7 @@ class NativeDecoder:
         self._expert_panels = all(isinstance(e.gate_up, native.PackedExperts) for e in _experts(layers))
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._greedy: _GreedyBuffers | None = None  # greedy_run's buffers, made at its first call
+        self._logits: torch.Tensor | None = None  # a sampled greedy_run's logits row
 
     def _layer(
         self, index: int, w: DecoderLayerWeights, widths: tuple[int, int, int, int], cache_shape: tuple[int, ...]
@@ -359,6 +389,7 @@ class NativeDecoder:
         stop: frozenset[int],
         interrupt: ctypes.c_int32 | None = None,
         seen: int = 0,
+        draw: SampledRun | None = None,
     ) -> list[int]:
         """Up to ``steps`` decode forwards of one request back to back, each on the greedy token of the
         one before, in one C call (``pypto_greedy_run``: a token of a small model costs its engine a
@@ -376,6 +407,8 @@ class NativeDecoder:
         :param stop: tokens after which the run stops.
         :param interrupt: a 32-bit count another thread or process may move meanwhile: the run stops
             after any forward where it differs from ``seen``, the first too (read between forwards).
+        :param draw: a sampled request's draw: each forward's product stores its logits (as the eager
+            forward's does) and the token is drawn from them instead of their maximum's.
         :return: the tokens, one a forward: ``steps`` of them, fewer where one is in ``stop`` (the
             last), where ``interrupt`` moved, or where a forward's maximum logit is not finite
             (NaN or infinite: that forward's token is left out).
@@ -397,11 +430,19 @@ class NativeDecoder:
         )  # fmt: skip
         stops = torch.tensor(sorted(stop), dtype=torch.int64)
         tokens, status = torch.empty(max(steps, 1), dtype=torch.int64), ctypes.c_int(0)
+        c_draw = None
+        if draw is not None:
+            if self._logits is None or self._logits.numel() != tail.head.out_features:
+                self._logits = torch.empty(tail.head.out_features, dtype=torch.float32)
+            k = draw.top_k if 0 < draw.top_k < tail.head.out_features else 0
+            logits = self._logits.data_ptr()
+            c_draw = _Draw(draw.temperature, draw.top_p, draw.min_p, k, draw.seed, draw.first_index, logits)
         n = lib.pypto_greedy_run(
             self._layers, len(self._layers), ctypes.byref(self._shape), ctypes.byref(c_tail),
             ctypes.byref(self._greedy), table.data_ptr(), table.numel(), token, position, steps,
             stops.data_ptr(), stops.numel(), None if interrupt is None else ctypes.addressof(interrupt),
-            ctypes.c_int32(seen), self._scratch.data_ptr(), tokens.data_ptr(), ctypes.byref(status),
+            ctypes.c_int32(seen), None if c_draw is None else ctypes.byref(c_draw), self._scratch.data_ptr(),
+            tokens.data_ptr(), ctypes.byref(status),
             torch.get_num_threads(),
         )  # fmt: skip
         if status.value == -2:

@@ -152,3 +152,16 @@ def test_the_sampler_with_the_kernel_draws_the_torch_draws_tokens() -> None:
         ]
         assert sampler.sample(logits, params, draw=kernel).tokens == sampler.sample(logits, params).tokens
     assert kernel.rows == 3 * 10  # the two greedy rows of each step take their argmax
+
+
+def test_the_c_uniform_is_the_samplers() -> None:
+    """The native loop's uniform of (seed, output index) (``pypto_sample_uniform``) is the sampler's
+    ``uniforms``, bit for bit, over seeds of every size and sign."""
+    sampler = pytest.importorskip("pypto_serving.sampler")
+    lib = native.library()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(4)
+    seeds = torch.cat([torch.randint(-(2**63), 2**63 - 1, (200,), generator=gen), torch.tensor([0, -1, 2**63 - 1])])
+    index = torch.randint(0, 1 << 40, (seeds.shape[0],), generator=gen)
+    want = sampler.uniforms(seeds, index).tolist()
+    assert [lib.pypto_sample_uniform(int(s), int(i)) for s, i in zip(seeds, index, strict=True)] == want

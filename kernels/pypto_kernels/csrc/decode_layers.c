@@ -180,30 +180,29 @@ typedef struct {
 void pypto_panel_gemm_logits(int kind, const void *x, int64_t xs, const void *panels, const void *bias, float *out,
                              int64_t os, int64_t m, int64_t n, int64_t k, float *row_max, int64_t *row_arg,
                              int threads);
+void *pypto_sample_scratch(int64_t v, int64_t k_cap);
+void pypto_sample_free(void *scratch);
+int64_t pypto_sample_draw(const float *x, int64_t v, float temperature, int64_t top_k, float top_p, float min_p,
+                          double u, void *scratch);
+double pypto_sample_uniform(int64_t seed, int64_t index);
 
-/* Up to steps decode forwards of one request back to back (NativeDecoder.greedy_run), with no
- * interpreter between them: each forward is the token's embedding row, pypto_decode_layers, the final
- * pypto_rms_norm over their output and residual, and the output projection's panels product of that
- * one row taking its maximum without storing the logits (pypto_panel_gemm_logits), the same calls on
- * the same values as the eager forward's, and the next forward's token is that maximum's index. The
- * head's panels sum each logit in the order they do in any batch, so a request's tokens alone are
- * those it gets among others. Between ctypes calls of each kernel the interpreter takes 0.2-0.3 ms a
- * forward on the Zen 4 EPYC of docs/benchmarks.md, most of it after the head's product (its data
- * evicted by the matrix streaming past), 8 % of a small-shape token. The run stops after a token in
- * stop[0 .. num_stop), before keeping a token whose maximum logit is not finite (NaN or infinite),
- * after any forward where *interrupt (when not NULL) differs from seen (another thread or process
- * counts arrivals there: an atomic read, so each forward sees its latest value), or after steps.
- * table: the request's blocks (table_len of them, covering the run's positions: the caller checks).
- * Writes the tokens to tokens and returns how many; *status: 0, or as pypto_decode_layers' (1: a slot
- * outside the caches, -1: attention's scratch) or -2 (the head product's scratch) for the forward
- * after them. */
-int64_t pypto_greedy_run(const DecoderLayer *layers, int64_t count, const DecoderShape *s, const GreedyTail *tail,
-                         const GreedyBuffers *b, const int64_t *table, int64_t table_len, int64_t token,
-                         int64_t position, int64_t steps, const int64_t *stop, int64_t num_stop,
-                         const int32_t *interrupt, int32_t seen, void *scratch, int64_t *tokens, int *status,
-                         int threads) {
+/* A sampled request's draw (pypto_kernels.SampledRun): each forward's logits are stored in logits
+ * ([head_rows] float32, as the eager forward stores them) and its token drawn from them by
+ * pypto_sample_draw with the uniform of (seed, index + the forward's number): the sampler's draw of
+ * the request's next output. */
+typedef struct {
+    float temperature, top_p, min_p;
+    int64_t top_k, seed, index;
+    float *logits;
+} SampledRun;
+
+/* pypto_greedy_run's forwards (drawing: draw's scratch from pypto_sample_scratch, or NULL). */
+static int64_t greedy_forwards(const DecoderLayer *layers, int64_t count, const DecoderShape *s,
+                               const GreedyTail *tail, const GreedyBuffers *b, const int64_t *table,
+                               int64_t table_len, int64_t token, int64_t position, int64_t steps, const int64_t *stop,
+                               int64_t num_stop, const int32_t *interrupt, int32_t seen, const SampledRun *draw,
+                               void *drawing, void *scratch, int64_t *tokens, int *status, int threads) {
     int64_t size = s->kind == ELEM_BF16 ? 2 : 4, h = s->hidden, bs = s->block_size, n = 0, request = 0;
-    *status = 0;
     for (int64_t pos = position; pos < position + steps; pos++) {
         int64_t slot = table[pos / bs] * bs + pos % bs, end = pos + 1;
         memcpy(b->hidden, (const char *)tail->embed + token * tail->embed_stride * size, (size_t)(h * size));
@@ -215,18 +214,57 @@ int64_t pypto_greedy_run(const DecoderLayer *layers, int64_t count, const Decode
         pypto_rms_norm(b->hidden, h, b->residual, h, tail->norm, s->kind, 1, h, tail->eps, b->normed, h, b->summed,
                        h, threads);
         float peak = 0.0f;
-        int64_t index = -1;
-        pypto_panel_gemm_logits(s->kind, b->normed, h, tail->head, NULL, NULL, tail->head_rows, 1, tail->head_rows, h,
+        int64_t index = -1, rows = tail->head_rows;
+        pypto_panel_gemm_logits(s->kind, b->normed, h, tail->head, NULL, draw ? draw->logits : NULL, rows, 1, rows, h,
                                 &peak, &index, threads);
         if (index < 0) { /* the product's scratch could not be allocated: no maximum was taken */
             *status = -2;
             return n;
         }
         if (!(peak < INFINITY)) return n;
+        if (draw) {
+            double u = pypto_sample_uniform(draw->seed, draw->index + n);
+            index = pypto_sample_draw(draw->logits, rows, draw->temperature, draw->top_k, draw->top_p, draw->min_p, u,
+                                      drawing);
+        }
         tokens[n++] = token = index;
         for (int64_t j = 0; j < num_stop; j++)
             if (stop[j] == token) return n;
         if (interrupt && __atomic_load_n(interrupt, __ATOMIC_RELAXED) != seen) return n;
     }
+    return n;
+}
+
+/* Up to steps decode forwards of one request back to back (NativeDecoder.greedy_run), with no
+ * interpreter between them: each forward is the token's embedding row, pypto_decode_layers, the final
+ * pypto_rms_norm over their output and residual, and the output projection's panels product of that
+ * one row taking its maximum without storing the logits (pypto_panel_gemm_logits), the same calls on
+ * the same values as the eager forward's, and the next forward's token is that maximum's index; with
+ * draw (not NULL), the product stores the logits too and the token is drawn from them (SampledRun). The
+ * head's panels sum each logit in the order they do in any batch, so a request's tokens alone are
+ * those it gets among others. Between ctypes calls of each kernel the interpreter takes 0.2-0.3 ms a
+ * forward on the Zen 4 EPYC of docs/benchmarks.md, most of it after the head's product (its data
+ * evicted by the matrix streaming past), 8 % of a small-shape token. The run stops after a token in
+ * stop[0 .. num_stop), before keeping a token whose maximum logit is not finite (NaN or infinite),
+ * after any forward where *interrupt (when not NULL) differs from seen (another thread or process
+ * counts arrivals there: an atomic read, so each forward sees its latest value), or after steps.
+ * table: the request's blocks (table_len of them, covering the run's positions: the caller checks).
+ * Writes the tokens to tokens and returns how many; *status: 0, or as pypto_decode_layers' (1: a slot
+ * outside the caches, -1: attention's scratch) or -2 (the head product's scratch) for the forward
+ * after them (-2 too where draw's scratch could not be allocated: nothing ran). */
+int64_t pypto_greedy_run(const DecoderLayer *layers, int64_t count, const DecoderShape *s, const GreedyTail *tail,
+                         const GreedyBuffers *b, const int64_t *table, int64_t table_len, int64_t token,
+                         int64_t position, int64_t steps, const int64_t *stop, int64_t num_stop,
+                         const int32_t *interrupt, int32_t seen, const SampledRun *draw, void *scratch,
+                         int64_t *tokens, int *status, int threads) {
+    *status = 0;
+    void *drawing = draw ? pypto_sample_scratch(tail->head_rows, draw->top_k) : NULL;
+    if (draw && !drawing) {
+        *status = -2;
+        return 0;
+    }
+    int64_t n = greedy_forwards(layers, count, s, tail, b, table, table_len, token, position, steps, stop, num_stop,
+                                interrupt, seen, draw, drawing, scratch, tokens, status, threads);
+    pypto_sample_free(drawing);
     return n;
 }

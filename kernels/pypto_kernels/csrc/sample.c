@@ -385,6 +385,49 @@ static int64_t draw_row(const float *x, int64_t v, float t, int64_t k, float p, 
     return search(v, total, u, s, first);
 }
 
+void pypto_sample_free(void *scratch);
+
+/* One thread's scratch for rows of v tokens with top_k up to k_cap (freed by pypto_sample_free);
+ * NULL where it cannot be allocated. */
+void *pypto_sample_scratch(int64_t v, int64_t k_cap) {
+    Scratch *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->w = malloc(sizeof(float) * (size_t)(v > 0 ? v : 1));
+    s->blocks = malloc(sizeof(double) * (size_t)(v / DRAW_BLOCK + 1));
+    s->ids = malloc(sizeof(int64_t) * (size_t)(v > 0 ? v : 1));
+    s->heap = malloc(sizeof(uint64_t) * (size_t)(k_cap > 1 ? k_cap : 1));
+    if (s->w && s->blocks && s->ids && s->heap) return s;
+    pypto_sample_free(s);
+    return NULL;
+}
+
+void pypto_sample_free(void *scratch) {
+    Scratch *s = scratch;
+    if (s) free(s->w), free(s->blocks), free(s->ids), free(s->heap);
+    free(s);
+}
+
+/* One row's token (pypto_sample_rows' rule) with a scratch from pypto_sample_scratch(v, k or more). */
+int64_t pypto_sample_draw(const float *x, int64_t v, float temperature, int64_t top_k, float top_p, float min_p,
+                          double u, void *scratch) {
+    return draw_row(x, v, temperature, top_k, top_p, min_p, u, scratch);
+}
+
+static inline uint64_t mix64(uint64_t z) {
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ull;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* pypto_serving.sampler.uniforms of one (seed, output index): splitmix64's finaliser of the finalised
+ * seed plus (index + 1) times the golden ratio's constant, its top 32 bits over 2**32. */
+double pypto_sample_uniform(int64_t seed, int64_t index) {
+    uint64_t z = mix64(mix64((uint64_t)seed) + ((uint64_t)index + 1u) * 0x9E3779B97F4A7C15ull);
+    return (double)(z >> 32) * 0x1p-32;
+}
+
 /* tokens[r] for rows x [n, v] (row stride xs, float32; v < 2**31), row r being x's row rows[r] (rows
  * NULL: row r), with temperature[r] > 0, top_k[r] (0 or v and more: none), top_p[r] (1: none),
  * min_p[r] (0: none) and the uniform u[r] in [0, 1). Returns 0, or -1 where no thread's scratch could
@@ -397,20 +440,13 @@ int pypto_sample_rows(const float *x, int64_t xs, const int64_t *rows, int64_t n
         if (top_k[r] > k_cap && top_k[r] < v) k_cap = top_k[r];
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads) if (threads > 1 && n > 1)
     {
-        Scratch *s = malloc(sizeof *s);
-        if (s) {
-            s->w = malloc(sizeof(float) * (size_t)v);
-            s->blocks = malloc(sizeof(double) * (size_t)(v / DRAW_BLOCK + 1));
-            s->ids = malloc(sizeof(int64_t) * (size_t)v);
-            s->heap = malloc(sizeof(uint64_t) * (size_t)k_cap);
-            if (s->w && s->blocks && s->ids && s->heap) /* rows claimed by whichever thread has scratch */
-                for (int64_t r; (r = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < n;) {
-                    const float *row = x + (rows ? rows[r] : r) * xs;
-                    tokens[r] = draw_row(row, v, temperature[r], top_k[r], top_p[r], min_p[r], u[r], s);
-                }
-            free(s->w), free(s->blocks), free(s->ids), free(s->heap);
-        }
-        free(s);
+        void *s = pypto_sample_scratch(v, k_cap);
+        if (s) /* rows claimed by whichever thread has scratch */
+            for (int64_t r; (r = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED)) < n;) {
+                const float *row = x + (rows ? rows[r] : r) * xs;
+                tokens[r] = draw_row(row, v, temperature[r], top_k[r], top_p[r], min_p[r], u[r], s);
+            }
+        pypto_sample_free(s);
     }
     return n && !next ? -1 : 0;
 }

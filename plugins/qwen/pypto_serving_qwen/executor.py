@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import pypto_kernels as K
-from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, read_generation_config
+from pypto_serving import BatchInput, CacheGroupSpec, Executor, ExecutorInfo, LoopDraw, read_generation_config
 from pypto_serving.lora_weights import LoraAdapter, LoraContext, batch_onehot, read_adapter
 from pypto_serving.parallel import ParallelContext
 
@@ -525,6 +525,24 @@ class QwenExecutor(Executor):
                 stop_ids,
                 batch.interrupt,
             )
+
+    def sampled_steps(
+        self, batch: BatchInput, steps: int, stop_ids: list[frozenset[int]], draws: list[LoopDraw | None]
+    ) -> list[list[int]] | None:
+        """A lone sampled request's forwards as the native loop (:meth:`QwenForCausalLM.greedy_steps`
+        with its draw), where :meth:`greedy_steps` would run one and :meth:`draw_kernel` draws on the
+        CPU (the loop draws as it does); None otherwise."""
+        if len(draws) != 1 or draws[0] is None or self.draws is None or self.model is None or not self.kv_caches:
+            return None
+        if self.graphs is not None or (batch.loras is not None and any(batch.loras)):
+            return None
+        d = draws[0]
+        run = K.SampledRun(d.temperature, d.top_k, d.top_p, d.min_p, d.seed, d.first_index)
+        with torch.inference_mode():
+            return self.model.greedy_steps(
+                batch.input_ids, batch.positions, batch.block_tables[KV_GROUP], self.kv_caches, steps, stop_ids,
+                batch.interrupt, run,
+            )  # fmt: skip
 
     def shutdown(self) -> None:
         self.kv_caches = []

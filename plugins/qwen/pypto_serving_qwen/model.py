@@ -625,6 +625,7 @@ class QwenForCausalLM(nn.Module):
         self.native_decoder_enabled = False
         self.native_decoder_steps = 0
         self.greedy_loop_steps = 0  # forwards run by greedy_steps
+        self.sampled_loop_steps = 0  # of them, those that drew a sampled request's token
         self._native: tuple[list[KVCache], K.NativeDecoder | None] | None = None
         inv_freq, attention_scaling = K.rope_inv_freq(
             cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
@@ -792,9 +793,12 @@ class QwenForCausalLM(nn.Module):
         steps: int,
         stop_ids: list[frozenset[int]],
         interrupt: StepInterrupt | None = None,
+        draw: K.SampledRun | None = None,
     ) -> list[list[int]] | None:
         """Up to ``steps`` decode forwards of ``R`` requests back to back, each row's next input its
-        greedy token (:meth:`pypto_serving.Executor.greedy_steps`): each forward is what :meth:`forward`
+        greedy token (:meth:`pypto_serving.Executor.greedy_steps`), or a lone request's token drawn by
+        ``draw`` from its stored logits (:meth:`pypto_serving.Executor.sampled_steps`; several requests
+        with a draw are declined): each forward is what :meth:`forward`
         runs for that step (the native decoder's layers, the final norm, the output projection taking
         each row's maximum as it goes, no logits stored), so its tokens are the forward's bit for bit,
         without the engine's work per forward (on the CPU at one request a third of a small model's
@@ -814,10 +818,13 @@ class QwenForCausalLM(nn.Module):
         if tail is not None:  # one request whose output projection is a panels copy: a native loop
             word, seen = (None, 0) if interrupt is None else (interrupt.word, interrupt.seen)
             run = native.greedy_run(
-                tail, int(input_ids[0]), int(positions[0]), block_tables[0], steps, stop_ids[0], word, seen
+                tail, int(input_ids[0]), int(positions[0]), block_tables[0], steps, stop_ids[0], word, seen, draw
             )
             self.greedy_loop_steps += len(run)
+            self.sampled_loop_steps += len(run) if draw is not None else 0
             return [[t] for t in run]
+        if draw is not None:
+            return None
         return self._greedy_rows(input_ids, positions, block_tables, kv_caches, steps, stop_ids, interrupt)
 
     def _greedy_rows(

@@ -284,6 +284,41 @@ def test_sampled_rows_are_drawn_by_the_native_kernel_with_the_torch_draws_tokens
     assert len({tuple(t) for t in with_kernel}) == len(prompts)
 
 
+def test_a_lone_sampled_request_runs_its_forwards_as_the_native_loop_with_the_samplers_tokens(
+    qwen_checkpoints: Callable[[str], Path], make_llm: Callable[..., Any]
+) -> None:
+    """A request alone on the CPU with a temperature, top-k, top-p or min-p (and nothing else read of
+    its logits) runs each command's forwards as the native loop drawing its tokens
+    (``Executor.sampled_steps``), and they are the tokens of its forwards one by one through the
+    sampler; a stop token drawn inside the loop ends it there; a request with penalties declines."""
+    path = qwen_checkpoints("qwen3_tied")
+    llm = make_llm(path, executor_options={"cpu_linear": "panels"})
+    prompts = _prompts(320, [6, 13, 9], seed=29)
+    filters: list[dict[str, Any]] = [{"top_p": 0.9}, {"top_k": 7, "min_p": 0.02}, {}]
+    params = [
+        SamplingParams(temperature=1.1, seed=60 + i, max_tokens=MAX_TOKENS, ignore_eos=True, **f)
+        for i, f in enumerate(filters)
+    ]
+
+    def run(i: int, sp: SamplingParams | None = None) -> Any:
+        return llm.generate([prompts[i]], sp or params[i], use_tqdm=False)[0].outputs[0]
+
+    runner, model = llm.engine.worker._runner, llm.engine.worker._runner.executor.model
+    looped = [list(run(i).token_ids) for i in range(len(prompts))]
+    assert model.sampled_loop_steps > len(prompts) * MAX_TOKENS // 2
+    runner._sampled_loops = False  # the forwards one by one through the sampler (its native draw)
+    before = model.sampled_loop_steps
+    assert [list(run(i).token_ids) for i in range(len(prompts))] == looped
+    assert model.sampled_loop_steps == before
+    runner._sampled_loops = True
+    stop = looped[0][9]
+    out = run(0, SamplingParams(temperature=1.1, seed=60, top_p=0.9, max_tokens=MAX_TOKENS, stop_token_ids=[stop]))
+    assert (out.token_ids, out.finish_reason) == (looped[0][: looped[0].index(stop) + 1], "stop")
+    before = model.sampled_loop_steps
+    run(1, SamplingParams(temperature=1.1, seed=61, max_tokens=8, presence_penalty=0.5, ignore_eos=True))
+    assert model.sampled_loop_steps == before
+
+
 # ----------------------------------------------------------------------------- generation_config.json
 
 GEN_DEFAULTS = {"temperature": 0.0, "min_p": 0.2, "repetition_penalty": 1.8, "presence_penalty": 1.5}
