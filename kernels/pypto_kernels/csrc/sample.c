@@ -122,28 +122,39 @@ static float row_max(const float *x, int64_t v, int64_t *at) {
     return m;
 }
 
-/* The row's weights into s->w and their float64 sums a block into s->blocks, returning the total;
- * with hist, each weight's mass added to its key's top-bits bucket. */
-static double weights(const float *x, int64_t v, float t, float vmax, Scratch *s, int hist) {
+/* Block [lo, hi)'s weights into w (w[0]: token lo), 0 where v is below vmin, returning their float64
+ * sum: the one computation of a block's weights, so a block weighed again has the same bits. */
+static double block_weights(const float *x, int64_t lo, int64_t hi, float t, float vmax, float vmin, float *w) {
+    vd a = {0}, b = {0};
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        vf v = vload(x + i) / t;
+        vf e = (vf)((vi)vexp_weights(v - vmax) & ~(v < vmin));
+        vstore(w + (i - lo), e);
+        add_wide(&a, &b, e);
+    }
+    double sum = sum_wide(a, b);
+    for (; i < hi; i++) {
+        float v = x[i] / t, d = v - vmax;
+        float e = d > -87.0f && !(v < vmin) ? exp_nonpositive(d) : 0.0f;
+        w[i - lo] = e;
+        sum += e;
+    }
+    return sum;
+}
+
+/* The row's weights (0 below vmin) summed a block into s->blocks, returning the total; with store,
+ * each weight kept in s->w (top-p reads them), and with hist too their mass over the key's top bits. */
+static double weights(const float *x, int64_t v, float t, float vmax, float vmin, Scratch *s, int store) {
     double total = 0.0;
+    float block[DRAW_BLOCK];
     for (int64_t lo = 0; lo < v; lo += DRAW_BLOCK) {
-        int64_t hi = lo + DRAW_BLOCK < v ? lo + DRAW_BLOCK : v, i = lo;
-        vd a = {0}, b = {0};
-        for (; i + 16 <= hi; i += 16) {
-            vf e = vexp_weights(vload(x + i) / t - vmax);
-            vstore(s->w + i, e);
-            add_wide(&a, &b, e);
-        }
-        double sum = sum_wide(a, b);
-        for (; i < hi; i++) {
-            float d = x[i] / t - vmax;
-            s->w[i] = d > -87.0f ? exp_nonpositive(d) : 0.0f;
-            sum += s->w[i];
-        }
+        int64_t hi = lo + DRAW_BLOCK < v ? lo + DRAW_BLOCK : v;
+        double sum = block_weights(x, lo, hi, t, vmax, vmin, store ? s->w + lo : block);
         s->blocks[lo / DRAW_BLOCK] = sum;
         total += sum;
     }
-    if (hist) { /* tokens i, i + 4, ... into histogram i % 4, merged in that order */
+    if (store) { /* tokens i, i + 4, ... into histogram i % 4, merged in that order */
         memset(s->part, 0, sizeof s->part);
         int64_t i = 0;
         for (; i + 16 <= v; i += 16) {
@@ -309,18 +320,22 @@ static double keep_only(const float *x, int64_t v, float t, float vmin, uint64_t
     return total;
 }
 
-/* Where u times the total falls in the weights' cumulative sum (s->w, their block sums s->blocks):
- * the first token whose cumulative weight exceeds it, the block found by the block sums; fallback
- * where nothing weighs. */
-static int64_t search(int64_t v, double total, double u, const Scratch *s, int64_t fallback) {
+/* Where u times the total falls in the weights' cumulative sum (their block sums s->blocks; the
+ * weights s->w where stored, else the found block's weighed again, 0 below vmin): the first token
+ * whose cumulative weight exceeds it; fallback where nothing weighs. */
+static int64_t search(const float *x, int64_t v, float t, float vmax, float vmin, double total, double u,
+                      const Scratch *s, int stored, int64_t fallback) {
     if (!(total > 0.0) || !(total < INFINITY)) return fallback;
     int64_t nb = (v + DRAW_BLOCK - 1) / DRAW_BLOCK, b = 0;
     double goal = u * total, before = 0.0;
     for (; b < nb - 1 && before + s->blocks[b] <= goal; b++) before += s->blocks[b];
     int64_t lo = b * DRAW_BLOCK, hi = lo + DRAW_BLOCK < v ? lo + DRAW_BLOCK : v, last = -1;
+    float block[DRAW_BLOCK];
+    const float *w = stored ? s->w + lo : block;
+    if (!stored) block_weights(x, lo, hi, t, vmax, vmin, block);
     for (int64_t i = lo; i < hi; i++) {
-        if (!(s->w[i] > 0.0f)) continue;
-        before += s->w[i];
+        if (!(w[i - lo] > 0.0f)) continue;
+        before += w[i - lo];
         last = i;
         if (before > goal) return i;
     }
@@ -377,12 +392,13 @@ static int64_t draw_row(const float *x, int64_t v, float t, int64_t k, float p, 
     float m = row_max(x, v, &first);
     float vmax = m / t;
     if (!(vmax > -INFINITY && vmax < INFINITY)) return first; /* +inf, or every token banned */
-    int top_p = p < 1.0f;
-    double total = weights(x, v, t, vmax, s, top_p);
-    uint64_t least = top_p ? top_p_rank(x, v, (double)p * total, s) : 0; /* the worst kept rank (0: all) */
     float vmin = mp > 0.0f ? vmax + logf(mp) : -INFINITY;
-    if (least || mp > 0.0f) total = keep_only(x, v, t, vmin, least, s);
-    return search(v, total, u, s, first);
+    if (!(p < 1.0f)) /* one pass weighs the row, min-p applied; the search weighs its block again */
+        return search(x, v, t, vmax, vmin, weights(x, v, t, vmax, vmin, s, 0), u, s, 0, first);
+    /* top-p ranks by the whole row's mass, min-p apart: the weights kept, then masked by both */
+    double total = weights(x, v, t, vmax, -INFINITY, s, 1);
+    uint64_t least = top_p_rank(x, v, (double)p * total, s); /* the worst kept rank (0: all) */
+    return search(x, v, t, vmax, vmin, keep_only(x, v, t, vmin, least, s), u, s, 1, first);
 }
 
 void pypto_sample_free(void *scratch);
