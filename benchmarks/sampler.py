@@ -9,10 +9,13 @@ Two logit shapes: ``peaked`` (normal with standard deviation 4: top-p keeps a fe
 trained model) and ``flat`` (standard normal: top-p keeps most of the vocabulary, which the torch
 ops draw after a sort of the whole row).
 
-Engine (``--model``): an in-process engine (the kernel and the torch ops swapped on its runner between
-rounds, alternated) generating ``--engine-prompts`` prompts of 32..256 random tokens x
-``--max-tokens`` with each workload: output tokens a second, and a lone request's time per token
-(``--c1-tokens``).
+Engine (``--model``): an in-process engine generating ``--engine-prompts`` prompts of 32..256 random
+tokens x ``--max-tokens`` with each workload (output tokens a second), and a lone request's time per
+token (``--c1-tokens``), two ways alternated by round on its runner: the sampler's torch ops with a
+sampled request's forwards one by one (as before the native draw), and the executor's native draw
+with a lone sampled request's forwards as the native loop (``Executor.sampled_steps``). Run it with
+the environment a spawned worker gets (``GLIBC_TUNABLES`` and ``THP_MEM_ALLOC_ENABLE``, see
+``worker_heap_reuse`` and ``worker_huge_pages``) to time what a server's worker runs.
 
 Usage: python benchmarks/sampler.py [--rows 64 1] [--steps 5] [--model models/qwen3-small --rounds 3]
 """
@@ -96,9 +99,9 @@ def engine_table(args: argparse.Namespace) -> None:
 
     llm = LLM(model=args.model, worker_mode="inproc", enable_prefix_caching=False, log_level="warning")
     runner = llm.engine.worker._runner
-    kernel = runner.draw
-    if kernel is None:
-        raise SystemExit("this executor hands the runner no draw kernel")
+    kernel, loops = runner.draw, runner._sampled_loops
+    if kernel is None or not loops:
+        raise SystemExit("this executor hands the runner no draw kernel or no sampled loop")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 150_000) for _ in range(rng.randrange(32, 257))] for _ in range(args.engine_prompts)]
     lone = [[rng.randrange(100, 150_000) for _ in range(128)] for _ in range(3)]
@@ -113,7 +116,7 @@ def engine_table(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for name in names:
             for way in ("torch ops", "native draw") if r % 2 == 0 else ("native draw", "torch ops"):
-                runner.draw = kernel if way == "native draw" else None
+                runner.draw, runner._sampled_loops = (kernel, True) if way == "native draw" else (None, False)
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params(WORKLOADS[name], args.max_tokens), use_tqdm=False)
                 done = sum(len(o.outputs[0].token_ids) for o in outs)
