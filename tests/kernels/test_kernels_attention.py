@@ -539,6 +539,9 @@ def test_cpu_caches_come_zeroed_with_their_pages_committed(dtype: torch.dtype) -
     # 64 MiB in every dtype: above glibc's largest mmap threshold (32 MiB), so these are fresh pages,
     # as an untouched tensor of that size shows.
     blocks = 64 * 2**20 // (16 * 8 * 128 * torch.empty((), dtype=dtype).element_size())
+    # The heap's free chunks give their pages back first: a 64 MiB chunk freed earlier in this process
+    # (the whole suite's) can serve the tensor with its old pages still resident.
+    ctypes.CDLL(None).malloc_trim(0)
     untouched = torch.empty((blocks, 16, 8, 128), dtype=dtype)
     assert _resident_fraction(untouched) < 0.5
     cache = empty_paged_cache((blocks, 16, 8, 128), dtype=dtype, device="cpu")

@@ -184,6 +184,14 @@ def _tokenize(served: Served, messages: list[Any], **body: Any) -> dict[str, Any
     return dict(r.json())
 
 
+def _detokenize(served: Served, tokens: list[int]) -> str:
+    import httpx
+
+    r = httpx.post(f"{served.url}/detokenize", json={"tokens": tokens}, timeout=30)
+    assert r.status_code == 200, r.text
+    return str(r.json()["prompt"])
+
+
 def _count(served: Served, text: str) -> int:
     import httpx
 
@@ -230,10 +238,13 @@ def _round_trip(served: Served, tool_choice: Any, allowed: set[str], stream: boo
     # The template rendered the call and its result: the prompt grew by at least their tokens, and the
     # same chat through /tokenize (rendered as a chat request renders it) holds both where they belong.
     assert answered.prompt_tokens >= asked.prompt_tokens + _count(served, RESULT) + _count(served, call["arguments"])
-    rendered = _tokenize(served, history, return_token_strs=True)
+    rendered = _tokenize(served, history)
     assert rendered["count"] == answered.prompt_tokens
-    text = "".join(rendered["token_strs"])
-    block = '<tool_call>\n{"name": ' + json.dumps(call["name"]) + ', "arguments": ' + json.dumps(arguments) + "}\n"
+    # The ids decoded together: a character the sampled arguments hold over several byte-level tokens
+    # has no string of its own per token. The template writes JSON as it is, non-ASCII unescaped.
+    text = _detokenize(served, rendered["tokens"])
+    dumped = json.dumps(arguments, ensure_ascii=False)
+    block = '<tool_call>\n{"name": ' + json.dumps(call["name"]) + ', "arguments": ' + dumped + "}\n"
     assert text.endswith(
         "<|im_start|>assistant\n" + block + "</tool_call><|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n" + RESULT + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
