@@ -89,6 +89,7 @@ __all__ = [
     "rms_norm",
     "sample_rows",
     "sample_rows_takes",
+    "sample_uniforms",
     "silu_mul",
     "silu_takes",
     "unpack_panels",
@@ -634,6 +635,17 @@ def sample_rows(
         if lib.pypto_sample_rows(x.data_ptr(), stride, at, count, vocab, *ptrs, tokens.data_ptr(), threads):
             raise MemoryError("sample_rows: no thread's scratch could be allocated")
     return tokens
+
+
+def sample_uniforms(seeds: list[int], indices: list[int]) -> torch.Tensor:
+    """``pypto_serving.sampler.uniforms`` of each (seed, output index) pair, from the C function the
+    native loop draws with (``csrc/sample.c``: splitmix64, bit for bit the sampler's): float64 ``[S]``."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available (see the log)")
+    return torch.tensor(
+        [lib.pypto_sample_uniform(s, i) for s, i in zip(seeds, indices, strict=True)], dtype=torch.float64
+    )
 
 
 class SampleDraw:

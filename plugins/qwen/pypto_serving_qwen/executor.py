@@ -529,19 +529,21 @@ class QwenExecutor(Executor):
     def sampled_steps(
         self, batch: BatchInput, steps: int, stop_ids: list[frozenset[int]], draws: list[LoopDraw | None]
     ) -> list[list[int]] | None:
-        """A lone sampled request's forwards as the native loop (:meth:`QwenForCausalLM.greedy_steps`
-        with its draw), where :meth:`greedy_steps` would run one and :meth:`draw_kernel` draws on the
-        CPU (the loop draws as it does); None otherwise."""
-        if len(draws) != 1 or draws[0] is None or self.draws is None or self.model is None or not self.kv_caches:
+        """:meth:`greedy_steps`' loops with the sampled requests' tokens drawn from each forward's stored
+        logits in C (:meth:`QwenForCausalLM.greedy_steps` with their draws), where :meth:`draw_kernel`
+        draws on the CPU (the loop draws as it does); None otherwise."""
+        if self.draws is None or self.model is None or not self.kv_caches:
             return None
         if self.graphs is not None or (batch.loras is not None and any(batch.loras)):
             return None
-        d = draws[0]
-        run = K.SampledRun(d.temperature, d.top_k, d.top_p, d.min_p, d.seed, d.first_index)
+        runs = [
+            None if d is None else K.SampledRun(d.temperature, d.top_k, d.top_p, d.min_p, d.seed, d.first_index)
+            for d in draws
+        ]
         with torch.inference_mode():
             return self.model.greedy_steps(
                 batch.input_ids, batch.positions, batch.block_tables[KV_GROUP], self.kv_caches, steps, stop_ids,
-                batch.interrupt, run,
+                batch.interrupt, runs,
             )  # fmt: skip
 
     def shutdown(self) -> None:

@@ -793,12 +793,12 @@ class QwenForCausalLM(nn.Module):
         steps: int,
         stop_ids: list[frozenset[int]],
         interrupt: StepInterrupt | None = None,
-        draw: K.SampledRun | None = None,
+        draws: list[K.SampledRun | None] | None = None,
     ) -> list[list[int]] | None:
         """Up to ``steps`` decode forwards of ``R`` requests back to back, each row's next input its
-        greedy token (:meth:`pypto_serving.Executor.greedy_steps`), or a lone request's token drawn by
-        ``draw`` from its stored logits (:meth:`pypto_serving.Executor.sampled_steps`; several requests
-        with a draw are declined): each forward is what :meth:`forward`
+        greedy token (:meth:`pypto_serving.Executor.greedy_steps`), or the token ``draws[r]`` draws
+        from the row's stored logits (:meth:`pypto_serving.Executor.sampled_steps`, the C draw with
+        the sampler's uniform): each forward is what :meth:`forward`
         runs for that step (the native decoder's layers, the final norm, the output projection taking
         each row's maximum as it goes, no logits stored), so its tokens are the forward's bit for bit,
         without the engine's work per forward (on the CPU at one request a third of a small model's
@@ -814,18 +814,18 @@ class QwenForCausalLM(nn.Module):
         native = self._native_decoder(kv_caches) if self.native_decoder_enabled else None
         if native is None or not self.takes_maxima(rows) or input_ids.device.type != "cpu":
             return None
+        draws = draws if draws is not None and any(d is not None for d in draws) else None
         tail = self._greedy_tail(rows, int(positions.max()) + steps) if rows else None
         if tail is not None:  # one request whose output projection is a panels copy: a native loop
             word, seen = (None, 0) if interrupt is None else (interrupt.word, interrupt.seen)
+            draw = None if draws is None else draws[0]
             run = native.greedy_run(
                 tail, int(input_ids[0]), int(positions[0]), block_tables[0], steps, stop_ids[0], word, seen, draw
             )
             self.greedy_loop_steps += len(run)
             self.sampled_loop_steps += len(run) if draw is not None else 0
             return [[t] for t in run]
-        if draw is not None:
-            return None
-        return self._greedy_rows(input_ids, positions, block_tables, kv_caches, steps, stop_ids, interrupt)
+        return self._greedy_rows(input_ids, positions, block_tables, kv_caches, steps, stop_ids, interrupt, draws)
 
     def _greedy_rows(
         self,
@@ -836,14 +836,18 @@ class QwenForCausalLM(nn.Module):
         steps: int,
         stop_ids: list[frozenset[int]],
         interrupt: StepInterrupt | None,
+        draws: list[K.SampledRun | None] | None = None,
     ) -> list[list[int]]:
         """:meth:`greedy_steps` of several rows: :meth:`forward` itself for each forward, its one-token
-        step's tensors made here (the slots from the block tables, as the runner's batch gives them)."""
+        step's tensors made here (the slots from the block tables, as the runner's batch gives them);
+        where some row draws, the logits are stored and its token drawn from them
+        (:func:`pypto_kernels.native.sample_rows`, the uniform of its seed and output index)."""
         rows, tables = input_ids.shape[0], block_tables.to(torch.int64).contiguous()
         table, block_size, each = tables.numpy(), kv_caches[0][0].shape[1], np.arange(rows)
         pos, tokens, every = positions.numpy().astype(np.int64), input_ids, torch.arange(rows)
+        drawing = _RowDraws(draws, self.cfg.vocab_size) if draws is not None else None
         forwards: list[list[int]] = []
-        for _ in range(steps):
+        for n in range(steps):
             ends = pos + 1
             meta = AttentionMetadata(
                 slot_mapping=torch.from_numpy(table[each, pos // block_size] * block_size + pos % block_size),
@@ -852,12 +856,14 @@ class QwenForCausalLM(nn.Module):
                 seq_lens_host=ends.tolist(),
             )  # fmt: skip
             maxima = torch.empty(rows), torch.empty(rows, dtype=torch.long)
-            self.forward(tokens, torch.from_numpy(pos), meta, kv_caches, every, maxima, store_logits=False)
+            store = drawing is not None
+            logits = self.forward(tokens, torch.from_numpy(pos), meta, kv_caches, every, maxima, store_logits=store)
             if not all(peak < math.inf for peak in maxima[0].tolist()):
                 break  # NaN or infinite logits: the runner computes this forward again and fails the request
-            tokens, pos = maxima[1], ends
+            tokens, pos = maxima[1] if drawing is None else drawing.tokens(logits, maxima[1], n), ends
             forwards.append(tokens.tolist())
             self.greedy_loop_steps += 1
+            self.sampled_loop_steps += drawing is not None
             if any(t in stop for t, stop in zip(forwards[-1], stop_ids, strict=True)):
                 break
             if interrupt is not None and interrupt.is_set():
@@ -1074,3 +1080,24 @@ class QwenForCausalLM(nn.Module):
         self.lm_head_t.data = dense.t()
         self.embed = self.lm_head_t.t()  # the old view would keep the old storage alive
         return dense
+
+
+class _RowDraws:
+    """The sampled rows of :meth:`QwenForCausalLM._greedy_rows`: their draws as the C draw takes them."""
+
+    def __init__(self, draws: list[K.SampledRun | None], vocab: int) -> None:
+        self.rows = [r for r, d in enumerate(draws) if d is not None]
+        picked = [d for d in draws if d is not None]
+        self.picked = torch.tensor(self.rows, dtype=torch.int64)
+        self.temperature = torch.tensor([d.temperature for d in picked], dtype=torch.float32)
+        self.top_k = torch.tensor([d.top_k if 0 < d.top_k < vocab else 0 for d in picked], dtype=torch.int64)
+        self.top_p = torch.tensor([d.top_p for d in picked], dtype=torch.float32)
+        self.min_p = torch.tensor([d.min_p for d in picked], dtype=torch.float32)
+        self.seeds = [d.seed for d in picked]
+        self.first = [d.first_index for d in picked]
+
+    def tokens(self, logits: torch.Tensor, argmax: torch.Tensor, forward: int) -> torch.Tensor:
+        """Forward ``forward``'s tokens: the greedy rows' argmax, the sampled rows' draws."""
+        u = K.native.sample_uniforms(self.seeds, [i + forward for i in self.first])
+        drawn = K.native.sample_rows(logits, self.picked, self.temperature, self.top_k, self.top_p, self.min_p, u)
+        return argmax.index_copy(0, self.picked, drawn)

@@ -290,7 +290,8 @@ def test_a_lone_sampled_request_runs_its_forwards_as_the_native_loop_with_the_sa
     """A request alone on the CPU with a temperature, top-k, top-p or min-p (and nothing else read of
     its logits) runs each command's forwards as the native loop drawing its tokens
     (``Executor.sampled_steps``), and they are the tokens of its forwards one by one through the
-    sampler; a stop token drawn inside the loop ends it there; a request with penalties declines."""
+    sampler; several requests' loops (greedy and sampled rows together) too; a stop token drawn inside
+    the loop ends it there; a request with penalties declines."""
     path = qwen_checkpoints("qwen3_tied")
     llm = make_llm(path, executor_options={"cpu_linear": "panels"})
     prompts = _prompts(320, [6, 13, 9], seed=29)
@@ -310,7 +311,15 @@ def test_a_lone_sampled_request_runs_its_forwards_as_the_native_loop_with_the_sa
     before = model.sampled_loop_steps
     assert [list(run(i).token_ids) for i in range(len(prompts))] == looped
     assert model.sampled_loop_steps == before
+    # Several requests at once (their forwards a command as one loop through the model's forward,
+    # greedy and sampled rows together): the tokens of their forwards one by one.
+    batch = [*params, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)]
+    prompts_all = [*prompts, prompts[0]]
+    one_by_one = [list(o.outputs[0].token_ids) for o in llm.generate(prompts_all, batch, use_tqdm=False)]
     runner._sampled_loops = True
+    before = model.sampled_loop_steps
+    together = [list(o.outputs[0].token_ids) for o in llm.generate(prompts_all, batch, use_tqdm=False)]
+    assert together == one_by_one and model.sampled_loop_steps > before
     stop = looped[0][9]
     out = run(0, SamplingParams(temperature=1.1, seed=60, top_p=0.9, max_tokens=MAX_TOKENS, stop_token_ids=[stop]))
     assert (out.token_ids, out.finish_reason) == (looped[0][: looped[0].index(stop) + 1], "stop")
