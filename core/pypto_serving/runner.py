@@ -1017,10 +1017,8 @@ def _loop_draw(st: WorkerRequest) -> LoopDraw | bool | None:
     unbanned = not sp.bad_words_token_ids and st.num_outputs >= sp.min_tokens and st.grammar_error is None
     if not (plain and unbanned and sp.temperature > 0.0):
         return False
-    return LoopDraw(
-        temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=st.seed,
-        first_index=st.num_outputs,
-    )  # fmt: skip
+    knobs = {name: getattr(sp, name) for name in _DRAFT_KNOBS}
+    return LoopDraw(**knobs, seed=st.seed, first_index=st.num_outputs)
 
 
 def _commit_greedy(st: WorkerRequest, token: int, result: StepResult) -> None:
