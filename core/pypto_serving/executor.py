@@ -13,6 +13,8 @@ import ctypes
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .request import LoopDraw
+
 if TYPE_CHECKING:
     # Annotations only: the engine side (the KV-cache planner, the scheduler) reads CacheGroupSpec and
     # ExecutorInfo without loading torch.
@@ -115,20 +117,6 @@ class ExecutorInfo:
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     supports_lora: bool = False
     thread_count_invariant: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class LoopDraw:
-    """How a sampled request of :meth:`Executor.sampled_steps` draws each forward's token: the
-    sampler's draw (``pypto_serving.sampler``: temperature > 0, ``top_k`` 0 for none, ``top_p`` 1 for
-    none, ``min_p`` 0 for none) with the uniform of ``(seed, first_index + the forward's number)``."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    first_index: int  # the output index the run's first forward samples
 
 
 class StepInterrupt:

@@ -14,6 +14,7 @@ __all__ = [
     "CompletionOutput",
     "FinishReason",
     "KVState",
+    "LoopDraw",
     "OutputState",
     "Request",
     "RequestMetrics",
@@ -410,3 +411,19 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # On a prefill engine (kv_role "prefill"), once finished: what a decode engine's request carries.
     kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoopDraw:
+    """How a request's tokens are drawn one output after another: the sampler's draw
+    (``pypto_serving.sampler``: temperature > 0, ``top_k`` 0 for none, ``top_p`` 1 for none, ``min_p``
+    0 for none) with the uniform of ``(seed, first_index + the output's place after the first)``: a
+    sampled request of a loop of forwards (:meth:`pypto_serving.Executor.sampled_steps`) and an
+    executor's sampled drafts (``spec_decode.DraftRow``) alike."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    first_index: int  # the output index the run's first forward samples

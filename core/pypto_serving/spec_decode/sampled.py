@@ -22,11 +22,11 @@ value is a pure function of the request's seed, the output indices and the commi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from ..request import LoopDraw
 from ..sampler import RowParams, argmax_rows, sample_on_device
 from .rejection import SpecRow, _inverse_cdf, draft_uniforms, rejection_sample
 
@@ -46,16 +46,8 @@ class Filters(Protocol):
     def min_p(self) -> float: ...
 
 
-@dataclass(slots=True, kw_only=True)
-class DraftRow:
-    """How to draw one request's drafts: its filters, seed and the output index of its first draft."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    first_index: int
+#: How to draw one request's drafts: its filters, seed and the output index of its first draft.
+DraftRow = LoopDraw
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
