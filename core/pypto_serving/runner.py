@@ -443,7 +443,7 @@ class ModelRunner:
     def _greedy_run(self, going: dict[str, ScheduledEntry], done: int, result: StepResult) -> int | None:
         """Forwards ``done + 1`` on of the multi-step decodes in ``going`` as one executor loop
         (:meth:`Executor.greedy_steps`), up to the fewest forwards any of them has left, where every
-        request takes the argmax of its logits as they come (:func:`_greedy_throughout`), or through
+        request takes the argmax of its logits as they come (:func:`_loop_draw` None), or through
         :meth:`Executor.sampled_steps` where some request samples them and reads nothing else
         (:func:`_loop_draw`): the tokens are those of the forwards one by one, committed here forward
         by forward. Returns the forwards run (0 where the loop stopped before its first: that forward
@@ -996,28 +996,25 @@ def _one_input(e: ScheduledEntry) -> bool:
     return e.use_last_sampled or len(e.token_ids) == 1
 
 
-def _greedy_throughout(st: WorkerRequest) -> bool:
-    """Whether every further forward of ``st`` takes the argmax of its logits as they come and reads
-    nothing else of them: greedy, no logprobs, nothing that edits its logits (penalties, logit bias,
-    allowed tokens, bad words, the ``min_tokens`` bans while they last) and no grammar."""
+def _reads_only_its_draw(st: WorkerRequest) -> bool:
+    """Whether every further forward of ``st`` reads nothing of its logits but its token's draw: no
+    logprobs, nothing that edits its logits (penalties, logit bias, allowed tokens, bad words, the
+    ``min_tokens`` bans while they last) and no grammar."""
     sp = st.sampling
-    plain = sp.temperature == 0.0 and sp.logprobs is None and st.counts is None and st.edits is None
+    plain = sp.logprobs is None and st.counts is None and st.edits is None
     unbanned = not sp.bad_words_token_ids and st.num_outputs >= sp.min_tokens
     return plain and unbanned and st.grammar is None and st.grammar_error is None
 
 
 def _loop_draw(st: WorkerRequest) -> LoopDraw | bool | None:
     """How a loop of forwards (:meth:`ModelRunner._greedy_run`) draws ``st``'s tokens: None where it
-    takes their argmax (:func:`_greedy_throughout`), its :class:`LoopDraw` where it samples them and
-    reads nothing else of its logits (as a greedy one, but for the temperature), False where neither."""
-    if _greedy_throughout(st):
-        return None
-    sp = st.sampling
-    plain = sp.logprobs is None and st.counts is None and st.edits is None and st.grammar is None
-    unbanned = not sp.bad_words_token_ids and st.num_outputs >= sp.min_tokens and st.grammar_error is None
-    if not (plain and unbanned and sp.temperature > 0.0):
+    takes their argmax (greedy) and reads nothing else of its logits (:func:`_reads_only_its_draw`),
+    its :class:`LoopDraw` where it samples them and reads nothing else, False where neither."""
+    if not _reads_only_its_draw(st):
         return False
-    knobs = {name: getattr(sp, name) for name in _DRAFT_KNOBS}
+    if st.sampling.temperature == 0.0:
+        return None
+    knobs = {name: getattr(st.sampling, name) for name in _DRAFT_KNOBS}
     return LoopDraw(**knobs, seed=st.seed, first_index=st.num_outputs)
 
 

@@ -21,8 +21,9 @@ batch, after preemption, and under sync and async scheduling alike.
 
 An executor may draw the sampled rows of logits in host memory with a kernel of its own
 (:data:`DrawKernel`, from :meth:`pypto_serving.Executor.draw_kernel`): the same rule in a few passes a
-row, with no sort of the vocabulary and no bounded candidates (the torch ops above took 3 ms for a
-151,936-word row with a temperature alone and 11-18 ms with top-p on the CPU of docs/benchmarks.md).
+row, with no sort of the vocabulary and no bounded candidates (the torch ops above took about 1 ms
+for a 151,936-word row with a temperature alone and 24-28 ms with top-p alone on the CPU of
+docs/benchmarks.md).
 Its tokens are the torch draw's but where a rounding moves the uniform across a boundary between
 two tokens' cumulative weights.
 

@@ -1,9 +1,9 @@
 /* Sampled rows' tokens from float32 logits in host memory (pypto_kernels.native.sample_rows): the
  * sampler's draw (pypto_serving.sampler) in a few passes over each row, with no sort of the
  * vocabulary and no temporaries of its size beyond one thread's weights. Through torch's ops a
- * 151,936-word row took 2.6-3 ms with a temperature alone and 11-18 ms with top-p (a sort of the
- * whole row where the 256 best tokens hold less than top-p of the mass), 64 such rows 140-670 ms,
- * most of it passes over fresh [rows, vocabulary] tensors (docs/benchmarks.md).
+ * 151,936-word row took 0.8-1.1 ms with a temperature alone and 24-28 ms with top-p alone (a sort of
+ * the whole row where the 256 best tokens hold less than top-p of the mass), 64 such rows 40-900 ms,
+ * passes over fresh [rows, vocabulary] tensors and the sort (docs/benchmarks.md).
  *
  * Each row r (the rule the torch draw follows, so both give the same token but where a rounding
  * moves the uniform across a boundary):
